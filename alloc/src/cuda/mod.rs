@@ -1,0 +1,5 @@
+//! CUDA memory through cudarc's driver API, loaded at run time.
+
+mod probe;
+
+pub use probe::{CudaDeviceInfo, probe};

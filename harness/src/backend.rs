@@ -1,0 +1,65 @@
+//! Choosing the backend experiments run on.
+
+use crate::HarnessError;
+
+/// The backend asked for on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum BackendChoice {
+    /// CUDA when a usable GPU is present, else the host.
+    #[default]
+    Auto,
+    /// The host backend, with a simulated device capacity.
+    Cpu,
+    /// A CUDA device; an error when none is usable.
+    Cuda,
+}
+
+/// The backend experiments actually run on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// Host memory and CPU compute.
+    Cpu,
+    /// CUDA device 0.
+    Cuda {
+        /// The device's name.
+        name: String,
+        /// Its total memory in bytes.
+        total_bytes: u64,
+    },
+}
+
+impl Backend {
+    /// `"cpu"` or `"cuda"`, as written in results files.
+    pub fn tag(&self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+            Backend::Cuda { .. } => "cuda",
+        }
+    }
+}
+
+/// Resolves a choice to a backend. `Auto` falls back to the host and says why in `note`.
+pub fn resolve(choice: BackendChoice, note: &mut dyn FnMut(&str)) -> Result<Backend, HarnessError> {
+    match choice {
+        BackendChoice::Cpu => Ok(Backend::Cpu),
+        BackendChoice::Cuda => cuda().map_err(|reason| HarnessError::CudaUnavailable { reason }),
+        BackendChoice::Auto => match cuda() {
+            Ok(b) => Ok(b),
+            Err(reason) => {
+                note(&format!("no usable CUDA device ({reason}); using the host backend"));
+                Ok(Backend::Cpu)
+            }
+        },
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda() -> Result<Backend, String> {
+    let info = vram_alloc::cuda::probe(0)?;
+    Ok(Backend::Cuda { name: info.name, total_bytes: info.total_bytes as u64 })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda() -> Result<Backend, String> {
+    Err("this build has no CUDA support (built without the `cuda` feature)".into())
+}

@@ -1,0 +1,23 @@
+//! vram-harness: reference models, experiments and the report behind `cargo xtask bench`.
+//!
+//! Each technique of the project's catalogue ([`TECHNIQUES`]) gets an experiment that
+//! measures what it does to peak memory and speed; [`run`] runs a selection, writes
+//! `<out>/<id>.json` per experiment and `<out>/REPORT.md`.
+
+mod backend;
+mod bench;
+mod error;
+mod experiments;
+mod report;
+mod results;
+mod techniques;
+
+pub use backend::{Backend, BackendChoice};
+pub use bench::{
+    BenchOptions, BenchSummary, Context, DEFAULT_HOST_DEVICE_MEMORY, Outcome, Progress, list,
+    parse_size, run,
+};
+pub use error::HarnessError;
+pub use report::human_bytes;
+pub use results::{Claim, ExperimentResult, Variant, Verdict};
+pub use techniques::{TECHNIQUES, Technique, technique};

@@ -1,0 +1,102 @@
+//! `REPORT.md`: claims against measurements.
+
+use crate::bench::{BenchOptions, Context, Outcome};
+use crate::techniques::Technique;
+use std::fmt::Write;
+use std::time::Duration;
+
+/// Renders the report for a bench run.
+pub fn render(
+    ctx: &Context,
+    opts: &BenchOptions,
+    outcomes: &[(&'static Technique, Outcome, Duration)],
+) -> String {
+    let mut s = String::new();
+    let device = match &ctx.backend {
+        crate::Backend::Cpu => format!(
+            "host backend, simulated device capacity {} (memory figures are exact; speed figures are host figures)",
+            human_bytes(ctx.device_memory)
+        ),
+        crate::Backend::Cuda { name, total_bytes } => {
+            format!("CUDA: {name}, {}", human_bytes(*total_bytes))
+        }
+    };
+    let _ = writeln!(s, "# vram: claims against measurements\n");
+    let _ = writeln!(s, "- device: {device}");
+    let _ = writeln!(s, "- mode: {}", if opts.quick { "quick (reduced sizes)" } else { "full" });
+    let _ = writeln!(s, "- seed: {}\n", opts.seed);
+
+    let _ = writeln!(s, "## Claims\n");
+    let _ = writeln!(s, "| technique | claim | measured | verdict |");
+    let _ = writeln!(s, "|---|---|---|---|");
+    for (t, outcome, _) in outcomes {
+        match outcome {
+            Outcome::Done(r) => {
+                for c in &r.claims {
+                    let _ = writeln!(
+                        s,
+                        "| `{}` | {} | {} | **{}** |",
+                        t.id,
+                        cell(&c.claim),
+                        cell(&c.measured),
+                        c.verdict.as_str()
+                    );
+                }
+            }
+            Outcome::Failed(m) => {
+                let _ = writeln!(
+                    s,
+                    "| `{}` | {} | experiment failed: {} | **failed** |",
+                    t.id,
+                    cell(t.claim),
+                    cell(m)
+                );
+            }
+            Outcome::NotImplemented => {
+                let _ =
+                    writeln!(s, "| `{}` | {} | no experiment yet | not run |", t.id, cell(t.claim));
+            }
+        }
+    }
+    let _ = writeln!(
+        s,
+        "\nOut of scope (host-level, not GPU memory): dropping the OS page cache, adding swap.\n"
+    );
+
+    for (t, outcome, elapsed) in outcomes {
+        let Outcome::Done(r) = outcome else { continue };
+        let _ = writeln!(s, "## `{}`: {}\n", t.id, t.name);
+        let _ = writeln!(s, "Ran in {:.1} s. Results: `{}.json`.\n", elapsed.as_secs_f64(), t.id);
+        let _ = writeln!(s, "| variant | peak allocated | peak reserved | step (ms) |");
+        let _ = writeln!(s, "|---|---:|---:|---:|");
+        for v in &r.variants {
+            let step = v.step_ms.map_or("-".to_string(), |ms| format!("{ms:.3}"));
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} |",
+                cell(&v.name),
+                human_bytes(v.peak_allocated_bytes),
+                human_bytes(v.peak_reserved_bytes),
+                step
+            );
+        }
+        let _ = writeln!(s);
+    }
+    s
+}
+
+fn cell(text: &str) -> String {
+    text.replace('|', "\\|").replace('\n', " ")
+}
+
+/// Formats bytes with a binary unit, e.g. `20.00 MiB`.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 { format!("{bytes} B") } else { format!("{v:.2} {}", UNITS[u]) }
+}

@@ -1,0 +1,119 @@
+//! `cargo xtask`: the project's tasks. `cargo xtask bench` runs every experiment and writes
+//! the report of claims against measurements.
+
+use clap::{Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+use vram_harness::{BackendChoice, BenchOptions, Outcome, Progress};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "vram project tasks", bin_name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the experiments (one per technique) and write <out>/REPORT.md.
+    Bench(BenchArgs),
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Reduced sizes: the whole run takes a few minutes on a 2-core machine.
+    #[arg(long)]
+    quick: bool,
+    /// Run only these experiment ids (comma-separated).
+    #[arg(long, value_delimiter = ',', value_name = "ID,...")]
+    only: Option<Vec<String>>,
+    /// List the experiment ids and exit.
+    #[arg(long)]
+    list: bool,
+    /// Output folder for <id>.json files and REPORT.md.
+    #[arg(long, default_value = "results", value_name = "DIR")]
+    out: PathBuf,
+    /// Where to run: CUDA if usable (auto), the host (cpu), or CUDA or fail (cuda).
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    backend: BackendArg,
+    /// Seed for synthetic data and initialisation.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Simulated device capacity on the host backend, e.g. 4GiB.
+    #[arg(long, value_name = "SIZE")]
+    device_memory: Option<String>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum BackendArg {
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+struct Lines;
+
+impl Progress for Lines {
+    fn note(&mut self, message: &str) {
+        eprintln!("note: {message}");
+    }
+    fn start(&mut self, id: &str, index: usize, total: usize) {
+        eprintln!("[{}/{}] {id} ...", index + 1, total);
+    }
+    fn finish(&mut self, id: &str, outcome: &Outcome, elapsed: Duration) {
+        let secs = elapsed.as_secs_f64();
+        match outcome {
+            Outcome::Done(r) => eprintln!("[done] {id}: {} claims in {secs:.1} s", r.claims.len()),
+            Outcome::Failed(m) => eprintln!("[FAILED] {id}: {m}"),
+            Outcome::NotImplemented => eprintln!("[skip] {id}: no experiment yet"),
+        }
+    }
+}
+
+fn bench(args: BenchArgs) -> Result<ExitCode, String> {
+    if args.list {
+        for (t, implemented) in vram_harness::list() {
+            let state = if implemented { "" } else { "  (no experiment yet)" };
+            println!("{:<20} {}{state}", t.id, t.name);
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let device_memory = match args.device_memory.as_deref() {
+        None => None,
+        Some(s) => Some(vram_harness::parse_size(s).map_err(|e| e.to_string())?),
+    };
+    let opts = BenchOptions {
+        quick: args.quick,
+        only: args.only,
+        out: args.out,
+        backend: match args.backend {
+            BackendArg::Auto => BackendChoice::Auto,
+            BackendArg::Cpu => BackendChoice::Cpu,
+            BackendArg::Cuda => BackendChoice::Cuda,
+        },
+        seed: args.seed,
+        device_memory,
+    };
+    let summary = vram_harness::run(&opts, &mut Lines).map_err(|e| e.to_string())?;
+    let done = summary.outcomes.iter().filter(|(_, o, _)| matches!(o, Outcome::Done(_))).count();
+    let missing =
+        summary.outcomes.iter().filter(|(_, o, _)| matches!(o, Outcome::NotImplemented)).count();
+    println!(
+        "bench: {done} ran, {} failed, {missing} without an experiment yet; report: {}",
+        summary.failed(),
+        summary.report.display()
+    );
+    Ok(if summary.failed() > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Bench(args) => bench(args),
+    };
+    result.unwrap_or_else(|message| {
+        eprintln!("error: {message}");
+        ExitCode::from(2)
+    })
+}

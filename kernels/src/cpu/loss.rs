@@ -1,1 +1,231 @@
-//! Being written.
+//! Fused softmax + cross-entropy over rows (PyTorch's `cross_entropy` with mean reduction).
+//!
+//! Layout: `logits` and `dlogits` are row-major `[n, c]` with `n = targets.len()`; the saved
+//! log-sum-exp `lse` is `[n]` in f32. Rows whose target equals the ignore index contribute
+//! neither to the loss nor to the count it is averaged over, and get a zero gradient.
+
+use crate::Element;
+use crate::cpu::elementwise::PAR_THRESHOLD;
+use crate::cpu::reduce;
+use rayon::prelude::*;
+
+/// A target class index that is neither a valid class nor the ignore index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "cross-entropy target {target} at row {row} is out of range: there are {classes} classes; \
+     targets must be below {classes} or equal the ignore index"
+)]
+pub struct TargetOutOfRange {
+    /// The row (sample) holding the bad target.
+    pub row: usize,
+    /// The target value found there.
+    pub target: u32,
+    /// The number of classes `c`.
+    pub classes: usize,
+}
+
+/// Checks every target; returns the first bad one.
+fn validate(targets: &[u32], classes: usize, ignore: Option<u32>) -> Result<(), TargetOutOfRange> {
+    match targets.iter().enumerate().find(|&(_, &t)| Some(t) != ignore && t as usize >= classes) {
+        Some((row, &target)) => Err(TargetOutOfRange { row, target, classes }),
+        None => Ok(()),
+    }
+}
+
+/// `log(sum_j exp(row[j]))`, shifted by the row maximum so that nothing overflows.
+fn log_sum_exp<T: Element>(row: &[T]) -> f32 {
+    let max = row.iter().map(|v| v.to_f32()).fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return max;
+    }
+    let sum: f32 = row.iter().map(|v| (v.to_f32() - max).exp()).sum();
+    max + sum.ln()
+}
+
+fn classes(logits_len: usize, rows: usize) -> usize {
+    logits_len.checked_div(rows).unwrap_or(0)
+}
+
+/// Mean softmax cross-entropy of `logits` (`[n, c]`) against class indices `targets` (`[n]`).
+///
+/// Writes the per-row log-sum-exp into `lse` (`[n]`) for [`cross_entropy_backward`]. Returns
+/// the loss averaged over the rows not ignored; NaN when every row is ignored (as in PyTorch).
+pub fn cross_entropy<T: Element>(
+    logits: &[T],
+    targets: &[u32],
+    ignore_index: Option<u32>,
+    lse: &mut [f32],
+) -> Result<f32, TargetOutOfRange> {
+    let n = targets.len();
+    let c = classes(logits.len(), n);
+    debug_assert_eq!(logits.len(), n * c);
+    debug_assert_eq!(lse.len(), n);
+    validate(targets, c, ignore_index)?;
+    if c == 0 {
+        // validate() guarantees every row is ignored here.
+        return Ok(f32::NAN);
+    }
+    let row_loss = |(row, (&t, l)): (&[T], (&u32, &mut f32))| {
+        *l = log_sum_exp(row);
+        if Some(t) == ignore_index { 0.0 } else { *l - row[t as usize].to_f32() }
+    };
+    let losses: Vec<f32> = if logits.len() >= PAR_THRESHOLD {
+        logits.par_chunks(c).zip(targets.par_iter().zip(lse.par_iter_mut())).map(row_loss).collect()
+    } else {
+        logits.chunks(c).zip(targets.iter().zip(lse.iter_mut())).map(row_loss).collect()
+    };
+    let count = targets.iter().filter(|&&t| Some(t) != ignore_index).count();
+    Ok(reduce::sum(&losses) / count as f32)
+}
+
+/// Backward of [`cross_entropy`]: `dlogits[i, j] = dloss / count * (softmax(x_i)[j] - [j ==
+/// t_i])` for rows not ignored, 0 for ignored rows, where `count` is the number of rows not
+/// ignored and `dloss` the upstream gradient of the (scalar) loss. Overwrites `dlogits`.
+pub fn cross_entropy_backward<T: Element>(
+    logits: &[T],
+    targets: &[u32],
+    ignore_index: Option<u32>,
+    lse: &[f32],
+    dloss: f32,
+    dlogits: &mut [T],
+) -> Result<(), TargetOutOfRange> {
+    let n = targets.len();
+    let c = classes(logits.len(), n);
+    debug_assert_eq!(logits.len(), n * c);
+    debug_assert_eq!(dlogits.len(), n * c);
+    debug_assert_eq!(lse.len(), n);
+    validate(targets, c, ignore_index)?;
+    if c == 0 {
+        return Ok(());
+    }
+    let count = targets.iter().filter(|&&t| Some(t) != ignore_index).count();
+    let g = dloss / count as f32;
+    let row = |d: &mut [T], x: &[T], t: u32, l: f32| {
+        if Some(t) == ignore_index {
+            d.fill(T::from_f32(0.0));
+            return;
+        }
+        for (j, (o, &v)) in d.iter_mut().zip(x).enumerate() {
+            let p = (v.to_f32() - l).exp();
+            let onehot = if j == t as usize { 1.0 } else { 0.0 };
+            *o = T::from_f32(g * (p - onehot));
+        }
+    };
+    if logits.len() >= PAR_THRESHOLD {
+        dlogits
+            .par_chunks_mut(c)
+            .zip(logits.par_chunks(c))
+            .zip(targets.par_iter().zip(lse.par_iter()))
+            .for_each(|((d, x), (&t, &l))| row(d, x, t, l));
+    } else {
+        dlogits
+            .chunks_mut(c)
+            .zip(logits.chunks(c))
+            .zip(targets.iter().zip(lse.iter()))
+            .for_each(|((d, x), (&t, &l))| row(d, x, t, l));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::elementwise::testing::*;
+    use half::{bf16, f16};
+    use proptest::prelude::*;
+    use proptest::test_runner::TestCaseError;
+
+    /// Logits, targets (some equal to `IGNORE`), for `n` rows of `c` classes.
+    fn case() -> impl Strategy<Value = (Vec<f32>, Vec<u32>, usize)> {
+        (1usize..8, 1usize..12).prop_flat_map(|(n, c)| {
+            let target = prop_oneof![4 => 0..c as u32, 1 => Just(IGNORE)];
+            (prop::collection::vec(-8.0f32..8.0, n * c), prop::collection::vec(target, n), Just(c))
+        })
+    }
+
+    const IGNORE: u32 = u32::MAX;
+
+    fn reference(x: &[f64], t: &[u32], c: usize) -> f64 {
+        let (mut total, mut count) = (0.0, 0usize);
+        for (row, &t) in x.chunks(c).zip(t) {
+            if t == IGNORE {
+                continue;
+            }
+            let lse = row.iter().map(|v| v.exp()).sum::<f64>().ln();
+            total += lse - row[t as usize];
+            count += 1;
+        }
+        total / count as f64
+    }
+
+    fn check_forward<T: Element>(x: &[f32], t: &[u32], c: usize) -> Result<(), TestCaseError> {
+        let x = round::<T>(x);
+        let mut lse = vec![0.0f32; t.len()];
+        let got = cross_entropy(&x, t, Some(IGNORE), &mut lse).unwrap();
+        let want = reference(&widen(&x), t, c);
+        if want.is_nan() {
+            prop_assert!(got.is_nan());
+            return Ok(());
+        }
+        check_close(&[f64::from(got)], &[want], tol::<f32>())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        // The loss matches an f64 reference from the same rounded logits, every type,
+        // with ignored rows left out of the mean.
+        #[test]
+        fn forward_matches_f64_reference((x, t, c) in case()) {
+            check_forward::<f32>(&x, &t, c)?;
+            check_forward::<f16>(&x, &t, c)?;
+            check_forward::<bf16>(&x, &t, c)?;
+        }
+
+        // dlogits is the gradient of L = loss * r for an upstream scalar r.
+        #[test]
+        fn backward_matches_finite_differences((x, t, _c) in case(), r in -2.0f32..2.0) {
+            prop_assume!(t.iter().any(|&t| t != IGNORE));
+            let mut lse = vec![0.0f32; t.len()];
+            let loss = |x: &[f32]| {
+                let mut lse = vec![0.0f32; t.len()];
+                f64::from(cross_entropy(x, &t, Some(IGNORE), &mut lse).unwrap()) * f64::from(r)
+            };
+            cross_entropy(&x, &t, Some(IGNORE), &mut lse).unwrap();
+            let mut dx = vec![0.0f32; x.len()];
+            cross_entropy_backward(&x, &t, Some(IGNORE), &lse, r, &mut dx).unwrap();
+            check_grad(loss, &x, &dx, 1e-2, 1e-2)?;
+        }
+
+        // Any target >= c that is not the ignore index is reported, never a panic.
+        #[test]
+        fn out_of_range_target_is_an_error((x, mut t, c) in case(), row in any::<prop::sample::Index>(), over in 0u32..5) {
+            let row = row.index(t.len());
+            t[row] = c as u32 + over;
+            let mut lse = vec![0.0f32; t.len()];
+            let err = cross_entropy(&x, &t, None, &mut lse).unwrap_err();
+            prop_assert!(err.row <= row && err.classes == c);
+            let mut dx = vec![0.0f32; x.len()];
+            prop_assert!(cross_entropy_backward(&x, &t, None, &lse, 1.0, &mut dx).is_err());
+        }
+    }
+
+    #[test]
+    fn all_rows_ignored_gives_nan_loss_and_zero_gradient() {
+        let x = [1.0f32, 2.0, 3.0, 4.0];
+        let t = [7u32, 7];
+        let mut lse = [0.0f32; 2];
+        assert!(cross_entropy(&x, &t, Some(7), &mut lse).unwrap().is_nan());
+        let mut dx = [1.0f32; 4];
+        cross_entropy_backward(&x, &t, Some(7), &lse, 1.0, &mut dx).unwrap();
+        assert_eq!(dx, [0.0; 4]);
+    }
+
+    #[test]
+    fn large_logits_do_not_overflow() {
+        let x = [1000.0f32, 0.0];
+        let mut lse = [0.0f32];
+        let loss = cross_entropy(&x, &[1], None, &mut lse).unwrap();
+        assert_eq!(loss, 1000.0);
+    }
+}

@@ -1,1 +1,215 @@
-//! Being written.
+//! Sum and mean reductions (whole tensor and over the last dimension) and their backward.
+//!
+//! Accumulation is in f32 with pairwise summation over blocks, so the rounding error grows
+//! with `log(n)` rather than `n`; results are deterministic for a given length. Last-dim
+//! reductions take `x` row-major `[n, d]` and write `out[n]`.
+
+use crate::Element;
+use crate::cpu::elementwise::{PAR_CHUNK, PAR_THRESHOLD};
+use rayon::prelude::*;
+
+/// Block length below which summation is a plain (8-lane) loop.
+const BLOCK: usize = 128;
+
+/// Pairwise sum in f32: eight interleaved accumulators within a block, halving above.
+fn pairwise<T: Element>(x: &[T]) -> f32 {
+    if x.len() <= BLOCK {
+        let mut lanes = [0.0f32; 8];
+        let chunks = x.chunks_exact(8);
+        let rest = chunks.remainder();
+        for c in chunks {
+            for (l, &v) in lanes.iter_mut().zip(c) {
+                *l += v.to_f32();
+            }
+        }
+        for (l, &v) in lanes.iter_mut().zip(rest) {
+            *l += v.to_f32();
+        }
+        ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+            + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+    } else {
+        let mid = x.len() / 2;
+        pairwise(&x[..mid]) + pairwise(&x[mid..])
+    }
+}
+
+/// Sum of all elements, accumulated in f32 (0 for an empty slice).
+pub fn sum<T: Element>(x: &[T]) -> f32 {
+    if x.len() >= PAR_THRESHOLD {
+        let partials: Vec<f32> = x.par_chunks(PAR_CHUNK).map(pairwise).collect();
+        pairwise(&partials)
+    } else {
+        pairwise(x)
+    }
+}
+
+/// Mean of all elements, in f32 (NaN for an empty slice, as in PyTorch).
+pub fn mean<T: Element>(x: &[T]) -> f32 {
+    sum(x) / x.len() as f32
+}
+
+/// Applies `f(row_sum)` to every row of `x` (`[n, d]`, `d = x.len() / out.len()`).
+fn reduce_rows<T: Element>(x: &[T], out: &mut [T], f: impl Fn(f32) -> f32 + Sync) {
+    let n = out.len();
+    if n == 0 {
+        return;
+    }
+    debug_assert!(x.len().is_multiple_of(n));
+    let d = x.len() / n;
+    if d == 0 {
+        out.fill(T::from_f32(f(0.0)));
+        return;
+    }
+    if x.len() >= PAR_THRESHOLD {
+        out.par_iter_mut()
+            .zip(x.par_chunks(d))
+            .for_each(|(o, row)| *o = T::from_f32(f(pairwise(row))));
+    } else {
+        for (o, row) in out.iter_mut().zip(x.chunks_exact(d)) {
+            *o = T::from_f32(f(pairwise(row)));
+        }
+    }
+}
+
+/// Row sums: `out[i] = sum_j x[i, j]`, `x` row-major `[n, d]`, `n = out.len()`.
+pub fn sum_last_dim<T: Element>(x: &[T], out: &mut [T]) {
+    reduce_rows(x, out, |s| s);
+}
+
+/// Row means: `out[i] = sum_j x[i, j] / d`, `x` row-major `[n, d]`, `n = out.len()`.
+pub fn mean_last_dim<T: Element>(x: &[T], out: &mut [T]) {
+    let d = if out.is_empty() { 0 } else { x.len() / out.len() };
+    let inv = 1.0 / d as f32;
+    reduce_rows(x, out, |s| s * inv);
+}
+
+/// Backward of [`sum`]: every `dx[i] = dy` (overwrites `dx`).
+pub fn sum_backward<T: Element>(dy: f32, dx: &mut [T]) {
+    dx.fill(T::from_f32(dy));
+}
+
+/// Backward of [`mean`]: every `dx[i] = dy / n` with `n = dx.len()` (overwrites `dx`).
+pub fn mean_backward<T: Element>(dy: f32, dx: &mut [T]) {
+    let n = dx.len() as f32;
+    dx.fill(T::from_f32(dy / n));
+}
+
+/// Broadcasts `dy[i] * factor` over row `i` of `dx` (`[n, d]`, `n = dy.len()`).
+fn broadcast_rows<T: Element>(dy: &[T], factor: f32, dx: &mut [T]) {
+    let n = dy.len();
+    if n == 0 {
+        return;
+    }
+    debug_assert!(dx.len().is_multiple_of(n));
+    let d = dx.len() / n;
+    if d == 0 {
+        return;
+    }
+    for (row, &g) in dx.chunks_exact_mut(d).zip(dy) {
+        row.fill(T::from_f32(g.to_f32() * factor));
+    }
+}
+
+/// Backward of [`sum_last_dim`]: `dx[i, j] = dy[i]`, `dx` row-major `[n, d]`, `n = dy.len()`.
+pub fn sum_last_dim_backward<T: Element>(dy: &[T], dx: &mut [T]) {
+    broadcast_rows(dy, 1.0, dx);
+}
+
+/// Backward of [`mean_last_dim`]: `dx[i, j] = dy[i] / d`, `dx` row-major `[n, d]`,
+/// `n = dy.len()`.
+pub fn mean_last_dim_backward<T: Element>(dy: &[T], dx: &mut [T]) {
+    if dy.is_empty() {
+        return;
+    }
+    let d = dx.len() / dy.len();
+    broadcast_rows(dy, 1.0 / d as f32, dx);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::elementwise::testing::*;
+    use half::{bf16, f16};
+    use proptest::prelude::*;
+    use proptest::test_runner::TestCaseError;
+
+    fn check_forward<T: Element>(x: &[f32], n: usize, d: usize) -> Result<(), TestCaseError> {
+        let x = round::<T>(x);
+        let wx = widen(&x);
+        let total: f64 = wx.iter().sum();
+        check_close(&[f64::from(sum(&x))], &[total], tol::<f32>())?;
+        if !x.is_empty() {
+            let m = total / x.len() as f64;
+            check_close(&[f64::from(mean(&x))], &[m], tol::<f32>())?;
+        }
+        let row_sums: Vec<f64> = (0..n).map(|i| wx[i * d..(i + 1) * d].iter().sum()).collect();
+        let mut out = vec![T::default(); n];
+        sum_last_dim(&x, &mut out);
+        check_close(&widen(&out), &row_sums, tol::<T>())?;
+        mean_last_dim(&x, &mut out);
+        let row_means: Vec<f64> = row_sums.iter().map(|s| s / d as f64).collect();
+        check_close(&widen(&out), &row_means, tol::<T>())
+    }
+
+    fn weighted(y: &[f32], r: &[f32]) -> f64 {
+        y.iter().zip(r).map(|(&y, &r)| f64::from(y) * f64::from(r)).sum()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        // Whole-tensor and last-dim sums and means match an f64 reference, every type.
+        #[test]
+        fn forward_matches_f64_reference(
+            (x, n, d) in (1usize..8, 1usize..300)
+                .prop_flat_map(|(n, d)| (values(n * d), Just(n), Just(d)))
+        ) {
+            check_forward::<f32>(&x, n, d)?;
+            check_forward::<f16>(&x, n, d)?;
+            check_forward::<bf16>(&x, n, d)?;
+        }
+
+        // The last-dim backward ops are the gradients of L = sum(reduce(x) * r), and the
+        // whole-tensor ones of L = reduce(x) * r.
+        #[test]
+        fn backward_matches_finite_differences(
+            (x, r, n) in (1usize..5, 1usize..9)
+                .prop_flat_map(|(n, d)| (values(n * d), values(n), Just(n)))
+        ) {
+            let mut dx = vec![0.0f32; x.len()];
+            sum_last_dim_backward(&r, &mut dx);
+            let loss = |x: &[f32]| {
+                let mut y = vec![0.0f32; n];
+                sum_last_dim(x, &mut y);
+                weighted(&y, &r)
+            };
+            check_grad(loss, &x, &dx, 1e-2, 1e-2)?;
+            mean_last_dim_backward(&r, &mut dx);
+            let loss = |x: &[f32]| {
+                let mut y = vec![0.0f32; n];
+                mean_last_dim(x, &mut y);
+                weighted(&y, &r)
+            };
+            check_grad(loss, &x, &dx, 1e-2, 1e-2)?;
+            sum_backward(r[0], &mut dx);
+            check_grad(|x| f64::from(sum(x)) * f64::from(r[0]), &x, &dx, 1e-2, 1e-2)?;
+            mean_backward(r[0], &mut dx);
+            check_grad(|x| f64::from(mean(x)) * f64::from(r[0]), &x, &dx, 1e-2, 1e-2)?;
+        }
+    }
+
+    #[test]
+    fn large_sum_of_ones_is_exact_where_naive_f32_summation_stalls() {
+        // Naive f32 accumulation stops growing at 2^24; pairwise summation does not.
+        let n = (1usize << 24) + 4096;
+        let x = vec![1.0f32; n];
+        assert_eq!(sum(&x), n as f32);
+    }
+
+    #[test]
+    fn empty_inputs_give_zero_sum_and_nan_mean() {
+        let x: [f32; 0] = [];
+        assert_eq!(sum(&x), 0.0);
+        assert!(mean(&x).is_nan());
+    }
+}

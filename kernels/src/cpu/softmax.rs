@@ -1,1 +1,238 @@
-//! Being written.
+//! Softmax over the last dimension on the host, plain and causally masked (attention),
+//! forward and backward. Each row subtracts its maximum before `exp`, so large logits do
+//! not overflow; a row whose entries are all `-inf` has no defined softmax and gives NaN.
+
+use super::matmul::{widen, with_f32_out};
+use crate::dtype::Element;
+use rayon::prelude::*;
+
+/// Rows per rayon task are chosen so that a task touches at least this many elements.
+const MIN_TASK_ELEMENTS: usize = 1 << 14;
+
+/// Row softmax: `x` and `y` are `[rows, cols]` row-major,
+/// `y[r, j] = exp(x[r, j] - max_r) / sum_j exp(x[r, j] - max_r)`.
+pub fn softmax<T: Element>(x: &[T], y: &mut [T], cols: usize) {
+    debug_assert_eq!(x.len(), y.len());
+    debug_assert!(cols > 0 && x.len().is_multiple_of(cols));
+    rowwise(x, y, cols, |_| cols, softmax_row);
+}
+
+/// Gradient of [`softmax`] from its output `y` and `dy` (all `[rows, cols]`):
+/// `dx[r, j] = y[r, j] * (dy[r, j] - sum_k dy[r, k] * y[r, k])`. Overwrites `dx`.
+pub fn softmax_backward<T: Element>(y: &[T], dy: &[T], dx: &mut [T], cols: usize) {
+    debug_assert!(y.len() == dy.len() && y.len() == dx.len());
+    debug_assert!(cols > 0 && y.len().is_multiple_of(cols));
+    rowwise_backward(y, dy, dx, cols, |_| cols);
+}
+
+/// Causal softmax for attention scores `x: [batch * heads, seq, seq]`: row `i` of each
+/// matrix is a softmax over keys `j <= i`, and `y[.., i, j] = 0` for `j > i` (the mask is
+/// implied, `x` there is never read).
+pub fn causal_softmax<T: Element>(x: &[T], y: &mut [T], seq: usize) {
+    debug_assert_eq!(x.len(), y.len());
+    debug_assert!(seq > 0 && x.len().is_multiple_of(seq * seq));
+    rowwise(x, y, seq, |row| row % seq + 1, softmax_row);
+}
+
+/// Gradient of [`causal_softmax`] from its output `y` and `dy` (all `[batch * heads, seq,
+/// seq]`): the softmax gradient over `j <= i`, zero for `j > i`. Overwrites `dx`.
+pub fn causal_softmax_backward<T: Element>(y: &[T], dy: &[T], dx: &mut [T], seq: usize) {
+    debug_assert!(y.len() == dy.len() && y.len() == dx.len());
+    debug_assert!(seq > 0 && y.len().is_multiple_of(seq * seq));
+    rowwise_backward(y, dy, dx, seq, |row| row % seq + 1);
+}
+
+/// Runs `f(x_row, y_row)` on every row, with the row cut to its first `valid(row)` entries
+/// and the rest of `y`'s row zeroed.
+fn rowwise<T: Element>(
+    x: &[T],
+    y: &mut [T],
+    cols: usize,
+    valid: impl Fn(usize) -> usize + Sync,
+    f: fn(&[f32], &mut [f32]),
+) {
+    let x = widen(x);
+    with_f32_out(y, |y| {
+        y.par_chunks_mut(cols)
+            .zip(x.par_chunks(cols))
+            .with_min_len(MIN_TASK_ELEMENTS / cols + 1)
+            .enumerate()
+            .for_each(|(row, (y, x))| {
+                let n = valid(row);
+                f(&x[..n], &mut y[..n]);
+                y[n..].fill(0.0);
+            });
+    });
+}
+
+fn softmax_row(x: &[f32], y: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f32;
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y = (x - max).exp();
+        sum += *y;
+    }
+    let inv = 1.0 / sum;
+    y.iter_mut().for_each(|y| *y *= inv);
+}
+
+fn rowwise_backward<T: Element>(
+    y: &[T],
+    dy: &[T],
+    dx: &mut [T],
+    cols: usize,
+    valid: impl Fn(usize) -> usize + Sync,
+) {
+    let (y, dy) = (widen(y), widen(dy));
+    with_f32_out(dx, |dx| {
+        dx.par_chunks_mut(cols)
+            .zip(y.par_chunks(cols).zip(dy.par_chunks(cols)))
+            .with_min_len(MIN_TASK_ELEMENTS / cols + 1)
+            .enumerate()
+            .for_each(|(row, (dx, (y, dy)))| {
+                let n = valid(row);
+                let dot: f32 = y[..n].iter().zip(&dy[..n]).map(|(y, g)| y * g).sum();
+                for ((dx, &y), &g) in dx.iter_mut().zip(y).zip(dy).take(n) {
+                    *dx = y * (g - dot);
+                }
+                dx[n..].fill(0.0);
+            });
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+    use proptest::prelude::*;
+
+    /// Fails on NaN: `!(err <= tol)` is true when either side is NaN.
+    fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            let err = (g - w).abs();
+            assert!(err <= tol * w.abs().max(1.0), "{what}[{i}]: got {g}, want {w}");
+        }
+    }
+
+    fn to_f64<T: Element>(x: &[T]) -> Vec<f64> {
+        x.iter().map(|v| v.to_f32() as f64).collect()
+    }
+
+    /// f64 softmax of each row over its first `valid(row)` entries, zeros after them.
+    fn reference(x: &[f64], cols: usize, valid: impl Fn(usize) -> usize) -> Vec<f64> {
+        let mut y = vec![0.0; x.len()];
+        for (row, (x, y)) in x.chunks(cols).zip(y.chunks_mut(cols)).enumerate() {
+            let n = valid(row);
+            let sum: f64 = x[..n].iter().map(|v| v.exp()).sum();
+            for j in 0..n {
+                y[j] = x[j].exp() / sum;
+            }
+        }
+        y
+    }
+
+    fn check<T: Element>(x: &[f32], cols: usize, causal: bool, tol: f64) {
+        let x: Vec<T> = x.iter().map(|&v| T::from_f32(v)).collect();
+        let mut y = vec![T::default(); x.len()];
+        let want = if causal {
+            causal_softmax(&x, &mut y, cols);
+            reference(&to_f64(&x), cols, |r| r % cols + 1)
+        } else {
+            softmax(&x, &mut y, cols);
+            reference(&to_f64(&x), cols, |_| cols)
+        };
+        assert_close(&to_f64(&y), &want, tol, "y");
+    }
+
+    /// Central differences of `L(x) = sum(f(x) * r)` on every coordinate of `x`.
+    fn finite_diff(x: &[f32], r: &[f32], f: impl Fn(&[f32], &mut [f32])) -> Vec<f64> {
+        let h = 1e-2f32;
+        let mut x = x.to_vec();
+        let mut y = vec![0.0f32; r.len()];
+        let mut loss = |x: &[f32]| {
+            f(x, &mut y);
+            y.iter().zip(r).map(|(&y, &r)| y as f64 * r as f64).sum::<f64>()
+        };
+        (0..x.len())
+            .map(|i| {
+                let v = x[i];
+                x[i] = v + h;
+                let up = loss(&x);
+                x[i] = v - h;
+                let down = loss(&x);
+                x[i] = v;
+                (up - down) / (2.0 * h as f64)
+            })
+            .collect()
+    }
+
+    /// `(cols, x, r)` with `x` and `r` of `rows * cols` values in [-2, 2]; for the causal
+    /// case `cols` is `seq` and rows is a multiple of it.
+    fn case(causal: bool) -> impl Strategy<Value = (usize, Vec<f32>, Vec<f32>)> {
+        (1..=9usize, 1..=4usize).prop_flat_map(move |(cols, mats)| {
+            let len = if causal { mats * cols * cols } else { mats * cols };
+            let v = || prop::collection::vec(-2.0f32..2.0, len);
+            (Just(cols), v(), v())
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        // Property: softmax equals the f64 definition (1e-5 in f32, 1e-2 in f16/bf16 on the
+        // rounded inputs).
+        #[test]
+        fn softmax_matches_f64_reference_in_every_dtype((cols, x, _r) in case(false)) {
+            check::<f32>(&x, cols, false, 1e-5);
+            check::<f16>(&x, cols, false, 1e-2);
+            check::<bf16>(&x, cols, false, 1e-2);
+        }
+
+        // Property: causal softmax equals the f64 softmax over j <= i, and exactly 0 above
+        // the diagonal.
+        #[test]
+        fn causal_softmax_matches_f64_reference_in_every_dtype((seq, x, _r) in case(true)) {
+            check::<f32>(&x, seq, true, 1e-5);
+            check::<f16>(&x, seq, true, 1e-2);
+            check::<bf16>(&x, seq, true, 1e-2);
+        }
+
+        // Property: softmax_backward equals central finite differences of sum(y * r).
+        #[test]
+        fn softmax_backward_matches_finite_differences((cols, x, r) in case(false)) {
+            let fd = finite_diff(&x, &r, |x, y| softmax(x, y, cols));
+            let mut y = vec![0.0f32; x.len()];
+            softmax(&x, &mut y, cols);
+            let mut dx = vec![f32::NAN; x.len()];
+            softmax_backward(&y, &r, &mut dx, cols);
+            assert_close(&to_f64(&dx), &fd, 1e-2, "dx");
+        }
+
+        // Property: causal_softmax_backward equals central finite differences of
+        // sum(y * r); in particular the masked scores get a zero gradient.
+        #[test]
+        fn causal_softmax_backward_matches_finite_differences((seq, x, r) in case(true)) {
+            let fd = finite_diff(&x, &r, |x, y| causal_softmax(x, y, seq));
+            let mut y = vec![0.0f32; x.len()];
+            causal_softmax(&x, &mut y, seq);
+            let mut dx = vec![f32::NAN; x.len()];
+            causal_softmax_backward(&y, &r, &mut dx, seq);
+            assert_close(&to_f64(&dx), &fd, 1e-2, "dx");
+        }
+    }
+
+    #[test]
+    fn softmax_of_huge_logits_does_not_overflow() {
+        let mut y = [0.0f32; 3];
+        softmax(&[1000.0f32, 1000.0, f32::NEG_INFINITY], &mut y, 3);
+        assert_eq!(y, [0.5, 0.5, 0.0]);
+    }
+
+    #[test]
+    fn causal_softmax_ignores_masked_scores_even_when_nan() {
+        let mut y = [1.0f32; 4];
+        causal_softmax(&[0.0f32, f32::NAN, 2.0, 2.0], &mut y, 2);
+        assert_eq!(y, [1.0, 0.0, 0.5, 0.5]);
+    }
+}

@@ -1,0 +1,115 @@
+//! Blocks, the arena that holds them, and the pools of free blocks.
+
+use crate::memory::{DevicePtr, Stream};
+use crate::policy::PoolKind;
+use std::collections::BTreeMap;
+
+/// Index of a block in the arena.
+pub(crate) type BlockId = u32;
+
+/// What a block is doing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BlockState {
+    /// Cached: free for reuse (it is in its pool unless being handed out).
+    Free,
+    /// Held by an allocation handle.
+    Allocated,
+    /// Freed by its owner, but other streams may still use it: waits for their events.
+    PendingFree,
+    /// Address space of an expandable segment with no memory behind it.
+    Unmapped,
+}
+
+/// A contiguous range of a segment. Blocks of a segment form a doubly linked list in address
+/// order that tiles the segment exactly.
+#[derive(Debug)]
+pub(crate) struct Block {
+    pub ptr: DevicePtr,
+    pub size: usize,
+    /// Bytes the caller asked for (allocated blocks only).
+    pub requested: usize,
+    pub stream: Stream,
+    pub pool: PoolKind,
+    pub prev: Option<BlockId>,
+    pub next: Option<BlockId>,
+    pub state: BlockState,
+    /// Base address of the segment this block belongs to.
+    pub segment: DevicePtr,
+    pub expandable: bool,
+    /// Other streams that used this block (from `record_stream`).
+    pub stream_uses: Vec<Stream>,
+    /// Events still to complete before a pending free finishes.
+    pub pending_events: u32,
+    /// Logical time of the last free, for garbage collection (oldest first).
+    pub freed_at: u64,
+}
+
+impl Block {
+    pub fn is_split(&self) -> bool {
+        self.prev.is_some() || self.next.is_some()
+    }
+}
+
+/// Slab of blocks with id reuse: no allocation on the hot path once warm.
+#[derive(Debug, Default)]
+pub(crate) struct Arena {
+    blocks: Vec<Block>,
+    vacant: Vec<BlockId>,
+}
+
+impl Arena {
+    pub fn insert(&mut self, block: Block) -> BlockId {
+        match self.vacant.pop() {
+            Some(id) => {
+                self.blocks[id as usize] = block;
+                id
+            }
+            None => {
+                self.blocks.push(block);
+                (self.blocks.len() - 1) as BlockId
+            }
+        }
+    }
+
+    /// Marks `id` vacant; the slot is overwritten by a later insert.
+    pub fn remove(&mut self, id: BlockId) {
+        self.vacant.push(id);
+    }
+}
+
+impl std::ops::Index<BlockId> for Arena {
+    type Output = Block;
+    #[inline]
+    fn index(&self, id: BlockId) -> &Block {
+        &self.blocks[id as usize]
+    }
+}
+
+impl std::ops::IndexMut<BlockId> for Arena {
+    #[inline]
+    fn index_mut(&mut self, id: BlockId) -> &mut Block {
+        &mut self.blocks[id as usize]
+    }
+}
+
+/// Free blocks of one pool, ordered for best fit: by stream, then size, then address.
+/// Unmapped ranges of expandable segments are kept apart, by stream then address.
+#[derive(Debug, Default)]
+pub(crate) struct Pool {
+    pub free: BTreeMap<(Stream, usize, DevicePtr), BlockId>,
+    pub unmapped: BTreeMap<(Stream, DevicePtr), BlockId>,
+}
+
+/// A range obtained from the device in one piece (or reserved, for expandable segments).
+#[derive(Debug)]
+pub(crate) struct Segment {
+    /// Bytes of the range (address space for expandable segments).
+    pub size: usize,
+    /// Bytes with memory behind them (equal to `size` unless expandable).
+    pub mapped: usize,
+    pub stream: Stream,
+    pub pool: PoolKind,
+    pub expandable: bool,
+    /// The lowest block; merging always keeps the lower block, so this never changes.
+    pub head: BlockId,
+}

@@ -1,0 +1,280 @@
+//! The public face of the cache: [`CachingAllocator`] and its RAII [`Allocation`] handles.
+
+use crate::block::BlockId;
+use crate::config::{AllocatorConfig, ConfigError};
+use crate::error::AllocError;
+use crate::memory::{DeviceMemory, DevicePtr, MemInfo, Stream};
+use crate::snapshot::Snapshot;
+use crate::state::State;
+use crate::stats::MemoryStats;
+use crate::trace::TraceEntry;
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// A caching allocator over raw device memory `M`, with PyTorch's policy.
+///
+/// Cheap to clone (a shared handle); `Send + Sync`. Allocations return their blocks to the
+/// cache when dropped; [`empty_cache`](Self::empty_cache) gives cached memory back to the
+/// device.
+pub struct CachingAllocator<M: DeviceMemory> {
+    inner: Arc<Inner<M>>,
+}
+
+struct Inner<M: DeviceMemory> {
+    mem: M,
+    state: Mutex<State<M>>,
+}
+
+impl<M: DeviceMemory> Clone for CachingAllocator<M> {
+    fn clone(&self) -> Self {
+        CachingAllocator { inner: Arc::clone(&self.inner) }
+    }
+}
+
+impl<M: DeviceMemory> fmt::Debug for CachingAllocator<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CachingAllocator")
+            .field("device", &self.inner.mem.name())
+            .field("allocated", &self.memory_allocated())
+            .field("reserved", &self.memory_reserved())
+            .finish()
+    }
+}
+
+impl<M: DeviceMemory> CachingAllocator<M> {
+    /// A cache with PyTorch's default settings.
+    pub fn new(mem: M) -> Self {
+        Self::with_config(mem, AllocatorConfig::default())
+            .expect("the default configuration needs no backend support")
+    }
+
+    /// A cache with the given settings; fails if the backend cannot honour them (expandable
+    /// segments on a backend without address reservation).
+    pub fn with_config(mem: M, config: AllocatorConfig) -> Result<Self, AllocError> {
+        if config.expandable_segments() && !mem.supports_expandable() {
+            return Err(AllocError::Unsupported(format!(
+                "expandable segments on {}; drop `expandable_segments:True`",
+                mem.name()
+            )));
+        }
+        let total = mem.mem_info().total;
+        let state = Mutex::new(State::new(config, total));
+        Ok(CachingAllocator { inner: Arc::new(Inner { mem, state }) })
+    }
+
+    /// A cache configured from the `VRAM_ALLOC_CONF` environment variable.
+    pub fn from_env(mem: M) -> Result<Self, AllocError> {
+        Self::with_config(mem, AllocatorConfig::from_env()?)
+    }
+
+    #[inline]
+    fn state(&self) -> MutexGuard<'_, State<M>> {
+        // A panic while holding the lock cannot leave the state half-updated in a way later
+        // calls would trust less than a poisoned error, so keep serving.
+        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Allocates `size` bytes for use on the default stream.
+    #[inline]
+    pub fn allocate(&self, size: usize) -> Result<Allocation<M>, AllocError> {
+        self.allocate_on(size, Stream::DEFAULT)
+    }
+
+    /// Allocates `size` bytes for use on `stream`. The block is 512-byte aligned. On
+    /// out-of-memory, cached blocks are released and the request retried before failing; a
+    /// failure leaves every live allocation untouched.
+    #[inline]
+    pub fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation<M>, AllocError> {
+        let mut state = self.state();
+        let block = state.malloc(&self.inner.mem, size, stream)?;
+        let ptr = state.arena[block].ptr;
+        drop(state);
+        Ok(Allocation { owner: self.clone(), block, ptr, len: size, stream })
+    }
+
+    /// Returns every cached block that spans a whole segment (and every free page of
+    /// expandable segments) to the device, after waiting for pending cross-stream frees.
+    /// Live allocations are untouched.
+    pub fn empty_cache(&self) {
+        self.state().release_cached_blocks(&self.inner.mem);
+    }
+
+    /// Caps reserved memory at `fraction` of the device's total (`[0, 1]`); allocations that
+    /// would pass the cap fail with out-of-memory although the device may have room.
+    pub fn set_memory_fraction(&self, fraction: f64) -> Result<(), ConfigError> {
+        AllocatorConfig::default().with_memory_fraction(Some(fraction))?;
+        let total = self.inner.mem.mem_info().total;
+        self.state().set_memory_fraction(fraction, total);
+        Ok(())
+    }
+
+    /// The reserved-memory cap in bytes, if a memory fraction is set.
+    pub fn memory_cap(&self) -> Option<u64> {
+        self.state().cap
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> AllocatorConfig {
+        self.state().config.clone()
+    }
+
+    /// A copy of every statistic.
+    pub fn memory_stats(&self) -> MemoryStats {
+        self.state().stats.clone()
+    }
+
+    /// Bytes in live allocations (`torch.cuda.memory_allocated`).
+    pub fn memory_allocated(&self) -> u64 {
+        self.state().stats.allocated_bytes.all.current as u64
+    }
+
+    /// Bytes held in segments (`torch.cuda.memory_reserved`).
+    pub fn memory_reserved(&self) -> u64 {
+        self.state().stats.reserved_bytes.all.current as u64
+    }
+
+    /// Peak of allocated bytes since the last reset (`torch.cuda.max_memory_allocated`).
+    pub fn max_memory_allocated(&self) -> u64 {
+        self.state().stats.allocated_bytes.all.peak as u64
+    }
+
+    /// Peak of reserved bytes since the last reset (`torch.cuda.max_memory_reserved`).
+    pub fn max_memory_reserved(&self) -> u64 {
+        self.state().stats.reserved_bytes.all.peak as u64
+    }
+
+    /// Sets peaks to current values (`torch.cuda.reset_peak_memory_stats`).
+    pub fn reset_peak_stats(&self) {
+        self.state().stats.reset_peak();
+    }
+
+    /// Zeroes accumulated totals and counters (`torch.cuda.reset_accumulated_memory_stats`).
+    pub fn reset_accumulated_stats(&self) {
+        self.state().stats.reset_accumulated();
+    }
+
+    /// Free and total memory as the device reports it.
+    pub fn mem_info(&self) -> MemInfo {
+        self.inner.mem.mem_info()
+    }
+
+    /// The raw memory under the cache.
+    pub fn memory(&self) -> &M {
+        &self.inner.mem
+    }
+
+    /// The segments and blocks of the cache, and the trace if recording.
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot::capture(&self.state(), &self.inner.mem.name())
+    }
+
+    /// Starts recording the last `max_entries` actions (`Some(n)`), or stops (`None`),
+    /// like `torch.cuda.memory._record_memory_history`.
+    pub fn record_history(&self, max_entries: Option<usize>) {
+        self.state().trace.set_max_entries(max_entries.unwrap_or(0));
+    }
+
+    /// The recorded actions, oldest first.
+    pub fn trace(&self) -> Vec<TraceEntry> {
+        self.state().trace.entries()
+    }
+
+    /// A human-readable table of the statistics, in the layout of
+    /// `torch.cuda.memory_summary()`.
+    pub fn memory_summary(&self) -> String {
+        crate::summary::render(&self.memory_stats(), &self.inner.mem.name())
+    }
+
+    fn free(&self, block: BlockId) {
+        self.state().free(&self.inner.mem, block);
+    }
+
+    fn record_stream(&self, block: BlockId, stream: Stream) {
+        self.state().record_stream(block, stream);
+    }
+}
+
+/// Memory handed out by a [`CachingAllocator`]; returns to the cache when dropped.
+///
+/// The block stays reserved for this handle until it is dropped. If other streams used the
+/// memory, call [`record_stream`](Self::record_stream) for each so the cache waits for their
+/// work before reusing the block.
+pub struct Allocation<M: DeviceMemory> {
+    owner: CachingAllocator<M>,
+    block: BlockId,
+    ptr: DevicePtr,
+    len: usize,
+    stream: Stream,
+}
+
+impl<M: DeviceMemory> Allocation<M> {
+    /// The device address of the first byte (512-byte aligned).
+    ///
+    /// On CUDA this is a `CUdeviceptr`, valid for [`len`](Self::len) bytes in the allocator's
+    /// context while this handle lives; work using it must be ordered on
+    /// [`stream`](Self::stream) or declared with [`record_stream`](Self::record_stream).
+    #[inline]
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// The size requested, in bytes (the block may be larger).
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether zero bytes were requested.
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The stream the memory was allocated for.
+    #[inline]
+    pub fn stream(&self) -> Stream {
+        self.stream
+    }
+
+    /// The allocator this memory came from.
+    pub fn allocator(&self) -> &CachingAllocator<M> {
+        &self.owner
+    }
+
+    /// Declares that `stream` uses this memory: after drop, the block is reused only once the
+    /// work queued on `stream` by then has completed (`Tensor.record_stream` in PyTorch).
+    pub fn record_stream(&self, stream: Stream) {
+        self.owner.record_stream(self.block, stream);
+    }
+}
+
+impl<M: DeviceMemory> Drop for Allocation<M> {
+    #[inline]
+    fn drop(&mut self) {
+        self.owner.free(self.block);
+    }
+}
+
+impl<M: DeviceMemory> fmt::Debug for Allocation<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Allocation({:#x}, {} bytes, stream {})", self.ptr, self.len, self.stream)
+    }
+}
+
+#[cfg(unix)]
+impl Allocation<crate::memory::HostMemory> {
+    /// The bytes of a host allocation (zeroed when the segment was new; cached blocks keep
+    /// the bytes their previous user left).
+    pub fn as_bytes(&self) -> &[u8] {
+        // SAFETY: host segments are readable and writable mappings; this block covers
+        // `[ptr, ptr + len)` exclusively while the handle lives, and `&self` rules out a
+        // concurrent `&mut` through this handle.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+    }
+
+    /// The bytes of a host allocation, mutably.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_bytes`; `&mut self` makes this the only access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut u8, self.len) }
+    }
+}

@@ -1,0 +1,56 @@
+//! Host matmul and convolution throughput; criterion reports FLOP/s as elements/s.
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use half::bf16;
+use std::hint::black_box;
+use vram_kernels::cpu::conv::{Conv2dParams, conv2d};
+use vram_kernels::cpu::matmul::{MatmulSpec, matmul};
+
+/// Deterministic values in [-1, 1) so every run multiplies the same matrices.
+fn values(len: usize) -> Vec<f32> {
+    (0..len).map(|i| ((i * 7919) % 2003) as f32 / 1001.5 - 1.0).collect()
+}
+
+fn square_matmul(c: &mut Criterion) {
+    let mut group = c.benchmark_group("matmul_f32");
+    group.sample_size(20);
+    for n in [256usize, 512, 1024] {
+        let (a, b, mut out) = (values(n * n), values(n * n), vec![0.0f32; n * n]);
+        let spec = MatmulSpec::new(n, n, n);
+        group.throughput(Throughput::Elements(2 * (n * n * n) as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(n), &n, |bench, _| {
+            bench.iter(|| matmul(&spec, black_box(&a), black_box(&b), &mut out));
+        });
+    }
+    group.finish();
+
+    let mut group = c.benchmark_group("matmul_bf16");
+    group.sample_size(20);
+    let n = 512usize;
+    let cast = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
+    let (a, b, mut out) = (cast(values(n * n)), cast(values(n * n)), vec![bf16::ZERO; n * n]);
+    let spec = MatmulSpec::new(n, n, n);
+    group.throughput(Throughput::Elements(2 * (n * n * n) as u64));
+    group.bench_with_input(BenchmarkId::from_parameter(n), &n, |bench, _| {
+        bench.iter(|| matmul(&spec, black_box(&a), black_box(&b), &mut out));
+    });
+    group.finish();
+}
+
+fn resnet_block_conv(c: &mut Criterion) {
+    let mut group = c.benchmark_group("conv2d_f32");
+    group.sample_size(20);
+    let p = Conv2dParams::new(8, 64, (32, 32), 64, (3, 3)).padding((1, 1));
+    let (oh, ow) = p.output_hw();
+    let flops = 2 * p.batch * p.c_out * oh * ow * p.c_in * 9;
+    let (x, w, bias) = (values(p.input_len()), values(p.weight_len()), values(p.c_out));
+    let mut y = vec![0.0f32; p.output_len()];
+    group.throughput(Throughput::Elements(flops as u64));
+    group.bench_function("resnet_block", |bench| {
+        bench.iter(|| conv2d(&p, black_box(&x), black_box(&w), Some(&bias), &mut y));
+    });
+    group.finish();
+}
+
+criterion_group!(benches, square_matmul, resnet_block_conv);
+criterion_main!(benches);

@@ -2,6 +2,7 @@
 
 use crate::memory::{DevicePtr, Stream};
 use crate::policy::PoolKind;
+use crate::index::FreeIndex;
 use std::collections::BTreeMap;
 
 /// Index of a block in the arena.
@@ -96,7 +97,7 @@ impl std::ops::IndexMut<BlockId> for Arena {
 /// Unmapped ranges of expandable segments are kept apart, by stream then address.
 #[derive(Debug, Default)]
 pub(crate) struct Pool {
-    pub free: BTreeMap<(Stream, usize, DevicePtr), BlockId>,
+    pub free: FreeIndex,
     pub unmapped: BTreeMap<(Stream, DevicePtr), BlockId>,
 }
 

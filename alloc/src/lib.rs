@@ -36,6 +36,7 @@ mod caching;
 mod config;
 mod error;
 mod expandable;
+mod index;
 pub mod memory;
 mod policy;
 pub mod replay;

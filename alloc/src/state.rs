@@ -5,6 +5,7 @@
 use crate::block::{Arena, Block, BlockId, BlockState, Pool, Segment};
 use crate::config::AllocatorConfig;
 use crate::error::{AllocError, OutOfMemoryError};
+use crate::index::FreeKey;
 use crate::memory::{DeviceMemory, DevicePtr, RawError, Stream};
 use crate::policy::{self, LARGE_BUFFER, PoolKind};
 use crate::stats::MemoryStats;
@@ -79,20 +80,26 @@ impl<M: DeviceMemory> State<M> {
             return Err(self.out_of_memory(mem, requested, stream));
         };
         let pool = PoolKind::for_size(size);
-        let id = match self.take_free_block(pool, stream, size) {
-            Some(id) => id,
-            None => self.allocate_new(mem, pool, stream, size, requested)?,
+        let id = match self.find_free_block(pool, stream, size) {
+            Some((key, id)) => {
+                self.hand_out(id, size, requested, Some(key));
+                id
+            }
+            None => {
+                let id = self.allocate_new(mem, pool, stream, size, requested)?;
+                self.hand_out(id, size, requested, None);
+                id
+            }
         };
-        self.hand_out(id, size, requested);
         Ok(id)
     }
 
-    /// Best fit within the stream, with PyTorch's rules for oversize blocks.
+    /// Best fit within the stream, with PyTorch's rules for oversize blocks. The block stays
+    /// in its pool; [`Self::hand_out`] takes it out.
     #[inline]
-    fn take_free_block(&mut self, pool: PoolKind, stream: Stream, size: usize) -> Option<BlockId> {
+    fn find_free_block(&self, pool: PoolKind, stream: Stream, size: usize) -> Option<(FreeKey, BlockId)> {
         let max_split = self.config.max_split_size();
-        let p = self.pool_mut(pool);
-        let (&key, &id) = p.free.range((stream, size, 0)..).next()?;
+        let (key, id) = self.pool(pool).free.first_at_or_after(&(stream, size, 0))?;
         let (block_stream, block_size, _) = key;
         if block_stream != stream {
             return None;
@@ -104,8 +111,7 @@ impl<M: DeviceMemory> State<M> {
         if size >= max_split && block_size >= size.saturating_add(LARGE_BUFFER) {
             return None;
         }
-        p.free.remove(&key);
-        Some(id)
+        Some((key, id))
     }
 
     /// Gets memory from the device, releasing cached blocks and retrying when it fails.
@@ -204,8 +210,10 @@ impl<M: DeviceMemory> State<M> {
         Ok(Some(id))
     }
 
-    /// Marks a free block (taken out of its pool) allocated, splitting off the remainder.
-    fn hand_out(&mut self, id: BlockId, size: usize, requested: usize) {
+    /// Marks a free block allocated, splitting off the remainder. `in_pool` is the block's key
+    /// if it is in its pool: the remainder then takes its place in the index.
+    #[inline]
+    fn hand_out(&mut self, id: BlockId, size: usize, requested: usize, in_pool: Option<FreeKey>) {
         let max_split = self.config.max_split_size();
         self.unaccount_split(id);
         let b = &self.arena[id];
@@ -235,8 +243,13 @@ impl<M: DeviceMemory> State<M> {
             let b = &mut self.arena[id];
             b.next = Some(rid);
             b.size = size;
-            self.pool_mut(pool).free.insert(key, rid);
+            match in_pool {
+                Some(old) => self.pool_mut(pool).free.replace(&old, key, rid),
+                None => self.pool_mut(pool).free.insert(key, rid),
+            }
             self.account_split(rid);
+        } else if let Some(old) = in_pool {
+            self.pool_mut(pool).free.remove(&old);
         }
         let b = &mut self.arena[id];
         b.state = BlockState::Allocated;
@@ -297,45 +310,44 @@ impl<M: DeviceMemory> State<M> {
     fn free_block(&mut self, id: BlockId) {
         self.clock += 1;
         let b = &mut self.arena[id];
-        let (pool, size) = (b.pool, b.size as u64);
+        let (pool, size, prev, next) = (b.pool, b.size as u64, b.prev, b.next);
         b.state = BlockState::Free;
         b.freed_at = self.clock;
         self.stats.active.decrease(pool, 1);
         self.stats.active_bytes.decrease(pool, size);
-        let id = self.coalesce(id);
-        let b = &self.arena[id];
-        let key = (b.stream, b.size, b.ptr);
-        let (ptr, bsize, stream) = (b.ptr, b.size, b.stream);
-        self.pool_mut(pool).free.insert(key, id);
+
+        let free = |a: &Arena, n: Option<BlockId>| n.filter(|&n| a[n].state == BlockState::Free);
+        let (prev, next) = (free(&self.arena, prev), free(&self.arena, next));
+        // The index entry the merged block will take over (a neighbour's), if any.
+        let mut reuse: Option<FreeKey> = None;
+        let mut survivor = id;
+        if let Some(n) = next {
+            self.unaccount_split(n);
+            reuse = Some(self.key_of(n));
+            self.absorb_next(id);
+        }
+        if let Some(p) = prev {
+            self.unaccount_split(p);
+            if let Some(k) = reuse.replace(self.key_of(p)) {
+                self.pool_mut(pool).free.remove(&k);
+            }
+            self.absorb_next(p);
+            survivor = p;
+        }
+        self.account_split(survivor);
+        let key = self.key_of(survivor);
+        match reuse {
+            Some(old) => self.pool_mut(pool).free.replace(&old, key, survivor),
+            None => self.pool_mut(pool).free.insert(key, survivor),
+        }
+        let (ptr, bsize, stream) = (key.2, key.1, key.0);
         self.trace.record(TraceAction::FreeCompleted, ptr, bsize, stream);
     }
 
-    /// Merges the free block `id` (not in a pool) with free neighbours, taking them out of
-    /// their pool; returns the surviving block (the lowest), also not in a pool.
-    fn coalesce(&mut self, id: BlockId) -> BlockId {
+    #[inline]
+    pub fn key_of(&self, id: BlockId) -> FreeKey {
         let b = &self.arena[id];
-        let (prev, next, pool) = (b.prev, b.next, b.pool);
-        let is_free = |a: &Arena, n: Option<BlockId>| n.filter(|&n| a[n].state == BlockState::Free);
-        let (prev, next) = (is_free(&self.arena, prev), is_free(&self.arena, next));
-        for n in prev.into_iter().chain(next) {
-            self.unaccount_split(n);
-            let nb = &self.arena[n];
-            let key = (nb.stream, nb.size, nb.ptr);
-            self.pool_mut(pool).free.remove(&key);
-        }
-        if let Some(n) = next {
-            self.absorb_next(id);
-            debug_assert!(self.arena[id].next != Some(n));
-        }
-        let survivor = match prev {
-            Some(p) => {
-                self.absorb_next(p);
-                p
-            }
-            None => id,
-        };
-        self.account_split(survivor);
-        survivor
+        (b.stream, b.size, b.ptr)
     }
 
     /// Merges `id`'s next block into `id` and frees the next block's slot.
@@ -403,7 +415,6 @@ impl<M: DeviceMemory> State<M> {
                 .pool(pool)
                 .free
                 .values()
-                .copied()
                 .filter(|&id| self.is_whole_segment(id))
                 .collect();
             for id in whole {
@@ -425,8 +436,8 @@ impl<M: DeviceMemory> State<M> {
             .pool(pool)
             .free
             .iter()
-            .filter(|&(_, &id)| self.is_whole_segment(id))
-            .map(|(&(_, s, _), &id)| (s, id))
+            .filter(|&&(_, id)| self.is_whole_segment(id))
+            .map(|&((_, s, _), id)| (s, id))
             .collect();
         if whole.is_empty() {
             return false;
@@ -481,7 +492,6 @@ impl<M: DeviceMemory> State<M> {
         let mut candidates: Vec<(u64, BlockId)> = [PoolKind::Small, PoolKind::Large]
             .into_iter()
             .flat_map(|p| self.pool(p).free.values())
-            .copied()
             .filter(|&id| self.is_whole_segment(id))
             .map(|id| (self.arena[id].freed_at, id))
             .collect();

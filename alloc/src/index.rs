@@ -1,0 +1,116 @@
+//! The ordered index of free blocks: best fit by (stream, size, address).
+//!
+//! A sorted vector. The hot path of a caching allocator replaces one key by a neighbouring
+//! one (a split shrinks a free block, a free grows it back), which almost never changes the
+//! key's position: [`FreeIndex::replace`] then overwrites in place after two comparisons,
+//! where a tree would do a removal and an insertion. Pools hold tens to hundreds of free
+//! blocks in practice; when a key moves, only the entries between the two positions shift.
+
+use crate::block::BlockId;
+use crate::memory::{DevicePtr, Stream};
+
+/// A free block's place in best-fit order.
+pub(crate) type FreeKey = (Stream, usize, DevicePtr);
+
+#[derive(Debug, Default)]
+pub(crate) struct FreeIndex {
+    entries: Vec<(FreeKey, BlockId)>,
+}
+
+impl FreeIndex {
+    #[inline]
+    fn position(&self, key: &FreeKey) -> Result<usize, usize> {
+        self.entries.binary_search_by(|(k, _)| k.cmp(key))
+    }
+
+    /// The first entry at or after `key`.
+    #[inline]
+    pub fn first_at_or_after(&self, key: &FreeKey) -> Option<(FreeKey, BlockId)> {
+        let i = match self.position(key) {
+            Ok(i) | Err(i) => i,
+        };
+        self.entries.get(i).copied()
+    }
+
+    #[inline]
+    pub fn insert(&mut self, key: FreeKey, id: BlockId) {
+        match self.position(&key) {
+            Ok(_) => debug_assert!(false, "free key inserted twice: {key:?}"),
+            Err(i) => self.entries.insert(i, (key, id)),
+        }
+    }
+
+    #[inline]
+    pub fn remove(&mut self, key: &FreeKey) {
+        match self.position(key) {
+            Ok(i) => {
+                self.entries.remove(i);
+            }
+            Err(_) => debug_assert!(false, "free key missing: {key:?}"),
+        }
+    }
+
+    /// Replaces `old` by `new` (for block `id`), in place when the order allows.
+    #[inline]
+    pub fn replace(&mut self, old: &FreeKey, new: FreeKey, id: BlockId) {
+        let Ok(i) = self.position(old) else {
+            debug_assert!(false, "free key missing: {old:?}");
+            return;
+        };
+        let after_prev = i == 0 || self.entries[i - 1].0 < new;
+        let before_next = i + 1 == self.entries.len() || new < self.entries[i + 1].0;
+        if after_prev && before_next {
+            self.entries[i] = (new, id);
+            return;
+        }
+        // Move the entry to its new place, shifting only what lies between.
+        let j = match self.entries.binary_search_by(|(k, _)| k.cmp(&new)) {
+            Ok(j) | Err(j) => j,
+        };
+        if j > i {
+            self.entries[i..j].rotate_left(1);
+            self.entries[j - 1] = (new, id);
+        } else {
+            self.entries[j..=i].rotate_right(1);
+            self.entries[j] = (new, id);
+        }
+    }
+
+    /// Entries in order.
+    pub fn iter(&self) -> impl Iterator<Item = &(FreeKey, BlockId)> {
+        self.entries.iter()
+    }
+
+    /// Block ids in order.
+    pub fn values(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.entries.iter().map(|&(_, id)| id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(size: usize, ptr: u64) -> FreeKey {
+        (Stream(0), size, ptr)
+    }
+
+    #[test]
+    fn replace_keeps_the_index_sorted_whether_in_place_or_moved() {
+        let mut ix = FreeIndex::default();
+        for (i, s) in [10, 20, 30, 40, 50].into_iter().enumerate() {
+            ix.insert(key(s, i as u64), i as BlockId);
+        }
+        ix.replace(&key(30, 2), key(31, 2), 2); // in place
+        ix.replace(&key(20, 1), key(45, 1), 1); // moves right
+        ix.replace(&key(50, 4), key(5, 4), 4); // moves left
+        let sizes: Vec<usize> = ix.iter().map(|(k, _)| k.1).collect();
+        assert_eq!(sizes, [5, 10, 31, 40, 45]);
+        let ids: Vec<BlockId> = ix.values().collect();
+        assert_eq!(ids, [4, 0, 2, 3, 1]);
+        assert_eq!(ix.first_at_or_after(&key(32, 0)), Some((key(40, 3), 3)));
+        ix.remove(&key(40, 3));
+        assert_eq!(ix.first_at_or_after(&key(32, 0)), Some((key(45, 1), 1)));
+        assert_eq!(ix.first_at_or_after(&key(46, 0)), None);
+    }
+}

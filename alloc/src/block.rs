@@ -1,8 +1,8 @@
 //! Blocks, the arena that holds them, and the pools of free blocks.
 
+use crate::index::FreeIndex;
 use crate::memory::{DevicePtr, Stream};
 use crate::policy::PoolKind;
-use crate::index::FreeIndex;
 use std::collections::BTreeMap;
 
 /// Index of a block in the arena.

@@ -97,7 +97,12 @@ impl<M: DeviceMemory> State<M> {
     /// Best fit within the stream, with PyTorch's rules for oversize blocks. The block stays
     /// in its pool; [`Self::hand_out`] takes it out.
     #[inline]
-    fn find_free_block(&self, pool: PoolKind, stream: Stream, size: usize) -> Option<(FreeKey, BlockId)> {
+    fn find_free_block(
+        &self,
+        pool: PoolKind,
+        stream: Stream,
+        size: usize,
+    ) -> Option<(FreeKey, BlockId)> {
         let max_split = self.config.max_split_size();
         let (key, id) = self.pool(pool).free.first_at_or_after(&(stream, size, 0))?;
         let (block_stream, block_size, _) = key;
@@ -411,12 +416,8 @@ impl<M: DeviceMemory> State<M> {
     pub fn release_cached_blocks(&mut self, mem: &M) {
         self.synchronize_and_free_events(mem);
         for pool in [PoolKind::Small, PoolKind::Large] {
-            let whole: Vec<BlockId> = self
-                .pool(pool)
-                .free
-                .values()
-                .filter(|&id| self.is_whole_segment(id))
-                .collect();
+            let whole: Vec<BlockId> =
+                self.pool(pool).free.values().filter(|&id| self.is_whole_segment(id)).collect();
             for id in whole {
                 self.release_segment(mem, id);
             }

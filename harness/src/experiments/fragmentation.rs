@@ -1,0 +1,191 @@
+//! `fragmentation`: watch reserved - allocated, and see whether fragmentation causes OOMs
+//! although enough memory is free in total.
+//!
+//! The workload is the classic one: each step allocates activations of mixed sizes
+//! (1-9 MiB, sharing 20 MiB segments), keeps one in sixteen alive for a few steps (a logged
+//! tensor, a cached output), frees the rest, and every tenth step asks for one large buffer
+//! (40% of the device, e.g. an evaluation batch). The long-lived tensors pin partly used
+//! segments. Variants: the plain cache; the threshold rule (`empty_cache` when reserved -
+//! allocated passes a quarter of the device, the source's "e.g. 1 GB"); expandable segments.
+
+use super::{Sweep, allocator_variant};
+use crate::{Claim, Context, ExperimentResult, Verdict};
+use serde_json::json;
+use std::collections::VecDeque;
+use std::time::Instant;
+use vram_alloc::{Allocation, CachingAllocator, DeviceMemory, human_bytes};
+
+const MIB: usize = 1 << 20;
+const KEEP_ONE_IN: u64 = 16;
+const KEEP_STEPS: usize = 8;
+const BIG_EVERY: usize = 10;
+
+#[derive(Default)]
+struct Outcome {
+    peak_allocated: u64,
+    peak_reserved: u64,
+    /// 1 - allocated/reserved after each step's forward pass.
+    timeline: Vec<f64>,
+    big_requests: usize,
+    ooms: usize,
+    /// OOMs where device free + cached-but-unallocated memory was at least the request.
+    fragmentation_ooms: usize,
+    empty_cache_calls: usize,
+    step_ms: f64,
+}
+
+/// A small deterministic generator (SplitMix64).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+fn workload<M: DeviceMemory>(
+    cache: &CachingAllocator<M>,
+    total: u64,
+    steps: usize,
+    seed: u64,
+    threshold: Option<u64>,
+) -> Result<Outcome, String> {
+    let mut rng = Rng(seed);
+    let mut out = Outcome::default();
+    let weights =
+        cache.allocate((total / 10) as usize).map_err(|e| format!("weights do not fit: {e}"))?;
+    let activation_budget = total * 35 / 100;
+    let mut kept: VecDeque<Vec<Allocation<M>>> = VecDeque::new();
+    let started = Instant::now();
+    for step in 0..steps {
+        let mut acts = Vec::new();
+        let mut keep = Vec::new();
+        let mut used = 0u64;
+        while used < activation_budget {
+            let size = MIB + (rng.next() % (8 * MIB as u64)) as usize;
+            let Ok(a) = cache.allocate(size) else { break };
+            used += size as u64;
+            if rng.next().is_multiple_of(KEEP_ONE_IN) { keep.push(a) } else { acts.push(a) }
+        }
+        let (alloc, reserved) = (cache.memory_allocated(), cache.memory_reserved());
+        out.timeline.push(1.0 - alloc as f64 / reserved.max(1) as f64);
+        drop(acts);
+        kept.push_back(keep);
+        if kept.len() > KEEP_STEPS {
+            kept.pop_front();
+        }
+        if step % BIG_EVERY == BIG_EVERY - 1 {
+            let size = (total * 4 / 10) as usize;
+            out.big_requests += 1;
+            if let Err(e) = cache.allocate(size) {
+                if !e.is_out_of_memory() {
+                    return Err(e.to_string());
+                }
+                out.ooms += 1;
+                let free_in_total =
+                    cache.mem_info().free + cache.memory_reserved() - cache.memory_allocated();
+                if free_in_total >= size as u64 {
+                    out.fragmentation_ooms += 1;
+                }
+            }
+        }
+        if let Some(t) = threshold
+            && cache.memory_reserved() - cache.memory_allocated() > t
+        {
+            cache.empty_cache();
+            out.empty_cache_calls += 1;
+        }
+    }
+    out.step_ms = started.elapsed().as_secs_f64() * 1e3 / steps as f64;
+    drop(kept);
+    drop(weights);
+    out.peak_allocated = cache.max_memory_allocated();
+    out.peak_reserved = cache.max_memory_reserved();
+    Ok(out)
+}
+
+pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
+    let steps = if ctx.quick { 60 } else { 300 };
+    let total = ctx.device_memory;
+    let threshold = total / 4;
+    let variants: [(&str, &str, Option<u64>); 3] = [
+        ("plain cache", "", None),
+        ("empty_cache past threshold", "", Some(threshold)),
+        ("expandable segments", "expandable_segments:True", None),
+    ];
+    let mut sweep = Sweep::new(
+        ctx,
+        "fragmentation",
+        json!({ "steps": steps, "seed": ctx.seed, "activation_sizes_mib": [1, 9],
+                "activation_budget_fraction": 0.35, "keep_one_in": KEEP_ONE_IN, "keep_steps": KEEP_STEPS,
+                "big_request_fraction": 0.4, "big_request_every": BIG_EVERY, "threshold_bytes": threshold }),
+    );
+    let mut outcomes = Vec::new();
+    for (name, conf, th) in variants {
+        let o =
+            allocator_variant!(ctx, conf, |cache| workload(&cache, total, steps, ctx.seed, th)?);
+        let mut v = sweep.variant(name, o.peak_allocated, o.peak_reserved, Some(o.step_ms));
+        let peak_frag = o.timeline.iter().copied().fold(0.0, f64::max);
+        let mean_frag = o.timeline.iter().sum::<f64>() / o.timeline.len().max(1) as f64;
+        for (k, val) in [
+            ("fragmentation_peak", json!(peak_frag)),
+            ("fragmentation_mean", json!(mean_frag)),
+            ("fragmentation_timeline", json!(o.timeline)),
+            ("big_requests", json!(o.big_requests)),
+            ("ooms", json!(o.ooms)),
+            ("fragmentation_ooms", json!(o.fragmentation_ooms)),
+            ("empty_cache_calls", json!(o.empty_cache_calls)),
+            ("step_ms_note", json!("allocator time per step on this host")),
+        ] {
+            v.extra.insert(k.into(), val);
+        }
+        sweep.push(v);
+        outcomes.push((name, o));
+    }
+    let plain = &outcomes[0].1;
+    let summary = |o: &Outcome| {
+        format!(
+            "{}/{} large requests failed ({} with enough memory free in total), mean fragmentation {:.0}%",
+            o.ooms,
+            o.big_requests,
+            o.fragmentation_ooms,
+            100.0 * o.timeline.iter().sum::<f64>() / o.timeline.len().max(1) as f64
+        )
+    };
+    sweep.claim(Claim {
+        claim: "fragmentation can cause OOM although enough memory is free in total".into(),
+        measured: format!("plain cache: {}", summary(plain)),
+        verdict: if plain.fragmentation_ooms > 0 { Verdict::Holds } else { Verdict::DoesNotHold },
+    });
+    for (name, o) in &outcomes[1..] {
+        let verdict = if plain.fragmentation_ooms == 0 {
+            Verdict::NotApplicable
+        } else if o.fragmentation_ooms == 0 {
+            Verdict::Holds
+        } else if o.fragmentation_ooms < plain.fragmentation_ooms {
+            Verdict::Partly
+        } else {
+            Verdict::DoesNotHold
+        };
+        sweep.claim(Claim {
+            claim: format!("{name} avoids the OOMs fragmentation causes"),
+            measured: format!(
+                "{}; peak reserved {} vs {} plain{}",
+                summary(o),
+                human_bytes(o.peak_reserved),
+                human_bytes(plain.peak_reserved),
+                if o.empty_cache_calls > 0 {
+                    format!("; {} empty_cache calls", o.empty_cache_calls)
+                } else {
+                    String::new()
+                }
+            ),
+            verdict,
+        });
+    }
+    Ok(sweep.finish())
+}

@@ -13,12 +13,15 @@ type TestResult = Result<(), Box<dyn Error>>;
 
 const MIB: usize = 1 << 20;
 
-/// Whether device 0 can be used; prints the skip line when it cannot.
+/// Whether device 0 can be used; prints the skip line when it cannot. The line goes straight
+/// to stderr (not through `eprintln!`, which the test harness captures) so that it shows in a
+/// plain `cargo test` run.
 fn have_device() -> bool {
     match probe(0) {
         Ok(_) => true,
         Err(reason) => {
-            eprintln!("skipped: no CUDA device ({reason})");
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({reason})");
             false
         }
     }

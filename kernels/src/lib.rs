@@ -1,6 +1,55 @@
-//! vram-kernels: devices, tensors (f32/f16/bf16) and the ops training needs.
+//! vram-kernels: devices, tensors (f32/f16/bf16) and the ops training needs, forward and
+//! backward.
+//!
+//! A [`Device`] owns a caching allocator ([`vram_alloc::CachingAllocator`]); every
+//! [`Tensor`] owns one block from it, so every byte a model holds shows in the device's
+//! statistics (`memory_allocated`, peaks, `memory_summary`, snapshots) exactly as PyTorch
+//! would report it on a GPU. Ops ([`ops`]) check shapes, dtypes and devices, allocate their
+//! outputs from the input's device and compute with the CPU reference ([`cpu`]): storage in
+//! the tensor's dtype, arithmetic in f32. CUDA kernels are not implemented yet; asking for a
+//! CUDA device returns [`Error::Unsupported`].
+//!
+//! ```
+//! use vram_kernels::{DType, Device, Tensor, ops};
+//!
+//! let dev = Device::host(64 << 20);
+//! // A linear layer with 3 inputs and 2 classes on a batch of 2, in bf16.
+//! let x = Tensor::from_f32_slice(&dev, &[2, 3], &[1., 2., 3., -1., 0., 1.], DType::BF16)?;
+//! let w = Tensor::from_f32_slice(&dev, &[2, 3], &[0.1, 0.2, 0.3, -0.3, 0.2, 0.1], DType::BF16)?;
+//! let logits = ops::linear(&x, &w, None)?;
+//! assert_eq!(logits.shape(), &[2, 2]);
+//!
+//! let ce = ops::cross_entropy(&logits, &[0, 1], None)?;
+//! assert!(ce.loss.is_finite());
+//! let dlogits = ops::cross_entropy_backward(&logits, &[0, 1], None, &ce.lse, 1.0)?;
+//! let grads = ops::linear_backward(&x, &w, &dlogits, false)?;
+//! assert_eq!(grads.dw.shape(), w.shape());
+//!
+//! // Every live tensor is counted; dropping one returns its bytes to the cache.
+//! let live = dev.memory_allocated();
+//! assert!(live >= (x.size_in_bytes() + w.size_in_bytes()) as u64);
+//! drop(grads);
+//! assert!(dev.memory_allocated() < live);
+//!
+//! // Mismatches are errors that name the op and the shapes, never panics.
+//! let err = ops::add(&x, &logits).unwrap_err();
+//! assert_eq!(err.to_string(), "add: shape mismatch between [2, 3] and [2, 2]");
+//! # Ok::<(), vram_kernels::Error>(())
+//! ```
 
 pub mod cpu;
+pub mod device;
 pub mod dtype;
+pub mod error;
+pub mod ops;
+pub mod tensor;
 
+pub use cpu::conv::Conv2dParams;
+pub use cpu::matmul::MatmulSpec;
+pub use cpu::optim::{AdamWConfig, SgdConfig};
+pub use cpu::pool::Pool2dParams;
+pub use device::{DEVICE_ENV_VAR, Device};
 pub use dtype::{DType, Element};
+pub use error::{Error, Result};
+pub use ops::{Conv2dOptions, Pool2dOptions};
+pub use tensor::{Indices, Tensor};

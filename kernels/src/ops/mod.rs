@@ -1,0 +1,143 @@
+//! Ops on [`Tensor`]s, forward and backward: thin wrappers over the [`cpu`](crate::cpu)
+//! reference functions that check shapes, dtypes and devices, allocate their outputs from
+//! the input's device and dispatch on the dtype.
+//!
+//! Every op validates before it allocates and allocates before it writes, so an error (out
+//! of memory included) leaves its inputs as they were. Arithmetic is in f32 whatever the
+//! storage dtype. Backward ops take what the forward saved and return fresh gradient
+//! tensors; the in-place ops (`add_assign`, `axpy`, optimizer steps, unscale) name it.
+
+mod activation;
+mod conv;
+mod elementwise;
+mod embedding;
+mod loss;
+mod matmul;
+mod norm;
+mod optim;
+mod pool;
+mod random;
+mod reduce;
+mod softmax;
+
+pub use activation::{gelu, gelu_backward, relu, relu_backward};
+pub use conv::{Conv2dGrads, Conv2dOptions, conv2d, conv2d_backward, conv2d_params};
+pub use elementwise::{add, add_assign, axpy, bias_add, bias_add_backward, mul, scale};
+pub use embedding::{embedding, embedding_backward};
+pub use loss::{CrossEntropy, cross_entropy, cross_entropy_backward};
+pub use matmul::{LinearGrads, linear, linear_backward, matmul, matmul_backward, matmul_spec};
+pub use norm::{LayerNormGrads, LayerNormOutput, layer_norm, layer_norm_backward};
+pub use optim::{adamw_step, sgd_step, unscale_and_check_finite};
+pub use pool::{
+    Pool2dOptions, avg_pool2d, avg_pool2d_backward, global_avg_pool, global_avg_pool_backward,
+    max_pool2d, max_pool2d_backward, pool2d_params,
+};
+pub use random::{dropout, dropout_backward};
+pub use reduce::{
+    mean, mean_backward, mean_last_dim, mean_last_dim_backward, sum, sum_backward, sum_last_dim,
+    sum_last_dim_backward,
+};
+pub use softmax::{causal_softmax, causal_softmax_backward, softmax, softmax_backward};
+
+use crate::device::Device;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// Runs `$body` with `$T` bound to the element type of `$dtype` (f32, `half::f16` or
+/// `half::bf16`): the one place a dtype becomes a type.
+macro_rules! with_dtype {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            $crate::dtype::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::dtype::DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            $crate::dtype::DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_dtype;
+
+/// An [`Error::InvalidArgument`].
+pub(crate) fn invalid(op: &'static str, reason: impl Into<String>) -> Error {
+    Error::InvalidArgument { op, reason: reason.into() }
+}
+
+/// Checks that `b` lives on `a`'s device.
+pub(crate) fn same_device(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.device() == b.device() { Ok(()) } else { Err(Error::DeviceMismatch { op }) }
+}
+
+/// Checks that `b` has `a`'s device and dtype.
+pub(crate) fn same_kind(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    same_device(op, a, b)?;
+    if a.dtype() == b.dtype() {
+        Ok(())
+    } else {
+        Err(Error::DTypeMismatch { op, lhs: a.dtype(), rhs: b.dtype() })
+    }
+}
+
+/// Checks that `b` has `a`'s device, dtype and shape.
+pub(crate) fn same_layout(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    same_kind(op, a, b)?;
+    expect_shape(op, a.shape(), b)
+}
+
+/// Checks that `t` has shape `want`.
+pub(crate) fn expect_shape(op: &'static str, want: &[usize], t: &Tensor) -> Result<()> {
+    if t.shape() == want {
+        Ok(())
+    } else {
+        Err(Error::ShapeMismatch { op, lhs: want.to_vec(), rhs: t.shape().to_vec() })
+    }
+}
+
+/// Checks that `t` is stored as `dtype`.
+pub(crate) fn expect_dtype(op: &'static str, dtype: DType, t: &Tensor) -> Result<()> {
+    if t.dtype() == dtype {
+        Ok(())
+    } else {
+        Err(Error::DTypeMismatch { op, lhs: dtype, rhs: t.dtype() })
+    }
+}
+
+/// Checks that `t` has rank `rank`; `what` names the expected layout in the message.
+pub(crate) fn expect_rank(op: &'static str, t: &Tensor, rank: usize, what: &str) -> Result<()> {
+    if t.rank() == rank {
+        Ok(())
+    } else {
+        Err(invalid(op, format!("expected a rank-{rank} tensor {what}, got shape {:?}", t.shape())))
+    }
+}
+
+/// Splits `shape` into (leading elements, last dimension); an error for rank 0.
+pub(crate) fn rows_cols(op: &'static str, shape: &[usize]) -> Result<(usize, usize)> {
+    match shape.split_last() {
+        Some((&d, lead)) => Ok((lead.iter().product(), d)),
+        None => Err(invalid(op, "expected a tensor of rank at least 1, got a scalar")),
+    }
+}
+
+/// An output of `shape` and `dtype` on `device` whose every element the op overwrites.
+pub(crate) fn output(
+    op: &'static str,
+    device: &Device,
+    shape: &[usize],
+    dtype: DType,
+) -> Result<Tensor> {
+    Tensor::uninit(op, device, shape, dtype)
+}
+
+/// An output with `x`'s device, shape and dtype whose every element the op overwrites.
+pub(crate) fn output_like(op: &'static str, x: &Tensor) -> Result<Tensor> {
+    Tensor::uninit(op, x.device(), x.shape(), x.dtype())
+}

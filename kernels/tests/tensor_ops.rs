@@ -1,0 +1,383 @@
+//! The tensor layer: errors name what went wrong, memory is counted and returned, and the
+//! ops compute what the CPU reference computes.
+
+use half::{bf16, f16};
+use vram_kernels::cpu;
+use vram_kernels::ops;
+use vram_kernels::{
+    AdamWConfig, Conv2dOptions, DType, Device, Element, Error, Pool2dOptions, SgdConfig, Tensor,
+};
+
+fn dev() -> Device {
+    Device::host(256 << 20)
+}
+
+/// Deterministic values in about [-1, 1].
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 2001) as f32 / 1000.0) - 1.0)
+        .collect()
+}
+
+fn t(dev: &Device, shape: &[usize], seed: u32) -> Tensor {
+    let n = shape.iter().product();
+    Tensor::from_f32_slice(dev, shape, &values(n, seed), DType::F32).unwrap()
+}
+
+#[test]
+fn shape_mismatch_errors_name_the_op_and_both_shapes() {
+    let d = dev();
+    let (a, b) = (t(&d, &[2, 3], 1), t(&d, &[3, 2], 2));
+    let err = ops::add(&a, &b).unwrap_err();
+    assert!(
+        matches!(&err, Error::ShapeMismatch { op: "add", lhs, rhs } if lhs == &[2, 3] && rhs == &[3, 2])
+    );
+    assert_eq!(err.to_string(), "add: shape mismatch between [2, 3] and [3, 2]");
+
+    let err = ops::matmul(&a, &a, false, false).unwrap_err().to_string();
+    assert!(err.contains("matmul") && err.contains("[2, 3]"), "{err}");
+    let w = t(&d, &[4, 5], 3);
+    let err = ops::linear(&a, &w, None).unwrap_err().to_string();
+    assert!(err.contains("linear") && err.contains("[2, 3]") && err.contains("[4, 5]"), "{err}");
+    let x = t(&d, &[1, 4, 5, 5], 4);
+    let k = t(&d, &[2, 3, 3, 3], 5);
+    let err = ops::conv2d(&x, &k, None, &Conv2dOptions::default()).unwrap_err().to_string();
+    assert!(err.contains("conv2d") && err.contains("[1, 4, 5, 5]") && err.contains("[2, 3, 3, 3]"));
+    let err = ops::relu_backward(&a, &b).unwrap_err().to_string();
+    assert!(err.starts_with("relu_backward"), "{err}");
+}
+
+#[test]
+fn dtype_and_device_mismatches_are_errors() {
+    let d = dev();
+    let a = t(&d, &[4], 1);
+    let h = a.to_dtype(DType::F16).unwrap();
+    let err = ops::mul(&a, &h).unwrap_err();
+    assert!(matches!(err, Error::DTypeMismatch { op: "mul", lhs: DType::F32, rhs: DType::F16 }));
+    assert!(err.to_string().contains("f32") && err.to_string().contains("f16"));
+    assert!(matches!(a.as_slice::<bf16>(), Err(Error::DTypeMismatch { .. })));
+
+    let other = t(&dev(), &[4], 1);
+    assert!(matches!(ops::add(&a, &other), Err(Error::DeviceMismatch { op: "add" })));
+}
+
+#[test]
+fn out_of_memory_is_an_error_and_leaves_the_inputs_intact() {
+    let d = Device::host(4 << 20);
+    let a = t(&d, &[1024, 64], 1);
+    let b = t(&d, &[64, 1024], 2);
+    let before = d.memory_allocated();
+    // The 4 MiB product needs a 20 MiB segment.
+    let err = ops::matmul(&a, &b, false, false).unwrap_err();
+    assert!(err.is_out_of_memory(), "{err}");
+    assert!(matches!(err, Error::OutOfMemory(_)));
+    assert_eq!(d.memory_allocated(), before);
+    assert_eq!(a.to_f32_vec(), values(1024 * 64, 1));
+    assert_eq!(b.to_f32_vec(), values(64 * 1024, 2));
+    // The device still serves requests that fit.
+    let c = ops::matmul(&t(&d, &[16, 64], 3), &a, false, true).unwrap();
+    assert_eq!(c.shape(), &[16, 1024]);
+}
+
+#[test]
+fn every_tensor_is_counted_and_dropping_it_returns_its_bytes() {
+    let d = dev();
+    assert_eq!(d.memory_allocated(), 0);
+    let x = Tensor::zeros(&d, &[100], DType::F32).unwrap(); // 400 B -> one 512 B block
+    assert_eq!(x.size_in_bytes(), 400);
+    assert_eq!(d.memory_allocated(), 512);
+    let y = Tensor::zeros(&d, &[1000], DType::BF16).unwrap(); // 2000 B -> 2048 B
+    assert_eq!(d.memory_allocated(), 512 + 2048);
+    let z = ops::relu(&y).unwrap();
+    assert_eq!(d.memory_allocated(), 512 + 2 * 2048);
+    let empty = Tensor::zeros(&d, &[0, 7], DType::F16).unwrap();
+    assert_eq!(empty.numel(), 0);
+    assert_eq!(empty.size_in_bytes(), 0);
+    let peak = d.max_memory_allocated();
+    drop((x, y, z, empty));
+    assert_eq!(d.memory_allocated(), 0);
+    assert!(peak >= 512 + 2 * 2048);
+    assert!(d.memory_reserved() > 0, "freed blocks stay cached");
+    d.empty_cache();
+    assert_eq!(d.memory_reserved(), 0);
+    assert!(d.memory_summary().contains("Allocated memory"), "{}", d.memory_summary());
+    assert_eq!(d.memory_stats().get("allocated_bytes.all.current"), Some(0));
+}
+
+fn round_trip<T: Element>(dev: &Device) {
+    let data: Vec<T> = values(6, 9).into_iter().map(T::from_f32).collect();
+    let x = Tensor::from_slice(dev, &[2, 3], &data).unwrap();
+    assert_eq!(x.dtype(), T::DTYPE);
+    assert_eq!(x.to_vec::<T>().unwrap(), data);
+    assert_eq!(x.as_slice::<T>().unwrap(), &data[..]);
+    let f32s: Vec<f32> = data.iter().map(|v| v.to_f32()).collect();
+    assert_eq!(x.to_f32_vec(), f32s);
+    assert_eq!(
+        Tensor::from_f32_slice(dev, &[3, 2], &f32s, T::DTYPE).unwrap().to_vec::<T>().unwrap(),
+        data
+    );
+    let back = x.to_dtype(DType::F32).unwrap().to_dtype(T::DTYPE).unwrap();
+    assert_eq!(back.to_vec::<T>().unwrap(), data, "widening then narrowing is exact");
+    let copy = x.try_clone().unwrap();
+    let r = x.reshape(&[3, 2]).unwrap();
+    assert_eq!((r.shape(), copy.to_vec::<T>().unwrap()), (&[3usize, 2][..], data));
+}
+
+#[test]
+fn from_slice_and_to_vec_round_trip_for_every_dtype() {
+    let d = dev();
+    round_trip::<f32>(&d);
+    round_trip::<f16>(&d);
+    round_trip::<bf16>(&d);
+    let err = Tensor::from_slice(&d, &[2, 2], &[1.0f32; 3]).unwrap_err();
+    assert!(matches!(err, Error::ShapeMismatch { .. }));
+    let x = Tensor::zeros(&d, &[4], DType::F32).unwrap();
+    assert!(matches!(x.reshape(&[5]), Err(Error::ShapeMismatch { op: "reshape", .. })));
+    let mut y = Tensor::zeros(&d, &[4], DType::F32).unwrap();
+    assert!(y.set_shape(&[3]).is_err());
+    assert_eq!(y.shape(), &[4]);
+}
+
+/// Two-layer MLP, forward and backward, through the tensor ops and through `cpu::` on
+/// plain vectors: the results must be identical (the ops add checks, not arithmetic).
+fn mlp_matches_reference<T: Element>() {
+    let d = dev();
+    let (n, i, h, c) = (8, 5, 16, 3);
+    let targets: Vec<u32> = (0..n as u32).map(|r| r % c as u32).collect();
+    let vec = |len: usize, seed: u32| -> Vec<T> {
+        values(len, seed).into_iter().map(T::from_f32).collect::<Vec<T>>()
+    };
+    let (xv, w1v, b1v, w2v, b2v) =
+        (vec(n * i, 1), vec(h * i, 2), vec(h, 3), vec(c * h, 4), vec(c, 5));
+    let tensor = |shape: &[usize], v: &[T]| Tensor::from_slice(&d, shape, v).unwrap();
+    let (x, w1, b1, w2, b2) = (
+        tensor(&[n, i], &xv),
+        tensor(&[h, i], &w1v),
+        tensor(&[h], &b1v),
+        tensor(&[c, h], &w2v),
+        tensor(&[c], &b2v),
+    );
+
+    let z1 = ops::linear(&x, &w1, Some(&b1)).unwrap();
+    let a1 = ops::relu(&z1).unwrap();
+    let z2 = ops::linear(&a1, &w2, Some(&b2)).unwrap();
+    let ce = ops::cross_entropy(&z2, &targets, None).unwrap();
+    let dz2 = ops::cross_entropy_backward(&z2, &targets, None, &ce.lse, 1.0).unwrap();
+    let g2 = ops::linear_backward(&a1, &w2, &dz2, true).unwrap();
+    let da1 = ops::relu_backward(&z1, &g2.dx).unwrap();
+    let g1 = ops::linear_backward(&x, &w1, &da1, true).unwrap();
+
+    let zeros = |len: usize| vec![T::from_f32(0.0); len];
+    let (mut rz1, mut ra1, mut rz2) = (zeros(n * h), zeros(n * h), zeros(n * c));
+    cpu::matmul::linear(&xv, &w1v, Some(&b1v), &mut rz1, i, h);
+    cpu::activation::relu(&rz1, &mut ra1);
+    cpu::matmul::linear(&ra1, &w2v, Some(&b2v), &mut rz2, h, c);
+    let mut lse = vec![0.0f32; n];
+    let loss = cpu::loss::cross_entropy(&rz2, &targets, None, &mut lse).unwrap();
+    let mut rdz2 = zeros(n * c);
+    cpu::loss::cross_entropy_backward(&rz2, &targets, None, &lse, 1.0, &mut rdz2).unwrap();
+    let (mut rda1, mut rdw2, mut rdb2) = (zeros(n * h), zeros(c * h), zeros(c));
+    cpu::matmul::linear_backward(
+        &ra1,
+        &w2v,
+        &rdz2,
+        Some(&mut rda1),
+        Some(&mut rdw2),
+        Some(&mut rdb2),
+        h,
+        c,
+    );
+    let mut rdz1 = zeros(n * h);
+    cpu::activation::relu_backward(&rz1, &rda1, &mut rdz1);
+    let (mut rdx, mut rdw1, mut rdb1) = (zeros(n * i), zeros(h * i), zeros(h));
+    cpu::matmul::linear_backward(
+        &xv,
+        &w1v,
+        &rdz1,
+        Some(&mut rdx),
+        Some(&mut rdw1),
+        Some(&mut rdb1),
+        i,
+        h,
+    );
+
+    assert!(loss.is_finite());
+    assert_eq!(ce.loss.to_bits(), loss.to_bits());
+    assert_eq!(z2.to_vec::<T>().unwrap(), rz2);
+    assert_eq!(g1.dx.to_vec::<T>().unwrap(), rdx);
+    assert_eq!(g1.dw.to_vec::<T>().unwrap(), rdw1);
+    assert_eq!(g1.dbias.unwrap().to_vec::<T>().unwrap(), rdb1);
+    assert_eq!(g2.dw.to_vec::<T>().unwrap(), rdw2);
+    assert_eq!(g2.dbias.unwrap().to_vec::<T>().unwrap(), rdb2);
+}
+
+#[test]
+fn mlp_forward_and_backward_match_the_cpu_reference() {
+    mlp_matches_reference::<f32>();
+    mlp_matches_reference::<bf16>();
+}
+
+#[test]
+fn batched_matmul_broadcasts_a_rank_2_operand_and_sums_its_gradient() {
+    let d = dev();
+    let (a, w) = (t(&d, &[3, 4, 5], 1), t(&d, &[5, 2], 2));
+    let c = ops::matmul(&a, &w, false, false).unwrap();
+    assert_eq!(c.shape(), &[3, 4, 2]);
+    let dc = t(&d, &[3, 4, 2], 3);
+    let (da, dw) = ops::matmul_backward(&a, &w, &dc, false, false).unwrap();
+    assert_eq!((da.shape(), dw.shape()), (&[3usize, 4, 5][..], &[5usize, 2][..]));
+    // The broadcast weight's gradient equals the one of the flattened [12, 5] x [5, 2].
+    let a2 = a.try_clone().unwrap().reshape(&[12, 5]).unwrap();
+    let dc2 = dc.try_clone().unwrap().reshape(&[12, 2]).unwrap();
+    let (_, dw2) = ops::matmul_backward(&a2, &w, &dc2, false, false).unwrap();
+    for (x, y) in dw.to_f32_vec().iter().zip(dw2.to_f32_vec()) {
+        assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+    }
+    // Transposed operands: a^T stored [5, 4] per batch.
+    let at = t(&d, &[3, 5, 4], 4);
+    assert_eq!(ops::matmul(&at, &w, true, false).unwrap().shape(), &[3, 4, 2]);
+    assert!(ops::matmul(&at, &t(&d, &[2, 5, 2], 5), true, false).is_err());
+}
+
+#[test]
+fn conv_pool_and_norm_ops_check_shapes_and_compute_the_reference() {
+    let d = dev();
+    // Depthwise: groups == channels.
+    let x = t(&d, &[2, 4, 6, 6], 1);
+    let k = t(&d, &[4, 1, 3, 3], 2);
+    let opts = Conv2dOptions::default().padding((1, 1)).groups(4);
+    let y = ops::conv2d(&x, &k, None, &opts).unwrap();
+    assert_eq!(y.shape(), &[2, 4, 6, 6]);
+    let params = ops::conv2d_params(x.shape(), k.shape(), &opts).unwrap();
+    let mut want = vec![0.0f32; y.numel()];
+    cpu::conv::conv2d(&params, x.as_slice().unwrap(), k.as_slice().unwrap(), None, &mut want);
+    assert_eq!(y.to_f32_vec(), want);
+    let g = ops::conv2d_backward(&x, &k, &y, &opts, true).unwrap();
+    assert_eq!((g.dx.shape(), g.dweight.shape()), (x.shape(), k.shape()));
+    assert!(ops::conv2d(&x, &k, None, &Conv2dOptions::default().groups(3)).is_err());
+
+    let p = Pool2dOptions::new((2, 2), (2, 2));
+    let (m, argmax) = ops::max_pool2d(&x, &p).unwrap();
+    assert_eq!(m.shape(), &[2, 4, 3, 3]);
+    let dx = ops::max_pool2d_backward(&m, &argmax, x.shape(), &p).unwrap();
+    assert_eq!(dx.shape(), x.shape());
+    let avg = ops::avg_pool2d(&x, &p, true).unwrap();
+    assert_eq!(ops::avg_pool2d_backward(&avg, x.shape(), &p, true).unwrap().shape(), x.shape());
+    let gap = ops::global_avg_pool(&x).unwrap();
+    assert_eq!(gap.shape(), &[2, 4]);
+    assert_eq!(ops::global_avg_pool_backward(&gap, x.shape()).unwrap().shape(), x.shape());
+    assert!(ops::max_pool2d(&x, &Pool2dOptions::new((2, 2), (0, 1))).is_err());
+
+    let h = t(&d, &[3, 8], 3);
+    let gamma = Tensor::full(&d, &[8], DType::F32, 1.0).unwrap();
+    let beta = Tensor::zeros(&d, &[8], DType::F32).unwrap();
+    let ln = ops::layer_norm(&h, &gamma, &beta, 1e-5).unwrap();
+    assert_eq!((ln.mean.shape(), ln.rstd.dtype()), (&[3usize][..], DType::F32));
+    for row in ln.y.to_f32_vec().chunks(8) {
+        assert!(row.iter().sum::<f32>().abs() < 1e-4, "normalized rows have mean 0");
+    }
+    let lg = ops::layer_norm_backward(&h, &gamma, &ln.mean, &ln.rstd, &ln.y).unwrap();
+    assert_eq!(lg.dgamma.shape(), &[8]);
+    assert!(ops::layer_norm(&h, &t(&d, &[7], 4), &beta, 1e-5).is_err());
+}
+
+#[test]
+fn softmax_embedding_dropout_and_reductions() {
+    let d = dev();
+    let s = ops::causal_softmax(&t(&d, &[2, 4, 4], 1)).unwrap();
+    let v = s.to_f32_vec();
+    assert_eq!(v[1], 0.0, "row 0 sees only column 0");
+    assert!((v[..4].iter().sum::<f32>() - 1.0).abs() < 1e-6);
+    assert!(ops::causal_softmax(&t(&d, &[4, 3], 1)).is_err());
+    let y = ops::softmax(&t(&d, &[3, 5], 2)).unwrap();
+    assert!((ops::sum(&y).unwrap() - 3.0).abs() < 1e-5);
+
+    let table = t(&d, &[10, 4], 3);
+    let e = ops::embedding(&table, &[1, 9, 1]).unwrap();
+    assert_eq!(&e.to_f32_vec()[..4], &table.to_f32_vec()[4..8]);
+    let err = ops::embedding(&table, &[10]).unwrap_err();
+    assert!(matches!(err, Error::IndexOutOfRange { op: "embedding", index: 10, bound: 10 }));
+    let dt = ops::embedding_backward(&[1, 9, 1], &e, 10).unwrap();
+    assert_eq!(dt.shape(), &[10, 4]);
+    let ce = ops::cross_entropy(&t(&d, &[2, 3], 4), &[0, 3], None).unwrap_err();
+    assert!(matches!(ce, Error::IndexOutOfRange { index: 3, bound: 3, .. }));
+
+    let x = Tensor::full(&d, &[1000], DType::F16, 1.0).unwrap();
+    let y = ops::dropout(&x, 0.5, 7, 0).unwrap();
+    let dy = ops::dropout_backward(&x, 0.5, 7, 0).unwrap();
+    assert_eq!(y.to_f32_vec(), dy.to_f32_vec(), "the backward recomputes the forward's mask");
+    let kept = y.to_f32_vec().iter().filter(|&&v| v == 2.0).count();
+    assert!((400..600).contains(&kept), "{kept}");
+    assert!(matches!(ops::dropout(&x, 1.0, 7, 0), Err(Error::InvalidArgument { .. })));
+
+    assert_eq!(ops::mean(&x).unwrap(), 1.0);
+    let rows = ops::sum_last_dim(&t(&d, &[3, 4], 5)).unwrap();
+    assert_eq!(rows.shape(), &[3]);
+    assert_eq!(ops::mean_last_dim_backward(&rows, 4).unwrap().shape(), &[3, 4]);
+    let db = ops::bias_add_backward(&Tensor::full(&d, &[5, 2], DType::F32, 1.0).unwrap()).unwrap();
+    assert_eq!(db.to_f32_vec(), vec![5.0, 5.0]);
+}
+
+#[test]
+fn optimizer_steps_and_unscale_update_in_place() {
+    let d = dev();
+    let mut p = Tensor::full(&d, &[4], DType::F32, 1.0).unwrap();
+    let g = Tensor::full(&d, &[4], DType::BF16, 0.5).unwrap();
+    let sgd =
+        SgdConfig { lr: 0.1, momentum: 0.9, dampening: 0.0, weight_decay: 0.0, nesterov: false };
+    assert!(ops::sgd_step(&mut p, &g, None, true, &sgd).is_err(), "momentum needs a buffer");
+    let mut buf = Tensor::zeros(&d, &[4], DType::F32).unwrap();
+    ops::sgd_step(&mut p, &g, Some(&mut buf), true, &sgd).unwrap();
+    assert_eq!(p.to_f32_vec(), vec![0.95; 4]);
+    assert_eq!(buf.to_f32_vec(), vec![0.5; 4]);
+
+    let (mut m, mut v) = (
+        Tensor::zeros(&d, &[4], DType::F32).unwrap(),
+        Tensor::zeros(&d, &[4], DType::F32).unwrap(),
+    );
+    let adam = AdamWConfig { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
+    assert!(ops::adamw_step(&mut p, &g, &mut m, &mut v, 0, &adam).is_err());
+    ops::adamw_step(&mut p, &g, &mut m, &mut v, 1, &adam).unwrap();
+    assert!((p.to_f32_vec()[0] - 0.94).abs() < 1e-5, "the first Adam step moves by lr");
+    let mut half_params = p.to_dtype(DType::F16).unwrap();
+    assert!(matches!(
+        ops::adamw_step(&mut half_params, &g, &mut m, &mut v, 2, &adam),
+        Err(Error::DTypeMismatch { .. })
+    ));
+
+    let mut g1 = Tensor::full(&d, &[3], DType::F16, 4.0).unwrap();
+    let mut g2 = Tensor::from_slice(&d, &[2], &[1.0f32, f32::INFINITY]).unwrap();
+    assert!(!ops::unscale_and_check_finite(&mut [&mut g1], 0.25).unwrap());
+    assert_eq!(g1.to_f32_vec(), vec![1.0; 3]);
+    assert!(ops::unscale_and_check_finite(&mut [&mut g1, &mut g2], 0.5).unwrap());
+    assert_eq!(g1.to_f32_vec(), vec![0.5; 3], "every tensor is unscaled");
+
+    let mut acc = Tensor::zeros(&d, &[3], DType::F32).unwrap();
+    ops::add_assign(&mut acc, &g1).unwrap();
+    ops::add_assign(&mut acc, &g1).unwrap();
+    assert_eq!(acc.to_f32_vec(), vec![1.0; 3]);
+    assert!(ops::add_assign(&mut acc, &g2).is_err());
+}
+
+#[test]
+fn degenerate_shapes_give_empty_or_zero_results_not_panics() {
+    let d = dev();
+    // k = 0: the product of [2, 0] and [0, 3] is a [2, 3] matrix of zeros.
+    let c = ops::matmul(&t(&d, &[2, 0], 1), &t(&d, &[0, 3], 2), false, false).unwrap();
+    assert_eq!(c.to_f32_vec(), vec![0.0; 6]);
+    let (da, db) = ops::matmul_backward(
+        &t(&d, &[0, 2, 2], 1),
+        &t(&d, &[2, 2], 2),
+        &t(&d, &[0, 2, 2], 3),
+        false,
+        false,
+    )
+    .unwrap();
+    assert_eq!((da.numel(), db.to_f32_vec()), (0, vec![0.0; 4]));
+    let g = ops::linear_backward(&t(&d, &[3, 2], 1), &t(&d, &[0, 2], 2), &t(&d, &[3, 0], 3), true)
+        .unwrap();
+    assert_eq!(g.dx.to_f32_vec(), vec![0.0; 6]);
+    assert_eq!(ops::softmax(&t(&d, &[0, 4], 1)).unwrap().numel(), 0);
+    assert!(ops::softmax(&Tensor::zeros(&d, &[], DType::F32).unwrap()).is_err());
+    assert!(ops::layer_norm(&t(&d, &[2, 0], 1), &t(&d, &[0], 1), &t(&d, &[0], 1), 1e-5).is_err());
+}

@@ -6,10 +6,14 @@
 
 mod backend;
 mod bench;
+pub mod data;
 mod error;
 mod experiments;
+pub mod models;
+pub mod optim;
 mod report;
 mod results;
+pub mod rng;
 mod techniques;
 
 pub use backend::{Backend, BackendChoice};

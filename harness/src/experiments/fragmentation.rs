@@ -9,6 +9,7 @@
 //! allocated passes a quarter of the device, the source's "e.g. 1 GB"); expandable segments.
 
 use super::{Sweep, allocator_variant};
+use crate::rng::Rng;
 use crate::{Claim, Context, ExperimentResult, Verdict};
 use serde_json::json;
 use std::collections::VecDeque;
@@ -34,19 +35,6 @@ struct Outcome {
     step_ms: f64,
 }
 
-/// A small deterministic generator (SplitMix64).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-}
-
 fn workload<M: DeviceMemory>(
     cache: &CachingAllocator<M>,
     total: u64,
@@ -54,7 +42,7 @@ fn workload<M: DeviceMemory>(
     seed: u64,
     threshold: Option<u64>,
 ) -> Result<Outcome, String> {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let mut out = Outcome::default();
     let weights =
         cache.allocate((total / 10) as usize).map_err(|e| format!("weights do not fit: {e}"))?;
@@ -66,10 +54,10 @@ fn workload<M: DeviceMemory>(
         let mut keep = Vec::new();
         let mut used = 0u64;
         while used < activation_budget {
-            let size = MIB + (rng.next() % (8 * MIB as u64)) as usize;
+            let size = MIB + (rng.next_u64() % (8 * MIB as u64)) as usize;
             let Ok(a) = cache.allocate(size) else { break };
             used += size as u64;
-            if rng.next().is_multiple_of(KEEP_ONE_IN) { keep.push(a) } else { acts.push(a) }
+            if rng.next_u64().is_multiple_of(KEEP_ONE_IN) { keep.push(a) } else { acts.push(a) }
         }
         let (alloc, reserved) = (cache.memory_allocated(), cache.memory_reserved());
         out.timeline.push(1.0 - alloc as f64 / reserved.max(1) as f64);

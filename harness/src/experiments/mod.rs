@@ -1,7 +1,19 @@
 //! One experiment per technique id.
 
+mod batch_size;
+mod common;
+mod empty_cache;
 mod fragmentation;
+mod input_size;
+mod lighter_model;
+mod max_batch;
 mod memory_fraction;
+mod monitoring;
+mod multi_task;
+mod no_grad;
+mod not_here;
+mod oom_recovery;
+mod release_references;
 
 use crate::{Backend, Claim, Context, ExperimentResult, Variant};
 use serde_json::Value;
@@ -10,8 +22,23 @@ use serde_json::Value;
 pub type ExperimentFn = fn(&Context) -> Result<ExperimentResult, String>;
 
 /// The experiments implemented so far, by technique id.
-const EXPERIMENTS: &[(&str, ExperimentFn)] =
-    &[("memory-fraction", memory_fraction::run), ("fragmentation", fragmentation::run)];
+const EXPERIMENTS: &[(&str, ExperimentFn)] = &[
+    ("batch-size", batch_size::run),
+    ("max-batch-search", max_batch::run),
+    ("no-grad-inference", no_grad::run),
+    ("empty-cache", empty_cache::run),
+    ("release-references", release_references::run),
+    ("pinned-memory", not_here::pinned_memory),
+    ("lighter-model", lighter_model::run),
+    ("input-size", input_size::run),
+    ("memory-fraction", memory_fraction::run),
+    ("fragmentation", fragmentation::run),
+    ("monitoring", monitoring::run),
+    ("multi-task", multi_task::run),
+    ("oom-recovery", oom_recovery::run),
+    ("data-parallel", not_here::data_parallel),
+    ("cpu-fallback", not_here::cpu_fallback),
+];
 
 /// The experiment for a technique id, if it is implemented.
 pub fn find(id: &str) -> Option<ExperimentFn> {

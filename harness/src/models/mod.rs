@@ -71,6 +71,12 @@ pub struct Model {
     layers: Vec<Box<dyn Layer>>,
 }
 
+/// What a training forward keeps alive for backward, with its output.
+pub struct Graph {
+    _saved: Vec<Saved>,
+    _logits: Tensor,
+}
+
 /// What one training step measured.
 #[derive(Clone, Copy, Debug)]
 pub struct StepOutcome {
@@ -314,6 +320,23 @@ impl Model {
             self.embed_backward(batch, &dy)?;
         }
         Ok(StepOutcome { loss })
+    }
+
+    /// A training forward whose saved state (what backward would need: PyTorch's autograd
+    /// graph) goes to the caller with the logits. Keeping it alive is the classic leak of
+    /// `losses.append(loss)`; dropping it is `loss.item()`.
+    pub fn forward_graph(&mut self, batch: &Batch, seed: u64) -> Result<(f32, Graph)> {
+        let dtype = self.params()[0].value.dtype();
+        let mut ctx = ForwardCtx::new(Mode::Train, seed);
+        let mut x = self.input(batch, dtype)?;
+        let mut saved = Vec::with_capacity(self.layers.len());
+        for layer in &mut self.layers {
+            let (y, s) = layer.forward(&x, &mut ctx)?;
+            saved.extend(s);
+            x = y;
+        }
+        let loss = ops::cross_entropy(&x, &batch.targets, None)?.loss;
+        Ok((loss, Graph { _saved: saved, _logits: x }))
     }
 
     /// Mean loss on a batch without backward. With `mode == Mode::Train` the forward saves

@@ -1,0 +1,198 @@
+//! What the training experiments share: devices, standard models, a measured training run,
+//! and small statistics.
+
+use crate::data::Dataset;
+use crate::models::{Arch, Model};
+use crate::optim::Optimizer;
+use crate::{Backend, Context};
+use std::time::Instant;
+use vram_accum::{ForwardCtx, Mode};
+use vram_alloc::AllocatorConfig;
+use vram_kernels::{DType, Device};
+
+/// A fresh device for one variant (fresh cache, so peaks are per variant).
+pub fn device(ctx: &Context, conf: &str) -> Result<Device, String> {
+    let config = AllocatorConfig::parse(conf).map_err(|e| e.to_string())?;
+    match &ctx.backend {
+        Backend::Cpu => Device::host_with_config(ctx.device_memory, config).map_err(|e| e.to_string()),
+        Backend::Cuda { .. } => Err(
+            "training experiments need the CUDA kernels of vram-kernels, which are not available in this build; run with --backend cpu"
+                .into(),
+        ),
+    }
+}
+
+/// The CNN input side and models used by the CNN experiments.
+pub fn cnn(ctx: &Context, depthwise: bool) -> Arch {
+    let (width, blocks) = if ctx.quick { (32, vec![1, 1]) } else { (64, vec![2, 2]) };
+    let classes = 10;
+    if depthwise {
+        Arch::MobileNet { width, blocks, classes }
+    } else {
+        Arch::ResNet { width, blocks, classes }
+    }
+}
+
+/// CNN image side.
+pub fn cnn_side(ctx: &Context) -> usize {
+    if ctx.quick { 32 } else { 64 }
+}
+
+/// The stripes data set for the CNNs.
+pub fn stripes(side: usize) -> Dataset {
+    Dataset::Stripes { side, classes: 10 }
+}
+
+/// The GPT used by transformer experiments, and its data.
+pub fn gpt(ctx: &Context) -> (Arch, Dataset) {
+    let (d, layers, seq) = if ctx.quick { (64, 2, 32) } else { (128, 4, 128) };
+    (Arch::Gpt { vocab: 64, d, layers, seq, dropout: 0.1 }, Dataset::Sequences { vocab: 64, seq })
+}
+
+/// Timed steps after warm-up.
+pub fn timed_steps(ctx: &Context) -> (usize, usize) {
+    if ctx.quick { (1, 3) } else { (2, 8) }
+}
+
+/// Measurements of a training run.
+#[derive(Clone, Debug)]
+pub struct TrainMeasure {
+    /// Peak allocated bytes over the run.
+    pub peak_allocated: u64,
+    /// Peak reserved bytes over the run.
+    pub peak_reserved: u64,
+    /// Median step time (ms), over the timed steps.
+    pub step_ms: f64,
+    /// Samples per second at the median step time.
+    pub samples_per_s: f64,
+    /// Bytes of parameters.
+    pub param_bytes: u64,
+    /// Bytes of gradients after a step.
+    pub grad_bytes: u64,
+    /// Bytes of optimizer state.
+    pub optimizer_bytes: u64,
+    /// Loss of the last step.
+    pub last_loss: f32,
+}
+
+/// Trains `model` for `warmup + timed` steps of `batch` samples; times the last `timed`.
+pub fn train(
+    model: &mut Model,
+    opt: &mut Optimizer,
+    data: &Dataset,
+    seed: u64,
+    batch: usize,
+    warmup: usize,
+    timed: usize,
+) -> Result<TrainMeasure, String> {
+    let device = model.device().clone();
+    let mut times = Vec::with_capacity(timed);
+    let mut last_loss = f32::NAN;
+    let mut grad_bytes = 0;
+    for step in 0..warmup + timed {
+        let b = data.batch(seed, step as u64, batch);
+        let started = Instant::now();
+        let mut fctx = ForwardCtx::new(Mode::Train, seed ^ step as u64);
+        last_loss = model.train_step(&b, &mut fctx, 1.0).map_err(|e| e.to_string())?.loss;
+        grad_bytes = model
+            .params()
+            .iter()
+            .filter_map(|p| p.grad.as_ref())
+            .map(|g| g.size_in_bytes() as u64)
+            .sum();
+        opt.step(model.params_mut()).map_err(|e| e.to_string())?;
+        model.zero_grad();
+        if step >= warmup {
+            times.push(started.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    let step_ms = median(&mut times);
+    Ok(TrainMeasure {
+        peak_allocated: device.max_memory_allocated(),
+        peak_reserved: device.max_memory_reserved(),
+        step_ms,
+        samples_per_s: batch as f64 / (step_ms / 1e3),
+        param_bytes: model.param_bytes(),
+        grad_bytes,
+        optimizer_bytes: opt.state_bytes(),
+        last_loss,
+    })
+}
+
+/// Builds `arch` on a fresh device and trains it with AdamW.
+pub fn train_fresh(
+    ctx: &Context,
+    arch: Arch,
+    data: &Dataset,
+    batch: usize,
+    conf: &str,
+) -> Result<TrainMeasure, String> {
+    let device = device(ctx, conf)?;
+    let mut model = Model::new(&device, arch, ctx.seed, DType::F32).map_err(|e| e.to_string())?;
+    let mut opt = Optimizer::adamw(1e-3);
+    let (warmup, timed) = timed_steps(ctx);
+    train(&mut model, &mut opt, data, ctx.seed, batch, warmup, timed)
+}
+
+/// A fingerprint of every parameter's bits: equal fingerprints mean untouched weights.
+pub fn fingerprint(model: &Model) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in model.params() {
+        for v in p.value.to_f32_vec() {
+            h = (h ^ u64::from(v.to_bits())).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// A host device of exactly `capacity` bytes (for experiments that size the device).
+pub fn sized_device(capacity: u64) -> Result<Device, String> {
+    Device::host_with_config(capacity, AllocatorConfig::default()).map_err(|e| e.to_string())
+}
+
+/// The median (sorts in place); NaN for an empty slice.
+pub fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
+}
+
+/// Least-squares line `y = a + b x`; returns (a, b, r^2).
+pub fn fit_line(xs: &[f64], ys: &[f64]) -> (f64, f64, f64) {
+    let n = xs.len() as f64;
+    let (mx, my) = (xs.iter().sum::<f64>() / n, ys.iter().sum::<f64>() / n);
+    let sxy: f64 = xs.iter().zip(ys).map(|(x, y)| (x - mx) * (y - my)).sum();
+    let sxx: f64 = xs.iter().map(|x| (x - mx).powi(2)).sum();
+    let b = if sxx > 0.0 { sxy / sxx } else { 0.0 };
+    let a = my - b * mx;
+    let ss_tot: f64 = ys.iter().map(|y| (y - my).powi(2)).sum();
+    let ss_res: f64 = xs.iter().zip(ys).map(|(x, y)| (y - a - b * x).powi(2)).sum();
+    let r2 = if ss_tot > 0.0 { 1.0 - ss_res / ss_tot } else { 1.0 };
+    (a, b, r2)
+}
+
+/// Whether each value is larger than the one before.
+pub fn increasing(v: &[u64]) -> bool {
+    v.windows(2).all(|w| w[1] > w[0])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fit_line_recovers_an_exact_line() {
+        let (a, b, r2) = fit_line(&[1.0, 2.0, 4.0], &[5.0, 7.0, 11.0]);
+        assert!((a - 3.0).abs() < 1e-12 && (b - 2.0).abs() < 1e-12 && (r2 - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn median_of_even_and_odd_counts() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert!(median(&mut []).is_nan());
+    }
+}

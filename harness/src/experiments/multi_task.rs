@@ -1,0 +1,133 @@
+//! `multi-task`: train model A, then evaluate model B in the same process, with and without
+//! emptying the cache between. The device is sized so that A's cached memory plus B's need
+//! exceed it: B must get memory A's cache holds.
+
+use super::Sweep;
+use super::common::{cnn, cnn_side, stripes, timed_steps, train};
+use crate::models::Model;
+use crate::optim::Optimizer;
+use crate::{Backend, Claim, Context, ExperimentResult, Verdict, human_bytes};
+use serde_json::json;
+use vram_accum::Mode;
+use vram_alloc::AllocatorConfig;
+use vram_kernels::{DType, Device};
+
+/// The outcome of one A-then-B run.
+pub struct Switch {
+    /// Reserved bytes after A finished and was dropped.
+    pub reserved_after_a: u64,
+    /// Peak allocated while B ran.
+    pub peak_allocated_b: u64,
+    /// Peak reserved while B ran.
+    pub peak_reserved_b: u64,
+    /// Whether B's evaluation succeeded.
+    pub b_fitted: bool,
+    /// Times the allocator had to release its cache and retry during B.
+    pub retries_during_b: u64,
+    /// The device capacity used.
+    pub capacity: u64,
+}
+
+fn host(capacity: u64) -> Result<Device, String> {
+    Device::host_with_config(capacity, AllocatorConfig::default()).map_err(|e| e.to_string())
+}
+
+/// Runs A (training) then B (evaluation at 4x the batch) on a device just too small to hold
+/// A's cache and B together; `empty` calls `empty_cache` between the two.
+pub fn two_model_scenario(ctx: &Context, empty: bool) -> Result<Switch, String> {
+    if !matches!(ctx.backend, Backend::Cpu) {
+        return Err("needs the CUDA kernels of vram-kernels; run with --backend cpu".into());
+    }
+    let side = cnn_side(ctx);
+    let data = stripes(side);
+    let (batch_a, batch_b) = (16, 64);
+    let (warmup, timed) = timed_steps(ctx);
+    let run_a = |dev: &Device| -> Result<(), String> {
+        let mut a =
+            Model::new(dev, cnn(ctx, false), ctx.seed, DType::F32).map_err(|e| e.to_string())?;
+        train(&mut a, &mut Optimizer::adamw(1e-3), &data, ctx.seed, batch_a, warmup, timed)
+            .map(|_| ())
+    };
+    let run_b = |dev: &Device| -> Result<f32, String> {
+        let mut b =
+            Model::new(dev, cnn(ctx, true), ctx.seed + 1, DType::F32).map_err(|e| e.to_string())?;
+        b.eval_loss(&data.batch(ctx.seed, 1 << 30, batch_b), Mode::Inference)
+            .map_err(|e| e.to_string())
+    };
+    // Calibrate on a roomy device: A's cache and B's peak.
+    let roomy = host(ctx.device_memory)?;
+    run_a(&roomy)?;
+    let cached_a = roomy.memory_reserved();
+    let roomy_b = host(ctx.device_memory)?;
+    run_b(&roomy_b)?;
+    let need_b = roomy_b.max_memory_reserved();
+    let capacity = (cached_a.max(need_b) + need_b.min(cached_a) / 2).next_multiple_of(2 << 20);
+
+    let dev = host(capacity)?;
+    run_a(&dev)?;
+    let reserved_after_a = dev.memory_reserved();
+    if empty {
+        dev.empty_cache();
+    }
+    dev.reset_peak_stats();
+    let retries_before = dev.memory_stats().num_alloc_retries;
+    let b_fitted = run_b(&dev).is_ok();
+    Ok(Switch {
+        reserved_after_a,
+        peak_allocated_b: dev.max_memory_allocated(),
+        peak_reserved_b: dev.max_memory_reserved(),
+        b_fitted,
+        retries_during_b: dev.memory_stats().num_alloc_retries - retries_before,
+        capacity,
+    })
+}
+
+/// The claim about emptying the cache between tasks, from the two runs.
+pub fn claim(kept: &Switch, emptied: &Switch) -> Claim {
+    let verdict = match (kept.b_fitted, emptied.b_fitted) {
+        (false, true) => Verdict::Holds,
+        (true, true) => Verdict::Partly,
+        _ => Verdict::DoesNotHold,
+    };
+    let why = match (kept.b_fitted && emptied.b_fitted, kept.retries_during_b) {
+        (false, _) => String::new(),
+        (true, 0) => {
+            "; B fits without it too: its tensors reuse the blocks A left in the cache".into()
+        }
+        (true, n) => format!(
+            "; B fits without it too: the allocator released A's cache itself and retried ({n} retries)"
+        ),
+    };
+    Claim {
+        claim: "emptying the cache between two tasks lets the second one get the memory".into(),
+        measured: format!(
+            "device {}: A leaves {} reserved; B {} with the cache kept, {} after empty_cache{why}",
+            human_bytes(kept.capacity),
+            human_bytes(kept.reserved_after_a),
+            if kept.b_fitted { "fits" } else { "runs out of memory" },
+            if emptied.b_fitted { "fits" } else { "runs out of memory" },
+        ),
+        verdict,
+    }
+}
+
+pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
+    let mut sweep = Sweep::new(
+        ctx,
+        "multi-task",
+        json!({ "task_a": "train ResNet-like, batch 16", "task_b": "evaluate MobileNet-like, batch 64" }),
+    );
+    let kept = two_model_scenario(ctx, false)?;
+    let emptied = two_model_scenario(ctx, true)?;
+    for (name, s) in [("cache kept between tasks", &kept), ("empty_cache between tasks", &emptied)]
+    {
+        let mut v = sweep.variant(name, s.peak_allocated_b, s.peak_reserved_b, None);
+        v.extra.insert("reserved_after_a".into(), json!(s.reserved_after_a));
+        v.extra.insert("b_fitted".into(), json!(s.b_fitted));
+        v.extra.insert("alloc_retries_during_b".into(), json!(s.retries_during_b));
+        v.extra.insert("device_capacity".into(), json!(s.capacity));
+        sweep.push(v);
+    }
+    sweep.claim(claim(&kept, &emptied));
+    Ok(sweep.finish())
+}

@@ -1,0 +1,313 @@
+//! [`Chain`]: a sequence of layers run forward and backward under a checkpoint
+//! [`Schedule`], and the [`Tape`] that carries what forward kept to backward.
+
+use crate::error::{Error, Result};
+use crate::layer::{ForwardCtx, Layer, Mode, Param, Saved};
+use crate::plan::{ChainProfile, LayerProfile, Schedule};
+use std::time::Instant;
+use vram_kernels::Tensor;
+
+/// A sequence of layers, each consuming the previous one's output.
+#[derive(Default)]
+pub struct Chain {
+    layers: Vec<Box<dyn Layer>>,
+}
+
+/// What one segment kept for backward.
+enum Kept {
+    /// Every layer's saved state, in order.
+    Plain(Vec<Saved>),
+    /// The segment's input (`None`: the chain input, borrowed by the tape) and the random
+    /// stream position its forward started from.
+    Checkpoint { input: Option<Tensor>, offset: u64 },
+}
+
+/// What a training forward kept for backward: per segment, saved state or a checkpoint.
+/// Borrows the chain input, which a checkpointed first segment recomputes from.
+pub struct Tape<'x> {
+    input: &'x Tensor,
+    seed: u64,
+    kept: Vec<(crate::plan::Segment, Kept)>,
+    inference: bool,
+}
+
+impl std::fmt::Debug for Tape<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tape")
+            .field("segments", &self.kept.len())
+            .field("inference", &self.inference)
+            .finish()
+    }
+}
+
+impl Chain {
+    /// A chain of `layers`, run first to last.
+    pub fn new(layers: Vec<Box<dyn Layer>>) -> Self {
+        Chain { layers }
+    }
+
+    /// Appends a layer.
+    pub fn push(&mut self, layer: impl Layer + 'static) {
+        self.layers.push(Box::new(layer));
+    }
+
+    /// The number of layers.
+    pub fn len(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Whether the chain has no layer.
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+
+    /// The layers.
+    pub fn layers(&self) -> &[Box<dyn Layer>] {
+        &self.layers
+    }
+
+    /// The layers, mutably.
+    pub fn layers_mut(&mut self) -> &mut [Box<dyn Layer>] {
+        &mut self.layers
+    }
+
+    /// Every parameter, layer by layer.
+    pub fn params(&self) -> Vec<&Param> {
+        self.layers.iter().flat_map(|l| l.params()).collect()
+    }
+
+    /// Every parameter, mutably.
+    pub fn params_mut(&mut self) -> Vec<&mut Param> {
+        self.layers.iter_mut().flat_map(|l| l.params_mut()).collect()
+    }
+
+    /// Drops every gradient (`set_to_none`).
+    pub fn zero_grad(&mut self) {
+        self.params_mut().into_iter().for_each(Param::zero_grad);
+    }
+
+    fn check_nonempty(&self) -> Result<()> {
+        if self.layers.is_empty() {
+            return Err(Error::InvalidArgument {
+                what: "Chain",
+                reason: "the chain has no layers; push some first".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Runs forward in inference mode: nothing is saved, each intermediate output is freed as
+    /// soon as the next layer has consumed it.
+    ///
+    /// # Errors
+    ///
+    /// A layer's error; [`Error::InvalidArgument`] for an empty chain.
+    pub fn infer(&mut self, x: &Tensor) -> Result<Tensor> {
+        self.check_nonempty()?;
+        let mut ctx = ForwardCtx::new(Mode::Inference, 0);
+        let mut cur: Option<Tensor> = None;
+        for layer in &mut self.layers {
+            let (y, _) = layer.forward(cur.as_ref().unwrap_or(x), &mut ctx)?;
+            cur = Some(y);
+        }
+        cur.ok_or(Error::InvalidArgument { what: "Chain::infer", reason: "empty chain".into() })
+    }
+
+    /// Runs forward under `schedule`. In [`Mode::Train`] a plain segment keeps every
+    /// layer's saved state; a checkpointed one keeps only its input and `ctx.offset`, and
+    /// drops its layers' saved state as soon as each returns. In [`Mode::Inference`] this is
+    /// [`infer`](Self::infer) and the tape refuses backward.
+    ///
+    /// # Errors
+    ///
+    /// A layer's error; [`Error::LengthMismatch`] if the schedule is for another chain
+    /// length; [`Error::LayerContract`] if a layer saves nothing in training mode.
+    pub fn forward<'x>(
+        &mut self,
+        x: &'x Tensor,
+        ctx: &mut ForwardCtx,
+        schedule: &Schedule,
+    ) -> Result<(Tensor, Tape<'x>)> {
+        self.check_nonempty()?;
+        let mut tape = Tape { input: x, seed: ctx.seed, kept: Vec::new(), inference: false };
+        if !ctx.training() {
+            tape.inference = true;
+            return Ok((self.infer(x)?, tape));
+        }
+        if schedule.len() != self.len() {
+            return Err(Error::LengthMismatch {
+                what: "schedule",
+                expected: self.len(),
+                got: schedule.len(),
+            });
+        }
+        let mut cur: Option<Tensor> = None;
+        for &seg in schedule.segments() {
+            if seg.checkpointed {
+                let offset = ctx.offset;
+                let input = cur.take();
+                let mut inner: Option<Tensor> = None;
+                for i in seg.start..seg.end {
+                    let arg = inner.as_ref().or(input.as_ref()).unwrap_or(x);
+                    let (y, saved) = self.layers[i].forward(arg, ctx)?;
+                    drop(saved);
+                    inner = Some(y);
+                }
+                tape.kept.push((seg, Kept::Checkpoint { input, offset }));
+                cur = inner;
+            } else {
+                let mut saved = Vec::with_capacity(seg.end - seg.start);
+                for i in seg.start..seg.end {
+                    let (y, s) = self.layers[i].forward(cur.as_ref().unwrap_or(x), ctx)?;
+                    saved.push(self.expect_saved(i, s)?);
+                    cur = Some(y);
+                }
+                tape.kept.push((seg, Kept::Plain(saved)));
+            }
+        }
+        let y =
+            cur.ok_or(Error::InvalidArgument { what: "Chain::forward", reason: "empty".into() })?;
+        Ok((y, tape))
+    }
+
+    fn expect_saved(&self, i: usize, s: Option<Saved>) -> Result<Saved> {
+        s.ok_or_else(|| Error::LayerContract {
+            index: i,
+            name: self.layers[i].name(),
+            reason: "forward in Mode::Train returned no saved state".into(),
+        })
+    }
+
+    /// Backpropagates `dy`, the gradient of the chain output, through the tape: parameter
+    /// gradients are added into [`Param::grad`]; returns the gradient of the chain input when
+    /// `want_input_grad`. A checkpointed segment first recomputes its forward from its input
+    /// with the random stream rewound to where its forward started, so every layer sees the
+    /// same input and draws the same dropout mask, and the gradients are bit-identical to a
+    /// plain run.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InferenceTape`] for a tape recorded in inference mode; a layer's error.
+    pub fn backward(
+        &mut self,
+        tape: Tape<'_>,
+        dy: Tensor,
+        want_input_grad: bool,
+    ) -> Result<Option<Tensor>> {
+        if tape.inference {
+            return Err(Error::InferenceTape);
+        }
+        let Tape { input, seed, mut kept, .. } = tape;
+        let mut grad = Some(dy);
+        while let Some((seg, k)) = kept.pop() {
+            let saved = match k {
+                Kept::Plain(saved) => saved,
+                Kept::Checkpoint { input: ckpt, offset } => {
+                    let mut ctx = ForwardCtx { mode: Mode::Train, seed, offset };
+                    let mut saved = Vec::with_capacity(seg.end - seg.start);
+                    let mut ckpt = ckpt;
+                    let mut cur: Option<Tensor> = None;
+                    for i in seg.start..seg.end {
+                        let arg = cur.as_ref().or(ckpt.as_ref()).unwrap_or(input);
+                        let (y, s) = self.layers[i].forward(arg, &mut ctx)?;
+                        saved.push(self.expect_saved(i, s)?);
+                        ckpt = None;
+                        cur = Some(y);
+                    }
+                    saved
+                }
+            };
+            for (i, s) in (seg.start..seg.end).zip(saved).rev() {
+                let dy = grad.take().ok_or(Error::LayerContract {
+                    index: i + 1,
+                    name: self.layers.get(i + 1).map(|l| l.name()).unwrap_or_default(),
+                    reason: "backward returned no input gradient although one was asked for".into(),
+                })?;
+                let want = i > 0 || want_input_grad;
+                grad = self.layers[i].backward(s, &dy, want)?;
+            }
+        }
+        Ok(if want_input_grad { grad } else { None })
+    }
+
+    /// Runs every layer once forward (training mode) and backward on `x`, measuring from the
+    /// device's allocator statistics and a clock what [`LayerProfile`] holds. Parameter
+    /// gradients are left as they were: during the pass each layer's gradients are replaced by
+    /// zero tensors, so the figures are those of the steady state in which gradients exist.
+    /// `ctx` is cloned; the caller's stream does not advance. Resets the device's peak
+    /// statistics.
+    ///
+    /// # Errors
+    ///
+    /// A layer's error; [`Error::InvalidArgument`] for an empty chain.
+    pub fn profile(
+        &mut self,
+        x: &Tensor,
+        ctx: &ForwardCtx,
+        want_input_grad: bool,
+    ) -> Result<ChainProfile> {
+        self.check_nonempty()?;
+        let dev = x.device().clone();
+        let mut ctx = ForwardCtx { mode: Mode::Train, ..ctx.clone() };
+        let mut profiles = Vec::with_capacity(self.len());
+        let mut outputs: Vec<(Vec<usize>, vram_kernels::DType)> = Vec::new();
+        let mut saved_all = Vec::with_capacity(self.len());
+        let mut cur: Option<Tensor> = None;
+        for i in 0..self.len() {
+            let before = dev.memory_allocated();
+            dev.reset_peak_stats();
+            let t = Instant::now();
+            let (y, s) = self.layers[i].forward(cur.as_ref().unwrap_or(x), &mut ctx)?;
+            let fwd_time = t.elapsed();
+            let fwd_peak = dev.max_memory_allocated() - before;
+            let after = dev.memory_allocated();
+            let out_bytes = {
+                let probe = y.try_clone()?;
+                let b = dev.memory_allocated() - after;
+                drop(probe);
+                b
+            };
+            saved_all.push(self.expect_saved(i, s)?);
+            outputs.push((y.shape().to_vec(), y.dtype()));
+            profiles.push(LayerProfile {
+                name: self.layers[i].name(),
+                out_bytes,
+                saved_bytes: (after - before).saturating_sub(out_bytes),
+                fwd_peak_bytes: fwd_peak,
+                fwd_time,
+                ..LayerProfile::default()
+            });
+            cur = Some(y);
+        }
+        drop(cur);
+        for i in (0..self.len()).rev() {
+            let s = saved_all.pop().ok_or(Error::InvalidArgument {
+                what: "Chain::profile",
+                reason: "saved state missing".into(),
+            })?;
+            let (shape, dtype) = &outputs[i];
+            let dy = Tensor::full(&dev, shape, *dtype, 1.0)?;
+            let stash: Vec<Option<Tensor>> = self.layers[i]
+                .params_mut()
+                .into_iter()
+                .map(|p| {
+                    let zeros = Tensor::zeros(p.value.device(), p.value.shape(), p.value.dtype())?;
+                    Ok(p.grad.replace(zeros))
+                })
+                .collect::<Result<_>>()?;
+            let before = dev.memory_allocated();
+            let saved_bytes = profiles[i].saved_bytes;
+            dev.reset_peak_stats();
+            let t = Instant::now();
+            let dx = self.layers[i].backward(s, &dy, i > 0 || want_input_grad)?;
+            profiles[i].bwd_time = t.elapsed();
+            profiles[i].bwd_peak_bytes = dev.max_memory_allocated() - before;
+            profiles[i].dx_bytes = (dev.memory_allocated() + saved_bytes).saturating_sub(before);
+            drop((dx, dy));
+            for (p, old) in self.layers[i].params_mut().into_iter().zip(stash) {
+                p.grad = old;
+            }
+        }
+        Ok(ChainProfile { layers: profiles })
+    }
+}

@@ -1,0 +1,83 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use vram_accum::layers::{Activation, Dropout, LayerNorm, Linear, ResidualMlp};
+use vram_accum::{Chain, ForwardCtx, Layer, Mode, Schedule};
+use vram_kernels::cpu::random::uniform_at;
+use vram_kernels::{DType, Device, Tensor};
+
+pub fn device() -> Device {
+    Device::host(1 << 30)
+}
+
+/// Values uniform in [-1, 1) from `seed`.
+pub fn values(n: usize, seed: u64) -> Vec<f32> {
+    (0..n as u64).map(|i| 2.0 * uniform_at(seed, i) - 1.0).collect()
+}
+
+pub fn tensor(dev: &Device, shape: &[usize], seed: u64) -> Tensor {
+    let n = shape.iter().product();
+    Tensor::from_f32_slice(dev, shape, &values(n, seed), DType::F32).unwrap()
+}
+
+/// A width-preserving layer of kind `kind % 6` and width `d`.
+pub fn layer(dev: &Device, kind: u8, d: usize, seed: u64) -> Box<dyn Layer> {
+    match kind % 6 {
+        0 => Box::new(Linear::new(dev, d, d, DType::F32, seed).unwrap()),
+        1 => Box::new(Activation::relu(dev)),
+        2 => Box::new(Activation::gelu(dev)),
+        3 => Box::new(Dropout::new(dev, 0.3).unwrap()),
+        4 => Box::new(LayerNorm::new(dev, d, DType::F32).unwrap()),
+        _ => Box::new(ResidualMlp::new(dev, d, 2 * d, 0.2, DType::F32, seed).unwrap()),
+    }
+}
+
+/// Every parameter gradient, as bits (`None` where a parameter got none).
+pub fn grad_bits(chain: &Chain) -> Vec<Option<Vec<u32>>> {
+    chain
+        .params()
+        .iter()
+        .map(|p| p.grad.as_ref().map(|g| g.to_f32_vec().iter().map(|v| v.to_bits()).collect()))
+        .collect()
+}
+
+pub fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_f32_vec().iter().map(|v| v.to_bits()).collect()
+}
+
+/// One training step under `schedule` from fresh gradients, with the loss `0.5 |y|^2`
+/// (so `dy = y`): returns (output bits, input gradient bits, parameter gradient bits).
+pub fn step_bits(
+    chain: &mut Chain,
+    x: &Tensor,
+    seed: u64,
+    schedule: &Schedule,
+) -> (Vec<u32>, Vec<u32>, Vec<Option<Vec<u32>>>) {
+    chain.zero_grad();
+    let mut ctx = ForwardCtx::new(Mode::Train, seed);
+    let (y, tape) = chain.forward(x, &mut ctx, schedule).unwrap();
+    let y_bits = bits(&y);
+    let dx = chain.backward(tape, y, true).unwrap().expect("input gradient asked for");
+    (y_bits, bits(&dx), grad_bits(chain))
+}
+
+/// Measured peak activation memory of one step under `schedule`, in the steady state
+/// (gradients already allocated by a warm-up step).
+pub fn measured_peak(chain: &mut Chain, x: &Tensor, schedule: &Schedule) -> u64 {
+    let dev = x.device().clone();
+    let mut peak = 0;
+    for _ in 0..2 {
+        let base = dev.memory_allocated();
+        dev.reset_peak_stats();
+        let mut ctx = ForwardCtx::new(Mode::Train, 3);
+        let (y, tape) = chain.forward(x, &mut ctx, schedule).unwrap();
+        chain.backward(tape, y, false).unwrap();
+        peak = dev.max_memory_allocated() - base;
+    }
+    peak
+}
+
+/// `|a - b| <= tol * b`.
+pub fn within(a: u64, b: u64, tol: f64) -> bool {
+    (a as f64 - b as f64).abs() <= tol * b as f64
+}

@@ -1,0 +1,120 @@
+//! Measured peak activation memory (allocator statistics) against the plans' predictions.
+
+mod common;
+
+use common::{device, measured_peak, tensor, within};
+use vram_accum::layers::{Linear, ResidualMlp};
+use vram_accum::{Chain, ChainProfile, CheckpointPlan, ForwardCtx, Mode, Schedule};
+use vram_kernels::{DType, Device, Tensor};
+
+const BATCH: usize = 8;
+
+/// `n` equal Linear(d, d) layers: each saves one output-sized tensor, as large as a
+/// checkpoint, which is the setting of Chen et al.'s sqrt(n) analysis. With a batch of 64
+/// rows and `d = 16` the weight gradient (a transient of backward) is a quarter of an
+/// activation, so the per-layer terms dominate the constant ones.
+fn linear_chain(dev: &Device, n: usize, d: usize) -> Chain {
+    Chain::new(
+        (0..n)
+            .map(|i| Box::new(Linear::new(dev, d, d, DType::F32, i as u64).unwrap()) as _)
+            .collect(),
+    )
+}
+
+fn profile(chain: &mut Chain, x: &Tensor) -> ChainProfile {
+    chain.profile(x, &ForwardCtx::new(Mode::Train, 3), false).unwrap()
+}
+
+#[test]
+fn sqrt_plan_peak_grows_like_sqrt_n_and_matches_its_prediction() {
+    let dev = device();
+    let mut peaks = Vec::new();
+    for n in [16, 64, 256] {
+        let mut chain = linear_chain(&dev, n, 16);
+        let x = tensor(&dev, &[64, 16], 1);
+        let p = profile(&mut chain, &x);
+        let sqrt = Schedule::sqrt(n).unwrap();
+        let none = Schedule::none(n).unwrap();
+        let (m_sqrt, m_none) =
+            (measured_peak(&mut chain, &x, &sqrt), measured_peak(&mut chain, &x, &none));
+        for (m, s) in [(m_sqrt, &sqrt), (m_none, &none)] {
+            let predicted = p.predict(s).unwrap().peak_bytes;
+            assert!(within(m, predicted, 0.05), "n = {n}: measured {m}, predicted {predicted}");
+        }
+        peaks.push((m_sqrt, m_none));
+    }
+    for w in peaks.windows(2) {
+        // Four times the layers: twice the memory with sqrt(n) segments, four times without.
+        let sqrt_ratio = w[1].0 as f64 / w[0].0 as f64;
+        let none_ratio = w[1].1 as f64 / w[0].1 as f64;
+        assert!((1.6..=2.4).contains(&sqrt_ratio), "sqrt plan ratio {sqrt_ratio}: {peaks:?}");
+        assert!(none_ratio > 3.5, "plain ratio {none_ratio}: {peaks:?}");
+    }
+}
+
+#[test]
+fn every_k_peaks_follow_their_prediction_with_the_minimum_near_sqrt_n() {
+    let dev = device();
+    let n = 64;
+    let mut chain = linear_chain(&dev, n, 16);
+    let x = tensor(&dev, &[64, 16], 1);
+    let p = profile(&mut chain, &x);
+    let mut measured = Vec::new();
+    for k in 1..=n {
+        let s = Schedule::every(n, k).unwrap();
+        let m = measured_peak(&mut chain, &x, &s);
+        let predicted = p.predict(&s).unwrap().peak_bytes;
+        assert!(within(m, predicted, 0.05), "k = {k}: measured {m}, predicted {predicted}");
+        measured.push((m, k));
+    }
+    let (_, best_k) = measured.iter().min().copied().unwrap();
+    assert!((4..=16).contains(&best_k), "minimum at k = {best_k}, sqrt(n) = 8: {measured:?}");
+}
+
+#[test]
+fn budget_plan_never_exceeds_its_budget_and_spends_less_recompute_as_it_grows() {
+    let dev = device();
+    let n = 32;
+    let mut chain = Chain::new(
+        (0..n)
+            .map(|i| Box::new(ResidualMlp::new(&dev, 16, 32, 0.1, DType::F32, i).unwrap()) as _)
+            .collect(),
+    );
+    let x = tensor(&dev, &[BATCH, 16], 2);
+    let p = profile(&mut chain, &x);
+    let min = p.min_peak_bytes();
+    let full = p.predict(&Schedule::none(n as usize).unwrap()).unwrap().peak_bytes;
+    let mut last_recompute = None;
+    for i in 0..=8 {
+        let budget = min + (full - min) * i / 8;
+        let s = CheckpointPlan::Budget { bytes: budget }.schedule(&p).unwrap();
+        let pred = p.predict(&s).unwrap();
+        let m = measured_peak(&mut chain, &x, &s);
+        assert!(m <= budget, "budget {budget}: measured {m}");
+        assert!(within(m, pred.peak_bytes, 0.05), "measured {m}, predicted {}", pred.peak_bytes);
+        if let Some(prev) = last_recompute {
+            assert!(pred.recompute <= prev, "more budget, more recompute at {budget}");
+        }
+        last_recompute = Some(pred.recompute);
+    }
+    assert_eq!(last_recompute, Some(std::time::Duration::ZERO), "full budget needs no recompute");
+    let err = CheckpointPlan::Budget { bytes: min - 1 }.schedule(&p).unwrap_err();
+    assert!(matches!(err, vram_accum::Error::BudgetTooSmall { .. }), "{err}");
+}
+
+#[test]
+fn checkpointing_a_residual_chain_with_dropout_cuts_its_measured_peak() {
+    let dev = device();
+    let mut chain = Chain::new(
+        (0..16)
+            .map(|i| Box::new(ResidualMlp::new(&dev, 16, 64, 0.1, DType::F32, i).unwrap()) as _)
+            .collect(),
+    );
+    let x = tensor(&dev, &[BATCH, 16], 2);
+    let p = profile(&mut chain, &x);
+    let none = measured_peak(&mut chain, &x, &Schedule::none(16).unwrap());
+    let sqrt = measured_peak(&mut chain, &x, &Schedule::sqrt(16).unwrap());
+    assert_eq!(none, p.predict(&Schedule::none(16).unwrap()).unwrap().peak_bytes);
+    assert_eq!(sqrt, p.predict(&Schedule::sqrt(16).unwrap()).unwrap().peak_bytes);
+    assert!(sqrt * 2 < none, "sqrt {sqrt} vs none {none}");
+}

@@ -59,3 +59,11 @@ pub enum Error {
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// Whether this is the allocator's out-of-memory error (the one a training loop may
+    /// recover from: inputs and parameters are left intact).
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, Error::Kernel(e) if e.is_out_of_memory())
+    }
+}

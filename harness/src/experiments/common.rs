@@ -1,7 +1,7 @@
 //! What the training experiments share: devices, standard models, a measured training run,
 //! and small statistics.
 
-use crate::data::Dataset;
+use crate::data::{Batch, Dataset, Input};
 use crate::models::{Arch, Model};
 use crate::optim::Optimizer;
 use crate::{Backend, Context};
@@ -148,6 +148,60 @@ pub fn fingerprint(model: &Model) -> u64 {
 /// A host device of exactly `capacity` bytes (for experiments that size the device).
 pub fn sized_device(capacity: u64) -> Result<Device, String> {
     Device::host_with_config(capacity, AllocatorConfig::default()).map_err(|e| e.to_string())
+}
+
+/// `parts` consecutive slices of a batch (the last takes the remainder): the micro-batches
+/// of gradient accumulation.
+pub fn split_batch(b: &Batch, parts: usize) -> Vec<Batch> {
+    let n = b.targets.len();
+    let per_sample = match &b.input {
+        Input::Dense { values, .. } => values.len() / n.max(1),
+        Input::Tokens(_) => 1,
+    };
+    let step = n.div_ceil(parts.max(1));
+    (0..n)
+        .step_by(step.max(1))
+        .map(|lo| {
+            let hi = (lo + step).min(n);
+            let input = match &b.input {
+                Input::Dense { values, shape } => {
+                    let mut shape = shape.clone();
+                    shape[0] = hi - lo;
+                    Input::Dense {
+                        values: values[lo * per_sample..hi * per_sample].to_vec(),
+                        shape,
+                    }
+                }
+                Input::Tokens(ids) => Input::Tokens(ids[lo..hi].to_vec()),
+            };
+            Batch { input, targets: b.targets[lo..hi].to_vec() }
+        })
+        .collect()
+}
+
+/// Every gradient, flattened to f32, in parameter order.
+pub fn gradients(model: &Model) -> Vec<Vec<f32>> {
+    model
+        .params()
+        .iter()
+        .map(|p| p.grad.as_ref().map(|g| g.to_f32_vec()).unwrap_or_default())
+        .collect()
+}
+
+/// The largest element-wise difference between two gradient sets, relative to the largest
+/// magnitude of the reference.
+pub fn max_relative_difference(reference: &[Vec<f32>], other: &[Vec<f32>]) -> f64 {
+    let scale = reference
+        .iter()
+        .flatten()
+        .fold(0f64, |m, &v| m.max(f64::from(v).abs()))
+        .max(f64::MIN_POSITIVE);
+    let diff =
+        reference.iter().zip(other).flat_map(|(a, b)| a.iter().zip(b)).fold(0f64, |m, (&a, &b)| {
+            let d = (f64::from(a) - f64::from(b)).abs();
+            if d.is_nan() { f64::INFINITY } else { m.max(d) }
+        });
+    diff / scale
 }
 
 /// The median (sorts in place); NaN for an empty slice.

@@ -35,14 +35,14 @@ fn trial(
     let b = data.batch(seed, batch as u64, batch);
     let mut fctx = ForwardCtx::new(Mode::Train, seed);
     let fits = match model.train_step(&b, &mut fctx, 1.0) {
-        Ok(_) => opt
-            .step(model.params_mut())
-            .map(|_| true)
-            .or_else(|e| if e.is_out_of_memory() { Ok(false) } else { Err(e) }),
-        Err(e) if e.is_out_of_memory() => Ok(false),
-        Err(e) => Err(e),
-    }
-    .map_err(|e| e.to_string())?;
+        Ok(_) => match opt.step(model.params_mut()) {
+            Ok(()) => true,
+            Err(e) if e.is_out_of_memory() => false,
+            Err(e) => return Err(e.to_string()),
+        },
+        Err(e) if e.is_out_of_memory() => false,
+        Err(e) => return Err(e.to_string()),
+    };
     model.zero_grad();
     if !fits {
         dev.empty_cache();

@@ -1,13 +1,16 @@
 //! One experiment per technique id.
 
 mod batch_size;
+mod checkpointing;
 mod common;
 mod empty_cache;
 mod fragmentation;
+mod grad_accumulation;
 mod input_size;
 mod lighter_model;
 mod max_batch;
 mod memory_fraction;
+mod mixed_precision;
 mod monitoring;
 mod multi_task;
 mod no_grad;
@@ -25,6 +28,8 @@ pub type ExperimentFn = fn(&Context) -> Result<ExperimentResult, String>;
 const EXPERIMENTS: &[(&str, ExperimentFn)] = &[
     ("batch-size", batch_size::run),
     ("max-batch-search", max_batch::run),
+    ("grad-accumulation", grad_accumulation::run),
+    ("mixed-precision", mixed_precision::run),
     ("no-grad-inference", no_grad::run),
     ("empty-cache", empty_cache::run),
     ("release-references", release_references::run),
@@ -32,6 +37,7 @@ const EXPERIMENTS: &[(&str, ExperimentFn)] = &[
     ("lighter-model", lighter_model::run),
     ("input-size", input_size::run),
     ("memory-fraction", memory_fraction::run),
+    ("checkpointing", checkpointing::run),
     ("fragmentation", fragmentation::run),
     ("monitoring", monitoring::run),
     ("multi-task", multi_task::run),

@@ -3,7 +3,7 @@
 //! fit but half of it does.
 
 use super::Sweep;
-use super::common::{cnn, cnn_side, fingerprint, sized_device, stripes, train_fresh};
+use super::common::{cnn, cnn_side, fingerprint, sized_device, split_batch, stripes, train_fresh};
 use crate::models::Model;
 use crate::optim::Optimizer;
 use crate::{Backend, Claim, Context, ExperimentResult, Verdict, human_bytes};
@@ -51,9 +51,8 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
                         break;
                     }
                     dev.empty_cache();
-                    let (first, second) = split(&b);
                     let mut ok = true;
-                    for part in [first, second] {
+                    for part in split_batch(&b, 2) {
                         let mut fctx = ForwardCtx::new(Mode::Train, step as u64);
                         ok &= model.train_step(&part, &mut fctx, 0.5).is_ok();
                     }
@@ -97,35 +96,4 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
         verdict: if holds { Verdict::Holds } else if rec.1 > 0 { Verdict::Partly } else { Verdict::DoesNotHold },
     });
     Ok(sweep.finish())
-}
-
-/// The two halves of a batch.
-fn split(b: &crate::data::Batch) -> (crate::data::Batch, crate::data::Batch) {
-    use crate::data::{Batch, Input};
-    let n = b.targets.len();
-    let h = n / 2;
-    let (t1, t2) = (b.targets[..h].to_vec(), b.targets[h..].to_vec());
-    match &b.input {
-        Input::Dense { values, shape } => {
-            let per = values.len() / n;
-            let mut s1 = shape.clone();
-            let mut s2 = shape.clone();
-            s1[0] = h;
-            s2[0] = n - h;
-            (
-                Batch {
-                    input: Input::Dense { values: values[..h * per].to_vec(), shape: s1 },
-                    targets: t1,
-                },
-                Batch {
-                    input: Input::Dense { values: values[h * per..].to_vec(), shape: s2 },
-                    targets: t2,
-                },
-            )
-        }
-        Input::Tokens(ids) => (
-            Batch { input: Input::Tokens(ids[..h].to_vec()), targets: t1 },
-            Batch { input: Input::Tokens(ids[h..].to_vec()), targets: t2 },
-        ),
-    }
 }

@@ -7,8 +7,10 @@ pub mod layers;
 use crate::data::{Batch, Input};
 use crate::rng::Rng;
 use layers::{Act, ClassifierHead, Conv, Dense, ResidualBlock, TransformerBlock};
-use vram_accum::{ForwardCtx, Layer, Mode, Param, Saved};
-use vram_kernels::{DType, Device, Error, Result, Tensor, ops};
+use vram_accum::{
+    Chain, ChainProfile, Error, ForwardCtx, Layer, Mode, Param, Result, Saved, Schedule,
+};
+use vram_kernels::{DType, Device, Tensor, ops};
 
 /// Which reference model.
 #[derive(Clone, Debug, PartialEq)]
@@ -68,7 +70,7 @@ pub struct Model {
     arch: Arch,
     device: Device,
     embed: Option<Embed>,
-    layers: Vec<Box<dyn Layer>>,
+    chain: Chain,
 }
 
 /// What a training forward keeps alive for backward, with its output.
@@ -219,7 +221,7 @@ impl Model {
                 "gpt".to_string()
             }
         };
-        Ok(Model { name, arch, device: device.clone(), embed, layers })
+        Ok(Model { name, arch, device: device.clone(), embed, chain: Chain::new(layers) })
     }
 
     /// The architecture.
@@ -235,7 +237,7 @@ impl Model {
     /// Every parameter.
     pub fn params(&self) -> Vec<&Param> {
         let mut p: Vec<&Param> = self.embed.iter().flat_map(|e| [&e.tok, &e.pos]).collect();
-        p.extend(self.layers.iter().flat_map(|l| l.params()));
+        p.extend(self.chain.params());
         p
     }
 
@@ -243,7 +245,7 @@ impl Model {
     pub fn params_mut(&mut self) -> Vec<&mut Param> {
         let mut p: Vec<&mut Param> =
             self.embed.iter_mut().flat_map(|e| [&mut e.tok, &mut e.pos]).collect();
-        p.extend(self.layers.iter_mut().flat_map(|l| l.params_mut()));
+        p.extend(self.chain.params_mut());
         p
     }
 
@@ -266,13 +268,13 @@ impl Model {
     fn input(&self, batch: &Batch, dtype: DType) -> Result<Tensor> {
         match (&batch.input, &self.embed) {
             (Input::Dense { values, shape }, None) => {
-                Tensor::from_f32_slice(&self.device, shape, values, dtype)
+                Ok(Tensor::from_f32_slice(&self.device, shape, values, dtype)?)
             }
             (Input::Tokens(ids), Some(e)) => {
                 let positions: Vec<u32> = (0..ids.len()).map(|i| (i % e.seq) as u32).collect();
                 let tok = ops::embedding(&e.tok.value, ids)?;
                 let pos = ops::embedding(&e.pos.value, &positions)?;
-                ops::add(&tok, &pos)
+                Ok(ops::add(&tok, &pos)?)
             }
             _ => Err(invalid("the batch does not match the model's input kind")),
         }
@@ -287,6 +289,11 @@ impl Model {
         Ok(())
     }
 
+    /// Number of layers in the chain (what schedules are built for).
+    pub fn chain_len(&self) -> usize {
+        self.chain.len()
+    }
+
     /// Forward, loss and backward on one batch: gradients are added into the parameters'
     /// gradients. `scale` multiplies the loss gradient (accumulation, loss scaling).
     pub fn train_step(
@@ -295,31 +302,39 @@ impl Model {
         ctx: &mut ForwardCtx,
         scale: f32,
     ) -> Result<StepOutcome> {
+        let plain = Schedule::none(self.chain.len())?;
+        self.train_step_with(batch, ctx, scale, &plain)
+    }
+
+    /// [`Model::train_step`] with a checkpoint schedule for the chain.
+    pub fn train_step_with(
+        &mut self,
+        batch: &Batch,
+        ctx: &mut ForwardCtx,
+        scale: f32,
+        schedule: &Schedule,
+    ) -> Result<StepOutcome> {
         let dtype = self.params()[0].value.dtype();
-        let mut x = self.input(batch, dtype)?;
-        let mut saved: Vec<Saved> = Vec::with_capacity(self.layers.len());
-        for layer in &mut self.layers {
-            let (y, s) = layer.forward(&x, ctx)?;
-            saved.push(s.ok_or_else(|| invalid("a layer saved nothing in training mode"))?);
-            x = y;
-        }
-        let ce = ops::cross_entropy(&x, &batch.targets, None)?;
+        let x = self.input(batch, dtype)?;
+        let (logits, tape) = self.chain.forward(&x, ctx, schedule)?;
+        let ce = ops::cross_entropy(&logits, &batch.targets, None)?;
         let loss = ce.loss;
-        let mut dy = ops::cross_entropy_backward(&x, &batch.targets, None, &ce.lse, scale)?;
-        drop((x, ce));
-        let need_input_grad = self.embed.is_some();
-        for (i, layer) in self.layers.iter_mut().enumerate().rev() {
-            let s = saved.pop().expect("one saved state per layer");
-            let want = i > 0 || need_input_grad;
-            match layer.backward(s, &dy, want)? {
-                Some(dx) => dy = dx,
-                None => break,
-            }
-        }
-        if need_input_grad {
-            self.embed_backward(batch, &dy)?;
+        let dy = ops::cross_entropy_backward(&logits, &batch.targets, None, &ce.lse, scale)?;
+        drop((logits, ce));
+        let dx = self.chain.backward(tape, dy, self.embed.is_some())?;
+        drop(x);
+        if let Some(dx) = dx {
+            self.embed_backward(batch, &dx)?;
         }
         Ok(StepOutcome { loss })
+    }
+
+    /// Per-layer activation bytes and times of the chain on `batch` (for checkpoint plans).
+    pub fn profile(&mut self, batch: &Batch, seed: u64) -> Result<ChainProfile> {
+        let dtype = self.params()[0].value.dtype();
+        let x = self.input(batch, dtype)?;
+        let ctx = ForwardCtx::new(Mode::Train, seed);
+        self.chain.profile(&x, &ctx, self.embed.is_some())
     }
 
     /// A training forward whose saved state (what backward would need: PyTorch's autograd
@@ -329,8 +344,8 @@ impl Model {
         let dtype = self.params()[0].value.dtype();
         let mut ctx = ForwardCtx::new(Mode::Train, seed);
         let mut x = self.input(batch, dtype)?;
-        let mut saved = Vec::with_capacity(self.layers.len());
-        for layer in &mut self.layers {
+        let mut saved = Vec::with_capacity(self.chain.len());
+        for layer in self.chain.layers_mut() {
             let (y, s) = layer.forward(&x, &mut ctx)?;
             saved.extend(s);
             x = y;
@@ -344,20 +359,21 @@ impl Model {
     /// `Mode::Inference` nothing is saved.
     pub fn eval_loss(&mut self, batch: &Batch, mode: Mode) -> Result<f32> {
         let dtype = self.params()[0].value.dtype();
-        let mut ctx = ForwardCtx::new(mode, 0);
-        let mut x = self.input(batch, dtype)?;
-        let mut saved = Vec::new();
-        for layer in &mut self.layers {
-            let (y, s) = layer.forward(&x, &mut ctx)?;
-            saved.extend(s);
-            x = y;
-        }
-        let loss = ops::cross_entropy(&x, &batch.targets, None)?.loss;
-        drop(saved);
+        let x = self.input(batch, dtype)?;
+        let loss = if mode == Mode::Inference {
+            ops::cross_entropy(&self.chain.infer(&x)?, &batch.targets, None)?.loss
+        } else {
+            let mut ctx = ForwardCtx::new(mode, 0);
+            let plain = Schedule::none(self.chain.len())?;
+            let (logits, tape) = self.chain.forward(&x, &mut ctx, &plain)?;
+            let loss = ops::cross_entropy(&logits, &batch.targets, None)?.loss;
+            drop(tape);
+            loss
+        };
         Ok(loss)
     }
 }
 
 fn invalid(reason: &str) -> Error {
-    Error::InvalidArgument { op: "model", reason: reason.into() }
+    Error::InvalidArgument { what: "model", reason: reason.into() }
 }

@@ -1,22 +1,21 @@
 //! Devices: where tensors live and which allocator counts their bytes.
 //!
-//! Only the host backend computes today. Its memory is a [`CachingAllocator`] over
-//! [`HostMemory`], so every tensor's bytes pass through PyTorch's caching policy and show in
-//! the same statistics a GPU run would give.
+//! The host backend's memory is a [`CachingAllocator`] over [`HostMemory`]; a CUDA device's
+//! (feature `cuda`) is the same allocator over `cuMemAlloc` segments. Either way every
+//! tensor's bytes pass through PyTorch's caching policy and show in the same statistics.
 
 use crate::error::{Error, Result};
 use std::fmt;
-use std::sync::Arc;
+use std::io::Write as _;
+use std::sync::{Arc, Once};
 use vram_alloc::{AllocatorConfig, CachingAllocator, HostMemory, MemoryStats, Snapshot};
 
-/// The environment variable [`Device::from_env`] reads: `cpu` or `cuda`.
+/// The environment variable [`Device::from_env`] reads: `cpu` or `cuda` (or `cuda:N`).
 pub const DEVICE_ENV_VAR: &str = "VRAM_DEVICE";
 
 /// Host capacity used by [`Device::auto`] and [`Device::from_env`] when the machine's
 /// physical memory cannot be read.
 const FALLBACK_HOST_CAPACITY: u64 = 16 << 30;
-
-const CUDA_UNSUPPORTED: &str = "CUDA kernels are not implemented yet; use the host device";
 
 /// A compute device: a cheap-to-clone handle (clones share one allocator).
 ///
@@ -27,16 +26,40 @@ pub struct Device {
     inner: Arc<Backend>,
 }
 
-/// The backends. A CUDA variant joins once CUDA kernels exist.
+/// The backends.
 enum Backend {
     Host(CachingAllocator<HostMemory>),
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::CudaBackend),
+}
+
+/// Runs `$body` with `$a` bound to the device's allocator, whatever its memory type.
+macro_rules! with_allocator {
+    ($device:expr, $a:ident => $body:expr) => {
+        match &*$device.inner {
+            Backend::Host($a) => $body,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(cuda) => {
+                let $a = cuda.allocator();
+                $body
+            }
+        }
+    };
+}
+
+/// Prints why [`Device::auto`] chose the host, once per process.
+fn note_host_fallback(reason: &str) {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let _ = writeln!(std::io::stderr(), "vram: using the host device: {reason}");
+    });
 }
 
 impl Device {
     /// A host device whose memory is capped at `capacity_bytes`, with the allocator's default
     /// settings.
     pub fn host(capacity_bytes: u64) -> Device {
-        Device::from_allocator(CachingAllocator::new(HostMemory::new(capacity_bytes)))
+        Device::from_backend(Backend::Host(CachingAllocator::new(HostMemory::new(capacity_bytes))))
     }
 
     /// A host device with the given allocator settings.
@@ -46,110 +69,217 @@ impl Device {
     /// [`Error::Allocator`] if the host backend cannot honour `config`.
     pub fn host_with_config(capacity_bytes: u64, config: AllocatorConfig) -> Result<Device> {
         let alloc = CachingAllocator::with_config(HostMemory::new(capacity_bytes), config)?;
-        Ok(Device::from_allocator(alloc))
+        Ok(Device::from_backend(Backend::Host(alloc)))
     }
 
-    /// The best device available. CUDA kernels do not exist yet, so this is always the
-    /// host, capped at the machine's physical memory and configured from
+    /// The host, capped at the machine's physical memory and configured from
     /// [`vram_alloc::ENV_VAR`] (`VRAM_ALLOC_CONF`).
     ///
     /// # Errors
     ///
     /// [`Error::Allocator`] if `VRAM_ALLOC_CONF` is invalid.
-    pub fn auto() -> Result<Device> {
+    pub fn host_from_env() -> Result<Device> {
         let alloc = CachingAllocator::from_env(HostMemory::new(physical_memory()))?;
-        Ok(Device::from_allocator(alloc))
+        Ok(Device::from_backend(Backend::Host(alloc)))
     }
 
-    /// The device named by [`DEVICE_ENV_VAR`] (`VRAM_DEVICE`): `cpu` for the host, `cuda`
-    /// for a GPU; unset or empty means [`Device::auto`].
+    /// CUDA device `ordinal`, its allocator configured from `VRAM_ALLOC_CONF`. The driver,
+    /// NVRTC and cuBLAS are loaded at run time; the elementwise kernels are compiled here,
+    /// the others on first use.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for any other value, [`Error::Unsupported`] for `cuda`
-    /// (CUDA kernels are not implemented yet), and [`Device::auto`]'s errors.
+    /// [`Error::Unsupported`] naming the reason when there is no usable device (no driver,
+    /// no such ordinal, a missing library, or a build without the `cuda` feature);
+    /// [`Error::Device`] if the driver or NVRTC fails; [`Error::Allocator`] for an invalid
+    /// `VRAM_ALLOC_CONF`.
+    pub fn cuda(ordinal: usize) -> Result<Device> {
+        Device::open_cuda(ordinal, None)
+    }
+
+    /// CUDA device `ordinal` with the given allocator settings.
+    ///
+    /// # Errors
+    ///
+    /// As [`Device::cuda`].
+    pub fn cuda_with_config(ordinal: usize, config: AllocatorConfig) -> Result<Device> {
+        Device::open_cuda(ordinal, Some(config))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn open_cuda(ordinal: usize, config: Option<AllocatorConfig>) -> Result<Device> {
+        let backend = crate::cuda::CudaBackend::new(ordinal, config)?;
+        Ok(Device::from_backend(Backend::Cuda(backend)))
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn open_cuda(ordinal: usize, config: Option<AllocatorConfig>) -> Result<Device> {
+        let _ = (ordinal, config);
+        Err(Error::Unsupported(
+            "CUDA: this build of vram-kernels has no `cuda` feature; rebuild with default features"
+                .to_string(),
+        ))
+    }
+
+    /// The best device available: CUDA device 0 when it is usable (driver, NVRTC, cuBLAS
+    /// present and the kernels compile), otherwise the host capped at the machine's physical
+    /// memory, with one line on stderr (once per process) saying why. The allocator is
+    /// configured from [`vram_alloc::ENV_VAR`] (`VRAM_ALLOC_CONF`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Allocator`] if `VRAM_ALLOC_CONF` is invalid.
+    pub fn auto() -> Result<Device> {
+        match Device::cuda(0) {
+            Ok(device) => return Ok(device),
+            Err(e @ Error::Allocator(_)) => return Err(e),
+            Err(e) => note_host_fallback(&e.to_string()),
+        }
+        Device::host_from_env()
+    }
+
+    /// The device named by [`DEVICE_ENV_VAR`] (`VRAM_DEVICE`): `cpu` for the host, `cuda`
+    /// (or `cuda:N`) for a GPU; unset or empty means [`Device::auto`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for any other value; for `cuda`, [`Device::cuda`]'s errors
+    /// (a machine without a usable GPU is an error, not a silent fallback); and
+    /// [`Device::auto`]'s errors.
     pub fn from_env() -> Result<Device> {
         Device::from_name(&std::env::var(DEVICE_ENV_VAR).unwrap_or_default())
     }
 
-    /// The device named `name` (case-insensitive): `cpu` (or `host`) for the host, `cuda`
-    /// for a GPU; empty means [`Device::auto`].
+    /// The device named `name` (case-insensitive): `cpu` (or `host`) for the host, `cuda` or
+    /// `cuda:N` for a GPU; empty means [`Device::auto`].
     ///
     /// # Errors
     ///
     /// As [`Device::from_env`].
     pub fn from_name(name: &str) -> Result<Device> {
-        match name.trim().to_ascii_lowercase().as_str() {
-            "" | "cpu" | "host" => Device::auto(),
-            "cuda" => Err(Error::Unsupported(CUDA_UNSUPPORTED.to_string())),
-            other => Err(Error::InvalidArgument {
-                op: "Device::from_env",
-                reason: format!("{DEVICE_ENV_VAR}={other:?} is not a device; use `cpu` or `cuda`"),
-            }),
+        let name = name.trim().to_ascii_lowercase();
+        let bad = |other: &str| Error::InvalidArgument {
+            op: "Device::from_env",
+            reason: format!("{DEVICE_ENV_VAR}={other:?} is not a device; use `cpu` or `cuda`"),
+        };
+        match name.as_str() {
+            "" => Device::auto(),
+            "cpu" | "host" => Device::host_from_env(),
+            "cuda" => Device::cuda(0),
+            other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(ordinal)) => Device::cuda(ordinal),
+                _ => Err(bad(other)),
+            },
         }
     }
 
-    fn from_allocator(alloc: CachingAllocator<HostMemory>) -> Device {
-        Device { inner: Arc::new(Backend::Host(alloc)) }
+    fn from_backend(backend: Backend) -> Device {
+        Device { inner: Arc::new(backend) }
     }
 
     /// The host allocator that holds this device's tensors.
+    ///
+    /// # Panics
+    ///
+    /// On a CUDA device; use [`try_host_allocator`](Self::try_host_allocator), or the
+    /// accessors below that work on every device.
     pub fn host_allocator(&self) -> &CachingAllocator<HostMemory> {
+        self.try_host_allocator().expect("host_allocator called on a CUDA device")
+    }
+
+    /// The host allocator, or `None` on a CUDA device.
+    pub fn try_host_allocator(&self) -> Option<&CachingAllocator<HostMemory>> {
         match &*self.inner {
-            Backend::Host(alloc) => alloc,
+            Backend::Host(alloc) => Some(alloc),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => None,
         }
     }
 
-    /// The device in words, e.g. `cpu (host memory (16.00 GiB cap))`.
+    /// The CUDA allocator, or `None` on the host.
+    #[cfg(feature = "cuda")]
+    pub fn cuda_allocator(&self) -> Option<&CachingAllocator<vram_alloc::cuda::CudaMemory>> {
+        self.cuda_backend().map(|cuda| cuda.allocator())
+    }
+
+    /// The CUDA backend, or `None` on the host.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda_backend(&self) -> Option<&crate::cuda::CudaBackend> {
+        match &*self.inner {
+            Backend::Cuda(cuda) => Some(cuda),
+            Backend::Host(_) => None,
+        }
+    }
+
+    /// The device in words, e.g. `cpu (host memory (16.00 GiB cap))` or
+    /// `cuda:0 (NVIDIA H100 80GB HBM3, sm_90) (...)`.
     pub fn name(&self) -> String {
         match &*self.inner {
             Backend::Host(alloc) => {
                 format!("cpu ({})", vram_alloc::DeviceMemory::name(alloc.memory()))
             }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(cuda) => cuda.name(),
         }
     }
 
-    /// Whether this is a CUDA device (never, until CUDA kernels exist).
+    /// Whether this is a CUDA device.
     pub fn is_cuda(&self) -> bool {
         match &*self.inner {
             Backend::Host(_) => false,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => true,
+        }
+    }
+
+    /// Waits until all work queued on the device has finished (for timing); a no-op on the
+    /// host, whose ops finish before they return.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Device`] if the device reports an error from earlier work.
+    pub fn synchronize(&self) -> Result<()> {
+        match &*self.inner {
+            Backend::Host(_) => Ok(()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(cuda) => cuda.synchronize(),
         }
     }
 
     /// The allocator's statistics, with PyTorch's key names.
     pub fn memory_stats(&self) -> MemoryStats {
-        self.host_allocator().memory_stats()
+        with_allocator!(self, a => a.memory_stats())
     }
 
     /// Bytes held by live tensors (`torch.cuda.memory_allocated`).
     pub fn memory_allocated(&self) -> u64 {
-        self.host_allocator().memory_allocated()
+        with_allocator!(self, a => a.memory_allocated())
     }
 
     /// Bytes reserved from the device, live plus cached (`torch.cuda.memory_reserved`).
     pub fn memory_reserved(&self) -> u64 {
-        self.host_allocator().memory_reserved()
+        with_allocator!(self, a => a.memory_reserved())
     }
 
     /// Peak of [`memory_allocated`](Self::memory_allocated) since creation or the last
     /// [`reset_peak_stats`](Self::reset_peak_stats).
     pub fn max_memory_allocated(&self) -> u64 {
-        self.host_allocator().max_memory_allocated()
+        with_allocator!(self, a => a.max_memory_allocated())
     }
 
     /// Peak of [`memory_reserved`](Self::memory_reserved).
     pub fn max_memory_reserved(&self) -> u64 {
-        self.host_allocator().max_memory_reserved()
+        with_allocator!(self, a => a.max_memory_reserved())
     }
 
     /// Restarts the peak statistics from the current values.
     pub fn reset_peak_stats(&self) {
-        self.host_allocator().reset_peak_stats();
+        with_allocator!(self, a => a.reset_peak_stats());
     }
 
     /// Returns cached, unused memory to the device; live tensors are untouched.
     pub fn empty_cache(&self) {
-        self.host_allocator().empty_cache();
+        with_allocator!(self, a => a.empty_cache());
     }
 
     /// Caps reserved memory at `fraction` (in `[0, 1]`) of the device's capacity.
@@ -158,20 +288,35 @@ impl Device {
     ///
     /// [`Error::InvalidArgument`] if `fraction` is outside `[0, 1]`.
     pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
-        self.host_allocator().set_memory_fraction(fraction).map_err(|e| Error::InvalidArgument {
-            op: "set_memory_fraction",
-            reason: e.to_string(),
+        with_allocator!(self, a => a.set_memory_fraction(fraction)).map_err(|e| {
+            Error::InvalidArgument { op: "set_memory_fraction", reason: e.to_string() }
         })
     }
 
     /// The allocator's statistics as a table (`torch.cuda.memory_summary`).
     pub fn memory_summary(&self) -> String {
-        self.host_allocator().memory_summary()
+        with_allocator!(self, a => a.memory_summary())
     }
 
     /// Segments and blocks of the allocator (`torch.cuda.memory._snapshot`).
     pub fn snapshot(&self) -> Snapshot {
-        self.host_allocator().snapshot()
+        with_allocator!(self, a => a.snapshot())
+    }
+
+    /// Starts recording the allocator's last `max_entries` actions (`Some(n)`), or stops
+    /// (`None`), like `torch.cuda.memory._record_memory_history`; on every backend.
+    pub fn record_history(&self, max_entries: Option<usize>) {
+        with_allocator!(self, a => a.record_history(max_entries));
+    }
+
+    /// The allocator's recorded actions, oldest first.
+    pub fn trace(&self) -> Vec<vram_alloc::TraceEntry> {
+        with_allocator!(self, a => a.trace())
+    }
+
+    /// Free and total memory as the device reports it.
+    pub fn mem_info(&self) -> vram_alloc::MemInfo {
+        with_allocator!(self, a => a.mem_info())
     }
 
     /// Whether `self` and `other` are handles to one device.
@@ -232,17 +377,23 @@ mod tests {
     }
 
     #[test]
-    fn device_names_parse_and_cuda_is_reported_unsupported() {
+    fn device_names_parse_and_cuda_without_a_device_is_a_clear_error() {
         assert!(!Device::from_name("CPU").unwrap().is_cuda());
-        let cuda = Device::from_name("cuda").unwrap_err();
-        assert!(matches!(cuda, Error::Unsupported(_)));
-        assert!(cuda.to_string().contains("not implemented yet"), "{cuda}");
+        match Device::from_name("cuda") {
+            Ok(cuda) => assert!(cuda.is_cuda() && cuda.name().starts_with("cuda:0")),
+            Err(e) => {
+                assert!(matches!(e, Error::Unsupported(_)), "{e}");
+                assert!(e.to_string().contains("CUDA"), "{e}");
+            }
+        }
         let bad = Device::from_name("tpu").unwrap_err();
         assert!(bad.to_string().contains("VRAM_DEVICE") && bad.to_string().contains("tpu"));
+        assert!(Device::from_name("cuda:x").is_err());
     }
 
     #[test]
-    fn auto_picks_the_host() {
-        assert!(!Device::auto().unwrap().is_cuda());
+    fn auto_picks_cuda_exactly_when_a_cuda_device_opens() {
+        let cuda_usable = Device::cuda(0).is_ok();
+        assert_eq!(Device::auto().unwrap().is_cuda(), cuda_usable);
     }
 }

@@ -64,6 +64,14 @@ pub enum Error {
     /// The request is valid but not implemented on this build or device.
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// The device, its driver or a library on it (NVRTC, cuBLAS) reported an error.
+    #[error("{op}: device error: {reason}")]
+    Device {
+        /// The call that failed.
+        op: &'static str,
+        /// What the driver or library said.
+        reason: String,
+    },
 }
 
 impl Error {

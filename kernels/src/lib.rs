@@ -5,9 +5,11 @@
 //! [`Tensor`] owns one block from it, so every byte a model holds shows in the device's
 //! statistics (`memory_allocated`, peaks, `memory_summary`, snapshots) exactly as PyTorch
 //! would report it on a GPU. Ops ([`ops`]) check shapes, dtypes and devices, allocate their
-//! outputs from the input's device and compute with the CPU reference ([`cpu`]): storage in
-//! the tensor's dtype, arithmetic in f32. CUDA kernels are not implemented yet; asking for a
-//! CUDA device returns [`Error::Unsupported`].
+//! outputs from the input's device and compute there: on the host with the CPU reference
+//! ([`cpu`]), on a CUDA device ([`Device::cuda`], feature `cuda`, on by default) with NVRTC-
+//! compiled kernels and cuBLAS. Storage is in the tensor's dtype, arithmetic in f32, on both.
+//! The CUDA libraries are loaded at run time, so a CUDA build runs on a machine without a
+//! GPU: [`Device::auto`] then picks the host.
 //!
 //! ```
 //! use vram_kernels::{DType, Device, Tensor, ops};
@@ -38,6 +40,8 @@
 //! ```
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 pub mod device;
 pub mod dtype;
 pub mod error;

@@ -23,7 +23,7 @@ pub struct IdOutOfRange {
 }
 
 /// Returns the first id that is not below `vocab`.
-fn check_ids(ids: &[u32], vocab: usize) -> Result<(), IdOutOfRange> {
+pub(crate) fn check_ids(ids: &[u32], vocab: usize) -> Result<(), IdOutOfRange> {
     match ids.iter().position(|&id| id as usize >= vocab) {
         Some(position) => Err(IdOutOfRange { position, id: ids[position], vocab }),
         None => Ok(()),

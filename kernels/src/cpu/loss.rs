@@ -25,7 +25,11 @@ pub struct TargetOutOfRange {
 }
 
 /// Checks every target; returns the first bad one.
-fn validate(targets: &[u32], classes: usize, ignore: Option<u32>) -> Result<(), TargetOutOfRange> {
+pub(crate) fn validate(
+    targets: &[u32],
+    classes: usize,
+    ignore: Option<u32>,
+) -> Result<(), TargetOutOfRange> {
     match targets.iter().enumerate().find(|&(_, &t)| Some(t) != ignore && t as usize >= classes) {
         Some((row, &target)) => Err(TargetOutOfRange { row, target, classes }),
         None => Ok(()),

@@ -2,6 +2,8 @@
 
 use super::{output_like, same_layout, with_dtype};
 use crate::cpu::activation as cpu;
+#[cfg(feature = "cuda")]
+use crate::cuda::ops::elementwise as cuda;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -12,6 +14,11 @@ use crate::tensor::Tensor;
 /// [`Error::OutOfMemory`](crate::Error::OutOfMemory).
 pub fn relu(x: &Tensor) -> Result<Tensor> {
     let mut y = output_like("relu", x)?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        cuda::activation(cu, "relu", x, &mut y)?;
+        return Ok(y);
+    }
     with_dtype!(x.dtype(), T => cpu::relu(x.as_slice::<T>()?, y.as_mut_slice::<T>()?));
     Ok(y)
 }
@@ -25,6 +32,11 @@ pub fn relu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     const OP: &str = "relu_backward";
     same_layout(OP, x, dy)?;
     let mut dx = output_like(OP, x)?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        cuda::activation_backward(cu, "relu_bwd", x, dy, &mut dx)?;
+        return Ok(dx);
+    }
     with_dtype!(x.dtype(), T => {
         cpu::relu_backward(x.as_slice::<T>()?, dy.as_slice::<T>()?, dx.as_mut_slice::<T>()?)
     });
@@ -38,6 +50,11 @@ pub fn relu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
 /// [`Error::OutOfMemory`](crate::Error::OutOfMemory).
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
     let mut y = output_like("gelu", x)?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        cuda::activation(cu, "gelu", x, &mut y)?;
+        return Ok(y);
+    }
     with_dtype!(x.dtype(), T => cpu::gelu(x.as_slice::<T>()?, y.as_mut_slice::<T>()?));
     Ok(y)
 }
@@ -51,6 +68,11 @@ pub fn gelu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     const OP: &str = "gelu_backward";
     same_layout(OP, x, dy)?;
     let mut dx = output_like(OP, x)?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        cuda::activation_backward(cu, "gelu_bwd", x, dy, &mut dx)?;
+        return Ok(dx);
+    }
     with_dtype!(x.dtype(), T => {
         cpu::gelu_backward(x.as_slice::<T>()?, dy.as_slice::<T>()?, dx.as_mut_slice::<T>()?)
     });

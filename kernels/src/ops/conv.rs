@@ -117,6 +117,13 @@ pub fn conv2d(
         super::expect_shape(OP, &[p.c_out], bias)?;
     }
     let mut y = output(OP, x.device(), &output_shape(&p), x.dtype())?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        if y.numel() > 0 {
+            crate::cuda::ops::conv::conv2d(cu, &p, x, weight, bias, &mut y)?;
+        }
+        return Ok(y);
+    }
     if y.numel() > 0 {
         with_dtype!(x.dtype(), T => cpu::conv2d(
             &p,
@@ -171,6 +178,22 @@ pub fn conv2d_backward(
     let mut dx = alloc(x.shape())?;
     let mut dweight = alloc(weight.shape())?;
     let mut dbias = if with_bias { Some(alloc(&[p.c_out])?) } else { None };
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        if !zeros {
+            crate::cuda::ops::conv::conv2d_backward(
+                cu,
+                &p,
+                x,
+                weight,
+                dy,
+                &mut dx,
+                &mut dweight,
+                dbias.as_mut(),
+            )?;
+        }
+        return Ok(Conv2dGrads { dx, dweight, dbias });
+    }
     if !zeros {
         with_dtype!(x.dtype(), T => cpu::conv2d_backward(
             &p,

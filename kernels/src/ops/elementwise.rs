@@ -2,6 +2,8 @@
 
 use super::{output, output_like, rows_cols, same_device, same_kind, same_layout, with_dtype};
 use crate::cpu::elementwise as cpu;
+#[cfg(feature = "cuda")]
+use crate::cuda::ops::elementwise as cuda;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -15,6 +17,11 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     const OP: &str = "add";
     same_layout(OP, a, b)?;
     let mut out = output_like(OP, a)?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = a.device().cuda_backend() {
+        cuda::binary(cu, "add", a, b, &mut out)?;
+        return Ok(out);
+    }
     with_dtype!(a.dtype(), T => {
         cpu::add(a.as_slice::<T>()?, b.as_slice::<T>()?, out.as_mut_slice::<T>()?)
     });
@@ -30,6 +37,11 @@ pub fn mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     const OP: &str = "mul";
     same_layout(OP, a, b)?;
     let mut out = output_like(OP, a)?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = a.device().cuda_backend() {
+        cuda::binary(cu, "mul", a, b, &mut out)?;
+        return Ok(out);
+    }
     with_dtype!(a.dtype(), T => {
         cpu::mul(a.as_slice::<T>()?, b.as_slice::<T>()?, out.as_mut_slice::<T>()?)
     });
@@ -43,6 +55,11 @@ pub fn mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// [`Error::OutOfMemory`].
 pub fn scale(x: &Tensor, alpha: f32) -> Result<Tensor> {
     let mut out = output_like("scale", x)?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        cuda::scale(cu, x, alpha, &mut out)?;
+        return Ok(out);
+    }
     with_dtype!(x.dtype(), T => cpu::scale(x.as_slice::<T>()?, alpha, out.as_mut_slice::<T>()?));
     Ok(out)
 }
@@ -68,6 +85,10 @@ fn check_update(op: &'static str, acc: &Tensor, x: &Tensor) -> Result<()> {
 /// [`Error::ShapeMismatch`], [`Error::DeviceMismatch`]; `acc` is unchanged then.
 pub fn add_assign(acc: &mut Tensor, x: &Tensor) -> Result<()> {
     check_update("add_assign", acc, x)?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        return cuda::add_assign(cu, acc, x);
+    }
     with_dtype!(acc.dtype(), A => with_dtype!(x.dtype(), X => {
         cpu::add_assign(acc.as_mut_slice::<A>()?, x.as_slice::<X>()?)
     }));
@@ -81,6 +102,10 @@ pub fn add_assign(acc: &mut Tensor, x: &Tensor) -> Result<()> {
 /// As [`add_assign`].
 pub fn axpy(alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {
     check_update("axpy", y, x)?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        return cuda::axpy(cu, alpha, x, y);
+    }
     with_dtype!(y.dtype(), Y => with_dtype!(x.dtype(), X => {
         cpu::axpy(alpha, x.as_slice::<X>()?, y.as_mut_slice::<Y>()?)
     }));
@@ -99,6 +124,11 @@ pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
     let (_, d) = rows_cols(OP, x.shape())?;
     super::expect_shape(OP, &[d], bias)?;
     let mut out = output_like(OP, x)?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        cuda::bias_add(cu, x, bias, &mut out)?;
+        return Ok(out);
+    }
     with_dtype!(x.dtype(), T => {
         cpu::bias_add(x.as_slice::<T>()?, bias.as_slice::<T>()?, out.as_mut_slice::<T>()?)
     });
@@ -115,6 +145,12 @@ pub fn bias_add_backward(dy: &Tensor) -> Result<Tensor> {
     const OP: &str = "bias_add_backward";
     let (_, d) = rows_cols(OP, dy.shape())?;
     let mut db = output(OP, dy.device(), &[d], dy.dtype())?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = dy.device().cuda_backend() {
+        let rows = dy.numel().checked_div(d).unwrap_or(0);
+        crate::cuda::ops::reduce::column_sums(cu, dy.cuda_ptr()?, dy.dtype(), rows, &mut db)?;
+        return Ok(db);
+    }
     with_dtype!(dy.dtype(), T => {
         cpu::bias_add_backward(dy.as_slice::<T>()?, db.as_mut_slice::<T>()?)
     });

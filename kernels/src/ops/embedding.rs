@@ -23,6 +23,12 @@ pub fn embedding(table: &Tensor, ids: &[u32]) -> Result<Tensor> {
         return Err(invalid(OP, "the embedding dimension must be positive"));
     }
     let mut out = output(OP, table.device(), &[ids.len(), dim], table.dtype())?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = table.device().cuda_backend() {
+        cpu::check_ids(ids, table.shape()[0]).map_err(|e| id_error(OP, e))?;
+        crate::cuda::ops::nn::embedding(cu, table, ids, &mut out)?;
+        return Ok(out);
+    }
     with_dtype!(table.dtype(), T => {
         cpu::embedding(ids, table.as_slice::<T>()?, out.as_mut_slice::<T>()?, dim)
     })
@@ -46,6 +52,12 @@ pub fn embedding_backward(ids: &[u32], dout: &Tensor, vocab: usize) -> Result<Te
     }
     super::expect_shape(OP, &[ids.len(), dim], dout)?;
     let mut dtable = output(OP, dout.device(), &[vocab, dim], dout.dtype())?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = dout.device().cuda_backend() {
+        cpu::check_ids(ids, vocab).map_err(|e| id_error(OP, e))?;
+        crate::cuda::ops::nn::embedding_backward(cu, ids, dout, &mut dtable)?;
+        return Ok(dtable);
+    }
     with_dtype!(dout.dtype(), T => {
         cpu::embedding_backward(ids, dout.as_slice::<T>()?, dtable.as_mut_slice::<T>()?, dim)
     })

@@ -2,6 +2,8 @@
 
 use super::{expect_dtype, expect_rank, output, output_like, same_device, with_dtype};
 use crate::cpu::loss as cpu;
+#[cfg(feature = "cuda")]
+use crate::cuda::ops::nn as cuda;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -47,6 +49,16 @@ pub fn cross_entropy(
     const OP: &str = "cross_entropy";
     check(OP, logits, targets)?;
     let mut lse = output(OP, logits.device(), &[targets.len()], DType::F32)?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = logits.device().cuda_backend() {
+        cpu::validate(targets, logits.shape()[1], ignore_index).map_err(|e| target_error(OP, e))?;
+        let loss = if logits.shape()[1] == 0 {
+            f32::NAN
+        } else {
+            cuda::cross_entropy(cu, logits, targets, ignore_index, &mut lse)?
+        };
+        return Ok(CrossEntropy { loss, lse });
+    }
     let loss = with_dtype!(logits.dtype(), T => cpu::cross_entropy(
         logits.as_slice::<T>()?,
         targets,
@@ -76,6 +88,12 @@ pub fn cross_entropy_backward(
     expect_dtype(OP, DType::F32, lse)?;
     super::expect_shape(OP, &[targets.len()], lse)?;
     let mut dlogits = output_like(OP, logits)?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = logits.device().cuda_backend() {
+        cpu::validate(targets, logits.shape()[1], ignore_index).map_err(|e| target_error(OP, e))?;
+        cuda::cross_entropy_backward(cu, logits, targets, ignore_index, lse, dloss, &mut dlogits)?;
+        return Ok(dlogits);
+    }
     with_dtype!(logits.dtype(), T => cpu::cross_entropy_backward(
         logits.as_slice::<T>()?,
         targets,

@@ -3,6 +3,8 @@
 use super::{expect_rank, invalid, output, rows_cols, same_kind, with_dtype};
 use crate::cpu::matmul as cpu;
 use crate::cpu::matmul::MatmulSpec;
+#[cfg(feature = "cuda")]
+use crate::cuda::ops::matmul as cuda;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -68,6 +70,11 @@ pub fn matmul(a: &Tensor, b: &Tensor, trans_a: bool, trans_b: bool) -> Result<Te
     same_kind(OP, a, b)?;
     let (spec, shape) = matmul_spec(a.shape(), b.shape(), trans_a, trans_b)?;
     let mut c = output(OP, a.device(), &shape, a.dtype())?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = a.device().cuda_backend() {
+        cuda::matmul(cu, &spec, a, b, &mut c)?;
+        return Ok(c);
+    }
     with_dtype!(a.dtype(), T => {
         cpu::matmul(&spec, a.as_slice::<T>()?, b.as_slice::<T>()?, c.as_mut_slice::<T>()?)
     });
@@ -99,6 +106,11 @@ pub fn matmul_backward(
     }
     let mut da = output(OP, a.device(), a.shape(), a.dtype())?;
     let mut db = output(OP, b.device(), b.shape(), b.dtype())?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = a.device().cuda_backend() {
+        cuda::matmul_backward(cu, &spec, a, b, dc, &mut da, &mut db)?;
+        return Ok((da, db));
+    }
     with_dtype!(a.dtype(), T => cpu::matmul_backward(
         &spec,
         a.as_slice::<T>()?,
@@ -146,6 +158,11 @@ pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         super::expect_shape(OP, &[d_out], bias)?;
     }
     let mut y = output(OP, x.device(), &with_last(x.shape(), d_out), x.dtype())?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        cuda::linear(cu, x, w, bias, &mut y, d_in, d_out)?;
+        return Ok(y);
+    }
     with_dtype!(x.dtype(), T => cpu::linear(
         x.as_slice::<T>()?,
         w.as_slice::<T>()?,
@@ -195,6 +212,13 @@ pub fn linear_backward(
     let mut dx = alloc(x.shape())?;
     let mut dw = alloc(w.shape())?;
     let mut dbias = if with_bias { Some(alloc(&[d_out])?) } else { None };
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        if !zeros {
+            cuda::linear_backward(cu, x, w, dy, &mut dx, &mut dw, dbias.as_mut(), d_in, d_out)?;
+        }
+        return Ok(LinearGrads { dx, dw, dbias });
+    }
     if !zeros {
         with_dtype!(x.dtype(), T => cpu::linear_backward(
             x.as_slice::<T>()?,

@@ -4,6 +4,8 @@ use super::{
     expect_dtype, invalid, output, output_like, rows_cols, same_device, same_kind, with_dtype,
 };
 use crate::cpu::norm as cpu;
+#[cfg(feature = "cuda")]
+use crate::cuda::ops::nn as cuda;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -58,6 +60,11 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result
     let mut y = output_like(OP, x)?;
     let mut mean = output(OP, x.device(), &[rows], DType::F32)?;
     let mut rstd = output(OP, x.device(), &[rows], DType::F32)?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        cuda::layer_norm(cu, x, gamma, beta, eps, &mut y, &mut mean, &mut rstd)?;
+        return Ok(LayerNormOutput { y, mean, rstd });
+    }
     with_dtype!(x.dtype(), T => cpu::layer_norm(
         x.as_slice::<T>()?,
         gamma.as_slice::<T>()?,
@@ -94,6 +101,11 @@ pub fn layer_norm_backward(
     let mut dx = output_like(OP, x)?;
     let mut dgamma = output(OP, x.device(), &[d], x.dtype())?;
     let mut dbeta = output(OP, x.device(), &[d], x.dtype())?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        cuda::layer_norm_backward(cu, x, gamma, mean, rstd, dy, &mut dx, &mut dgamma, &mut dbeta)?;
+        return Ok(LayerNormGrads { dx, dgamma, dbeta });
+    }
     with_dtype!(x.dtype(), T => cpu::layer_norm_backward(
         x.as_slice::<T>()?,
         gamma.as_slice::<T>()?,

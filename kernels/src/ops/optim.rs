@@ -45,6 +45,18 @@ pub fn sgd_step(
     if cfg.nesterov && (cfg.momentum <= 0.0 || cfg.dampening != 0.0) {
         return Err(invalid(OP, "Nesterov momentum needs momentum > 0 and dampening 0"));
     }
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = grads.device().cuda_backend() {
+        let buf = match momentum_buf {
+            _ if cfg.momentum == 0.0 => None,
+            Some(buf) => {
+                check_state(OP, buf, grads)?;
+                Some(buf)
+            }
+            None => return Err(invalid(OP, "momentum != 0 needs a momentum buffer")),
+        };
+        return crate::cuda::ops::nn::sgd_step(cu, params, grads, buf, first_step, cfg);
+    }
     let mut empty: [f32; 0] = [];
     let buf: &mut [f32] = match momentum_buf {
         _ if cfg.momentum == 0.0 => &mut empty,
@@ -82,6 +94,10 @@ pub fn adamw_step(
     if step == 0 {
         return Err(invalid(OP, "the step count is 1-based; the first step is 1"));
     }
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = grads.device().cuda_backend() {
+        return crate::cuda::ops::nn::adamw_step(cu, params, grads, exp_avg, exp_avg_sq, step, cfg);
+    }
     let (p, m, v) = (
         params.as_mut_slice::<f32>()?,
         exp_avg.as_mut_slice::<f32>()?,
@@ -104,6 +120,12 @@ pub fn unscale_and_check_finite(grads: &mut [&mut Tensor], inv_scale: f32) -> Re
         for g in rest {
             same_device(OP, first, g)?;
         }
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(device) = grads.first().map(|g| g.device().clone())
+        && let Some(cu) = device.cuda_backend()
+    {
+        return crate::cuda::ops::nn::unscale_and_check_finite(cu, grads, inv_scale);
     }
     let mut found = false;
     for g in grads.iter_mut() {

@@ -3,6 +3,8 @@
 use super::{expect_rank, invalid, output, with_dtype};
 use crate::cpu::pool as cpu;
 use crate::cpu::pool::Pool2dParams;
+#[cfg(feature = "cuda")]
+use crate::cuda::ops::pool as cuda;
 use crate::error::{Error, Result};
 use crate::tensor::{Indices, Tensor};
 
@@ -69,8 +71,13 @@ pub fn max_pool2d(x: &Tensor, opts: &Pool2dOptions) -> Result<(Tensor, Indices)>
     let shape = output_shape(&p);
     let mut y = output(OP, x.device(), &shape, x.dtype())?;
     let mut argmax = Indices::uninit(OP, x.device(), &shape)?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        cuda::max_pool2d(cu, &p, x, &mut y, &mut argmax)?;
+        return Ok((y, argmax));
+    }
     with_dtype!(x.dtype(), T => {
-        cpu::max_pool2d(&p, x.as_slice::<T>()?, y.as_mut_slice::<T>()?, argmax.as_mut_slice())
+        cpu::max_pool2d(&p, x.as_slice::<T>()?, y.as_mut_slice::<T>()?, argmax.as_mut_slice()?)
     });
     Ok((y, argmax))
 }
@@ -113,6 +120,14 @@ pub fn max_pool2d_backward(
             rhs: argmax.shape().to_vec(),
         });
     }
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = dy.device().cuda_backend() {
+        // The argmax stays on the device; the kernel skips entries outside the plane
+        // instead of reporting them (they cannot come from `max_pool2d`).
+        let mut dx = output(OP, dy.device(), input_shape, dy.dtype())?;
+        cuda::max_pool2d_backward(cu, &p, dy, argmax, &mut dx)?;
+        return Ok(dx);
+    }
     let plane = p.h.saturating_mul(p.w);
     if let Some(&bad) = argmax.as_slice().iter().find(|&&i| i as usize >= plane) {
         return Err(Error::IndexOutOfRange { op: OP, index: bad as usize, bound: plane });
@@ -137,6 +152,11 @@ pub fn avg_pool2d(x: &Tensor, opts: &Pool2dOptions, count_include_pad: bool) -> 
     const OP: &str = "avg_pool2d";
     let p = pool2d_params(x.shape(), opts)?;
     let mut y = output(OP, x.device(), &output_shape(&p), x.dtype())?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        cuda::avg_pool2d(cu, &p, x, &mut y, count_include_pad)?;
+        return Ok(y);
+    }
     with_dtype!(x.dtype(), T => {
         cpu::avg_pool2d(&p, x.as_slice::<T>()?, y.as_mut_slice::<T>()?, count_include_pad)
     });
@@ -158,6 +178,11 @@ pub fn avg_pool2d_backward(
     const OP: &str = "avg_pool2d_backward";
     let p = backward_params(OP, dy, input_shape, opts)?;
     let mut dx = output(OP, dy.device(), input_shape, dy.dtype())?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = dy.device().cuda_backend() {
+        cuda::avg_pool2d_backward(cu, &p, dy, &mut dx, count_include_pad)?;
+        return Ok(dx);
+    }
     with_dtype!(dy.dtype(), T => cpu::avg_pool2d_backward(
         &p,
         dy.as_slice::<T>()?,
@@ -181,6 +206,11 @@ pub fn global_avg_pool(x: &Tensor) -> Result<Tensor> {
         return Err(invalid(OP, format!("cannot average an empty plane, x is {s:?}")));
     }
     let mut y = output(OP, x.device(), &s[..2], x.dtype())?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        cuda::global_avg_pool(cu, x, &mut y, hw)?;
+        return Ok(y);
+    }
     with_dtype!(x.dtype(), T => {
         cpu::global_avg_pool(x.as_slice::<T>()?, y.as_mut_slice::<T>()?, hw)
     });
@@ -209,6 +239,11 @@ pub fn global_avg_pool_backward(dy: &Tensor, input_shape: &[usize]) -> Result<Te
         ));
     }
     let mut dx = output(OP, dy.device(), input_shape, dy.dtype())?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = dy.device().cuda_backend() {
+        cuda::global_avg_pool_backward(cu, dy, &mut dx, h * w)?;
+        return Ok(dx);
+    }
     with_dtype!(dy.dtype(), T => {
         cpu::global_avg_pool_backward(dy.as_slice::<T>()?, dx.as_mut_slice::<T>()?, h * w)
     });

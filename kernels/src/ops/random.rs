@@ -3,6 +3,8 @@
 
 use super::{invalid, output_like, with_dtype};
 use crate::cpu::random as cpu;
+#[cfg(feature = "cuda")]
+use crate::cuda::ops::elementwise as cuda;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -26,6 +28,11 @@ pub fn dropout(x: &Tensor, p: f32, seed: u64, offset: u64) -> Result<Tensor> {
     const OP: &str = "dropout";
     check_p(OP, p)?;
     let mut y = output_like(OP, x)?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        cuda::dropout(cu, x, &mut y, p, seed, offset)?;
+        return Ok(y);
+    }
     with_dtype!(x.dtype(), T => {
         cpu::dropout(x.as_slice::<T>()?, y.as_mut_slice::<T>()?, p, seed, offset)
     });
@@ -42,6 +49,11 @@ pub fn dropout_backward(dy: &Tensor, p: f32, seed: u64, offset: u64) -> Result<T
     const OP: &str = "dropout_backward";
     check_p(OP, p)?;
     let mut dx = output_like(OP, dy)?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = dy.device().cuda_backend() {
+        cuda::dropout(cu, dy, &mut dx, p, seed, offset)?;
+        return Ok(dx);
+    }
     with_dtype!(dy.dtype(), T => {
         cpu::dropout_backward(dy.as_slice::<T>()?, dx.as_mut_slice::<T>()?, p, seed, offset)
     });

@@ -14,6 +14,10 @@ use crate::tensor::Tensor;
 ///
 /// None on the host; the `Result` leaves room for devices where reading back can fail.
 pub fn sum(x: &Tensor) -> Result<f32> {
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        return crate::cuda::ops::reduce::sum(cu, x);
+    }
     Ok(with_dtype!(x.dtype(), T => cpu::sum(x.as_slice::<T>()?)))
 }
 
@@ -23,6 +27,10 @@ pub fn sum(x: &Tensor) -> Result<f32> {
 ///
 /// As [`sum`].
 pub fn mean(x: &Tensor) -> Result<f32> {
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        return Ok(crate::cuda::ops::reduce::sum(cu, x)? / x.numel() as f32);
+    }
     Ok(with_dtype!(x.dtype(), T => cpu::mean(x.as_slice::<T>()?)))
 }
 
@@ -43,6 +51,11 @@ pub fn sum_backward(dy: f32, device: &Device, shape: &[usize], dtype: DType) -> 
 /// Out of memory.
 pub fn mean_backward(dy: f32, device: &Device, shape: &[usize], dtype: DType) -> Result<Tensor> {
     let mut dx = output("mean_backward", device, shape, dtype)?;
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        dx.try_fill(dy / dx.numel() as f32)?;
+        return Ok(dx);
+    }
     with_dtype!(dtype, T => cpu::mean_backward(dy, dx.as_mut_slice::<T>()?));
     Ok(dx)
 }
@@ -56,6 +69,11 @@ pub fn sum_last_dim(x: &Tensor) -> Result<Tensor> {
     const OP: &str = "sum_last_dim";
     rows_cols(OP, x.shape())?;
     let mut out = output(OP, x.device(), &x.shape()[..x.rank() - 1], x.dtype())?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        crate::cuda::ops::reduce::row_sum(cu, x, &mut out, 1.0)?;
+        return Ok(out);
+    }
     with_dtype!(x.dtype(), T => cpu::sum_last_dim(x.as_slice::<T>()?, out.as_mut_slice::<T>()?));
     Ok(out)
 }
@@ -69,6 +87,12 @@ pub fn mean_last_dim(x: &Tensor) -> Result<Tensor> {
     const OP: &str = "mean_last_dim";
     rows_cols(OP, x.shape())?;
     let mut out = output(OP, x.device(), &x.shape()[..x.rank() - 1], x.dtype())?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        let d = x.shape()[x.rank() - 1];
+        crate::cuda::ops::reduce::row_sum(cu, x, &mut out, 1.0 / d as f32)?;
+        return Ok(out);
+    }
     with_dtype!(x.dtype(), T => cpu::mean_last_dim(x.as_slice::<T>()?, out.as_mut_slice::<T>()?));
     Ok(out)
 }
@@ -87,6 +111,11 @@ fn widened(dy: &Tensor, d: usize) -> Vec<usize> {
 /// Out of memory.
 pub fn sum_last_dim_backward(dy: &Tensor, d: usize) -> Result<Tensor> {
     let mut dx = output("sum_last_dim_backward", dy.device(), &widened(dy, d), dy.dtype())?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = dy.device().cuda_backend() {
+        crate::cuda::ops::elementwise::broadcast_rows(cu, dy, 1.0, &mut dx)?;
+        return Ok(dx);
+    }
     with_dtype!(dy.dtype(), T => {
         cpu::sum_last_dim_backward(dy.as_slice::<T>()?, dx.as_mut_slice::<T>()?)
     });
@@ -100,6 +129,11 @@ pub fn sum_last_dim_backward(dy: &Tensor, d: usize) -> Result<Tensor> {
 /// Out of memory.
 pub fn mean_last_dim_backward(dy: &Tensor, d: usize) -> Result<Tensor> {
     let mut dx = output("mean_last_dim_backward", dy.device(), &widened(dy, d), dy.dtype())?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = dy.device().cuda_backend() {
+        crate::cuda::ops::elementwise::broadcast_rows(cu, dy, 1.0 / d as f32, &mut dx)?;
+        return Ok(dx);
+    }
     with_dtype!(dy.dtype(), T => {
         cpu::mean_last_dim_backward(dy.as_slice::<T>()?, dx.as_mut_slice::<T>()?)
     });

@@ -2,6 +2,8 @@
 
 use super::{invalid, output_like, rows_cols, same_layout, with_dtype};
 use crate::cpu::softmax as cpu;
+#[cfg(feature = "cuda")]
+use crate::cuda::ops::nn as cuda;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -27,6 +29,13 @@ pub fn softmax(x: &Tensor) -> Result<Tensor> {
     const OP: &str = "softmax";
     let cols = last_dim(OP, x)?;
     let mut y = output_like(OP, x)?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        if x.numel() > 0 {
+            cuda::softmax(cu, x, &mut y, cols, 0)?;
+        }
+        return Ok(y);
+    }
     if x.numel() > 0 {
         with_dtype!(x.dtype(), T => cpu::softmax(x.as_slice::<T>()?, y.as_mut_slice::<T>()?, cols));
     }
@@ -43,6 +52,13 @@ pub fn softmax_backward(y: &Tensor, dy: &Tensor) -> Result<Tensor> {
     same_layout(OP, y, dy)?;
     let cols = last_dim(OP, y)?;
     let mut dx = output_like(OP, y)?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = y.device().cuda_backend() {
+        if y.numel() > 0 {
+            cuda::softmax_backward(cu, y, dy, &mut dx, cols, 0)?;
+        }
+        return Ok(dx);
+    }
     if y.numel() > 0 {
         with_dtype!(y.dtype(), T => cpu::softmax_backward(
             y.as_slice::<T>()?,
@@ -65,6 +81,13 @@ pub fn causal_softmax(x: &Tensor) -> Result<Tensor> {
     const OP: &str = "causal_softmax";
     let seq = seq_len(OP, x)?;
     let mut y = output_like(OP, x)?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = x.device().cuda_backend() {
+        if x.numel() > 0 {
+            cuda::softmax(cu, x, &mut y, seq, seq)?;
+        }
+        return Ok(y);
+    }
     if x.numel() > 0 {
         with_dtype!(x.dtype(), T => {
             cpu::causal_softmax(x.as_slice::<T>()?, y.as_mut_slice::<T>()?, seq)
@@ -83,6 +106,13 @@ pub fn causal_softmax_backward(y: &Tensor, dy: &Tensor) -> Result<Tensor> {
     same_layout(OP, y, dy)?;
     let seq = seq_len(OP, y)?;
     let mut dx = output_like(OP, y)?;
+    #[cfg(feature = "cuda")]
+    if let Some(cu) = y.device().cuda_backend() {
+        if y.numel() > 0 {
+            cuda::softmax_backward(cu, y, dy, &mut dx, seq, seq)?;
+        }
+        return Ok(dx);
+    }
     if y.numel() > 0 {
         with_dtype!(y.dtype(), T => cpu::causal_softmax_backward(
             y.as_slice::<T>()?,

@@ -1,0 +1,159 @@
+// 2-D convolution helpers (NCHW): im2col / col2im for the cuBLAS path, direct kernels for
+// depthwise convolutions, and the per-channel bias broadcast. `ConvGeom` mirrors the Rust
+// struct of the same name field for field (all i64, so no padding).
+
+struct ConvGeom {
+    i64 batch, c_in, h, w, c_out, kh, kw, sh, sw, ph, pw, dh, dw, groups, oh, ow;
+};
+
+// col[img][row][pos] for images n0 .. n0 + nimg and channel group `group`, where
+// row = (c * kh + ky) * kw + kx over the group's channels and pos = oy * ow + ox.
+template <typename T>
+__device__ void im2col_impl(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i64 group) {
+    const i64 cin_g = g.c_in / g.groups;
+    const i64 k = cin_g * g.kh * g.kw;
+    const i64 ohw = g.oh * g.ow;
+    const u64 total = (u64)(nimg * k * ohw);
+    FOR_EACH(i, total) {
+        const i64 pos = (i64)(i % (u64)ohw);
+        const i64 row = (i64)((i / (u64)ohw) % (u64)k);
+        const i64 img = (i64)(i / (u64)(ohw * k));
+        const i64 c = row / (g.kh * g.kw);
+        const i64 ky = (row / g.kw) % g.kh;
+        const i64 kx = row % g.kw;
+        const i64 iy = (pos / g.ow) * g.sh - g.ph + ky * g.dh;
+        const i64 ix = (pos % g.ow) * g.sw - g.pw + kx * g.dw;
+        T v = from_f32<T>(0.0f);
+        if (iy >= 0 && iy < g.h && ix >= 0 && ix < g.w)
+            v = x[(((n0 + img) * g.c_in + group * cin_g + c) * g.h + iy) * g.w + ix];
+        col[i] = v;
+    }
+}
+
+// Gathers the f32 column gradient `dcol` (im2col layout) back into dx for images
+// n0 .. n0 + nimg and channel group `group`: one thread per input element, one rounding.
+template <typename T>
+__device__ void col2im_impl(const float* dcol, T* dx, ConvGeom g, i64 n0, i64 nimg, i64 group) {
+    const i64 cin_g = g.c_in / g.groups;
+    const i64 k = cin_g * g.kh * g.kw;
+    const i64 ohw = g.oh * g.ow;
+    const i64 hw = g.h * g.w;
+    const u64 total = (u64)(nimg * cin_g * hw);
+    FOR_EACH(i, total) {
+        const i64 ix = (i64)(i % (u64)g.w);
+        const i64 iy = (i64)((i / (u64)g.w) % (u64)g.h);
+        const i64 c = (i64)((i / (u64)hw) % (u64)cin_g);
+        const i64 img = (i64)(i / (u64)(hw * cin_g));
+        const float* base = dcol + img * k * ohw;
+        float s = 0.0f;
+        for (i64 ky = 0; ky < g.kh; ++ky) {
+            const i64 ty = iy + g.ph - ky * g.dh;
+            if (ty < 0 || ty % g.sh != 0) continue;
+            const i64 oy = ty / g.sh;
+            if (oy >= g.oh) continue;
+            for (i64 kx = 0; kx < g.kw; ++kx) {
+                const i64 tx = ix + g.pw - kx * g.dw;
+                if (tx < 0 || tx % g.sw != 0) continue;
+                const i64 ox = tx / g.sw;
+                if (ox >= g.ow) continue;
+                const i64 row = (c * g.kh + ky) * g.kw + kx;
+                s += base[row * ohw + oy * g.ow + ox];
+            }
+        }
+        dx[(((n0 + img) * g.c_in + group * cin_g + c) * g.h + iy) * g.w + ix] = from_f32<T>(s);
+    }
+}
+
+// y[n, c, pos] = bias[c]: the C operand of the forward gemm with beta = 1.
+template <typename T> __device__ void bias_planes_impl(const T* bias, T* y, u64 n, u64 c, u64 ohw) {
+    FOR_EACH(i, n) y[i] = bias[(i / ohw) % c];
+}
+
+// Depthwise forward (groups == c_in == c_out): one thread per output element.
+template <typename T>
+__device__ void dw_fwd_impl(const T* x, const T* wt, const T* bias, u32 has_bias, T* y, ConvGeom g) {
+    const u64 total = (u64)(g.batch * g.c_out * g.oh * g.ow);
+    FOR_EACH(i, total) {
+        const i64 ox = (i64)(i % (u64)g.ow);
+        const i64 oy = (i64)((i / (u64)g.ow) % (u64)g.oh);
+        const i64 plane = (i64)(i / (u64)(g.oh * g.ow));
+        const i64 c = plane % g.c_in;
+        const T* xp = x + plane * g.h * g.w;
+        const T* wp = wt + c * g.kh * g.kw;
+        float s = 0.0f;
+        for (i64 ky = 0; ky < g.kh; ++ky) {
+            const i64 iy = oy * g.sh - g.ph + ky * g.dh;
+            if (iy < 0 || iy >= g.h) continue;
+            for (i64 kx = 0; kx < g.kw; ++kx) {
+                const i64 ix = ox * g.sw - g.pw + kx * g.dw;
+                if (ix < 0 || ix >= g.w) continue;
+                s += to_f32(wp[ky * g.kw + kx]) * to_f32(xp[iy * g.w + ix]);
+            }
+        }
+        if (has_bias) s += to_f32(bias[c]);
+        y[i] = from_f32<T>(s);
+    }
+}
+
+// Depthwise input gradient: one thread per input element, gathering over the taps.
+template <typename T>
+__device__ void dw_bwd_input_impl(const T* wt, const T* dy, T* dx, ConvGeom g) {
+    const u64 total = (u64)(g.batch * g.c_in * g.h * g.w);
+    FOR_EACH(i, total) {
+        const i64 ix = (i64)(i % (u64)g.w);
+        const i64 iy = (i64)((i / (u64)g.w) % (u64)g.h);
+        const i64 plane = (i64)(i / (u64)(g.h * g.w));
+        const i64 c = plane % g.c_in;
+        const T* dyp = dy + plane * g.oh * g.ow;
+        const T* wp = wt + c * g.kh * g.kw;
+        float s = 0.0f;
+        for (i64 ky = 0; ky < g.kh; ++ky) {
+            const i64 ty = iy + g.ph - ky * g.dh;
+            if (ty < 0 || ty % g.sh != 0) continue;
+            const i64 oy = ty / g.sh;
+            if (oy >= g.oh) continue;
+            for (i64 kx = 0; kx < g.kw; ++kx) {
+                const i64 tx = ix + g.pw - kx * g.dw;
+                if (tx < 0 || tx % g.sw != 0) continue;
+                const i64 ox = tx / g.sw;
+                if (ox >= g.ow) continue;
+                s += to_f32(wp[ky * g.kw + kx]) * to_f32(dyp[oy * g.ow + ox]);
+            }
+        }
+        dx[i] = from_f32<T>(s);
+    }
+}
+
+// Depthwise weight gradient: one block per weight element (c, ky, kx), reducing over the
+// batch and the output plane.
+template <typename T>
+__device__ void dw_bwd_weight_impl(const T* x, const T* dy, T* dw, ConvGeom g) {
+    const i64 tap = blockIdx.x;
+    const i64 c = tap / (g.kh * g.kw);
+    const i64 ky = (tap / g.kw) % g.kh;
+    const i64 kx = tap % g.kw;
+    const i64 ohw = g.oh * g.ow;
+    const u64 total = (u64)(g.batch * ohw);
+    float s = 0.0f;
+    for (u64 i = threadIdx.x; i < total; i += blockDim.x) {
+        const i64 n = (i64)(i / (u64)ohw);
+        const i64 pos = (i64)(i % (u64)ohw);
+        const i64 oy = pos / g.ow, ox = pos % g.ow;
+        const i64 iy = oy * g.sh - g.ph + ky * g.dh;
+        const i64 ix = ox * g.sw - g.pw + kx * g.dw;
+        if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
+        const i64 plane = n * g.c_in + c;
+        s += to_f32(dy[plane * ohw + pos]) * to_f32(x[(plane * g.h + iy) * g.w + ix]);
+    }
+    s = block_sum(s);
+    if (threadIdx.x == 0) dw[tap] = from_f32<T>(s);
+}
+
+#define CONV(T, S) \
+    extern "C" __global__ void im2col_##S(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i64 group) { im2col_impl<T>(x, col, g, n0, nimg, group); } \
+    extern "C" __global__ void col2im_##S(const float* dcol, T* dx, ConvGeom g, i64 n0, i64 nimg, i64 group) { col2im_impl<T>(dcol, dx, g, n0, nimg, group); } \
+    extern "C" __global__ void bias_planes_##S(const T* b, T* y, u64 n, u64 c, u64 ohw) { bias_planes_impl<T>(b, y, n, c, ohw); } \
+    extern "C" __global__ void dw_fwd_##S(const T* x, const T* w, const T* b, u32 has_b, T* y, ConvGeom g) { dw_fwd_impl<T>(x, w, b, has_b, y, g); } \
+    extern "C" __global__ void dw_bwd_input_##S(const T* w, const T* dy, T* dx, ConvGeom g) { dw_bwd_input_impl<T>(w, dy, dx, g); } \
+    extern "C" __global__ void dw_bwd_weight_##S(const T* x, const T* dy, T* dw, ConvGeom g) { dw_bwd_weight_impl<T>(x, dy, dw, g); }
+FOR_DTYPES(CONV)

@@ -1,0 +1,84 @@
+// Elementwise arithmetic, activations, casts, bias broadcast: one thread per element
+// (grid-stride), arithmetic in f32, one rounding to the storage type, as on the host.
+
+#define GELU_K 0.7978846f
+#define GELU_C 0.044715f
+
+template <typename T> __device__ void fill_impl(T* y, float v, u64 n) {
+    const T t = from_f32<T>(v);
+    FOR_EACH(i, n) y[i] = t;
+}
+template <typename T> __device__ void add_impl(const T* a, const T* b, T* y, u64 n) {
+    FOR_EACH(i, n) y[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i]));
+}
+template <typename T> __device__ void mul_impl(const T* a, const T* b, T* y, u64 n) {
+    FOR_EACH(i, n) y[i] = from_f32<T>(to_f32(a[i]) * to_f32(b[i]));
+}
+template <typename T> __device__ void scale_impl(const T* x, float alpha, T* y, u64 n) {
+    FOR_EACH(i, n) y[i] = from_f32<T>(alpha * to_f32(x[i]));
+}
+template <typename T> __device__ void relu_impl(const T* x, T* y, u64 n) {
+    FOR_EACH(i, n) y[i] = from_f32<T>(fmaxf(to_f32(x[i]), 0.0f));
+}
+template <typename T> __device__ void relu_bwd_impl(const T* x, const T* dy, T* dx, u64 n) {
+    FOR_EACH(i, n) dx[i] = to_f32(x[i]) > 0.0f ? dy[i] : from_f32<T>(0.0f);
+}
+template <typename T> __device__ void gelu_impl(const T* x, T* y, u64 n) {
+    FOR_EACH(i, n) {
+        const float v = to_f32(x[i]);
+        const float inner = GELU_K * (v + GELU_C * v * v * v);
+        y[i] = from_f32<T>(0.5f * v * (1.0f + tanhf(inner)));
+    }
+}
+template <typename T> __device__ void gelu_bwd_impl(const T* x, const T* dy, T* dx, u64 n) {
+    FOR_EACH(i, n) {
+        const float v = to_f32(x[i]);
+        const float inner = GELU_K * (v + GELU_C * v * v * v);
+        const float t = tanhf(inner);
+        const float d_inner = GELU_K * (1.0f + 3.0f * GELU_C * v * v);
+        const float g = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * d_inner;
+        dx[i] = from_f32<T>(to_f32(dy[i]) * g);
+    }
+}
+// y = x + bias[i % d]
+template <typename T>
+__device__ void bias_add_impl(const T* x, const T* bias, T* y, u64 n, u64 d) {
+    FOR_EACH(i, n) y[i] = from_f32<T>(to_f32(x[i]) + to_f32(bias[i % d]));
+}
+// y[i] = bias[i % d]: the C operand of a linear layer's gemm with beta = 1.
+template <typename T> __device__ void bias_fill_impl(const T* bias, T* y, u64 n, u64 d) {
+    FOR_EACH(i, n) y[i] = bias[i % d];
+}
+// dx[i] = dy[i / d] * factor (backward of row sums and means, global average pool).
+template <typename T>
+__device__ void broadcast_rows_impl(const T* dy, float factor, T* dx, u64 n, u64 d) {
+    FOR_EACH(i, n) dx[i] = from_f32<T>(to_f32(dy[i / d]) * factor);
+}
+
+#define UNARY(T, S) \
+    extern "C" __global__ void fill_##S(T* y, float v, u64 n) { fill_impl<T>(y, v, n); } \
+    extern "C" __global__ void add_##S(const T* a, const T* b, T* y, u64 n) { add_impl<T>(a, b, y, n); } \
+    extern "C" __global__ void mul_##S(const T* a, const T* b, T* y, u64 n) { mul_impl<T>(a, b, y, n); } \
+    extern "C" __global__ void scale_##S(const T* x, float alpha, T* y, u64 n) { scale_impl<T>(x, alpha, y, n); } \
+    extern "C" __global__ void relu_##S(const T* x, T* y, u64 n) { relu_impl<T>(x, y, n); } \
+    extern "C" __global__ void relu_bwd_##S(const T* x, const T* dy, T* dx, u64 n) { relu_bwd_impl<T>(x, dy, dx, n); } \
+    extern "C" __global__ void gelu_##S(const T* x, T* y, u64 n) { gelu_impl<T>(x, y, n); } \
+    extern "C" __global__ void gelu_bwd_##S(const T* x, const T* dy, T* dx, u64 n) { gelu_bwd_impl<T>(x, dy, dx, n); } \
+    extern "C" __global__ void bias_add_##S(const T* x, const T* b, T* y, u64 n, u64 d) { bias_add_impl<T>(x, b, y, n, d); } \
+    extern "C" __global__ void bias_fill_##S(const T* b, T* y, u64 n, u64 d) { bias_fill_impl<T>(b, y, n, d); } \
+    extern "C" __global__ void broadcast_rows_##S(const T* dy, float f, T* dx, u64 n, u64 d) { broadcast_rows_impl<T>(dy, f, dx, n, d); }
+FOR_DTYPES(UNARY)
+
+// Mixed-type kernels, named <op>_<first>_<second>: cast_<src>_<dst>, add_assign_<acc>_<x>,
+// axpy_<y>_<x>.
+#define PAIR(A, SA, B, SB) \
+    extern "C" __global__ void cast_##SA##_##SB(const A* x, B* y, u64 n) { \
+        FOR_EACH(i, n) y[i] = from_f32<B>(to_f32(x[i])); \
+    } \
+    extern "C" __global__ void add_assign_##SA##_##SB(A* acc, const B* x, u64 n) { \
+        FOR_EACH(i, n) acc[i] = from_f32<A>(to_f32(acc[i]) + to_f32(x[i])); \
+    } \
+    extern "C" __global__ void axpy_##SA##_##SB(float alpha, const B* x, A* y, u64 n) { \
+        FOR_EACH(i, n) y[i] = from_f32<A>(to_f32(y[i]) + alpha * to_f32(x[i])); \
+    }
+FOR_DTYPE_PAIRS(PAIR)

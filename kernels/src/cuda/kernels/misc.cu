@@ -1,0 +1,97 @@
+// Embedding gather / scatter-add, dropout on Philox4x32-10, fused optimizer steps and the
+// fused unscale with non-finite check.
+
+template <typename T>
+__device__ void embedding_impl(const u32* ids, const T* table, T* out, u64 n, u64 dim) {
+    FOR_EACH(i, n) out[i] = table[(u64)ids[i / dim] * dim + i % dim];
+}
+
+// acc[ids[t], j] += dout[t, j] (f32 accumulator zeroed by the caller).
+template <typename T>
+__device__ void embedding_bwd_impl(const u32* ids, const T* dout, float* acc, u64 n, u64 dim) {
+    FOR_EACH(i, n) atomicAdd(acc + (u64)ids[i / dim] * dim + i % dim, to_f32(dout[i]));
+}
+
+// Philox4x32-10 (Random123): the same rounds as kernels/src/cpu/random.rs.
+__device__ __forceinline__ u32 philox_word(u64 counter, u64 seed, u32 word) {
+    u32 c0 = (u32)counter, c1 = (u32)(counter >> 32), c2 = 0u, c3 = 0u;
+    u32 k0 = (u32)seed, k1 = (u32)(seed >> 32);
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const u32 hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        const u32 hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        const u32 n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+        c0 = n0;
+        c1 = lo1;
+        c2 = n2;
+        c3 = lo0;
+    }
+    return word == 0 ? c0 : word == 1 ? c1 : word == 2 ? c2 : c3;
+}
+
+// Element i uses word (offset + i) % 4 of philox(counter = (offset + i) / 4, key = seed)
+// and is kept iff its uniform (top 24 bits / 2^24) is >= p; kept values are scaled.
+template <typename T>
+__device__ void dropout_impl(const T* x, T* y, u64 n, float p, float scale, u64 seed, u64 offset) {
+    FOR_EACH(i, n) {
+        const u64 index = offset + i;
+        const u32 r = philox_word(index >> 2, seed, (u32)(index & 3u));
+        const float u = (float)(r >> 8) * (1.0f / 16777216.0f);
+        y[i] = u >= p ? from_f32<T>(to_f32(x[i]) * scale) : from_f32<T>(0.0f);
+    }
+}
+
+template <typename T>
+__device__ void sgd_impl(float* p, const T* g, float* buf, u64 n, float lr, float momentum,
+                         float dampening, float weight_decay, u32 nesterov, u32 first_step) {
+    FOR_EACH(i, n) {
+        const float d = to_f32(g[i]) + weight_decay * p[i];
+        if (momentum == 0.0f) {
+            p[i] -= lr * d;
+        } else {
+            const float b = first_step ? d : momentum * buf[i] + (1.0f - dampening) * d;
+            buf[i] = b;
+            const float step = nesterov ? d + momentum * b : b;
+            p[i] -= lr * step;
+        }
+    }
+}
+
+template <typename T>
+__device__ void adamw_impl(float* p, const T* g, float* m, float* v, u64 n, float beta1,
+                           float beta2, float eps, float step_size, float bias2_sqrt, float decay) {
+    FOR_EACH(i, n) {
+        const float gi = to_f32(g[i]);
+        float pi = p[i] * decay;
+        const float mi = beta1 * m[i] + (1.0f - beta1) * gi;
+        const float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
+        const float denom = sqrtf(vi) / bias2_sqrt + eps;
+        pi -= step_size * mi / denom;
+        p[i] = pi;
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+// g *= inv_scale in place; *flag = 1 if any stored result is inf or NaN.
+template <typename T> __device__ void unscale_impl(T* g, float inv_scale, u64 n, u32* flag) {
+    bool bad = false;
+    FOR_EACH(i, n) {
+        const T r = from_f32<T>(to_f32(g[i]) * inv_scale);
+        g[i] = r;
+        bad |= !is_finite(to_f32(r));
+    }
+    if (bad) *flag = 1u;
+}
+
+#define MISC(T, S) \
+    extern "C" __global__ void embedding_##S(const u32* ids, const T* table, T* out, u64 n, u64 dim) { embedding_impl<T>(ids, table, out, n, dim); } \
+    extern "C" __global__ void embedding_bwd_##S(const u32* ids, const T* dout, float* acc, u64 n, u64 dim) { embedding_bwd_impl<T>(ids, dout, acc, n, dim); } \
+    extern "C" __global__ void dropout_##S(const T* x, T* y, u64 n, float p, float scale, u64 seed, u64 offset) { dropout_impl<T>(x, y, n, p, scale, seed, offset); } \
+    extern "C" __global__ void sgd_##S(float* p, const T* g, float* buf, u64 n, float lr, float mom, float damp, float wd, u32 nest, u32 first) { sgd_impl<T>(p, g, buf, n, lr, mom, damp, wd, nest, first); } \
+    extern "C" __global__ void adamw_##S(float* p, const T* g, float* m, float* v, u64 n, float b1, float b2, float eps, float ss, float b2s, float decay) { adamw_impl<T>(p, g, m, v, n, b1, b2, eps, ss, b2s, decay); } \
+    extern "C" __global__ void unscale_##S(T* g, float inv, u64 n, u32* flag) { unscale_impl<T>(g, inv, n, flag); }
+FOR_DTYPES(MISC)

@@ -1,0 +1,54 @@
+// Reductions accumulated in f32: whole-tensor sums (two passes), row sums (one block per
+// row) and column sums (atomics into an f32 accumulator the caller zeroed).
+
+template <typename T> __device__ void sum_partial_impl(const T* x, u64 n, float* partial) {
+    float s = 0.0f;
+    FOR_EACH(i, n) s += to_f32(x[i]);
+    s = block_sum(s);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+// One block: out[0] = sum of `count` partial sums.
+extern "C" __global__ void sum_final(const float* partial, u32 count, float* out) {
+    float s = 0.0f;
+    for (u32 i = threadIdx.x; i < count; i += blockDim.x) s += partial[i];
+    s = block_sum(s);
+    if (threadIdx.x == 0) out[0] = s;
+}
+
+// y[row] = scale * sum_j x[row, j]; one block per row.
+template <typename T> __device__ void row_sum_impl(const T* x, T* y, u64 d, float scale) {
+    const T* row = x + (u64)blockIdx.x * d;
+    float s = 0.0f;
+    for (u64 j = threadIdx.x; j < d; j += blockDim.x) s += to_f32(row[j]);
+    s = block_sum(s);
+    if (threadIdx.x == 0) y[blockIdx.x] = from_f32<T>(s * scale);
+}
+
+// y[row] = sum_j x[row, j] in f32; one block per row.
+template <typename T> __device__ void row_sum_f32_impl(const T* x, float* y, u64 d) {
+    const T* row = x + (u64)blockIdx.x * d;
+    float s = 0.0f;
+    for (u64 j = threadIdx.x; j < d; j += blockDim.x) s += to_f32(row[j]);
+    s = block_sum(s);
+    if (threadIdx.x == 0) y[blockIdx.x] = s;
+}
+
+// acc[j] += sum over a chunk of rows of x[row, j]; grid (ceil(d / blockDim), row chunks).
+template <typename T>
+__device__ void col_sum_impl(const T* x, float* acc, u64 rows, u64 d, u64 chunk) {
+    const u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= d) return;
+    const u64 r0 = (u64)blockIdx.y * chunk;
+    const u64 r1 = r0 + chunk < rows ? r0 + chunk : rows;
+    float s = 0.0f;
+    for (u64 r = r0; r < r1; ++r) s += to_f32(x[r * d + j]);
+    atomicAdd(acc + j, s);
+}
+
+#define REDUCE(T, S) \
+    extern "C" __global__ void sum_partial_##S(const T* x, u64 n, float* p) { sum_partial_impl<T>(x, n, p); } \
+    extern "C" __global__ void row_sum_##S(const T* x, T* y, u64 d, float scale) { row_sum_impl<T>(x, y, d, scale); } \
+    extern "C" __global__ void row_sum_f32_##S(const T* x, float* y, u64 d) { row_sum_f32_impl<T>(x, y, d); } \
+    extern "C" __global__ void col_sum_##S(const T* x, float* acc, u64 rows, u64 d, u64 chunk) { col_sum_impl<T>(x, acc, rows, d, chunk); }
+FOR_DTYPES(REDUCE)

@@ -1,0 +1,253 @@
+//! The CUDA backend: one device's primary context, its legacy default stream, a caching
+//! allocator over `cuMemAlloc`, the NVRTC kernel registry and a cuBLAS handle.
+//!
+//! Every op runs on the legacy default stream (`CUstream` 0), which is also the stream the
+//! allocator hands blocks out for ([`vram_alloc::Stream::DEFAULT`]): a block freed by a
+//! dropped tensor and reused by the next allocation is therefore stream-ordered after all
+//! work that used it, with no events needed. Copies to the host synchronize that stream.
+//!
+//! The 16-bit types have no `#include <cuda_fp16.h>`: NVRTC only finds that header with the
+//! toolkit's include path, which a machine with just the driver and runtime libraries may
+//! lack. `common.cuh` defines them as bit containers with PTX (f16) and integer (bf16)
+//! conversions instead.
+
+mod blas;
+pub(crate) mod launch;
+pub(crate) mod ops;
+mod registry;
+
+pub(crate) use launch::Arg;
+pub(crate) use registry::{CONV, ELEMENTWISE, MISC, POOL, REDUCE, SOFTMAX};
+
+use crate::error::{Error, Result};
+use blas::Blas;
+use cudarc::driver::{CudaContext, CudaStream, DriverError, LaunchConfig, PushKernelArg, result};
+use registry::{Module, Registry};
+use std::sync::{Arc, Mutex};
+use vram_alloc::cuda::{CudaMemory, probe};
+use vram_alloc::{Allocation, AllocatorConfig, CachingAllocator};
+
+/// Maps a driver error of `op` into this crate's [`Error::Device`].
+pub(crate) fn driver_error(op: &'static str) -> impl Fn(DriverError) -> Error {
+    move |e| Error::Device { op, reason: format!("CUDA driver: {e:?}") }
+}
+
+/// One CUDA device: everything its tensors and ops need.
+///
+/// Fields drop in order: the cuBLAS handle and the kernel modules go before the context
+/// reference they were made in.
+pub(crate) struct CudaBackend {
+    blas: Mutex<Blas>,
+    kernels: Registry,
+    alloc: CachingAllocator<CudaMemory>,
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+    ordinal: usize,
+    name: String,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("ordinal", &self.ordinal)
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal` and compiles the elementwise kernels, so that a device that is
+    /// returned can run ops. `config: None` reads `VRAM_ALLOC_CONF`.
+    pub(crate) fn new(ordinal: usize, config: Option<AllocatorConfig>) -> Result<CudaBackend> {
+        let unusable = |reason: String| {
+            Error::Unsupported(format!(
+                "CUDA device {ordinal} is not usable: {reason}; use the host (VRAM_DEVICE=cpu)"
+            ))
+        };
+        let info = probe(ordinal).map_err(unusable)?;
+        // SAFETY: only tries to open the libraries by their candidate names; no CUDA call.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(unusable(
+                "libnvrtc (CUDA 13) was not found; add its directory to LD_LIBRARY_PATH".into(),
+            ));
+        }
+        // SAFETY: as above.
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Err(unusable(
+                "libcublas (CUDA 13) was not found; add its directory to LD_LIBRARY_PATH".into(),
+            ));
+        }
+        let memory = CudaMemory::new(ordinal)
+            .map_err(|e| Error::Device { op: "Device::cuda", reason: e.to_string() })?;
+        let alloc = match config {
+            Some(config) => CachingAllocator::with_config(memory, config)?,
+            None => CachingAllocator::from_env(memory)?,
+        };
+        let ctx = CudaContext::new(ordinal).map_err(driver_error("CudaContext::new"))?;
+        let stream = ctx.default_stream();
+        let (major, minor) =
+            ctx.compute_capability().map_err(driver_error("cuDeviceGetAttribute"))?;
+        ctx.bind_to_thread().map_err(driver_error("cuCtxSetCurrent"))?;
+        let blas = Blas::new()?;
+        let backend = CudaBackend {
+            blas: Mutex::new(blas),
+            kernels: Registry::new(major, minor),
+            alloc,
+            stream,
+            ctx,
+            ordinal,
+            name: format!("cuda:{ordinal} ({}, sm_{major}{minor})", info.name),
+        };
+        backend.kernels.module(&backend.ctx, &ELEMENTWISE)?;
+        Ok(backend)
+    }
+
+    /// The allocator holding this device's tensors.
+    pub(crate) fn allocator(&self) -> &CachingAllocator<CudaMemory> {
+        &self.alloc
+    }
+
+    /// The device in words.
+    pub(crate) fn name(&self) -> String {
+        format!("{} ({})", self.name, vram_alloc::DeviceMemory::name(self.alloc.memory()))
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(driver_error("cuCtxSetCurrent"))
+    }
+
+    /// Device memory for `bytes` bytes from the cache (for outputs and temporaries).
+    pub(crate) fn allocate(&self, bytes: usize) -> Result<Allocation<CudaMemory>> {
+        Ok(self.alloc.allocate(bytes)?)
+    }
+
+    /// Waits for all work queued on the device's stream.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        self.stream.synchronize().map_err(driver_error("cuStreamSynchronize"))
+    }
+
+    /// Copies host bytes to device memory at `dst` (which holds at least `src.len()` bytes).
+    pub(crate) fn copy_to_device(&self, dst: u64, src: &[u8]) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: `dst` is a live device allocation of at least `src.len()` bytes (the
+        // caller's contract). From pageable memory the call returns once `src` has been
+        // staged, so `src` may be dropped afterwards.
+        unsafe { result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+            .map_err(driver_error("cuMemcpyHtoDAsync"))
+    }
+
+    /// Copies `dst.len()` bytes of device memory at `src` to the host, after all queued work.
+    pub(crate) fn copy_to_host(&self, dst: &mut [u8], src: u64) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: `src` is a live device allocation of at least `dst.len()` bytes (the
+        // caller's contract); the stream is synchronized before `dst` is read.
+        unsafe { result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
+            .map_err(driver_error("cuMemcpyDtoHAsync"))?;
+        self.synchronize()
+    }
+
+    /// Copies `bytes` bytes between device allocations, stream-ordered.
+    pub(crate) fn copy_on_device(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: both are live device allocations of at least `bytes` bytes that do not
+        // overlap (the caller's contract).
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(driver_error("cuMemcpyDtoDAsync"))
+    }
+
+    /// Sets `bytes` bytes at `dst` to zero (0.0 in every dtype), stream-ordered.
+    pub(crate) fn zero(&self, dst: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: `dst` is a live device allocation of at least `bytes` bytes.
+        unsafe { result::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) }
+            .map_err(driver_error("cuMemsetD8Async"))
+    }
+
+    /// Launches kernel `name` of `module` with `args` on the device's stream. A grid with
+    /// no blocks launches nothing.
+    ///
+    /// # Safety
+    ///
+    /// `args` must match the kernel's parameters in number, order and type, and every
+    /// pointer among them must be a live allocation of this device holding every element
+    /// the kernel addresses with these arguments (and, for outputs, not aliasing inputs
+    /// unless the kernel works in place).
+    pub(crate) unsafe fn launch(
+        &self,
+        module: &'static Module,
+        name: &str,
+        cfg: LaunchConfig,
+        args: &[Arg],
+    ) -> Result<()> {
+        let (x, y, z) = cfg.grid_dim;
+        if x == 0 || y == 0 || z == 0 {
+            return Ok(());
+        }
+        let func = self.kernels.function(&self.ctx, module, name)?;
+        let mut builder = self.stream.launch_builder(&func);
+        for arg in args {
+            match arg {
+                Arg::Ptr(v) | Arg::U64(v) => builder.arg(v),
+                Arg::I64(v) => builder.arg(v),
+                Arg::U32(v) => builder.arg(v),
+                Arg::F32(v) => builder.arg(v),
+                Arg::Conv(v) => builder.arg(v),
+                Arg::Pool(v) => builder.arg(v),
+            };
+        }
+        // SAFETY: the arguments match the kernel (this function's contract) and live in
+        // `args`, which outlives the launch call that reads them.
+        unsafe { builder.launch(cfg) }
+            .map_err(|e| Error::Device { op: "kernel launch", reason: format!("{name}: {e:?}") })?;
+        Ok(())
+    }
+
+    /// `C = alpha * op(A) * op(B) + beta * C` through cuBLAS (see [`blas::Blas::gemm`]);
+    /// A and B of `ab`, C of `c_type`. Empty products write nothing, except that `k == 0`
+    /// with `beta == 0` zeroes C.
+    ///
+    /// # Safety
+    ///
+    /// `a`, `b` and `c` must be live allocations of this device holding `spec.a_len()`,
+    /// `b_len()` and `c_len()` elements of their types, C matrices of different batches
+    /// must not overlap, and C must not alias A or B.
+    pub(crate) unsafe fn gemm(
+        &self,
+        spec: &crate::cpu::matmul::MatmulSpec,
+        a: u64,
+        b: u64,
+        c: u64,
+        ab: crate::DType,
+        c_type: crate::DType,
+    ) -> Result<()> {
+        let s = spec;
+        if s.batch == 0 || s.m == 0 || s.n == 0 {
+            return Ok(());
+        }
+        if s.k == 0 {
+            if s.beta == 0.0 {
+                let size = c_type.size_in_bytes();
+                for i in 0..s.batch {
+                    self.zero(c + (i * s.stride_c * size) as u64, s.m * s.n * size)?;
+                }
+            }
+            return Ok(());
+        }
+        self.bind()?;
+        let blas = self.blas.lock().unwrap_or_else(|e| e.into_inner());
+        blas.gemm(s, a, b, c, ab, c_type)
+    }
+}

@@ -1,0 +1,493 @@
+//! Every op on CUDA against the host reference, on random inputs: f32 within 1e-5 relative
+//! (1e-4 for the cuBLAS products: matmul, linear, conv), f16 and bf16 within 1e-2, dropout
+//! masks identical. Each test prints `skipped: no CUDA device (...)` and passes where no GPU
+//! can be opened.
+
+use std::io::Write as _;
+use vram_kernels::ops;
+use vram_kernels::{
+    AdamWConfig, Conv2dOptions, DType, Device, Indices, Pool2dOptions, SgdConfig, Tensor,
+};
+
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+/// The CUDA device, or `None` after printing the skip line (straight to stderr, so that it
+/// shows through the test harness's output capture).
+fn gpu() -> Option<Device> {
+    match Device::cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+fn host() -> Device {
+    Device::host(4 << 30)
+}
+
+/// Elementwise tolerance for `dtype`; `gemm` for cuBLAS products.
+fn tol(dtype: DType, gemm: bool) -> f64 {
+    match dtype {
+        DType::F32 if gemm => 1e-4,
+        DType::F32 => 1e-5,
+        _ => 1e-2,
+    }
+}
+
+/// Deterministic pseudo-random values in `[lo, hi)` (xorshift).
+fn values(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
+        })
+        .collect()
+}
+
+/// The same random tensor on the host and on the GPU.
+fn pair(gpu: &Device, shape: &[usize], dtype: DType, seed: u64) -> (Tensor, Tensor) {
+    let n = shape.iter().product();
+    let h = Tensor::from_f32_slice(&host(), shape, &values(n, seed, -4.0, 4.0), dtype).unwrap();
+    let g = h.to_device(gpu).unwrap();
+    (h, g)
+}
+
+/// `got` (from the GPU) against `want` (host): same shape and dtype,
+/// `|g - w| <= tol * max(|w|, 1)` everywhere; NaN passes only against NaN.
+fn close(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
+    assert!(got.device().is_cuda() && !want.device().is_cuda(), "{what}: devices");
+    assert_eq!(got.shape(), want.shape(), "{what}: shape");
+    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
+    let (g, w) = (got.try_to_f32_vec().unwrap(), want.to_f32_vec());
+    for (i, (&g, &w)) in g.iter().zip(&w).enumerate() {
+        let (g, w) = (f64::from(g), f64::from(w));
+        let ok = if w.is_nan() { g.is_nan() } else { (g - w).abs() <= tol * w.abs().max(1.0) };
+        assert!(ok, "{what} ({}): index {i}: cuda {g}, host {w}, tol {tol}", got.dtype());
+    }
+}
+
+fn close_scalar(what: &str, got: f32, want: f32, tol: f64) {
+    let (g, w) = (f64::from(got), f64::from(want));
+    assert!((g - w).abs() <= tol * w.abs().max(1.0), "{what}: cuda {g}, host {w}");
+}
+
+#[test]
+fn device_copies_round_trip_and_memory_is_counted() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in DTYPES {
+        let (h, g) = pair(&gpu, &[3, 5, 7], dtype, 1);
+        assert!(gpu.memory_allocated() >= g.size_in_bytes() as u64);
+        assert!(g.as_slice::<f32>().is_err(), "host access to device memory must fail");
+        let back = g.to_device(&h.device().clone()).unwrap();
+        assert_eq!(back.to_f32_vec(), h.to_f32_vec());
+        close("try_clone", &g.try_clone().unwrap(), &h, 0.0);
+        for to in DTYPES {
+            close("to_dtype", &g.to_dtype(to).unwrap(), &h.to_dtype(to).unwrap(), 0.0);
+        }
+        let z = Tensor::full(&gpu, &[1000], dtype, 1.5).unwrap();
+        assert!(z.to_f32_vec().iter().all(|&v| v == 1.5));
+    }
+    let live = gpu.memory_allocated();
+    gpu.empty_cache();
+    assert_eq!(gpu.memory_allocated(), live);
+    gpu.synchronize().unwrap();
+}
+
+#[test]
+fn elementwise_and_activations_match_host() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in DTYPES {
+        let t = tol(dtype, false);
+        let shape = [37, 129];
+        let (ha, ga) = pair(&gpu, &shape, dtype, 2);
+        let (hb, gb) = pair(&gpu, &shape, dtype, 3);
+        close("add", &ops::add(&ga, &gb).unwrap(), &ops::add(&ha, &hb).unwrap(), t);
+        close("mul", &ops::mul(&ga, &gb).unwrap(), &ops::mul(&ha, &hb).unwrap(), t);
+        close("scale", &ops::scale(&ga, -0.37).unwrap(), &ops::scale(&ha, -0.37).unwrap(), t);
+        close("relu", &ops::relu(&ga).unwrap(), &ops::relu(&ha).unwrap(), t);
+        close("gelu", &ops::gelu(&ga).unwrap(), &ops::gelu(&ha).unwrap(), t);
+        let (hr, gr) =
+            (ops::relu_backward(&ha, &hb).unwrap(), ops::relu_backward(&ga, &gb).unwrap());
+        close("relu_backward", &gr, &hr, t);
+        let (hg, gg) =
+            (ops::gelu_backward(&ha, &hb).unwrap(), ops::gelu_backward(&ga, &gb).unwrap());
+        close("gelu_backward", &gg, &hg, t);
+        let (hbias, gbias) = pair(&gpu, &[129], dtype, 4);
+        close(
+            "bias_add",
+            &ops::bias_add(&ga, &gbias).unwrap(),
+            &ops::bias_add(&ha, &hbias).unwrap(),
+            t,
+        );
+        close(
+            "bias_add_backward",
+            &ops::bias_add_backward(&ga).unwrap(),
+            &ops::bias_add_backward(&ha).unwrap(),
+            t,
+        );
+        for acc_dtype in DTYPES {
+            let (mut hacc, mut gacc) = pair(&gpu, &shape, acc_dtype, 5);
+            ops::add_assign(&mut hacc, &ha).unwrap();
+            ops::add_assign(&mut gacc, &ga).unwrap();
+            close("add_assign", &gacc, &hacc, tol(acc_dtype, false));
+            ops::axpy(-1.5, &ga, &mut gacc).unwrap();
+            ops::axpy(-1.5, &ha, &mut hacc).unwrap();
+            close("axpy", &gacc, &hacc, tol(acc_dtype, false));
+        }
+    }
+}
+
+#[test]
+fn reductions_match_host() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in DTYPES {
+        let t = tol(dtype, false);
+        let (h, g) = pair(&gpu, &[41, 263], dtype, 6);
+        close_scalar("sum", ops::sum(&g).unwrap(), ops::sum(&h).unwrap(), 1e-5);
+        close_scalar("mean", ops::mean(&g).unwrap(), ops::mean(&h).unwrap(), 1e-5);
+        close("sum_last_dim", &ops::sum_last_dim(&g).unwrap(), &ops::sum_last_dim(&h).unwrap(), t);
+        close(
+            "mean_last_dim",
+            &ops::mean_last_dim(&g).unwrap(),
+            &ops::mean_last_dim(&h).unwrap(),
+            t,
+        );
+        let (hd, gd) = pair(&gpu, &[41], dtype, 7);
+        close(
+            "sum_last_dim_backward",
+            &ops::sum_last_dim_backward(&gd, 263).unwrap(),
+            &ops::sum_last_dim_backward(&hd, 263).unwrap(),
+            t,
+        );
+        close(
+            "mean_last_dim_backward",
+            &ops::mean_last_dim_backward(&gd, 263).unwrap(),
+            &ops::mean_last_dim_backward(&hd, 263).unwrap(),
+            t,
+        );
+        close(
+            "mean_backward",
+            &ops::mean_backward(2.5, &gpu, &[7, 9], dtype).unwrap(),
+            &ops::mean_backward(2.5, &host(), &[7, 9], dtype).unwrap(),
+            t,
+        );
+    }
+}
+
+#[test]
+fn softmax_cross_entropy_and_layer_norm_match_host() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in DTYPES {
+        let t = tol(dtype, false);
+        let (hx, gx) = pair(&gpu, &[2, 3, 33, 33], dtype, 8);
+        let (hdy, gdy) = pair(&gpu, &[2, 3, 33, 33], dtype, 9);
+        for causal in [false, true] {
+            let f = if causal { ops::causal_softmax } else { ops::softmax };
+            let b = if causal { ops::causal_softmax_backward } else { ops::softmax_backward };
+            let (hy, gy) = (f(&hx).unwrap(), f(&gx).unwrap());
+            close("softmax", &gy, &hy, t);
+            close("softmax_backward", &b(&gy, &gdy).unwrap(), &b(&hy, &hdy).unwrap(), t);
+        }
+
+        let (hl, gl) = pair(&gpu, &[67, 301], dtype, 10);
+        let targets: Vec<u32> = (0..67).map(|i| (i * 37 % 301) as u32).collect();
+        for ignore in [None, Some(targets[3])] {
+            let (hc, gc) = (
+                ops::cross_entropy(&hl, &targets, ignore).unwrap(),
+                ops::cross_entropy(&gl, &targets, ignore).unwrap(),
+            );
+            close_scalar("cross_entropy", gc.loss, hc.loss, 1e-5);
+            close("cross_entropy lse", &gc.lse, &hc.lse, 1e-5);
+            let hd = ops::cross_entropy_backward(&hl, &targets, ignore, &hc.lse, 2.0).unwrap();
+            let gd = ops::cross_entropy_backward(&gl, &targets, ignore, &gc.lse, 2.0).unwrap();
+            close("cross_entropy_backward", &gd, &hd, t);
+        }
+        assert!(ops::cross_entropy(&gl, &[301; 67], None).is_err());
+
+        let (hx, gx) = pair(&gpu, &[5, 13, 257], dtype, 11);
+        let (hg, gg) = pair(&gpu, &[257], dtype, 12);
+        let (hb, gb) = pair(&gpu, &[257], dtype, 13);
+        let (hn, gn) = (
+            ops::layer_norm(&hx, &hg, &hb, 1e-5).unwrap(),
+            ops::layer_norm(&gx, &gg, &gb, 1e-5).unwrap(),
+        );
+        close("layer_norm", &gn.y, &hn.y, t);
+        close("layer_norm mean", &gn.mean, &hn.mean, 1e-5);
+        close("layer_norm rstd", &gn.rstd, &hn.rstd, 1e-5);
+        let (hdy, gdy) = pair(&gpu, &[5, 13, 257], dtype, 14);
+        let hgr = ops::layer_norm_backward(&hx, &hg, &hn.mean, &hn.rstd, &hdy).unwrap();
+        let ggr = ops::layer_norm_backward(&gx, &gg, &gn.mean, &gn.rstd, &gdy).unwrap();
+        close("layer_norm dx", &ggr.dx, &hgr.dx, t);
+        close("layer_norm dgamma", &ggr.dgamma, &hgr.dgamma, t);
+        close("layer_norm dbeta", &ggr.dbeta, &hgr.dbeta, t);
+    }
+}
+
+#[test]
+fn matmul_and_linear_match_host() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in DTYPES {
+        let t = tol(dtype, true);
+        // (a shape, b shape, trans_a, trans_b): plain, transposed, batched, broadcast.
+        let cases: [(&[usize], &[usize], bool, bool); 5] = [
+            (&[65, 31], &[31, 47], false, false),
+            (&[31, 65], &[47, 31], true, true),
+            (&[3, 17, 9], &[3, 9, 21], false, false),
+            (&[4, 17, 9], &[21, 9], false, true),
+            (&[9, 17], &[4, 9, 21], true, false),
+        ];
+        for (i, &(sa, sb, ta, tb)) in cases.iter().enumerate() {
+            let (ha, ga) = pair(&gpu, sa, dtype, 20 + i as u64);
+            let (hb, gb) = pair(&gpu, sb, dtype, 30 + i as u64);
+            let (hc, gc) =
+                (ops::matmul(&ha, &hb, ta, tb).unwrap(), ops::matmul(&ga, &gb, ta, tb).unwrap());
+            close("matmul", &gc, &hc, t);
+            let (hdc, gdc) = pair(&gpu, hc.shape(), dtype, 40 + i as u64);
+            let (hda, hdb) = ops::matmul_backward(&ha, &hb, &hdc, ta, tb).unwrap();
+            let (gda, gdb) = ops::matmul_backward(&ga, &gb, &gdc, ta, tb).unwrap();
+            close("matmul_backward da", &gda, &hda, t);
+            close("matmul_backward db", &gdb, &hdb, t);
+        }
+        let (hx, gx) = pair(&gpu, &[3, 11, 64], dtype, 50);
+        let (hw, gw) = pair(&gpu, &[24, 64], dtype, 51);
+        let (hb, gb) = pair(&gpu, &[24], dtype, 52);
+        close(
+            "linear",
+            &ops::linear(&gx, &gw, Some(&gb)).unwrap(),
+            &ops::linear(&hx, &hw, Some(&hb)).unwrap(),
+            t,
+        );
+        close(
+            "linear no bias",
+            &ops::linear(&gx, &gw, None).unwrap(),
+            &ops::linear(&hx, &hw, None).unwrap(),
+            t,
+        );
+        let (hdy, gdy) = pair(&gpu, &[3, 11, 24], dtype, 53);
+        let hg = ops::linear_backward(&hx, &hw, &hdy, true).unwrap();
+        let gg = ops::linear_backward(&gx, &gw, &gdy, true).unwrap();
+        close("linear dx", &gg.dx, &hg.dx, t);
+        close("linear dw", &gg.dw, &hg.dw, t);
+        close(
+            "linear dbias",
+            gg.dbias.as_ref().unwrap(),
+            hg.dbias.as_ref().unwrap(),
+            tol(dtype, false),
+        );
+    }
+}
+
+#[test]
+fn conv2d_dense_grouped_pointwise_and_depthwise_match_host() {
+    let Some(gpu) = gpu() else { return };
+    // (x shape, weight shape, options)
+    let cases = [
+        ([2, 3, 13, 11], [8, 3, 3, 3], Conv2dOptions::default().padding((1, 1))),
+        ([2, 4, 12, 12], [6, 2, 3, 3], Conv2dOptions::default().stride((2, 2)).groups(2)),
+        ([3, 5, 9, 9], [4, 5, 3, 2], Conv2dOptions::default().dilation((2, 1)).padding((2, 0))),
+        ([2, 8, 7, 7], [16, 8, 1, 1], Conv2dOptions::default()),
+        ([2, 6, 10, 10], [6, 1, 3, 3], Conv2dOptions::default().padding((1, 1)).groups(6)),
+        (
+            [2, 6, 11, 11],
+            [6, 1, 5, 5],
+            Conv2dOptions::default().stride((2, 2)).padding((2, 2)).groups(6),
+        ),
+    ];
+    for dtype in DTYPES {
+        let t = tol(dtype, true);
+        for (i, (xs, ws, opts)) in cases.iter().enumerate() {
+            let seed = 60 + 10 * i as u64;
+            let (hx, gx) = pair(&gpu, xs, dtype, seed);
+            let (hw, gw) = pair(&gpu, ws, dtype, seed + 1);
+            let (hb, gb) = pair(&gpu, &[ws[0]], dtype, seed + 2);
+            let hy = ops::conv2d(&hx, &hw, Some(&hb), opts).unwrap();
+            let gy = ops::conv2d(&gx, &gw, Some(&gb), opts).unwrap();
+            close(&format!("conv2d case {i}"), &gy, &hy, t);
+            let (hdy, gdy) = pair(&gpu, hy.shape(), dtype, seed + 3);
+            let hg = ops::conv2d_backward(&hx, &hw, &hdy, opts, true).unwrap();
+            let gg = ops::conv2d_backward(&gx, &gw, &gdy, opts, true).unwrap();
+            close(&format!("conv2d dx case {i}"), &gg.dx, &hg.dx, t);
+            close(&format!("conv2d dweight case {i}"), &gg.dweight, &hg.dweight, t);
+            close(
+                &format!("conv2d dbias case {i}"),
+                gg.dbias.as_ref().unwrap(),
+                hg.dbias.as_ref().unwrap(),
+                t,
+            );
+        }
+    }
+}
+
+#[test]
+fn pooling_matches_host() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in DTYPES {
+        let t = tol(dtype, false);
+        let (hx, gx) = pair(&gpu, &[2, 3, 11, 10], dtype, 90);
+        for opts in
+            [Pool2dOptions::new((2, 2), (2, 2)), Pool2dOptions::new((3, 3), (2, 1)).padding((1, 1))]
+        {
+            let ((hy, ha), (gy, ga)) =
+                (ops::max_pool2d(&hx, &opts).unwrap(), ops::max_pool2d(&gx, &opts).unwrap());
+            close("max_pool2d", &gy, &hy, 0.0);
+            assert_eq!(ga.to_vec().unwrap(), ha.as_slice(), "max_pool2d argmax");
+            let (hdy, gdy) = pair(&gpu, hy.shape(), dtype, 91);
+            close(
+                "max_pool2d_backward",
+                &ops::max_pool2d_backward(&gdy, &ga, hx.shape(), &opts).unwrap(),
+                &ops::max_pool2d_backward(&hdy, &ha, hx.shape(), &opts).unwrap(),
+                t,
+            );
+            let gi = Indices::from_slice(&gpu, ha.shape(), ha.as_slice()).unwrap();
+            assert_eq!(gi.to_vec().unwrap(), ha.as_slice());
+            for pad in [true, false] {
+                close(
+                    "avg_pool2d",
+                    &ops::avg_pool2d(&gx, &opts, pad).unwrap(),
+                    &ops::avg_pool2d(&hx, &opts, pad).unwrap(),
+                    t,
+                );
+                close(
+                    "avg_pool2d_backward",
+                    &ops::avg_pool2d_backward(&gdy, hx.shape(), &opts, pad).unwrap(),
+                    &ops::avg_pool2d_backward(&hdy, hx.shape(), &opts, pad).unwrap(),
+                    t,
+                );
+            }
+        }
+        close(
+            "global_avg_pool",
+            &ops::global_avg_pool(&gx).unwrap(),
+            &ops::global_avg_pool(&hx).unwrap(),
+            t,
+        );
+        let (hdy, gdy) = pair(&gpu, &[2, 3], dtype, 92);
+        close(
+            "global_avg_pool_backward",
+            &ops::global_avg_pool_backward(&gdy, hx.shape()).unwrap(),
+            &ops::global_avg_pool_backward(&hdy, hx.shape()).unwrap(),
+            t,
+        );
+    }
+}
+
+#[test]
+fn embedding_matches_host() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in DTYPES {
+        let t = tol(dtype, false);
+        let (ht, gt) = pair(&gpu, &[50, 24], dtype, 100);
+        let ids: Vec<u32> = (0..97).map(|i| (i * i % 50) as u32).collect();
+        close(
+            "embedding",
+            &ops::embedding(&gt, &ids).unwrap(),
+            &ops::embedding(&ht, &ids).unwrap(),
+            0.0,
+        );
+        let (hd, gd) = pair(&gpu, &[97, 24], dtype, 101);
+        close(
+            "embedding_backward",
+            &ops::embedding_backward(&ids, &gd, 50).unwrap(),
+            &ops::embedding_backward(&ids, &hd, 50).unwrap(),
+            t,
+        );
+        assert!(ops::embedding(&gt, &[50]).is_err());
+    }
+}
+
+#[test]
+fn dropout_masks_are_identical_on_both_backends() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in DTYPES {
+        let n = 10_007;
+        let h = Tensor::from_f32_slice(&host(), &[n], &values(n, 110, 0.5, 2.0), dtype).unwrap();
+        let g = h.to_device(&gpu).unwrap();
+        for (p, seed, offset) in [(0.1, 7, 0), (0.5, u64::MAX, 3), (0.9, 1 << 40, u64::MAX - 5)] {
+            let hy = ops::dropout(&h, p, seed, offset).unwrap().to_f32_vec();
+            let gy = ops::dropout(&g, p, seed, offset).unwrap().to_f32_vec();
+            assert_eq!(gy, hy, "dropout {dtype} p {p}: values and mask must be identical");
+            let hb = ops::dropout_backward(&h, p, seed, offset).unwrap().to_f32_vec();
+            let gb = ops::dropout_backward(&g, p, seed, offset).unwrap().to_f32_vec();
+            assert_eq!(gb, hb, "dropout_backward {dtype} p {p}");
+        }
+    }
+}
+
+#[test]
+fn optimizers_and_unscale_match_host() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in DTYPES {
+        let n = 3001;
+        let (hp0, gp0) = pair(&gpu, &[n], DType::F32, 120);
+        let (hg, gg) = pair(&gpu, &[n], dtype, 121);
+        let sgds = [
+            SgdConfig {
+                lr: 0.1,
+                momentum: 0.0,
+                dampening: 0.0,
+                weight_decay: 0.01,
+                nesterov: false,
+            },
+            SgdConfig {
+                lr: 0.05,
+                momentum: 0.9,
+                dampening: 0.1,
+                weight_decay: 0.0,
+                nesterov: false,
+            },
+            SgdConfig {
+                lr: 0.05,
+                momentum: 0.9,
+                dampening: 0.0,
+                weight_decay: 1e-4,
+                nesterov: true,
+            },
+        ];
+        for cfg in sgds {
+            let (mut hp, mut gp) = (hp0.try_clone().unwrap(), gp0.try_clone().unwrap());
+            let mut hbuf = Tensor::zeros(&host(), &[n], DType::F32).unwrap();
+            let mut gbuf = Tensor::zeros(&gpu, &[n], DType::F32).unwrap();
+            for step in 0..3 {
+                ops::sgd_step(&mut hp, &hg, Some(&mut hbuf), step == 0, &cfg).unwrap();
+                ops::sgd_step(&mut gp, &gg, Some(&mut gbuf), step == 0, &cfg).unwrap();
+            }
+            close("sgd params", &gp, &hp, 1e-5);
+            if cfg.momentum != 0.0 {
+                close("sgd momentum", &gbuf, &hbuf, 1e-5);
+            }
+        }
+        let cfg = AdamWConfig { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
+        let (mut hp, mut gp) = (hp0.try_clone().unwrap(), gp0.try_clone().unwrap());
+        let mut hm = Tensor::zeros(&host(), &[n], DType::F32).unwrap();
+        let mut hv = Tensor::zeros(&host(), &[n], DType::F32).unwrap();
+        let mut gm = Tensor::zeros(&gpu, &[n], DType::F32).unwrap();
+        let mut gv = Tensor::zeros(&gpu, &[n], DType::F32).unwrap();
+        for step in 1..=3 {
+            ops::adamw_step(&mut hp, &hg, &mut hm, &mut hv, step, &cfg).unwrap();
+            ops::adamw_step(&mut gp, &gg, &mut gm, &mut gv, step, &cfg).unwrap();
+        }
+        close("adamw params", &gp, &hp, 1e-5);
+        close("adamw exp_avg", &gm, &hm, 1e-5);
+        close("adamw exp_avg_sq", &gv, &hv, 1e-5);
+
+        let (mut ha, mut ga) = pair(&gpu, &[n], dtype, 122);
+        let (mut hb, mut gb) = pair(&gpu, &[17], dtype, 123);
+        let hf = ops::unscale_and_check_finite(&mut [&mut ha, &mut hb], 0.25).unwrap();
+        let gf = ops::unscale_and_check_finite(&mut [&mut ga, &mut gb], 0.25).unwrap();
+        assert_eq!((gf, hf), (false, false), "finite gradients");
+        close("unscale", &ga, &ha, tol(dtype, false));
+        close("unscale", &gb, &hb, tol(dtype, false));
+        let mut bad = vec![1.0f32; 40];
+        bad[33] = f32::INFINITY;
+        let mut hbad = Tensor::from_f32_slice(&host(), &[40], &bad, dtype).unwrap();
+        let mut gbad = hbad.to_device(&gpu).unwrap();
+        assert!(ops::unscale_and_check_finite(&mut [&mut ga, &mut gbad], 0.5).unwrap());
+        assert!(ops::unscale_and_check_finite(&mut [&mut ha, &mut hbad], 0.5).unwrap());
+        close("unscale after inf", &ga, &ha, tol(dtype, false));
+    }
+}

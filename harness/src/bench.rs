@@ -129,7 +129,15 @@ pub fn run(opts: &BenchOptions, progress: &mut dyn Progress) -> Result<BenchSumm
             Some(f) => match f(&ctx) {
                 Ok(result) => {
                     let path = opts.out.join(format!("{}.json", t.id));
-                    match write_json(&path, &result) {
+                    let plot = crate::plots::render(&result);
+                    let written = write_json(&path, &result).and_then(|()| match &plot {
+                        Some(svg) => write_atomically(
+                            &opts.out.join(format!("{}.svg", t.id)),
+                            svg.as_bytes(),
+                        ),
+                        None => Ok(()),
+                    });
+                    match written {
                         Ok(()) => Outcome::Done(Box::new(result)),
                         Err(e) => Outcome::Failed(e.to_string()),
                     }

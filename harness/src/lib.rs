@@ -11,6 +11,7 @@ mod error;
 mod experiments;
 pub mod models;
 pub mod optim;
+mod plots;
 mod report;
 mod results;
 pub mod rng;

@@ -80,6 +80,9 @@ pub fn render(
                 step
             );
         }
+        if crate::plots::render(r).is_some() {
+            let _ = writeln!(s, "\n![{}]({}.svg)", t.id, t.id);
+        }
         let _ = writeln!(s);
     }
     s

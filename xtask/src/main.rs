@@ -52,7 +52,54 @@ enum BackendArg {
     Cuda,
 }
 
+/// Plain lines: for logs and CI.
 struct Lines;
+
+/// A progress bar over the experiments, when stderr is a terminal.
+struct Bar(indicatif::ProgressBar);
+
+impl Bar {
+    fn new() -> Self {
+        let bar = indicatif::ProgressBar::new(0);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} [{bar:30}] {pos}/{len} {msg} ({elapsed})",
+            )
+            .expect("valid template")
+            .progress_chars("=> "),
+        );
+        bar.enable_steady_tick(Duration::from_millis(120));
+        Bar(bar)
+    }
+}
+
+impl Progress for Bar {
+    fn note(&mut self, message: &str) {
+        self.0.println(format!("note: {message}"));
+    }
+    fn start(&mut self, id: &str, index: usize, total: usize) {
+        self.0.set_length(total as u64);
+        self.0.set_position(index as u64);
+        self.0.set_message(id.to_string());
+    }
+    fn finish(&mut self, id: &str, outcome: &Outcome, elapsed: Duration) {
+        let mut lines = Lines;
+        let line = lines.describe(id, outcome, elapsed);
+        self.0.println(line);
+        self.0.inc(1);
+    }
+}
+
+impl Lines {
+    fn describe(&mut self, id: &str, outcome: &Outcome, elapsed: Duration) -> String {
+        let secs = elapsed.as_secs_f64();
+        match outcome {
+            Outcome::Done(r) => format!("[done] {id}: {} claims in {secs:.1} s", r.claims.len()),
+            Outcome::Failed(m) => format!("[FAILED] {id}: {m}"),
+            Outcome::NotImplemented => format!("[skip] {id}: no experiment yet"),
+        }
+    }
+}
 
 impl Progress for Lines {
     fn note(&mut self, message: &str) {
@@ -62,12 +109,7 @@ impl Progress for Lines {
         eprintln!("[{}/{}] {id} ...", index + 1, total);
     }
     fn finish(&mut self, id: &str, outcome: &Outcome, elapsed: Duration) {
-        let secs = elapsed.as_secs_f64();
-        match outcome {
-            Outcome::Done(r) => eprintln!("[done] {id}: {} claims in {secs:.1} s", r.claims.len()),
-            Outcome::Failed(m) => eprintln!("[FAILED] {id}: {m}"),
-            Outcome::NotImplemented => eprintln!("[skip] {id}: no experiment yet"),
-        }
+        eprintln!("{}", self.describe(id, outcome, elapsed));
     }
 }
 
@@ -95,7 +137,15 @@ fn bench(args: BenchArgs) -> Result<ExitCode, String> {
         seed: args.seed,
         device_memory,
     };
-    let summary = vram_harness::run(&opts, &mut Lines).map_err(|e| e.to_string())?;
+    let summary = if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        let mut bar = Bar::new();
+        let summary = vram_harness::run(&opts, &mut bar);
+        bar.0.finish_and_clear();
+        summary
+    } else {
+        vram_harness::run(&opts, &mut Lines)
+    }
+    .map_err(|e| e.to_string())?;
     let done = summary.outcomes.iter().filter(|(_, o, _)| matches!(o, Outcome::Done(_))).count();
     let missing =
         summary.outcomes.iter().filter(|(_, o, _)| matches!(o, Outcome::NotImplemented)).count();

@@ -4,7 +4,7 @@
 //! run.
 
 use super::Sweep;
-use super::common::{device, gradients, median};
+use super::common::{device, gradients, median, sync};
 use crate::data::Dataset;
 use crate::models::{Arch, Model};
 use crate::{Claim, Context, ExperimentResult, Verdict, human_bytes};
@@ -60,6 +60,7 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
             let started = Instant::now();
             let mut fctx = ForwardCtx::new(Mode::Train, ctx.seed + step as u64);
             model.train_step_with(&b, &mut fctx, 1.0, &schedule).map_err(|e| e.to_string())?;
+            sync(&dev)?;
             if step > 0 {
                 times.push(started.elapsed().as_secs_f64() * 1e3);
             }

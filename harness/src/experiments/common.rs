@@ -14,12 +14,31 @@ use vram_kernels::{DType, Device};
 pub fn device(ctx: &Context, conf: &str) -> Result<Device, String> {
     let config = AllocatorConfig::parse(conf).map_err(|e| e.to_string())?;
     match &ctx.backend {
-        Backend::Cpu => Device::host_with_config(ctx.device_memory, config).map_err(|e| e.to_string()),
-        Backend::Cuda { .. } => Err(
-            "training experiments need the CUDA kernels of vram-kernels, which are not available in this build; run with --backend cpu"
-                .into(),
-        ),
+        Backend::Cpu => {
+            Device::host_with_config(ctx.device_memory, config).map_err(|e| e.to_string())
+        }
+        Backend::Cuda { .. } => Device::cuda_with_config(0, config).map_err(|e| e.to_string()),
     }
+}
+
+/// A device of `capacity` bytes for experiments that size the device: host memory of that
+/// capacity, or the CUDA device capped by a memory fraction.
+pub fn sized_device(ctx: &Context, capacity: u64) -> Result<Device, String> {
+    match &ctx.backend {
+        Backend::Cpu => Device::host_with_config(capacity, AllocatorConfig::default())
+            .map_err(|e| e.to_string()),
+        Backend::Cuda { total_bytes, .. } => {
+            let dev = Device::cuda(0).map_err(|e| e.to_string())?;
+            dev.set_memory_fraction((capacity as f64 / *total_bytes as f64).min(1.0))
+                .map_err(|e| e.to_string())?;
+            Ok(dev)
+        }
+    }
+}
+
+/// Waits for the device's queued work, so that a clock read after it measures the work.
+pub fn sync(dev: &Device) -> Result<(), String> {
+    dev.synchronize().map_err(|e| e.to_string())
 }
 
 /// The CNN input side and models used by the CNN experiments.
@@ -102,6 +121,7 @@ pub fn train(
             .sum();
         opt.step(model.params_mut()).map_err(|e| e.to_string())?;
         model.zero_grad();
+        sync(&device)?;
         if step >= warmup {
             times.push(started.elapsed().as_secs_f64() * 1e3);
         }
@@ -143,11 +163,6 @@ pub fn fingerprint(model: &Model) -> u64 {
         }
     }
     h
-}
-
-/// A host device of exactly `capacity` bytes (for experiments that size the device).
-pub fn sized_device(capacity: u64) -> Result<Device, String> {
-    Device::host_with_config(capacity, AllocatorConfig::default()).map_err(|e| e.to_string())
 }
 
 /// `parts` consecutive slices of a batch (the last takes the remainder): the micro-batches

@@ -1,7 +1,7 @@
 //! `empty-cache`: what returning cached blocks does to reserved memory, what calling it
 //! never / every N / every batch costs, and whether a second task needs it.
 
-use super::common::{cnn, cnn_side, device, median, stripes};
+use super::common::{cnn, cnn_side, device, median, stripes, sync};
 use super::{Sweep, multi_task};
 use crate::models::Model;
 use crate::optim::Optimizer;
@@ -42,6 +42,7 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
             if every.is_some_and(|n| (step + 1) % n == 0) {
                 dev.empty_cache();
             }
+            sync(&dev)?;
             if step > 0 {
                 times.push(started.elapsed().as_secs_f64() * 1e3);
             }

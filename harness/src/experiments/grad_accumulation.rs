@@ -4,7 +4,7 @@
 
 use super::Sweep;
 use super::common::{
-    cnn, cnn_side, device, gradients, max_relative_difference, median, split_batch, stripes,
+    cnn, cnn_side, device, gradients, max_relative_difference, median, split_batch, stripes, sync,
 };
 use crate::models::Model;
 use crate::optim::Optimizer;
@@ -55,6 +55,7 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
             }
             opt.step(model.params_mut()).map_err(|e| e.to_string())?;
             model.zero_grad();
+            sync(&dev)?;
             if step > 0 {
                 times.push(started.elapsed().as_secs_f64() * 1e3);
             }

@@ -4,10 +4,10 @@
 //! emptied, and the search goes on. The size found then trains.
 
 use super::Sweep;
-use super::common::{cnn, cnn_side, sized_device, stripes, train_fresh};
+use super::common::{cnn, cnn_side, sized_device, stripes, sync, train_fresh};
 use crate::models::Model;
 use crate::optim::Optimizer;
-use crate::{Backend, Claim, Context, ExperimentResult, Verdict, human_bytes};
+use crate::{Claim, Context, ExperimentResult, Verdict, human_bytes};
 use serde_json::json;
 use std::time::Instant;
 use vram_accum::{ForwardCtx, Mode};
@@ -52,7 +52,7 @@ fn trial(
 
 fn search(ctx: &Context, capacity: u64, exponential: bool) -> Result<Search, String> {
     let (arch, data) = (cnn(ctx, false), stripes(cnn_side(ctx)));
-    let dev = sized_device(capacity)?;
+    let dev = sized_device(ctx, capacity)?;
     let mut model = Model::new(&dev, arch, ctx.seed, DType::F32).map_err(|e| e.to_string())?;
     let mut opt = Optimizer::adamw(1e-3);
     let (mut trials, mut ooms) = (0, 0);
@@ -81,6 +81,7 @@ fn search(ctx: &Context, capacity: u64, exponential: bool) -> Result<Search, Str
         }
         b - 2
     };
+    sync(&dev)?;
     let seconds = started.elapsed().as_secs_f64();
     let trains = found > 0
         && (0..2)
@@ -97,9 +98,6 @@ fn search(ctx: &Context, capacity: u64, exponential: bool) -> Result<Search, Str
 }
 
 pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
-    if !matches!(ctx.backend, Backend::Cpu) {
-        return Err("needs the CUDA kernels of vram-kernels; run with --backend cpu".into());
-    }
     // Size the device for a target batch from two measured peaks (fixed + per sample).
     let target = if ctx.quick { 24 } else { 60 };
     let (arch, data) = (cnn(ctx, false), stripes(cnn_side(ctx)));

@@ -4,7 +4,7 @@
 //! steps the scaler skipped.
 
 use super::Sweep;
-use super::common::{device, gpt, median};
+use super::common::{device, gpt, median, sync};
 use crate::models::Model;
 use crate::optim::Optimizer as F32Optimizer;
 use crate::{Backend, Claim, Context, ExperimentResult, Verdict, human_bytes};
@@ -125,6 +125,7 @@ fn train(
             (None, _) => plain.step(model.params_mut()).map_err(|e| e.to_string())?,
         }
         model.zero_grad();
+        sync(&dev)?;
         if step > 0 {
             times.push(started.elapsed().as_secs_f64() * 1e3);
         }

@@ -20,14 +20,13 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
     let (warmup, timed) = timed_steps(ctx);
     let steps = warmup + timed;
     let dev = device(ctx, "")?;
-    let alloc = dev.host_allocator();
-    alloc.record_history(Some(1 << 22));
+    dev.record_history(Some(1 << 22));
     let mut model =
         Model::new(&dev, arch.clone(), ctx.seed, DType::F32).map_err(|e| e.to_string())?;
     let mut opt = Optimizer::adamw(1e-3);
     let mut step_starts = Vec::new();
     for step in 0..steps {
-        step_starts.push(alloc.trace().len());
+        step_starts.push(dev.trace().len());
         let mut fctx = ForwardCtx::new(Mode::Train, step as u64);
         model
             .train_step(&data.batch(ctx.seed, step as u64, batch), &mut fctx, 1.0)
@@ -35,8 +34,8 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
         opt.step(model.params_mut()).map_err(|e| e.to_string())?;
         model.zero_grad();
     }
-    let trace = alloc.trace();
-    alloc.record_history(None);
+    let trace = dev.trace();
+    dev.record_history(None);
     // Replay the trace into running totals.
     let (mut allocated, mut reserved) = (0i64, 0i64);
     let mut series = Vec::with_capacity(trace.len());
@@ -64,7 +63,7 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
             [c.iter().map(|p| p.0).max().unwrap_or(0), c.iter().map(|p| p.1).max().unwrap_or(0)]
         })
         .collect();
-    let info = alloc.mem_info();
+    let info = dev.mem_info();
     let device_used = info.total - info.free;
     let mut sweep = Sweep::new(
         ctx,

@@ -3,13 +3,12 @@
 //! exceed it: B must get memory A's cache holds.
 
 use super::Sweep;
-use super::common::{cnn, cnn_side, stripes, timed_steps, train};
+use super::common::{cnn, cnn_side, device, sized_device, stripes, timed_steps, train};
 use crate::models::Model;
 use crate::optim::Optimizer;
-use crate::{Backend, Claim, Context, ExperimentResult, Verdict, human_bytes};
+use crate::{Claim, Context, ExperimentResult, Verdict, human_bytes};
 use serde_json::json;
 use vram_accum::Mode;
-use vram_alloc::AllocatorConfig;
 use vram_kernels::{DType, Device};
 
 /// The outcome of one A-then-B run.
@@ -28,16 +27,9 @@ pub struct Switch {
     pub capacity: u64,
 }
 
-fn host(capacity: u64) -> Result<Device, String> {
-    Device::host_with_config(capacity, AllocatorConfig::default()).map_err(|e| e.to_string())
-}
-
 /// Runs A (training) then B (evaluation at 4x the batch) on a device just too small to hold
 /// A's cache and B together; `empty` calls `empty_cache` between the two.
 pub fn two_model_scenario(ctx: &Context, empty: bool) -> Result<Switch, String> {
-    if !matches!(ctx.backend, Backend::Cpu) {
-        return Err("needs the CUDA kernels of vram-kernels; run with --backend cpu".into());
-    }
     let side = cnn_side(ctx);
     let data = stripes(side);
     let (batch_a, batch_b) = (16, 64);
@@ -55,15 +47,15 @@ pub fn two_model_scenario(ctx: &Context, empty: bool) -> Result<Switch, String> 
             .map_err(|e| e.to_string())
     };
     // Calibrate on a roomy device: A's cache and B's peak.
-    let roomy = host(ctx.device_memory)?;
+    let roomy = device(ctx, "")?;
     run_a(&roomy)?;
     let cached_a = roomy.memory_reserved();
-    let roomy_b = host(ctx.device_memory)?;
+    let roomy_b = device(ctx, "")?;
     run_b(&roomy_b)?;
     let need_b = roomy_b.max_memory_reserved();
     let capacity = (cached_a.max(need_b) + need_b.min(cached_a) / 2).next_multiple_of(2 << 20);
 
-    let dev = host(capacity)?;
+    let dev = sized_device(ctx, capacity)?;
     run_a(&dev)?;
     let reserved_after_a = dev.memory_reserved();
     if empty {

@@ -1,7 +1,7 @@
 //! `no-grad-inference`: evaluation with and without recording what backward needs.
 
 use super::Sweep;
-use super::common::{cnn, cnn_side, device, stripes};
+use super::common::{cnn, cnn_side, device, stripes, sync};
 use crate::models::Model;
 use crate::{Claim, Context, ExperimentResult, Verdict, human_bytes};
 use serde_json::json;
@@ -34,6 +34,7 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
             dev.reset_peak_stats();
             let started = std::time::Instant::now();
             model.eval_loss(&batch, mode).map_err(|e| e.to_string())?;
+            sync(&dev)?;
             let ms = started.elapsed().as_secs_f64() * 1e3;
             let mut v = sweep.variant(
                 &format!("batch {b}, {label}"),

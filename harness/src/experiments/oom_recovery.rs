@@ -6,15 +6,12 @@ use super::Sweep;
 use super::common::{cnn, cnn_side, fingerprint, sized_device, split_batch, stripes, train_fresh};
 use crate::models::Model;
 use crate::optim::Optimizer;
-use crate::{Backend, Claim, Context, ExperimentResult, Verdict, human_bytes};
+use crate::{Claim, Context, ExperimentResult, Verdict, human_bytes};
 use serde_json::json;
 use vram_accum::{ForwardCtx, Mode};
 use vram_kernels::DType;
 
 pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
-    if !matches!(ctx.backend, Backend::Cpu) {
-        return Err("needs the CUDA kernels of vram-kernels; run with --backend cpu".into());
-    }
     let steps = if ctx.quick { 4 } else { 10 };
     let (side, batch) = (cnn_side(ctx), if ctx.quick { 16 } else { 32 });
     let data = stripes(side);
@@ -30,11 +27,11 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
 
     let mut outcomes = Vec::new();
     for recover in [false, true] {
-        let dev = sized_device(capacity)?;
+        let dev = sized_device(ctx, capacity)?;
         let mut model =
             Model::new(&dev, arch.clone(), ctx.seed, DType::F32).map_err(|e| e.to_string())?;
         let mut opt = Optimizer::adamw(1e-3);
-        let eval = data.batch(ctx.seed, 1 << 30, 32);
+        let eval = data.batch(ctx.seed, 1 << 30, batch / 2);
         let loss_before = model.eval_loss(&eval, Mode::Inference).map_err(|e| e.to_string())?;
         let (mut ooms, mut recovered, mut intact, mut completed) = (0, 0, true, 0);
         for step in 0..steps {

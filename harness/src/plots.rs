@@ -1,0 +1,262 @@
+//! SVG plots of experiment results, drawn from the results files' fields.
+
+use crate::ExperimentResult;
+use plotters::prelude::*;
+use serde_json::Value;
+
+const SIZE: (u32, u32) = (720, 420);
+const MIB: f64 = 1024.0 * 1024.0;
+const COLOURS: [RGBColor; 6] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+];
+
+type Series = (String, Vec<(f64, f64)>);
+
+/// The plot for an experiment, as SVG text, when it has one.
+pub fn render(r: &ExperimentResult) -> Option<String> {
+    let field = |v: &crate::Variant, k: &str| v.extra.get(k).and_then(Value::as_f64);
+    match r.experiment.as_str() {
+        "batch-size" | "input-size" => {
+            let key = if r.experiment == "batch-size" { "batch_size" } else { "side" };
+            let pts = |f: fn(&crate::Variant) -> u64| -> Vec<(f64, f64)> {
+                r.variants
+                    .iter()
+                    .filter_map(|v| Some((field(v, key)?, f(v) as f64 / MIB)))
+                    .collect()
+            };
+            let series = vec![
+                ("peak allocated".to_string(), pts(|v| v.peak_allocated_bytes)),
+                ("peak reserved".to_string(), pts(|v| v.peak_reserved_bytes)),
+            ];
+            let (title, x) = if key == "side" {
+                ("Peak memory vs input side", "image side (pixels)")
+            } else {
+                ("Peak memory vs batch size", "batch size")
+            };
+            lines(title, x, "MiB", &series, true)
+        }
+        "monitoring" => {
+            let v = r.variants.first()?;
+            let per = field(v, "timeline_events_per_point").unwrap_or(1.0);
+            let points = v.extra.get("timeline_allocated_reserved")?.as_array()?;
+            let at = |i: usize| -> Vec<(f64, f64)> {
+                points
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(n, p)| Some((n as f64 * per, p.get(i)?.as_f64()? / MIB)))
+                    .collect()
+            };
+            let series = vec![("allocated".to_string(), at(0)), ("reserved".to_string(), at(1))];
+            lines("Memory timeline of a training run", "allocator event", "MiB", &series, false)
+        }
+        "fragmentation" => {
+            let series: Vec<Series> = r
+                .variants
+                .iter()
+                .filter_map(|v| {
+                    let t = v.extra.get("fragmentation_timeline")?.as_array()?;
+                    let pts = t
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(i, f)| Some((i as f64, 100.0 * f.as_f64()?)))
+                        .collect();
+                    Some((v.name.clone(), pts))
+                })
+                .collect();
+            lines("Fragmentation (1 - allocated / reserved) per step", "step", "%", &series, false)
+        }
+        "checkpointing" => {
+            let base = r.variants.first()?.step_ms?;
+            let pts: Vec<(String, f64, f64)> = r
+                .variants
+                .iter()
+                .filter_map(|v| {
+                    Some((
+                        v.name.clone(),
+                        100.0 * (v.step_ms? / base - 1.0),
+                        v.peak_allocated_bytes as f64 / MIB,
+                    ))
+                })
+                .collect();
+            scatter(
+                "Checkpointing: peak memory vs time overhead",
+                "time overhead vs no checkpointing (%)",
+                "peak allocated (MiB)",
+                &pts,
+            )
+        }
+        "mixed-precision" => {
+            let parts = [
+                ("weights", "weights_bytes"),
+                ("master weights", "master_weights_bytes"),
+                ("gradients", "grads_bytes"),
+                ("optimizer state", "optimizer_state_bytes"),
+                ("activations + temporaries", "activations_and_temporaries_bytes"),
+            ];
+            let bars: Vec<(String, Vec<f64>)> = r
+                .variants
+                .iter()
+                .map(|v| {
+                    (
+                        short(&v.name),
+                        parts.iter().map(|(_, k)| field(v, k).unwrap_or(0.0) / MIB).collect(),
+                    )
+                })
+                .collect();
+            let names: Vec<&str> = parts.iter().map(|(n, _)| *n).collect();
+            stacked("Mixed precision: where peak memory goes", "MiB", &names, &bars)
+        }
+        _ => None,
+    }
+}
+
+fn short(name: &str) -> String {
+    name.split([',', '+']).next().unwrap_or(name).trim().to_string()
+}
+
+fn bounds(series: &[Series], from_zero: bool) -> Option<(f64, f64, f64)> {
+    let all = series.iter().flat_map(|(_, p)| p.iter());
+    let (mut x0, mut x1, mut y1) = (f64::INFINITY, f64::NEG_INFINITY, 0f64);
+    for &(x, y) in all {
+        x0 = x0.min(x);
+        x1 = x1.max(x);
+        y1 = y1.max(y);
+    }
+    if !x0.is_finite() {
+        return None;
+    }
+    let x0 = if from_zero { x0.min(0.0) } else { x0 };
+    Some((x0, if x1 > x0 { x1 } else { x0 + 1.0 }, if y1 > 0.0 { y1 * 1.1 } else { 1.0 }))
+}
+
+fn lines(title: &str, x: &str, y: &str, series: &[Series], points: bool) -> Option<String> {
+    let (x0, x1, y1) = bounds(series, true)?;
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).ok()?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(x0..x1, 0f64..y1)
+            .ok()?;
+        chart.configure_mesh().x_desc(x).y_desc(y).draw().ok()?;
+        for (i, (name, pts)) in series.iter().enumerate() {
+            let c = COLOURS[i % COLOURS.len()];
+            chart
+                .draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(2)))
+                .ok()?
+                .label(name.as_str())
+                .legend(move |(a, b)| {
+                    PathElement::new(vec![(a, b), (a + 20, b)], c.stroke_width(2))
+                });
+            if points {
+                chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled()))).ok()?;
+            }
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .ok()?;
+        root.present().ok()?;
+    }
+    Some(svg)
+}
+
+fn scatter(title: &str, x: &str, y: &str, pts: &[(String, f64, f64)]) -> Option<String> {
+    let series = vec![(String::new(), pts.iter().map(|p| (p.1, p.2)).collect())];
+    let (x0, x1, y1) = bounds(&series, true)?;
+    let pad = (x1 - x0) * 0.15;
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).ok()?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d((x0 - pad)..(x1 + pad), 0f64..y1)
+            .ok()?;
+        chart.configure_mesh().x_desc(x).y_desc(y).draw().ok()?;
+        for (i, (name, px, py)) in pts.iter().enumerate() {
+            let c = COLOURS[i % COLOURS.len()];
+            chart.draw_series(std::iter::once(Circle::new((*px, *py), 5, c.filled()))).ok()?;
+            let label = name.split(" (").next().unwrap_or(name).to_string();
+            chart
+                .draw_series(std::iter::once(Text::new(
+                    label,
+                    (*px, *py),
+                    ("sans-serif", 13).into_font().color(&BLACK),
+                )))
+                .ok()?;
+        }
+        root.present().ok()?;
+    }
+    Some(svg)
+}
+
+fn stacked(title: &str, y: &str, parts: &[&str], bars: &[(String, Vec<f64>)]) -> Option<String> {
+    let top = bars.iter().map(|(_, v)| v.iter().sum::<f64>()).fold(0f64, f64::max) * 1.15;
+    let n = bars.len() as f64;
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).ok()?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0f64..n, 0f64..top.max(1.0))
+            .ok()?;
+        let labels: Vec<String> = bars.iter().map(|(l, _)| l.clone()).collect();
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(bars.len() * 2 + 1)
+            .x_label_formatter(&|x| {
+                let i = x.floor() as usize;
+                if (x - x.floor() - 0.5).abs() < 0.01 {
+                    labels.get(i).cloned().unwrap_or_default()
+                } else {
+                    String::new()
+                }
+            })
+            .y_desc(y)
+            .draw()
+            .ok()?;
+        for (k, part) in parts.iter().enumerate() {
+            let c = COLOURS[k % COLOURS.len()];
+            let rects = bars.iter().enumerate().map(|(i, (_, v))| {
+                let below: f64 = v[..k].iter().sum();
+                Rectangle::new(
+                    [(i as f64 + 0.2, below), (i as f64 + 0.8, below + v[k])],
+                    c.filled(),
+                )
+            });
+            chart
+                .draw_series(rects)
+                .ok()?
+                .label(*part)
+                .legend(move |(a, b)| Rectangle::new([(a, b - 5), (a + 12, b + 5)], c.filled()));
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .ok()?;
+        root.present().ok()?;
+    }
+    Some(svg)
+}

@@ -267,12 +267,18 @@ impl Chain {
                 drop(probe);
                 b
             };
+            // Drop the executor's reference to the input, as forward does: what stays beyond
+            // the output is what the layer keeps, including its input if it holds a clone.
+            let input_bytes =
+                if i == 0 { 0 } else { profiles.last().map_or(0, |p: &LayerProfile| p.out_bytes) };
+            drop(cur.take());
+            let kept = (dev.memory_allocated() + input_bytes).saturating_sub(before + out_bytes);
             saved_all.push(self.expect_saved(i, s)?);
             outputs.push((y.shape().to_vec(), y.dtype()));
             profiles.push(LayerProfile {
                 name: self.layers[i].name(),
                 out_bytes,
-                saved_bytes: (after - before).saturating_sub(out_bytes),
+                saved_bytes: kept,
                 fwd_peak_bytes: fwd_peak,
                 fwd_time,
                 ..LayerProfile::default()

@@ -30,9 +30,9 @@ fn unpack<T: 'static>(saved: Saved, op: &'static str) -> Result<Box<T>> {
     })
 }
 
-/// Copies `x` when the forward must save it.
+/// Keeps `x` (a shared reference, no copy) when the forward must save it.
 fn save_input(x: &Tensor, ctx: &ForwardCtx) -> Result<Option<Tensor>> {
-    if ctx.training() { x.try_clone().map(Some) } else { Ok(None) }
+    Ok(ctx.training().then(|| x.clone()))
 }
 
 /// `y = x w^T + b` over the last dimension: `[.., d_in] -> [.., d_out]`.
@@ -203,7 +203,7 @@ impl Layer for Dropout {
 
     fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<Saved>)> {
         if !ctx.training() {
-            return Ok((x.try_clone()?, None));
+            return Ok((x.clone(), None));
         }
         let offset = ctx.take_offsets(x.numel() as u64);
         let y = ops::dropout(x, self.p, ctx.seed, offset)?;

@@ -243,7 +243,7 @@ impl LossScaler {
     ///
     /// Out of memory.
     pub fn scale_tensor(&self, t: &Tensor) -> Result<Tensor> {
-        if self.is_enabled() { Ok(ops::scale(t, self.state.scale)?) } else { Ok(t.try_clone()?) }
+        if self.is_enabled() { Ok(ops::scale(t, self.state.scale)?) } else { Ok(t.clone()) }
     }
 
     /// `optimizer`'s stage in the current iteration.

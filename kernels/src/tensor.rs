@@ -17,6 +17,7 @@ use crate::ops::with_dtype;
 use half::{bf16, f16};
 use std::any::TypeId;
 use std::fmt;
+use std::sync::Arc;
 use vram_alloc::{Allocation, HostMemory};
 
 /// The bytes behind a tensor: a block of the device's caching allocator.
@@ -160,10 +161,15 @@ fn cast_slice_mut<T: Element>(bytes: &mut [u8]) -> &mut [T] {
 
 /// A dense row-major array of f32, f16 or bf16 on a [`Device`].
 ///
-/// The tensor owns its memory exclusively; it is freed back to the device's cache on drop.
-/// `Clone` is not implemented because copying allocates: use [`try_clone`](Self::try_clone).
+/// `Clone` is cheap and shares the memory, like a second reference to a PyTorch tensor: a
+/// layer keeps its input for backward by cloning it, without a copy. The memory goes back to
+/// the device's cache when the last clone is dropped. Writing in place (`as_mut_slice`,
+/// `fill`, `ops::add_assign`, optimizer steps) first copies the memory if a clone shares it
+/// (copy-on-write), so no clone ever sees another's writes. [`try_clone`](Self::try_clone)
+/// makes a deep copy.
+#[derive(Clone)]
 pub struct Tensor {
-    storage: Storage,
+    storage: Arc<Storage>,
     shape: Vec<usize>,
     dtype: DType,
     device: Device,
@@ -180,11 +186,34 @@ impl Tensor {
     ) -> Result<Tensor> {
         let (_, bytes) = checked_len(op, shape, dtype)?;
         Ok(Tensor {
-            storage: Storage::allocate(device, bytes)?,
+            storage: Arc::new(Storage::allocate(device, bytes)?),
             shape: shape.to_vec(),
             dtype,
             device: device.clone(),
         })
+    }
+
+    /// Makes this tensor the only owner of its memory, copying it first if a clone shares it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::OutOfMemory`] if the copy does not fit; the tensor is unchanged then.
+    pub fn make_unique(&mut self) -> Result<()> {
+        if Arc::get_mut(&mut self.storage).is_none() {
+            self.storage = self.try_clone()?.storage;
+        }
+        Ok(())
+    }
+
+    /// Whether another clone shares this tensor's memory.
+    pub fn is_shared(&self) -> bool {
+        Arc::strong_count(&self.storage) > 1
+    }
+
+    /// The storage for writing: unique (copied first if shared).
+    fn storage_mut(&mut self) -> Result<&mut Storage> {
+        self.make_unique()?;
+        Ok(Arc::get_mut(&mut self.storage).expect("storage is unique after make_unique"))
     }
 
     /// A tensor of zeros.
@@ -316,12 +345,14 @@ impl Tensor {
             return Ok(out);
         }
         if dtype == self.dtype {
-            out.storage.bytes_mut("to_dtype")?.copy_from_slice(self.storage.bytes("to_dtype")?);
+            out.storage_mut()?
+                .bytes_mut("to_dtype")?
+                .copy_from_slice(self.storage.bytes("to_dtype")?);
             return Ok(out);
         }
         with_dtype!(self.dtype, S => with_dtype!(dtype, D => crate::cpu::elementwise::cast(
             cast_slice::<S>(self.storage.bytes("to_dtype")?),
-            cast_slice_mut::<D>(out.storage.bytes_mut("to_dtype")?),
+            cast_slice_mut::<D>(out.storage_mut()?.bytes_mut("to_dtype")?),
         )));
         Ok(out)
     }
@@ -352,7 +383,7 @@ impl Tensor {
             match (self.device.cuda_backend(), device.cuda_backend()) {
                 (None, Some(to)) => to.copy_to_device(out.cuda_ptr()?, self.storage.bytes(OP)?)?,
                 (Some(from), None) => {
-                    from.copy_to_host(out.storage.bytes_mut(OP)?, self.cuda_ptr()?)?
+                    from.copy_to_host(out.storage_mut()?.bytes_mut(OP)?, self.cuda_ptr()?)?
                 }
                 (Some(from), Some(to)) => {
                     // Between two CUDA devices: through the host (rare, and simple).
@@ -360,13 +391,15 @@ impl Tensor {
                     from.copy_to_host(&mut host, self.cuda_ptr()?)?;
                     to.copy_to_device(out.cuda_ptr()?, &host)?;
                 }
-                (None, None) => out.storage.bytes_mut(OP)?.copy_from_slice(self.storage.bytes(OP)?),
+                (None, None) => {
+                    out.storage_mut()?.bytes_mut(OP)?.copy_from_slice(self.storage.bytes(OP)?)
+                }
             }
             Ok(out)
         }
         #[cfg(not(feature = "cuda"))]
         {
-            out.storage.bytes_mut(OP)?.copy_from_slice(self.storage.bytes(OP)?);
+            out.storage_mut()?.bytes_mut(OP)?.copy_from_slice(self.storage.bytes(OP)?);
             Ok(out)
         }
     }
@@ -417,6 +450,7 @@ impl Tensor {
     ///
     /// [`Error::Device`] if a CUDA device fails; never on the host.
     pub fn try_fill(&mut self, value: f32) -> Result<()> {
+        self.make_unique()?;
         #[cfg(feature = "cuda")]
         if self.device.is_cuda()
             && let Some(cuda) = self.device.clone().cuda_backend()
@@ -424,7 +458,7 @@ impl Tensor {
             return crate::cuda::ops::elementwise::fill(cuda, self, value);
         }
         with_dtype!(self.dtype, T => {
-            crate::cpu::elementwise::fill(cast_slice_mut::<T>(self.storage.bytes_mut("fill")?), value)
+            crate::cpu::elementwise::fill(cast_slice_mut::<T>(self.storage_mut()?.bytes_mut("fill")?), value)
         });
         Ok(())
     }
@@ -447,7 +481,7 @@ impl Tensor {
     /// As [`as_slice`](Self::as_slice).
     pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
         check_element::<T>("as_mut_slice", self.dtype)?;
-        Ok(cast_slice_mut(self.storage.bytes_mut("as_mut_slice")?))
+        Ok(cast_slice_mut(self.storage_mut()?.bytes_mut("as_mut_slice")?))
     }
 
     /// The device address of a CUDA tensor's first element.

@@ -381,3 +381,24 @@ fn degenerate_shapes_give_empty_or_zero_results_not_panics() {
     assert!(ops::softmax(&Tensor::zeros(&d, &[], DType::F32).unwrap()).is_err());
     assert!(ops::layer_norm(&t(&d, &[2, 0], 1), &t(&d, &[0], 1), &t(&d, &[0], 1), 1e-5).is_err());
 }
+
+/// Clones share memory (nothing allocated); writing to a shared tensor copies it first, so
+/// the other clone keeps its values; the memory returns when the last clone is dropped.
+#[test]
+fn clones_share_memory_and_writes_copy_on_write() {
+    let dev = Device::host(64 << 20);
+    let mut a = Tensor::from_slice(&dev, &[4], &[1.0f32, 2.0, 3.0, 4.0]).unwrap();
+    let before = dev.memory_allocated();
+    let b = a.clone();
+    assert_eq!(dev.memory_allocated(), before, "a clone allocates nothing");
+    assert!(a.is_shared() && b.is_shared());
+    let ones = Tensor::full(&dev, &[4], DType::F32, 1.0).unwrap();
+    let with_ones = dev.memory_allocated();
+    vram_kernels::ops::add_assign(&mut a, &ones).unwrap();
+    assert_eq!(a.to_vec::<f32>().unwrap(), [2.0, 3.0, 4.0, 5.0]);
+    assert_eq!(b.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0, 4.0], "the clone kept its values");
+    assert_eq!(dev.memory_allocated(), with_ones + 512, "the write copied the shared block");
+    assert!(!a.is_shared() && !b.is_shared());
+    drop((a, b, ones));
+    assert_eq!(dev.memory_allocated(), 0);
+}

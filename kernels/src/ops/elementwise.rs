@@ -85,6 +85,7 @@ fn check_update(op: &'static str, acc: &Tensor, x: &Tensor) -> Result<()> {
 /// [`Error::ShapeMismatch`], [`Error::DeviceMismatch`]; `acc` is unchanged then.
 pub fn add_assign(acc: &mut Tensor, x: &Tensor) -> Result<()> {
     check_update("add_assign", acc, x)?;
+    acc.make_unique()?;
     #[cfg(feature = "cuda")]
     if let Some(cu) = x.device().cuda_backend() {
         return cuda::add_assign(cu, acc, x);
@@ -102,6 +103,7 @@ pub fn add_assign(acc: &mut Tensor, x: &Tensor) -> Result<()> {
 /// As [`add_assign`].
 pub fn axpy(alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {
     check_update("axpy", y, x)?;
+    y.make_unique()?;
     #[cfg(feature = "cuda")]
     if let Some(cu) = x.device().cuda_backend() {
         return cuda::axpy(cu, alpha, x, y);

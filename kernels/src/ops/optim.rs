@@ -36,7 +36,7 @@ fn check_state(op: &'static str, state: &Tensor, grads: &Tensor) -> Result<()> {
 pub fn sgd_step(
     params: &mut Tensor,
     grads: &Tensor,
-    momentum_buf: Option<&mut Tensor>,
+    mut momentum_buf: Option<&mut Tensor>,
     first_step: bool,
     cfg: &SgdConfig,
 ) -> Result<()> {
@@ -44,6 +44,10 @@ pub fn sgd_step(
     check_state(OP, params, grads)?;
     if cfg.nesterov && (cfg.momentum <= 0.0 || cfg.dampening != 0.0) {
         return Err(invalid(OP, "Nesterov momentum needs momentum > 0 and dampening 0"));
+    }
+    params.make_unique()?;
+    if let Some(buf) = momentum_buf.as_deref_mut() {
+        buf.make_unique()?;
     }
     #[cfg(feature = "cuda")]
     if let Some(cu) = grads.device().cuda_backend() {
@@ -94,6 +98,9 @@ pub fn adamw_step(
     if step == 0 {
         return Err(invalid(OP, "the step count is 1-based; the first step is 1"));
     }
+    for state in [&mut *params, &mut *exp_avg, &mut *exp_avg_sq] {
+        state.make_unique()?;
+    }
     #[cfg(feature = "cuda")]
     if let Some(cu) = grads.device().cuda_backend() {
         return crate::cuda::ops::nn::adamw_step(cu, params, grads, exp_avg, exp_avg_sq, step, cfg);
@@ -120,6 +127,9 @@ pub fn unscale_and_check_finite(grads: &mut [&mut Tensor], inv_scale: f32) -> Re
         for g in rest {
             same_device(OP, first, g)?;
         }
+    }
+    for g in grads.iter_mut() {
+        g.make_unique()?;
     }
     #[cfg(feature = "cuda")]
     if let Some(device) = grads.first().map(|g| g.device().clone())

@@ -17,6 +17,37 @@ pub struct Batch {
     pub targets: Vec<u32>,
 }
 
+impl Batch {
+    /// `parts` consecutive slices of the batch (the last takes the remainder): the
+    /// micro-batches of gradient accumulation.
+    pub fn split(&self, parts: usize) -> Vec<Batch> {
+        let n = self.targets.len();
+        let per_sample = match &self.input {
+            Input::Dense { values, .. } => values.len() / n.max(1),
+            Input::Tokens(_) => 1,
+        };
+        let step = n.div_ceil(parts.max(1)).max(1);
+        (0..n)
+            .step_by(step)
+            .map(|lo| {
+                let hi = (lo + step).min(n);
+                let input = match &self.input {
+                    Input::Dense { values, shape } => {
+                        let mut shape = shape.clone();
+                        shape[0] = hi - lo;
+                        Input::Dense {
+                            values: values[lo * per_sample..hi * per_sample].to_vec(),
+                            shape,
+                        }
+                    }
+                    Input::Tokens(ids) => Input::Tokens(ids[lo..hi].to_vec()),
+                };
+                Batch { input, targets: self.targets[lo..hi].to_vec() }
+            })
+            .collect()
+    }
+}
+
 /// A batch's inputs.
 #[derive(Clone, Debug)]
 pub enum Input {

@@ -16,6 +16,7 @@ mod report;
 mod results;
 pub mod rng;
 mod techniques;
+pub mod trainer;
 
 pub use backend::{Backend, BackendChoice};
 pub use bench::{

@@ -1,12 +1,10 @@
 //! What the training experiments share: devices, standard models, a measured training run,
 //! and small statistics.
 
-use crate::data::{Batch, Dataset, Input};
+use crate::data::Dataset;
 use crate::models::{Arch, Model};
-use crate::optim::Optimizer;
+use crate::trainer::{NoHooks, TrainConfig, Trainer};
 use crate::{Backend, Context};
-use std::time::Instant;
-use vram_accum::{ForwardCtx, Mode};
 use vram_alloc::AllocatorConfig;
 use vram_kernels::{DType, Device};
 
@@ -94,52 +92,36 @@ pub struct TrainMeasure {
     pub last_loss: f32,
 }
 
-/// Trains `model` for `warmup + timed` steps of `batch` samples; times the last `timed`.
+/// Trains `model` with vram-harness's [`Trainer`] for `warmup + timed` steps of `cfg`; the
+/// median step time is over the last `timed`.
 pub fn train(
-    model: &mut Model,
-    opt: &mut Optimizer,
+    model: Model,
     data: &Dataset,
     seed: u64,
-    batch: usize,
+    cfg: TrainConfig,
     warmup: usize,
     timed: usize,
 ) -> Result<TrainMeasure, String> {
     let device = model.device().clone();
-    let mut times = Vec::with_capacity(timed);
-    let mut last_loss = f32::NAN;
-    let mut grad_bytes = 0;
-    for step in 0..warmup + timed {
-        let b = data.batch(seed, step as u64, batch);
-        let started = Instant::now();
-        let mut fctx = ForwardCtx::new(Mode::Train, seed ^ step as u64);
-        last_loss = model.train_step(&b, &mut fctx, 1.0).map_err(|e| e.to_string())?.loss;
-        grad_bytes = model
-            .params()
-            .iter()
-            .filter_map(|p| p.grad.as_ref())
-            .map(|g| g.size_in_bytes() as u64)
-            .sum();
-        opt.step(model.params_mut()).map_err(|e| e.to_string())?;
-        model.zero_grad();
-        sync(&device)?;
-        if step >= warmup {
-            times.push(started.elapsed().as_secs_f64() * 1e3);
-        }
-    }
+    let batch = cfg.batch;
+    let mut trainer = Trainer::new(model, data.clone(), seed, cfg).map_err(|e| e.to_string())?;
+    let ends = trainer.run(warmup + timed, &mut NoHooks).map_err(|e| e.to_string())?;
+    let mut times: Vec<f64> = ends[warmup..].iter().map(|e| e.step_ms).collect();
     let step_ms = median(&mut times);
+    let state = trainer.state_bytes();
     Ok(TrainMeasure {
         peak_allocated: device.max_memory_allocated(),
         peak_reserved: device.max_memory_reserved(),
         step_ms,
         samples_per_s: batch as f64 / (step_ms / 1e3),
-        param_bytes: model.param_bytes(),
-        grad_bytes,
-        optimizer_bytes: opt.state_bytes(),
-        last_loss,
+        param_bytes: state.weights,
+        grad_bytes: state.grads,
+        optimizer_bytes: state.optimizer,
+        last_loss: ends.last().map_or(f32::NAN, |e| e.loss),
     })
 }
 
-/// Builds `arch` on a fresh device and trains it with AdamW.
+/// Builds `arch` on a fresh device and trains it in f32 with AdamW.
 pub fn train_fresh(
     ctx: &Context,
     arch: Arch,
@@ -148,10 +130,9 @@ pub fn train_fresh(
     conf: &str,
 ) -> Result<TrainMeasure, String> {
     let device = device(ctx, conf)?;
-    let mut model = Model::new(&device, arch, ctx.seed, DType::F32).map_err(|e| e.to_string())?;
-    let mut opt = Optimizer::adamw(1e-3);
+    let model = Model::new(&device, arch, ctx.seed, DType::F32).map_err(|e| e.to_string())?;
     let (warmup, timed) = timed_steps(ctx);
-    train(&mut model, &mut opt, data, ctx.seed, batch, warmup, timed)
+    train(model, data, ctx.seed, TrainConfig { batch, ..TrainConfig::default() }, warmup, timed)
 }
 
 /// A fingerprint of every parameter's bits: equal fingerprints mean untouched weights.
@@ -163,35 +144,6 @@ pub fn fingerprint(model: &Model) -> u64 {
         }
     }
     h
-}
-
-/// `parts` consecutive slices of a batch (the last takes the remainder): the micro-batches
-/// of gradient accumulation.
-pub fn split_batch(b: &Batch, parts: usize) -> Vec<Batch> {
-    let n = b.targets.len();
-    let per_sample = match &b.input {
-        Input::Dense { values, .. } => values.len() / n.max(1),
-        Input::Tokens(_) => 1,
-    };
-    let step = n.div_ceil(parts.max(1));
-    (0..n)
-        .step_by(step.max(1))
-        .map(|lo| {
-            let hi = (lo + step).min(n);
-            let input = match &b.input {
-                Input::Dense { values, shape } => {
-                    let mut shape = shape.clone();
-                    shape[0] = hi - lo;
-                    Input::Dense {
-                        values: values[lo * per_sample..hi * per_sample].to_vec(),
-                        shape,
-                    }
-                }
-                Input::Tokens(ids) => Input::Tokens(ids[lo..hi].to_vec()),
-            };
-            Batch { input, targets: b.targets[lo..hi].to_vec() }
-        })
-        .collect()
 }
 
 /// Every gradient, flattened to f32, in parameter order.

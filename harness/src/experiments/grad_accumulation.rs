@@ -3,16 +3,23 @@
 //! batch.
 
 use super::Sweep;
-use super::common::{
-    cnn, cnn_side, device, gradients, max_relative_difference, median, split_batch, stripes, sync,
-};
+use super::common::{cnn, cnn_side, device, gradients, max_relative_difference, median, stripes};
 use crate::models::Model;
-use crate::optim::Optimizer;
+use crate::trainer::{Hooks, TrainConfig, Trainer};
 use crate::{Claim, Context, ExperimentResult, Verdict, human_bytes};
 use serde_json::json;
-use std::time::Instant;
-use vram_accum::{ForwardCtx, GradAccumulator, Mode, Normalization};
 use vram_kernels::DType;
+
+/// Keeps the accumulated gradients of the first step.
+struct FirstGradients(Vec<Vec<f32>>);
+
+impl Hooks for FirstGradients {
+    fn on_backward_end(&mut self, step: usize, model: &Model) {
+        if step == 0 {
+            self.0 = gradients(model);
+        }
+    }
+}
 
 pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
     let batch = if ctx.quick { 32 } else { 64 };
@@ -28,38 +35,20 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
     let mut rows = Vec::new();
     for k in [1usize, 2, 4, 8] {
         let dev = device(ctx, "")?;
-        let mut model =
+        let model =
             Model::new(&dev, arch.clone(), ctx.seed, DType::F32).map_err(|e| e.to_string())?;
-        let mut opt = Optimizer::adamw(1e-3);
-        let acc = GradAccumulator::new(k, Normalization::Mean).map_err(|e| e.to_string())?;
-        let mut times = Vec::new();
-        let mut difference = 0.0;
-        for step in 0..steps {
-            let micro = split_batch(&data.batch(ctx.seed, step as u64, batch), k);
-            let items: Vec<u64> = micro.iter().map(|m| m.targets.len() as u64).collect();
-            let started = Instant::now();
-            for window in acc.windows(&items) {
-                let factor = window.factor(Normalization::Mean);
-                for i in window.micro_batches() {
-                    let mut fctx = ForwardCtx::new(Mode::Train, step as u64);
-                    model.train_step(&micro[i], &mut fctx, factor).map_err(|e| e.to_string())?;
-                }
-            }
-            if step == 0 {
-                let g = gradients(&model);
-                if k == 1 {
-                    reference = g;
-                } else {
-                    difference = max_relative_difference(&reference, &g);
-                }
-            }
-            opt.step(model.params_mut()).map_err(|e| e.to_string())?;
-            model.zero_grad();
-            sync(&dev)?;
-            if step > 0 {
-                times.push(started.elapsed().as_secs_f64() * 1e3);
-            }
-        }
+        let cfg = TrainConfig { batch, accumulation: k, ..TrainConfig::default() };
+        let mut trainer =
+            Trainer::new(model, data.clone(), ctx.seed, cfg).map_err(|e| e.to_string())?;
+        let mut first = FirstGradients(Vec::new());
+        let ends = trainer.run(steps, &mut first).map_err(|e| e.to_string())?;
+        let difference = if k == 1 {
+            reference = first.0;
+            0.0
+        } else {
+            max_relative_difference(&reference, &first.0)
+        };
+        let mut times: Vec<f64> = ends[1..].iter().map(|e| e.step_ms).collect();
         let step_ms = median(&mut times);
         let mut v = sweep.variant(
             &format!("k = {k} (micro-batch {})", batch / k),
@@ -68,6 +57,7 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
             Some(step_ms),
         );
         v.extra.insert("k".into(), json!(k));
+        v.extra.insert("samples_per_s".into(), json!(batch as f64 / (step_ms / 1e3)));
         v.extra.insert("grad_max_relative_difference_vs_full_batch".into(), json!(difference));
         sweep.push(v);
         rows.push((k, dev.max_memory_allocated(), step_ms, difference));

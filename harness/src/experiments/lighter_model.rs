@@ -4,7 +4,7 @@
 use super::Sweep;
 use super::common::{cnn, cnn_side, device, stripes, timed_steps, train};
 use crate::models::Model;
-use crate::optim::Optimizer;
+use crate::trainer::TrainConfig;
 use crate::{Claim, Context, ExperimentResult, Verdict, human_bytes};
 use serde_json::json;
 use vram_kernels::DType;
@@ -19,17 +19,24 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
     for depthwise in [false, true] {
         let arch = cnn(ctx, depthwise);
         let dev = device(ctx, "")?;
-        let mut model =
+        let model =
             Model::new(&dev, arch.clone(), ctx.seed, DType::F32).map_err(|e| e.to_string())?;
+        let (name, params) = (model.name.clone(), model.param_count());
         let (warmup, timed) = timed_steps(ctx);
-        let r =
-            train(&mut model, &mut Optimizer::adamw(1e-3), &data, ctx.seed, batch, warmup, timed)?;
-        let mut v = sweep.variant(&model.name, r.peak_allocated, r.peak_reserved, Some(r.step_ms));
-        v.extra.insert("parameters".into(), json!(model.param_count()));
+        let r = train(
+            model,
+            &data,
+            ctx.seed,
+            TrainConfig { batch, ..TrainConfig::default() },
+            warmup,
+            timed,
+        )?;
+        let mut v = sweep.variant(&name, r.peak_allocated, r.peak_reserved, Some(r.step_ms));
+        v.extra.insert("parameters".into(), json!(params));
         v.extra.insert("samples_per_s".into(), json!(r.samples_per_s));
         v.extra.insert("architecture".into(), json!(format!("{arch:?}")));
         sweep.push(v);
-        m.push((model.name.clone(), model.param_count(), r));
+        m.push((name.clone(), params, r));
     }
     let (full, light) = (&m[0], &m[1]);
     let saving = 1.0 - light.2.peak_allocated as f64 / full.2.peak_allocated as f64;

@@ -1,79 +1,15 @@
 //! `mixed-precision`: fp32 against fp16 with dynamic loss scaling and against bf16, both with
-//! f32 master weights (vram-amp's scaler drives the step): peak memory split into weights,
+//! f32 master weights (the trainer drives vram-amp's scaler): peak memory split into weights,
 //! master weights, gradients, optimizer state and activations; step time; loss agreement;
 //! steps the scaler skipped.
 
 use super::Sweep;
-use super::common::{device, gpt, median, sync};
+use super::common::{device, gpt, median};
 use crate::models::Model;
-use crate::optim::Optimizer as F32Optimizer;
+use crate::trainer::{NoHooks, Precision, TrainConfig, Trainer};
 use crate::{Backend, Claim, Context, ExperimentResult, Verdict, human_bytes};
 use serde_json::json;
-use std::time::Instant;
-use vram_accum::{ForwardCtx, Mode};
-use vram_amp::{LossScaler, Optimizer, OptimizerId};
-use vram_kernels::{AdamWConfig, DType, Tensor, ops};
-
-/// AdamW on f32 master weights, writing low-precision working copies into the model.
-struct MasterAdamW {
-    id: OptimizerId,
-    master: Vec<Tensor>,
-    state: Vec<(Tensor, Tensor)>,
-    step: u32,
-    cfg: AdamWConfig,
-}
-
-impl MasterAdamW {
-    fn new(model: &Model) -> Result<Self, String> {
-        let master = model
-            .params()
-            .iter()
-            .map(|p| p.value.to_dtype(DType::F32))
-            .collect::<Result<_, _>>()
-            .map_err(|e| e.to_string())?;
-        let cfg = AdamWConfig { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
-        Ok(MasterAdamW { id: OptimizerId::fresh(), master, state: Vec::new(), step: 0, cfg })
-    }
-
-    fn bytes(&self) -> (u64, u64) {
-        let master = self.master.iter().map(|t| t.size_in_bytes() as u64).sum();
-        let state =
-            self.state.iter().map(|(m, v)| (m.size_in_bytes() + v.size_in_bytes()) as u64).sum();
-        (master, state)
-    }
-}
-
-/// One optimizer step over a model, as vram-amp's scaler sees it.
-struct Step<'a> {
-    opt: &'a mut MasterAdamW,
-    model: &'a mut Model,
-}
-
-impl Optimizer for Step<'_> {
-    fn id(&self) -> OptimizerId {
-        self.opt.id
-    }
-
-    fn grads_mut(&mut self) -> Vec<&mut Tensor> {
-        self.model.params_mut().into_iter().filter_map(|p| p.grad.as_mut()).collect()
-    }
-
-    fn step(&mut self) -> vram_amp::Result<()> {
-        let o = &mut *self.opt;
-        o.step += 1;
-        for (i, p) in self.model.params_mut().into_iter().enumerate() {
-            let Some(g) = &p.grad else { continue };
-            if o.state.len() <= i {
-                let z = || Tensor::zeros(p.value.device(), p.value.shape(), DType::F32);
-                o.state.push((z()?, z()?));
-            }
-            let (m, v) = &mut o.state[i];
-            ops::adamw_step(&mut o.master[i], g, m, v, o.step, &o.cfg)?;
-            p.value = o.master[i].to_dtype(p.value.dtype())?;
-        }
-        Ok(())
-    }
-}
+use vram_amp::ScalerConfig;
 
 struct Run {
     peak: u64,
@@ -88,60 +24,26 @@ struct Run {
     final_scale: f32,
 }
 
-fn train(
-    ctx: &Context,
-    dtype: DType,
-    scaler: Option<LossScaler>,
-    steps: usize,
-    batch: usize,
-) -> Result<Run, String> {
+fn train(ctx: &Context, precision: Precision, steps: usize, batch: usize) -> Result<Run, String> {
     let (arch, data) = gpt(ctx);
     let dev = device(ctx, "")?;
-    let mut model = Model::new(&dev, arch, ctx.seed, dtype).map_err(|e| e.to_string())?;
-    let mut plain = F32Optimizer::adamw(1e-3);
-    let mut mixed = if dtype == DType::F32 { None } else { Some(MasterAdamW::new(&model)?) };
-    let mut scaler = scaler;
-    let (mut losses, mut times, mut grads) = (Vec::new(), Vec::new(), 0);
-    for step in 0..steps {
-        let b = data.batch(ctx.seed, step as u64, batch);
-        let started = Instant::now();
-        let scale = scaler.as_ref().map_or(1.0, LossScaler::scale);
-        let mut fctx = ForwardCtx::new(Mode::Train, ctx.seed + step as u64);
-        losses.push(model.train_step(&b, &mut fctx, scale).map_err(|e| e.to_string())?.loss);
-        grads = model
-            .params()
-            .iter()
-            .filter_map(|p| p.grad.as_ref())
-            .map(|g| g.size_in_bytes() as u64)
-            .sum();
-        match (&mut mixed, &mut scaler) {
-            (Some(opt), Some(s)) => {
-                s.step(&mut Step { opt, model: &mut model }).map_err(|e| e.to_string())?;
-                s.update().map_err(|e| e.to_string())?;
-            }
-            (Some(opt), None) => {
-                Step { opt, model: &mut model }.step().map_err(|e| e.to_string())?
-            }
-            (None, _) => plain.step(model.params_mut()).map_err(|e| e.to_string())?,
-        }
-        model.zero_grad();
-        sync(&dev)?;
-        if step > 0 {
-            times.push(started.elapsed().as_secs_f64() * 1e3);
-        }
-    }
-    let (master, optimizer) = mixed.as_ref().map_or((0, plain.state_bytes()), MasterAdamW::bytes);
+    let model = Model::new(&dev, arch, ctx.seed, precision.dtype()).map_err(|e| e.to_string())?;
+    let cfg = TrainConfig { batch, precision, ..TrainConfig::default() };
+    let mut trainer = Trainer::new(model, data, ctx.seed, cfg).map_err(|e| e.to_string())?;
+    let ends = trainer.run(steps, &mut NoHooks).map_err(|e| e.to_string())?;
+    let mut times: Vec<f64> = ends[1..].iter().map(|e| e.step_ms).collect();
+    let state = trainer.state_bytes();
     Ok(Run {
         peak: dev.max_memory_allocated(),
         reserved: dev.max_memory_reserved(),
         step_ms: median(&mut times),
-        losses,
-        weights: model.param_bytes(),
-        master,
-        grads,
-        optimizer,
-        skipped: scaler.as_ref().map_or(0, |s| s.counters().steps_skipped),
-        final_scale: scaler.as_ref().map_or(1.0, LossScaler::scale),
+        losses: ends.iter().map(|e| e.loss).collect(),
+        weights: state.weights,
+        master: state.master,
+        grads: state.grads,
+        optimizer: state.optimizer,
+        skipped: trainer.scaler().map_or(0, |s| s.counters().steps_skipped),
+        final_scale: trainer.scaler().map_or(1.0, |s| s.scale()),
     })
 }
 
@@ -154,12 +56,12 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
         json!({ "model": format!("{arch:?}"), "batch_size": batch, "steps": steps, "optimizer": "AdamW" }),
     );
     let runs = [
-        ("fp32", train(ctx, DType::F32, None, steps, batch)?),
+        ("fp32", train(ctx, Precision::F32, steps, batch)?),
         (
             "fp16 + dynamic loss scaling, f32 master weights",
-            train(ctx, DType::F16, Some(LossScaler::default()), steps, batch)?,
+            train(ctx, Precision::F16(ScalerConfig::default()), steps, batch)?,
         ),
-        ("bf16, f32 master weights", train(ctx, DType::BF16, None, steps, batch)?),
+        ("bf16, f32 master weights", train(ctx, Precision::Bf16, steps, batch)?),
     ];
     let params: u64 = runs[0].1.weights / 4;
     for (name, r) in &runs {

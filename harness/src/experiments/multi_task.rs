@@ -5,7 +5,7 @@
 use super::Sweep;
 use super::common::{cnn, cnn_side, device, sized_device, stripes, timed_steps, train};
 use crate::models::Model;
-use crate::optim::Optimizer;
+use crate::trainer::TrainConfig;
 use crate::{Claim, Context, ExperimentResult, Verdict, human_bytes};
 use serde_json::json;
 use vram_accum::Mode;
@@ -35,10 +35,10 @@ pub fn two_model_scenario(ctx: &Context, empty: bool) -> Result<Switch, String> 
     let (batch_a, batch_b) = (16, 64);
     let (warmup, timed) = timed_steps(ctx);
     let run_a = |dev: &Device| -> Result<(), String> {
-        let mut a =
+        let a =
             Model::new(dev, cnn(ctx, false), ctx.seed, DType::F32).map_err(|e| e.to_string())?;
-        train(&mut a, &mut Optimizer::adamw(1e-3), &data, ctx.seed, batch_a, warmup, timed)
-            .map(|_| ())
+        let cfg = TrainConfig { batch: batch_a, ..TrainConfig::default() };
+        train(a, &data, ctx.seed, cfg, warmup, timed).map(|_| ())
     };
     let run_b = |dev: &Device| -> Result<f32, String> {
         let mut b =

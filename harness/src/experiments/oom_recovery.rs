@@ -3,7 +3,7 @@
 //! fit but half of it does.
 
 use super::Sweep;
-use super::common::{cnn, cnn_side, fingerprint, sized_device, split_batch, stripes, train_fresh};
+use super::common::{cnn, cnn_side, fingerprint, sized_device, stripes, train_fresh};
 use crate::models::Model;
 use crate::optim::Optimizer;
 use crate::{Claim, Context, ExperimentResult, Verdict, human_bytes};
@@ -49,7 +49,7 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
                     }
                     dev.empty_cache();
                     let mut ok = true;
-                    for part in split_batch(&b, 2) {
+                    for part in b.split(2) {
                         let mut fctx = ForwardCtx::new(Mode::Train, step as u64);
                         ok &= model.train_step(&part, &mut fctx, 0.5).is_ok();
                     }

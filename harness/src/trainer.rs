@@ -1,0 +1,342 @@
+//! The trainer: a model, its optimizer and data, composed with vram-amp (precision, loss
+//! scaling, f32 master weights) and vram-accum (gradient accumulation, checkpoint plan), with
+//! hooks on batch end and epoch end.
+
+use crate::data::{Dataset, Loader};
+use crate::models::Model;
+use crate::optim::Optimizer as F32Optimizer;
+use std::time::Instant;
+use vram_accum::{
+    CheckpointPlan, Error, ForwardCtx, GradAccumulator, Mode, Normalization, Result, Schedule,
+};
+use vram_amp::{LossScaler, Optimizer, OptimizerId, ScalerConfig};
+use vram_kernels::{AdamWConfig, DType, Tensor, ops};
+
+/// The numeric precision of a run.
+#[derive(Clone, Debug)]
+pub enum Precision {
+    /// Everything in f32.
+    F32,
+    /// f16 weights and activations, f32 master weights, dynamic loss scaling.
+    F16(ScalerConfig),
+    /// bf16 weights and activations, f32 master weights, no loss scaling.
+    Bf16,
+}
+
+impl Precision {
+    /// The dtype the model computes in.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Precision::F32 => DType::F32,
+            Precision::F16(_) => DType::F16,
+            Precision::Bf16 => DType::BF16,
+        }
+    }
+}
+
+/// How to train.
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    /// Samples per optimizer step (the effective batch).
+    pub batch: usize,
+    /// Micro-batches per optimizer step (gradient accumulation; 1 = none).
+    pub accumulation: usize,
+    /// Activation checkpointing plan for the model's chain.
+    pub checkpoint: CheckpointPlan,
+    /// Precision.
+    pub precision: Precision,
+    /// AdamW learning rate.
+    pub lr: f32,
+    /// Optimizer steps per epoch (for the epoch-end hook).
+    pub steps_per_epoch: usize,
+    /// Batches the loader prepares ahead on its worker thread.
+    pub prefetch: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            batch: 16,
+            accumulation: 1,
+            checkpoint: CheckpointPlan::None,
+            precision: Precision::F32,
+            lr: 1e-3,
+            steps_per_epoch: 100,
+            prefetch: 2,
+        }
+    }
+}
+
+/// What one optimizer step did.
+#[derive(Clone, Debug)]
+pub struct BatchEnd {
+    /// Step number, from 0.
+    pub step: usize,
+    /// Mean loss over the step's samples.
+    pub loss: f32,
+    /// Wall time of the step in milliseconds (device synchronised).
+    pub step_ms: f64,
+    /// Whether the loss scaler skipped the update (inf/NaN gradients).
+    pub skipped: bool,
+    /// Bytes allocated at the end of the step.
+    pub allocated: u64,
+    /// Bytes reserved at the end of the step.
+    pub reserved: u64,
+}
+
+/// Callbacks during training. Every method has an empty default.
+pub trait Hooks {
+    /// After backward, before the optimizer step: the accumulated gradients are in the
+    /// model's parameters.
+    fn on_backward_end(&mut self, _step: usize, _model: &Model) {}
+    /// After each optimizer step.
+    fn on_batch_end(&mut self, _end: &BatchEnd) {}
+    /// After every `steps_per_epoch` steps.
+    fn on_epoch_end(&mut self, _epoch: usize) {}
+}
+
+/// Hooks that do nothing.
+pub struct NoHooks;
+
+impl Hooks for NoHooks {}
+
+/// AdamW on f32 master weights, writing low-precision working copies into the model after
+/// each step.
+struct MasterAdamW {
+    id: OptimizerId,
+    master: Vec<Tensor>,
+    state: Vec<(Tensor, Tensor)>,
+    step: u32,
+    cfg: AdamWConfig,
+}
+
+/// One optimizer step over a model, as vram-amp's scaler drives it.
+struct MasterStep<'a> {
+    opt: &'a mut MasterAdamW,
+    model: &'a mut Model,
+}
+
+impl Optimizer for MasterStep<'_> {
+    fn id(&self) -> OptimizerId {
+        self.opt.id
+    }
+
+    fn grads_mut(&mut self) -> Vec<&mut Tensor> {
+        self.model.params_mut().into_iter().filter_map(|p| p.grad.as_mut()).collect()
+    }
+
+    fn step(&mut self) -> vram_amp::Result<()> {
+        let o = &mut *self.opt;
+        o.step += 1;
+        for (i, p) in self.model.params_mut().into_iter().enumerate() {
+            let Some(g) = &p.grad else { continue };
+            if o.state.len() <= i {
+                let z = || Tensor::zeros(p.value.device(), p.value.shape(), DType::F32);
+                o.state.push((z()?, z()?));
+            }
+            let (m, v) = &mut o.state[i];
+            ops::adamw_step(&mut o.master[i], g, m, v, o.step, &o.cfg)?;
+            p.value = o.master[i].to_dtype(p.value.dtype())?;
+        }
+        Ok(())
+    }
+}
+
+enum Updater {
+    F32(F32Optimizer),
+    Master(MasterAdamW),
+}
+
+/// Bytes by category, for memory breakdowns.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StateBytes {
+    /// Model weights (in the compute dtype).
+    pub weights: u64,
+    /// f32 master weights (0 in f32 runs).
+    pub master: u64,
+    /// Gradients after the last backward.
+    pub grads: u64,
+    /// Optimizer state.
+    pub optimizer: u64,
+}
+
+/// A model being trained.
+pub struct Trainer {
+    model: Model,
+    cfg: TrainConfig,
+    updater: Updater,
+    scaler: Option<LossScaler>,
+    schedule: Schedule,
+    accumulator: GradAccumulator,
+    loader: Loader,
+    seed: u64,
+    step: usize,
+    grad_bytes: u64,
+}
+
+fn invalid(reason: String) -> Error {
+    Error::InvalidArgument { what: "Trainer", reason }
+}
+
+impl Trainer {
+    /// A trainer for `model` (built in `cfg.precision`'s dtype) on `dataset`.
+    pub fn new(mut model: Model, dataset: Dataset, seed: u64, cfg: TrainConfig) -> Result<Self> {
+        if cfg.batch == 0 || cfg.accumulation == 0 || !cfg.batch.is_multiple_of(cfg.accumulation) {
+            return Err(invalid(format!(
+                "the batch ({}) must be a positive multiple of the micro-batches per step ({})",
+                cfg.batch, cfg.accumulation
+            )));
+        }
+        let dtype = cfg.precision.dtype();
+        if model.params().first().is_some_and(|p| p.value.dtype() != dtype) {
+            return Err(invalid(format!("the model is not in {dtype}, the run's precision")));
+        }
+        let updater = match cfg.precision {
+            Precision::F32 => Updater::F32(F32Optimizer::adamw(cfg.lr)),
+            _ => Updater::Master(MasterAdamW {
+                id: OptimizerId::fresh(),
+                master: model
+                    .params()
+                    .iter()
+                    .map(|p| p.value.to_dtype(DType::F32))
+                    .collect::<vram_kernels::Result<_>>()?,
+                state: Vec::new(),
+                step: 0,
+                cfg: AdamWConfig {
+                    lr: cfg.lr,
+                    beta1: 0.9,
+                    beta2: 0.999,
+                    eps: 1e-8,
+                    weight_decay: 0.01,
+                },
+            }),
+        };
+        let scaler = match &cfg.precision {
+            Precision::F16(c) => {
+                Some(LossScaler::new(c.clone()).map_err(|e| invalid(e.to_string()))?)
+            }
+            _ => None,
+        };
+        let micro = cfg.batch / cfg.accumulation;
+        let schedule = match &cfg.checkpoint {
+            CheckpointPlan::None => Schedule::none(model.chain_len())?,
+            plan => {
+                let first = dataset.batch(seed, 0, micro);
+                let profile = model.profile(&first, seed)?;
+                plan.schedule(&profile)?
+            }
+        };
+        let accumulator = GradAccumulator::new(cfg.accumulation, Normalization::Mean)?;
+        let loader = Loader::new(dataset, seed, cfg.batch, 0, cfg.prefetch);
+        Ok(Trainer {
+            model,
+            cfg,
+            updater,
+            scaler,
+            schedule,
+            accumulator,
+            loader,
+            seed,
+            step: 0,
+            grad_bytes: 0,
+        })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// The model, mutably (evaluation between steps).
+    pub fn model_mut(&mut self) -> &mut Model {
+        &mut self.model
+    }
+
+    /// The checkpoint schedule in use.
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
+    }
+
+    /// The loss scaler, in f16 runs.
+    pub fn scaler(&self) -> Option<&LossScaler> {
+        self.scaler.as_ref()
+    }
+
+    /// Bytes of weights, master weights, gradients and optimizer state.
+    pub fn state_bytes(&self) -> StateBytes {
+        let (master, optimizer) = match &self.updater {
+            Updater::F32(o) => (0, o.state_bytes()),
+            Updater::Master(m) => (
+                m.master.iter().map(|t| t.size_in_bytes() as u64).sum(),
+                m.state.iter().map(|(a, b)| (a.size_in_bytes() + b.size_in_bytes()) as u64).sum(),
+            ),
+        };
+        StateBytes { weights: self.model.param_bytes(), master, grads: self.grad_bytes, optimizer }
+    }
+
+    /// One optimizer step: `accumulation` micro-batches, then the update.
+    pub fn step(&mut self, hooks: &mut dyn Hooks) -> Result<BatchEnd> {
+        let device = self.model.device().clone();
+        let batch = self.loader.next_batch();
+        let started = Instant::now();
+        let micro = batch.split(self.cfg.accumulation);
+        let items: Vec<u64> = micro.iter().map(|m| m.targets.len() as u64).collect();
+        let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
+        let mut loss = 0.0;
+        for window in self.accumulator.windows(&items) {
+            let factor = window.factor(Normalization::Mean);
+            for i in window.micro_batches() {
+                let mut ctx = ForwardCtx::new(Mode::Train, self.seed ^ self.step as u64);
+                let out = self.model.train_step_with(
+                    &micro[i],
+                    &mut ctx,
+                    factor * scale,
+                    &self.schedule,
+                )?;
+                loss += out.loss * micro[i].targets.len() as f32 / batch.targets.len() as f32;
+            }
+        }
+        self.grad_bytes = self
+            .model
+            .params()
+            .iter()
+            .filter_map(|p| p.grad.as_ref())
+            .map(|g| g.size_in_bytes() as u64)
+            .sum();
+        hooks.on_backward_end(self.step, &self.model);
+        let mut skipped = false;
+        match (&mut self.updater, &mut self.scaler) {
+            (Updater::Master(opt), Some(s)) => {
+                let amp = |e: vram_amp::Error| invalid(e.to_string());
+                skipped = s.step(&mut MasterStep { opt, model: &mut self.model }).map_err(amp)?
+                    == vram_amp::StepOutcome::Skipped;
+                s.update().map_err(amp)?;
+            }
+            (Updater::Master(opt), None) => MasterStep { opt, model: &mut self.model }
+                .step()
+                .map_err(|e| invalid(e.to_string()))?,
+            (Updater::F32(opt), _) => opt.step(self.model.params_mut())?,
+        }
+        self.model.zero_grad();
+        device.synchronize()?;
+        let end = BatchEnd {
+            step: self.step,
+            loss,
+            step_ms: started.elapsed().as_secs_f64() * 1e3,
+            skipped,
+            allocated: device.memory_allocated(),
+            reserved: device.memory_reserved(),
+        };
+        hooks.on_batch_end(&end);
+        self.step += 1;
+        if self.step.is_multiple_of(self.cfg.steps_per_epoch.max(1)) {
+            hooks.on_epoch_end(self.step / self.cfg.steps_per_epoch.max(1) - 1);
+        }
+        Ok(end)
+    }
+
+    /// `steps` optimizer steps.
+    pub fn run(&mut self, steps: usize, hooks: &mut dyn Hooks) -> Result<Vec<BatchEnd>> {
+        (0..steps).map(|_| self.step(hooks)).collect()
+    }
+}

@@ -1,0 +1,90 @@
+//! The trainer composes precision, accumulation and checkpointing, and calls its hooks.
+
+use vram_accum::{CheckpointPlan, Mode};
+use vram_amp::ScalerConfig;
+use vram_harness::data::Dataset;
+use vram_harness::models::{Arch, Model};
+use vram_harness::trainer::{BatchEnd, Hooks, Precision, TrainConfig, Trainer};
+use vram_kernels::Device;
+
+#[derive(Default)]
+struct Count {
+    backward: usize,
+    batches: Vec<usize>,
+    epochs: Vec<usize>,
+}
+
+impl Hooks for Count {
+    fn on_backward_end(&mut self, _step: usize, _model: &Model) {
+        self.backward += 1;
+    }
+    fn on_batch_end(&mut self, end: &BatchEnd) {
+        self.batches.push(end.step);
+    }
+    fn on_epoch_end(&mut self, epoch: usize) {
+        self.epochs.push(epoch);
+    }
+}
+
+fn gpt() -> (Arch, Dataset) {
+    (
+        Arch::Gpt { vocab: 16, d: 32, layers: 2, seq: 8, dropout: 0.1 },
+        Dataset::Sequences { vocab: 16, seq: 8 },
+    )
+}
+
+#[test]
+fn hooks_run_after_backward_each_batch_and_each_epoch() {
+    let (arch, data) = gpt();
+    let dev = Device::host(1 << 30);
+    let model = Model::new(&dev, arch, 1, vram_kernels::DType::F32).unwrap();
+    let cfg = TrainConfig { batch: 8, steps_per_epoch: 3, ..TrainConfig::default() };
+    let mut trainer = Trainer::new(model, data, 1, cfg).unwrap();
+    let mut count = Count::default();
+    trainer.run(7, &mut count).unwrap();
+    assert_eq!(count.backward, 7);
+    assert_eq!(count.batches, (0..7).collect::<Vec<_>>());
+    assert_eq!(count.epochs, [0, 1]);
+}
+
+/// Every precision, with accumulation and a checkpoint plan, learns: the loss falls.
+#[test]
+fn every_precision_with_accumulation_and_checkpointing_learns() {
+    for precision in [Precision::F32, Precision::F16(ScalerConfig::default()), Precision::Bf16] {
+        let (arch, data) = gpt();
+        let dev = Device::host(1 << 30);
+        let model = Model::new(&dev, arch, 1, precision.dtype()).unwrap();
+        let cfg = TrainConfig {
+            batch: 8,
+            accumulation: 2,
+            checkpoint: CheckpointPlan::Sqrt,
+            precision: precision.clone(),
+            lr: 3e-3,
+            ..TrainConfig::default()
+        };
+        let mut trainer = Trainer::new(model, data.clone(), 1, cfg).unwrap();
+        let eval = data.batch(1, 1 << 40, 32);
+        let before = trainer.model_mut().eval_loss(&eval, Mode::Inference).unwrap();
+        trainer.run(60, &mut vram_harness::trainer::NoHooks).unwrap();
+        let after = trainer.model_mut().eval_loss(&eval, Mode::Inference).unwrap();
+        assert!(after < 0.7 * before, "{precision:?}: loss {before} -> {after}");
+        assert!(trainer.schedule().segments().iter().any(|s| s.checkpointed));
+        let state = trainer.state_bytes();
+        match precision {
+            Precision::F32 => assert_eq!(state.master, 0),
+            _ => {
+                assert_eq!(state.master, 2 * state.weights, "f32 masters are twice 16-bit weights")
+            }
+        }
+    }
+}
+
+#[test]
+fn a_batch_that_micro_batches_do_not_divide_is_an_error() {
+    let (arch, data) = gpt();
+    let dev = Device::host(1 << 30);
+    let model = Model::new(&dev, arch, 1, vram_kernels::DType::F32).unwrap();
+    let cfg = TrainConfig { batch: 10, accumulation: 4, ..TrainConfig::default() };
+    let err = Trainer::new(model, data, 1, cfg).err().expect("10 is not a multiple of 4");
+    assert!(err.to_string().contains("multiple"), "{err}");
+}

@@ -37,8 +37,6 @@ pub(crate) struct Block {
     /// Base address of the segment this block belongs to.
     pub segment: DevicePtr,
     pub expandable: bool,
-    /// Other streams that used this block (from `record_stream`).
-    pub stream_uses: Vec<Stream>,
     /// Events still to complete before a pending free finishes.
     pub pending_events: u32,
     /// Logical time of the last free, for garbage collection (oldest first).

@@ -186,6 +186,12 @@ impl AllocatorConfig {
         self.max_split_size.unwrap_or(usize::MAX)
     }
 
+    /// Whether any size interval rounds to power-of-two divisions.
+    #[inline]
+    pub fn rounds_to_power2_divisions(&self) -> bool {
+        self.roundup_power2_divisions.iter().any(|&d| d > 1)
+    }
+
     /// Divisions for sizes in the power-of-two interval that holds `size`.
     pub fn roundup_power2_divisions(&self, size: usize) -> usize {
         let log = usize::BITS as usize - 1 - size.max(1).leading_zeros() as usize;

@@ -120,7 +120,6 @@ impl<M: DeviceMemory> State<M> {
             state: BlockState::Unmapped,
             segment: base,
             expandable: true,
-            stream_uses: Vec::new(),
             pending_events: 0,
             freed_at: 0,
         });
@@ -150,7 +149,6 @@ impl<M: DeviceMemory> State<M> {
             state,
             segment: b.segment,
             expandable: b.expandable,
-            stream_uses: Vec::new(),
             pending_events: 0,
             freed_at: b.freed_at,
         };

@@ -23,13 +23,19 @@ impl FreeIndex {
         self.entries.binary_search_by(|(k, _)| k.cmp(key))
     }
 
-    /// The first entry at or after `key`.
+    /// The first entry at or after `key`, with its position.
     #[inline]
-    pub fn first_at_or_after(&self, key: &FreeKey) -> Option<(FreeKey, BlockId)> {
+    pub fn first_at_or_after(&self, key: &FreeKey) -> Option<(FreeKey, BlockId, usize)> {
         let i = match self.position(key) {
             Ok(i) | Err(i) => i,
         };
-        self.entries.get(i).copied()
+        self.entries.get(i).map(|&(k, id)| (k, id, i))
+    }
+
+    /// Removes the entry at position `i` (from [`Self::first_at_or_after`]).
+    #[inline]
+    pub fn remove_at(&mut self, i: usize) {
+        self.entries.remove(i);
     }
 
     #[inline]
@@ -53,10 +59,16 @@ impl FreeIndex {
     /// Replaces `old` by `new` (for block `id`), in place when the order allows.
     #[inline]
     pub fn replace(&mut self, old: &FreeKey, new: FreeKey, id: BlockId) {
-        let Ok(i) = self.position(old) else {
-            debug_assert!(false, "free key missing: {old:?}");
-            return;
-        };
+        match self.position(old) {
+            Ok(i) => self.replace_at(i, new, id),
+            Err(_) => debug_assert!(false, "free key missing: {old:?}"),
+        }
+    }
+
+    /// Replaces the entry at position `i` by `new` (for block `id`), in place when the order
+    /// allows.
+    #[inline]
+    pub fn replace_at(&mut self, i: usize, new: FreeKey, id: BlockId) {
         let after_prev = i == 0 || self.entries[i - 1].0 < new;
         let before_next = i + 1 == self.entries.len() || new < self.entries[i + 1].0;
         if after_prev && before_next {
@@ -108,9 +120,9 @@ mod tests {
         assert_eq!(sizes, [5, 10, 31, 40, 45]);
         let ids: Vec<BlockId> = ix.values().collect();
         assert_eq!(ids, [4, 0, 2, 3, 1]);
-        assert_eq!(ix.first_at_or_after(&key(32, 0)), Some((key(40, 3), 3)));
+        assert_eq!(ix.first_at_or_after(&key(32, 0)), Some((key(40, 3), 3, 3)));
         ix.remove(&key(40, 3));
-        assert_eq!(ix.first_at_or_after(&key(32, 0)), Some((key(45, 1), 1)));
+        assert_eq!(ix.first_at_or_after(&key(32, 0)), Some((key(45, 1), 1, 3)));
         assert_eq!(ix.first_at_or_after(&key(46, 0)), None);
     }
 }

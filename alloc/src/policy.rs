@@ -42,15 +42,22 @@ impl PoolKind {
 }
 
 /// Rounds a request: at least 512 B, a multiple of 512 B, or to a power-of-two division when
-/// `roundup_power2_divisions` applies. `None` when the result would overflow.
+/// `roundup_power2_divisions` applies. `None` when the result would overflow. `power2` is
+/// `config.rounds_to_power2_divisions()`, which the cache computes once.
 #[inline]
-pub fn round_size(size: usize, config: &AllocatorConfig) -> Option<usize> {
+pub(crate) fn round_size_with(
+    size: usize,
+    config: &AllocatorConfig,
+    power2: bool,
+) -> Option<usize> {
     if size < MIN_BLOCK_SIZE {
         return Some(MIN_BLOCK_SIZE);
     }
-    let divisions = config.roundup_power2_divisions(size);
-    if divisions > 1 && size > MIN_BLOCK_SIZE * divisions {
-        return roundup_power2_next_division(size, divisions);
+    if power2 {
+        let divisions = config.roundup_power2_divisions(size);
+        if divisions > 1 && size > MIN_BLOCK_SIZE * divisions {
+            return roundup_power2_next_division(size, divisions);
+        }
     }
     size.checked_next_multiple_of(MIN_BLOCK_SIZE)
 }
@@ -94,6 +101,10 @@ pub fn should_split(pool: PoolKind, block_size: usize, size: usize, max_split_si
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn round_size(size: usize, config: &AllocatorConfig) -> Option<usize> {
+        round_size_with(size, config, config.rounds_to_power2_divisions())
+    }
 
     #[test]
     fn sizes_round_to_512_bytes() {

@@ -10,10 +10,14 @@ use crate::memory::{DeviceMemory, DevicePtr, RawError, Stream};
 use crate::policy::{self, LARGE_BUFFER, PoolKind};
 use crate::stats::MemoryStats;
 use crate::trace::{Trace, TraceAction};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 pub(crate) struct State<M: DeviceMemory> {
     pub config: AllocatorConfig,
+    /// `config.rounds_to_power2_divisions()`, computed once.
+    power2_rounding: bool,
+    /// `config.max_split_size()`, computed once.
+    max_split: usize,
     /// Reserved memory may not exceed this (from the memory fraction).
     pub cap: Option<u64>,
     pub arena: Arena,
@@ -22,6 +26,9 @@ pub(crate) struct State<M: DeviceMemory> {
     /// Segments by base address.
     pub segments: BTreeMap<DevicePtr, Segment>,
     pub stats: MemoryStats,
+    /// Other streams that used allocated blocks (from `record_stream`), kept apart from the
+    /// blocks because it is rare: the hot path only checks that this is empty.
+    stream_uses: HashMap<BlockId, Vec<Stream>>,
     /// Events that pending frees wait for, oldest first.
     pending: VecDeque<(M::Event, BlockId)>,
     pub trace: Trace,
@@ -36,6 +43,8 @@ impl<M: DeviceMemory> State<M> {
         };
         let cap = config.memory_fraction().map(|f| cap_bytes(f, total));
         State {
+            power2_rounding: config.rounds_to_power2_divisions(),
+            max_split: config.max_split_size(),
             config,
             cap,
             arena: Arena::default(),
@@ -43,6 +52,7 @@ impl<M: DeviceMemory> State<M> {
             large: Pool::default(),
             segments: BTreeMap::new(),
             stats,
+            stream_uses: HashMap::new(),
             pending: VecDeque::new(),
             trace: Trace::default(),
             clock: 0,
@@ -76,13 +86,14 @@ impl<M: DeviceMemory> State<M> {
         if !self.pending.is_empty() {
             self.process_events(mem);
         }
-        let Some(size) = policy::round_size(requested, &self.config) else {
+        let Some(size) = policy::round_size_with(requested, &self.config, self.power2_rounding)
+        else {
             return Err(self.out_of_memory(mem, requested, stream));
         };
         let pool = PoolKind::for_size(size);
         let id = match self.find_free_block(pool, stream, size) {
-            Some((key, id)) => {
-                self.hand_out(id, size, requested, Some(key));
+            Some((key, id, pos)) => {
+                self.hand_out(id, size, requested, Some((key, pos)));
                 id
             }
             None => {
@@ -102,9 +113,9 @@ impl<M: DeviceMemory> State<M> {
         pool: PoolKind,
         stream: Stream,
         size: usize,
-    ) -> Option<(FreeKey, BlockId)> {
-        let max_split = self.config.max_split_size();
-        let (key, id) = self.pool(pool).free.first_at_or_after(&(stream, size, 0))?;
+    ) -> Option<(FreeKey, BlockId, usize)> {
+        let max_split = self.max_split;
+        let (key, id, pos) = self.pool(pool).free.first_at_or_after(&(stream, size, 0))?;
         let (block_stream, block_size, _) = key;
         if block_stream != stream {
             return None;
@@ -116,7 +127,7 @@ impl<M: DeviceMemory> State<M> {
         if size >= max_split && block_size >= size.saturating_add(LARGE_BUFFER) {
             return None;
         }
-        Some((key, id))
+        Some((key, id, pos))
     }
 
     /// Gets memory from the device, releasing cached blocks and retrying when it fails.
@@ -191,7 +202,7 @@ impl<M: DeviceMemory> State<M> {
         self.stats.num_device_alloc += 1;
         self.stats.segment.increase(pool, 1);
         self.stats.reserved_bytes.increase(pool, size as u64);
-        if size >= self.config.max_split_size() {
+        if size >= self.max_split {
             self.stats.oversize_segments.increase(1);
         }
         let id = self.arena.insert(Block {
@@ -205,7 +216,6 @@ impl<M: DeviceMemory> State<M> {
             state: BlockState::Free,
             segment: ptr,
             expandable: false,
-            stream_uses: Vec::new(),
             pending_events: 0,
             freed_at: 0,
         });
@@ -216,10 +226,16 @@ impl<M: DeviceMemory> State<M> {
     }
 
     /// Marks a free block allocated, splitting off the remainder. `in_pool` is the block's key
-    /// if it is in its pool: the remainder then takes its place in the index.
+    /// and index position if it is in its pool: the remainder then takes its place.
     #[inline]
-    fn hand_out(&mut self, id: BlockId, size: usize, requested: usize, in_pool: Option<FreeKey>) {
-        let max_split = self.config.max_split_size();
+    fn hand_out(
+        &mut self,
+        id: BlockId,
+        size: usize,
+        requested: usize,
+        in_pool: Option<(FreeKey, usize)>,
+    ) {
+        let max_split = self.max_split;
         self.unaccount_split(id);
         let b = &self.arena[id];
         let pool = b.pool;
@@ -235,7 +251,6 @@ impl<M: DeviceMemory> State<M> {
                 state: BlockState::Free,
                 segment: b.segment,
                 expandable: b.expandable,
-                stream_uses: Vec::new(),
                 pending_events: 0,
                 freed_at: b.freed_at,
             };
@@ -249,12 +264,12 @@ impl<M: DeviceMemory> State<M> {
             b.next = Some(rid);
             b.size = size;
             match in_pool {
-                Some(old) => self.pool_mut(pool).free.replace(&old, key, rid),
+                Some((_, pos)) => self.pool_mut(pool).free.replace_at(pos, key, rid),
                 None => self.pool_mut(pool).free.insert(key, rid),
             }
             self.account_split(rid);
-        } else if let Some(old) = in_pool {
-            self.pool_mut(pool).free.remove(&old);
+        } else if let Some((_, pos)) = in_pool {
+            self.pool_mut(pool).free.remove_at(pos);
         }
         let b = &mut self.arena[id];
         b.state = BlockState::Allocated;
@@ -275,12 +290,16 @@ impl<M: DeviceMemory> State<M> {
     // ---- freeing ----------------------------------------------------------------------
 
     pub fn free(&mut self, mem: &M, id: BlockId) {
-        let max_split = self.config.max_split_size();
+        let max_split = self.max_split;
         let b = &mut self.arena[id];
         debug_assert_eq!(b.state, BlockState::Allocated);
         let (pool, size, requested, ptr, stream) =
             (b.pool, b.size as u64, b.requested, b.ptr, b.stream);
-        let uses = std::mem::take(&mut b.stream_uses);
+        let uses = if self.stream_uses.is_empty() {
+            Vec::new()
+        } else {
+            self.stream_uses.remove(&id).unwrap_or_default()
+        };
         let s = &mut self.stats;
         s.allocation.decrease(pool, 1);
         s.allocated_bytes.decrease(pool, size);
@@ -403,9 +422,13 @@ impl<M: DeviceMemory> State<M> {
     }
 
     pub fn record_stream(&mut self, id: BlockId, stream: Stream) {
-        let b = &mut self.arena[id];
-        if stream != b.stream && !b.stream_uses.contains(&stream) {
-            b.stream_uses.push(stream);
+        let b = &self.arena[id];
+        if stream == b.stream {
+            return;
+        }
+        let uses = self.stream_uses.entry(id).or_default();
+        if !uses.contains(&stream) {
+            uses.push(stream);
         }
     }
 
@@ -473,7 +496,7 @@ impl<M: DeviceMemory> State<M> {
         self.stats.num_device_free += 1;
         self.stats.segment.decrease(pool, 1);
         self.stats.reserved_bytes.decrease(pool, size as u64);
-        if size >= self.config.max_split_size() {
+        if size >= self.max_split {
             self.stats.oversize_segments.decrease(1);
         }
         self.trace.record(TraceAction::SegmentFree, ptr, size, stream);

@@ -30,7 +30,7 @@ pub struct Device {
 enum Backend {
     Host(CachingAllocator<HostMemory>),
     #[cfg(feature = "cuda")]
-    Cuda(crate::cuda::CudaBackend),
+    Cuda(Box<crate::cuda::CudaBackend>),
 }
 
 /// Runs `$body` with `$a` bound to the device's allocator, whatever its memory type.
@@ -109,7 +109,7 @@ impl Device {
     #[cfg(feature = "cuda")]
     fn open_cuda(ordinal: usize, config: Option<AllocatorConfig>) -> Result<Device> {
         let backend = crate::cuda::CudaBackend::new(ordinal, config)?;
-        Ok(Device::from_backend(Backend::Cuda(backend)))
+        Ok(Device::from_backend(Backend::Cuda(Box::new(backend))))
     }
 
     #[cfg(not(feature = "cuda"))]

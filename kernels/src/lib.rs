@@ -47,6 +47,7 @@ pub mod dtype;
 pub mod error;
 pub mod ops;
 pub mod tensor;
+pub mod transfer;
 
 pub use cpu::conv::Conv2dParams;
 pub use cpu::matmul::MatmulSpec;
@@ -57,3 +58,4 @@ pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use ops::{Conv2dOptions, Pool2dOptions};
 pub use tensor::{Indices, Tensor};
+pub use transfer::{PinnedBuffer, Upload};

@@ -193,6 +193,22 @@ impl Tensor {
         })
     }
 
+    /// A tensor over a CUDA allocation made elsewhere (an upload on the transfer stream).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn from_cuda_allocation(
+        device: &Device,
+        block: Allocation<vram_alloc::cuda::CudaMemory>,
+        shape: &[usize],
+        dtype: DType,
+    ) -> Tensor {
+        Tensor {
+            storage: Arc::new(Storage::Cuda(block)),
+            shape: shape.to_vec(),
+            dtype,
+            device: device.clone(),
+        }
+    }
+
     /// Makes this tensor the only owner of its memory, copying it first if a clone shares it.
     ///
     /// # Errors

@@ -491,3 +491,21 @@ fn optimizers_and_unscale_match_host() {
         close("unscale after inf", &ga, &ha, tol(dtype, false));
     }
 }
+
+/// A page-locked buffer uploaded on the transfer stream arrives intact once the compute
+/// stream has waited for it, while compute queued meanwhile is unaffected.
+#[test]
+fn pinned_upload_on_the_transfer_stream_arrives_intact() {
+    let Some(dev) = gpu() else { return };
+    let values = values(1 << 16, 7, -2.0, 2.0);
+    let mut buf = vram_kernels::PinnedBuffer::new(&dev, values.len() * 4).unwrap();
+    assert!(buf.is_page_locked());
+    buf.write_f32(&values, DType::F32).unwrap();
+    let busy =
+        Tensor::from_f32_slice(&dev, &[512, 512], &values[..512 * 512 % values.len()], DType::F32);
+    let upload = dev.upload_async(&buf, &[values.len()], DType::F32).unwrap();
+    assert!(upload.is_async());
+    drop(busy);
+    let t = upload.wait().unwrap();
+    assert_eq!(t.to_vec::<f32>().unwrap(), values);
+}

@@ -8,7 +8,7 @@ use crate::{Claim, Context, ExperimentResult, Verdict, human_bytes};
 use serde_json::json;
 
 pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
-    let batches: &[usize] = if ctx.quick { &[4, 8, 16, 32] } else { &[8, 16, 32, 64, 128] };
+    let batches: &[usize] = if ctx.quick { &[4, 8, 16, 32] } else { &[4, 8, 16, 32, 64] };
     let side = cnn_side(ctx);
     let arch = cnn(ctx, false);
     let data = stripes(side);

@@ -41,7 +41,7 @@ pub fn sync(dev: &Device) -> Result<(), String> {
 
 /// The CNN input side and models used by the CNN experiments.
 pub fn cnn(ctx: &Context, depthwise: bool) -> Arch {
-    let (width, blocks) = if ctx.quick { (32, vec![1, 1]) } else { (64, vec![2, 2]) };
+    let (width, blocks) = if ctx.quick { (32, vec![1, 1]) } else { (32, vec![2, 2]) };
     let classes = 10;
     if depthwise {
         Arch::MobileNet { width, blocks, classes }
@@ -52,7 +52,7 @@ pub fn cnn(ctx: &Context, depthwise: bool) -> Arch {
 
 /// CNN image side.
 pub fn cnn_side(ctx: &Context) -> usize {
-    if ctx.quick { 32 } else { 64 }
+    if ctx.quick { 32 } else { 48 }
 }
 
 /// The stripes data set for the CNNs.
@@ -62,13 +62,13 @@ pub fn stripes(side: usize) -> Dataset {
 
 /// The GPT used by transformer experiments, and its data.
 pub fn gpt(ctx: &Context) -> (Arch, Dataset) {
-    let (d, layers, seq) = if ctx.quick { (64, 2, 32) } else { (128, 4, 128) };
+    let (d, layers, seq) = if ctx.quick { (64, 2, 32) } else { (96, 4, 64) };
     (Arch::Gpt { vocab: 64, d, layers, seq, dropout: 0.1 }, Dataset::Sequences { vocab: 64, seq })
 }
 
 /// Timed steps after warm-up.
 pub fn timed_steps(ctx: &Context) -> (usize, usize) {
-    if ctx.quick { (1, 3) } else { (2, 8) }
+    if ctx.quick { (1, 3) } else { (1, 5) }
 }
 
 /// Measurements of a training run.

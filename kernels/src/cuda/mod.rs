@@ -41,6 +41,8 @@ pub(crate) struct CudaBackend {
     kernels: Registry,
     alloc: CachingAllocator<CudaMemory>,
     stream: Arc<CudaStream>,
+    /// A non-blocking stream for host-to-device copies that overlap compute, made on first use.
+    transfer: std::sync::OnceLock<Arc<CudaStream>>,
     ctx: Arc<CudaContext>,
     ordinal: usize,
     name: String,
@@ -94,6 +96,7 @@ impl CudaBackend {
             kernels: Registry::new(major, minor),
             alloc,
             stream,
+            transfer: std::sync::OnceLock::new(),
             ctx,
             ordinal,
             name: format!("cuda:{ordinal} ({}, sm_{major}{minor})", info.name),
@@ -119,6 +122,72 @@ impl CudaBackend {
     /// Device memory for `bytes` bytes from the cache (for outputs and temporaries).
     pub(crate) fn allocate(&self, bytes: usize) -> Result<Allocation<CudaMemory>> {
         Ok(self.alloc.allocate(bytes)?)
+    }
+
+    /// The transfer stream (created on first use).
+    fn transfer_stream(&self) -> Result<&Arc<CudaStream>> {
+        if let Some(s) = self.transfer.get() {
+            return Ok(s);
+        }
+        let s = self.ctx.new_stream().map_err(driver_error("cuStreamCreate"))?;
+        Ok(self.transfer.get_or_init(|| s))
+    }
+
+    /// Page-locked host memory of `bytes` bytes (`cuMemHostAlloc`).
+    pub(crate) fn alloc_pinned(&self, bytes: usize) -> Result<*mut u8> {
+        self.bind()?;
+        // SAFETY: allocates fresh page-locked memory; freed by `free_pinned`.
+        let p = unsafe { result::malloc_host(bytes.max(1), 0) }
+            .map_err(driver_error("cuMemHostAlloc"))?;
+        Ok(p.cast())
+    }
+
+    /// Frees memory from [`Self::alloc_pinned`].
+    ///
+    /// # Safety
+    /// `ptr` must come from `alloc_pinned` and no queued copy may still read it.
+    pub(crate) unsafe fn free_pinned(&self, ptr: *mut u8) {
+        let _ = self.bind();
+        // SAFETY: the caller's contract.
+        let _ = unsafe { result::free_host(ptr.cast()) };
+    }
+
+    /// Starts copying `src` (page-locked) into a new allocation on the transfer stream and
+    /// returns the allocation, already marked as used by the compute stream, and an event the
+    /// compute stream must wait on before reading it.
+    ///
+    /// # Safety
+    /// `src` must stay alive and unmodified until the event has completed.
+    pub(crate) unsafe fn upload(
+        &self,
+        src: &[u8],
+    ) -> Result<(Allocation<CudaMemory>, cudarc::driver::CudaEvent)> {
+        let transfer = self.transfer_stream()?;
+        // Allocated for the transfer stream, so that no block the compute stream may still be
+        // using is written; the compute stream is recorded as a user before it reads it.
+        let block =
+            self.alloc.allocate_on(src.len(), vram_alloc::Stream(transfer.cu_stream() as u64))?;
+        block.record_stream(vram_alloc::Stream(self.stream.cu_stream() as u64));
+        self.bind()?;
+        if !src.is_empty() {
+            // SAFETY: `block` holds `src.len()` bytes; `src` outlives the copy (the caller's
+            // contract), and page-locked memory makes the copy truly asynchronous.
+            unsafe { result::memcpy_htod_async(block.ptr(), src, transfer.cu_stream()) }
+                .map_err(driver_error("cuMemcpyHtoDAsync"))?;
+        }
+        let event = transfer.record_event(None).map_err(driver_error("cuEventRecord"))?;
+        Ok((block, event))
+    }
+
+    /// Makes the compute stream wait for `event` (recorded on the transfer stream).
+    pub(crate) fn wait_for(&self, event: &cudarc::driver::CudaEvent) -> Result<()> {
+        self.stream.wait(event).map_err(driver_error("cuStreamWaitEvent"))
+    }
+
+    /// Waits for all work on every stream of the device's context.
+    pub(crate) fn synchronize_all(&self) -> Result<()> {
+        self.bind()?;
+        self.ctx.synchronize().map_err(driver_error("cuCtxSynchronize"))
     }
 
     /// Waits for all work queued on the device's stream.

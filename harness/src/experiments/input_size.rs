@@ -6,7 +6,7 @@ use crate::{Claim, Context, ExperimentResult, Verdict, human_bytes};
 use serde_json::json;
 
 pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
-    let sides: &[usize] = if ctx.quick { &[16, 32, 64] } else { &[16, 32, 64] };
+    let sides: &[usize] = if ctx.quick { &[16, 32, 64] } else { &[16, 32, 64, 96] };
     let batch = 8;
     let arch = cnn(ctx, false);
     let mut sweep = Sweep::new(

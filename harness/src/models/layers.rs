@@ -17,11 +17,6 @@ pub(crate) fn normal(
     Tensor::from_f32_slice(device, shape, &values, dtype)
 }
 
-/// Keeps a tensor for backward: a shared reference, no copy.
-fn keep(x: &Tensor) -> Result<Tensor> {
-    Ok(x.clone())
-}
-
 fn saved<T: 'static>(s: Saved) -> T {
     *s.downcast::<T>().expect("a layer gets back what its own forward saved")
 }
@@ -99,9 +94,9 @@ impl Layer for Dense {
         if !ctx.training() {
             return Ok((self.act.forward(z)?, None));
         }
-        let kept_z = if self.act == Act::Identity { None } else { Some(keep(&z)?) };
+        let kept_z = if self.act == Act::Identity { None } else { Some(z.clone()) };
         let y = self.act.forward(z)?;
-        Ok((y, Some(Box::new((keep(x)?, kept_z)))))
+        Ok((y, Some(Box::new((x.clone(), kept_z)))))
     }
 
     fn backward(&mut self, s: Saved, dy: &Tensor, want_dx: bool) -> Result<Option<Tensor>> {
@@ -181,9 +176,9 @@ impl Layer for Conv {
         if !ctx.training() {
             return Ok((self.act.forward(z)?, None));
         }
-        let kept_z = if self.act == Act::Identity { None } else { Some(keep(&z)?) };
+        let kept_z = if self.act == Act::Identity { None } else { Some(z.clone()) };
         let y = self.act.forward(z)?;
-        Ok((y, Some(Box::new((keep(x)?, kept_z)))))
+        Ok((y, Some(Box::new((x.clone(), kept_z)))))
     }
 
     fn backward(&mut self, s: Saved, dy: &Tensor, want_dx: bool) -> Result<Option<Tensor>> {
@@ -504,7 +499,7 @@ impl Layer for TransformerBlock {
             return Ok((y, None));
         }
         let saved = BlockSaved {
-            x: keep(x)?,
+            x: x.clone(),
             ln1,
             sq: sq.expect("training"),
             sk: sk.expect("training"),

@@ -461,25 +461,9 @@ fn depthwise_backward_weight(p: &Conv2dParams, x: &[f32], dy: &[f32], dw: &mut [
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::elementwise::testing::{assert_close, round as cast, widen as to_f64};
     use half::{bf16, f16};
     use proptest::prelude::*;
-
-    /// Fails on NaN: `!(err <= tol)` is true when either side is NaN.
-    fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
-        assert_eq!(got.len(), want.len(), "{what}: lengths");
-        for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            let err = (g - w).abs();
-            assert!(err <= tol * w.abs().max(1.0), "{what}[{i}]: got {g}, want {w}");
-        }
-    }
-
-    fn to_f64<T: Element>(x: &[T]) -> Vec<f64> {
-        x.iter().map(|v| v.to_f32() as f64).collect()
-    }
-
-    fn cast<T: Element>(x: &[f32]) -> Vec<T> {
-        x.iter().map(|&v| T::from_f32(v)).collect()
-    }
 
     /// f64 convolution straight from the definition.
     fn reference(p: &Conv2dParams, x: &[f64], w: &[f64], bias: &[f64]) -> Vec<f64> {

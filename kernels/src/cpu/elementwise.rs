@@ -202,6 +202,42 @@ pub(crate) mod testing {
         v.iter().map(|x| f64::from(x.to_f32())).collect()
     }
 
+    /// Panics unless `|got - want| <= tol * max(1, |want|)` everywhere; fails on NaN:
+    /// `!(err <= tol)` is true when either side is NaN.
+    pub(crate) fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            let err = (g - w).abs();
+            assert!(err <= tol * w.abs().max(1.0), "{what}[{i}]: got {g}, want {w}");
+        }
+    }
+
+    /// Central differences of `L(x) = sum(f(x) * r)` on every coordinate of `x` (h = 1e-2).
+    pub(crate) fn finite_diff_sum(
+        x: &[f32],
+        r: &[f32],
+        f: impl Fn(&[f32], &mut [f32]),
+    ) -> Vec<f64> {
+        let h = 1e-2f32;
+        let mut x = x.to_vec();
+        let mut y = vec![0.0f32; r.len()];
+        let mut loss = |x: &[f32]| {
+            f(x, &mut y);
+            y.iter().zip(r).map(|(&y, &r)| y as f64 * r as f64).sum::<f64>()
+        };
+        (0..x.len())
+            .map(|i| {
+                let v = x[i];
+                x[i] = v + h;
+                let up = loss(&x);
+                x[i] = v - h;
+                let down = loss(&x);
+                x[i] = v;
+                (up - down) / (2.0 * h as f64)
+            })
+            .collect()
+    }
+
     /// Fails unless `|got - want| <= tol * max(1, |want|)` everywhere; a NaN on either side
     /// fails because the comparison is written so that NaN makes it false.
     pub(crate) fn check_close(got: &[f64], want: &[f64], tol: f64) -> Result<(), TestCaseError> {

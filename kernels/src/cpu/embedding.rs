@@ -81,21 +81,9 @@ pub fn embedding_backward<T: Element>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::elementwise::testing::{assert_close, widen as to_f64};
     use half::bf16;
     use proptest::prelude::*;
-
-    /// Fails on NaN: `!(err <= tol)` is true when either side is NaN.
-    fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
-        assert_eq!(got.len(), want.len(), "{what}: lengths");
-        for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            let err = (g - w).abs();
-            assert!(err <= tol * w.abs().max(1.0), "{what}[{i}]: got {g}, want {w}");
-        }
-    }
-
-    fn to_f64<T: Element>(x: &[T]) -> Vec<f64> {
-        x.iter().map(|v| v.to_f32() as f64).collect()
-    }
 
     /// `(vocab, dim, ids, table, dout)` with every id in range and repeated ids likely.
     fn case() -> impl Strategy<Value = (usize, usize, Vec<u32>, Vec<f32>, Vec<f32>)> {

@@ -399,25 +399,9 @@ pub(crate) fn with_f32_out<T: Element, R>(out: &mut [T], f: impl FnOnce(&mut [f3
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::elementwise::testing::{assert_close, round as cast, widen as to_f64};
     use half::{bf16, f16};
     use proptest::prelude::*;
-
-    /// Fails on NaN: `!(err <= tol)` is true when either side is NaN.
-    fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
-        assert_eq!(got.len(), want.len(), "{what}: lengths");
-        for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            let err = (g - w).abs();
-            assert!(err <= tol * w.abs().max(1.0), "{what}[{i}]: got {g}, want {w}");
-        }
-    }
-
-    fn to_f64<T: Element>(x: &[T]) -> Vec<f64> {
-        x.iter().map(|v| v.to_f32() as f64).collect()
-    }
-
-    fn cast<T: Element>(x: &[f32]) -> Vec<T> {
-        x.iter().map(|&v| T::from_f32(v)).collect()
-    }
 
     /// f64 reference of the batched product, straight from the definition.
     fn reference(s: &MatmulSpec, a: &[f64], b: &[f64], c: &mut [f64]) {

@@ -238,25 +238,11 @@ pub fn global_avg_pool_backward<T: Element>(dy: &[T], dx: &mut [T], hw: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::elementwise::testing::{
+        assert_close, finite_diff_sum as finite_diff, round as cast, widen as to_f64,
+    };
     use half::{bf16, f16};
     use proptest::prelude::*;
-
-    /// Fails on NaN: `!(err <= tol)` is true when either side is NaN.
-    fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
-        assert_eq!(got.len(), want.len(), "{what}: lengths");
-        for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            let err = (g - w).abs();
-            assert!(err <= tol * w.abs().max(1.0), "{what}[{i}]: got {g}, want {w}");
-        }
-    }
-
-    fn to_f64<T: Element>(x: &[T]) -> Vec<f64> {
-        x.iter().map(|v| v.to_f32() as f64).collect()
-    }
-
-    fn cast<T: Element>(x: &[f32]) -> Vec<T> {
-        x.iter().map(|&v| T::from_f32(v)).collect()
-    }
 
     /// f64 pooling from the definition, with the padded positions explicitly excluded
     /// (max) or counted as zeros (average).
@@ -335,28 +321,6 @@ mod tests {
             avg_pool2d(p, &x, &mut y, include_pad);
             assert_close(&to_f64(&y), &reference(p, &to_f64(&x), false, include_pad), tol, "avg");
         }
-    }
-
-    /// Central differences of `L(x) = sum(f(x) * r)` on every coordinate of `x`.
-    fn finite_diff(x: &[f32], r: &[f32], f: impl Fn(&[f32], &mut [f32])) -> Vec<f64> {
-        let h = 1e-2f32;
-        let mut x = x.to_vec();
-        let mut y = vec![0.0f32; r.len()];
-        let mut loss = |x: &[f32]| {
-            f(x, &mut y);
-            y.iter().zip(r).map(|(&y, &r)| y as f64 * r as f64).sum::<f64>()
-        };
-        (0..x.len())
-            .map(|i| {
-                let v = x[i];
-                x[i] = v + h;
-                let up = loss(&x);
-                x[i] = v - h;
-                let down = loss(&x);
-                x[i] = v;
-                (up - down) / (2.0 * h as f64)
-            })
-            .collect()
     }
 
     proptest! {

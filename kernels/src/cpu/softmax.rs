@@ -103,21 +103,11 @@ fn rowwise_backward<T: Element>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::elementwise::testing::{
+        assert_close, finite_diff_sum as finite_diff, widen as to_f64,
+    };
     use half::{bf16, f16};
     use proptest::prelude::*;
-
-    /// Fails on NaN: `!(err <= tol)` is true when either side is NaN.
-    fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
-        assert_eq!(got.len(), want.len(), "{what}: lengths");
-        for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            let err = (g - w).abs();
-            assert!(err <= tol * w.abs().max(1.0), "{what}[{i}]: got {g}, want {w}");
-        }
-    }
-
-    fn to_f64<T: Element>(x: &[T]) -> Vec<f64> {
-        x.iter().map(|v| v.to_f32() as f64).collect()
-    }
 
     /// f64 softmax of each row over its first `valid(row)` entries, zeros after them.
     fn reference(x: &[f64], cols: usize, valid: impl Fn(usize) -> usize) -> Vec<f64> {
@@ -143,28 +133,6 @@ mod tests {
             reference(&to_f64(&x), cols, |_| cols)
         };
         assert_close(&to_f64(&y), &want, tol, "y");
-    }
-
-    /// Central differences of `L(x) = sum(f(x) * r)` on every coordinate of `x`.
-    fn finite_diff(x: &[f32], r: &[f32], f: impl Fn(&[f32], &mut [f32])) -> Vec<f64> {
-        let h = 1e-2f32;
-        let mut x = x.to_vec();
-        let mut y = vec![0.0f32; r.len()];
-        let mut loss = |x: &[f32]| {
-            f(x, &mut y);
-            y.iter().zip(r).map(|(&y, &r)| y as f64 * r as f64).sum::<f64>()
-        };
-        (0..x.len())
-            .map(|i| {
-                let v = x[i];
-                x[i] = v + h;
-                let up = loss(&x);
-                x[i] = v - h;
-                let down = loss(&x);
-                x[i] = v;
-                (up - down) / (2.0 * h as f64)
-            })
-            .collect()
     }
 
     /// `(cols, x, r)` with `x` and `r` of `rows * cols` values in [-2, 2]; for the causal

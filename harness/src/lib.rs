@@ -24,6 +24,6 @@ pub use bench::{
     parse_size, run,
 };
 pub use error::HarnessError;
-pub use report::human_bytes;
 pub use results::{Claim, ExperimentResult, Variant, Verdict};
 pub use techniques::{TECHNIQUES, Technique, technique};
+pub use vram_alloc::human_bytes;

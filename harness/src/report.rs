@@ -4,6 +4,7 @@ use crate::bench::{BenchOptions, Context, Outcome};
 use crate::techniques::Technique;
 use std::fmt::Write;
 use std::time::Duration;
+use vram_alloc::human_bytes;
 
 /// Renders the report for a bench run.
 pub fn render(
@@ -90,16 +91,4 @@ pub fn render(
 
 fn cell(text: &str) -> String {
     text.replace('|', "\\|").replace('\n', " ")
-}
-
-/// Formats bytes with a binary unit, e.g. `20.00 MiB`.
-pub fn human_bytes(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 { format!("{bytes} B") } else { format!("{v:.2} {}", UNITS[u]) }
 }

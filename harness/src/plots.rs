@@ -1,8 +1,10 @@
 //! SVG plots of experiment results, drawn from the results files' fields.
 
 use crate::ExperimentResult;
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use serde_json::Value;
+use std::ops::Range;
 
 const SIZE: (u32, u32) = (720, 420);
 const MIB: f64 = 1024.0 * 1024.0;
@@ -134,8 +136,15 @@ fn bounds(series: &[Series], from_zero: bool) -> Option<(f64, f64, f64)> {
     Some((x0, if x1 > x0 { x1 } else { x0 + 1.0 }, if y1 > 0.0 { y1 * 1.1 } else { 1.0 }))
 }
 
-fn lines(title: &str, x: &str, y: &str, series: &[Series], points: bool) -> Option<String> {
-    let (x0, x1, y1) = bounds(series, true)?;
+/// Draws a titled cartesian chart over `x` and `y` into an SVG string; `body` draws in it,
+/// then the series legend is drawn when `legend` is set.
+fn chart(
+    title: &str,
+    x: Range<f64>,
+    y: Range<f64>,
+    legend: bool,
+    body: impl FnOnce(&mut Chart<'_, '_>) -> Option<()>,
+) -> Option<String> {
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
@@ -145,8 +154,27 @@ fn lines(title: &str, x: &str, y: &str, series: &[Series], points: bool) -> Opti
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(60)
-            .build_cartesian_2d(x0..x1, 0f64..y1)
+            .build_cartesian_2d(x, y)
             .ok()?;
+        body(&mut chart)?;
+        if legend {
+            chart
+                .configure_series_labels()
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK)
+                .draw()
+                .ok()?;
+        }
+        root.present().ok()?;
+    }
+    Some(svg)
+}
+
+type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+fn lines(title: &str, x: &str, y: &str, series: &[Series], points: bool) -> Option<String> {
+    let (x0, x1, y1) = bounds(series, true)?;
+    chart(title, x0..x1, 0f64..y1, true, |chart| {
         chart.configure_mesh().x_desc(x).y_desc(y).draw().ok()?;
         for (i, (name, pts)) in series.iter().enumerate() {
             let c = COLOURS[i % COLOURS.len()];
@@ -161,32 +189,15 @@ fn lines(title: &str, x: &str, y: &str, series: &[Series], points: bool) -> Opti
                 chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled()))).ok()?;
             }
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()
-            .ok()?;
-        root.present().ok()?;
-    }
-    Some(svg)
+        Some(())
+    })
 }
 
 fn scatter(title: &str, x: &str, y: &str, pts: &[(String, f64, f64)]) -> Option<String> {
     let series = vec![(String::new(), pts.iter().map(|p| (p.1, p.2)).collect())];
     let (x0, x1, y1) = bounds(&series, true)?;
     let pad = (x1 - x0) * 0.15;
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
-        root.fill(&WHITE).ok()?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 20))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(60)
-            .build_cartesian_2d((x0 - pad)..(x1 + pad), 0f64..y1)
-            .ok()?;
+    chart(title, (x0 - pad)..(x1 + pad), 0f64..y1, false, |chart| {
         chart.configure_mesh().x_desc(x).y_desc(y).draw().ok()?;
         for (i, (name, px, py)) in pts.iter().enumerate() {
             let c = COLOURS[i % COLOURS.len()];
@@ -200,25 +211,14 @@ fn scatter(title: &str, x: &str, y: &str, pts: &[(String, f64, f64)]) -> Option<
                 )))
                 .ok()?;
         }
-        root.present().ok()?;
-    }
-    Some(svg)
+        Some(())
+    })
 }
 
 fn stacked(title: &str, y: &str, parts: &[&str], bars: &[(String, Vec<f64>)]) -> Option<String> {
     let top = bars.iter().map(|(_, v)| v.iter().sum::<f64>()).fold(0f64, f64::max) * 1.15;
     let n = bars.len() as f64;
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
-        root.fill(&WHITE).ok()?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 20))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(60)
-            .build_cartesian_2d(0f64..n, 0f64..top.max(1.0))
-            .ok()?;
+    chart(title, 0f64..n, 0f64..top.max(1.0), true, |chart| {
         let labels: Vec<String> = bars.iter().map(|(l, _)| l.clone()).collect();
         chart
             .configure_mesh()
@@ -250,13 +250,6 @@ fn stacked(title: &str, y: &str, parts: &[&str], bars: &[(String, Vec<f64>)]) ->
                 .label(*part)
                 .legend(move |(a, b)| Rectangle::new([(a, b - 5), (a + 12, b + 5)], c.filled()));
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()
-            .ok()?;
-        root.present().ok()?;
-    }
-    Some(svg)
+        Some(())
+    })
 }

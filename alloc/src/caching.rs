@@ -148,6 +148,30 @@ impl<M: DeviceMemory> CachingAllocator<M> {
         self.state().stats.reset_peak();
     }
 
+    /// Opens a statistics scope, as RMM's statistics adaptor pushes counters: inside it, peaks
+    /// start from the current values and totals from zero, so a profiler measures its own
+    /// peak; when the scope ends, the enclosing peaks are as if it had never been opened.
+    /// Scopes nest; ending one also ends any scope opened inside it that is still open.
+    ///
+    /// ```
+    /// use vram_alloc::{CachingAllocator, VirtualMemory};
+    ///
+    /// let cache = CachingAllocator::new(VirtualMemory::new(1 << 30));
+    /// let big = cache.allocate(64 << 20)?;
+    /// drop(big);                                   // the caller's peak: 64 MiB
+    /// let scope = cache.stats_scope();
+    /// let small = cache.allocate(4 << 20)?;
+    /// drop(small);
+    /// let inner = scope.finish();
+    /// assert_eq!(inner.allocated_bytes.all.peak, 4 << 20);
+    /// assert_eq!(cache.max_memory_allocated(), 64 << 20);
+    /// # Ok::<(), vram_alloc::AllocError>(())
+    /// ```
+    pub fn stats_scope(&self) -> StatsScope {
+        let depth = self.state().begin_scope();
+        StatsScope { host: Some(self.inner.clone()), depth }
+    }
+
     /// Zeroes accumulated totals and counters (`torch.cuda.reset_accumulated_memory_stats`).
     pub fn reset_accumulated_stats(&self) {
         self.state().stats.reset_accumulated();
@@ -191,6 +215,57 @@ impl<M: DeviceMemory> CachingAllocator<M> {
 
     fn record_stream(&self, block: BlockId, stream: Stream) {
         self.state().record_stream(block, stream);
+    }
+}
+
+/// What a [`StatsScope`] needs from its allocator, whatever the memory type.
+trait ScopeHost: Send + Sync {
+    fn scope_stats(&self, depth: usize) -> MemoryStats;
+    fn end_scope(&self, depth: usize) -> MemoryStats;
+}
+
+impl<M: DeviceMemory> ScopeHost for Inner<M> {
+    fn scope_stats(&self, depth: usize) -> MemoryStats {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).scope_stats(depth)
+    }
+
+    fn end_scope(&self, depth: usize) -> MemoryStats {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).end_scope(depth)
+    }
+}
+
+/// A statistics scope opened by [`CachingAllocator::stats_scope`]; ends when finished or
+/// dropped.
+#[must_use = "a scope ends when dropped"]
+pub struct StatsScope {
+    host: Option<Arc<dyn ScopeHost>>,
+    depth: usize,
+}
+
+impl StatsScope {
+    /// The scope's statistics so far: current values, peaks since it began, totals and
+    /// counters added since it began.
+    pub fn stats(&self) -> MemoryStats {
+        self.host.as_ref().map(|h| h.scope_stats(self.depth)).unwrap_or_default()
+    }
+
+    /// Ends the scope and returns its statistics.
+    pub fn finish(mut self) -> MemoryStats {
+        self.host.take().map(|h| h.end_scope(self.depth)).unwrap_or_default()
+    }
+}
+
+impl Drop for StatsScope {
+    fn drop(&mut self) {
+        if let Some(h) = self.host.take() {
+            h.end_scope(self.depth);
+        }
+    }
+}
+
+impl fmt::Debug for StatsScope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "StatsScope(depth {})", self.depth)
     }
 }
 

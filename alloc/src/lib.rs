@@ -50,7 +50,7 @@ mod util;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-pub use caching::{Allocation, CachingAllocator};
+pub use caching::{Allocation, CachingAllocator, StatsScope};
 pub use config::{AllocatorConfig, ConfigError, ENV_VAR};
 pub use error::{AllocError, OutOfMemoryError};
 #[cfg(unix)]

@@ -33,6 +33,8 @@ pub(crate) struct State<M: DeviceMemory> {
     pending: VecDeque<(M::Event, BlockId)>,
     pub trace: Trace,
     clock: u64,
+    /// Statistics of the enclosing scopes, outermost first (see [`crate::StatsScope`]).
+    pub scopes: Vec<MemoryStats>,
 }
 
 impl<M: DeviceMemory> State<M> {
@@ -56,6 +58,7 @@ impl<M: DeviceMemory> State<M> {
             pending: VecDeque::new(),
             trace: Trace::default(),
             clock: 0,
+            scopes: Vec::new(),
         }
     }
 
@@ -284,7 +287,7 @@ impl<M: DeviceMemory> State<M> {
         if bsize as usize >= max_split {
             s.oversize_allocations.increase(1);
         }
-        self.trace.record_alloc(ptr, bsize as usize, requested, stream);
+        self.trace.record_block(TraceAction::Alloc, ptr, bsize as usize, requested, stream);
     }
 
     // ---- freeing ----------------------------------------------------------------------
@@ -307,7 +310,7 @@ impl<M: DeviceMemory> State<M> {
         if size as usize >= max_split {
             s.oversize_allocations.decrease(1);
         }
-        self.trace.record(TraceAction::FreeRequested, ptr, size as usize, stream);
+        self.trace.record_block(TraceAction::FreeRequested, ptr, size as usize, requested, stream);
         if !uses.is_empty() {
             let mut events = 0;
             for other in uses {
@@ -337,6 +340,9 @@ impl<M: DeviceMemory> State<M> {
         let (pool, size, prev, next) = (b.pool, b.size as u64, b.prev, b.next);
         b.state = BlockState::Free;
         b.freed_at = self.clock;
+        // As PyTorch's `free_block`: the block's own address and size, before any merge.
+        let (ptr, requested, stream) = (b.ptr, b.requested, b.stream);
+        self.trace.record_block(TraceAction::FreeCompleted, ptr, size as usize, requested, stream);
         self.stats.active.decrease(pool, 1);
         self.stats.active_bytes.decrease(pool, size);
 
@@ -364,8 +370,6 @@ impl<M: DeviceMemory> State<M> {
             Some(old) => self.pool_mut(pool).free.replace(&old, key, survivor),
             None => self.pool_mut(pool).free.insert(key, survivor),
         }
-        let (ptr, bsize, stream) = (key.2, key.1, key.0);
-        self.trace.record(TraceAction::FreeCompleted, ptr, bsize, stream);
     }
 
     #[inline]
@@ -530,6 +534,34 @@ impl<M: DeviceMemory> State<M> {
 
     // ---- statistics helpers ---------------------------------------------------------
 
+    /// Opens a statistics scope; returns its depth.
+    pub fn begin_scope(&mut self) -> usize {
+        self.scopes.push(self.stats.clone());
+        self.stats.reset_peak();
+        self.scopes.len() - 1
+    }
+
+    /// The statistics of the scope at `depth` so far.
+    pub fn scope_stats(&self, depth: usize) -> MemoryStats {
+        match self.scopes.get(depth) {
+            Some(outer) => self.stats.since(outer),
+            None => self.stats.clone(),
+        }
+    }
+
+    /// Closes the scope at `depth` (and any scope opened inside it and still open) and returns
+    /// its statistics.
+    pub fn end_scope(&mut self, depth: usize) -> MemoryStats {
+        let mut result = None;
+        while self.scopes.len() > depth {
+            let outer = self.scopes.pop().expect("length checked");
+            let inner = self.stats.since(&outer);
+            self.stats.restore_peaks(&outer);
+            result = Some(inner);
+        }
+        result.unwrap_or_else(|| self.stats.clone())
+    }
+
     /// PyTorch's "inactive split" blocks: free blocks of split, non-expandable segments.
     fn split_contribution(&self, id: BlockId) -> Option<(PoolKind, u64)> {
         let b = &self.arena[id];
@@ -559,8 +591,10 @@ impl<M: DeviceMemory> State<M> {
 
     fn out_of_memory(&mut self, mem: &M, requested: usize, stream: Stream) -> AllocError {
         self.stats.num_ooms += 1;
-        self.trace.record(TraceAction::Oom, 0, requested, stream);
         let info = mem.mem_info();
+        let rounded = policy::round_size_with(requested, &self.config, self.power2_rounding)
+            .unwrap_or(requested);
+        self.trace.record_oom(rounded, requested, info.free, stream);
         AllocError::OutOfMemory(Box::new(OutOfMemoryError {
             requested,
             device: mem.name(),

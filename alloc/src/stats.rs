@@ -72,6 +72,12 @@ impl StatArray {
         f(&mut self.small_pool);
         f(&mut self.large_pool);
     }
+
+    fn zip(&mut self, other: &StatArray, f: impl Fn(&mut Stat, &Stat)) {
+        f(&mut self.all, &other.all);
+        f(&mut self.small_pool, &other.small_pool);
+        f(&mut self.large_pool, &other.large_pool);
+    }
 }
 
 /// The allocator's statistics, as `torch.cuda.memory_stats()` reports them.
@@ -179,6 +185,39 @@ impl MemoryStats {
         }
         self.oversize_allocations.peak = self.oversize_allocations.current;
         self.oversize_segments.peak = self.oversize_segments.current;
+    }
+
+    /// Pairs every [`Stat`] of `self` with the same one of `other`.
+    fn zip_stats(&mut self, other: &MemoryStats, f: impl Fn(&mut Stat, &Stat) + Copy) {
+        let theirs = other.arrays().map(|(_, a)| a);
+        for (mine, theirs) in self.arrays_mut().into_iter().zip(theirs) {
+            mine.zip(theirs, f);
+        }
+        f(&mut self.oversize_allocations, &other.oversize_allocations);
+        f(&mut self.oversize_segments, &other.oversize_segments);
+    }
+
+    /// The statistics of a scope that began when the enclosing statistics were `outer`:
+    /// current values as now, peaks since the scope began (`self`'s peaks, which were reset
+    /// when it began), totals and counters added since it began.
+    pub(crate) fn since(&self, outer: &MemoryStats) -> MemoryStats {
+        let mut s = self.clone();
+        s.zip_stats(outer, |mine, before| {
+            mine.allocated = mine.allocated.saturating_sub(before.allocated);
+            mine.freed = mine.freed.saturating_sub(before.freed);
+        });
+        s.num_alloc_retries = s.num_alloc_retries.saturating_sub(outer.num_alloc_retries);
+        s.num_ooms = s.num_ooms.saturating_sub(outer.num_ooms);
+        s.num_sync_all_streams = s.num_sync_all_streams.saturating_sub(outer.num_sync_all_streams);
+        s.num_device_alloc = s.num_device_alloc.saturating_sub(outer.num_device_alloc);
+        s.num_device_free = s.num_device_free.saturating_sub(outer.num_device_free);
+        s
+    }
+
+    /// Ends a scope: every peak becomes the larger of the enclosing scope's peak before the
+    /// scope (`outer`) and the peak reached inside it, as if the scope had never reset it.
+    pub(crate) fn restore_peaks(&mut self, outer: &MemoryStats) {
+        self.zip_stats(outer, |mine, before| mine.peak = mine.peak.max(before.peak));
     }
 
     /// Zeroes the `allocated`/`freed` totals and the event counters

@@ -26,21 +26,30 @@ pub enum TraceAction {
     Oom,
 }
 
-/// One traced action.
+/// One traced action, recorded where PyTorch's `record_trace` records it.
+///
+/// `alloc`, `free_requested` and `free_completed` carry the block's own address and size
+/// (before any coalescing) and the bytes its owner asked for; PyTorch's trace reports the
+/// latter as `size`. Segment actions carry the segment's (or mapped range's) address and
+/// size. `oom` carries the rounded request as `size`, the original request as `requested`
+/// and the device's free bytes as `device_free` (PyTorch stores that in `addr`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TraceEntry {
     /// What happened.
     pub action: TraceAction,
     /// Address of the block or segment (0 for an OOM).
     pub addr: DevicePtr,
-    /// Bytes: the block's or segment's size; the requested size for OOMs.
+    /// Bytes: the block's or segment's size; the rounded request for OOMs.
     pub size: usize,
-    /// Bytes the caller asked for (`alloc` entries; 0 otherwise).
+    /// Bytes the caller asked for (`alloc`, `free_*` and `oom` entries; 0 otherwise).
     pub requested: usize,
     /// The stream.
     pub stream: u64,
     /// Microseconds since the Unix epoch.
     pub time_us: u64,
+    /// Free device memory when an `oom` happened (0 otherwise).
+    #[serde(default)]
+    pub device_free: u64,
 }
 
 /// Ring buffer of the most recent actions; off by default.
@@ -65,10 +74,28 @@ impl Trace {
         }
     }
 
+    /// Records a block action (`alloc`, `free_requested`, `free_completed`) or an `oom`.
     #[inline]
-    pub fn record_alloc(&mut self, addr: DevicePtr, size: usize, requested: usize, stream: Stream) {
+    pub fn record_block(
+        &mut self,
+        action: TraceAction,
+        addr: DevicePtr,
+        size: usize,
+        requested: usize,
+        stream: Stream,
+    ) {
         if self.max_entries > 0 {
-            self.push(TraceAction::Alloc, addr, size, requested, stream);
+            self.push(action, addr, size, requested, stream);
+        }
+    }
+
+    /// Records an `oom` with the device's free bytes.
+    pub fn record_oom(&mut self, size: usize, requested: usize, device_free: u64, stream: Stream) {
+        if self.max_entries > 0 {
+            self.push(TraceAction::Oom, 0, size, requested, stream);
+            if let Some(last) = self.entries.back_mut() {
+                last.device_free = device_free;
+            }
         }
     }
 
@@ -94,6 +121,7 @@ impl Trace {
             requested,
             stream: stream.0,
             time_us,
+            device_free: 0,
         });
     }
 

@@ -277,6 +277,13 @@ impl Device {
         with_allocator!(self, a => a.reset_peak_stats());
     }
 
+    /// Opens a statistics scope on the device's allocator (see
+    /// [`vram_alloc::CachingAllocator::stats_scope`]): a profiler measures its own peak
+    /// without resetting the caller's.
+    pub fn stats_scope(&self) -> vram_alloc::StatsScope {
+        with_allocator!(self, a => a.stats_scope())
+    }
+
     /// Returns cached, unused memory to the device; live tensors are untouched.
     pub fn empty_cache(&self) {
         with_allocator!(self, a => a.empty_cache());

@@ -39,8 +39,9 @@ pub(crate) struct Block {
     pub expandable: bool,
     /// Events still to complete before a pending free finishes.
     pub pending_events: u32,
-    /// Logical time of the last free, for garbage collection (oldest first).
-    pub freed_at: u64,
+    /// The pool's `get_free_block` count when the block was last cached: its age for
+    /// garbage collection is the count now minus this (PyTorch's `gc_count_base`).
+    pub gc_base: u64,
 }
 
 impl Block {
@@ -97,13 +98,14 @@ impl std::ops::IndexMut<BlockId> for Arena {
 pub(crate) struct Pool {
     pub free: FreeIndex,
     pub unmapped: BTreeMap<(Stream, DevicePtr), BlockId>,
+    /// `get_free_block` calls while garbage collection is on (PyTorch's
+    /// `get_free_blocks_call_count`).
+    pub gc_calls: u64,
 }
 
 /// A range obtained from the device in one piece (or reserved, for expandable segments).
 #[derive(Debug)]
 pub(crate) struct Segment {
-    /// Bytes of the range (address space for expandable segments).
-    pub size: usize,
     /// Bytes with memory behind them (equal to `size` unless expandable).
     pub mapped: usize,
     pub stream: Stream,

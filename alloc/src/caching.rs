@@ -83,8 +83,15 @@ impl<M: DeviceMemory> CachingAllocator<M> {
     /// Allocates `size` bytes for use on `stream`. The block is 512-byte aligned. On
     /// out-of-memory, cached blocks are released and the request retried before failing; a
     /// failure leaves every live allocation untouched.
+    ///
+    /// A request of 0 bytes gets an empty handle at address 0 without touching the cache (no
+    /// block, no segment, no statistic), as PyTorch hands out a null pointer. Requests of
+    /// 1 EiB or more fail at once, before the cache is touched, as in PyTorch.
     #[inline]
     pub fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation<M>, AllocError> {
+        if size == 0 {
+            return Ok(Allocation { owner: self.clone(), block: NO_BLOCK, ptr: 0, len: 0, stream });
+        }
         let mut state = self.state();
         let block = state.malloc(&self.inner.mem, size, stream)?;
         let ptr = state.arena[block].ptr;
@@ -269,6 +276,9 @@ impl fmt::Debug for StatsScope {
     }
 }
 
+/// The block id of an empty allocation (0 bytes requested), which has no block.
+const NO_BLOCK: BlockId = BlockId::MAX;
+
 /// Memory handed out by a [`CachingAllocator`]; returns to the cache when dropped.
 ///
 /// The block stays reserved for this handle until it is dropped. If other streams used the
@@ -283,7 +293,7 @@ pub struct Allocation<M: DeviceMemory> {
 }
 
 impl<M: DeviceMemory> Allocation<M> {
-    /// The device address of the first byte (512-byte aligned).
+    /// The device address of the first byte (512-byte aligned; 0 for an empty allocation).
     ///
     /// On CUDA this is a `CUdeviceptr`, valid for [`len`](Self::len) bytes in the allocator's
     /// context while this handle lives; work using it must be ordered on
@@ -319,14 +329,18 @@ impl<M: DeviceMemory> Allocation<M> {
     /// Declares that `stream` uses this memory: after drop, the block is reused only once the
     /// work queued on `stream` by then has completed (`Tensor.record_stream` in PyTorch).
     pub fn record_stream(&self, stream: Stream) {
-        self.owner.record_stream(self.block, stream);
+        if self.block != NO_BLOCK {
+            self.owner.record_stream(self.block, stream);
+        }
     }
 }
 
 impl<M: DeviceMemory> Drop for Allocation<M> {
     #[inline]
     fn drop(&mut self) {
-        self.owner.free(self.block);
+        if self.block != NO_BLOCK {
+            self.owner.free(self.block);
+        }
     }
 }
 
@@ -341,6 +355,9 @@ impl Allocation<crate::memory::HostMemory> {
     /// The bytes of a host allocation (zeroed when the segment was new; cached blocks keep
     /// the bytes their previous user left).
     pub fn as_bytes(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
         // SAFETY: host segments are readable and writable mappings; this block covers
         // `[ptr, ptr + len)` exclusively while the handle lives, and `&self` rules out a
         // concurrent `&mut` through this handle.
@@ -349,6 +366,9 @@ impl Allocation<crate::memory::HostMemory> {
 
     /// The bytes of a host allocation, mutably.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
         // SAFETY: as in `as_bytes`; `&mut self` makes this the only access.
         unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut u8, self.len) }
     }

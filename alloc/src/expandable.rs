@@ -1,107 +1,111 @@
-//! Expandable segments: one reserved address range per stream and pool that grows by
-//! mapping pages at its end, so a growing workload reuses one range instead of leaving
-//! stranded segments behind (PyTorch's `expandable_segments:True`).
+//! Expandable segments (PyTorch's `expandable_segments:True`): one reserved address range per
+//! stream and pool that grows by mapping pages, so a growing workload tiles one range instead
+//! of leaving stranded segments behind.
 //!
-//! Blocks tile the whole reserved range; ranges with no memory behind them are `Unmapped`
-//! blocks, kept in their pool's `unmapped` set. Mapping and unmapping happen in whole
-//! [`PAGE_SIZE`] pages, so mapped/unmapped boundaries are page-aligned.
+//! Follows PyTorch's `ExpandableSegment` and the allocator's `find_expandable_block`,
+//! `try_allocate_expandable_block`, `map_block`, `unmap_block` and
+//! `release_expandable_segment`: pages of 2 MiB in the small pool and 20 MiB in the large
+//! pool, address space for 9/8 of the device's memory, mapping at the lowest address that
+//! fits, unmapping whole free pages on `empty_cache`. Blocks tile the whole range; ranges
+//! with no memory behind them are `Unmapped` blocks, kept in their pool's `unmapped` set.
+//! Expandable segments count in `reserved_bytes` (mapped bytes) but not in `segment`, and
+//! stay out of `inactive_split`, as in PyTorch.
 
 use crate::block::{Block, BlockId, BlockState, Segment};
 use crate::error::AllocError;
-use crate::memory::{DeviceMemory, PAGE_SIZE, RawError, Stream};
-use crate::policy::PoolKind;
+use crate::memory::{DeviceMemory, RawError, Stream};
+use crate::policy::{LARGE_BUFFER, PoolKind, SMALL_BUFFER};
 use crate::state::State;
 use crate::trace::TraceAction;
 
+/// Mapping granularity of an expandable segment of `pool` (PyTorch's `segment_size_`).
+pub(crate) fn page_size(pool: PoolKind) -> usize {
+    match pool {
+        PoolKind::Small => SMALL_BUFFER,
+        PoolKind::Large => LARGE_BUFFER,
+    }
+}
+
 impl<M: DeviceMemory> State<M> {
-    /// A free block of at least `size` bytes (not in any pool) made by mapping pages into an
-    /// expandable segment, or `None` when the device or the cap has no room.
-    pub(crate) fn grow_expandable(
+    /// `try_allocate_expandable_block`: a free block of at least `size` bytes (taken out of
+    /// its pool), mapping pages as needed; `None` when the device has no room.
+    pub(crate) fn try_allocate_expandable_block(
         &mut self,
         mem: &M,
         pool: PoolKind,
         stream: Stream,
         size: usize,
     ) -> Result<Option<BlockId>, AllocError> {
-        // First fit by address: an unmapped range, together with the free block before it.
-        let found = self
-            .pool(pool)
-            .unmapped
-            .range((stream, 0)..)
-            .take_while(|((s, _), _)| *s == stream)
-            .map(|(_, &id)| id)
-            .collect::<Vec<_>>()
-            .into_iter()
-            .find_map(|u| {
-                let before =
-                    self.arena[u].prev.filter(|&p| self.arena[p].state == BlockState::Free);
-                let available = self.arena[u].size + before.map_or(0, |p| self.arena[p].size);
-                (available >= size).then_some((u, before))
-            });
-        let (u, before) = match found {
-            Some(f) => f,
-            None => match self.reserve_segment(mem, pool, stream, size)? {
-                Some(u) => (u, None),
-                None => return Ok(None),
-            },
-        };
-        let have = before.map_or(0, |p| self.arena[p].size);
-        let map_size = (size - have).next_multiple_of(PAGE_SIZE).min(self.arena[u].size);
-        if !self.fits_cap(map_size) {
+        let Some(mut candidate) = self.find_expandable_block(mem, pool, stream, size)? else {
             return Ok(None);
+        };
+        if self.arena[candidate].state == BlockState::Unmapped {
+            let want = self.arena[candidate].size.min(size);
+            match self.map_block(mem, candidate, want)? {
+                Some(id) => candidate = id,
+                None => return Ok(None),
+            }
         }
-        let ptr = self.arena[u].ptr;
-        // SAFETY: `[ptr, ptr + map_size)` is page-aligned and lies in the unmapped block `u` of
-        // a range this allocator reserved.
-        match unsafe { mem.map(ptr, map_size) } {
-            Ok(()) => {}
-            Err(RawError::OutOfMemory { .. }) => return Ok(None),
-            Err(e) => return Err(AllocError::Device(e.to_string())),
+        while self.arena[candidate].size < size {
+            let remaining = size - self.arena[candidate].size;
+            let next = self.arena[candidate].next.expect("the range found has room");
+            let want = remaining.min(self.arena[next].size);
+            match self.map_block(mem, next, want)? {
+                Some(id) => candidate = id,
+                None => return Ok(None),
+            }
         }
-        self.stats.num_device_alloc += 1;
-        self.stats.reserved_bytes.increase(pool, map_size as u64);
-        let segment = self.arena[u].segment;
-        self.segments.get_mut(&segment).expect("block's segment exists").mapped += map_size;
-        self.trace.record(TraceAction::SegmentMap, ptr, map_size, stream);
-
-        // The mapped front of `u` becomes a free block; the rest stays unmapped.
-        self.pool_mut(pool).unmapped.remove(&(stream, ptr));
-        if self.arena[u].size > map_size {
-            let rest = self.split_off(u, map_size, BlockState::Unmapped);
-            let rest_ptr = self.arena[rest].ptr;
-            self.pool_mut(pool).unmapped.insert((stream, rest_ptr), rest);
-        }
-        self.arena[u].state = BlockState::Free;
-        // Merge with free neighbours so that free space stays coalesced.
-        let mut id = u;
-        if let Some(n) = self.arena[u].next.filter(|&n| self.arena[n].state == BlockState::Free) {
-            let nb = &self.arena[n];
-            let key = (nb.stream, nb.size, nb.ptr);
-            self.pool_mut(pool).free.remove(&key);
-            self.absorb_next(u);
-        }
-        if let Some(p) = before {
-            let pb = &self.arena[p];
-            let key = (pb.stream, pb.size, pb.ptr);
-            self.pool_mut(pool).free.remove(&key);
-            self.absorb_next(p);
-            id = p;
-        }
-        debug_assert!(self.arena[id].size >= size);
-        Ok(Some(id))
+        let key = self.key_of(candidate);
+        self.pool_mut(pool).free.remove(&key);
+        Ok(Some(candidate))
     }
 
-    /// Reserves a new expandable segment for `stream` and `pool`, large enough for `size`:
-    /// the device's whole capacity, as PyTorch does, so that it never needs a second one.
+    /// `find_expandable_block`: the lowest address of the stream's expandable segments where
+    /// free and unmapped blocks in a row give `size` bytes, else a new segment.
+    fn find_expandable_block(
+        &mut self,
+        mem: &M,
+        pool: PoolKind,
+        stream: Stream,
+        size: usize,
+    ) -> Result<Option<BlockId>, AllocError> {
+        let allocatable = |s: &Self, id: Option<BlockId>| {
+            id.filter(|&b| matches!(s.arena[b].state, BlockState::Free | BlockState::Unmapped))
+        };
+        let has_room = |s: &Self, start: BlockId| {
+            let (mut bytes, mut cursor) = (0usize, Some(start));
+            while bytes < size {
+                let Some(b) = allocatable(s, cursor) else { break };
+                bytes += s.arena[b].size;
+                cursor = s.arena[b].next;
+            }
+            bytes >= size
+        };
+        let unmapped = self.pool(pool).unmapped.range((stream, 0)..);
+        for (&(s, _), &u) in unmapped {
+            if s != stream {
+                break;
+            }
+            let c = allocatable(self, self.arena[u].prev).unwrap_or(u);
+            if has_room(self, c) {
+                return Ok(Some(c));
+            }
+        }
+        self.reserve_segment(mem, pool, stream)
+    }
+
+    /// A new expandable segment of `stream` and `pool` with address space for 9/8 of the
+    /// device's memory, all unmapped (PyTorch's `ExpandableSegment` constructor).
     fn reserve_segment(
         &mut self,
         mem: &M,
         pool: PoolKind,
         stream: Stream,
-        size: usize,
     ) -> Result<Option<BlockId>, AllocError> {
-        let total = usize::try_from(mem.mem_info().total).unwrap_or(usize::MAX);
-        let Some(range) = total.max(size).checked_next_multiple_of(PAGE_SIZE) else {
+        let page = page_size(pool) as u64;
+        let total = mem.mem_info().total;
+        let pages = total.saturating_add(total / 8).div_ceil(page);
+        let Some(range) = pages.checked_mul(page).and_then(|r| usize::try_from(r).ok()) else {
             return Ok(None);
         };
         let base = match mem.reserve(range) {
@@ -121,16 +125,139 @@ impl<M: DeviceMemory> State<M> {
             segment: base,
             expandable: true,
             pending_events: 0,
-            freed_at: 0,
+            gc_base: 0,
         });
-        self.segments.insert(
-            base,
-            Segment { size: range, mapped: 0, stream, pool, expandable: true, head: id },
-        );
-        self.stats.segment.increase(pool, 1);
+        self.segments.insert(base, Segment { mapped: 0, stream, pool, expandable: true, head: id });
         self.pool_mut(pool).unmapped.insert((stream, base), id);
-        self.trace.record(TraceAction::SegmentAlloc, base, 0, stream);
         Ok(Some(id))
+    }
+
+    /// `map_block`: maps whole pages for the first `size` bytes of unmapped block `id`; the
+    /// mapped part becomes a free block (in its pool), merged with free neighbours. Returns
+    /// the merged block, or `None` when the device has no room.
+    fn map_block(
+        &mut self,
+        mem: &M,
+        id: BlockId,
+        size: usize,
+    ) -> Result<Option<BlockId>, AllocError> {
+        let b = &self.arena[id];
+        debug_assert!(b.state == BlockState::Unmapped && size <= b.size);
+        let (ptr, pool, stream, segment) = (b.ptr, b.pool, b.stream, b.segment);
+        let map_size = size.next_multiple_of(page_size(pool)).min(b.size);
+        // SAFETY: `[ptr, ptr + map_size)` starts at a page boundary of the segment (unmapped
+        // blocks start and end on pages) and lies in the unmapped block `id` of a range this
+        // allocator reserved.
+        match unsafe { mem.map(ptr, map_size) } {
+            Ok(()) => {}
+            Err(RawError::OutOfMemory { .. }) => return Ok(None),
+            Err(e) => return Err(AllocError::Device(e.to_string())),
+        }
+        self.pool_mut(pool).unmapped.remove(&(stream, ptr));
+        if self.arena[id].size > map_size {
+            let rest = self.split_off(id, map_size, BlockState::Unmapped);
+            let rest_ptr = self.arena[rest].ptr;
+            self.pool_mut(pool).unmapped.insert((stream, rest_ptr), rest);
+        }
+        self.arena[id].state = BlockState::Free;
+        let mut merged = id;
+        if let Some(p) = self.free_neighbour(self.arena[id].prev) {
+            let key = self.key_of(p);
+            self.pool_mut(pool).free.remove(&key);
+            self.absorb_next(p);
+            merged = p;
+        }
+        if let Some(n) = self.free_neighbour(self.arena[merged].next) {
+            let key = self.key_of(n);
+            self.pool_mut(pool).free.remove(&key);
+            self.absorb_next(merged);
+        }
+        let gc_base = self.pool(pool).gc_calls;
+        self.arena[merged].gc_base = gc_base;
+        let key = self.key_of(merged);
+        self.pool_mut(pool).free.insert(key, merged);
+        self.stats.reserved_bytes.increase(pool, map_size as u64);
+        self.stats.num_device_alloc += 1;
+        self.segments.get_mut(&segment).expect("block's segment exists").mapped += map_size;
+        self.trace.record(TraceAction::SegmentMap, ptr, map_size, stream);
+        Ok(Some(merged))
+    }
+
+    fn free_neighbour(&self, id: Option<BlockId>) -> Option<BlockId> {
+        id.filter(|&n| self.arena[n].state == BlockState::Free)
+    }
+
+    /// `unmap_block`: unmaps the whole pages inside free block `id` (in its pool); partial
+    /// pages at either end stay free blocks. Returns the block that now holds the unmapped
+    /// range (merged with unmapped neighbours), or `id` when no whole page was inside.
+    pub(crate) fn unmap_block(&mut self, mem: &M, id: BlockId) -> BlockId {
+        let b = &self.arena[id];
+        let (ptr, size, pool, stream, segment) = (b.ptr, b.size, b.pool, b.stream, b.segment);
+        let page = page_size(pool) as u64;
+        let offset = ptr - segment;
+        let lo = segment + offset.next_multiple_of(page);
+        let hi = segment + (offset + size as u64) / page * page;
+        if hi <= lo {
+            return id;
+        }
+        self.pool_mut(pool).free.remove(&(stream, size, ptr));
+        // `id` keeps the lowest piece, so a segment's head never changes.
+        let mut mid = id;
+        if lo > ptr {
+            mid = self.split_off(id, (lo - ptr) as usize, BlockState::Free);
+            let gc_base = self.pool(pool).gc_calls;
+            self.arena[id].gc_base = gc_base;
+            self.pool_mut(pool).free.insert((stream, (lo - ptr) as usize, ptr), id);
+        }
+        if hi < ptr + size as u64 {
+            let tail = self.split_off(mid, (hi - lo) as usize, BlockState::Free);
+            let gc_base = self.pool(pool).gc_calls;
+            self.arena[tail].gc_base = gc_base;
+            let tail_size = self.arena[tail].size;
+            self.pool_mut(pool).free.insert((stream, tail_size, hi), tail);
+        }
+        let bytes = (hi - lo) as usize;
+        self.arena[mid].state = BlockState::Unmapped;
+        let mut merged = mid;
+        if let Some(p) =
+            self.arena[mid].prev.filter(|&p| self.arena[p].state == BlockState::Unmapped)
+        {
+            let pptr = self.arena[p].ptr;
+            self.pool_mut(pool).unmapped.remove(&(stream, pptr));
+            self.absorb_next(p);
+            merged = p;
+        }
+        if let Some(n) =
+            self.arena[merged].next.filter(|&n| self.arena[n].state == BlockState::Unmapped)
+        {
+            let nptr = self.arena[n].ptr;
+            self.pool_mut(pool).unmapped.remove(&(stream, nptr));
+            self.absorb_next(merged);
+        }
+        let mptr = self.arena[merged].ptr;
+        self.pool_mut(pool).unmapped.insert((stream, mptr), merged);
+        // SAFETY: `[lo, hi)` is whole pages of the segment, mapped, and inside a free block
+        // with no pending events, so no work uses it.
+        unsafe { mem.unmap(lo, bytes) };
+        self.stats.reserved_bytes.decrease(pool, bytes as u64);
+        self.stats.num_device_free += 1;
+        self.segments.get_mut(&segment).expect("block's segment exists").mapped -= bytes;
+        self.trace.record(TraceAction::SegmentUnmap, lo, bytes, stream);
+        merged
+    }
+
+    /// `release_expandable_segment`: gives back the address space of a segment whose only
+    /// block is unmapped.
+    pub(crate) fn release_expandable_segment(&mut self, mem: &M, id: BlockId) {
+        let b = &self.arena[id];
+        debug_assert!(b.state == BlockState::Unmapped && !b.is_split());
+        let (base, size, pool, stream) = (b.ptr, b.size, b.pool, b.stream);
+        self.pool_mut(pool).unmapped.remove(&(stream, base));
+        self.arena.remove(id);
+        self.segments.remove(&base);
+        // SAFETY: the range was reserved by `mem.reserve(size)` at `base` and nothing in it
+        // is mapped any more.
+        unsafe { mem.release(base, size) };
     }
 
     /// Splits block `id` at `offset`: `id` keeps the front, a new block of state `state`
@@ -150,7 +277,7 @@ impl<M: DeviceMemory> State<M> {
             segment: b.segment,
             expandable: b.expandable,
             pending_events: 0,
-            freed_at: b.freed_at,
+            gc_base: b.gc_base,
         };
         let next = rest.next;
         let rid = self.arena.insert(rest);
@@ -161,93 +288,5 @@ impl<M: DeviceMemory> State<M> {
         b.next = Some(rid);
         b.size = offset;
         rid
-    }
-
-    /// Unmaps every whole page inside free blocks of expandable segments, and releases
-    /// segments left with nothing mapped.
-    pub(crate) fn release_expandable_pages(&mut self, mem: &M) {
-        let expandable: Vec<_> = self
-            .segments
-            .iter()
-            .filter(|(_, s)| s.expandable)
-            .map(|(&base, s)| (base, s.head))
-            .collect();
-        for (base, head) in expandable {
-            let mut free = Vec::new();
-            let mut cursor = Some(head);
-            while let Some(id) = cursor {
-                if self.arena[id].state == BlockState::Free {
-                    free.push(id);
-                }
-                cursor = self.arena[id].next;
-            }
-            for id in free {
-                self.unmap_free_block(mem, id);
-            }
-            let segment = &self.segments[&base];
-            if segment.mapped == 0 {
-                let (size, pool, stream, head) =
-                    (segment.size, segment.pool, segment.stream, segment.head);
-                debug_assert!(self.arena[head].size == size && self.arena[head].next.is_none());
-                self.pool_mut(pool).unmapped.remove(&(stream, base));
-                self.arena.remove(head);
-                self.segments.remove(&base);
-                self.stats.segment.decrease(pool, 1);
-                // SAFETY: the range was reserved by `mem.reserve(size)` at `base` and nothing
-                // in it is mapped any more.
-                unsafe { mem.release(base, size) };
-                self.trace.record(TraceAction::SegmentFree, base, 0, stream);
-            }
-        }
-    }
-
-    /// Unmaps the whole pages inside free block `id` (in its pool), leaving any partial pages
-    /// at either end as free blocks.
-    fn unmap_free_block(&mut self, mem: &M, id: BlockId) {
-        let b = &self.arena[id];
-        let (ptr, size, pool, stream, segment) = (b.ptr, b.size, b.pool, b.stream, b.segment);
-        let page = PAGE_SIZE as u64;
-        let lo = ptr.next_multiple_of(page);
-        let hi = (ptr + size as u64) / page * page;
-        if hi <= lo {
-            return;
-        }
-        self.pool_mut(pool).free.remove(&(stream, size, ptr));
-        // Carve [lo, hi) out as its own block `mid`; free ends go back to the pool.
-        let mut mid = id;
-        if lo > ptr {
-            mid = self.split_off(id, (lo - ptr) as usize, BlockState::Free);
-            self.pool_mut(pool).free.insert((stream, (lo - ptr) as usize, ptr), id);
-        }
-        if hi < ptr + size as u64 {
-            let tail = self.split_off(mid, (hi - lo) as usize, BlockState::Free);
-            let tail_size = self.arena[tail].size;
-            self.pool_mut(pool).free.insert((stream, tail_size, hi), tail);
-        }
-        let bytes = (hi - lo) as usize;
-        // SAFETY: `[lo, hi)` is page-aligned, mapped, and inside a free block with no pending
-        // events, so no work uses it.
-        unsafe { mem.unmap(lo, bytes) };
-        self.stats.num_device_free += 1;
-        self.stats.reserved_bytes.decrease(pool, bytes as u64);
-        self.segments.get_mut(&segment).expect("block's segment exists").mapped -= bytes;
-        self.trace.record(TraceAction::SegmentUnmap, lo, bytes, stream);
-
-        // Join neighbouring unmapped ranges.
-        self.arena[mid].state = BlockState::Unmapped;
-        if let Some(n) =
-            self.arena[mid].next.filter(|&n| self.arena[n].state == BlockState::Unmapped)
-        {
-            let nptr = self.arena[n].ptr;
-            self.pool_mut(pool).unmapped.remove(&(stream, nptr));
-            self.absorb_next(mid);
-        }
-        match self.arena[mid].prev.filter(|&p| self.arena[p].state == BlockState::Unmapped) {
-            Some(p) => self.absorb_next(p),
-            None => {
-                let mptr = self.arena[mid].ptr;
-                self.pool_mut(pool).unmapped.insert((stream, mptr), mid);
-            }
-        }
     }
 }

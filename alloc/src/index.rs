@@ -32,6 +32,20 @@ impl FreeIndex {
         self.entries.get(i).map(|&(k, id)| (k, id, i))
     }
 
+    /// The position of the first entry at or after `key` (the length if none).
+    #[inline]
+    pub fn position_at_or_after(&self, key: &FreeKey) -> usize {
+        match self.position(key) {
+            Ok(i) | Err(i) => i,
+        }
+    }
+
+    /// The entry at position `i`.
+    #[inline]
+    pub fn get(&self, i: usize) -> Option<&(FreeKey, BlockId)> {
+        self.entries.get(i)
+    }
+
     /// Removes the entry at position `i` (from [`Self::first_at_or_after`]).
     #[inline]
     pub fn remove_at(&mut self, i: usize) {
@@ -88,11 +102,6 @@ impl FreeIndex {
         }
     }
 
-    /// Entries in order.
-    pub fn iter(&self) -> impl Iterator<Item = &(FreeKey, BlockId)> {
-        self.entries.iter()
-    }
-
     /// Block ids in order.
     pub fn values(&self) -> impl Iterator<Item = BlockId> + '_ {
         self.entries.iter().map(|&(_, id)| id)
@@ -116,7 +125,7 @@ mod tests {
         ix.replace(&key(30, 2), key(31, 2), 2); // in place
         ix.replace(&key(20, 1), key(45, 1), 1); // moves right
         ix.replace(&key(50, 4), key(5, 4), 4); // moves left
-        let sizes: Vec<usize> = ix.iter().map(|(k, _)| k.1).collect();
+        let sizes: Vec<usize> = (0..5).filter_map(|i| ix.get(i)).map(|(k, _)| k.1).collect();
         assert_eq!(sizes, [5, 10, 31, 40, 45]);
         let ids: Vec<BlockId> = ix.values().collect();
         assert_eq!(ids, [4, 0, 2, 3, 1]);

@@ -88,16 +88,6 @@ pub fn segment_size(size: usize) -> Option<usize> {
     }
 }
 
-/// Whether splitting `size` off a block of `block_size` leaves a remainder worth keeping.
-#[inline]
-pub fn should_split(pool: PoolKind, block_size: usize, size: usize, max_split_size: usize) -> bool {
-    let remaining = block_size - size;
-    match pool {
-        PoolKind::Small => remaining >= MIN_BLOCK_SIZE,
-        PoolKind::Large => size < max_split_size && remaining > SMALL_SIZE,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -134,17 +124,5 @@ mod tests {
         assert_eq!(segment_size((10 << 20) - 512), Some(20 << 20));
         assert_eq!(segment_size(10 << 20), Some(10 << 20));
         assert_eq!(segment_size((10 << 20) + 512), Some(12 << 20));
-    }
-
-    #[test]
-    fn split_thresholds_follow_pytorch() {
-        let unlimited = usize::MAX;
-        assert!(should_split(PoolKind::Small, 2 << 20, (2 << 20) - 512, unlimited));
-        assert!(!should_split(PoolKind::Small, 1024, 1024, unlimited));
-        // Large pool: only when more than 1 MiB would remain.
-        assert!(!should_split(PoolKind::Large, 20 << 20, 19 << 20, unlimited));
-        assert!(should_split(PoolKind::Large, 20 << 20, (19 << 20) - 512, unlimited));
-        // Never split for requests at or over max_split_size.
-        assert!(!should_split(PoolKind::Large, 100 << 20, 30 << 20, 30 << 20));
     }
 }

@@ -1,6 +1,10 @@
 //! The caching policy: PyTorch's rules, written once for every backend.
 //!
-//! All methods run under the allocator's lock and take the raw memory as an argument.
+//! Each step follows the function of `c10/cuda/CUDACachingAllocator.cpp` named in its doc
+//! comment (`DeviceCachingAllocator::malloc`, `get_free_block`, `alloc_block`, ...), in the
+//! same order and with the same statistics, so that every figure is the one PyTorch gives
+//! for the same sequence of requests. All methods run under the allocator's lock and take
+//! the raw memory as an argument.
 
 use crate::block::{Arena, Block, BlockId, BlockState, Pool, Segment};
 use crate::config::AllocatorConfig;
@@ -12,12 +16,18 @@ use crate::stats::MemoryStats;
 use crate::trace::{Trace, TraceAction};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
+/// Requests of this size or more fail at once, before the cache is touched, as PyTorch's
+/// `NativeCachingAllocator::allocate` refuses them ("more than 1EB memory").
+pub(crate) const ONE_EXA_BYTE: usize = 1 << 60;
+
 pub(crate) struct State<M: DeviceMemory> {
     pub config: AllocatorConfig,
     /// `config.rounds_to_power2_divisions()`, computed once.
     power2_rounding: bool,
     /// `config.max_split_size()`, computed once.
     max_split: usize,
+    /// How far an oversize block may exceed an oversize request and still serve it.
+    max_non_split_rounding: usize,
     /// Reserved memory may not exceed this (from the memory fraction).
     pub cap: Option<u64>,
     pub arena: Arena,
@@ -32,7 +42,6 @@ pub(crate) struct State<M: DeviceMemory> {
     /// Events that pending frees wait for, oldest first.
     pending: VecDeque<(M::Event, BlockId)>,
     pub trace: Trace,
-    clock: u64,
     /// Statistics of the enclosing scopes, outermost first (see [`crate::StatsScope`]).
     pub scopes: Vec<MemoryStats>,
 }
@@ -47,6 +56,7 @@ impl<M: DeviceMemory> State<M> {
         State {
             power2_rounding: config.rounds_to_power2_divisions(),
             max_split: config.max_split_size(),
+            max_non_split_rounding: LARGE_BUFFER,
             config,
             cap,
             arena: Arena::default(),
@@ -57,7 +67,6 @@ impl<M: DeviceMemory> State<M> {
             stream_uses: HashMap::new(),
             pending: VecDeque::new(),
             trace: Trace::default(),
-            clock: 0,
             scopes: Vec::new(),
         }
     }
@@ -78,139 +87,176 @@ impl<M: DeviceMemory> State<M> {
         }
     }
 
+    /// PyTorch's `set_fraction && garbage_collection_threshold() > 0`: garbage collection and
+    /// the block ages it needs are on.
+    #[inline]
+    fn gc_enabled(&self) -> bool {
+        self.cap.is_some() && self.config.garbage_collection_threshold().is_some()
+    }
+
     // ---- allocation -------------------------------------------------------------------
 
+    /// `DeviceCachingAllocator::malloc`: process completed events, look for a cached block,
+    /// else garbage-collect (when on) and get a new one, releasing cached blocks and retrying
+    /// as PyTorch does when the device is full. `requested` is not 0 (PyTorch hands out no
+    /// block for 0 bytes; [`crate::CachingAllocator`] does the same before calling this).
     pub fn malloc(
         &mut self,
         mem: &M,
         requested: usize,
         stream: Stream,
     ) -> Result<BlockId, AllocError> {
+        if requested >= ONE_EXA_BYTE {
+            return Err(self.too_large(mem, requested));
+        }
         if !self.pending.is_empty() {
             self.process_events(mem);
         }
-        let Some(size) = policy::round_size_with(requested, &self.config, self.power2_rounding)
-        else {
-            return Err(self.out_of_memory(mem, requested, stream));
-        };
+        let size = policy::round_size_with(requested, &self.config, self.power2_rounding)
+            .ok_or_else(|| self.too_large(mem, requested))?;
         let pool = PoolKind::for_size(size);
-        let id = match self.find_free_block(pool, stream, size) {
-            Some((key, id, pos)) => {
-                self.hand_out(id, size, requested, Some((key, pos)));
-                id
+        if let Some((key, id, pos)) = self.get_free_block(pool, stream, size) {
+            self.hand_out(id, size, requested, Some((key, pos)));
+            return Ok(id);
+        }
+        if self.gc_enabled() {
+            self.garbage_collect_cached_blocks(mem);
+        }
+        let alloc_size =
+            policy::segment_size(size).ok_or_else(|| self.too_large(mem, requested))?;
+        let found = match self.alloc_block(mem, pool, stream, size, alloc_size, false)? {
+            Some(id) => Some(id),
+            None if self.release_available_cached_blocks(mem, pool, stream, size) => {
+                self.alloc_block(mem, pool, stream, size, alloc_size, false)?
             }
+            None => None,
+        };
+        let id = match found {
+            Some(id) => id,
             None => {
-                let id = self.allocate_new(mem, pool, stream, size, requested)?;
-                self.hand_out(id, size, requested, None);
-                id
+                self.release_cached_blocks(mem);
+                match self.alloc_block(mem, pool, stream, size, alloc_size, true)? {
+                    Some(id) => id,
+                    None => return Err(self.out_of_memory(mem, requested, size, stream)),
+                }
             }
         };
+        self.hand_out(id, size, requested, None);
         Ok(id)
     }
 
-    /// Best fit within the stream, with PyTorch's rules for oversize blocks. The block stays
-    /// in its pool; [`Self::hand_out`] takes it out.
+    /// `get_free_block`: the smallest cached block of the stream that fits, with PyTorch's
+    /// rules for expandable and oversize blocks. The block stays in its pool;
+    /// [`Self::hand_out`] takes it out.
     #[inline]
-    fn find_free_block(
-        &self,
+    fn get_free_block(
+        &mut self,
         pool: PoolKind,
         stream: Stream,
         size: usize,
     ) -> Option<(FreeKey, BlockId, usize)> {
+        if self.gc_enabled() {
+            self.pool_mut(pool).gc_calls += 1;
+        }
+        let (mut key, mut id, mut pos) =
+            self.pool(pool).free.first_at_or_after(&(stream, size, 0))?;
+        if key.0 != stream {
+            return None;
+        }
+        if self.arena[id].expandable {
+            (key, id, pos) = self.expandable_fit(pool, stream, pos)?;
+        }
         let max_split = self.max_split;
-        let (key, id, pos) = self.pool(pool).free.first_at_or_after(&(stream, size, 0))?;
-        let (block_stream, block_size, _) = key;
-        if block_stream != stream {
+        // An oversize block (never split) serves no request under max_split_size ...
+        if size < max_split && key.1 >= max_split {
             return None;
         }
-        // An oversize block (never split) serves only oversize requests within 20 MiB of it.
-        if size < max_split && block_size >= max_split {
-            return None;
-        }
-        if size >= max_split && block_size >= size.saturating_add(LARGE_BUFFER) {
+        // ... and oversize requests only within `max_non_split_rounding` of its size.
+        if size >= max_split && key.1 >= size.saturating_add(self.max_non_split_rounding) {
             return None;
         }
         Some((key, id, pos))
     }
 
-    /// Gets memory from the device, releasing cached blocks and retrying when it fails.
-    fn allocate_new(
-        &mut self,
-        mem: &M,
+    /// The expandable-segment branch of `get_free_block`, from the best-fit position `pos`.
+    #[cold]
+    fn expandable_fit(
+        &self,
         pool: PoolKind,
         stream: Stream,
-        size: usize,
-        requested: usize,
-    ) -> Result<BlockId, AllocError> {
-        if self.cap.is_some() && self.config.garbage_collection_threshold().is_some() {
-            self.garbage_collect(mem);
-        }
-        let Some(segment_size) = policy::segment_size(size) else {
-            return Err(self.out_of_memory(mem, requested, stream));
-        };
-        if let Some(id) = self.grow(mem, pool, stream, size, segment_size)? {
-            return Ok(id);
-        }
-        if self.release_available_cached_blocks(mem, pool, segment_size)
-            && let Some(id) = self.grow(mem, pool, stream, size, segment_size)?
-        {
-            return Ok(id);
-        }
-        self.stats.num_alloc_retries += 1;
-        self.release_cached_blocks(mem);
-        if let Some(id) = self.grow(mem, pool, stream, size, segment_size)? {
-            return Ok(id);
-        }
-        Err(self.out_of_memory(mem, requested, stream))
-    }
-
-    /// A new free block of at least `size` (not in any pool), or `None` when the device or the
-    /// cap has no room.
-    fn grow(
-        &mut self,
-        mem: &M,
-        pool: PoolKind,
-        stream: Stream,
-        size: usize,
-        segment_size: usize,
-    ) -> Result<Option<BlockId>, AllocError> {
+        mut pos: usize,
+    ) -> Option<(FreeKey, BlockId, usize)> {
+        let free = &self.pool(pool).free;
         if self.config.expandable_segments() {
-            self.grow_expandable(mem, pool, stream, size)
+            // A block that can grow into the unmapped range after it counts as that big, so
+            // a later block may fit better.
+            let grown = |id: BlockId| {
+                let b = &self.arena[id];
+                b.size
+                    + b.next
+                        .filter(|&n| self.arena[n].state == BlockState::Unmapped)
+                        .map_or(0, |n| self.arena[n].size)
+            };
+            while let Some(&(next_key, next_id)) = free.get(pos + 1) {
+                let (_, id) = free.get(pos).copied()?;
+                if !self.arena[id].expandable || next_key.0 != stream || grown(next_id) >= grown(id)
+                {
+                    break;
+                }
+                pos += 1;
+            }
         } else {
-            self.allocate_segment(mem, pool, stream, segment_size)
+            // Expandable segments were turned off: only ordinary blocks serve.
+            loop {
+                pos += 1;
+                match free.get(pos) {
+                    Some(&(k, id)) if k.0 == stream && self.arena[id].expandable => continue,
+                    Some(&(k, _)) if k.0 == stream => break,
+                    _ => return None,
+                }
+            }
         }
+        free.get(pos).map(|&(k, id)| (k, id, pos))
     }
 
-    pub fn fits_cap(&self, extra: usize) -> bool {
-        self.cap.is_none_or(|cap| {
-            (self.stats.reserved_bytes.all.current as u64).saturating_add(extra as u64) <= cap
-        })
-    }
-
-    fn allocate_segment(
+    /// `alloc_block`: a new free block of at least `size` (not in any pool) from the device,
+    /// or `None` when the device or the memory fraction has no room for `alloc_size`. Counts
+    /// `num_alloc_retries` on the retry after the whole cache was released.
+    fn alloc_block(
         &mut self,
         mem: &M,
         pool: PoolKind,
         stream: Stream,
         size: usize,
+        alloc_size: usize,
+        is_retry: bool,
     ) -> Result<Option<BlockId>, AllocError> {
-        if !self.fits_cap(size) {
+        if is_retry {
+            self.stats.num_alloc_retries += 1;
+        }
+        if let Some(cap) = self.cap
+            && (self.stats.reserved_bytes.all.current as u64).saturating_add(alloc_size as u64)
+                > cap
+        {
             return Ok(None);
         }
-        let ptr = match mem.allocate(size) {
+        if self.config.expandable_segments() {
+            return self.try_allocate_expandable_block(mem, pool, stream, size);
+        }
+        let ptr = match mem.allocate(alloc_size) {
             Ok(ptr) => ptr,
             Err(RawError::OutOfMemory { .. }) => return Ok(None),
             Err(e) => return Err(AllocError::Device(e.to_string())),
         };
         self.stats.num_device_alloc += 1;
         self.stats.segment.increase(pool, 1);
-        self.stats.reserved_bytes.increase(pool, size as u64);
-        if size >= self.max_split {
+        self.stats.reserved_bytes.increase(pool, alloc_size as u64);
+        if alloc_size >= self.max_split {
             self.stats.oversize_segments.increase(1);
         }
         let id = self.arena.insert(Block {
             ptr,
-            size,
+            size: alloc_size,
             requested: 0,
             stream,
             pool,
@@ -220,15 +266,28 @@ impl<M: DeviceMemory> State<M> {
             segment: ptr,
             expandable: false,
             pending_events: 0,
-            freed_at: 0,
+            gc_base: 0,
         });
         self.segments
-            .insert(ptr, Segment { size, mapped: size, stream, pool, expandable: false, head: id });
-        self.trace.record(TraceAction::SegmentAlloc, ptr, size, stream);
+            .insert(ptr, Segment { mapped: alloc_size, stream, pool, expandable: false, head: id });
+        self.trace.record(TraceAction::SegmentAlloc, ptr, alloc_size, stream);
         Ok(Some(id))
     }
 
-    /// Marks a free block allocated, splitting off the remainder. `in_pool` is the block's key
+    /// `should_split`: whether the rest of a block after `size` bytes becomes a block of its
+    /// own.
+    #[inline]
+    fn should_split(&self, pool: PoolKind, block_size: usize, size: usize) -> bool {
+        let remaining = block_size - size;
+        if pool == PoolKind::Small || self.config.expandable_segments() {
+            remaining >= policy::MIN_BLOCK_SIZE
+        } else {
+            size < self.max_split && remaining > policy::SMALL_SIZE
+        }
+    }
+
+    /// `alloc_found_block`: marks a free block allocated, splitting off the remainder, with
+    /// PyTorch's net change of the inactive-split statistics. `in_pool` is the block's key
     /// and index position if it is in its pool: the remainder then takes its place.
     #[inline]
     fn hand_out(
@@ -239,13 +298,14 @@ impl<M: DeviceMemory> State<M> {
         in_pool: Option<(FreeKey, usize)>,
     ) {
         let max_split = self.max_split;
-        self.unaccount_split(id);
         let b = &self.arena[id];
-        let pool = b.pool;
-        if policy::should_split(pool, b.size, size, max_split) {
+        let (pool, block_size, already_split, expandable) =
+            (b.pool, b.size, b.is_split(), b.expandable);
+        if self.should_split(pool, block_size, size) {
+            let b = &self.arena[id];
             let rest = Block {
                 ptr: b.ptr + size as u64,
-                size: b.size - size,
+                size: block_size - size,
                 requested: 0,
                 stream: b.stream,
                 pool,
@@ -253,12 +313,12 @@ impl<M: DeviceMemory> State<M> {
                 next: b.next,
                 state: BlockState::Free,
                 segment: b.segment,
-                expandable: b.expandable,
+                expandable,
                 pending_events: 0,
-                freed_at: b.freed_at,
+                gc_base: self.pool(pool).gc_calls,
             };
             let key = (rest.stream, rest.size, rest.ptr);
-            let next = rest.next;
+            let (next, rest_size) = (rest.next, rest.size as u64);
             let rid = self.arena.insert(rest);
             if let Some(n) = next {
                 self.arena[n].prev = Some(rid);
@@ -270,48 +330,62 @@ impl<M: DeviceMemory> State<M> {
                 Some((_, pos)) => self.pool_mut(pool).free.replace_at(pos, key, rid),
                 None => self.pool_mut(pool).free.insert(key, rid),
             }
-            self.account_split(rid);
-        } else if let Some((_, pos)) = in_pool {
-            self.pool_mut(pool).free.remove_at(pos);
+            if !expandable {
+                if already_split {
+                    // An inactive split block shrinks by `size`.
+                    self.stats.inactive_split_bytes.decrease(pool, size as u64);
+                } else {
+                    // An unsplit block leaves a new inactive split block behind.
+                    self.stats.inactive_split.increase(pool, 1);
+                    self.stats.inactive_split_bytes.increase(pool, rest_size);
+                }
+            }
+        } else {
+            if let Some((_, pos)) = in_pool {
+                self.pool_mut(pool).free.remove_at(pos);
+            }
+            if already_split && !expandable {
+                self.stats.inactive_split.decrease(pool, 1);
+                self.stats.inactive_split_bytes.decrease(pool, block_size as u64);
+            }
         }
         let b = &mut self.arena[id];
         b.state = BlockState::Allocated;
         b.requested = requested;
         let (bsize, ptr, stream) = (b.size as u64, b.ptr, b.stream);
+        self.trace.record_block(TraceAction::Alloc, ptr, bsize as usize, requested, stream);
         let s = &mut self.stats;
         s.allocation.increase(pool, 1);
         s.allocated_bytes.increase(pool, bsize);
-        s.requested_bytes.increase(pool, requested as u64);
         s.active.increase(pool, 1);
         s.active_bytes.increase(pool, bsize);
+        s.requested_bytes.increase(pool, requested as u64);
         if bsize as usize >= max_split {
             s.oversize_allocations.increase(1);
         }
-        self.trace.record_block(TraceAction::Alloc, ptr, bsize as usize, requested, stream);
     }
 
     // ---- freeing ----------------------------------------------------------------------
 
+    /// `DeviceCachingAllocator::free`: the block stops counting as allocated at once; it goes
+    /// back to the cache now, or when the other streams that used it are done.
     pub fn free(&mut self, mem: &M, id: BlockId) {
         let max_split = self.max_split;
         let b = &mut self.arena[id];
         debug_assert_eq!(b.state, BlockState::Allocated);
         let (pool, size, requested, ptr, stream) =
             (b.pool, b.size as u64, b.requested, b.ptr, b.stream);
-        let uses = if self.stream_uses.is_empty() {
-            Vec::new()
-        } else {
-            self.stream_uses.remove(&id).unwrap_or_default()
-        };
         let s = &mut self.stats;
         s.allocation.decrease(pool, 1);
         s.allocated_bytes.decrease(pool, size);
-        s.requested_bytes.decrease(pool, requested as u64);
-        if size as usize >= max_split {
-            s.oversize_allocations.decrease(1);
-        }
         self.trace.record_block(TraceAction::FreeRequested, ptr, size as usize, requested, stream);
-        if !uses.is_empty() {
+        if size as usize >= max_split {
+            self.stats.oversize_allocations.decrease(1);
+        }
+        if !self.stream_uses.is_empty()
+            && let Some(uses) = self.stream_uses.remove(&id)
+        {
+            // `insert_events`: one event per other stream; the block waits for all of them.
             let mut events = 0;
             for other in uses {
                 match mem.record_event(other) {
@@ -333,43 +407,60 @@ impl<M: DeviceMemory> State<M> {
         self.free_block(id);
     }
 
-    /// Returns a block to its pool, coalescing it with free neighbours.
+    /// `free_block`: returns a block to its pool, merging it with free neighbours, and ends
+    /// its time as an active block (`active`, `active_bytes`, `requested_bytes`).
     fn free_block(&mut self, id: BlockId) {
-        self.clock += 1;
         let b = &mut self.arena[id];
-        let (pool, size, prev, next) = (b.pool, b.size as u64, b.prev, b.next);
+        let (pool, size, requested, ptr, stream, prev, next, expandable) =
+            (b.pool, b.size, b.requested, b.ptr, b.stream, b.prev, b.next, b.expandable);
         b.state = BlockState::Free;
-        b.freed_at = self.clock;
-        // As PyTorch's `free_block`: the block's own address and size, before any merge.
-        let (ptr, requested, stream) = (b.ptr, b.requested, b.stream);
-        self.trace.record_block(TraceAction::FreeCompleted, ptr, size as usize, requested, stream);
-        self.stats.active.decrease(pool, 1);
-        self.stats.active_bytes.decrease(pool, size);
+        // As PyTorch: the block's own address and size, before any merge.
+        self.trace.record_block(TraceAction::FreeCompleted, ptr, size, requested, stream);
 
         let free = |a: &Arena, n: Option<BlockId>| n.filter(|&n| a[n].state == BlockState::Free);
         let (prev, next) = (free(&self.arena, prev), free(&self.arena, next));
-        // The index entry the merged block will take over (a neighbour's), if any.
+        let mut net_blocks: i64 = 0;
+        let mut net_bytes: i64 = 0;
+        // The index entry the merged block takes over (a neighbour's), if any.
         let mut reuse: Option<FreeKey> = None;
         let mut survivor = id;
-        if let Some(n) = next {
-            self.unaccount_split(n);
-            reuse = Some(self.key_of(n));
-            self.absorb_next(id);
-        }
         if let Some(p) = prev {
-            self.unaccount_split(p);
-            if let Some(k) = reuse.replace(self.key_of(p)) {
-                self.pool_mut(pool).free.remove(&k);
-            }
+            net_blocks -= 1;
+            net_bytes -= self.arena[p].size as i64;
+            reuse = Some(self.key_of(p));
             self.absorb_next(p);
             survivor = p;
         }
-        self.account_split(survivor);
-        let key = self.key_of(survivor);
+        if let Some(n) = next {
+            net_blocks -= 1;
+            net_bytes -= self.arena[n].size as i64;
+            if let Some(k) = reuse.replace(self.key_of(n)) {
+                self.pool_mut(pool).free.remove(&k);
+            }
+            self.absorb_next(survivor);
+        }
+        let gc_base = self.pool(pool).gc_calls;
+        let b = &mut self.arena[survivor];
+        b.gc_base = gc_base;
+        if b.is_split() {
+            net_blocks += 1;
+            net_bytes += b.size as i64;
+        }
+        let key = (b.stream, b.size, b.ptr);
         match reuse {
             Some(old) => self.pool_mut(pool).free.replace(&old, key, survivor),
             None => self.pool_mut(pool).free.insert(key, survivor),
         }
+        let s = &mut self.stats;
+        if !expandable {
+            // Expandable segments stay out of `inactive_split`: their free pages can always
+            // be given back.
+            s.inactive_split.apply(pool, net_blocks);
+            s.inactive_split_bytes.apply(pool, net_bytes);
+        }
+        s.active.decrease(pool, 1);
+        s.active_bytes.decrease(pool, size as u64);
+        s.requested_bytes.decrease(pool, requested as u64);
     }
 
     #[inline]
@@ -381,19 +472,17 @@ impl<M: DeviceMemory> State<M> {
     /// Merges `id`'s next block into `id` and frees the next block's slot.
     pub fn absorb_next(&mut self, id: BlockId) {
         let n = self.arena[id].next.expect("absorb_next needs a next block");
-        let (nsize, nnext, nfreed) =
-            (self.arena[n].size, self.arena[n].next, self.arena[n].freed_at);
+        let (nsize, nnext) = (self.arena[n].size, self.arena[n].next);
         let b = &mut self.arena[id];
         b.size += nsize;
         b.next = nnext;
-        b.freed_at = b.freed_at.max(nfreed);
         if let Some(nn) = nnext {
             self.arena[nn].prev = Some(id);
         }
         self.arena.remove(n);
     }
 
-    /// Frees blocks whose pending events have completed.
+    /// `process_events`: frees blocks whose pending events have completed.
     fn process_events(&mut self, mem: &M) {
         let mut i = 0;
         while i < self.pending.len() {
@@ -415,7 +504,8 @@ impl<M: DeviceMemory> State<M> {
         }
     }
 
-    /// Waits for every pending event and frees the blocks waiting on them.
+    /// `synchronize_and_free_events`: waits for every pending event and frees the blocks
+    /// waiting on them.
     fn synchronize_and_free_events(&mut self, mem: &M) {
         self.stats.num_sync_all_streams += 1;
         while let Some((event, id)) = self.pending.pop_front() {
@@ -425,6 +515,7 @@ impl<M: DeviceMemory> State<M> {
         }
     }
 
+    /// `recordStream`: uses on the allocation stream need no synchronisation.
     pub fn record_stream(&mut self, id: BlockId, stream: Stream) {
         let b = &self.arena[id];
         if stream == b.stream {
@@ -438,97 +529,147 @@ impl<M: DeviceMemory> State<M> {
 
     // ---- releasing cached memory ------------------------------------------------------
 
-    /// `empty_cache`: waits for pending frees, then returns every whole free segment and every
-    /// free page of expandable segments to the device.
+    /// `release_cached_blocks` (`empty_cache`): waits for pending frees, then returns every
+    /// unsplit cached block of the large pool and then of the small pool to the device, and
+    /// unmaps the free pages of expandable segments.
     pub fn release_cached_blocks(&mut self, mem: &M) {
         self.synchronize_and_free_events(mem);
-        for pool in [PoolKind::Small, PoolKind::Large] {
-            let whole: Vec<BlockId> =
-                self.pool(pool).free.values().filter(|&id| self.is_whole_segment(id)).collect();
-            for id in whole {
-                self.release_segment(mem, id);
+        self.release_blocks(mem, PoolKind::Large);
+        self.release_blocks(mem, PoolKind::Small);
+    }
+
+    /// `release_blocks`: in best-fit order, releases unsplit blocks; then unmaps the free
+    /// blocks of expandable segments and gives back segments left with nothing mapped.
+    fn release_blocks(&mut self, mem: &M, pool: PoolKind) {
+        let blocks: Vec<BlockId> = self.pool(pool).free.values().collect();
+        let mut to_unmap = Vec::new();
+        for id in blocks {
+            let b = &self.arena[id];
+            if b.expandable {
+                to_unmap.push(id);
+            } else if !b.is_split() {
+                self.release_block(mem, id);
             }
         }
-        self.release_expandable_pages(mem);
+        for id in to_unmap {
+            let id = self.unmap_block(mem, id);
+            let b = &self.arena[id];
+            if !b.is_split() && b.state == BlockState::Unmapped {
+                self.release_expandable_segment(mem, id);
+            }
+        }
     }
 
-    fn is_whole_segment(&self, id: BlockId) -> bool {
-        let b = &self.arena[id];
-        !b.expandable && !b.is_split()
-    }
-
-    /// Releases cached whole segments of `pool` that could make room for `size` bytes: the
-    /// smallest one big enough, else the largest ones until `size` is covered.
-    fn release_available_cached_blocks(&mut self, mem: &M, pool: PoolKind, size: usize) -> bool {
-        let mut whole: Vec<(usize, BlockId)> = self
-            .pool(pool)
-            .free
-            .iter()
-            .filter(|&&(_, id)| self.is_whole_segment(id))
-            .map(|&((_, s, _), id)| (s, id))
-            .collect();
-        if whole.is_empty() {
+    /// `release_available_cached_blocks`: with `max_split_size` set, releases cached
+    /// oversize blocks of the requesting stream: the smallest one of at least
+    /// `max(size, max_split_size)`, else the largest ones down to max_split_size until that
+    /// much is released. `false` (with whatever was released still released) when that is
+    /// not enough, or without `max_split_size`.
+    fn release_available_cached_blocks(
+        &mut self,
+        mem: &M,
+        pool: PoolKind,
+        stream: Stream,
+        size: usize,
+    ) -> bool {
+        let max_split = self.max_split;
+        if max_split == usize::MAX {
             return false;
         }
-        whole.sort_unstable();
-        if let Some(&(_, id)) = whole.iter().find(|(s, _)| *s >= size) {
-            self.release_segment(mem, id);
-            return true;
-        }
-        let mut released = 0;
-        for &(s, id) in whole.iter().rev() {
-            if released >= size {
-                break;
+        let target = size.max(max_split);
+        let free = &self.pool(pool).free;
+        let at = free.position_at_or_after(&(stream, target, 0));
+        match free.get(at) {
+            Some(&(k, id)) if k.0 == stream => {
+                if self.arena[id].expandable {
+                    // PyTorch's `release_block` asserts on expandable blocks; vram releases
+                    // nothing instead.
+                    return false;
+                }
+                self.release_block(mem, id);
+                true
             }
-            self.release_segment(mem, id);
-            released += s;
+            _ => {
+                let mut released = 0usize;
+                let mut i = at;
+                while released < target && i > 0 {
+                    i -= 1;
+                    let &(k, id) = self.pool(pool).free.get(i).expect("position in range");
+                    if k.1 < max_split || k.0 != stream || self.arena[id].expandable {
+                        break;
+                    }
+                    released += k.1;
+                    self.release_block(mem, id);
+                }
+                released >= target
+            }
         }
-        true
     }
 
-    /// Returns a free block that spans its whole (non-expandable) segment to the device.
-    fn release_segment(&mut self, mem: &M, id: BlockId) {
+    /// `release_block`: returns a cached block that spans its whole (non-expandable) segment
+    /// to the device.
+    fn release_block(&mut self, mem: &M, id: BlockId) {
         let b = &self.arena[id];
         debug_assert!(b.state == BlockState::Free && !b.is_split() && !b.expandable);
         let (ptr, size, pool, stream) = (b.ptr, b.size, b.pool, b.stream);
+        self.stats.num_device_free += 1;
+        self.trace.record(TraceAction::SegmentFree, ptr, size, stream);
         self.pool_mut(pool).free.remove(&(stream, size, ptr));
         self.arena.remove(id);
         self.segments.remove(&ptr);
         // SAFETY: the segment came from `mem.allocate(size)` at `ptr`, and its only block is
         // free with no pending events, so nothing uses the memory.
         unsafe { mem.deallocate(ptr, size) };
-        self.stats.num_device_free += 1;
         self.stats.segment.decrease(pool, 1);
         self.stats.reserved_bytes.decrease(pool, size as u64);
         if size >= self.max_split {
             self.stats.oversize_segments.decrease(1);
         }
-        self.trace.record(TraceAction::SegmentFree, ptr, size, stream);
     }
 
-    /// Frees the least recently freed whole segments until reserved memory is under the
-    /// garbage-collection threshold of the cap.
-    fn garbage_collect(&mut self, mem: &M) {
+    /// `garbage_collect_cached_blocks`: when reserved memory is above the threshold's share
+    /// of the cap, releases unsplit cached blocks of the large pool whose age (in
+    /// `get_free_block` calls since they were cached) is at least the mean age, pass after
+    /// pass, until at least the excess was reclaimed. A pass does not stop at the target.
+    fn garbage_collect_cached_blocks(&mut self, mem: &M) {
         let (Some(cap), Some(threshold)) = (self.cap, self.config.garbage_collection_threshold())
         else {
             return;
         };
-        let limit = (cap as f64 * threshold) as u64;
-        if self.stats.reserved_bytes.all.current as u64 <= limit {
+        let gc_threshold = (threshold * cap as f64) as u64;
+        let reserved = self.stats.reserved_bytes.all.current as u64;
+        if reserved <= gc_threshold {
             return;
         }
-        let mut candidates: Vec<(u64, BlockId)> = [PoolKind::Small, PoolKind::Large]
-            .into_iter()
-            .flat_map(|p| self.pool(p).free.values())
-            .filter(|&id| self.is_whole_segment(id))
-            .map(|id| (self.arena[id].freed_at, id))
-            .collect();
-        candidates.sort_unstable();
-        for (_, id) in candidates {
-            if self.stats.reserved_bytes.all.current as u64 <= limit {
-                break;
+        let target = reserved - gc_threshold;
+        let now = self.large.gc_calls;
+        let age = |b: &Block| now - b.gc_base;
+        let freeable = |s: &Self, id: BlockId| {
+            let b = &s.arena[id];
+            !b.is_split() && !b.expandable
+        };
+        let (mut total_age, mut count) = (0u64, 0u64);
+        for id in self.large.free.values() {
+            if freeable(self, id) {
+                total_age += age(&self.arena[id]);
+                count += 1;
             }
-            self.release_segment(mem, id);
+        }
+        let mut reclaimed = 0u64;
+        let mut block_freed = true;
+        while reclaimed < target && block_freed && count > 0 {
+            let age_threshold = total_age as f64 / count as f64;
+            block_freed = false;
+            let blocks: Vec<BlockId> = self.large.free.values().collect();
+            for id in blocks {
+                if freeable(self, id) && age(&self.arena[id]) as f64 >= age_threshold {
+                    block_freed = true;
+                    reclaimed += self.arena[id].size as u64;
+                    total_age -= age(&self.arena[id]);
+                    count -= 1;
+                    self.release_block(mem, id);
+                }
+            }
         }
     }
 
@@ -562,39 +703,33 @@ impl<M: DeviceMemory> State<M> {
         result.unwrap_or_else(|| self.stats.clone())
     }
 
-    /// PyTorch's "inactive split" blocks: free blocks of split, non-expandable segments.
-    fn split_contribution(&self, id: BlockId) -> Option<(PoolKind, u64)> {
-        let b = &self.arena[id];
-        (b.state == BlockState::Free && b.is_split() && !b.expandable)
-            .then_some((b.pool, b.size as u64))
-    }
-
-    #[inline]
-    pub fn unaccount_split(&mut self, id: BlockId) {
-        if let Some((pool, size)) = self.split_contribution(id) {
-            self.stats.inactive_split.decrease(pool, 1);
-            self.stats.inactive_split_bytes.decrease(pool, size);
-        }
-    }
-
-    #[inline]
-    pub fn account_split(&mut self, id: BlockId) {
-        if let Some((pool, size)) = self.split_contribution(id) {
-            self.stats.inactive_split.increase(pool, 1);
-            self.stats.inactive_split_bytes.increase(pool, size);
-        }
-    }
-
     pub fn set_memory_fraction(&mut self, fraction: f64, total: u64) {
         self.cap = Some(cap_bytes(fraction, total));
     }
 
-    fn out_of_memory(&mut self, mem: &M, requested: usize, stream: Stream) -> AllocError {
+    /// The error for a request PyTorch refuses before touching the cache (1 EiB or more):
+    /// no statistic and no trace entry changes.
+    fn too_large(&self, mem: &M, requested: usize) -> AllocError {
+        self.oom_error(mem, requested)
+    }
+
+    fn out_of_memory(
+        &mut self,
+        mem: &M,
+        requested: usize,
+        rounded: usize,
+        stream: Stream,
+    ) -> AllocError {
         self.stats.num_ooms += 1;
+        let err = self.oom_error(mem, requested);
+        if let AllocError::OutOfMemory(e) = &err {
+            self.trace.record_oom(rounded, requested, e.device_free, stream);
+        }
+        err
+    }
+
+    fn oom_error(&self, mem: &M, requested: usize) -> AllocError {
         let info = mem.mem_info();
-        let rounded = policy::round_size_with(requested, &self.config, self.power2_rounding)
-            .unwrap_or(requested);
-        self.trace.record_oom(rounded, requested, info.free, stream);
         AllocError::OutOfMemory(Box::new(OutOfMemoryError {
             requested,
             device: mem.name(),
@@ -609,5 +744,5 @@ impl<M: DeviceMemory> State<M> {
 }
 
 fn cap_bytes(fraction: f64, total: u64) -> u64 {
-    (fraction * total as f64).floor() as u64
+    (fraction * total as f64) as u64
 }

@@ -19,19 +19,21 @@ pub struct Stat {
 }
 
 impl Stat {
+    /// Adds `n`; every field saturates instead of wrapping.
     #[inline]
     pub(crate) fn increase(&mut self, n: u64) {
-        self.current += n as i64;
-        self.allocated += n;
+        self.current = self.current.saturating_add_unsigned(n);
+        self.allocated = self.allocated.saturating_add(n);
         if self.current > self.peak {
             self.peak = self.current;
         }
     }
 
+    /// Removes `n`; every field saturates instead of wrapping.
     #[inline]
     pub(crate) fn decrease(&mut self, n: u64) {
-        self.current -= n as i64;
-        self.freed += n;
+        self.current = self.current.saturating_sub_unsigned(n);
+        self.freed = self.freed.saturating_add(n);
     }
 }
 
@@ -57,6 +59,17 @@ impl StatArray {
     pub(crate) fn decrease(&mut self, pool: PoolKind, n: u64) {
         self.all.decrease(n);
         self.pool_mut(pool).decrease(n);
+    }
+
+    /// One net change, up or down (PyTorch's `free_block` applies the inactive-split change
+    /// this way); none when `delta` is 0.
+    #[inline]
+    pub(crate) fn apply(&mut self, pool: PoolKind, delta: i64) {
+        if delta > 0 {
+            self.increase(pool, delta.unsigned_abs());
+        } else if delta < 0 {
+            self.decrease(pool, delta.unsigned_abs());
+        }
     }
 
     #[inline]

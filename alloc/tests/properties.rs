@@ -160,7 +160,8 @@ fn allocated_blocks(snap: &Snapshot) -> Vec<(u64, u64, u64)> {
 /// segment (or, with expandable segments, the pages mapped) under any tested configuration.
 fn device_need_bound(size: usize) -> u64 {
     let rounded = (size + size / 4 + 512) as u64;
-    (rounded.next_multiple_of(PAGE) + PAGE).max(20 << 20)
+    // Expandable segments map the large pool in 20 MiB pages.
+    (rounded.next_multiple_of(20 << 20) + PAGE).max(20 << 20)
 }
 
 // ---- invariants --------------------------------------------------------------------------
@@ -268,7 +269,7 @@ fn check_invariants<B: SimBackend>(
         );
     }
 
-    // The statistics equal what the snapshot shows, and requested <= allocated <= active <=
+    // The statistics equal what the snapshot shows, and requested, allocated <= active <=
     // reserved.
     let reserved = stats.reserved_bytes.all.current as u64;
     let allocated = stats.allocated_bytes.all.current as u64;
@@ -278,8 +279,15 @@ fn check_invariants<B: SimBackend>(
     prop_assert_eq!(allocated, sizes(&snap, |b| b.state == "active_allocated").sum::<u64>());
     prop_assert_eq!(allocated, snap.allocated_bytes());
     prop_assert_eq!(active, sizes(&snap, |b| b.state != "inactive").sum::<u64>());
-    prop_assert_eq!(requested, model.live.iter().map(|l| l.handle.len() as u64).sum::<u64>());
-    prop_assert!(requested <= allocated && allocated <= active && active <= reserved);
+    // Requested bytes of a freed block count until its events complete (as PyTorch's
+    // `free_block` takes them off), so they equal the live handles' only when none waits.
+    let live_requested = model.live.iter().map(|l| l.handle.len() as u64).sum::<u64>();
+    if sizes(&snap, |b| b.state == "active_pending_free").count() == 0 {
+        prop_assert_eq!(requested, live_requested);
+    } else {
+        prop_assert!(requested >= live_requested);
+    }
+    prop_assert!(requested <= active && allocated <= active && active <= reserved);
     prop_assert_eq!(stats.allocation.all.current as usize, model.live.len());
     prop_assert_eq!(
         stats.active.all.current as usize,
@@ -335,7 +343,11 @@ fn check_emptied(snap: &Snapshot, expandable: bool) -> Result<(), TestCaseError>
                 b.address
             );
             if expandable && b.state == "inactive" {
-                let whole_page = b.address.next_multiple_of(PAGE) + PAGE <= b.address + b.size;
+                // Pages are 2 MiB (small pool) or 20 MiB (large pool) from the start of a
+                // mapped run, which starts on a page.
+                let page = if seg.segment_type == "small" { 2 << 20 } else { 20 << 20 };
+                let offset = b.address - seg.address;
+                let whole_page = offset.next_multiple_of(page) + page <= offset + b.size;
                 prop_assert!(!whole_page, "free page left mapped in {:#x}+{}", b.address, b.size);
             }
         }
@@ -509,12 +521,15 @@ fn run<B: SimBackend>(mem: B, conf: &str, ops: &[Op]) -> Result<Coverage, TestCa
     let snap = check_invariants(&cache, &model, limit, expandable)?;
     let stats = cache.memory_stats();
     prop_assert_eq!(stats.allocated_bytes.all.current, 0);
-    prop_assert_eq!(stats.requested_bytes.all.current, 0);
     let pending: u64 = sizes(&snap, |b| b.state == "active_pending_free").sum();
     prop_assert_eq!(stats.active_bytes.all.current as u64, pending);
+    if pending == 0 {
+        prop_assert_eq!(stats.requested_bytes.all.current, 0);
+    }
     cache.empty_cache();
     let stats = cache.memory_stats();
     prop_assert_eq!(stats.active_bytes.all.current, 0);
+    prop_assert_eq!(stats.requested_bytes.all.current, 0);
     prop_assert_eq!(stats.reserved_bytes.all.current, 0);
     prop_assert_eq!(stats.segment.all.current, 0);
     prop_assert!(cache.snapshot().segments.is_empty());

@@ -57,6 +57,7 @@ fn reference_config(conf: &str) -> RefConfig {
         divisions: Box::new(move |size| rounding.roundup_power2_divisions(size)),
         gc_threshold: c.garbage_collection_threshold().unwrap_or(0.0),
         fraction: c.memory_fraction(),
+        expandable: c.expandable_segments(),
     }
 }
 
@@ -204,6 +205,9 @@ against_pytorch! {
         "per_process_memory_fraction:0.6,garbage_collection_threshold:0.5",
     same_as_pytorch_with_max_split_size_and_garbage_collection =>
         "max_split_size_mb:24,per_process_memory_fraction:0.8,garbage_collection_threshold:0.3",
+    same_as_pytorch_with_expandable_segments => "expandable_segments:True",
+    same_as_pytorch_with_expandable_segments_under_a_fraction =>
+        "expandable_segments:True,per_process_memory_fraction:0.7",
 }
 
 /// The random traces reach out-of-memory in every configuration: a comparison that never

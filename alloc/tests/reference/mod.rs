@@ -2,8 +2,8 @@
 //! `c10/cuda/CUDACachingAllocator.cpp` (`DeviceCachingAllocator`, PyTorch main), not from
 //! vram's code. It keeps PyTorch's own data structures: heap blocks linked by `prev`/`next`,
 //! pools as ordered sets by (stream, size, address), an event queue, and statistics as a map
-//! with PyTorch's key names. Each method names the C++ function it follows. Expandable
-//! segments and CUDA graph pools are outside the model.
+//! with PyTorch's key names, and expandable segments as `ExpandableSegment` keeps them. Each
+//! method names the C++ function it follows. CUDA graph pools are outside the model.
 //!
 //! The simulated device hands out fresh addresses the way `vram_alloc::VirtualMemory` does
 //! (from 0x7000_0000_0000, spans rounded up to 2 MiB), so layouts compare address for address;
@@ -35,6 +35,8 @@ pub struct RefConfig {
     pub gc_threshold: f64,
     /// `per_process_memory_fraction` (None when unset).
     pub fraction: Option<f64>,
+    /// `expandable_segments`.
+    pub expandable: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -56,13 +58,26 @@ struct Block {
     next: Option<usize>,
     event_count: u32,
     gc_count_base: i64,
+    /// Whether memory is behind the block (always, outside expandable segments).
+    mapped: bool,
+    /// The expandable segment the block lies in.
+    expandable_segment: Option<usize>,
 }
 
 #[derive(Default)]
 struct BlockPool {
     /// (stream, size, ptr) -> block: `BlockComparatorSize`.
     blocks: BTreeSet<(u64, usize, u64, usize)>,
+    /// (stream, ptr) -> unmapped block: `BlockComparatorAddress`.
+    unmapped: BTreeSet<(u64, u64, usize)>,
     get_free_blocks_call_count: i64,
+}
+
+/// `ExpandableSegment`: reserved address space in pages of `segment_size`.
+struct ExpandableSegment {
+    ptr: u64,
+    segment_size: usize,
+    max_handles: usize,
 }
 
 /// The outcome of one request.
@@ -112,6 +127,23 @@ impl Device {
         self.used -= size as u64;
     }
 
+    /// `cuMemAddressReserve`: addresses only.
+    fn reserve(&mut self, size: usize) -> u64 {
+        let ptr = self.next_address;
+        self.next_address += (size as u64).div_ceil(2 << 20) * (2 << 20);
+        ptr
+    }
+
+    /// `cuMemCreate` + `cuMemMap` of `size` bytes; false when the device is full.
+    fn map(&mut self, size: usize) -> bool {
+        let size = size as u64;
+        if self.used.checked_add(size).is_none_or(|u| u > self.total) {
+            return false;
+        }
+        self.used += size;
+        true
+    }
+
     fn record(&mut self, stream: u64) -> (u64, u64) {
         let s = self.streams.entry(stream).or_insert((0, 0, false));
         s.0 += 1;
@@ -148,6 +180,8 @@ pub struct Reference {
     device: Device,
     /// Live blocks by address (`NativeCachingAllocator::allocated_blocks`).
     allocated_blocks: HashMap<u64, usize>,
+    expandable_segments: HashMap<usize, ExpandableSegment>,
+    next_segment: usize,
 }
 
 const ARRAYS: [&str; 9] = [
@@ -209,6 +243,8 @@ impl Reference {
                 streams: HashMap::new(),
             },
             allocated_blocks: HashMap::new(),
+            expandable_segments: HashMap::new(),
+            next_segment: 0,
         }
     }
 
@@ -357,12 +393,12 @@ impl Reference {
             if self.gc_on() {
                 self.garbage_collect_cached_blocks();
             }
-            block = self.alloc_block(pool, stream, alloc_size, false);
+            block = self.alloc_block(pool, stream, alloc_size, size, false);
             if block.is_none() && self.release_available_cached_blocks(pool, stream, size) {
-                block = self.alloc_block(pool, stream, alloc_size, false);
+                block = self.alloc_block(pool, stream, alloc_size, size, false);
             }
             if block.is_none() && self.release_cached_blocks() {
-                block = self.alloc_block(pool, stream, alloc_size, true);
+                block = self.alloc_block(pool, stream, alloc_size, size, true);
             }
         }
         let Some(block) = block else {
@@ -400,10 +436,43 @@ impl Reference {
         if self.gc_on() {
             self.pool(pool).get_free_blocks_call_count += 1;
         }
-        let &(s, bsize, ptr, id) = self.pool(pool).blocks.range((stream, size, 0, 0)..).next()?;
+        let ordered: Vec<(u64, usize, u64, usize)> =
+            self.pool(pool).blocks.range((stream, size, 0, 0)..).copied().collect();
+        let mut it = 0;
+        let &(s, _, _, id) = ordered.first()?;
         if s != stream {
             return None;
         }
+        if self.blocks[&id].expandable_segment.is_some() {
+            if self.cfg.expandable {
+                let expandable_size = |r: &Self, id: usize| {
+                    let b = &r.blocks[&id];
+                    b.size + b.next.filter(|n| !r.blocks[n].mapped).map_or(0, |n| r.blocks[&n].size)
+                };
+                while self.blocks[&ordered[it].3].expandable_segment.is_some()
+                    && it + 1 < ordered.len()
+                    && ordered[it + 1].0 == stream
+                    && expandable_size(self, ordered[it + 1].3)
+                        < expandable_size(self, ordered[it].3)
+                {
+                    it += 1;
+                }
+            } else {
+                loop {
+                    it += 1;
+                    if !(it < ordered.len()
+                        && self.blocks[&ordered[it].3].expandable_segment.is_some()
+                        && ordered[it].0 == stream)
+                    {
+                        break;
+                    }
+                }
+                if it == ordered.len() || ordered[it].0 != stream {
+                    return None;
+                }
+            }
+        }
+        let (s, bsize, ptr, id) = ordered[it];
         let max_split = self.cfg.max_split_size;
         if size < max_split && bsize >= max_split {
             return None;
@@ -421,6 +490,7 @@ impl Reference {
         pool: PoolId,
         stream: u64,
         size: usize,
+        request: usize,
         is_retry: bool,
     ) -> Option<usize> {
         if is_retry {
@@ -430,6 +500,9 @@ impl Reference {
             && self.total_allocated_memory + size as u64 > max
         {
             return None;
+        }
+        if self.cfg.expandable {
+            return self.try_allocate_expandable_block(pool, stream, request);
         }
         let ptr = self.device.malloc(size)?;
         self.total_allocated_memory += size as u64;
@@ -445,6 +518,8 @@ impl Reference {
             next: None,
             event_count: 0,
             gc_count_base: 0,
+            mapped: true,
+            expandable_segment: None,
         });
         self.increase_array("segment", pool, 1);
         self.increase_array("reserved_bytes", pool, size);
@@ -459,7 +534,7 @@ impl Reference {
     fn should_split(&self, id: usize, size: usize) -> bool {
         let b = &self.blocks[&id];
         let remaining = b.size - size;
-        if b.pool == PoolId::Small {
+        if b.pool == PoolId::Small || self.cfg.expandable {
             remaining >= K_MIN_BLOCK_SIZE
         } else {
             size < self.cfg.max_split_size && remaining > K_SMALL_SIZE
@@ -476,6 +551,7 @@ impl Reference {
     ) -> usize {
         let pool = self.blocks[&id].pool;
         let already_split = self.is_split(id);
+        let expandable = self.blocks[&id].expandable_segment;
         let mut block = id;
         if split_remainder {
             let remaining = id;
@@ -495,6 +571,8 @@ impl Reference {
                 next: Some(remaining),
                 event_count: 0,
                 gc_count_base: 0,
+                mapped: true,
+                expandable_segment: expandable,
             });
             if let Some(p) = prev {
                 self.blocks.get_mut(&p).unwrap().next = Some(block);
@@ -505,13 +583,15 @@ impl Reference {
             r.size -= size;
             let remaining_size = r.size;
             self.insert_into_blocks(remaining);
-            if already_split {
+            if expandable.is_some() {
+                // Expandable segments stay out of `inactive_split`.
+            } else if already_split {
                 self.decrease_stat_pair("inactive_split_bytes", pool, size);
             } else {
                 self.increase_array("inactive_split_bytes", pool, remaining_size);
                 self.increase_array("inactive_split", pool, 1);
             }
-        } else if already_split {
+        } else if already_split && expandable.is_none() {
             let bsize = self.blocks[&block].size;
             self.decrease_array("inactive_split_bytes", pool, bsize);
             self.decrease_array("inactive_split", pool, 1);
@@ -587,8 +667,11 @@ impl Reference {
             net_blocks += 1;
             net_size += self.blocks[&id].size as i64;
         }
+        let expandable = self.blocks[&id].expandable_segment.is_some();
         for (name, net) in [("inactive_split", net_blocks), ("inactive_split_bytes", net_size)] {
-            if net > 0 {
+            if expandable {
+                // Expandable segments stay out of `inactive_split`.
+            } else if net > 0 {
                 self.increase_array(name, pool, net as usize);
             } else if net < 0 {
                 self.decrease_array(name, pool, (-net) as usize);
@@ -604,11 +687,20 @@ impl Reference {
         let Some(src) = src else { return 0 };
         {
             let s = &self.blocks[&src];
-            if s.allocated || s.event_count > 0 || !s.stream_uses.is_empty() {
+            if s.allocated
+                || s.event_count > 0
+                || !s.stream_uses.is_empty()
+                || s.mapped != self.blocks[&dst].mapped
+            {
                 return 0;
             }
         }
-        self.erase_from_blocks(src);
+        if self.blocks[&src].mapped {
+            self.erase_from_blocks(src);
+        } else {
+            let (pool, key) = self.unmapped_key(src);
+            assert!(self.pool(pool).unmapped.remove(&key));
+        }
         let s = self.blocks.remove(&src).unwrap();
         let d_prev = self.blocks[&dst].prev;
         if d_prev == Some(src) {
@@ -708,9 +800,18 @@ impl Reference {
     /// `release_blocks` (without expandable segments).
     fn release_blocks(&mut self, pool: PoolId) {
         let ordered: Vec<usize> = self.pool(pool).blocks.iter().map(|k| k.3).collect();
+        let mut to_unmap = Vec::new();
         for id in ordered {
-            if !self.is_split(id) {
+            if self.blocks[&id].expandable_segment.is_some() {
+                to_unmap.push(id);
+            } else if !self.is_split(id) {
                 self.release_block(id);
+            }
+        }
+        for id in to_unmap {
+            self.unmap_block(id);
+            if !self.is_split(id) {
+                self.release_expandable_segment(id);
             }
         }
     }
@@ -769,12 +870,241 @@ impl Reference {
         }
     }
 
+    // ---- expandable segments ------------------------------------------------------------
+
+    fn unmapped_key(&self, id: usize) -> (PoolId, (u64, u64, usize)) {
+        let b = &self.blocks[&id];
+        (b.pool, (b.stream, b.ptr, id))
+    }
+
+    /// `try_allocate_expandable_block`.
+    fn try_allocate_expandable_block(
+        &mut self,
+        pool: PoolId,
+        stream: u64,
+        size: usize,
+    ) -> Option<usize> {
+        let mut candidate = self.find_expandable_block(pool, stream, size);
+        if !self.blocks[&candidate].mapped {
+            let want = self.blocks[&candidate].size.min(size);
+            if !self.map_block(candidate, want) {
+                return None;
+            }
+        }
+        while self.blocks[&candidate].size < size {
+            let remaining = size - self.blocks[&candidate].size;
+            let new_candidate = self.blocks[&candidate].next.expect("room was found");
+            let want = remaining.min(self.blocks[&new_candidate].size);
+            if !self.map_block(new_candidate, want) {
+                return None;
+            }
+            candidate = new_candidate;
+        }
+        self.erase_from_blocks(candidate);
+        Some(candidate)
+    }
+
+    fn allocatable(&self, id: Option<usize>) -> bool {
+        id.is_some_and(|id| {
+            let b = &self.blocks[&id];
+            !b.allocated && b.event_count == 0 && b.stream_uses.is_empty()
+        })
+    }
+
+    /// `find_expandable_block`.
+    fn find_expandable_block(&mut self, pool: PoolId, stream: u64, size: usize) -> usize {
+        let unmapped: Vec<usize> = self
+            .pool(pool)
+            .unmapped
+            .range((stream, 0, 0)..)
+            .take_while(|k| k.0 == stream)
+            .map(|k| k.2)
+            .collect();
+        for mut c in unmapped {
+            let prev = self.blocks[&c].prev;
+            if self.allocatable(prev) {
+                c = prev.unwrap();
+            }
+            let (mut bytes, mut b) = (0, Some(c));
+            while bytes < size && self.allocatable(b) {
+                bytes += self.blocks[&b.unwrap()].size;
+                b = self.blocks[&b.unwrap()].next;
+            }
+            if bytes >= size {
+                return c;
+            }
+        }
+        let segment_size = if pool == PoolId::Small { K_SMALL_BUFFER } else { K_LARGE_BUFFER };
+        let total = self.device.total as usize;
+        let max_handles = (total + total / 8).div_ceil(segment_size);
+        let es_size = max_handles * segment_size;
+        let ptr = self.device.reserve(es_size);
+        let es = self.next_segment;
+        self.next_segment += 1;
+        self.expandable_segments.insert(es, ExpandableSegment { ptr, segment_size, max_handles });
+        let id = self.new_block(Block {
+            stream,
+            stream_uses: BTreeSet::new(),
+            size: es_size,
+            requested_size: 0,
+            pool,
+            ptr,
+            allocated: false,
+            prev: None,
+            next: None,
+            event_count: 0,
+            gc_count_base: 0,
+            mapped: false,
+            expandable_segment: Some(es),
+        });
+        let (pool, key) = self.unmapped_key(id);
+        self.pool(pool).unmapped.insert(key);
+        id
+    }
+
+    /// `map_block`.
+    fn map_block(&mut self, to_map: usize, size: usize) -> bool {
+        let (es, ptr, stream, pool, block_size) = {
+            let b = &self.blocks[&to_map];
+            (b.expandable_segment.unwrap(), b.ptr, b.stream, b.pool, b.size)
+        };
+        // `ExpandableSegment::map`: pages from segmentLeft(ptr) to segmentRight(ptr + size).
+        let seg = &self.expandable_segments[&es];
+        let begin = ((ptr - seg.ptr) as usize) / seg.segment_size;
+        let end = ((ptr - seg.ptr) as usize + size).div_ceil(seg.segment_size);
+        let mapped_size = (end - begin) * seg.segment_size;
+        if !self.device.map(mapped_size) {
+            return false;
+        }
+        let (p, key) = self.unmapped_key(to_map);
+        assert!(self.pool(p).unmapped.remove(&key));
+        self.blocks.get_mut(&to_map).unwrap().mapped = true;
+        if mapped_size < block_size {
+            let next = self.blocks[&to_map].next;
+            let remaining = self.new_block(Block {
+                stream,
+                stream_uses: BTreeSet::new(),
+                size: block_size - mapped_size,
+                requested_size: 0,
+                pool,
+                ptr: ptr + mapped_size as u64,
+                allocated: false,
+                prev: Some(to_map),
+                next,
+                event_count: 0,
+                gc_count_base: 0,
+                mapped: false,
+                expandable_segment: Some(es),
+            });
+            if let Some(n) = next {
+                self.blocks.get_mut(&n).unwrap().prev = Some(remaining);
+            }
+            self.blocks.get_mut(&to_map).unwrap().next = Some(remaining);
+            let (p, key) = self.unmapped_key(remaining);
+            self.pool(p).unmapped.insert(key);
+            self.blocks.get_mut(&to_map).unwrap().size = mapped_size;
+        }
+        let prev = self.blocks[&to_map].prev;
+        self.try_merge_blocks(to_map, prev);
+        let next = self.blocks[&to_map].next;
+        self.try_merge_blocks(to_map, next);
+        self.insert_into_blocks(to_map);
+        self.total_allocated_memory += mapped_size as u64;
+        self.increase_array("reserved_bytes", pool, mapped_size);
+        self.bump("num_device_alloc", 1);
+        true
+    }
+
+    /// `unmap_block`.
+    fn unmap_block(&mut self, id: usize) {
+        let (es, ptr, size, stream, pool, prev) = {
+            let b = &self.blocks[&id];
+            (b.expandable_segment.unwrap(), b.ptr, b.size, b.stream, b.pool, b.prev)
+        };
+        // `ExpandableSegment::unmap`: whole pages from segmentRight(ptr) to
+        // segmentLeft(ptr + size).
+        let seg = &self.expandable_segments[&es];
+        let offset = (ptr - seg.ptr) as usize;
+        let begin = offset.div_ceil(seg.segment_size);
+        let end = (offset + size) / seg.segment_size;
+        if begin >= end {
+            return;
+        }
+        let unmapped_ptr = seg.ptr + (begin * seg.segment_size) as u64;
+        let unmapped_size = (end - begin) * seg.segment_size;
+        self.device.free(unmapped_size);
+        self.erase_from_blocks(id);
+        let before_size = (unmapped_ptr - ptr) as usize;
+        let new_free = |r: &mut Self, at: u64, len: usize, p: Option<usize>, n: Option<usize>| {
+            let f = r.new_block(Block {
+                stream,
+                stream_uses: BTreeSet::new(),
+                size: len,
+                requested_size: 0,
+                pool,
+                ptr: at,
+                allocated: false,
+                prev: p,
+                next: n,
+                event_count: 0,
+                gc_count_base: 0,
+                mapped: true,
+                expandable_segment: Some(es),
+            });
+            if let Some(p) = p {
+                r.blocks.get_mut(&p).unwrap().next = Some(f);
+            }
+            if let Some(n) = n {
+                r.blocks.get_mut(&n).unwrap().prev = Some(f);
+            }
+            r.insert_into_blocks(f);
+        };
+        if before_size > 0 {
+            new_free(self, ptr, before_size, prev, Some(id));
+        }
+        let after_size = size - (before_size + unmapped_size);
+        if after_size > 0 {
+            let next = self.blocks[&id].next;
+            new_free(self, unmapped_ptr + unmapped_size as u64, after_size, Some(id), next);
+        }
+        let b = self.blocks.get_mut(&id).unwrap();
+        b.ptr = unmapped_ptr;
+        b.size = unmapped_size;
+        b.mapped = false;
+        let prev = self.blocks[&id].prev;
+        self.try_merge_blocks(id, prev);
+        let next = self.blocks[&id].next;
+        self.try_merge_blocks(id, next);
+        let (p, key) = self.unmapped_key(id);
+        self.pool(p).unmapped.insert(key);
+        self.total_allocated_memory -= unmapped_size as u64;
+        self.decrease_array("reserved_bytes", pool, unmapped_size);
+        self.bump("num_device_free", 1);
+    }
+
+    /// `release_expandable_segment`.
+    fn release_expandable_segment(&mut self, id: usize) {
+        let b = &self.blocks[&id];
+        let es = b.expandable_segment.unwrap();
+        let seg = &self.expandable_segments[&es];
+        assert_eq!(b.size, seg.max_handles * seg.segment_size, "block disagrees with segment");
+        assert!(!b.mapped);
+        let (p, key) = self.unmapped_key(id);
+        assert!(self.pool(p).unmapped.remove(&key));
+        self.expandable_segments.remove(&es);
+        self.blocks.remove(&id);
+    }
+
     // ---- observation ------------------------------------------------------------------
 
     /// `snapshot()`: segments by address with their blocks.
     pub fn segments(&self) -> Vec<RefSegment> {
-        let mut heads: Vec<usize> =
-            self.blocks.iter().filter(|(_, b)| b.prev.is_none()).map(|(&id, _)| id).collect();
+        let mut heads: Vec<usize> = self
+            .blocks
+            .iter()
+            .filter(|(_, b)| b.mapped && b.prev.is_none_or(|p| !self.blocks[&p].mapped))
+            .map(|(&id, _)| id)
+            .collect();
         heads.sort_by_key(|id| self.blocks[id].ptr);
         heads
             .into_iter()
@@ -788,7 +1118,7 @@ impl Reference {
                     blocks: Vec::new(),
                 };
                 let mut cursor = Some(head);
-                while let Some(id) = cursor {
+                while let Some(id) = cursor.filter(|c| self.blocks[c].mapped) {
                     let b = &self.blocks[&id];
                     let state = if b.allocated {
                         "active_allocated"

@@ -1,30 +1,56 @@
 //! The caching allocator on a real CUDA device. Every test first probes device 0 and, when
 //! there is none, prints `skipped: no CUDA device (<reason>)` and passes, so the file builds
-//! and runs everywhere.
+//! and runs everywhere. Tests of expandable segments also print a skip line and pass on a
+//! device without virtual memory management.
 #![cfg(feature = "cuda")]
 
 use cudarc::driver::{result, sys};
 use std::error::Error;
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Instant;
-use vram_alloc::cuda::{CudaMemory, probe};
-use vram_alloc::{AllocError, CachingAllocator, Snapshot, Stream};
+use vram_alloc::cuda::{CudaMemory, MAX_IDLE_EVENTS, probe};
+use vram_alloc::memory::PAGE_SIZE;
+use vram_alloc::{
+    AllocError, Allocation, AllocatorConfig, CachingAllocator, DeviceMemory, RawError, Snapshot,
+    Stream, VirtualMemory,
+};
 
 type TestResult = Result<(), Box<dyn Error>>;
 
 const MIB: usize = 1 << 20;
 
-/// Whether device 0 can be used; prints the skip line when it cannot. The line goes straight
-/// to stderr (not through `eprintln!`, which the test harness captures) so that it shows in a
+/// Device 0 for one test, shared with the other tests of this binary (which run in parallel),
+/// or `None` after printing `skipped: no CUDA device (<reason>)`. The line goes straight to
+/// stderr (not through `eprintln!`, which the test harness captures) so that it shows in a
 /// plain `cargo test` run.
-fn have_device() -> bool {
+fn device() -> Option<RwLockReadGuard<'static, ()>> {
     match probe(0) {
-        Ok(_) => true,
+        Ok(_) => Some(DEVICE.read().unwrap_or_else(|e| e.into_inner())),
         Err(reason) => {
-            use std::io::Write;
-            let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({reason})");
-            false
+            skip(&format!("no CUDA device ({reason})"));
+            None
         }
     }
+}
+
+/// Device 0 for one test alone (one that fills the device), or `None` as [`device`].
+fn device_alone() -> Option<RwLockWriteGuard<'static, ()>> {
+    match probe(0) {
+        Ok(_) => Some(DEVICE.write().unwrap_or_else(|e| e.into_inner())),
+        Err(reason) => {
+            skip(&format!("no CUDA device ({reason})"));
+            None
+        }
+    }
+}
+
+/// Taken shared by every test, and exclusively by those that exhaust device memory.
+static DEVICE: RwLock<()> = RwLock::new(());
+
+/// Prints `skipped: <reason>` straight to stderr.
+fn skip(reason: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "skipped: {reason}");
 }
 
 fn cache() -> Result<CachingAllocator<CudaMemory>, Box<dyn Error>> {
@@ -90,9 +116,7 @@ fn assert_consistent(cache: &CachingAllocator<CudaMemory>) -> Snapshot {
 
 #[test]
 fn cuda_freed_blocks_are_reused_without_device_calls() -> TestResult {
-    if !have_device() {
-        return Ok(());
-    }
+    let Some(_device) = device() else { return Ok(()) };
     let cache = cache()?;
     let first = cache.allocate(4 * MIB)?;
     let ptr = first.ptr();
@@ -109,9 +133,7 @@ fn cuda_freed_blocks_are_reused_without_device_calls() -> TestResult {
 
 #[test]
 fn cuda_cached_and_raw_allocation_timings_are_reported() -> TestResult {
-    if !have_device() {
-        return Ok(());
-    }
+    let Some(_device) = device() else { return Ok(()) };
     const PAIRS: u32 = 1000;
     let cache = cache()?;
     drop(cache.allocate(MIB)?);
@@ -138,9 +160,7 @@ fn cuda_cached_and_raw_allocation_timings_are_reported() -> TestResult {
 
 #[test]
 fn cuda_memory_fraction_caps_reserved_memory_though_the_device_has_room() -> TestResult {
-    if !have_device() {
-        return Ok(());
-    }
+    let Some(_device) = device() else { return Ok(()) };
     let cache = cache()?;
     cache.set_memory_fraction(0.01)?;
     let cap = cache.memory_cap().expect("a fraction was set");
@@ -162,9 +182,7 @@ fn cuda_memory_fraction_caps_reserved_memory_though_the_device_has_room() -> Tes
 
 #[test]
 fn cuda_empty_cache_returns_reserved_to_zero() -> TestResult {
-    if !have_device() {
-        return Ok(());
-    }
+    let Some(_device) = device() else { return Ok(()) };
     let cache = cache()?;
     // A 20 MiB segment holds the live block and, split off it, the 3 MiB one.
     let live = cache.allocate(5 * MIB)?;
@@ -188,9 +206,7 @@ fn cuda_empty_cache_returns_reserved_to_zero() -> TestResult {
 
 #[test]
 fn cuda_statistics_match_the_snapshot() -> TestResult {
-    if !have_device() {
-        return Ok(());
-    }
+    let Some(_device) = device() else { return Ok(()) };
     let cache = cache()?;
     let mut live = Vec::new();
     for (i, size) in [100, 4096, 700_000, 2 * MIB + 1, 12 * MIB, 30 * MIB].iter().enumerate() {
@@ -214,9 +230,7 @@ fn cuda_statistics_match_the_snapshot() -> TestResult {
 
 #[test]
 fn cuda_record_stream_returns_the_block_after_the_stream_synchronizes() -> TestResult {
-    if !have_device() {
-        return Ok(());
-    }
+    let Some(_device) = device() else { return Ok(()) };
     let cache = cache()?;
     let _context = PrimaryContext::bind()?;
     let stream = result::stream::create(result::stream::StreamKind::NonBlocking)?;
@@ -241,9 +255,7 @@ fn cuda_record_stream_returns_the_block_after_the_stream_synchronizes() -> TestR
 
 #[test]
 fn cuda_allocations_hold_the_bytes_written_to_them() -> TestResult {
-    if !have_device() {
-        return Ok(());
-    }
+    let Some(_device) = device() else { return Ok(()) };
     let cache = cache()?;
     let _context = PrimaryContext::bind()?;
     let a = cache.allocate(MIB + 123)?;
@@ -265,5 +277,223 @@ fn cuda_allocations_hold_the_bytes_written_to_them() -> TestResult {
     }
     assert_eq!(back_a, pattern_a);
     assert_eq!(back_b, pattern_b, "writing one block left its neighbour alone");
+    Ok(())
+}
+
+/// A cache with `expandable_segments:True` on device 0, and a twin on virtual memory of the
+/// same capacity: the policy is the same, so both must reserve the same bytes after the same
+/// calls. `None` (after a skip line) when the device lacks virtual memory management.
+type Twins = (CachingAllocator<CudaMemory>, CachingAllocator<VirtualMemory>);
+fn expandable_twins() -> Result<Option<Twins>, Box<dyn Error>> {
+    let mem = CudaMemory::new(0)?;
+    if !mem.supports_expandable() {
+        skip("CUDA device 0 lacks virtual memory management (expandable segments)");
+        return Ok(None);
+    }
+    let config = AllocatorConfig::parse("expandable_segments:True")?;
+    let total = mem.mem_info().total;
+    let cuda = CachingAllocator::with_config(mem, config.clone())?;
+    let twin = CachingAllocator::with_config(VirtualMemory::new(total), config)?;
+    Ok(Some((cuda, twin)))
+}
+
+/// Reserved bytes, segment count and allocated bytes agree between the CUDA cache and its
+/// virtual twin, and the CUDA memory has exactly the reserved bytes mapped.
+fn assert_twins_agree(cuda: &CachingAllocator<CudaMemory>, twin: &CachingAllocator<VirtualMemory>) {
+    assert_eq!(cuda.memory_reserved(), twin.memory_reserved(), "reserved bytes");
+    assert_eq!(cuda.memory_allocated(), twin.memory_allocated(), "allocated bytes");
+    assert_eq!(cuda.snapshot().segments.len(), twin.snapshot().segments.len(), "segments");
+    assert_eq!(cuda.memory().mapped_bytes() as u64, cuda.memory_reserved(), "mapped = reserved");
+    assert_eq!(cuda.memory_reserved() % PAGE_SIZE as u64, 0, "whole pages");
+    assert_consistent(cuda);
+}
+
+/// Fills `a` with `byte` on the device (cuMemsetD8) and checks every byte reads back.
+fn fill_and_check(a: &Allocation<CudaMemory>, byte: u8) -> TestResult {
+    // SAFETY: `a` is a live allocation of `a.len()` bytes in the current primary context.
+    unsafe { result::memset_d8_sync(a.ptr(), byte, a.len()) }?;
+    assert_eq!(read(a)?, vec![byte; a.len()], "{a:?} holds what was set");
+    Ok(())
+}
+
+/// Copies an allocation's bytes to the host.
+fn read(a: &Allocation<CudaMemory>) -> Result<Vec<u8>, Box<dyn Error>> {
+    let mut back = vec![0u8; a.len()];
+    // SAFETY: `a` is a live allocation of `back.len()` bytes; the copy is synchronous.
+    unsafe { result::memcpy_dtoh_sync(&mut back, a.ptr()) }?;
+    Ok(back)
+}
+
+#[test]
+fn cuda_expandable_segments_map_pages_on_demand_and_empty_cache_unmaps_them() -> TestResult {
+    let Some(_device) = device() else { return Ok(()) };
+    let Some((cuda, twin)) = expandable_twins()? else { return Ok(()) };
+    let sizes = [5 * MIB, 4096, 3 * MIB + 1, 30 * MIB, 700_000];
+    let mut live = Vec::new();
+    for &size in &sizes {
+        live.push((cuda.allocate(size)?, twin.allocate(size)?));
+        assert_twins_agree(&cuda, &twin);
+    }
+    assert!(cuda.memory_reserved() >= cuda.memory_allocated());
+    assert!(cuda.snapshot().segments.iter().all(|s| s.is_expandable), "only expandable segments");
+    // Free every other block, give free pages back, then the rest.
+    let mut i = 0;
+    live.retain(|_| {
+        i += 1;
+        i % 2 == 0
+    });
+    cuda.empty_cache();
+    twin.empty_cache();
+    assert_twins_agree(&cuda, &twin);
+    drop(live);
+    cuda.empty_cache();
+    twin.empty_cache();
+    assert_twins_agree(&cuda, &twin);
+    assert_eq!(cuda.memory_reserved(), 0);
+    assert_eq!(cuda.memory().mapped_bytes(), 0);
+    assert!(cuda.snapshot().segments.is_empty(), "nothing is mapped");
+    assert_eq!(cuda.memory_stats().segment.all.current, 0, "every reservation was released");
+    let stats = cuda.memory_stats();
+    assert_eq!(stats.num_device_alloc, twin.memory_stats().num_device_alloc, "map calls");
+    assert_eq!(stats.num_device_free, twin.memory_stats().num_device_free, "unmap calls");
+    Ok(())
+}
+
+#[test]
+fn cuda_expandable_memory_is_readable_and_writable() -> TestResult {
+    let Some(_device) = device() else { return Ok(()) };
+    let Some((cuda, _twin)) = expandable_twins()? else { return Ok(()) };
+    let _context = PrimaryContext::bind()?;
+    // Four pages, then more pages mapped behind them in the same reservation.
+    let a = cuda.allocate(7 * MIB + 123)?;
+    fill_and_check(&a, 0x5a)?;
+    let b = cuda.allocate(9 * MIB)?;
+    let segments = cuda.snapshot().segments;
+    assert_eq!(segments.len(), 1, "b grew a's segment");
+    let pattern: Vec<u8> = (0..b.len()).map(|i| (i % 251) as u8).collect();
+    // SAFETY: `b` is a live allocation of `pattern.len()` bytes; the copy is synchronous.
+    unsafe { result::memcpy_htod_sync(b.ptr(), &pattern) }?;
+    assert_eq!(read(&b)?, pattern);
+    assert_eq!(read(&a)?, vec![0x5a; a.len()], "growing the segment left a alone");
+    // Unmapped and mapped again: still usable.
+    drop((a, b));
+    cuda.empty_cache();
+    assert_eq!(cuda.memory().mapped_bytes(), 0);
+    let c = cuda.allocate(11 * MIB)?;
+    fill_and_check(&c, 0xc3)?;
+    Ok(())
+}
+
+#[test]
+fn cuda_expandable_unmapping_part_of_one_mapping_keeps_the_rest() -> TestResult {
+    let Some(_device) = device() else { return Ok(()) };
+    let Some((cuda, twin)) = expandable_twins()? else { return Ok(()) };
+    let _context = PrimaryContext::bind()?;
+    // One map call of four pages ...
+    drop((cuda.allocate(8 * MIB)?, twin.allocate(8 * MIB)?));
+    assert_eq!(cuda.memory_stats().num_device_alloc, 1, "one map call");
+    assert_eq!(cuda.memory().mapped_bytes(), 8 * MIB);
+    // ... carved into pages 0, 1 and 2; page 1 is freed, page 3 never used.
+    let x = cuda.allocate(2 * MIB)?;
+    let y = cuda.allocate(2 * MIB)?;
+    let z = cuda.allocate(2 * MIB)?;
+    let mut twins: Vec<_> = (0..3).map(|_| twin.allocate(2 * MIB)).collect::<Result<_, _>>()?;
+    assert_eq!(y.ptr(), x.ptr() + 2 * MIB as u64);
+    assert_eq!(z.ptr(), y.ptr() + 2 * MIB as u64);
+    fill_and_check(&x, 0x11)?;
+    fill_and_check(&z, 0x33)?;
+    drop(y);
+    drop(twins.remove(1));
+    // Pages 1 and 3 are unmapped: sub-ranges of the one earlier mapping.
+    cuda.empty_cache();
+    twin.empty_cache();
+    assert_twins_agree(&cuda, &twin);
+    assert_eq!(cuda.memory().mapped_bytes(), 4 * MIB);
+    assert_eq!(read(&x)?, vec![0x11; x.len()], "page 0 survived");
+    assert_eq!(read(&z)?, vec![0x33; z.len()], "page 2 survived");
+    // The hole is mapped again on demand.
+    let w = cuda.allocate(2 * MIB)?;
+    fill_and_check(&w, 0x77)?;
+    assert_eq!(read(&x)?, vec![0x11; x.len()]);
+    Ok(())
+}
+
+#[test]
+fn cuda_mapping_more_than_the_device_has_fails_with_out_of_memory_and_leaks_nothing() -> TestResult
+{
+    let Some(_device) = device_alone() else { return Ok(()) };
+    let mem = CudaMemory::new(0)?;
+    if !mem.supports_expandable() {
+        skip("CUDA device 0 lacks virtual memory management (expandable segments)");
+        return Ok(());
+    }
+    let size = (mem.mem_info().total as usize + 4 * PAGE_SIZE).next_multiple_of(PAGE_SIZE);
+    let base = mem.reserve(size)?;
+    let free_before = mem.mem_info().free;
+    // SAFETY: `[base, base + size)` is a fresh reservation with nothing mapped.
+    match unsafe { mem.map(base, size) } {
+        Err(RawError::OutOfMemory { requested }) => assert_eq!(requested, size),
+        other => panic!("mapping more than the device holds gave {other:?}"),
+    }
+    assert_eq!(mem.mapped_bytes(), 0, "nothing stays mapped");
+    let free_after = mem.mem_info().free;
+    assert!(
+        free_after + 64 * MIB as u64 >= free_before,
+        "the pages created before running out were released: {free_before} -> {free_after}"
+    );
+    // The reservation is still usable.
+    // SAFETY: as above; the failed call mapped nothing.
+    unsafe { mem.map(base, PAGE_SIZE) }?;
+    assert_eq!(mem.mapped_bytes(), PAGE_SIZE);
+    // SAFETY: the page was just mapped and no work uses it; then nothing is mapped.
+    unsafe {
+        mem.unmap(base, PAGE_SIZE);
+        mem.release(base, size);
+    }
+    assert_eq!(mem.mapped_bytes(), 0);
+    Ok(())
+}
+
+#[test]
+fn cuda_events_for_pending_frees_are_pooled_and_reused() -> TestResult {
+    let Some(_device) = device() else { return Ok(()) };
+    let mem = CudaMemory::new(0)?;
+    let first = mem.record_event(Stream::DEFAULT)?;
+    let raw = first.raw();
+    mem.synchronize_event(&first);
+    assert!(mem.event_completed(&first));
+    mem.destroy_event(first);
+    assert_eq!(mem.idle_events(), 1, "the event went back to the pool");
+    let again = mem.record_event(Stream::DEFAULT)?;
+    assert_eq!(again.raw(), raw, "the pooled event is recorded again");
+    assert_eq!(mem.idle_events(), 0);
+    mem.synchronize_event(&again);
+    mem.destroy_event(again);
+    // The pool is bounded.
+    let many = (0..MAX_IDLE_EVENTS + 5)
+        .map(|_| mem.record_event(Stream::DEFAULT))
+        .collect::<Result<Vec<_>, _>>()?;
+    mem.synchronize_all();
+    for e in many {
+        mem.destroy_event(e);
+    }
+    assert_eq!(mem.idle_events(), MAX_IDLE_EVENTS);
+
+    // Through the cache: a cross-stream free takes an event, and the next one reuses it.
+    let cache = cache()?;
+    let _context = PrimaryContext::bind()?;
+    let stream = result::stream::create(result::stream::StreamKind::NonBlocking)?;
+    for round in 0..3 {
+        let a = cache.allocate(4 * MIB)?;
+        a.record_stream(Stream(stream as u64));
+        drop(a);
+        // SAFETY: `stream` was created above and is not destroyed yet.
+        unsafe { result::stream::synchronize(stream) }?;
+        drop(cache.allocate(4 * MIB)?); // processes the completed event
+        assert_eq!(cache.memory().idle_events(), 1, "round {round}: one event, reused");
+    }
+    assert_eq!(cache.memory_stats().num_device_alloc, 1);
+    // SAFETY: `stream` was created above; no work is queued on it any more.
+    unsafe { result::stream::destroy(stream) }?;
     Ok(())
 }

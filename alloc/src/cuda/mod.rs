@@ -4,5 +4,5 @@
 mod memory;
 mod probe;
 
-pub use memory::{CudaEvent, CudaMemory};
+pub use memory::{CudaEvent, CudaMemory, MAX_IDLE_EVENTS};
 pub use probe::{CudaDeviceInfo, probe};

@@ -11,7 +11,7 @@ use crate::config::AllocatorConfig;
 use crate::error::{AllocError, OutOfMemoryError};
 use crate::index::FreeKey;
 use crate::memory::{DeviceMemory, DevicePtr, RawError, Stream};
-use crate::policy::{self, LARGE_BUFFER, PoolKind};
+use crate::policy::{self, PoolKind};
 use crate::stats::MemoryStats;
 use crate::trace::{Trace, TraceAction};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -56,7 +56,7 @@ impl<M: DeviceMemory> State<M> {
         State {
             power2_rounding: config.rounds_to_power2_divisions(),
             max_split: config.max_split_size(),
-            max_non_split_rounding: LARGE_BUFFER,
+            max_non_split_rounding: config.max_non_split_rounding_size(),
             config,
             cap,
             arena: Arena::default(),

@@ -53,7 +53,7 @@ fn reference_config(conf: &str) -> RefConfig {
     let rounding = c.clone();
     RefConfig {
         max_split_size: c.max_split_size(),
-        max_non_split_rounding: 20 * MIB,
+        max_non_split_rounding: c.max_non_split_rounding_size(),
         divisions: Box::new(move |size| rounding.roundup_power2_divisions(size)),
         gc_threshold: c.garbage_collection_threshold().unwrap_or(0.0),
         fraction: c.memory_fraction(),
@@ -205,6 +205,8 @@ against_pytorch! {
         "per_process_memory_fraction:0.6,garbage_collection_threshold:0.5",
     same_as_pytorch_with_max_split_size_and_garbage_collection =>
         "max_split_size_mb:24,per_process_memory_fraction:0.8,garbage_collection_threshold:0.3",
+    same_as_pytorch_with_max_non_split_rounding =>
+        "max_split_size_mb:30,max_non_split_rounding_mb:60",
     same_as_pytorch_with_expandable_segments => "expandable_segments:True",
     same_as_pytorch_with_expandable_segments_under_a_fraction =>
         "expandable_segments:True,per_process_memory_fraction:0.7",

@@ -141,14 +141,13 @@ fn random_workload_with_huge_blocks_an_oom_and_another_stream() {
     let mut rng = Rng(0x5eed_1234_abcd_0001);
     let mut live = Vec::new();
     churn(&cache, &mut rng, 600, 60 * GIB, &mut live);
-    // Keep two blocks of at least 2 GiB (and their segments) in the snapshot.
-    live.push(cache.allocate(3 * GIB + 12345).unwrap());
-    live.push(cache.allocate(2 * GIB).unwrap());
+    // Keep two blocks of at least 2 GiB in the snapshot.
+    let huge = [cache.allocate(3 * GIB + 12345).unwrap(), cache.allocate(2 * GIB).unwrap()];
     // More than the device holds: an OOM, recorded with the device's free bytes.
     let err = cache.allocate(100 * GIB).unwrap_err();
     assert!(matches!(err, AllocError::OutOfMemory(_)), "{err}");
-    // Free most of it, then let blocks wait for another stream (far below the peak).
-    live.truncate(2);
+    // Free most of the rest, then let blocks wait for another stream (far below the peak).
+    live.truncate(3);
     let other = Stream(7);
     cache.memory().streams().hold(other);
     for n in [MIB, 3 * MIB + 1, 40 * MIB] {
@@ -157,13 +156,17 @@ fn random_workload_with_huge_blocks_an_oom_and_another_stream() {
         drop(a);
     }
     let snap = check("random", &cache, &["--expect-oom", "--expect-pending"]);
-    assert!(snap.segments.iter().any(|s| s.total_size >= 2 << 30), "a segment of 2 GiB or more");
-    assert!(snap.segments.iter().flat_map(|s| &s.blocks).any(|b| b.state == "active_pending_free"));
+    let blocks = || snap.segments.iter().flat_map(|s| &s.blocks);
+    assert!(
+        blocks().any(|b| b.state == "active_allocated" && b.size >= 3 << 30),
+        "a live block of 3 GiB or more"
+    );
+    assert!(blocks().any(|b| b.state == "active_pending_free"));
     assert!(snap.segments.iter().any(|s| s.stream == 2), "a segment of another stream");
     let oom = snap.device_traces[0].iter().find(|e| e.action == TraceAction::Oom).unwrap();
     assert!(oom.addr.is_none() && oom.device_free.is_some() && oom.size >= 100 << 30);
     cache.memory().streams().release(other);
-    drop(live);
+    drop((live, huge));
 }
 
 #[test]

@@ -1,5 +1,8 @@
-//! Records a small workload and writes its snapshot as a pickle that PyTorch's memory
-//! visualizer (<https://pytorch.org/memory_viz>) opens, plus the same data as JSON.
+//! Records a small workload and writes its snapshot as the pickle
+//! `torch.cuda.memory._dump_snapshot()` writes (same dict, same bytes as Python's pickler), which
+//! PyTorch's memory visualizer (<https://pytorch.org/memory_viz>) and
+//! `python -m torch.cuda._memory_viz trace|segments|memory|stats snapshot.pickle` open, plus the
+//! same dict as JSON; prints `memory_summary()` in `torch.cuda.memory_summary()`'s layout.
 //!
 //! `cargo run -p vram-alloc --example snapshot -- [OUT_DIR]`
 
@@ -17,6 +20,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             live.swap_remove(i % live.len());
         }
     }
+    // A block of more than 2 GiB, and a request the device cannot hold (an `oom` entry).
+    live.push(cache.allocate(5 << 29)?);
+    assert!(cache.allocate(32 << 30).is_err());
     let snapshot = cache.snapshot();
     std::fs::write(out.join("snapshot.pickle"), snapshot.to_pickle())?;
     std::fs::write(out.join("snapshot.json"), snapshot.to_json())?;

@@ -38,6 +38,7 @@ mod error;
 mod expandable;
 mod index;
 pub mod memory;
+mod pickle;
 mod policy;
 pub mod replay;
 mod snapshot;
@@ -59,7 +60,7 @@ pub use memory::{DeviceMemory, DevicePtr, MemInfo, RawError, Stream, VirtualMemo
 pub use policy::{
     LARGE_BUFFER, MIN_BLOCK_SIZE, MIN_LARGE_ALLOC, PoolKind, ROUND_LARGE, SMALL_BUFFER, SMALL_SIZE,
 };
-pub use snapshot::{BlockInfo, Frame, SegmentInfo, Snapshot, TraceInfo};
+pub use snapshot::{AllocatorSettings, BlockInfo, Frame, SegmentInfo, Snapshot, TraceInfo};
 pub use stats::{MemoryStats, Stat, StatArray};
 pub use trace::{TraceAction, TraceEntry};
 pub use util::human_bytes;

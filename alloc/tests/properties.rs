@@ -209,7 +209,13 @@ fn check_invariants<B: SimBackend>(
                     requested += b.requested_size;
                     prop_assert!(b.requested_size <= b.size);
                 }
-                "active_pending_free" => active += b.size,
+                // As PyTorch's snapshot: a block waiting for other streams still counts its
+                // requested bytes.
+                "active_pending_free" => {
+                    active += b.size;
+                    requested += b.requested_size;
+                    prop_assert!(b.requested_size <= b.size);
+                }
                 "inactive" => {
                     let next_free = seg.blocks.get(i + 1).is_some_and(|n| n.state == "inactive");
                     prop_assert!(!next_free, "uncoalesced free blocks at {:#x}", b.address);

@@ -377,7 +377,7 @@ fn memory_summary_has_pytorchs_rows() {
         "Allocated memory",
         "Active memory",
         "Requested memory",
-        "Device reserved memory",
+        "GPU reserved memory",
         "Non-releasable memory",
         "Allocations",
         "from large pool",

@@ -143,3 +143,32 @@ impl Error {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layers::LinearConfig;
+    use crate::{Chain, ForwardCtx, Mode, Schedule};
+    use vram_kernels::{DType, Device, Tensor};
+
+    #[test]
+    fn an_out_of_memory_error_stays_one_through_amp_layers_and_the_chain() {
+        let dev = Device::host(32 << 20);
+        let oom = Tensor::zeros(&dev, &[16 << 20], DType::F32).unwrap_err();
+        assert!(oom.is_out_of_memory());
+        let via_amp = Error::from(vram_amp::Error::from(oom));
+        assert!(matches!(via_amp, Error::Kernel(_)) && via_amp.is_out_of_memory(), "{via_amp}");
+        let misuse = Error::from(vram_amp::Error::NoInfChecks);
+        assert!(matches!(misuse, Error::Amp(vram_amp::Error::NoInfChecks)));
+        assert!(!misuse.is_out_of_memory());
+
+        // A layer's out-of-memory error reaches the caller of the chain as one: the output of
+        // [2048, 512] x [512 -> 4096] needs 32 MiB.
+        let mut chain = Chain::default();
+        chain.push(LinearConfig::new(512, 4096).init(&dev).unwrap());
+        let x = Tensor::zeros(&dev, &[2048, 512], DType::F32).unwrap();
+        let mut ctx = ForwardCtx::new(Mode::Train, 0);
+        let err = chain.forward(&x, &mut ctx, &Schedule::none(1).unwrap()).unwrap_err();
+        assert!(err.is_out_of_memory(), "{err}");
+    }
+}

@@ -1,7 +1,7 @@
 //! Optimizers over any [`Params`]: the [`Optimizer`] trait the [`LossScaler`] drives, SGD and
 //! AdamW on the kernels' fused updates, and global-norm gradient clipping.
 //!
-//! Optimizers keep their state per parameter, keyed by [`ParamId`](crate::ParamId), and
+//! Optimizers keep their state per parameter, keyed by [`ParamId`], and
 //! create it at the parameter's first step (PyTorch's lazy state): a parameter without a
 //! gradient is skipped and its state, including AdamW's step count, stays as it was. A
 //! parameter whose value is f16 or bf16 also gets an f32 master copy in that state (apex

@@ -2,53 +2,110 @@
 //! [`Schedule`], and the [`Tape`] that carries what forward kept to backward.
 
 use crate::error::{Error, Result};
-use crate::layer::{ForwardCtx, Layer, Mode, Param, Saved};
-use crate::plan::{ChainProfile, LayerProfile, Schedule};
+use crate::layer::{BoxedLayer, ForwardCtx, Layer, Mode, Param, SavedBox};
+use crate::plan::{ChainProfile, LayerProfile, Schedule, Segment};
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
+use vram_amp::Params;
 use vram_kernels::Tensor;
 
+/// The identity of a [`Chain`], which its tapes carry. Each chain gets an id no other chain
+/// in the process has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ChainId(u64);
+
+impl ChainId {
+    fn fresh() -> ChainId {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        ChainId(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+impl fmt::Display for ChainId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
 /// A sequence of layers, each consuming the previous one's output.
-#[derive(Default)]
 pub struct Chain {
-    layers: Vec<Box<dyn Layer>>,
+    id: ChainId,
+    /// Bumped whenever the layers may have changed, so that older tapes are refused.
+    generation: u64,
+    layers: Vec<BoxedLayer>,
+}
+
+impl Default for Chain {
+    fn default() -> Self {
+        Chain::new(Vec::new())
+    }
+}
+
+impl fmt::Debug for Chain {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Chain").field("id", &self.id).field("layers", &self.layers).finish()
+    }
 }
 
 /// What one segment kept for backward.
 enum Kept {
     /// Every layer's saved state, in order.
-    Plain(Vec<Saved>),
+    Plain(Vec<SavedBox>),
     /// The segment's input (`None`: the chain input, borrowed by the tape) and the random
     /// stream position its forward started from.
     Checkpoint { input: Option<Tensor>, offset: u64 },
 }
 
-/// What a training forward kept for backward: per segment, saved state or a checkpoint.
+/// What a training forward kept for backward: per segment of its schedule, saved state or a
+/// checkpoint. Tagged with the chain that recorded it, whose backward alone accepts it.
 /// Borrows the chain input, which a checkpointed first segment recomputes from.
 pub struct Tape<'x> {
+    chain: ChainId,
+    generation: u64,
     input: &'x Tensor,
     seed: u64,
-    kept: Vec<(crate::plan::Segment, Kept)>,
-    inference: bool,
+    /// `None` for a tape recorded in inference mode.
+    schedule: Option<Schedule>,
+    kept: Vec<(Segment, Kept)>,
 }
 
-impl std::fmt::Debug for Tape<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl fmt::Debug for Tape<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Tape")
-            .field("segments", &self.kept.len())
-            .field("inference", &self.inference)
-            .finish()
+            .field("chain", &self.chain)
+            .field("schedule", &self.schedule)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Tape<'_> {
+    /// The chain that recorded the tape.
+    pub fn chain(&self) -> ChainId {
+        self.chain
+    }
+
+    /// The schedule the forward ran under (`None` in inference mode).
+    pub fn schedule(&self) -> Option<&Schedule> {
+        self.schedule.as_ref()
     }
 }
 
 impl Chain {
     /// A chain of `layers`, run first to last.
-    pub fn new(layers: Vec<Box<dyn Layer>>) -> Self {
-        Chain { layers }
+    pub fn new(layers: Vec<BoxedLayer>) -> Self {
+        Chain { id: ChainId::fresh(), generation: 0, layers }
     }
 
-    /// Appends a layer.
+    /// Appends a layer. Tapes recorded before are refused by [`backward`](Self::backward).
     pub fn push(&mut self, layer: impl Layer + 'static) {
-        self.layers.push(Box::new(layer));
+        self.generation += 1;
+        self.layers.push(BoxedLayer::new(layer));
+    }
+
+    /// The chain's identity.
+    pub fn id(&self) -> ChainId {
+        self.id
     }
 
     /// The number of layers.
@@ -62,12 +119,14 @@ impl Chain {
     }
 
     /// The layers.
-    pub fn layers(&self) -> &[Box<dyn Layer>] {
+    pub fn layers(&self) -> &[BoxedLayer] {
         &self.layers
     }
 
-    /// The layers, mutably.
-    pub fn layers_mut(&mut self) -> &mut [Box<dyn Layer>] {
+    /// The layers, mutably. Tapes recorded before are refused by
+    /// [`backward`](Self::backward), since a layer may have been replaced.
+    pub fn layers_mut(&mut self) -> &mut [BoxedLayer] {
+        self.generation += 1;
         &mut self.layers
     }
 
@@ -129,16 +188,22 @@ impl Chain {
         schedule: &Schedule,
     ) -> Result<(Tensor, Tape<'x>)> {
         self.check_nonempty()?;
-        let mut tape = Tape { input: x, seed: ctx.seed, kept: Vec::new(), inference: false };
+        let mut tape = Tape {
+            chain: self.id,
+            generation: self.generation,
+            input: x,
+            seed: ctx.seed,
+            schedule: None,
+            kept: Vec::new(),
+        };
         if !ctx.training() {
-            tape.inference = true;
             return Ok((self.infer(x)?, tape));
         }
-        if schedule.len() != self.len() {
+        if schedule.layer_count() != self.len() {
             return Err(Error::LengthMismatch {
                 what: "schedule",
                 expected: self.len(),
-                got: schedule.len(),
+                got: schedule.layer_count(),
             });
         }
         let mut cur: Option<Tensor> = None;
@@ -165,12 +230,13 @@ impl Chain {
                 tape.kept.push((seg, Kept::Plain(saved)));
             }
         }
+        tape.schedule = Some(schedule.clone());
         let y =
             cur.ok_or(Error::InvalidArgument { what: "Chain::forward", reason: "empty".into() })?;
         Ok((y, tape))
     }
 
-    fn expect_saved(&self, i: usize, s: Option<Saved>) -> Result<Saved> {
+    fn expect_saved(&self, i: usize, s: Option<SavedBox>) -> Result<SavedBox> {
         s.ok_or_else(|| Error::LayerContract {
             index: i,
             name: self.layers[i].name(),
@@ -187,14 +253,22 @@ impl Chain {
     ///
     /// # Errors
     ///
-    /// [`Error::InferenceTape`] for a tape recorded in inference mode; a layer's error.
+    /// [`Error::ForeignTape`] for a tape another chain recorded, [`Error::StaleTape`] for
+    /// one recorded before this chain's layers changed, [`Error::InferenceTape`] for one
+    /// recorded in inference mode (no gradient is touched then); a layer's error.
     pub fn backward(
         &mut self,
         tape: Tape<'_>,
         dy: Tensor,
         want_input_grad: bool,
     ) -> Result<Option<Tensor>> {
-        if tape.inference {
+        if tape.chain != self.id {
+            return Err(Error::ForeignTape { chain: self.id, tape: tape.chain });
+        }
+        if tape.generation != self.generation {
+            return Err(Error::StaleTape { chain: self.id });
+        }
+        if tape.schedule.is_none() {
             return Err(Error::InferenceTape);
         }
         let Tape { input, seed, mut kept, .. } = tape;
@@ -231,11 +305,13 @@ impl Chain {
     }
 
     /// Runs every layer once forward (training mode) and backward on `x`, measuring from the
-    /// device's allocator statistics and a clock what [`LayerProfile`] holds. Parameter
-    /// gradients are left as they were: during the pass each layer's gradients are replaced by
-    /// zero tensors, so the figures are those of the steady state in which gradients exist.
-    /// `ctx` is cloned; the caller's stream does not advance. Resets the device's peak
-    /// statistics.
+    /// device's allocator statistics and a clock what [`LayerProfile`] holds. Each layer call
+    /// is measured in its own statistics scope (`Device::stats_scope`), so the caller's
+    /// peak statistics are not reset: afterwards they are as if the pass had run unmeasured.
+    /// Parameter gradients are left as they were: during the pass each layer's gradients
+    /// are replaced by zero tensors, so the figures are those of the steady state in which
+    /// gradients exist; what creating them costs is [`LayerProfile::grad_bytes`]. `ctx` is
+    /// cloned; the caller's stream does not advance.
     ///
     /// # Errors
     ///
@@ -255,11 +331,11 @@ impl Chain {
         let mut cur: Option<Tensor> = None;
         for i in 0..self.len() {
             let before = dev.memory_allocated();
-            dev.reset_peak_stats();
+            let scope = dev.stats_scope();
             let t = Instant::now();
             let (y, s) = self.layers[i].forward(cur.as_ref().unwrap_or(x), &mut ctx)?;
             let fwd_time = t.elapsed();
-            let fwd_peak = dev.max_memory_allocated() - before;
+            let fwd_peak = peak_above(scope.finish().allocated_bytes.all.peak, before);
             let after = dev.memory_allocated();
             let out_bytes = {
                 let probe = y.try_clone()?;
@@ -293,6 +369,7 @@ impl Chain {
             })?;
             let (shape, dtype) = &outputs[i];
             let dy = Tensor::full(&dev, shape, *dtype, 1.0)?;
+            let before_grads = dev.memory_allocated();
             let stash: Vec<Option<Tensor>> = self.layers[i]
                 .params_mut()
                 .into_iter()
@@ -302,12 +379,14 @@ impl Chain {
                 })
                 .collect::<Result<_>>()?;
             let before = dev.memory_allocated();
+            profiles[i].grad_bytes = before - before_grads;
             let saved_bytes = profiles[i].saved_bytes;
-            dev.reset_peak_stats();
+            let scope = dev.stats_scope();
             let t = Instant::now();
             let dx = self.layers[i].backward(s, &dy, i > 0 || want_input_grad)?;
             profiles[i].bwd_time = t.elapsed();
-            profiles[i].bwd_peak_bytes = dev.max_memory_allocated() - before;
+            profiles[i].bwd_peak_bytes =
+                peak_above(scope.finish().allocated_bytes.all.peak, before);
             profiles[i].dx_bytes = (dev.memory_allocated() + saved_bytes).saturating_sub(before);
             drop((dx, dy));
             for (p, old) in self.layers[i].params_mut().into_iter().zip(stash) {
@@ -315,5 +394,20 @@ impl Chain {
             }
         }
         Ok(ChainProfile { layers: profiles })
+    }
+}
+
+/// A statistics scope's allocated-bytes peak above `base` (both absolute).
+fn peak_above(peak: i64, base: u64) -> u64 {
+    u64::try_from(peak).unwrap_or(0).saturating_sub(base)
+}
+
+impl Params for Chain {
+    fn params(&self) -> Vec<&Param> {
+        Chain::params(self)
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        Chain::params_mut(self)
     }
 }

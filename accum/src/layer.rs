@@ -1,7 +1,11 @@
-//! The unit of work: a layer with forward, backward and parameters.
+//! The unit of work: a layer with forward, backward and parameters, and [`BoxedLayer`], the
+//! type-erased form a [`Chain`](crate::Chain) holds.
 
+use crate::error::{Error, Result};
 use std::any::Any;
-use vram_kernels::{Device, Result, Tensor};
+use vram_kernels::{Device, Tensor};
+
+pub use vram_amp::{Param, ParamId};
 
 /// Whether a forward pass records what backward needs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -11,10 +15,6 @@ pub enum Mode {
     /// Save nothing (PyTorch's `no_grad` / `inference_mode`).
     Inference,
 }
-
-/// What a layer's forward keeps for its backward: any tensors (allocated from the device, so
-/// they count in its memory statistics) and whatever else the layer needs.
-pub type Saved = Box<dyn Any + Send>;
 
 /// State a forward pass threads through the layers: the mode and a counter-based random
 /// stream. A layer that draws random numbers (dropout) reserves a range of counters with
@@ -37,10 +37,17 @@ impl ForwardCtx {
     }
 
     /// Reserves `n` counters and returns the first.
-    pub fn take_offsets(&mut self, n: u64) -> u64 {
+    ///
+    /// # Errors
+    ///
+    /// [`Error::RandomStreamExhausted`] if the range would run past `u64::MAX` (the
+    /// counters would wrap and repeat earlier random numbers); the offset is unchanged then.
+    pub fn take_offsets(&mut self, n: u64) -> Result<u64> {
         let first = self.offset;
-        self.offset += n;
-        first
+        self.offset = first
+            .checked_add(n)
+            .ok_or(Error::RandomStreamExhausted { offset: first, requested: n })?;
+        Ok(first)
     }
 
     /// Whether backward will run (so forward must save).
@@ -49,59 +56,86 @@ impl ForwardCtx {
     }
 }
 
-/// A trainable tensor and its accumulated gradient.
-#[derive(Debug)]
-pub struct Param {
-    /// Name for reports, e.g. `"fc1.weight"`.
-    pub name: String,
-    /// The value.
-    pub value: Tensor,
-    /// The gradient accumulated since the last [`Param::zero_grad`]; `None` until a backward
-    /// pass writes one (allocated lazily, as PyTorch does).
-    pub grad: Option<Tensor>,
-}
-
-impl Param {
-    /// A parameter with no gradient yet.
-    pub fn new(name: impl Into<String>, value: Tensor) -> Self {
-        Param { name: name.into(), value, grad: None }
-    }
-
-    /// Adds `g` into the gradient, allocating it (as a copy of `g`) on first use.
-    pub fn accumulate_grad(&mut self, g: Tensor) -> Result<()> {
-        match &mut self.grad {
-            Some(acc) => vram_kernels::ops::add_assign(acc, &g),
-            None => {
-                self.grad = Some(g);
-                Ok(())
-            }
-        }
-    }
-
-    /// Drops the gradient (`set_to_none=True`, PyTorch's default), freeing its memory.
-    pub fn zero_grad(&mut self) {
-        self.grad = None;
-    }
-}
-
 /// A layer of a chain: residual and attention blocks are single layers.
 ///
 /// Contract: `forward` in [`Mode::Train`] returns `Some(saved)`, in [`Mode::Inference`]
 /// returns `None` and keeps nothing alive beyond its output. `backward` consumes the saved
 /// state, adds parameter gradients into [`Param::grad`], and returns the input gradient when
-/// `want_input_grad` is true. Given the same input and the same [`ForwardCtx::offset`], forward
-/// must be deterministic.
+/// `want_input_grad` is true. Given the same input and the same [`ForwardCtx::offset`],
+/// forward must be deterministic.
+///
+/// ```
+/// use vram_accum::{ForwardCtx, Layer, Mode, Param, Result};
+/// use vram_kernels::{DType, Device, Tensor, ops};
+///
+/// /// `y = relu(x + b)` with a learned bias `b: [d]`.
+/// struct BiasRelu {
+///     b: Param,
+/// }
+///
+/// impl Layer for BiasRelu {
+///     type Saved = Tensor; // the pre-activation `x + b`
+///
+///     fn name(&self) -> String {
+///         "BiasRelu".into()
+///     }
+///     fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<Tensor>)> {
+///         let z = ops::bias_add(x, &self.b.value)?;
+///         Ok((ops::relu(&z)?, ctx.training().then_some(z)))
+///     }
+///     fn backward(&mut self, z: Tensor, dy: &Tensor, want_dx: bool) -> Result<Option<Tensor>> {
+///         let dz = ops::relu_backward(&z, dy)?;
+///         self.b.accumulate_grad(ops::bias_add_backward(&dz)?)?;
+///         Ok(want_dx.then_some(dz))
+///     }
+///     fn params(&self) -> Vec<&Param> {
+///         vec![&self.b]
+///     }
+///     fn params_mut(&mut self) -> Vec<&mut Param> {
+///         vec![&mut self.b]
+///     }
+///     fn device(&self) -> &Device {
+///         self.b.value.device()
+///     }
+/// }
+///
+/// let dev = Device::host(16 << 20);
+/// let mut layer = BiasRelu { b: Param::new("b", Tensor::full(&dev, &[2], DType::F32, -1.0)?) };
+/// let x = Tensor::from_f32_slice(&dev, &[2, 2], &[0.5, 2.0, 3.0, 1.5], DType::F32)?;
+/// let (y, saved) = layer.forward(&x, &mut ForwardCtx::new(Mode::Train, 0))?;
+/// assert_eq!(y.to_f32_vec(), [0.0, 1.0, 2.0, 0.5]);
+/// let ones = Tensor::full(&dev, &[2, 2], DType::F32, 1.0)?;
+/// layer.backward(saved.expect("saved in training"), &ones, false)?;
+/// assert_eq!(layer.b.grad.as_ref().map(|g| g.to_f32_vec()), Some(vec![1.0, 2.0]));
+/// # Ok::<(), vram_accum::Error>(())
+/// ```
 pub trait Layer: Send {
+    /// What forward keeps for backward: tensors (allocated from the device, so they count in
+    /// its memory statistics) and whatever else the layer needs.
+    type Saved: Send + 'static;
+
     /// Name for reports.
     fn name(&self) -> String;
 
-    /// Computes the output.
-    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<Saved>)>;
+    /// Computes the output, and in [`Mode::Train`] what backward needs.
+    ///
+    /// # Errors
+    ///
+    /// An op's error (shape, dtype, out of memory).
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<(Tensor, Option<Self::Saved>)>;
 
     /// Computes gradients from what forward saved and the output gradient.
+    ///
+    /// # Errors
+    ///
+    /// An op's error (shape, dtype, out of memory).
     fn backward(
         &mut self,
-        saved: Saved,
+        saved: Self::Saved,
         dy: &Tensor,
         want_input_grad: bool,
     ) -> Result<Option<Tensor>>;
@@ -114,4 +148,129 @@ pub trait Layer: Send {
 
     /// The device the layer lives on.
     fn device(&self) -> &Device;
+}
+
+/// What a [`BoxedLayer`]'s forward kept for its backward, its type erased.
+pub struct SavedBox {
+    layer: String,
+    state: Box<dyn Any + Send>,
+}
+
+impl std::fmt::Debug for SavedBox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SavedBox(from {})", self.layer)
+    }
+}
+
+/// The object-safe face of [`Layer`], implemented for every layer.
+trait Erased: Send {
+    fn name(&self) -> String;
+    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<SavedBox>)>;
+    fn backward(&mut self, saved: SavedBox, dy: &Tensor, want: bool) -> Result<Option<Tensor>>;
+    fn params(&self) -> Vec<&Param>;
+    fn params_mut(&mut self) -> Vec<&mut Param>;
+    fn device(&self) -> &Device;
+}
+
+impl<L: Layer> Erased for L {
+    fn name(&self) -> String {
+        Layer::name(self)
+    }
+
+    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<SavedBox>)> {
+        let (y, saved) = Layer::forward(self, x, ctx)?;
+        let saved = saved.map(|s| SavedBox { layer: Layer::name(self), state: Box::new(s) });
+        Ok((y, saved))
+    }
+
+    fn backward(&mut self, saved: SavedBox, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+        let SavedBox { layer, state } = saved;
+        let state = state
+            .downcast::<L::Saved>()
+            .map_err(|_| Error::ForeignSavedState { layer: Layer::name(self), saved_by: layer })?;
+        Layer::backward(self, *state, dy, want)
+    }
+
+    fn params(&self) -> Vec<&Param> {
+        Layer::params(self)
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        Layer::params_mut(self)
+    }
+
+    fn device(&self) -> &Device {
+        Layer::device(self)
+    }
+}
+
+/// A layer of any type, as a [`Chain`](crate::Chain) holds it: its saved state is a
+/// [`SavedBox`], checked to be its own when it comes back to backward.
+pub struct BoxedLayer(Box<dyn Erased>);
+
+impl std::fmt::Debug for BoxedLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "BoxedLayer({})", self.0.name())
+    }
+}
+
+impl<L: Layer + 'static> From<L> for BoxedLayer {
+    fn from(layer: L) -> Self {
+        BoxedLayer(Box::new(layer))
+    }
+}
+
+impl BoxedLayer {
+    /// Boxes `layer`.
+    pub fn new(layer: impl Layer + 'static) -> Self {
+        BoxedLayer(Box::new(layer))
+    }
+
+    /// The layer's name.
+    pub fn name(&self) -> String {
+        self.0.name()
+    }
+
+    /// The layer's forward, its saved state boxed.
+    ///
+    /// # Errors
+    ///
+    /// The layer's error.
+    pub fn forward(
+        &mut self,
+        x: &Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<(Tensor, Option<SavedBox>)> {
+        self.0.forward(x, ctx)
+    }
+
+    /// The layer's backward on what its forward saved.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ForeignSavedState`] if `saved` came from a layer of another type; the
+    /// layer's error.
+    pub fn backward(
+        &mut self,
+        saved: SavedBox,
+        dy: &Tensor,
+        want_input_grad: bool,
+    ) -> Result<Option<Tensor>> {
+        self.0.backward(saved, dy, want_input_grad)
+    }
+
+    /// The layer's parameters.
+    pub fn params(&self) -> Vec<&Param> {
+        self.0.params()
+    }
+
+    /// The layer's parameters, mutably.
+    pub fn params_mut(&mut self) -> Vec<&mut Param> {
+        self.0.params_mut()
+    }
+
+    /// The device the layer lives on.
+    pub fn device(&self) -> &Device {
+        self.0.device()
+    }
 }

@@ -1,13 +1,16 @@
 //! Ready-made layers built from `vram_kernels` ops: [`Linear`], [`Activation`] (ReLU, GELU),
-//! [`Dropout`], [`LayerNorm`] and a pre-norm residual MLP block, [`ResidualMlp`].
+//! [`Dropout`], [`LayerNorm`] and a pre-norm residual MLP block, [`ResidualMlp`]. Layers with
+//! several settings are built from a config (`LinearConfig::new(16, 32).init(&dev)`), whose
+//! optional settings have defaults and `with_*` setters.
 //!
-//! Tensors are uniquely owned (no views), so a layer that needs its input in backward saves a
-//! copy of it; the executor frees the original once the next layer has consumed it, so the
-//! copy is the only one alive, as in PyTorch's autograd graph.
+//! A layer that needs its input in backward keeps a clone of it, which shares its memory (no
+//! copy); the executor drops its own reference once the next layer has consumed the input, so
+//! the layer's is the only one alive, as in PyTorch's autograd graph.
 
-use crate::layer::{ForwardCtx, Layer, Param, Saved};
+use crate::error::{Error, Result};
+use crate::layer::{ForwardCtx, Layer, Param};
 use vram_kernels::cpu::random::uniform_at;
-use vram_kernels::{DType, Device, Error, Result, Tensor, ops};
+use vram_kernels::{DType, Device, Tensor, ops};
 
 /// A tensor of `shape` with elements uniform in `[-bound, bound)`, drawn from `seed`.
 fn uniform(
@@ -19,23 +22,72 @@ fn uniform(
 ) -> Result<Tensor> {
     let n: usize = shape.iter().product();
     let data: Vec<f32> = (0..n as u64).map(|i| (2.0 * uniform_at(seed, i) - 1.0) * bound).collect();
-    Tensor::from_f32_slice(device, shape, &data, dtype)
-}
-
-/// Downcasts what a forward saved, or says which layer got the wrong state.
-fn unpack<T: 'static>(saved: Saved, op: &'static str) -> Result<Box<T>> {
-    saved.downcast::<T>().map_err(|_| Error::InvalidArgument {
-        op,
-        reason: "the saved state was not produced by this layer's forward".into(),
-    })
+    Ok(Tensor::from_f32_slice(device, shape, &data, dtype)?)
 }
 
 /// Keeps `x` (a shared reference, no copy) when the forward must save it.
-fn save_input(x: &Tensor, ctx: &ForwardCtx) -> Result<Option<Tensor>> {
-    Ok(ctx.training().then(|| x.clone()))
+fn save_input(x: &Tensor, ctx: &ForwardCtx) -> Option<Tensor> {
+    ctx.training().then(|| x.clone())
 }
 
-/// `y = x w^T + b` over the last dimension: `[.., d_in] -> [.., d_out]`.
+fn check_dropout(what: &'static str, p: f32) -> Result<()> {
+    if !(0.0..1.0).contains(&p) {
+        return Err(Error::InvalidArgument {
+            what,
+            reason: format!("drop probability {p} is not in [0, 1)"),
+        });
+    }
+    Ok(())
+}
+
+/// The settings of a [`Linear`] layer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LinearConfig {
+    /// Input features.
+    pub d_in: usize,
+    /// Output features.
+    pub d_out: usize,
+    /// The dtype of the weights (default f32).
+    pub dtype: DType,
+    /// Seed of the weight initialization (default 0).
+    pub seed: u64,
+}
+
+impl LinearConfig {
+    /// `d_in -> d_out` features, f32, seed 0.
+    pub fn new(d_in: usize, d_out: usize) -> Self {
+        LinearConfig { d_in, d_out, dtype: DType::F32, seed: 0 }
+    }
+
+    /// The same with weights in `dtype`.
+    pub fn with_dtype(self, dtype: DType) -> Self {
+        LinearConfig { dtype, ..self }
+    }
+
+    /// The same with weights drawn from `seed`.
+    pub fn with_seed(self, seed: u64) -> Self {
+        LinearConfig { seed, ..self }
+    }
+
+    /// A layer with weights uniform in `±1/sqrt(d_in)` (PyTorch's default bound) and zero
+    /// bias, on `device`.
+    ///
+    /// # Errors
+    ///
+    /// Out of memory.
+    pub fn init(&self, device: &Device) -> Result<Linear> {
+        let bound = 1.0 / (self.d_in.max(1) as f32).sqrt();
+        let w = uniform(device, &[self.d_out, self.d_in], bound, self.dtype, self.seed)?;
+        Ok(Linear {
+            weight: Param::new("weight", w),
+            bias: Param::new("bias", Tensor::zeros(device, &[self.d_out], self.dtype)?),
+            device: device.clone(),
+        })
+    }
+}
+
+/// `y = x w^T + b` over the last dimension: `[.., d_in] -> [.., d_out]`. Built from a
+/// [`LinearConfig`].
 #[derive(Debug)]
 pub struct Linear {
     weight: Param,
@@ -43,42 +95,21 @@ pub struct Linear {
     device: Device,
 }
 
-impl Linear {
-    /// A layer with weights uniform in `±1/sqrt(d_in)` (PyTorch's default bound) drawn from
-    /// `seed`, and zero bias.
-    ///
-    /// # Errors
-    ///
-    /// Out of memory.
-    pub fn new(
-        device: &Device,
-        d_in: usize,
-        d_out: usize,
-        dtype: DType,
-        seed: u64,
-    ) -> Result<Self> {
-        let bound = 1.0 / (d_in.max(1) as f32).sqrt();
-        Ok(Linear {
-            weight: Param::new("weight", uniform(device, &[d_out, d_in], bound, dtype, seed)?),
-            bias: Param::new("bias", Tensor::zeros(device, &[d_out], dtype)?),
-            device: device.clone(),
-        })
-    }
-}
-
 impl Layer for Linear {
+    /// The input.
+    type Saved = Tensor;
+
     fn name(&self) -> String {
         let s = self.weight.value.shape();
         format!("Linear({}->{})", s[1], s[0])
     }
 
-    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<Saved>)> {
+    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<Tensor>)> {
         let y = ops::linear(x, &self.weight.value, Some(&self.bias.value))?;
-        Ok((y, save_input(x, ctx)?.map(|x| Box::new(x) as Saved)))
+        Ok((y, save_input(x, ctx)))
     }
 
-    fn backward(&mut self, saved: Saved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
-        let x = unpack::<Tensor>(saved, "Linear::backward")?;
+    fn backward(&mut self, x: Tensor, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
         let g = ops::linear_backward(&x, &self.weight.value, dy, true)?;
         drop(x);
         self.weight.accumulate_grad(g.dw)?;
@@ -128,27 +159,29 @@ impl Activation {
 }
 
 impl Layer for Activation {
+    /// The input.
+    type Saved = Tensor;
+
     fn name(&self) -> String {
         format!("{:?}", self.kind)
     }
 
-    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<Saved>)> {
+    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<Tensor>)> {
         let y = match self.kind {
             Kind::Relu => ops::relu(x)?,
             Kind::Gelu => ops::gelu(x)?,
         };
-        Ok((y, save_input(x, ctx)?.map(|x| Box::new(x) as Saved)))
+        Ok((y, save_input(x, ctx)))
     }
 
-    fn backward(&mut self, saved: Saved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
-        let x = unpack::<Tensor>(saved, "Activation::backward")?;
+    fn backward(&mut self, x: Tensor, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
         if !want {
             return Ok(None);
         }
-        match self.kind {
-            Kind::Relu => ops::relu_backward(&x, dy).map(Some),
-            Kind::Gelu => ops::gelu_backward(&x, dy).map(Some),
-        }
+        Ok(Some(match self.kind {
+            Kind::Relu => ops::relu_backward(&x, dy)?,
+            Kind::Gelu => ops::gelu_backward(&x, dy)?,
+        }))
     }
 
     fn params(&self) -> Vec<&Param> {
@@ -173,8 +206,9 @@ pub struct Dropout {
     device: Device,
 }
 
-/// What [`Dropout`] keeps for backward: the stream position, not a mask.
-struct DropoutSaved {
+/// What [`Dropout`] keeps for backward: the random stream position, not a mask.
+#[derive(Debug)]
+pub struct DropoutSaved {
     seed: u64,
     offset: u64,
 }
@@ -186,36 +220,36 @@ impl Dropout {
     ///
     /// [`Error::InvalidArgument`] unless `0 <= p < 1`.
     pub fn new(device: &Device, p: f32) -> Result<Self> {
-        if !(0.0..1.0).contains(&p) {
-            return Err(Error::InvalidArgument {
-                op: "Dropout::new",
-                reason: format!("drop probability {p} is not in [0, 1)"),
-            });
-        }
+        check_dropout("Dropout::new", p)?;
         Ok(Dropout { p, device: device.clone() })
     }
 }
 
 impl Layer for Dropout {
+    type Saved = DropoutSaved;
+
     fn name(&self) -> String {
         format!("Dropout({})", self.p)
     }
 
-    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<Saved>)> {
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<(Tensor, Option<DropoutSaved>)> {
         if !ctx.training() {
             return Ok((x.clone(), None));
         }
-        let offset = ctx.take_offsets(x.numel() as u64);
+        let offset = ctx.take_offsets(x.numel() as u64)?;
         let y = ops::dropout(x, self.p, ctx.seed, offset)?;
-        Ok((y, Some(Box::new(DropoutSaved { seed: ctx.seed, offset }))))
+        Ok((y, Some(DropoutSaved { seed: ctx.seed, offset })))
     }
 
-    fn backward(&mut self, saved: Saved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
-        let s = unpack::<DropoutSaved>(saved, "Dropout::backward")?;
+    fn backward(&mut self, s: DropoutSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
         if !want {
             return Ok(None);
         }
-        ops::dropout_backward(dy, self.p, s.seed, s.offset).map(Some)
+        Ok(Some(ops::dropout_backward(dy, self.p, s.seed, s.offset)?))
     }
 
     fn params(&self) -> Vec<&Param> {
@@ -231,7 +265,56 @@ impl Layer for Dropout {
     }
 }
 
-/// Layer normalization over the last dimension with a learned scale and shift.
+/// The settings of a [`LayerNorm`] layer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerNormConfig {
+    /// Features normalized over (the last dimension).
+    pub d: usize,
+    /// Added to the variance (default 1e-5).
+    pub eps: f32,
+    /// The dtype of the scale and shift (default f32).
+    pub dtype: DType,
+}
+
+impl LayerNormConfig {
+    /// A norm over `d` features, `eps = 1e-5`, f32.
+    pub fn new(d: usize) -> Self {
+        LayerNormConfig { d, eps: 1e-5, dtype: DType::F32 }
+    }
+
+    /// The same with scale and shift in `dtype`.
+    pub fn with_dtype(self, dtype: DType) -> Self {
+        LayerNormConfig { dtype, ..self }
+    }
+
+    /// The same with `eps`.
+    pub fn with_eps(self, eps: f32) -> Self {
+        LayerNormConfig { eps, ..self }
+    }
+
+    /// A layer norm with scale 1 and shift 0 on `device`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] unless `eps` is finite and > 0; out of memory.
+    pub fn init(&self, device: &Device) -> Result<LayerNorm> {
+        if !(self.eps.is_finite() && self.eps > 0.0) {
+            return Err(Error::InvalidArgument {
+                what: "LayerNormConfig::eps",
+                reason: format!("must be finite and > 0, got {}", self.eps),
+            });
+        }
+        Ok(LayerNorm {
+            gamma: Param::new("gamma", Tensor::full(device, &[self.d], self.dtype, 1.0)?),
+            beta: Param::new("beta", Tensor::zeros(device, &[self.d], self.dtype)?),
+            eps: self.eps,
+            device: device.clone(),
+        })
+    }
+}
+
+/// Layer normalization over the last dimension with a learned scale and shift. Built from a
+/// [`LayerNormConfig`].
 #[derive(Debug)]
 pub struct LayerNorm {
     gamma: Param,
@@ -240,34 +323,18 @@ pub struct LayerNorm {
     device: Device,
 }
 
-/// What [`LayerNorm`] keeps for backward.
-struct NormSaved {
+/// What [`LayerNorm`] keeps for backward: its input and the row statistics.
+#[derive(Debug)]
+pub struct NormSaved {
     x: Tensor,
     mean: Tensor,
     rstd: Tensor,
 }
 
 impl LayerNorm {
-    /// A layer norm over `d` features with scale 1, shift 0 and `eps = 1e-5`.
-    ///
-    /// # Errors
-    ///
-    /// Out of memory.
-    pub fn new(device: &Device, d: usize, dtype: DType) -> Result<Self> {
-        Ok(LayerNorm {
-            gamma: Param::new("gamma", Tensor::full(device, &[d], dtype, 1.0)?),
-            beta: Param::new("beta", Tensor::zeros(device, &[d], dtype)?),
-            eps: 1e-5,
-            device: device.clone(),
-        })
-    }
-
     fn run(&self, x: &Tensor, ctx: &ForwardCtx) -> Result<(Tensor, Option<NormSaved>)> {
         let out = ops::layer_norm(x, &self.gamma.value, &self.beta.value, self.eps)?;
-        let saved = match save_input(x, ctx)? {
-            Some(x) => Some(NormSaved { x, mean: out.mean, rstd: out.rstd }),
-            None => None,
-        };
+        let saved = save_input(x, ctx).map(|x| NormSaved { x, mean: out.mean, rstd: out.rstd });
         Ok((out.y, saved))
     }
 
@@ -281,18 +348,18 @@ impl LayerNorm {
 }
 
 impl Layer for LayerNorm {
+    type Saved = NormSaved;
+
     fn name(&self) -> String {
         format!("LayerNorm({})", self.gamma.value.numel())
     }
 
-    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<Saved>)> {
-        let (y, saved) = self.run(x, ctx)?;
-        Ok((y, saved.map(|s| Box::new(s) as Saved)))
+    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<NormSaved>)> {
+        self.run(x, ctx)
     }
 
-    fn backward(&mut self, saved: Saved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
-        let s = unpack::<NormSaved>(saved, "LayerNorm::backward")?;
-        let dx = self.grads(*s, dy)?;
+    fn backward(&mut self, s: NormSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+        let dx = self.grads(s, dy)?;
         Ok(want.then_some(dx))
     }
 
@@ -309,8 +376,63 @@ impl Layer for LayerNorm {
     }
 }
 
+/// The settings of a [`ResidualMlp`] block.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ResidualMlpConfig {
+    /// Width of the block's input and output.
+    pub d: usize,
+    /// Units of the hidden layer.
+    pub hidden: usize,
+    /// Dropout probability on the branch (default 0: none).
+    pub dropout: f32,
+    /// The dtype of the parameters (default f32).
+    pub dtype: DType,
+    /// Seed of the weight initialization (default 0).
+    pub seed: u64,
+}
+
+impl ResidualMlpConfig {
+    /// A block of width `d` with `hidden` hidden units, no dropout, f32, seed 0.
+    pub fn new(d: usize, hidden: usize) -> Self {
+        ResidualMlpConfig { d, hidden, dropout: 0.0, dtype: DType::F32, seed: 0 }
+    }
+
+    /// The same with dropout `p` on the branch.
+    pub fn with_dropout(self, p: f32) -> Self {
+        ResidualMlpConfig { dropout: p, ..self }
+    }
+
+    /// The same with parameters in `dtype`.
+    pub fn with_dtype(self, dtype: DType) -> Self {
+        ResidualMlpConfig { dtype, ..self }
+    }
+
+    /// The same with weights drawn from `seed`.
+    pub fn with_seed(self, seed: u64) -> Self {
+        ResidualMlpConfig { seed, ..self }
+    }
+
+    /// The block on `device`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] unless `0 <= dropout < 1`; out of memory.
+    pub fn init(&self, device: &Device) -> Result<ResidualMlp> {
+        check_dropout("ResidualMlpConfig::dropout", self.dropout)?;
+        let linear =
+            |d_in, d_out, seed| LinearConfig { d_in, d_out, dtype: self.dtype, seed }.init(device);
+        Ok(ResidualMlp {
+            norm: LayerNormConfig::new(self.d).with_dtype(self.dtype).init(device)?,
+            fc1: linear(self.d, self.hidden, self.seed)?,
+            fc2: linear(self.hidden, self.d, self.seed.wrapping_add(0x9E37_79B9))?,
+            p: self.dropout,
+        })
+    }
+}
+
 /// A pre-norm residual MLP block, one layer of a chain:
-/// `y = x + dropout(fc2(gelu(fc1(layer_norm(x)))))`, `[.., d] -> [.., d]`.
+/// `y = x + dropout(fc2(gelu(fc1(layer_norm(x)))))`, `[.., d] -> [.., d]`. Built from a
+/// [`ResidualMlpConfig`].
 #[derive(Debug)]
 pub struct ResidualMlp {
     norm: LayerNorm,
@@ -321,7 +443,8 @@ pub struct ResidualMlp {
 
 /// What [`ResidualMlp`] keeps for backward. The block owns its intermediates, so it moves
 /// them here instead of copying.
-struct MlpSaved {
+#[derive(Debug)]
+pub struct MlpSaved {
     norm: NormSaved,
     normed: Tensor,
     hidden: Tensor,
@@ -329,58 +452,33 @@ struct MlpSaved {
     dropout: Option<DropoutSaved>,
 }
 
-impl ResidualMlp {
-    /// A block of width `d` with a hidden layer of `hidden` units and dropout `p` on the
-    /// branch (0 for none), weights drawn from `seed`.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidArgument`] unless `0 <= p < 1`; out of memory.
-    pub fn new(
-        device: &Device,
-        d: usize,
-        hidden: usize,
-        p: f32,
-        dtype: DType,
-        seed: u64,
-    ) -> Result<Self> {
-        Dropout::new(device, p)?;
-        Ok(ResidualMlp {
-            norm: LayerNorm::new(device, d, dtype)?,
-            fc1: Linear::new(device, d, hidden, dtype, seed)?,
-            fc2: Linear::new(device, hidden, d, dtype, seed.wrapping_add(0x9E37_79B9))?,
-            p,
-        })
-    }
-}
-
 impl Layer for ResidualMlp {
+    type Saved = MlpSaved;
+
     fn name(&self) -> String {
         let s = self.fc1.weight.value.shape();
         format!("ResidualMlp({}, {}, p={})", s[1], s[0], self.p)
     }
 
-    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<Saved>)> {
+    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<MlpSaved>)> {
         let (normed, norm) = self.norm.run(x, ctx)?;
         let hidden = ops::linear(&normed, &self.fc1.weight.value, Some(&self.fc1.bias.value))?;
         let activated = ops::gelu(&hidden)?;
         let mut branch =
             ops::linear(&activated, &self.fc2.weight.value, Some(&self.fc2.bias.value))?;
         let dropout = if ctx.training() && self.p > 0.0 {
-            let offset = ctx.take_offsets(branch.numel() as u64);
+            let offset = ctx.take_offsets(branch.numel() as u64)?;
             branch = ops::dropout(&branch, self.p, ctx.seed, offset)?;
             Some(DropoutSaved { seed: ctx.seed, offset })
         } else {
             None
         };
         let y = ops::add(x, &branch)?;
-        let saved = norm
-            .map(|norm| Box::new(MlpSaved { norm, normed, hidden, activated, dropout }) as Saved);
+        let saved = norm.map(|norm| MlpSaved { norm, normed, hidden, activated, dropout });
         Ok((y, saved))
     }
 
-    fn backward(&mut self, saved: Saved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
-        let s = *unpack::<MlpSaved>(saved, "ResidualMlp::backward")?;
+    fn backward(&mut self, s: MlpSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
         let dbranch = match &s.dropout {
             Some(d) => Some(ops::dropout_backward(dy, self.p, d.seed, d.offset)?),
             None => None,
@@ -429,5 +527,39 @@ impl Layer for ResidualMlp {
 
     fn device(&self) -> &Device {
         &self.fc1.device
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layer::Mode;
+
+    #[test]
+    fn configs_check_their_settings() {
+        let dev = Device::host(16 << 20);
+        assert!(ResidualMlpConfig::new(4, 8).with_dropout(1.0).init(&dev).is_err());
+        assert!(LayerNormConfig::new(4).with_eps(0.0).init(&dev).is_err());
+        assert!(Dropout::new(&dev, -0.1).is_err());
+        let l = LinearConfig::new(3, 5).with_dtype(DType::F16).with_seed(7).init(&dev).unwrap();
+        assert_eq!((l.name(), l.weight.value.dtype()), ("Linear(3->5)".into(), DType::F16));
+    }
+
+    /// Regression: a random stream near `u64::MAX` used to wrap (a panic in debug builds, a
+    /// repeated dropout mask in release).
+    #[test]
+    fn a_random_stream_that_would_pass_u64_max_is_an_error() {
+        let dev = Device::host(16 << 20);
+        let mut ctx = ForwardCtx { mode: Mode::Train, seed: 1, offset: u64::MAX - 3 };
+        assert_eq!(ctx.take_offsets(3).unwrap(), u64::MAX - 3);
+        assert!(matches!(
+            ctx.take_offsets(1),
+            Err(Error::RandomStreamExhausted { offset: u64::MAX, requested: 1 })
+        ));
+        assert_eq!(ctx.offset, u64::MAX, "a failed reservation leaves the offset");
+        let x = Tensor::full(&dev, &[2, 4], DType::F32, 1.0).unwrap();
+        let mut ctx = ForwardCtx { offset: u64::MAX - 4, ..ctx };
+        let e = Dropout::new(&dev, 0.5).unwrap().forward(&x, &mut ctx).unwrap_err();
+        assert!(matches!(e, Error::RandomStreamExhausted { requested: 8, .. }), "{e}");
     }
 }

@@ -8,10 +8,11 @@
 //! their gradients, optimizer state, the caller's input batch): the tensors layers save for
 //! backward, the checkpointed segment inputs, the live outputs flowing between layers, the
 //! gradients flowing back, and the transient buffers each layer allocates while it runs. It
-//! is measured as `max_memory_allocated() - memory_allocated()` around the step, with the
-//! peak statistics reset at its start. Parameter gradients are assumed already allocated (the
-//! steady state from the second micro-batch of a window on); the first backward after
-//! `zero_grad` additionally allocates them, which is parameter memory, not activation memory.
+//! is measured as the step's peak of `memory_allocated()` minus its value before the step
+//! (e.g. in a statistics scope, `Device::stats_scope`). Parameter gradients are assumed
+//! already allocated (the steady state from the second micro-batch of a window on); the first
+//! backward after `zero_grad` additionally allocates them, which is parameter memory, not
+//! activation memory, and is reported apart ([`Prediction::grad_bytes`]).
 //! The output gradient handed to backward is counted as one output-sized tensor (the caller
 //! drops the output or reuses its buffer for the gradient).
 //!
@@ -125,14 +126,10 @@ impl Schedule {
         &self.segments
     }
 
-    /// The number of layers covered.
-    pub fn len(&self) -> usize {
+    /// The number of layers the segments cover (the length of the chain the schedule is
+    /// for); `segments().len()` is the number of segments.
+    pub fn layer_count(&self) -> usize {
         self.segments.last().map_or(0, |s| s.end)
-    }
-
-    /// Whether the schedule covers no layer (never true for a built schedule).
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -203,6 +200,9 @@ pub struct LayerProfile {
     pub bwd_peak_bytes: u64,
     /// Bytes of the input gradient its backward returns (0 when not asked for).
     pub dx_bytes: u64,
+    /// Bytes of its parameters' gradients, which the first backward after `zero_grad`
+    /// allocates and later ones reuse (parameter memory, not part of the peaks above).
+    pub grad_bytes: u64,
     /// Time of its forward.
     pub fwd_time: Duration,
     /// Time of its backward.
@@ -228,6 +228,10 @@ pub struct Prediction {
     pub recompute: Duration,
     /// `recompute` as a fraction of the plain forward + backward time.
     pub overhead: f64,
+    /// Bytes of parameter gradients the first step after `zero_grad` allocates on top of
+    /// activation memory: that step leaves this much more allocated, and its peak is at most
+    /// `peak_bytes + grad_bytes` (the steady-state peak is `peak_bytes`).
+    pub grad_bytes: u64,
 }
 
 /// The cost of one segment given the memory `M` kept by the segments before it: its phase
@@ -298,11 +302,11 @@ impl ChainProfile {
     /// [`Error::LengthMismatch`] if the schedule does not cover this chain.
     pub fn predict(&self, schedule: &Schedule) -> Result<Prediction> {
         let n = self.layers.len();
-        if schedule.len() != n {
+        if schedule.layer_count() != n {
             return Err(Error::LengthMismatch {
                 what: "schedule",
                 expected: n,
-                got: schedule.len(),
+                got: schedule.layer_count(),
             });
         }
         let (mut kept, mut peak, mut recompute) = (0u64, 0u64, 0.0f64);
@@ -320,6 +324,7 @@ impl ChainProfile {
             kept_bytes: kept + self.out(n - 1),
             recompute: Duration::from_secs_f64(recompute),
             overhead: if total > 0.0 { recompute / total } else { 0.0 },
+            grad_bytes: self.layers.iter().map(|l| l.grad_bytes).sum(),
         })
     }
 
@@ -441,10 +446,18 @@ mod tests {
             fwd_peak_bytes: 400,
             bwd_peak_bytes: 300,
             dx_bytes: 100,
+            grad_bytes: 50,
             fwd_time: Duration::from_millis(1),
             bwd_time: Duration::from_millis(2),
         };
         ChainProfile { layers: vec![l; n] }
+    }
+
+    #[test]
+    fn layer_count_counts_layers_and_segments_are_counted_apart() {
+        let s = Schedule::every(10, 4).unwrap();
+        assert_eq!((s.layer_count(), s.segments().len()), (10, 3));
+        assert_eq!(uniform(9).predict(&Schedule::sqrt(9).unwrap()).unwrap().grad_bytes, 450);
     }
 
     #[test]

@@ -3,10 +3,11 @@
 mod common;
 
 use common::{device, grad_bits, values};
-use vram_accum::layers::{Activation, LayerNorm, Linear};
+use vram_accum::layers::{Activation, LayerNormConfig, LinearConfig};
 use vram_accum::{
-    Chain, FnHooks, ForwardCtx, GradAccumulator, Mode, Normalization, Schedule, Window,
+    Chain, FnHooks, ForwardCtx, GradAccumulator, Mode, Normalization, Schedule, StepHooks, Window,
 };
+use vram_amp::{LossScaler, Optimizer, Sgd, SgdConfig, StepOutcome};
 use vram_kernels::{DType, Device, Tensor, ops};
 
 const D_IN: usize = 8;
@@ -15,10 +16,10 @@ const CLASSES: usize = 4;
 /// A small classifier; no dropout, so a row's gradient does not depend on its batch.
 fn model(dev: &Device) -> Chain {
     Chain::new(vec![
-        Box::new(Linear::new(dev, D_IN, 16, DType::F32, 1).unwrap()),
-        Box::new(Activation::gelu(dev)),
-        Box::new(LayerNorm::new(dev, 16, DType::F32).unwrap()),
-        Box::new(Linear::new(dev, 16, CLASSES, DType::F32, 2).unwrap()),
+        LinearConfig::new(D_IN, 16).with_seed(1).init(dev).unwrap().into(),
+        Activation::gelu(dev).into(),
+        LayerNormConfig::new(16).init(dev).unwrap().into(),
+        LinearConfig::new(16, CLASSES).with_seed(2).init(dev).unwrap().into(),
     ])
 }
 
@@ -71,33 +72,36 @@ fn rel_err(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
 
 /// Runs an epoch of micro-batches of `sizes` rows with `acc`, returning each window's
 /// gradients (captured and cleared at the window boundary, where an optimizer would step).
-fn accumulate(acc: &GradAccumulator, sizes: &[usize], d: &Data) -> Vec<Vec<Vec<f32>>> {
-    let dev = device();
-    let chain = std::cell::RefCell::new(model(&dev));
-    let starts: Vec<usize> = sizes
+fn starts(sizes: &[usize]) -> Vec<usize> {
+    sizes
         .iter()
         .scan(0, |s, n| {
             *s += n;
             Some(*s - n)
         })
-        .collect();
+        .collect()
+}
+
+fn accumulate(acc: &GradAccumulator, sizes: &[usize], d: &Data) -> Vec<Vec<Vec<f32>>> {
+    let dev = device();
+    let mut chain = model(&dev);
+    let starts = starts(sizes);
     let items: Vec<u64> = sizes.iter().map(|&n| n as u64).collect();
     let mut windows = Vec::new();
     let mut hooks = FnHooks {
-        start: |_: &Window| Ok(1.0),
-        end: |_: &Window| {
-            let mut c = chain.borrow_mut();
-            windows.push(grads(&c));
-            c.zero_grad();
+        start: |_: &mut Chain, _: &Window| Ok(1.0),
+        end: |chain: &mut Chain, _: &Window| {
+            windows.push(grads(chain));
+            chain.zero_grad();
             Ok(())
         },
     };
-    acc.run_epoch(&items, &mut hooks, |step| {
+    acc.run_epoch(&items, &mut chain, &mut hooks, |chain, step| {
         let (start, n) = (starts[step.micro_batch], sizes[step.micro_batch]);
         // The loss of a micro-batch is a mean under `Mean`, a sum over its rows otherwise;
         // the kernel's loss is a mean, so a sum's gradient is `n` times the mean's.
         let per_item = if acc.normalization() == Normalization::Mean { 1.0 } else { n as f32 };
-        backprop(&mut chain.borrow_mut(), &dev, d, start..start + n, step.dloss * per_item);
+        backprop(chain, &dev, d, start..start + n, step.dloss * per_item);
         Ok(())
     })
     .unwrap();
@@ -194,4 +198,77 @@ fn gradients_accumulate_across_backward_calls_until_zeroed() {
     assert_ne!(grad_bits(&chain), once);
     chain.zero_grad();
     assert!(grad_bits(&chain).iter().all(Option::is_none));
+}
+
+fn params(chain: &Chain) -> Vec<Vec<f32>> {
+    chain.params().iter().map(|p| p.value.to_f32_vec()).collect()
+}
+
+/// An optimizer stepping the chain's own parameters at each window end, through
+/// [`StepHooks`], moves them as one step on the full-batch gradient does.
+#[test]
+fn sgd_through_step_hooks_matches_a_step_on_the_full_batch_gradient() {
+    let d = data(24);
+    let sgd =
+        SgdConfig { lr: 0.5, momentum: 0.9, dampening: 0.0, weight_decay: 0.01, nesterov: false };
+    let dev = device();
+    let mut full = model(&dev);
+    backprop(&mut full, &dev, &d, 0..24, 1.0);
+    Sgd::new(sgd).step(&mut full).unwrap();
+
+    let mut chain = model(&dev);
+    let before = params(&chain);
+    let mut hooks = StepHooks::new(Sgd::new(sgd), LossScaler::disabled());
+    let acc = GradAccumulator::new(4, Normalization::Mean).unwrap();
+    let sizes = [6; 4];
+    let starts = starts(&sizes);
+    let steps = acc
+        .run_epoch(&[6; 4], &mut chain, &mut hooks, |chain, step| {
+            let start = starts[step.micro_batch];
+            backprop(chain, &dev, &d, start..start + 6, step.dloss);
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(steps, 1);
+    assert_eq!(hooks.last_step().map(|r| r.outcome), Some(StepOutcome::Stepped));
+    assert!(chain.params().iter().all(|p| p.grad.is_none()), "gradients dropped after the step");
+    let err = rel_err(&params(&chain), &params(&full));
+    assert!(err <= 1e-6, "relative error {err}");
+    assert!(rel_err(&params(&chain), &before) > 1e-3, "the step moved the parameters");
+}
+
+/// With a loss scale, the micro-batches see `dloss` scaled and the optimizer sees the
+/// unscaled, clipped gradient: the parameters match an unscaled run with the same clipping.
+#[test]
+fn step_hooks_unscale_and_clip_before_stepping() {
+    let d = data(16);
+    let sgd =
+        SgdConfig { lr: 0.1, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false };
+    let run = |scaler: LossScaler| {
+        let dev = device();
+        let mut chain = model(&dev);
+        let mut hooks = StepHooks::new(Sgd::new(sgd), scaler).with_max_grad_norm(0.05).unwrap();
+        let acc = GradAccumulator::new(2, Normalization::Mean).unwrap();
+        let mut dlosses = Vec::new();
+        acc.run_epoch(&[8, 8], &mut chain, &mut hooks, |chain, step| {
+            dlosses.push(step.dloss);
+            backprop(chain, &dev, &d, 8 * step.micro_batch..8 * step.micro_batch + 8, step.dloss);
+            Ok(())
+        })
+        .unwrap();
+        let report = hooks.last_step().unwrap();
+        (params(&chain), dlosses, report)
+    };
+    let cfg = vram_amp::ScalerConfig { init_scale: 1024.0, ..Default::default() };
+    let (scaled, dl_scaled, r_scaled) = run(LossScaler::new(cfg).unwrap());
+    let (plain, dl_plain, r_plain) = run(LossScaler::disabled());
+    assert_eq!((dl_scaled, dl_plain), (vec![512.0; 2], vec![0.5; 2]));
+    assert_eq!((r_scaled.scale, r_plain.scale), (1024.0, 1.0));
+    let (n_scaled, n_plain) = (r_scaled.grad_norm.unwrap(), r_plain.grad_norm.unwrap());
+    assert!(n_plain > 0.05, "the bound clips: norm {n_plain}");
+    assert!((n_scaled - n_plain).abs() <= 1e-5 * n_plain, "{n_scaled} vs {n_plain}");
+    assert!(rel_err(&scaled, &plain) <= 1e-5);
+    assert!(
+        StepHooks::new(Sgd::new(sgd), LossScaler::disabled()).with_max_grad_norm(f32::NAN).is_err()
+    );
 }

@@ -4,7 +4,7 @@ mod common;
 
 use common::{device, layer, step_bits, tensor};
 use proptest::prelude::*;
-use vram_accum::{Chain, CheckpointPlan, ForwardCtx, Mode, Schedule, Segment};
+use vram_accum::{Chain, CheckpointPlan, Error, ForwardCtx, Mode, Schedule, Segment};
 
 const D: usize = 8;
 
@@ -90,7 +90,7 @@ fn inference_saves_nothing_and_matches_the_training_output_without_dropout() {
 
     let mut ctx = ForwardCtx::new(Mode::Inference, 0);
     let (y, tape) = chain.forward(&x, &mut ctx, &Schedule::none(5).unwrap()).unwrap();
-    assert!(matches!(chain.backward(tape, y, false), Err(vram_accum::Error::InferenceTape)));
+    assert!(matches!(chain.backward(tape, y, false), Err(Error::InferenceTape)));
 }
 
 #[test]
@@ -99,5 +99,60 @@ fn a_schedule_for_another_chain_length_is_an_error() {
     let x = tensor(&dev, &[4, D], 1);
     let mut ctx = ForwardCtx::new(Mode::Train, 0);
     let err = chain.forward(&x, &mut ctx, &Schedule::none(3).unwrap()).unwrap_err();
-    assert!(matches!(err, vram_accum::Error::LengthMismatch { expected: 2, got: 3, .. }));
+    assert!(matches!(err, Error::LengthMismatch { expected: 2, got: 3, .. }));
+}
+
+/// Regression: a tape from one chain given to another chain's backward used to panic on an
+/// index when the chains' lengths differed, and to compute wrong gradients silently when
+/// they matched. The tape names its chain; any other chain refuses it before touching a
+/// gradient.
+#[test]
+fn a_tape_from_another_chain_is_refused_and_touches_no_gradient() {
+    let (dev, mut a) = random_chain(&[0, 1, 0], 1);
+    let x = tensor(&dev, &[4, D], 1);
+    let mut shorter = Chain::new(vec![common::layer(&dev, 0, D, 2), common::layer(&dev, 1, D, 2)]);
+    let mut same_shape =
+        Chain::new((0..3).map(|i| common::layer(&dev, [0, 1, 0][i], D, 3)).collect());
+    let schedule = Schedule::sqrt(3).unwrap();
+    for other in [&mut shorter, &mut same_shape] {
+        let (y, tape) = a.forward(&x, &mut ForwardCtx::new(Mode::Train, 0), &schedule).unwrap();
+        assert_eq!((tape.chain(), tape.schedule()), (a.id(), Some(&schedule)));
+        let err = other.backward(tape, y, true).unwrap_err();
+        assert!(
+            matches!(err, Error::ForeignTape { chain, tape } if chain == other.id() && tape == a.id()),
+            "{err}"
+        );
+        assert!(common::grad_bits(other).iter().all(Option::is_none));
+    }
+    assert!(common::grad_bits(&a).iter().all(Option::is_none));
+}
+
+#[test]
+fn a_tape_recorded_before_the_chain_changed_is_refused() {
+    let (dev, mut chain) = random_chain(&[0, 1], 1);
+    let x = tensor(&dev, &[4, D], 1);
+    let mut ctx = ForwardCtx::new(Mode::Train, 0);
+    let (y, tape) = chain.forward(&x, &mut ctx, &Schedule::none(2).unwrap()).unwrap();
+    chain.push(vram_accum::layers::Activation::relu(&dev));
+    assert!(matches!(chain.backward(tape, y, false), Err(Error::StaleTape { .. })));
+    let (y, tape) = chain.forward(&x, &mut ctx, &Schedule::none(3).unwrap()).unwrap();
+    chain.layers_mut()[2] = common::layer(&dev, 0, D, 9);
+    assert!(matches!(chain.backward(tape, y, false), Err(Error::StaleTape { .. })));
+    assert!(common::grad_bits(&chain).iter().all(Option::is_none));
+    let (y, tape) = chain.forward(&x, &mut ctx, &Schedule::none(3).unwrap()).unwrap();
+    chain.backward(tape, y, false).unwrap();
+    assert!(common::grad_bits(&chain).iter().all(Option::is_some));
+}
+
+/// A boxed layer's backward refuses state saved by a layer of another type.
+#[test]
+fn saved_state_of_another_layer_type_is_an_error() {
+    let dev = common::device();
+    let x = tensor(&dev, &[4, D], 1);
+    let mut ctx = ForwardCtx::new(Mode::Train, 0);
+    let mut linear = common::layer(&dev, 0, D, 1);
+    let mut norm = common::layer(&dev, 4, D, 1);
+    let (y, saved) = norm.forward(&x, &mut ctx).unwrap();
+    let err = linear.backward(saved.unwrap(), &y, true).unwrap_err();
+    assert!(matches!(err, Error::ForeignSavedState { .. }), "{err}");
 }

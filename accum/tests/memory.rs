@@ -2,8 +2,8 @@
 
 mod common;
 
-use common::{device, measured_peak, tensor, within};
-use vram_accum::layers::{Linear, ResidualMlp};
+use common::{device, measured_peak, step_peak, tensor, within};
+use vram_accum::layers::{LinearConfig, ResidualMlpConfig};
 use vram_accum::{Chain, ChainProfile, CheckpointPlan, ForwardCtx, Mode, Schedule};
 use vram_kernels::{DType, Device, Tensor};
 
@@ -16,9 +16,13 @@ const BATCH: usize = 8;
 fn linear_chain(dev: &Device, n: usize, d: usize) -> Chain {
     Chain::new(
         (0..n)
-            .map(|i| Box::new(Linear::new(dev, d, d, DType::F32, i as u64).unwrap()) as _)
+            .map(|i| LinearConfig::new(d, d).with_seed(i as u64).init(dev).unwrap().into())
             .collect(),
     )
+}
+
+fn mlp(d: usize, hidden: usize, seed: u64) -> ResidualMlpConfig {
+    ResidualMlpConfig::new(d, hidden).with_dropout(0.1).with_seed(seed)
 }
 
 fn profile(chain: &mut Chain, x: &Tensor) -> ChainProfile {
@@ -75,11 +79,7 @@ fn every_k_peaks_follow_their_prediction_with_the_minimum_near_sqrt_n() {
 fn budget_plan_never_exceeds_its_budget_and_spends_less_recompute_as_it_grows() {
     let dev = device();
     let n = 32;
-    let mut chain = Chain::new(
-        (0..n)
-            .map(|i| Box::new(ResidualMlp::new(&dev, 16, 32, 0.1, DType::F32, i).unwrap()) as _)
-            .collect(),
-    );
+    let mut chain = Chain::new((0..n).map(|i| mlp(16, 32, i).init(&dev).unwrap().into()).collect());
     let x = tensor(&dev, &[BATCH, 16], 2);
     let p = profile(&mut chain, &x);
     let min = p.min_peak_bytes();
@@ -105,11 +105,8 @@ fn budget_plan_never_exceeds_its_budget_and_spends_less_recompute_as_it_grows() 
 #[test]
 fn checkpointing_a_residual_chain_with_dropout_cuts_its_measured_peak() {
     let dev = device();
-    let mut chain = Chain::new(
-        (0..16)
-            .map(|i| Box::new(ResidualMlp::new(&dev, 16, 64, 0.1, DType::F32, i).unwrap()) as _)
-            .collect(),
-    );
+    let mut chain =
+        Chain::new((0..16).map(|i| mlp(16, 64, i).init(&dev).unwrap().into()).collect());
     let x = tensor(&dev, &[BATCH, 16], 2);
     let p = profile(&mut chain, &x);
     let none = measured_peak(&mut chain, &x, &Schedule::none(16).unwrap());
@@ -117,4 +114,49 @@ fn checkpointing_a_residual_chain_with_dropout_cuts_its_measured_peak() {
     assert_eq!(none, p.predict(&Schedule::none(16).unwrap()).unwrap().peak_bytes);
     assert_eq!(sqrt, p.predict(&Schedule::sqrt(16).unwrap()).unwrap().peak_bytes);
     assert!(sqrt * 2 < none, "sqrt {sqrt} vs none {none}");
+}
+
+/// Regression: profiling used to reset the device's peak statistics, losing the caller's
+/// peak. Now the caller's peak afterwards is the larger of its own and the profile's.
+#[test]
+fn profiling_keeps_the_callers_peak() {
+    let dev = device();
+    let mut chain = linear_chain(&dev, 8, 16);
+    let x = tensor(&dev, &[64, 16], 1);
+    let big = Tensor::zeros(&dev, &[4 << 20], DType::F32).unwrap();
+    drop(big);
+    let before = dev.max_memory_allocated();
+    assert!(before >= 16 << 20);
+    let p = profile(&mut chain, &x);
+    assert_eq!(dev.max_memory_allocated(), before, "the profile's peak is lower than the caller's");
+    assert!(p.layers.iter().all(|l| l.fwd_peak_bytes > 0 && l.bwd_peak_bytes > 0));
+    // A caller whose peak is lower sees the profile's allocations in its peak, as if the
+    // profile had run unmeasured.
+    dev.reset_peak_stats();
+    let low = dev.max_memory_allocated();
+    profile(&mut chain, &x);
+    assert!(dev.max_memory_allocated() > low);
+}
+
+/// The first step after `zero_grad` allocates the parameter gradients, which the profile
+/// reports apart from the steady-state activation peak.
+#[test]
+fn the_first_steps_gradient_allocation_is_reported_separately() {
+    let dev = device();
+    let n = 12;
+    let mut chain = Chain::new((0..n).map(|i| mlp(16, 32, i).init(&dev).unwrap().into()).collect());
+    let x = tensor(&dev, &[BATCH, 16], 2);
+    let p = profile(&mut chain, &x);
+    let param_bytes: u64 = chain.params().iter().map(|p| p.value.size_in_bytes() as u64).sum();
+    for schedule in [Schedule::none(n as usize).unwrap(), Schedule::sqrt(n as usize).unwrap()] {
+        let pred = p.predict(&schedule).unwrap();
+        assert!(pred.grad_bytes >= param_bytes, "{} < {param_bytes}", pred.grad_bytes);
+        chain.zero_grad();
+        let (first_peak, grown) = step_peak(&mut chain, &x, &schedule);
+        assert_eq!(grown, pred.grad_bytes);
+        assert!(first_peak >= pred.peak_bytes, "the first step also holds new gradients");
+        assert!(first_peak <= pred.peak_bytes + pred.grad_bytes);
+        let (steady_peak, grown) = step_peak(&mut chain, &x, &schedule);
+        assert_eq!((steady_peak, grown), (pred.peak_bytes, 0));
+    }
 }

@@ -51,6 +51,12 @@ pub enum Error {
         /// What was wrong and what is allowed.
         reason: String,
     },
+    /// Gradient clipping was asked for a bound that is negative or NaN.
+    #[error("clip_grad_norm: max_norm must be >= 0 (inf only measures the norm), got {max_norm}")]
+    InvalidMaxNorm {
+        /// The bound that was given.
+        max_norm: f32,
+    },
     /// A parameter index is out of range, or a gradient does not fit its parameter.
     #[error("{op}: {reason}")]
     InvalidArgument {
@@ -63,3 +69,11 @@ pub enum Error {
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// Whether this is the allocator's out-of-memory error (inputs and parameters are left
+    /// intact, so a training loop may retry with less memory).
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, Error::Kernel(e) if e.is_out_of_memory())
+    }
+}

@@ -9,9 +9,13 @@
 //! - [`WeightLayout::LowPrecisionModel`] (apex O2 style): the model's weights live in the low
 //!   dtype for good, with an f32 master copy the optimizer updates; after each update the
 //!   masters are cast back into the model's weights in place.
+//!
+//! For parameters that live elsewhere (the layers of a chain) in a 16-bit dtype, the
+//! optimizers keep the f32 masters themselves (see [`optim`](crate::optim)).
 
 use crate::convert::cast_into;
 use crate::error::{Error, Result};
+use crate::param::{Param, Params};
 use serde::{Deserialize, Serialize};
 use vram_kernels::{DType, Tensor, ops};
 
@@ -49,11 +53,13 @@ impl MemoryBreakdown {
 }
 
 /// Parameters with f32 masters, f32 gradients and (per the layout) low-precision weights.
+///
+/// The masters are [`Param`]s and the container is [`Params`]: an optimizer steps the
+/// masters, and [`Params::after_step`] brings the low-precision weights in line.
 #[derive(Debug)]
 pub struct MasterWeights {
     layout: WeightLayout,
-    master: Vec<Tensor>,
-    grads: Vec<Option<Tensor>>,
+    master: Vec<Param>,
     /// Low-precision weights: persistent (`LowPrecisionModel`) or this step's copies.
     model: Vec<Option<Tensor>>,
 }
@@ -64,8 +70,8 @@ fn bytes<'a>(ts: impl IntoIterator<Item = &'a Tensor>) -> u64 {
 
 impl MasterWeights {
     /// Takes `params` (any dtype) into `layout`: masters are f32 (an f32 parameter is kept as
-    /// is, others are widened), and `LowPrecisionModel` also keeps each parameter in its low
-    /// dtype (a parameter already in it is kept as is).
+    /// is, others are widened) and named by their index, and `LowPrecisionModel` also keeps
+    /// each parameter in its low dtype (a parameter already in it is kept as is).
     ///
     /// # Errors
     ///
@@ -82,22 +88,22 @@ impl MasterWeights {
         let n = params.len();
         let mut master = Vec::with_capacity(n);
         let mut model = Vec::with_capacity(n);
-        for p in params {
+        for (i, p) in params.into_iter().enumerate() {
             match layout {
                 WeightLayout::LowPrecisionModel(low) => {
                     let m = p.to_dtype(DType::F32)?;
                     let low_p = if p.dtype() == low { p } else { p.to_dtype(low)? };
-                    master.push(m);
+                    master.push(Param::new(i.to_string(), m));
                     model.push(Some(low_p));
                 }
                 _ => {
                     let m = if p.dtype() == DType::F32 { p } else { p.to_dtype(DType::F32)? };
-                    master.push(m);
+                    master.push(Param::new(i.to_string(), m));
                     model.push(None);
                 }
             }
         }
-        Ok(MasterWeights { layout, master, grads: (0..n).map(|_| None).collect(), model })
+        Ok(MasterWeights { layout, master, model })
     }
 
     /// The layout.
@@ -115,8 +121,9 @@ impl MasterWeights {
         self.master.is_empty()
     }
 
-    /// The f32 master weights (the parameters themselves in `F32` and `CastPerStep`).
-    pub fn master(&self) -> &[Tensor] {
+    /// The f32 master weights and their gradients (the parameters themselves in `F32` and
+    /// `CastPerStep`).
+    pub fn master(&self) -> &[Param] {
         &self.master
     }
 
@@ -131,12 +138,12 @@ impl MasterWeights {
         if let WeightLayout::CastPerStep(low) = self.layout {
             for (slot, m) in self.model.iter_mut().zip(&self.master) {
                 if slot.is_none() {
-                    *slot = Some(m.to_dtype(low)?);
+                    *slot = Some(m.value.to_dtype(low)?);
                 }
             }
         }
         Ok(match self.layout {
-            WeightLayout::F32 => self.master.iter().collect(),
+            WeightLayout::F32 => self.master.iter().map(|p| &p.value).collect(),
             _ => self.model.iter().flatten().collect(),
         })
     }
@@ -155,13 +162,13 @@ impl MasterWeights {
                 reason: format!("parameter {i} does not exist; there are {}", self.len()),
             });
         };
-        if p.shape() != grad.shape() {
+        if p.value.shape() != grad.shape() {
             return Err(Error::InvalidArgument {
                 op,
                 reason: format!(
                     "gradient shape {:?} does not match parameter {i}'s {:?}",
                     grad.shape(),
-                    p.shape()
+                    p.value.shape()
                 ),
             });
         }
@@ -177,7 +184,7 @@ impl MasterWeights {
     pub fn set_grad(&mut self, i: usize, grad: Tensor) -> Result<()> {
         self.check_grad("set_grad", i, &grad)?;
         let g = if grad.dtype() == DType::F32 { grad } else { grad.to_dtype(DType::F32)? };
-        self.grads[i] = Some(g);
+        self.master[i].grad = Some(g);
         Ok(())
     }
 
@@ -188,7 +195,7 @@ impl MasterWeights {
     /// As [`set_grad`](Self::set_grad).
     pub fn accumulate_grad(&mut self, i: usize, grad: &Tensor) -> Result<()> {
         self.check_grad("accumulate_grad", i, grad)?;
-        match &mut self.grads[i] {
+        match &mut self.master[i].grad {
             Some(acc) => ops::add_assign(acc, grad)?,
             slot @ None => *slot = Some(grad.to_dtype(DType::F32)?),
         }
@@ -197,45 +204,13 @@ impl MasterWeights {
 
     /// Parameter `i`'s gradient, if set.
     pub fn grad(&self, i: usize) -> Option<&Tensor> {
-        self.grads.get(i).and_then(Option::as_ref)
+        self.master.get(i).and_then(|p| p.grad.as_ref())
     }
 
-    /// The gradients that are set, in parameter order.
-    pub fn grads_mut(&mut self) -> Vec<&mut Tensor> {
-        self.grads.iter_mut().flatten().collect()
-    }
-
-    /// Drops every gradient (PyTorch's `zero_grad(set_to_none=True)`), freeing its memory.
-    pub fn zero_grad(&mut self) {
-        self.grads.iter_mut().for_each(|g| *g = None);
-    }
-
-    /// Runs `f` on each (master, gradient) pair that has a gradient, then brings the
-    /// low-precision weights in line with the masters.
-    pub(crate) fn update_masters(
-        &mut self,
-        mut f: impl FnMut(usize, &mut Tensor, &Tensor) -> Result<()>,
-    ) -> Result<()> {
-        for (i, (m, g)) in self.master.iter_mut().zip(&self.grads).enumerate() {
-            if let Some(g) = g {
-                f(i, m, g)?;
-            }
-        }
-        match self.layout {
-            WeightLayout::F32 => {}
-            WeightLayout::CastPerStep(_) => self.release_working_copies(),
-            WeightLayout::LowPrecisionModel(_) => {
-                for (m, low) in self.master.iter().zip(self.model.iter_mut().flatten()) {
-                    cast_into(m, low)?;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Bytes held by weights and gradients (`optimizer_state` is 0 here; optimizers add it).
+    /// Bytes held by weights and gradients (`optimizer_state` is 0 here; add the optimizer's
+    /// [`state_bytes`](crate::AdamW::state_bytes)).
     pub fn memory(&self) -> MemoryBreakdown {
-        let master = bytes(&self.master);
+        let master = bytes(self.master.iter().map(|p| &p.value));
         let low = bytes(self.model.iter().flatten());
         let (model_weights, master_weights) = match self.layout {
             WeightLayout::F32 => (master, 0),
@@ -244,9 +219,35 @@ impl MasterWeights {
         MemoryBreakdown {
             model_weights,
             master_weights,
-            grads: bytes(self.grads.iter().flatten()),
+            grads: bytes(self.master.iter().filter_map(|p| p.grad.as_ref())),
             optimizer_state: 0,
         }
+    }
+}
+
+impl Params for MasterWeights {
+    fn params(&self) -> Vec<&Param> {
+        self.master.iter().collect()
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        self.master.iter_mut().collect()
+    }
+
+    /// The masters changed: `CastPerStep` frees its working copies (cast again at the next
+    /// [`forward_weights`](MasterWeights::forward_weights)), `LowPrecisionModel` rounds the
+    /// masters into its weights.
+    fn after_step(&mut self) -> Result<()> {
+        match self.layout {
+            WeightLayout::F32 => {}
+            WeightLayout::CastPerStep(_) => self.release_working_copies(),
+            WeightLayout::LowPrecisionModel(_) => {
+                for (m, low) in self.master.iter().zip(self.model.iter_mut().flatten()) {
+                    cast_into(&m.value, low)?;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -280,7 +281,7 @@ mod tests {
         assert_eq!(w.memory().master_weights, (64 * 32 + 64) * 4);
         // An update frees them.
         w.set_grad(1, Tensor::zeros(&dev, &[64], DType::F16).unwrap()).unwrap();
-        w.update_masters(|_, _, _| Ok(())).unwrap();
+        w.after_step().unwrap();
         assert_eq!(w.memory().model_weights, 0);
     }
 
@@ -291,7 +292,12 @@ mod tests {
             MasterWeights::new(WeightLayout::LowPrecisionModel(DType::BF16), params(&dev)).unwrap();
         w.set_grad(1, Tensor::full(&dev, &[64], DType::BF16, 1.0).unwrap()).unwrap();
         assert_eq!(w.grad(1).unwrap().dtype(), DType::F32);
-        w.update_masters(|_, m, g| Ok(ops::axpy(-0.5, g, m)?)).unwrap();
+        for p in w.params_mut() {
+            if let Some(g) = &p.grad {
+                ops::axpy(-0.5, g, &mut p.value).unwrap();
+            }
+        }
+        w.after_step().unwrap();
         let model = w.forward_weights().unwrap();
         assert_eq!(model[1].dtype(), DType::BF16);
         let want = half::bf16::from_f32(0.2 - 0.5).to_f32();

@@ -1,14 +1,22 @@
-//! What a [`LossScaler`](crate::LossScaler) drives: the [`Optimizer`] trait, and SGD and
-//! AdamW over [`MasterWeights`] using the kernels' fused updates.
+//! Optimizers over any [`Params`]: the [`Optimizer`] trait the [`LossScaler`] drives, SGD and
+//! AdamW on the kernels' fused updates, and global-norm gradient clipping.
+//!
+//! Optimizers keep their state per parameter, keyed by [`ParamId`], and
+//! create it at the parameter's first step (PyTorch's lazy state): a parameter without a
+//! gradient is skipped and its state, including AdamW's step count, stays as it was. A
+//! parameter whose value is f16 or bf16 also gets an f32 master copy in that state (apex
+//! O2's master weights): the update runs on the master, which is then rounded into the value,
+//! so small updates are not lost to 16-bit rounding.
 //!
 //! The scaler keeps one state (ready, unscaled, stepped) per optimizer, keyed by
-//! [`Optimizer::id`], as PyTorch keys it by `id(optimizer)`. An optimizer exposes its
-//! gradients (for the fused unscale and for clipping) and its update; where the parameters
-//! live is its own business.
+//! [`Optimizer::id`], as PyTorch keys it by `id(optimizer)`.
+//!
+//! [`LossScaler`]: crate::LossScaler
 
-use crate::convert::sum_of_squares;
-use crate::error::Result;
-use crate::master::{MasterWeights, MemoryBreakdown};
+use crate::convert::{cast_into, sum_of_squares};
+use crate::error::{Error, Result};
+use crate::param::{ParamId, Params};
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use vram_kernels::{AdamWConfig, DType, SgdConfig, Tensor, ops};
@@ -32,73 +40,91 @@ impl fmt::Display for OptimizerId {
     }
 }
 
-/// An optimizer the loss scaler can unscale and step.
+/// An update rule the loss scaler can drive.
 pub trait Optimizer {
     /// A stable identity (keep one [`OptimizerId::fresh`] for the optimizer's lifetime).
     fn id(&self) -> OptimizerId;
-    /// The gradients the next [`step`](Self::step) will use, to unscale or clip in place.
-    fn grads_mut(&mut self) -> Vec<&mut Tensor>;
-    /// Updates the parameters from their gradients.
+
+    /// Updates every parameter of `params` that has a gradient from that gradient, then calls
+    /// [`Params::after_step`].
     ///
     /// # Errors
     ///
-    /// Whatever the update fails with; the optimizer decides what is left changed.
-    fn step(&mut self) -> Result<()>;
+    /// Whatever the update fails with; parameters before the failing one are updated.
+    fn step(&mut self, params: &mut dyn Params) -> Result<()>;
 }
 
-/// Scales `grads` in place so that their global L2 norm is at most `max_norm`
-/// (`torch.nn.utils.clip_grad_norm_`: coefficient `max_norm / (norm + 1e-6)`, clamped to 1)
-/// and returns the norm before clipping. Call it after [`LossScaler::unscale`] so that it
-/// sees true gradients.
+/// Scales the gradients of `params` in place so that their global L2 norm is at most
+/// `max_norm` (`torch.nn.utils.clip_grad_norm_`: coefficient `max_norm / (norm + 1e-6)`,
+/// clamped to 1) and returns the norm before clipping. `max_norm = inf` only measures. Call
+/// it after [`LossScaler::unscale`] so that it sees true gradients.
 ///
 /// [`LossScaler::unscale`]: crate::LossScaler::unscale
 ///
 /// # Errors
 ///
-/// Tensor errors (none for tensors on one device).
-pub fn clip_grad_norm(grads: &mut [&mut Tensor], max_norm: f32) -> Result<f32> {
+/// [`Error::InvalidMaxNorm`] for a negative or NaN `max_norm` (nothing is changed then);
+/// tensor errors.
+pub fn clip_grad_norm(params: &mut dyn Params, max_norm: f32) -> Result<f32> {
+    if max_norm.is_nan() || max_norm < 0.0 {
+        return Err(Error::InvalidMaxNorm { max_norm });
+    }
+    let mut grads = params.grads_mut();
     let mut sq = 0.0f64;
-    for g in grads.iter() {
+    for g in &grads {
         sq += sum_of_squares(g)?;
     }
     let norm = sq.sqrt() as f32;
     let coef = (f64::from(max_norm) / (f64::from(norm) + 1e-6)).min(1.0) as f32;
     if coef < 1.0 {
         // The fused unscale is an in-place multiply; its finiteness flag is not needed here.
-        ops::unscale_and_check_finite(grads, coef)?;
+        ops::unscale_and_check_finite(&mut grads, coef)?;
     }
     Ok(norm)
 }
 
-fn state_bytes<'a>(ts: impl IntoIterator<Item = &'a Tensor>) -> u64 {
+/// Runs `update` on the f32 tensor that represents `value`: `value` itself when it is f32,
+/// else its master copy (created from it on first use), which is then rounded into `value`.
+fn update_in_f32(
+    value: &mut Tensor,
+    master: &mut Option<Tensor>,
+    update: impl FnOnce(&mut Tensor) -> Result<()>,
+) -> Result<()> {
+    if value.dtype() == DType::F32 {
+        return update(value);
+    }
+    let m = match master {
+        Some(m) => m,
+        slot @ None => slot.insert(value.to_dtype(DType::F32)?),
+    };
+    update(m)?;
+    cast_into(m, value)
+}
+
+fn bytes<'a>(ts: impl IntoIterator<Item = &'a Tensor>) -> u64 {
     ts.into_iter().map(|t| t.size_in_bytes() as u64).sum()
 }
 
-/// SGD with momentum (`torch.optim.SGD`) over f32 master weights. Momentum buffers are
-/// allocated at a parameter's first step; parameters without a gradient are not updated.
+/// One parameter's SGD state.
+#[derive(Debug, Default)]
+struct SgdState {
+    momentum: Option<Tensor>,
+    master: Option<Tensor>,
+}
+
+/// SGD with momentum (`torch.optim.SGD`). A parameter's momentum buffer is created at its
+/// first step.
 #[derive(Debug)]
 pub struct Sgd {
     id: OptimizerId,
-    weights: MasterWeights,
     config: SgdConfig,
-    momentum: Vec<Option<Tensor>>,
+    state: HashMap<ParamId, SgdState>,
 }
 
 impl Sgd {
-    /// SGD over `weights` with `config`.
-    pub fn new(weights: MasterWeights, config: SgdConfig) -> Sgd {
-        let momentum = (0..weights.len()).map(|_| None).collect();
-        Sgd { id: OptimizerId::fresh(), weights, config, momentum }
-    }
-
-    /// The parameters.
-    pub fn weights(&self) -> &MasterWeights {
-        &self.weights
-    }
-
-    /// The parameters, to run forward and set gradients.
-    pub fn weights_mut(&mut self) -> &mut MasterWeights {
-        &mut self.weights
+    /// SGD with `config`.
+    pub fn new(config: SgdConfig) -> Sgd {
+        Sgd { id: OptimizerId::fresh(), config, state: HashMap::new() }
     }
 
     /// The hyper-parameters.
@@ -106,17 +132,24 @@ impl Sgd {
         &self.config
     }
 
-    /// The momentum buffer of parameter `i`, once it exists.
-    pub fn momentum_buffer(&self, i: usize) -> Option<&Tensor> {
-        self.momentum.get(i).and_then(Option::as_ref)
+    /// The momentum buffer of parameter `id`, once it exists.
+    pub fn momentum_buffer(&self, id: ParamId) -> Option<&Tensor> {
+        self.state.get(&id)?.momentum.as_ref()
     }
 
-    /// Bytes held by weights, gradients and momentum.
-    pub fn memory(&self) -> MemoryBreakdown {
-        MemoryBreakdown {
-            optimizer_state: state_bytes(self.momentum.iter().flatten()),
-            ..self.weights.memory()
-        }
+    /// The f32 master copy of 16-bit parameter `id`, once it exists.
+    pub fn master(&self, id: ParamId) -> Option<&Tensor> {
+        self.state.get(&id)?.master.as_ref()
+    }
+
+    /// Bytes of momentum buffers.
+    pub fn state_bytes(&self) -> u64 {
+        bytes(self.state.values().filter_map(|s| s.momentum.as_ref()))
+    }
+
+    /// Bytes of f32 master copies.
+    pub fn master_bytes(&self) -> u64 {
+        bytes(self.state.values().filter_map(|s| s.master.as_ref()))
     }
 }
 
@@ -125,23 +158,25 @@ impl Optimizer for Sgd {
         self.id
     }
 
-    fn grads_mut(&mut self) -> Vec<&mut Tensor> {
-        self.weights.grads_mut()
-    }
-
-    fn step(&mut self) -> Result<()> {
+    fn step(&mut self, params: &mut dyn Params) -> Result<()> {
         let cfg = self.config;
-        let momentum = &mut self.momentum;
-        self.weights.update_masters(|i, p, g| {
-            if cfg.momentum == 0.0 {
-                return Ok(ops::sgd_step(p, g, None, true, &cfg)?);
-            }
-            let first = momentum[i].is_none();
-            if first {
-                momentum[i] = Some(Tensor::zeros(p.device(), p.shape(), DType::F32)?);
-            }
-            Ok(ops::sgd_step(p, g, momentum[i].as_mut(), first, &cfg)?)
-        })
+        for p in params.params_mut() {
+            let Some(g) = &p.grad else { continue };
+            let s = self.state.entry(p.id()).or_default();
+            let momentum = &mut s.momentum;
+            update_in_f32(&mut p.value, &mut s.master, |w| {
+                if cfg.momentum == 0.0 {
+                    return Ok(ops::sgd_step(w, g, None, true, &cfg)?);
+                }
+                let first = momentum.is_none();
+                let buf = match momentum {
+                    Some(b) => b,
+                    slot @ None => slot.insert(Tensor::zeros(w.device(), w.shape(), DType::F32)?),
+                };
+                Ok(ops::sgd_step(w, g, Some(buf), first, &cfg)?)
+            })?;
+        }
+        params.after_step()
     }
 }
 
@@ -151,33 +186,23 @@ struct AdamState {
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     step: u32,
+    master: Option<Tensor>,
 }
 
-/// AdamW (`torch.optim.AdamW`) over f32 master weights. Moments are allocated at a
-/// parameter's first step; each parameter counts its own steps, as in PyTorch.
+/// AdamW (`torch.optim.AdamW`). A parameter's moments are created at its first step, and
+/// each parameter counts its own steps (the bias correction of a parameter that missed
+/// steps is that of its own count), as in PyTorch.
 #[derive(Debug)]
 pub struct AdamW {
     id: OptimizerId,
-    weights: MasterWeights,
     config: AdamWConfig,
-    state: Vec<Option<AdamState>>,
+    state: HashMap<ParamId, AdamState>,
 }
 
 impl AdamW {
-    /// AdamW over `weights` with `config`.
-    pub fn new(weights: MasterWeights, config: AdamWConfig) -> AdamW {
-        let state = (0..weights.len()).map(|_| None).collect();
-        AdamW { id: OptimizerId::fresh(), weights, config, state }
-    }
-
-    /// The parameters.
-    pub fn weights(&self) -> &MasterWeights {
-        &self.weights
-    }
-
-    /// The parameters, to run forward and set gradients.
-    pub fn weights_mut(&mut self) -> &mut MasterWeights {
-        &mut self.weights
+    /// AdamW with `config`.
+    pub fn new(config: AdamWConfig) -> AdamW {
+        AdamW { id: OptimizerId::fresh(), config, state: HashMap::new() }
     }
 
     /// The hyper-parameters.
@@ -185,16 +210,30 @@ impl AdamW {
         &self.config
     }
 
-    /// Parameter `i`'s first and second moments and step count, once they exist.
-    pub fn moments(&self, i: usize) -> Option<(&Tensor, &Tensor, u32)> {
-        let s = self.state.get(i)?.as_ref()?;
-        Some((&s.exp_avg, &s.exp_avg_sq, s.step))
+    /// The steps parameter `id` has taken (0 before its first).
+    pub fn step_count(&self, id: ParamId) -> u32 {
+        self.state.get(&id).map_or(0, |s| s.step)
     }
 
-    /// Bytes held by weights, gradients and moments.
-    pub fn memory(&self) -> MemoryBreakdown {
-        let moments = self.state.iter().flatten().flat_map(|s| [&s.exp_avg, &s.exp_avg_sq]);
-        MemoryBreakdown { optimizer_state: state_bytes(moments), ..self.weights.memory() }
+    /// Parameter `id`'s first and second moments, once they exist.
+    pub fn moments(&self, id: ParamId) -> Option<(&Tensor, &Tensor)> {
+        let s = self.state.get(&id)?;
+        Some((&s.exp_avg, &s.exp_avg_sq))
+    }
+
+    /// The f32 master copy of 16-bit parameter `id`, once it exists.
+    pub fn master(&self, id: ParamId) -> Option<&Tensor> {
+        self.state.get(&id)?.master.as_ref()
+    }
+
+    /// Bytes of moments.
+    pub fn state_bytes(&self) -> u64 {
+        bytes(self.state.values().flat_map(|s| [&s.exp_avg, &s.exp_avg_sq]))
+    }
+
+    /// Bytes of f32 master copies.
+    pub fn master_bytes(&self) -> u64 {
+        bytes(self.state.values().filter_map(|s| s.master.as_ref()))
     }
 }
 
@@ -203,66 +242,144 @@ impl Optimizer for AdamW {
         self.id
     }
 
-    fn grads_mut(&mut self) -> Vec<&mut Tensor> {
-        self.weights.grads_mut()
-    }
-
-    fn step(&mut self) -> Result<()> {
+    fn step(&mut self, params: &mut dyn Params) -> Result<()> {
         let cfg = self.config;
-        let state = &mut self.state;
-        self.weights.update_masters(|i, p, g| {
-            let s = match &mut state[i] {
-                Some(s) => s,
-                slot @ None => slot.insert(AdamState {
-                    exp_avg: Tensor::zeros(p.device(), p.shape(), DType::F32)?,
-                    exp_avg_sq: Tensor::zeros(p.device(), p.shape(), DType::F32)?,
-                    step: 0,
-                }),
+        for p in params.params_mut() {
+            let Some(g) = &p.grad else { continue };
+            let s = match self.state.entry(p.id()) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    let zeros = || Tensor::zeros(p.value.device(), p.value.shape(), DType::F32);
+                    e.insert(AdamState {
+                        exp_avg: zeros()?,
+                        exp_avg_sq: zeros()?,
+                        step: 0,
+                        master: None,
+                    })
+                }
             };
-            let step = s.step + 1;
-            ops::adamw_step(p, g, &mut s.exp_avg, &mut s.exp_avg_sq, step, &cfg)?;
+            let step = s.step.checked_add(1).ok_or_else(|| Error::InvalidArgument {
+                op: "AdamW::step",
+                reason: format!("parameter {} has taken u32::MAX steps", p.name),
+            })?;
+            let (m, v) = (&mut s.exp_avg, &mut s.exp_avg_sq);
+            update_in_f32(&mut p.value, &mut s.master, |w| {
+                Ok(ops::adamw_step(w, g, m, v, step, &cfg)?)
+            })?;
             s.step = step;
-            Ok(())
-        })
+        }
+        params.after_step()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::master::WeightLayout;
+    use crate::param::Param;
     use vram_kernels::Device;
+
+    fn param(dev: &Device, values: &[f32], dtype: DType) -> Param {
+        Param::new("p", Tensor::from_f32_slice(dev, &[values.len()], values, dtype).unwrap())
+    }
+
+    fn set_grad(p: &mut Param, values: &[f32]) {
+        let dev = p.value.device().clone();
+        p.grad = Some(Tensor::from_f32_slice(&dev, &[values.len()], values, DType::F32).unwrap());
+    }
 
     #[test]
     fn clipping_bounds_the_global_norm_and_reports_the_norm_before() {
         let dev = Device::host(16 << 20);
-        let mut a = Tensor::from_f32_slice(&dev, &[2], &[3.0, 0.0], DType::F32).unwrap();
-        let mut b = Tensor::from_f32_slice(&dev, &[1], &[4.0], DType::F16).unwrap();
-        let norm = clip_grad_norm(&mut [&mut a, &mut b], 1.0).unwrap();
+        let mut ps = vec![param(&dev, &[0.0, 0.0], DType::F32), param(&dev, &[0.0], DType::F16)];
+        set_grad(&mut ps[0], &[3.0, 0.0]);
+        ps[1].grad = Some(Tensor::from_f32_slice(&dev, &[1], &[4.0], DType::F16).unwrap());
+        let norm = clip_grad_norm(&mut ps, 1.0).unwrap();
         assert_eq!(norm, 5.0);
-        let after = sum_of_squares(&a).unwrap() + sum_of_squares(&b).unwrap();
+        let after: f64 = ps.grads_mut().iter().map(|g| sum_of_squares(g).unwrap()).sum();
         assert!((after.sqrt() - 1.0).abs() < 1e-3, "{after}");
-        // Below the bound nothing changes.
-        let before = a.to_f32_vec();
-        clip_grad_norm(&mut [&mut a], 10.0).unwrap();
-        assert_eq!(a.to_f32_vec(), before);
+        // Below the bound nothing changes; an infinite bound only measures.
+        let before: Vec<_> = ps.grads_mut().iter().map(|g| g.to_f32_vec()).collect();
+        clip_grad_norm(&mut ps, 10.0).unwrap();
+        clip_grad_norm(&mut ps, f32::INFINITY).unwrap();
+        let now: Vec<_> = ps.grads_mut().iter().map(|g| g.to_f32_vec()).collect();
+        assert_eq!(now, before);
     }
 
     #[test]
-    fn optimizer_state_is_allocated_at_the_first_step_and_counted() {
+    fn a_negative_or_nan_max_norm_is_an_error_and_changes_nothing() {
         let dev = Device::host(16 << 20);
-        let p = Tensor::full(&dev, &[100], DType::F32, 1.0).unwrap();
-        let w = MasterWeights::new(WeightLayout::F32, vec![p]).unwrap();
+        let mut ps = vec![param(&dev, &[0.0, 0.0], DType::F32)];
+        set_grad(&mut ps[0], &[3.0, 4.0]);
+        for bad in [-1.0, f32::NAN, f32::NEG_INFINITY] {
+            let e = clip_grad_norm(&mut ps, bad).unwrap_err();
+            assert!(matches!(e, Error::InvalidMaxNorm { .. }), "{bad}: {e}");
+        }
+        assert_eq!(ps[0].grad.as_ref().unwrap().to_f32_vec(), [3.0, 4.0]);
+        // Zero is a valid bound: it zeroes the gradients, as PyTorch does.
+        clip_grad_norm(&mut ps, 0.0).unwrap();
+        assert_eq!(ps[0].grad.as_ref().unwrap().to_f32_vec(), [0.0, 0.0]);
+    }
+
+    #[test]
+    fn optimizer_state_is_allocated_at_a_parameters_first_step_and_counted() {
+        let dev = Device::host(16 << 20);
+        let mut ps = vec![param(&dev, &[1.0; 100], DType::F32)];
         let cfg = AdamWConfig { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
-        let mut opt = AdamW::new(w, cfg);
-        assert_eq!(opt.memory().optimizer_state, 0);
-        opt.weights_mut()
-            .set_grad(0, Tensor::full(&dev, &[100], DType::F32, 1.0).unwrap())
-            .unwrap();
-        opt.step().unwrap();
-        assert_eq!(opt.memory().optimizer_state, 2 * 100 * 4);
-        assert_eq!(opt.moments(0).unwrap().2, 1);
-        assert!(opt.weights().master()[0].to_f32_vec().iter().all(|&v| v < 1.0));
+        let mut opt = AdamW::new(cfg);
+        opt.step(&mut ps).unwrap(); // no gradient: nothing to do
+        assert_eq!((opt.state_bytes(), opt.step_count(ps[0].id())), (0, 0));
+        set_grad(&mut ps[0], &[1.0; 100]);
+        opt.step(&mut ps).unwrap();
+        assert_eq!(opt.state_bytes(), 2 * 100 * 4);
+        assert_eq!((opt.step_count(ps[0].id()), opt.master_bytes()), (1, 0));
+        assert!(ps[0].value.to_f32_vec().iter().all(|&v| v < 1.0));
+    }
+
+    /// PyTorch semantics: a parameter that had no gradient at a step does not count it, so
+    /// its first real step is bit-identical to a fresh optimizer's first step.
+    #[test]
+    fn adamw_counts_steps_per_parameter() {
+        let dev = Device::host(16 << 20);
+        let cfg = AdamWConfig { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
+        let mut ps = vec![param(&dev, &[1.0, -2.0], DType::F32), param(&dev, &[0.5], DType::F32)];
+        let mut opt = AdamW::new(cfg);
+        for _ in 0..3 {
+            set_grad(&mut ps[0], &[0.3, -0.1]);
+            opt.step(&mut ps).unwrap();
+        }
+        set_grad(&mut ps[1], &[0.7]);
+        opt.step(&mut ps).unwrap();
+        assert_eq!((opt.step_count(ps[0].id()), opt.step_count(ps[1].id())), (4, 1));
+
+        let mut alone = vec![param(&dev, &[0.5], DType::F32)];
+        set_grad(&mut alone[0], &[0.7]);
+        AdamW::new(cfg).step(&mut alone).unwrap();
+        assert_eq!(ps[1].value.to_f32_vec()[0].to_bits(), alone[0].value.to_f32_vec()[0].to_bits());
+    }
+
+    /// An update smaller than half an f16 ulp of the value is kept in the f32 master and
+    /// shows in the value once the updates add up, which updating f16 directly would lose.
+    #[test]
+    fn sixteen_bit_parameters_are_updated_through_an_f32_master() {
+        let dev = Device::host(16 << 20);
+        let cfg = SgdConfig {
+            lr: 1e-4,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+        };
+        let mut ps = vec![param(&dev, &[1.0], DType::F16)];
+        let mut opt = Sgd::new(cfg);
+        for _ in 0..100 {
+            set_grad(&mut ps[0], &[1.0]);
+            opt.step(&mut ps).unwrap();
+        }
+        let master = opt.master(ps[0].id()).unwrap().to_f32_vec()[0];
+        assert!((master - 0.99).abs() < 1e-5, "{master}");
+        assert_eq!(ps[0].value.dtype(), DType::F16);
+        assert_eq!(ps[0].value.to_f32_vec()[0], half::f16::from_f32(master).to_f32());
+        assert_eq!(opt.master_bytes(), 4);
     }
 
     #[test]

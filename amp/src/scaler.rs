@@ -6,12 +6,18 @@
 //! [`update`](LossScaler::update) once. The update rule is PyTorch's
 //! `_amp_update_scale_`: on overflow `scale *= backoff` and the growth tracker resets; else
 //! the tracker counts up and on reaching the growth interval `scale *= growth` (kept only if
-//! finite) and the tracker resets. Two extensions, off by default: hysteresis (the number of
-//! consecutive overflowing iterations before a backoff, as in DeepSpeed) and min/max scale
-//! clamps.
+//! finite) and the tracker resets. Two extensions: hysteresis (the number of consecutive
+//! overflowing iterations before a backoff, as in DeepSpeed; off by default) and the clamps
+//! `[min_scale, max_scale]`, which the scale never leaves. Their defaults (the smallest normal
+//! f32 and the largest finite one) change nothing PyTorch would do short of underflowing the
+//! scale to zero after ~150 overflows in a row, where `1 / scale` becomes infinite.
+//!
+//! The scaler works on any [`Params`]: the optimizer and its parameters are passed side by
+//! side, so the parameters can stay in the layers of a chain.
 
 use crate::error::{Error, Result};
 use crate::optim::{Optimizer, OptimizerId};
+use crate::param::Params;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use vram_kernels::{Tensor, ops};
@@ -30,10 +36,11 @@ pub struct ScalerConfig {
     /// Overflowing iterations in a row needed before a backoff (1, PyTorch's behaviour,
     /// backs off on every overflow).
     pub hysteresis: u32,
-    /// The scale never backs off below this.
-    pub min_scale: Option<f32>,
-    /// The scale never grows above this.
-    pub max_scale: Option<f32>,
+    /// The scale never backs off below this (default: `f32::MIN_POSITIVE`, 2^-126, so that
+    /// `1 / scale` stays finite).
+    pub min_scale: f32,
+    /// The scale never grows above this (default: `f32::MAX`).
+    pub max_scale: f32,
     /// A disabled scaler is a transparent pass-through (for bf16 or f32 training).
     pub enabled: bool,
 }
@@ -46,8 +53,8 @@ impl Default for ScalerConfig {
             backoff_factor: 0.5,
             growth_interval: 2000,
             hysteresis: 1,
-            min_scale: None,
-            max_scale: None,
+            min_scale: f32::MIN_POSITIVE,
+            max_scale: f32::MAX,
             enabled: true,
         }
     }
@@ -80,19 +87,35 @@ impl ScalerConfig {
         if self.hysteresis == 0 {
             return bad("hysteresis", "must be at least 1 (1 backs off on every overflow)".into());
         }
-        let lo = self.min_scale.unwrap_or(f32::MIN_POSITIVE);
-        let hi = self.max_scale.unwrap_or(f32::MAX);
-        if !(positive(lo) && positive(hi) && lo <= self.init_scale && self.init_scale <= hi) {
+        let (lo, hi) = (self.min_scale, self.max_scale);
+        if !(positive(lo) && inverse(lo).is_finite()) {
+            return bad(
+                "min_scale",
+                format!("must be finite, > 0 and have a finite inverse in f32, got {lo}"),
+            );
+        }
+        if !(positive(hi) && lo <= self.init_scale && self.init_scale <= hi) {
             return bad(
                 "min_scale/max_scale",
                 format!(
-                    "need 0 < min_scale <= init_scale <= max_scale, got {lo} <= {} <= {hi}",
+                    "need min_scale <= init_scale <= max_scale, all finite, got {lo} <= {} <= {hi}",
                     self.init_scale
                 ),
             );
         }
         Ok(())
     }
+
+    /// Whether `scale` lies in `[min_scale, max_scale]`.
+    fn admits(&self, scale: f32) -> bool {
+        (self.min_scale..=self.max_scale).contains(&scale)
+    }
+}
+
+/// `1 / scale` computed in f64 and rounded to f32 (PyTorch's
+/// `scale.double().reciprocal().float()`).
+fn inverse(scale: f32) -> f32 {
+    (1.0 / f64::from(scale)) as f32
 }
 
 /// When the scale changed.
@@ -219,7 +242,7 @@ impl LossScaler {
     /// `1 / scale`, computed in f64 and rounded to f32 (PyTorch's
     /// `scale.double().reciprocal().float()`).
     pub fn inv_scale(&self) -> f32 {
-        (1.0 / f64::from(self.scale())) as f32
+        inverse(self.scale())
     }
 
     /// Finite iterations in a row since the last growth or overflow.
@@ -259,16 +282,20 @@ impl LossScaler {
             .map(|s| s.found_inf)
     }
 
-    /// Divides `optimizer`'s gradients by the scale in place (one fused pass that also
-    /// detects inf/NaN) and returns whether any was non-finite. Use it before clipping or
-    /// inspecting gradients; [`step`](Self::step) calls it when it was not called. A no-op
-    /// returning `false` when disabled.
+    /// Divides the gradients of `params`, which `optimizer` will step, by the scale in place
+    /// (one fused pass that also detects inf/NaN) and returns whether any was non-finite. Use
+    /// it before clipping or inspecting gradients; [`step`](Self::step) calls it when it was
+    /// not called. A no-op returning `false` when disabled.
     ///
     /// # Errors
     ///
     /// [`Error::AlreadyUnscaled`], [`Error::UnscaleAfterStep`]; tensor errors (gradients
     /// left partly unscaled then).
-    pub fn unscale<O: Optimizer + ?Sized>(&mut self, optimizer: &mut O) -> Result<bool> {
+    pub fn unscale<O: Optimizer + ?Sized>(
+        &mut self,
+        optimizer: &O,
+        params: &mut dyn Params,
+    ) -> Result<bool> {
         if !self.is_enabled() {
             return Ok(false);
         }
@@ -279,20 +306,25 @@ impl LossScaler {
             OptState::Ready => {}
         }
         let inv_scale = self.inv_scale();
-        let found_inf = ops::unscale_and_check_finite(&mut optimizer.grads_mut(), inv_scale)?;
+        let found_inf = ops::unscale_and_check_finite(&mut params.grads_mut(), inv_scale)?;
         self.per_optimizer.insert(id, PerOptimizer { stage: OptState::Unscaled, found_inf });
         Ok(found_inf)
     }
 
-    /// Steps `optimizer` unless its gradients hold inf/NaN, unscaling them first if
-    /// [`unscale`](Self::unscale) was not called. When disabled, steps unconditionally.
+    /// Steps `optimizer` on `params` unless their gradients hold inf/NaN, unscaling them
+    /// first if [`unscale`](Self::unscale) was not called. When disabled, steps
+    /// unconditionally.
     ///
     /// # Errors
     ///
     /// [`Error::AlreadyStepped`]; errors of `unscale` and of the optimizer's step.
-    pub fn step<O: Optimizer + ?Sized>(&mut self, optimizer: &mut O) -> Result<StepOutcome> {
+    pub fn step<O: Optimizer + ?Sized>(
+        &mut self,
+        optimizer: &mut O,
+        params: &mut dyn Params,
+    ) -> Result<StepOutcome> {
         if !self.is_enabled() {
-            optimizer.step()?;
+            optimizer.step(params)?;
             self.state.counters.steps_taken += 1;
             return Ok(StepOutcome::Stepped);
         }
@@ -300,29 +332,27 @@ impl LossScaler {
         match self.stage(id) {
             OptState::Stepped => return Err(Error::AlreadyStepped { optimizer: id }),
             OptState::Ready => {
-                self.unscale(optimizer)?;
+                self.unscale(optimizer, params)?;
             }
             OptState::Unscaled => {}
         }
-        let entry = self.per_optimizer.get_mut(&id);
-        let entry = entry.unwrap_or_else(|| unreachable!("unscale recorded this optimizer"));
-        let outcome = if entry.found_inf {
+        let found_inf = self.per_optimizer.get(&id).is_some_and(|e| e.found_inf);
+        let outcome = if found_inf {
             self.state.counters.steps_skipped += 1;
             StepOutcome::Skipped
         } else {
-            optimizer.step()?;
+            optimizer.step(params)?;
             self.state.counters.steps_taken += 1;
             StepOutcome::Stepped
         };
-        if let Some(e) = self.per_optimizer.get_mut(&id) {
-            e.stage = OptState::Stepped;
-        }
+        self.per_optimizer.insert(id, PerOptimizer { stage: OptState::Stepped, found_inf });
         Ok(outcome)
     }
 
     /// Ends the iteration: backs off if any optimizer found inf/NaN (after `hysteresis`
-    /// overflowing iterations in a row), otherwise counts towards growth; then every
-    /// optimizer is ready again. A no-op when disabled.
+    /// overflowing iterations in a row, never below `min_scale`), otherwise counts towards
+    /// growth (never above `max_scale`); then every optimizer is ready again. A no-op when
+    /// disabled.
     ///
     /// # Errors
     ///
@@ -344,7 +374,7 @@ impl LossScaler {
             s.consecutive_overflows = s.consecutive_overflows.saturating_add(1);
             if s.consecutive_overflows >= cfg.hysteresis {
                 let backed = (f64::from(s.scale) * cfg.backoff_factor) as f32;
-                s.scale = cfg.min_scale.map_or(backed, |m| backed.max(m));
+                s.scale = backed.max(cfg.min_scale);
             }
             s.counters.overflow_updates += 1;
         } else {
@@ -353,7 +383,7 @@ impl LossScaler {
             if successful == cfg.growth_interval {
                 let grown = (f64::from(s.scale) * cfg.growth_factor) as f32;
                 if grown.is_finite() {
-                    s.scale = cfg.max_scale.map_or(grown, |m| grown.min(m));
+                    s.scale = grown.min(cfg.max_scale);
                 }
                 s.growth_tracker = 0;
             } else {
@@ -369,15 +399,19 @@ impl LossScaler {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] unless `new_scale` is finite and > 0.
+    /// [`Error::InvalidConfig`] unless `new_scale` lies in `[min_scale, max_scale]`.
     pub fn update_to(&mut self, new_scale: f32) -> Result<()> {
         if !self.is_enabled() {
             return Ok(());
         }
-        if !(new_scale.is_finite() && new_scale > 0.0) {
+        let cfg = &self.state.config;
+        if !cfg.admits(new_scale) {
             return Err(Error::InvalidConfig {
                 what: "update_to",
-                reason: format!("the new scale must be finite and > 0, got {new_scale}"),
+                reason: format!(
+                    "the new scale must lie in [min_scale, max_scale] = [{}, {}], got {new_scale}",
+                    cfg.min_scale, cfg.max_scale
+                ),
             });
         }
         self.per_optimizer.clear();
@@ -400,18 +434,22 @@ impl LossScaler {
         &self.state
     }
 
-    /// A scaler restored from `state`; every optimizer starts ready.
+    /// A scaler restored from `state`; every optimizer starts ready. Every state a scaler
+    /// reaches restores.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] for invalid settings, a scale that is not finite and > 0, or
-    /// a growth tracker not below the interval.
+    /// [`Error::InvalidConfig`] for invalid settings, a scale outside
+    /// `[min_scale, max_scale]`, or a growth tracker not below the interval.
     pub fn from_state(state: ScalerState) -> Result<LossScaler> {
         state.config.validate()?;
-        if !(state.scale.is_finite() && state.scale > 0.0) {
+        if !state.config.admits(state.scale) {
             return Err(Error::InvalidConfig {
                 what: "ScalerState::scale",
-                reason: format!("must be finite and > 0, got {}", state.scale),
+                reason: format!(
+                    "must lie in [min_scale, max_scale] = [{}, {}], got {}",
+                    state.config.min_scale, state.config.max_scale, state.scale
+                ),
             });
         }
         if state.growth_tracker >= state.config.growth_interval {

@@ -81,12 +81,13 @@ fn train(
     let dev = Device::host(64 << 20);
     let cfg =
         SgdConfig { lr: 0.05, momentum: 0.9, dampening: 0.0, weight_decay: 0.0, nesterov: false };
-    let mut opt = Sgd::new(MasterWeights::new(layout, init(&dev)).unwrap(), cfg);
+    let mut weights = MasterWeights::new(layout, init(&dev)).unwrap();
+    let mut opt = Sgd::new(cfg);
     let mut scaler = scaler.map_or_else(LossScaler::disabled, |c| LossScaler::new(c).unwrap());
     let mut losses = Vec::new();
     for (x, y) in data(&dev, steps) {
         let _scope = low.map(|d| autocast::autocast(AutocastPolicy::new(d).unwrap()));
-        let w = opt.weights_mut().forward_weights().unwrap();
+        let w = weights.forward_weights().unwrap();
         // Forward: linear runs in the low dtype (inputs cast), the loss in f32.
         let h = amp_ops::linear(&x, w[0], Some(w[1])).unwrap();
         let a = amp_ops::relu(&h).unwrap();
@@ -101,16 +102,15 @@ fn train(
         let xc = cast_to(&x, h.dtype()).unwrap();
         let g1 = ops::linear_backward(&xc, w[0], &dh, true).unwrap();
         let grads = [g1.dw, g1.dbias.unwrap(), g2.dw, g2.dbias.unwrap()];
-        let weights = opt.weights_mut();
         for (i, g) in grads.into_iter().enumerate() {
             weights.set_grad(i, g).unwrap();
         }
-        scaler.step(&mut opt).unwrap();
+        scaler.step(&mut opt, &mut weights).unwrap();
         scaler.update().unwrap();
     }
-    let memory = opt.memory();
+    let memory = MemoryBreakdown { optimizer_state: opt.state_bytes(), ..weights.memory() };
     let master_bits =
-        opt.weights().master().iter().flat_map(|t| t.to_f32_vec()).map(f32::to_bits).collect();
+        weights.master().iter().flat_map(|p| p.value.to_f32_vec()).map(f32::to_bits).collect();
     Run { losses, master_bits, skipped: scaler.counters().steps_skipped, memory }
 }
 

@@ -9,8 +9,8 @@ use std::time::Instant;
 use vram_accum::{
     CheckpointPlan, Error, ForwardCtx, GradAccumulator, Mode, Normalization, Result, Schedule,
 };
-use vram_amp::{LossScaler, Optimizer, OptimizerId, ScalerConfig};
-use vram_kernels::{AdamWConfig, DType, Tensor, ops};
+use vram_amp::{AdamW, LossScaler, Optimizer, ScalerConfig, StepOutcome};
+use vram_kernels::{AdamWConfig, DType};
 
 /// The numeric precision of a run.
 #[derive(Clone, Debug)]
@@ -100,51 +100,10 @@ pub struct NoHooks;
 
 impl Hooks for NoHooks {}
 
-/// AdamW on f32 master weights, writing low-precision working copies into the model after
-/// each step.
-struct MasterAdamW {
-    id: OptimizerId,
-    master: Vec<Tensor>,
-    state: Vec<(Tensor, Tensor)>,
-    step: u32,
-    cfg: AdamWConfig,
-}
-
-/// One optimizer step over a model, as vram-amp's scaler drives it.
-struct MasterStep<'a> {
-    opt: &'a mut MasterAdamW,
-    model: &'a mut Model,
-}
-
-impl Optimizer for MasterStep<'_> {
-    fn id(&self) -> OptimizerId {
-        self.opt.id
-    }
-
-    fn grads_mut(&mut self) -> Vec<&mut Tensor> {
-        self.model.params_mut().into_iter().filter_map(|p| p.grad.as_mut()).collect()
-    }
-
-    fn step(&mut self) -> vram_amp::Result<()> {
-        let o = &mut *self.opt;
-        o.step += 1;
-        for (i, p) in self.model.params_mut().into_iter().enumerate() {
-            let Some(g) = &p.grad else { continue };
-            if o.state.len() <= i {
-                let z = || Tensor::zeros(p.value.device(), p.value.shape(), DType::F32);
-                o.state.push((z()?, z()?));
-            }
-            let (m, v) = &mut o.state[i];
-            ops::adamw_step(&mut o.master[i], g, m, v, o.step, &o.cfg)?;
-            p.value = o.master[i].to_dtype(p.value.dtype())?;
-        }
-        Ok(())
-    }
-}
-
 enum Updater {
     F32(F32Optimizer),
-    Master(MasterAdamW),
+    /// vram-amp's AdamW, which keeps f32 masters of the 16-bit weights.
+    Master(AdamW),
 }
 
 /// Bytes by category, for memory breakdowns.
@@ -193,28 +152,16 @@ impl Trainer {
         }
         let updater = match cfg.precision {
             Precision::F32 => Updater::F32(F32Optimizer::adamw(cfg.lr)),
-            _ => Updater::Master(MasterAdamW {
-                id: OptimizerId::fresh(),
-                master: model
-                    .params()
-                    .iter()
-                    .map(|p| p.value.to_dtype(DType::F32))
-                    .collect::<vram_kernels::Result<_>>()?,
-                state: Vec::new(),
-                step: 0,
-                cfg: AdamWConfig {
-                    lr: cfg.lr,
-                    beta1: 0.9,
-                    beta2: 0.999,
-                    eps: 1e-8,
-                    weight_decay: 0.01,
-                },
-            }),
+            _ => Updater::Master(AdamW::new(AdamWConfig {
+                lr: cfg.lr,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.01,
+            })),
         };
         let scaler = match &cfg.precision {
-            Precision::F16(c) => {
-                Some(LossScaler::new(c.clone()).map_err(|e| invalid(e.to_string()))?)
-            }
+            Precision::F16(c) => Some(LossScaler::new(c.clone())?),
             _ => None,
         };
         let micro = cfg.batch / cfg.accumulation;
@@ -266,10 +213,7 @@ impl Trainer {
     pub fn state_bytes(&self) -> StateBytes {
         let (master, optimizer) = match &self.updater {
             Updater::F32(o) => (0, o.state_bytes()),
-            Updater::Master(m) => (
-                m.master.iter().map(|t| t.size_in_bytes() as u64).sum(),
-                m.state.iter().map(|(a, b)| (a.size_in_bytes() + b.size_in_bytes()) as u64).sum(),
-            ),
+            Updater::Master(m) => (m.master_bytes(), m.state_bytes()),
         };
         StateBytes { weights: self.model.param_bytes(), master, grads: self.grad_bytes, optimizer }
     }
@@ -283,7 +227,7 @@ impl Trainer {
         let items: Vec<u64> = micro.iter().map(|m| m.targets.len() as u64).collect();
         let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
         let mut loss = 0.0;
-        for window in self.accumulator.windows(&items) {
+        for window in self.accumulator.windows(&items)? {
             let factor = window.factor(Normalization::Mean);
             for i in window.micro_batches() {
                 let mut ctx = ForwardCtx::new(Mode::Train, self.seed ^ self.step as u64);
@@ -307,14 +251,10 @@ impl Trainer {
         let mut skipped = false;
         match (&mut self.updater, &mut self.scaler) {
             (Updater::Master(opt), Some(s)) => {
-                let amp = |e: vram_amp::Error| invalid(e.to_string());
-                skipped = s.step(&mut MasterStep { opt, model: &mut self.model }).map_err(amp)?
-                    == vram_amp::StepOutcome::Skipped;
-                s.update().map_err(amp)?;
+                skipped = s.step(opt, &mut self.model)? == StepOutcome::Skipped;
+                s.update()?;
             }
-            (Updater::Master(opt), None) => MasterStep { opt, model: &mut self.model }
-                .step()
-                .map_err(|e| invalid(e.to_string()))?,
+            (Updater::Master(opt), None) => opt.step(&mut self.model)?,
             (Updater::F32(opt), _) => opt.step(self.model.params_mut())?,
         }
         self.model.zero_grad();

@@ -1,8 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
-use vram_accum::layers::{Activation, Dropout, LayerNorm, Linear, ResidualMlp};
-use vram_accum::{Chain, ForwardCtx, Layer, Mode, Schedule};
+use vram_accum::layers::{Activation, Dropout, LayerNormConfig, LinearConfig, ResidualMlpConfig};
+use vram_accum::{BoxedLayer, Chain, ForwardCtx, Mode, Schedule};
 use vram_kernels::cpu::random::uniform_at;
 use vram_kernels::{DType, Device, Tensor};
 
@@ -21,14 +21,19 @@ pub fn tensor(dev: &Device, shape: &[usize], seed: u64) -> Tensor {
 }
 
 /// A width-preserving layer of kind `kind % 6` and width `d`.
-pub fn layer(dev: &Device, kind: u8, d: usize, seed: u64) -> Box<dyn Layer> {
+pub fn layer(dev: &Device, kind: u8, d: usize, seed: u64) -> BoxedLayer {
     match kind % 6 {
-        0 => Box::new(Linear::new(dev, d, d, DType::F32, seed).unwrap()),
-        1 => Box::new(Activation::relu(dev)),
-        2 => Box::new(Activation::gelu(dev)),
-        3 => Box::new(Dropout::new(dev, 0.3).unwrap()),
-        4 => Box::new(LayerNorm::new(dev, d, DType::F32).unwrap()),
-        _ => Box::new(ResidualMlp::new(dev, d, 2 * d, 0.2, DType::F32, seed).unwrap()),
+        0 => LinearConfig::new(d, d).with_seed(seed).init(dev).unwrap().into(),
+        1 => Activation::relu(dev).into(),
+        2 => Activation::gelu(dev).into(),
+        3 => Dropout::new(dev, 0.3).unwrap().into(),
+        4 => LayerNormConfig::new(d).init(dev).unwrap().into(),
+        _ => ResidualMlpConfig::new(d, 2 * d)
+            .with_dropout(0.2)
+            .with_seed(seed)
+            .init(dev)
+            .unwrap()
+            .into(),
     }
 }
 
@@ -61,20 +66,24 @@ pub fn step_bits(
     (y_bits, bits(&dx), grad_bits(chain))
 }
 
+/// Peak memory above the start of one step under `schedule`, measured in a statistics
+/// scope, and the memory the step left allocated.
+pub fn step_peak(chain: &mut Chain, x: &Tensor, schedule: &Schedule) -> (u64, u64) {
+    let dev = x.device().clone();
+    let base = dev.memory_allocated();
+    let scope = dev.stats_scope();
+    let mut ctx = ForwardCtx::new(Mode::Train, 3);
+    let (y, tape) = chain.forward(x, &mut ctx, schedule).unwrap();
+    chain.backward(tape, y, false).unwrap();
+    let peak = scope.finish().allocated_bytes.all.peak as u64 - base;
+    (peak, dev.memory_allocated() - base)
+}
+
 /// Measured peak activation memory of one step under `schedule`, in the steady state
 /// (gradients already allocated by a warm-up step).
 pub fn measured_peak(chain: &mut Chain, x: &Tensor, schedule: &Schedule) -> u64 {
-    let dev = x.device().clone();
-    let mut peak = 0;
-    for _ in 0..2 {
-        let base = dev.memory_allocated();
-        dev.reset_peak_stats();
-        let mut ctx = ForwardCtx::new(Mode::Train, 3);
-        let (y, tape) = chain.forward(x, &mut ctx, schedule).unwrap();
-        chain.backward(tape, y, false).unwrap();
-        peak = dev.max_memory_allocated() - base;
-    }
-    peak
+    step_peak(chain, x, schedule);
+    step_peak(chain, x, schedule).0
 }
 
 /// `|a - b| <= tol * b`.

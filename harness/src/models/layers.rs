@@ -1,8 +1,8 @@
 //! The layers the reference models are built from, as vram-accum [`Layer`]s.
 
 use crate::rng::Rng;
-use vram_accum::{ForwardCtx, Layer, Param, Saved};
-use vram_kernels::{Conv2dOptions, DType, Device, Result, Tensor, ops};
+use vram_accum::{Error, ForwardCtx, Layer, Param, Result};
+use vram_kernels::{Conv2dOptions, DType, Device, Tensor, ops};
 
 /// A tensor of normal values with standard deviation `std`.
 pub(crate) fn normal(
@@ -14,11 +14,19 @@ pub(crate) fn normal(
 ) -> Result<Tensor> {
     let n: usize = shape.iter().product();
     let values: Vec<f32> = (0..n).map(|_| std * rng.normal()).collect();
-    Tensor::from_f32_slice(device, shape, &values, dtype)
+    Ok(Tensor::from_f32_slice(device, shape, &values, dtype)?)
 }
 
-fn saved<T: 'static>(s: Saved) -> T {
-    *s.downcast::<T>().expect("a layer gets back what its own forward saved")
+/// What a dense or convolution layer keeps: its input and, before a non-identity
+/// activation, the pre-activation.
+type AffineSaved = (Tensor, Option<Tensor>);
+
+/// The state a sub-layer saved in training mode, or an error naming the block.
+fn saved_in_training<T>(saved: Option<T>, block: &str) -> Result<T> {
+    saved.ok_or_else(|| Error::InvalidArgument {
+        what: "models::layers",
+        reason: format!("a sub-layer of {block} saved nothing in training mode"),
+    })
 }
 
 /// The activation after a dense or convolution layer.
@@ -34,19 +42,19 @@ pub enum Act {
 
 impl Act {
     fn forward(self, z: Tensor) -> Result<Tensor> {
-        match self {
-            Act::Identity => Ok(z),
-            Act::Relu => ops::relu(&z),
-            Act::Gelu => ops::gelu(&z),
-        }
+        Ok(match self {
+            Act::Identity => z,
+            Act::Relu => ops::relu(&z)?,
+            Act::Gelu => ops::gelu(&z)?,
+        })
     }
 
     fn backward(self, z: Option<&Tensor>, dy: &Tensor) -> Result<Option<Tensor>> {
-        match (self, z) {
-            (Act::Relu, Some(z)) => ops::relu_backward(z, dy).map(Some),
-            (Act::Gelu, Some(z)) => ops::gelu_backward(z, dy).map(Some),
-            _ => Ok(None),
-        }
+        Ok(match (self, z) {
+            (Act::Relu, Some(z)) => Some(ops::relu_backward(z, dy)?),
+            (Act::Gelu, Some(z)) => Some(ops::gelu_backward(z, dy)?),
+            _ => None,
+        })
     }
 }
 
@@ -85,22 +93,28 @@ impl Dense {
 }
 
 impl Layer for Dense {
+    type Saved = AffineSaved;
+
     fn name(&self) -> String {
         self.name.clone()
     }
 
-    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<Saved>)> {
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<(Tensor, Option<AffineSaved>)> {
         let z = ops::linear(x, &self.w.value, Some(&self.b.value))?;
         if !ctx.training() {
             return Ok((self.act.forward(z)?, None));
         }
         let kept_z = if self.act == Act::Identity { None } else { Some(z.clone()) };
         let y = self.act.forward(z)?;
-        Ok((y, Some(Box::new((x.clone(), kept_z)))))
+        Ok((y, Some((x.clone(), kept_z))))
     }
 
-    fn backward(&mut self, s: Saved, dy: &Tensor, want_dx: bool) -> Result<Option<Tensor>> {
-        let (x, z): (Tensor, Option<Tensor>) = saved(s);
+    fn backward(&mut self, s: AffineSaved, dy: &Tensor, want_dx: bool) -> Result<Option<Tensor>> {
+        let (x, z) = s;
         let dz = self.act.backward(z.as_ref(), dy)?;
         let g = ops::linear_backward(&x, &self.w.value, dz.as_ref().unwrap_or(dy), true)?;
         self.w.accumulate_grad(g.dw)?;
@@ -167,22 +181,28 @@ impl Conv {
 }
 
 impl Layer for Conv {
+    type Saved = AffineSaved;
+
     fn name(&self) -> String {
         self.name.clone()
     }
 
-    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<Saved>)> {
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<(Tensor, Option<AffineSaved>)> {
         let z = ops::conv2d(x, &self.w.value, None, &self.opts)?;
         if !ctx.training() {
             return Ok((self.act.forward(z)?, None));
         }
         let kept_z = if self.act == Act::Identity { None } else { Some(z.clone()) };
         let y = self.act.forward(z)?;
-        Ok((y, Some(Box::new((x.clone(), kept_z)))))
+        Ok((y, Some((x.clone(), kept_z))))
     }
 
-    fn backward(&mut self, s: Saved, dy: &Tensor, want_dx: bool) -> Result<Option<Tensor>> {
-        let (x, z): (Tensor, Option<Tensor>) = saved(s);
+    fn backward(&mut self, s: AffineSaved, dy: &Tensor, want_dx: bool) -> Result<Option<Tensor>> {
+        let (x, z) = s;
         let dz = self.act.backward(z.as_ref(), dy)?;
         let g =
             ops::conv2d_backward(&x, &self.w.value, dz.as_ref().unwrap_or(dy), &self.opts, false)?;
@@ -252,11 +272,18 @@ impl ResidualBlock {
 }
 
 impl Layer for ResidualBlock {
+    /// Both convolutions' state and the sum before the last ReLU.
+    type Saved = (AffineSaved, AffineSaved, Tensor);
+
     fn name(&self) -> String {
         self.name.clone()
     }
 
-    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<Saved>)> {
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<(Tensor, Option<Self::Saved>)> {
         let (a, s1) = self.c1.forward(x, ctx)?;
         let (z, s2) = self.c2.forward(&a, ctx)?;
         drop(a);
@@ -266,14 +293,14 @@ impl Layer for ResidualBlock {
             return Ok((ops::relu(&sum)?, None));
         }
         let y = ops::relu(&sum)?;
-        Ok((y, Some(Box::new((s1, s2, sum)))))
+        let (s1, s2) = (saved_in_training(s1, &self.name)?, saved_in_training(s2, &self.name)?);
+        Ok((y, Some((s1, s2, sum))))
     }
 
-    fn backward(&mut self, s: Saved, dy: &Tensor, want_dx: bool) -> Result<Option<Tensor>> {
-        let (s1, s2, sum): (Option<Saved>, Option<Saved>, Tensor) = saved(s);
+    fn backward(&mut self, s: Self::Saved, dy: &Tensor, want_dx: bool) -> Result<Option<Tensor>> {
+        let (s1, s2, sum) = s;
         let ds = ops::relu_backward(&sum, dy)?;
         drop(sum);
-        let (s1, s2) = (s1.expect("saved in training"), s2.expect("saved in training"));
         let da = self.c2.backward(s2, &ds, true)?.expect("asked for dx");
         let dx_branch = self.c1.backward(s1, &da, want_dx)?;
         match dx_branch {
@@ -325,22 +352,28 @@ impl ClassifierHead {
 }
 
 impl Layer for ClassifierHead {
+    type Saved = AffineSaved;
+
     fn name(&self) -> String {
         "head".into()
     }
 
-    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<Saved>)> {
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<(Tensor, Option<AffineSaved>)> {
         self.pool_input_shape = x.shape().to_vec();
         let pooled = ops::global_avg_pool(x)?;
         self.fc.forward(&pooled, ctx)
     }
 
-    fn backward(&mut self, s: Saved, dy: &Tensor, want_dx: bool) -> Result<Option<Tensor>> {
+    fn backward(&mut self, s: AffineSaved, dy: &Tensor, want_dx: bool) -> Result<Option<Tensor>> {
         let dp = self.fc.backward(s, dy, true)?.expect("asked for dx");
         if !want_dx {
             return Ok(None);
         }
-        ops::global_avg_pool_backward(&dp, &self.pool_input_shape).map(Some)
+        Ok(Some(ops::global_avg_pool_backward(&dp, &self.pool_input_shape)?))
     }
 
     fn params(&self) -> Vec<&Param> {
@@ -371,7 +404,7 @@ impl Norm {
     }
 
     fn forward(&self, x: &Tensor) -> Result<vram_kernels::ops::LayerNormOutput> {
-        ops::layer_norm(x, &self.gamma.value, &self.beta.value, 1e-5)
+        Ok(ops::layer_norm(x, &self.gamma.value, &self.beta.value, 1e-5)?)
     }
 
     fn backward(
@@ -444,31 +477,37 @@ impl TransformerBlock {
 }
 
 /// What a transformer block keeps for backward.
-struct BlockSaved {
+pub struct BlockSaved {
     x: Tensor,
     ln1: vram_kernels::ops::LayerNormOutput,
-    sq: Saved,
-    sk: Saved,
-    sv: Saved,
+    sq: AffineSaved,
+    sk: AffineSaved,
+    sv: AffineSaved,
     q: Tensor,
     k: Tensor,
     v: Tensor,
     probs: Tensor,
-    sproj: Saved,
+    sproj: AffineSaved,
     x2: Tensor,
     ln2: vram_kernels::ops::LayerNormOutput,
-    s1: Saved,
-    s2: Saved,
+    s1: AffineSaved,
+    s2: AffineSaved,
     dropout_seed: u64,
     dropout_offset: u64,
 }
 
 impl Layer for TransformerBlock {
+    type Saved = BlockSaved;
+
     fn name(&self) -> String {
         self.name.clone()
     }
 
-    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<Saved>)> {
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<(Tensor, Option<BlockSaved>)> {
         let (n, d, s) = (x.shape()[0], self.d, self.seq);
         let b = n / s;
         let ln1 = self.ln1.forward(x)?;
@@ -488,7 +527,7 @@ impl Layer for TransformerBlock {
         let (h, s1) = self.fc1.forward(&ln2.y, ctx)?;
         let (m, s2) = self.fc2.forward(&h, ctx)?;
         drop(h);
-        let dropout_offset = ctx.take_offsets(m.numel() as u64);
+        let dropout_offset = ctx.take_offsets(m.numel() as u64)?;
         let m = if ctx.training() && self.dropout > 0.0 {
             ops::dropout(&m, self.dropout, ctx.seed, dropout_offset)?
         } else {
@@ -516,11 +555,10 @@ impl Layer for TransformerBlock {
             dropout_seed: ctx.seed,
             dropout_offset,
         };
-        Ok((y, Some(Box::new(saved))))
+        Ok((y, Some(saved)))
     }
 
-    fn backward(&mut self, s: Saved, dy: &Tensor, want_dx: bool) -> Result<Option<Tensor>> {
-        let sv: BlockSaved = saved(s);
+    fn backward(&mut self, sv: BlockSaved, dy: &Tensor, want_dx: bool) -> Result<Option<Tensor>> {
         let (n, d, seq) = (dy.shape()[0], self.d, self.seq);
         let b = n / seq;
         // y = x2 + dropout(fc2(fc1(ln2(x2))))

@@ -8,7 +8,8 @@ use crate::data::{Batch, Input};
 use crate::rng::Rng;
 use layers::{Act, ClassifierHead, Conv, Dense, ResidualBlock, TransformerBlock};
 use vram_accum::{
-    Chain, ChainProfile, Error, ForwardCtx, Layer, Mode, Param, Result, Saved, Schedule,
+    BoxedLayer, Chain, ChainProfile, Error, ForwardCtx, Mode, Param, Params, Result, SavedBox,
+    Schedule,
 };
 use vram_kernels::{DType, Device, Tensor, ops};
 
@@ -75,7 +76,7 @@ pub struct Model {
 
 /// What a training forward keeps alive for backward, with its output.
 pub struct Graph {
-    _saved: Vec<Saved>,
+    _saved: Vec<SavedBox>,
     _logits: Tensor,
 }
 
@@ -91,12 +92,12 @@ impl Model {
     pub fn new(device: &Device, arch: Arch, seed: u64, dtype: DType) -> Result<Model> {
         let mut rng = Rng::new(seed);
         let rng = &mut rng;
-        let mut layers: Vec<Box<dyn Layer>> = Vec::new();
+        let mut layers: Vec<BoxedLayer> = Vec::new();
         let mut embed = None;
         let name = match &arch {
             Arch::Mlp { dims, classes } => {
                 for (i, w) in dims.windows(2).enumerate() {
-                    layers.push(Box::new(Dense::new(
+                    layers.push(BoxedLayer::new(Dense::new(
                         device,
                         &format!("fc{i}"),
                         w[0],
@@ -107,7 +108,7 @@ impl Model {
                     )?));
                 }
                 let last = *dims.last().ok_or_else(|| invalid("an MLP needs an input width"))?;
-                layers.push(Box::new(Dense::new(
+                layers.push(BoxedLayer::new(Dense::new(
                     device,
                     "head",
                     last,
@@ -121,7 +122,7 @@ impl Model {
             Arch::ResNet { width, blocks, classes }
             | Arch::MobileNet { width, blocks, classes } => {
                 let depthwise = matches!(arch, Arch::MobileNet { .. });
-                layers.push(Box::new(Conv::new(
+                layers.push(BoxedLayer::new(Conv::new(
                     device,
                     "stem",
                     3,
@@ -137,7 +138,7 @@ impl Model {
                 for (stage, &n) in blocks.iter().enumerate() {
                     if stage > 0 {
                         let name = format!("down{stage}");
-                        layers.push(Box::new(Conv::new(
+                        layers.push(BoxedLayer::new(Conv::new(
                             device,
                             &name,
                             c,
@@ -178,15 +179,16 @@ impl Model {
                                 rng,
                                 dtype,
                             )?;
-                            layers.push(Box::new(dw));
-                            layers.push(Box::new(pw));
+                            layers.push(BoxedLayer::new(dw));
+                            layers.push(BoxedLayer::new(pw));
                         } else {
-                            layers
-                                .push(Box::new(ResidualBlock::new(device, &name, c, rng, dtype)?));
+                            layers.push(BoxedLayer::new(ResidualBlock::new(
+                                device, &name, c, rng, dtype,
+                            )?));
                         }
                     }
                 }
-                layers.push(Box::new(ClassifierHead::new(device, c, *classes, rng, dtype)?));
+                layers.push(BoxedLayer::new(ClassifierHead::new(device, c, *classes, rng, dtype)?));
                 if depthwise { "mobilenet-like" } else { "resnet-like" }.to_string()
             }
             Arch::Gpt { vocab, d, layers: n, seq, dropout } => {
@@ -199,7 +201,7 @@ impl Model {
                     seq: *seq,
                 });
                 for i in 0..*n {
-                    layers.push(Box::new(TransformerBlock::new(
+                    layers.push(BoxedLayer::new(TransformerBlock::new(
                         device,
                         &format!("h{i}"),
                         *d,
@@ -209,7 +211,7 @@ impl Model {
                         dtype,
                     )?));
                 }
-                layers.push(Box::new(Dense::new(
+                layers.push(BoxedLayer::new(Dense::new(
                     device,
                     "lm_head",
                     *d,
@@ -371,6 +373,17 @@ impl Model {
             loss
         };
         Ok(loss)
+    }
+}
+
+/// The embedding tables (GPT) and the chain's parameters, for vram-amp's optimizers.
+impl Params for Model {
+    fn params(&self) -> Vec<&Param> {
+        Model::params(self)
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        Model::params_mut(self)
     }
 }
 

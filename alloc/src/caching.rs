@@ -356,7 +356,9 @@ impl Allocation<crate::memory::HostMemory> {
     /// the bytes their previous user left).
     pub fn as_bytes(&self) -> &[u8] {
         if self.len == 0 {
-            return &[];
+            // SAFETY: an empty slice may start at any non-null address; this one is aligned
+            // as allocator blocks are, so callers may view it as any element type.
+            return unsafe { std::slice::from_raw_parts(std::ptr::without_provenance(512), 0) };
         }
         // SAFETY: host segments are readable and writable mappings; this block covers
         // `[ptr, ptr + len)` exclusively while the handle lives, and `&self` rules out a
@@ -367,7 +369,10 @@ impl Allocation<crate::memory::HostMemory> {
     /// The bytes of a host allocation, mutably.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
         if self.len == 0 {
-            return &mut [];
+            // SAFETY: as in `as_bytes`; an empty slice aliases nothing.
+            return unsafe {
+                std::slice::from_raw_parts_mut(std::ptr::without_provenance_mut(512), 0)
+            };
         }
         // SAFETY: as in `as_bytes`; `&mut self` makes this the only access.
         unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut u8, self.len) }

@@ -246,9 +246,9 @@ impl fmt::Display for Reproduction {
         if !self.exact_start {
             write!(
                 f,
-                " [approximate: the trace began with {} reserved, the replay with {} (the \
-                 blocks then live, without the cached free segments); reserved bytes are \
-                 compared as changes from the start]",
+                " [approximate: the trace began with {} reserved and the replay with {}, \
+                 recreating the blocks and segments of that time but not where the blocks sat \
+                 in the segments; reserved bytes are compared as changes from the start]",
                 human_bytes(self.start_reserved.0),
                 human_bytes(self.start_reserved.1)
             )?;
@@ -257,14 +257,59 @@ impl fmt::Display for Reproduction {
     }
 }
 
-fn describe_actions(actions: &[(Action, u64)], failed: bool) -> String {
-    let mut parts: Vec<String> =
-        actions.iter().map(|(a, s)| format!("{a} {}", human_bytes(*s))).collect();
-    if parts.is_empty() {
-        parts.push("no segment action".into());
+/// `segment_free 2 x 2.00 MiB, 24.00 MiB; segment_alloc 20.00 MiB` (sorted input).
+fn list_actions(actions: &[(Action, u64)]) -> String {
+    let mut groups: Vec<(Action, Vec<(u64, usize)>)> = Vec::new();
+    for &(a, size) in actions {
+        match groups.last_mut() {
+            Some((last, sizes)) if *last == a => match sizes.last_mut() {
+                Some((s, n)) if *s == size => *n += 1,
+                _ => sizes.push((size, 1)),
+            },
+            _ => groups.push((a, vec![(size, 1)])),
+        }
     }
-    let mut text = parts.join(", ");
-    text.push_str(if failed { ", then out of memory" } else { "" });
+    let parts: Vec<String> = groups
+        .iter()
+        .map(|(a, sizes)| {
+            let sizes: Vec<String> = sizes
+                .iter()
+                .map(
+                    |&(s, n)| {
+                        if n == 1 { human_bytes(s) } else { format!("{n} x {}", human_bytes(s)) }
+                    },
+                )
+                .collect();
+            format!("{a} {}", sizes.join(", "))
+        })
+        .collect();
+    parts.join("; ")
+}
+
+/// What one side did in a call, and what it lacks compared with the other.
+fn describe_actions(actions: &[(Action, u64)], failed: bool, other: &[(Action, u64)]) -> String {
+    let mut text =
+        if actions.is_empty() { "no segment action".to_string() } else { list_actions(actions) };
+    // Multiset difference of two sorted lists.
+    let mut missing = Vec::new();
+    let (mut i, mut j) = (0, 0);
+    while i < other.len() {
+        if j < actions.len() && actions[j] < other[i] {
+            j += 1;
+        } else if j < actions.len() && actions[j] == other[i] {
+            i += 1;
+            j += 1;
+        } else {
+            missing.push(other[i]);
+            i += 1;
+        }
+    }
+    if !missing.is_empty() && !actions.is_empty() {
+        text.push_str(&format!(" (without {})", list_actions(&missing)));
+    }
+    if failed {
+        text.push_str(", then out of memory");
+    }
     text
 }
 
@@ -415,8 +460,8 @@ impl Recording {
             first = Some(Divergence {
                 entry,
                 what,
-                expected: describe_actions(&expected[c], exp_failed),
-                got: describe_actions(&got[c], got_failed),
+                expected: describe_actions(&expected[c], exp_failed, &got[c]),
+                got: describe_actions(&got[c], got_failed, &expected[c]),
             });
             break;
         }

@@ -210,8 +210,8 @@ pub(crate) fn run<M: DeviceMemory>(
     }
     let mut call = 0usize;
     let mut malloc_calls: Vec<usize> = Vec::new();
-    // Replay-trace index ranges of each `empty_cache()` call: (call, start, end).
-    let mut empty_ranges: Vec<(usize, usize, usize)> = Vec::new();
+    // Each `empty_cache()` call: its number, the allocations before it, the bytes it released.
+    let mut empty_calls: Vec<(usize, usize, u64)> = Vec::new();
     let mut skip_next = false;
     let mut transient: Option<Allocation<M>> = None;
     for (i, e) in entries.iter().enumerate() {
@@ -301,10 +301,10 @@ pub(crate) fn run<M: DeviceMemory>(
                     }
                 }
                 Action::SegmentFree | Action::SegmentUnmap if sites.empty_cache_start[i] => {
-                    let start = if record { cache.trace().len() } else { 0 };
+                    let before = cache.memory_reserved();
                     cache.empty_cache();
-                    let end = if record { cache.trace().len() } else { 0 };
-                    empty_ranges.push((call, start, end));
+                    let released = before.saturating_sub(cache.memory_reserved());
+                    empty_calls.push((call, malloc_calls.len(), released));
                     r.empty_cache_calls += 1;
                     call += 1;
                 }
@@ -334,11 +334,12 @@ pub(crate) fn run<M: DeviceMemory>(
         match parsed {
             Ok(events) => {
                 let total_calls = call;
-                let (mut anchors, mut range) = (0usize, 0usize);
-                for (j, ev) in events.iter().enumerate() {
-                    while range < empty_ranges.len() && empty_ranges[range].2 <= j {
-                        range += 1;
-                    }
+                // An `empty_cache()` made the releases that follow the allocation before it,
+                // up to the bytes it released; other segment actions belong to the next
+                // allocation.
+                let (mut anchors, mut next_empty) = (0usize, 0usize);
+                let mut releasing: Option<(usize, u64)> = None;
+                for ev in &events {
                     if matches!(ev.action, Action::Alloc | Action::Oom) {
                         anchors += 1;
                         continue;
@@ -351,8 +352,22 @@ pub(crate) fn run<M: DeviceMemory>(
                     } else {
                         r.device_frees += 1;
                     }
-                    let call = match empty_ranges.get(range) {
-                        Some(&(c, lo, hi)) if (lo..hi).contains(&j) => c,
+                    while releasing.is_none()
+                        && next_empty < empty_calls.len()
+                        && empty_calls[next_empty].1 == anchors
+                    {
+                        let (c, _, released) = empty_calls[next_empty];
+                        next_empty += 1;
+                        if released > 0 {
+                            releasing = Some((c, released));
+                        }
+                    }
+                    let call = match releasing {
+                        Some((c, left)) if ev.action.shrinks() => {
+                            let left = left.saturating_sub(ev.size);
+                            releasing = (left > 0).then_some((c, left));
+                            c
+                        }
                         _ => malloc_calls.get(anchors).copied().unwrap_or(total_calls),
                     };
                     r.segment_actions.push(SegmentAction {

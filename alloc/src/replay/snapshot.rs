@@ -198,7 +198,7 @@ pub struct PyTorchSnapshot {
     pub segments: Vec<SnapshotSegment>,
     /// The recorded trace of each device, oldest entry first.
     pub device_traces: Vec<Vec<Event>>,
-    /// The allocator settings, when the snapshot records them (PyTorch 2.3 and later).
+    /// The allocator settings, when the snapshot records them (recent PyTorch versions do).
     pub settings: Option<RecordedSettings>,
 }
 
@@ -530,23 +530,21 @@ fn before_trace(entries: &[Event], segments: &[&SnapshotSegment]) -> Before {
             Action::Alloc => {
                 known.insert(e.addr, State::Live);
             }
-            Action::FreeRequested => {
-                if known.insert(e.addr, State::Freeing).is_none() {
+            Action::FreeRequested | Action::FreeCompleted => {
+                // A block freed without having been allocated in the trace existed before it;
+                // freed only to the cache (`free_completed`), it was waiting for streams.
+                let pending_free = e.action == Action::FreeCompleted;
+                let unknown = if pending_free {
+                    known.remove(&e.addr).is_none()
+                } else {
+                    known.insert(e.addr, State::Freeing).is_none()
+                };
+                if unknown {
                     blocks.push(PriorBlock {
                         addr: e.addr,
                         size: e.size,
                         stream: e.stream,
-                        pending_free: false,
-                    });
-                }
-            }
-            Action::FreeCompleted => {
-                if known.remove(&e.addr).is_none() {
-                    blocks.push(PriorBlock {
-                        addr: e.addr,
-                        size: e.size,
-                        stream: e.stream,
-                        pending_free: true,
+                        pending_free,
                     });
                 }
             }

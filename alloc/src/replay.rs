@@ -317,7 +317,8 @@ impl Recording {
     /// `empty_cache` calls (see the [module documentation](self)). Allocations that fail
     /// are counted and their frees skipped. The cache's history setting is left alone, so
     /// the report has no segment actions; frees delayed by other streams happen at
-    /// `free_completed`. Allocations still live at the end are freed when this returns.
+    /// `free_completed`. Peak statistics are reset where the trace starts (after the blocks
+    /// from before it). Allocations still live at the end are freed when this returns.
     pub fn replay<M: DeviceMemory>(&self, cache: &CachingAllocator<M>) -> ReplayReport {
         engine::run(self, cache, None, false, 0).unwrap_or_else(|e| ReplayReport {
             error: Some(e.to_string()),

@@ -1,26 +1,252 @@
-//! Recording a trace to a file and replaying it on any backend.
+//! Replaying recorded allocation traces: PyTorch memory snapshots or vram's own, under the
+//! settings they were recorded with and under any others.
 //!
 //! A trace recorded on an 80 GB GPU replays on [`crate::VirtualMemory`] of the same capacity
-//! in microseconds, with the same segments and statistics, because the policy is the same on
-//! every backend. Replaying under other settings (expandable segments, a memory cap) shows
-//! what they would have changed.
+//! in milliseconds, because the policy is the same on every backend. Replayed under the
+//! recorded settings, it should reproduce the recorded segment actions; replayed under other
+//! settings (expandable segments, a split limit, a memory cap), it shows what they would have
+//! changed: peak reserved memory, fragmentation, device calls, out-of-memory errors.
+//!
+//! # From a PyTorch snapshot
+//!
+//! In PyTorch, record and dump:
+//!
+//! ```python
+//! torch.cuda.memory._record_memory_history(max_entries=100_000)
+//! train()                                                  # the workload
+//! torch.cuda.memory._dump_snapshot("snapshot.pickle")
+//! ```
+//!
+//! then replay it, from code or with `cargo xtask replay snapshot.pickle --conf ...`:
+//!
+//! ```no_run
+//! use vram_alloc::AllocatorConfig;
+//! use vram_alloc::replay::PyTorchSnapshot;
+//!
+//! let snapshot = PyTorchSnapshot::load("snapshot.pickle")?;
+//! let recording = snapshot.recording(None)?;         // the first device with a trace
+//! let recorded = recording.recorded_config()?;       // from `allocator_settings`
+//! let expandable = AllocatorConfig::parse("expandable_segments:True")?;
+//! let what_if = recording.what_if(recorded, &[expandable], recording.infer_capacity())?;
+//! println!("{}", what_if.reproduction);               // matches, or where it diverges
+//! println!("{}", what_if.table());                    // peak reserved, fragmentation, OOMs
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! # How a trace replays
+//!
+//! Each `alloc` entry becomes [`CachingAllocator::allocate_on`] of the requested size on the
+//! recorded stream; the allocation is remembered under the recorded address, which later
+//! entries use to name it. Segment entries are not replayed: creating and releasing segments
+//! is the policy's decision, and what the check compares.
+//!
+//! Frees: PyTorch records `free_requested` when the program frees a block and
+//! `free_completed` when the block is back in the cache. Without `record_stream` the two are
+//! adjacent, and the replay drops the allocation at `free_requested`. When they are apart,
+//! other streams were still using the block (`Tensor.record_stream`): the replay frees the
+//! allocation at `free_requested` after [`Allocation::record_stream`] on a held simulated
+//! stream, so allocated bytes fall there while the block stays unusable, and releases that
+//! stream at `free_completed`, so the block returns to the cache where it did in the
+//! recording (at the start of the next allocation, or earlier if the policy synchronizes,
+//! as an out-of-memory retry does). Frees of addresses the trace never allocated are
+//! counted, never errors.
+//!
+//! Segment releases are replayed only where the program asked for them: a run of
+//! `segment_free`/`segment_unmap` entries is `torch.cuda.empty_cache()`, and the replay calls
+//! [`CachingAllocator::empty_cache`] there, unless an allocation needed it: the run is
+//! followed by an `oom`, or by a new segment that would not have fitted next to what was
+//! reserved (on the capacity replayed on, under a recorded memory fraction), or the recorded
+//! settings collect garbage. (PyTorch releases cached segments inside an allocation only
+//! after the device refused a new one, or to collect garbage, and always right before the
+//! new segment or the `oom`.) An `oom` entry replays the failed request: under settings
+//! where it fits, it is an out-of-memory error avoided, and the block is freed again at once
+//! (the program never got it).
+//!
+//! The trace is a ring buffer started by `_record_memory_history`: blocks and segments from
+//! before it began appear in the snapshot's `segments`, or are freed in the trace without
+//! having been allocated there. The replay recreates them first: each such segment (see
+//! [`Recording::prior_segments`]) by allocating its size and freeing it again, which leaves
+//! it cached, then each such block (see [`Recording::prior_blocks`]), largest first, which
+//! the policy places in those segments. Where blocks sat inside their segments is not
+//! recorded, so a truncated trace replays approximately, and the check compares changes of
+//! reserved bytes rather than their absolute values.
+//! Give the recorded device's size as the capacity when it is known: it decides which
+//! releases were `empty_cache()` calls (see above).
 
-use crate::caching::{Allocation, CachingAllocator};
-use crate::memory::{DeviceMemory, DevicePtr, Stream};
-use crate::trace::{TraceAction, TraceEntry};
+mod analysis;
+mod engine;
+mod snapshot;
+
+pub use analysis::{
+    CallKind, CallSite, CapacityChoice, CapacitySource, DEFAULT_CAPACITY, Divergence,
+    RecordedFigures, Reproduction, WhatIf,
+};
+pub use engine::{ReplayReport, Sample, SegmentAction};
+pub use snapshot::{
+    PyTorchSnapshot, RecordedSettings, SnapshotBlock, SnapshotError, SnapshotSegment,
+};
+
+use crate::caching::CachingAllocator;
+use crate::config::{AllocatorConfig, ConfigError};
+use crate::error::AllocError;
+use crate::memory::{DeviceMemory, VirtualMemory};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::fmt;
 use std::path::Path;
+
+/// What a trace entry records, with PyTorch's action names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    /// A block was handed out (`size`: the bytes requested).
+    Alloc,
+    /// The program freed a block (it may still wait for other streams).
+    FreeRequested,
+    /// The block went back to the cache.
+    FreeCompleted,
+    /// A segment was obtained from the device.
+    SegmentAlloc,
+    /// A segment was returned to the device.
+    SegmentFree,
+    /// Pages were mapped into an expandable segment.
+    SegmentMap,
+    /// Pages were unmapped from an expandable segment.
+    SegmentUnmap,
+    /// An allocation failed (`size`: the rounded request).
+    Oom,
+    /// A snapshot was taken (a marker).
+    Snapshot,
+}
+
+impl Action {
+    /// Every action, in declaration order.
+    pub const ALL: [Action; 9] = [
+        Action::Alloc,
+        Action::FreeRequested,
+        Action::FreeCompleted,
+        Action::SegmentAlloc,
+        Action::SegmentFree,
+        Action::SegmentMap,
+        Action::SegmentUnmap,
+        Action::Oom,
+        Action::Snapshot,
+    ];
+
+    /// PyTorch's name for the action (`"free_requested"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Action::Alloc => "alloc",
+            Action::FreeRequested => "free_requested",
+            Action::FreeCompleted => "free_completed",
+            Action::SegmentAlloc => "segment_alloc",
+            Action::SegmentFree => "segment_free",
+            Action::SegmentMap => "segment_map",
+            Action::SegmentUnmap => "segment_unmap",
+            Action::Oom => "oom",
+            Action::Snapshot => "snapshot",
+        }
+    }
+
+    /// The action PyTorch names `name`.
+    pub fn from_name(name: &str) -> Option<Action> {
+        Action::ALL.into_iter().find(|a| a.name() == name)
+    }
+
+    /// Whether the action changes reserved memory (segment and mapping actions).
+    pub fn is_segment(self) -> bool {
+        matches!(
+            self,
+            Action::SegmentAlloc | Action::SegmentFree | Action::SegmentMap | Action::SegmentUnmap
+        )
+    }
+
+    /// Whether the action adds reserved memory (`segment_alloc`, `segment_map`).
+    pub fn grows(self) -> bool {
+        matches!(self, Action::SegmentAlloc | Action::SegmentMap)
+    }
+
+    /// Whether the action returns reserved memory (`segment_free`, `segment_unmap`).
+    pub fn shrinks(self) -> bool {
+        matches!(self, Action::SegmentFree | Action::SegmentUnmap)
+    }
+}
+
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One trace entry, as PyTorch records it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Event {
+    /// What happened.
+    pub action: Action,
+    /// The block's address (`alloc`, `free_*`), the segment's or mapped range's (segment
+    /// actions); 0 for `oom` and `snapshot`.
+    pub addr: u64,
+    /// Bytes: requested (`alloc`, `free_*`), of the segment or range (segment actions), the
+    /// rounded request (`oom`).
+    pub size: u64,
+    /// The stream (a `cudaStream_t` value; 0 is the default stream).
+    pub stream: u64,
+    /// When, in microseconds (0 if not recorded).
+    #[serde(default)]
+    pub time_us: u64,
+    /// The device's free bytes when an `oom` happened (0 otherwise).
+    #[serde(default)]
+    pub device_free: u64,
+}
+
+/// A block that was live when the trace began (allocated before history was recorded).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PriorBlock {
+    /// Its recorded address.
+    pub addr: u64,
+    /// The bytes requested for it.
+    pub size: u64,
+    /// Its stream.
+    pub stream: u64,
+    /// Whether it was already freed and waiting for other streams when the trace began.
+    pub pending_free: bool,
+}
+
+/// A segment that existed when the trace began.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PriorSegment {
+    /// Its recorded address.
+    pub addr: u64,
+    /// Bytes.
+    pub size: u64,
+    /// Its stream.
+    pub stream: u64,
+}
 
 /// A trace with the context needed to replay it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Recording {
-    /// Capacity of the device it was recorded on.
+    /// Capacity of the device it was recorded on; 0 when unknown (PyTorch snapshots do not
+    /// record it; see [`Recording::infer_capacity`]).
     pub device_total: u64,
     /// The allocator settings it was recorded with (`VRAM_ALLOC_CONF` syntax).
     pub config: String,
     /// The actions, oldest first.
-    pub entries: Vec<TraceEntry>,
+    pub entries: Vec<Event>,
+    /// Blocks live when the trace began, by address: freed in the trace without having been
+    /// allocated there, or live at the end in the snapshot's segments and not allocated in
+    /// the trace. The replay allocates them first.
+    #[serde(default)]
+    pub prior_blocks: Vec<PriorBlock>,
+    /// Segments that existed when the trace began, by address: freed in the trace without
+    /// having been allocated there, or in the snapshot's segments and not allocated in the
+    /// trace. The replay creates them first, as cached free segments, then allocates
+    /// [`Recording::prior_blocks`] into them.
+    #[serde(default)]
+    pub prior_segments: Vec<PriorSegment>,
+    /// Bytes reserved when the trace began (the snapshot's segments less what the trace's
+    /// segment actions added); 0 for a trace that starts from an empty cache.
+    #[serde(default)]
+    pub reserved_before: u64,
 }
 
 /// What can go wrong reading or writing a recording.
@@ -45,14 +271,17 @@ pub enum RecordingError {
 }
 
 impl Recording {
-    /// Captures the trace `cache` has recorded so far (see
-    /// [`CachingAllocator::record_history`]).
+    /// Captures what `cache` has recorded so far (see [`CachingAllocator::record_history`]),
+    /// through its snapshot in PyTorch's layout, so that a capture and a PyTorch snapshot
+    /// replay alike.
     pub fn capture<M: DeviceMemory>(cache: &CachingAllocator<M>) -> Recording {
-        Recording {
-            device_total: cache.mem_info().total,
-            config: cache.config().to_string(),
-            entries: cache.trace(),
-        }
+        let pickle = cache.snapshot().to_pickle();
+        let snapshot = PyTorchSnapshot::from_pickle(&pickle)
+            .expect("vram's snapshots are in PyTorch's layout, which PyTorchSnapshot reads");
+        let mut rec = snapshot.recording_of(0);
+        rec.device_total = cache.mem_info().total;
+        rec.config = cache.config().to_string();
+        rec
     }
 
     /// Writes the recording as JSON.
@@ -73,53 +302,40 @@ impl Recording {
             .map_err(|source| RecordingError::Format { path: shown(), source })
     }
 
-    /// Replays the allocations and frees on `cache`. Allocations that fail are counted and
-    /// their later frees skipped; frees of blocks allocated before the trace began are
-    /// skipped too.
-    pub fn replay<M: DeviceMemory>(&self, cache: &CachingAllocator<M>) -> ReplayReport {
-        let mut live: HashMap<DevicePtr, Allocation<M>> = HashMap::new();
-        let mut report = ReplayReport::default();
-        for e in &self.entries {
-            match e.action {
-                TraceAction::Alloc => match cache.allocate_on(e.requested, Stream(e.stream)) {
-                    Ok(a) => {
-                        report.allocations += 1;
-                        live.insert(e.addr, a);
-                    }
-                    Err(_) => report.failed_allocations += 1,
-                },
-                TraceAction::FreeRequested => {
-                    if live.remove(&e.addr).is_some() {
-                        report.frees += 1;
-                    } else {
-                        report.unmatched_frees += 1;
-                    }
-                }
-                _ => {}
-            }
-        }
-        report.peak_allocated = cache.max_memory_allocated();
-        report.peak_reserved = cache.max_memory_reserved();
-        report.still_live = live.len();
-        report
+    /// The settings the trace was recorded with.
+    pub fn recorded_config(&self) -> Result<AllocatorConfig, ConfigError> {
+        AllocatorConfig::parse(&self.config)
     }
-}
 
-/// The outcome of a replay.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ReplayReport {
-    /// Allocations replayed.
-    pub allocations: usize,
-    /// Allocations that failed (out of memory under the replay's settings).
-    pub failed_allocations: usize,
-    /// Frees replayed.
-    pub frees: usize,
-    /// Frees of allocations not in the trace (or that failed).
-    pub unmatched_frees: usize,
-    /// Allocations still live at the end of the trace (freed when the replay returns).
-    pub still_live: usize,
-    /// Peak allocated bytes during the replay.
-    pub peak_allocated: u64,
-    /// Peak reserved bytes during the replay.
-    pub peak_reserved: u64,
+    /// Whether the trace starts from an empty cache (no block or segment before it), so that
+    /// a replay can reproduce it exactly.
+    pub fn starts_empty(&self) -> bool {
+        self.prior_blocks.is_empty() && self.prior_segments.is_empty() && self.reserved_before == 0
+    }
+
+    /// Replays the trace on `cache`, whatever its memory: allocations, frees and
+    /// `empty_cache` calls (see the [module documentation](self)). Allocations that fail
+    /// are counted and their frees skipped. The cache's history setting is left alone, so
+    /// the report has no segment actions; frees delayed by other streams happen at
+    /// `free_completed`. Peak statistics are reset where the trace starts (after the blocks
+    /// from before it). Allocations still live at the end are freed when this returns.
+    pub fn replay<M: DeviceMemory>(&self, cache: &CachingAllocator<M>) -> ReplayReport {
+        engine::run(self, cache, None, false, 0).unwrap_or_else(|e| ReplayReport {
+            error: Some(e.to_string()),
+            ..ReplayReport::default()
+        })
+    }
+
+    /// Replays the trace on a fresh [`VirtualMemory`] of `capacity` bytes under `config`,
+    /// recording the segment actions (for [`Recording::check`]) and the memory after every
+    /// entry. Fails only if the settings cannot be honoured; out-of-memory errors are
+    /// counted in the report.
+    pub fn replay_with(
+        &self,
+        config: AllocatorConfig,
+        capacity: u64,
+    ) -> Result<ReplayReport, AllocError> {
+        let cache = CachingAllocator::with_config(VirtualMemory::new(capacity), config)?;
+        engine::run(self, &cache, Some(cache.memory().streams()), true, capacity)
+    }
 }

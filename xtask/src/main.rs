@@ -1,5 +1,8 @@
 //! `cargo xtask`: the project's tasks. `cargo xtask bench` runs every experiment and writes
-//! the report of claims against measurements.
+//! the report of claims against measurements; `cargo xtask replay` replays a PyTorch memory
+//! snapshot through vram's allocator under the recorded settings and others.
+
+mod replay;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
@@ -18,6 +21,13 @@ struct Cli {
 enum Command {
     /// Run the experiments (one per technique) and write <out>/REPORT.md.
     Bench(BenchArgs),
+    /// Replay a PyTorch memory snapshot under the recorded and other allocator settings.
+    ///
+    /// Reads a pickle written by torch.cuda.memory._dump_snapshot(), replays its allocation
+    /// trace through vram's allocator, checks that the recorded settings reproduce its
+    /// segments, compares other settings (peak reserved, fragmentation, device calls, OOMs)
+    /// and draws the memory timeline.
+    Replay(replay::ReplayArgs),
 }
 
 #[derive(clap::Args)]
@@ -161,9 +171,43 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Bench(args) => bench(args),
+        Command::Replay(args) => replay::run(args),
     };
     result.unwrap_or_else(|message| {
         eprintln!("error: {message}");
         ExitCode::from(2)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn usage_errors_exit_with_status_2() {
+        for argv in [
+            vec!["cargo xtask", "replay"],
+            vec!["cargo xtask", "replay", "a.pickle", "--device", "one"],
+            vec!["cargo xtask", "replay", "a.pickle", "--colour"],
+        ] {
+            let err = Cli::try_parse_from(&argv).err().expect("a usage error");
+            assert_eq!(err.exit_code(), 2, "{argv:?}");
+        }
+        let cli = Cli::try_parse_from([
+            "cargo xtask",
+            "replay",
+            "a.pickle",
+            "--conf",
+            "expandable_segments:True",
+            "--conf",
+            "max_split_size_mb:256",
+            "--capacity",
+            "24GiB",
+        ])
+        .unwrap();
+        let Command::Replay(args) = cli.command else { panic!("not replay") };
+        assert_eq!(args.confs.len(), 2);
+        assert_eq!(args.capacity.as_deref(), Some("24GiB"));
+    }
 }

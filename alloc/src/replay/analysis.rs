@@ -1,0 +1,646 @@
+//! What a recording says by itself, whether a replay reproduces it, and what-if tables.
+
+use super::engine::{ReplayReport, SegmentAction};
+use super::{Action, Event, Recording};
+use crate::config::AllocatorConfig;
+use crate::error::AllocError;
+use crate::util::human_bytes;
+use std::collections::BTreeSet;
+use std::fmt;
+
+/// The capacity assumed when nothing says otherwise: an 80 GB GPU (A100/H100).
+pub const DEFAULT_CAPACITY: u64 = 80 << 30;
+
+/// An allocator call that a trace records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CallKind {
+    /// An allocation that succeeded (`alloc` entry).
+    Alloc,
+    /// An allocation that failed (`oom` entry).
+    Oom,
+    /// `torch.cuda.empty_cache()` (a run of segment releases that no allocation follows).
+    EmptyCache,
+}
+
+/// Where an allocator call is in the trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CallSite {
+    /// The `alloc` or `oom` entry, or the first release of an `empty_cache()`.
+    pub entry: usize,
+    /// What the call was.
+    pub kind: CallKind,
+}
+
+pub(crate) struct CallSites {
+    pub sites: Vec<CallSite>,
+    /// Whether entry `i` starts the releases of an `empty_cache()`.
+    pub empty_cache_start: Vec<bool>,
+    /// The call each segment entry belongs to (`sites.len()` for none).
+    pub call_of: Vec<usize>,
+}
+
+/// Numbers the allocator calls of a trace and assigns its segment actions to them: the
+/// releases of an `empty_cache()` to it, every other segment action to the allocation it
+/// precedes. `reserved` holds the reserved bytes after each entry; a run of releases
+/// followed by a new segment belongs to that allocation if the segment would not have
+/// fitted under `limit` without them, or if garbage collection (`gc`) may have released
+/// them.
+pub(crate) fn call_sites(
+    entries: &[Event],
+    reserved: &[u64],
+    reserved_before: u64,
+    limit: u64,
+    gc: bool,
+) -> CallSites {
+    let n = entries.len();
+    let mut sites = Vec::new();
+    let mut empty_cache_start = vec![false; n];
+    let mut call_of = vec![usize::MAX; n];
+    let mut i = 0;
+    while i < n {
+        let a = entries[i].action;
+        if a.shrinks() {
+            let mut end = i;
+            while end < n && entries[end].action.shrinks() {
+                end += 1;
+            }
+            let before = if i == 0 { reserved_before } else { reserved[i - 1] };
+            let inside_malloc = match entries.get(end) {
+                Some(e) if e.action == Action::Oom => true,
+                Some(e) if e.action.grows() => gc || before.saturating_add(e.size) > limit,
+                _ => false,
+            };
+            if !inside_malloc {
+                empty_cache_start[i] = true;
+                let call = sites.len();
+                sites.push(CallSite { entry: i, kind: CallKind::EmptyCache });
+                call_of[i..end].fill(call);
+            }
+            i = end;
+            continue;
+        }
+        if matches!(a, Action::Alloc | Action::Oom) {
+            let kind = if a == Action::Oom { CallKind::Oom } else { CallKind::Alloc };
+            call_of[i] = sites.len();
+            sites.push(CallSite { entry: i, kind });
+        }
+        i += 1;
+    }
+    // Segment actions outside `empty_cache()` belong to the next allocation.
+    let mut next = sites.len();
+    for i in (0..n).rev() {
+        let a = entries[i].action;
+        if matches!(a, Action::Alloc | Action::Oom) {
+            next = call_of[i];
+        } else if a.is_segment() && call_of[i] == usize::MAX {
+            call_of[i] = next;
+        }
+    }
+    CallSites { sites, empty_cache_start, call_of }
+}
+
+/// What a recording says by itself.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RecordedFigures {
+    /// Reserved bytes after each entry: [`Recording::reserved_before`] plus the segment
+    /// actions so far.
+    pub reserved: Vec<u64>,
+    /// Peak of those.
+    pub peak_reserved: u64,
+    /// `alloc` entries.
+    pub allocs: usize,
+    /// `free_requested` entries.
+    pub frees: usize,
+    /// Segments allocated and ranges mapped.
+    pub device_allocs: u64,
+    /// Segments freed and ranges unmapped.
+    pub device_frees: u64,
+    /// `oom` entries.
+    pub ooms: usize,
+    /// The streams the trace uses, in increasing order.
+    pub streams: Vec<u64>,
+    /// The allocator calls, in order (their index is the call's number).
+    pub calls: Vec<CallSite>,
+    /// The segment actions with the call they belong to (zero-size ones left out).
+    pub segment_actions: Vec<SegmentAction>,
+}
+
+/// Where the capacity of the replayed device comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CapacitySource {
+    /// Given by the user.
+    Given,
+    /// The recording states the device's size (vram's own recordings).
+    Recorded,
+    /// From an out-of-memory entry: the bytes reserved then plus the device's free bytes.
+    OutOfMemory {
+        /// The `oom` entry.
+        entry: usize,
+        /// Reserved bytes at that entry.
+        reserved: u64,
+        /// The device's free bytes it records.
+        device_free: u64,
+    },
+    /// Nothing says: [`DEFAULT_CAPACITY`].
+    Default,
+    /// Nothing says, and the trace reserves more than [`DEFAULT_CAPACITY`]: its peak,
+    /// rounded up to a GiB.
+    RecordedPeak,
+}
+
+/// The capacity of the device a replay runs on, and why.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CapacityChoice {
+    /// Bytes.
+    pub bytes: u64,
+    /// Why.
+    pub source: CapacitySource,
+}
+
+impl CapacityChoice {
+    /// A capacity the user chose.
+    pub fn given(bytes: u64) -> Self {
+        CapacityChoice { bytes, source: CapacitySource::Given }
+    }
+}
+
+impl fmt::Display for CapacityChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (", human_bytes(self.bytes))?;
+        match self.source {
+            CapacitySource::Given => write!(f, "given"),
+            CapacitySource::Recorded => write!(f, "the recorded device's size"),
+            CapacitySource::OutOfMemory { entry, reserved, device_free } => write!(
+                f,
+                "inferred from the oom at entry {entry}: {} reserved + {} free on the device",
+                human_bytes(reserved),
+                human_bytes(device_free)
+            ),
+            CapacitySource::Default => {
+                write!(f, "default: the snapshot records neither the device's size nor an oom")
+            }
+            CapacitySource::RecordedPeak => {
+                write!(f, "the recorded peak reserved, rounded up: the snapshot records no size")
+            }
+        }?;
+        write!(f, ")")
+    }
+}
+
+/// Whether a replay under the recorded settings reproduces the recording.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reproduction {
+    /// Whether the replay recorded its segment actions (else nothing was compared).
+    pub checked: bool,
+    /// Segment actions compared.
+    pub segment_actions: usize,
+    /// Allocator calls compared.
+    pub calls: usize,
+    /// Whether the trace starts from an empty cache; if not, the replay starts from the
+    /// blocks live then only, and reserved bytes are compared as changes from the start.
+    pub exact_start: bool,
+    /// Reserved bytes when the trace began: recorded, and in the replay.
+    pub start_reserved: (u64, u64),
+    /// The first difference, if any.
+    pub divergence: Option<Divergence>,
+}
+
+impl Reproduction {
+    /// Whether the replay reproduces the recording.
+    pub fn matches(&self) -> bool {
+        self.checked && self.divergence.is_none()
+    }
+}
+
+/// The first place a replay differs from its recording.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Divergence {
+    /// The trace entry.
+    pub entry: usize,
+    /// What happened there, e.g. `alloc of 12.00 MiB on stream 0x0`.
+    pub what: String,
+    /// What the recording has.
+    pub expected: String,
+    /// What the replay did.
+    pub got: String,
+}
+
+impl fmt::Display for Reproduction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if !self.checked {
+            return write!(f, "not checked (the replay did not record its segment actions)");
+        }
+        match &self.divergence {
+            None => write!(
+                f,
+                "matches the recording: the same {} segment actions in {} allocator calls, and \
+                 the same reserved bytes after every entry",
+                self.segment_actions, self.calls
+            )?,
+            Some(d) => write!(
+                f,
+                "DIVERGES at trace entry {} ({}): expected {}, got {}",
+                d.entry, d.what, d.expected, d.got
+            )?,
+        }
+        if !self.exact_start {
+            write!(
+                f,
+                " [approximate: the trace began with {} reserved and the replay with {}, \
+                 recreating the blocks and segments of that time but not where the blocks sat \
+                 in the segments; reserved bytes are compared as changes from the start]",
+                human_bytes(self.start_reserved.0),
+                human_bytes(self.start_reserved.1)
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// `segment_free 2 x 2.00 MiB, 24.00 MiB; segment_alloc 20.00 MiB` (sorted input).
+fn list_actions(actions: &[(Action, u64)]) -> String {
+    let mut groups: Vec<(Action, Vec<(u64, usize)>)> = Vec::new();
+    for &(a, size) in actions {
+        match groups.last_mut() {
+            Some((last, sizes)) if *last == a => match sizes.last_mut() {
+                Some((s, n)) if *s == size => *n += 1,
+                _ => sizes.push((size, 1)),
+            },
+            _ => groups.push((a, vec![(size, 1)])),
+        }
+    }
+    let parts: Vec<String> = groups
+        .iter()
+        .map(|(a, sizes)| {
+            let sizes: Vec<String> = sizes
+                .iter()
+                .map(
+                    |&(s, n)| {
+                        if n == 1 { human_bytes(s) } else { format!("{n} x {}", human_bytes(s)) }
+                    },
+                )
+                .collect();
+            format!("{a} {}", sizes.join(", "))
+        })
+        .collect();
+    parts.join("; ")
+}
+
+/// What one side did in a call, and what it lacks compared with the other.
+fn describe_actions(actions: &[(Action, u64)], failed: bool, other: &[(Action, u64)]) -> String {
+    let mut text =
+        if actions.is_empty() { "no segment action".to_string() } else { list_actions(actions) };
+    // Multiset difference of two sorted lists.
+    let mut missing = Vec::new();
+    let (mut i, mut j) = (0, 0);
+    while i < other.len() {
+        if j < actions.len() && actions[j] < other[i] {
+            j += 1;
+        } else if j < actions.len() && actions[j] == other[i] {
+            i += 1;
+            j += 1;
+        } else {
+            missing.push(other[i]);
+            i += 1;
+        }
+    }
+    if !missing.is_empty() && !actions.is_empty() {
+        text.push_str(&format!(" (without {})", list_actions(&missing)));
+    }
+    if failed {
+        text.push_str(", then out of memory");
+    }
+    text
+}
+
+fn grouped(actions: &[SegmentAction], calls: usize) -> Vec<Vec<(Action, u64)>> {
+    let mut out = vec![Vec::new(); calls + 1];
+    for a in actions {
+        out[a.call.min(calls)].push((a.action, a.size));
+    }
+    for g in &mut out {
+        g.sort_unstable();
+    }
+    out
+}
+
+impl Recording {
+    /// Reserved bytes after each entry: [`Recording::reserved_before`] plus the segment
+    /// actions so far.
+    pub fn reserved_series(&self) -> Vec<u64> {
+        let mut reserved = self.reserved_before as i128;
+        self.entries
+            .iter()
+            .map(|e| {
+                if e.action.grows() {
+                    reserved += e.size as i128;
+                } else if e.action.shrinks() {
+                    reserved -= e.size as i128;
+                }
+                reserved.clamp(0, u64::MAX as i128) as u64
+            })
+            .collect()
+    }
+
+    /// The trace's allocator calls when replayed on `capacity` bytes (see the
+    /// [module documentation](super) on `empty_cache()`).
+    pub(crate) fn call_sites(&self, reserved: &[u64], capacity: u64) -> CallSites {
+        let config = self.recorded_config().ok();
+        let limit = match config.as_ref().and_then(AllocatorConfig::memory_fraction) {
+            Some(f) => (f * capacity as f64) as u64,
+            None => capacity,
+        };
+        let gc = config.is_some_and(|c| c.garbage_collection_threshold().is_some());
+        call_sites(&self.entries, reserved, self.reserved_before, limit, gc)
+    }
+
+    /// The figures the trace itself gives: reserved bytes after each entry, counts, and the
+    /// allocator calls when replayed on `capacity` bytes.
+    pub fn figures(&self, capacity: u64) -> RecordedFigures {
+        let reserved = self.reserved_series();
+        let sites = self.call_sites(&reserved, capacity);
+        let mut f = RecordedFigures {
+            peak_reserved: reserved.iter().copied().fold(self.reserved_before, u64::max),
+            ..RecordedFigures::default()
+        };
+        let mut streams = BTreeSet::new();
+        for (i, e) in self.entries.iter().enumerate() {
+            match e.action {
+                Action::Alloc => f.allocs += 1,
+                Action::FreeRequested => f.frees += 1,
+                Action::Oom => f.ooms += 1,
+                a if a.is_segment() && e.size > 0 => {
+                    if a.grows() {
+                        f.device_allocs += 1;
+                    } else {
+                        f.device_frees += 1;
+                    }
+                    f.segment_actions.push(SegmentAction {
+                        call: sites.call_of[i],
+                        action: a,
+                        size: e.size,
+                    });
+                }
+                _ => {}
+            }
+            if e.action != Action::Snapshot {
+                streams.insert(e.stream);
+            }
+        }
+        f.reserved = reserved;
+        f.streams = streams.into_iter().collect();
+        f.calls = sites.sites;
+        f
+    }
+
+    /// The capacity to replay on: the recorded device's size if known, else what the first
+    /// `oom` entry implies (reserved bytes then plus the device's free bytes), else
+    /// [`DEFAULT_CAPACITY`] (or the recorded peak, if larger). An out-of-memory caused by a
+    /// memory fraction cap records the device's free bytes, not the cap's: pass the fraction
+    /// in the settings (`per_process_memory_fraction`) to reproduce it.
+    pub fn infer_capacity(&self) -> CapacityChoice {
+        if self.device_total > 0 {
+            return CapacityChoice { bytes: self.device_total, source: CapacitySource::Recorded };
+        }
+        let reserved = self.reserved_series();
+        let peak_reserved = reserved.iter().copied().fold(self.reserved_before, u64::max);
+        if let Some((i, e)) = self
+            .entries
+            .iter()
+            .enumerate()
+            .find(|(_, e)| e.action == Action::Oom && e.device_free > 0)
+        {
+            let reserved = reserved[i];
+            let bytes = reserved.saturating_add(e.device_free).max(peak_reserved);
+            let source =
+                CapacitySource::OutOfMemory { entry: i, reserved, device_free: e.device_free };
+            return CapacityChoice { bytes, source };
+        }
+        if peak_reserved > DEFAULT_CAPACITY {
+            let gib = 1u64 << 30;
+            let bytes = peak_reserved.div_ceil(gib).saturating_mul(gib);
+            return CapacityChoice { bytes, source: CapacitySource::RecordedPeak };
+        }
+        CapacityChoice { bytes: DEFAULT_CAPACITY, source: CapacitySource::Default }
+    }
+
+    /// Compares a replay (by [`Recording::replay_with`] under the recorded settings) with
+    /// the recording: for each allocator call in order, the segment actions it made (sizes;
+    /// their order within one call is not compared) and whether it failed; and the reserved
+    /// bytes after every entry that is not itself a segment action. Segment actions of size
+    /// 0 (address reservations) are left out.
+    pub fn check(&self, report: &ReplayReport) -> Reproduction {
+        let f = self.figures(report.capacity);
+        let mut out = Reproduction {
+            checked: report.recorded_segments,
+            segment_actions: f.segment_actions.len(),
+            calls: f.calls.len(),
+            exact_start: self.starts_empty(),
+            start_reserved: (self.reserved_before, report.reserved_at_start),
+            divergence: None,
+        };
+        if !out.checked {
+            return out;
+        }
+        let n = f.calls.len();
+        let expected = grouped(&f.segment_actions, n);
+        let got = grouped(&report.segment_actions, n);
+        let failed: BTreeSet<usize> = report.failed_calls.iter().copied().collect();
+        let mut first: Option<Divergence> = None;
+        for c in 0..=n {
+            let exp_failed = c < n && f.calls[c].kind == CallKind::Oom;
+            let got_failed = failed.contains(&c);
+            if expected[c] == got[c] && exp_failed == got_failed {
+                continue;
+            }
+            let (entry, what) = match f.calls.get(c) {
+                Some(site) => (site.entry, self.describe_call(site)),
+                None => (self.entries.len().saturating_sub(1), "after the last call".into()),
+            };
+            first = Some(Divergence {
+                entry,
+                what,
+                expected: describe_actions(&expected[c], exp_failed, &got[c]),
+                got: describe_actions(&got[c], got_failed, &expected[c]),
+            });
+            break;
+        }
+        if report.timeline.len() == self.entries.len() {
+            let start = (self.reserved_before as i128, report.reserved_at_start as i128);
+            for (i, e) in self.entries.iter().enumerate() {
+                if first.as_ref().is_some_and(|d| d.entry <= i) {
+                    break;
+                }
+                if e.action.is_segment() {
+                    continue;
+                }
+                let exp = f.reserved[i] as i128 - start.0;
+                let got = report.timeline[i].reserved as i128 - start.1;
+                if exp != got {
+                    let shown = |delta: i128, base: i128| {
+                        human_bytes((base + delta).clamp(0, u64::MAX as i128) as u64)
+                    };
+                    first = Some(Divergence {
+                        entry: i,
+                        what: format!("reserved bytes after {}", self.describe_entry(e)),
+                        expected: shown(exp, start.0),
+                        got: shown(got, start.0),
+                    });
+                    break;
+                }
+            }
+        }
+        out.divergence = first;
+        out
+    }
+
+    fn describe_entry(&self, e: &Event) -> String {
+        match e.action {
+            Action::Oom => format!("oom of {} on stream {:#x}", human_bytes(e.size), e.stream),
+            a => {
+                format!("{a} of {} at {:#x} on stream {:#x}", human_bytes(e.size), e.addr, e.stream)
+            }
+        }
+    }
+
+    fn describe_call(&self, site: &CallSite) -> String {
+        match site.kind {
+            CallKind::EmptyCache => "empty_cache()".into(),
+            _ => self.describe_entry(&self.entries[site.entry]),
+        }
+    }
+
+    /// Replays the trace under the recorded settings (`baseline`) and under each of
+    /// `settings`, on virtual memory of `capacity`, and checks the baseline against the
+    /// recording.
+    pub fn what_if(
+        &self,
+        baseline: AllocatorConfig,
+        settings: &[AllocatorConfig],
+        capacity: CapacityChoice,
+    ) -> Result<WhatIf, AllocError> {
+        let base = self.replay_with(baseline, capacity.bytes)?;
+        let reproduction = self.check(&base);
+        let variants = settings
+            .iter()
+            .map(|c| self.replay_with(c.clone(), capacity.bytes))
+            .collect::<Result<Vec<_>, _>>()?;
+        let recorded = self.figures(capacity.bytes);
+        Ok(WhatIf { capacity, recorded, baseline: base, reproduction, variants })
+    }
+}
+
+/// A recording replayed under its own settings and others.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WhatIf {
+    /// The capacity replayed on.
+    pub capacity: CapacityChoice,
+    /// The recording's own figures.
+    pub recorded: RecordedFigures,
+    /// The replay under the recorded settings.
+    pub baseline: ReplayReport,
+    /// Whether the baseline reproduces the recording.
+    pub reproduction: Reproduction,
+    /// The replays under the other settings, in the order asked.
+    pub variants: Vec<ReplayReport>,
+}
+
+fn ooms_cell(r: &ReplayReport) -> String {
+    let mut s = if r.recorded_ooms > 0 {
+        let mut s = format!("{} of {} recorded", r.ooms_reproduced, r.recorded_ooms);
+        if r.ooms_avoided > 0 {
+            s.push_str(&format!(" ({} avoided)", r.ooms_avoided));
+        }
+        s
+    } else {
+        String::new()
+    };
+    if r.new_ooms() > 0 || s.is_empty() {
+        if !s.is_empty() {
+            s.push_str(", ");
+        }
+        if r.new_ooms() > 0 {
+            s.push_str(&format!("{} new", r.new_ooms()));
+        } else {
+            s.push_str("none");
+        }
+    }
+    s
+}
+
+impl WhatIf {
+    /// The baseline, then the variants.
+    pub fn reports(&self) -> impl Iterator<Item = &ReplayReport> {
+        std::iter::once(&self.baseline).chain(&self.variants)
+    }
+
+    /// A table: one row for the recording's own figures, one per replay, with peak
+    /// reserved, peak allocated, fragmentation at peak reserved, device allocations and
+    /// frees, and out-of-memory errors (recorded ones that still happen or are avoided, and
+    /// new ones).
+    pub fn table(&self) -> String {
+        let header = [
+            "setting",
+            "peak reserved",
+            "peak allocated",
+            "frag. at peak",
+            "device allocs",
+            "device frees",
+            "OOMs",
+        ];
+        let mut rows: Vec<[String; 7]> = vec![header.map(String::from)];
+        let rec = &self.recorded;
+        rows.push([
+            "recorded trace".into(),
+            human_bytes(rec.peak_reserved),
+            "-".into(),
+            "-".into(),
+            rec.device_allocs.to_string(),
+            rec.device_frees.to_string(),
+            rec.ooms.to_string(),
+        ]);
+        for (i, r) in self.reports().enumerate() {
+            let label = if i == 0 {
+                format!("{} (recorded settings)", r.label())
+            } else {
+                r.label().to_string()
+            };
+            rows.push([
+                label,
+                human_bytes(r.peak_reserved),
+                human_bytes(r.peak_allocated),
+                format!("{:.1}%", 100.0 * r.fragmentation_at_peak),
+                r.device_allocs.to_string(),
+                r.device_frees.to_string(),
+                ooms_cell(r),
+            ]);
+        }
+        let mut widths = [0usize; 7];
+        for row in &rows {
+            for (w, cell) in widths.iter_mut().zip(row) {
+                *w = (*w).max(cell.chars().count());
+            }
+        }
+        let mut out = String::new();
+        for (n, row) in rows.iter().enumerate() {
+            let mut line = String::new();
+            for (k, (cell, w)) in row.iter().zip(widths).enumerate() {
+                if k == 0 {
+                    line.push_str(&format!("{cell:<w$}"));
+                } else if k == 6 {
+                    line.push_str(&format!("  {cell}"));
+                } else {
+                    line.push_str(&format!("  {cell:>w$}"));
+                }
+            }
+            out.push_str(line.trim_end());
+            out.push('\n');
+            if n == 0 {
+                let total: usize = widths.iter().sum::<usize>() + 2 * 6;
+                out.push_str(&"-".repeat(total));
+                out.push('\n');
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,504 @@
+//! Replaying memory snapshots: PyTorch's layout (fixtures written by
+//! `tests/fixtures/make_snapshots.py`, no torch needed) and vram's own.
+
+use serde_pickle::{HashableValue, SerOptions, Value};
+use std::path::{Path, PathBuf};
+use vram_alloc::memory::Stream;
+use vram_alloc::replay::{
+    Action, CapacityChoice, CapacitySource, DEFAULT_CAPACITY, PyTorchSnapshot, Recording,
+    SnapshotError,
+};
+use vram_alloc::{AllocatorConfig, CachingAllocator, VirtualMemory};
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+fn conf(text: &str) -> AllocatorConfig {
+    AllocatorConfig::parse(text).unwrap()
+}
+
+// ---- PyTorch's layout ---------------------------------------------------------------
+
+#[test]
+fn the_pytorch_fixture_reads_with_dump_snapshots_layout() {
+    let snap = PyTorchSnapshot::load(fixture("training.pickle")).unwrap();
+    assert_eq!(snap.device_traces.len(), 2, "one trace per device");
+    assert_eq!(snap.devices_with_entries(), vec![0]);
+    let settings = snap.settings.as_ref().expect("allocator_settings");
+    assert_eq!(settings.max_split_size, None, "int64(SIZE_MAX) = -1 means no limit");
+    assert!(!settings.expandable_segments);
+    assert_eq!(settings.roundup_power2_divisions, vec![0; 16]);
+    assert_eq!(settings.to_conf(), "");
+    assert!(snap.segments.iter().all(|s| s.device == 0 && !s.blocks.is_empty()));
+
+    let rec = snap.recording(None).unwrap();
+    assert!(rec.starts_empty(), "recorded from an empty cache");
+    assert!(rec.entries.len() > 1000);
+    assert_eq!(rec.entries[0].action, Action::SegmentAlloc);
+    assert!(rec.entries[0].addr >= 0x7f00_0000_0000, "CUDA-like addresses");
+    let last = rec.entries.last().unwrap();
+    assert_eq!(last.action, Action::Oom);
+    assert_eq!((last.addr, last.size), (0, 3 * GIB + 123 * MIB as u64));
+    assert!(last.device_free > 0, "an oom records the device's free bytes");
+
+    let f = rec.figures(4 * GIB);
+    assert_eq!(f.streams.len(), 3);
+    assert_eq!(f.ooms, 1);
+    assert_eq!(f.allocs, f.frees + 192, "192 blocks are live at the end");
+    // record_stream-delayed frees: free_requested without its free_completed right after.
+    let delayed = rec
+        .entries
+        .windows(2)
+        .filter(|w| {
+            w[0].action == Action::FreeRequested
+                && !(w[1].action == Action::FreeCompleted && w[1].addr == w[0].addr)
+        })
+        .count();
+    assert!(delayed >= 8, "{delayed} delayed frees");
+
+    let err = snap.recording(Some(1)).unwrap_err();
+    assert!(matches!(err, SnapshotError::NoSuchDevice { device: 1, .. }), "{err}");
+    assert!(err.to_string().contains("devices with entries: [0]"), "{err}");
+}
+
+#[test]
+fn the_recorded_settings_reproduce_the_pytorch_fixture() {
+    let rec = PyTorchSnapshot::load(fixture("training.pickle")).unwrap().recording(None).unwrap();
+    let capacity = rec.infer_capacity();
+    assert_eq!(capacity.bytes, 4 * GIB, "{capacity}");
+    assert!(matches!(capacity.source, CapacitySource::OutOfMemory { .. }));
+    let w = rec.what_if(rec.recorded_config().unwrap(), &[], capacity).unwrap();
+    assert!(w.reproduction.matches(), "{}", w.reproduction);
+    let b = &w.baseline;
+    assert_eq!(b.error, None);
+    assert_eq!((b.recorded_ooms, b.ooms_reproduced, b.ooms_avoided), (1, 1, 0));
+    assert_eq!(b.new_ooms(), 0);
+    assert_eq!(b.unmatched_frees, 0);
+    assert!(b.empty_cache_calls >= 1, "the program's empty_cache() is replayed");
+    assert_eq!(b.peak_reserved, w.recorded.peak_reserved);
+    assert_eq!(
+        (b.device_allocs, b.device_frees),
+        (w.recorded.device_allocs, w.recorded.device_frees)
+    );
+    assert_eq!(b.timeline.len(), rec.entries.len());
+    assert_eq!(b.still_live, 192);
+}
+
+#[test]
+fn a_truncated_trace_starts_from_the_blocks_and_segments_before_it() {
+    let full = PyTorchSnapshot::load(fixture("training.pickle")).unwrap().recording(None).unwrap();
+    let snap = PyTorchSnapshot::load(fixture("training_truncated.pickle")).unwrap();
+    let rec = snap.recording(None).unwrap();
+    assert_eq!(rec.entries.len(), 400, "the ring buffer kept the last 400 entries");
+    assert_eq!(rec.entries[..], full.entries[full.entries.len() - 400..]);
+    assert!(!rec.starts_empty());
+    assert!(!rec.prior_blocks.is_empty() && !rec.prior_segments.is_empty());
+    // The trace's own segment actions, replayed on the full trace's state at that point,
+    // end in the snapshot's segments.
+    let reserved_then = full.reserved_series()[full.entries.len() - 401];
+    assert_eq!(rec.reserved_before, reserved_then);
+    let seg_total: u64 = rec.prior_segments.iter().map(|s| s.size).sum();
+    assert_eq!(seg_total, rec.reserved_before, "every segment from before is known");
+
+    let capacity = rec.infer_capacity();
+    assert_eq!(capacity.bytes, 4 * GIB);
+    let report = rec.replay_with(AllocatorConfig::default(), capacity.bytes).unwrap();
+    assert_eq!(report.unmatched_frees, 0, "frees of earlier blocks find them");
+    assert_eq!(report.prior_failed, 0);
+    assert_eq!(report.prior_blocks, rec.prior_blocks.len());
+    assert_eq!(report.reserved_at_start, rec.reserved_before, "the segments are recreated");
+    assert_eq!(report.ooms_reproduced, 1);
+    let check = rec.check(&report);
+    assert!(!check.exact_start);
+    assert!(check.to_string().contains("approximate"), "{check}");
+}
+
+#[test]
+fn expandable_segments_lower_reserved_bytes_on_the_pytorch_fixture() {
+    let rec = PyTorchSnapshot::load(fixture("training.pickle")).unwrap().recording(None).unwrap();
+    let w = rec
+        .what_if(
+            AllocatorConfig::default(),
+            &[conf("expandable_segments:True")],
+            rec.infer_capacity(),
+        )
+        .unwrap();
+    let (base, exp) = (&w.baseline, &w.variants[0]);
+    assert!(exp.peak_reserved < base.peak_reserved, "{}", w.table());
+    // The same blocks, up to how each setting splits them.
+    assert!(exp.peak_allocated.abs_diff(base.peak_allocated) * 100 < base.peak_allocated);
+    let table = w.table();
+    for needle in ["recorded trace", "defaults (recorded settings)", "expandable_segments:True"] {
+        assert!(table.contains(needle), "{table}");
+    }
+}
+
+#[test]
+fn a_recording_saves_and_loads_as_json() {
+    let rec = PyTorchSnapshot::load(fixture("training_truncated.pickle"))
+        .unwrap()
+        .recording(None)
+        .unwrap();
+    let path = std::env::temp_dir().join(format!("vram-replay-{}.json", std::process::id()));
+    rec.save(&path).unwrap();
+    let back = Recording::load(&path).unwrap();
+    std::fs::remove_file(&path).ok();
+    assert_eq!(back, rec);
+}
+
+#[test]
+fn the_python_generator_writes_the_committed_fixtures() {
+    let out = std::env::temp_dir().join(format!("vram-replay-fixtures-{}", std::process::id()));
+    let status = std::process::Command::new("python3")
+        .arg(fixture("make_snapshots.py"))
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .status();
+    match status {
+        Ok(s) if s.success() => {}
+        Ok(s) => panic!("make_snapshots.py failed: {s}"),
+        Err(e) => {
+            eprintln!("SKIPPED: python3 is not available ({e}); the committed fixtures are used");
+            return;
+        }
+    }
+    for name in ["training.pickle", "training_truncated.pickle"] {
+        let fresh = PyTorchSnapshot::load(out.join(name)).unwrap();
+        let committed = PyTorchSnapshot::load(fixture(name)).unwrap();
+        assert_eq!(fresh, committed, "{name}: rerun tests/fixtures/make_snapshots.py");
+    }
+    std::fs::remove_dir_all(&out).ok();
+}
+
+// ---- vram's own snapshots -------------------------------------------------------------
+
+const SIDE: Stream = Stream(0x55f0_0000_1000);
+const COPY: Stream = Stream(0x55f0_0000_2000);
+
+/// A training-like workload: parameters, variable sequence lengths, batches from a copy
+/// stream used on a side stream (frees delayed until that stream is done), small tensors,
+/// optionally an `empty_cache()` and a final out-of-memory.
+fn workload(cache: &CachingAllocator<VirtualMemory>, empty_cache: bool, oom: bool) {
+    let streams = cache.memory().streams();
+    let params: Vec<_> =
+        (0..8).map(|i| cache.allocate((i + 1) * 3 * MIB + 1234).unwrap()).collect();
+    for (step, seq) in [256usize, 512, 384, 1024, 768, 640].into_iter().enumerate() {
+        streams.hold(SIDE);
+        let batch = cache.allocate_on(seq * 4 * KIB, COPY).unwrap();
+        batch.record_stream(SIDE);
+        let mut acts = Vec::new();
+        for _ in 0..6 {
+            acts.push(cache.allocate(seq * 32 * KIB).unwrap());
+            acts.push(cache.allocate(seq * 16 + 100).unwrap());
+            let tmp = cache.allocate(seq * 96 * KIB).unwrap();
+            acts.push(cache.allocate(seq * 128 * KIB).unwrap());
+            drop(tmp);
+        }
+        drop(batch);
+        let norm = cache.allocate_on(4, SIDE).unwrap();
+        drop(norm);
+        for a in acts.into_iter().rev() {
+            let g = cache.allocate(a.len()).unwrap();
+            drop(a);
+            drop(g);
+            if step % 2 == 1 {
+                streams.release(SIDE);
+            }
+        }
+        streams.release(SIDE);
+        if empty_cache && step == 2 {
+            cache.empty_cache();
+        }
+    }
+    if oom {
+        let err = cache.allocate(cache.mem_info().total as usize).unwrap_err();
+        assert!(err.is_out_of_memory());
+    }
+    drop(params);
+}
+
+fn record(config: &str, capacity: u64, empty_cache: bool) -> CachingAllocator<VirtualMemory> {
+    let cache = CachingAllocator::with_config(VirtualMemory::new(capacity), conf(config)).unwrap();
+    cache.record_history(Some(1 << 20));
+    workload(&cache, empty_cache, true);
+    cache
+}
+
+#[test]
+fn vram_recordings_reproduce_exactly_under_their_own_settings() {
+    let cases = [
+        ("", true),
+        ("expandable_segments:True", true),
+        ("max_split_size_mb:64", true),
+        ("roundup_power2_divisions:4", true),
+        ("garbage_collection_threshold:0.6,per_process_memory_fraction:0.7", false),
+    ];
+    for (config, empty_cache) in cases {
+        let cache = record(config, 4 * GIB, empty_cache);
+        // From code ...
+        let rec = Recording::capture(&cache);
+        assert!(rec.starts_empty());
+        assert_eq!(
+            rec.infer_capacity(),
+            CapacityChoice { bytes: 4 * GIB, source: CapacitySource::Recorded }
+        );
+        let report = rec.replay_with(rec.recorded_config().unwrap(), 4 * GIB).unwrap();
+        let check = rec.check(&report);
+        assert!(check.matches(), "{config:?}: {check}");
+        assert!(check.segment_actions > 0);
+        assert_eq!(report.ooms_reproduced, 1, "{config:?}");
+        assert_eq!(report.peak_reserved, cache.max_memory_reserved(), "{config:?}");
+        assert_eq!(report.peak_allocated, cache.max_memory_allocated(), "{config:?}");
+        // ... and through the pickle file, which records neither the device's size nor
+        // vram's settings by name: the oom gives the size, the settings are passed.
+        let snap = PyTorchSnapshot::from_pickle(&cache.snapshot().to_pickle()).unwrap();
+        let mut from_file = snap.recording(None).unwrap();
+        if let Some(settings) = &snap.settings
+            && !config.contains("per_process_memory_fraction")
+        {
+            assert_eq!(conf(&settings.to_conf()), conf(config), "allocator_settings");
+        }
+        // PyTorch's `allocator_settings` have no memory fraction (and older exporters no
+        // settings at all): say them, as `--recorded-conf` does.
+        from_file.config = config.to_string();
+        assert_eq!(from_file.entries.len(), rec.entries.len());
+        let mut capacity = from_file.infer_capacity();
+        if let CapacitySource::OutOfMemory { .. } = capacity.source {
+            assert_eq!(capacity.bytes, 4 * GIB, "{config:?}: {capacity}");
+        } else {
+            // An exporter that leaves out the oom's `device_free`: give the size.
+            capacity = CapacityChoice::given(4 * GIB);
+        }
+        let report =
+            from_file.replay_with(from_file.recorded_config().unwrap(), capacity.bytes).unwrap();
+        let check = from_file.check(&report);
+        assert!(check.matches(), "{config:?} from the pickle: {check}");
+    }
+}
+
+#[test]
+fn a_vram_trace_recorded_late_replays_from_what_came_before() {
+    let cache = CachingAllocator::new(VirtualMemory::new(4 * GIB));
+    let early: Vec<_> = (1..6).map(|i| cache.allocate(i * 7 * MIB).unwrap()).collect();
+    let cached = cache.allocate(50 * MIB).unwrap();
+    drop(cached);
+    let reserved_before = cache.memory_reserved();
+    cache.record_history(Some(1 << 20));
+    drop(early);
+    workload(&cache, false, false);
+    let rec = Recording::capture(&cache);
+    assert!(!rec.starts_empty());
+    assert_eq!(rec.prior_blocks.len(), 5, "freed in the trace, allocated before it");
+    assert_eq!(rec.reserved_before, reserved_before);
+    assert_eq!(rec.prior_segments.iter().map(|s| s.size).sum::<u64>(), reserved_before);
+    let report = rec.replay_with(AllocatorConfig::default(), 4 * GIB).unwrap();
+    assert_eq!(report.unmatched_frees, 0);
+    assert_eq!(report.reserved_at_start, rec.reserved_before);
+    assert!(rec.check(&report).matches(), "{}", rec.check(&report));
+}
+
+#[test]
+fn expandable_segments_lower_reserved_bytes_on_a_fragmenting_trace() {
+    // Each request is a little larger than the last, so no cached segment ever fits it.
+    let cache = CachingAllocator::new(VirtualMemory::new(80 * GIB));
+    cache.record_history(Some(1 << 20));
+    let keep = cache.allocate(MIB).unwrap();
+    for i in 0..40 {
+        let a = cache.allocate((30 + 2 * i) * MIB + 4096).unwrap();
+        let b = cache.allocate(3 * MIB).unwrap();
+        drop(a);
+        drop(b);
+    }
+    drop(keep);
+    let rec = Recording::capture(&cache);
+    let w = rec
+        .what_if(
+            AllocatorConfig::default(),
+            &[conf("expandable_segments:True")],
+            rec.infer_capacity(),
+        )
+        .unwrap();
+    assert!(w.reproduction.matches(), "{}", w.reproduction);
+    let (base, exp) = (&w.baseline, &w.variants[0]);
+    assert!(base.peak_reserved > 1 << 30, "{}", w.table());
+    assert!(exp.peak_reserved * 4 < base.peak_reserved, "{}", w.table());
+    assert!(exp.fragmentation_at_peak < base.fragmentation_at_peak, "{}", w.table());
+    // The same blocks, up to how each setting splits them.
+    assert!(exp.peak_allocated.abs_diff(base.peak_allocated) * 20 < base.peak_allocated);
+}
+
+#[test]
+fn a_smaller_device_turns_the_peak_into_new_ooms() {
+    let cache = record("", 4 * GIB, true);
+    let rec = Recording::capture(&cache);
+    let small = rec.replay_with(AllocatorConfig::default(), 512 << 20).unwrap();
+    assert!(small.new_ooms() > 0);
+    assert!(small.skipped_frees > 0, "frees of failed allocations are skipped");
+    assert!(small.peak_reserved <= 512 << 20);
+    let check = rec.check(&small);
+    assert!(!check.matches() && check.divergence.is_some(), "{check}");
+}
+
+// ---- bad files ------------------------------------------------------------------------
+
+fn s(text: &str) -> Value {
+    Value::String(text.into())
+}
+
+fn dict(pairs: Vec<(&str, Value)>) -> Value {
+    Value::Dict(pairs.into_iter().map(|(k, v)| (HashableValue::String(k.into()), v)).collect())
+}
+
+fn entry(action: &str, addr: i64, size: i64) -> Value {
+    dict(vec![
+        ("action", s(action)),
+        ("addr", Value::I64(addr)),
+        ("size", Value::I64(size)),
+        ("stream", Value::I64(0)),
+        ("time_us", Value::I64(1)),
+    ])
+}
+
+fn snapshot_with(trace: Vec<Value>) -> Vec<u8> {
+    let v = dict(vec![
+        ("segments", Value::List(vec![])),
+        ("device_traces", Value::List(vec![Value::List(trace)])),
+    ]);
+    serde_pickle::value_to_vec(&v, SerOptions::new()).unwrap()
+}
+
+fn read(bytes: &[u8]) -> Result<Recording, SnapshotError> {
+    PyTorchSnapshot::from_pickle(bytes)?.recording(None)
+}
+
+#[test]
+fn bad_files_say_what_is_wrong() {
+    let err = read(br#"{"segments": [], "device_traces": [[]]}"#).unwrap_err();
+    assert!(matches!(err, SnapshotError::NotAPickle(_)), "{err}");
+    assert!(err.to_string().contains("_dump_snapshot"), "{err}");
+
+    let list = serde_pickle::value_to_vec(&Value::List(vec![]), SerOptions::new()).unwrap();
+    let err = read(&list).unwrap_err();
+    assert!(err.to_string().contains("a list of 0, not a dict"), "{err}");
+
+    let v = dict(vec![("segments", Value::List(vec![]))]);
+    let err = read(&serde_pickle::value_to_vec(&v, SerOptions::new()).unwrap()).unwrap_err();
+    assert!(matches!(err, SnapshotError::NoDeviceTraces(_)), "{err}");
+    assert!(err.to_string().contains("`segments`"), "{err}");
+    assert!(err.to_string().contains("_record_memory_history"), "{err}");
+
+    let err = read(&snapshot_with(vec![])).unwrap_err();
+    assert!(matches!(err, SnapshotError::EmptyTrace { devices: 1 }), "{err}");
+    assert!(err.to_string().contains("trace is empty"), "{err}");
+
+    let no_addr = dict(vec![("action", s("alloc")), ("size", Value::I64(512))]);
+    let err = read(&snapshot_with(vec![entry("alloc", 4096, 512), no_addr])).unwrap_err();
+    assert_eq!(err.to_string(), "trace entry device_traces[0][1] (alloc) has no `addr`");
+
+    let no_size = dict(vec![("action", s("free_requested")), ("addr", Value::I64(4096))]);
+    let err = read(&snapshot_with(vec![no_size])).unwrap_err();
+    assert!(err.to_string().contains("(free_requested) has no `size`"), "{err}");
+
+    let no_action = dict(vec![("addr", Value::I64(4096)), ("size", Value::I64(512))]);
+    let err = read(&snapshot_with(vec![no_action])).unwrap_err();
+    assert!(err.to_string().contains("has no `action`"), "{err}");
+
+    let err = read(&snapshot_with(vec![entry("malloc", 4096, 512)])).unwrap_err();
+    assert!(matches!(err, SnapshotError::UnknownAction { index: 0, .. }), "{err}");
+    assert!(err.to_string().contains("unknown action `malloc`"), "{err}");
+
+    let err = read(&snapshot_with(vec![entry("alloc", 4096, -512)])).unwrap_err();
+    assert!(err.to_string().contains("negative `size`: -512"), "{err}");
+
+    let text_size = dict(vec![("action", s("alloc")), ("addr", Value::I64(1)), ("size", s("1k"))]);
+    let err = read(&snapshot_with(vec![text_size])).unwrap_err();
+    assert!(err.to_string().contains("`device_traces[0][0].size` is a str"), "{err}");
+
+    let oom = dict(vec![("action", s("oom")), ("size", Value::I64(1 << 30))]);
+    let err = read(&snapshot_with(vec![oom])).unwrap_err();
+    assert!(err.to_string().contains("(oom) has no `device_free`"), "{err}");
+}
+
+#[test]
+fn frees_of_addresses_never_allocated_are_counted_not_errors() {
+    let trace = vec![
+        entry("segment_alloc", 0x7f00_0000_0000, 20 << 20),
+        entry("alloc", 0x7f00_0000_0000, 4 << 20),
+        entry("free_requested", 0x7f00_1000_0000, 1 << 20),
+        entry("free_completed", 0x7f00_1000_0000, 1 << 20),
+        entry("free_requested", 0x7f00_0000_0000, 4 << 20),
+        entry("free_completed", 0x7f00_0000_0000, 4 << 20),
+    ];
+    let rec = read(&snapshot_with(trace)).unwrap();
+    assert_eq!(rec.prior_blocks.len(), 1, "the unknown block existed before the trace");
+    assert_eq!(rec.prior_blocks[0].size, 1 << 20);
+    let report = rec.replay_with(AllocatorConfig::default(), 8 * GIB).unwrap();
+    assert_eq!(report.prior_blocks, 1);
+    assert_eq!(report.frees, 2);
+    assert_eq!(report.unmatched_frees, 0);
+    assert_eq!(report.still_live, 0);
+    // Through the generic replay, too.
+    let cache = CachingAllocator::new(VirtualMemory::new(8 * GIB));
+    assert_eq!(rec.replay(&cache).frees, 2);
+}
+
+#[test]
+fn an_oom_without_device_free_reads_its_addr_and_capacity_defaults_to_80_gib() {
+    let oom = dict(vec![
+        ("action", s("oom")),
+        ("addr", Value::I64(0)),
+        ("size", Value::I64(1 << 30)),
+        ("stream", Value::I64(-1)),
+    ]);
+    let rec = read(&snapshot_with(vec![entry("alloc", 4096, 512), oom])).unwrap();
+    assert_eq!(rec.entries[1].stream, u64::MAX, "an int64 stream keeps its bits");
+    let capacity = rec.infer_capacity();
+    assert_eq!(
+        capacity,
+        CapacityChoice { bytes: DEFAULT_CAPACITY, source: CapacitySource::Default }
+    );
+    assert!(capacity.to_string().starts_with("80.00 GiB (default"), "{capacity}");
+    let report = rec.replay_with(AllocatorConfig::default(), capacity.bytes).unwrap();
+    assert_eq!((report.recorded_ooms, report.ooms_avoided), (1, 1));
+}
+
+#[test]
+fn allocator_settings_become_vram_settings() {
+    let roundup: Vec<(HashableValue, Value)> = (0..16)
+        .map(|i| {
+            (HashableValue::String((1u64 << i).to_string()), Value::I64(if i < 4 { 2 } else { 8 }))
+        })
+        .collect();
+    let settings = dict(vec![
+        ("PYTORCH_CUDA_ALLOC_CONF", s("max_split_size_mb:128,expandable_segments:True")),
+        ("max_split_size", Value::I64(128 << 20)),
+        ("garbage_collection_threshold", Value::F64(0.6)),
+        ("expandable_segments", Value::Bool(true)),
+        ("pinned_num_register_threads", Value::I64(1)),
+        ("release_lock_on_cudamalloc", Value::Bool(false)),
+        ("pinned_use_cuda_host_register", Value::Bool(false)),
+        ("roundup_power2_divisions", Value::Dict(roundup.into_iter().collect())),
+    ]);
+    let v = dict(vec![
+        ("segments", Value::List(vec![])),
+        ("device_traces", Value::List(vec![Value::List(vec![entry("alloc", 4096, 512)])])),
+        ("allocator_settings", settings),
+    ]);
+    let snap =
+        PyTorchSnapshot::from_pickle(&serde_pickle::value_to_vec(&v, SerOptions::new()).unwrap())
+            .unwrap();
+    let text = snap.settings.as_ref().unwrap().to_conf();
+    let parsed = conf(&text);
+    assert_eq!(parsed.max_split_size(), 128 << 20);
+    assert_eq!(parsed.garbage_collection_threshold(), Some(0.6));
+    assert!(parsed.expandable_segments());
+    assert_eq!(parsed.roundup_power2_divisions(3 << 20), 2);
+    assert_eq!(parsed.roundup_power2_divisions(100 << 20), 8);
+    assert_eq!(parsed.roundup_power2_divisions(60 << 30), 8, "the last interval goes on");
+    assert_eq!(snap.recording(None).unwrap().config, text);
+}

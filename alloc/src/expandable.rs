@@ -129,6 +129,7 @@ impl<M: DeviceMemory> State<M> {
         });
         self.segments.insert(base, Segment { mapped: 0, stream, pool, expandable: true, head: id });
         self.pool_mut(pool).unmapped.insert((stream, base), id);
+        self.expandable_live += 1;
         Ok(Some(id))
     }
 
@@ -255,6 +256,7 @@ impl<M: DeviceMemory> State<M> {
         self.pool_mut(pool).unmapped.remove(&(stream, base));
         self.arena.remove(id);
         self.segments.remove(&base);
+        self.expandable_live -= 1;
         // SAFETY: the range was reserved by `mem.reserve(size)` at `base` and nothing in it
         // is mapped any more.
         unsafe { mem.release(base, size) };

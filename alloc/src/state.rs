@@ -20,6 +20,11 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 /// `NativeCachingAllocator::allocate` refuses them ("more than 1EB memory").
 pub(crate) const ONE_EXA_BYTE: usize = 1 << 60;
 
+/// Reserved memory never passes this, whatever the device's size, so that no statistic
+/// (each bounded by reserved memory) can pass `i64::MAX`: past it, allocations fail with
+/// out-of-memory. (An expandable segment may map up to one 20 MiB page past a request.)
+pub(crate) const MAX_RESERVED: u64 = i64::MAX as u64 - (1 << 31);
+
 pub(crate) struct State<M: DeviceMemory> {
     pub config: AllocatorConfig,
     /// `config.rounds_to_power2_divisions()`, computed once.
@@ -28,6 +33,12 @@ pub(crate) struct State<M: DeviceMemory> {
     max_split: usize,
     /// How far an oversize block may exceed an oversize request and still serve it.
     max_non_split_rounding: usize,
+    /// `config.expandable_segments()`, computed once.
+    expandable: bool,
+    /// Whether garbage collection is on (see [`Self::gc_enabled`]), kept up to date.
+    gc_on: bool,
+    /// Expandable segments that exist: while none does, best fit skips their special case.
+    pub expandable_live: usize,
     /// Reserved memory may not exceed this (from the memory fraction).
     pub cap: Option<u64>,
     pub arena: Arena,
@@ -57,6 +68,9 @@ impl<M: DeviceMemory> State<M> {
             power2_rounding: config.rounds_to_power2_divisions(),
             max_split: config.max_split_size(),
             max_non_split_rounding: config.max_non_split_rounding_size(),
+            expandable: config.expandable_segments(),
+            gc_on: cap.is_some() && config.garbage_collection_threshold().is_some(),
+            expandable_live: 0,
             config,
             cap,
             arena: Arena::default(),
@@ -91,7 +105,7 @@ impl<M: DeviceMemory> State<M> {
     /// the block ages it needs are on.
     #[inline]
     fn gc_enabled(&self) -> bool {
-        self.cap.is_some() && self.config.garbage_collection_threshold().is_some()
+        self.gc_on
     }
 
     // ---- allocation -------------------------------------------------------------------
@@ -148,7 +162,7 @@ impl<M: DeviceMemory> State<M> {
     /// `get_free_block`: the smallest cached block of the stream that fits, with PyTorch's
     /// rules for expandable and oversize blocks. The block stays in its pool;
     /// [`Self::hand_out`] takes it out.
-    #[inline]
+    #[inline(always)]
     fn get_free_block(
         &mut self,
         pool: PoolKind,
@@ -163,7 +177,7 @@ impl<M: DeviceMemory> State<M> {
         if key.0 != stream {
             return None;
         }
-        if self.arena[id].expandable {
+        if self.expandable_live > 0 && self.arena[id].expandable {
             (key, id, pos) = self.expandable_fit(pool, stream, pos)?;
         }
         let max_split = self.max_split;
@@ -187,7 +201,7 @@ impl<M: DeviceMemory> State<M> {
         mut pos: usize,
     ) -> Option<(FreeKey, BlockId, usize)> {
         let free = &self.pool(pool).free;
-        if self.config.expandable_segments() {
+        if self.expandable {
             // A block that can grow into the unmapped range after it counts as that big, so
             // a later block may fit better.
             let grown = |id: BlockId| {
@@ -234,13 +248,12 @@ impl<M: DeviceMemory> State<M> {
         if is_retry {
             self.stats.num_alloc_retries += 1;
         }
-        if let Some(cap) = self.cap
-            && (self.stats.reserved_bytes.all.current as u64).saturating_add(alloc_size as u64)
-                > cap
+        let limit = self.cap.map_or(MAX_RESERVED, |cap| cap.min(MAX_RESERVED));
+        if (self.stats.reserved_bytes.all.current as u64).saturating_add(alloc_size as u64) > limit
         {
             return Ok(None);
         }
-        if self.config.expandable_segments() {
+        if self.expandable {
             return self.try_allocate_expandable_block(mem, pool, stream, size);
         }
         let ptr = match mem.allocate(alloc_size) {
@@ -279,7 +292,7 @@ impl<M: DeviceMemory> State<M> {
     #[inline]
     fn should_split(&self, pool: PoolKind, block_size: usize, size: usize) -> bool {
         let remaining = block_size - size;
-        if pool == PoolKind::Small || self.config.expandable_segments() {
+        if pool == PoolKind::Small || self.expandable {
             remaining >= policy::MIN_BLOCK_SIZE
         } else {
             size < self.max_split && remaining > policy::SMALL_SIZE
@@ -289,7 +302,7 @@ impl<M: DeviceMemory> State<M> {
     /// `alloc_found_block`: marks a free block allocated, splitting off the remainder, with
     /// PyTorch's net change of the inactive-split statistics. `in_pool` is the block's key
     /// and index position if it is in its pool: the remainder then takes its place.
-    #[inline]
+    #[inline(always)]
     fn hand_out(
         &mut self,
         id: BlockId,
@@ -409,6 +422,7 @@ impl<M: DeviceMemory> State<M> {
 
     /// `free_block`: returns a block to its pool, merging it with free neighbours, and ends
     /// its time as an active block (`active`, `active_bytes`, `requested_bytes`).
+    #[inline(always)]
     fn free_block(&mut self, id: BlockId) {
         let b = &mut self.arena[id];
         let (pool, size, requested, ptr, stream, prev, next, expandable) =
@@ -705,6 +719,7 @@ impl<M: DeviceMemory> State<M> {
 
     pub fn set_memory_fraction(&mut self, fraction: f64, total: u64) {
         self.cap = Some(cap_bytes(fraction, total));
+        self.gc_on = self.config.garbage_collection_threshold().is_some();
     }
 
     /// The error for a request PyTorch refuses before touching the cache (1 EiB or more):
@@ -738,7 +753,7 @@ impl<M: DeviceMemory> State<M> {
             allocated: self.stats.allocated_bytes.all.current as u64,
             reserved: self.stats.reserved_bytes.all.current as u64,
             cap: self.cap,
-            expandable_segments: self.config.expandable_segments(),
+            expandable_segments: self.expandable,
         }))
     }
 }

@@ -19,20 +19,22 @@ pub struct Stat {
 }
 
 impl Stat {
-    /// Adds `n`; every field saturates instead of wrapping.
+    /// Adds `n`. `current` never passes `i64::MAX`: requests are under 1 EiB and the cache
+    /// keeps reserved memory (which bounds every current value) under
+    /// `MAX_RESERVED` (in `state.rs`); the totals saturate instead of wrapping.
     #[inline]
     pub(crate) fn increase(&mut self, n: u64) {
-        self.current = self.current.saturating_add_unsigned(n);
+        self.current += n as i64;
         self.allocated = self.allocated.saturating_add(n);
         if self.current > self.peak {
             self.peak = self.current;
         }
     }
 
-    /// Removes `n`; every field saturates instead of wrapping.
+    /// Removes `n` (never more than `current`); the total saturates instead of wrapping.
     #[inline]
     pub(crate) fn decrease(&mut self, n: u64) {
-        self.current = self.current.saturating_sub_unsigned(n);
+        self.current -= n as i64;
         self.freed = self.freed.saturating_add(n);
     }
 }

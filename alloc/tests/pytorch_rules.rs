@@ -266,3 +266,29 @@ fn statistics_scopes_nest_without_resetting_the_callers_peak() {
     assert_eq!(c.max_memory_allocated() as usize, 100 * MIB);
     drop(keep);
 }
+
+/// On a 16 EiB virtual device, statistics never wrap: reserved memory stops short of
+/// `i64::MAX` with a clear out-of-memory, and every current value and peak stays positive.
+#[test]
+fn statistics_never_wrap_on_a_16_eib_device() {
+    let c = virt_with(u64::MAX, "");
+    let mut live = Vec::new();
+    let err = loop {
+        match c.allocate((1 << 60) - 512) {
+            Ok(a) => live.push(a),
+            Err(e) => break e,
+        }
+        assert!(live.len() < 16, "reserved passed i64::MAX without an error");
+    };
+    assert!(err.is_out_of_memory(), "{err}");
+    let s = c.memory_stats();
+    assert_eq!(live.len(), 7);
+    assert!(s.reserved_bytes.all.current > 0 && s.reserved_bytes.all.peak > 0);
+    // Each request takes its whole 1 EiB segment (the 512 B rest is not worth a split).
+    assert_eq!(s.allocated_bytes.all.current as u64, 7 << 60);
+    drop(live);
+    c.empty_cache();
+    let s = c.memory_stats();
+    assert_eq!((s.reserved_bytes.all.current, s.allocated_bytes.all.current), (0, 0));
+    assert_eq!(s.allocated_bytes.all.allocated, s.allocated_bytes.all.freed);
+}

@@ -15,6 +15,18 @@ pub enum DType {
 }
 
 impl DType {
+    /// Every dtype, in the order of [`index`](Self::index).
+    pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+    /// The position of this dtype in [`ALL`](Self::ALL): 0 for f32, 1 for f16, 2 for bf16.
+    pub const fn index(self) -> usize {
+        match self {
+            DType::F32 => 0,
+            DType::F16 => 1,
+            DType::BF16 => 2,
+        }
+    }
+
     /// Bytes per element.
     pub const fn size_in_bytes(self) -> usize {
         match self {

@@ -13,16 +13,19 @@
 
 mod blas;
 pub(crate) mod launch;
+mod loader;
+#[cfg(test)]
+mod nvrtc_check;
 pub(crate) mod ops;
-mod registry;
+pub(crate) mod registry;
 
 pub(crate) use launch::Arg;
-pub(crate) use registry::{CONV, ELEMENTWISE, MISC, POOL, REDUCE, SOFTMAX};
 
 use crate::error::{Error, Result};
 use blas::Blas;
 use cudarc::driver::{CudaContext, CudaStream, DriverError, LaunchConfig, PushKernelArg, result};
-use registry::{Module, Registry};
+use loader::Loader;
+use registry::Instance;
 use std::sync::{Arc, Mutex};
 use vram_alloc::cuda::{CudaMemory, probe};
 use vram_alloc::{Allocation, AllocatorConfig, CachingAllocator};
@@ -38,7 +41,7 @@ pub(crate) fn driver_error(op: &'static str) -> impl Fn(DriverError) -> Error {
 /// reference they were made in.
 pub(crate) struct CudaBackend {
     blas: Mutex<Blas>,
-    kernels: Registry,
+    kernels: Loader,
     alloc: CachingAllocator<CudaMemory>,
     stream: Arc<CudaStream>,
     /// A non-blocking stream for host-to-device copies that overlap compute, made on first use.
@@ -93,7 +96,7 @@ impl CudaBackend {
         let blas = Blas::new()?;
         let backend = CudaBackend {
             blas: Mutex::new(blas),
-            kernels: Registry::new(major, minor),
+            kernels: Loader::new(major, minor),
             alloc,
             stream,
             transfer: std::sync::OnceLock::new(),
@@ -101,7 +104,7 @@ impl CudaBackend {
             ordinal,
             name: format!("cuda:{ordinal} ({}, sm_{major}{minor})", info.name),
         };
-        backend.kernels.module(&backend.ctx, &ELEMENTWISE)?;
+        backend.kernels.module(&backend.ctx, &registry::ELEMENTWISE)?;
         Ok(backend)
     }
 
@@ -245,27 +248,27 @@ impl CudaBackend {
             .map_err(driver_error("cuMemsetD8Async"))
     }
 
-    /// Launches kernel `name` of `module` with `args` on the device's stream. A grid with
-    /// no blocks launches nothing.
+    /// Launches `kernel` with `args` on the device's stream. A grid with no blocks launches
+    /// nothing. Arguments that do not match the kernel's registered parameters in number and
+    /// type are refused before anything is launched.
     ///
     /// # Safety
     ///
-    /// `args` must match the kernel's parameters in number, order and type, and every
-    /// pointer among them must be a live allocation of this device holding every element
-    /// the kernel addresses with these arguments (and, for outputs, not aliasing inputs
-    /// unless the kernel works in place).
+    /// Every pointer among `args` must be a live allocation of this device holding every
+    /// element the kernel addresses with these arguments (and, for outputs, not aliasing
+    /// inputs unless the kernel works in place).
     pub(crate) unsafe fn launch(
         &self,
-        module: &'static Module,
-        name: &str,
+        kernel: Instance,
         cfg: LaunchConfig,
         args: &[Arg],
     ) -> Result<()> {
+        launch::check_args(kernel, args)?;
         let (x, y, z) = cfg.grid_dim;
         if x == 0 || y == 0 || z == 0 {
             return Ok(());
         }
-        let func = self.kernels.function(&self.ctx, module, name)?;
+        let func = self.kernels.function(&self.ctx, kernel)?;
         let mut builder = self.stream.launch_builder(&func);
         for arg in args {
             match arg {
@@ -277,10 +280,14 @@ impl CudaBackend {
                 Arg::Pool(v) => builder.arg(v),
             };
         }
-        // SAFETY: the arguments match the kernel (this function's contract) and live in
-        // `args`, which outlives the launch call that reads them.
-        unsafe { builder.launch(cfg) }
-            .map_err(|e| Error::Device { op: "kernel launch", reason: format!("{name}: {e:?}") })?;
+        // SAFETY: the arguments match the kernel's parameters (checked above against the
+        // registry, which the NVRTC test checks against the compiled PTX) and live in `args`,
+        // which outlives the launch call that reads them; the pointers are the caller's
+        // contract.
+        unsafe { builder.launch(cfg) }.map_err(|e| Error::Device {
+            op: "kernel launch",
+            reason: format!("{}: {e:?}", kernel.name),
+        })?;
         Ok(())
     }
 

@@ -16,7 +16,7 @@ pub fn relu(x: &Tensor) -> Result<Tensor> {
     let mut y = output_like("relu", x)?;
     #[cfg(feature = "cuda")]
     if let Some(cu) = x.device().cuda_backend() {
-        cuda::activation(cu, "relu", x, &mut y)?;
+        cuda::activation(cu, &crate::cuda::registry::RELU, x, &mut y)?;
         return Ok(y);
     }
     with_dtype!(x.dtype(), T => cpu::relu(x.as_slice::<T>()?, y.as_mut_slice::<T>()?));
@@ -34,7 +34,7 @@ pub fn relu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     let mut dx = output_like(OP, x)?;
     #[cfg(feature = "cuda")]
     if let Some(cu) = x.device().cuda_backend() {
-        cuda::activation_backward(cu, "relu_bwd", x, dy, &mut dx)?;
+        cuda::activation_backward(cu, &crate::cuda::registry::RELU_BWD, x, dy, &mut dx)?;
         return Ok(dx);
     }
     with_dtype!(x.dtype(), T => {
@@ -52,7 +52,7 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
     let mut y = output_like("gelu", x)?;
     #[cfg(feature = "cuda")]
     if let Some(cu) = x.device().cuda_backend() {
-        cuda::activation(cu, "gelu", x, &mut y)?;
+        cuda::activation(cu, &crate::cuda::registry::GELU, x, &mut y)?;
         return Ok(y);
     }
     with_dtype!(x.dtype(), T => cpu::gelu(x.as_slice::<T>()?, y.as_mut_slice::<T>()?));
@@ -70,7 +70,7 @@ pub fn gelu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     let mut dx = output_like(OP, x)?;
     #[cfg(feature = "cuda")]
     if let Some(cu) = x.device().cuda_backend() {
-        cuda::activation_backward(cu, "gelu_bwd", x, dy, &mut dx)?;
+        cuda::activation_backward(cu, &crate::cuda::registry::GELU_BWD, x, dy, &mut dx)?;
         return Ok(dx);
     }
     with_dtype!(x.dtype(), T => {

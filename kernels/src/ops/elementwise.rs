@@ -19,7 +19,7 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let mut out = output_like(OP, a)?;
     #[cfg(feature = "cuda")]
     if let Some(cu) = a.device().cuda_backend() {
-        cuda::binary(cu, "add", a, b, &mut out)?;
+        cuda::binary(cu, &crate::cuda::registry::ADD, a, b, &mut out)?;
         return Ok(out);
     }
     with_dtype!(a.dtype(), T => {
@@ -39,7 +39,7 @@ pub fn mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let mut out = output_like(OP, a)?;
     #[cfg(feature = "cuda")]
     if let Some(cu) = a.device().cuda_backend() {
-        cuda::binary(cu, "mul", a, b, &mut out)?;
+        cuda::binary(cu, &crate::cuda::registry::MUL, a, b, &mut out)?;
         return Ok(out);
     }
     with_dtype!(a.dtype(), T => {

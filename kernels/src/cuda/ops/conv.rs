@@ -3,11 +3,12 @@
 
 use super::elementwise::from_f32;
 use super::reduce::{channel_sums, check_rows};
-use super::{kernel, ptr, zeroed_f32};
+use super::{ptr, zeroed_f32};
 use crate::cpu::conv::Conv2dParams;
 use crate::cpu::matmul::MatmulSpec;
 use crate::cuda::launch::{self, ConvGeom, elementwise as grid};
-use crate::cuda::{Arg, CONV, CudaBackend};
+use crate::cuda::registry::{BIAS_PLANES, COL2IM, DW_BWD_INPUT, DW_BWD_WEIGHT, DW_FWD, IM2COL};
+use crate::cuda::{Arg, CudaBackend};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -71,8 +72,7 @@ fn im2col(
     // the input the geometry describes, col holds nimg * k * ohw elements of T.
     unsafe {
         cu.launch(
-            &CONV,
-            &kernel("im2col", x.dtype()),
+            IM2COL.of(x.dtype()),
             grid(nimg * k * ohw),
             &[
                 ptr(x)?,
@@ -106,8 +106,7 @@ pub(crate) fn conv2d(
         // g); the tensors have the geometry's shapes; b is read only when has_b.
         return unsafe {
             cu.launch(
-                &CONV,
-                &kernel("dw_fwd", t),
+                DW_FWD.of(t),
                 grid(n),
                 &[ptr(x)?, ptr(w)?, b, Arg::U32(has_b), ptr(y)?, Arg::Conv(geom(p))],
             )
@@ -122,8 +121,7 @@ pub(crate) fn conv2d(
             // batch * c_out * ohw elements, bias c_out.
             unsafe {
                 cu.launch(
-                    &CONV,
-                    &kernel("bias_planes", t),
+                    BIAS_PLANES.of(t),
                     grid(n),
                     &[ptr(bias)?, ptr(y)?, Arg::count(n), Arg::count(p.c_out), Arg::count(ohw)],
                 )?;
@@ -204,8 +202,7 @@ fn depthwise_backward(
     // geometry.
     unsafe {
         cu.launch(
-            &CONV,
-            &kernel("dw_bwd_input", t),
+            DW_BWD_INPUT.of(t),
             grid(dx.numel()),
             &[ptr(w)?, ptr(dy)?, ptr(dx)?, Arg::Conv(geom(p))],
         )?;
@@ -216,8 +213,7 @@ fn depthwise_backward(
     // weight element; dweight holds c_in * kh * kw elements.
     unsafe {
         cu.launch(
-            &CONV,
-            &kernel("dw_bwd_weight", t),
+            DW_BWD_WEIGHT.of(t),
             launch::per_row(taps),
             &[ptr(x)?, ptr(dy)?, ptr(dweight)?, Arg::Conv(geom(p))],
         )
@@ -275,8 +271,7 @@ fn backward_input(
                     // nimg, i64 group); dcol as just written, dx the input's shape.
                     unsafe {
                         cu.launch(
-                            &CONV,
-                            &kernel("col2im", t),
+                            COL2IM.of(t),
                             grid(nimg * cin_g * hw),
                             &[
                                 Arg::Ptr(dcol.ptr()),

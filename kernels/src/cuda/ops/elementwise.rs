@@ -1,9 +1,12 @@
 //! Elementwise kernels (`elementwise.cu`, `misc.cu` for dropout): fill, casts, arithmetic,
 //! activations, bias broadcast.
 
-use super::{kernel, ptr};
+use super::ptr;
 use crate::cuda::launch::elementwise as grid;
-use crate::cuda::{Arg, CudaBackend, ELEMENTWISE, MISC};
+use crate::cuda::registry::{
+    ADD_ASSIGN, AXPY, BIAS_ADD, BIAS_FILL, BROADCAST_ROWS, CAST, DROPOUT, FILL, Kernel, SCALE,
+};
+use crate::cuda::{Arg, CudaBackend};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -12,14 +15,7 @@ use crate::tensor::Tensor;
 pub(crate) fn fill(cu: &CudaBackend, y: &mut Tensor, value: f32) -> Result<()> {
     let n = y.numel();
     // SAFETY: fill_T(T* y, float v, u64 n); y holds n elements of T.
-    unsafe {
-        cu.launch(
-            &ELEMENTWISE,
-            &kernel("fill", y.dtype()),
-            grid(n),
-            &[ptr(y)?, Arg::F32(value), Arg::count(n)],
-        )
-    }
+    unsafe { cu.launch(FILL.of(y.dtype()), grid(n), &[ptr(y)?, Arg::F32(value), Arg::count(n)]) }
 }
 
 /// `y = x` converted to `y`'s dtype (a device copy when the dtypes agree); same shapes.
@@ -42,12 +38,7 @@ pub(crate) fn cast_ptr(
     // SAFETY: cast_S_D(const S* x, D* y, u64 n); the caller's pointers hold n elements of
     // their dtypes.
     unsafe {
-        cu.launch(
-            &ELEMENTWISE,
-            &format!("cast_{from}_{to}"),
-            grid(n),
-            &[Arg::Ptr(src), Arg::Ptr(dst), Arg::count(n)],
-        )
+        cu.launch(CAST.of_pair(from, to), grid(n), &[Arg::Ptr(src), Arg::Ptr(dst), Arg::count(n)])
     }
 }
 
@@ -59,7 +50,7 @@ pub(crate) fn from_f32(cu: &CudaBackend, src: u64, y: &mut Tensor) -> Result<()>
 /// `out = a (op) b` for `op` in `add`, `mul`; one shape and dtype.
 pub(crate) fn binary(
     cu: &CudaBackend,
-    op: &str,
+    op: &'static Kernel,
     a: &Tensor,
     b: &Tensor,
     out: &mut Tensor,
@@ -67,14 +58,7 @@ pub(crate) fn binary(
     let n = out.numel();
     // SAFETY: add_T / mul_T(const T* a, const T* b, T* y, u64 n); all three hold n
     // elements of T.
-    unsafe {
-        cu.launch(
-            &ELEMENTWISE,
-            &kernel(op, a.dtype()),
-            grid(n),
-            &[ptr(a)?, ptr(b)?, ptr(out)?, Arg::count(n)],
-        )
-    }
+    unsafe { cu.launch(op.of(a.dtype()), grid(n), &[ptr(a)?, ptr(b)?, ptr(out)?, Arg::count(n)]) }
 }
 
 /// `out = alpha * x`.
@@ -83,8 +67,7 @@ pub(crate) fn scale(cu: &CudaBackend, x: &Tensor, alpha: f32, out: &mut Tensor) 
     // SAFETY: scale_T(const T* x, float alpha, T* y, u64 n); x and out hold n elements.
     unsafe {
         cu.launch(
-            &ELEMENTWISE,
-            &kernel("scale", x.dtype()),
+            SCALE.of(x.dtype()),
             grid(n),
             &[ptr(x)?, Arg::F32(alpha), ptr(out)?, Arg::count(n)],
         )
@@ -94,19 +77,17 @@ pub(crate) fn scale(cu: &CudaBackend, x: &Tensor, alpha: f32, out: &mut Tensor) 
 /// `acc += x` (dtypes may differ).
 pub(crate) fn add_assign(cu: &CudaBackend, acc: &mut Tensor, x: &Tensor) -> Result<()> {
     let n = acc.numel();
-    let name = format!("add_assign_{}_{}", acc.dtype(), x.dtype());
+    let kernel = ADD_ASSIGN.of_pair(acc.dtype(), x.dtype());
     // SAFETY: add_assign_A_X(A* acc, const X* x, u64 n); both hold n elements of their types.
-    unsafe { cu.launch(&ELEMENTWISE, &name, grid(n), &[ptr(acc)?, ptr(x)?, Arg::count(n)]) }
+    unsafe { cu.launch(kernel, grid(n), &[ptr(acc)?, ptr(x)?, Arg::count(n)]) }
 }
 
 /// `y += alpha * x` (dtypes may differ).
 pub(crate) fn axpy(cu: &CudaBackend, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {
     let n = y.numel();
-    let name = format!("axpy_{}_{}", y.dtype(), x.dtype());
+    let kernel = AXPY.of_pair(y.dtype(), x.dtype());
     // SAFETY: axpy_Y_X(float alpha, const X* x, Y* y, u64 n); both hold n elements.
-    unsafe {
-        cu.launch(&ELEMENTWISE, &name, grid(n), &[Arg::F32(alpha), ptr(x)?, ptr(y)?, Arg::count(n)])
-    }
+    unsafe { cu.launch(kernel, grid(n), &[Arg::F32(alpha), ptr(x)?, ptr(y)?, Arg::count(n)]) }
 }
 
 /// `out = x + bias` with `bias: [d]` broadcast over rows; `d > 0` unless `x` is empty.
@@ -124,8 +105,7 @@ pub(crate) fn bias_add(
     // elements, bias d > 0 (n > 0 and n is a multiple of d).
     unsafe {
         cu.launch(
-            &ELEMENTWISE,
-            &kernel("bias_add", x.dtype()),
+            BIAS_ADD.of(x.dtype()),
             grid(n),
             &[ptr(x)?, ptr(bias)?, ptr(out)?, Arg::count(n), Arg::count(d)],
         )
@@ -142,8 +122,7 @@ pub(crate) fn bias_fill(cu: &CudaBackend, bias: &Tensor, y: &mut Tensor) -> Resu
     // of d > 0; bias holds d.
     unsafe {
         cu.launch(
-            &ELEMENTWISE,
-            &kernel("bias_fill", y.dtype()),
+            BIAS_FILL.of(y.dtype()),
             grid(n),
             &[ptr(bias)?, ptr(y)?, Arg::count(n), Arg::count(d)],
         )
@@ -166,8 +145,7 @@ pub(crate) fn broadcast_rows(
     // elements and dy n / d.
     unsafe {
         cu.launch(
-            &ELEMENTWISE,
-            &kernel("broadcast_rows", dx.dtype()),
+            BROADCAST_ROWS.of(dx.dtype()),
             grid(n),
             &[ptr(dy)?, Arg::F32(factor), ptr(dx)?, Arg::count(n), Arg::count(d)],
         )
@@ -175,32 +153,28 @@ pub(crate) fn broadcast_rows(
 }
 
 /// `y = f(x)` for `f` in `relu`, `gelu`.
-pub(crate) fn activation(cu: &CudaBackend, f: &str, x: &Tensor, y: &mut Tensor) -> Result<()> {
+pub(crate) fn activation(
+    cu: &CudaBackend,
+    f: &'static Kernel,
+    x: &Tensor,
+    y: &mut Tensor,
+) -> Result<()> {
     let n = y.numel();
     // SAFETY: relu_T / gelu_T(const T* x, T* y, u64 n); both hold n elements.
-    unsafe {
-        cu.launch(&ELEMENTWISE, &kernel(f, x.dtype()), grid(n), &[ptr(x)?, ptr(y)?, Arg::count(n)])
-    }
+    unsafe { cu.launch(f.of(x.dtype()), grid(n), &[ptr(x)?, ptr(y)?, Arg::count(n)]) }
 }
 
 /// `dx = dy * f'(x)` for `f` in `relu_bwd`, `gelu_bwd`.
 pub(crate) fn activation_backward(
     cu: &CudaBackend,
-    f: &str,
+    f: &'static Kernel,
     x: &Tensor,
     dy: &Tensor,
     dx: &mut Tensor,
 ) -> Result<()> {
     let n = dx.numel();
     // SAFETY: relu_bwd_T / gelu_bwd_T(const T* x, const T* dy, T* dx, u64 n); all hold n.
-    unsafe {
-        cu.launch(
-            &ELEMENTWISE,
-            &kernel(f, x.dtype()),
-            grid(n),
-            &[ptr(x)?, ptr(dy)?, ptr(dx)?, Arg::count(n)],
-        )
-    }
+    unsafe { cu.launch(f.of(x.dtype()), grid(n), &[ptr(x)?, ptr(dy)?, ptr(dx)?, Arg::count(n)]) }
 }
 
 /// Dropout with the host's Philox scheme; `0 <= p < 1` is checked by the caller.
@@ -218,8 +192,7 @@ pub(crate) fn dropout(
     // offset); x and y hold n elements.
     unsafe {
         cu.launch(
-            &MISC,
-            &kernel("dropout", x.dtype()),
+            DROPOUT.of(x.dtype()),
             grid(n),
             &[
                 ptr(x)?,

@@ -10,18 +10,12 @@ pub(crate) mod pool;
 pub(crate) mod reduce;
 
 use super::{Arg, CudaBackend};
-use crate::dtype::DType;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
 /// A tensor's device pointer as a kernel argument.
 pub(crate) fn ptr(t: &Tensor) -> Result<Arg> {
     Ok(Arg::Ptr(t.cuda_ptr()?))
-}
-
-/// The kernel `base` instantiated for `dtype`, e.g. `add_bf16`.
-pub(crate) fn kernel(base: &str, dtype: DType) -> String {
-    format!("{base}_{dtype}")
 }
 
 /// An f32 scratch buffer of `n` elements from the device's cache, zeroed.

@@ -3,10 +3,14 @@
 
 use super::elementwise::from_f32;
 use super::reduce::check_rows;
-use super::{kernel, ptr, zeroed_f32};
+use super::{ptr, zeroed_f32};
 use crate::cpu::optim::{AdamWConfig, SgdConfig};
 use crate::cuda::launch::{self, elementwise as grid};
-use crate::cuda::{Arg, CudaBackend, MISC, SOFTMAX};
+use crate::cuda::registry::{
+    ADAMW, CE_BWD, CE_FWD, EMBEDDING, EMBEDDING_BWD, LAYER_NORM, LAYER_NORM_BWD,
+    LAYER_NORM_PARAMS_BWD, SGD, SOFTMAX_BWD, SOFTMAX_FWD, UNSCALE,
+};
+use crate::cuda::{Arg, CudaBackend};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -35,8 +39,7 @@ pub(crate) fn softmax(
     // hold rows * cols elements.
     unsafe {
         cu.launch(
-            &SOFTMAX,
-            &kernel("softmax", x.dtype()),
+            SOFTMAX_FWD.of(x.dtype()),
             launch::per_row(rows),
             &[ptr(x)?, ptr(y)?, Arg::count(cols), Arg::count(seq)],
         )
@@ -58,8 +61,7 @@ pub(crate) fn softmax_backward(
     // per row; all three hold rows * cols elements.
     unsafe {
         cu.launch(
-            &SOFTMAX,
-            &kernel("softmax_bwd", y.dtype()),
+            SOFTMAX_BWD.of(y.dtype()),
             launch::per_row(rows),
             &[ptr(y)?, ptr(dy)?, ptr(dx)?, Arg::count(cols), Arg::count(seq)],
         )
@@ -89,8 +91,7 @@ pub(crate) fn cross_entropy(
     // below c unless ignored, checked by the caller), lse and losses n floats.
     unsafe {
         cu.launch(
-            &SOFTMAX,
-            &kernel("ce_fwd", logits.dtype()),
+            CE_FWD.of(logits.dtype()),
             launch::per_row(n),
             &[
                 ptr(logits)?,
@@ -130,8 +131,7 @@ pub(crate) fn cross_entropy_backward(
     // targets and lse one per row, targets validated by the caller.
     unsafe {
         cu.launch(
-            &SOFTMAX,
-            &kernel("ce_bwd", logits.dtype()),
+            CE_BWD.of(logits.dtype()),
             grid(total),
             &[
                 ptr(logits)?,
@@ -168,8 +168,7 @@ pub(crate) fn layer_norm(
     // d, mean and rstd rows floats.
     unsafe {
         cu.launch(
-            &SOFTMAX,
-            &kernel("layer_norm", x.dtype()),
+            LAYER_NORM.of(x.dtype()),
             launch::per_row(rows),
             &[
                 ptr(x)?,
@@ -205,8 +204,7 @@ pub(crate) fn layer_norm_backward(
     // const T* dy, T* dx, u64 d), one block per row; sizes as in `layer_norm`.
     unsafe {
         cu.launch(
-            &SOFTMAX,
-            &kernel("layer_norm_bwd", x.dtype()),
+            LAYER_NORM_BWD.of(x.dtype()),
             launch::per_row(rows),
             &[ptr(x)?, ptr(gamma)?, ptr(mean)?, ptr(rstd)?, ptr(dy)?, ptr(dx)?, Arg::count(d)],
         )?;
@@ -219,8 +217,7 @@ pub(crate) fn layer_norm_backward(
     // dg and db hold d floats.
     unsafe {
         cu.launch(
-            &SOFTMAX,
-            &kernel("layer_norm_params_bwd", x.dtype()),
+            LAYER_NORM_PARAMS_BWD.of(x.dtype()),
             cfg,
             &[
                 ptr(x)?,
@@ -256,8 +253,7 @@ pub(crate) fn embedding(
     // holds n = ids.len() * dim elements, every id is below the table's rows.
     unsafe {
         cu.launch(
-            &MISC,
-            &kernel("embedding", table.dtype()),
+            EMBEDDING.of(table.dtype()),
             grid(n),
             &[Arg::Ptr(idx.ptr()), ptr(table)?, ptr(out)?, Arg::count(n), Arg::count(dim)],
         )
@@ -281,8 +277,7 @@ pub(crate) fn embedding_backward(
         // id is below vocab (checked by the caller).
         unsafe {
             cu.launch(
-                &MISC,
-                &kernel("embedding_bwd", dout.dtype()),
+                EMBEDDING_BWD.of(dout.dtype()),
                 grid(n),
                 &[
                     Arg::Ptr(idx.ptr()),
@@ -316,8 +311,7 @@ pub(crate) fn sgd_step(
     // momentum) buf hold n elements; without momentum buf is never read.
     unsafe {
         cu.launch(
-            &MISC,
-            &kernel("sgd", grads.dtype()),
+            SGD.of(grads.dtype()),
             grid(n),
             &[
                 ptr(params)?,
@@ -356,8 +350,7 @@ pub(crate) fn adamw_step(
     // elements.
     unsafe {
         cu.launch(
-            &MISC,
-            &kernel("adamw", grads.dtype()),
+            ADAMW.of(grads.dtype()),
             grid(n),
             &[
                 ptr(params)?,
@@ -391,8 +384,7 @@ pub(crate) fn unscale_and_check_finite(
         // one u32.
         unsafe {
             cu.launch(
-                &MISC,
-                &kernel("unscale", g.dtype()),
+                UNSCALE.of(g.dtype()),
                 grid(n),
                 &[ptr(g)?, Arg::F32(inv_scale), Arg::count(n), Arg::Ptr(flag.ptr())],
             )?;

@@ -2,10 +2,11 @@
 
 use super::elementwise::{broadcast_rows, from_f32};
 use super::reduce::row_sum;
-use super::{kernel, ptr, zeroed_f32};
+use super::{ptr, zeroed_f32};
 use crate::cpu::pool::Pool2dParams;
 use crate::cuda::launch::{PoolGeom, elementwise as grid};
-use crate::cuda::{Arg, CudaBackend, POOL};
+use crate::cuda::registry::{AVG_POOL, AVG_POOL_BWD, MAX_POOL, MAX_POOL_BWD};
+use crate::cuda::{Arg, CudaBackend};
 use crate::error::Result;
 use crate::tensor::{Indices, Tensor};
 
@@ -40,8 +41,7 @@ pub(crate) fn max_pool2d(
     // geometry's shapes.
     unsafe {
         cu.launch(
-            &POOL,
-            &kernel("max_pool", x.dtype()),
+            MAX_POOL.of(x.dtype()),
             grid(y.numel()),
             &[ptr(x)?, ptr(y)?, Arg::Ptr(arg.cuda_ptr()?), Arg::Pool(geom(p))],
         )
@@ -62,8 +62,7 @@ pub(crate) fn max_pool2d_backward(
     // arg have the pooled shape, acc the input's; the kernel skips indices >= h * w.
     unsafe {
         cu.launch(
-            &POOL,
-            &kernel("max_pool_bwd", dy.dtype()),
+            MAX_POOL_BWD.of(dy.dtype()),
             grid(dy.numel()),
             &[ptr(dy)?, Arg::Ptr(arg.cuda_ptr()?), Arg::Ptr(acc.ptr()), Arg::Pool(geom(p))],
         )?;
@@ -83,8 +82,7 @@ pub(crate) fn avg_pool2d(
     // geometry.
     unsafe {
         cu.launch(
-            &POOL,
-            &kernel("avg_pool", x.dtype()),
+            AVG_POOL.of(x.dtype()),
             grid(y.numel()),
             &[ptr(x)?, ptr(y)?, Arg::Pool(geom(p)), Arg::U32(include_pad as u32)],
         )
@@ -107,8 +105,7 @@ pub(crate) fn avg_pool2d_backward(
     // the geometry.
     unsafe {
         cu.launch(
-            &POOL,
-            &kernel("avg_pool_bwd", dy.dtype()),
+            AVG_POOL_BWD.of(dy.dtype()),
             grid(dx.numel()),
             &[ptr(dy)?, ptr(dx)?, Arg::Pool(geom(p)), Arg::U32(include_pad as u32)],
         )

@@ -2,9 +2,10 @@
 //! sums.
 
 use super::elementwise::from_f32;
-use super::{kernel, ptr, zeroed_f32};
+use super::{ptr, zeroed_f32};
 use crate::cuda::launch::{self, BLOCK};
-use crate::cuda::{Arg, CudaBackend, REDUCE};
+use crate::cuda::registry::{COL_SUM, ROW_SUM, ROW_SUM_F32, SUM_FINAL, SUM_PARTIAL};
+use crate::cuda::{Arg, CudaBackend};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -40,8 +41,7 @@ pub(crate) fn sum(cu: &CudaBackend, x: &Tensor) -> Result<f32> {
     // partial one float per block.
     unsafe {
         cu.launch(
-            &REDUCE,
-            &kernel("sum_partial", x.dtype()),
+            SUM_PARTIAL.of(x.dtype()),
             cfg,
             &[ptr(x)?, Arg::count(n), Arg::Ptr(partial.ptr())],
         )?;
@@ -51,8 +51,7 @@ pub(crate) fn sum(cu: &CudaBackend, x: &Tensor) -> Result<f32> {
     // `blocks` floats, out one.
     unsafe {
         cu.launch(
-            &REDUCE,
-            "sum_final",
+            SUM_FINAL.of(DType::F32),
             one,
             &[Arg::Ptr(partial.ptr()), Arg::U32(blocks as u32), Arg::Ptr(total.ptr())],
         )?;
@@ -74,8 +73,7 @@ pub(crate) fn row_sum(cu: &CudaBackend, x: &Tensor, y: &mut Tensor, scale: f32) 
     // rows * d elements, y rows.
     unsafe {
         cu.launch(
-            &REDUCE,
-            &kernel("row_sum", x.dtype()),
+            ROW_SUM.of(x.dtype()),
             launch::per_row(rows),
             &[ptr(x)?, ptr(y)?, Arg::count(d), Arg::F32(scale)],
         )
@@ -101,8 +99,7 @@ pub(crate) fn column_sums(
     // row chunks); x holds rows * d elements of `dtype`, acc d floats.
     unsafe {
         cu.launch(
-            &REDUCE,
-            &kernel("col_sum", dtype),
+            COL_SUM.of(dtype),
             cfg,
             &[
                 Arg::Ptr(x_ptr),
@@ -136,8 +133,7 @@ pub(crate) fn channel_sums(
     // planes * plane elements, sums planes floats.
     unsafe {
         cu.launch(
-            &REDUCE,
-            &kernel("row_sum_f32", dy.dtype()),
+            ROW_SUM_F32.of(dy.dtype()),
             launch::per_row(planes),
             &[ptr(dy)?, Arg::Ptr(sums.ptr()), Arg::count(plane)],
         )?;

@@ -110,7 +110,7 @@ fn train(
     }
     let memory = opt.memory();
     let master_bits =
-        opt.weights().master().iter().flat_map(|t| t.to_f32_vec()).map(f32::to_bits).collect();
+        opt.weights().master().iter().flat_map(|t| t.to_f32_vec().unwrap()).map(f32::to_bits).collect();
     Run { losses, master_bits, skipped: scaler.counters().steps_skipped, memory }
 }
 

@@ -51,6 +51,28 @@ impl fmt::Display for DType {
     }
 }
 
+/// Runs `$body` with `$T` bound to the element type of `$dtype` (f32, `half::f16` or
+/// `half::bf16`): the one place a dtype becomes a type.
+macro_rules! with_dtype {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            $crate::dtype::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::dtype::DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            $crate::dtype::DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_dtype;
+
 /// A storable element: converts to and from f32, the type all arithmetic is done in.
 pub trait Element: Copy + Send + Sync + Default + PartialEq + fmt::Debug + 'static {
     /// The dtype tag of this element type.

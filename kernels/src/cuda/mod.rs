@@ -12,11 +12,11 @@
 //! conversions instead.
 
 mod blas;
+pub(crate) mod helpers;
 pub(crate) mod launch;
 mod loader;
 #[cfg(test)]
 mod nvrtc_check;
-pub(crate) mod ops;
 pub(crate) mod registry;
 
 pub(crate) use launch::Arg;
@@ -48,6 +48,7 @@ pub(crate) struct CudaBackend {
     transfer: std::sync::OnceLock<Arc<CudaStream>>,
     ctx: Arc<CudaContext>,
     ordinal: usize,
+    compute_capability: (u32, u32),
     name: String,
 }
 
@@ -102,10 +103,16 @@ impl CudaBackend {
             transfer: std::sync::OnceLock::new(),
             ctx,
             ordinal,
+            compute_capability: (major as u32, minor as u32),
             name: format!("cuda:{ordinal} ({}, sm_{major}{minor})", info.name),
         };
         backend.kernels.module(&backend.ctx, &registry::ELEMENTWISE)?;
         Ok(backend)
+    }
+
+    /// The compute capability, `(major, minor)`.
+    pub(crate) fn compute_capability(&self) -> (u32, u32) {
+        self.compute_capability
     }
 
     /// The allocator holding this device's tensors.
@@ -290,6 +297,20 @@ impl CudaBackend {
         })?;
         Ok(())
     }
+}
+
+/// What an op's CUDA code runs with: the device and the cuBLAS workspace the op layer
+/// allocated for it.
+pub(crate) struct Gpu<'a> {
+    cu: &'a CudaBackend,
+    blas_workspace: Option<(u64, usize)>,
+}
+
+impl<'a> Gpu<'a> {
+    /// The device `cu` with the cuBLAS workspace `blas_workspace` (`(address, bytes)`).
+    pub(crate) fn new(cu: &'a CudaBackend, blas_workspace: Option<(u64, usize)>) -> Gpu<'a> {
+        Gpu { cu, blas_workspace }
+    }
 
     /// `C = alpha * op(A) * op(B) + beta * C` through cuBLAS (see [`blas::Blas::gemm`]);
     /// A and B of `ab`, C of `c_type`. Empty products write nothing, except that `k == 0`
@@ -302,7 +323,7 @@ impl CudaBackend {
     /// must not overlap, and C must not alias A or B.
     pub(crate) unsafe fn gemm(
         &self,
-        spec: &crate::cpu::matmul::MatmulSpec,
+        spec: &crate::ops::MatmulSpec,
         a: u64,
         b: u64,
         c: u64,
@@ -322,8 +343,17 @@ impl CudaBackend {
             }
             return Ok(());
         }
-        self.bind()?;
-        let blas = self.blas.lock().unwrap_or_else(|e| e.into_inner());
+        self.cu.bind()?;
+        let mut blas = self.cu.blas.lock().unwrap_or_else(|e| e.into_inner());
+        blas.set_workspace(self.blas_workspace)?;
         blas.gemm(s, a, b, c, ab, c_type)
+    }
+}
+
+impl std::ops::Deref for Gpu<'_> {
+    type Target = CudaBackend;
+
+    fn deref(&self) -> &CudaBackend {
+        self.cu
     }
 }

@@ -109,8 +109,13 @@ fn train(
         scaler.update().unwrap();
     }
     let memory = opt.memory();
-    let master_bits =
-        opt.weights().master().iter().flat_map(|t| t.to_f32_vec().unwrap()).map(f32::to_bits).collect();
+    let master_bits = opt
+        .weights()
+        .master()
+        .iter()
+        .flat_map(|t| t.to_f32_vec().unwrap())
+        .map(f32::to_bits)
+        .collect();
     Run { losses, master_bits, skipped: scaler.counters().steps_skipped, memory }
 }
 

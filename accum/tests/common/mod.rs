@@ -37,7 +37,9 @@ pub fn grad_bits(chain: &Chain) -> Vec<Option<Vec<u32>>> {
     chain
         .params()
         .iter()
-        .map(|p| p.grad.as_ref().map(|g| g.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect()))
+        .map(|p| {
+            p.grad.as_ref().map(|g| g.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect())
+        })
         .collect()
 }
 

@@ -139,7 +139,9 @@ pub fn train_fresh(
 pub fn fingerprint(model: &Model) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for p in model.params() {
-        for v in p.value.to_f32_vec().expect("experiments read their weights from the host or a GPU") {
+        for v in
+            p.value.to_f32_vec().expect("experiments read their weights from the host or a GPU")
+        {
             h = (h ^ u64::from(v.to_bits())).wrapping_mul(0x100_0000_01b3);
         }
     }

@@ -103,10 +103,10 @@ impl ForwardCtx {
 /// let mut layer = BiasRelu { b: Param::new("b", Tensor::full(&dev, &[2], DType::F32, -1.0)?) };
 /// let x = Tensor::from_f32_slice(&dev, &[2, 2], &[0.5, 2.0, 3.0, 1.5], DType::F32)?;
 /// let (y, saved) = layer.forward(&x, &mut ForwardCtx::new(Mode::Train, 0))?;
-/// assert_eq!(y.to_f32_vec(), [0.0, 1.0, 2.0, 0.5]);
+/// assert_eq!(y.to_f32_vec().unwrap(), [0.0, 1.0, 2.0, 0.5]);
 /// let ones = Tensor::full(&dev, &[2, 2], DType::F32, 1.0)?;
 /// layer.backward(saved.expect("saved in training"), &ones, false)?;
-/// assert_eq!(layer.b.grad.as_ref().map(|g| g.to_f32_vec()), Some(vec![1.0, 2.0]));
+/// assert_eq!(layer.b.grad.as_ref().map(|g| g.to_f32_vec().unwrap()), Some(vec![1.0, 2.0]));
 /// # Ok::<(), vram_accum::Error>(())
 /// ```
 pub trait Layer: Send {

@@ -55,7 +55,7 @@ fn backprop(chain: &mut Chain, dev: &Device, d: &Data, r: std::ops::Range<usize>
 }
 
 fn grads(chain: &Chain) -> Vec<Vec<f32>> {
-    chain.params().iter().map(|p| p.grad.as_ref().unwrap().to_f32_vec()).collect()
+    chain.params().iter().map(|p| p.grad.as_ref().unwrap().to_f32_vec().unwrap()).collect()
 }
 
 /// Largest `|a - b| / |b|` over parameters, in the 2-norm.
@@ -201,7 +201,7 @@ fn gradients_accumulate_across_backward_calls_until_zeroed() {
 }
 
 fn params(chain: &Chain) -> Vec<Vec<f32>> {
-    chain.params().iter().map(|p| p.value.to_f32_vec()).collect()
+    chain.params().iter().map(|p| p.value.to_f32_vec().unwrap()).collect()
 }
 
 /// An optimizer stepping the chain's own parameters at each window end, through

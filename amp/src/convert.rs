@@ -44,7 +44,7 @@ pub(crate) fn cast_into(src: &Tensor, dst: &mut Tensor) -> Result<()> {
     }
     with_dtype!(src.dtype(), S => with_dtype!(dst.dtype(), D => {
         cast(src.as_slice::<S>()?, dst.as_mut_slice::<D>()?)
-    }));
+    }))?;
     Ok(())
 }
 

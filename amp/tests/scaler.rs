@@ -26,7 +26,7 @@ impl Optimizer for Probe {
         self.id
     }
     fn step(&mut self, params: &mut dyn Params) -> vram_amp::Result<()> {
-        self.steps.push(params.grads_mut().iter().map(|g| g.to_f32_vec()).collect());
+        self.steps.push(params.grads_mut().iter().map(|g| g.to_f32_vec().unwrap()).collect());
         Ok(())
     }
 }
@@ -272,7 +272,7 @@ fn misuse_of_the_state_machine_is_an_error_not_a_panic() {
     assert!(matches!(e, Error::UnscaleAfterStep { .. }));
     assert!(e.to_string().contains("update()"), "{e}");
     // The gradient was unscaled exactly once.
-    assert_eq!(grad_of(&p, 0).to_f32_vec(), [1.0 / 65536.0]);
+    assert_eq!(grad_of(&p, 0).to_f32_vec().unwrap(), [1.0 / 65536.0]);
     s.update().unwrap();
     assert_eq!(s.stage(o.id()), OptState::Ready);
     s.step(&mut o, &mut p).unwrap();
@@ -316,7 +316,7 @@ fn a_disabled_scaler_is_a_transparent_pass_through() {
     let mut s = LossScaler::disabled();
     assert_eq!((s.scale(), s.scale_loss(0.75)), (1.0, 0.75));
     let t = grad(&dev, &[3.0, -1.0], DType::BF16);
-    assert_eq!(s.scale_tensor(&t).unwrap().to_f32_vec(), t.to_f32_vec());
+    assert_eq!(s.scale_tensor(&t).unwrap().to_f32_vec().unwrap(), t.to_f32_vec().unwrap());
     let mut p = with_grads(vec![grad(&dev, &[f32::INFINITY, 8.0], DType::BF16)]);
     let mut o = Probe::new();
     assert!(!s.unscale(&o, &mut p).unwrap());
@@ -333,7 +333,7 @@ fn scale_multiplies_losses_and_tensors() {
     let s = LossScaler::default();
     assert_eq!(s.scale_loss(0.5), 32768.0);
     let t = grad(&dev, &[1.0, -2.0], DType::F32);
-    assert_eq!(s.scale_tensor(&t).unwrap().to_f32_vec(), [65536.0, -131072.0]);
+    assert_eq!(s.scale_tensor(&t).unwrap().to_f32_vec().unwrap(), [65536.0, -131072.0]);
     let odd = LossScaler::new(ScalerConfig { init_scale: 3.0, ..ScalerConfig::default() }).unwrap();
     assert_eq!(odd.inv_scale(), (1.0f64 / 3.0) as f32);
 }

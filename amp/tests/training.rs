@@ -109,8 +109,12 @@ fn train(
         scaler.update().unwrap();
     }
     let memory = MemoryBreakdown { optimizer_state: opt.state_bytes(), ..weights.memory() };
-    let master_bits =
-        weights.master().iter().flat_map(|p| p.value.to_f32_vec()).map(f32::to_bits).collect();
+    let master_bits = weights
+        .master()
+        .iter()
+        .flat_map(|p| p.value.to_f32_vec().unwrap())
+        .map(f32::to_bits)
+        .collect();
     Run { losses, master_bits, skipped: scaler.counters().steps_skipped, memory }
 }
 

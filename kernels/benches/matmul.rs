@@ -3,8 +3,9 @@
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
 use std::hint::black_box;
-use vram_kernels::cpu::conv::{Conv2dParams, conv2d};
-use vram_kernels::cpu::matmul::{MatmulSpec, matmul};
+use vram_kernels::cpu::conv::conv2d;
+use vram_kernels::cpu::matmul::matmul;
+use vram_kernels::{Conv2dOptions, Conv2dParams, MatmulSpec};
 
 /// Deterministic values in [-1, 1) so every run multiplies the same matrices.
 fn values(len: usize) -> Vec<f32> {
@@ -19,7 +20,7 @@ fn square_matmul(c: &mut Criterion) {
         let spec = MatmulSpec::new(n, n, n);
         group.throughput(Throughput::Elements(2 * (n * n * n) as u64));
         group.bench_with_input(BenchmarkId::from_parameter(n), &n, |bench, _| {
-            bench.iter(|| matmul(&spec, black_box(&a), black_box(&b), &mut out));
+            bench.iter(|| matmul(&spec, black_box(&a), black_box(&b), &mut out).unwrap());
         });
     }
     group.finish();
@@ -32,7 +33,7 @@ fn square_matmul(c: &mut Criterion) {
     let spec = MatmulSpec::new(n, n, n);
     group.throughput(Throughput::Elements(2 * (n * n * n) as u64));
     group.bench_with_input(BenchmarkId::from_parameter(n), &n, |bench, _| {
-        bench.iter(|| matmul(&spec, black_box(&a), black_box(&b), &mut out));
+        bench.iter(|| matmul(&spec, black_box(&a), black_box(&b), &mut out).unwrap());
     });
     group.finish();
 }
@@ -40,14 +41,15 @@ fn square_matmul(c: &mut Criterion) {
 fn resnet_block_conv(c: &mut Criterion) {
     let mut group = c.benchmark_group("conv2d_f32");
     group.sample_size(20);
-    let p = Conv2dParams::new(8, 64, (32, 32), 64, (3, 3)).padding((1, 1));
+    let opts = Conv2dOptions::default().padding((1, 1));
+    let p = Conv2dParams::new(&[8, 64, 32, 32], &[64, 64, 3, 3], &opts).unwrap();
     let (oh, ow) = p.output_hw();
-    let flops = 2 * p.batch * p.c_out * oh * ow * p.c_in * 9;
-    let (x, w, bias) = (values(p.input_len()), values(p.weight_len()), values(p.c_out));
+    let flops = 2 * p.batch() * p.c_out() * oh * ow * p.c_in() * 9;
+    let (x, w, bias) = (values(p.input_len()), values(p.weight_len()), values(p.c_out()));
     let mut y = vec![0.0f32; p.output_len()];
     group.throughput(Throughput::Elements(flops as u64));
     group.bench_function("resnet_block", |bench| {
-        bench.iter(|| conv2d(&p, black_box(&x), black_box(&w), Some(&bias), &mut y));
+        bench.iter(|| conv2d(&p, black_box(&x), black_box(&w), Some(&bias), &mut y).unwrap());
     });
     group.finish();
 }

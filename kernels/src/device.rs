@@ -1,14 +1,23 @@
 //! Devices: where tensors live and which allocator counts their bytes.
 //!
-//! The host backend's memory is a [`CachingAllocator`] over [`HostMemory`]; a CUDA device's
-//! (feature `cuda`) is the same allocator over `cuMemAlloc` segments. Either way every
-//! tensor's bytes pass through PyTorch's caching policy and show in the same statistics.
+//! The host backend's memory is a [`CachingAllocator`] over [`HostMemory`]; a virtual
+//! device's is the same allocator over [`VirtualMemory`] (addresses only, no bytes); a CUDA
+//! device's (feature `cuda`) is the same allocator over `cuMemAlloc` segments. Every op
+//! plans its allocations once for all three ([`crate::ops`]), so the same program makes the
+//! same requests in the same order on each, and the statistics agree.
+//!
+//! The cuBLAS workspace is one of those requests: as PyTorch does, a device takes it from
+//! its caching allocator at the first op that runs a matrix product and keeps it until the
+//! device goes (see [`Device::set_blas_workspace_size`]).
 
 use crate::error::{Error, Result};
+use crate::storage::Storage;
 use std::fmt;
 use std::io::Write as _;
-use std::sync::{Arc, Once};
-use vram_alloc::{AllocatorConfig, CachingAllocator, HostMemory, MemoryStats, Snapshot};
+use std::sync::{Arc, Mutex, MutexGuard, Once};
+use vram_alloc::{
+    AllocatorConfig, CachingAllocator, HostMemory, MemoryStats, Snapshot, VirtualMemory,
+};
 
 /// The environment variable [`Device::from_env`] reads: `cpu` or `cuda` (or `cuda:N`).
 pub const DEVICE_ENV_VAR: &str = "VRAM_DEVICE";
@@ -17,27 +26,57 @@ pub const DEVICE_ENV_VAR: &str = "VRAM_DEVICE";
 /// physical memory cannot be read.
 const FALLBACK_HOST_CAPACITY: u64 = 16 << 30;
 
+/// The compute capability [`Device::virtual_device`] sizes its cuBLAS workspace for: an
+/// H100 (sm_90).
+const VIRTUAL_COMPUTE_CAPABILITY: (u32, u32) = (9, 0);
+
 /// A compute device: a cheap-to-clone handle (clones share one allocator).
 ///
 /// Two handles are the same device ([`PartialEq`]) when one is a clone of the other; ops
 /// refuse to combine tensors of different devices.
 #[derive(Clone)]
 pub struct Device {
-    inner: Arc<Backend>,
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// The cuBLAS workspace goes before the allocator that holds it.
+    blas: Mutex<BlasWorkspace>,
+    backend: Backend,
+}
+
+/// The workspace cuBLAS runs in: its size and, once an op has run a product, its block.
+struct BlasWorkspace {
+    size: usize,
+    block: Option<Storage>,
 }
 
 /// The backends.
 enum Backend {
     Host(CachingAllocator<HostMemory>),
+    Virtual(CachingAllocator<VirtualMemory>),
     #[cfg(feature = "cuda")]
     Cuda(Box<crate::cuda::CudaBackend>),
+}
+
+/// What an op computes on: the dispatch function's view of a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Compute {
+    /// The CPU reference, on host memory.
+    Host,
+    /// Nothing: a virtual device only allocates.
+    Virtual,
+    /// NVRTC kernels and cuBLAS ([`Device::cuda_backend`]).
+    #[cfg(feature = "cuda")]
+    Cuda,
 }
 
 /// Runs `$body` with `$a` bound to the device's allocator, whatever its memory type.
 macro_rules! with_allocator {
     ($device:expr, $a:ident => $body:expr) => {
-        match &*$device.inner {
+        match &$device.inner.backend {
             Backend::Host($a) => $body,
+            Backend::Virtual($a) => $body,
             #[cfg(feature = "cuda")]
             Backend::Cuda(cuda) => {
                 let $a = cuda.allocator();
@@ -45,6 +84,34 @@ macro_rules! with_allocator {
             }
         }
     };
+}
+
+/// The cuBLAS workspace PyTorch gives a GPU of compute capability `major.minor`:
+/// `CUBLAS_WORKSPACE_CONFIG` when set (`:SIZE:COUNT` pairs, SIZE in KiB, summed), otherwise
+/// 32 MiB on sm_90 (`:4096:8`) and 8 MiB + 128 KiB elsewhere (`:4096:2:16:8`).
+pub fn default_blas_workspace_size(major: u32, minor: u32) -> usize {
+    let default =
+        if (major, minor) == (9, 0) { 4096 * 8 * 1024 } else { 4096 * 1024 * 2 + 16 * 1024 * 8 };
+    std::env::var("CUBLAS_WORKSPACE_CONFIG")
+        .ok()
+        .and_then(|config| parse_workspace_config(&config))
+        .unwrap_or(default)
+}
+
+/// The bytes of a `CUBLAS_WORKSPACE_CONFIG` value such as `:4096:8` or `:4096:2:16:8`, or
+/// `None` when it has no `:SIZE:COUNT` pair (PyTorch then warns and keeps its default).
+fn parse_workspace_config(config: &str) -> Option<usize> {
+    let numbers: Vec<usize> = config
+        .split(':')
+        .filter(|s| !s.is_empty())
+        .map(|s| s.trim().parse().ok())
+        .collect::<Option<_>>()?;
+    if numbers.is_empty() || !numbers.len().is_multiple_of(2) {
+        return None;
+    }
+    numbers.chunks_exact(2).try_fold(0usize, |total, pair| {
+        total.checked_add(pair[0].checked_mul(1024)?.checked_mul(pair[1])?)
+    })
 }
 
 /// Prints why [`Device::auto`] chose the host, once per process.
@@ -57,7 +124,9 @@ fn note_host_fallback(reason: &str) {
 
 impl Device {
     /// A host device whose memory is capped at `capacity_bytes`, with the allocator's default
-    /// settings.
+    /// settings and no cuBLAS workspace (give it one with
+    /// [`set_blas_workspace_size`](Self::set_blas_workspace_size) to count the bytes a GPU
+    /// would).
     pub fn host(capacity_bytes: u64) -> Device {
         Device::from_backend(Backend::Host(CachingAllocator::new(HostMemory::new(capacity_bytes))))
     }
@@ -81,6 +150,46 @@ impl Device {
     pub fn host_from_env() -> Result<Device> {
         let alloc = CachingAllocator::from_env(HostMemory::new(physical_memory()))?;
         Ok(Device::from_backend(Backend::Host(alloc)))
+    }
+
+    /// A virtual device of `capacity_bytes`: tensors have shapes, dtypes and memory from a
+    /// caching allocator over [`VirtualMemory`], and ops allocate exactly what they allocate
+    /// on a CUDA device but compute nothing, so a training step of a model of any size runs
+    /// in moments and its statistics are those of the GPU. Reading values is an
+    /// [`Error::NoValues`]; a loss is NaN. The cuBLAS workspace is an H100's (32 MiB, see
+    /// [`default_blas_workspace_size`]).
+    ///
+    /// ```
+    /// use vram_kernels::{DType, Device, Tensor, ops};
+    ///
+    /// let gpu = Device::virtual_device(80 << 30);
+    /// let x = Tensor::zeros(&gpu, &[8192, 8192], DType::BF16)?;
+    /// let y = ops::matmul(&x, &x, false, false)?;
+    /// assert_eq!(gpu.memory_allocated(), 2 * (128 << 20) + (32 << 20));
+    /// assert!(y.to_f32_vec().unwrap_err().to_string().contains("virtual device"));
+    /// # Ok::<(), vram_kernels::Error>(())
+    /// ```
+    pub fn virtual_device(capacity_bytes: u64) -> Device {
+        let memory = VirtualMemory::new(capacity_bytes);
+        Device::new_virtual(CachingAllocator::new(memory))
+    }
+
+    /// A virtual device with the given allocator settings (see
+    /// [`virtual_device`](Self::virtual_device)).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Allocator`] if the allocator cannot honour `config`.
+    pub fn virtual_with_config(capacity_bytes: u64, config: AllocatorConfig) -> Result<Device> {
+        let alloc = CachingAllocator::with_config(VirtualMemory::new(capacity_bytes), config)?;
+        Ok(Device::new_virtual(alloc))
+    }
+
+    fn new_virtual(alloc: CachingAllocator<VirtualMemory>) -> Device {
+        let device = Device::from_backend(Backend::Virtual(alloc));
+        let (major, minor) = VIRTUAL_COMPUTE_CAPABILITY;
+        device.set_blas_workspace_size(default_blas_workspace_size(major, minor));
+        device
     }
 
     /// CUDA device `ordinal`, its allocator configured from `VRAM_ALLOC_CONF`. The driver,
@@ -109,7 +218,10 @@ impl Device {
     #[cfg(feature = "cuda")]
     fn open_cuda(ordinal: usize, config: Option<AllocatorConfig>) -> Result<Device> {
         let backend = crate::cuda::CudaBackend::new(ordinal, config)?;
-        Ok(Device::from_backend(Backend::Cuda(Box::new(backend))))
+        let (major, minor) = backend.compute_capability();
+        let device = Device::from_backend(Backend::Cuda(Box::new(backend)));
+        device.set_blas_workspace_size(default_blas_workspace_size(major, minor));
+        Ok(device)
     }
 
     #[cfg(not(feature = "cuda"))]
@@ -174,49 +286,110 @@ impl Device {
     }
 
     fn from_backend(backend: Backend) -> Device {
-        Device { inner: Arc::new(backend) }
+        let blas = Mutex::new(BlasWorkspace { size: 0, block: None });
+        Device { inner: Arc::new(Inner { blas, backend }) }
     }
 
-    /// The host allocator that holds this device's tensors.
-    ///
-    /// # Panics
-    ///
-    /// On a CUDA device; use [`try_host_allocator`](Self::try_host_allocator), or the
-    /// accessors below that work on every device.
-    pub fn host_allocator(&self) -> &CachingAllocator<HostMemory> {
-        self.try_host_allocator().expect("host_allocator called on a CUDA device")
-    }
-
-    /// The host allocator, or `None` on a CUDA device.
-    pub fn try_host_allocator(&self) -> Option<&CachingAllocator<HostMemory>> {
-        match &*self.inner {
+    /// The host allocator that holds this device's tensors, or `None` on another device.
+    pub fn host_allocator(&self) -> Option<&CachingAllocator<HostMemory>> {
+        match &self.inner.backend {
             Backend::Host(alloc) => Some(alloc),
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(_) => None,
+            _ => None,
         }
     }
 
-    /// The CUDA allocator, or `None` on the host.
+    /// The virtual allocator of a virtual device, or `None` on another device.
+    pub fn virtual_allocator(&self) -> Option<&CachingAllocator<VirtualMemory>> {
+        match &self.inner.backend {
+            Backend::Virtual(alloc) => Some(alloc),
+            _ => None,
+        }
+    }
+
+    /// The CUDA allocator, or `None` on another device.
     #[cfg(feature = "cuda")]
     pub fn cuda_allocator(&self) -> Option<&CachingAllocator<vram_alloc::cuda::CudaMemory>> {
         self.cuda_backend().map(|cuda| cuda.allocator())
     }
 
-    /// The CUDA backend, or `None` on the host.
+    /// The CUDA backend, or `None` on another device.
     #[cfg(feature = "cuda")]
     pub(crate) fn cuda_backend(&self) -> Option<&crate::cuda::CudaBackend> {
-        match &*self.inner {
+        match &self.inner.backend {
             Backend::Cuda(cuda) => Some(cuda),
-            Backend::Host(_) => None,
+            _ => None,
         }
+    }
+
+    /// What ops compute on for this device.
+    pub(crate) fn compute(&self) -> Compute {
+        match &self.inner.backend {
+            Backend::Host(_) => Compute::Host,
+            Backend::Virtual(_) => Compute::Virtual,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => Compute::Cuda,
+        }
+    }
+
+    /// `bytes` bytes from the device's caching allocator, on the stream ops run on.
+    pub(crate) fn allocate(&self, bytes: usize) -> Result<Storage> {
+        Ok(match &self.inner.backend {
+            Backend::Host(a) => Storage::Host(a.allocate(bytes)?),
+            Backend::Virtual(a) => Storage::Virtual(a.allocate(bytes)?),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(cuda) => Storage::Cuda(cuda.allocate(bytes)?),
+        })
+    }
+
+    fn blas(&self) -> MutexGuard<'_, BlasWorkspace> {
+        // Only whole-value updates happen under the lock; a panic cannot leave it torn.
+        self.inner.blas.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Bytes of the cuBLAS workspace this device allocates at its first matrix product.
+    pub fn blas_workspace_size(&self) -> usize {
+        self.blas().size
+    }
+
+    /// Sets the size of the cuBLAS workspace (0 for none). A workspace already allocated
+    /// goes back to the cache now; the next op with a matrix product allocates the new one.
+    ///
+    /// A CUDA device starts with [`default_blas_workspace_size`] for its compute capability
+    /// (PyTorch's choice, `CUBLAS_WORKSPACE_CONFIG` included), a virtual device with an
+    /// H100's, and a host device with none. Give the host or a virtual device the size of the
+    /// GPU you mean, and their statistics are that GPU's.
+    pub fn set_blas_workspace_size(&self, bytes: usize) {
+        let old = {
+            let mut blas = self.blas();
+            blas.size = bytes;
+            blas.block.take()
+        };
+        drop(old);
+    }
+
+    /// The cuBLAS workspace as `(address, bytes)`, allocated on first use; `None` when its
+    /// size is 0. Ops that run matrix products ask for it after allocating their outputs,
+    /// where PyTorch's first cuBLAS call allocates its own.
+    pub(crate) fn blas_workspace(&self) -> Result<Option<(u64, usize)>> {
+        let mut blas = self.blas();
+        if blas.size == 0 {
+            return Ok(None);
+        }
+        if blas.block.is_none() {
+            blas.block = Some(self.allocate(blas.size)?);
+        }
+        Ok(blas.block.as_ref().map(|b| (b.address(), b.len())))
     }
 
     /// The device in words, e.g. `cpu (host memory (16.00 GiB cap))` or
     /// `cuda:0 (NVIDIA H100 80GB HBM3, sm_90) (...)`.
     pub fn name(&self) -> String {
-        match &*self.inner {
+        match &self.inner.backend {
             Backend::Host(alloc) => {
                 format!("cpu ({})", vram_alloc::DeviceMemory::name(alloc.memory()))
+            }
+            Backend::Virtual(alloc) => {
+                format!("virtual ({})", vram_alloc::DeviceMemory::name(alloc.memory()))
             }
             #[cfg(feature = "cuda")]
             Backend::Cuda(cuda) => cuda.name(),
@@ -225,11 +398,16 @@ impl Device {
 
     /// Whether this is a CUDA device.
     pub fn is_cuda(&self) -> bool {
-        match &*self.inner {
-            Backend::Host(_) => false,
+        match &self.inner.backend {
             #[cfg(feature = "cuda")]
             Backend::Cuda(_) => true,
+            _ => false,
         }
+    }
+
+    /// Whether this is a virtual device (memory without values).
+    pub fn is_virtual(&self) -> bool {
+        matches!(self.compute(), Compute::Virtual)
     }
 
     /// Waits until all work queued on the device has finished (for timing); a no-op on the
@@ -239,10 +417,10 @@ impl Device {
     ///
     /// [`Error::Device`] if the device reports an error from earlier work.
     pub fn synchronize(&self) -> Result<()> {
-        match &*self.inner {
-            Backend::Host(_) => Ok(()),
+        match &self.inner.backend {
             #[cfg(feature = "cuda")]
             Backend::Cuda(cuda) => cuda.synchronize(),
+            _ => Ok(()),
         }
     }
 

@@ -15,6 +15,18 @@ pub enum DType {
 }
 
 impl DType {
+    /// Every dtype, in the order of [`index`](Self::index).
+    pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+    /// The position of this dtype in [`ALL`](Self::ALL): 0 for f32, 1 for f16, 2 for bf16.
+    pub const fn index(self) -> usize {
+        match self {
+            DType::F32 => 0,
+            DType::F16 => 1,
+            DType::BF16 => 2,
+        }
+    }
+
     /// Bytes per element.
     pub const fn size_in_bytes(self) -> usize {
         match self {
@@ -38,6 +50,28 @@ impl fmt::Display for DType {
         })
     }
 }
+
+/// Runs `$body` with `$T` bound to the element type of `$dtype` (f32, `half::f16` or
+/// `half::bf16`): the one place a dtype becomes a type.
+macro_rules! with_dtype {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            $crate::dtype::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::dtype::DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            $crate::dtype::DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_dtype;
 
 /// A storable element: converts to and from f32, the type all arithmetic is done in.
 pub trait Element: Copy + Send + Sync + Default + PartialEq + fmt::Debug + 'static {

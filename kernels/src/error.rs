@@ -4,7 +4,7 @@
 use crate::dtype::DType;
 use vram_alloc::AllocError;
 
-/// Everything a device, tensor or op call can fail with.
+/// Everything a device, tensor, op or host reference call can fail with.
 ///
 /// An op checks shapes, dtypes and devices before it allocates, and allocates its outputs
 /// before it writes anything, so on any error its inputs are unchanged.
@@ -64,6 +64,16 @@ pub enum Error {
     /// The request is valid but not implemented on this build or device.
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// Values were asked of a tensor on a virtual device, which has shapes, dtypes and
+    /// memory but no values.
+    #[error(
+        "{op}: the tensor lives on a virtual device, which counts memory but holds no values; \
+         run on the host or a CUDA device to read them"
+    )]
+    NoValues {
+        /// The call that wanted values.
+        op: &'static str,
+    },
     /// The device, its driver or a library on it (NVRTC, cuBLAS) reported an error.
     #[error("{op}: device error: {reason}")]
     Device {

@@ -46,16 +46,22 @@ pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod ops;
+mod storage;
 pub mod tensor;
 pub mod transfer;
 
-pub use cpu::conv::Conv2dParams;
-pub use cpu::matmul::MatmulSpec;
-pub use cpu::optim::{AdamWConfig, SgdConfig};
-pub use cpu::pool::Pool2dParams;
-pub use device::{DEVICE_ENV_VAR, Device};
+pub use device::{DEVICE_ENV_VAR, Device, default_blas_workspace_size};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
-pub use ops::{Conv2dOptions, Pool2dOptions};
+pub use ops::{
+    AdamWConfig, Conv2dOptions, Conv2dParams, MatmulSpec, Pool2dOptions, Pool2dParams, SgdConfig,
+};
 pub use tensor::{Indices, Tensor};
 pub use transfer::{PinnedBuffer, Upload};
+
+/// The `half` crate, whose `f16` and `bf16` are the 16-bit element types.
+pub use half;
+/// The allocator items this crate's API takes and returns.
+pub use vram_alloc::{
+    AllocatorConfig, MemInfo, MemoryStats, Snapshot, StatsScope, TraceAction, TraceEntry,
+};

@@ -183,7 +183,7 @@ impl Device {
         dtype: DType,
     ) -> Result<Upload<'a>> {
         const OP: &str = "Device::upload_async";
-        let bytes = shape.iter().product::<usize>() * dtype.size_in_bytes();
+        let (_, bytes) = crate::tensor::checked_len(OP, shape, dtype.size_in_bytes())?;
         if bytes > buffer.len() {
             return Err(Error::InvalidArgument {
                 op: OP,
@@ -205,18 +205,17 @@ impl Device {
             // until the caller lets go of the upload; `PinnedBuffer`'s drop waits for the device.
             let (block, event) = unsafe { cuda.upload(&buffer.bytes()[..bytes]) }?;
             return Ok(Upload {
-                tensor: Tensor::from_cuda_allocation(self, block, shape, dtype),
+                tensor: Tensor::from_storage(
+                    self,
+                    crate::storage::Storage::Cuda(block),
+                    shape,
+                    dtype,
+                ),
                 event: Some(event),
                 _buffer: PhantomData,
             });
         }
-        let mut tensor = Tensor::zeros(self, shape, dtype)?;
-        let dst: &mut [u8] = match dtype {
-            DType::F32 => bytemuck_bytes(tensor.as_mut_slice::<f32>()?),
-            DType::F16 => bytemuck_bytes(tensor.as_mut_slice::<half::f16>()?),
-            DType::BF16 => bytemuck_bytes(tensor.as_mut_slice::<half::bf16>()?),
-        };
-        dst.copy_from_slice(&buffer.bytes()[..bytes]);
+        let tensor = Tensor::from_bytes(self, shape, dtype, &buffer.bytes()[..bytes])?;
         Ok(Upload {
             tensor,
             #[cfg(feature = "cuda")]
@@ -224,10 +223,4 @@ impl Device {
             _buffer: PhantomData,
         })
     }
-}
-
-fn bytemuck_bytes<T: crate::Element>(v: &mut [T]) -> &mut [u8] {
-    // SAFETY: f32, f16 and bf16 are plain old data without padding; the byte view covers
-    // exactly the same memory and lives as long as the borrow of `v`.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), std::mem::size_of_val(v)) }
 }

@@ -63,7 +63,7 @@ fn close(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
     assert!(got.device().is_cuda() && !want.device().is_cuda(), "{what}: devices");
     assert_eq!(got.shape(), want.shape(), "{what}: shape");
     assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
-    let (g, w) = (got.try_to_f32_vec().unwrap(), want.to_f32_vec());
+    let (g, w) = (got.to_f32_vec().unwrap(), want.to_f32_vec().unwrap());
     for (i, (&g, &w)) in g.iter().zip(&w).enumerate() {
         let (g, w) = (f64::from(g), f64::from(w));
         let ok = if w.is_nan() { g.is_nan() } else { (g - w).abs() <= tol * w.abs().max(1.0) };
@@ -84,13 +84,13 @@ fn device_copies_round_trip_and_memory_is_counted() {
         assert!(gpu.memory_allocated() >= g.size_in_bytes() as u64);
         assert!(g.as_slice::<f32>().is_err(), "host access to device memory must fail");
         let back = g.to_device(&h.device().clone()).unwrap();
-        assert_eq!(back.to_f32_vec(), h.to_f32_vec());
+        assert_eq!(back.to_f32_vec().unwrap(), h.to_f32_vec().unwrap());
         close("try_clone", &g.try_clone().unwrap(), &h, 0.0);
         for to in DTYPES {
             close("to_dtype", &g.to_dtype(to).unwrap(), &h.to_dtype(to).unwrap(), 0.0);
         }
         let z = Tensor::full(&gpu, &[1000], dtype, 1.5).unwrap();
-        assert!(z.to_f32_vec().iter().all(|&v| v == 1.5));
+        assert!(z.to_f32_vec().unwrap().iter().all(|&v| v == 1.5));
     }
     let live = gpu.memory_allocated();
     gpu.empty_cache();
@@ -335,7 +335,7 @@ fn pooling_matches_host() {
             let ((hy, ha), (gy, ga)) =
                 (ops::max_pool2d(&hx, &opts).unwrap(), ops::max_pool2d(&gx, &opts).unwrap());
             close("max_pool2d", &gy, &hy, 0.0);
-            assert_eq!(ga.to_vec().unwrap(), ha.as_slice(), "max_pool2d argmax");
+            assert_eq!(ga.to_vec().unwrap(), ha.as_slice().unwrap(), "max_pool2d argmax");
             let (hdy, gdy) = pair(&gpu, hy.shape(), dtype, 91);
             close(
                 "max_pool2d_backward",
@@ -343,8 +343,8 @@ fn pooling_matches_host() {
                 &ops::max_pool2d_backward(&hdy, &ha, hx.shape(), &opts).unwrap(),
                 t,
             );
-            let gi = Indices::from_slice(&gpu, ha.shape(), ha.as_slice()).unwrap();
-            assert_eq!(gi.to_vec().unwrap(), ha.as_slice());
+            let gi = Indices::from_slice(&gpu, ha.shape(), ha.as_slice().unwrap()).unwrap();
+            assert_eq!(gi.to_vec().unwrap(), ha.as_slice().unwrap());
             for pad in [true, false] {
                 close(
                     "avg_pool2d",
@@ -408,11 +408,11 @@ fn dropout_masks_are_identical_on_both_backends() {
         let h = Tensor::from_f32_slice(&host(), &[n], &values(n, 110, 0.5, 2.0), dtype).unwrap();
         let g = h.to_device(&gpu).unwrap();
         for (p, seed, offset) in [(0.1, 7, 0), (0.5, u64::MAX, 3), (0.9, 1 << 40, u64::MAX - 5)] {
-            let hy = ops::dropout(&h, p, seed, offset).unwrap().to_f32_vec();
-            let gy = ops::dropout(&g, p, seed, offset).unwrap().to_f32_vec();
+            let hy = ops::dropout(&h, p, seed, offset).unwrap().to_f32_vec().unwrap();
+            let gy = ops::dropout(&g, p, seed, offset).unwrap().to_f32_vec().unwrap();
             assert_eq!(gy, hy, "dropout {dtype} p {p}: values and mask must be identical");
-            let hb = ops::dropout_backward(&h, p, seed, offset).unwrap().to_f32_vec();
-            let gb = ops::dropout_backward(&g, p, seed, offset).unwrap().to_f32_vec();
+            let hb = ops::dropout_backward(&h, p, seed, offset).unwrap().to_f32_vec().unwrap();
+            let gb = ops::dropout_backward(&g, p, seed, offset).unwrap().to_f32_vec().unwrap();
             assert_eq!(gb, hb, "dropout_backward {dtype} p {p}");
         }
     }

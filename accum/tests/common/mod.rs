@@ -42,12 +42,14 @@ pub fn grad_bits(chain: &Chain) -> Vec<Option<Vec<u32>>> {
     chain
         .params()
         .iter()
-        .map(|p| p.grad.as_ref().map(|g| g.to_f32_vec().iter().map(|v| v.to_bits()).collect()))
+        .map(|p| {
+            p.grad.as_ref().map(|g| g.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect())
+        })
         .collect()
 }
 
 pub fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_f32_vec().iter().map(|v| v.to_bits()).collect()
+    t.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect()
 }
 
 /// One training step under `schedule` from fresh gradients, with the loss `0.5 |y|^2`

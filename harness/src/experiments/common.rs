@@ -139,7 +139,9 @@ pub fn train_fresh(
 pub fn fingerprint(model: &Model) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for p in model.params() {
-        for v in p.value.to_f32_vec() {
+        for v in
+            p.value.to_f32_vec().expect("experiments read their weights from the host or a GPU")
+        {
             h = (h ^ u64::from(v.to_bits())).wrapping_mul(0x100_0000_01b3);
         }
     }
@@ -151,7 +153,12 @@ pub fn gradients(model: &Model) -> Vec<Vec<f32>> {
     model
         .params()
         .iter()
-        .map(|p| p.grad.as_ref().map(|g| g.to_f32_vec()).unwrap_or_default())
+        .map(|p| {
+            let read = |g: &vram_kernels::Tensor| {
+                g.to_f32_vec().expect("experiments read their gradients from the host or a GPU")
+            };
+            p.grad.as_ref().map(read).unwrap_or_default()
+        })
         .collect()
 }
 

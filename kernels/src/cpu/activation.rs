@@ -3,8 +3,10 @@
 //! All slices are contiguous and of equal length; the backward functions take the forward
 //! input `x` (not the output) and the upstream gradient `dy`.
 
+use super::check_len;
 use crate::Element;
 use crate::cpu::elementwise::{map_into, zip_map_into};
+use crate::error::Result;
 
 /// `sqrt(2 / pi)`, the scale inside GELU's tanh approximation.
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -12,24 +14,42 @@ const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const GELU_COEF: f32 = 0.044_715;
 
 /// `y = max(x, 0)`.
-pub fn relu<T: Element>(x: &[T], y: &mut [T]) {
-    map_into(x, y, |v| T::from_f32(v.to_f32().max(0.0)));
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if the lengths differ.
+pub fn relu<T: Element>(x: &[T], y: &mut [T]) -> Result<()> {
+    check_len("cpu::relu", "y", y.len(), x.len())?;
+    map_into(x, y, |v| T::from_f32(relu_f32(v.to_f32())));
+    Ok(())
+}
+
+#[inline]
+pub(crate) fn relu_f32(x: f32) -> f32 {
+    x.max(0.0)
 }
 
 /// Backward of [`relu`]: `dx = dy` where `x > 0`, else 0 (the subgradient at 0 is 0, as in
 /// PyTorch).
-pub fn relu_backward<T: Element>(x: &[T], dy: &[T], dx: &mut [T]) {
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if the lengths differ.
+pub fn relu_backward<T: Element>(x: &[T], dy: &[T], dx: &mut [T]) -> Result<()> {
+    check_len("cpu::relu_backward", "dy", dy.len(), x.len())?;
+    check_len("cpu::relu_backward", "dx", dx.len(), x.len())?;
     zip_map_into(x, dy, dx, |v, g| if v.to_f32() > 0.0 { g } else { T::from_f32(0.0) });
+    Ok(())
 }
 
 #[inline]
-fn gelu_f32(x: f32) -> f32 {
+pub(crate) fn gelu_f32(x: f32) -> f32 {
     let inner = SQRT_2_OVER_PI * (x + GELU_COEF * x * x * x);
     0.5 * x * (1.0 + inner.tanh())
 }
 
 #[inline]
-fn gelu_grad_f32(x: f32) -> f32 {
+pub(crate) fn gelu_grad_f32(x: f32) -> f32 {
     let inner = SQRT_2_OVER_PI * (x + GELU_COEF * x * x * x);
     let t = inner.tanh();
     let d_inner = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_COEF * x * x);
@@ -38,13 +58,26 @@ fn gelu_grad_f32(x: f32) -> f32 {
 
 /// GELU with the tanh approximation (PyTorch's `gelu(x, approximate='tanh')`):
 /// `y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
-pub fn gelu<T: Element>(x: &[T], y: &mut [T]) {
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if the lengths differ.
+pub fn gelu<T: Element>(x: &[T], y: &mut [T]) -> Result<()> {
+    check_len("cpu::gelu", "y", y.len(), x.len())?;
     map_into(x, y, |v| T::from_f32(gelu_f32(v.to_f32())));
+    Ok(())
 }
 
 /// Backward of [`gelu`]: `dx = dy * gelu'(x)`.
-pub fn gelu_backward<T: Element>(x: &[T], dy: &[T], dx: &mut [T]) {
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if the lengths differ.
+pub fn gelu_backward<T: Element>(x: &[T], dy: &[T], dx: &mut [T]) -> Result<()> {
+    check_len("cpu::gelu_backward", "dy", dy.len(), x.len())?;
+    check_len("cpu::gelu_backward", "dx", dx.len(), x.len())?;
     zip_map_into(x, dy, dx, |v, g| T::from_f32(g.to_f32() * gelu_grad_f32(v.to_f32())));
+    Ok(())
 }
 
 #[cfg(test)]
@@ -64,10 +97,10 @@ mod tests {
         let x = round::<T>(x);
         let wx = widen(&x);
         let mut y = vec![T::default(); x.len()];
-        relu(&x, &mut y);
+        relu(&x, &mut y).unwrap();
         let want: Vec<f64> = wx.iter().map(|v| v.max(0.0)).collect();
         check_close(&widen(&y), &want, tol::<T>())?;
-        gelu(&x, &mut y);
+        gelu(&x, &mut y).unwrap();
         let want: Vec<f64> = wx.iter().map(|&v| gelu_ref(v)).collect();
         check_close(&widen(&y), &want, tol::<T>())
     }
@@ -94,11 +127,11 @@ mod tests {
         ) {
             let loss = |x: &[f32]| {
                 let mut y = vec![0.0f32; x.len()];
-                gelu(x, &mut y);
+                gelu(x, &mut y).unwrap();
                 weighted(&y, &r)
             };
             let mut dx = vec![0.0f32; x.len()];
-            gelu_backward(&x, &r, &mut dx);
+            gelu_backward(&x, &r, &mut dx).unwrap();
             check_grad(loss, &x, &dx, 1e-2, 1e-2)?;
         }
 
@@ -110,11 +143,11 @@ mod tests {
             let x: Vec<f32> = x.into_iter().map(|v| if v.abs() < 0.05 { 0.5 } else { v }).collect();
             let loss = |x: &[f32]| {
                 let mut y = vec![0.0f32; x.len()];
-                relu(x, &mut y);
+                relu(x, &mut y).unwrap();
                 weighted(&y, &r)
             };
             let mut dx = vec![0.0f32; x.len()];
-            relu_backward(&x, &r, &mut dx);
+            relu_backward(&x, &r, &mut dx).unwrap();
             check_grad(loss, &x, &dx, 1e-2, 1e-2)?;
         }
     }
@@ -124,7 +157,7 @@ mod tests {
         // torch.nn.functional.gelu(torch.tensor([-1., 0.5, 2.]), approximate='tanh')
         let x = [-1.0f32, 0.5, 2.0];
         let mut y = [0.0f32; 3];
-        gelu(&x, &mut y);
+        gelu(&x, &mut y).unwrap();
         let want = [-0.158_808_f32, 0.345_714, 1.954_598];
         for (g, w) in y.iter().zip(want) {
             assert!((g - w).abs() < 1e-5, "{g} vs {w}");

@@ -5,171 +5,68 @@
 //! Layouts: `x: [batch, c_in, h, w]`, `weight: [c_out, c_in / groups, kh, kw]`,
 //! `bias: [c_out]`, `y: [batch, c_out, oh, ow]` with `(oh, ow) = params.output_hw()`.
 
-use super::matmul::{MatmulSpec, widen, with_f32_out};
+use super::check_len;
+use super::matmul::{widen, with_f32_out};
 use crate::dtype::Element;
+use crate::error::Result;
+use crate::ops::{Conv2dParams, MatmulSpec};
 use rayon::prelude::*;
 use std::ops::Range;
 
-/// The geometry of a 2-D convolution (see the module doc for the tensor layouts).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Conv2dParams {
-    /// Images in the batch.
-    pub batch: usize,
-    /// Input channels.
-    pub c_in: usize,
-    /// Input height.
-    pub h: usize,
-    /// Input width.
-    pub w: usize,
-    /// Output channels.
-    pub c_out: usize,
-    /// Kernel (height, width).
-    pub kernel: (usize, usize),
-    /// Step between windows, (vertical, horizontal).
-    pub stride: (usize, usize),
-    /// Zero padding on each side, (vertical, horizontal).
-    pub padding: (usize, usize),
-    /// Spacing between kernel taps, (vertical, horizontal); 1 is a dense kernel.
-    pub dilation: (usize, usize),
-    /// Channel groups: `c_in` and `c_out` are both multiples of it.
-    pub groups: usize,
+/// Checks the lengths of `x`, `weight` and `y` (or `dy`) against `p`.
+fn check(op: &'static str, p: &Conv2dParams, x: usize, w: usize, y: usize) -> Result<()> {
+    check_len(op, "x", x, p.input_len())?;
+    check_len(op, "weight", w, p.weight_len())?;
+    check_len(op, "y", y, p.output_len())
 }
 
-impl Conv2dParams {
-    /// A dense convolution with stride 1, no padding, no dilation and one group.
-    pub fn new(
-        batch: usize,
-        c_in: usize,
-        (h, w): (usize, usize),
-        c_out: usize,
-        kernel: (usize, usize),
-    ) -> Self {
-        Self {
-            batch,
-            c_in,
-            h,
-            w,
-            c_out,
-            kernel,
-            stride: (1, 1),
-            padding: (0, 0),
-            dilation: (1, 1),
-            groups: 1,
-        }
-    }
-
-    /// Sets the stride.
-    pub fn stride(mut self, stride: (usize, usize)) -> Self {
-        self.stride = stride;
-        self
-    }
-
-    /// Sets the zero padding.
-    pub fn padding(mut self, padding: (usize, usize)) -> Self {
-        self.padding = padding;
-        self
-    }
-
-    /// Sets the dilation.
-    pub fn dilation(mut self, dilation: (usize, usize)) -> Self {
-        self.dilation = dilation;
-        self
-    }
-
-    /// Sets the number of groups (`c_in` for a depthwise convolution).
-    pub fn groups(mut self, groups: usize) -> Self {
-        self.groups = groups;
-        self
-    }
-
-    /// Output (height, width): `(in + 2 * pad - dilation * (k - 1) - 1) / stride + 1`, or 0
-    /// when the dilated kernel does not fit in the padded input.
-    pub fn output_hw(&self) -> (usize, usize) {
-        let out = |len: usize, k: usize, s: usize, p: usize, d: usize| {
-            let span = d * (k - 1) + 1;
-            (len + 2 * p).checked_sub(span).map_or(0, |r| r / s + 1)
-        };
-        (
-            out(self.h, self.kernel.0, self.stride.0, self.padding.0, self.dilation.0),
-            out(self.w, self.kernel.1, self.stride.1, self.padding.1, self.dilation.1),
-        )
-    }
-
-    /// Elements of `x`.
-    pub fn input_len(&self) -> usize {
-        self.batch * self.c_in * self.h * self.w
-    }
-
-    /// Elements of `weight`.
-    pub fn weight_len(&self) -> usize {
-        self.c_out * self.c_in / self.groups * self.kernel.0 * self.kernel.1
-    }
-
-    /// Elements of `y`.
-    pub fn output_len(&self) -> usize {
-        let (oh, ow) = self.output_hw();
-        self.batch * self.c_out * oh * ow
-    }
-
-    /// Whether each output channel reads exactly its own input channel.
-    pub fn is_depthwise(&self) -> bool {
-        self.groups == self.c_in && self.c_out == self.c_in
-    }
-
-    /// Rows of the im2col matrix of one group: `c_in / groups * kh * kw`.
-    fn col_rows(&self) -> usize {
-        self.c_in / self.groups * self.kernel.0 * self.kernel.1
-    }
-
-    /// Whether im2col would copy `x` unchanged (1x1 kernel, stride 1, no padding).
-    fn is_pointwise(&self) -> bool {
-        self.kernel == (1, 1) && self.stride == (1, 1) && self.padding == (0, 0)
-    }
-
-    fn debug_check(&self, x: usize, w: usize, y: usize) {
-        debug_assert!(
-            self.groups > 0
-                && self.c_in.is_multiple_of(self.groups)
-                && self.c_out.is_multiple_of(self.groups)
-        );
-        debug_assert!(
-            self.stride.0 > 0 && self.stride.1 > 0 && self.dilation.0 > 0 && self.dilation.1 > 0
-        );
-        debug_assert_eq!(x, self.input_len(), "conv2d: x length");
-        debug_assert_eq!(w, self.weight_len(), "conv2d: weight length");
-        debug_assert_eq!(y, self.output_len(), "conv2d: output length");
-    }
-}
-
-/// Computes `y = conv2d(x, weight) + bias` (layouts in the module doc).
+/// Computes `y = conv2d(x, weight) + bias` (layouts in the module doc). An empty input
+/// (no input channels, or an empty plane under padding) convolves to zeros plus the bias.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if a length does not fit `p`.
 pub fn conv2d<T: Element>(
     p: &Conv2dParams,
     x: &[T],
     weight: &[T],
     bias: Option<&[T]>,
     y: &mut [T],
-) {
-    p.debug_check(x.len(), weight.len(), y.len());
+) -> Result<()> {
+    const OP: &str = "cpu::conv2d";
+    check(OP, p, x.len(), weight.len(), y.len())?;
+    if let Some(bias) = bias {
+        check_len(OP, "bias", bias.len(), p.c_out())?;
+    }
+    if y.is_empty() {
+        return Ok(());
+    }
     let (x, weight) = (widen(x), widen(weight));
     let bias = bias.map(widen);
     with_f32_out(y, |y| {
-        if p.is_depthwise() {
+        if x.is_empty() {
+            y.fill(0.0);
+        } else if p.is_depthwise() {
             depthwise_forward(p, &x, &weight, y);
         } else {
             im2col_forward(p, &x, &weight, y);
         }
         if let Some(bias) = bias {
-            debug_assert_eq!(bias.len(), p.c_out);
             let (oh, ow) = p.output_hw();
-            for (plane, b) in y.chunks_exact_mut((oh * ow).max(1)).zip(bias.iter().cycle()) {
+            for (plane, b) in y.chunks_exact_mut(oh * ow).zip(bias.iter().cycle()) {
                 plane.iter_mut().for_each(|v| *v += b);
             }
         }
     });
+    Ok(())
 }
 
 /// Gradients of [`conv2d`] for `dy` (`y`'s layout), overwriting the outputs asked for:
 /// `dx` (`x`'s layout), `dweight` (`weight`'s), `dbias` (`[c_out]`).
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if a length does not fit `p`.
 #[allow(clippy::too_many_arguments)]
 pub fn conv2d_backward<T: Element>(
     p: &Conv2dParams,
@@ -179,13 +76,27 @@ pub fn conv2d_backward<T: Element>(
     dx: Option<&mut [T]>,
     dweight: Option<&mut [T]>,
     dbias: Option<&mut [T]>,
-) {
-    p.debug_check(x.len(), weight.len(), dy.len());
+) -> Result<()> {
+    const OP: &str = "cpu::conv2d_backward";
+    check(OP, p, x.len(), weight.len(), dy.len())?;
+    if let Some(dx) = &dx {
+        check_len(OP, "dx", dx.len(), x.len())?;
+    }
+    if let Some(dweight) = &dweight {
+        check_len(OP, "dweight", dweight.len(), weight.len())?;
+    }
+    if let Some(dbias) = &dbias {
+        check_len(OP, "dbias", dbias.len(), p.c_out())?;
+    }
+    // With no output element, or no input element, nothing flows back.
+    let nothing = dy.is_empty() || x.is_empty();
     let dy = widen(dy);
     if let Some(dx) = dx {
         let weight = widen(weight);
         with_f32_out(dx, |dx| {
-            if p.is_depthwise() {
+            if nothing {
+                dx.fill(0.0);
+            } else if p.is_depthwise() {
                 depthwise_backward_input(p, &weight, &dy, dx);
             } else {
                 im2col_backward_input(p, &weight, &dy, dx);
@@ -195,7 +106,9 @@ pub fn conv2d_backward<T: Element>(
     if let Some(dweight) = dweight {
         let x = widen(x);
         with_f32_out(dweight, |dw| {
-            if p.is_depthwise() {
+            if nothing {
+                dw.fill(0.0);
+            } else if p.is_depthwise() {
                 depthwise_backward_weight(p, &x, &dy, dw);
             } else {
                 im2col_backward_weight(p, &x, &dy, dw);
@@ -203,16 +116,18 @@ pub fn conv2d_backward<T: Element>(
         });
     }
     if let Some(dbias) = dbias {
-        debug_assert_eq!(dbias.len(), p.c_out);
         let (oh, ow) = p.output_hw();
-        let mut sum = vec![0.0f32; p.c_out];
-        for (plane, s) in dy.chunks_exact((oh * ow).max(1)).zip((0..p.c_out).cycle()) {
-            sum[s] += plane.iter().sum::<f32>();
+        let mut sum = vec![0.0f32; p.c_out()];
+        if oh * ow > 0 {
+            for (plane, s) in dy.chunks_exact(oh * ow).zip((0..p.c_out()).cycle()) {
+                sum[s] += plane.iter().sum::<f32>();
+            }
         }
         for (d, s) in dbias.iter_mut().zip(sum) {
             *d = T::from_f32(s);
         }
     }
+    Ok(())
 }
 
 /// The output positions `o in 0..out_len` whose input coordinate `o * stride + offset`
@@ -227,13 +142,13 @@ fn valid_range(out_len: usize, in_len: usize, stride: usize, offset: isize) -> R
 /// Calls `f(row, tap_offsets)` for every row of a group's im2col matrix: `row` indexes
 /// `(channel, ky, kx)` and the offsets are `(ky * dh - ph, kx * dw - pw)`.
 fn for_each_tap(p: &Conv2dParams, channels: usize, mut f: impl FnMut(usize, usize, isize, isize)) {
-    let (kh, kw) = p.kernel;
+    let (kh, kw) = p.kernel();
     for c in 0..channels {
         for ky in 0..kh {
             for kx in 0..kw {
                 let row = (c * kh + ky) * kw + kx;
-                let oy = (ky * p.dilation.0) as isize - p.padding.0 as isize;
-                let ox = (kx * p.dilation.1) as isize - p.padding.1 as isize;
+                let oy = (ky * p.dilation().0) as isize - p.padding().0 as isize;
+                let ox = (kx * p.dilation().1) as isize - p.padding().1 as isize;
                 f(row, c, oy, ox);
             }
         }
@@ -243,17 +158,17 @@ fn for_each_tap(p: &Conv2dParams, channels: usize, mut f: impl FnMut(usize, usiz
 /// Fills `col: [cin_g * kh * kw, oh * ow]` from one group of one image, `x: [cin_g, h, w]`.
 fn im2col(p: &Conv2dParams, x: &[f32], col: &mut [f32]) {
     let (oh, ow) = p.output_hw();
-    let (h, w) = (p.h, p.w);
-    for_each_tap(p, p.c_in / p.groups, |row, c, off_y, off_x| {
+    let (h, w) = (p.h(), p.w());
+    for_each_tap(p, p.c_in() / p.groups(), |row, c, off_y, off_x| {
         let col = &mut col[row * oh * ow..(row + 1) * oh * ow];
         col.fill(0.0);
-        let xs = valid_range(ow, w, p.stride.1, off_x);
-        for oy in valid_range(oh, h, p.stride.0, off_y) {
-            let iy = (oy * p.stride.0) as isize + off_y;
+        let xs = valid_range(ow, w, p.stride().1, off_x);
+        for oy in valid_range(oh, h, p.stride().0, off_y) {
+            let iy = (oy * p.stride().0) as isize + off_y;
             let src = &x[(c * h + iy as usize) * w..][..w];
             let dst = &mut col[oy * ow..(oy + 1) * ow];
             for ox in xs.clone() {
-                dst[ox] = src[((ox * p.stride.1) as isize + off_x) as usize];
+                dst[ox] = src[((ox * p.stride().1) as isize + off_x) as usize];
             }
         }
     });
@@ -263,16 +178,16 @@ fn im2col(p: &Conv2dParams, x: &[f32], col: &mut [f32]) {
 /// scatter of [`im2col`]).
 fn col2im(p: &Conv2dParams, col: &[f32], x: &mut [f32]) {
     let (oh, ow) = p.output_hw();
-    let (h, w) = (p.h, p.w);
-    for_each_tap(p, p.c_in / p.groups, |row, c, off_y, off_x| {
+    let (h, w) = (p.h(), p.w());
+    for_each_tap(p, p.c_in() / p.groups(), |row, c, off_y, off_x| {
         let col = &col[row * oh * ow..(row + 1) * oh * ow];
-        let xs = valid_range(ow, w, p.stride.1, off_x);
-        for oy in valid_range(oh, h, p.stride.0, off_y) {
-            let iy = (oy * p.stride.0) as isize + off_y;
+        let xs = valid_range(ow, w, p.stride().1, off_x);
+        for oy in valid_range(oh, h, p.stride().0, off_y) {
+            let iy = (oy * p.stride().0) as isize + off_y;
             let dst = &mut x[(c * h + iy as usize) * w..][..w];
             let src = &col[oy * ow..(oy + 1) * ow];
             for ox in xs.clone() {
-                dst[((ox * p.stride.1) as isize + off_x) as usize] += src[ox];
+                dst[((ox * p.stride().1) as isize + off_x) as usize] += src[ox];
             }
         }
     });
@@ -281,16 +196,16 @@ fn col2im(p: &Conv2dParams, col: &[f32], x: &mut [f32]) {
 fn im2col_forward(p: &Conv2dParams, x: &[f32], weight: &[f32], y: &mut [f32]) {
     let (oh, ow) = p.output_hw();
     let (ohw, k) = (oh * ow, p.col_rows());
-    let (cin_g, cout_g) = (p.c_in / p.groups, p.c_out / p.groups);
-    if ohw == 0 || p.batch == 0 {
+    let (cin_g, cout_g) = (p.c_in() / p.groups(), p.c_out() / p.groups());
+    if ohw == 0 || p.batch() == 0 {
         return;
     }
     let spec = MatmulSpec::new(cout_g, ohw, k);
-    y.par_chunks_mut(p.c_out * ohw).zip(x.par_chunks(p.c_in * p.h * p.w)).for_each_init(
+    y.par_chunks_mut(p.c_out() * ohw).zip(x.par_chunks(p.c_in() * p.h() * p.w())).for_each_init(
         || vec![0.0f32; if p.is_pointwise() { 0 } else { k * ohw }],
         |col, (y, x)| {
-            for g in 0..p.groups {
-                let x = &x[g * cin_g * p.h * p.w..][..cin_g * p.h * p.w];
+            for g in 0..p.groups() {
+                let x = &x[g * cin_g * p.h() * p.w()..][..cin_g * p.h() * p.w()];
                 let cols: &[f32] = if p.is_pointwise() {
                     x
                 } else {
@@ -298,7 +213,7 @@ fn im2col_forward(p: &Conv2dParams, x: &[f32], weight: &[f32], y: &mut [f32]) {
                     col
                 };
                 let y = &mut y[g * cout_g * ohw..][..cout_g * ohw];
-                super::matmul::matmul(&spec, &weight[g * cout_g * k..][..cout_g * k], cols, y);
+                super::matmul::matmul_f32(&spec, &weight[g * cout_g * k..][..cout_g * k], cols, y);
             }
         },
     );
@@ -307,49 +222,51 @@ fn im2col_forward(p: &Conv2dParams, x: &[f32], weight: &[f32], y: &mut [f32]) {
 fn im2col_backward_input(p: &Conv2dParams, weight: &[f32], dy: &[f32], dx: &mut [f32]) {
     let (oh, ow) = p.output_hw();
     let (ohw, k) = (oh * ow, p.col_rows());
-    let (cin_g, cout_g) = (p.c_in / p.groups, p.c_out / p.groups);
-    let plane_in = cin_g * p.h * p.w;
+    let (cin_g, cout_g) = (p.c_in() / p.groups(), p.c_out() / p.groups());
+    let plane_in = cin_g * p.h() * p.w();
     // dcol = W_g^T * dy_g: [k, cout_g] x [cout_g, ohw].
     let spec = MatmulSpec::new(k, ohw, cout_g).transpose(true, false);
     if ohw == 0 {
         dx.fill(0.0);
         return;
     }
-    dx.par_chunks_mut(p.c_in * p.h * p.w).zip(dy.par_chunks((p.c_out * ohw).max(1))).for_each_init(
-        || vec![0.0f32; if p.is_pointwise() { 0 } else { k * ohw }],
-        |dcol, (dx, dy)| {
-            for g in 0..p.groups {
-                let w = &weight[g * cout_g * k..][..cout_g * k];
-                let dy = &dy[g * cout_g * ohw..][..cout_g * ohw];
-                let dx = &mut dx[g * plane_in..][..plane_in];
-                if p.is_pointwise() {
-                    super::matmul::matmul(&spec, w, dy, dx);
-                } else {
-                    super::matmul::matmul(&spec, w, dy, dcol);
-                    dx.fill(0.0);
-                    col2im(p, dcol, dx);
+    dx.par_chunks_mut(p.c_in() * p.h() * p.w())
+        .zip(dy.par_chunks((p.c_out() * ohw).max(1)))
+        .for_each_init(
+            || vec![0.0f32; if p.is_pointwise() { 0 } else { k * ohw }],
+            |dcol, (dx, dy)| {
+                for g in 0..p.groups() {
+                    let w = &weight[g * cout_g * k..][..cout_g * k];
+                    let dy = &dy[g * cout_g * ohw..][..cout_g * ohw];
+                    let dx = &mut dx[g * plane_in..][..plane_in];
+                    if p.is_pointwise() {
+                        super::matmul::matmul_f32(&spec, w, dy, dx);
+                    } else {
+                        super::matmul::matmul_f32(&spec, w, dy, dcol);
+                        dx.fill(0.0);
+                        col2im(p, dcol, dx);
+                    }
                 }
-            }
-        },
-    );
+            },
+        );
 }
 
 fn im2col_backward_weight(p: &Conv2dParams, x: &[f32], dy: &[f32], dw: &mut [f32]) {
     let (oh, ow) = p.output_hw();
     let (ohw, k) = (oh * ow, p.col_rows());
-    let (cin_g, cout_g) = (p.c_in / p.groups, p.c_out / p.groups);
-    let plane_in = cin_g * p.h * p.w;
+    let (cin_g, cout_g) = (p.c_in() / p.groups(), p.c_out() / p.groups());
+    let plane_in = cin_g * p.h() * p.w();
     // dW_g += dy_g * col^T: [cout_g, ohw] x [ohw, k], summed over the images.
     let spec = MatmulSpec::new(cout_g, k, ohw).transpose(false, true).scaled(1.0, 1.0);
     let len = dw.len();
-    let sum = (0..p.batch)
+    let sum = (0..p.batch())
         .into_par_iter()
         .fold(
             || (vec![0.0f32; len], vec![0.0f32; if p.is_pointwise() { 0 } else { k * ohw }]),
             |(mut acc, mut col), n| {
-                let x = &x[n * p.c_in * p.h * p.w..];
-                let dy = &dy[n * p.c_out * ohw..];
-                for g in 0..p.groups {
+                let x = &x[n * p.c_in() * p.h() * p.w()..];
+                let dy = &dy[n * p.c_out() * ohw..];
+                for g in 0..p.groups() {
                     let x = &x[g * plane_in..][..plane_in];
                     let cols: &[f32] = if p.is_pointwise() {
                         x
@@ -358,7 +275,7 @@ fn im2col_backward_weight(p: &Conv2dParams, x: &[f32], dy: &[f32], dw: &mut [f32
                         &col
                     };
                     let dy = &dy[g * cout_g * ohw..][..cout_g * ohw];
-                    super::matmul::matmul(
+                    super::matmul::matmul_f32(
                         &spec,
                         dy,
                         cols,
@@ -383,22 +300,23 @@ fn im2col_backward_weight(p: &Conv2dParams, x: &[f32], dy: &[f32], dw: &mut [f32
 /// kernel `c`.
 fn depthwise_forward(p: &Conv2dParams, x: &[f32], weight: &[f32], y: &mut [f32]) {
     let (oh, ow) = p.output_hw();
-    let (kh, kw) = p.kernel;
+    let (kh, kw) = p.kernel();
     if oh * ow == 0 {
         return;
     }
-    y.par_chunks_mut(oh * ow).zip(x.par_chunks(p.h * p.w)).enumerate().for_each(
+    y.par_chunks_mut(oh * ow).zip(x.par_chunks(p.h() * p.w())).enumerate().for_each(
         |(plane, (y, x))| {
-            let w = &weight[(plane % p.c_in) * kh * kw..][..kh * kw];
+            let w = &weight[(plane % p.c_in()) * kh * kw..][..kh * kw];
             y.fill(0.0);
             for_each_tap(p, 1, |row, _, off_y, off_x| {
                 let wv = w[row];
-                let xs = valid_range(ow, p.w, p.stride.1, off_x);
-                for oy in valid_range(oh, p.h, p.stride.0, off_y) {
-                    let src = &x[((oy * p.stride.0) as isize + off_y) as usize * p.w..][..p.w];
+                let xs = valid_range(ow, p.w(), p.stride().1, off_x);
+                for oy in valid_range(oh, p.h(), p.stride().0, off_y) {
+                    let src =
+                        &x[((oy * p.stride().0) as isize + off_y) as usize * p.w()..][..p.w()];
                     let dst = &mut y[oy * ow..(oy + 1) * ow];
                     for ox in xs.clone() {
-                        dst[ox] += wv * src[((ox * p.stride.1) as isize + off_x) as usize];
+                        dst[ox] += wv * src[((ox * p.stride().1) as isize + off_x) as usize];
                     }
                 }
             });
@@ -408,25 +326,26 @@ fn depthwise_forward(p: &Conv2dParams, x: &[f32], weight: &[f32], y: &mut [f32])
 
 fn depthwise_backward_input(p: &Conv2dParams, weight: &[f32], dy: &[f32], dx: &mut [f32]) {
     let (oh, ow) = p.output_hw();
-    let (kh, kw) = p.kernel;
+    let (kh, kw) = p.kernel();
     if oh * ow == 0 {
         dx.fill(0.0);
         return;
     }
-    dx.par_chunks_mut((p.h * p.w).max(1))
+    dx.par_chunks_mut((p.h() * p.w()).max(1))
         .zip(dy.par_chunks((oh * ow).max(1)))
         .enumerate()
         .for_each(|(plane, (dx, dy))| {
-            let w = &weight[(plane % p.c_in) * kh * kw..][..kh * kw];
+            let w = &weight[(plane % p.c_in()) * kh * kw..][..kh * kw];
             dx.fill(0.0);
             for_each_tap(p, 1, |row, _, off_y, off_x| {
                 let wv = w[row];
-                let xs = valid_range(ow, p.w, p.stride.1, off_x);
-                for oy in valid_range(oh, p.h, p.stride.0, off_y) {
-                    let dst = &mut dx[((oy * p.stride.0) as isize + off_y) as usize * p.w..][..p.w];
+                let xs = valid_range(ow, p.w(), p.stride().1, off_x);
+                for oy in valid_range(oh, p.h(), p.stride().0, off_y) {
+                    let dst =
+                        &mut dx[((oy * p.stride().0) as isize + off_y) as usize * p.w()..][..p.w()];
                     let src = &dy[oy * ow..(oy + 1) * ow];
                     for ox in xs.clone() {
-                        dst[((ox * p.stride.1) as isize + off_x) as usize] += wv * src[ox];
+                        dst[((ox * p.stride().1) as isize + off_x) as usize] += wv * src[ox];
                     }
                 }
             });
@@ -435,21 +354,22 @@ fn depthwise_backward_input(p: &Conv2dParams, weight: &[f32], dy: &[f32], dx: &m
 
 fn depthwise_backward_weight(p: &Conv2dParams, x: &[f32], dy: &[f32], dw: &mut [f32]) {
     let (oh, ow) = p.output_hw();
-    let (kh, kw) = p.kernel;
+    let (kh, kw) = p.kernel();
     dw.par_chunks_mut(kh * kw).enumerate().for_each(|(c, dw)| {
         dw.fill(0.0);
-        for n in 0..p.batch {
-            let plane = n * p.c_in + c;
-            let x = &x[plane * p.h * p.w..][..p.h * p.w];
+        for n in 0..p.batch() {
+            let plane = n * p.c_in() + c;
+            let x = &x[plane * p.h() * p.w()..][..p.h() * p.w()];
             let dy = &dy[plane * oh * ow..][..oh * ow];
             for_each_tap(p, 1, |row, _, off_y, off_x| {
-                let xs = valid_range(ow, p.w, p.stride.1, off_x);
+                let xs = valid_range(ow, p.w(), p.stride().1, off_x);
                 let mut acc = 0.0f32;
-                for oy in valid_range(oh, p.h, p.stride.0, off_y) {
-                    let src = &x[((oy * p.stride.0) as isize + off_y) as usize * p.w..][..p.w];
+                for oy in valid_range(oh, p.h(), p.stride().0, off_y) {
+                    let src =
+                        &x[((oy * p.stride().0) as isize + off_y) as usize * p.w()..][..p.w()];
                     let g = &dy[oy * ow..(oy + 1) * ow];
                     for ox in xs.clone() {
-                        acc += g[ox] * src[((ox * p.stride.1) as isize + off_x) as usize];
+                        acc += g[ox] * src[((ox * p.stride().1) as isize + off_x) as usize];
                     }
                 }
                 dw[row] += acc;
@@ -462,17 +382,18 @@ fn depthwise_backward_weight(p: &Conv2dParams, x: &[f32], dy: &[f32], dw: &mut [
 mod tests {
     use super::*;
     use crate::cpu::elementwise::testing::{assert_close, round as cast, widen as to_f64};
+    use crate::ops::Conv2dOptions;
     use half::{bf16, f16};
     use proptest::prelude::*;
 
     /// f64 convolution straight from the definition.
     fn reference(p: &Conv2dParams, x: &[f64], w: &[f64], bias: &[f64]) -> Vec<f64> {
         let (oh, ow) = p.output_hw();
-        let (kh, kw) = p.kernel;
-        let (cin_g, cout_g) = (p.c_in / p.groups, p.c_out / p.groups);
+        let (kh, kw) = p.kernel();
+        let (cin_g, cout_g) = (p.c_in() / p.groups(), p.c_out() / p.groups());
         let mut y = vec![0.0; p.output_len()];
-        for n in 0..p.batch {
-            for co in 0..p.c_out {
+        for n in 0..p.batch() {
+            for co in 0..p.c_out() {
                 let g = co / cout_g;
                 for oy in 0..oh {
                     for ox in 0..ow {
@@ -480,22 +401,26 @@ mod tests {
                         for ci in 0..cin_g {
                             for ky in 0..kh {
                                 for kx in 0..kw {
-                                    let iy = (oy * p.stride.0 + ky * p.dilation.0) as isize
-                                        - p.padding.0 as isize;
-                                    let ix = (ox * p.stride.1 + kx * p.dilation.1) as isize
-                                        - p.padding.1 as isize;
-                                    if iy < 0 || ix < 0 || iy >= p.h as isize || ix >= p.w as isize
+                                    let iy = (oy * p.stride().0 + ky * p.dilation().0) as isize
+                                        - p.padding().0 as isize;
+                                    let ix = (ox * p.stride().1 + kx * p.dilation().1) as isize
+                                        - p.padding().1 as isize;
+                                    if iy < 0
+                                        || ix < 0
+                                        || iy >= p.h() as isize
+                                        || ix >= p.w() as isize
                                     {
                                         continue;
                                     }
-                                    let xi = ((n * p.c_in + g * cin_g + ci) * p.h + iy as usize)
-                                        * p.w
+                                    let xi = ((n * p.c_in() + g * cin_g + ci) * p.h()
+                                        + iy as usize)
+                                        * p.w()
                                         + ix as usize;
                                     acc += x[xi] * w[((co * cin_g + ci) * kh + ky) * kw + kx];
                                 }
                             }
                         }
-                        y[((n * p.c_out + co) * oh + oy) * ow + ox] = acc;
+                        y[((n * p.c_out() + co) * oh + oy) * ow + ox] = acc;
                     }
                 }
             }
@@ -511,18 +436,24 @@ mod tests {
             (1..=2usize, 1..=2usize, 0..=1usize, 0..=1usize, 1..=2usize, 1..=2usize),
         )
             .prop_map(|((n, groups, cin_g, cout_g), (h, w, kh, kw), (sh, sw, ph, pw, dh, dw))| {
-                Conv2dParams::new(n, groups * cin_g, (h, w), groups * cout_g, (kh, kw))
+                let opts = Conv2dOptions::default()
                     .stride((sh, sw))
                     .padding((ph, pw))
                     .dilation((dh, dw))
-                    .groups(groups)
+                    .groups(groups);
+                let x = [n, groups * cin_g, h, w];
+                Conv2dParams::new(&x, &[groups * cout_g, cin_g, kh, kw], &opts).unwrap()
             })
             .prop_filter("empty output", |p| p.output_len() > 0)
     }
 
     /// Depthwise convolutions, the shapes that take the direct loop.
     fn depthwise_params() -> impl Strategy<Value = Conv2dParams> {
-        (1..=4usize, params()).prop_map(|(c, p)| Conv2dParams { c_in: c, c_out: c, groups: c, ..p })
+        (1..=4usize, params()).prop_map(|(c, p)| {
+            let x = [p.batch(), c, p.h(), p.w()];
+            let (kh, kw) = p.kernel();
+            Conv2dParams::new(&x, &[c, 1, kh, kw], &p.options().groups(c)).unwrap()
+        })
     }
 
     fn values(len: usize) -> impl Strategy<Value = Vec<f32>> {
@@ -537,7 +468,7 @@ mod tests {
                 Just(p),
                 values(p.input_len()),
                 values(p.weight_len()),
-                values(p.c_out),
+                values(p.c_out()),
                 values(p.output_len()),
             )
         })
@@ -547,7 +478,7 @@ mod tests {
         let (x, w, b) = (cast::<T>(x), cast::<T>(w), cast::<T>(b));
         let want = reference(p, &to_f64(&x), &to_f64(&w), &to_f64(&b));
         let mut y = vec![T::default(); p.output_len()];
-        conv2d(p, &x, &w, Some(&b), &mut y);
+        conv2d(p, &x, &w, Some(&b), &mut y).unwrap();
         assert_close(&to_f64(&y), &want, tol, "y");
     }
 
@@ -556,10 +487,10 @@ mod tests {
     fn check_backward(p: &Conv2dParams, x: &[f32], w: &[f32], r: &[f32], grads: [&[f32]; 3]) {
         let loss = |x: &[f32], w: &[f32], b: &[f32]| {
             let mut y = vec![0.0f32; p.output_len()];
-            conv2d(p, x, w, Some(b), &mut y);
+            conv2d(p, x, w, Some(b), &mut y).unwrap();
             y.iter().zip(r).map(|(&y, &r)| y as f64 * r as f64).sum::<f64>()
         };
-        let b = vec![0.5f32; p.c_out];
+        let b = vec![0.5f32; p.c_out()];
         let fd = |v: &[f32], which: usize, grad: &[f32]| {
             let h = 1e-2f32;
             let step = (v.len() / 24).max(1);
@@ -586,8 +517,8 @@ mod tests {
     fn backward_grads(p: &Conv2dParams, x: &[f32], w: &[f32], r: &[f32]) -> [Vec<f32>; 3] {
         let mut dx = vec![f32::NAN; x.len()];
         let mut dw = vec![f32::NAN; w.len()];
-        let mut db = vec![f32::NAN; p.c_out];
-        conv2d_backward(p, x, w, r, Some(&mut dx), Some(&mut dw), Some(&mut db));
+        let mut db = vec![f32::NAN; p.c_out()];
+        conv2d_backward(p, x, w, r, Some(&mut dx), Some(&mut dw), Some(&mut db)).unwrap();
         [dx, dw, db]
     }
 
@@ -645,13 +576,42 @@ mod tests {
     }
 
     #[test]
-    fn output_hw_follows_the_pytorch_formula() {
-        let p = Conv2dParams::new(1, 3, (32, 30), 8, (3, 5))
-            .stride((2, 1))
-            .padding((1, 2))
-            .dilation((1, 2));
-        // h: (32 + 2 - 2 - 1) / 2 + 1 = 16; w: (30 + 4 - 8 - 1) / 1 + 1 = 26.
-        assert_eq!(p.output_hw(), (16, 26));
-        assert_eq!(Conv2dParams::new(1, 1, (2, 2), 1, (3, 3)).output_hw(), (0, 0));
+    fn empty_inputs_convolve_to_the_bias_and_get_zero_gradients() {
+        // No input channels, and an empty plane under padding: both used to panic.
+        for (x, w, o) in [
+            ([2, 0, 4, 4], [3, 0, 3, 3], Conv2dOptions::default().padding((1, 1))),
+            ([2, 2, 0, 3], [3, 2, 1, 1], Conv2dOptions::default().padding((1, 1))),
+            ([1, 2, 0, 0], [2, 1, 3, 3], Conv2dOptions::default().padding((2, 2)).groups(2)),
+        ] {
+            let p = Conv2dParams::new(&x, &w, &o).unwrap();
+            assert!(p.output_len() > 0, "{x:?}");
+            let bias: Vec<f32> = (0..p.c_out()).map(|c| c as f32).collect();
+            let weight = vec![1.0f32; p.weight_len()];
+            let mut y = vec![f32::NAN; p.output_len()];
+            conv2d(&p, &[], &weight, Some(&bias), &mut y).unwrap();
+            let plane = p.output_len() / (p.batch() * p.c_out());
+            for (i, v) in y.iter().enumerate() {
+                assert_eq!(*v, ((i / plane) % p.c_out()) as f32, "{x:?}");
+            }
+            let dy = vec![1.0f32; p.output_len()];
+            let (mut dw, mut db) = (vec![f32::NAN; p.weight_len()], vec![0.0f32; p.c_out()]);
+            conv2d_backward(&p, &[], &weight, &dy, Some(&mut []), Some(&mut dw), Some(&mut db))
+                .unwrap();
+            assert!(dw.iter().all(|&v| v == 0.0), "{x:?}");
+            assert!(db.iter().all(|&v| v == (p.batch() * plane) as f32), "{x:?}");
+        }
+    }
+
+    #[test]
+    fn lengths_that_do_not_fit_the_params_are_errors_not_panics() {
+        let p = Conv2dParams::new(&[1, 2, 4, 4], &[3, 2, 3, 3], &Conv2dOptions::default()).unwrap();
+        let (x, w) = (vec![0.0f32; p.input_len()], vec![0.0f32; p.weight_len()]);
+        let mut y = vec![0.0f32; p.output_len()];
+        assert!(conv2d(&p, &x[1..], &w, None, &mut y).is_err());
+        assert!(conv2d(&p, &x, &w[1..], None, &mut y).is_err());
+        assert!(conv2d(&p, &x, &w, Some(&[0.0]), &mut y).is_err());
+        assert!(conv2d(&p, &x, &w, None, &mut y[1..]).is_err());
+        let mut dx = vec![0.0f32; 3];
+        assert!(conv2d_backward(&p, &x, &w, &y, Some(&mut dx), None, None).is_err());
     }
 }

@@ -4,7 +4,9 @@
 //! function says otherwise, all slices have the same length and are contiguous; the `[n, d]`
 //! layouts are row-major (the last dimension is contiguous).
 
+use super::{check_len, rows_of};
 use crate::Element;
+use crate::error::Result;
 use rayon::prelude::*;
 
 /// Below this many elements a plain loop beats rayon's scheduling overhead.
@@ -78,30 +80,62 @@ where
 }
 
 /// `out = a + b`.
-pub fn add<T: Element>(a: &[T], b: &[T], out: &mut [T]) {
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if the lengths do not fit.
+pub fn add<T: Element>(a: &[T], b: &[T], out: &mut [T]) -> Result<()> {
+    check_len("cpu::add", "b", b.len(), a.len())?;
+    check_len("cpu::add", "out", out.len(), a.len())?;
     zip_map_into(a, b, out, |x, y| T::from_f32(x.to_f32() + y.to_f32()));
+    Ok(())
 }
 
 /// `out = a * b` (elementwise product).
-pub fn mul<T: Element>(a: &[T], b: &[T], out: &mut [T]) {
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if the lengths do not fit.
+pub fn mul<T: Element>(a: &[T], b: &[T], out: &mut [T]) -> Result<()> {
+    check_len("cpu::mul", "b", b.len(), a.len())?;
+    check_len("cpu::mul", "out", out.len(), a.len())?;
     zip_map_into(a, b, out, |x, y| T::from_f32(x.to_f32() * y.to_f32()));
+    Ok(())
 }
 
 /// `out = alpha * x`.
-pub fn scale<T: Element>(x: &[T], alpha: f32, out: &mut [T]) {
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if the lengths do not fit.
+pub fn scale<T: Element>(x: &[T], alpha: f32, out: &mut [T]) -> Result<()> {
+    check_len("cpu::scale", "out", out.len(), x.len())?;
     map_into(x, out, |v| T::from_f32(alpha * v.to_f32()));
+    Ok(())
 }
 
 /// `y += alpha * x` (BLAS axpy). `x` may have a different element type than `y`, so a
 /// low-precision update can be applied to f32 master data directly.
-pub fn axpy<X: Element, Y: Element>(alpha: f32, x: &[X], y: &mut [Y]) {
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if the lengths do not fit.
+pub fn axpy<X: Element, Y: Element>(alpha: f32, x: &[X], y: &mut [Y]) -> Result<()> {
+    check_len("cpu::axpy", "y", y.len(), x.len())?;
     update_with(y, x, |acc, v| Y::from_f32(acc.to_f32() + alpha * v.to_f32()));
+    Ok(())
 }
 
 /// `acc += x`: gradient accumulation. `acc` and `x` may differ in element type (for example
 /// f16 micro-batch gradients accumulated into an f32 buffer).
-pub fn add_assign<A: Element, X: Element>(acc: &mut [A], x: &[X]) {
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if the lengths do not fit.
+pub fn add_assign<A: Element, X: Element>(acc: &mut [A], x: &[X]) -> Result<()> {
+    check_len("cpu::add_assign", "acc", acc.len(), x.len())?;
     update_with(acc, x, |a, v| A::from_f32(a.to_f32() + v.to_f32()));
+    Ok(())
 }
 
 /// Sets every element to `value` (rounded once to `T`).
@@ -111,19 +145,29 @@ pub fn fill<T: Element>(out: &mut [T], value: f32) {
 
 /// Converts `src` into `dst` element by element, through f32 (exact for every widening,
 /// one round-to-nearest-even for every narrowing).
-pub fn cast<S: Element, D: Element>(src: &[S], dst: &mut [D]) {
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if the lengths do not fit.
+pub fn cast<S: Element, D: Element>(src: &[S], dst: &mut [D]) -> Result<()> {
+    check_len("cpu::cast", "dst", dst.len(), src.len())?;
     map_into(src, dst, |v| D::from_f32(v.to_f32()));
+    Ok(())
 }
 
 /// Broadcast bias: `out[i, j] = x[i, j] + bias[j]` with `x` and `out` row-major `[n, d]` and
 /// `d = bias.len()`.
-pub fn bias_add<T: Element>(x: &[T], bias: &[T], out: &mut [T]) {
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if the lengths do not fit.
+pub fn bias_add<T: Element>(x: &[T], bias: &[T], out: &mut [T]) -> Result<()> {
     let d = bias.len();
-    debug_assert_eq!(x.len(), out.len());
+    check_len("cpu::bias_add", "out", out.len(), x.len())?;
+    rows_of("cpu::bias_add", "x", x.len(), d)?;
     if d == 0 {
-        return;
+        return Ok(());
     }
-    debug_assert!(x.len().is_multiple_of(d));
     let run = |x: &[T], out: &mut [T]| {
         for (orow, xrow) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
             for ((o, &v), &b) in orow.iter_mut().zip(xrow).zip(bias) {
@@ -137,6 +181,7 @@ pub fn bias_add<T: Element>(x: &[T], bias: &[T], out: &mut [T]) {
     } else {
         run(x, out);
     }
+    Ok(())
 }
 
 /// Column sums in f32 of a row-major `[n, d]` matrix, blocked by rows so that each partial
@@ -172,12 +217,17 @@ pub(crate) fn column_sums<T: Element>(x: &[T], d: usize) -> Vec<f32> {
 
 /// Backward of [`bias_add`]: `db[j] = sum_i dy[i, j]` with `dy` row-major `[n, d]` and
 /// `d = db.len()`. Overwrites `db`; the gradient with respect to `x` is `dy` itself.
-pub fn bias_add_backward<T: Element>(dy: &[T], db: &mut [T]) {
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if the lengths do not fit.
+pub fn bias_add_backward<T: Element>(dy: &[T], db: &mut [T]) -> Result<()> {
     let d = db.len();
-    debug_assert!(d == 0 || dy.len().is_multiple_of(d));
+    rows_of("cpu::bias_add_backward", "dy", dy.len(), d)?;
     for (o, s) in db.iter_mut().zip(column_sums(dy, d)) {
         *o = T::from_f32(s);
     }
+    Ok(())
 }
 
 /// Helpers shared by the CPU op tests: tolerances, rounding, and NaN-proof comparisons.
@@ -291,21 +341,21 @@ mod tests {
         let (a, b) = (round::<T>(a), round::<T>(b));
         let (wa, wb) = (widen(&a), widen(&b));
         let mut out = vec![T::default(); a.len()];
-        add(&a, &b, &mut out);
+        add(&a, &b, &mut out).unwrap();
         let want: Vec<f64> = wa.iter().zip(&wb).map(|(x, y)| x + y).collect();
         check_close(&widen(&out), &want, tol::<T>())?;
-        mul(&a, &b, &mut out);
+        mul(&a, &b, &mut out).unwrap();
         let want: Vec<f64> = wa.iter().zip(&wb).map(|(x, y)| x * y).collect();
         check_close(&widen(&out), &want, tol::<T>())?;
-        scale(&a, 0.37, &mut out);
+        scale(&a, 0.37, &mut out).unwrap();
         let want: Vec<f64> = wa.iter().map(|x| f64::from(0.37f32) * x).collect();
         check_close(&widen(&out), &want, tol::<T>())?;
         let mut y = b.clone();
-        axpy(-1.5, &a, &mut y);
+        axpy(-1.5, &a, &mut y).unwrap();
         let want: Vec<f64> = wa.iter().zip(&wb).map(|(x, y)| y - 1.5 * x).collect();
         check_close(&widen(&y), &want, tol::<T>())?;
         let mut acc = vec![0.25f32; a.len()];
-        add_assign(&mut acc, &a);
+        add_assign(&mut acc, &a).unwrap();
         let want: Vec<f64> = wa.iter().map(|x| x + 0.25).collect();
         check_close(&widen(&acc), &want, 1e-5)
     }
@@ -315,11 +365,11 @@ mod tests {
         let (wx, wb) = (widen(&x), widen(&b));
         let d = b.len();
         let mut out = vec![T::default(); x.len()];
-        bias_add(&x, &b, &mut out);
+        bias_add(&x, &b, &mut out).unwrap();
         let want: Vec<f64> = wx.iter().enumerate().map(|(i, v)| v + wb[i % d]).collect();
         check_close(&widen(&out), &want, tol::<T>())?;
         let mut db = vec![T::default(); d];
-        bias_add_backward(&x, &mut db);
+        bias_add_backward(&x, &mut db).unwrap();
         let mut want = vec![0.0f64; d];
         for (i, v) in wx.iter().enumerate() {
             want[i % d] += v;
@@ -330,7 +380,7 @@ mod tests {
     fn check_cast<S: Element, D: Element>(v: &[f32]) -> Result<(), TestCaseError> {
         let src = round::<S>(v);
         let mut dst = vec![D::default(); v.len()];
-        cast(&src, &mut dst);
+        cast(&src, &mut dst).unwrap();
         check_close(&widen(&dst), &widen(&src), tol::<D>())
     }
 
@@ -379,11 +429,11 @@ mod tests {
         ) {
             let loss = |b: &[f32]| {
                 let mut out = vec![0.0f32; x.len()];
-                bias_add(&x, b, &mut out);
+                bias_add(&x, b, &mut out).unwrap();
                 out.iter().zip(&r).map(|(&o, &r)| f64::from(o) * f64::from(r)).sum::<f64>()
             };
             let mut db = vec![0.0f32; b.len()];
-            bias_add_backward(&r, &mut db);
+            bias_add_backward(&r, &mut db).unwrap();
             check_grad(loss, &b, &db, 1e-2, 1e-2)?;
         }
     }
@@ -394,12 +444,12 @@ mod tests {
         let a: Vec<f32> = (0..n).map(|i| (i % 97) as f32 * 0.5).collect();
         let b: Vec<f32> = (0..n).map(|i| (i % 13) as f32).collect();
         let mut out = vec![0.0f32; n];
-        add(&a, &b, &mut out);
+        add(&a, &b, &mut out).unwrap();
         assert!(out.iter().enumerate().all(|(i, &o)| o == a[i] + b[i]));
         let bias: Vec<f32> = (0..7).map(|j| j as f32).collect();
         let x = &a[..(n / 7) * 7];
         let mut out = vec![0.0f32; x.len()];
-        bias_add(x, &bias, &mut out);
+        bias_add(x, &bias, &mut out).unwrap();
         assert!(out.iter().enumerate().all(|(i, &o)| o == x[i] + bias[i % 7]));
     }
 

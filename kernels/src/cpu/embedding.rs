@@ -5,46 +5,51 @@
 //! Ids are checked before anything is written, so an error leaves the output untouched.
 
 use super::matmul::{widen, with_f32_out};
+use super::{check_len, rows_of};
 use crate::dtype::Element;
+use crate::error::{Error, Result};
 use rayon::prelude::*;
 
-/// A token id outside the embedding table.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "embedding: id {id} at position {position} is out of range for a vocabulary of {vocab}; ids must be below {vocab}"
-)]
-pub struct IdOutOfRange {
-    /// Index of the offending id in `ids`.
-    pub position: usize,
-    /// The offending id.
-    pub id: u32,
-    /// Rows in the table.
-    pub vocab: usize,
-}
-
-/// Returns the first id that is not below `vocab`.
-pub(crate) fn check_ids(ids: &[u32], vocab: usize) -> Result<(), IdOutOfRange> {
-    match ids.iter().position(|&id| id as usize >= vocab) {
-        Some(position) => Err(IdOutOfRange { position, id: ids[position], vocab }),
+/// Checks that every id is below `vocab`: the first one that is not is an
+/// [`Error::IndexOutOfRange`] of `op`.
+pub(crate) fn check_ids(op: &'static str, ids: &[u32], vocab: usize) -> Result<()> {
+    match ids.iter().find(|&&id| id as usize >= vocab) {
+        Some(&id) => Err(Error::IndexOutOfRange { op, index: id as usize, bound: vocab }),
         None => Ok(()),
     }
+}
+
+/// Checks `dim > 0`, the table's rows and the output's length; returns the rows.
+fn check_layout(
+    op: &'static str,
+    table: usize,
+    out: usize,
+    ids: usize,
+    dim: usize,
+) -> Result<usize> {
+    if dim == 0 {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: "the embedding dimension must be positive".into(),
+        });
+    }
+    let vocab = rows_of(op, "the table", table, dim)?;
+    check_len(op, "the rows", out, ids.saturating_mul(dim))?;
+    Ok(vocab)
 }
 
 /// Gathers `out[t, :] = table[ids[t], :]` (layouts in the module doc).
 ///
 /// # Errors
 ///
-/// [`IdOutOfRange`] for the first id not below `table.len() / dim`; nothing is written.
-pub fn embedding<T: Element>(
-    ids: &[u32],
-    table: &[T],
-    out: &mut [T],
-    dim: usize,
-) -> Result<(), IdOutOfRange> {
-    debug_assert!(dim > 0 && table.len().is_multiple_of(dim));
-    debug_assert_eq!(out.len(), ids.len() * dim);
-    check_ids(ids, table.len() / dim.max(1))?;
-    out.par_chunks_mut(dim.max(1)).zip(ids.par_iter()).for_each(|(row, &id)| {
+/// [`Error::IndexOutOfRange`] for the first id not below `table.len() / dim`;
+/// [`Error::InvalidArgument`] for `dim == 0` or lengths that do not fit. Nothing is written
+/// then.
+pub fn embedding<T: Element>(ids: &[u32], table: &[T], out: &mut [T], dim: usize) -> Result<()> {
+    const OP: &str = "cpu::embedding";
+    let vocab = check_layout(OP, table.len(), out.len(), ids.len(), dim)?;
+    check_ids(OP, ids, vocab)?;
+    out.par_chunks_mut(dim).zip(ids.par_iter()).for_each(|(row, &id)| {
         row.copy_from_slice(&table[id as usize * dim..][..dim]);
     });
     Ok(())
@@ -56,16 +61,16 @@ pub fn embedding<T: Element>(
 ///
 /// # Errors
 ///
-/// [`IdOutOfRange`] for the first id not below `dtable.len() / dim`; nothing is written.
+/// As [`embedding`], for `dtable` and `dout`.
 pub fn embedding_backward<T: Element>(
     ids: &[u32],
     dout: &[T],
     dtable: &mut [T],
     dim: usize,
-) -> Result<(), IdOutOfRange> {
-    debug_assert!(dim > 0 && dtable.len().is_multiple_of(dim));
-    debug_assert_eq!(dout.len(), ids.len() * dim);
-    check_ids(ids, dtable.len() / dim.max(1))?;
+) -> Result<()> {
+    const OP: &str = "cpu::embedding_backward";
+    let vocab = check_layout(OP, dtable.len(), dout.len(), ids.len(), dim)?;
+    check_ids(OP, ids, vocab)?;
     let dout = widen(dout);
     with_f32_out(dtable, |dtable| {
         dtable.fill(0.0);
@@ -147,11 +152,25 @@ mod tests {
         let table = [1.0f32, 2.0, 3.0, 4.0];
         let mut out = [0.0f32; 4];
         let err = embedding(&[1, 2], &table, &mut out, 2).unwrap_err();
-        assert_eq!(err, IdOutOfRange { position: 1, id: 2, vocab: 2 });
+        assert!(matches!(err, Error::IndexOutOfRange { index: 2, bound: 2, .. }), "{err}");
         assert_eq!(out, [0.0; 4]);
         let mut dtable = [9.0f32; 4];
         let err = embedding_backward(&[7, 0], &out, &mut dtable, 2).unwrap_err();
-        assert_eq!(err.position, 0);
+        assert!(matches!(err, Error::IndexOutOfRange { index: 7, .. }), "{err}");
         assert_eq!(dtable, [9.0; 4]);
+    }
+
+    #[test]
+    fn lengths_that_do_not_fit_the_layout_are_errors_not_panics() {
+        let table = [1.0f32, 2.0, 3.0, 4.0];
+        let mut short = [0.0f32; 3];
+        assert!(matches!(
+            embedding(&[0, 1], &table, &mut short, 2),
+            Err(Error::InvalidArgument { .. })
+        ));
+        assert!(embedding(&[0], &table, &mut short, 0).is_err(), "dim 0");
+        assert!(embedding(&[0], &table[..3], &mut short[..2], 2).is_err(), "ragged table");
+        let mut dtable = [0.0f32; 4];
+        assert!(embedding_backward(&[0, 1], &short, &mut dtable, 2).is_err());
     }
 }

@@ -4,34 +4,23 @@
 //! log-sum-exp `lse` is `[n]` in f32. Rows whose target equals the ignore index contribute
 //! neither to the loss nor to the count it is averaged over, and get a zero gradient.
 
+use super::check_len;
 use crate::Element;
 use crate::cpu::elementwise::PAR_THRESHOLD;
 use crate::cpu::reduce;
+use crate::error::{Error, Result};
 use rayon::prelude::*;
 
-/// A target class index that is neither a valid class nor the ignore index.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "cross-entropy target {target} at row {row} is out of range: there are {classes} classes; \
-     targets must be below {classes} or equal the ignore index"
-)]
-pub struct TargetOutOfRange {
-    /// The row (sample) holding the bad target.
-    pub row: usize,
-    /// The target value found there.
-    pub target: u32,
-    /// The number of classes `c`.
-    pub classes: usize,
-}
-
-/// Checks every target; returns the first bad one.
+/// Checks every target: each must be below `classes` or equal the ignore index. The first
+/// that is not is an [`Error::IndexOutOfRange`] of `op`.
 pub(crate) fn validate(
+    op: &'static str,
     targets: &[u32],
     classes: usize,
     ignore: Option<u32>,
-) -> Result<(), TargetOutOfRange> {
-    match targets.iter().enumerate().find(|&(_, &t)| Some(t) != ignore && t as usize >= classes) {
-        Some((row, &target)) => Err(TargetOutOfRange { row, target, classes }),
+) -> Result<()> {
+    match targets.iter().find(|&&t| Some(t) != ignore && t as usize >= classes) {
+        Some(&t) => Err(Error::IndexOutOfRange { op, index: t as usize, bound: classes }),
         None => Ok(()),
     }
 }
@@ -46,25 +35,33 @@ fn log_sum_exp<T: Element>(row: &[T]) -> f32 {
     max + sum.ln()
 }
 
-fn classes(logits_len: usize, rows: usize) -> usize {
-    logits_len.checked_div(rows).unwrap_or(0)
+/// The classes `c` of `logits: [n, c]` for `n` targets, after checking the lengths.
+fn classes(op: &'static str, logits: usize, rows: usize, lse: usize) -> Result<usize> {
+    check_len(op, "lse", lse, rows)?;
+    Ok(logits.checked_div(rows).unwrap_or(0))
 }
 
 /// Mean softmax cross-entropy of `logits` (`[n, c]`) against class indices `targets` (`[n]`).
 ///
 /// Writes the per-row log-sum-exp into `lse` (`[n]`) for [`cross_entropy_backward`]. Returns
 /// the loss averaged over the rows not ignored; NaN when every row is ignored (as in PyTorch).
+///
+/// # Errors
+///
+/// [`Error::IndexOutOfRange`] for a target not below `c` (nothing is written);
+/// [`Error::InvalidArgument`] if `logits` is not whole rows of `n` targets or `lse` is not
+/// `[n]`.
 pub fn cross_entropy<T: Element>(
     logits: &[T],
     targets: &[u32],
     ignore_index: Option<u32>,
     lse: &mut [f32],
-) -> Result<f32, TargetOutOfRange> {
+) -> Result<f32> {
+    const OP: &str = "cpu::cross_entropy";
     let n = targets.len();
-    let c = classes(logits.len(), n);
-    debug_assert_eq!(logits.len(), n * c);
-    debug_assert_eq!(lse.len(), n);
-    validate(targets, c, ignore_index)?;
+    let c = classes(OP, logits.len(), n, lse.len())?;
+    check_len(OP, "the logits", logits.len(), n * c)?;
+    validate(OP, targets, c, ignore_index)?;
     if c == 0 {
         // validate() guarantees every row is ignored here.
         return Ok(f32::NAN);
@@ -85,6 +82,10 @@ pub fn cross_entropy<T: Element>(
 /// Backward of [`cross_entropy`]: `dlogits[i, j] = dloss / count * (softmax(x_i)[j] - [j ==
 /// t_i])` for rows not ignored, 0 for ignored rows, where `count` is the number of rows not
 /// ignored and `dloss` the upstream gradient of the (scalar) loss. Overwrites `dlogits`.
+///
+/// # Errors
+///
+/// As [`cross_entropy`], and if `dlogits` is not the logits' length.
 pub fn cross_entropy_backward<T: Element>(
     logits: &[T],
     targets: &[u32],
@@ -92,13 +93,13 @@ pub fn cross_entropy_backward<T: Element>(
     lse: &[f32],
     dloss: f32,
     dlogits: &mut [T],
-) -> Result<(), TargetOutOfRange> {
+) -> Result<()> {
+    const OP: &str = "cpu::cross_entropy_backward";
     let n = targets.len();
-    let c = classes(logits.len(), n);
-    debug_assert_eq!(logits.len(), n * c);
-    debug_assert_eq!(dlogits.len(), n * c);
-    debug_assert_eq!(lse.len(), n);
-    validate(targets, c, ignore_index)?;
+    let c = classes(OP, logits.len(), n, lse.len())?;
+    check_len(OP, "the logits", logits.len(), n * c)?;
+    check_len(OP, "dlogits", dlogits.len(), n * c)?;
+    validate(OP, targets, c, ignore_index)?;
     if c == 0 {
         return Ok(());
     }
@@ -208,7 +209,8 @@ mod tests {
             t[row] = c as u32 + over;
             let mut lse = vec![0.0f32; t.len()];
             let err = cross_entropy(&x, &t, None, &mut lse).unwrap_err();
-            prop_assert!(err.row <= row && err.classes == c);
+            let bounded = matches!(err, Error::IndexOutOfRange { bound, index, .. } if bound == c && index >= c);
+            prop_assert!(bounded, "{}", err);
             let mut dx = vec![0.0f32; x.len()];
             prop_assert!(cross_entropy_backward(&x, &t, None, &lse, 1.0, &mut dx).is_err());
         }
@@ -223,6 +225,17 @@ mod tests {
         let mut dx = [1.0f32; 4];
         cross_entropy_backward(&x, &t, Some(7), &lse, 1.0, &mut dx).unwrap();
         assert_eq!(dx, [0.0; 4]);
+    }
+
+    #[test]
+    fn lengths_that_do_not_fit_the_layout_are_errors_not_panics() {
+        let x = [1.0f32, 2.0, 3.0];
+        let mut lse = [0.0f32; 2];
+        assert!(cross_entropy(&x, &[0, 1], None, &mut lse).is_err(), "3 logits for 2 rows");
+        assert!(cross_entropy(&x, &[], None, &mut []).is_err(), "logits for no rows");
+        assert!(cross_entropy(&x[..2], &[0, 1], None, &mut lse[..1]).is_err(), "short lse");
+        let mut dx = [0.0f32; 1];
+        assert!(cross_entropy_backward(&x[..2], &[0, 1], None, &lse, 1.0, &mut dx).is_err());
     }
 
     #[test]

@@ -9,7 +9,10 @@
 //! flipped ([`matmul_backward`]); for the usual untransposed case that is
 //! `dA = alpha * dC * B^T` and `dB = alpha * A^T * dC`.
 
+use super::check_len;
 use crate::dtype::Element;
+use crate::error::{Error, Result};
+use crate::ops::MatmulSpec;
 use gemm::Parallelism;
 use rayon::prelude::*;
 use std::any::TypeId;
@@ -19,115 +22,17 @@ use std::borrow::Cow;
 /// waking rayon's workers costs more than it saves.
 const PARALLEL_MIN_FLOPS: usize = 1 << 18;
 
-/// The shape and scaling of a (batched) matrix product `C = alpha * op(A) * op(B) + beta * C`.
-///
-/// `op(A)` is `[m, k]`: `A` is stored `[m, k]`, or `[k, m]` when `trans_a`. `op(B)` is
-/// `[k, n]`: `B` is stored `[k, n]`, or `[n, k]` when `trans_b`. `C` is `[m, n]`. Batch `i`
-/// reads `A` from element `i * stride_a`, `B` from `i * stride_b` and writes `C` from
-/// `i * stride_c`; a stride of 0 for `A` or `B` broadcasts one matrix to every batch.
-/// Strides count elements. `beta == 0` means `C` is not read (NaN in it does not leak).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct MatmulSpec {
-    /// Rows of `op(A)` and of `C`.
-    pub m: usize,
-    /// Columns of `op(B)` and of `C`.
-    pub n: usize,
-    /// The contracted dimension.
-    pub k: usize,
-    /// `A` is stored transposed, `[k, m]`.
-    pub trans_a: bool,
-    /// `B` is stored transposed, `[n, k]`.
-    pub trans_b: bool,
-    /// Number of products.
-    pub batch: usize,
-    /// Elements between consecutive `A` matrices (0 broadcasts).
-    pub stride_a: usize,
-    /// Elements between consecutive `B` matrices (0 broadcasts).
-    pub stride_b: usize,
-    /// Elements between consecutive `C` matrices (at least `m * n` when `batch > 1`).
-    pub stride_c: usize,
-    /// Scale of the product.
-    pub alpha: f32,
-    /// Scale of the previous content of `C`.
-    pub beta: f32,
-}
-
-impl MatmulSpec {
-    /// A single dense product `C = A * B` with `A: [m, k]`, `B: [k, n]`, `C: [m, n]`.
-    pub fn new(m: usize, n: usize, k: usize) -> Self {
-        Self {
-            m,
-            n,
-            k,
-            trans_a: false,
-            trans_b: false,
-            batch: 1,
-            stride_a: m * k,
-            stride_b: k * n,
-            stride_c: m * n,
-            alpha: 1.0,
-            beta: 0.0,
-        }
-    }
-
-    /// Sets the transpose flags (see the type's doc for the stored layouts).
-    pub fn transpose(mut self, trans_a: bool, trans_b: bool) -> Self {
-        self.trans_a = trans_a;
-        self.trans_b = trans_b;
-        self
-    }
-
-    /// Makes it `batch` products with the given element strides (0 broadcasts A or B).
-    pub fn batched(
-        mut self,
-        batch: usize,
-        stride_a: usize,
-        stride_b: usize,
-        stride_c: usize,
-    ) -> Self {
-        self.batch = batch;
-        self.stride_a = stride_a;
-        self.stride_b = stride_b;
-        self.stride_c = stride_c;
-        self
-    }
-
-    /// Sets `alpha` and `beta`.
-    pub fn scaled(mut self, alpha: f32, beta: f32) -> Self {
-        self.alpha = alpha;
-        self.beta = beta;
-        self
-    }
-
-    /// Elements of `A` the product reads: `(batch - 1) * stride_a + m * k`.
-    pub fn a_len(&self) -> usize {
-        span(self.batch, self.stride_a, self.m * self.k)
-    }
-
-    /// Elements of `B` the product reads: `(batch - 1) * stride_b + k * n`.
-    pub fn b_len(&self) -> usize {
-        span(self.batch, self.stride_b, self.k * self.n)
-    }
-
-    /// Elements of `C` the product writes: `(batch - 1) * stride_c + m * n`.
-    pub fn c_len(&self) -> usize {
-        span(self.batch, self.stride_c, self.m * self.n)
-    }
-}
-
-fn span(batch: usize, stride: usize, len: usize) -> usize {
-    if batch == 0 || len == 0 { 0 } else { (batch - 1) * stride + len }
-}
-
 /// Computes `C = alpha * op(A) * op(B) + beta * C` for every batch (layout: [`MatmulSpec`]).
 ///
-/// # Panics
+/// # Errors
 ///
-/// If a slice is shorter than the spec's `a_len`/`b_len`/`c_len`, or if `C` matrices of
-/// different batches overlap: the product runs on raw pointers, so this is always checked.
-pub fn matmul<T: Element>(spec: &MatmulSpec, a: &[T], b: &[T], c: &mut [T]) {
+/// [`Error::InvalidArgument`] if a slice is shorter than the spec's `a_len`/`b_len`/`c_len`
+/// or `C` matrices of different batches overlap; nothing is written then.
+pub fn matmul<T: Element>(spec: &MatmulSpec, a: &[T], b: &[T], c: &mut [T]) -> Result<()> {
+    check_spec("cpu::matmul", spec, a.len(), b.len(), c.len())?;
     let (a, b) = (widen(a), widen(b));
     with_f32_out(c, |c| matmul_f32(spec, &a, &b, c));
+    Ok(())
 }
 
 /// Gradients of `C = alpha * op(A) * op(B)` (the `beta * C` term is not differentiated).
@@ -137,9 +42,10 @@ pub fn matmul<T: Element>(spec: &MatmulSpec, a: &[T], b: &[T], c: &mut [T]) {
 /// sum over batches. With `trans_a = trans_b = false` this is `dA = alpha * dC * B^T` and
 /// `dB = alpha * A^T * dC`; the other cases follow by transposing those.
 ///
-/// # Panics
+/// # Errors
 ///
-/// As [`matmul`], if a slice is shorter than its layout requires.
+/// As [`matmul`], if a slice is shorter than its layout requires (`da` as `a`, `db` as
+/// `b`).
 pub fn matmul_backward<T: Element>(
     spec: &MatmulSpec,
     a: &[T],
@@ -147,8 +53,21 @@ pub fn matmul_backward<T: Element>(
     dc: &[T],
     da: Option<&mut [T]>,
     db: Option<&mut [T]>,
-) {
+) -> Result<()> {
+    const OP: &str = "cpu::matmul_backward";
     let s = spec;
+    check_spec(OP, s, a.len(), b.len(), dc.len())?;
+    if let Some(da) = &da {
+        check_len(OP, "da", da.len(), a.len())?;
+    }
+    if let Some(db) = &db {
+        check_len(OP, "db", db.len(), b.len())?;
+    }
+    if s.c_len() == 0 {
+        // No product was formed, so nothing flows back.
+        da.into_iter().chain(db).for_each(|g| g.fill(T::from_f32(0.0)));
+        return Ok(());
+    }
     let dc = widen(dc);
     if let Some(da) = da {
         let b = widen(b);
@@ -202,6 +121,7 @@ pub fn matmul_backward<T: Element>(
             )
         });
     }
+    Ok(())
 }
 
 /// Runs the gradient product of every batch into `out` (stride `out_stride`); when the
@@ -230,8 +150,32 @@ fn grad_batches(
     }
 }
 
-/// The f32 product every public entry point ends in.
-fn matmul_f32(spec: &MatmulSpec, a: &[f32], b: &[f32], c: &mut [f32]) {
+/// Checks that slices of `a`, `b` and `c` elements hold what `spec` addresses, and that the
+/// `C` matrices of different batches do not overlap.
+fn check_spec(op: &'static str, spec: &MatmulSpec, a: usize, b: usize, c: usize) -> Result<()> {
+    let s = spec;
+    for (what, got, want) in [("A", a, s.a_len()), ("B", b, s.b_len()), ("C", c, s.c_len())] {
+        if got < want {
+            return Err(Error::InvalidArgument {
+                op,
+                reason: format!("{what} has {got} elements; the product addresses {want}"),
+            });
+        }
+    }
+    if s.batch > 1 && s.stride_c < s.m.saturating_mul(s.n) {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!(
+                "C matrices overlap: stride_c {} < m * n = {} * {}",
+                s.stride_c, s.m, s.n
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The f32 product every public entry point ends in; the caller has checked the spec.
+pub(crate) fn matmul_f32(spec: &MatmulSpec, a: &[f32], b: &[f32], c: &mut [f32]) {
     let s = *spec;
     assert!(a.len() >= s.a_len(), "matmul: A has {} elements, needs {}", a.len(), s.a_len());
     assert!(b.len() >= s.b_len(), "matmul: B has {} elements, needs {}", b.len(), s.b_len());
@@ -304,6 +248,10 @@ fn gemm_one(s: &MatmulSpec, a: &[f32], b: &[f32], c: &mut [f32], par: Parallelis
 
 /// Computes a linear layer `y = x * w^T + bias`: `x: [rows, d_in]`, `w: [d_out, d_in]`,
 /// `bias: [d_out]`, `y: [rows, d_out]`, all row-major.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] if a length does not fit the layout.
 pub fn linear<T: Element>(
     x: &[T],
     w: &[T],
@@ -311,15 +259,17 @@ pub fn linear<T: Element>(
     y: &mut [T],
     d_in: usize,
     d_out: usize,
-) {
-    let rows = y.len().checked_div(d_out).unwrap_or(0);
-    debug_assert_eq!(x.len(), rows * d_in);
+) -> Result<()> {
+    const OP: &str = "cpu::linear";
+    let rows = linear_rows(OP, x.len(), w.len(), y.len(), d_in, d_out)?;
+    if let Some(bias) = bias {
+        check_len(OP, "bias", bias.len(), d_out)?;
+    }
     let spec = MatmulSpec::new(rows, d_out, d_in).transpose(false, true);
     let (x, w) = (widen(x), widen(w));
     with_f32_out(y, |y| {
         matmul_f32(&spec, &x, &w, y);
-        if let Some(bias) = bias {
-            debug_assert_eq!(bias.len(), d_out);
+        if let Some(bias) = bias.filter(|_| d_out > 0) {
             for row in y[..rows * d_out].chunks_exact_mut(d_out) {
                 for (v, b) in row.iter_mut().zip(bias) {
                     *v += b.to_f32();
@@ -327,10 +277,31 @@ pub fn linear<T: Element>(
             }
         }
     });
+    Ok(())
+}
+
+/// Checks `x: [rows, d_in]`, `w: [d_out, d_in]`, `y: [rows, d_out]`; returns the rows.
+fn linear_rows(
+    op: &'static str,
+    x: usize,
+    w: usize,
+    y: usize,
+    d_in: usize,
+    d_out: usize,
+) -> Result<usize> {
+    let rows = x.checked_div(d_in).unwrap_or_else(|| y.checked_div(d_out).unwrap_or(0));
+    check_len(op, "x", x, rows.saturating_mul(d_in))?;
+    check_len(op, "w", w, d_out.saturating_mul(d_in))?;
+    check_len(op, "y", y, rows.saturating_mul(d_out))?;
+    Ok(rows)
 }
 
 /// Gradients of [`linear`], overwriting the outputs asked for: `dx = dy * w` (`[rows,
 /// d_in]`), `dw = dy^T * x` (`[d_out, d_in]`), `dbias = sum over rows of dy` (`[d_out]`).
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] if a length does not fit the layout.
 #[allow(clippy::too_many_arguments)]
 pub fn linear_backward<T: Element>(
     x: &[T],
@@ -341,10 +312,18 @@ pub fn linear_backward<T: Element>(
     dbias: Option<&mut [T]>,
     d_in: usize,
     d_out: usize,
-) {
-    let rows = dy.len().checked_div(d_out).unwrap_or(0);
-    debug_assert_eq!(x.len(), rows * d_in);
-    debug_assert_eq!(w.len(), d_out * d_in);
+) -> Result<()> {
+    const OP: &str = "cpu::linear_backward";
+    let rows = linear_rows(OP, x.len(), w.len(), dy.len(), d_in, d_out)?;
+    if let Some(dx) = &dx {
+        check_len(OP, "dx", dx.len(), x.len())?;
+    }
+    if let Some(dw) = &dw {
+        check_len(OP, "dw", dw.len(), w.len())?;
+    }
+    if let Some(dbias) = &dbias {
+        check_len(OP, "dbias", dbias.len(), d_out)?;
+    }
     let dy32 = widen(dy);
     if let Some(dx) = dx {
         let w = widen(w);
@@ -356,8 +335,7 @@ pub fn linear_backward<T: Element>(
         let spec = MatmulSpec::new(d_out, d_in, rows).transpose(true, false);
         with_f32_out(dw, |dw| matmul_f32(&spec, &dy32, &x, dw));
     }
-    if let Some(dbias) = dbias {
-        debug_assert_eq!(dbias.len(), d_out);
+    if let Some(dbias) = dbias.filter(|_| d_out > 0) {
         let mut sum = vec![0.0f32; d_out];
         for row in dy32.chunks_exact(d_out) {
             for (s, g) in sum.iter_mut().zip(row) {
@@ -368,6 +346,7 @@ pub fn linear_backward<T: Element>(
             *d = T::from_f32(s);
         }
     }
+    Ok(())
 }
 
 /// Views `x` as f32: borrowed when `T` is f32, widened into a new vector otherwise.
@@ -457,7 +436,7 @@ mod tests {
         let (a, b, mut c) = (cast::<T>(a), cast::<T>(b), cast::<T>(c));
         let mut want = to_f64(&c);
         reference(s, &to_f64(&a), &to_f64(&b), &mut want);
-        matmul(s, &a, &b, &mut c);
+        matmul(s, &a, &b, &mut c).unwrap();
         assert_close(&to_f64(&c), &want, tol, "C");
     }
 
@@ -482,12 +461,12 @@ mod tests {
             let r = pseudo_random(s.c_len(), seed);
             let loss = |a: &[f32], b: &[f32]| {
                 let mut c = vec![0.0f32; s.c_len()];
-                matmul(&s, a, b, &mut c);
+                matmul(&s, a, b, &mut c).unwrap();
                 c.iter().zip(&r).map(|(&c, &r)| c as f64 * r as f64).sum::<f64>()
             };
             let mut da = vec![0.0f32; a.len()];
             let mut db = vec![0.0f32; b.len()];
-            matmul_backward(&s, &a, &b, &r, Some(&mut da), Some(&mut db));
+            matmul_backward(&s, &a, &b, &r, Some(&mut da), Some(&mut db)).unwrap();
             let fd_a = finite_diff(&a, |a| loss(a, &b));
             let fd_b = finite_diff(&b, |b| loss(&a, b));
             assert_close(&to_f64(&da), &fd_a, 1e-2, "dA");
@@ -521,12 +500,12 @@ mod tests {
             let r = pseudo_random(rows * d_out, seed ^ 3);
             let loss = |x: &[f32], w: &[f32], bias: &[f32]| {
                 let mut y = vec![0.0f32; rows * d_out];
-                linear(x, w, Some(bias), &mut y, d_in, d_out);
+                linear(x, w, Some(bias), &mut y, d_in, d_out).unwrap();
                 y.iter().zip(&r).map(|(&y, &r)| y as f64 * r as f64).sum::<f64>()
             };
             let (mut dx, mut dw, mut db) =
                 (vec![0.0f32; x.len()], vec![0.0f32; w.len()], vec![0.0f32; d_out]);
-            linear_backward(&x, &w, &r, Some(&mut dx), Some(&mut dw), Some(&mut db), d_in, d_out);
+            linear_backward(&x, &w, &r, Some(&mut dx), Some(&mut dw), Some(&mut db), d_in, d_out).unwrap();
             assert_close(&to_f64(&dx), &finite_diff(&x, |x| loss(x, &w, &bias)), 1e-2, "dx");
             assert_close(&to_f64(&dw), &finite_diff(&w, |w| loss(&x, w, &bias)), 1e-2, "dw");
             assert_close(&to_f64(&db), &finite_diff(&bias, |b| loss(&x, &w, b)), 1e-2, "dbias");
@@ -552,7 +531,7 @@ mod tests {
             }
         }
         let mut y = vec![T::default(); rows * d_out];
-        linear(&x, &w, Some(&bias), &mut y, d_in, d_out);
+        linear(&x, &w, Some(&bias), &mut y, d_in, d_out).unwrap();
         assert_close(&to_f64(&y), &want, tol, "y");
     }
 
@@ -592,7 +571,7 @@ mod tests {
     fn matmul_with_zero_beta_ignores_nan_in_c() {
         let spec = MatmulSpec::new(2, 2, 1);
         let mut c = [f32::NAN; 4];
-        matmul(&spec, &[1.0, 2.0], &[3.0, 4.0], &mut c);
+        matmul(&spec, &[1.0, 2.0], &[3.0, 4.0], &mut c).unwrap();
         assert_eq!(c, [3.0, 4.0, 6.0, 8.0]);
     }
 
@@ -604,7 +583,7 @@ mod tests {
         let mut c = vec![0.0f32; m * n];
         let spec = MatmulSpec::new(m, n, k);
         assert!(m * n * k >= PARALLEL_MIN_FLOPS);
-        matmul(&spec, &a, &b, &mut c);
+        matmul(&spec, &a, &b, &mut c).unwrap();
         let mut want = vec![0.0f64; m * n];
         reference(&spec, &to_f64(&a), &to_f64(&b), &mut want);
         assert_close(&to_f64(&c), &want, 0.0, "C");

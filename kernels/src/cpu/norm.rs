@@ -4,8 +4,10 @@
 //! are `[d]` with `d = gamma.len()`; the saved statistics `mean` and `rstd` are `[n]` in f32.
 //! The variance is the biased one (divide by `d`), as in PyTorch.
 
+use super::check_len;
 use crate::Element;
 use crate::cpu::elementwise::PAR_THRESHOLD;
+use crate::error::{Error, Result};
 use rayon::prelude::*;
 
 /// Normalizes one row; returns `(mean, rstd)`.
@@ -32,6 +34,10 @@ fn forward_row<T: Element>(x: &[T], gamma: &[T], beta: &[T], eps: f32, y: &mut [
 /// Layer norm forward: `y = (x - mean) * rstd * gamma + beta` per row, with
 /// `rstd = 1 / sqrt(var + eps)`. Writes `y` and the per-row `mean` and `rstd` that
 /// [`layer_norm_backward`] needs.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for `d == 0` or lengths that do not fit the layout.
 pub fn layer_norm<T: Element>(
     x: &[T],
     gamma: &[T],
@@ -40,15 +46,14 @@ pub fn layer_norm<T: Element>(
     y: &mut [T],
     mean: &mut [f32],
     rstd: &mut [f32],
-) {
+) -> Result<()> {
+    const OP: &str = "cpu::layer_norm";
     let d = gamma.len();
-    debug_assert_eq!(beta.len(), d);
-    debug_assert_eq!(x.len(), y.len());
-    debug_assert_eq!(mean.len(), rstd.len());
-    debug_assert_eq!(x.len(), mean.len() * d);
-    if d == 0 {
-        return;
-    }
+    let rows = check_rows(OP, x.len(), d)?;
+    check_len(OP, "beta", beta.len(), d)?;
+    check_len(OP, "y", y.len(), x.len())?;
+    check_len(OP, "mean", mean.len(), rows)?;
+    check_len(OP, "rstd", rstd.len(), rows)?;
     let row = |y: &mut [T], x: &[T], m: &mut f32, r: &mut f32| {
         (*m, *r) = forward_row(x, gamma, beta, eps, y);
     };
@@ -63,6 +68,18 @@ pub fn layer_norm<T: Element>(
             .zip(mean.iter_mut().zip(rstd.iter_mut()))
             .for_each(|((y, x), (m, r))| row(y, x, m, r));
     }
+    Ok(())
+}
+
+/// Checks `d > 0` and that `x` is whole rows of `d`; returns the rows.
+fn check_rows(op: &'static str, x: usize, d: usize) -> Result<usize> {
+    if d == 0 {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: "cannot normalize rows of 0 elements".into(),
+        });
+    }
+    super::rows_of(op, "x", x, d)
 }
 
 /// `dx` for one row: `rstd * (g - mean(g) - xhat * mean(g * xhat))` with `g = dy * gamma`.
@@ -86,6 +103,10 @@ fn backward_row<T: Element>(x: &[T], gamma: &[T], dy: &[T], mean: f32, rstd: f32
 /// Layer norm backward from the forward input `x`, `gamma`, the saved `mean`/`rstd` and the
 /// upstream `dy`. Overwrites `dx` (`[n, d]`), `dgamma = sum_rows(dy * xhat)` and
 /// `dbeta = sum_rows(dy)` (both `[d]`, accumulated in f32).
+///
+/// # Errors
+///
+/// As [`layer_norm`].
 #[allow(clippy::too_many_arguments)]
 pub fn layer_norm_backward<T: Element>(
     x: &[T],
@@ -96,17 +117,16 @@ pub fn layer_norm_backward<T: Element>(
     dx: &mut [T],
     dgamma: &mut [T],
     dbeta: &mut [T],
-) {
+) -> Result<()> {
+    const OP: &str = "cpu::layer_norm_backward";
     let d = gamma.len();
-    debug_assert_eq!(dgamma.len(), d);
-    debug_assert_eq!(dbeta.len(), d);
-    debug_assert_eq!(x.len(), dy.len());
-    debug_assert_eq!(x.len(), dx.len());
-    debug_assert_eq!(x.len(), mean.len() * d);
-    debug_assert_eq!(mean.len(), rstd.len());
-    if d == 0 {
-        return;
-    }
+    let rows = check_rows(OP, x.len(), d)?;
+    check_len(OP, "dgamma", dgamma.len(), d)?;
+    check_len(OP, "dbeta", dbeta.len(), d)?;
+    check_len(OP, "dy", dy.len(), x.len())?;
+    check_len(OP, "dx", dx.len(), x.len())?;
+    check_len(OP, "mean", mean.len(), rows)?;
+    check_len(OP, "rstd", rstd.len(), rows)?;
     if x.len() >= PAR_THRESHOLD {
         dx.par_chunks_mut(d)
             .zip(x.par_chunks(d).zip(dy.par_chunks(d)))
@@ -133,6 +153,7 @@ pub fn layer_norm_backward<T: Element>(
     for (o, v) in dbeta.iter_mut().zip(db) {
         *o = T::from_f32(v);
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -152,7 +173,7 @@ mod tests {
         let n = x.len() / d;
         let mut y = vec![T::default(); x.len()];
         let (mut mean, mut rstd) = (vec![0.0f32; n], vec![0.0f32; n]);
-        layer_norm(&x, &g, &b, EPS, &mut y, &mut mean, &mut rstd);
+        layer_norm(&x, &g, &b, EPS, &mut y, &mut mean, &mut rstd).unwrap();
         let mut want = Vec::with_capacity(x.len());
         let (mut want_mean, mut want_rstd) = (Vec::new(), Vec::new());
         for row in wx.chunks(d) {
@@ -201,15 +222,15 @@ mod tests {
             let loss = |x: &[f32], g: &[f32], b: &[f32]| {
                 let mut y = vec![0.0f32; x.len()];
                 let (mut m, mut s) = (vec![0.0f32; n], vec![0.0f32; n]);
-                layer_norm(x, g, b, EPS, &mut y, &mut m, &mut s);
+                layer_norm(x, g, b, EPS, &mut y, &mut m, &mut s).unwrap();
                 y.iter().zip(&r).map(|(&y, &r)| f64::from(y) * f64::from(r)).sum::<f64>()
             };
             let mut y = vec![0.0f32; x.len()];
             let (mut m, mut s) = (vec![0.0f32; n], vec![0.0f32; n]);
-            layer_norm(&x, &g, &b, EPS, &mut y, &mut m, &mut s);
+            layer_norm(&x, &g, &b, EPS, &mut y, &mut m, &mut s).unwrap();
             let mut dx = vec![0.0f32; x.len()];
             let (mut dg, mut db) = (vec![0.0f32; d], vec![0.0f32; d]);
-            layer_norm_backward(&x, &g, &m, &s, &r, &mut dx, &mut dg, &mut db);
+            layer_norm_backward(&x, &g, &m, &s, &r, &mut dx, &mut dg, &mut db).unwrap();
             check_grad(|x| loss(x, &g, &b), &x, &dx, 5e-3, 1e-2)?;
             check_grad(|g| loss(&x, g, &b), &g, &dg, 1e-2, 1e-2)?;
             check_grad(|b| loss(&x, &g, b), &b, &db, 1e-2, 1e-2)?;

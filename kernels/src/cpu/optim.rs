@@ -5,39 +5,12 @@
 //! length and any element type. Each update is one pass over its tensor and follows
 //! PyTorch's `torch.optim` formulas (single-tensor path, `maximize=False`).
 
+use super::check_len;
 use crate::Element;
 use crate::cpu::elementwise::{PAR_CHUNK, PAR_THRESHOLD};
+use crate::error::{Error, Result};
+use crate::ops::{AdamWConfig, SgdConfig};
 use rayon::prelude::*;
-
-/// Hyper-parameters of SGD with momentum (`torch.optim.SGD`).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SgdConfig {
-    /// Learning rate.
-    pub lr: f32,
-    /// Momentum factor; 0 disables the momentum buffer.
-    pub momentum: f32,
-    /// Dampening of the gradient in the momentum update.
-    pub dampening: f32,
-    /// L2 penalty, added to the gradient as `weight_decay * param`.
-    pub weight_decay: f32,
-    /// Nesterov momentum (needs `momentum > 0` and `dampening == 0`, as in PyTorch).
-    pub nesterov: bool,
-}
-
-/// Hyper-parameters of AdamW (`torch.optim.AdamW`, `amsgrad=False`).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AdamWConfig {
-    /// Learning rate.
-    pub lr: f32,
-    /// Decay rate of the first-moment estimate.
-    pub beta1: f32,
-    /// Decay rate of the second-moment estimate.
-    pub beta2: f32,
-    /// Added to the bias-corrected `sqrt(v)` for numerical stability.
-    pub eps: f32,
-    /// Decoupled weight decay: `param -= lr * weight_decay * param` before the Adam step.
-    pub weight_decay: f32,
-}
 
 /// Runs `f` over aligned elements of the f32 state slices and the gradient, in parallel
 /// chunks for large tensors.
@@ -69,14 +42,24 @@ where
 /// `first_step` says it is not yet initialized, in which case it becomes the gradient
 /// itself (PyTorch's `buf = g.clone()`). With `momentum == 0` the buffer is unused and may be
 /// empty.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for an invalid `cfg` ([`SgdConfig::validate`]) or lengths that
+/// differ; nothing is updated then.
 pub fn sgd_step<T: Element>(
     params: &mut [f32],
     grads: &[T],
     momentum_buf: &mut [f32],
     first_step: bool,
     cfg: &SgdConfig,
-) {
-    debug_assert_eq!(params.len(), grads.len());
+) -> Result<()> {
+    const OP: &str = "cpu::sgd_step";
+    cfg.validate()?;
+    check_len(OP, "grads", grads.len(), params.len())?;
+    if cfg.momentum != 0.0 {
+        check_len(OP, "the momentum buffer", momentum_buf.len(), params.len())?;
+    }
     let SgdConfig { lr, momentum, dampening, weight_decay, nesterov } = *cfg;
     if momentum == 0.0 {
         let run = |p: &mut [f32], g: &[T]| {
@@ -93,9 +76,8 @@ pub fn sgd_step<T: Element>(
         } else {
             run(params, grads);
         }
-        return;
+        return Ok(());
     }
-    debug_assert_eq!(momentum_buf.len(), params.len());
     let run = |p: &mut [f32], b: &mut [f32], g: &[T]| {
         for ((p, b), g) in p.iter_mut().zip(b).zip(g) {
             let d = g.to_f32() + weight_decay * *p;
@@ -113,11 +95,17 @@ pub fn sgd_step<T: Element>(
     } else {
         run(params, momentum_buf, grads);
     }
+    Ok(())
 }
 
 /// One AdamW step: `step` is the 1-based step count `t` (after incrementing) used for bias
 /// correction; `exp_avg` (m) and `exp_avg_sq` (v) are the moment buffers, zero before the
 /// first step.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for an invalid `cfg` ([`AdamWConfig::validate`]), `step == 0`
+/// or lengths that differ; nothing is updated then.
 pub fn adamw_step<T: Element>(
     params: &mut [f32],
     grads: &[T],
@@ -125,11 +113,18 @@ pub fn adamw_step<T: Element>(
     exp_avg_sq: &mut [f32],
     step: u32,
     cfg: &AdamWConfig,
-) {
-    debug_assert_eq!(params.len(), grads.len());
-    debug_assert_eq!(params.len(), exp_avg.len());
-    debug_assert_eq!(params.len(), exp_avg_sq.len());
-    debug_assert!(step >= 1, "AdamW step count is 1-based");
+) -> Result<()> {
+    const OP: &str = "cpu::adamw_step";
+    cfg.validate()?;
+    if step == 0 {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            reason: "the step count is 1-based; the first step is 1".into(),
+        });
+    }
+    check_len(OP, "grads", grads.len(), params.len())?;
+    check_len(OP, "exp_avg", exp_avg.len(), params.len())?;
+    check_len(OP, "exp_avg_sq", exp_avg_sq.len(), params.len())?;
     let AdamWConfig { lr, beta1, beta2, eps, weight_decay } = *cfg;
     let t = step as i32;
     let bias1 = 1.0 - beta1.powi(t);
@@ -143,6 +138,7 @@ pub fn adamw_step<T: Element>(
         let denom = v.sqrt() / bias2_sqrt + eps;
         *p -= step_size * *m / denom;
     });
+    Ok(())
 }
 
 /// Multiplies one tensor by `inv_scale` in place; returns whether any stored result is
@@ -243,7 +239,7 @@ mod tests {
         let mut want_buf = None;
         for (step, g) in grads.iter().enumerate() {
             let g = round::<T>(g);
-            sgd_step(&mut p, &g, &mut buf, step == 0, cfg);
+            sgd_step(&mut p, &g, &mut buf, step == 0, cfg).unwrap();
             sgd_ref(&mut want, &widen(&g), &mut want_buf, cfg);
         }
         check_close(&f64s(&p), &want, 1e-5)
@@ -261,7 +257,7 @@ mod tests {
         let (mut wm, mut wv) = (vec![0.0f64; n], vec![0.0f64; n]);
         for (step, g) in grads.iter().enumerate() {
             let g = round::<T>(g);
-            adamw_step(&mut p, &g, &mut m, &mut v, step as u32 + 1, cfg);
+            adamw_step(&mut p, &g, &mut m, &mut v, step as u32 + 1, cfg).unwrap();
             adamw_ref(&mut want, &widen(&g), &mut wm, &mut wv, step as i32 + 1, cfg);
         }
         check_close(&f64s(&p), &want, 1e-5)?;

@@ -5,115 +5,64 @@
 //! `(oh, ow) = params.output_hw()`. Every backward overwrites its `dx`.
 
 use super::matmul::{widen, with_f32_out};
+use super::{check_len, rows_of};
 use crate::dtype::Element;
+use crate::error::Result;
+use crate::ops::Pool2dParams;
 use rayon::prelude::*;
 use std::ops::Range;
 
-/// The geometry of a 2-D pooling window (see the module doc for the layouts).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Pool2dParams {
-    /// Images in the batch.
-    pub batch: usize,
-    /// Channels (pooled independently).
-    pub channels: usize,
-    /// Input height.
-    pub h: usize,
-    /// Input width.
-    pub w: usize,
-    /// Window (height, width).
-    pub kernel: (usize, usize),
-    /// Step between windows, (vertical, horizontal).
-    pub stride: (usize, usize),
-    /// Implicit padding on each side; at most half the window, so every window holds at
-    /// least one real element.
-    pub padding: (usize, usize),
+/// The input rows and columns under window `(oy, ox)`, padding excluded.
+fn window(p: &Pool2dParams, oy: usize, ox: usize) -> (Range<usize>, Range<usize>) {
+    let span = |o: usize, s: usize, pad: usize, k: usize, len: usize| {
+        let start = (o * s) as isize - pad as isize;
+        start.max(0) as usize..((start + k as isize).max(0) as usize).min(len)
+    };
+    let (k, s, pad) = (p.kernel(), p.stride(), p.padding());
+    (span(oy, s.0, pad.0, k.0, p.h()), span(ox, s.1, pad.1, k.1, p.w()))
 }
 
-impl Pool2dParams {
-    /// A window of `kernel` moved by `stride`, without padding.
-    pub fn new(
-        batch: usize,
-        channels: usize,
-        (h, w): (usize, usize),
-        kernel: (usize, usize),
-        stride: (usize, usize),
-    ) -> Self {
-        Self { batch, channels, h, w, kernel, stride, padding: (0, 0) }
-    }
-
-    /// Sets the padding.
-    pub fn padding(mut self, padding: (usize, usize)) -> Self {
-        self.padding = padding;
-        self
-    }
-
-    /// Output (height, width): `(in + 2 * pad - k) / stride + 1`, or 0 when the window does
-    /// not fit in the padded input.
-    pub fn output_hw(&self) -> (usize, usize) {
-        let out = |len: usize, k: usize, s: usize, p: usize| {
-            (len + 2 * p).checked_sub(k).map_or(0, |r| r / s + 1)
-        };
-        (
-            out(self.h, self.kernel.0, self.stride.0, self.padding.0),
-            out(self.w, self.kernel.1, self.stride.1, self.padding.1),
-        )
-    }
-
-    /// Elements of `x`.
-    pub fn input_len(&self) -> usize {
-        self.batch * self.channels * self.h * self.w
-    }
-
-    /// Elements of `y`.
-    pub fn output_len(&self) -> usize {
-        let (oh, ow) = self.output_hw();
-        self.batch * self.channels * oh * ow
-    }
-
-    /// The input rows and columns under window `(oy, ox)`, padding excluded.
-    fn window(&self, oy: usize, ox: usize) -> (Range<usize>, Range<usize>) {
-        let span = |o: usize, s: usize, p: usize, k: usize, len: usize| {
-            let start = (o * s) as isize - p as isize;
-            start.max(0) as usize..((start + k as isize).max(0) as usize).min(len)
-        };
-        (
-            span(oy, self.stride.0, self.padding.0, self.kernel.0, self.h),
-            span(ox, self.stride.1, self.padding.1, self.kernel.1, self.w),
-        )
-    }
-
-    fn debug_check(&self, x: usize, y: usize) {
-        debug_assert!(self.stride.0 > 0 && self.stride.1 > 0);
-        debug_assert!(2 * self.padding.0 <= self.kernel.0 && 2 * self.padding.1 <= self.kernel.1);
-        debug_assert_eq!(x, self.input_len(), "pool: x length");
-        debug_assert_eq!(y, self.output_len(), "pool: y length");
-    }
+/// Checks the lengths of `x` and `y` (and of an argmax of `y`'s length) against `p`.
+fn check(op: &'static str, p: &Pool2dParams, x: usize, y: usize) -> Result<()> {
+    check_len(op, "x", x, p.input_len())?;
+    check_len(op, "y", y, p.output_len())
 }
 
 /// Max pool: `y` gets each window's maximum and `argmax` (same layout as `y`) its position
 /// inside the input plane, `iy * w + ix`. NaN wins over every number, so it propagates.
-pub fn max_pool2d<T: Element>(p: &Pool2dParams, x: &[T], y: &mut [T], argmax: &mut [u32]) {
-    p.debug_check(x.len(), y.len());
-    debug_assert_eq!(argmax.len(), y.len());
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if a length does not fit `p`.
+pub fn max_pool2d<T: Element>(
+    p: &Pool2dParams,
+    x: &[T],
+    y: &mut [T],
+    argmax: &mut [u32],
+) -> Result<()> {
+    const OP: &str = "cpu::max_pool2d";
+    check(OP, p, x.len(), y.len())?;
+    check_len(OP, "argmax", argmax.len(), y.len())?;
     let (oh, ow) = p.output_hw();
-    if oh * ow == 0 {
-        return;
+    if y.is_empty() {
+        return Ok(());
     }
     let x = widen(x);
     with_f32_out(y, |y| {
         y.par_chunks_mut(oh * ow)
             .zip(argmax.par_chunks_mut(oh * ow))
-            .zip(x.par_chunks(p.h * p.w))
+            .zip(x.par_chunks(p.h() * p.w()))
             .for_each(|((y, arg), x)| {
                 for oy in 0..oh {
                     for ox in 0..ow {
-                        let (rows, cols) = p.window(oy, ox);
-                        let (mut best, mut at) = (f32::NEG_INFINITY, rows.start * p.w + cols.start);
+                        let (rows, cols) = window(p, oy, ox);
+                        let (mut best, mut at) =
+                            (f32::NEG_INFINITY, rows.start * p.w() + cols.start);
                         for iy in rows {
                             for ix in cols.clone() {
-                                let v = x[iy * p.w + ix];
+                                let v = x[iy * p.w() + ix];
                                 if v > best || (v.is_nan() && !best.is_nan()) {
-                                    (best, at) = (v, iy * p.w + ix);
+                                    (best, at) = (v, iy * p.w() + ix);
                                 }
                             }
                         }
@@ -123,13 +72,30 @@ pub fn max_pool2d<T: Element>(p: &Pool2dParams, x: &[T], y: &mut [T], argmax: &m
                 }
             });
     });
+    Ok(())
 }
 
 /// Gradient of [`max_pool2d`]: each `dy` element goes to the input position its window
 /// took the maximum from (`argmax` as returned by the forward).
-pub fn max_pool2d_backward<T: Element>(p: &Pool2dParams, dy: &[T], argmax: &[u32], dx: &mut [T]) {
-    p.debug_check(dx.len(), dy.len());
-    debug_assert_eq!(argmax.len(), dy.len());
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if a length does not fit `p`;
+/// [`Error::IndexOutOfRange`](crate::Error::IndexOutOfRange) for an argmax outside the
+/// input plane. Nothing is written then.
+pub fn max_pool2d_backward<T: Element>(
+    p: &Pool2dParams,
+    dy: &[T],
+    argmax: &[u32],
+    dx: &mut [T],
+) -> Result<()> {
+    const OP: &str = "cpu::max_pool2d_backward";
+    check(OP, p, dx.len(), dy.len())?;
+    check_len(OP, "argmax", argmax.len(), dy.len())?;
+    let plane = p.h() * p.w();
+    if let Some(&bad) = argmax.iter().find(|&&i| i as usize >= plane) {
+        return Err(crate::Error::IndexOutOfRange { op: OP, index: bad as usize, bound: plane });
+    }
     let (oh, ow) = p.output_hw();
     let dy = widen(dy);
     with_f32_out(dx, |dx| {
@@ -137,7 +103,7 @@ pub fn max_pool2d_backward<T: Element>(p: &Pool2dParams, dy: &[T], argmax: &[u32
         if oh * ow == 0 {
             return;
         }
-        dx.par_chunks_mut(p.h * p.w)
+        dx.par_chunks_mut(p.h() * p.w())
             .zip(dy.par_chunks(oh * ow))
             .zip(argmax.par_chunks(oh * ow))
             .for_each(|((dx, dy), arg)| {
@@ -146,51 +112,66 @@ pub fn max_pool2d_backward<T: Element>(p: &Pool2dParams, dy: &[T], argmax: &[u32
                 }
             });
     });
+    Ok(())
 }
 
 /// The divisor of window `(oy, ox)`: the full window when padding counts, else the number
 /// of real elements under it.
 fn divisor(p: &Pool2dParams, oy: usize, ox: usize, count_include_pad: bool) -> f32 {
     if count_include_pad {
-        (p.kernel.0 * p.kernel.1) as f32
+        (p.kernel().0 * p.kernel().1) as f32
     } else {
-        let (rows, cols) = p.window(oy, ox);
+        let (rows, cols) = window(p, oy, ox);
         (rows.len() * cols.len()) as f32
     }
 }
 
 /// Average pool: `y` gets each window's mean. Padding counts as zeros in the divisor when
 /// `count_include_pad` (PyTorch's default), otherwise only real elements are averaged.
-pub fn avg_pool2d<T: Element>(p: &Pool2dParams, x: &[T], y: &mut [T], count_include_pad: bool) {
-    p.debug_check(x.len(), y.len());
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if a length does not fit `p`.
+pub fn avg_pool2d<T: Element>(
+    p: &Pool2dParams,
+    x: &[T],
+    y: &mut [T],
+    count_include_pad: bool,
+) -> Result<()> {
+    check("cpu::avg_pool2d", p, x.len(), y.len())?;
     let (oh, ow) = p.output_hw();
-    if oh * ow == 0 {
-        return;
+    if y.is_empty() {
+        return Ok(());
     }
     let x = widen(x);
     with_f32_out(y, |y| {
-        y.par_chunks_mut(oh * ow).zip(x.par_chunks(p.h * p.w)).for_each(|(y, x)| {
+        y.par_chunks_mut(oh * ow).zip(x.par_chunks(p.h() * p.w())).for_each(|(y, x)| {
             for oy in 0..oh {
                 for ox in 0..ow {
-                    let (rows, cols) = p.window(oy, ox);
+                    let (rows, cols) = window(p, oy, ox);
                     let sum: f32 =
-                        rows.map(|iy| x[iy * p.w..][cols.clone()].iter().sum::<f32>()).sum();
+                        rows.map(|iy| x[iy * p.w()..][cols.clone()].iter().sum::<f32>()).sum();
                     y[oy * ow + ox] = sum / divisor(p, oy, ox, count_include_pad);
                 }
             }
         });
     });
+    Ok(())
 }
 
 /// Gradient of [`avg_pool2d`] (same `count_include_pad`): each `dy` element is spread
 /// evenly over its window.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if a length does not fit `p`.
 pub fn avg_pool2d_backward<T: Element>(
     p: &Pool2dParams,
     dy: &[T],
     dx: &mut [T],
     count_include_pad: bool,
-) {
-    p.debug_check(dx.len(), dy.len());
+) -> Result<()> {
+    check("cpu::avg_pool2d_backward", p, dx.len(), dy.len())?;
     let (oh, ow) = p.output_hw();
     let dy = widen(dy);
     with_f32_out(dx, |dx| {
@@ -198,41 +179,59 @@ pub fn avg_pool2d_backward<T: Element>(
         if oh * ow == 0 {
             return;
         }
-        dx.par_chunks_mut(p.h * p.w).zip(dy.par_chunks(oh * ow)).for_each(|(dx, dy)| {
+        dx.par_chunks_mut(p.h() * p.w()).zip(dy.par_chunks(oh * ow)).for_each(|(dx, dy)| {
             for oy in 0..oh {
                 for ox in 0..ow {
-                    let (rows, cols) = p.window(oy, ox);
+                    let (rows, cols) = window(p, oy, ox);
                     let g = dy[oy * ow + ox] / divisor(p, oy, ox, count_include_pad);
                     for iy in rows {
-                        dx[iy * p.w..][cols.clone()].iter_mut().for_each(|d| *d += g);
+                        dx[iy * p.w()..][cols.clone()].iter_mut().for_each(|d| *d += g);
                     }
                 }
             }
         });
     });
+    Ok(())
 }
 
 /// Global average pool: `x: [planes, hw]` (planes = batch * channels) to `y: [planes]`,
 /// the mean of each plane.
-pub fn global_avg_pool<T: Element>(x: &[T], y: &mut [T], hw: usize) {
-    debug_assert_eq!(x.len(), y.len() * hw);
-    if hw == 0 {
-        return;
-    }
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if a length does not fit, or for `hw == 0`.
+pub fn global_avg_pool<T: Element>(x: &[T], y: &mut [T], hw: usize) -> Result<()> {
+    let planes = plane_rows("cpu::global_avg_pool", x.len(), hw)?;
+    check_len("cpu::global_avg_pool", "y", y.len(), planes)?;
     y.par_iter_mut().zip(x.par_chunks(hw)).for_each(|(y, x)| {
         *y = T::from_f32(x.iter().map(|v| v.to_f32()).sum::<f32>() / hw as f32);
     });
+    Ok(())
+}
+
+/// The planes of a `[planes, hw]` buffer of `len` elements; `hw` must be positive.
+fn plane_rows(op: &'static str, len: usize, hw: usize) -> Result<usize> {
+    if hw == 0 {
+        return Err(crate::Error::InvalidArgument {
+            op,
+            reason: "cannot average an empty plane".into(),
+        });
+    }
+    rows_of(op, "x", len, hw)
 }
 
 /// Gradient of [`global_avg_pool`]: `dx[plane, i] = dy[plane] / hw`.
-pub fn global_avg_pool_backward<T: Element>(dy: &[T], dx: &mut [T], hw: usize) {
-    debug_assert_eq!(dx.len(), dy.len() * hw);
-    if hw == 0 {
-        return;
-    }
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if a length does not fit, or for `hw == 0`.
+pub fn global_avg_pool_backward<T: Element>(dy: &[T], dx: &mut [T], hw: usize) -> Result<()> {
+    let planes = plane_rows("cpu::global_avg_pool_backward", dx.len(), hw)?;
+    check_len("cpu::global_avg_pool_backward", "dy", dy.len(), planes)?;
     dx.par_chunks_mut(hw).zip(dy.par_iter()).for_each(|(dx, g)| {
         dx.fill(T::from_f32(g.to_f32() / hw as f32));
     });
+    Ok(())
 }
 
 #[cfg(test)]
@@ -241,6 +240,7 @@ mod tests {
     use crate::cpu::elementwise::testing::{
         assert_close, finite_diff_sum as finite_diff, round as cast, widen as to_f64,
     };
+    use crate::ops::Pool2dOptions;
     use half::{bf16, f16};
     use proptest::prelude::*;
 
@@ -249,19 +249,19 @@ mod tests {
     fn reference(p: &Pool2dParams, x: &[f64], max: bool, include_pad: bool) -> Vec<f64> {
         let (oh, ow) = p.output_hw();
         let mut y = Vec::with_capacity(p.output_len());
-        for plane in 0..p.batch * p.channels {
+        for plane in 0..p.batch() * p.channels() {
             for oy in 0..oh {
                 for ox in 0..ow {
                     let (mut best, mut sum, mut count) = (f64::NEG_INFINITY, 0.0, 0usize);
-                    for ky in 0..p.kernel.0 {
-                        for kx in 0..p.kernel.1 {
-                            let iy = (oy * p.stride.0 + ky) as isize - p.padding.0 as isize;
-                            let ix = (ox * p.stride.1 + kx) as isize - p.padding.1 as isize;
-                            if iy < 0 || ix < 0 || iy >= p.h as isize || ix >= p.w as isize {
+                    for ky in 0..p.kernel().0 {
+                        for kx in 0..p.kernel().1 {
+                            let iy = (oy * p.stride().0 + ky) as isize - p.padding().0 as isize;
+                            let ix = (ox * p.stride().1 + kx) as isize - p.padding().1 as isize;
+                            if iy < 0 || ix < 0 || iy >= p.h() as isize || ix >= p.w() as isize {
                                 count += include_pad as usize;
                                 continue;
                             }
-                            let v = x[(plane * p.h + iy as usize) * p.w + ix as usize];
+                            let v = x[(plane * p.h() + iy as usize) * p.w() + ix as usize];
                             best = best.max(v);
                             sum += v;
                             count += 1;
@@ -281,8 +281,9 @@ mod tests {
             (0..=1usize, 0..=1usize),
         )
             .prop_map(|((n, c, h, w), (kh, kw, sh, sw), (ph, pw))| {
-                Pool2dParams::new(n, c, (h, w), (kh, kw), (sh, sw))
-                    .padding((ph.min(kh / 2), pw.min(kw / 2)))
+                let opts = Pool2dOptions::new((kh, kw), (sh, sw))
+                    .padding((ph.min(kh / 2), pw.min(kw / 2)));
+                Pool2dParams::new(&[n, c, h, w], &opts).unwrap()
             })
             .prop_filter("empty output", |p| p.output_len() > 0)
     }
@@ -306,19 +307,23 @@ mod tests {
     fn check_forward<T: Element>(p: &Pool2dParams, x: &[f32], tol: f64) {
         let x = cast::<T>(x);
         let (mut y, mut arg) = (vec![T::default(); p.output_len()], vec![0u32; p.output_len()]);
-        max_pool2d(p, &x, &mut y, &mut arg);
+        max_pool2d(p, &x, &mut y, &mut arg).unwrap();
         assert_close(&to_f64(&y), &reference(p, &to_f64(&x), true, false), tol, "max");
         for (plane, (y, arg)) in y
-            .chunks(y.len() / (p.batch * p.channels))
-            .zip(arg.chunks(arg.len() / (p.batch * p.channels)))
+            .chunks(y.len() / (p.batch() * p.channels()))
+            .zip(arg.chunks(arg.len() / (p.batch() * p.channels())))
             .enumerate()
         {
             for (v, &i) in y.iter().zip(arg) {
-                assert_eq!(*v, x[plane * p.h * p.w + i as usize], "argmax points at the maximum");
+                assert_eq!(
+                    *v,
+                    x[plane * p.h() * p.w() + i as usize],
+                    "argmax points at the maximum"
+                );
             }
         }
         for include_pad in [false, true] {
-            avg_pool2d(p, &x, &mut y, include_pad);
+            avg_pool2d(p, &x, &mut y, include_pad).unwrap();
             assert_close(&to_f64(&y), &reference(p, &to_f64(&x), false, include_pad), tol, "avg");
         }
     }
@@ -340,11 +345,11 @@ mod tests {
         #[test]
         fn max_pool_backward_matches_finite_differences((p, x, r) in case()) {
             let mut arg = vec![0u32; p.output_len()];
-            let fd = finite_diff(&x, &r, |x, y| max_pool2d(&p, x, y, &mut arg.clone()));
+            let fd = finite_diff(&x, &r, |x, y| max_pool2d(&p, x, y, &mut arg.clone()).unwrap());
             let mut y = vec![0.0f32; p.output_len()];
-            max_pool2d(&p, &x, &mut y, &mut arg);
+            max_pool2d(&p, &x, &mut y, &mut arg).unwrap();
             let mut dx = vec![f32::NAN; x.len()];
-            max_pool2d_backward(&p, &r, &arg, &mut dx);
+            max_pool2d_backward(&p, &r, &arg, &mut dx).unwrap();
             assert_close(&to_f64(&dx), &fd, 1e-2, "dx");
         }
 
@@ -352,9 +357,9 @@ mod tests {
         // sum(y * r), with and without padding in the divisor.
         #[test]
         fn avg_pool_backward_matches_finite_differences((p, x, r) in case(), include_pad in any::<bool>()) {
-            let fd = finite_diff(&x, &r, |x, y| avg_pool2d(&p, x, y, include_pad));
+            let fd = finite_diff(&x, &r, |x, y| avg_pool2d(&p, x, y, include_pad).unwrap());
             let mut dx = vec![f32::NAN; x.len()];
-            avg_pool2d_backward(&p, &r, &mut dx, include_pad);
+            avg_pool2d_backward(&p, &r, &mut dx, include_pad).unwrap();
             assert_close(&to_f64(&dx), &fd, 1e-2, "dx");
         }
 
@@ -368,26 +373,26 @@ mod tests {
             let x = &seed[..planes * hw];
             let r = &seed[120..120 + planes];
             let mut y = vec![0.0f32; planes];
-            global_avg_pool(x, &mut y, hw);
+            global_avg_pool(x, &mut y, hw).unwrap();
             let want: Vec<f64> = x.chunks(hw).map(|c| c.iter().map(|&v| v as f64).sum::<f64>() / hw as f64).collect();
             assert_close(&to_f64(&y), &want, 1e-5, "y");
             let mut yb = vec![bf16::ZERO; planes];
             let xb = cast::<bf16>(x);
-            global_avg_pool(&xb, &mut yb, hw);
+            global_avg_pool(&xb, &mut yb, hw).unwrap();
             let want: Vec<f64> = xb.chunks(hw).map(|c| c.iter().map(|v| v.to_f64()).sum::<f64>() / hw as f64).collect();
             assert_close(&to_f64(&yb), &want, 1e-2, "y bf16");
-            let fd = finite_diff(x, r, |x, y| global_avg_pool(x, y, hw));
+            let fd = finite_diff(x, r, |x, y| global_avg_pool(x, y, hw).unwrap());
             let mut dx = vec![f32::NAN; x.len()];
-            global_avg_pool_backward(r, &mut dx, hw);
+            global_avg_pool_backward(r, &mut dx, hw).unwrap();
             assert_close(&to_f64(&dx), &fd, 1e-2, "dx");
         }
     }
 
     #[test]
     fn max_pool_propagates_nan() {
-        let p = Pool2dParams::new(1, 1, (2, 2), (2, 2), (2, 2));
+        let p = Pool2dParams::new(&[1, 1, 2, 2], &Pool2dOptions::new((2, 2), (2, 2))).unwrap();
         let (mut y, mut arg) = ([0.0f32], [0u32]);
-        max_pool2d(&p, &[1.0, f32::NAN, 3.0, 2.0], &mut y, &mut arg);
+        max_pool2d(&p, &[1.0, f32::NAN, 3.0, 2.0], &mut y, &mut arg).unwrap();
         assert!(y[0].is_nan());
         assert_eq!(arg[0], 1);
     }

@@ -8,8 +8,10 @@
 //! kernels: element `index` uses word `index % 4` of
 //! `philox4x32_10([lo(index / 4), hi(index / 4), 0, 0], [lo(seed), hi(seed)])`.
 
+use super::check_len;
 use crate::Element;
 use crate::cpu::elementwise::{PAR_CHUNK, PAR_THRESHOLD};
+use crate::error::{Error, Result};
 use rayon::prelude::*;
 
 /// Philox multipliers and Weyl key increments (Random123, curand).
@@ -86,9 +88,16 @@ pub fn dropout_mask(mask: &mut [bool], p: f32, seed: u64, offset: u64) {
 }
 
 /// `out[i] = keep(offset + i) ? inp[i] / (1 - p) : 0`, in parallel chunks for large inputs.
-fn apply_mask<T: Element>(inp: &[T], out: &mut [T], p: f32, seed: u64, offset: u64) {
-    debug_assert_eq!(inp.len(), out.len());
-    debug_assert!((0.0..1.0).contains(&p), "dropout probability {p} not in [0, 1)");
+fn apply_mask<T: Element>(
+    op: &'static str,
+    inp: &[T],
+    out: &mut [T],
+    p: f32,
+    seed: u64,
+    offset: u64,
+) -> Result<()> {
+    check_probability(op, p)?;
+    check_len(op, "the output", out.len(), inp.len())?;
     let scale = 1.0 / (1.0 - p);
     let run = |inp: &[T], out: &mut [T], start: u64| {
         for_each_uniform(seed, start, out.len(), |i, u| {
@@ -103,20 +112,44 @@ fn apply_mask<T: Element>(inp: &[T], out: &mut [T], p: f32, seed: u64, offset: u
     } else {
         run(inp, out, offset);
     }
+    Ok(())
+}
+
+/// Checks that `p` is a drop probability: `0 <= p < 1`.
+pub(crate) fn check_probability(op: &'static str, p: f32) -> Result<()> {
+    if (0.0..1.0).contains(&p) {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument { op, reason: format!("drop probability {p} is not in [0, 1)") })
+    }
 }
 
 /// Dropout forward: element `i` is kept iff [`dropout_keep`]`(seed, offset + i, p)`, and
 /// kept values are scaled by `1 / (1 - p)`. `p` must be in `[0, 1)`; `p == 0` is the
 /// identity. The mask depends only on `(seed, offset + i)`, so callers give each dropout
 /// call a disjoint index range (advance `offset` by the element count).
-pub fn dropout<T: Element>(x: &[T], y: &mut [T], p: f32, seed: u64, offset: u64) {
-    apply_mask(x, y, p, seed, offset);
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] unless `0 <= p < 1` and the lengths agree.
+pub fn dropout<T: Element>(x: &[T], y: &mut [T], p: f32, seed: u64, offset: u64) -> Result<()> {
+    apply_mask("cpu::dropout", x, y, p, seed, offset)
 }
 
 /// Dropout backward: `dx = dy` masked and scaled exactly as the forward with the same
 /// `(p, seed, offset)` masked and scaled `x`; the mask is recomputed, not stored.
-pub fn dropout_backward<T: Element>(dy: &[T], dx: &mut [T], p: f32, seed: u64, offset: u64) {
-    apply_mask(dy, dx, p, seed, offset);
+///
+/// # Errors
+///
+/// As [`dropout`].
+pub fn dropout_backward<T: Element>(
+    dy: &[T],
+    dx: &mut [T],
+    p: f32,
+    seed: u64,
+    offset: u64,
+) -> Result<()> {
+    apply_mask("cpu::dropout_backward", dy, dx, p, seed, offset)
 }
 
 #[cfg(test)]
@@ -178,7 +211,7 @@ mod tests {
     fn dropout_with_zero_probability_is_the_identity() {
         let x: Vec<bf16> = (0..100).map(|i| bf16::from_f32(i as f32 - 50.5)).collect();
         let mut y = vec![bf16::ZERO; x.len()];
-        dropout(&x, &mut y, 0.0, 9, 77);
+        dropout(&x, &mut y, 0.0, 9, 77).unwrap();
         assert_eq!(x, y);
     }
 
@@ -187,7 +220,7 @@ mod tests {
         let n = PAR_THRESHOLD + 5;
         let x = vec![1.0f32; n];
         let mut y = vec![0.0f32; n];
-        dropout(&x, &mut y, 0.25, 42, 3);
+        dropout(&x, &mut y, 0.25, 42, 3).unwrap();
         assert!(
             y.iter().enumerate().all(|(i, &v)| (v != 0.0) == dropout_keep(42, 3 + i as u64, 0.25))
         );
@@ -210,8 +243,8 @@ mod tests {
             let n = x.len();
             let mut y1 = vec![0.0f32; n];
             let mut y2 = vec![0.0f32; n];
-            dropout(&x, &mut y1, p, seed, offset);
-            dropout(&x, &mut y2, p, seed, offset);
+            dropout(&x, &mut y1, p, seed, offset).unwrap();
+            dropout(&x, &mut y2, p, seed, offset).unwrap();
             prop_assert_eq!(&y1, &y2);
             let mut mask = vec![false; n + shift];
             dropout_mask(&mut mask, p, seed, offset);
@@ -219,7 +252,7 @@ mod tests {
             dropout_mask(&mut shifted, p, seed, offset.wrapping_add(shift as u64));
             prop_assert_eq!(&mask[shift..], &shifted[..]);
             let mut dx = vec![0.0f32; n];
-            dropout_backward(&x, &mut dx, p, seed, offset);
+            dropout_backward(&x, &mut dx, p, seed, offset).unwrap();
             prop_assert_eq!(&dx, &y1);
             for i in 0..n {
                 let want = if mask[i] { x[i] / (1.0 - p) } else { 0.0 };

@@ -6,6 +6,7 @@
 
 use crate::Element;
 use crate::cpu::elementwise::{PAR_CHUNK, PAR_THRESHOLD};
+use crate::error::{Error, Result};
 use rayon::prelude::*;
 
 /// Block length below which summation is a plain (8-lane) loop.
@@ -49,16 +50,20 @@ pub fn mean<T: Element>(x: &[T]) -> f32 {
 }
 
 /// Applies `f(row_sum)` to every row of `x` (`[n, d]`, `d = x.len() / out.len()`).
-fn reduce_rows<T: Element>(x: &[T], out: &mut [T], f: impl Fn(f32) -> f32 + Sync) {
+fn reduce_rows<T: Element>(
+    op: &'static str,
+    x: &[T],
+    out: &mut [T],
+    f: impl Fn(f32) -> f32 + Sync,
+) -> Result<()> {
     let n = out.len();
+    let d = row_len(op, x.len(), n)?;
     if n == 0 {
-        return;
+        return Ok(());
     }
-    debug_assert!(x.len().is_multiple_of(n));
-    let d = x.len() / n;
     if d == 0 {
         out.fill(T::from_f32(f(0.0)));
-        return;
+        return Ok(());
     }
     if x.len() >= PAR_THRESHOLD {
         out.par_iter_mut()
@@ -69,18 +74,40 @@ fn reduce_rows<T: Element>(x: &[T], out: &mut [T], f: impl Fn(f32) -> f32 + Sync
             *o = T::from_f32(f(pairwise(row)));
         }
     }
+    Ok(())
+}
+
+/// The row length `d` of `[n, d]` holding `len` elements; an error unless `len` is a
+/// multiple of `n` (for `n == 0`, unless `len == 0`).
+fn row_len(op: &'static str, len: usize, n: usize) -> Result<usize> {
+    match len.checked_div(n) {
+        Some(d) if len.is_multiple_of(n) => Ok(d),
+        None if len == 0 => Ok(0),
+        _ => Err(Error::InvalidArgument {
+            op,
+            reason: format!("{len} elements are not {n} rows of equal length"),
+        }),
+    }
 }
 
 /// Row sums: `out[i] = sum_j x[i, j]`, `x` row-major `[n, d]`, `n = out.len()`.
-pub fn sum_last_dim<T: Element>(x: &[T], out: &mut [T]) {
-    reduce_rows(x, out, |s| s);
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] unless `x` is `out.len()` rows of equal length.
+pub fn sum_last_dim<T: Element>(x: &[T], out: &mut [T]) -> Result<()> {
+    reduce_rows("cpu::sum_last_dim", x, out, |s| s)
 }
 
 /// Row means: `out[i] = sum_j x[i, j] / d`, `x` row-major `[n, d]`, `n = out.len()`.
-pub fn mean_last_dim<T: Element>(x: &[T], out: &mut [T]) {
-    let d = if out.is_empty() { 0 } else { x.len() / out.len() };
+///
+/// # Errors
+///
+/// As [`sum_last_dim`].
+pub fn mean_last_dim<T: Element>(x: &[T], out: &mut [T]) -> Result<()> {
+    let d = x.len().checked_div(out.len()).unwrap_or(0);
     let inv = 1.0 / d as f32;
-    reduce_rows(x, out, |s| s * inv);
+    reduce_rows("cpu::mean_last_dim", x, out, |s| s * inv)
 }
 
 /// Backward of [`sum`]: every `dx[i] = dy` (overwrites `dx`).
@@ -96,12 +123,7 @@ pub fn mean_backward<T: Element>(dy: f32, dx: &mut [T]) {
 
 /// Broadcasts `dy[i] * factor` over row `i` of `dx` (`[n, d]`, `n = dy.len()`).
 fn broadcast_rows<T: Element>(dy: &[T], factor: f32, dx: &mut [T]) {
-    let n = dy.len();
-    if n == 0 {
-        return;
-    }
-    debug_assert!(dx.len().is_multiple_of(n));
-    let d = dx.len() / n;
+    let d = dx.len().checked_div(dy.len()).unwrap_or(0);
     if d == 0 {
         return;
     }
@@ -111,18 +133,26 @@ fn broadcast_rows<T: Element>(dy: &[T], factor: f32, dx: &mut [T]) {
 }
 
 /// Backward of [`sum_last_dim`]: `dx[i, j] = dy[i]`, `dx` row-major `[n, d]`, `n = dy.len()`.
-pub fn sum_last_dim_backward<T: Element>(dy: &[T], dx: &mut [T]) {
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] unless `dx` is `dy.len()` rows of equal length.
+pub fn sum_last_dim_backward<T: Element>(dy: &[T], dx: &mut [T]) -> Result<()> {
+    row_len("cpu::sum_last_dim_backward", dx.len(), dy.len())?;
     broadcast_rows(dy, 1.0, dx);
+    Ok(())
 }
 
 /// Backward of [`mean_last_dim`]: `dx[i, j] = dy[i] / d`, `dx` row-major `[n, d]`,
 /// `n = dy.len()`.
-pub fn mean_last_dim_backward<T: Element>(dy: &[T], dx: &mut [T]) {
-    if dy.is_empty() {
-        return;
-    }
-    let d = dx.len() / dy.len();
+///
+/// # Errors
+///
+/// As [`sum_last_dim_backward`].
+pub fn mean_last_dim_backward<T: Element>(dy: &[T], dx: &mut [T]) -> Result<()> {
+    let d = row_len("cpu::mean_last_dim_backward", dx.len(), dy.len())?;
     broadcast_rows(dy, 1.0 / d as f32, dx);
+    Ok(())
 }
 
 #[cfg(test)]
@@ -172,9 +202,9 @@ mod tests {
         let row_mags: Vec<f64> =
             (0..n).map(|i| wx[i * d..(i + 1) * d].iter().map(|v| v.abs()).sum()).collect();
         let mut out = vec![T::default(); n];
-        sum_last_dim(&x, &mut out);
+        sum_last_dim(&x, &mut out).unwrap();
         check_reduction(&widen(&out), &row_sums, &row_mags, d, tol::<T>())?;
-        mean_last_dim(&x, &mut out);
+        mean_last_dim(&x, &mut out).unwrap();
         let row_means: Vec<f64> = row_sums.iter().map(|s| s / d as f64).collect();
         let mean_mags: Vec<f64> = row_mags.iter().map(|s| s / d as f64).collect();
         check_reduction(&widen(&out), &row_means, &mean_mags, d, tol::<T>())
@@ -206,17 +236,17 @@ mod tests {
                 .prop_flat_map(|(n, d)| (values(n * d), values(n), Just(n)))
         ) {
             let mut dx = vec![0.0f32; x.len()];
-            sum_last_dim_backward(&r, &mut dx);
+            sum_last_dim_backward(&r, &mut dx).unwrap();
             let loss = |x: &[f32]| {
                 let mut y = vec![0.0f32; n];
-                sum_last_dim(x, &mut y);
+                sum_last_dim(x, &mut y).unwrap();
                 weighted(&y, &r)
             };
             check_grad(loss, &x, &dx, 1e-2, 1e-2)?;
-            mean_last_dim_backward(&r, &mut dx);
+            mean_last_dim_backward(&r, &mut dx).unwrap();
             let loss = |x: &[f32]| {
                 let mut y = vec![0.0f32; n];
-                mean_last_dim(x, &mut y);
+                mean_last_dim(x, &mut y).unwrap();
                 weighted(&y, &r)
             };
             check_grad(loss, &x, &dx, 1e-2, 1e-2)?;

@@ -3,7 +3,9 @@
 //! not overflow; a row whose entries are all `-inf` has no defined softmax and gives NaN.
 
 use super::matmul::{widen, with_f32_out};
+use super::{check_len, rows_of};
 use crate::dtype::Element;
+use crate::error::Result;
 use rayon::prelude::*;
 
 /// Rows per rayon task are chosen so that a task touches at least this many elements.
@@ -11,35 +13,75 @@ const MIN_TASK_ELEMENTS: usize = 1 << 14;
 
 /// Row softmax: `x` and `y` are `[rows, cols]` row-major,
 /// `y[r, j] = exp(x[r, j] - max_r) / sum_j exp(x[r, j] - max_r)`.
-pub fn softmax<T: Element>(x: &[T], y: &mut [T], cols: usize) {
-    debug_assert_eq!(x.len(), y.len());
-    debug_assert!(cols > 0 && x.len().is_multiple_of(cols));
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if the lengths differ or are
+/// not whole rows.
+pub fn softmax<T: Element>(x: &[T], y: &mut [T], cols: usize) -> Result<()> {
+    check("cpu::softmax", x.len(), y.len(), None, cols)?;
     rowwise(x, y, cols, |_| cols, softmax_row);
+    Ok(())
+}
+
+/// Checks `x`, `y` (and `dy`) of one length, whole rows of `cols`.
+fn check(op: &'static str, x: usize, y: usize, dy: Option<usize>, cols: usize) -> Result<()> {
+    check_len(op, "the output", y, x)?;
+    if let Some(dy) = dy {
+        check_len(op, "dy", dy, x)?;
+    }
+    rows_of(op, "the input", x, cols).map(|_| ())
 }
 
 /// Gradient of [`softmax`] from its output `y` and `dy` (all `[rows, cols]`):
 /// `dx[r, j] = y[r, j] * (dy[r, j] - sum_k dy[r, k] * y[r, k])`. Overwrites `dx`.
-pub fn softmax_backward<T: Element>(y: &[T], dy: &[T], dx: &mut [T], cols: usize) {
-    debug_assert!(y.len() == dy.len() && y.len() == dx.len());
-    debug_assert!(cols > 0 && y.len().is_multiple_of(cols));
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if the lengths differ or are
+/// not whole rows.
+pub fn softmax_backward<T: Element>(y: &[T], dy: &[T], dx: &mut [T], cols: usize) -> Result<()> {
+    check("cpu::softmax_backward", y.len(), dx.len(), Some(dy.len()), cols)?;
     rowwise_backward(y, dy, dx, cols, |_| cols);
+    Ok(())
 }
 
 /// Causal softmax for attention scores `x: [batch * heads, seq, seq]`: row `i` of each
 /// matrix is a softmax over keys `j <= i`, and `y[.., i, j] = 0` for `j > i` (the mask is
 /// implied, `x` there is never read).
-pub fn causal_softmax<T: Element>(x: &[T], y: &mut [T], seq: usize) {
-    debug_assert_eq!(x.len(), y.len());
-    debug_assert!(seq > 0 && x.len().is_multiple_of(seq * seq));
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if the lengths differ or are
+/// not whole rows.
+pub fn causal_softmax<T: Element>(x: &[T], y: &mut [T], seq: usize) -> Result<()> {
+    check("cpu::causal_softmax", x.len(), y.len(), None, seq.saturating_mul(seq))?;
     rowwise(x, y, seq, |row| row % seq + 1, softmax_row);
+    Ok(())
 }
 
 /// Gradient of [`causal_softmax`] from its output `y` and `dy` (all `[batch * heads, seq,
 /// seq]`): the softmax gradient over `j <= i`, zero for `j > i`. Overwrites `dx`.
-pub fn causal_softmax_backward<T: Element>(y: &[T], dy: &[T], dx: &mut [T], seq: usize) {
-    debug_assert!(y.len() == dy.len() && y.len() == dx.len());
-    debug_assert!(seq > 0 && y.len().is_multiple_of(seq * seq));
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if the lengths differ or are
+/// not whole rows.
+pub fn causal_softmax_backward<T: Element>(
+    y: &[T],
+    dy: &[T],
+    dx: &mut [T],
+    seq: usize,
+) -> Result<()> {
+    check(
+        "cpu::causal_softmax_backward",
+        y.len(),
+        dx.len(),
+        Some(dy.len()),
+        seq.saturating_mul(seq),
+    )?;
     rowwise_backward(y, dy, dx, seq, |row| row % seq + 1);
+    Ok(())
 }
 
 /// Runs `f(x_row, y_row)` on every row, with the row cut to its first `valid(row)` entries
@@ -51,6 +93,9 @@ fn rowwise<T: Element>(
     valid: impl Fn(usize) -> usize + Sync,
     f: fn(&[f32], &mut [f32]),
 ) {
+    if y.is_empty() {
+        return;
+    }
     let x = widen(x);
     with_f32_out(y, |y| {
         y.par_chunks_mut(cols)
@@ -83,6 +128,9 @@ fn rowwise_backward<T: Element>(
     cols: usize,
     valid: impl Fn(usize) -> usize + Sync,
 ) {
+    if dx.is_empty() {
+        return;
+    }
     let (y, dy) = (widen(y), widen(dy));
     with_f32_out(dx, |dx| {
         dx.par_chunks_mut(cols)
@@ -126,10 +174,10 @@ mod tests {
         let x: Vec<T> = x.iter().map(|&v| T::from_f32(v)).collect();
         let mut y = vec![T::default(); x.len()];
         let want = if causal {
-            causal_softmax(&x, &mut y, cols);
+            causal_softmax(&x, &mut y, cols).unwrap();
             reference(&to_f64(&x), cols, |r| r % cols + 1)
         } else {
-            softmax(&x, &mut y, cols);
+            softmax(&x, &mut y, cols).unwrap();
             reference(&to_f64(&x), cols, |_| cols)
         };
         assert_close(&to_f64(&y), &want, tol, "y");
@@ -169,11 +217,11 @@ mod tests {
         // Property: softmax_backward equals central finite differences of sum(y * r).
         #[test]
         fn softmax_backward_matches_finite_differences((cols, x, r) in case(false)) {
-            let fd = finite_diff(&x, &r, |x, y| softmax(x, y, cols));
+            let fd = finite_diff(&x, &r, |x, y| softmax(x, y, cols).unwrap());
             let mut y = vec![0.0f32; x.len()];
-            softmax(&x, &mut y, cols);
+            softmax(&x, &mut y, cols).unwrap();
             let mut dx = vec![f32::NAN; x.len()];
-            softmax_backward(&y, &r, &mut dx, cols);
+            softmax_backward(&y, &r, &mut dx, cols).unwrap();
             assert_close(&to_f64(&dx), &fd, 1e-2, "dx");
         }
 
@@ -181,11 +229,11 @@ mod tests {
         // sum(y * r); in particular the masked scores get a zero gradient.
         #[test]
         fn causal_softmax_backward_matches_finite_differences((seq, x, r) in case(true)) {
-            let fd = finite_diff(&x, &r, |x, y| causal_softmax(x, y, seq));
+            let fd = finite_diff(&x, &r, |x, y| causal_softmax(x, y, seq).unwrap());
             let mut y = vec![0.0f32; x.len()];
-            causal_softmax(&x, &mut y, seq);
+            causal_softmax(&x, &mut y, seq).unwrap();
             let mut dx = vec![f32::NAN; x.len()];
-            causal_softmax_backward(&y, &r, &mut dx, seq);
+            causal_softmax_backward(&y, &r, &mut dx, seq).unwrap();
             assert_close(&to_f64(&dx), &fd, 1e-2, "dx");
         }
     }
@@ -193,14 +241,14 @@ mod tests {
     #[test]
     fn softmax_of_huge_logits_does_not_overflow() {
         let mut y = [0.0f32; 3];
-        softmax(&[1000.0f32, 1000.0, f32::NEG_INFINITY], &mut y, 3);
+        softmax(&[1000.0f32, 1000.0, f32::NEG_INFINITY], &mut y, 3).unwrap();
         assert_eq!(y, [0.5, 0.5, 0.0]);
     }
 
     #[test]
     fn causal_softmax_ignores_masked_scores_even_when_nan() {
         let mut y = [1.0f32; 4];
-        causal_softmax(&[0.0f32, f32::NAN, 2.0, 2.0], &mut y, 2);
+        causal_softmax(&[0.0f32, f32::NAN, 2.0, 2.0], &mut y, 2).unwrap();
         assert_eq!(y, [1.0, 0.0, 0.5, 0.5]);
     }
 }

@@ -2,9 +2,9 @@
 //! bf16 on tensor cores, every type accumulated in f32 (`CUBLAS_COMPUTE_32F`, which for f32
 //! operands is plain FP32, not TF32).
 
-use crate::cpu::matmul::MatmulSpec;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::ops::MatmulSpec;
 use cudarc::cublas::{result, sys};
 use std::ffi::c_void;
 
@@ -13,6 +13,8 @@ use std::ffi::c_void;
 #[derive(Debug)]
 pub(crate) struct Blas {
     handle: sys::cublasHandle_t,
+    /// The workspace last given to the handle, `(address, bytes)`.
+    workspace: Option<(u64, usize)>,
 }
 
 // SAFETY: a cuBLAS handle may be used from any thread as long as calls on it do not overlap;
@@ -42,7 +44,25 @@ impl Blas {
     /// A handle for the current context. The caller has bound the device's context.
     pub(crate) fn new() -> Result<Blas> {
         let handle = result::create_handle().map_err(blas_error("cublasCreate"))?;
-        Ok(Blas { handle })
+        Ok(Blas { handle, workspace: None })
+    }
+
+    /// Gives the handle `workspace` (`(address, bytes)` from the device's caching
+    /// allocator, as PyTorch does) unless it has it already. The caller has bound the
+    /// context.
+    pub(crate) fn set_workspace(&mut self, workspace: Option<(u64, usize)>) -> Result<()> {
+        if self.workspace == workspace {
+            return Ok(());
+        }
+        let (ptr, bytes) = workspace.unwrap_or((0, 0));
+        // SAFETY: the handle is live; the workspace is a device allocation of `bytes` bytes
+        // that the device keeps until it replaces it, and then it passes the new one here
+        // before the next product.
+        unsafe { sys::cublasSetWorkspace_v2(self.handle, ptr as *mut c_void, bytes) }
+            .result()
+            .map_err(blas_error("cublasSetWorkspace"))?;
+        self.workspace = workspace;
+        Ok(())
     }
 
     /// `C = alpha * op(A) * op(B) + beta * C` for every batch of `spec` (row-major, the

@@ -1,5 +1,7 @@
 //! Launch configurations and kernel arguments.
 
+use super::registry::{Instance, Param};
+use crate::error::{Error, Result};
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 /// Threads per block of every kernel (a multiple of the warp size, which the block
@@ -110,8 +112,54 @@ pub(crate) enum Arg {
 }
 
 impl Arg {
+    /// The registry parameter type this argument passes.
+    pub(crate) fn param(&self) -> Param {
+        match self {
+            Arg::Ptr(_) => Param::Ptr,
+            Arg::U64(_) => Param::U64,
+            Arg::I64(_) => Param::I64,
+            Arg::U32(_) => Param::U32,
+            Arg::F32(_) => Param::F32,
+            Arg::Conv(_) => Param::Conv,
+            Arg::Pool(_) => Param::Pool,
+        }
+    }
+
     /// An element count or size.
     pub(crate) fn count(n: usize) -> Arg {
         Arg::U64(n as u64)
+    }
+}
+
+/// Checks that `args` match `kernel`'s registered parameters in number and type.
+pub(crate) fn check_args(kernel: Instance, args: &[Arg]) -> Result<()> {
+    let params = kernel.kernel.params;
+    if args.len() == params.len() && args.iter().zip(params).all(|(a, &p)| a.param() == p) {
+        return Ok(());
+    }
+    Err(Error::Device {
+        op: "kernel launch",
+        reason: format!(
+            "{}: arguments {args:?} do not match the parameters {params:?}",
+            kernel.name
+        ),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::registry::{AXPY, FILL};
+    use crate::dtype::DType;
+
+    #[test]
+    fn arguments_that_do_not_match_the_registry_are_refused() {
+        let fill = FILL.of(DType::BF16);
+        assert_eq!(fill.name, "fill_bf16");
+        check_args(fill, &[Arg::Ptr(0), Arg::F32(1.0), Arg::count(4)]).unwrap();
+        let swapped = check_args(fill, &[Arg::F32(1.0), Arg::Ptr(0), Arg::count(4)]);
+        assert!(swapped.unwrap_err().to_string().contains("fill_bf16"));
+        assert!(check_args(fill, &[Arg::Ptr(0), Arg::F32(1.0)]).is_err(), "one too few");
+        assert_eq!(AXPY.of_pair(DType::F32, DType::F16).name, "axpy_f32_f16");
     }
 }

@@ -12,17 +12,20 @@
 //! conversions instead.
 
 mod blas;
+pub(crate) mod helpers;
 pub(crate) mod launch;
-pub(crate) mod ops;
-mod registry;
+mod loader;
+#[cfg(test)]
+mod nvrtc_check;
+pub(crate) mod registry;
 
 pub(crate) use launch::Arg;
-pub(crate) use registry::{CONV, ELEMENTWISE, MISC, POOL, REDUCE, SOFTMAX};
 
 use crate::error::{Error, Result};
 use blas::Blas;
 use cudarc::driver::{CudaContext, CudaStream, DriverError, LaunchConfig, PushKernelArg, result};
-use registry::{Module, Registry};
+use loader::Loader;
+use registry::Instance;
 use std::sync::{Arc, Mutex};
 use vram_alloc::cuda::{CudaMemory, probe};
 use vram_alloc::{Allocation, AllocatorConfig, CachingAllocator};
@@ -38,13 +41,14 @@ pub(crate) fn driver_error(op: &'static str) -> impl Fn(DriverError) -> Error {
 /// reference they were made in.
 pub(crate) struct CudaBackend {
     blas: Mutex<Blas>,
-    kernels: Registry,
+    kernels: Loader,
     alloc: CachingAllocator<CudaMemory>,
     stream: Arc<CudaStream>,
     /// A non-blocking stream for host-to-device copies that overlap compute, made on first use.
     transfer: std::sync::OnceLock<Arc<CudaStream>>,
     ctx: Arc<CudaContext>,
     ordinal: usize,
+    compute_capability: (u32, u32),
     name: String,
 }
 
@@ -93,16 +97,22 @@ impl CudaBackend {
         let blas = Blas::new()?;
         let backend = CudaBackend {
             blas: Mutex::new(blas),
-            kernels: Registry::new(major, minor),
+            kernels: Loader::new(major, minor),
             alloc,
             stream,
             transfer: std::sync::OnceLock::new(),
             ctx,
             ordinal,
+            compute_capability: (major as u32, minor as u32),
             name: format!("cuda:{ordinal} ({}, sm_{major}{minor})", info.name),
         };
-        backend.kernels.module(&backend.ctx, &ELEMENTWISE)?;
+        backend.kernels.module(&backend.ctx, &registry::ELEMENTWISE)?;
         Ok(backend)
+    }
+
+    /// The compute capability, `(major, minor)`.
+    pub(crate) fn compute_capability(&self) -> (u32, u32) {
+        self.compute_capability
     }
 
     /// The allocator holding this device's tensors.
@@ -245,27 +255,27 @@ impl CudaBackend {
             .map_err(driver_error("cuMemsetD8Async"))
     }
 
-    /// Launches kernel `name` of `module` with `args` on the device's stream. A grid with
-    /// no blocks launches nothing.
+    /// Launches `kernel` with `args` on the device's stream. A grid with no blocks launches
+    /// nothing. Arguments that do not match the kernel's registered parameters in number and
+    /// type are refused before anything is launched.
     ///
     /// # Safety
     ///
-    /// `args` must match the kernel's parameters in number, order and type, and every
-    /// pointer among them must be a live allocation of this device holding every element
-    /// the kernel addresses with these arguments (and, for outputs, not aliasing inputs
-    /// unless the kernel works in place).
+    /// Every pointer among `args` must be a live allocation of this device holding every
+    /// element the kernel addresses with these arguments (and, for outputs, not aliasing
+    /// inputs unless the kernel works in place).
     pub(crate) unsafe fn launch(
         &self,
-        module: &'static Module,
-        name: &str,
+        kernel: Instance,
         cfg: LaunchConfig,
         args: &[Arg],
     ) -> Result<()> {
+        launch::check_args(kernel, args)?;
         let (x, y, z) = cfg.grid_dim;
         if x == 0 || y == 0 || z == 0 {
             return Ok(());
         }
-        let func = self.kernels.function(&self.ctx, module, name)?;
+        let func = self.kernels.function(&self.ctx, kernel)?;
         let mut builder = self.stream.launch_builder(&func);
         for arg in args {
             match arg {
@@ -277,11 +287,29 @@ impl CudaBackend {
                 Arg::Pool(v) => builder.arg(v),
             };
         }
-        // SAFETY: the arguments match the kernel (this function's contract) and live in
-        // `args`, which outlives the launch call that reads them.
-        unsafe { builder.launch(cfg) }
-            .map_err(|e| Error::Device { op: "kernel launch", reason: format!("{name}: {e:?}") })?;
+        // SAFETY: the arguments match the kernel's parameters (checked above against the
+        // registry, which the NVRTC test checks against the compiled PTX) and live in `args`,
+        // which outlives the launch call that reads them; the pointers are the caller's
+        // contract.
+        unsafe { builder.launch(cfg) }.map_err(|e| Error::Device {
+            op: "kernel launch",
+            reason: format!("{}: {e:?}", kernel.name),
+        })?;
         Ok(())
+    }
+}
+
+/// What an op's CUDA code runs with: the device and the cuBLAS workspace the op layer
+/// allocated for it.
+pub(crate) struct Gpu<'a> {
+    cu: &'a CudaBackend,
+    blas_workspace: Option<(u64, usize)>,
+}
+
+impl<'a> Gpu<'a> {
+    /// The device `cu` with the cuBLAS workspace `blas_workspace` (`(address, bytes)`).
+    pub(crate) fn new(cu: &'a CudaBackend, blas_workspace: Option<(u64, usize)>) -> Gpu<'a> {
+        Gpu { cu, blas_workspace }
     }
 
     /// `C = alpha * op(A) * op(B) + beta * C` through cuBLAS (see [`blas::Blas::gemm`]);
@@ -295,7 +323,7 @@ impl CudaBackend {
     /// must not overlap, and C must not alias A or B.
     pub(crate) unsafe fn gemm(
         &self,
-        spec: &crate::cpu::matmul::MatmulSpec,
+        spec: &crate::ops::MatmulSpec,
         a: u64,
         b: u64,
         c: u64,
@@ -315,8 +343,17 @@ impl CudaBackend {
             }
             return Ok(());
         }
-        self.bind()?;
-        let blas = self.blas.lock().unwrap_or_else(|e| e.into_inner());
+        self.cu.bind()?;
+        let mut blas = self.cu.blas.lock().unwrap_or_else(|e| e.into_inner());
+        blas.set_workspace(self.blas_workspace)?;
         blas.gemm(s, a, b, c, ab, c_type)
+    }
+}
+
+impl std::ops::Deref for Gpu<'_> {
+    type Target = CudaBackend;
+
+    fn deref(&self) -> &CudaBackend {
+        self.cu
     }
 }

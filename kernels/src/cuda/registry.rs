@@ -1,21 +1,26 @@
-//! The kernel registry: `.cu` sources compiled with NVRTC on first use, once per device, and
-//! their functions cached by name (the shape of candle's `get_or_load_func`).
+//! The typed kernel registry: every `.cu` module and every kernel the Rust side launches,
+//! with its parameter list, in one const table.
+//!
+//! The launch code ([`super::CudaBackend::launch`]) refuses arguments that do not match the
+//! entry's parameters, and the NVRTC test (`nvrtc_check.rs`) compiles every module and
+//! checks each entry's name and parameters against the PTX: together they cover what
+//! actually runs. A kernel exists once per storage type (`relu_f32`, `relu_f16`,
+//! `relu_bf16`), once per pair of storage types (`cast_f16_bf16`), or once (`sum_final`);
+//! its names are `&'static str`s built at compile time, so a launch looks one up without
+//! formatting a string.
 
-use super::driver_error;
-use crate::error::{Error, Result};
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
-use cudarc::nvrtc::{CompileError, CompileOptions, compile_ptx_with_opts};
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use crate::dtype::DType;
 
 /// Helpers every module uses (type conversions, block reductions), prepended to each source.
-const COMMON: &str = include_str!("kernels/common.cuh");
+pub(crate) const COMMON: &str = include_str!("kernels/common.cuh");
 
 /// One `.cu` source: a unit of compilation.
 #[derive(Debug)]
 pub(crate) struct Module {
-    name: &'static str,
-    source: &'static str,
+    /// The file name without `.cu`.
+    pub(crate) name: &'static str,
+    /// The source, without [`COMMON`].
+    pub(crate) source: &'static str,
 }
 
 /// Fill, arithmetic, activations, casts, bias broadcast.
@@ -34,85 +39,207 @@ pub(crate) const POOL: Module = Module { name: "pool", source: include_str!("ker
 /// Embedding, dropout, optimizers, unscale.
 pub(crate) const MISC: Module = Module { name: "misc", source: include_str!("kernels/misc.cu") };
 
-/// Compiled modules and loaded functions of one device.
+/// Every module, in the order the NVRTC test compiles them.
+#[cfg(test)]
+pub(crate) const MODULES: [&Module; 6] = [&ELEMENTWISE, &REDUCE, &SOFTMAX, &CONV, &POOL, &MISC];
+
+/// A kernel parameter's type as the `.cu` source declares it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Param {
+    /// A device pointer (`T*`).
+    Ptr,
+    /// `u64`.
+    U64,
+    /// `i64`.
+    I64,
+    /// `u32`.
+    U32,
+    /// `float`.
+    F32,
+    /// `ConvGeom` by value (sixteen i64).
+    Conv,
+    /// `PoolGeom` by value (twelve i64).
+    Pool,
+}
+
+impl Param {
+    /// How PTX declares a parameter of this type: its `.param` type and, for a struct passed
+    /// by value, its size in bytes.
+    #[cfg(test)]
+    pub(crate) fn ptx(self) -> (&'static str, usize) {
+        match self {
+            Param::Ptr | Param::U64 | Param::I64 => ("u64", 8),
+            Param::U32 => ("u32", 4),
+            Param::F32 => ("f32", 4),
+            Param::Conv => ("b8", 16 * 8),
+            Param::Pool => ("b8", 12 * 8),
+        }
+    }
+}
+
+/// One kernel of a module, instantiated per dtype, per dtype pair, or once.
 #[derive(Debug)]
-pub(crate) struct Registry {
-    /// `--gpu-architecture=compute_XY` for the device's compute capability.
-    arch: String,
-    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
-    functions: Mutex<HashMap<String, CudaFunction>>,
+pub(crate) struct Kernel {
+    /// The module that defines it.
+    pub(crate) module: &'static Module,
+    /// Its instantiations: 3 (one per [`DType`], in [`DType::ALL`] order), 9 (pairs `(a, b)`
+    /// at `3 * a + b`) or 1.
+    pub(crate) names: &'static [&'static str],
+    /// Its parameters, in order.
+    pub(crate) params: &'static [Param],
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The maps are only ever inserted into; a panic elsewhere cannot leave them inconsistent.
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-impl Registry {
-    /// An empty registry for a device of compute capability `major.minor`.
-    pub(crate) fn new(major: i32, minor: i32) -> Registry {
-        Registry {
-            arch: format!("--gpu-architecture=compute_{major}{minor}"),
-            modules: Mutex::new(HashMap::new()),
-            functions: Mutex::new(HashMap::new()),
-        }
+impl Kernel {
+    /// The instantiation for `dtype` (the only one of a kernel declared `once`).
+    pub(crate) fn of(&'static self, dtype: DType) -> Instance {
+        let name = self.names.get(dtype.index()).copied().unwrap_or(self.names[0]);
+        Instance { kernel: self, name }
     }
 
-    /// The function `name` of `module`, compiling and loading the module on first use.
-    pub(crate) fn function(
-        &self,
-        ctx: &Arc<CudaContext>,
-        module: &'static Module,
-        name: &str,
-    ) -> Result<CudaFunction> {
-        let key = format!("{}::{name}", module.name);
-        if let Some(f) = lock(&self.functions).get(&key) {
-            return Ok(f.clone());
-        }
-        let loaded = self.module(ctx, module)?;
-        let f = loaded.load_function(name).map_err(|e| Error::Device {
-            op: "kernel lookup",
-            reason: format!("no kernel `{name}` in module `{}`: {e}", module.name),
-        })?;
-        lock(&self.functions).insert(key, f.clone());
-        Ok(f)
-    }
-
-    /// Compiles (NVRTC) and loads `module` once; later calls return the loaded module.
-    pub(crate) fn module(
-        &self,
-        ctx: &Arc<CudaContext>,
-        module: &'static Module,
-    ) -> Result<Arc<CudaModule>> {
-        let mut modules = lock(&self.modules);
-        if let Some(m) = modules.get(module.name) {
-            return Ok(Arc::clone(m));
-        }
-        let source = format!("{COMMON}\n{}", module.source);
-        // fmad off: products and sums round separately, as on the host, so elementwise
-        // results match the CPU reference bit for bit (these kernels are memory-bound; the
-        // matmuls go through cuBLAS).
-        let opts = CompileOptions {
-            fmad: Some(false),
-            options: vec![self.arch.clone()],
-            name: Some(format!("{}.cu", module.name)),
-            ..Default::default()
-        };
-        let ptx = compile_ptx_with_opts(source, opts).map_err(|e| compile_error(module, e))?;
-        let loaded = ctx.load_module(ptx).map_err(driver_error("cuModuleLoadData"))?;
-        modules.insert(module.name, Arc::clone(&loaded));
-        Ok(loaded)
+    /// The instantiation for the pair `(first, second)`.
+    pub(crate) fn of_pair(&'static self, first: DType, second: DType) -> Instance {
+        let i = 3 * first.index() + second.index();
+        Instance { kernel: self, name: self.names.get(i).copied().unwrap_or(self.names[0]) }
     }
 }
 
-fn compile_error(module: &Module, e: CompileError) -> Error {
-    let reason = match e {
-        CompileError::CompileError { nvrtc, options, log } => format!(
-            "NVRTC could not compile {}.cu ({nvrtc:?}, options {options:?}):\n{}",
-            module.name,
-            log.to_string_lossy()
-        ),
-        other => format!("NVRTC failed on {}.cu: {other:?}", module.name),
+/// One instantiation of a [`Kernel`]: what a launch names.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Instance {
+    /// The kernel (its module and parameters).
+    pub(crate) kernel: &'static Kernel,
+    /// The function's name in the module.
+    pub(crate) name: &'static str,
+}
+
+/// Declares kernels: `NAME = module "base" [instances] (params);` where instances is
+/// `dtypes` (`base_f32`, `base_f16`, `base_bf16`), `pairs` (`base_f32_f32`, ...) or `once`
+/// (`base`). Also collects them in `ALL`.
+macro_rules! kernels {
+    ($($(#[$doc:meta])* $id:ident = $module:ident $base:literal $inst:ident ($($p:ident),*);)*) => {
+        $(
+            $(#[$doc])*
+            pub(crate) const $id: Kernel = Kernel {
+                module: &$module,
+                names: &kernels!(@names $inst $base),
+                params: &[$(Param::$p),*],
+            };
+        )*
+        /// Every kernel the Rust side launches.
+        #[cfg(test)]
+        pub(crate) const ALL: &[&Kernel] = &[$(&$id),*];
     };
-    Error::Device { op: "nvrtc", reason }
+    (@names dtypes $b:literal) => {
+        [concat!($b, "_f32"), concat!($b, "_f16"), concat!($b, "_bf16")]
+    };
+    (@names pairs $b:literal) => {
+        [
+            concat!($b, "_f32_f32"), concat!($b, "_f32_f16"), concat!($b, "_f32_bf16"),
+            concat!($b, "_f16_f32"), concat!($b, "_f16_f16"), concat!($b, "_f16_bf16"),
+            concat!($b, "_bf16_f32"), concat!($b, "_bf16_f16"), concat!($b, "_bf16_bf16"),
+        ]
+    };
+    (@names once $b:literal) => {
+        [$b]
+    };
+}
+
+kernels! {
+    /// `fill(T* y, float v, u64 n)`.
+    FILL = ELEMENTWISE "fill" dtypes (Ptr, F32, U64);
+    /// `add(const T* a, const T* b, T* y, u64 n)`.
+    ADD = ELEMENTWISE "add" dtypes (Ptr, Ptr, Ptr, U64);
+    /// `mul(const T* a, const T* b, T* y, u64 n)`.
+    MUL = ELEMENTWISE "mul" dtypes (Ptr, Ptr, Ptr, U64);
+    /// `scale(const T* x, float alpha, T* y, u64 n)`.
+    SCALE = ELEMENTWISE "scale" dtypes (Ptr, F32, Ptr, U64);
+    /// `relu(const T* x, T* y, u64 n)`.
+    RELU = ELEMENTWISE "relu" dtypes (Ptr, Ptr, U64);
+    /// `relu_bwd(const T* x, const T* dy, T* dx, u64 n)`.
+    RELU_BWD = ELEMENTWISE "relu_bwd" dtypes (Ptr, Ptr, Ptr, U64);
+    /// `gelu(const T* x, T* y, u64 n)`.
+    GELU = ELEMENTWISE "gelu" dtypes (Ptr, Ptr, U64);
+    /// `gelu_bwd(const T* x, const T* dy, T* dx, u64 n)`.
+    GELU_BWD = ELEMENTWISE "gelu_bwd" dtypes (Ptr, Ptr, Ptr, U64);
+    /// `bias_add(const T* x, const T* b, T* y, u64 n, u64 d)`.
+    BIAS_ADD = ELEMENTWISE "bias_add" dtypes (Ptr, Ptr, Ptr, U64, U64);
+    /// `bias_fill(const T* b, T* y, u64 n, u64 d)`.
+    BIAS_FILL = ELEMENTWISE "bias_fill" dtypes (Ptr, Ptr, U64, U64);
+    /// `broadcast_rows(const T* dy, float f, T* dx, u64 n, u64 d)`.
+    BROADCAST_ROWS = ELEMENTWISE "broadcast_rows" dtypes (Ptr, F32, Ptr, U64, U64);
+    /// `cast_S_D(const S* x, D* y, u64 n)`.
+    CAST = ELEMENTWISE "cast" pairs (Ptr, Ptr, U64);
+    /// `add_assign_A_X(A* acc, const X* x, u64 n)`.
+    ADD_ASSIGN = ELEMENTWISE "add_assign" pairs (Ptr, Ptr, U64);
+    /// `axpy_Y_X(float alpha, const X* x, Y* y, u64 n)`.
+    AXPY = ELEMENTWISE "axpy" pairs (F32, Ptr, Ptr, U64);
+
+    /// `sum_partial(const T* x, u64 n, float* partial)`.
+    SUM_PARTIAL = REDUCE "sum_partial" dtypes (Ptr, U64, Ptr);
+    /// `sum_final(const float* partial, u32 count, float* out)`.
+    SUM_FINAL = REDUCE "sum_final" once (Ptr, U32, Ptr);
+    /// `row_sum(const T* x, T* y, u64 d, float scale)`.
+    ROW_SUM = REDUCE "row_sum" dtypes (Ptr, Ptr, U64, F32);
+    /// `row_sum_f32(const T* x, float* y, u64 d)`.
+    ROW_SUM_F32 = REDUCE "row_sum_f32" dtypes (Ptr, Ptr, U64);
+    /// `col_sum(const T* x, float* acc, u64 rows, u64 d, u64 chunk)`.
+    COL_SUM = REDUCE "col_sum" dtypes (Ptr, Ptr, U64, U64, U64);
+
+    /// `softmax(const T* x, T* y, u64 cols, u64 seq)`.
+    SOFTMAX_FWD = SOFTMAX "softmax" dtypes (Ptr, Ptr, U64, U64);
+    /// `softmax_bwd(const T* y, const T* dy, T* dx, u64 cols, u64 seq)`.
+    SOFTMAX_BWD = SOFTMAX "softmax_bwd" dtypes (Ptr, Ptr, Ptr, U64, U64);
+    /// `ce_fwd(const T* x, const u32* t, u64 c, u32 ignore, u32 has_ignore, float* lse,
+    /// float* loss)`.
+    CE_FWD = SOFTMAX "ce_fwd" dtypes (Ptr, Ptr, U64, U32, U32, Ptr, Ptr);
+    /// `ce_bwd(const T* x, const u32* t, const float* lse, float g, u64 c, u32 ignore,
+    /// u32 has_ignore, T* dx, u64 n)`.
+    CE_BWD = SOFTMAX "ce_bwd" dtypes (Ptr, Ptr, Ptr, F32, U64, U32, U32, Ptr, U64);
+    /// `layer_norm(const T* x, const T* g, const T* b, float eps, T* y, float* m, float* r,
+    /// u64 d)`.
+    LAYER_NORM = SOFTMAX "layer_norm" dtypes (Ptr, Ptr, Ptr, F32, Ptr, Ptr, Ptr, U64);
+    /// `layer_norm_bwd(const T* x, const T* g, const float* m, const float* r, const T* dy,
+    /// T* dx, u64 d)`.
+    LAYER_NORM_BWD = SOFTMAX "layer_norm_bwd" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64);
+    /// `layer_norm_params_bwd(const T* x, const float* m, const float* r, const T* dy,
+    /// float* dg, float* db, u64 rows, u64 d, u64 chunk)`.
+    LAYER_NORM_PARAMS_BWD =
+        SOFTMAX "layer_norm_params_bwd" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64);
+
+    /// `im2col(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i64 group)`.
+    IM2COL = CONV "im2col" dtypes (Ptr, Ptr, Conv, I64, I64, I64);
+    /// `col2im(const float* dcol, T* dx, ConvGeom g, i64 n0, i64 nimg, i64 group)`.
+    COL2IM = CONV "col2im" dtypes (Ptr, Ptr, Conv, I64, I64, I64);
+    /// `bias_planes(const T* b, T* y, u64 n, u64 c, u64 ohw)`.
+    BIAS_PLANES = CONV "bias_planes" dtypes (Ptr, Ptr, U64, U64, U64);
+    /// `dw_fwd(const T* x, const T* w, const T* b, u32 has_b, T* y, ConvGeom g)`.
+    DW_FWD = CONV "dw_fwd" dtypes (Ptr, Ptr, Ptr, U32, Ptr, Conv);
+    /// `dw_bwd_input(const T* w, const T* dy, T* dx, ConvGeom g)`.
+    DW_BWD_INPUT = CONV "dw_bwd_input" dtypes (Ptr, Ptr, Ptr, Conv);
+    /// `dw_bwd_weight(const T* x, const T* dy, T* dw, ConvGeom g)`.
+    DW_BWD_WEIGHT = CONV "dw_bwd_weight" dtypes (Ptr, Ptr, Ptr, Conv);
+
+    /// `max_pool(const T* x, T* y, u32* arg, PoolGeom g)`.
+    MAX_POOL = POOL "max_pool" dtypes (Ptr, Ptr, Ptr, Pool);
+    /// `max_pool_bwd(const T* dy, const u32* arg, float* acc, PoolGeom g)`.
+    MAX_POOL_BWD = POOL "max_pool_bwd" dtypes (Ptr, Ptr, Ptr, Pool);
+    /// `avg_pool(const T* x, T* y, PoolGeom g, u32 include_pad)`.
+    AVG_POOL = POOL "avg_pool" dtypes (Ptr, Ptr, Pool, U32);
+    /// `avg_pool_bwd(const T* dy, T* dx, PoolGeom g, u32 include_pad)`.
+    AVG_POOL_BWD = POOL "avg_pool_bwd" dtypes (Ptr, Ptr, Pool, U32);
+
+    /// `embedding(const u32* ids, const T* table, T* out, u64 n, u64 dim)`.
+    EMBEDDING = MISC "embedding" dtypes (Ptr, Ptr, Ptr, U64, U64);
+    /// `embedding_bwd(const u32* ids, const T* dout, float* acc, u64 n, u64 dim)`.
+    EMBEDDING_BWD = MISC "embedding_bwd" dtypes (Ptr, Ptr, Ptr, U64, U64);
+    /// `dropout(const T* x, T* y, u64 n, float p, float scale, u64 seed, u64 offset)`.
+    DROPOUT = MISC "dropout" dtypes (Ptr, Ptr, U64, F32, F32, U64, U64);
+    /// `sgd(float* p, const T* g, float* buf, u64 n, float lr, float momentum, float
+    /// dampening, float wd, u32 nesterov, u32 first_step)`.
+    SGD = MISC "sgd" dtypes (Ptr, Ptr, Ptr, U64, F32, F32, F32, F32, U32, U32);
+    /// `adamw(float* p, const T* g, float* m, float* v, u64 n, float b1, float b2, float
+    /// eps, float step_size, float bias2_sqrt, float decay)`.
+    ADAMW = MISC "adamw" dtypes (Ptr, Ptr, Ptr, Ptr, U64, F32, F32, F32, F32, F32, F32);
+    /// `unscale(T* g, float inv, u64 n, u32* flag)`.
+    UNSCALE = MISC "unscale" dtypes (Ptr, F32, U64, Ptr);
 }

@@ -1,80 +1,26 @@
-//! ReLU and GELU (tanh approximation), forward and backward.
+//! ReLU and GELU (tanh approximation), forward and backward: elementwise maps
+//! ([`unary_op!`](super::map::unary_op)).
 
-use super::{output_like, same_layout, with_dtype};
+use super::map::unary_op;
 use crate::cpu::activation as cpu;
-#[cfg(feature = "cuda")]
-use crate::cuda::ops::elementwise as cuda;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
-/// `max(x, 0)`.
-///
-/// # Errors
-///
-/// [`Error::OutOfMemory`](crate::Error::OutOfMemory).
-pub fn relu(x: &Tensor) -> Result<Tensor> {
-    let mut y = output_like("relu", x)?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        cuda::activation(cu, "relu", x, &mut y)?;
-        return Ok(y);
-    }
-    with_dtype!(x.dtype(), T => cpu::relu(x.as_slice::<T>()?, y.as_mut_slice::<T>()?));
-    Ok(y)
+unary_op! {
+    /// `max(x, 0)`.
+    relu,
+    /// Gradient of [`relu`] from the forward input `x` and the upstream `dy`: `dy` where
+    /// `x > 0`, else 0 (the subgradient at 0 is 0, as in PyTorch).
+    relu_backward: Relu, RELU, RELU_BWD,
+    |x| cpu::relu_f32(x),
+    |x, dy| if x > 0.0 { dy } else { 0.0 },
 }
 
-/// Gradient of [`relu`] from the forward input `x` and the upstream `dy`.
-///
-/// # Errors
-///
-/// Shape, dtype and device mismatches between `x` and `dy`; out of memory.
-pub fn relu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
-    const OP: &str = "relu_backward";
-    same_layout(OP, x, dy)?;
-    let mut dx = output_like(OP, x)?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        cuda::activation_backward(cu, "relu_bwd", x, dy, &mut dx)?;
-        return Ok(dx);
-    }
-    with_dtype!(x.dtype(), T => {
-        cpu::relu_backward(x.as_slice::<T>()?, dy.as_slice::<T>()?, dx.as_mut_slice::<T>()?)
-    });
-    Ok(dx)
-}
-
-/// GELU, tanh approximation (PyTorch's `gelu(x, approximate='tanh')`).
-///
-/// # Errors
-///
-/// [`Error::OutOfMemory`](crate::Error::OutOfMemory).
-pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    let mut y = output_like("gelu", x)?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        cuda::activation(cu, "gelu", x, &mut y)?;
-        return Ok(y);
-    }
-    with_dtype!(x.dtype(), T => cpu::gelu(x.as_slice::<T>()?, y.as_mut_slice::<T>()?));
-    Ok(y)
-}
-
-/// Gradient of [`gelu`] from the forward input `x` and the upstream `dy`.
-///
-/// # Errors
-///
-/// As [`relu_backward`].
-pub fn gelu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
-    const OP: &str = "gelu_backward";
-    same_layout(OP, x, dy)?;
-    let mut dx = output_like(OP, x)?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        cuda::activation_backward(cu, "gelu_bwd", x, dy, &mut dx)?;
-        return Ok(dx);
-    }
-    with_dtype!(x.dtype(), T => {
-        cpu::gelu_backward(x.as_slice::<T>()?, dy.as_slice::<T>()?, dx.as_mut_slice::<T>()?)
-    });
-    Ok(dx)
+unary_op! {
+    /// GELU, tanh approximation (PyTorch's `gelu(x, approximate='tanh')`).
+    gelu,
+    /// Gradient of [`gelu`] from the forward input `x` and the upstream `dy`.
+    gelu_backward: Gelu, GELU, GELU_BWD,
+    |x| cpu::gelu_f32(x),
+    |x, dy| dy * cpu::gelu_grad_f32(x),
 }

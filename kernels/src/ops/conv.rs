@@ -1,104 +1,43 @@
 //! 2-D convolution (NCHW, with groups, so depthwise convolutions too), forward and backward.
+//!
+//! On CUDA a convolution is im2col (`conv.cu`) plus one cuBLAS product per channel group,
+//! batched over the images of a chunk whose im2col matrices fit [`COL_BUDGET`]; depthwise
+//! convolutions use direct kernels. The plan allocates those im2col buffers and f32
+//! accumulators on every backend, so the host's figures are the GPU's.
 
-use super::{expect_rank, invalid, output, same_kind, with_dtype};
+use super::dispatch::{Buffers, Op, Plan, run};
+use super::params::{Conv2dOptions, Conv2dParams};
+use super::{expect_rank, expect_shape, same_kind};
 use crate::cpu::conv as cpu;
-use crate::cpu::conv::Conv2dParams;
-use crate::error::{Error, Result};
+use crate::device::Device;
+use crate::dtype::with_dtype;
+use crate::error::Result;
 use crate::tensor::Tensor;
 
-/// The settings of a 2-D convolution that the tensor shapes do not give.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Conv2dOptions {
-    /// Step between windows, (vertical, horizontal).
-    pub stride: (usize, usize),
-    /// Zero padding on each side, (vertical, horizontal).
-    pub padding: (usize, usize),
-    /// Spacing between kernel taps; 1 is a dense kernel.
-    pub dilation: (usize, usize),
-    /// Channel groups; `groups == c_in == c_out` is a depthwise convolution.
-    pub groups: usize,
-}
+/// Most bytes an im2col buffer may take; the batch is processed in chunks of images that
+/// fit (at least one image per chunk).
+const COL_BUDGET: usize = 256 << 20;
 
-impl Default for Conv2dOptions {
-    fn default() -> Self {
-        Conv2dOptions { stride: (1, 1), padding: (0, 0), dilation: (1, 1), groups: 1 }
-    }
-}
-
-impl Conv2dOptions {
-    /// Sets the stride.
-    pub fn stride(mut self, stride: (usize, usize)) -> Self {
-        self.stride = stride;
-        self
-    }
-
-    /// Sets the padding.
-    pub fn padding(mut self, padding: (usize, usize)) -> Self {
-        self.padding = padding;
-        self
-    }
-
-    /// Sets the dilation.
-    pub fn dilation(mut self, dilation: (usize, usize)) -> Self {
-        self.dilation = dilation;
-        self
-    }
-
-    /// Sets the number of groups.
-    pub fn groups(mut self, groups: usize) -> Self {
-        self.groups = groups;
-        self
-    }
+/// Images per chunk for a per-image buffer of `per_image` bytes.
+fn chunk_images(p: &Conv2dParams, per_image: usize) -> usize {
+    (COL_BUDGET / per_image.max(1)).clamp(1, p.batch().max(1))
 }
 
 /// The full geometry of a convolution of input shape `x: [batch, c_in, h, w]` with weight
-/// shape `weight: [c_out, c_in / groups, kh, kw]`; the output is
-/// `[batch, c_out, oh, ow]` with `(oh, ow) = params.output_hw()`.
+/// shape `weight: [c_out, c_in / groups, kh, kw]`; the output is `[batch, c_out, oh, ow]`
+/// with `(oh, ow) = params.output_hw()` (see [`Conv2dParams::new`]).
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] for ranks other than 4, a zero stride, dilation, kernel or
-/// group count, or channels not divisible by the groups; [`Error::ShapeMismatch`] if the
-/// weight's input channels do not match `c_in / groups`.
+/// As [`Conv2dParams::new`].
 pub fn conv2d_params(x: &[usize], weight: &[usize], opts: &Conv2dOptions) -> Result<Conv2dParams> {
-    const OP: &str = "conv2d";
-    let (&[batch, c_in, h, w], &[c_out, w_in, kh, kw]) = (x, weight) else {
-        return Err(invalid(
-            OP,
-            format!(
-                "expected x [batch, c_in, h, w] and weight [c_out, c_in/groups, kh, kw], got {x:?} and {weight:?}"
-            ),
-        ));
-    };
-    let g = opts.groups;
-    if g == 0 || !c_in.is_multiple_of(g) || !c_out.is_multiple_of(g) {
-        return Err(invalid(OP, format!("groups {g} must divide c_in {c_in} and c_out {c_out}")));
-    }
-    if w_in * g != c_in {
-        return Err(Error::ShapeMismatch { op: OP, lhs: x.to_vec(), rhs: weight.to_vec() });
-    }
-    let (s, d) = (opts.stride, opts.dilation);
-    if kh == 0 || kw == 0 || s.0 == 0 || s.1 == 0 || d.0 == 0 || d.1 == 0 {
-        return Err(invalid(
-            OP,
-            format!("kernel ({kh}, {kw}), stride {s:?} and dilation {d:?} must be positive"),
-        ));
-    }
-    Ok(Conv2dParams::new(batch, c_in, (h, w), c_out, (kh, kw))
-        .stride(s)
-        .padding(opts.padding)
-        .dilation(d)
-        .groups(g))
-}
-
-fn output_shape(p: &Conv2dParams) -> [usize; 4] {
-    let (oh, ow) = p.output_hw();
-    [p.batch, p.c_out, oh, ow]
+    Conv2dParams::new(x, weight, opts)
 }
 
 /// `conv2d(x, weight) + bias` with `x: [batch, c_in, h, w]`,
 /// `weight: [c_out, c_in / groups, kh, kw]`, `bias: [c_out]`; the result is
-/// `[batch, c_out, oh, ow]`.
+/// `[batch, c_out, oh, ow]`. An input with no element (no input channels, or an empty plane
+/// under padding) gives the bias (or zeros).
 ///
 /// # Errors
 ///
@@ -109,31 +48,68 @@ pub fn conv2d(
     bias: Option<&Tensor>,
     opts: &Conv2dOptions,
 ) -> Result<Tensor> {
-    const OP: &str = "conv2d";
-    same_kind(OP, x, weight)?;
     let p = conv2d_params(x.shape(), weight.shape(), opts)?;
-    if let Some(bias) = bias {
-        same_kind(OP, x, bias)?;
-        super::expect_shape(OP, &[p.c_out], bias)?;
+    run(Conv2d { p, x, weight, bias, col: None, chunk: 1 })
+}
+
+struct Conv2d<'a> {
+    p: Conv2dParams,
+    x: &'a Tensor,
+    weight: &'a Tensor,
+    bias: Option<&'a Tensor>,
+    /// The im2col buffer of `chunk` images.
+    col: Option<usize>,
+    chunk: usize,
+}
+
+impl Op for Conv2d<'_> {
+    const NAME: &'static str = "conv2d";
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.x.device()
     }
-    let mut y = output(OP, x.device(), &output_shape(&p), x.dtype())?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        if y.numel() > 0 {
-            crate::cuda::ops::conv::conv2d(cu, &p, x, weight, bias, &mut y)?;
+
+    fn plan(&mut self) -> Result<Plan> {
+        let p = &self.p;
+        same_kind(Self::NAME, self.x, self.weight)?;
+        if let Some(bias) = self.bias {
+            same_kind(Self::NAME, self.x, bias)?;
+            expect_shape(Self::NAME, &[p.c_out()], bias)?;
         }
-        return Ok(y);
+        let mut plan = Plan::one(&p.output_shape(), self.x.dtype());
+        if p.output_len() == 0 || self.x.numel() == 0 || p.is_depthwise() {
+            return Ok(plan);
+        }
+        let (oh, ow) = p.output_hw();
+        let col_bytes = p.col_rows() * oh * ow * self.x.dtype().size_in_bytes();
+        self.chunk = chunk_images(p, col_bytes);
+        if !p.is_pointwise() {
+            self.col = plan.workspace(self.chunk * col_bytes);
+        }
+        plan.blas();
+        Ok(plan)
     }
-    if y.numel() > 0 {
-        with_dtype!(x.dtype(), T => cpu::conv2d(
-            &p,
-            x.as_slice::<T>()?,
-            weight.as_slice::<T>()?,
-            bias.map(|b| b.as_slice::<T>()).transpose()?,
-            y.as_mut_slice::<T>()?,
-        ));
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        with_dtype!(self.x.dtype(), T => cpu::conv2d(
+            &self.p,
+            self.x.as_slice::<T>()?,
+            self.weight.as_slice::<T>()?,
+            self.bias.map(|b| b.as_slice::<T>()).transpose()?,
+            bufs.out(0).out_slice::<T>(Self::NAME)?,
+        ))
     }
-    Ok(y)
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        let col = bufs.ws(self.col)?;
+        cuda::forward(gpu, &self.p, self.x, self.weight, self.bias, bufs.out(0), (col, self.chunk))
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
 }
 
 /// Gradients of a 2-D convolution.
@@ -152,7 +128,8 @@ pub struct Conv2dGrads {
 ///
 /// # Errors
 ///
-/// As [`conv2d`], and [`Error::ShapeMismatch`] if `dy` is not the output's shape.
+/// As [`conv2d`], and [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) if `dy` is not
+/// the output's shape.
 pub fn conv2d_backward(
     x: &Tensor,
     weight: &Tensor,
@@ -160,50 +137,428 @@ pub fn conv2d_backward(
     opts: &Conv2dOptions,
     with_bias: bool,
 ) -> Result<Conv2dGrads> {
-    const OP: &str = "conv2d_backward";
-    same_kind(OP, x, weight)?;
-    same_kind(OP, x, dy)?;
-    expect_rank(OP, dy, 4, "dy [batch, c_out, oh, ow]")?;
     let p = conv2d_params(x.shape(), weight.shape(), opts)?;
-    super::expect_shape(OP, &output_shape(&p), dy)?;
-    // With no output element nothing flows back, and the reference leaves outputs unwritten.
-    let zeros = dy.numel() == 0;
-    let alloc = |shape: &[usize]| {
-        if zeros {
-            Tensor::zeros(x.device(), shape, x.dtype())
+    run(Conv2dBackward { p, x, weight, dy, with_bias, ws: BackwardWorkspaces::default() })
+}
+
+struct Conv2dBackward<'a> {
+    p: Conv2dParams,
+    x: &'a Tensor,
+    weight: &'a Tensor,
+    dy: &'a Tensor,
+    with_bias: bool,
+    ws: BackwardWorkspaces,
+}
+
+/// The workspaces of a convolution's backward on the GPU.
+#[derive(Clone, Copy, Debug, Default)]
+struct BackwardWorkspaces {
+    /// Images per chunk of `cols`.
+    chunk: usize,
+    /// im2col matrices (of the input, or of the input's gradient in f32) of `chunk` images.
+    cols: Option<usize>,
+    /// The weight gradient in f32.
+    dweight: Option<usize>,
+    /// Per-(image, channel) sums of `dy`, f32.
+    plane_sums: Option<usize>,
+    /// The bias gradient in f32.
+    dbias: Option<usize>,
+}
+
+impl Op for Conv2dBackward<'_> {
+    const NAME: &'static str = "conv2d_backward";
+    type Output = Conv2dGrads;
+
+    fn device(&self) -> &Device {
+        self.x.device()
+    }
+
+    fn plan(&mut self) -> Result<Plan> {
+        let p = &self.p;
+        let (x, w, dy) = (self.x, self.weight, self.dy);
+        same_kind(Self::NAME, x, w)?;
+        same_kind(Self::NAME, x, dy)?;
+        expect_rank(Self::NAME, dy, 4, "dy [batch, c_out, oh, ow]")?;
+        expect_shape(Self::NAME, &p.output_shape(), dy)?;
+        // With no output element, or no input element, nothing flows to dx and dweight.
+        let nothing = dy.numel() == 0 || x.numel() == 0;
+        let mut plan = Plan::default();
+        let dtype = x.dtype();
+        if nothing {
+            plan.zeroed_output(x.shape(), dtype);
+            plan.zeroed_output(w.shape(), dtype);
         } else {
-            output(OP, x.device(), shape, x.dtype())
+            plan.output(x.shape(), dtype);
+            plan.output(w.shape(), dtype);
         }
-    };
-    let mut dx = alloc(x.shape())?;
-    let mut dweight = alloc(weight.shape())?;
-    let mut dbias = if with_bias { Some(alloc(&[p.c_out])?) } else { None };
+        if self.with_bias {
+            if dy.numel() == 0 {
+                plan.zeroed_output(&[p.c_out()], dtype);
+            } else {
+                plan.output(&[p.c_out()], dtype);
+            }
+        }
+        if !nothing && !p.is_depthwise() {
+            let (oh, ow) = p.output_hw();
+            // One buffer serves the f32 input-gradient columns, then the input's columns.
+            let per_image = p.col_rows() * oh * ow * 4;
+            self.ws.chunk = chunk_images(p, per_image);
+            if !p.is_pointwise() {
+                self.ws.cols = plan.workspace(self.ws.chunk * per_image);
+            }
+            self.ws.dweight = plan.zeroed_workspace(w.numel() * 4);
+            plan.blas();
+        }
+        if self.with_bias && dy.numel() > 0 {
+            self.ws.plane_sums = plan.workspace(p.batch() * p.c_out() * 4);
+            self.ws.dbias = plan.zeroed_workspace(p.c_out() * 4);
+        }
+        Ok(plan)
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        if self.dy.numel() == 0 {
+            return Ok(());
+        }
+        let [dx, dw, rest @ ..] = bufs.outputs_mut() else { unreachable!("planned") };
+        with_dtype!(self.x.dtype(), T => cpu::conv2d_backward(
+            &self.p,
+            self.x.as_slice::<T>()?,
+            self.weight.as_slice::<T>()?,
+            self.dy.as_slice::<T>()?,
+            Some(dx.out_slice::<T>(Self::NAME)?),
+            Some(dw.out_slice::<T>(Self::NAME)?),
+            rest.first_mut().map(|b| b.out_slice::<T>(Self::NAME)).transpose()?,
+        ))
+    }
+
     #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        if !zeros {
-            crate::cuda::ops::conv::conv2d_backward(
-                cu,
-                &p,
-                x,
-                weight,
-                dy,
-                &mut dx,
-                &mut dweight,
-                dbias.as_mut(),
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        let ws = self.ws;
+        let (p, x, w, dy) = (&self.p, self.x, self.weight, self.dy);
+        if dy.numel() > 0 && x.numel() > 0 {
+            if p.is_depthwise() {
+                cuda::depthwise_backward(gpu, p, x, w, dy, bufs)?;
+            } else {
+                let cols = bufs.ws(ws.cols)?;
+                cuda::backward_input(gpu, p, w, dy, bufs.out(0), (cols, ws.chunk))?;
+                let acc = bufs.ws(ws.dweight)?;
+                cuda::backward_weight(gpu, p, x, dy, bufs.out(1), (cols, ws.chunk), acc)?;
+            }
+        }
+        if self.with_bias && dy.numel() > 0 {
+            let sums = (bufs.ws(ws.plane_sums)?, bufs.ws(ws.dbias)?);
+            crate::cuda::helpers::channel_sums(gpu, dy, p.batch(), sums, bufs.out(2))?;
+        }
+        Ok(())
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<Conv2dGrads> {
+        let mut out = bufs.into_outputs();
+        let (Some(dx), Some(dweight)) = (out.next(), out.next()) else {
+            unreachable!("the plan has dx and dweight")
+        };
+        Ok(Conv2dGrads { dx, dweight, dbias: out.next() })
+    }
+}
+
+/// The CUDA side: im2col + cuBLAS per group, direct depthwise kernels.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::Buffers;
+    use crate::cuda::helpers::{check_rows, from_f32, ptr};
+    use crate::cuda::launch::{self, ConvGeom, elementwise as grid};
+    use crate::cuda::registry::{BIAS_PLANES, COL2IM, DW_BWD_INPUT, DW_BWD_WEIGHT, DW_FWD, IM2COL};
+    use crate::cuda::{Arg, Gpu};
+    use crate::dtype::DType;
+    use crate::error::Result;
+    use crate::ops::{Conv2dParams, MatmulSpec};
+    use crate::tensor::Tensor;
+
+    fn geom(p: &Conv2dParams) -> ConvGeom {
+        let (oh, ow) = p.output_hw();
+        let i = |v: usize| v as i64;
+        ConvGeom {
+            batch: i(p.batch()),
+            c_in: i(p.c_in()),
+            h: i(p.h()),
+            w: i(p.w()),
+            c_out: i(p.c_out()),
+            kh: i(p.kernel().0),
+            kw: i(p.kernel().1),
+            sh: i(p.stride().0),
+            sw: i(p.stride().1),
+            ph: i(p.padding().0),
+            pw: i(p.padding().1),
+            dh: i(p.dilation().0),
+            dw: i(p.dilation().1),
+            groups: i(p.groups()),
+            oh: i(oh),
+            ow: i(ow),
+        }
+    }
+
+    /// Sizes of one group's product: `(ohw, k, cin_g, cout_g, hw)`.
+    fn dims(p: &Conv2dParams) -> (usize, usize, usize, usize, usize) {
+        let (oh, ow) = p.output_hw();
+        let cin_g = p.c_in() / p.groups();
+        (oh * ow, p.col_rows(), cin_g, p.c_out() / p.groups(), p.h() * p.w())
+    }
+
+    /// Fills `col` with the im2col matrices of images `n0 .. n0 + nimg`, group `group`.
+    fn im2col(
+        gpu: &Gpu<'_>,
+        p: &Conv2dParams,
+        x: &Tensor,
+        col: u64,
+        (n0, nimg, group): (usize, usize, usize),
+    ) -> Result<()> {
+        let (ohw, k, ..) = dims(p);
+        // SAFETY: im2col_T(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i64 group); x
+        // is the input the geometry describes, col holds nimg * k * ohw elements of T (the
+        // plan's chunk of images).
+        unsafe {
+            gpu.launch(
+                IM2COL.of(x.dtype()),
+                grid(nimg * k * ohw),
+                &[
+                    ptr(x)?,
+                    Arg::Ptr(col),
+                    Arg::Conv(geom(p)),
+                    Arg::I64(n0 as i64),
+                    Arg::I64(nimg as i64),
+                    Arg::I64(group as i64),
+                ],
+            )
+        }
+    }
+
+    /// `y = conv2d(x, w) + bias`; `y` is nonempty. `col` is the im2col workspace of
+    /// `chunk` images (0 for a pointwise or depthwise convolution).
+    pub(super) fn forward(
+        gpu: &Gpu<'_>,
+        p: &Conv2dParams,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        y: &mut Tensor,
+        (col, chunk): (u64, usize),
+    ) -> Result<()> {
+        let t = x.dtype();
+        let n = y.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        if x.numel() > 0 && p.is_depthwise() {
+            let (b, has_b) = match bias {
+                Some(b) => (ptr(b)?, 1),
+                None => (Arg::Ptr(0), 0),
+            };
+            // SAFETY: dw_fwd_T(const T* x, const T* w, const T* b, u32 has_b, T* y,
+            // ConvGeom g); the tensors have the geometry's shapes; b is read only when has_b.
+            return unsafe {
+                gpu.launch(
+                    DW_FWD.of(t),
+                    grid(n),
+                    &[ptr(x)?, ptr(w)?, b, Arg::U32(has_b), ptr(y)?, Arg::Conv(geom(p))],
+                )
+            };
+        }
+        let (ohw, k, cin_g, cout_g, hw) = dims(p);
+        let beta = match bias {
+            Some(bias) => {
+                // SAFETY: bias_planes_T(const T* b, T* y, u64 n, u64 c, u64 ohw); y holds
+                // n = batch * c_out * ohw elements, bias c_out.
+                unsafe {
+                    gpu.launch(
+                        BIAS_PLANES.of(t),
+                        grid(n),
+                        &[
+                            ptr(bias)?,
+                            ptr(y)?,
+                            Arg::count(n),
+                            Arg::count(p.c_out()),
+                            Arg::count(ohw),
+                        ],
+                    )?;
+                }
+                1.0
+            }
+            None => 0.0,
+        };
+        if x.numel() == 0 {
+            // Nothing to convolve: the output is the bias, or zeros.
+            return if bias.is_some() {
+                Ok(())
+            } else {
+                gpu.zero(y.cuda_ptr()?, y.size_in_bytes())
+            };
+        }
+        let size = t.size_in_bytes();
+        let (px, pw, py) = (x.cuda_ptr()?, w.cuda_ptr()?, y.cuda_ptr()?);
+        for n0 in (0..p.batch()).step_by(chunk) {
+            let nimg = chunk.min(p.batch() - n0);
+            for g in 0..p.groups() {
+                let (b, stride_b) = if p.is_pointwise() {
+                    (px + ((n0 * p.c_in() + g * cin_g) * hw * size) as u64, p.c_in() * hw)
+                } else {
+                    im2col(gpu, p, x, col, (n0, nimg, g))?;
+                    (col, k * ohw)
+                };
+                let spec = MatmulSpec::new(cout_g, ohw, k)
+                    .batched(nimg, 0, stride_b, p.c_out() * ohw)
+                    .scaled(1.0, beta);
+                // SAFETY: A is group g's weights [cout_g, k] (shared by the images), B the
+                // images' [k, ohw] columns, C their [cout_g, ohw] output planes, c_out * ohw
+                // apart; all inside x / col, w and y.
+                unsafe {
+                    gpu.gemm(
+                        &spec,
+                        pw + (g * cout_g * k * size) as u64,
+                        b,
+                        py + ((n0 * p.c_out() + g * cout_g) * ohw * size) as u64,
+                        t,
+                        t,
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Depthwise gradients of the input (`out(0)`) and the weight (`out(1)`).
+    pub(super) fn depthwise_backward(
+        gpu: &Gpu<'_>,
+        p: &Conv2dParams,
+        x: &Tensor,
+        w: &Tensor,
+        dy: &Tensor,
+        bufs: &mut Buffers,
+    ) -> Result<()> {
+        let t = x.dtype();
+        let dx = bufs.out(0);
+        // SAFETY: dw_bwd_input_T(const T* w, const T* dy, T* dx, ConvGeom g); shapes from
+        // the geometry.
+        unsafe {
+            gpu.launch(
+                DW_BWD_INPUT.of(t),
+                grid(dx.numel()),
+                &[ptr(w)?, ptr(dy)?, ptr(dx)?, Arg::Conv(geom(p))],
             )?;
         }
-        return Ok(Conv2dGrads { dx, dweight, dbias });
+        let dweight = bufs.out(1);
+        let taps = dweight.numel();
+        check_rows("conv2d_backward", taps)?;
+        // SAFETY: dw_bwd_weight_T(const T* x, const T* dy, T* dw, ConvGeom g), one block
+        // per weight element; dweight holds c_in * kh * kw elements.
+        unsafe {
+            gpu.launch(
+                DW_BWD_WEIGHT.of(t),
+                launch::per_row(taps),
+                &[ptr(x)?, ptr(dy)?, ptr(dweight)?, Arg::Conv(geom(p))],
+            )
+        }
     }
-    if !zeros {
-        with_dtype!(x.dtype(), T => cpu::conv2d_backward(
-            &p,
-            x.as_slice::<T>()?,
-            weight.as_slice::<T>()?,
-            dy.as_slice::<T>()?,
-            Some(dx.as_mut_slice::<T>()?),
-            Some(dweight.as_mut_slice::<T>()?),
-            dbias.as_mut().map(|d| d.as_mut_slice::<T>()).transpose()?,
-        ));
+
+    /// dx: per group, `dcol = W_g^T * dy_g` (f32) into `cols`, gathered back by col2im; for
+    /// a pointwise convolution the product is dx itself.
+    pub(super) fn backward_input(
+        gpu: &Gpu<'_>,
+        p: &Conv2dParams,
+        w: &Tensor,
+        dy: &Tensor,
+        dx: &mut Tensor,
+        (cols, chunk): (u64, usize),
+    ) -> Result<()> {
+        let t = w.dtype();
+        let size = t.size_in_bytes();
+        let (ohw, k, cin_g, cout_g, hw) = dims(p);
+        let (pw, pdy, pdx) = (w.cuda_ptr()?, dy.cuda_ptr()?, dx.cuda_ptr()?);
+        for n0 in (0..p.batch()).step_by(chunk) {
+            let nimg = chunk.min(p.batch() - n0);
+            for g in 0..p.groups() {
+                let a = pw + (g * cout_g * k * size) as u64;
+                let b = pdy + ((n0 * p.c_out() + g * cout_g) * ohw * size) as u64;
+                if p.is_pointwise() {
+                    let spec = MatmulSpec::new(cin_g, ohw, cout_g).transpose(true, false).batched(
+                        nimg,
+                        0,
+                        p.c_out() * ohw,
+                        p.c_in() * hw,
+                    );
+                    let c = pdx + ((n0 * p.c_in() + g * cin_g) * hw * size) as u64;
+                    // SAFETY: W_g^T [cin_g, cout_g] * dy planes [cout_g, hw] -> dx planes,
+                    // all inside w, dy and dx.
+                    unsafe { gpu.gemm(&spec, a, b, c, t, t)? };
+                    continue;
+                }
+                let spec = MatmulSpec::new(k, ohw, cout_g).transpose(true, false).batched(
+                    nimg,
+                    0,
+                    p.c_out() * ohw,
+                    k * ohw,
+                );
+                // SAFETY: W_g^T [k, cout_g] * dy planes [cout_g, ohw] -> dcol in `cols`,
+                // which holds chunk * k * ohw floats.
+                unsafe { gpu.gemm(&spec, a, b, cols, t, DType::F32)? };
+                // SAFETY: col2im_T(const float* dcol, T* dx, ConvGeom g, i64 n0, i64 nimg,
+                // i64 group); dcol as just written, dx the input's shape.
+                unsafe {
+                    gpu.launch(
+                        COL2IM.of(t),
+                        grid(nimg * cin_g * hw),
+                        &[
+                            Arg::Ptr(cols),
+                            Arg::Ptr(pdx),
+                            Arg::Conv(geom(p)),
+                            Arg::I64(n0 as i64),
+                            Arg::I64(nimg as i64),
+                            Arg::I64(g as i64),
+                        ],
+                    )?;
+                }
+            }
+        }
+        Ok(())
     }
-    Ok(Conv2dGrads { dx, dweight, dbias })
+
+    /// dW_g = sum over images of `dy_g * col^T`, accumulated in the zeroed f32 `acc` and
+    /// rounded once; the input's columns go to `cols`.
+    pub(super) fn backward_weight(
+        gpu: &Gpu<'_>,
+        p: &Conv2dParams,
+        x: &Tensor,
+        dy: &Tensor,
+        dweight: &mut Tensor,
+        (cols, chunk): (u64, usize),
+        acc: u64,
+    ) -> Result<()> {
+        let t = x.dtype();
+        let size = t.size_in_bytes();
+        let (ohw, k, cin_g, cout_g, hw) = dims(p);
+        let (px, pdy) = (x.cuda_ptr()?, dy.cuda_ptr()?);
+        let spec = MatmulSpec::new(cout_g, k, ohw).transpose(false, true).scaled(1.0, 1.0);
+        for n0 in (0..p.batch()).step_by(chunk) {
+            let nimg = chunk.min(p.batch() - n0);
+            for g in 0..p.groups() {
+                if !p.is_pointwise() {
+                    im2col(gpu, p, x, cols, (n0, nimg, g))?;
+                }
+                for i in 0..nimg {
+                    let n = n0 + i;
+                    let b = if p.is_pointwise() {
+                        px + ((n * p.c_in() + g * cin_g) * hw * size) as u64
+                    } else {
+                        cols + (i * k * ohw * size) as u64
+                    };
+                    let a = pdy + ((n * p.c_out() + g * cout_g) * ohw * size) as u64;
+                    let c = acc + (g * cout_g * k * 4) as u64;
+                    // SAFETY: dy plane block [cout_g, ohw] * columns^T ([k, ohw] stored) ->
+                    // the f32 accumulator of group g, [cout_g, k], inside acc.
+                    unsafe { gpu.gemm(&spec, a, b, c, t, DType::F32)? };
+                }
+            }
+        }
+        from_f32(gpu, acc, dweight)
+    }
 }

@@ -1,51 +1,22 @@
-//! Elementwise arithmetic and the broadcast bias add.
+//! Elementwise arithmetic, in-place accumulation and the broadcast bias add.
 
-use super::{output, output_like, rows_cols, same_device, same_kind, same_layout, with_dtype};
+use super::dispatch::{Buffers, Op, Plan, run};
+use super::map::binary_op;
+use super::{expect_shape, rows_cols, same_device, same_kind};
 use crate::cpu::elementwise as cpu;
-#[cfg(feature = "cuda")]
-use crate::cuda::ops::elementwise as cuda;
+use crate::device::Device;
+use crate::dtype::with_dtype;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
-/// `a + b`, elementwise; same shape and dtype.
-///
-/// # Errors
-///
-/// [`Error::ShapeMismatch`], [`Error::DTypeMismatch`], [`Error::DeviceMismatch`],
-/// [`Error::OutOfMemory`].
-pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    const OP: &str = "add";
-    same_layout(OP, a, b)?;
-    let mut out = output_like(OP, a)?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = a.device().cuda_backend() {
-        cuda::binary(cu, "add", a, b, &mut out)?;
-        return Ok(out);
-    }
-    with_dtype!(a.dtype(), T => {
-        cpu::add(a.as_slice::<T>()?, b.as_slice::<T>()?, out.as_mut_slice::<T>()?)
-    });
-    Ok(out)
+binary_op! {
+    /// `a + b`, elementwise; same shape and dtype.
+    add: Add, ADD, |a, b| a + b,
 }
 
-/// `a * b`, elementwise; same shape and dtype.
-///
-/// # Errors
-///
-/// As [`add`].
-pub fn mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    const OP: &str = "mul";
-    same_layout(OP, a, b)?;
-    let mut out = output_like(OP, a)?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = a.device().cuda_backend() {
-        cuda::binary(cu, "mul", a, b, &mut out)?;
-        return Ok(out);
-    }
-    with_dtype!(a.dtype(), T => {
-        cpu::mul(a.as_slice::<T>()?, b.as_slice::<T>()?, out.as_mut_slice::<T>()?)
-    });
-    Ok(out)
+binary_op! {
+    /// `a * b`, elementwise; same shape and dtype.
+    mul: Mul, MUL, |a, b| a * b,
 }
 
 /// `alpha * x`.
@@ -54,14 +25,50 @@ pub fn mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 ///
 /// [`Error::OutOfMemory`].
 pub fn scale(x: &Tensor, alpha: f32) -> Result<Tensor> {
-    let mut out = output_like("scale", x)?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        cuda::scale(cu, x, alpha, &mut out)?;
-        return Ok(out);
+    run(Scale { x, alpha })
+}
+
+struct Scale<'a> {
+    x: &'a Tensor,
+    alpha: f32,
+}
+
+impl Op for Scale<'_> {
+    const NAME: &'static str = "scale";
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.x.device()
     }
-    with_dtype!(x.dtype(), T => cpu::scale(x.as_slice::<T>()?, alpha, out.as_mut_slice::<T>()?));
-    Ok(out)
+
+    fn plan(&mut self) -> Result<Plan> {
+        Ok(Plan::one(self.x.shape(), self.x.dtype()))
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        with_dtype!(self.x.dtype(), T => {
+            cpu::scale(self.x.as_slice::<T>()?, self.alpha, bufs.out(0).out_slice::<T>(Self::NAME)?)
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::SCALE};
+        let y = bufs.out(0);
+        let n = y.numel();
+        // SAFETY: scale_T(const T* x, float alpha, T* y, u64 n); x and y hold n elements.
+        unsafe {
+            gpu.launch(
+                SCALE.of(self.x.dtype()),
+                grid(n),
+                &[ptr(self.x)?, Arg::F32(self.alpha), ptr(y)?, Arg::count(n)],
+            )
+        }
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
 }
 
 /// Checks that `x` can update `acc` in place: one device, one shape (dtypes may differ).
@@ -84,16 +91,7 @@ fn check_update(op: &'static str, acc: &Tensor, x: &Tensor) -> Result<()> {
 ///
 /// [`Error::ShapeMismatch`], [`Error::DeviceMismatch`]; `acc` is unchanged then.
 pub fn add_assign(acc: &mut Tensor, x: &Tensor) -> Result<()> {
-    check_update("add_assign", acc, x)?;
-    acc.make_unique()?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        return cuda::add_assign(cu, acc, x);
-    }
-    with_dtype!(acc.dtype(), A => with_dtype!(x.dtype(), X => {
-        cpu::add_assign(acc.as_mut_slice::<A>()?, x.as_slice::<X>()?)
-    }));
-    Ok(())
+    run(Update { op: "add_assign", alpha: None, x, y: acc })
 }
 
 /// `y += alpha * x` in place (BLAS axpy). The dtypes may differ; shapes must match.
@@ -102,16 +100,69 @@ pub fn add_assign(acc: &mut Tensor, x: &Tensor) -> Result<()> {
 ///
 /// As [`add_assign`].
 pub fn axpy(alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {
-    check_update("axpy", y, x)?;
-    y.make_unique()?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        return cuda::axpy(cu, alpha, x, y);
+    run(Update { op: "axpy", alpha: Some(alpha), x, y })
+}
+
+/// `y += x` (`alpha: None`) or `y += alpha * x`, in place.
+struct Update<'a> {
+    op: &'static str,
+    alpha: Option<f32>,
+    x: &'a Tensor,
+    y: &'a mut Tensor,
+}
+
+impl Op for Update<'_> {
+    const NAME: &'static str = "add_assign";
+    type Output = ();
+
+    fn device(&self) -> &Device {
+        self.x.device()
     }
-    with_dtype!(y.dtype(), Y => with_dtype!(x.dtype(), X => {
-        cpu::axpy(alpha, x.as_slice::<X>()?, y.as_mut_slice::<Y>()?)
-    }));
-    Ok(())
+
+    fn plan(&mut self) -> Result<Plan> {
+        check_update(self.op, self.y, self.x)?;
+        self.y.make_unique()?;
+        Ok(Plan::default())
+    }
+
+    fn host(&mut self, _: &mut Buffers) -> Result<()> {
+        let (x, y) = (self.x, &mut *self.y);
+        with_dtype!(y.dtype(), Y => with_dtype!(x.dtype(), X => match self.alpha {
+            None => cpu::add_assign(y.as_mut_slice::<Y>()?, x.as_slice::<X>()?),
+            Some(alpha) => cpu::axpy(alpha, x.as_slice::<X>()?, y.as_mut_slice::<Y>()?),
+        }))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, _: &mut Buffers) -> Result<()> {
+        use crate::cuda::registry::{ADD_ASSIGN, AXPY};
+        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid};
+        let (x, y) = (self.x, &*self.y);
+        let n = y.numel();
+        match self.alpha {
+            // SAFETY: add_assign_A_X(A* acc, const X* x, u64 n); both hold n elements of
+            // their types (one shape, checked in `plan`).
+            None => unsafe {
+                gpu.launch(
+                    ADD_ASSIGN.of_pair(y.dtype(), x.dtype()),
+                    grid(n),
+                    &[ptr(y)?, ptr(x)?, Arg::count(n)],
+                )
+            },
+            // SAFETY: axpy_Y_X(float alpha, const X* x, Y* y, u64 n); as above.
+            Some(alpha) => unsafe {
+                gpu.launch(
+                    AXPY.of_pair(y.dtype(), x.dtype()),
+                    grid(n),
+                    &[Arg::F32(alpha), ptr(x)?, ptr(y)?, Arg::count(n)],
+                )
+            },
+        }
+    }
+
+    fn finish(self, _: Buffers) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// `x + bias` with `bias: [d]` broadcast over the rows of `x: [.., d]`.
@@ -121,20 +172,59 @@ pub fn axpy(alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {
 /// [`Error::ShapeMismatch`] if `bias` is not `[d]`; dtype and device mismatches;
 /// [`Error::OutOfMemory`].
 pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
-    const OP: &str = "bias_add";
-    same_kind(OP, x, bias)?;
-    let (_, d) = rows_cols(OP, x.shape())?;
-    super::expect_shape(OP, &[d], bias)?;
-    let mut out = output_like(OP, x)?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        cuda::bias_add(cu, x, bias, &mut out)?;
-        return Ok(out);
+    run(BiasAdd { x, bias })
+}
+
+struct BiasAdd<'a> {
+    x: &'a Tensor,
+    bias: &'a Tensor,
+}
+
+impl Op for BiasAdd<'_> {
+    const NAME: &'static str = "bias_add";
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.x.device()
     }
-    with_dtype!(x.dtype(), T => {
-        cpu::bias_add(x.as_slice::<T>()?, bias.as_slice::<T>()?, out.as_mut_slice::<T>()?)
-    });
-    Ok(out)
+
+    fn plan(&mut self) -> Result<Plan> {
+        same_kind(Self::NAME, self.x, self.bias)?;
+        let (_, d) = rows_cols(Self::NAME, self.x.shape())?;
+        expect_shape(Self::NAME, &[d], self.bias)?;
+        Ok(Plan::one(self.x.shape(), self.x.dtype()))
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        with_dtype!(self.x.dtype(), T => cpu::bias_add(
+            self.x.as_slice::<T>()?,
+            self.bias.as_slice::<T>()?,
+            bufs.out(0).out_slice::<T>(Self::NAME)?,
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::BIAS_ADD};
+        let y = bufs.out(0);
+        let (n, d) = (y.numel(), self.bias.numel());
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: bias_add_T(const T* x, const T* b, T* y, u64 n, u64 d); x and y hold n
+        // elements, bias d > 0 (n > 0 and n is a multiple of d).
+        unsafe {
+            gpu.launch(
+                BIAS_ADD.of(self.x.dtype()),
+                grid(n),
+                &[ptr(self.x)?, ptr(self.bias)?, ptr(y)?, Arg::count(n), Arg::count(d)],
+            )
+        }
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
 }
 
 /// Gradient of [`bias_add`] with respect to the bias: the column sums of `dy: [.., d]`, shape
@@ -144,17 +234,46 @@ pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
 ///
 /// [`Error::InvalidArgument`] for a rank-0 `dy`; [`Error::OutOfMemory`].
 pub fn bias_add_backward(dy: &Tensor) -> Result<Tensor> {
-    const OP: &str = "bias_add_backward";
-    let (_, d) = rows_cols(OP, dy.shape())?;
-    let mut db = output(OP, dy.device(), &[d], dy.dtype())?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = dy.device().cuda_backend() {
-        let rows = dy.numel().checked_div(d).unwrap_or(0);
-        crate::cuda::ops::reduce::column_sums(cu, dy.cuda_ptr()?, dy.dtype(), rows, &mut db)?;
-        return Ok(db);
+    run(BiasAddBackward { dy, acc: None })
+}
+
+struct BiasAddBackward<'a> {
+    dy: &'a Tensor,
+    /// The f32 column accumulator.
+    acc: Option<usize>,
+}
+
+impl Op for BiasAddBackward<'_> {
+    const NAME: &'static str = "bias_add_backward";
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.dy.device()
     }
-    with_dtype!(dy.dtype(), T => {
-        cpu::bias_add_backward(dy.as_slice::<T>()?, db.as_mut_slice::<T>()?)
-    });
-    Ok(db)
+
+    fn plan(&mut self) -> Result<Plan> {
+        let (_, d) = rows_cols(Self::NAME, self.dy.shape())?;
+        // The GPU sums columns into an f32 accumulator and rounds once.
+        let mut plan = Plan::one(&[d], self.dy.dtype());
+        self.acc = plan.zeroed_workspace(d * 4);
+        Ok(plan)
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        with_dtype!(self.dy.dtype(), T => {
+            cpu::bias_add_backward(self.dy.as_slice::<T>()?, bufs.out(0).out_slice::<T>(Self::NAME)?)
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        let (rows, _) = rows_cols(Self::NAME, self.dy.shape())?;
+        let acc = bufs.ws(self.acc)?;
+        let dy = self.dy.cuda_ptr()?;
+        crate::cuda::helpers::column_sums(gpu, dy, self.dy.dtype(), rows, acc, bufs.out(0))
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
 }

@@ -1,39 +1,92 @@
-//! Embedding lookup (a gather of table rows) and its scatter-add backward.
+//! Embedding lookup (a gather of table rows) and its scatter-add backward. Ids live on the
+//! host; they are checked before anything is allocated and, on a GPU, uploaded into a
+//! workspace.
 
-use super::{expect_rank, invalid, output, with_dtype};
+use super::dispatch::{Buffers, Op, Plan, run};
+use super::{expect_rank, expect_shape, invalid, params::mul};
 use crate::cpu::embedding as cpu;
-use crate::error::{Error, Result};
+use crate::device::Device;
+use crate::dtype::with_dtype;
+use crate::error::Result;
 use crate::tensor::Tensor;
-
-fn id_error(op: &'static str, e: cpu::IdOutOfRange) -> Error {
-    Error::IndexOutOfRange { op, index: e.id as usize, bound: e.vocab }
-}
 
 /// Rows `ids` of `table: [vocab, dim]`, as `[ids.len(), dim]`.
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] for a table that is not `[vocab, dim]` with `dim > 0`;
-/// [`Error::IndexOutOfRange`] for an id not below `vocab`; out of memory.
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a table that is not
+/// `[vocab, dim]` with `dim > 0`; [`Error::IndexOutOfRange`](crate::Error::IndexOutOfRange)
+/// for an id not below `vocab`; out of memory.
 pub fn embedding(table: &Tensor, ids: &[u32]) -> Result<Tensor> {
-    const OP: &str = "embedding";
-    expect_rank(OP, table, 2, "table [vocab, dim]")?;
-    let dim = table.shape()[1];
-    if dim == 0 {
-        return Err(invalid(OP, "the embedding dimension must be positive"));
+    run(Embedding { table, ids, upload: None })
+}
+
+struct Embedding<'a> {
+    table: &'a Tensor,
+    ids: &'a [u32],
+    /// The ids on the device.
+    upload: Option<usize>,
+}
+
+impl Op for Embedding<'_> {
+    const NAME: &'static str = "embedding";
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.table.device()
     }
-    let mut out = output(OP, table.device(), &[ids.len(), dim], table.dtype())?;
+
+    fn plan(&mut self) -> Result<Plan> {
+        expect_rank(Self::NAME, self.table, 2, "table [vocab, dim]")?;
+        let (vocab, dim) = (self.table.shape()[0], self.table.shape()[1]);
+        if dim == 0 {
+            return Err(invalid(Self::NAME, "the embedding dimension must be positive"));
+        }
+        cpu::check_ids(Self::NAME, self.ids, vocab)?;
+        let n = self.ids.len();
+        let mut plan = Plan::one(&[n, dim], self.table.dtype());
+        self.upload = plan.workspace(mul(Self::NAME, "the ids", n, 4)?);
+        Ok(plan)
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        let dim = self.table.shape()[1];
+        with_dtype!(self.table.dtype(), T => cpu::embedding(
+            self.ids,
+            self.table.as_slice::<T>()?,
+            bufs.out(0).out_slice::<T>(Self::NAME)?,
+            dim,
+        ))
+    }
+
     #[cfg(feature = "cuda")]
-    if let Some(cu) = table.device().cuda_backend() {
-        cpu::check_ids(ids, table.shape()[0]).map_err(|e| id_error(OP, e))?;
-        crate::cuda::ops::nn::embedding(cu, table, ids, &mut out)?;
-        return Ok(out);
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::registry::EMBEDDING;
+        use crate::cuda::{Arg, helpers::ptr, helpers::upload_u32, launch::elementwise as grid};
+        let out = bufs.out(0);
+        let n = out.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let dim = self.table.shape()[1];
+        let idx = bufs.ws(self.upload)?;
+        upload_u32(gpu, self.ids, idx)?;
+        let out = bufs.out(0);
+        // SAFETY: embedding_T(const u32* ids, const T* table, T* out, u64 n, u64 dim); out
+        // holds n = ids.len() * dim elements, every id is below the table's rows (checked in
+        // `plan`).
+        unsafe {
+            gpu.launch(
+                EMBEDDING.of(self.table.dtype()),
+                grid(n),
+                &[Arg::Ptr(idx), ptr(self.table)?, ptr(out)?, Arg::count(n), Arg::count(dim)],
+            )
+        }
     }
-    with_dtype!(table.dtype(), T => {
-        cpu::embedding(ids, table.as_slice::<T>()?, out.as_mut_slice::<T>()?, dim)
-    })
-    .map_err(|e| id_error(OP, e))?;
-    Ok(out)
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
 }
 
 /// Gradient of [`embedding`] with respect to a table of `vocab` rows: `[vocab, dim]`, row `v`
@@ -41,26 +94,92 @@ pub fn embedding(table: &Tensor, ids: &[u32]) -> Result<Tensor> {
 ///
 /// # Errors
 ///
-/// [`Error::ShapeMismatch`] if `dout` is not `[ids.len(), dim]`;
-/// [`Error::IndexOutOfRange`] for an id not below `vocab`; out of memory.
+/// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) if `dout` is not
+/// `[ids.len(), dim]`; [`Error::IndexOutOfRange`](crate::Error::IndexOutOfRange) for an id
+/// not below `vocab`; out of memory.
 pub fn embedding_backward(ids: &[u32], dout: &Tensor, vocab: usize) -> Result<Tensor> {
-    const OP: &str = "embedding_backward";
-    expect_rank(OP, dout, 2, "dout [tokens, dim]")?;
-    let dim = dout.shape()[1];
-    if dim == 0 {
-        return Err(invalid(OP, "the embedding dimension must be positive"));
+    run(EmbeddingBackward { ids, dout, vocab, acc: None, upload: None })
+}
+
+struct EmbeddingBackward<'a> {
+    ids: &'a [u32],
+    dout: &'a Tensor,
+    vocab: usize,
+    /// The f32 scatter-add accumulator.
+    acc: Option<usize>,
+    /// The ids on the device.
+    upload: Option<usize>,
+}
+
+impl Op for EmbeddingBackward<'_> {
+    const NAME: &'static str = "embedding_backward";
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.dout.device()
     }
-    super::expect_shape(OP, &[ids.len(), dim], dout)?;
-    let mut dtable = output(OP, dout.device(), &[vocab, dim], dout.dtype())?;
+
+    fn plan(&mut self) -> Result<Plan> {
+        expect_rank(Self::NAME, self.dout, 2, "dout [tokens, dim]")?;
+        let dim = self.dout.shape()[1];
+        if dim == 0 {
+            return Err(invalid(Self::NAME, "the embedding dimension must be positive"));
+        }
+        expect_shape(Self::NAME, &[self.ids.len(), dim], self.dout)?;
+        cpu::check_ids(Self::NAME, self.ids, self.vocab)?;
+        let table = mul(Self::NAME, "the table", self.vocab, dim)?;
+        let mut plan = Plan::one(&[self.vocab, dim], self.dout.dtype());
+        self.acc = plan.zeroed_workspace(mul(Self::NAME, "the table", table, 4)?);
+        if self.dout.numel() > 0 {
+            self.upload = plan.workspace(self.ids.len() * 4);
+        }
+        Ok(plan)
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        let dim = self.dout.shape()[1];
+        with_dtype!(self.dout.dtype(), T => cpu::embedding_backward(
+            self.ids,
+            self.dout.as_slice::<T>()?,
+            bufs.out(0).out_slice::<T>(Self::NAME)?,
+            dim,
+        ))
+    }
+
     #[cfg(feature = "cuda")]
-    if let Some(cu) = dout.device().cuda_backend() {
-        cpu::check_ids(ids, vocab).map_err(|e| id_error(OP, e))?;
-        crate::cuda::ops::nn::embedding_backward(cu, ids, dout, &mut dtable)?;
-        return Ok(dtable);
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::registry::EMBEDDING_BWD;
+        use crate::cuda::{Arg, helpers::ptr, helpers::upload_u32, launch::elementwise as grid};
+        let acc = bufs.ws(self.acc)?;
+        let n = self.dout.numel();
+        if n > 0 {
+            let dim = self.dout.shape()[1];
+            let idx = bufs.ws(self.upload)?;
+            upload_u32(gpu, self.ids, idx)?;
+            // SAFETY: embedding_bwd_T(const u32* ids, const T* dout, float* acc, u64 n, u64
+            // dim); dout holds n = ids.len() * dim elements, acc vocab * dim floats and every
+            // id is below vocab (checked in `plan`).
+            unsafe {
+                gpu.launch(
+                    EMBEDDING_BWD.of(self.dout.dtype()),
+                    grid(n),
+                    &[
+                        Arg::Ptr(idx),
+                        ptr(self.dout)?,
+                        Arg::Ptr(acc),
+                        Arg::count(n),
+                        Arg::count(dim),
+                    ],
+                )?;
+            }
+        }
+        if acc == 0 {
+            return Ok(());
+        }
+        crate::cuda::helpers::from_f32(gpu, acc, bufs.out(0))
     }
-    with_dtype!(dout.dtype(), T => {
-        cpu::embedding_backward(ids, dout.as_slice::<T>()?, dtable.as_mut_slice::<T>()?, dim)
-    })
-    .map_err(|e| id_error(OP, e))?;
-    Ok(dtable)
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
 }

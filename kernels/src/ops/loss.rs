@@ -1,24 +1,28 @@
-//! Fused softmax cross-entropy over class logits, forward and backward.
+//! Fused softmax cross-entropy over class logits, forward and backward. Targets live on the
+//! host; they are checked before anything is allocated and, on a GPU, uploaded into a
+//! workspace.
 
-use super::{expect_dtype, expect_rank, output, output_like, same_device, with_dtype};
+use super::dispatch::{Buffers, Op, Plan, run};
+use super::reduce::sum_workspaces;
+use super::{expect_dtype, expect_rank, expect_shape, same_device};
 use crate::cpu::loss as cpu;
-#[cfg(feature = "cuda")]
-use crate::cuda::ops::nn as cuda;
-use crate::dtype::DType;
+use crate::device::Device;
+use crate::dtype::{DType, with_dtype};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 /// The result of [`cross_entropy`].
 #[derive(Debug)]
 pub struct CrossEntropy {
-    /// The mean loss over the rows not ignored (NaN if every row is ignored).
+    /// The mean loss over the rows not ignored (NaN if every row is ignored, and on a
+    /// virtual device, which computes nothing).
     pub loss: f32,
     /// Per-row log-sum-exp, `[n]` f32, saved for [`cross_entropy_backward`].
     pub lse: Tensor,
 }
 
-/// Checks logits `[n, c]` against `n` targets.
-fn check(op: &'static str, logits: &Tensor, targets: &[u32]) -> Result<()> {
+/// Checks logits `[n, c]` against `n` targets and the targets against `c`.
+fn check(op: &'static str, logits: &Tensor, targets: &[u32], ignore: Option<u32>) -> Result<()> {
     expect_rank(op, logits, 2, "of logits [n, classes]")?;
     if logits.shape()[0] != targets.len() {
         return Err(Error::ShapeMismatch {
@@ -27,11 +31,7 @@ fn check(op: &'static str, logits: &Tensor, targets: &[u32]) -> Result<()> {
             rhs: vec![targets.len()],
         });
     }
-    Ok(())
-}
-
-fn target_error(op: &'static str, e: cpu::TargetOutOfRange) -> Error {
-    Error::IndexOutOfRange { op, index: e.target as usize, bound: e.classes }
+    cpu::validate(op, targets, logits.shape()[1], ignore)
 }
 
 /// Mean softmax cross-entropy of `logits: [n, c]` (any dtype, computed in f32) against class
@@ -46,27 +46,91 @@ pub fn cross_entropy(
     targets: &[u32],
     ignore_index: Option<u32>,
 ) -> Result<CrossEntropy> {
-    const OP: &str = "cross_entropy";
-    check(OP, logits, targets)?;
-    let mut lse = output(OP, logits.device(), &[targets.len()], DType::F32)?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = logits.device().cuda_backend() {
-        cpu::validate(targets, logits.shape()[1], ignore_index).map_err(|e| target_error(OP, e))?;
-        let loss = if logits.shape()[1] == 0 {
-            f32::NAN
-        } else {
-            cuda::cross_entropy(cu, logits, targets, ignore_index, &mut lse)?
-        };
-        return Ok(CrossEntropy { loss, lse });
+    run(CrossEntropyOp { logits, targets, ignore_index, loss: f32::NAN, ws: [None; 4] })
+}
+
+struct CrossEntropyOp<'a> {
+    logits: &'a Tensor,
+    targets: &'a [u32],
+    ignore_index: Option<u32>,
+    loss: f32,
+    /// The targets, the per-row losses, the partial sums and the total on the device.
+    ws: [Option<usize>; 4],
+}
+
+impl Op for CrossEntropyOp<'_> {
+    const NAME: &'static str = "cross_entropy";
+    type Output = CrossEntropy;
+
+    fn device(&self) -> &Device {
+        self.logits.device()
     }
-    let loss = with_dtype!(logits.dtype(), T => cpu::cross_entropy(
-        logits.as_slice::<T>()?,
-        targets,
-        ignore_index,
-        lse.as_mut_slice::<f32>()?,
-    ))
-    .map_err(|e| target_error(OP, e))?;
-    Ok(CrossEntropy { loss, lse })
+
+    fn plan(&mut self) -> Result<Plan> {
+        check(Self::NAME, self.logits, self.targets, self.ignore_index)?;
+        let n = self.targets.len();
+        let mut plan = Plan::one(&[n], DType::F32);
+        if self.logits.numel() > 0 {
+            self.ws[0] = plan.workspace(n * 4);
+            self.ws[1] = plan.workspace(n * 4);
+            let (partial, total) = sum_workspaces(n);
+            self.ws[2] = plan.workspace(partial);
+            self.ws[3] = plan.workspace(total);
+        }
+        Ok(plan)
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        self.loss = with_dtype!(self.logits.dtype(), T => cpu::cross_entropy(
+            self.logits.as_slice::<T>()?,
+            self.targets,
+            self.ignore_index,
+            bufs.out(0).out_slice::<f32>(Self::NAME)?,
+        ))?;
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::helpers::{check_rows, ptr, sum, upload_u32};
+        use crate::cuda::{Arg, launch, registry::CE_FWD};
+        let (n, c) = (self.targets.len(), self.logits.shape()[1]);
+        if n == 0 || c == 0 {
+            // Every row is ignored (checked in `plan`): the mean of nothing.
+            return Ok(());
+        }
+        check_rows(Self::NAME, n)?;
+        let [t, losses, partial, total] = [0, 1, 2, 3].map(|i| bufs.ws(self.ws[i]));
+        let (t, losses, partial, total) = (t?, losses?, partial?, total?);
+        upload_u32(gpu, self.targets, t)?;
+        let ignore = self.ignore_index;
+        // SAFETY: ce_fwd_T(const T* x, const u32* t, u64 c, u32 ignore, u32 has_ignore,
+        // float* lse, float* loss), one block per row; logits hold n * c elements, targets n
+        // (each below c unless ignored, checked in `plan`), lse and losses n floats.
+        unsafe {
+            gpu.launch(
+                CE_FWD.of(self.logits.dtype()),
+                launch::per_row(n),
+                &[
+                    ptr(self.logits)?,
+                    Arg::Ptr(t),
+                    Arg::count(c),
+                    Arg::U32(ignore.unwrap_or(0)),
+                    Arg::U32(ignore.is_some() as u32),
+                    ptr(bufs.out(0))?,
+                    Arg::Ptr(losses),
+                ],
+            )?;
+        }
+        let count = self.targets.iter().filter(|&&t| Some(t) != ignore).count();
+        let blocks = sum_workspaces(n).0 / 4;
+        self.loss = sum(gpu, losses, DType::F32, n, (partial, blocks), total)? / count as f32;
+        Ok(())
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<CrossEntropy> {
+        Ok(CrossEntropy { loss: self.loss, lse: bufs.into_output() })
+    }
 }
 
 /// Gradient of [`cross_entropy`] with respect to the logits, for the upstream gradient
@@ -82,26 +146,87 @@ pub fn cross_entropy_backward(
     lse: &Tensor,
     dloss: f32,
 ) -> Result<Tensor> {
-    const OP: &str = "cross_entropy_backward";
-    check(OP, logits, targets)?;
-    same_device(OP, logits, lse)?;
-    expect_dtype(OP, DType::F32, lse)?;
-    super::expect_shape(OP, &[targets.len()], lse)?;
-    let mut dlogits = output_like(OP, logits)?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = logits.device().cuda_backend() {
-        cpu::validate(targets, logits.shape()[1], ignore_index).map_err(|e| target_error(OP, e))?;
-        cuda::cross_entropy_backward(cu, logits, targets, ignore_index, lse, dloss, &mut dlogits)?;
-        return Ok(dlogits);
+    run(CrossEntropyBackward { logits, targets, ignore_index, lse, dloss, upload: None })
+}
+
+struct CrossEntropyBackward<'a> {
+    logits: &'a Tensor,
+    targets: &'a [u32],
+    ignore_index: Option<u32>,
+    lse: &'a Tensor,
+    dloss: f32,
+    /// The targets on the device.
+    upload: Option<usize>,
+}
+
+impl Op for CrossEntropyBackward<'_> {
+    const NAME: &'static str = "cross_entropy_backward";
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.logits.device()
     }
-    with_dtype!(logits.dtype(), T => cpu::cross_entropy_backward(
-        logits.as_slice::<T>()?,
-        targets,
-        ignore_index,
-        lse.as_slice::<f32>()?,
-        dloss,
-        dlogits.as_mut_slice::<T>()?,
-    ))
-    .map_err(|e| target_error(OP, e))?;
-    Ok(dlogits)
+
+    fn plan(&mut self) -> Result<Plan> {
+        check(Self::NAME, self.logits, self.targets, self.ignore_index)?;
+        same_device(Self::NAME, self.logits, self.lse)?;
+        expect_dtype(Self::NAME, DType::F32, self.lse)?;
+        expect_shape(Self::NAME, &[self.targets.len()], self.lse)?;
+        let mut plan = Plan::one(self.logits.shape(), self.logits.dtype());
+        if self.logits.numel() > 0 {
+            self.upload = plan.workspace(self.targets.len() * 4);
+        }
+        Ok(plan)
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        with_dtype!(self.logits.dtype(), T => cpu::cross_entropy_backward(
+            self.logits.as_slice::<T>()?,
+            self.targets,
+            self.ignore_index,
+            self.lse.as_slice::<f32>()?,
+            self.dloss,
+            bufs.out(0).out_slice::<T>(Self::NAME)?,
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::helpers::{ptr, upload_u32};
+        use crate::cuda::{Arg, launch::elementwise as grid, registry::CE_BWD};
+        let total = self.logits.numel();
+        if total == 0 {
+            return Ok(());
+        }
+        let c = self.logits.shape()[1];
+        let ignore = self.ignore_index;
+        let count = self.targets.iter().filter(|&&t| Some(t) != ignore).count();
+        let g = self.dloss / count as f32;
+        let t = bufs.ws(self.upload)?;
+        upload_u32(gpu, self.targets, t)?;
+        // SAFETY: ce_bwd_T(const T* x, const u32* t, const float* lse, float g, u64 c, u32
+        // ignore, u32 has_ignore, T* dx, u64 n); logits and dlogits hold n = rows * c
+        // elements, targets and lse one per row, targets checked in `plan`.
+        unsafe {
+            gpu.launch(
+                CE_BWD.of(self.logits.dtype()),
+                grid(total),
+                &[
+                    ptr(self.logits)?,
+                    Arg::Ptr(t),
+                    ptr(self.lse)?,
+                    Arg::F32(g),
+                    Arg::count(c),
+                    Arg::U32(ignore.unwrap_or(0)),
+                    Arg::U32(ignore.is_some() as u32),
+                    ptr(bufs.out(0))?,
+                    Arg::count(total),
+                ],
+            )
+        }
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
 }

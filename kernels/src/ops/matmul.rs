@@ -1,10 +1,13 @@
-//! Batched matrix products and the linear layer, forward and backward.
+//! Batched matrix products and the linear layer, forward and backward: the host's gemm
+//! crate or cuBLAS (`cublasGemmEx` / `cublasGemmStridedBatchedEx`, f32 accumulation), which
+//! runs in the device's cuBLAS workspace.
 
-use super::{expect_rank, invalid, output, rows_cols, same_kind, with_dtype};
+use super::dispatch::{Buffers, Op, Plan, run};
+use super::params::MatmulSpec;
+use super::{expect_rank, expect_shape, rows_cols, same_kind};
 use crate::cpu::matmul as cpu;
-use crate::cpu::matmul::MatmulSpec;
-#[cfg(feature = "cuda")]
-use crate::cuda::ops::matmul as cuda;
+use crate::device::Device;
+use crate::dtype::with_dtype;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -13,46 +16,19 @@ use crate::tensor::Tensor;
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] for an operand of rank below 2; [`Error::ShapeMismatch`] if
-/// the contracted dimensions or the batch dimensions disagree.
+/// As [`MatmulSpec::for_shapes`].
 pub fn matmul_spec(
     a: &[usize],
     b: &[usize],
     trans_a: bool,
     trans_b: bool,
 ) -> Result<(MatmulSpec, Vec<usize>)> {
-    const OP: &str = "matmul";
-    let mismatch = || Error::ShapeMismatch { op: OP, lhs: a.to_vec(), rhs: b.to_vec() };
-    let (Some((a_batch, &[ar, ac])), Some((b_batch, &[br, bc]))) =
-        (a.split_last_chunk::<2>(), b.split_last_chunk::<2>())
-    else {
-        return Err(invalid(OP, format!("operands need rank >= 2, got {a:?} and {b:?}")));
-    };
-    let (m, k) = if trans_a { (ac, ar) } else { (ar, ac) };
-    let (kb, n) = if trans_b { (bc, br) } else { (br, bc) };
-    if k != kb {
-        return Err(mismatch());
-    }
-    // Equal batch dimensions pair up; a rank-2 operand is broadcast to every batch.
-    let (batch_dims, stride_a, stride_b) = if a_batch == b_batch {
-        (a_batch, m * k, k * n)
-    } else if b_batch.is_empty() {
-        (a_batch, m * k, 0)
-    } else if a_batch.is_empty() {
-        (b_batch, 0, k * n)
-    } else {
-        return Err(mismatch());
-    };
-    let batch = batch_dims.iter().product();
-    let spec = MatmulSpec::new(m, n, k).transpose(trans_a, trans_b).batched(
-        batch,
-        stride_a,
-        stride_b,
-        m * n,
-    );
-    let mut out = batch_dims.to_vec();
-    out.extend([m, n]);
-    Ok((spec, out))
+    MatmulSpec::for_shapes(a, b, trans_a, trans_b)
+}
+
+/// Whether a product of `spec` multiplies anything (cuBLAS runs only then).
+fn multiplies(spec: &MatmulSpec) -> bool {
+    spec.batch > 0 && spec.m > 0 && spec.n > 0 && spec.k > 0
 }
 
 /// Batched matrix product `op(a) * op(b)`.
@@ -66,19 +42,55 @@ pub fn matmul_spec(
 ///
 /// As [`matmul_spec`]; dtype and device mismatches; out of memory.
 pub fn matmul(a: &Tensor, b: &Tensor, trans_a: bool, trans_b: bool) -> Result<Tensor> {
-    const OP: &str = "matmul";
-    same_kind(OP, a, b)?;
     let (spec, shape) = matmul_spec(a.shape(), b.shape(), trans_a, trans_b)?;
-    let mut c = output(OP, a.device(), &shape, a.dtype())?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = a.device().cuda_backend() {
-        cuda::matmul(cu, &spec, a, b, &mut c)?;
-        return Ok(c);
+    run(Matmul { spec, shape, a, b })
+}
+
+struct Matmul<'a> {
+    spec: MatmulSpec,
+    shape: Vec<usize>,
+    a: &'a Tensor,
+    b: &'a Tensor,
+}
+
+impl Op for Matmul<'_> {
+    const NAME: &'static str = "matmul";
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.a.device()
     }
-    with_dtype!(a.dtype(), T => {
-        cpu::matmul(&spec, a.as_slice::<T>()?, b.as_slice::<T>()?, c.as_mut_slice::<T>()?)
-    });
-    Ok(c)
+
+    fn plan(&mut self) -> Result<Plan> {
+        same_kind(Self::NAME, self.a, self.b)?;
+        let mut plan = Plan::one(&self.shape, self.a.dtype());
+        if multiplies(&self.spec) {
+            plan.blas();
+        }
+        Ok(plan)
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        with_dtype!(self.a.dtype(), T => cpu::matmul(
+            &self.spec,
+            self.a.as_slice::<T>()?,
+            self.b.as_slice::<T>()?,
+            bufs.out(0).out_slice::<T>(Self::NAME)?,
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        let t = self.a.dtype();
+        let (a, b, c) = (self.a.cuda_ptr()?, self.b.cuda_ptr()?, bufs.out(0).cuda_ptr()?);
+        // SAFETY: the spec was derived from the tensors' shapes, so a, b and c hold a_len(),
+        // b_len() and c_len() elements of t; c is a fresh output and stride_c = m * n.
+        unsafe { gpu.gemm(&self.spec, a, b, c, t, t) }
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
 }
 
 /// Gradients `(da, db)` of [`matmul`] (same transpose flags) for the upstream `dc`; `da` and
@@ -94,32 +106,110 @@ pub fn matmul_backward(
     trans_a: bool,
     trans_b: bool,
 ) -> Result<(Tensor, Tensor)> {
-    const OP: &str = "matmul_backward";
-    same_kind(OP, a, b)?;
-    same_kind(OP, a, dc)?;
     let (spec, shape) = matmul_spec(a.shape(), b.shape(), trans_a, trans_b)?;
-    super::expect_shape(OP, &shape, dc)?;
-    if dc.numel() == 0 {
-        // No product was formed, so nothing flows back.
-        let da = Tensor::zeros(a.device(), a.shape(), a.dtype())?;
-        return Ok((da, Tensor::zeros(b.device(), b.shape(), b.dtype())?));
+    run(MatmulBackward { spec, shape, a, b, dc, acc: [None, None] })
+}
+
+struct MatmulBackward<'a> {
+    spec: MatmulSpec,
+    shape: Vec<usize>,
+    a: &'a Tensor,
+    b: &'a Tensor,
+    dc: &'a Tensor,
+    /// f32 accumulators for the gradient of a broadcast `a` and `b`.
+    acc: [Option<usize>; 2],
+}
+
+impl Op for MatmulBackward<'_> {
+    const NAME: &'static str = "matmul_backward";
+    type Output = (Tensor, Tensor);
+
+    fn device(&self) -> &Device {
+        self.a.device()
     }
-    let mut da = output(OP, a.device(), a.shape(), a.dtype())?;
-    let mut db = output(OP, b.device(), b.shape(), b.dtype())?;
+
+    fn plan(&mut self) -> Result<Plan> {
+        let (s, a, b, dc) = (self.spec, self.a, self.b, self.dc);
+        same_kind(Self::NAME, a, b)?;
+        same_kind(Self::NAME, a, dc)?;
+        expect_shape(Self::NAME, &self.shape, dc)?;
+        let mut plan = Plan::default();
+        if dc.numel() == 0 {
+            // No product was formed, so nothing flows back.
+            plan.zeroed_output(a.shape(), a.dtype());
+            plan.zeroed_output(b.shape(), b.dtype());
+            return Ok(plan);
+        }
+        plan.output(a.shape(), a.dtype());
+        plan.output(b.shape(), b.dtype());
+        // A broadcast operand's gradient sums the batches in f32, rounded once.
+        if s.batch > 1 && s.stride_a == 0 {
+            self.acc[0] = plan.zeroed_workspace(s.m * s.k * 4);
+        }
+        if s.batch > 1 && s.stride_b == 0 {
+            self.acc[1] = plan.zeroed_workspace(s.k * s.n * 4);
+        }
+        if s.k > 0 {
+            plan.blas();
+        }
+        Ok(plan)
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        let [da, db] = bufs.outputs_mut() else { unreachable!("planned") };
+        with_dtype!(self.a.dtype(), T => cpu::matmul_backward(
+            &self.spec,
+            self.a.as_slice::<T>()?,
+            self.b.as_slice::<T>()?,
+            self.dc.as_slice::<T>()?,
+            Some(da.out_slice::<T>(Self::NAME)?),
+            Some(db.out_slice::<T>(Self::NAME)?),
+        ))
+    }
+
     #[cfg(feature = "cuda")]
-    if let Some(cu) = a.device().cuda_backend() {
-        cuda::matmul_backward(cu, &spec, a, b, dc, &mut da, &mut db)?;
-        return Ok((da, db));
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        if self.dc.numel() == 0 {
+            return Ok(());
+        }
+        let s = self.spec;
+        let (pa, pb, pc) = (self.a.cuda_ptr()?, self.b.cuda_ptr()?, self.dc.cuda_ptr()?);
+        let acc = [bufs.ws(self.acc[0])?, bufs.ws(self.acc[1])?];
+        // dA = dC * op(B)^T, or its transpose op(B) * dC^T (the host's formulation).
+        let grad = if s.trans_a {
+            MatmulSpec::new(s.k, s.m, s.n).transpose(s.trans_b, true)
+        } else {
+            MatmulSpec::new(s.m, s.k, s.n).transpose(false, !s.trans_b)
+        };
+        let operands = if s.trans_a {
+            (pb, pc, s.stride_b, s.stride_c)
+        } else {
+            (pc, pb, s.stride_c, s.stride_b)
+        };
+        let out = (bufs.out(0), s.stride_a, acc[0]);
+        cuda::grad_batches(gpu, &s, grad.scaled(s.alpha, 0.0), operands, out)?;
+        // dB = op(A)^T * dC, or its transpose dC^T * op(A).
+        let grad = if s.trans_b {
+            MatmulSpec::new(s.n, s.k, s.m).transpose(true, s.trans_a)
+        } else {
+            MatmulSpec::new(s.k, s.n, s.m).transpose(!s.trans_a, false)
+        };
+        let operands = if s.trans_b {
+            (pc, pa, s.stride_c, s.stride_a)
+        } else {
+            (pa, pc, s.stride_a, s.stride_c)
+        };
+        let out = (bufs.out(1), s.stride_b, acc[1]);
+        cuda::grad_batches(gpu, &s, grad.scaled(s.alpha, 0.0), operands, out)
     }
-    with_dtype!(a.dtype(), T => cpu::matmul_backward(
-        &spec,
-        a.as_slice::<T>()?,
-        b.as_slice::<T>()?,
-        dc.as_slice::<T>()?,
-        Some(da.as_mut_slice::<T>()?),
-        Some(db.as_mut_slice::<T>()?),
-    ));
-    Ok((da, db))
+
+    fn finish(self, bufs: Buffers) -> Result<(Tensor, Tensor)> {
+        let mut out = bufs.into_outputs();
+        match (out.next(), out.next()) {
+            (Some(da), Some(db)) => Ok((da, db)),
+            _ => unreachable!("the plan has da and db"),
+        }
+    }
 }
 
 /// Checks a linear layer's operands; returns `(rows, d_in, d_out)`.
@@ -151,27 +241,73 @@ fn with_last(shape: &[usize], last: usize) -> Vec<usize> {
 /// [`Error::ShapeMismatch`] if `w` or `bias` does not fit `x`; dtype and device
 /// mismatches; out of memory.
 pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    const OP: &str = "linear";
-    let (_, d_in, d_out) = linear_dims(OP, x, w)?;
-    if let Some(bias) = bias {
-        same_kind(OP, x, bias)?;
-        super::expect_shape(OP, &[d_out], bias)?;
+    run(Linear { x, w, bias, dims: (0, 0, 0) })
+}
+
+struct Linear<'a> {
+    x: &'a Tensor,
+    w: &'a Tensor,
+    bias: Option<&'a Tensor>,
+    /// `(rows, d_in, d_out)`.
+    dims: (usize, usize, usize),
+}
+
+impl Op for Linear<'_> {
+    const NAME: &'static str = "linear";
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.x.device()
     }
-    let mut y = output(OP, x.device(), &with_last(x.shape(), d_out), x.dtype())?;
+
+    fn plan(&mut self) -> Result<Plan> {
+        let (rows, d_in, d_out) = linear_dims(Self::NAME, self.x, self.w)?;
+        self.dims = (rows, d_in, d_out);
+        if let Some(bias) = self.bias {
+            same_kind(Self::NAME, self.x, bias)?;
+            expect_shape(Self::NAME, &[d_out], bias)?;
+        }
+        let mut plan = Plan::one(&with_last(self.x.shape(), d_out), self.x.dtype());
+        if rows > 0 && d_in > 0 && d_out > 0 {
+            plan.blas();
+        }
+        Ok(plan)
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        let (_, d_in, d_out) = self.dims;
+        with_dtype!(self.x.dtype(), T => cpu::linear(
+            self.x.as_slice::<T>()?,
+            self.w.as_slice::<T>()?,
+            self.bias.map(|b| b.as_slice::<T>()).transpose()?,
+            bufs.out(0).out_slice::<T>(Self::NAME)?,
+            d_in,
+            d_out,
+        ))
+    }
+
     #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        cuda::linear(cu, x, w, bias, &mut y, d_in, d_out)?;
-        return Ok(y);
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        let (rows, d_in, d_out) = self.dims;
+        let y = bufs.out(0);
+        // The bias is broadcast into y first and the gemm adds the product to it (beta = 1),
+        // so each output is rounded once.
+        let beta = match self.bias {
+            Some(bias) => {
+                cuda::bias_fill(gpu, bias, y)?;
+                1.0
+            }
+            None => 0.0,
+        };
+        let spec = MatmulSpec::new(rows, d_out, d_in).transpose(false, true).scaled(1.0, beta);
+        let t = self.x.dtype();
+        // SAFETY: x is [rows, d_in], w [d_out, d_in], y [rows, d_out] (checked in `plan`).
+        unsafe { gpu.gemm(&spec, self.x.cuda_ptr()?, self.w.cuda_ptr()?, y.cuda_ptr()?, t, t) }
     }
-    with_dtype!(x.dtype(), T => cpu::linear(
-        x.as_slice::<T>()?,
-        w.as_slice::<T>()?,
-        bias.map(|b| b.as_slice::<T>()).transpose()?,
-        y.as_mut_slice::<T>()?,
-        d_in,
-        d_out,
-    ));
-    Ok(y)
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
 }
 
 /// Gradients of a linear layer.
@@ -197,39 +333,166 @@ pub fn linear_backward(
     dy: &Tensor,
     with_bias: bool,
 ) -> Result<LinearGrads> {
-    const OP: &str = "linear_backward";
-    let (_, d_in, d_out) = linear_dims(OP, x, w)?;
-    same_kind(OP, x, dy)?;
-    super::expect_shape(OP, &with_last(x.shape(), d_out), dy)?;
-    let zeros = dy.numel() == 0;
-    let alloc = |shape: &[usize]| {
-        if zeros {
-            Tensor::zeros(x.device(), shape, x.dtype())
-        } else {
-            output(OP, x.device(), shape, x.dtype())
-        }
-    };
-    let mut dx = alloc(x.shape())?;
-    let mut dw = alloc(w.shape())?;
-    let mut dbias = if with_bias { Some(alloc(&[d_out])?) } else { None };
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        if !zeros {
-            cuda::linear_backward(cu, x, w, dy, &mut dx, &mut dw, dbias.as_mut(), d_in, d_out)?;
-        }
-        return Ok(LinearGrads { dx, dw, dbias });
+    run(LinearBackward { x, w, dy, with_bias, dims: (0, 0, 0), acc: None })
+}
+
+struct LinearBackward<'a> {
+    x: &'a Tensor,
+    w: &'a Tensor,
+    dy: &'a Tensor,
+    with_bias: bool,
+    /// `(rows, d_in, d_out)`.
+    dims: (usize, usize, usize),
+    /// The f32 column sums of dy (the bias gradient).
+    acc: Option<usize>,
+}
+
+impl Op for LinearBackward<'_> {
+    const NAME: &'static str = "linear_backward";
+    type Output = LinearGrads;
+
+    fn device(&self) -> &Device {
+        self.x.device()
     }
-    if !zeros {
-        with_dtype!(x.dtype(), T => cpu::linear_backward(
-            x.as_slice::<T>()?,
-            w.as_slice::<T>()?,
-            dy.as_slice::<T>()?,
-            Some(dx.as_mut_slice::<T>()?),
-            Some(dw.as_mut_slice::<T>()?),
-            dbias.as_mut().map(|d| d.as_mut_slice::<T>()).transpose()?,
+
+    fn plan(&mut self) -> Result<Plan> {
+        let (x, w, dy) = (self.x, self.w, self.dy);
+        let (rows, d_in, d_out) = linear_dims(Self::NAME, x, w)?;
+        self.dims = (rows, d_in, d_out);
+        same_kind(Self::NAME, x, dy)?;
+        expect_shape(Self::NAME, &with_last(x.shape(), d_out), dy)?;
+        let mut plan = Plan::default();
+        let dtype = x.dtype();
+        if dy.numel() == 0 {
+            plan.zeroed_output(x.shape(), dtype);
+            plan.zeroed_output(w.shape(), dtype);
+            if self.with_bias {
+                plan.zeroed_output(&[d_out], dtype);
+            }
+            return Ok(plan);
+        }
+        plan.output(x.shape(), dtype);
+        plan.output(w.shape(), dtype);
+        if self.with_bias {
+            plan.output(&[d_out], dtype);
+            self.acc = plan.zeroed_workspace(d_out * 4);
+        }
+        if d_in > 0 {
+            plan.blas();
+        }
+        Ok(plan)
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        if self.dy.numel() == 0 {
+            return Ok(());
+        }
+        let (_, d_in, d_out) = self.dims;
+        let [dx, dw, rest @ ..] = bufs.outputs_mut() else { unreachable!("planned") };
+        with_dtype!(self.x.dtype(), T => cpu::linear_backward(
+            self.x.as_slice::<T>()?,
+            self.w.as_slice::<T>()?,
+            self.dy.as_slice::<T>()?,
+            Some(dx.out_slice::<T>(Self::NAME)?),
+            Some(dw.out_slice::<T>(Self::NAME)?),
+            rest.first_mut().map(|d| d.out_slice::<T>(Self::NAME)).transpose()?,
             d_in,
             d_out,
-        ));
+        ))
     }
-    Ok(LinearGrads { dx, dw, dbias })
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        if self.dy.numel() == 0 {
+            return Ok(());
+        }
+        let (rows, d_in, d_out) = self.dims;
+        let t = self.x.dtype();
+        let (px, pw, pdy) = (self.x.cuda_ptr()?, self.w.cuda_ptr()?, self.dy.cuda_ptr()?);
+        let dx = bufs.out(0).cuda_ptr()?;
+        // SAFETY: dy [rows, d_out] * w [d_out, d_in] -> dx [rows, d_in].
+        unsafe { gpu.gemm(&MatmulSpec::new(rows, d_in, d_out), pdy, pw, dx, t, t)? };
+        let spec = MatmulSpec::new(d_out, d_in, rows).transpose(true, false);
+        let dw = bufs.out(1).cuda_ptr()?;
+        // SAFETY: dy^T ([rows, d_out] stored) * x [rows, d_in] -> dw [d_out, d_in].
+        unsafe { gpu.gemm(&spec, pdy, px, dw, t, t)? };
+        if self.with_bias {
+            let acc = bufs.ws(self.acc)?;
+            crate::cuda::helpers::column_sums(gpu, pdy, t, rows, acc, bufs.out(2))?;
+        }
+        Ok(())
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<LinearGrads> {
+        let mut out = bufs.into_outputs();
+        let (Some(dx), Some(dw)) = (out.next(), out.next()) else {
+            unreachable!("the plan has dx and dw")
+        };
+        Ok(LinearGrads { dx, dw, dbias: out.next() })
+    }
+}
+
+/// The CUDA side of the gradients and the bias broadcast.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use crate::cuda::helpers::{from_f32, ptr};
+    use crate::cuda::launch::elementwise as grid;
+    use crate::cuda::registry::BIAS_FILL;
+    use crate::cuda::{Arg, Gpu};
+    use crate::dtype::DType;
+    use crate::error::Result;
+    use crate::ops::MatmulSpec;
+    use crate::tensor::Tensor;
+
+    /// One gradient product of a matmul's backward, as the host's `grad_batches`: batched
+    /// into `out` when the operand has its own matrix per batch, summed over batches (in the
+    /// zeroed f32 accumulator `acc`, rounded once) when it was broadcast.
+    pub(super) fn grad_batches(
+        gpu: &Gpu<'_>,
+        spec: &MatmulSpec,
+        grad: MatmulSpec,
+        (lhs, rhs, lhs_stride, rhs_stride): (u64, u64, usize, usize),
+        (out, out_stride, acc): (&mut Tensor, usize, u64),
+    ) -> Result<()> {
+        let t = out.dtype();
+        let size = t.size_in_bytes();
+        if out_stride != 0 || spec.batch <= 1 {
+            let g = grad.batched(spec.batch, lhs_stride, rhs_stride, out_stride);
+            // SAFETY: lhs, rhs and out are the forward operands, dc and the gradient, whose
+            // layouts the forward spec describes; `g` addresses exactly those ranges.
+            return unsafe { gpu.gemm(&g, lhs, rhs, out.cuda_ptr()?, t, t) };
+        }
+        for i in 0..spec.batch {
+            let g = grad.scaled(grad.alpha, 1.0);
+            // SAFETY: batch i's matrices start i strides in; acc holds the m * n f32 sum.
+            unsafe {
+                gpu.gemm(
+                    &g,
+                    lhs + (i * lhs_stride * size) as u64,
+                    rhs + (i * rhs_stride * size) as u64,
+                    acc,
+                    t,
+                    DType::F32,
+                )?;
+            }
+        }
+        from_f32(gpu, acc, out)
+    }
+
+    /// `y[i] = bias[i % d]` over all of `y` (the C operand of a linear layer's gemm).
+    pub(super) fn bias_fill(gpu: &Gpu<'_>, bias: &Tensor, y: &mut Tensor) -> Result<()> {
+        let (n, d) = (y.numel(), bias.numel());
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: bias_fill_T(const T* b, T* y, u64 n, u64 d); y holds n elements, a multiple
+        // of d > 0; bias holds d.
+        unsafe {
+            gpu.launch(
+                BIAS_FILL.of(y.dtype()),
+                grid(n),
+                &[ptr(bias)?, ptr(y)?, Arg::count(n), Arg::count(d)],
+            )
+        }
+    }
 }

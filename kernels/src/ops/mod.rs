@@ -1,36 +1,47 @@
-//! Ops on [`Tensor`]s, forward and backward: thin wrappers over the [`cpu`](crate::cpu)
-//! reference functions that check shapes, dtypes and devices, allocate their outputs from
-//! the input's device and dispatch on the dtype.
+//! Ops on [`Tensor`]s, forward and backward, each described once: its checks, what it
+//! allocates, its host code and its CUDA launches, run through one dispatch function
+//! ([`dispatch`]).
 //!
 //! Every op validates before it allocates and allocates before it writes, so an error (out
-//! of memory included) leaves its inputs as they were. Arithmetic is in f32 whatever the
-//! storage dtype. Backward ops take what the forward saved and return fresh gradient
-//! tensors; the in-place ops (`add_assign`, `axpy`, optimizer steps, unscale) name it.
+//! of memory included) leaves its inputs as they were. An op allocates exactly the same
+//! buffers on the host, on a virtual device and on a GPU (outputs, the GPU's workspaces and
+//! the cuBLAS workspace), so the memory statistics of all three agree. Arithmetic is in f32
+//! whatever the storage dtype. Backward ops take what the forward saved and return fresh
+//! gradient tensors; the in-place ops (`add_assign`, `axpy`, optimizer steps, unscale) name
+//! it. The geometry and configuration types the ops take ([`MatmulSpec`],
+//! [`Conv2dParams`], [`Pool2dParams`], [`SgdConfig`], [`AdamWConfig`]) live here too.
 
 mod activation;
+mod config;
 mod conv;
+mod copy;
+pub(crate) mod dispatch;
 mod elementwise;
 mod embedding;
 mod loss;
+pub(crate) mod map;
 mod matmul;
 mod norm;
 mod optim;
+mod params;
 mod pool;
 mod random;
 mod reduce;
 mod softmax;
 
 pub use activation::{gelu, gelu_backward, relu, relu_backward};
-pub use conv::{Conv2dGrads, Conv2dOptions, conv2d, conv2d_backward, conv2d_params};
+pub use config::{AdamWConfig, SgdConfig};
+pub use conv::{Conv2dGrads, conv2d, conv2d_backward, conv2d_params};
 pub use elementwise::{add, add_assign, axpy, bias_add, bias_add_backward, mul, scale};
 pub use embedding::{embedding, embedding_backward};
 pub use loss::{CrossEntropy, cross_entropy, cross_entropy_backward};
 pub use matmul::{LinearGrads, linear, linear_backward, matmul, matmul_backward, matmul_spec};
 pub use norm::{LayerNormGrads, LayerNormOutput, layer_norm, layer_norm_backward};
 pub use optim::{adamw_step, sgd_step, unscale_and_check_finite};
+pub use params::{Conv2dOptions, Conv2dParams, MatmulSpec, Pool2dOptions, Pool2dParams};
 pub use pool::{
-    Pool2dOptions, avg_pool2d, avg_pool2d_backward, global_avg_pool, global_avg_pool_backward,
-    max_pool2d, max_pool2d_backward, pool2d_params,
+    avg_pool2d, avg_pool2d_backward, global_avg_pool, global_avg_pool_backward, max_pool2d,
+    max_pool2d_backward, pool2d_params,
 };
 pub use random::{dropout, dropout_backward};
 pub use reduce::{
@@ -39,32 +50,9 @@ pub use reduce::{
 };
 pub use softmax::{causal_softmax, causal_softmax_backward, softmax, softmax_backward};
 
-use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-
-/// Runs `$body` with `$T` bound to the element type of `$dtype` (f32, `half::f16` or
-/// `half::bf16`): the one place a dtype becomes a type.
-macro_rules! with_dtype {
-    ($dtype:expr, $T:ident => $body:expr) => {
-        match $dtype {
-            $crate::dtype::DType::F32 => {
-                type $T = f32;
-                $body
-            }
-            $crate::dtype::DType::F16 => {
-                type $T = half::f16;
-                $body
-            }
-            $crate::dtype::DType::BF16 => {
-                type $T = half::bf16;
-                $body
-            }
-        }
-    };
-}
-pub(crate) use with_dtype;
 
 /// An [`Error::InvalidArgument`].
 pub(crate) fn invalid(op: &'static str, reason: impl Into<String>) -> Error {
@@ -125,19 +113,4 @@ pub(crate) fn rows_cols(op: &'static str, shape: &[usize]) -> Result<(usize, usi
         Some((&d, lead)) => Ok((lead.iter().product(), d)),
         None => Err(invalid(op, "expected a tensor of rank at least 1, got a scalar")),
     }
-}
-
-/// An output of `shape` and `dtype` on `device` whose every element the op overwrites.
-pub(crate) fn output(
-    op: &'static str,
-    device: &Device,
-    shape: &[usize],
-    dtype: DType,
-) -> Result<Tensor> {
-    Tensor::uninit(op, device, shape, dtype)
-}
-
-/// An output with `x`'s device, shape and dtype whose every element the op overwrites.
-pub(crate) fn output_like(op: &'static str, x: &Tensor) -> Result<Tensor> {
-    Tensor::uninit(op, x.device(), x.shape(), x.dtype())
 }

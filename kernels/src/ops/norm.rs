@@ -1,12 +1,10 @@
 //! Layer normalization over the last dimension, forward and backward.
 
-use super::{
-    expect_dtype, invalid, output, output_like, rows_cols, same_device, same_kind, with_dtype,
-};
+use super::dispatch::{Buffers, Op, Plan, run};
+use super::{expect_dtype, expect_shape, invalid, rows_cols, same_device, same_kind, same_layout};
 use crate::cpu::norm as cpu;
-#[cfg(feature = "cuda")]
-use crate::cuda::ops::nn as cuda;
-use crate::dtype::DType;
+use crate::device::Device;
+use crate::dtype::{DType, with_dtype};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -42,7 +40,7 @@ fn dims(op: &'static str, x: &Tensor, gamma: &Tensor) -> Result<(usize, usize)> 
             format!("cannot normalize over an empty last dimension {:?}", x.shape()),
         ));
     }
-    super::expect_shape(op, &[d], gamma)?;
+    expect_shape(op, &[d], gamma)?;
     Ok((rows, d))
 }
 
@@ -53,28 +51,82 @@ fn dims(op: &'static str, x: &Tensor, gamma: &Tensor) -> Result<(usize, usize)> 
 ///
 /// Shape, dtype and device mismatches; an empty last dimension; out of memory.
 pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result<LayerNormOutput> {
-    const OP: &str = "layer_norm";
-    let (rows, d) = dims(OP, x, gamma)?;
-    same_kind(OP, x, beta)?;
-    super::expect_shape(OP, &[d], beta)?;
-    let mut y = output_like(OP, x)?;
-    let mut mean = output(OP, x.device(), &[rows], DType::F32)?;
-    let mut rstd = output(OP, x.device(), &[rows], DType::F32)?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        cuda::layer_norm(cu, x, gamma, beta, eps, &mut y, &mut mean, &mut rstd)?;
-        return Ok(LayerNormOutput { y, mean, rstd });
+    run(LayerNorm { x, gamma, beta, eps })
+}
+
+struct LayerNorm<'a> {
+    x: &'a Tensor,
+    gamma: &'a Tensor,
+    beta: &'a Tensor,
+    eps: f32,
+}
+
+impl Op for LayerNorm<'_> {
+    const NAME: &'static str = "layer_norm";
+    type Output = LayerNormOutput;
+
+    fn device(&self) -> &Device {
+        self.x.device()
     }
-    with_dtype!(x.dtype(), T => cpu::layer_norm(
-        x.as_slice::<T>()?,
-        gamma.as_slice::<T>()?,
-        beta.as_slice::<T>()?,
-        eps,
-        y.as_mut_slice::<T>()?,
-        mean.as_mut_slice::<f32>()?,
-        rstd.as_mut_slice::<f32>()?,
-    ));
-    Ok(LayerNormOutput { y, mean, rstd })
+
+    fn plan(&mut self) -> Result<Plan> {
+        let (rows, d) = dims(Self::NAME, self.x, self.gamma)?;
+        same_kind(Self::NAME, self.x, self.beta)?;
+        expect_shape(Self::NAME, &[d], self.beta)?;
+        let mut plan = Plan::one(self.x.shape(), self.x.dtype());
+        plan.output(&[rows], DType::F32);
+        plan.output(&[rows], DType::F32);
+        Ok(plan)
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        let [y, mean, rstd] = bufs.outputs_mut() else { unreachable!("planned") };
+        with_dtype!(self.x.dtype(), T => cpu::layer_norm(
+            self.x.as_slice::<T>()?,
+            self.gamma.as_slice::<T>()?,
+            self.beta.as_slice::<T>()?,
+            self.eps,
+            y.out_slice::<T>(Self::NAME)?,
+            mean.out_slice::<f32>(Self::NAME)?,
+            rstd.out_slice::<f32>(Self::NAME)?,
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::helpers::{check_rows, ptr};
+        use crate::cuda::{Arg, launch, registry::LAYER_NORM};
+        let [y, mean, rstd] = bufs.outputs_mut() else { unreachable!("planned") };
+        let rows = mean.numel();
+        check_rows(Self::NAME, rows)?;
+        // SAFETY: layer_norm_T(const T* x, const T* g, const T* b, float eps, T* y, float* m,
+        // float* r, u64 d), one block per row; x and y hold rows * d elements, gamma and
+        // beta d, mean and rstd rows floats.
+        unsafe {
+            gpu.launch(
+                LAYER_NORM.of(self.x.dtype()),
+                launch::per_row(rows),
+                &[
+                    ptr(self.x)?,
+                    ptr(self.gamma)?,
+                    ptr(self.beta)?,
+                    Arg::F32(self.eps),
+                    ptr(y)?,
+                    ptr(mean)?,
+                    ptr(rstd)?,
+                    Arg::count(self.gamma.numel()),
+                ],
+            )
+        }
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<LayerNormOutput> {
+        let mut out = bufs.into_outputs();
+        match (out.next(), out.next(), out.next()) {
+            (Some(y), Some(mean), Some(rstd)) => Ok(LayerNormOutput { y, mean, rstd }),
+            _ => unreachable!("the plan has y, mean and rstd"),
+        }
+    }
 }
 
 /// Gradients of [`layer_norm`] from the forward input `x`, `gamma`, the saved `mean` and
@@ -90,31 +142,114 @@ pub fn layer_norm_backward(
     rstd: &Tensor,
     dy: &Tensor,
 ) -> Result<LayerNormGrads> {
-    const OP: &str = "layer_norm_backward";
-    let (rows, d) = dims(OP, x, gamma)?;
-    super::same_layout(OP, x, dy)?;
-    for saved in [mean, rstd] {
-        same_device(OP, x, saved)?;
-        expect_dtype(OP, DType::F32, saved)?;
-        super::expect_shape(OP, &[rows], saved)?;
+    run(LayerNormBackward { x, gamma, mean, rstd, dy, acc: [None; 2] })
+}
+
+struct LayerNormBackward<'a> {
+    x: &'a Tensor,
+    gamma: &'a Tensor,
+    mean: &'a Tensor,
+    rstd: &'a Tensor,
+    dy: &'a Tensor,
+    /// The f32 accumulators of dgamma and dbeta.
+    acc: [Option<usize>; 2],
+}
+
+impl Op for LayerNormBackward<'_> {
+    const NAME: &'static str = "layer_norm_backward";
+    type Output = LayerNormGrads;
+
+    fn device(&self) -> &Device {
+        self.x.device()
     }
-    let mut dx = output_like(OP, x)?;
-    let mut dgamma = output(OP, x.device(), &[d], x.dtype())?;
-    let mut dbeta = output(OP, x.device(), &[d], x.dtype())?;
+
+    fn plan(&mut self) -> Result<Plan> {
+        let (rows, d) = dims(Self::NAME, self.x, self.gamma)?;
+        same_layout(Self::NAME, self.x, self.dy)?;
+        for saved in [self.mean, self.rstd] {
+            same_device(Self::NAME, self.x, saved)?;
+            expect_dtype(Self::NAME, DType::F32, saved)?;
+            expect_shape(Self::NAME, &[rows], saved)?;
+        }
+        let mut plan = Plan::one(self.x.shape(), self.x.dtype());
+        plan.output(&[d], self.x.dtype());
+        plan.output(&[d], self.x.dtype());
+        self.acc = [plan.zeroed_workspace(d * 4), plan.zeroed_workspace(d * 4)];
+        Ok(plan)
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        let [dx, dgamma, dbeta] = bufs.outputs_mut() else { unreachable!("planned") };
+        with_dtype!(self.x.dtype(), T => cpu::layer_norm_backward(
+            self.x.as_slice::<T>()?,
+            self.gamma.as_slice::<T>()?,
+            self.mean.as_slice::<f32>()?,
+            self.rstd.as_slice::<f32>()?,
+            self.dy.as_slice::<T>()?,
+            dx.out_slice::<T>(Self::NAME)?,
+            dgamma.out_slice::<T>(Self::NAME)?,
+            dbeta.out_slice::<T>(Self::NAME)?,
+        ))
+    }
+
     #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        cuda::layer_norm_backward(cu, x, gamma, mean, rstd, dy, &mut dx, &mut dgamma, &mut dbeta)?;
-        return Ok(LayerNormGrads { dx, dgamma, dbeta });
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::helpers::{check_rows, from_f32, ptr};
+        use crate::cuda::registry::{LAYER_NORM_BWD, LAYER_NORM_PARAMS_BWD};
+        use crate::cuda::{Arg, launch};
+        let (dg, db) = (bufs.ws(self.acc[0])?, bufs.ws(self.acc[1])?);
+        let [dx, dgamma, dbeta] = bufs.outputs_mut() else { unreachable!("planned") };
+        let rows = self.mean.numel();
+        let d = self.gamma.numel();
+        let t = self.x.dtype();
+        check_rows(Self::NAME, rows)?;
+        // SAFETY: layer_norm_bwd_T(const T* x, const T* g, const float* m, const float* r,
+        // const T* dy, T* dx, u64 d), one block per row; sizes as in `layer_norm`.
+        unsafe {
+            gpu.launch(
+                LAYER_NORM_BWD.of(t),
+                launch::per_row(rows),
+                &[
+                    ptr(self.x)?,
+                    ptr(self.gamma)?,
+                    ptr(self.mean)?,
+                    ptr(self.rstd)?,
+                    ptr(self.dy)?,
+                    ptr(dx)?,
+                    Arg::count(d),
+                ],
+            )?;
+        }
+        let (cfg, chunk) = launch::columns(rows, d);
+        // SAFETY: layer_norm_params_bwd_T(const T* x, const float* m, const float* r, const
+        // T* dy, float* dg, float* db, u64 rows, u64 d, u64 chunk), grid (columns, row
+        // chunks); dg and db are the zeroed workspaces of d floats.
+        unsafe {
+            gpu.launch(
+                LAYER_NORM_PARAMS_BWD.of(t),
+                cfg,
+                &[
+                    ptr(self.x)?,
+                    ptr(self.mean)?,
+                    ptr(self.rstd)?,
+                    ptr(self.dy)?,
+                    Arg::Ptr(dg),
+                    Arg::Ptr(db),
+                    Arg::count(rows),
+                    Arg::count(d),
+                    Arg::count(chunk),
+                ],
+            )?;
+        }
+        from_f32(gpu, dg, dgamma)?;
+        from_f32(gpu, db, dbeta)
     }
-    with_dtype!(x.dtype(), T => cpu::layer_norm_backward(
-        x.as_slice::<T>()?,
-        gamma.as_slice::<T>()?,
-        mean.as_slice::<f32>()?,
-        rstd.as_slice::<f32>()?,
-        dy.as_slice::<T>()?,
-        dx.as_mut_slice::<T>()?,
-        dgamma.as_mut_slice::<T>()?,
-        dbeta.as_mut_slice::<T>()?,
-    ));
-    Ok(LayerNormGrads { dx, dgamma, dbeta })
+
+    fn finish(self, bufs: Buffers) -> Result<LayerNormGrads> {
+        let mut out = bufs.into_outputs();
+        match (out.next(), out.next(), out.next()) {
+            (Some(dx), Some(dgamma), Some(dbeta)) => Ok(LayerNormGrads { dx, dgamma, dbeta }),
+            _ => unreachable!("the plan has dx, dgamma and dbeta"),
+        }
+    }
 }

@@ -1,10 +1,12 @@
 //! Fused optimizer steps on f32 parameters and state, and the fused gradient unscale with
 //! non-finite check of dynamic loss scaling. All update their tensors in place.
 
-use super::{expect_dtype, invalid, same_device, with_dtype};
+use super::config::{AdamWConfig, SgdConfig};
+use super::dispatch::{Buffers, Op, Plan, run};
+use super::{expect_dtype, invalid, same_device};
 use crate::cpu::optim as cpu;
-use crate::cpu::optim::{AdamWConfig, SgdConfig};
-use crate::dtype::DType;
+use crate::device::Device;
+use crate::dtype::{DType, with_dtype};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -30,49 +32,103 @@ fn check_state(op: &'static str, state: &Tensor, grads: &Tensor) -> Result<()> {
 ///
 /// # Errors
 ///
-/// [`Error::DTypeMismatch`] for non-f32 parameters or buffer; [`Error::ShapeMismatch`];
-/// [`Error::InvalidArgument`] for a missing buffer, or Nesterov without momentum or with
-/// dampening. Nothing is updated on error.
+/// [`Error::InvalidArgument`] for an invalid `cfg` ([`SgdConfig::validate`]: a NaN or
+/// negative learning rate, Nesterov without momentum, ...) or a missing buffer;
+/// [`Error::DTypeMismatch`] for non-f32 parameters or buffer; [`Error::ShapeMismatch`].
+/// Nothing is updated on error.
 pub fn sgd_step(
     params: &mut Tensor,
     grads: &Tensor,
-    mut momentum_buf: Option<&mut Tensor>,
+    momentum_buf: Option<&mut Tensor>,
     first_step: bool,
     cfg: &SgdConfig,
 ) -> Result<()> {
-    const OP: &str = "sgd_step";
-    check_state(OP, params, grads)?;
-    if cfg.nesterov && (cfg.momentum <= 0.0 || cfg.dampening != 0.0) {
-        return Err(invalid(OP, "Nesterov momentum needs momentum > 0 and dampening 0"));
+    run(Sgd { params, grads, buf: momentum_buf, first_step, cfg })
+}
+
+struct Sgd<'a> {
+    params: &'a mut Tensor,
+    grads: &'a Tensor,
+    buf: Option<&'a mut Tensor>,
+    first_step: bool,
+    cfg: &'a SgdConfig,
+}
+
+impl Op for Sgd<'_> {
+    const NAME: &'static str = "sgd_step";
+    type Output = ();
+
+    fn device(&self) -> &Device {
+        self.grads.device()
     }
-    params.make_unique()?;
-    if let Some(buf) = momentum_buf.as_deref_mut() {
-        buf.make_unique()?;
-    }
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = grads.device().cuda_backend() {
-        let buf = match momentum_buf {
-            _ if cfg.momentum == 0.0 => None,
-            Some(buf) => {
-                check_state(OP, buf, grads)?;
-                Some(buf)
-            }
-            None => return Err(invalid(OP, "momentum != 0 needs a momentum buffer")),
-        };
-        return crate::cuda::ops::nn::sgd_step(cu, params, grads, buf, first_step, cfg);
-    }
-    let mut empty: [f32; 0] = [];
-    let buf: &mut [f32] = match momentum_buf {
-        _ if cfg.momentum == 0.0 => &mut empty,
-        Some(buf) => {
-            check_state(OP, buf, grads)?;
-            buf.as_mut_slice::<f32>()?
+
+    fn plan(&mut self) -> Result<Plan> {
+        self.cfg.validate()?;
+        check_state(Self::NAME, self.params, self.grads)?;
+        if self.cfg.momentum == 0.0 {
+            self.buf = None;
+        } else {
+            let buf = self
+                .buf
+                .as_deref()
+                .ok_or_else(|| invalid(Self::NAME, "momentum != 0 needs a momentum buffer"))?;
+            check_state(Self::NAME, buf, self.grads)?;
         }
-        None => return Err(invalid(OP, "momentum != 0 needs a momentum buffer")),
-    };
-    let p = params.as_mut_slice::<f32>()?;
-    with_dtype!(grads.dtype(), T => cpu::sgd_step(p, grads.as_slice::<T>()?, buf, first_step, cfg));
-    Ok(())
+        self.params.make_unique()?;
+        if let Some(buf) = self.buf.as_deref_mut() {
+            buf.make_unique()?;
+        }
+        Ok(Plan::default())
+    }
+
+    fn host(&mut self, _: &mut Buffers) -> Result<()> {
+        let mut empty: [f32; 0] = [];
+        let buf = match self.buf.as_deref_mut() {
+            Some(buf) => buf.as_mut_slice::<f32>()?,
+            None => &mut empty,
+        };
+        let p = self.params.as_mut_slice::<f32>()?;
+        let (first, cfg) = (self.first_step, self.cfg);
+        with_dtype!(self.grads.dtype(), T => {
+            cpu::sgd_step(p, self.grads.as_slice::<T>()?, buf, first, cfg)
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, _: &mut Buffers) -> Result<()> {
+        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::SGD};
+        let n = self.params.numel();
+        let buf = match self.buf.as_deref() {
+            Some(b) => ptr(b)?,
+            None => Arg::Ptr(0),
+        };
+        let cfg = self.cfg;
+        // SAFETY: sgd_T(float* p, const T* g, float* buf, u64 n, float lr, float momentum,
+        // float dampening, float wd, u32 nesterov, u32 first_step); params, grads and (with
+        // momentum) buf hold n elements; without momentum buf is never read.
+        unsafe {
+            gpu.launch(
+                SGD.of(self.grads.dtype()),
+                grid(n),
+                &[
+                    ptr(self.params)?,
+                    ptr(self.grads)?,
+                    buf,
+                    Arg::count(n),
+                    Arg::F32(cfg.lr),
+                    Arg::F32(cfg.momentum),
+                    Arg::F32(cfg.dampening),
+                    Arg::F32(cfg.weight_decay),
+                    Arg::U32(cfg.nesterov as u32),
+                    Arg::U32(self.first_step as u32),
+                ],
+            )
+        }
+    }
+
+    fn finish(self, _: Buffers) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// One AdamW step (`torch.optim.AdamW`) on f32 `params` with gradients of any dtype;
@@ -81,8 +137,9 @@ pub fn sgd_step(
 ///
 /// # Errors
 ///
-/// [`Error::DTypeMismatch`], [`Error::ShapeMismatch`] for the state tensors;
-/// [`Error::InvalidArgument`] for `step == 0`. Nothing is updated on error.
+/// [`Error::InvalidArgument`] for an invalid `cfg` ([`AdamWConfig::validate`]: a beta of 1,
+/// a negative eps, ...) or `step == 0`; [`Error::DTypeMismatch`], [`Error::ShapeMismatch`]
+/// for the state tensors. Nothing is updated on error.
 pub fn adamw_step(
     params: &mut Tensor,
     grads: &Tensor,
@@ -91,57 +148,169 @@ pub fn adamw_step(
     step: u32,
     cfg: &AdamWConfig,
 ) -> Result<()> {
-    const OP: &str = "adamw_step";
-    for state in [&*params, &*exp_avg, &*exp_avg_sq] {
-        check_state(OP, state, grads)?;
+    run(AdamW { params, grads, exp_avg, exp_avg_sq, step, cfg })
+}
+
+struct AdamW<'a> {
+    params: &'a mut Tensor,
+    grads: &'a Tensor,
+    exp_avg: &'a mut Tensor,
+    exp_avg_sq: &'a mut Tensor,
+    step: u32,
+    cfg: &'a AdamWConfig,
+}
+
+impl Op for AdamW<'_> {
+    const NAME: &'static str = "adamw_step";
+    type Output = ();
+
+    fn device(&self) -> &Device {
+        self.grads.device()
     }
-    if step == 0 {
-        return Err(invalid(OP, "the step count is 1-based; the first step is 1"));
+
+    fn plan(&mut self) -> Result<Plan> {
+        self.cfg.validate()?;
+        for state in [&*self.params, &*self.exp_avg, &*self.exp_avg_sq] {
+            check_state(Self::NAME, state, self.grads)?;
+        }
+        if self.step == 0 {
+            return Err(invalid(Self::NAME, "the step count is 1-based; the first step is 1"));
+        }
+        for state in [&mut *self.params, &mut *self.exp_avg, &mut *self.exp_avg_sq] {
+            state.make_unique()?;
+        }
+        Ok(Plan::default())
     }
-    for state in [&mut *params, &mut *exp_avg, &mut *exp_avg_sq] {
-        state.make_unique()?;
+
+    fn host(&mut self, _: &mut Buffers) -> Result<()> {
+        let (p, m, v) = (
+            self.params.as_mut_slice::<f32>()?,
+            self.exp_avg.as_mut_slice::<f32>()?,
+            self.exp_avg_sq.as_mut_slice::<f32>()?,
+        );
+        let (step, cfg) = (self.step, self.cfg);
+        with_dtype!(self.grads.dtype(), T => {
+            cpu::adamw_step(p, self.grads.as_slice::<T>()?, m, v, step, cfg)
+        })
     }
+
     #[cfg(feature = "cuda")]
-    if let Some(cu) = grads.device().cuda_backend() {
-        return crate::cuda::ops::nn::adamw_step(cu, params, grads, exp_avg, exp_avg_sq, step, cfg);
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, _: &mut Buffers) -> Result<()> {
+        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::ADAMW};
+        let n = self.params.numel();
+        let cfg = self.cfg;
+        let t = self.step as i32;
+        let bias1 = 1.0 - cfg.beta1.powi(t);
+        let bias2_sqrt = (1.0 - cfg.beta2.powi(t)).sqrt();
+        let step_size = cfg.lr / bias1;
+        let decay = 1.0 - cfg.lr * cfg.weight_decay;
+        // SAFETY: adamw_T(float* p, const T* g, float* m, float* v, u64 n, float b1, float
+        // b2, float eps, float step_size, float bias2_sqrt, float decay); all four tensors
+        // hold n elements.
+        unsafe {
+            gpu.launch(
+                ADAMW.of(self.grads.dtype()),
+                grid(n),
+                &[
+                    ptr(self.params)?,
+                    ptr(self.grads)?,
+                    ptr(self.exp_avg)?,
+                    ptr(self.exp_avg_sq)?,
+                    Arg::count(n),
+                    Arg::F32(cfg.beta1),
+                    Arg::F32(cfg.beta2),
+                    Arg::F32(cfg.eps),
+                    Arg::F32(step_size),
+                    Arg::F32(bias2_sqrt),
+                    Arg::F32(decay),
+                ],
+            )
+        }
     }
-    let (p, m, v) = (
-        params.as_mut_slice::<f32>()?,
-        exp_avg.as_mut_slice::<f32>()?,
-        exp_avg_sq.as_mut_slice::<f32>()?,
-    );
-    with_dtype!(grads.dtype(), T => cpu::adamw_step(p, grads.as_slice::<T>()?, m, v, step, cfg));
-    Ok(())
+
+    fn finish(self, _: Buffers) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Multiplies every gradient by `inv_scale` in place and returns whether any element was or
 /// became inf or NaN (PyTorch's `_amp_foreach_non_finite_check_and_unscale_`). Every tensor
 /// is unscaled even after a non-finite value is found; dtypes may differ between tensors.
+/// On a virtual device, which holds no values, nothing is found (`false`).
 ///
 /// # Errors
 ///
 /// [`Error::DeviceMismatch`] if the tensors are not on one device; nothing is changed then.
 pub fn unscale_and_check_finite(grads: &mut [&mut Tensor], inv_scale: f32) -> Result<bool> {
-    const OP: &str = "unscale_and_check_finite";
-    if let Some((first, rest)) = grads.split_first() {
-        for g in rest {
-            same_device(OP, first, g)?;
+    let Some(device) = grads.first().map(|g| g.device().clone()) else {
+        return Ok(false);
+    };
+    run(Unscale { device, grads, inv_scale, found: false, flag: None })
+}
+
+struct Unscale<'a, 'g> {
+    device: Device,
+    grads: &'a mut [&'g mut Tensor],
+    inv_scale: f32,
+    found: bool,
+    /// The device's found-non-finite flag, one u32.
+    flag: Option<usize>,
+}
+
+impl Op for Unscale<'_, '_> {
+    const NAME: &'static str = "unscale_and_check_finite";
+    type Output = bool;
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn plan(&mut self) -> Result<Plan> {
+        if let Some((first, rest)) = self.grads.split_first() {
+            for g in rest {
+                same_device(Self::NAME, first, g)?;
+            }
         }
+        for g in self.grads.iter_mut() {
+            g.make_unique()?;
+        }
+        let mut plan = Plan::default();
+        self.flag = plan.zeroed_workspace(4);
+        Ok(plan)
     }
-    for g in grads.iter_mut() {
-        g.make_unique()?;
+
+    fn host(&mut self, _: &mut Buffers) -> Result<()> {
+        for g in self.grads.iter_mut() {
+            self.found |= with_dtype!(g.dtype(), T => {
+                cpu::unscale_and_check_finite([g.as_mut_slice::<T>()?], self.inv_scale)
+            });
+        }
+        Ok(())
     }
+
     #[cfg(feature = "cuda")]
-    if let Some(device) = grads.first().map(|g| g.device().clone())
-        && let Some(cu) = device.cuda_backend()
-    {
-        return crate::cuda::ops::nn::unscale_and_check_finite(cu, grads, inv_scale);
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::UNSCALE};
+        let flag = bufs.ws(self.flag)?;
+        for g in self.grads.iter() {
+            let n = g.numel();
+            // SAFETY: unscale_T(T* g, float inv, u64 n, u32* flag); g holds n elements, flag
+            // one u32.
+            unsafe {
+                gpu.launch(
+                    UNSCALE.of(g.dtype()),
+                    grid(n),
+                    &[ptr(g)?, Arg::F32(self.inv_scale), Arg::count(n), Arg::Ptr(flag)],
+                )?;
+            }
+        }
+        let mut out = [0u8; 4];
+        gpu.copy_to_host(&mut out, flag)?;
+        self.found = u32::from_ne_bytes(out) != 0;
+        Ok(())
     }
-    let mut found = false;
-    for g in grads.iter_mut() {
-        found |= with_dtype!(g.dtype(), T => {
-            cpu::unscale_and_check_finite([g.as_mut_slice::<T>()?], inv_scale)
-        });
+
+    fn finish(self, _: Buffers) -> Result<bool> {
+        Ok(self.found)
     }
-    Ok(found)
 }

@@ -1,62 +1,23 @@
 //! 2-D max and average pooling (NCHW) and the global average pool, forward and backward.
 
-use super::{expect_rank, invalid, output, with_dtype};
+use super::dispatch::{Buffers, Op, Plan, run};
+use super::params::{Pool2dOptions, Pool2dParams};
+use super::{expect_rank, expect_shape, invalid};
 use crate::cpu::pool as cpu;
-use crate::cpu::pool::Pool2dParams;
-#[cfg(feature = "cuda")]
-use crate::cuda::ops::pool as cuda;
+use crate::device::Device;
+use crate::dtype::with_dtype;
 use crate::error::{Error, Result};
 use crate::tensor::{Indices, Tensor};
 
-/// A pooling window: its size, step and padding.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Pool2dOptions {
-    /// Window (height, width).
-    pub kernel: (usize, usize),
-    /// Step between windows, (vertical, horizontal).
-    pub stride: (usize, usize),
-    /// Implicit padding on each side, at most half the window.
-    pub padding: (usize, usize),
-}
-
-impl Pool2dOptions {
-    /// A window of `kernel` moved by `stride`, without padding.
-    pub fn new(kernel: (usize, usize), stride: (usize, usize)) -> Self {
-        Pool2dOptions { kernel, stride, padding: (0, 0) }
-    }
-
-    /// Sets the padding.
-    pub fn padding(mut self, padding: (usize, usize)) -> Self {
-        self.padding = padding;
-        self
-    }
-}
-
 /// The full geometry of pooling an input of shape `[batch, channels, h, w]`; the output is
-/// `[batch, channels, oh, ow]` with `(oh, ow) = params.output_hw()`.
+/// `[batch, channels, oh, ow]` with `(oh, ow) = params.output_hw()` (see
+/// [`Pool2dParams::new`]).
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] for a rank other than 4, a zero kernel or stride, or padding
-/// over half the window.
+/// As [`Pool2dParams::new`].
 pub fn pool2d_params(x: &[usize], opts: &Pool2dOptions) -> Result<Pool2dParams> {
-    const OP: &str = "pool2d";
-    let &[batch, channels, h, w] = x else {
-        return Err(invalid(OP, format!("expected x [batch, channels, h, w], got {x:?}")));
-    };
-    let Pool2dOptions { kernel: k, stride: s, padding: p } = *opts;
-    if k.0 == 0 || k.1 == 0 || s.0 == 0 || s.1 == 0 {
-        return Err(invalid(OP, format!("kernel {k:?} and stride {s:?} must be positive")));
-    }
-    if 2 * p.0 > k.0 || 2 * p.1 > k.1 {
-        return Err(invalid(OP, format!("padding {p:?} is more than half the window {k:?}")));
-    }
-    Ok(Pool2dParams::new(batch, channels, (h, w), k, s).padding(p))
-}
-
-fn output_shape(p: &Pool2dParams) -> [usize; 4] {
-    let (oh, ow) = p.output_hw();
-    [p.batch, p.channels, oh, ow]
+    Pool2dParams::new(x, opts)
 }
 
 /// Max pool of `x: [batch, channels, h, w]`; returns the output and, for the backward, the
@@ -66,20 +27,61 @@ fn output_shape(p: &Pool2dParams) -> [usize; 4] {
 ///
 /// As [`pool2d_params`]; out of memory.
 pub fn max_pool2d(x: &Tensor, opts: &Pool2dOptions) -> Result<(Tensor, Indices)> {
-    const OP: &str = "max_pool2d";
-    let p = pool2d_params(x.shape(), opts)?;
-    let shape = output_shape(&p);
-    let mut y = output(OP, x.device(), &shape, x.dtype())?;
-    let mut argmax = Indices::uninit(OP, x.device(), &shape)?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        cuda::max_pool2d(cu, &p, x, &mut y, &mut argmax)?;
-        return Ok((y, argmax));
+    run(MaxPool { p: pool2d_params(x.shape(), opts)?, x })
+}
+
+struct MaxPool<'a> {
+    p: Pool2dParams,
+    x: &'a Tensor,
+}
+
+impl Op for MaxPool<'_> {
+    const NAME: &'static str = "max_pool2d";
+    type Output = (Tensor, Indices);
+
+    fn device(&self) -> &Device {
+        self.x.device()
     }
-    with_dtype!(x.dtype(), T => {
-        cpu::max_pool2d(&p, x.as_slice::<T>()?, y.as_mut_slice::<T>()?, argmax.as_mut_slice()?)
-    });
-    Ok((y, argmax))
+
+    fn plan(&mut self) -> Result<Plan> {
+        let shape = self.p.output_shape();
+        let mut plan = Plan::one(&shape, self.x.dtype());
+        plan.index_output(&shape);
+        Ok(plan)
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        let [y, argmax] = bufs.outputs_mut() else { unreachable!("planned") };
+        with_dtype!(self.x.dtype(), T => cpu::max_pool2d(
+            &self.p,
+            self.x.as_slice::<T>()?,
+            y.out_slice::<T>(Self::NAME)?,
+            argmax.out_u32(Self::NAME)?,
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::MAX_POOL};
+        let [y, argmax] = bufs.outputs_mut() else { unreachable!("planned") };
+        // SAFETY: max_pool_T(const T* x, T* y, u32* arg, PoolGeom g); x, y and arg have the
+        // geometry's shapes.
+        unsafe {
+            gpu.launch(
+                MAX_POOL.of(self.x.dtype()),
+                grid(y.numel()),
+                &[ptr(self.x)?, ptr(y)?, ptr(argmax)?, Arg::Pool(cuda::geom(&self.p))],
+            )
+        }
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<(Tensor, Indices)> {
+        let mut out = bufs.into_outputs();
+        match (out.next(), out.next()) {
+            (Some(y), Some(argmax)) => Ok((y, Indices::from_tensor(argmax))),
+            _ => unreachable!("the plan has y and argmax"),
+        }
+    }
 }
 
 /// Checks `dy` against the pooled shape of `input_shape`; returns the geometry.
@@ -90,7 +92,7 @@ fn backward_params(
     opts: &Pool2dOptions,
 ) -> Result<Pool2dParams> {
     let p = pool2d_params(input_shape, opts)?;
-    super::expect_shape(op, &output_shape(&p), dy)?;
+    expect_shape(op, &p.output_shape(), dy)?;
     Ok(p)
 }
 
@@ -100,8 +102,9 @@ fn backward_params(
 /// # Errors
 ///
 /// [`Error::ShapeMismatch`] if `dy` or `argmax` is not the pooled shape;
-/// [`Error::IndexOutOfRange`] for an argmax outside the input plane;
-/// [`Error::DeviceMismatch`]; out of memory.
+/// [`Error::IndexOutOfRange`] for an argmax outside the input plane (on the host; a GPU
+/// skips such entries, which cannot come from `max_pool2d`); [`Error::DeviceMismatch`];
+/// out of memory.
 pub fn max_pool2d_backward(
     dy: &Tensor,
     argmax: &Indices,
@@ -110,36 +113,82 @@ pub fn max_pool2d_backward(
 ) -> Result<Tensor> {
     const OP: &str = "max_pool2d_backward";
     let p = backward_params(OP, dy, input_shape, opts)?;
-    if argmax.device() != dy.device() {
-        return Err(Error::DeviceMismatch { op: OP });
+    run(MaxPoolBackward { p, dy, argmax, acc: None })
+}
+
+struct MaxPoolBackward<'a> {
+    p: Pool2dParams,
+    dy: &'a Tensor,
+    argmax: &'a Indices,
+    /// The f32 scatter-add accumulator.
+    acc: Option<usize>,
+}
+
+impl Op for MaxPoolBackward<'_> {
+    const NAME: &'static str = "max_pool2d_backward";
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.dy.device()
     }
-    if argmax.shape() != dy.shape() {
-        return Err(Error::ShapeMismatch {
-            op: OP,
-            lhs: dy.shape().to_vec(),
-            rhs: argmax.shape().to_vec(),
-        });
+
+    fn plan(&mut self) -> Result<Plan> {
+        if self.argmax.device() != self.dy.device() {
+            return Err(Error::DeviceMismatch { op: Self::NAME });
+        }
+        if self.argmax.shape() != self.dy.shape() {
+            return Err(Error::ShapeMismatch {
+                op: Self::NAME,
+                lhs: self.dy.shape().to_vec(),
+                rhs: self.argmax.shape().to_vec(),
+            });
+        }
+        let mut plan = Plan::one(
+            &[self.p.batch(), self.p.channels(), self.p.h(), self.p.w()],
+            self.dy.dtype(),
+        );
+        // The GPU scatter-adds through argmax into f32 and rounds once.
+        self.acc = plan.zeroed_workspace(self.p.input_len() * 4);
+        Ok(plan)
     }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        with_dtype!(self.dy.dtype(), T => cpu::max_pool2d_backward(
+            &self.p,
+            self.dy.as_slice::<T>()?,
+            self.argmax.as_slice()?,
+            bufs.out(0).out_slice::<T>(Self::NAME)?,
+        ))
+    }
+
     #[cfg(feature = "cuda")]
-    if let Some(cu) = dy.device().cuda_backend() {
-        // The argmax stays on the device; the kernel skips entries outside the plane
-        // instead of reporting them (they cannot come from `max_pool2d`).
-        let mut dx = output(OP, dy.device(), input_shape, dy.dtype())?;
-        cuda::max_pool2d_backward(cu, &p, dy, argmax, &mut dx)?;
-        return Ok(dx);
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::registry::MAX_POOL_BWD;
+        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid};
+        let acc = bufs.ws(self.acc)?;
+        if acc == 0 {
+            return Ok(());
+        }
+        // SAFETY: max_pool_bwd_T(const T* dy, const u32* arg, float* acc, PoolGeom g); dy and
+        // arg have the pooled shape, acc the input's; the kernel skips indices >= h * w.
+        unsafe {
+            gpu.launch(
+                MAX_POOL_BWD.of(self.dy.dtype()),
+                grid(self.dy.numel()),
+                &[
+                    ptr(self.dy)?,
+                    Arg::Ptr(self.argmax.cuda_ptr()?),
+                    Arg::Ptr(acc),
+                    Arg::Pool(cuda::geom(&self.p)),
+                ],
+            )?;
+        }
+        crate::cuda::helpers::from_f32(gpu, acc, bufs.out(0))
     }
-    let plane = p.h.saturating_mul(p.w);
-    if let Some(&bad) = argmax.as_slice().iter().find(|&&i| i as usize >= plane) {
-        return Err(Error::IndexOutOfRange { op: OP, index: bad as usize, bound: plane });
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
     }
-    let mut dx = output(OP, dy.device(), input_shape, dy.dtype())?;
-    with_dtype!(dy.dtype(), T => cpu::max_pool2d_backward(
-        &p,
-        dy.as_slice::<T>()?,
-        argmax.as_slice(),
-        dx.as_mut_slice::<T>()?,
-    ));
-    Ok(dx)
 }
 
 /// Average pool of `x: [batch, channels, h, w]`. Padding counts in the divisor when
@@ -149,18 +198,59 @@ pub fn max_pool2d_backward(
 ///
 /// As [`pool2d_params`]; out of memory.
 pub fn avg_pool2d(x: &Tensor, opts: &Pool2dOptions, count_include_pad: bool) -> Result<Tensor> {
-    const OP: &str = "avg_pool2d";
-    let p = pool2d_params(x.shape(), opts)?;
-    let mut y = output(OP, x.device(), &output_shape(&p), x.dtype())?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        cuda::avg_pool2d(cu, &p, x, &mut y, count_include_pad)?;
-        return Ok(y);
+    run(AvgPool { p: pool2d_params(x.shape(), opts)?, x, count_include_pad })
+}
+
+struct AvgPool<'a> {
+    p: Pool2dParams,
+    x: &'a Tensor,
+    count_include_pad: bool,
+}
+
+impl Op for AvgPool<'_> {
+    const NAME: &'static str = "avg_pool2d";
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.x.device()
     }
-    with_dtype!(x.dtype(), T => {
-        cpu::avg_pool2d(&p, x.as_slice::<T>()?, y.as_mut_slice::<T>()?, count_include_pad)
-    });
-    Ok(y)
+
+    fn plan(&mut self) -> Result<Plan> {
+        Ok(Plan::one(&self.p.output_shape(), self.x.dtype()))
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        with_dtype!(self.x.dtype(), T => cpu::avg_pool2d(
+            &self.p,
+            self.x.as_slice::<T>()?,
+            bufs.out(0).out_slice::<T>(Self::NAME)?,
+            self.count_include_pad,
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::AVG_POOL};
+        let y = bufs.out(0);
+        // SAFETY: avg_pool_T(const T* x, T* y, PoolGeom g, u32 include_pad); shapes from
+        // the geometry.
+        unsafe {
+            gpu.launch(
+                AVG_POOL.of(self.x.dtype()),
+                grid(y.numel()),
+                &[
+                    ptr(self.x)?,
+                    ptr(y)?,
+                    Arg::Pool(cuda::geom(&self.p)),
+                    Arg::U32(self.count_include_pad as u32),
+                ],
+            )
+        }
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
 }
 
 /// Gradient of [`avg_pool2d`] (same options) for an input of `input_shape`.
@@ -175,28 +265,80 @@ pub fn avg_pool2d_backward(
     opts: &Pool2dOptions,
     count_include_pad: bool,
 ) -> Result<Tensor> {
-    const OP: &str = "avg_pool2d_backward";
-    let p = backward_params(OP, dy, input_shape, opts)?;
-    let mut dx = output(OP, dy.device(), input_shape, dy.dtype())?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = dy.device().cuda_backend() {
-        cuda::avg_pool2d_backward(cu, &p, dy, &mut dx, count_include_pad)?;
-        return Ok(dx);
+    let p = backward_params("avg_pool2d_backward", dy, input_shape, opts)?;
+    run(AvgPoolBackward { p, dy, count_include_pad })
+}
+
+struct AvgPoolBackward<'a> {
+    p: Pool2dParams,
+    dy: &'a Tensor,
+    count_include_pad: bool,
+}
+
+impl Op for AvgPoolBackward<'_> {
+    const NAME: &'static str = "avg_pool2d_backward";
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.dy.device()
     }
-    with_dtype!(dy.dtype(), T => cpu::avg_pool2d_backward(
-        &p,
-        dy.as_slice::<T>()?,
-        dx.as_mut_slice::<T>()?,
-        count_include_pad,
-    ));
-    Ok(dx)
+
+    fn plan(&mut self) -> Result<Plan> {
+        let p = &self.p;
+        let shape = [p.batch(), p.channels(), p.h(), p.w()];
+        let mut plan = Plan::default();
+        // No window: nothing flows back.
+        if p.output_len() == 0 {
+            plan.zeroed_output(&shape, self.dy.dtype());
+        } else {
+            plan.output(&shape, self.dy.dtype());
+        }
+        Ok(plan)
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        with_dtype!(self.dy.dtype(), T => cpu::avg_pool2d_backward(
+            &self.p,
+            self.dy.as_slice::<T>()?,
+            bufs.out(0).out_slice::<T>(Self::NAME)?,
+            self.count_include_pad,
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::registry::AVG_POOL_BWD;
+        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid};
+        if self.p.output_len() == 0 {
+            return Ok(());
+        }
+        let dx = bufs.out(0);
+        // SAFETY: avg_pool_bwd_T(const T* dy, T* dx, PoolGeom g, u32 include_pad); shapes
+        // from the geometry.
+        unsafe {
+            gpu.launch(
+                AVG_POOL_BWD.of(self.dy.dtype()),
+                grid(dx.numel()),
+                &[
+                    ptr(self.dy)?,
+                    ptr(dx)?,
+                    Arg::Pool(cuda::geom(&self.p)),
+                    Arg::U32(self.count_include_pad as u32),
+                ],
+            )
+        }
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
 }
 
 /// Global average pool: `x: [batch, channels, h, w]` to `[batch, channels]`.
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] for a rank other than 4; out of memory.
+/// [`Error::InvalidArgument`] for a rank other than 4 or an empty plane; out of memory.
 pub fn global_avg_pool(x: &Tensor) -> Result<Tensor> {
     const OP: &str = "global_avg_pool";
     expect_rank(OP, x, 4, "x [batch, channels, h, w]")?;
@@ -205,16 +347,7 @@ pub fn global_avg_pool(x: &Tensor) -> Result<Tensor> {
     if hw == 0 {
         return Err(invalid(OP, format!("cannot average an empty plane, x is {s:?}")));
     }
-    let mut y = output(OP, x.device(), &s[..2], x.dtype())?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        cuda::global_avg_pool(cu, x, &mut y, hw)?;
-        return Ok(y);
-    }
-    with_dtype!(x.dtype(), T => {
-        cpu::global_avg_pool(x.as_slice::<T>()?, y.as_mut_slice::<T>()?, hw)
-    });
-    Ok(y)
+    run(GlobalAvgPool { x: Some(x), dy: None, shape: s.to_vec(), hw })
 }
 
 /// Gradient of [`global_avg_pool`] for an input of `input_shape` (`[batch, channels, h, w]`)
@@ -231,21 +364,98 @@ pub fn global_avg_pool_backward(dy: &Tensor, input_shape: &[usize]) -> Result<Te
             format!("expected input shape [batch, channels, h, w], got {input_shape:?}"),
         ));
     };
-    super::expect_shape(OP, &[b, c], dy)?;
-    if h * w == 0 {
+    expect_shape(OP, &[b, c], dy)?;
+    let hw = h.checked_mul(w).unwrap_or(0);
+    if hw == 0 {
         return Err(invalid(
             OP,
             format!("cannot average an empty plane, input is {input_shape:?}"),
         ));
     }
-    let mut dx = output(OP, dy.device(), input_shape, dy.dtype())?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = dy.device().cuda_backend() {
-        cuda::global_avg_pool_backward(cu, dy, &mut dx, h * w)?;
-        return Ok(dx);
+    super::params::product(OP, "the input", input_shape)?;
+    run(GlobalAvgPool { x: None, dy: Some(dy), shape: input_shape.to_vec(), hw })
+}
+
+/// The global average pool (`x` given) or its gradient (`dy` given) over planes of `hw`.
+struct GlobalAvgPool<'a> {
+    x: Option<&'a Tensor>,
+    dy: Option<&'a Tensor>,
+    /// The input's shape.
+    shape: Vec<usize>,
+    hw: usize,
+}
+
+impl GlobalAvgPool<'_> {
+    fn input(&self) -> &Tensor {
+        match (self.x, self.dy) {
+            (Some(t), _) | (None, Some(t)) => t,
+            (None, None) => unreachable!("made with x or dy"),
+        }
     }
-    with_dtype!(dy.dtype(), T => {
-        cpu::global_avg_pool_backward(dy.as_slice::<T>()?, dx.as_mut_slice::<T>()?, h * w)
-    });
-    Ok(dx)
+}
+
+impl Op for GlobalAvgPool<'_> {
+    const NAME: &'static str = "global_avg_pool";
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.input().device()
+    }
+
+    fn plan(&mut self) -> Result<Plan> {
+        let dtype = self.input().dtype();
+        Ok(match self.x {
+            Some(_) => Plan::one(&self.shape[..2], dtype),
+            None => Plan::one(&self.shape, dtype),
+        })
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        let (t, out, hw) = (self.input(), bufs.out(0), self.hw);
+        with_dtype!(t.dtype(), T => match self.x {
+            Some(_) => cpu::global_avg_pool(t.as_slice::<T>()?, out.out_slice::<T>(Self::NAME)?, hw),
+            None => cpu::global_avg_pool_backward(t.as_slice::<T>()?, out.out_slice::<T>(Self::NAME)?, hw),
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::helpers::{broadcast_rows, row_sum};
+        let (t, out, factor) = (self.input(), bufs.out(0), 1.0 / self.hw as f32);
+        match self.x {
+            // Row means of [planes, hw].
+            Some(_) => row_sum(gpu, Self::NAME, t, out, factor),
+            // dy / hw broadcast over each plane.
+            None => broadcast_rows(gpu, t, factor, out),
+        }
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use crate::cuda::launch::PoolGeom;
+    use crate::ops::Pool2dParams;
+
+    pub(super) fn geom(p: &Pool2dParams) -> PoolGeom {
+        let (oh, ow) = p.output_hw();
+        let i = |v: usize| v as i64;
+        PoolGeom {
+            batch: i(p.batch()),
+            channels: i(p.channels()),
+            h: i(p.h()),
+            w: i(p.w()),
+            kh: i(p.kernel().0),
+            kw: i(p.kernel().1),
+            sh: i(p.stride().0),
+            sw: i(p.stride().1),
+            ph: i(p.padding().0),
+            pw: i(p.padding().1),
+            oh: i(oh),
+            ow: i(ow),
+        }
+    }
 }

@@ -1,20 +1,12 @@
 //! Dropout with a counter-based RNG: the mask is a function of `(seed, offset + index)`, so
 //! the backward (and a checkpointed recomputation) regenerates it instead of storing it.
 
-use super::{invalid, output_like, with_dtype};
+use super::dispatch::{Buffers, Op, Plan, run};
 use crate::cpu::random as cpu;
-#[cfg(feature = "cuda")]
-use crate::cuda::ops::elementwise as cuda;
+use crate::device::Device;
+use crate::dtype::with_dtype;
 use crate::error::Result;
 use crate::tensor::Tensor;
-
-fn check_p(op: &'static str, p: f32) -> Result<()> {
-    if (0.0..1.0).contains(&p) {
-        Ok(())
-    } else {
-        Err(invalid(op, format!("drop probability {p} is not in [0, 1)")))
-    }
-}
 
 /// Dropout: element `i` is zeroed with probability `p`, and kept elements are scaled by
 /// `1 / (1 - p)`. The mask depends only on `(seed, offset + i)`: give each call a disjoint
@@ -25,18 +17,7 @@ fn check_p(op: &'static str, p: f32) -> Result<()> {
 /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) unless `0 <= p < 1`; out of
 /// memory.
 pub fn dropout(x: &Tensor, p: f32, seed: u64, offset: u64) -> Result<Tensor> {
-    const OP: &str = "dropout";
-    check_p(OP, p)?;
-    let mut y = output_like(OP, x)?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        cuda::dropout(cu, x, &mut y, p, seed, offset)?;
-        return Ok(y);
-    }
-    with_dtype!(x.dtype(), T => {
-        cpu::dropout(x.as_slice::<T>()?, y.as_mut_slice::<T>()?, p, seed, offset)
-    });
-    Ok(y)
+    run(Dropout { x, p, seed, offset, backward: false })
 }
 
 /// Gradient of [`dropout`] with the forward's `(p, seed, offset)`: `dy` masked and scaled as
@@ -46,16 +27,70 @@ pub fn dropout(x: &Tensor, p: f32, seed: u64, offset: u64) -> Result<Tensor> {
 ///
 /// As [`dropout`].
 pub fn dropout_backward(dy: &Tensor, p: f32, seed: u64, offset: u64) -> Result<Tensor> {
-    const OP: &str = "dropout_backward";
-    check_p(OP, p)?;
-    let mut dx = output_like(OP, dy)?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = dy.device().cuda_backend() {
-        cuda::dropout(cu, dy, &mut dx, p, seed, offset)?;
-        return Ok(dx);
+    run(Dropout { x: dy, p, seed, offset, backward: true })
+}
+
+/// The mask applied to `x` (the input, or the upstream gradient for the backward).
+struct Dropout<'a> {
+    x: &'a Tensor,
+    p: f32,
+    seed: u64,
+    offset: u64,
+    backward: bool,
+}
+
+impl Op for Dropout<'_> {
+    const NAME: &'static str = "dropout";
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.x.device()
     }
-    with_dtype!(dy.dtype(), T => {
-        cpu::dropout_backward(dy.as_slice::<T>()?, dx.as_mut_slice::<T>()?, p, seed, offset)
-    });
-    Ok(dx)
+
+    fn plan(&mut self) -> Result<Plan> {
+        let op = if self.backward { "dropout_backward" } else { Self::NAME };
+        cpu::check_probability(op, self.p)?;
+        Ok(Plan::one(self.x.shape(), self.x.dtype()))
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        let (p, seed, offset) = (self.p, self.seed, self.offset);
+        with_dtype!(self.x.dtype(), T => {
+            let (x, y) = (self.x.as_slice::<T>()?, bufs.out(0).out_slice::<T>(Self::NAME)?);
+            if self.backward {
+                cpu::dropout_backward(x, y, p, seed, offset)
+            } else {
+                cpu::dropout(x, y, p, seed, offset)
+            }
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::DROPOUT};
+        let y = bufs.out(0);
+        let n = y.numel();
+        let scale = 1.0 / (1.0 - self.p);
+        // SAFETY: dropout_T(const T* x, T* y, u64 n, float p, float scale, u64 seed, u64
+        // offset); x and y hold n elements.
+        unsafe {
+            gpu.launch(
+                DROPOUT.of(self.x.dtype()),
+                grid(n),
+                &[
+                    ptr(self.x)?,
+                    ptr(y)?,
+                    Arg::count(n),
+                    Arg::F32(self.p),
+                    Arg::F32(scale),
+                    Arg::U64(self.seed),
+                    Arg::U64(self.offset),
+                ],
+            )
+        }
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
 }

@@ -1,24 +1,36 @@
 //! Sum and mean, over the whole tensor (to a host scalar) or over the last dimension, and
 //! their backward.
 
-use super::{output, rows_cols, with_dtype};
+use super::dispatch::{Buffers, Op, Plan, run};
+use super::rows_cols;
 use crate::cpu::reduce as cpu;
 use crate::device::Device;
-use crate::dtype::DType;
-use crate::error::Result;
+use crate::dtype::{DType, with_dtype};
+use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
-/// The sum of all elements, accumulated in f32 (pairwise).
+/// Threads per block of the GPU's first summation pass.
+const SUM_THREADS: usize = 256;
+/// Most blocks of that pass.
+const SUM_BLOCKS: usize = 1024;
+
+/// The workspaces of a whole-tensor sum of `n` elements on a GPU, in bytes: one f32
+/// partial sum per block of the first pass, and the f32 total.
+pub(crate) fn sum_workspaces(n: usize) -> (usize, usize) {
+    if n == 0 {
+        return (0, 0);
+    }
+    (n.div_ceil(SUM_THREADS).min(SUM_BLOCKS) * 4, 4)
+}
+
+/// The sum of all elements, accumulated in f32 (pairwise on the host).
 ///
 /// # Errors
 ///
-/// None on the host; the `Result` leaves room for devices where reading back can fail.
+/// [`Error::NoValues`] on a virtual device; [`Error::Device`] if the read back from a GPU
+/// fails.
 pub fn sum(x: &Tensor) -> Result<f32> {
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        return crate::cuda::ops::reduce::sum(cu, x);
-    }
-    Ok(with_dtype!(x.dtype(), T => cpu::sum(x.as_slice::<T>()?)))
+    run(Sum { x, total: 0.0, ws: [None; 2] })
 }
 
 /// The mean of all elements in f32 (NaN for an empty tensor, as in PyTorch).
@@ -27,11 +39,59 @@ pub fn sum(x: &Tensor) -> Result<f32> {
 ///
 /// As [`sum`].
 pub fn mean(x: &Tensor) -> Result<f32> {
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        return Ok(crate::cuda::ops::reduce::sum(cu, x)? / x.numel() as f32);
+    Ok(sum(x)? / x.numel() as f32)
+}
+
+/// A whole-tensor sum read back to the host.
+struct Sum<'a> {
+    x: &'a Tensor,
+    total: f32,
+    /// The partial sums and the total on the device.
+    ws: [Option<usize>; 2],
+}
+
+impl Op for Sum<'_> {
+    const NAME: &'static str = "sum";
+    type Output = f32;
+
+    fn device(&self) -> &Device {
+        self.x.device()
     }
-    Ok(with_dtype!(x.dtype(), T => cpu::mean(x.as_slice::<T>()?)))
+
+    fn plan(&mut self) -> Result<Plan> {
+        if self.x.device().is_virtual() {
+            return Err(Error::NoValues { op: Self::NAME });
+        }
+        let mut plan = Plan::default();
+        let (partial, total) = sum_workspaces(self.x.numel());
+        self.ws = [plan.workspace(partial), plan.workspace(total)];
+        Ok(plan)
+    }
+
+    fn host(&mut self, _: &mut Buffers) -> Result<()> {
+        self.total = with_dtype!(self.x.dtype(), T => cpu::sum(self.x.as_slice::<T>()?));
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        let n = self.x.numel();
+        let blocks = sum_workspaces(n).0 / 4;
+        let (partial, total) = (bufs.ws(self.ws[0])?, bufs.ws(self.ws[1])?);
+        self.total = crate::cuda::helpers::sum(
+            gpu,
+            self.x.cuda_ptr()?,
+            self.x.dtype(),
+            n,
+            (partial, blocks),
+            total,
+        )?;
+        Ok(())
+    }
+
+    fn finish(self, _: Buffers) -> Result<f32> {
+        Ok(self.total)
+    }
 }
 
 /// Gradient of [`sum`]: a tensor of `shape` and `dtype` on `device` filled with `dy`.
@@ -48,34 +108,19 @@ pub fn sum_backward(dy: f32, device: &Device, shape: &[usize], dtype: DType) -> 
 ///
 /// # Errors
 ///
-/// Out of memory.
+/// Out of memory; [`Error::InvalidArgument`] if `shape` overflows.
 pub fn mean_backward(dy: f32, device: &Device, shape: &[usize], dtype: DType) -> Result<Tensor> {
-    let mut dx = output("mean_backward", device, shape, dtype)?;
-    #[cfg(feature = "cuda")]
-    if device.is_cuda() {
-        dx.try_fill(dy / dx.numel() as f32)?;
-        return Ok(dx);
-    }
-    with_dtype!(dtype, T => cpu::mean_backward(dy, dx.as_mut_slice::<T>()?));
-    Ok(dx)
+    let n = super::params::product("mean_backward", "the shape", shape)?;
+    Tensor::full(device, shape, dtype, dy / n as f32)
 }
 
 /// Row sums of `x: [.., d]`, shape `[..]`.
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a rank-0 `x`; out of memory.
+/// [`Error::InvalidArgument`] for a rank-0 `x`; out of memory.
 pub fn sum_last_dim(x: &Tensor) -> Result<Tensor> {
-    const OP: &str = "sum_last_dim";
-    rows_cols(OP, x.shape())?;
-    let mut out = output(OP, x.device(), &x.shape()[..x.rank() - 1], x.dtype())?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        crate::cuda::ops::reduce::row_sum(cu, x, &mut out, 1.0)?;
-        return Ok(out);
-    }
-    with_dtype!(x.dtype(), T => cpu::sum_last_dim(x.as_slice::<T>()?, out.as_mut_slice::<T>()?));
-    Ok(out)
+    run(RowReduce { x, mean: false })
 }
 
 /// Row means of `x: [.., d]`, shape `[..]` (NaN rows when `d == 0`).
@@ -84,24 +129,45 @@ pub fn sum_last_dim(x: &Tensor) -> Result<Tensor> {
 ///
 /// As [`sum_last_dim`].
 pub fn mean_last_dim(x: &Tensor) -> Result<Tensor> {
-    const OP: &str = "mean_last_dim";
-    rows_cols(OP, x.shape())?;
-    let mut out = output(OP, x.device(), &x.shape()[..x.rank() - 1], x.dtype())?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        let d = x.shape()[x.rank() - 1];
-        crate::cuda::ops::reduce::row_sum(cu, x, &mut out, 1.0 / d as f32)?;
-        return Ok(out);
-    }
-    with_dtype!(x.dtype(), T => cpu::mean_last_dim(x.as_slice::<T>()?, out.as_mut_slice::<T>()?));
-    Ok(out)
+    run(RowReduce { x, mean: true })
 }
 
-/// `dy`'s shape with a last dimension `d` appended.
-fn widened(dy: &Tensor, d: usize) -> Vec<usize> {
-    let mut shape = dy.shape().to_vec();
-    shape.push(d);
-    shape
+/// Row sums or means.
+struct RowReduce<'a> {
+    x: &'a Tensor,
+    mean: bool,
+}
+
+impl Op for RowReduce<'_> {
+    const NAME: &'static str = "sum_last_dim";
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.x.device()
+    }
+
+    fn plan(&mut self) -> Result<Plan> {
+        rows_cols(Self::NAME, self.x.shape())?;
+        Ok(Plan::one(&self.x.shape()[..self.x.rank() - 1], self.x.dtype()))
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        with_dtype!(self.x.dtype(), T => {
+            let (x, out) = (self.x.as_slice::<T>()?, bufs.out(0).out_slice::<T>(Self::NAME)?);
+            if self.mean { cpu::mean_last_dim(x, out) } else { cpu::sum_last_dim(x, out) }
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        let (_, d) = rows_cols(Self::NAME, self.x.shape())?;
+        let scale = if self.mean { 1.0 / d as f32 } else { 1.0 };
+        crate::cuda::helpers::row_sum(gpu, Self::NAME, self.x, bufs.out(0), scale)
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
 }
 
 /// Gradient of [`sum_last_dim`] for rows of length `d`: `dy: [..]` broadcast to `[.., d]`.
@@ -110,16 +176,7 @@ fn widened(dy: &Tensor, d: usize) -> Vec<usize> {
 ///
 /// Out of memory.
 pub fn sum_last_dim_backward(dy: &Tensor, d: usize) -> Result<Tensor> {
-    let mut dx = output("sum_last_dim_backward", dy.device(), &widened(dy, d), dy.dtype())?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = dy.device().cuda_backend() {
-        crate::cuda::ops::elementwise::broadcast_rows(cu, dy, 1.0, &mut dx)?;
-        return Ok(dx);
-    }
-    with_dtype!(dy.dtype(), T => {
-        cpu::sum_last_dim_backward(dy.as_slice::<T>()?, dx.as_mut_slice::<T>()?)
-    });
-    Ok(dx)
+    run(RowBroadcast { dy, d, mean: false })
 }
 
 /// Gradient of [`mean_last_dim`] for rows of length `d`: `dy / d` broadcast to `[.., d]`.
@@ -128,14 +185,48 @@ pub fn sum_last_dim_backward(dy: &Tensor, d: usize) -> Result<Tensor> {
 ///
 /// Out of memory.
 pub fn mean_last_dim_backward(dy: &Tensor, d: usize) -> Result<Tensor> {
-    let mut dx = output("mean_last_dim_backward", dy.device(), &widened(dy, d), dy.dtype())?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = dy.device().cuda_backend() {
-        crate::cuda::ops::elementwise::broadcast_rows(cu, dy, 1.0 / d as f32, &mut dx)?;
-        return Ok(dx);
+    run(RowBroadcast { dy, d, mean: true })
+}
+
+/// `dy` (times `1 / d` for a mean) broadcast over rows of `d`.
+struct RowBroadcast<'a> {
+    dy: &'a Tensor,
+    d: usize,
+    mean: bool,
+}
+
+impl Op for RowBroadcast<'_> {
+    const NAME: &'static str = "sum_last_dim_backward";
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.dy.device()
     }
-    with_dtype!(dy.dtype(), T => {
-        cpu::mean_last_dim_backward(dy.as_slice::<T>()?, dx.as_mut_slice::<T>()?)
-    });
-    Ok(dx)
+
+    fn plan(&mut self) -> Result<Plan> {
+        let mut shape = self.dy.shape().to_vec();
+        shape.push(self.d);
+        Ok(Plan::one(&shape, self.dy.dtype()))
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        with_dtype!(self.dy.dtype(), T => {
+            let (dy, dx) = (self.dy.as_slice::<T>()?, bufs.out(0).out_slice::<T>(Self::NAME)?);
+            if self.mean {
+                cpu::mean_last_dim_backward(dy, dx)
+            } else {
+                cpu::sum_last_dim_backward(dy, dx)
+            }
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        let factor = if self.mean { 1.0 / self.d as f32 } else { 1.0 };
+        crate::cuda::helpers::broadcast_rows(gpu, self.dy, factor, bufs.out(0))
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
 }

@@ -1,19 +1,19 @@
 //! Softmax over the last dimension, plain and causal, forward and backward.
 
-use super::{invalid, output_like, rows_cols, same_layout, with_dtype};
+use super::dispatch::{Buffers, Op, Plan, run};
+use super::{invalid, rows_cols, same_layout};
 use crate::cpu::softmax as cpu;
-#[cfg(feature = "cuda")]
-use crate::cuda::ops::nn as cuda;
+use crate::device::Device;
+use crate::dtype::with_dtype;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
-/// The last dimension of `x`, which softmax normalizes over.
-fn last_dim(op: &'static str, x: &Tensor) -> Result<usize> {
-    Ok(rows_cols(op, x.shape())?.1)
-}
-
-/// The sequence length of causal attention scores `[.., seq, seq]`.
-fn seq_len(op: &'static str, x: &Tensor) -> Result<usize> {
+/// The row length softmax normalizes over: the last dimension, or (causal) the sequence
+/// length of scores `[.., seq, seq]`.
+fn row_len(op: &'static str, x: &Tensor, causal: bool) -> Result<usize> {
+    if !causal {
+        return Ok(rows_cols(op, x.shape())?.1);
+    }
     match x.shape() {
         [.., a, b] if a == b => Ok(*a),
         shape => Err(invalid(op, format!("expected scores [.., seq, seq], got {shape:?}"))),
@@ -26,20 +26,7 @@ fn seq_len(op: &'static str, x: &Tensor) -> Result<usize> {
 ///
 /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a rank-0 `x`; out of memory.
 pub fn softmax(x: &Tensor) -> Result<Tensor> {
-    const OP: &str = "softmax";
-    let cols = last_dim(OP, x)?;
-    let mut y = output_like(OP, x)?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        if x.numel() > 0 {
-            cuda::softmax(cu, x, &mut y, cols, 0)?;
-        }
-        return Ok(y);
-    }
-    if x.numel() > 0 {
-        with_dtype!(x.dtype(), T => cpu::softmax(x.as_slice::<T>()?, y.as_mut_slice::<T>()?, cols));
-    }
-    Ok(y)
+    run(Softmax { x, dy: None, causal: false, cols: 0 })
 }
 
 /// Gradient of [`softmax`] from its output `y` and the upstream `dy`.
@@ -48,26 +35,7 @@ pub fn softmax(x: &Tensor) -> Result<Tensor> {
 ///
 /// Shape, dtype and device mismatches between `y` and `dy`; out of memory.
 pub fn softmax_backward(y: &Tensor, dy: &Tensor) -> Result<Tensor> {
-    const OP: &str = "softmax_backward";
-    same_layout(OP, y, dy)?;
-    let cols = last_dim(OP, y)?;
-    let mut dx = output_like(OP, y)?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = y.device().cuda_backend() {
-        if y.numel() > 0 {
-            cuda::softmax_backward(cu, y, dy, &mut dx, cols, 0)?;
-        }
-        return Ok(dx);
-    }
-    if y.numel() > 0 {
-        with_dtype!(y.dtype(), T => cpu::softmax_backward(
-            y.as_slice::<T>()?,
-            dy.as_slice::<T>()?,
-            dx.as_mut_slice::<T>()?,
-            cols,
-        ));
-    }
-    Ok(dx)
+    run(Softmax { x: y, dy: Some(dy), causal: false, cols: 0 })
 }
 
 /// Causally masked softmax of attention scores `x: [.., seq, seq]`: row `i` is a softmax over
@@ -78,22 +46,7 @@ pub fn softmax_backward(y: &Tensor, dy: &Tensor) -> Result<Tensor> {
 /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) unless the last two dimensions
 /// are equal; out of memory.
 pub fn causal_softmax(x: &Tensor) -> Result<Tensor> {
-    const OP: &str = "causal_softmax";
-    let seq = seq_len(OP, x)?;
-    let mut y = output_like(OP, x)?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = x.device().cuda_backend() {
-        if x.numel() > 0 {
-            cuda::softmax(cu, x, &mut y, seq, seq)?;
-        }
-        return Ok(y);
-    }
-    if x.numel() > 0 {
-        with_dtype!(x.dtype(), T => {
-            cpu::causal_softmax(x.as_slice::<T>()?, y.as_mut_slice::<T>()?, seq)
-        });
-    }
-    Ok(y)
+    run(Softmax { x, dy: None, causal: true, cols: 0 })
 }
 
 /// Gradient of [`causal_softmax`] from its output `y` and the upstream `dy`.
@@ -102,24 +55,95 @@ pub fn causal_softmax(x: &Tensor) -> Result<Tensor> {
 ///
 /// As [`causal_softmax`], and mismatches between `y` and `dy`.
 pub fn causal_softmax_backward(y: &Tensor, dy: &Tensor) -> Result<Tensor> {
-    const OP: &str = "causal_softmax_backward";
-    same_layout(OP, y, dy)?;
-    let seq = seq_len(OP, y)?;
-    let mut dx = output_like(OP, y)?;
-    #[cfg(feature = "cuda")]
-    if let Some(cu) = y.device().cuda_backend() {
-        if y.numel() > 0 {
-            cuda::softmax_backward(cu, y, dy, &mut dx, seq, seq)?;
+    run(Softmax { x: y, dy: Some(dy), causal: true, cols: 0 })
+}
+
+/// A softmax (`dy: None`, `x` the input) or its gradient (`x` the forward's output).
+struct Softmax<'a> {
+    x: &'a Tensor,
+    dy: Option<&'a Tensor>,
+    causal: bool,
+    cols: usize,
+}
+
+impl Softmax<'_> {
+    fn name(&self) -> &'static str {
+        match (self.causal, self.dy.is_some()) {
+            (false, false) => "softmax",
+            (false, true) => "softmax_backward",
+            (true, false) => "causal_softmax",
+            (true, true) => "causal_softmax_backward",
         }
-        return Ok(dx);
     }
-    if y.numel() > 0 {
-        with_dtype!(y.dtype(), T => cpu::causal_softmax_backward(
-            y.as_slice::<T>()?,
-            dy.as_slice::<T>()?,
-            dx.as_mut_slice::<T>()?,
-            seq,
-        ));
+}
+
+impl Op for Softmax<'_> {
+    const NAME: &'static str = "softmax";
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.x.device()
     }
-    Ok(dx)
+
+    fn plan(&mut self) -> Result<Plan> {
+        let op = self.name();
+        if let Some(dy) = self.dy {
+            same_layout(op, self.x, dy)?;
+        }
+        self.cols = row_len(op, self.x, self.causal)?;
+        Ok(Plan::one(self.x.shape(), self.x.dtype()))
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        let (cols, causal) = (self.cols, self.causal);
+        with_dtype!(self.x.dtype(), T => {
+            let (x, out) = (self.x.as_slice::<T>()?, bufs.out(0).out_slice::<T>(Self::NAME)?);
+            match (self.dy, causal) {
+                (None, false) => cpu::softmax(x, out, cols),
+                (None, true) => cpu::causal_softmax(x, out, cols),
+                (Some(dy), false) => cpu::softmax_backward(x, dy.as_slice::<T>()?, out, cols),
+                (Some(dy), true) => cpu::causal_softmax_backward(x, dy.as_slice::<T>()?, out, cols),
+            }
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::helpers::{check_rows, ptr};
+        use crate::cuda::registry::{SOFTMAX_BWD, SOFTMAX_FWD};
+        use crate::cuda::{Arg, launch};
+        let out = bufs.out(0);
+        if out.numel() == 0 {
+            return Ok(());
+        }
+        let cols = self.cols;
+        let rows = out.numel() / cols;
+        check_rows(self.name(), rows)?;
+        // seq > 0 makes the kernels causal (cols == seq).
+        let seq = if self.causal { cols } else { 0 };
+        match self.dy {
+            // SAFETY: softmax_T(const T* x, T* y, u64 cols, u64 seq), one block per row; x
+            // and y hold rows * cols elements.
+            None => unsafe {
+                gpu.launch(
+                    SOFTMAX_FWD.of(self.x.dtype()),
+                    launch::per_row(rows),
+                    &[ptr(self.x)?, ptr(out)?, Arg::count(cols), Arg::count(seq)],
+                )
+            },
+            // SAFETY: softmax_bwd_T(const T* y, const T* dy, T* dx, u64 cols, u64 seq), one
+            // block per row; all three hold rows * cols elements (same layout, checked).
+            Some(dy) => unsafe {
+                gpu.launch(
+                    SOFTMAX_BWD.of(self.x.dtype()),
+                    launch::per_row(rows),
+                    &[ptr(self.x)?, ptr(dy)?, ptr(out)?, Arg::count(cols), Arg::count(seq)],
+                )
+            },
+        }
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
 }

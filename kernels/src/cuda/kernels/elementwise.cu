@@ -8,37 +8,18 @@ template <typename T> __device__ void fill_impl(T* y, float v, u64 n) {
     const T t = from_f32<T>(v);
     FOR_EACH(i, n) y[i] = t;
 }
-template <typename T> __device__ void add_impl(const T* a, const T* b, T* y, u64 n) {
-    FOR_EACH(i, n) y[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i]));
-}
-template <typename T> __device__ void mul_impl(const T* a, const T* b, T* y, u64 n) {
-    FOR_EACH(i, n) y[i] = from_f32<T>(to_f32(a[i]) * to_f32(b[i]));
-}
 template <typename T> __device__ void scale_impl(const T* x, float alpha, T* y, u64 n) {
     FOR_EACH(i, n) y[i] = from_f32<T>(alpha * to_f32(x[i]));
 }
-template <typename T> __device__ void relu_impl(const T* x, T* y, u64 n) {
-    FOR_EACH(i, n) y[i] = from_f32<T>(fmaxf(to_f32(x[i]), 0.0f));
+__device__ __forceinline__ float gelu_f(float v) {
+    const float inner = GELU_K * (v + GELU_C * v * v * v);
+    return 0.5f * v * (1.0f + tanhf(inner));
 }
-template <typename T> __device__ void relu_bwd_impl(const T* x, const T* dy, T* dx, u64 n) {
-    FOR_EACH(i, n) dx[i] = to_f32(x[i]) > 0.0f ? dy[i] : from_f32<T>(0.0f);
-}
-template <typename T> __device__ void gelu_impl(const T* x, T* y, u64 n) {
-    FOR_EACH(i, n) {
-        const float v = to_f32(x[i]);
-        const float inner = GELU_K * (v + GELU_C * v * v * v);
-        y[i] = from_f32<T>(0.5f * v * (1.0f + tanhf(inner)));
-    }
-}
-template <typename T> __device__ void gelu_bwd_impl(const T* x, const T* dy, T* dx, u64 n) {
-    FOR_EACH(i, n) {
-        const float v = to_f32(x[i]);
-        const float inner = GELU_K * (v + GELU_C * v * v * v);
-        const float t = tanhf(inner);
-        const float d_inner = GELU_K * (1.0f + 3.0f * GELU_C * v * v);
-        const float g = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * d_inner;
-        dx[i] = from_f32<T>(to_f32(dy[i]) * g);
-    }
+__device__ __forceinline__ float gelu_grad(float v) {
+    const float inner = GELU_K * (v + GELU_C * v * v * v);
+    const float t = tanhf(inner);
+    const float d_inner = GELU_K * (1.0f + 3.0f * GELU_C * v * v);
+    return 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * d_inner;
 }
 // y = x + bias[i % d]
 template <typename T>
@@ -55,19 +36,44 @@ __device__ void broadcast_rows_impl(const T* dy, float factor, T* dx, u64 n, u64
     FOR_EACH(i, n) dx[i] = from_f32<T>(to_f32(dy[i / d]) * factor);
 }
 
-#define UNARY(T, S) \
+#define PER_DTYPE(T, S) \
     extern "C" __global__ void fill_##S(T* y, float v, u64 n) { fill_impl<T>(y, v, n); } \
-    extern "C" __global__ void add_##S(const T* a, const T* b, T* y, u64 n) { add_impl<T>(a, b, y, n); } \
-    extern "C" __global__ void mul_##S(const T* a, const T* b, T* y, u64 n) { mul_impl<T>(a, b, y, n); } \
     extern "C" __global__ void scale_##S(const T* x, float alpha, T* y, u64 n) { scale_impl<T>(x, alpha, y, n); } \
-    extern "C" __global__ void relu_##S(const T* x, T* y, u64 n) { relu_impl<T>(x, y, n); } \
-    extern "C" __global__ void relu_bwd_##S(const T* x, const T* dy, T* dx, u64 n) { relu_bwd_impl<T>(x, dy, dx, n); } \
-    extern "C" __global__ void gelu_##S(const T* x, T* y, u64 n) { gelu_impl<T>(x, y, n); } \
-    extern "C" __global__ void gelu_bwd_##S(const T* x, const T* dy, T* dx, u64 n) { gelu_bwd_impl<T>(x, dy, dx, n); } \
     extern "C" __global__ void bias_add_##S(const T* x, const T* b, T* y, u64 n, u64 d) { bias_add_impl<T>(x, b, y, n, d); } \
     extern "C" __global__ void bias_fill_##S(const T* b, T* y, u64 n, u64 d) { bias_fill_impl<T>(b, y, n, d); } \
     extern "C" __global__ void broadcast_rows_##S(const T* dy, float f, T* dx, u64 n, u64 d) { broadcast_rows_impl<T>(dy, f, dx, n, d); }
-FOR_DTYPES(UNARY)
+FOR_DTYPES(PER_DTYPE)
+
+// Elementwise maps, the kernels of `ops::map`. A unary op and its backward are one
+// UNARY_OP line: the name, the forward as an expression of v = x[i], the backward as an
+// expression of v and g = dy[i] (both f32). It defines NAME_<dtype>(const T* x, T* y, u64 n)
+// and NAME_bwd_<dtype>(const T* x, const T* dy, T* dx, u64 n). A binary op is one BINARY_OP
+// line, an expression of a and b, defining NAME_<dtype>(const T* a, const T* b, T* y, u64 n).
+#define UNARY_INSTANCE(T, S, NAME, FWD, BWD) \
+    extern "C" __global__ void NAME##_##S(const T* x, T* y, u64 n) { \
+        FOR_EACH(i, n) { const float v = to_f32(x[i]); y[i] = from_f32<T>(FWD); } \
+    } \
+    extern "C" __global__ void NAME##_bwd_##S(const T* x, const T* dy, T* dx, u64 n) { \
+        FOR_EACH(i, n) { const float v = to_f32(x[i]); const float g = to_f32(dy[i]); dx[i] = from_f32<T>(BWD); } \
+    }
+#define UNARY_OP(NAME, FWD, BWD) \
+    UNARY_INSTANCE(float, f32, NAME, FWD, BWD) \
+    UNARY_INSTANCE(half_t, f16, NAME, FWD, BWD) \
+    UNARY_INSTANCE(bf16_t, bf16, NAME, FWD, BWD)
+
+#define BINARY_INSTANCE(T, S, NAME, F) \
+    extern "C" __global__ void NAME##_##S(const T* x, const T* y, T* out, u64 n) { \
+        FOR_EACH(i, n) { const float a = to_f32(x[i]); const float b = to_f32(y[i]); out[i] = from_f32<T>(F); } \
+    }
+#define BINARY_OP(NAME, F) \
+    BINARY_INSTANCE(float, f32, NAME, F) \
+    BINARY_INSTANCE(half_t, f16, NAME, F) \
+    BINARY_INSTANCE(bf16_t, bf16, NAME, F)
+
+UNARY_OP(relu, fmaxf(v, 0.0f), v > 0.0f ? g : 0.0f)
+UNARY_OP(gelu, gelu_f(v), g * gelu_grad(v))
+BINARY_OP(add, a + b)
+BINARY_OP(mul, a * b)
 
 // Mixed-type kernels, named <op>_<first>_<second>: cast_<src>_<dst>, add_assign_<acc>_<x>,
 // axpy_<y>_<x>.

@@ -1,0 +1,105 @@
+//! Compiled modules and loaded functions of one device: each `.cu` module is compiled with
+//! NVRTC on first use and its functions are cached by their static names (the shape of
+//! candle's `get_or_load_func`).
+
+use super::driver_error;
+use super::registry::{COMMON, Instance, Module};
+use crate::error::{Error, Result};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::{CompileError, CompileOptions, compile_ptx_with_opts};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// The NVRTC options every module is compiled with, for `--gpu-architecture=<arch>`.
+///
+/// fmad off: products and sums round separately, as on the host, so elementwise results
+/// match the CPU reference bit for bit (these kernels are memory-bound; the matmuls go
+/// through cuBLAS).
+pub(crate) fn compile_options(module: &Module, arch: &str) -> CompileOptions {
+    CompileOptions {
+        fmad: Some(false),
+        options: vec![format!("--gpu-architecture={arch}")],
+        name: Some(format!("{}.cu", module.name)),
+        ..Default::default()
+    }
+}
+
+/// The full source NVRTC compiles for `module`: the common helpers, then the module.
+pub(crate) fn full_source(module: &Module) -> String {
+    format!("{COMMON}\n{}", module.source)
+}
+
+/// Compiled modules and loaded functions of one device.
+#[derive(Debug)]
+pub(crate) struct Loader {
+    /// `compute_XY` for the device's compute capability.
+    arch: String,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    /// Keyed by the instance's static name: names are unique across modules.
+    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The maps are only ever inserted into; a panic elsewhere cannot leave them inconsistent.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Loader {
+    /// An empty cache for a device of compute capability `major.minor`.
+    pub(crate) fn new(major: i32, minor: i32) -> Loader {
+        Loader {
+            arch: format!("compute_{major}{minor}"),
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The function of `kernel`, compiling and loading its module on first use.
+    pub(crate) fn function(
+        &self,
+        ctx: &Arc<CudaContext>,
+        kernel: Instance,
+    ) -> Result<CudaFunction> {
+        if let Some(f) = lock(&self.functions).get(kernel.name) {
+            return Ok(f.clone());
+        }
+        let module = kernel.kernel.module;
+        let loaded = self.module(ctx, module)?;
+        let f = loaded.load_function(kernel.name).map_err(|e| Error::Device {
+            op: "kernel lookup",
+            reason: format!("no kernel `{}` in module `{}`: {e}", kernel.name, module.name),
+        })?;
+        lock(&self.functions).insert(kernel.name, f.clone());
+        Ok(f)
+    }
+
+    /// Compiles (NVRTC) and loads `module` once; later calls return the loaded module.
+    pub(crate) fn module(
+        &self,
+        ctx: &Arc<CudaContext>,
+        module: &'static Module,
+    ) -> Result<Arc<CudaModule>> {
+        let mut modules = lock(&self.modules);
+        if let Some(m) = modules.get(module.name) {
+            return Ok(Arc::clone(m));
+        }
+        let ptx = compile_ptx_with_opts(full_source(module), compile_options(module, &self.arch))
+            .map_err(|e| compile_error(module, e))?;
+        let loaded = ctx.load_module(ptx).map_err(driver_error("cuModuleLoadData"))?;
+        modules.insert(module.name, Arc::clone(&loaded));
+        Ok(loaded)
+    }
+}
+
+/// An NVRTC failure on `module` as this crate's error, with the compiler's log.
+pub(crate) fn compile_error(module: &Module, e: CompileError) -> Error {
+    let reason = match e {
+        CompileError::CompileError { nvrtc, options, log } => format!(
+            "NVRTC could not compile {}.cu ({nvrtc:?}, options {options:?}):\n{}",
+            module.name,
+            log.to_string_lossy()
+        ),
+        other => format!("NVRTC failed on {}.cu: {other:?}", module.name),
+    };
+    Error::Device { op: "nvrtc", reason }
+}

@@ -1,0 +1,241 @@
+//! Compiles every `.cu` module with NVRTC, which needs no GPU, and checks the typed
+//! registry against the result: each module compiles to PTX for `compute_80` and
+//! `compute_90` with the options the device uses, and to a cubin for `sm_80` and `sm_90`
+//! (running ptxas); the PTX defines exactly the kernels the registry lists, each with the
+//! registered number and types of parameters. A mismatch there is undefined behaviour on a
+//! GPU, so it must fail here.
+//!
+//! NVRTC is loaded from `LD_LIBRARY_PATH` (`libnvrtc.so.13`, e.g. from the
+//! `nvidia-cuda-nvrtc` wheel that `.ci/run` installs). Without it the test prints
+//! `skipped: no NVRTC (...)` and passes, unless `VRAM_REQUIRE_NVRTC=1` (set by CI) makes
+//! that a failure.
+
+use super::loader::{compile_error, compile_options, full_source};
+use super::registry::{ALL, MODULES, Module, Param};
+use cudarc::nvrtc::{compile_ptx_with_opts, result, sys};
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::io::Write as _;
+
+/// Set to make a missing NVRTC a failure instead of a skip.
+const REQUIRE_VAR: &str = "VRAM_REQUIRE_NVRTC";
+
+/// The virtual architectures the PTX is checked for; the device compiles for its own.
+const PTX_ARCHS: [&str; 2] = ["compute_80", "compute_90"];
+
+/// The real architectures compiled down to a cubin.
+const CUBIN_ARCHS: [&str; 2] = ["sm_80", "sm_90"];
+
+fn say(line: &str) {
+    // Straight to stderr, so that it shows through the test harness's output capture.
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+/// Whether NVRTC can be loaded; prints the skip line (or fails under CI) when it cannot.
+fn nvrtc_present() -> bool {
+    // SAFETY: only tries to open the library by its candidate names; no NVRTC call.
+    if unsafe { sys::is_culib_present() } {
+        return true;
+    }
+    let why = "libnvrtc.so.13 is not on LD_LIBRARY_PATH; `pip install nvidia-cuda-nvrtc` \
+               provides it in nvidia/cu13/lib";
+    let required = std::env::var(REQUIRE_VAR).is_ok_and(|v| !v.is_empty() && v != "0");
+    assert!(!required, "{REQUIRE_VAR} is set but NVRTC cannot be loaded: {why}");
+    say(&format!("skipped: no NVRTC ({why})"));
+    false
+}
+
+/// The parameters of every `.entry` in `ptx`, as `(type, bytes)` pairs.
+fn ptx_entries(ptx: &str) -> Result<BTreeMap<String, Vec<(String, usize)>>, String> {
+    let mut entries = BTreeMap::new();
+    let mut rest = ptx;
+    while let Some(at) = rest.find(".entry ") {
+        rest = &rest[at + ".entry ".len()..];
+        let open = rest.find('(').ok_or("an .entry without a parameter list")?;
+        let name = rest[..open].trim().to_string();
+        let close = rest.find(')').ok_or("an unterminated parameter list")?;
+        let params = rest[open + 1..close]
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(|p| ptx_param(p).ok_or_else(|| format!("{name}: cannot read parameter `{p}`")))
+            .collect::<Result<Vec<_>, _>>()?;
+        entries.insert(name, params);
+        rest = &rest[close..];
+    }
+    Ok(entries)
+}
+
+/// One PTX parameter declaration, e.g. `.param .u64 .ptr .align 4 f_param_0` or
+/// `.param .align 8 .b8 f_param_2[128]`, as `(type, bytes)`.
+fn ptx_param(decl: &str) -> Option<(String, usize)> {
+    let words: Vec<&str> = decl.split_whitespace().collect();
+    let ty = words.iter().skip(1).find(|w| {
+        matches!(**w, ".u64" | ".s64" | ".b64" | ".u32" | ".s32" | ".b32" | ".f32" | ".b8")
+    })?;
+    let ty = ty.trim_start_matches('.');
+    let bytes = match ty {
+        "b8" => {
+            let last = words.last()?;
+            let open = last.find('[')?;
+            last[open + 1..last.len() - 1].parse().ok()?
+        }
+        "u64" | "s64" | "b64" => 8,
+        _ => 4,
+    };
+    let ty = match ty {
+        "s64" | "b64" => "u64",
+        "s32" | "b32" => "u32",
+        other => other,
+    };
+    Some((ty.to_string(), bytes))
+}
+
+/// The differences between `module`'s PTX entries and the registry, one line each.
+fn registry_mismatches(
+    module: &Module,
+    entries: &BTreeMap<String, Vec<(String, usize)>>,
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    let mut registered = 0;
+    for kernel in ALL.iter().filter(|k| std::ptr::eq(k.module, module)) {
+        let want: Vec<(String, usize)> =
+            kernel.params.iter().map(|p| Param::ptx(*p)).map(|(t, b)| (t.to_string(), b)).collect();
+        for name in kernel.names {
+            registered += 1;
+            match entries.get(*name) {
+                None => problems.push(format!("{name}: launched by Rust, missing from the PTX")),
+                Some(got) if *got != want => problems.push(format!(
+                    "{name}: the kernel takes {got:?}, the launch passes {want:?} ({:?})",
+                    kernel.params
+                )),
+                Some(_) => {}
+            }
+        }
+    }
+    for name in entries.keys() {
+        let known =
+            ALL.iter().any(|k| std::ptr::eq(k.module, module) && k.names.contains(&name.as_str()));
+        if !known {
+            problems
+                .push(format!("{name}: in the PTX but not in the registry (dead or unregistered)"));
+        }
+    }
+    if registered == 0 {
+        problems.push(format!("{}.cu: no kernel registered", module.name));
+    }
+    problems
+}
+
+/// Compiles `module` for the real architecture `arch` and returns the cubin's size.
+fn cubin_size(module: &Module, arch: &str) -> Result<usize, String> {
+    let src = CString::new(full_source(module)).map_err(|e| e.to_string())?;
+    let name = CString::new(format!("{}.cu", module.name)).map_err(|e| e.to_string())?;
+    let prog = result::create_program(&src, Some(&name)).map_err(|e| format!("{e:?}"))?;
+    let opts = [format!("--gpu-architecture={arch}"), "--fmad=false".to_string()];
+    // SAFETY: `prog` was just created from `src` and `name`, which outlive it, and is
+    // destroyed once, below.
+    let compiled = unsafe { result::compile_program(prog, &opts) };
+    let outcome = match compiled {
+        Err(e) => {
+            // SAFETY: as above.
+            let log = unsafe { result::get_program_log(prog) }.unwrap_or_default();
+            let log: Vec<u8> = log.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
+            Err(format!("{e:?}:\n{}", String::from_utf8_lossy(&log)))
+        }
+        Ok(()) => {
+            let mut size = 0usize;
+            // SAFETY: as above; `size` is a valid out-pointer.
+            let status = unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) };
+            if status == sys::nvrtcResult::NVRTC_SUCCESS && size > 0 {
+                Ok(size)
+            } else {
+                Err(format!("no cubin ({status:?}, {size} bytes)"))
+            }
+        }
+    };
+    // SAFETY: as above; not used afterwards.
+    let _ = unsafe { result::destroy_program(prog) };
+    outcome
+}
+
+#[test]
+fn every_module_compiles_for_sm80_and_sm90_and_matches_the_registry() {
+    if !nvrtc_present() {
+        return;
+    }
+    let mut problems = Vec::new();
+    for module in MODULES {
+        for arch in PTX_ARCHS {
+            let ptx =
+                match compile_ptx_with_opts(full_source(module), compile_options(module, arch)) {
+                    Ok(ptx) => ptx.to_src(),
+                    Err(e) => {
+                        problems.push(format!("{arch}: {}", compile_error(module, e)));
+                        continue;
+                    }
+                };
+            match ptx_entries(&ptx) {
+                Ok(entries) => {
+                    let found = registry_mismatches(module, &entries);
+                    say(&format!(
+                        "nvrtc: {}.cu for {arch}: {} kernels, {}",
+                        module.name,
+                        entries.len(),
+                        if found.is_empty() {
+                            "all match the registry".to_string()
+                        } else {
+                            format!("{} mismatches", found.len())
+                        }
+                    ));
+                    problems.extend(
+                        found.into_iter().map(|p| format!("{}.cu {arch}: {p}", module.name)),
+                    );
+                }
+                Err(e) => problems.push(format!("{}.cu {arch}: unreadable PTX: {e}", module.name)),
+            }
+        }
+        for arch in CUBIN_ARCHS {
+            match cubin_size(module, arch) {
+                Ok(bytes) => {
+                    say(&format!("nvrtc: {}.cu for {arch}: cubin of {bytes} bytes", module.name))
+                }
+                Err(e) => problems.push(format!("{}.cu {arch}: {e}", module.name)),
+            }
+        }
+    }
+    assert!(problems.is_empty(), "NVRTC check failed:\n{}", problems.join("\n"));
+}
+
+#[test]
+fn ptx_parameter_declarations_are_read_with_their_sizes() {
+    let ptx = "
+.visible .entry k_f32(
+	.param .u64 .ptr .global .align 4 k_f32_param_0,
+	.param .f32 k_f32_param_1,
+	.param .align 8 .b8 k_f32_param_2[128],
+	.param .u32 k_f32_param_3
+)
+{
+}
+.visible .entry empty()
+{
+}";
+    let entries = ptx_entries(ptx).unwrap();
+    assert_eq!(
+        entries["k_f32"],
+        [("u64".into(), 8), ("f32".into(), 4), ("b8".into(), 128), ("u32".into(), 4)]
+    );
+    assert!(entries["empty"].is_empty());
+}
+
+#[test]
+fn every_registered_kernel_has_one_name_per_instance_and_names_are_unique() {
+    let mut seen = std::collections::HashSet::new();
+    for kernel in ALL {
+        assert!(matches!(kernel.names.len(), 1 | 3 | 9), "{:?}", kernel.names);
+        for name in kernel.names {
+            assert!(seen.insert(*name), "{name} is registered twice");
+        }
+    }
+}

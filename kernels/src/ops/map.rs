@@ -1,0 +1,296 @@
+//! Elementwise maps: the families that make a new elementwise op a few lines.
+//!
+//! A unary op with its backward is one [`unary_op!`] line here (the public functions, the
+//! host code, the kernels' registry entries) plus one `UNARY_OP` line in
+//! `cuda/kernels/elementwise.cu`; a binary op is one [`binary_op!`] line plus one
+//! `BINARY_OP` line. Arithmetic is in f32 and each result is rounded once to the storage
+//! type, on the host and on the GPU alike.
+
+use super::dispatch::{Buffers, Op, Plan, run};
+use super::same_layout;
+use crate::cpu::elementwise::{map_into, zip_map_into};
+use crate::device::Device;
+use crate::dtype::{Element, with_dtype};
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// An elementwise function and its gradient, in f32.
+pub(crate) trait Unary {
+    /// The forward op's name.
+    const NAME: &'static str;
+    /// The backward op's name.
+    const BACKWARD_NAME: &'static str;
+    /// The forward kernel, `name(const T* x, T* y, u64 n)`.
+    #[cfg(feature = "cuda")]
+    const KERNEL: &'static crate::cuda::registry::Kernel;
+    /// The backward kernel, `name(const T* x, const T* dy, T* dx, u64 n)`.
+    #[cfg(feature = "cuda")]
+    const BACKWARD_KERNEL: &'static crate::cuda::registry::Kernel;
+    /// `f(x)`.
+    fn forward(x: f32) -> f32;
+    /// The gradient with respect to `x` of `f` at `x` for the upstream gradient `dy`.
+    fn backward(x: f32, dy: f32) -> f32;
+}
+
+/// `y = f(x)`.
+pub(crate) struct UnaryForward<'a, U> {
+    x: &'a Tensor,
+    op: std::marker::PhantomData<U>,
+}
+
+/// `dx = f'(x) dy`.
+pub(crate) struct UnaryBackward<'a, U> {
+    x: &'a Tensor,
+    dy: &'a Tensor,
+    op: std::marker::PhantomData<U>,
+}
+
+/// Runs the forward of `U` on `x`.
+pub(crate) fn unary<U: Unary>(x: &Tensor) -> Result<Tensor> {
+    run(UnaryForward::<U> { x, op: std::marker::PhantomData })
+}
+
+/// Runs the backward of `U` for the forward input `x` and the upstream `dy`.
+pub(crate) fn unary_backward<U: Unary>(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    run(UnaryBackward::<U> { x, dy, op: std::marker::PhantomData })
+}
+
+impl<U: Unary> Op for UnaryForward<'_, U> {
+    const NAME: &'static str = U::NAME;
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.x.device()
+    }
+
+    fn plan(&mut self) -> Result<Plan> {
+        Ok(Plan::one(self.x.shape(), self.x.dtype()))
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        fn go<T: Element, U: Unary>(x: &Tensor, y: &mut Tensor) -> Result<()> {
+            map_into(x.as_slice::<T>()?, y.out_slice::<T>(U::NAME)?, |v| {
+                T::from_f32(U::forward(v.to_f32()))
+            });
+            Ok(())
+        }
+        with_dtype!(self.x.dtype(), T => go::<T, U>(self.x, bufs.out(0)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid};
+        let y = bufs.out(0);
+        let n = y.numel();
+        // SAFETY: U::KERNEL(const T* x, T* y, u64 n); x and y hold n elements of T.
+        unsafe {
+            gpu.launch(
+                U::KERNEL.of(self.x.dtype()),
+                grid(n),
+                &[ptr(self.x)?, ptr(y)?, Arg::count(n)],
+            )
+        }
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
+}
+
+impl<U: Unary> Op for UnaryBackward<'_, U> {
+    const NAME: &'static str = U::BACKWARD_NAME;
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.x.device()
+    }
+
+    fn plan(&mut self) -> Result<Plan> {
+        same_layout(U::BACKWARD_NAME, self.x, self.dy)?;
+        Ok(Plan::one(self.x.shape(), self.x.dtype()))
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        fn go<T: Element, U: Unary>(x: &Tensor, dy: &Tensor, dx: &mut Tensor) -> Result<()> {
+            let out = dx.out_slice::<T>(U::BACKWARD_NAME)?;
+            zip_map_into(x.as_slice::<T>()?, dy.as_slice::<T>()?, out, |v, g| {
+                T::from_f32(U::backward(v.to_f32(), g.to_f32()))
+            });
+            Ok(())
+        }
+        with_dtype!(self.x.dtype(), T => go::<T, U>(self.x, self.dy, bufs.out(0)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid};
+        let dx = bufs.out(0);
+        let n = dx.numel();
+        // SAFETY: U::BACKWARD_KERNEL(const T* x, const T* dy, T* dx, u64 n); all three hold
+        // n elements of T (same layout, checked in `plan`).
+        unsafe {
+            gpu.launch(
+                U::BACKWARD_KERNEL.of(self.x.dtype()),
+                grid(n),
+                &[ptr(self.x)?, ptr(self.dy)?, ptr(dx)?, Arg::count(n)],
+            )
+        }
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
+}
+
+/// Declares a unary op with its backward: the public functions `$fwd` and `$bwd`, and the
+/// [`Unary`] impl on the marker type `$ty` that ties them to the kernels `$kernel` and
+/// `$bwd_kernel` of the registry and to the f32 functions of `x` (and `dy`).
+macro_rules! unary_op {
+    (
+        $(#[$doc:meta])* $fwd:ident, $(#[$bdoc:meta])* $bwd:ident:
+        $ty:ident, $kernel:ident, $bwd_kernel:ident,
+        |$x:ident| $f:expr, |$bx:ident, $dy:ident| $b:expr $(,)?
+    ) => {
+        /// The marker type of the op.
+        pub(crate) struct $ty;
+
+        impl $crate::ops::map::Unary for $ty {
+            const NAME: &'static str = stringify!($fwd);
+            const BACKWARD_NAME: &'static str = stringify!($bwd);
+            #[cfg(feature = "cuda")]
+            const KERNEL: &'static $crate::cuda::registry::Kernel =
+                &$crate::cuda::registry::$kernel;
+            #[cfg(feature = "cuda")]
+            const BACKWARD_KERNEL: &'static $crate::cuda::registry::Kernel =
+                &$crate::cuda::registry::$bwd_kernel;
+            #[inline(always)]
+            fn forward($x: f32) -> f32 {
+                $f
+            }
+            #[inline(always)]
+            fn backward($bx: f32, $dy: f32) -> f32 {
+                $b
+            }
+        }
+
+        $(#[$doc])*
+        ///
+        /// # Errors
+        ///
+        /// [`Error::OutOfMemory`](crate::Error::OutOfMemory).
+        pub fn $fwd(x: &Tensor) -> Result<Tensor> {
+            $crate::ops::map::unary::<$ty>(x)
+        }
+
+        $(#[$bdoc])*
+        ///
+        /// # Errors
+        ///
+        /// Shape, dtype and device mismatches between `x` and `dy`; out of memory.
+        pub fn $bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+            $crate::ops::map::unary_backward::<$ty>(x, dy)
+        }
+    };
+}
+pub(crate) use unary_op;
+
+/// An elementwise function of two tensors of one shape and dtype, in f32.
+pub(crate) trait Binary {
+    /// The op's name.
+    const NAME: &'static str;
+    /// The kernel, `name(const T* a, const T* b, T* y, u64 n)`.
+    #[cfg(feature = "cuda")]
+    const KERNEL: &'static crate::cuda::registry::Kernel;
+    /// `f(a, b)`.
+    fn apply(a: f32, b: f32) -> f32;
+}
+
+/// `y = f(a, b)`.
+pub(crate) struct BinaryOp<'a, B> {
+    a: &'a Tensor,
+    b: &'a Tensor,
+    op: std::marker::PhantomData<B>,
+}
+
+/// Runs `B` on `a` and `b`.
+pub(crate) fn binary<B: Binary>(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    run(BinaryOp::<B> { a, b, op: std::marker::PhantomData })
+}
+
+impl<B: Binary> Op for BinaryOp<'_, B> {
+    const NAME: &'static str = B::NAME;
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.a.device()
+    }
+
+    fn plan(&mut self) -> Result<Plan> {
+        same_layout(B::NAME, self.a, self.b)?;
+        Ok(Plan::one(self.a.shape(), self.a.dtype()))
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        fn go<T: Element, B: Binary>(a: &Tensor, b: &Tensor, y: &mut Tensor) -> Result<()> {
+            let out = y.out_slice::<T>(B::NAME)?;
+            zip_map_into(a.as_slice::<T>()?, b.as_slice::<T>()?, out, |x, y| {
+                T::from_f32(B::apply(x.to_f32(), y.to_f32()))
+            });
+            Ok(())
+        }
+        with_dtype!(self.a.dtype(), T => go::<T, B>(self.a, self.b, bufs.out(0)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid};
+        let y = bufs.out(0);
+        let n = y.numel();
+        // SAFETY: B::KERNEL(const T* a, const T* b, T* y, u64 n); all three hold n elements
+        // of T (same layout, checked in `plan`).
+        unsafe {
+            gpu.launch(
+                B::KERNEL.of(self.a.dtype()),
+                grid(n),
+                &[ptr(self.a)?, ptr(self.b)?, ptr(y)?, Arg::count(n)],
+            )
+        }
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
+}
+
+/// Declares a binary op: the public function `$name` and the [`Binary`] impl on the marker
+/// type `$ty` that ties it to the kernel `$kernel` and to the f32 function of `a` and `b`.
+macro_rules! binary_op {
+    ($(#[$doc:meta])* $name:ident: $ty:ident, $kernel:ident, |$a:ident, $b:ident| $f:expr $(,)?) => {
+        /// The marker type of the op.
+        pub(crate) struct $ty;
+
+        impl $crate::ops::map::Binary for $ty {
+            const NAME: &'static str = stringify!($name);
+            #[cfg(feature = "cuda")]
+            const KERNEL: &'static $crate::cuda::registry::Kernel =
+                &$crate::cuda::registry::$kernel;
+            #[inline(always)]
+            fn apply($a: f32, $b: f32) -> f32 {
+                $f
+            }
+        }
+
+        $(#[$doc])*
+        ///
+        /// # Errors
+        ///
+        /// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch),
+        /// [`Error::DTypeMismatch`](crate::Error::DTypeMismatch),
+        /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch),
+        /// [`Error::OutOfMemory`](crate::Error::OutOfMemory).
+        pub fn $name(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+            $crate::ops::map::binary::<$ty>(a, b)
+        }
+    };
+}
+pub(crate) use binary_op;

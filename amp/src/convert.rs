@@ -2,7 +2,7 @@
 
 use crate::error::{Error, Result};
 use half::{bf16, f16};
-use vram_kernels::{DType, Tensor, cpu::elementwise::cast};
+use vram_kernels::{DType, Tensor};
 
 /// Runs `$body` with `$T` bound to the storage type of `$dtype`.
 macro_rules! with_dtype {
@@ -24,9 +24,9 @@ macro_rules! with_dtype {
     };
 }
 
-/// Overwrites `dst` with `src` converted to `dst`'s dtype (round-to-nearest-even), without
-/// allocating on the host. Tensors in CUDA memory are not host-addressable: there `dst` is
-/// replaced by a converted copy (kernels has no in-place cast op yet).
+/// Overwrites `dst` with `src` converted to `dst`'s dtype (round-to-nearest-even), in place
+/// on every backend (`Tensor::copy_from`), so that the host, a virtual device and a GPU
+/// allocate alike.
 ///
 /// # Errors
 ///
@@ -38,20 +38,19 @@ pub(crate) fn cast_into(src: &Tensor, dst: &mut Tensor) -> Result<()> {
             reason: format!("source shape {:?} != destination {:?}", src.shape(), dst.shape()),
         });
     }
-    if src.device().is_cuda() || dst.device().is_cuda() {
-        *dst = src.to_dtype(dst.dtype())?;
-        return Ok(());
-    }
-    with_dtype!(src.dtype(), S => with_dtype!(dst.dtype(), D => {
-        cast(src.as_slice::<S>()?, dst.as_mut_slice::<D>()?)
-    }))?;
+    dst.copy_from(src)?;
     Ok(())
 }
 
+/// Whether `t`'s memory is not host-addressable (CUDA), or stands for such memory (virtual).
+fn off_host(t: &Tensor) -> bool {
+    t.device().is_cuda() || t.device().is_virtual()
+}
+
 /// The sum of squares of `t`'s elements: in f64 on the host, through f32 kernel ops on a
-/// CUDA device.
+/// CUDA (or virtual) device.
 pub(crate) fn sum_of_squares(t: &Tensor) -> Result<f64> {
-    if t.device().is_cuda() {
+    if off_host(t) {
         let t32 = t.to_dtype(DType::F32)?;
         return Ok(f64::from(vram_kernels::ops::sum(&vram_kernels::ops::mul(&t32, &t32)?)?));
     }

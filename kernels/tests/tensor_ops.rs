@@ -409,3 +409,26 @@ fn clones_share_memory_and_writes_copy_on_write() {
     drop((a, b, ones));
     assert_eq!(dev.memory_allocated(), 0);
 }
+
+/// `copy_from` converts in place: no allocation (unless the memory is shared), the values
+/// rounded to the destination's dtype, the source untouched; bad shapes are errors.
+#[test]
+fn copy_from_converts_in_place_without_allocating() {
+    let d = dev();
+    let src = Tensor::from_f32_slice(&d, &[3], &[1.0, 0.1, -2.5], DType::F32).unwrap();
+    let mut dst = Tensor::zeros(&d, &[3], DType::BF16).unwrap();
+    let before = d.memory_stats().allocation.all.allocated;
+    dst.copy_from(&src).unwrap();
+    assert_eq!(d.memory_stats().allocation.all.allocated, before, "no allocation");
+    let want: Vec<f32> =
+        [1.0f32, 0.1, -2.5].iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+    assert_eq!(dst.to_f32_vec().unwrap(), want);
+    assert_eq!(src.to_f32_vec().unwrap(), [1.0, 0.1, -2.5]);
+    // A shared destination is copied first, so its other handle keeps its values.
+    let other = dst.clone();
+    dst.copy_from(&Tensor::zeros(&d, &[3], DType::F32).unwrap()).unwrap();
+    assert_eq!(other.to_f32_vec().unwrap(), want);
+    assert_eq!(dst.to_f32_vec().unwrap(), [0.0; 3]);
+    let wrong = Tensor::zeros(&d, &[4], DType::F32).unwrap();
+    assert!(matches!(dst.copy_from(&wrong), Err(Error::ShapeMismatch { .. })));
+}

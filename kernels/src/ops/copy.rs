@@ -138,6 +138,67 @@ impl Op for Cast<'_> {
     }
 }
 
+/// `src` converted into `dst`'s dtype, written over `dst` in place (same shape and device).
+struct CastInto<'a> {
+    src: &'a Tensor,
+    dst: &'a mut Tensor,
+}
+
+impl Op for CastInto<'_> {
+    const NAME: &'static str = "copy_from";
+    type Output = ();
+
+    fn device(&self) -> &Device {
+        self.dst.device()
+    }
+
+    fn plan(&mut self) -> Result<Plan> {
+        if self.src.shape() != self.dst.shape() {
+            return Err(Error::ShapeMismatch {
+                op: Self::NAME,
+                lhs: self.dst.shape().to_vec(),
+                rhs: self.src.shape().to_vec(),
+            });
+        }
+        if self.src.device() != self.dst.device() {
+            return Err(Error::DeviceMismatch { op: Self::NAME });
+        }
+        self.dst.make_unique()?;
+        Ok(Plan::default())
+    }
+
+    fn host(&mut self, _: &mut Buffers) -> Result<()> {
+        let (x, out) = (self.src, &mut *self.dst);
+        if x.dtype() == out.dtype() {
+            out.out_bytes(Self::NAME)?.copy_from_slice(x.storage().bytes(Self::NAME)?);
+            return Ok(());
+        }
+        with_dtype!(x.dtype(), S => with_dtype!(out.dtype(), D => {
+            crate::cpu::elementwise::cast(x.as_slice::<S>()?, out.out_slice::<D>(Self::NAME)?)
+        }))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, _: &mut Buffers) -> Result<()> {
+        let (x, y) = (self.src, &*self.dst);
+        if x.dtype() == y.dtype() {
+            return gpu.copy_on_device(y.cuda_ptr()?, x.cuda_ptr()?, x.size_in_bytes());
+        }
+        crate::cuda::helpers::cast(
+            gpu,
+            x.cuda_ptr()?,
+            x.dtype(),
+            y.cuda_ptr()?,
+            y.dtype(),
+            x.numel(),
+        )
+    }
+
+    fn finish(self, _: Buffers) -> Result<()> {
+        Ok(())
+    }
+}
+
 /// Host data copied into a new tensor (or indices) on a device.
 struct Upload<'a> {
     device: &'a Device,
@@ -324,6 +385,17 @@ impl Tensor {
     /// [`Error::OutOfMemory`]; `self` is unchanged.
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         run(Cast { x: self, dtype })
+    }
+
+    /// Overwrites this tensor with `src` converted to this tensor's dtype
+    /// (round-to-nearest-even), in place: PyTorch's `self.copy_(src)`. Allocates nothing
+    /// unless this tensor's memory is shared (copy-on-write).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ShapeMismatch`] or [`Error::DeviceMismatch`]; `self` is unchanged then.
+    pub fn copy_from(&mut self, src: &Tensor) -> Result<()> {
+        run(CastInto { src, dst: self })
     }
 
     /// A copy on the same device.

@@ -1,0 +1,76 @@
+//! Every reference model allocates on a virtual device exactly as on the host: a training
+//! step (forward, loss, backward, optimizer step) gives the same allocation trace, entry for
+//! entry (action, size, stream), and the same peaks, though the virtual device computes
+//! nothing. (The host device is given the virtual device's cuBLAS workspace size: the virtual
+//! device allocates what a GPU allocates, workspace included.)
+
+use vram_accum::{ForwardCtx, Mode};
+use vram_amp::{AdamW, AdamWConfig, Optimizer as _};
+use vram_harness::data::Dataset;
+use vram_harness::models::{Arch, Model};
+use vram_kernels::{DType, Device, TraceAction};
+
+type Entry = (TraceAction, usize, usize, u64);
+
+/// Two training steps of `arch` on `device`, traced from model creation on.
+fn trace(device: &Device, arch: &Arch, data: &Dataset, dtype: DType) -> (Vec<Entry>, u64, u64) {
+    device.record_history(Some(1 << 20));
+    let mut model = Model::new(device, arch.clone(), 1, dtype).unwrap();
+    // amp's AdamW: f32 masters for 16-bit parameters, state made at the first step.
+    let mut opt = AdamW::new(AdamWConfig::default());
+    for step in 0..2 {
+        let b = data.batch(7, step, 4);
+        let mut ctx = ForwardCtx::new(Mode::Train, step);
+        model.train_step(&b, &mut ctx, 1.0).unwrap();
+        opt.step(&mut model).unwrap();
+        model.zero_grad();
+    }
+    // Before the model and optimizer go: AdamW keeps its state in a hash map, whose drop
+    // order differs from run to run.
+    let entries =
+        device.trace().into_iter().map(|e| (e.action, e.size, e.requested, e.stream)).collect();
+    let peaks = (device.max_memory_allocated(), device.max_memory_reserved());
+    drop((model, opt));
+    (entries, peaks.0, peaks.1)
+}
+
+fn same_on_host_and_virtual(arch: Arch, data: Dataset) {
+    for dtype in [DType::F32, DType::BF16] {
+        let (host_dev, virt_dev) = (Device::host(1 << 30), Device::virtual_device(1 << 30));
+        // The virtual device stands for an H100, whose cuBLAS workspace the host lacks.
+        assert!(virt_dev.blas_workspace_size() > 0);
+        host_dev.set_blas_workspace_size(virt_dev.blas_workspace_size());
+        let host = trace(&host_dev, &arch, &data, dtype);
+        let virt = trace(&virt_dev, &arch, &data, dtype);
+        assert!(host.0.len() > 100, "{arch:?}: a step allocates ({} entries)", host.0.len());
+        for (i, (h, v)) in host.0.iter().zip(&virt.0).enumerate() {
+            assert_eq!(h, v, "{arch:?} {dtype:?}: entry {i}");
+        }
+        assert_eq!(host.0.len(), virt.0.len(), "{arch:?} {dtype:?}: trace lengths");
+        assert_eq!((host.1, host.2), (virt.1, virt.2), "{arch:?} {dtype:?}: peaks");
+    }
+}
+
+#[test]
+fn mlp_allocates_alike_on_host_and_virtual_devices() {
+    let arch = Arch::Mlp { dims: vec![16, 32, 32], classes: 4 };
+    same_on_host_and_virtual(arch, Dataset::Clusters { dim: 16, classes: 4 });
+}
+
+#[test]
+fn resnet_like_allocates_alike_on_host_and_virtual_devices() {
+    let arch = Arch::ResNet { width: 8, blocks: vec![1, 1], classes: 4 };
+    same_on_host_and_virtual(arch, Dataset::Stripes { side: 8, classes: 4 });
+}
+
+#[test]
+fn mobilenet_like_allocates_alike_on_host_and_virtual_devices() {
+    let arch = Arch::MobileNet { width: 8, blocks: vec![1, 1], classes: 4 };
+    same_on_host_and_virtual(arch, Dataset::Stripes { side: 8, classes: 4 });
+}
+
+#[test]
+fn gpt_allocates_alike_on_host_and_virtual_devices() {
+    let arch = Arch::Gpt { vocab: 16, d: 32, layers: 2, seq: 8, dropout: 0.1 };
+    same_on_host_and_virtual(arch, Dataset::Sequences { vocab: 16, seq: 8 });
+}

@@ -432,3 +432,55 @@ fn copy_from_converts_in_place_without_allocating() {
     let wrong = Tensor::zeros(&d, &[4], DType::F32).unwrap();
     assert!(matches!(dst.copy_from(&wrong), Err(Error::ShapeMismatch { .. })));
 }
+
+/// Regression tests for inputs that once panicked or corrupted (the kernels issue's list):
+/// zero input channels, empty planes with padding, huge padding, and optimizer settings
+/// that would turn parameters into NaN. Each is a result or a clear error, and a refused
+/// step leaves the parameters as they were.
+#[test]
+fn bad_inputs_are_results_or_clear_errors_never_panics() {
+    let d = dev();
+    let z = |shape: &[usize]| Tensor::zeros(&d, shape, DType::F32).unwrap();
+    // Convolution with no input channels: zeros (plus bias), and a backward of the same shape.
+    let opts = Conv2dOptions::default().padding((1, 1));
+    let (x, w) = (z(&[2, 0, 5, 5]), z(&[3, 0, 3, 3]));
+    let y = ops::conv2d(&x, &w, None, &opts).unwrap();
+    assert_eq!((y.shape(), y.to_f32_vec().unwrap()), (&[2, 3, 5, 5][..], vec![0.0; 150]));
+    let g = ops::conv2d_backward(&x, &w, &z(&[2, 3, 5, 5]), &opts, true).unwrap();
+    assert_eq!((g.dx.numel(), g.dweight.numel()), (0, 0));
+    assert_eq!(g.dbias.map(|b| b.numel()), Some(3));
+    // Pooling an empty plane with padding, forward and backward: errors naming the problem.
+    let pool = Pool2dOptions::new((2, 2), (1, 1)).padding((1, 1));
+    for e in [
+        ops::max_pool2d(&z(&[2, 3, 0, 0]), &pool).map(drop).unwrap_err(),
+        ops::avg_pool2d(&z(&[2, 3, 0, 0]), &pool, true).map(drop).unwrap_err(),
+        ops::avg_pool2d_backward(&z(&[2, 3, 1, 1]), &[2, 3, 0, 0], &pool, true)
+            .map(drop)
+            .unwrap_err(),
+    ] {
+        assert!(e.to_string().contains("empty"), "{e}");
+    }
+    // Huge padding and dilation: errors, not overflowed shapes.
+    let huge = Pool2dOptions::new((2, 2), (1, 1)).padding((usize::MAX / 2, 1));
+    assert!(ops::max_pool2d(&z(&[1, 1, 4, 4]), &huge).is_err());
+    // A dilated window wider than any input: an empty output, as a window larger than the
+    // padded input gives, not a wrapped shape.
+    let dilated = Conv2dOptions::default().dilation((usize::MAX / 2, 1));
+    match ops::conv2d(&z(&[1, 1, 4, 4]), &z(&[1, 1, 3, 3]), None, &dilated) {
+        Ok(y) => assert_eq!(y.numel(), 0, "{:?}", y.shape()),
+        Err(e) => assert!(matches!(e, Error::InvalidArgument { .. }), "{e}"),
+    }
+    // Optimizer settings that make NaN are refused before anything is written.
+    let mut p = Tensor::full(&d, &[4], DType::F32, 1.0).unwrap();
+    let grad = Tensor::full(&d, &[4], DType::F32, 0.5).unwrap();
+    let sgd = SgdConfig { lr: f32::NAN, ..SgdConfig::default() };
+    assert!(ops::sgd_step(&mut p, &grad, None, true, &sgd).is_err());
+    let (mut m, mut v) = (z(&[4]), z(&[4]));
+    for bad in [
+        AdamWConfig { beta1: 1.0, ..AdamWConfig::default() },
+        AdamWConfig { eps: -1e-8, ..AdamWConfig::default() },
+    ] {
+        assert!(ops::adamw_step(&mut p, &grad, &mut m, &mut v, 1, &bad).is_err());
+    }
+    assert_eq!(p.to_f32_vec().unwrap(), [1.0; 4], "refused steps change nothing");
+}

@@ -113,7 +113,7 @@ pub struct InProcessGroup;
 impl InProcessGroup {
     /// Creates `world_size` connected communicators, one per rank (hand each to a thread).
     /// A rank that waits longer than `timeout` for the others aborts the group.
-    pub fn new(world_size: usize, timeout: Duration) -> Result<Vec<InProcessComm>, CommError> {
+    pub fn connect(world_size: usize, timeout: Duration) -> Result<Vec<InProcessComm>, CommError> {
         if world_size == 0 {
             return Err(CommError::Invalid("world_size must be at least 1".into()));
         }

@@ -9,7 +9,7 @@
 //! use std::time::Duration;
 //! use vram_dist::{Communicator, InProcessGroup, ReduceOp};
 //!
-//! let comms = InProcessGroup::new(2, Duration::from_secs(10)).unwrap();
+//! let comms = InProcessGroup::connect(2, Duration::from_secs(10)).unwrap();
 //! let handles: Vec<_> = comms
 //!     .into_iter()
 //!     .map(|c| {

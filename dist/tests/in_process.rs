@@ -10,7 +10,7 @@ fn on_ranks<T: Send + 'static>(
     timeout: Duration,
     f: impl Fn(InProcessComm) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<std::thread::Result<T>> {
-    let comms = InProcessGroup::new(n, timeout).unwrap();
+    let comms = InProcessGroup::connect(n, timeout).unwrap();
     let handles: Vec<_> = comms
         .into_iter()
         .map(|c| {
@@ -155,5 +155,5 @@ fn mismatched_lengths_abort_the_group() {
 
 #[test]
 fn an_empty_group_is_refused() {
-    assert!(InProcessGroup::new(0, T).is_err());
+    assert!(InProcessGroup::connect(0, T).is_err());
 }

@@ -25,8 +25,10 @@
 //! }
 //! ```
 
+mod bucket;
 mod comm;
 mod in_process;
 
+pub use bucket::{BucketPlan, DEFAULT_BUCKET_CAP_BYTES};
 pub use comm::{CommError, Communicator, ReduceOp};
 pub use in_process::{InProcessComm, InProcessGroup};

@@ -1,9 +1,10 @@
-//! Every reference model allocates on a virtual device exactly as on the host: a training
-//! step (forward, loss, backward, optimizer step) gives the same allocation trace, entry for
-//! entry (action, size, stream), and the same peaks, though the virtual device computes
-//! nothing. (The host device is given the virtual device's cuBLAS workspace size: the virtual
-//! device allocates what a GPU allocates, workspace included.)
+//! Every reference model allocates on a virtual device (and a GPU, when there is one) exactly
+//! as on the host: a training step (forward, loss, backward, optimizer step) gives the same
+//! allocation trace, entry for entry (action, size, stream), and the same peaks, though the
+//! virtual device computes nothing. (The host device is given the virtual device's cuBLAS
+//! workspace size: the virtual device allocates what a GPU allocates, workspace included.)
 
+use std::io::Write as _;
 use vram_accum::{ForwardCtx, Mode};
 use vram_amp::{AdamW, AdamWConfig, Optimizer as _};
 use vram_harness::data::Dataset;
@@ -41,13 +42,25 @@ fn same_on_host_and_virtual(arch: Arch, data: Dataset) {
         assert!(virt_dev.blas_workspace_size() > 0);
         host_dev.set_blas_workspace_size(virt_dev.blas_workspace_size());
         let host = trace(&host_dev, &arch, &data, dtype);
-        let virt = trace(&virt_dev, &arch, &data, dtype);
-        assert!(host.0.len() > 100, "{arch:?}: a step allocates ({} entries)", host.0.len());
-        for (i, (h, v)) in host.0.iter().zip(&virt.0).enumerate() {
-            assert_eq!(h, v, "{arch:?} {dtype:?}: entry {i}");
+        let mut others = vec![("virtual", trace(&virt_dev, &arch, &data, dtype))];
+        match Device::cuda(0) {
+            Ok(gpu) => {
+                gpu.set_blas_workspace_size(virt_dev.blas_workspace_size());
+                others.push(("CUDA", trace(&gpu, &arch, &data, dtype)));
+            }
+            Err(e) => {
+                let mut err = std::io::stderr();
+                let _ = writeln!(err, "skipped: no CUDA device ({e}); host and virtual only");
+            }
         }
-        assert_eq!(host.0.len(), virt.0.len(), "{arch:?} {dtype:?}: trace lengths");
-        assert_eq!((host.1, host.2), (virt.1, virt.2), "{arch:?} {dtype:?}: peaks");
+        assert!(host.0.len() > 100, "{arch:?}: a step allocates ({} entries)", host.0.len());
+        for (name, other) in others {
+            for (i, (h, v)) in host.0.iter().zip(&other.0).enumerate() {
+                assert_eq!(h, v, "{arch:?} {dtype:?} {name}: entry {i}");
+            }
+            assert_eq!(host.0.len(), other.0.len(), "{arch:?} {dtype:?} {name}: trace lengths");
+            assert_eq!((host.1, host.2), (other.1, other.2), "{arch:?} {dtype:?} {name}: peaks");
+        }
     }
 }
 

@@ -88,6 +88,26 @@ impl Op for Fill<'_> {
     }
 }
 
+/// `x` converted into `out`'s dtype on the host (a byte copy when the dtypes match).
+fn cast_host(x: &Tensor, out: &mut Tensor, op: &'static str) -> Result<()> {
+    if x.dtype() == out.dtype() {
+        out.out_bytes(op)?.copy_from_slice(x.storage().bytes(op)?);
+        return Ok(());
+    }
+    with_dtype!(x.dtype(), S => with_dtype!(out.dtype(), D => {
+        crate::cpu::elementwise::cast(x.as_slice::<S>()?, out.out_slice::<D>(op)?)
+    }))
+}
+
+/// `x` converted into `y`'s dtype on the GPU (a device copy when the dtypes match).
+#[cfg(feature = "cuda")]
+fn cast_cuda(gpu: &crate::cuda::Gpu<'_>, x: &Tensor, y: &Tensor) -> Result<()> {
+    if x.dtype() == y.dtype() {
+        return gpu.copy_on_device(y.cuda_ptr()?, x.cuda_ptr()?, x.size_in_bytes());
+    }
+    crate::cuda::helpers::cast(gpu, x.cuda_ptr()?, x.dtype(), y.cuda_ptr()?, y.dtype(), x.numel())
+}
+
 /// A copy of `x` converted to `dtype` on `x`'s device.
 struct Cast<'a> {
     x: &'a Tensor,
@@ -107,30 +127,12 @@ impl Op for Cast<'_> {
     }
 
     fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
-        let (x, out) = (self.x, bufs.out(0));
-        if x.dtype() == out.dtype() {
-            out.out_bytes(Self::NAME)?.copy_from_slice(x.storage().bytes(Self::NAME)?);
-            return Ok(());
-        }
-        with_dtype!(x.dtype(), S => with_dtype!(out.dtype(), D => {
-            crate::cpu::elementwise::cast(x.as_slice::<S>()?, out.out_slice::<D>(Self::NAME)?)
-        }))
+        cast_host(self.x, bufs.out(0), Self::NAME)
     }
 
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
-        let (x, y) = (self.x, bufs.out(0));
-        if x.dtype() == y.dtype() {
-            return gpu.copy_on_device(y.cuda_ptr()?, x.cuda_ptr()?, x.size_in_bytes());
-        }
-        crate::cuda::helpers::cast(
-            gpu,
-            x.cuda_ptr()?,
-            x.dtype(),
-            y.cuda_ptr()?,
-            y.dtype(),
-            x.numel(),
-        )
+        cast_cuda(gpu, self.x, bufs.out(0))
     }
 
     fn finish(self, bufs: Buffers) -> Result<Tensor> {
@@ -168,30 +170,12 @@ impl Op for CastInto<'_> {
     }
 
     fn host(&mut self, _: &mut Buffers) -> Result<()> {
-        let (x, out) = (self.src, &mut *self.dst);
-        if x.dtype() == out.dtype() {
-            out.out_bytes(Self::NAME)?.copy_from_slice(x.storage().bytes(Self::NAME)?);
-            return Ok(());
-        }
-        with_dtype!(x.dtype(), S => with_dtype!(out.dtype(), D => {
-            crate::cpu::elementwise::cast(x.as_slice::<S>()?, out.out_slice::<D>(Self::NAME)?)
-        }))
+        cast_host(self.src, self.dst, Self::NAME)
     }
 
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, _: &mut Buffers) -> Result<()> {
-        let (x, y) = (self.src, &*self.dst);
-        if x.dtype() == y.dtype() {
-            return gpu.copy_on_device(y.cuda_ptr()?, x.cuda_ptr()?, x.size_in_bytes());
-        }
-        crate::cuda::helpers::cast(
-            gpu,
-            x.cuda_ptr()?,
-            x.dtype(),
-            y.cuda_ptr()?,
-            y.dtype(),
-            x.numel(),
-        )
+        cast_cuda(gpu, self.src, self.dst)
     }
 
     fn finish(self, _: Buffers) -> Result<()> {

@@ -401,6 +401,25 @@ fn embedding_matches_host() {
 }
 
 #[test]
+fn permute_matches_host() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in DTYPES {
+        let (hx, gx) = pair(&gpu, &[3, 17, 4, 9], dtype, 102);
+        for perm in [[0, 2, 1, 3], [3, 1, 0, 2], [0, 1, 2, 3]] {
+            let (hy, gy) = (ops::permute(&hx, &perm).unwrap(), ops::permute(&gx, &perm).unwrap());
+            close("permute", &gy, &hy, 0.0);
+            close(
+                "permute_backward",
+                &ops::permute_backward(&gy, &perm).unwrap(),
+                &ops::permute_backward(&hy, &perm).unwrap(),
+                0.0,
+            );
+        }
+        assert!(ops::permute(&gx, &[0, 1, 1, 2]).is_err());
+    }
+}
+
+#[test]
 fn dropout_masks_are_identical_on_both_backends() {
     let Some(gpu) = gpu() else { return };
     for dtype in DTYPES {

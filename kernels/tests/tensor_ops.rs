@@ -484,3 +484,66 @@ fn bad_inputs_are_results_or_clear_errors_never_panics() {
     }
     assert_eq!(p.to_f32_vec().unwrap(), [1.0; 4], "refused steps change nothing");
 }
+
+/// `permute` against a naive multi-index reference in every dtype, its backward is the
+/// inverse permutation, and bad permutations are clear errors that allocate nothing.
+#[test]
+fn permute_matches_a_naive_reference_and_its_backward_inverts_it() {
+    fn naive(x: &[f32], shape: &[usize], perm: &[usize]) -> Vec<f32> {
+        let out: Vec<usize> = perm.iter().map(|&p| shape[p]).collect();
+        let mut y = Vec::with_capacity(x.len());
+        let idx = |flat: usize, dims: &[usize]| {
+            let mut i = vec![0; dims.len()];
+            let mut rest = flat;
+            for a in (0..dims.len()).rev() {
+                i[a] = rest % dims[a];
+                rest /= dims[a];
+            }
+            i
+        };
+        for flat in 0..x.len() {
+            let o = idx(flat, &out);
+            let mut src = vec![0; shape.len()];
+            for (a, &p) in perm.iter().enumerate() {
+                src[p] = o[a];
+            }
+            y.push(x[src.iter().zip(shape).fold(0, |acc, (&i, &d)| acc * d + i)]);
+        }
+        y
+    }
+    let d = dev();
+    let cases: [(&[usize], &[usize]); 5] = [
+        (&[2, 5, 3, 4], &[0, 2, 1, 3]), // [b, s, h, dh] -> [b, h, s, dh]
+        (&[2, 3, 5, 4], &[0, 2, 1, 3]),
+        (&[3, 7, 6], &[0, 2, 1]),
+        (&[4, 9], &[1, 0]),
+        (&[2, 3, 4, 5], &[3, 1, 0, 2]),
+    ];
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for (shape, perm) in cases {
+            let x = t(&d, shape, 3).to_dtype(dtype).unwrap();
+            let y = ops::permute(&x, perm).unwrap();
+            let want_shape: Vec<usize> = perm.iter().map(|&p| shape[p]).collect();
+            assert_eq!(y.shape(), want_shape);
+            assert_eq!(y.dtype(), dtype);
+            // A copy: exact in every dtype.
+            assert_eq!(y.to_f32_vec().unwrap(), naive(&x.to_f32_vec().unwrap(), shape, perm));
+            let back = ops::permute_backward(&y, perm).unwrap();
+            assert_eq!(back.shape(), shape);
+            assert_eq!(back.to_f32_vec().unwrap(), x.to_f32_vec().unwrap());
+        }
+    }
+    let x = t(&d, &[2, 3, 4], 1);
+    let five = t(&d, &[1, 1, 1, 1, 2], 1);
+    let before = d.memory_allocated();
+    for perm in [&[0, 1][..], &[0, 1, 1], &[0, 1, 3], &[0, 1, 2, 3]] {
+        let e = ops::permute(&x, perm).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { op: "permute", .. }), "{perm:?}: {e}");
+        assert!(e.to_string().contains(&format!("{perm:?}")), "{e}");
+        let e = ops::permute_backward(&x, perm).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { op: "permute_backward", .. }), "{e}");
+    }
+    let e = ops::permute(&five, &[0, 1, 2, 3, 4]).unwrap_err();
+    assert!(e.to_string().contains("at most 4 axes"), "{e}");
+    assert_eq!(d.memory_allocated(), before, "a refused permute allocates nothing");
+}

@@ -94,6 +94,13 @@ fn elementwise_and_activation_ops_allocate_alike_on_every_device() {
             let (x, b) = (t(d, &[5, 700], 1, dtype), t(d, &[700], 2, dtype));
             traced(d, || Ok((ops::bias_add(&x, &b)?, ops::bias_add_backward(&x)?)))
         });
+        same_trace("permute and backward", |d| {
+            let x = t(d, &[2, 7, 3, 5], 1, dtype);
+            traced(d, || {
+                let y = ops::permute(&x, &[0, 2, 1, 3])?;
+                Ok((ops::permute_backward(&y, &[0, 2, 1, 3])?, y))
+            })
+        });
         same_trace("dropout and backward", |d| {
             let x = t(d, &[4096], 1, dtype);
             traced(d, || {

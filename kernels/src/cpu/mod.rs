@@ -15,6 +15,7 @@ pub mod loss;
 pub mod matmul;
 pub mod norm;
 pub mod optim;
+pub mod permute;
 pub mod pool;
 pub mod random;
 pub mod reduce;

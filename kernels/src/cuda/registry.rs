@@ -36,7 +36,7 @@ pub(crate) const SOFTMAX: Module =
 pub(crate) const CONV: Module = Module { name: "conv", source: include_str!("kernels/conv.cu") };
 /// Max and average pooling.
 pub(crate) const POOL: Module = Module { name: "pool", source: include_str!("kernels/pool.cu") };
-/// Embedding, dropout, optimizers, unscale.
+/// Embedding, dropout, optimizers, unscale, axis permutation.
 pub(crate) const MISC: Module = Module { name: "misc", source: include_str!("kernels/misc.cu") };
 
 /// Every module, in the order the NVRTC test compiles them.
@@ -240,6 +240,9 @@ kernels! {
     /// `adamw(float* p, const T* g, float* m, float* v, u64 n, float b1, float b2, float
     /// eps, float step_size, float bias2_sqrt, float decay)`.
     ADAMW = MISC "adamw" dtypes (Ptr, Ptr, Ptr, Ptr, U64, F32, F32, F32, F32, F32, F32);
+    /// `permute(const T* x, T* y, u64 n, u64 d1, u64 d2, u64 d3, u64 s0, u64 s1, u64 s2,
+    /// u64 s3)`.
+    PERMUTE = MISC "permute" dtypes (Ptr, Ptr, U64, U64, U64, U64, U64, U64, U64, U64);
     /// `unscale(T* g, float inv, u64 n, u32* flag)`.
     UNSCALE = MISC "unscale" dtypes (Ptr, F32, U64, Ptr);
 }

@@ -24,6 +24,7 @@ mod matmul;
 mod norm;
 mod optim;
 mod params;
+mod permute;
 mod pool;
 mod random;
 mod reduce;
@@ -39,6 +40,7 @@ pub use matmul::{LinearGrads, linear, linear_backward, matmul, matmul_backward, 
 pub use norm::{LayerNormGrads, LayerNormOutput, layer_norm, layer_norm_backward};
 pub use optim::{adamw_step, sgd_step, unscale_and_check_finite};
 pub use params::{Conv2dOptions, Conv2dParams, MatmulSpec, Pool2dOptions, Pool2dParams};
+pub use permute::{MAX_PERMUTE_RANK, permute, permute_backward};
 pub use pool::{
     avg_pool2d, avg_pool2d_backward, global_avg_pool, global_avg_pool_backward, max_pool2d,
     max_pool2d_backward, pool2d_params,

@@ -1,5 +1,5 @@
 // Embedding gather / scatter-add, dropout on Philox4x32-10, fused optimizer steps and the
-// fused unscale with non-finite check.
+// fused unscale with non-finite check, axis permutation.
 
 template <typename T>
 __device__ void embedding_impl(const u32* ids, const T* table, T* out, u64 n, u64 dim) {
@@ -87,11 +87,30 @@ template <typename T> __device__ void unscale_impl(T* g, float inv_scale, u64 n,
     if (bad) *flag = 1u;
 }
 
+// y = x.permute(perm) for rank <= 4, padded in front to 4 axes: output element i has the
+// multi-index (i0, i1, i2, i3) in the output shape (d0, d1, d2, d3) and reads x at
+// i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3 (s_k: the input stride of the axis output axis k reads).
+template <typename T>
+__device__ void permute_impl(const T* x, T* y, u64 n, u64 d1, u64 d2, u64 d3, u64 s0, u64 s1,
+                             u64 s2, u64 s3) {
+    FOR_EACH(i, n) {
+        u64 rest = i;
+        const u64 i3 = rest % d3;
+        rest /= d3;
+        const u64 i2 = rest % d2;
+        rest /= d2;
+        const u64 i1 = rest % d1;
+        const u64 i0 = rest / d1;
+        y[i] = x[i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3];
+    }
+}
+
 #define MISC(T, S) \
     extern "C" __global__ void embedding_##S(const u32* ids, const T* table, T* out, u64 n, u64 dim) { embedding_impl<T>(ids, table, out, n, dim); } \
     extern "C" __global__ void embedding_bwd_##S(const u32* ids, const T* dout, float* acc, u64 n, u64 dim) { embedding_bwd_impl<T>(ids, dout, acc, n, dim); } \
     extern "C" __global__ void dropout_##S(const T* x, T* y, u64 n, float p, float scale, u64 seed, u64 offset) { dropout_impl<T>(x, y, n, p, scale, seed, offset); } \
     extern "C" __global__ void sgd_##S(float* p, const T* g, float* buf, u64 n, float lr, float mom, float damp, float wd, u32 nest, u32 first) { sgd_impl<T>(p, g, buf, n, lr, mom, damp, wd, nest, first); } \
     extern "C" __global__ void adamw_##S(float* p, const T* g, float* m, float* v, u64 n, float b1, float b2, float eps, float ss, float b2s, float decay) { adamw_impl<T>(p, g, m, v, n, b1, b2, eps, ss, b2s, decay); } \
-    extern "C" __global__ void unscale_##S(T* g, float inv, u64 n, u32* flag) { unscale_impl<T>(g, inv, n, flag); }
+    extern "C" __global__ void unscale_##S(T* g, float inv, u64 n, u32* flag) { unscale_impl<T>(g, inv, n, flag); } \
+    extern "C" __global__ void permute_##S(const T* x, T* y, u64 n, u64 d1, u64 d2, u64 d3, u64 s0, u64 s1, u64 s2, u64 s3) { permute_impl<T>(x, y, n, d1, d2, d3, s0, s1, s2, s3); }
 FOR_DTYPES(MISC)

@@ -1,28 +1,119 @@
-//! Ready-made layers built from `vram_kernels` ops: [`Linear`], [`Activation`] (ReLU, GELU),
-//! [`Dropout`], [`LayerNorm`] and a pre-norm residual MLP block, [`ResidualMlp`]. Layers with
-//! several settings are built from a config (`LinearConfig::new(16, 32).init(&dev)`), whose
-//! optional settings have defaults and `with_*` setters.
+//! Ready-made layers built from `vram_kernels` ops, one library for every model of the
+//! workspace:
+//!
+//! - basics: [`Linear`] (with an optional fused activation), [`Activation`] (ReLU, GELU),
+//!   [`Dropout`], [`LayerNorm`], a pre-norm residual MLP block, [`ResidualMlp`];
+//! - convolutional ([`conv`]): [`Conv2d`], [`MaxPool2d`], ResNet's basic
+//!   [`ResidualBlock`] and [`Bottleneck`], MobileNet's [`InvertedResidual`], and a
+//!   pooled [`ClassifierHead`] (all without batch norm: there is no batch-norm op);
+//! - transformer ([`transformer`]): a multi-head [`TransformerBlock`] (causal for GPT,
+//!   not for ViT), ViT's [`PatchEmbed`] and a token mean pool, [`TokenMeanPool`].
+//!
+//! Layers with several settings are built from a config
+//! (`LinearConfig::new(16, 32).with_seed(7).init(&dev)`), whose optional settings have
+//! defaults and `with_*` setters. Weights are drawn from the config's seed (a counter-based
+//! stream: the same seed gives the same weights on every machine); on a virtual device,
+//! which keeps no values, nothing is drawn and the weights are only allocated.
 //!
 //! A layer that needs its input in backward keeps a clone of it, which shares its memory (no
 //! copy); the executor drops its own reference once the next layer has consumed the input, so
 //! the layer's is the only one alive, as in PyTorch's autograd graph.
+
+pub mod conv;
+pub mod transformer;
+
+pub use conv::{
+    Bottleneck, BottleneckConfig, ClassifierHead, ClassifierHeadConfig, Conv2d, Conv2dConfig,
+    InvertedResidual, InvertedResidualConfig, MaxPool2d, ResidualBlock, ResidualBlockConfig,
+};
+pub use transformer::{
+    PatchEmbed, PatchEmbedConfig, TokenMeanPool, TransformerBlock, TransformerBlockConfig,
+};
 
 use crate::error::{Error, Result};
 use crate::layer::{ForwardCtx, Layer, Param};
 use vram_kernels::cpu::random::uniform_at;
 use vram_kernels::{DType, Device, Tensor, ops};
 
-/// A tensor of `shape` with elements uniform in `[-bound, bound)`, drawn from `seed`.
-fn uniform(
+/// How a weight tensor is initialized from its fan-in (inputs per output element).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    /// Uniform in `±gain / sqrt(fan_in)`: PyTorch's default for `nn.Linear` and `nn.Conv2d`
+    /// with `gain = 1`.
+    Uniform {
+        /// Multiplies the bound.
+        gain: f32,
+    },
+    /// Normal with standard deviation `gain * sqrt(2 / fan_in)` (He, for ReLU networks).
+    HeNormal {
+        /// Multiplies the standard deviation (below 1 starts a residual branch small).
+        gain: f32,
+    },
+    /// Normal with a fixed standard deviation (GPT-2 and ViT: 0.02).
+    Normal {
+        /// The standard deviation.
+        std: f32,
+    },
+}
+
+impl Default for Init {
+    /// PyTorch's default, [`Init::Uniform`] with gain 1.
+    fn default() -> Self {
+        Init::Uniform { gain: 1.0 }
+    }
+}
+
+/// A seed for part `part` of a layer built from `seed` (splitmix64 of both): sub-layers of
+/// a block draw from unrelated streams.
+pub fn sub_seed(seed: u64, part: u64) -> u64 {
+    let mut z = seed ^ part.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A weight of `shape` drawn by `init` with fan-in `fan_in` from `seed`. On a virtual device
+/// nothing is drawn (it keeps no values): the tensor is only allocated.
+pub(crate) fn init_weight(
     device: &Device,
     shape: &[usize],
-    bound: f32,
+    init: Init,
+    fan_in: usize,
     dtype: DType,
     seed: u64,
 ) -> Result<Tensor> {
+    if device.is_virtual() {
+        return Ok(Tensor::zeros(device, shape, dtype)?);
+    }
     let n: usize = shape.iter().product();
-    let data: Vec<f32> = (0..n as u64).map(|i| (2.0 * uniform_at(seed, i) - 1.0) * bound).collect();
+    let fan_in = fan_in.max(1) as f32;
+    let normal = |std: f32| -> Vec<f32> {
+        // Box-Muller on two counters per element.
+        (0..n as u64)
+            .map(|i| {
+                let u1 = 1.0 - uniform_at(seed, 2 * i); // (0, 1]
+                let u2 = uniform_at(seed, 2 * i + 1);
+                std * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+            })
+            .collect()
+    };
+    let data: Vec<f32> = match init {
+        Init::Uniform { gain } => {
+            let bound = gain / fan_in.sqrt();
+            (0..n as u64).map(|i| (2.0 * uniform_at(seed, i) - 1.0) * bound).collect()
+        }
+        Init::HeNormal { gain } => normal(gain * (2.0 / fan_in).sqrt()),
+        Init::Normal { std } => normal(std),
+    };
     Ok(Tensor::from_f32_slice(device, shape, &data, dtype)?)
+}
+
+/// Prefixes the name of every parameter of `layer` with `prefix` and a dot
+/// (`weight` becomes `h3.attn.q.weight`): for reports on a model built of many layers.
+pub fn prefix_param_names<L: Layer + ?Sized>(layer: &mut L, prefix: &str) {
+    for p in layer.params_mut() {
+        p.name = format!("{prefix}.{}", p.name);
+    }
 }
 
 /// Keeps `x` (a shared reference, no copy) when the forward must save it.
@@ -40,6 +131,72 @@ fn check_dropout(what: &'static str, p: f32) -> Result<()> {
     Ok(())
 }
 
+/// An [`Error::InvalidArgument`] unless `value > 0`.
+fn positive(what: &'static str, name: &str, value: usize) -> Result<()> {
+    if value == 0 {
+        return Err(Error::InvalidArgument { what, reason: format!("{name} must be positive") });
+    }
+    Ok(())
+}
+
+/// The elementwise activation fused after a [`Linear`] or [`Conv2d`], or applied by an
+/// [`Activation`] layer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Act {
+    /// None.
+    #[default]
+    Identity,
+    /// `max(x, 0)`.
+    Relu,
+    /// GELU (tanh approximation, as `vram_kernels::ops::gelu`).
+    Gelu,
+}
+
+impl Act {
+    /// `act(z)`; the identity returns `z` itself.
+    fn forward(self, z: Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Act::Identity => z,
+            Act::Relu => ops::relu(&z)?,
+            Act::Gelu => ops::gelu(&z)?,
+        })
+    }
+
+    /// `dz` from the pre-activation `z` (kept unless the identity) and `dy`; `None` for the
+    /// identity (`dz = dy`).
+    fn backward(self, z: Option<&Tensor>, dy: &Tensor) -> Result<Option<Tensor>> {
+        Ok(match (self, z) {
+            (Act::Relu, Some(z)) => Some(ops::relu_backward(z, dy)?),
+            (Act::Gelu, Some(z)) => Some(ops::gelu_backward(z, dy)?),
+            _ => None,
+        })
+    }
+}
+
+/// What a [`Linear`] or [`Conv2d`] keeps for backward: its input and, before a fused
+/// activation other than the identity, the pre-activation.
+#[derive(Debug)]
+pub struct AffineSaved {
+    x: Tensor,
+    z: Option<Tensor>,
+}
+
+impl AffineSaved {
+    /// Applies `act` to the affine output `z`, keeping what backward needs in training.
+    fn activate(
+        act: Act,
+        x: &Tensor,
+        z: Tensor,
+        ctx: &ForwardCtx,
+    ) -> Result<(Tensor, Option<Self>)> {
+        if !ctx.training() {
+            return Ok((act.forward(z)?, None));
+        }
+        let kept = (act != Act::Identity).then(|| z.clone());
+        Ok((act.forward(z)?, Some(AffineSaved { x: x.clone(), z: kept })))
+    }
+}
+
 /// The settings of a [`Linear`] layer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LinearConfig {
@@ -51,12 +208,27 @@ pub struct LinearConfig {
     pub dtype: DType,
     /// Seed of the weight initialization (default 0).
     pub seed: u64,
+    /// Whether the layer has a bias (default true).
+    pub bias: bool,
+    /// The activation fused after it (default none).
+    pub activation: Act,
+    /// The weight initialization (default PyTorch's, uniform in `±1/sqrt(d_in)`).
+    pub init: Init,
 }
 
 impl LinearConfig {
-    /// `d_in -> d_out` features, f32, seed 0.
+    /// `d_in -> d_out` features with a bias, no activation, PyTorch's initialization, f32,
+    /// seed 0.
     pub fn new(d_in: usize, d_out: usize) -> Self {
-        LinearConfig { d_in, d_out, dtype: DType::F32, seed: 0 }
+        LinearConfig {
+            d_in,
+            d_out,
+            dtype: DType::F32,
+            seed: 0,
+            bias: true,
+            activation: Act::Identity,
+            init: Init::default(),
+        }
     }
 
     /// The same with weights in `dtype`.
@@ -69,62 +241,113 @@ impl LinearConfig {
         LinearConfig { seed, ..self }
     }
 
-    /// A layer with weights uniform in `±1/sqrt(d_in)` (PyTorch's default bound) and zero
-    /// bias, on `device`.
+    /// The same with or without a bias.
+    pub fn with_bias(self, bias: bool) -> Self {
+        LinearConfig { bias, ..self }
+    }
+
+    /// The same with `activation` fused after the product.
+    pub fn with_activation(self, activation: Act) -> Self {
+        LinearConfig { activation, ..self }
+    }
+
+    /// The same with weights initialized by `init`.
+    pub fn with_init(self, init: Init) -> Self {
+        LinearConfig { init, ..self }
+    }
+
+    /// The layer on `device`, its bias zero.
     ///
     /// # Errors
     ///
     /// Out of memory.
     pub fn init(&self, device: &Device) -> Result<Linear> {
-        let bound = 1.0 / (self.d_in.max(1) as f32).sqrt();
-        let w = uniform(device, &[self.d_out, self.d_in], bound, self.dtype, self.seed)?;
+        let w = init_weight(
+            device,
+            &[self.d_out, self.d_in],
+            self.init,
+            self.d_in,
+            self.dtype,
+            self.seed,
+        )?;
+        let bias = if self.bias {
+            Some(Param::new("bias", Tensor::zeros(device, &[self.d_out], self.dtype)?))
+        } else {
+            None
+        };
         Ok(Linear {
             weight: Param::new("weight", w),
-            bias: Param::new("bias", Tensor::zeros(device, &[self.d_out], self.dtype)?),
+            bias,
+            act: self.activation,
             device: device.clone(),
         })
     }
 }
 
-/// `y = x w^T + b` over the last dimension: `[.., d_in] -> [.., d_out]`. Built from a
+/// `y = act(x w^T + b)` over the last dimension: `[.., d_in] -> [.., d_out]`. Built from a
 /// [`LinearConfig`].
 #[derive(Debug)]
 pub struct Linear {
     weight: Param,
-    bias: Param,
+    bias: Option<Param>,
+    act: Act,
     device: Device,
 }
 
+impl Linear {
+    /// The weight, `[d_out, d_in]`.
+    pub fn weight(&self) -> &Param {
+        &self.weight
+    }
+
+    fn bias_value(&self) -> Option<&Tensor> {
+        self.bias.as_ref().map(|b| &b.value)
+    }
+
+    /// Adds the gradients of a product from `x` to the output gradient `dz`; returns `dx`.
+    fn grads(&mut self, x: &Tensor, dz: &Tensor) -> Result<Tensor> {
+        let g = ops::linear_backward(x, &self.weight.value, dz, self.bias.is_some())?;
+        self.weight.accumulate_grad(g.dw)?;
+        if let (Some(b), Some(db)) = (&mut self.bias, g.dbias) {
+            b.accumulate_grad(db)?;
+        }
+        Ok(g.dx)
+    }
+}
+
 impl Layer for Linear {
-    /// The input.
-    type Saved = Tensor;
+    type Saved = AffineSaved;
 
     fn name(&self) -> String {
         let s = self.weight.value.shape();
         format!("Linear({}->{})", s[1], s[0])
     }
 
-    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<Tensor>)> {
-        let y = ops::linear(x, &self.weight.value, Some(&self.bias.value))?;
-        Ok((y, save_input(x, ctx)))
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<(Tensor, Option<AffineSaved>)> {
+        let z = ops::linear(x, &self.weight.value, self.bias_value())?;
+        AffineSaved::activate(self.act, x, z, ctx)
     }
 
-    fn backward(&mut self, x: Tensor, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
-        let g = ops::linear_backward(&x, &self.weight.value, dy, true)?;
-        drop(x);
-        self.weight.accumulate_grad(g.dw)?;
-        if let Some(db) = g.dbias {
-            self.bias.accumulate_grad(db)?;
-        }
-        Ok(want.then_some(g.dx))
+    fn backward(&mut self, s: AffineSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+        let dz = self.act.backward(s.z.as_ref(), dy)?;
+        let dx = self.grads(&s.x, dz.as_ref().unwrap_or(dy))?;
+        Ok(want.then_some(dx))
     }
 
     fn params(&self) -> Vec<&Param> {
-        vec![&self.weight, &self.bias]
+        let mut p = vec![&self.weight];
+        p.extend(&self.bias);
+        p
     }
 
     fn params_mut(&mut self) -> Vec<&mut Param> {
-        vec![&mut self.weight, &mut self.bias]
+        let mut p = vec![&mut self.weight];
+        p.extend(&mut self.bias);
+        p
     }
 
     fn device(&self) -> &Device {
@@ -132,29 +355,22 @@ impl Layer for Linear {
     }
 }
 
-/// Which elementwise activation an [`Activation`] layer applies.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
-    Relu,
-    Gelu,
-}
-
 /// An elementwise activation: [`Activation::relu`] or [`Activation::gelu`].
 #[derive(Debug)]
 pub struct Activation {
-    kind: Kind,
+    kind: Act,
     device: Device,
 }
 
 impl Activation {
     /// ReLU, `max(x, 0)`, on `device`.
     pub fn relu(device: &Device) -> Self {
-        Activation { kind: Kind::Relu, device: device.clone() }
+        Activation { kind: Act::Relu, device: device.clone() }
     }
 
     /// GELU (tanh approximation, as `vram_kernels::ops::gelu`) on `device`.
     pub fn gelu(device: &Device) -> Self {
-        Activation { kind: Kind::Gelu, device: device.clone() }
+        Activation { kind: Act::Gelu, device: device.clone() }
     }
 }
 
@@ -167,10 +383,7 @@ impl Layer for Activation {
     }
 
     fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<Tensor>)> {
-        let y = match self.kind {
-            Kind::Relu => ops::relu(x)?,
-            Kind::Gelu => ops::gelu(x)?,
-        };
+        let y = self.kind.forward(x.clone())?;
         Ok((y, save_input(x, ctx)))
     }
 
@@ -178,10 +391,7 @@ impl Layer for Activation {
         if !want {
             return Ok(None);
         }
-        Ok(Some(match self.kind {
-            Kind::Relu => ops::relu_backward(&x, dy)?,
-            Kind::Gelu => ops::gelu_backward(&x, dy)?,
-        }))
+        Ok(self.kind.backward(Some(&x), dy)?)
     }
 
     fn params(&self) -> Vec<&Param> {
@@ -419,8 +629,9 @@ impl ResidualMlpConfig {
     /// [`Error::InvalidArgument`] unless `0 <= dropout < 1`; out of memory.
     pub fn init(&self, device: &Device) -> Result<ResidualMlp> {
         check_dropout("ResidualMlpConfig::dropout", self.dropout)?;
-        let linear =
-            |d_in, d_out, seed| LinearConfig { d_in, d_out, dtype: self.dtype, seed }.init(device);
+        let linear = |d_in, d_out, seed| {
+            LinearConfig::new(d_in, d_out).with_dtype(self.dtype).with_seed(seed).init(device)
+        };
         Ok(ResidualMlp {
             norm: LayerNormConfig::new(self.d).with_dtype(self.dtype).init(device)?,
             fc1: linear(self.d, self.hidden, self.seed)?,
@@ -462,10 +673,9 @@ impl Layer for ResidualMlp {
 
     fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<MlpSaved>)> {
         let (normed, norm) = self.norm.run(x, ctx)?;
-        let hidden = ops::linear(&normed, &self.fc1.weight.value, Some(&self.fc1.bias.value))?;
+        let hidden = ops::linear(&normed, &self.fc1.weight.value, self.fc1.bias_value())?;
         let activated = ops::gelu(&hidden)?;
-        let mut branch =
-            ops::linear(&activated, &self.fc2.weight.value, Some(&self.fc2.bias.value))?;
+        let mut branch = ops::linear(&activated, &self.fc2.weight.value, self.fc2.bias_value())?;
         let dropout = if ctx.training() && self.p > 0.0 {
             let offset = ctx.take_offsets(branch.numel() as u64)?;
             branch = ops::dropout(&branch, self.p, ctx.seed, offset)?;
@@ -483,27 +693,14 @@ impl Layer for ResidualMlp {
             Some(d) => Some(ops::dropout_backward(dy, self.p, d.seed, d.offset)?),
             None => None,
         };
-        let g2 = ops::linear_backward(
-            &s.activated,
-            &self.fc2.weight.value,
-            dbranch.as_ref().unwrap_or(dy),
-            true,
-        )?;
+        let dactivated = self.fc2.grads(&s.activated, dbranch.as_ref().unwrap_or(dy))?;
         drop((dbranch, s.activated));
-        self.fc2.weight.accumulate_grad(g2.dw)?;
-        if let Some(db) = g2.dbias {
-            self.fc2.bias.accumulate_grad(db)?;
-        }
-        let dhidden = ops::gelu_backward(&s.hidden, &g2.dx)?;
-        drop((g2.dx, s.hidden));
-        let g1 = ops::linear_backward(&s.normed, &self.fc1.weight.value, &dhidden, true)?;
+        let dhidden = ops::gelu_backward(&s.hidden, &dactivated)?;
+        drop((dactivated, s.hidden));
+        let dnormed = self.fc1.grads(&s.normed, &dhidden)?;
         drop((dhidden, s.normed));
-        self.fc1.weight.accumulate_grad(g1.dw)?;
-        if let Some(db) = g1.dbias {
-            self.fc1.bias.accumulate_grad(db)?;
-        }
-        let mut dx = self.norm.grads(s.norm, &g1.dx)?;
-        drop(g1.dx);
+        let mut dx = self.norm.grads(s.norm, &dnormed)?;
+        drop(dnormed);
         if !want {
             return Ok(None);
         }

@@ -1,0 +1,915 @@
+//! Convolutional layers: [`Conv2d`] (any groups, so depthwise too) with a fused activation,
+//! [`MaxPool2d`], ResNet's basic [`ResidualBlock`] and [`Bottleneck`] blocks, MobileNet's
+//! [`InvertedResidual`] block and a [`ClassifierHead`] (global average pool, then linear
+//! layers). Images are `[b, c, h, w]`.
+//!
+//! There is no batch-norm op in `vram_kernels`, so these blocks have none: a residual
+//! branch's last convolution starts small instead (its weights drawn with a gain below 1,
+//! as Fixup does), which keeps a deep stack trainable. For memory this leaves out what
+//! batch norm would add: per normalized activation, PyTorch keeps the BN input (the conv
+//! output) as well as its output, and two vectors of statistics per layer.
+
+use super::{Act, AffineSaved, Init, Linear, LinearConfig, init_weight, positive, sub_seed};
+use crate::error::{Error, Result};
+use crate::layer::{ForwardCtx, Layer, Param};
+use vram_kernels::{Conv2dOptions, DType, Device, Indices, Pool2dOptions, Tensor, ops};
+
+/// The state a sub-layer saved in training mode, or an error naming the block.
+fn saved<T>(s: Option<T>, block: &'static str) -> Result<T> {
+    s.ok_or(Error::InvalidArgument {
+        what: block,
+        reason: "a sub-layer saved nothing in training mode".into(),
+    })
+}
+
+/// The input gradient a sub-layer was asked for.
+fn dx_of(dx: Option<Tensor>, block: &'static str) -> Result<Tensor> {
+    dx.ok_or(Error::InvalidArgument {
+        what: block,
+        reason: "a sub-layer returned no input gradient".into(),
+    })
+}
+
+/// The settings of a [`Conv2d`] layer: a square `kernel x kernel` convolution.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Conv2dConfig {
+    /// Input channels.
+    pub c_in: usize,
+    /// Output channels.
+    pub c_out: usize,
+    /// Kernel side.
+    pub kernel: usize,
+    /// Stride (default 1).
+    pub stride: usize,
+    /// Zero padding on each side (default `kernel / 2`, "same" for odd kernels at stride 1).
+    pub padding: usize,
+    /// Groups (default 1; `c_in` for a depthwise convolution).
+    pub groups: usize,
+    /// Whether the layer has a bias (default false, as in ResNet and MobileNet).
+    pub bias: bool,
+    /// The activation fused after it (default none).
+    pub activation: Act,
+    /// The weight initialization (default PyTorch's, uniform in `±1/sqrt(fan_in)`).
+    pub init: Init,
+    /// The dtype of the weights (default f32).
+    pub dtype: DType,
+    /// Seed of the weight initialization (default 0).
+    pub seed: u64,
+}
+
+impl Conv2dConfig {
+    /// A `kernel x kernel` convolution from `c_in` to `c_out` channels, stride 1, padding
+    /// `kernel / 2`, one group, no bias, no activation, f32, seed 0.
+    pub fn new(c_in: usize, c_out: usize, kernel: usize) -> Self {
+        Conv2dConfig {
+            c_in,
+            c_out,
+            kernel,
+            stride: 1,
+            padding: kernel / 2,
+            groups: 1,
+            bias: false,
+            activation: Act::Identity,
+            init: Init::default(),
+            dtype: DType::F32,
+            seed: 0,
+        }
+    }
+
+    /// The same with `stride`.
+    pub fn with_stride(self, stride: usize) -> Self {
+        Conv2dConfig { stride, ..self }
+    }
+
+    /// The same with `padding` on each side.
+    pub fn with_padding(self, padding: usize) -> Self {
+        Conv2dConfig { padding, ..self }
+    }
+
+    /// The same with `groups` (`c_in` and `c_out` must be multiples of it).
+    pub fn with_groups(self, groups: usize) -> Self {
+        Conv2dConfig { groups, ..self }
+    }
+
+    /// The same with or without a bias.
+    pub fn with_bias(self, bias: bool) -> Self {
+        Conv2dConfig { bias, ..self }
+    }
+
+    /// The same with `activation` fused after the convolution.
+    pub fn with_activation(self, activation: Act) -> Self {
+        Conv2dConfig { activation, ..self }
+    }
+
+    /// The same with weights initialized by `init`.
+    pub fn with_init(self, init: Init) -> Self {
+        Conv2dConfig { init, ..self }
+    }
+
+    /// The same with weights in `dtype`.
+    pub fn with_dtype(self, dtype: DType) -> Self {
+        Conv2dConfig { dtype, ..self }
+    }
+
+    /// The same with weights drawn from `seed`.
+    pub fn with_seed(self, seed: u64) -> Self {
+        Conv2dConfig { seed, ..self }
+    }
+
+    /// The layer on `device`, its bias zero.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a zero size, stride or group count, or channels that
+    /// are not multiples of the groups; out of memory.
+    pub fn init(&self, device: &Device) -> Result<Conv2d> {
+        const WHAT: &str = "Conv2dConfig";
+        for (name, v) in [
+            ("c_in", self.c_in),
+            ("c_out", self.c_out),
+            ("kernel", self.kernel),
+            ("stride", self.stride),
+            ("groups", self.groups),
+        ] {
+            positive(WHAT, name, v)?;
+        }
+        if !self.c_in.is_multiple_of(self.groups) || !self.c_out.is_multiple_of(self.groups) {
+            return Err(Error::InvalidArgument {
+                what: WHAT,
+                reason: format!(
+                    "channels {} -> {} are not multiples of the {} groups",
+                    self.c_in, self.c_out, self.groups
+                ),
+            });
+        }
+        let (k, cg) = (self.kernel, self.c_in / self.groups);
+        let w = init_weight(
+            device,
+            &[self.c_out, cg, k, k],
+            self.init,
+            cg * k * k,
+            self.dtype,
+            self.seed,
+        )?;
+        let bias = if self.bias {
+            Some(Param::new("bias", Tensor::zeros(device, &[self.c_out], self.dtype)?))
+        } else {
+            None
+        };
+        let opts = Conv2dOptions::default()
+            .stride((self.stride, self.stride))
+            .padding((self.padding, self.padding))
+            .groups(self.groups);
+        Ok(Conv2d {
+            weight: Param::new("weight", w),
+            bias,
+            opts,
+            act: self.activation,
+            device: device.clone(),
+        })
+    }
+}
+
+/// A 2-d convolution with a fused activation, `[b, c_in, h, w] -> [b, c_out, h', w']`.
+/// Built from a [`Conv2dConfig`].
+#[derive(Debug)]
+pub struct Conv2d {
+    pub(super) weight: Param,
+    bias: Option<Param>,
+    opts: Conv2dOptions,
+    act: Act,
+    pub(super) device: Device,
+}
+
+impl Layer for Conv2d {
+    type Saved = AffineSaved;
+
+    fn name(&self) -> String {
+        let s = self.weight.value.shape();
+        let g = self.opts.groups;
+        format!("Conv2d({}->{}, {}x{}, /{}, g{g})", s[1] * g, s[0], s[2], s[3], self.opts.stride.0)
+    }
+
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<(Tensor, Option<AffineSaved>)> {
+        let z =
+            ops::conv2d(x, &self.weight.value, self.bias.as_ref().map(|b| &b.value), &self.opts)?;
+        AffineSaved::activate(self.act, x, z, ctx)
+    }
+
+    fn backward(&mut self, s: AffineSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+        let dz = self.act.backward(s.z.as_ref(), dy)?;
+        let dz = dz.as_ref().unwrap_or(dy);
+        let g =
+            ops::conv2d_backward(&s.x, &self.weight.value, dz, &self.opts, self.bias.is_some())?;
+        drop(s);
+        self.weight.accumulate_grad(g.dweight)?;
+        if let (Some(b), Some(db)) = (&mut self.bias, g.dbias) {
+            b.accumulate_grad(db)?;
+        }
+        Ok(want.then_some(g.dx))
+    }
+
+    fn params(&self) -> Vec<&Param> {
+        let mut p = vec![&self.weight];
+        p.extend(&self.bias);
+        p
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut p = vec![&mut self.weight];
+        p.extend(&mut self.bias);
+        p
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+}
+
+/// Max pooling over `kernel x kernel` windows (ResNet's stem: 3, stride 2, padding 1).
+#[derive(Debug)]
+pub struct MaxPool2d {
+    opts: Pool2dOptions,
+    device: Device,
+}
+
+/// What [`MaxPool2d`] keeps: the argmax of each window and the input's shape.
+#[derive(Debug)]
+pub struct PoolSaved {
+    argmax: Indices,
+    shape: Vec<usize>,
+}
+
+impl MaxPool2d {
+    /// Max pooling with a square `kernel`, `stride` and `padding`.
+    pub fn new(device: &Device, kernel: usize, stride: usize, padding: usize) -> Self {
+        let opts =
+            Pool2dOptions::new((kernel, kernel), (stride, stride)).padding((padding, padding));
+        MaxPool2d { opts, device: device.clone() }
+    }
+}
+
+impl Layer for MaxPool2d {
+    type Saved = PoolSaved;
+
+    fn name(&self) -> String {
+        format!("MaxPool2d({:?}, /{})", self.opts.kernel, self.opts.stride.0)
+    }
+
+    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<PoolSaved>)> {
+        let (y, argmax) = ops::max_pool2d(x, &self.opts)?;
+        let saved = ctx.training().then(|| PoolSaved { argmax, shape: x.shape().to_vec() });
+        Ok((y, saved))
+    }
+
+    fn backward(&mut self, s: PoolSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+        if !want {
+            return Ok(None);
+        }
+        Ok(Some(ops::max_pool2d_backward(dy, &s.argmax, &s.shape, &self.opts)?))
+    }
+
+    fn params(&self) -> Vec<&Param> {
+        Vec::new()
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        Vec::new()
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+}
+
+/// The settings of a [`ResidualBlock`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct ResidualBlockConfig {
+    /// Channels in and out.
+    pub channels: usize,
+    /// The dtype of the weights (default f32).
+    pub dtype: DType,
+    /// Seed of the weight initialization (default 0).
+    pub seed: u64,
+}
+
+impl ResidualBlockConfig {
+    /// A block of `channels` channels, f32, seed 0.
+    pub fn new(channels: usize) -> Self {
+        ResidualBlockConfig { channels, dtype: DType::F32, seed: 0 }
+    }
+
+    /// The same with weights in `dtype`.
+    pub fn with_dtype(self, dtype: DType) -> Self {
+        ResidualBlockConfig { dtype, ..self }
+    }
+
+    /// The same with weights drawn from `seed`.
+    pub fn with_seed(self, seed: u64) -> Self {
+        ResidualBlockConfig { seed, ..self }
+    }
+
+    /// The block on `device`: He-normal weights, the second convolution at gain 0.1.
+    ///
+    /// # Errors
+    ///
+    /// As [`Conv2dConfig::init`].
+    pub fn init(&self, device: &Device) -> Result<ResidualBlock> {
+        let conv = |act, gain, part| {
+            Conv2dConfig::new(self.channels, self.channels, 3)
+                .with_activation(act)
+                .with_init(Init::HeNormal { gain })
+                .with_dtype(self.dtype)
+                .with_seed(sub_seed(self.seed, part))
+                .init(device)
+        };
+        let mut c1 = conv(Act::Relu, 1.0, 0)?;
+        let mut c2 = conv(Act::Identity, 0.1, 1)?;
+        super::prefix_param_names(&mut c1, "conv1");
+        super::prefix_param_names(&mut c2, "conv2");
+        Ok(ResidualBlock { c1, c2 })
+    }
+}
+
+/// ResNet's basic block without normalization, `relu(x + conv(relu(conv(x))))` with two
+/// 3x3 convolutions of the same width. Built from a [`ResidualBlockConfig`].
+#[derive(Debug)]
+pub struct ResidualBlock {
+    c1: Conv2d,
+    c2: Conv2d,
+}
+
+/// What a [`ResidualBlock`] keeps: both convolutions' state and the sum before the ReLU.
+#[derive(Debug)]
+pub struct ResidualSaved {
+    s1: AffineSaved,
+    s2: AffineSaved,
+    sum: Tensor,
+}
+
+impl Layer for ResidualBlock {
+    type Saved = ResidualSaved;
+
+    fn name(&self) -> String {
+        format!("ResidualBlock({})", self.c1.weight.value.shape()[0])
+    }
+
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<(Tensor, Option<ResidualSaved>)> {
+        const WHAT: &str = "ResidualBlock";
+        let (a, s1) = self.c1.forward(x, ctx)?;
+        let (z, s2) = self.c2.forward(&a, ctx)?;
+        drop(a);
+        let sum = ops::add(x, &z)?;
+        drop(z);
+        let y = ops::relu(&sum)?;
+        if !ctx.training() {
+            return Ok((y, None));
+        }
+        Ok((y, Some(ResidualSaved { s1: saved(s1, WHAT)?, s2: saved(s2, WHAT)?, sum })))
+    }
+
+    fn backward(&mut self, s: ResidualSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+        const WHAT: &str = "ResidualBlock";
+        let ds = ops::relu_backward(&s.sum, dy)?;
+        drop(s.sum);
+        let da = dx_of(self.c2.backward(s.s2, &ds, true)?, WHAT)?;
+        let dx = self.c1.backward(s.s1, &da, want)?;
+        drop(da);
+        match dx {
+            Some(mut dx) => {
+                ops::add_assign(&mut dx, &ds)?;
+                Ok(Some(dx))
+            }
+            None => Ok(None),
+        }
+    }
+
+    fn params(&self) -> Vec<&Param> {
+        let mut p = self.c1.params();
+        p.extend(self.c2.params());
+        p
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut p = self.c1.params_mut();
+        p.extend(self.c2.params_mut());
+        p
+    }
+
+    fn device(&self) -> &Device {
+        &self.c1.device
+    }
+}
+
+/// The settings of a [`Bottleneck`] block.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BottleneckConfig {
+    /// Input channels.
+    pub c_in: usize,
+    /// Channels of the 3x3 convolution (ResNet-50: 64, 128, 256, 512 per stage).
+    pub mid: usize,
+    /// Output channels (ResNet-50: `4 * mid`, the expansion).
+    pub c_out: usize,
+    /// Stride of the 3x3 convolution and of the projection shortcut (default 1).
+    pub stride: usize,
+    /// The dtype of the weights (default f32).
+    pub dtype: DType,
+    /// Seed of the weight initialization (default 0).
+    pub seed: u64,
+}
+
+impl BottleneckConfig {
+    /// A block `c_in -> mid -> mid -> c_out`, stride 1, f32, seed 0.
+    pub fn new(c_in: usize, mid: usize, c_out: usize) -> Self {
+        BottleneckConfig { c_in, mid, c_out, stride: 1, dtype: DType::F32, seed: 0 }
+    }
+
+    /// The same with `stride` (2 halves the resolution).
+    pub fn with_stride(self, stride: usize) -> Self {
+        BottleneckConfig { stride, ..self }
+    }
+
+    /// The same with weights in `dtype`.
+    pub fn with_dtype(self, dtype: DType) -> Self {
+        BottleneckConfig { dtype, ..self }
+    }
+
+    /// The same with weights drawn from `seed`.
+    pub fn with_seed(self, seed: u64) -> Self {
+        BottleneckConfig { seed, ..self }
+    }
+
+    /// The block on `device`: He-normal weights, the last convolution at gain 0.1, and a
+    /// projection shortcut (1x1, strided) when the stride is not 1 or the channels change.
+    ///
+    /// # Errors
+    ///
+    /// As [`Conv2dConfig::init`].
+    pub fn init(&self, device: &Device) -> Result<Bottleneck> {
+        let conv = |c_in, c_out, k, stride, act, gain, part, name| -> Result<Conv2d> {
+            let mut c = Conv2dConfig::new(c_in, c_out, k)
+                .with_stride(stride)
+                .with_activation(act)
+                .with_init(Init::HeNormal { gain })
+                .with_dtype(self.dtype)
+                .with_seed(sub_seed(self.seed, part))
+                .init(device)?;
+            super::prefix_param_names(&mut c, name);
+            Ok(c)
+        };
+        let (c_in, mid, c_out, s) = (self.c_in, self.mid, self.c_out, self.stride);
+        let shortcut = if s != 1 || c_in != c_out {
+            Some(conv(c_in, c_out, 1, s, Act::Identity, 1.0, 3, "downsample")?)
+        } else {
+            None
+        };
+        Ok(Bottleneck {
+            c1: conv(c_in, mid, 1, 1, Act::Relu, 1.0, 0, "conv1")?,
+            c2: conv(mid, mid, 3, s, Act::Relu, 1.0, 1, "conv2")?,
+            c3: conv(mid, c_out, 1, 1, Act::Identity, 0.1, 2, "conv3")?,
+            shortcut,
+        })
+    }
+}
+
+/// ResNet-50's bottleneck block without normalization: `relu(c3(c2(c1(x))) + shortcut(x))`
+/// with `c1` 1x1 (ReLU), `c2` 3x3 strided (ReLU), `c3` 1x1, and the shortcut the identity or
+/// a 1x1 strided projection. Built from a [`BottleneckConfig`].
+#[derive(Debug)]
+pub struct Bottleneck {
+    c1: Conv2d,
+    c2: Conv2d,
+    c3: Conv2d,
+    shortcut: Option<Conv2d>,
+}
+
+/// What a [`Bottleneck`] keeps: each convolution's state and the sum before the ReLU.
+#[derive(Debug)]
+pub struct BottleneckSaved {
+    s1: AffineSaved,
+    s2: AffineSaved,
+    s3: AffineSaved,
+    short: Option<AffineSaved>,
+    sum: Tensor,
+}
+
+impl Layer for Bottleneck {
+    type Saved = BottleneckSaved;
+
+    fn name(&self) -> String {
+        let (i, o) = (self.c1.weight.value.shape()[1], self.c3.weight.value.shape()[0]);
+        format!("Bottleneck({i}->{o}, /{})", self.c2.opts.stride.0)
+    }
+
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<(Tensor, Option<Self::Saved>)> {
+        const WHAT: &str = "Bottleneck";
+        let (a1, s1) = self.c1.forward(x, ctx)?;
+        let (a2, s2) = self.c2.forward(&a1, ctx)?;
+        drop(a1);
+        let (z3, s3) = self.c3.forward(&a2, ctx)?;
+        drop(a2);
+        let (sum, short) = match &mut self.shortcut {
+            Some(c) => {
+                let (p, s) = c.forward(x, ctx)?;
+                (ops::add(&z3, &p)?, s)
+            }
+            None => (ops::add(&z3, x)?, None),
+        };
+        drop(z3);
+        let y = ops::relu(&sum)?;
+        if !ctx.training() {
+            return Ok((y, None));
+        }
+        let short = match (&self.shortcut, short) {
+            (Some(_), s) => Some(saved(s, WHAT)?),
+            (None, _) => None,
+        };
+        let s = BottleneckSaved {
+            s1: saved(s1, WHAT)?,
+            s2: saved(s2, WHAT)?,
+            s3: saved(s3, WHAT)?,
+            short,
+            sum,
+        };
+        Ok((y, Some(s)))
+    }
+
+    fn backward(&mut self, s: BottleneckSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+        const WHAT: &str = "Bottleneck";
+        let dsum = ops::relu_backward(&s.sum, dy)?;
+        drop(s.sum);
+        let dshort = match (&mut self.shortcut, s.short) {
+            (Some(c), Some(ss)) => c.backward(ss, &dsum, want)?,
+            _ => None,
+        };
+        let da2 = dx_of(self.c3.backward(s.s3, &dsum, true)?, WHAT)?;
+        let da1 = dx_of(self.c2.backward(s.s2, &da2, true)?, WHAT)?;
+        drop(da2);
+        let dx = self.c1.backward(s.s1, &da1, want)?;
+        drop(da1);
+        match dx {
+            Some(mut dx) => {
+                ops::add_assign(&mut dx, dshort.as_ref().unwrap_or(&dsum))?;
+                Ok(Some(dx))
+            }
+            None => Ok(None),
+        }
+    }
+
+    fn params(&self) -> Vec<&Param> {
+        let mut p = self.c1.params();
+        p.extend(self.c2.params());
+        p.extend(self.c3.params());
+        if let Some(c) = &self.shortcut {
+            p.extend(c.params());
+        }
+        p
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut p = self.c1.params_mut();
+        p.extend(self.c2.params_mut());
+        p.extend(self.c3.params_mut());
+        if let Some(c) = &mut self.shortcut {
+            p.extend(c.params_mut());
+        }
+        p
+    }
+
+    fn device(&self) -> &Device {
+        &self.c1.device
+    }
+}
+
+/// The settings of an [`InvertedResidual`] block.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InvertedResidualConfig {
+    /// Input channels.
+    pub c_in: usize,
+    /// Channels after the 1x1 expansion (`c_in` skips the expansion, as MobileNetV3's
+    /// first block does).
+    pub expanded: usize,
+    /// Output channels.
+    pub c_out: usize,
+    /// Side of the depthwise kernel (3 or 5 in MobileNetV3; default 3).
+    pub kernel: usize,
+    /// Stride of the depthwise convolution (default 1).
+    pub stride: usize,
+    /// The dtype of the weights (default f32).
+    pub dtype: DType,
+    /// Seed of the weight initialization (default 0).
+    pub seed: u64,
+}
+
+impl InvertedResidualConfig {
+    /// A block `c_in -> expanded -> c_out`, 3x3 depthwise, stride 1, f32, seed 0.
+    pub fn new(c_in: usize, expanded: usize, c_out: usize) -> Self {
+        InvertedResidualConfig {
+            c_in,
+            expanded,
+            c_out,
+            kernel: 3,
+            stride: 1,
+            dtype: DType::F32,
+            seed: 0,
+        }
+    }
+
+    /// The same with a `kernel x kernel` depthwise convolution.
+    pub fn with_kernel(self, kernel: usize) -> Self {
+        InvertedResidualConfig { kernel, ..self }
+    }
+
+    /// The same with `stride`.
+    pub fn with_stride(self, stride: usize) -> Self {
+        InvertedResidualConfig { stride, ..self }
+    }
+
+    /// The same with weights in `dtype`.
+    pub fn with_dtype(self, dtype: DType) -> Self {
+        InvertedResidualConfig { dtype, ..self }
+    }
+
+    /// The same with weights drawn from `seed`.
+    pub fn with_seed(self, seed: u64) -> Self {
+        InvertedResidualConfig { seed, ..self }
+    }
+
+    /// The block on `device`: He-normal weights, the projection at gain 0.1 when the block
+    /// is residual.
+    ///
+    /// # Errors
+    ///
+    /// As [`Conv2dConfig::init`].
+    pub fn init(&self, device: &Device) -> Result<InvertedResidual> {
+        let residual = self.stride == 1 && self.c_in == self.c_out;
+        let conv = |cfg: Conv2dConfig, gain, part, name| -> Result<Conv2d> {
+            let mut c = cfg
+                .with_init(Init::HeNormal { gain })
+                .with_dtype(self.dtype)
+                .with_seed(sub_seed(self.seed, part))
+                .init(device)?;
+            super::prefix_param_names(&mut c, name);
+            Ok(c)
+        };
+        let e = self.expanded;
+        let expand = if e != self.c_in {
+            let cfg = Conv2dConfig::new(self.c_in, e, 1).with_activation(Act::Relu);
+            Some(conv(cfg, 1.0, 0, "expand")?)
+        } else {
+            None
+        };
+        let dw = Conv2dConfig::new(e, e, self.kernel)
+            .with_stride(self.stride)
+            .with_groups(e)
+            .with_activation(Act::Relu);
+        let project = Conv2dConfig::new(e, self.c_out, 1);
+        Ok(InvertedResidual {
+            expand,
+            depthwise: conv(dw, 1.0, 1, "depthwise")?,
+            project: conv(project, if residual { 0.1 } else { 1.0 }, 2, "project")?,
+            residual,
+        })
+    }
+}
+
+/// MobileNetV2/V3's inverted residual block without normalization or squeeze-excitation,
+/// with ReLU: a 1x1 expansion (ReLU), a depthwise `k x k` convolution (ReLU, strided), a
+/// linear 1x1 projection, and `x +` that when the stride is 1 and the channels stay.
+/// Built from an [`InvertedResidualConfig`].
+#[derive(Debug)]
+pub struct InvertedResidual {
+    expand: Option<Conv2d>,
+    depthwise: Conv2d,
+    project: Conv2d,
+    residual: bool,
+}
+
+/// What an [`InvertedResidual`] keeps: each convolution's state.
+#[derive(Debug)]
+pub struct InvertedSaved {
+    expand: Option<AffineSaved>,
+    depthwise: AffineSaved,
+    project: AffineSaved,
+}
+
+impl Layer for InvertedResidual {
+    type Saved = InvertedSaved;
+
+    fn name(&self) -> String {
+        let e = self.depthwise.weight.value.shape()[0];
+        let o = self.project.weight.value.shape()[0];
+        format!("InvertedResidual({e}->{o}, /{})", self.depthwise.opts.stride.0)
+    }
+
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<(Tensor, Option<InvertedSaved>)> {
+        const WHAT: &str = "InvertedResidual";
+        let (h, se) = match &mut self.expand {
+            Some(c) => {
+                let (h, s) = c.forward(x, ctx)?;
+                (h, Some(s))
+            }
+            None => (x.clone(), None),
+        };
+        let (d, sd) = self.depthwise.forward(&h, ctx)?;
+        drop(h);
+        let (p, sp) = self.project.forward(&d, ctx)?;
+        drop(d);
+        let y = if self.residual { ops::add(x, &p)? } else { p };
+        if !ctx.training() {
+            return Ok((y, None));
+        }
+        let expand = match se {
+            Some(s) => Some(saved(s, WHAT)?),
+            None => None,
+        };
+        let s = InvertedSaved { expand, depthwise: saved(sd, WHAT)?, project: saved(sp, WHAT)? };
+        Ok((y, Some(s)))
+    }
+
+    fn backward(&mut self, s: InvertedSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+        const WHAT: &str = "InvertedResidual";
+        let dd = dx_of(self.project.backward(s.project, dy, true)?, WHAT)?;
+        let want_h = want || self.expand.is_some();
+        let dh = self.depthwise.backward(s.depthwise, &dd, want_h)?;
+        drop(dd);
+        let dx = match (&mut self.expand, s.expand) {
+            (Some(c), Some(se)) => c.backward(se, &dx_of(dh, WHAT)?, want)?,
+            _ => dh,
+        };
+        match dx {
+            Some(mut dx) if self.residual => {
+                ops::add_assign(&mut dx, dy)?;
+                Ok(Some(dx))
+            }
+            dx => Ok(dx),
+        }
+    }
+
+    fn params(&self) -> Vec<&Param> {
+        let mut p = self.expand.as_ref().map(|c| c.params()).unwrap_or_default();
+        p.extend(self.depthwise.params());
+        p.extend(self.project.params());
+        p
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut p = self.expand.as_mut().map(|c| c.params_mut()).unwrap_or_default();
+        p.extend(self.depthwise.params_mut());
+        p.extend(self.project.params_mut());
+        p
+    }
+
+    fn device(&self) -> &Device {
+        &self.depthwise.device
+    }
+}
+
+/// The settings of a [`ClassifierHead`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClassifierHeadConfig {
+    /// Channels of the pooled features.
+    pub channels: usize,
+    /// Units of a hidden ReLU layer before the classifier (MobileNetV3: 1280), or none
+    /// (default).
+    pub hidden: Option<usize>,
+    /// Output classes.
+    pub classes: usize,
+    /// The dtype of the weights (default f32).
+    pub dtype: DType,
+    /// Seed of the weight initialization (default 0).
+    pub seed: u64,
+}
+
+impl ClassifierHeadConfig {
+    /// A head from `channels` pooled features to `classes`, no hidden layer, f32, seed 0.
+    pub fn new(channels: usize, classes: usize) -> Self {
+        ClassifierHeadConfig { channels, hidden: None, classes, dtype: DType::F32, seed: 0 }
+    }
+
+    /// The same with a hidden ReLU layer of `units`.
+    pub fn with_hidden(self, units: usize) -> Self {
+        ClassifierHeadConfig { hidden: Some(units), ..self }
+    }
+
+    /// The same with weights in `dtype`.
+    pub fn with_dtype(self, dtype: DType) -> Self {
+        ClassifierHeadConfig { dtype, ..self }
+    }
+
+    /// The same with weights drawn from `seed`.
+    pub fn with_seed(self, seed: u64) -> Self {
+        ClassifierHeadConfig { seed, ..self }
+    }
+
+    /// The head on `device` (He-normal weights, zero biases).
+    ///
+    /// # Errors
+    ///
+    /// Out of memory.
+    pub fn init(&self, device: &Device) -> Result<ClassifierHead> {
+        let linear = |i, o, act, part, name| -> Result<Linear> {
+            let mut l = LinearConfig::new(i, o)
+                .with_activation(act)
+                .with_init(Init::HeNormal { gain: 1.0 })
+                .with_dtype(self.dtype)
+                .with_seed(sub_seed(self.seed, part))
+                .init(device)?;
+            super::prefix_param_names(&mut l, name);
+            Ok(l)
+        };
+        let (hidden, last) = match self.hidden {
+            Some(h) => (Some(linear(self.channels, h, Act::Relu, 0, "hidden")?), h),
+            None => (None, self.channels),
+        };
+        Ok(ClassifierHead { hidden, fc: linear(last, self.classes, Act::Identity, 1, "fc")? })
+    }
+}
+
+/// Global average pooling then linear layers: `[b, c, h, w] -> [b, classes]`. Built from a
+/// [`ClassifierHeadConfig`].
+#[derive(Debug)]
+pub struct ClassifierHead {
+    hidden: Option<Linear>,
+    fc: Linear,
+}
+
+/// What a [`ClassifierHead`] keeps: the input's shape and the linear layers' state.
+#[derive(Debug)]
+pub struct HeadSaved {
+    shape: Vec<usize>,
+    hidden: Option<AffineSaved>,
+    fc: AffineSaved,
+}
+
+impl Layer for ClassifierHead {
+    type Saved = HeadSaved;
+
+    fn name(&self) -> String {
+        format!("ClassifierHead({})", self.fc.weight.value.shape()[0])
+    }
+
+    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<HeadSaved>)> {
+        const WHAT: &str = "ClassifierHead";
+        let mut h = ops::global_avg_pool(x)?;
+        let mut hidden = None;
+        if let Some(l) = &mut self.hidden {
+            let (y, s) = l.forward(&h, ctx)?;
+            (h, hidden) = (y, s);
+        }
+        let (y, fc) = self.fc.forward(&h, ctx)?;
+        if !ctx.training() {
+            return Ok((y, None));
+        }
+        let hidden = match (&self.hidden, hidden) {
+            (Some(_), s) => Some(saved(s, WHAT)?),
+            (None, _) => None,
+        };
+        Ok((y, Some(HeadSaved { shape: x.shape().to_vec(), hidden, fc: saved(fc, WHAT)? })))
+    }
+
+    fn backward(&mut self, s: HeadSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+        const WHAT: &str = "ClassifierHead";
+        let want_h = want || self.hidden.is_some();
+        let mut dh = self.fc.backward(s.fc, dy, want_h)?;
+        if let (Some(l), Some(sh)) = (&mut self.hidden, s.hidden) {
+            dh = l.backward(sh, &dx_of(dh, WHAT)?, want)?;
+        }
+        match dh {
+            Some(dp) if want => Ok(Some(ops::global_avg_pool_backward(&dp, &s.shape)?)),
+            _ => Ok(None),
+        }
+    }
+
+    fn params(&self) -> Vec<&Param> {
+        let mut p = self.hidden.as_ref().map(|l| l.params()).unwrap_or_default();
+        p.extend(self.fc.params());
+        p
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut p = self.hidden.as_mut().map(|l| l.params_mut()).unwrap_or_default();
+        p.extend(self.fc.params_mut());
+        p
+    }
+
+    fn device(&self) -> &Device {
+        &self.fc.device
+    }
+}

@@ -1,0 +1,639 @@
+//! Transformer layers: a pre-norm, multi-head [`TransformerBlock`] (causal for GPT, not for
+//! ViT), ViT's [`PatchEmbed`] (a strided convolution into tokens plus learned positions)
+//! and [`TokenMeanPool`] (the mean over a sequence's tokens). Tokens are rows: a batch of
+//! `b` sequences of `s` tokens of width `d` is `[b * s, d]`.
+
+use super::{
+    Act, AffineSaved, Conv2d, Conv2dConfig, DropoutSaved, Init, LayerNorm, LayerNormConfig, Linear,
+    LinearConfig, NormSaved, check_dropout, init_weight, positive, sub_seed,
+};
+use crate::error::{Error, Result};
+use crate::layer::{ForwardCtx, Layer, Param};
+use vram_kernels::{DType, Device, Tensor, ops};
+
+/// `[b, s, heads, dh] <-> [b, heads, s, dh]` (its own inverse).
+const HEADS_FIRST: [usize; 4] = [0, 2, 1, 3];
+
+fn invalid(what: &'static str, reason: String) -> Error {
+    Error::InvalidArgument { what, reason }
+}
+
+fn saved<T>(s: Option<T>, what: &'static str) -> Result<T> {
+    s.ok_or_else(|| invalid(what, "a sub-layer saved nothing in training mode".into()))
+}
+
+fn dx_of(dx: Option<Tensor>, what: &'static str) -> Result<Tensor> {
+    dx.ok_or_else(|| invalid(what, "a sub-layer returned no input gradient".into()))
+}
+
+/// The settings of a [`TransformerBlock`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct TransformerBlockConfig {
+    /// Width of a token.
+    pub d: usize,
+    /// Attention heads (`d` must be a multiple).
+    pub heads: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Whether a token attends only to itself and earlier tokens (GPT; default true) or to
+    /// every token (ViT, BERT).
+    pub causal: bool,
+    /// Dropout on the attention probabilities and on both residual branches (default 0).
+    pub dropout: f32,
+    /// Hidden units of the MLP per unit of width (default 4).
+    pub mlp_ratio: usize,
+    /// Standard deviation of the weights (default 0.02, GPT-2's); the two projections that
+    /// end a residual branch get `std / sqrt(2 * depth)`.
+    pub init_std: f32,
+    /// Blocks in the model, for that scaling (default 1).
+    pub depth: usize,
+    /// The dtype of the parameters (default f32).
+    pub dtype: DType,
+    /// Seed of the weight initialization (default 0).
+    pub seed: u64,
+}
+
+impl TransformerBlockConfig {
+    /// A causal block of width `d` with `heads` heads for sequences of `seq` tokens; MLP
+    /// ratio 4, no dropout, GPT-2's initialization, f32, seed 0.
+    pub fn new(d: usize, heads: usize, seq: usize) -> Self {
+        TransformerBlockConfig {
+            d,
+            heads,
+            seq,
+            causal: true,
+            dropout: 0.0,
+            mlp_ratio: 4,
+            init_std: 0.02,
+            depth: 1,
+            dtype: DType::F32,
+            seed: 0,
+        }
+    }
+
+    /// The same, causal or not.
+    pub fn with_causal(self, causal: bool) -> Self {
+        TransformerBlockConfig { causal, ..self }
+    }
+
+    /// The same with dropout `p` (attention probabilities and residual branches).
+    pub fn with_dropout(self, p: f32) -> Self {
+        TransformerBlockConfig { dropout: p, ..self }
+    }
+
+    /// The same with an MLP of `ratio * d` hidden units.
+    pub fn with_mlp_ratio(self, ratio: usize) -> Self {
+        TransformerBlockConfig { mlp_ratio: ratio, ..self }
+    }
+
+    /// The same with weights of standard deviation `std`, the residual projections scaled
+    /// for a model of `depth` blocks.
+    pub fn with_init(self, std: f32, depth: usize) -> Self {
+        TransformerBlockConfig { init_std: std, depth, ..self }
+    }
+
+    /// The same with parameters in `dtype`.
+    pub fn with_dtype(self, dtype: DType) -> Self {
+        TransformerBlockConfig { dtype, ..self }
+    }
+
+    /// The same with weights drawn from `seed`.
+    pub fn with_seed(self, seed: u64) -> Self {
+        TransformerBlockConfig { seed, ..self }
+    }
+
+    /// The block on `device`: GPT-2's parameter layout (`12 d^2 + 13 d` with ratio 4:
+    /// query, key, value and output projections with biases, two layer norms, the MLP).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a zero size, a width that is not a multiple of the
+    /// heads, or a dropout outside `[0, 1)`; out of memory.
+    pub fn init(&self, device: &Device) -> Result<TransformerBlock> {
+        const WHAT: &str = "TransformerBlockConfig";
+        for (name, v) in [
+            ("d", self.d),
+            ("heads", self.heads),
+            ("seq", self.seq),
+            ("mlp_ratio", self.mlp_ratio),
+            ("depth", self.depth),
+        ] {
+            positive(WHAT, name, v)?;
+        }
+        if !self.d.is_multiple_of(self.heads) {
+            return Err(invalid(
+                WHAT,
+                format!("width {} is not a multiple of the {} heads", self.d, self.heads),
+            ));
+        }
+        check_dropout(WHAT, self.dropout)?;
+        let d = self.d;
+        let hidden = self.mlp_ratio * d;
+        let resid = self.init_std / (2.0 * self.depth as f32).sqrt();
+        let linear = |i, o, act, std, part, name| -> Result<Linear> {
+            let mut l = LinearConfig::new(i, o)
+                .with_activation(act)
+                .with_init(Init::Normal { std })
+                .with_dtype(self.dtype)
+                .with_seed(sub_seed(self.seed, part))
+                .init(device)?;
+            super::prefix_param_names(&mut l, name);
+            Ok(l)
+        };
+        let norm = |name| -> Result<LayerNorm> {
+            let mut n = LayerNormConfig::new(d).with_dtype(self.dtype).init(device)?;
+            super::prefix_param_names(&mut n, name);
+            Ok(n)
+        };
+        let std = self.init_std;
+        Ok(TransformerBlock {
+            ln1: norm("ln_1")?,
+            q: linear(d, d, Act::Identity, std, 0, "attn.q")?,
+            k: linear(d, d, Act::Identity, std, 1, "attn.k")?,
+            v: linear(d, d, Act::Identity, std, 2, "attn.v")?,
+            proj: linear(d, d, Act::Identity, resid, 3, "attn.c_proj")?,
+            ln2: norm("ln_2")?,
+            fc1: linear(d, hidden, Act::Gelu, std, 4, "mlp.c_fc")?,
+            fc2: linear(hidden, d, Act::Identity, resid, 5, "mlp.c_proj")?,
+            heads: self.heads,
+            seq: self.seq,
+            causal: self.causal,
+            p: self.dropout,
+        })
+    }
+}
+
+/// A pre-norm transformer block on `[b * seq, d]`:
+/// `x2 = x + drop(proj(attn(ln_1(x))))`, `y = x2 + drop(mlp(ln_2(x2)))`, with multi-head
+/// scaled dot-product attention (heads of width `d / heads`, causal or not, dropout on the
+/// probabilities) and a GELU MLP. Built from a [`TransformerBlockConfig`].
+///
+/// Per block, training keeps what PyTorch's eager attention keeps: the normalized inputs,
+/// the per-head queries, keys and values (`[b * heads, seq, d / heads]`, copies made by the
+/// head permutation), the attention probabilities and, with dropout, the dropped
+/// probabilities (`[b * heads, seq, seq]` each), the attention output, the MLP's
+/// pre-activation and activation. Dropout masks are regenerated, not kept.
+#[derive(Debug)]
+pub struct TransformerBlock {
+    ln1: LayerNorm,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    proj: Linear,
+    ln2: LayerNorm,
+    fc1: Linear,
+    fc2: Linear,
+    heads: usize,
+    seq: usize,
+    causal: bool,
+    p: f32,
+}
+
+/// What a [`TransformerBlock`] keeps for backward.
+#[derive(Debug)]
+pub struct BlockSaved {
+    ln1: NormSaved,
+    sq: AffineSaved,
+    sk: AffineSaved,
+    sv: AffineSaved,
+    qh: Tensor,
+    kh: Tensor,
+    vh: Tensor,
+    probs: Tensor,
+    dropped: Option<(Tensor, DropoutSaved)>,
+    sproj: AffineSaved,
+    drop1: Option<DropoutSaved>,
+    ln2: NormSaved,
+    s1: AffineSaved,
+    s2: AffineSaved,
+    drop2: Option<DropoutSaved>,
+}
+
+impl TransformerBlock {
+    /// `[b * s, d] -> [b * heads, s, dh]`.
+    fn split_heads(&self, t: Tensor, b: usize) -> Result<Tensor> {
+        let (s, h) = (self.seq, self.heads);
+        let dh = t.shape()[1] / h;
+        let t = t.reshape(&[b, s, h, dh])?;
+        Ok(ops::permute(&t, &HEADS_FIRST)?.reshape(&[b * h, s, dh])?)
+    }
+
+    /// `[b * heads, s, dh] -> [b * s, d]`, the inverse of [`Self::split_heads`].
+    fn merge_heads(&self, t: Tensor, b: usize) -> Result<Tensor> {
+        let (s, h) = (self.seq, self.heads);
+        let dh = t.shape()[2];
+        let t = t.reshape(&[b, h, s, dh])?;
+        Ok(ops::permute(&t, &HEADS_FIRST)?.reshape(&[b * s, h * dh])?)
+    }
+
+    /// The rows of `x` as whole sequences: the batch.
+    fn batch_of(&self, x: &Tensor) -> Result<usize> {
+        let rows = x.shape().first().copied().unwrap_or(0);
+        if x.rank() != 2 || !rows.is_multiple_of(self.seq) {
+            return Err(invalid(
+                "TransformerBlock",
+                format!("expected [b * {}, d] tokens, got shape {:?}", self.seq, x.shape()),
+            ));
+        }
+        Ok(rows / self.seq)
+    }
+
+    fn dropout(&self, x: Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<DropoutSaved>)> {
+        if !(ctx.training() && self.p > 0.0) {
+            return Ok((x, None));
+        }
+        let offset = ctx.take_offsets(x.numel() as u64)?;
+        let y = ops::dropout(&x, self.p, ctx.seed, offset)?;
+        Ok((y, Some(DropoutSaved { seed: ctx.seed, offset })))
+    }
+
+    fn dropout_backward(&self, s: Option<&DropoutSaved>, dy: &Tensor) -> Result<Option<Tensor>> {
+        match s {
+            Some(s) => Ok(Some(ops::dropout_backward(dy, self.p, s.seed, s.offset)?)),
+            None => Ok(None),
+        }
+    }
+
+    fn head_scale(&self, dh: usize) -> f32 {
+        1.0 / (dh as f32).sqrt()
+    }
+}
+
+impl Layer for TransformerBlock {
+    type Saved = BlockSaved;
+
+    fn name(&self) -> String {
+        let d = self.q.weight.value.shape()[0];
+        let kind = if self.causal { "causal" } else { "full" };
+        format!("TransformerBlock(d={d}, heads={}, {kind})", self.heads)
+    }
+
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<(Tensor, Option<BlockSaved>)> {
+        const WHAT: &str = "TransformerBlock";
+        let b = self.batch_of(x)?;
+        let (h1, ln1) = self.ln1.run(x, ctx)?;
+        let (q, sq) = self.q.forward(&h1, ctx)?;
+        let (k, sk) = self.k.forward(&h1, ctx)?;
+        let (v, sv) = self.v.forward(&h1, ctx)?;
+        drop(h1);
+        let (qh, kh, vh) =
+            (self.split_heads(q, b)?, self.split_heads(k, b)?, self.split_heads(v, b)?);
+        let scale = self.head_scale(qh.shape()[2]);
+        let scores = ops::scale(&ops::matmul(&qh, &kh, false, true)?, scale)?;
+        let probs =
+            if self.causal { ops::causal_softmax(&scores)? } else { ops::softmax(&scores)? };
+        drop(scores);
+        let (dropped, drop_p) = self.dropout(probs.clone(), ctx)?;
+        let ctx_h = ops::matmul(&dropped, &vh, false, false)?;
+        let attn = self.merge_heads(ctx_h, b)?;
+        let (o, sproj) = self.proj.forward(&attn, ctx)?;
+        drop(attn);
+        let (o, drop1) = self.dropout(o, ctx)?;
+        let x2 = ops::add(x, &o)?;
+        drop(o);
+        let (h2, ln2) = self.ln2.run(&x2, ctx)?;
+        let (a, s1) = self.fc1.forward(&h2, ctx)?;
+        drop(h2);
+        let (m, s2) = self.fc2.forward(&a, ctx)?;
+        drop(a);
+        let (m, drop2) = self.dropout(m, ctx)?;
+        let y = ops::add(&x2, &m)?;
+        if !ctx.training() {
+            return Ok((y, None));
+        }
+        let dropped = drop_p.map(|s| (dropped, s));
+        let s = BlockSaved {
+            ln1: saved(ln1, WHAT)?,
+            sq: saved(sq, WHAT)?,
+            sk: saved(sk, WHAT)?,
+            sv: saved(sv, WHAT)?,
+            qh,
+            kh,
+            vh,
+            probs,
+            dropped,
+            sproj: saved(sproj, WHAT)?,
+            drop1,
+            ln2: saved(ln2, WHAT)?,
+            s1: saved(s1, WHAT)?,
+            s2: saved(s2, WHAT)?,
+            drop2,
+        };
+        Ok((y, Some(s)))
+    }
+
+    fn backward(&mut self, s: BlockSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+        const WHAT: &str = "TransformerBlock";
+        let b = dy.shape()[0] / self.seq;
+        // y = x2 + drop(fc2(fc1(ln_2(x2))))
+        let dm = self.dropout_backward(s.drop2.as_ref(), dy)?;
+        let da = dx_of(self.fc2.backward(s.s2, dm.as_ref().unwrap_or(dy), true)?, WHAT)?;
+        drop(dm);
+        let dh2 = dx_of(self.fc1.backward(s.s1, &da, true)?, WHAT)?;
+        drop(da);
+        let mut dx2 = self.ln2.grads(s.ln2, &dh2)?;
+        drop(dh2);
+        ops::add_assign(&mut dx2, dy)?;
+        // x2 = x + drop(proj(attn(ln_1(x))))
+        let do_ = self.dropout_backward(s.drop1.as_ref(), &dx2)?;
+        let dattn = dx_of(self.proj.backward(s.sproj, do_.as_ref().unwrap_or(&dx2), true)?, WHAT)?;
+        drop(do_);
+        let dctx = self.split_heads(dattn, b)?;
+        let (dropped, drop_p) = match s.dropped {
+            Some((t, p)) => (t, Some(p)),
+            None => (s.probs.clone(), None),
+        };
+        let (ddropped, dvh) = ops::matmul_backward(&dropped, &s.vh, &dctx, false, false)?;
+        drop((dctx, dropped, s.vh));
+        let dprobs = self.dropout_backward(drop_p.as_ref(), &ddropped)?;
+        let dprobs = dprobs.as_ref().unwrap_or(&ddropped);
+        let dscores = if self.causal {
+            ops::causal_softmax_backward(&s.probs, dprobs)?
+        } else {
+            ops::softmax_backward(&s.probs, dprobs)?
+        };
+        drop((ddropped, s.probs));
+        let dscores = ops::scale(&dscores, self.head_scale(s.qh.shape()[2]))?;
+        let (dqh, dkh) = ops::matmul_backward(&s.qh, &s.kh, &dscores, false, true)?;
+        drop((dscores, s.qh, s.kh));
+        let mut dh1 = dx_of(self.q.backward(s.sq, &self.merge_heads(dqh, b)?, true)?, WHAT)?;
+        let dk = dx_of(self.k.backward(s.sk, &self.merge_heads(dkh, b)?, true)?, WHAT)?;
+        ops::add_assign(&mut dh1, &dk)?;
+        drop(dk);
+        let dv = dx_of(self.v.backward(s.sv, &self.merge_heads(dvh, b)?, true)?, WHAT)?;
+        ops::add_assign(&mut dh1, &dv)?;
+        drop(dv);
+        let mut dx = self.ln1.grads(s.ln1, &dh1)?;
+        drop(dh1);
+        if !want {
+            return Ok(None);
+        }
+        ops::add_assign(&mut dx, &dx2)?;
+        Ok(Some(dx))
+    }
+
+    fn params(&self) -> Vec<&Param> {
+        let mut p = self.ln1.params();
+        for l in [&self.q, &self.k, &self.v, &self.proj] {
+            p.extend(l.params());
+        }
+        p.extend(self.ln2.params());
+        p.extend(self.fc1.params());
+        p.extend(self.fc2.params());
+        p
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut p = self.ln1.params_mut();
+        for l in [&mut self.q, &mut self.k, &mut self.v, &mut self.proj] {
+            p.extend(l.params_mut());
+        }
+        p.extend(self.ln2.params_mut());
+        p.extend(self.fc1.params_mut());
+        p.extend(self.fc2.params_mut());
+        p
+    }
+
+    fn device(&self) -> &Device {
+        &self.q.device
+    }
+}
+
+/// The settings of a [`PatchEmbed`] layer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PatchEmbedConfig {
+    /// Image channels (3).
+    pub channels: usize,
+    /// Token width.
+    pub d: usize,
+    /// Patch side (ViT-B/16: 16).
+    pub patch: usize,
+    /// Image side (a multiple of `patch`).
+    pub side: usize,
+    /// The dtype of the parameters (default f32).
+    pub dtype: DType,
+    /// Seed of the weight initialization (default 0).
+    pub seed: u64,
+}
+
+impl PatchEmbedConfig {
+    /// Patches of `patch x patch` pixels of `channels`-channel images of `side` pixels
+    /// into tokens of width `d`; f32, seed 0.
+    pub fn new(channels: usize, d: usize, patch: usize, side: usize) -> Self {
+        PatchEmbedConfig { channels, d, patch, side, dtype: DType::F32, seed: 0 }
+    }
+
+    /// The same with parameters in `dtype`.
+    pub fn with_dtype(self, dtype: DType) -> Self {
+        PatchEmbedConfig { dtype, ..self }
+    }
+
+    /// The same with weights drawn from `seed`.
+    pub fn with_seed(self, seed: u64) -> Self {
+        PatchEmbedConfig { seed, ..self }
+    }
+
+    /// Tokens per image, `(side / patch)^2`.
+    pub fn tokens(&self) -> usize {
+        let g = self.side / self.patch.max(1);
+        g * g
+    }
+
+    /// The layer on `device`: the projection's weights PyTorch's default, its bias zero,
+    /// positions normal with std 0.02.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a zero size or a side that is not a multiple of the
+    /// patch; out of memory.
+    pub fn init(&self, device: &Device) -> Result<PatchEmbed> {
+        const WHAT: &str = "PatchEmbedConfig";
+        for (name, v) in [("channels", self.channels), ("d", self.d), ("patch", self.patch)] {
+            positive(WHAT, name, v)?;
+        }
+        if self.side == 0 || !self.side.is_multiple_of(self.patch) {
+            return Err(invalid(
+                WHAT,
+                format!(
+                    "image side {} is not a positive multiple of the patch {}",
+                    self.side, self.patch
+                ),
+            ));
+        }
+        let mut conv = Conv2dConfig::new(self.channels, self.d, self.patch)
+            .with_stride(self.patch)
+            .with_padding(0)
+            .with_bias(true)
+            .with_dtype(self.dtype)
+            .with_seed(sub_seed(self.seed, 0))
+            .init(device)?;
+        super::prefix_param_names(&mut conv, "proj");
+        let s = self.tokens();
+        let pos = init_weight(
+            device,
+            &[s, self.d],
+            Init::Normal { std: 0.02 },
+            1,
+            self.dtype,
+            sub_seed(self.seed, 1),
+        )?;
+        Ok(PatchEmbed { conv, pos: Param::new("pos_embed", pos), tokens: s })
+    }
+}
+
+/// ViT's patch embedding: a `patch x patch` convolution of stride `patch` (one token per
+/// patch), the tokens as rows, plus a learned position per token:
+/// `[b, c, side, side] -> [b * tokens, d]`. No class token: a [`TokenMeanPool`] makes the
+/// image's features. Built from a [`PatchEmbedConfig`].
+#[derive(Debug)]
+pub struct PatchEmbed {
+    conv: Conv2d,
+    pos: Param,
+    tokens: usize,
+}
+
+/// What a [`PatchEmbed`] keeps: the convolution's state and its output's shape.
+#[derive(Debug)]
+pub struct PatchSaved {
+    conv: AffineSaved,
+    shape: Vec<usize>,
+}
+
+impl PatchEmbed {
+    fn positions(&self, b: usize) -> Vec<u32> {
+        (0..b * self.tokens).map(|i| (i % self.tokens) as u32).collect()
+    }
+}
+
+impl Layer for PatchEmbed {
+    type Saved = PatchSaved;
+
+    fn name(&self) -> String {
+        let s = self.conv.weight.value.shape();
+        format!("PatchEmbed({}x{} -> {}, {} tokens)", s[2], s[3], s[0], self.tokens)
+    }
+
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<(Tensor, Option<PatchSaved>)> {
+        let (z, sc) = self.conv.forward(x, ctx)?;
+        let shape = z.shape().to_vec(); // [b, d, g, g]
+        let (b, d) = (shape[0], shape[1]);
+        let t = shape[2] * shape[3];
+        if t != self.tokens {
+            return Err(invalid(
+                "PatchEmbed",
+                format!("the image gives {t} patches; the layer was built for {}", self.tokens),
+            ));
+        }
+        let rows = ops::permute(&z.reshape(&[b, d, t])?, &[0, 2, 1])?.reshape(&[b * t, d])?;
+        let pos = ops::embedding(&self.pos.value, &self.positions(b))?;
+        let y = ops::add(&rows, &pos)?;
+        drop((rows, pos));
+        let saved = match sc {
+            Some(conv) => Some(PatchSaved { conv, shape }),
+            None => None,
+        };
+        Ok((y, saved))
+    }
+
+    fn backward(&mut self, s: PatchSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+        let (b, d, t) = (s.shape[0], s.shape[1], self.tokens);
+        self.pos.accumulate_grad(ops::embedding_backward(&self.positions(b), dy, t)?)?;
+        let dz = dy.clone().reshape(&[b, t, d])?;
+        let dz = ops::permute_backward(&dz, &[0, 2, 1])?.reshape(&s.shape)?;
+        self.conv.backward(s.conv, &dz, want)
+    }
+
+    fn params(&self) -> Vec<&Param> {
+        let mut p = self.conv.params();
+        p.push(&self.pos);
+        p
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut p = self.conv.params_mut();
+        p.push(&mut self.pos);
+        p
+    }
+
+    fn device(&self) -> &Device {
+        &self.conv.device
+    }
+}
+
+/// The mean over each sequence's tokens: `[b * seq, d] -> [b, d]` (ViT without a class
+/// token).
+#[derive(Debug)]
+pub struct TokenMeanPool {
+    seq: usize,
+    device: Device,
+}
+
+impl TokenMeanPool {
+    /// A pool over sequences of `seq` tokens.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for `seq == 0`.
+    pub fn new(device: &Device, seq: usize) -> Result<Self> {
+        positive("TokenMeanPool", "seq", seq)?;
+        Ok(TokenMeanPool { seq, device: device.clone() })
+    }
+}
+
+impl Layer for TokenMeanPool {
+    /// The input's shape (`[b * seq, d]`).
+    type Saved = Vec<usize>;
+
+    fn name(&self) -> String {
+        format!("TokenMeanPool({})", self.seq)
+    }
+
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<(Tensor, Option<Vec<usize>>)> {
+        let (rows, d) = match x.shape() {
+            &[rows, d] if rows.is_multiple_of(self.seq) => (rows, d),
+            other => {
+                return Err(invalid(
+                    "TokenMeanPool",
+                    format!("expected [b * {}, d] tokens, got shape {other:?}", self.seq),
+                ));
+            }
+        };
+        let b = rows / self.seq;
+        let t = ops::permute(&x.clone().reshape(&[b, self.seq, d])?, &[0, 2, 1])?;
+        let y = ops::mean_last_dim(&t)?;
+        Ok((y, ctx.training().then(|| x.shape().to_vec())))
+    }
+
+    fn backward(&mut self, shape: Vec<usize>, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+        if !want {
+            return Ok(None);
+        }
+        let (b, d) = (shape[0] / self.seq, shape[1]);
+        let dt = ops::mean_last_dim_backward(dy, self.seq)?.reshape(&[b, d, self.seq])?;
+        Ok(Some(ops::permute_backward(&dt, &[0, 2, 1])?.reshape(&shape)?))
+    }
+
+    fn params(&self) -> Vec<&Param> {
+        Vec::new()
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        Vec::new()
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+}

@@ -1,0 +1,179 @@
+//! Every composite layer's backward against central finite differences of its forward, in
+//! f32 on the host: the input gradient and each parameter's gradient at a sample of
+//! coordinates, for a loss `L = sum(y * r)` with fixed random `r` (so `dL/dy = r`).
+
+use vram_accum::layers::{
+    Act, BottleneckConfig, ClassifierHeadConfig, InvertedResidualConfig, LinearConfig,
+    PatchEmbedConfig, ResidualBlockConfig, TokenMeanPool, TransformerBlockConfig,
+};
+use vram_accum::{BoxedLayer, ForwardCtx, Mode};
+use vram_kernels::cpu::random::uniform_at;
+use vram_kernels::{DType, Device, Tensor, ops};
+
+fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    (0..n as u64).map(|i| scale * (2.0 * uniform_at(seed, i) - 1.0)).collect()
+}
+
+fn loss(layer: &mut BoxedLayer, x: &Tensor, r: &Tensor) -> f64 {
+    let (y, _) = layer.forward(x, &mut ForwardCtx::new(Mode::Inference, 0)).unwrap();
+    let (y, r) = (y.to_f32_vec().unwrap(), r.to_f32_vec().unwrap());
+    y.iter().zip(&r).map(|(&a, &b)| a as f64 * b as f64).sum()
+}
+
+/// Up to `k` coordinates spread over `0..n`.
+fn sample(n: usize, k: usize, seed: u64) -> Vec<usize> {
+    let mut out: Vec<usize> =
+        (0..k as u64).map(|i| (uniform_at(seed, i) * n as f32) as usize % n).collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// Finite-difference steps, largest first. A ReLU kink inside `±eps` of a coordinate makes
+/// that step's difference wrong; a smaller step avoids it (down to f32 noise), while a
+/// wrong backward matches at no step.
+const EPS: [f32; 3] = [3e-3, 1e-3, 3e-4];
+
+/// Checks `analytic` against the central difference `diff(eps)` at some step of [`EPS`].
+fn close(what: &str, analytic: f64, mut diff: impl FnMut(f32) -> f64) {
+    let mut seen = Vec::new();
+    for eps in EPS {
+        let numeric = diff(eps);
+        let tol = 2e-2 * numeric.abs().max(analytic.abs()).max(0.05);
+        if (analytic - numeric).abs() <= tol {
+            return;
+        }
+        seen.push(format!("{numeric:.5} at eps {eps}"));
+    }
+    panic!("{what}: backward {analytic:.5} vs finite differences {}", seen.join(", "));
+}
+
+/// Checks `layer`'s gradients at an input of `shape`.
+fn check(name: &str, mut layer: BoxedLayer, dev: &Device, shape: &[usize]) {
+    let n: usize = shape.iter().product();
+    let x = Tensor::from_f32_slice(dev, shape, &values(n, 1, 1.0), DType::F32).unwrap();
+    let (y, saved) = layer.forward(&x, &mut ForwardCtx::new(Mode::Train, 0)).unwrap();
+    let r = Tensor::from_f32_slice(dev, y.shape(), &values(y.numel(), 2, 1.0), DType::F32).unwrap();
+    let dx = layer.backward(saved.expect("training saves"), &r, true).unwrap().expect("dx");
+    assert_eq!(dx.shape(), x.shape(), "{name}: dx shape");
+    let dx = dx.to_f32_vec().unwrap();
+    let xs = x.to_f32_vec().unwrap();
+    for i in sample(n, 12, 3) {
+        let mut at = |delta: f32| {
+            let mut v = xs.clone();
+            v[i] += delta;
+            loss(&mut layer, &Tensor::from_f32_slice(dev, shape, &v, DType::F32).unwrap(), &r)
+        };
+        let diff = |eps: f32| (at(eps) - at(-eps)) / (2.0 * eps as f64);
+        close(&format!("{name}: dL/dx[{i}]"), dx[i] as f64, diff);
+    }
+    let count = layer.params().len();
+    assert!(count > 0 || name.to_lowercase().contains("pool"), "{name} has parameters");
+    for p in 0..count {
+        let (pname, grad, value) = {
+            let param = &layer.params()[p];
+            let grad =
+                param.grad.as_ref().unwrap_or_else(|| panic!("{name}: {} has no grad", param.name));
+            (param.name.clone(), grad.to_f32_vec().unwrap(), param.value.to_f32_vec().unwrap())
+        };
+        for i in sample(value.len(), 4, 10 + p as u64) {
+            let mut at = |delta: f32| {
+                let mut v = value.clone();
+                v[i] += delta;
+                let shape = layer.params()[p].value.shape().to_vec();
+                layer.params_mut()[p].value =
+                    Tensor::from_f32_slice(dev, &shape, &v, DType::F32).unwrap();
+                loss(&mut layer, &x, &r)
+            };
+            close(&format!("{name}: dL/d{pname}[{i}]"), grad[i] as f64, |eps| {
+                (at(eps) - at(-eps)) / (2.0 * eps as f64)
+            });
+            at(0.0);
+        }
+    }
+}
+
+#[test]
+fn multi_head_attention_blocks_match_finite_differences() {
+    let dev = Device::host(64 << 20);
+    for causal in [true, false] {
+        // 2 sequences of 5 tokens, width 8, 2 heads of 4; a larger init so that attention
+        // is not uniform and the MLP is not linear.
+        let block = TransformerBlockConfig::new(8, 2, 5)
+            .with_causal(causal)
+            .with_init(0.3, 1)
+            .with_seed(4)
+            .init(&dev)
+            .unwrap();
+        check(
+            &format!("TransformerBlock(causal={causal})"),
+            BoxedLayer::new(block),
+            &dev,
+            &[10, 8],
+        );
+    }
+}
+
+#[test]
+fn multi_head_attention_differs_from_single_head_attention() {
+    // The heads really split the width: 1 head and 2 heads with the same weights give
+    // different outputs (a regression guard against a permute that does nothing).
+    let dev = Device::host(64 << 20);
+    let x = Tensor::from_f32_slice(&dev, &[10, 8], &values(80, 1, 1.0), DType::F32).unwrap();
+    let out = |heads| {
+        let mut b = TransformerBlockConfig::new(8, heads, 5)
+            .with_init(0.3, 1)
+            .with_seed(4)
+            .init(&dev)
+            .unwrap();
+        let (y, _) =
+            vram_accum::Layer::forward(&mut b, &x, &mut ForwardCtx::new(Mode::Inference, 0))
+                .unwrap();
+        y.to_f32_vec().unwrap()
+    };
+    let (one, two) = (out(1), out(2));
+    assert!(one.iter().zip(&two).any(|(a, b)| (a - b).abs() > 1e-4));
+    assert!(TransformerBlockConfig::new(8, 3, 5).init(&dev).is_err(), "8 is not a multiple of 3");
+    let mut b = TransformerBlockConfig::new(8, 2, 5).init(&dev).unwrap();
+    let bad = Tensor::zeros(&dev, &[7, 8], DType::F32).unwrap();
+    let e =
+        vram_accum::Layer::forward(&mut b, &bad, &mut ForwardCtx::new(Mode::Train, 0)).unwrap_err();
+    assert!(e.to_string().contains("[b * 5, d]"), "{e}");
+}
+
+#[test]
+fn convolutional_blocks_match_finite_differences() {
+    let dev = Device::host(64 << 20);
+    let b = BottleneckConfig::new(4, 2, 8).with_stride(2).with_seed(1).init(&dev).unwrap();
+    check("Bottleneck(projection)", BoxedLayer::new(b), &dev, &[2, 4, 6, 6]);
+    let b = BottleneckConfig::new(8, 2, 8).with_seed(2).init(&dev).unwrap();
+    check("Bottleneck(identity)", BoxedLayer::new(b), &dev, &[2, 8, 4, 4]);
+    let b = InvertedResidualConfig::new(4, 12, 4).with_kernel(5).with_seed(3).init(&dev).unwrap();
+    check("InvertedResidual(residual)", BoxedLayer::new(b), &dev, &[2, 4, 6, 6]);
+    let b = InvertedResidualConfig::new(4, 4, 6).with_stride(2).with_seed(4).init(&dev).unwrap();
+    check("InvertedResidual(no expansion)", BoxedLayer::new(b), &dev, &[2, 4, 6, 6]);
+    let b = ResidualBlockConfig::new(3).with_seed(5).init(&dev).unwrap();
+    check("ResidualBlock", BoxedLayer::new(b), &dev, &[2, 3, 5, 5]);
+    let h = ClassifierHeadConfig::new(4, 3).with_hidden(6).with_seed(6).init(&dev).unwrap();
+    check("ClassifierHead", BoxedLayer::new(h), &dev, &[2, 4, 3, 3]);
+    let l = LinearConfig::new(5, 4).with_activation(Act::Gelu).with_seed(7).init(&dev).unwrap();
+    check("Linear(gelu)", BoxedLayer::new(l), &dev, &[3, 5]);
+}
+
+#[test]
+fn vit_patch_embedding_and_token_pool_match_finite_differences() {
+    let dev = Device::host(64 << 20);
+    let p = PatchEmbedConfig::new(3, 6, 4, 8).with_seed(1).init(&dev).unwrap();
+    check("PatchEmbed", BoxedLayer::new(p), &dev, &[2, 3, 8, 8]);
+    check("TokenMeanPool", BoxedLayer::new(TokenMeanPool::new(&dev, 4).unwrap()), &dev, &[8, 5]);
+    let p = PatchEmbedConfig::new(3, 6, 4, 8).init(&dev);
+    assert!(
+        PatchEmbedConfig::new(3, 6, 5, 8).init(&dev).is_err(),
+        "8 px is not whole 5 px patches"
+    );
+    let wrong = Tensor::zeros(&dev, &[1, 3, 12, 12], DType::F32).unwrap();
+    let e =
+        vram_accum::Layer::forward(&mut p.unwrap(), &wrong, &mut ForwardCtx::new(Mode::Train, 0));
+    assert!(e.unwrap_err().to_string().contains("9 patches"));
+    let _ = ops::relu; // the ops crate is the layers' only dependency
+}

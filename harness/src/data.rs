@@ -25,6 +25,7 @@ impl Batch {
         let per_sample = match &self.input {
             Input::Dense { values, .. } => values.len() / n.max(1),
             Input::Tokens(_) => 1,
+            Input::Shape(shape) => shape.iter().skip(1).product(),
         };
         let step = n.div_ceil(parts.max(1)).max(1);
         (0..n)
@@ -41,6 +42,11 @@ impl Batch {
                         }
                     }
                     Input::Tokens(ids) => Input::Tokens(ids[lo..hi].to_vec()),
+                    Input::Shape(shape) => {
+                        let mut shape = shape.clone();
+                        shape[0] = hi - lo;
+                        Input::Shape(shape)
+                    }
                 };
                 Batch { input, targets: self.targets[lo..hi].to_vec() }
             })
@@ -60,6 +66,10 @@ pub enum Input {
     },
     /// Token ids `[b * s]`.
     Tokens(Vec<u32>),
+    /// Real-valued inputs of this shape whose values were not generated: a virtual device
+    /// (which keeps no values) allocates them without the host drawing any. From
+    /// [`Dataset::batch_without_values`].
+    Shape(Vec<usize>),
 }
 
 /// A source of batches.
@@ -148,6 +158,31 @@ impl Dataset {
     }
 }
 
+impl Dataset {
+    /// [`Dataset::batch`] without the input values where they are real numbers (clusters,
+    /// images): the same targets, and an [`Input::Shape`] in place of the values, for a
+    /// model on a virtual device (a ResNet-50 batch of 64 at 224 px would be 9.6 M values
+    /// drawn for nothing). Token ids are generated as usual (an embedding reads them).
+    pub fn batch_without_values(&self, seed: u64, index: u64, size: usize) -> Batch {
+        let mut rng = Rng::new(seed ^ index.wrapping_mul(0xD6E8_FEB8_6659_FD93));
+        let (shape, classes) = match *self {
+            Dataset::Sequences { .. } => return self.batch(seed, index, size),
+            Dataset::Clusters { dim, classes } => (vec![size, dim], classes),
+            Dataset::Stripes { side, classes } => (vec![size, 3, side, side], classes),
+        };
+        let per_sample: usize = shape[1..].iter().product();
+        // Per sample, `batch` draws the class, then one normal per value: skip those.
+        let targets = (0..size)
+            .map(|_| {
+                let y = rng.below(classes as u64) as u32;
+                rng.skip_normals(per_sample);
+                y
+            })
+            .collect();
+        Batch { input: Input::Shape(shape), targets }
+    }
+}
+
 fn centres(seed: u64, dim: usize, classes: usize) -> Vec<f32> {
     let mut rng = Rng::new(seed.wrapping_add(0xC3A5_C85C_97CB_3127));
     (0..dim * classes).map(|_| 2.0 * rng.normal()).collect()
@@ -213,6 +248,24 @@ mod tests {
         };
         assert_eq!(va, vb);
         assert_ne!(d.batch(1, 6, 3).targets, a.targets);
+    }
+
+    #[test]
+    fn batches_without_values_have_the_same_targets_and_shape() {
+        for d in
+            [Dataset::Stripes { side: 8, classes: 5 }, Dataset::Clusters { dim: 7, classes: 3 }]
+        {
+            let (full, bare) = (d.batch(3, 9, 6), d.batch_without_values(3, 9, 6));
+            assert_eq!(full.targets, bare.targets);
+            let Input::Dense { shape, .. } = &full.input else { panic!("dense") };
+            assert!(matches!(&bare.input, Input::Shape(s) if s == shape));
+            let parts = bare.split(4);
+            assert!(
+                matches!(&parts[1].input, Input::Shape(s) if s[0] == 2 && s[1..] == shape[1..])
+            );
+        }
+        let s = Dataset::Sequences { vocab: 9, seq: 4 };
+        assert_eq!(s.batch(1, 2, 3).targets, s.batch_without_values(1, 2, 3).targets);
     }
 
     #[test]

@@ -30,6 +30,13 @@ impl Rng {
         self.next_u64() % n.max(1)
     }
 
+    /// Skips the draws of `n` calls to [`Rng::normal`] (two 64-bit draws each) in O(1):
+    /// SplitMix64's state moves by a constant per draw.
+    pub fn skip_normals(&mut self, n: usize) {
+        let draws = 2u64.wrapping_mul(n as u64);
+        self.0 = self.0.wrapping_add(draws.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    }
+
     /// Standard normal (Box-Muller).
     pub fn normal(&mut self) -> f32 {
         let u1 = self.uniform().max(1e-7);

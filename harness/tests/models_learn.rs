@@ -49,6 +49,7 @@ fn mobilenet_like_cnn_learns_stripes() {
 
 #[test]
 fn gpt_learns_affine_sequences() {
-    let arch = Arch::Gpt { vocab: 16, d: 32, layers: 2, seq: 8, dropout: 0.1 };
+    let arch =
+        Arch::Gpt { vocab: 16, d: 32, layers: 2, heads: 2, seq: 8, dropout: 0.1, tied: false };
     loss_falls(arch, Dataset::Sequences { vocab: 16, seq: 8 }, 8, 60, Optimizer::adamw(3e-3));
 }

@@ -28,7 +28,7 @@ impl Hooks for Count {
 
 fn gpt() -> (Arch, Dataset) {
     (
-        Arch::Gpt { vocab: 16, d: 32, layers: 2, seq: 8, dropout: 0.1 },
+        Arch::Gpt { vocab: 16, d: 32, layers: 2, heads: 2, seq: 8, dropout: 0.1, tied: false },
         Dataset::Sequences { vocab: 16, seq: 8 },
     )
 }

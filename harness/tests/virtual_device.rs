@@ -84,6 +84,7 @@ fn mobilenet_like_allocates_alike_on_host_and_virtual_devices() {
 
 #[test]
 fn gpt_allocates_alike_on_host_and_virtual_devices() {
-    let arch = Arch::Gpt { vocab: 16, d: 32, layers: 2, seq: 8, dropout: 0.1 };
+    let arch =
+        Arch::Gpt { vocab: 16, d: 32, layers: 2, heads: 2, seq: 8, dropout: 0.1, tied: false };
     same_on_host_and_virtual(arch, Dataset::Sequences { vocab: 16, seq: 8 });
 }

@@ -72,9 +72,14 @@ pub fn sub_seed(seed: u64, part: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// A weight of `shape` drawn by `init` with fan-in `fan_in` from `seed`. On a virtual device
+/// A weight of `shape` drawn by `init` with fan-in `fan_in` from `seed` (what the layers'
+/// configs use; also for tables outside a layer, such as an embedding). On a virtual device
 /// nothing is drawn (it keeps no values): the tensor is only allocated.
-pub(crate) fn init_weight(
+///
+/// # Errors
+///
+/// Out of memory.
+pub fn init_weight(
     device: &Device,
     shape: &[usize],
     init: Init,

@@ -16,7 +16,7 @@ use vram_kernels::DType;
 pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
     let (d, layers, seq, batch, steps) =
         if ctx.quick { (64, 8, 32, 8, 6) } else { (96, 12, 64, 8, 6) };
-    let arch = Arch::Gpt { vocab: 64, d, layers, seq, dropout: 0.1 };
+    let arch = Arch::Gpt { vocab: 64, d, layers, heads: 1, seq, dropout: 0.1, tied: false };
     let data = Dataset::Sequences { vocab: 64, seq };
     let first = data.batch(ctx.seed, 0, batch);
 

@@ -63,7 +63,10 @@ pub fn stripes(side: usize) -> Dataset {
 /// The GPT used by transformer experiments, and its data.
 pub fn gpt(ctx: &Context) -> (Arch, Dataset) {
     let (d, layers, seq) = if ctx.quick { (64, 2, 32) } else { (96, 4, 64) };
-    (Arch::Gpt { vocab: 64, d, layers, seq, dropout: 0.1 }, Dataset::Sequences { vocab: 64, seq })
+    (
+        Arch::Gpt { vocab: 64, d, layers, heads: 1, seq, dropout: 0.1, tied: false },
+        Dataset::Sequences { vocab: 64, seq },
+    )
 }
 
 /// Timed steps after warm-up.

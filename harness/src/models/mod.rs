@@ -1,67 +1,32 @@
-//! Reference models: an MLP, a ResNet-like CNN, a MobileNet-like CNN of the same depth with
-//! depthwise-separable convolutions, and a small GPT. Each is a chain of vram-accum layers
-//! with a cross-entropy loss; the GPT has a token + position embedding in front.
+//! Reference models: small ones the experiments execute on the host (an MLP, a ResNet-like
+//! and a MobileNet-like CNN, a small GPT) and real-size presets for the virtual device
+//! (GPT-2 small and medium, ResNet-50, a MobileNetV3-like, a ViT-B/16-like; see [`zoo`]).
+//! Each is a [`Chain`] of vram-accum layers ([`vram_accum::layers`]) with a cross-entropy
+//! loss; GPT has a token + position embedding in front and, tied, its LM head after.
 
-pub mod layers;
+pub mod zoo;
+
+pub use zoo::{Arch, Preset, ZooError};
 
 use crate::data::{Batch, Input};
-use crate::rng::Rng;
-use layers::{Act, ClassifierHead, Conv, Dense, ResidualBlock, TransformerBlock};
+use vram_accum::layers::{
+    Act, BottleneckConfig, ClassifierHeadConfig, Conv2dConfig, Init, InvertedResidualConfig,
+    LayerNormConfig, LinearConfig, MaxPool2d, PatchEmbedConfig, ResidualBlockConfig, TokenMeanPool,
+    TransformerBlockConfig, init_weight, prefix_param_names, sub_seed,
+};
 use vram_accum::{
-    BoxedLayer, Chain, ChainProfile, Error, ForwardCtx, Mode, Param, Params, Result, SavedBox,
-    Schedule,
+    BoxedLayer, Chain, ChainProfile, Error, ForwardCtx, Layer, Mode, Param, Params, Result,
+    SavedBox, Schedule,
 };
 use vram_kernels::{DType, Device, Tensor, ops};
-
-/// Which reference model.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Arch {
-    /// Dense layers with ReLU: `dims[0]` inputs, hidden widths, `classes` outputs.
-    Mlp {
-        /// Input width then hidden widths.
-        dims: Vec<usize>,
-        /// Output classes.
-        classes: usize,
-    },
-    /// A stem convolution then stages of residual blocks (full 3x3 convolutions), each
-    /// stage after the first halving the resolution and doubling the channels.
-    ResNet {
-        /// Channels of the first stage.
-        width: usize,
-        /// Blocks per stage.
-        blocks: Vec<usize>,
-        /// Output classes.
-        classes: usize,
-    },
-    /// The same stages with depthwise-separable blocks (3x3 depthwise + 1x1 pointwise) in
-    /// place of each residual block's two full convolutions.
-    MobileNet {
-        /// Channels of the first stage.
-        width: usize,
-        /// Blocks per stage.
-        blocks: Vec<usize>,
-        /// Output classes.
-        classes: usize,
-    },
-    /// Token + position embedding, pre-norm transformer blocks, final norm and LM head.
-    Gpt {
-        /// Vocabulary.
-        vocab: usize,
-        /// Width.
-        d: usize,
-        /// Blocks.
-        layers: usize,
-        /// Sequence length.
-        seq: usize,
-        /// Dropout after each block's MLP.
-        dropout: f32,
-    },
-}
+use zoo::{MOBILENETV3_LARGE, make_divisible};
 
 struct Embed {
     tok: Param,
     pos: Param,
     seq: usize,
+    /// The LM head is `tok` (GPT-2): logits are `h tok^T`, outside the chain.
+    tied: bool,
 }
 
 /// A reference model on a device.
@@ -87,143 +52,229 @@ pub struct StepOutcome {
     pub loss: f32,
 }
 
+/// Collects a model's layers, each under a name prefix for its parameters, seeded apart.
+struct Builder<'a> {
+    device: &'a Device,
+    dtype: DType,
+    seed: u64,
+    layers: Vec<BoxedLayer>,
+}
+
+impl Builder<'_> {
+    fn seed(&self) -> u64 {
+        sub_seed(self.seed, self.layers.len() as u64 + 1)
+    }
+
+    fn push<L: Layer + 'static>(&mut self, name: &str, mut layer: L) {
+        prefix_param_names(&mut layer, name);
+        self.layers.push(BoxedLayer::new(layer));
+    }
+
+    /// A He-normal convolution with padding `k / 2` and a fused activation.
+    #[allow(clippy::too_many_arguments)]
+    fn conv(
+        &mut self,
+        name: &str,
+        c_in: usize,
+        c_out: usize,
+        k: usize,
+        stride: usize,
+        groups: usize,
+        act: Act,
+    ) -> Result<()> {
+        let conv = Conv2dConfig::new(c_in, c_out, k)
+            .with_stride(stride)
+            .with_groups(groups)
+            .with_activation(act)
+            .with_init(Init::HeNormal { gain: 1.0 })
+            .with_dtype(self.dtype)
+            .with_seed(self.seed())
+            .init(self.device)?;
+        self.push(name, conv);
+        Ok(())
+    }
+
+    fn head(&mut self, channels: usize, hidden: Option<usize>, classes: usize) -> Result<()> {
+        let mut cfg = ClassifierHeadConfig::new(channels, classes)
+            .with_dtype(self.dtype)
+            .with_seed(self.seed());
+        if let Some(h) = hidden {
+            cfg = cfg.with_hidden(h);
+        }
+        let head = cfg.init(self.device)?;
+        self.push("head", head);
+        Ok(())
+    }
+
+    fn norm(&mut self, name: &str, d: usize) -> Result<()> {
+        let n = LayerNormConfig::new(d).with_dtype(self.dtype).init(self.device)?;
+        self.push(name, n);
+        Ok(())
+    }
+}
+
 impl Model {
-    /// Builds `arch` on `device` with weights drawn from `seed`.
+    /// Builds `arch` on `device` with weights drawn from `seed` (the same seed gives the same
+    /// weights; on a virtual device nothing is drawn).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for sizes the layers refuse (an empty MLP, a width that
+    /// is not whole heads, an image side that is not whole patches, ...); out of memory.
     pub fn new(device: &Device, arch: Arch, seed: u64, dtype: DType) -> Result<Model> {
-        let mut rng = Rng::new(seed);
-        let rng = &mut rng;
-        let mut layers: Vec<BoxedLayer> = Vec::new();
+        let mut b = Builder { device, dtype, seed, layers: Vec::new() };
         let mut embed = None;
-        let name = match &arch {
+        match &arch {
             Arch::Mlp { dims, classes } => {
-                for (i, w) in dims.windows(2).enumerate() {
-                    layers.push(BoxedLayer::new(Dense::new(
-                        device,
-                        &format!("fc{i}"),
-                        w[0],
-                        w[1],
-                        Act::Relu,
-                        rng,
-                        dtype,
-                    )?));
+                if dims.is_empty() {
+                    return Err(invalid("an MLP needs an input width"));
                 }
-                let last = *dims.last().ok_or_else(|| invalid("an MLP needs an input width"))?;
-                layers.push(BoxedLayer::new(Dense::new(
-                    device,
-                    "head",
-                    last,
-                    *classes,
-                    Act::Identity,
-                    rng,
-                    dtype,
-                )?));
-                "mlp".to_string()
+                let mut widths = dims.clone();
+                widths.push(*classes);
+                let last = widths.len() - 2;
+                for (i, w) in widths.windows(2).enumerate() {
+                    let (act, name) = if i < last {
+                        (Act::Relu, format!("fc{i}"))
+                    } else {
+                        (Act::Identity, "head".into())
+                    };
+                    let l = LinearConfig::new(w[0], w[1])
+                        .with_activation(act)
+                        .with_init(Init::HeNormal { gain: 1.0 })
+                        .with_dtype(dtype)
+                        .with_seed(b.seed())
+                        .init(device)?;
+                    b.push(&name, l);
+                }
             }
             Arch::ResNet { width, blocks, classes }
             | Arch::MobileNet { width, blocks, classes } => {
                 let depthwise = matches!(arch, Arch::MobileNet { .. });
-                layers.push(BoxedLayer::new(Conv::new(
-                    device,
-                    "stem",
-                    3,
-                    *width,
-                    3,
-                    1,
-                    1,
-                    Act::Relu,
-                    rng,
-                    dtype,
-                )?));
+                b.conv("stem", 3, *width, 3, 1, 1, Act::Relu)?;
                 let mut c = *width;
                 for (stage, &n) in blocks.iter().enumerate() {
                     if stage > 0 {
-                        let name = format!("down{stage}");
-                        layers.push(BoxedLayer::new(Conv::new(
-                            device,
-                            &name,
-                            c,
-                            2 * c,
-                            3,
-                            2,
-                            1,
-                            Act::Relu,
-                            rng,
-                            dtype,
-                        )?));
+                        b.conv(&format!("down{stage}"), c, 2 * c, 3, 2, 1, Act::Relu)?;
                         c *= 2;
                     }
-                    for b in 0..n {
-                        let name = format!("s{stage}b{b}");
+                    for i in 0..n {
+                        let name = format!("s{stage}b{i}");
                         if depthwise {
-                            let dw = Conv::new(
-                                device,
-                                &format!("{name}.dw"),
-                                c,
-                                c,
-                                3,
-                                1,
-                                c,
-                                Act::Relu,
-                                rng,
-                                dtype,
-                            )?;
-                            let pw = Conv::new(
-                                device,
-                                &format!("{name}.pw"),
-                                c,
-                                c,
-                                1,
-                                1,
-                                1,
-                                Act::Relu,
-                                rng,
-                                dtype,
-                            )?;
-                            layers.push(BoxedLayer::new(dw));
-                            layers.push(BoxedLayer::new(pw));
+                            b.conv(&format!("{name}.dw"), c, c, 3, 1, c, Act::Relu)?;
+                            b.conv(&format!("{name}.pw"), c, c, 1, 1, 1, Act::Relu)?;
                         } else {
-                            layers.push(BoxedLayer::new(ResidualBlock::new(
-                                device, &name, c, rng, dtype,
-                            )?));
+                            let block = ResidualBlockConfig::new(c)
+                                .with_dtype(dtype)
+                                .with_seed(b.seed())
+                                .init(device)?;
+                            b.push(&name, block);
                         }
                     }
                 }
-                layers.push(BoxedLayer::new(ClassifierHead::new(device, c, *classes, rng, dtype)?));
-                if depthwise { "mobilenet-like" } else { "resnet-like" }.to_string()
+                b.head(c, None, *classes)?;
             }
-            Arch::Gpt { vocab, d, layers: n, seq, dropout } => {
+            Arch::Gpt { vocab, d, layers, heads, seq, dropout, tied } => {
+                let table = |rows, part| {
+                    let std = Init::Normal { std: 0.02 };
+                    init_weight(device, &[rows, *d], std, 1, dtype, sub_seed(seed, part))
+                };
                 embed = Some(Embed {
-                    tok: Param::new(
-                        "wte",
-                        layers::normal(device, &[*vocab, *d], 0.02, rng, dtype)?,
-                    ),
-                    pos: Param::new("wpe", layers::normal(device, &[*seq, *d], 0.02, rng, dtype)?),
+                    tok: Param::new("wte", table(*vocab, 0)?),
+                    pos: Param::new("wpe", table(*seq, 1 << 32)?),
                     seq: *seq,
+                    tied: *tied,
                 });
-                for i in 0..*n {
-                    layers.push(BoxedLayer::new(TransformerBlock::new(
-                        device,
-                        &format!("h{i}"),
-                        *d,
-                        *seq,
-                        *dropout,
-                        rng,
-                        dtype,
-                    )?));
+                for i in 0..*layers {
+                    let block = TransformerBlockConfig::new(*d, *heads, *seq)
+                        .with_dropout(*dropout)
+                        .with_init(0.02, *layers)
+                        .with_dtype(dtype)
+                        .with_seed(b.seed())
+                        .init(device)?;
+                    b.push(&format!("h{i}"), block);
                 }
-                layers.push(BoxedLayer::new(Dense::new(
-                    device,
-                    "lm_head",
-                    *d,
-                    *vocab,
-                    Act::Identity,
-                    rng,
-                    dtype,
-                )?));
-                "gpt".to_string()
+                b.norm("ln_f", *d)?;
+                if !tied {
+                    let head = LinearConfig::new(*d, *vocab)
+                        .with_bias(false)
+                        .with_init(Init::Normal { std: 0.02 })
+                        .with_dtype(dtype)
+                        .with_seed(b.seed())
+                        .init(device)?;
+                    b.push("lm_head", head);
+                }
             }
-        };
-        Ok(Model { name, arch, device: device.clone(), embed, chain: Chain::new(layers) })
+            Arch::BottleneckResNet { width, blocks, classes, .. } => {
+                b.conv("conv1", 3, *width, 7, 2, 1, Act::Relu)?;
+                b.push("maxpool", MaxPool2d::new(device, 3, 2, 1));
+                let mut c_in = *width;
+                for (stage, &n) in blocks.iter().enumerate() {
+                    let mid = width << stage;
+                    for i in 0..n {
+                        let stride = if i == 0 && stage > 0 { 2 } else { 1 };
+                        let block = BottleneckConfig::new(c_in, mid, 4 * mid)
+                            .with_stride(stride)
+                            .with_dtype(dtype)
+                            .with_seed(b.seed())
+                            .init(device)?;
+                        b.push(&format!("layer{}.{i}", stage + 1), block);
+                        c_in = 4 * mid;
+                    }
+                }
+                b.head(c_in, None, *classes)?;
+            }
+            Arch::MobileNetV3 { width_mult, classes, .. } => {
+                let ch = |c| make_divisible(c, *width_mult);
+                let first = ch(MOBILENETV3_LARGE[0].0);
+                b.conv("stem", 3, first, 3, 2, 1, Act::Relu)?;
+                let mut last = first;
+                for (i, &(c_in, k, e, c_out, stride)) in MOBILENETV3_LARGE.iter().enumerate() {
+                    let block = InvertedResidualConfig::new(ch(c_in), ch(e), ch(c_out))
+                        .with_kernel(k)
+                        .with_stride(stride)
+                        .with_dtype(dtype)
+                        .with_seed(b.seed())
+                        .init(device)?;
+                    b.push(&format!("features.{}", i + 1), block);
+                    last = ch(c_out);
+                }
+                b.conv("lastconv", last, 6 * last, 1, 1, 1, Act::Relu)?;
+                b.head(6 * last, Some(ch(1280)), *classes)?;
+            }
+            Arch::Vit { side, patch, d, layers, heads, classes, dropout } => {
+                let cfg = PatchEmbedConfig::new(3, *d, *patch, *side)
+                    .with_dtype(dtype)
+                    .with_seed(b.seed());
+                let tokens = cfg.tokens();
+                let patches = cfg.init(device)?;
+                b.push("patch_embed", patches);
+                for i in 0..*layers {
+                    let block = TransformerBlockConfig::new(*d, *heads, tokens)
+                        .with_causal(false)
+                        .with_dropout(*dropout)
+                        .with_init(0.02, *layers)
+                        .with_dtype(dtype)
+                        .with_seed(b.seed())
+                        .init(device)?;
+                    b.push(&format!("blocks.{i}"), block);
+                }
+                b.norm("norm", *d)?;
+                b.push("pool", TokenMeanPool::new(device, tokens)?);
+                let head = LinearConfig::new(*d, *classes)
+                    .with_init(Init::Normal { std: 0.02 })
+                    .with_dtype(dtype)
+                    .with_seed(b.seed())
+                    .init(device)?;
+                b.push("head", head);
+            }
+        }
+        Ok(Model {
+            name: arch.name().to_string(),
+            arch,
+            device: device.clone(),
+            embed,
+            chain: Chain::new(b.layers),
+        })
     }
 
     /// The architecture.
@@ -236,7 +287,7 @@ impl Model {
         &self.device
     }
 
-    /// Every parameter.
+    /// Every parameter (a tied LM head is the token embedding, counted once).
     pub fn params(&self) -> Vec<&Param> {
         let mut p: Vec<&Param> = self.embed.iter().flat_map(|e| [&e.tok, &e.pos]).collect();
         p.extend(self.chain.params());
@@ -272,6 +323,13 @@ impl Model {
             (Input::Dense { values, shape }, None) => {
                 Ok(Tensor::from_f32_slice(&self.device, shape, values, dtype)?)
             }
+            (Input::Shape(shape), None) if self.device.is_virtual() => {
+                Ok(Tensor::zeros(&self.device, shape, dtype)?)
+            }
+            (Input::Shape(_), None) => Err(invalid(
+                "a batch without values (Dataset::batch_without_values) runs only on a virtual \
+                 device",
+            )),
             (Input::Tokens(ids), Some(e)) => {
                 let positions: Vec<u32> = (0..ids.len()).map(|i| (i % e.seq) as u32).collect();
                 let tok = ops::embedding(&e.tok.value, ids)?;
@@ -291,6 +349,19 @@ impl Model {
         Ok(())
     }
 
+    /// The tied LM head, if any: `h tok^T`.
+    fn tied_head(&self) -> Option<&Tensor> {
+        self.embed.as_ref().filter(|e| e.tied).map(|e| &e.tok.value)
+    }
+
+    /// The logits from the chain's output (the tied head applied, if any).
+    fn logits(&self, out: Tensor) -> Result<Tensor> {
+        match self.tied_head() {
+            Some(w) => Ok(ops::linear(&out, w, None)?),
+            None => Ok(out),
+        }
+    }
+
     /// Number of layers in the chain (what schedules are built for).
     pub fn chain_len(&self) -> usize {
         self.chain.len()
@@ -298,6 +369,10 @@ impl Model {
 
     /// Forward, loss and backward on one batch: gradients are added into the parameters'
     /// gradients. `scale` multiplies the loss gradient (accumulation, loss scaling).
+    ///
+    /// # Errors
+    ///
+    /// A batch of the wrong kind; an op's error (out of memory above all).
     pub fn train_step(
         &mut self,
         batch: &Batch,
@@ -309,6 +384,10 @@ impl Model {
     }
 
     /// [`Model::train_step`] with a checkpoint schedule for the chain.
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::train_step`], and a schedule made for another chain.
     pub fn train_step_with(
         &mut self,
         batch: &Batch,
@@ -318,11 +397,21 @@ impl Model {
     ) -> Result<StepOutcome> {
         let dtype = self.params()[0].value.dtype();
         let x = self.input(batch, dtype)?;
-        let (logits, tape) = self.chain.forward(&x, ctx, schedule)?;
+        let (out, tape) = self.chain.forward(&x, ctx, schedule)?;
+        let (logits, out) = match self.tied_head() {
+            Some(w) => (ops::linear(&out, w, None)?, Some(out)),
+            None => (out, None),
+        };
         let ce = ops::cross_entropy(&logits, &batch.targets, None)?;
         let loss = ce.loss;
-        let dy = ops::cross_entropy_backward(&logits, &batch.targets, None, &ce.lse, scale)?;
+        let mut dy = ops::cross_entropy_backward(&logits, &batch.targets, None, &ce.lse, scale)?;
         drop((logits, ce));
+        if let (Some(out), Some(e)) = (out, &mut self.embed) {
+            let g = ops::linear_backward(&out, &e.tok.value, &dy, false)?;
+            drop(out);
+            e.tok.accumulate_grad(g.dw)?;
+            dy = g.dx;
+        }
         let dx = self.chain.backward(tape, dy, self.embed.is_some())?;
         drop(x);
         if let Some(dx) = dx {
@@ -332,6 +421,11 @@ impl Model {
     }
 
     /// Per-layer activation bytes and times of the chain on `batch` (for checkpoint plans).
+    /// A tied LM head is outside the chain and not in the profile.
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::train_step`].
     pub fn profile(&mut self, batch: &Batch, seed: u64) -> Result<ChainProfile> {
         let dtype = self.params()[0].value.dtype();
         let x = self.input(batch, dtype)?;
@@ -342,6 +436,10 @@ impl Model {
     /// A training forward whose saved state (what backward would need: PyTorch's autograd
     /// graph) goes to the caller with the logits. Keeping it alive is the classic leak of
     /// `losses.append(loss)`; dropping it is `loss.item()`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::train_step`].
     pub fn forward_graph(&mut self, batch: &Batch, seed: u64) -> Result<(f32, Graph)> {
         let dtype = self.params()[0].value.dtype();
         let mut ctx = ForwardCtx::new(Mode::Train, seed);
@@ -352,23 +450,30 @@ impl Model {
             saved.extend(s);
             x = y;
         }
-        let loss = ops::cross_entropy(&x, &batch.targets, None)?.loss;
-        Ok((loss, Graph { _saved: saved, _logits: x }))
+        let logits = self.logits(x)?;
+        let loss = ops::cross_entropy(&logits, &batch.targets, None)?.loss;
+        Ok((loss, Graph { _saved: saved, _logits: logits }))
     }
 
     /// Mean loss on a batch without backward. With `mode == Mode::Train` the forward saves
     /// what backward would need (as a training forward does) and drops it at the end; with
     /// `Mode::Inference` nothing is saved.
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::train_step`].
     pub fn eval_loss(&mut self, batch: &Batch, mode: Mode) -> Result<f32> {
         let dtype = self.params()[0].value.dtype();
         let x = self.input(batch, dtype)?;
         let loss = if mode == Mode::Inference {
-            ops::cross_entropy(&self.chain.infer(&x)?, &batch.targets, None)?.loss
+            let out = self.chain.infer(&x)?;
+            let logits = self.logits(out)?;
+            ops::cross_entropy(&logits, &batch.targets, None)?.loss
         } else {
             let mut ctx = ForwardCtx::new(mode, 0);
             let plain = Schedule::none(self.chain.len())?;
-            let (logits, tape) = self.chain.forward(&x, &mut ctx, &plain)?;
-            let loss = ops::cross_entropy(&logits, &batch.targets, None)?.loss;
+            let (out, tape) = self.chain.forward(&x, &mut ctx, &plain)?;
+            let loss = ops::cross_entropy(&self.logits(out)?, &batch.targets, None)?.loss;
             drop(tape);
             loss
         };

@@ -1,0 +1,242 @@
+//! The zoo's presets: parameter counts against the published figures (differences derived,
+//! not hard-coded), and one real-size training step of each on a virtual 80 GiB device:
+//! peak memory within first-principles bounds, in well under a second of host time.
+
+use std::time::Instant;
+use vram_accum::{ForwardCtx, Mode};
+use vram_amp::{AdamW, AdamWConfig, Optimizer};
+use vram_harness::models::Model;
+use vram_harness::models::zoo::{Arch, ZooError};
+use vram_kernels::{DType, Device};
+
+const GIB: u64 = 1 << 30;
+
+fn count(arch: Arch) -> u64 {
+    // A virtual device allocates the weights without drawing any values.
+    let dev = Device::virtual_device(80 * GIB);
+    Model::new(&dev, arch, 0, DType::F32).unwrap().param_count()
+}
+
+fn preset(name: &str) -> Arch {
+    Arch::preset(name).unwrap()
+}
+
+/// Batch-norm parameters (scale and shift per channel) torchvision's ResNet-50 has and
+/// ours leaves out: after the stem, after each bottleneck convolution and each projection.
+fn resnet50_bn_params() -> u64 {
+    let mut channels = 64; // stem
+    for (stage, blocks) in [3u64, 4, 6, 3].into_iter().enumerate() {
+        let mid = 64 << stage;
+        channels += blocks * (mid + mid + 4 * mid) + 4 * mid; // + the projection's BN
+    }
+    2 * channels
+}
+
+/// What torchvision's MobileNetV3-Large has and ours leaves out: batch norm after every
+/// convolution, and squeeze-excitation (two 1x1 convolutions with biases, squeezing to
+/// `make_divisible(expanded / 4)`) in the blocks that have it.
+fn mobilenetv3_bn_and_se_params() -> u64 {
+    let div = |v: u64| {
+        let r = ((v + 4) / 8 * 8).max(8);
+        if (r as f64) < 0.9 * v as f64 { r + 8 } else { r }
+    };
+    // (in, expanded, out, se) per block, torchvision's table.
+    let blocks: [(u64, u64, u64, bool); 15] = [
+        (16, 16, 16, false),
+        (16, 64, 24, false),
+        (24, 72, 24, false),
+        (24, 72, 40, true),
+        (40, 120, 40, true),
+        (40, 120, 40, true),
+        (40, 240, 80, false),
+        (80, 200, 80, false),
+        (80, 184, 80, false),
+        (80, 184, 80, false),
+        (80, 480, 112, true),
+        (112, 672, 112, true),
+        (112, 672, 160, true),
+        (160, 960, 160, true),
+        (160, 960, 160, true),
+    ];
+    let mut bn = 16 + 960; // stem, last 1x1 convolution
+    let mut se = 0;
+    for (c_in, e, out, has_se) in blocks {
+        bn += if e != c_in { e } else { 0 } + e + out;
+        if has_se {
+            let s = div(e / 4);
+            se += e * s + s + s * e + e;
+        }
+    }
+    2 * bn + se
+}
+
+#[test]
+fn presets_have_the_published_parameter_counts() {
+    // GPT-2 (Hugging Face's count, LM head tied to the token embedding).
+    assert_eq!(count(preset("gpt2-small")), 124_439_808);
+    assert_eq!(count(preset("gpt2-medium")), 354_823_168);
+    // Untied, the head adds a [vocab, d] matrix.
+    let Arch::Gpt { vocab, d, layers, heads, seq, dropout, .. } = preset("gpt2-small") else {
+        panic!("gpt2-small is a GPT")
+    };
+    let untied = Arch::Gpt { vocab, d, layers, heads, seq, dropout, tied: false };
+    assert_eq!(count(untied), 124_439_808 + (vocab * d) as u64);
+    // ResNet-50: torchvision's 25,557,032 less its batch norms.
+    assert_eq!(count(preset("resnet50")) + resnet50_bn_params(), 25_557_032);
+    // MobileNetV3-Large: torchvision's 5,483,032 less batch norm and squeeze-excitation.
+    assert_eq!(count(preset("mobilenetv3-like")) + mobilenetv3_bn_and_se_params(), 5_483_032);
+    // ViT-B/16: timm's 86,567,656 less the class token and its position.
+    assert_eq!(count(preset("vit-b-like")) + 2 * 768, 86_567_656);
+}
+
+#[test]
+fn presets_are_listed_and_resized_with_clear_errors() {
+    for p in Arch::presets() {
+        assert!(Arch::preset(p.name).is_ok(), "{}", p.name);
+        assert!(!p.description.is_empty());
+    }
+    let e = Arch::preset("resnet-50").unwrap_err();
+    assert!(matches!(&e, ZooError::UnknownPreset { known, .. } if known.contains("resnet50")));
+    assert!(e.to_string().contains("vit-b-like"), "{e}");
+    // Overrides change what they should, and only where they apply.
+    let vit = preset("vit-b-like").with_side(384).unwrap().with_classes(10).unwrap();
+    let base = count(preset("vit-b-like"));
+    let tokens = |side: u64| (side / 16) * (side / 16);
+    let expected = base + (tokens(384) - tokens(224)) * 768 - 990 * 769;
+    assert_eq!(count(vit), expected, "more positions, a smaller head");
+    assert!(preset("vit-b-like").with_side(200).is_err(), "not whole patches");
+    assert!(matches!(preset("resnet50").with_seq(64), Err(ZooError::NotApplicable { .. })));
+    assert!(matches!(preset("gpt2-small").with_classes(3), Err(ZooError::NotApplicable { .. })));
+    let half = preset("gpt2-medium").with_depth(0.5).unwrap().with_width(0.5).unwrap();
+    assert!(matches!(half, Arch::Gpt { d: 512, heads: 8, layers: 12, .. }));
+    assert!(preset("resnet50").with_width(f32::NAN).is_err());
+    let wide = count(preset("resnet50").with_width(2.0).unwrap());
+    assert!(wide > 3 * count(preset("resnet50")), "double width, about 4x the weights");
+    let seq = count(preset("gpt2-small").with_seq(2048).unwrap());
+    assert_eq!(seq, 124_439_808 + 1024 * 768, "one position row per token");
+}
+
+/// Elements of the activations a training forward of `arch` on `b` samples must keep for
+/// backward (f32), from the shapes: what each layer saves, shared tensors counted once.
+fn saved_activations(arch: &Arch, b: u64) -> u64 {
+    match *arch {
+        Arch::Gpt { d, layers, heads, seq, dropout, .. } => {
+            let (d, l, h, s) = (d as u64, layers as u64, heads as u64, seq as u64);
+            let n = b * s;
+            let probs = if dropout > 0.0 { 2 } else { 1 } * b * h * s * s;
+            // Per block: input, ln_1 output, q, k, v per head, attention output, x2,
+            // ln_2 output, MLP pre-activation and activation (4d each), the probabilities
+            // (and the dropped ones), the norms' statistics.
+            let block = n * d * (1 + 1 + 3 + 1 + 1 + 1 + 4 + 4) + probs + 4 * n;
+            // ln_f's input and output (the head's input), its statistics.
+            l * block + 2 * n * d + 2 * n
+        }
+        Arch::BottleneckResNet { side, width, ref blocks, .. } => {
+            let s = side as u64 / 2; // after the stem convolution
+            let w = width as u64;
+            // The image, the stem's pre-activation, the pool's argmax.
+            let mut total = b * 3 * (side as u64).pow(2) + b * w * s * s + b * w * (s / 2).pow(2);
+            let (mut hw, mut c_in) = ((s / 2).pow(2), w);
+            for (stage, &n) in blocks.iter().enumerate() {
+                let mid = w << stage;
+                for i in 0..n {
+                    let hw_out = if i == 0 && stage > 0 { hw / 4 } else { hw };
+                    // input; c1 pre-activation and output; c2 pre-activation and output; sum.
+                    total += b * (c_in * hw + 2 * mid * hw + 2 * mid * hw_out + 4 * mid * hw_out);
+                    (hw, c_in) = (hw_out, 4 * mid);
+                }
+            }
+            total
+        }
+        Arch::MobileNetV3 { side, .. } => {
+            let s = side as u64 / 2;
+            let mut total = b * 3 * (side as u64).pow(2) + b * 16 * s * s;
+            let mut hw = s * s;
+            for (c_in, k, e, _, stride) in MOBILENET {
+                let _ = k;
+                let hw_out = if stride == 2 { hw / 4 } else { hw };
+                // input; expansion pre-activation and output; depthwise's both; (the
+                // projection is linear: only its input, the depthwise output).
+                let expand = if e != c_in { 2 * e * hw } else { 0 };
+                total += b * (c_in * hw + expand + 2 * e * hw_out);
+                hw = hw_out;
+            }
+            total + b * (160 * hw + 960 * hw) // the last convolution's input and pre-activation
+        }
+        Arch::Vit { side, patch, d, layers, heads, dropout, .. } => {
+            let t = ((side / patch) as u64).pow(2);
+            let gpt =
+                Arch::Gpt { vocab: 1, d, layers, heads, seq: t as usize, dropout, tied: true };
+            b * 3 * (side as u64).pow(2) + saved_activations(&gpt, b)
+        }
+        _ => unreachable!("small models are not measured here"),
+    }
+}
+
+const MOBILENET: [(u64, u64, u64, u64, u64); 15] = [
+    (16, 3, 16, 16, 1),
+    (16, 3, 64, 24, 2),
+    (24, 3, 72, 24, 1),
+    (24, 5, 72, 40, 2),
+    (40, 5, 120, 40, 1),
+    (40, 5, 120, 40, 1),
+    (40, 3, 240, 80, 2),
+    (80, 3, 200, 80, 1),
+    (80, 3, 184, 80, 1),
+    (80, 3, 184, 80, 1),
+    (80, 3, 480, 112, 1),
+    (112, 3, 672, 112, 1),
+    (112, 5, 672, 160, 2),
+    (160, 5, 960, 160, 1),
+    (160, 5, 960, 160, 1),
+];
+
+/// One training step (forward, loss, backward, AdamW) of `name` at batch 8 on a virtual
+/// 80 GiB device: (params, peak allocated, peak reserved, seconds).
+fn step(name: &str) -> (u64, u64, u64, f64) {
+    let arch = preset(name);
+    let dev = Device::virtual_device(80 * GIB);
+    let mut model = Model::new(&dev, arch.clone(), 0, DType::F32).unwrap();
+    let batch = arch.dataset().batch_without_values(1, 0, 8);
+    let mut opt = AdamW::new(AdamWConfig::default());
+    let t = Instant::now();
+    model.train_step(&batch, &mut ForwardCtx::new(Mode::Train, 1), 1.0).unwrap();
+    opt.step(&mut model).unwrap();
+    model.zero_grad();
+    let secs = t.elapsed().as_secs_f64();
+    (model.param_count(), dev.max_memory_allocated(), dev.max_memory_reserved(), secs)
+}
+
+#[test]
+fn a_real_size_training_step_fits_first_principles_bounds_in_well_under_a_second() {
+    for name in ["gpt2-small", "gpt2-medium", "resnet50", "mobilenetv3-like", "vit-b-like"] {
+        let (params, peak, reserved, secs) = step(name);
+        let arch = preset(name);
+        let act = 4 * saved_activations(&arch, 8);
+        // Weights, gradients and AdamW's two moments, f32: all alive at the step.
+        let state = 16 * params;
+        // At the end of the forward: weights and every saved activation.
+        let lower = state.max(4 * params + act);
+        // The transients on top: the logits and their gradient for GPT (f32, [b * s,
+        // vocab]); for the others a fraction of the activations (an op's output, its
+        // gradient and workspaces).
+        let transient = match arch {
+            Arch::Gpt { vocab, seq, .. } => 2 * 4 * 8 * (seq * vocab) as u64 + act / 4,
+            _ => act / 2,
+        };
+        let upper = state + act + transient;
+        println!(
+            "{name}: {params} params, peak allocated {:.2} GiB (bounds {:.2}..{:.2}), \
+             reserved {:.2} GiB, step {:.0} ms",
+            peak as f64 / GIB as f64,
+            lower as f64 / GIB as f64,
+            upper as f64 / GIB as f64,
+            reserved as f64 / GIB as f64,
+            secs * 1e3
+        );
+        assert!(peak >= lower, "{name}: peak {peak} below the lower bound {lower}");
+        assert!(peak <= upper, "{name}: peak {peak} above the upper bound {upper}");
+        assert!(reserved >= peak);
+        assert!(secs < 1.0, "{name}: a virtual step took {secs:.2} s");
+    }
+}

@@ -396,7 +396,7 @@ impl Layer for Activation {
         if !want {
             return Ok(None);
         }
-        Ok(self.kind.backward(Some(&x), dy)?)
+        self.kind.backward(Some(&x), dy)
     }
 
     fn params(&self) -> Vec<&Param> {

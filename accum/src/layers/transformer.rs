@@ -536,10 +536,7 @@ impl Layer for PatchEmbed {
         let pos = ops::embedding(&self.pos.value, &self.positions(b))?;
         let y = ops::add(&rows, &pos)?;
         drop((rows, pos));
-        let saved = match sc {
-            Some(conv) => Some(PatchSaved { conv, shape }),
-            None => None,
-        };
+        let saved = sc.map(|conv| PatchSaved { conv, shape });
         Ok((y, saved))
     }
 

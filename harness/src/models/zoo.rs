@@ -376,7 +376,7 @@ impl Arch {
                 for w in dims.iter_mut().skip(1) {
                     *w = scale(*w);
                 }
-                if dims.iter().any(|&w| w == 0) {
+                if dims.contains(&0) {
                     return Err(too_small);
                 }
             }

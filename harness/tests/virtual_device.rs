@@ -88,3 +88,19 @@ fn gpt_allocates_alike_on_host_and_virtual_devices() {
         Arch::Gpt { vocab: 16, d: 32, layers: 2, heads: 2, seq: 8, dropout: 0.1, tied: false };
     same_on_host_and_virtual(arch, Dataset::Sequences { vocab: 16, seq: 8 });
 }
+
+/// The zoo's real architectures at toy sizes: a tied GPT, a bottleneck ResNet, the
+/// MobileNetV3 table at a small width, a ViT.
+#[test]
+fn zoo_architectures_allocate_alike_on_host_and_virtual_devices() {
+    let gpt = Arch::Gpt { vocab: 16, d: 32, layers: 2, heads: 4, seq: 8, dropout: 0.1, tied: true };
+    same_on_host_and_virtual(gpt, Dataset::Sequences { vocab: 16, seq: 8 });
+    let resnet =
+        Arch::BottleneckResNet { side: 32, width: 4, blocks: vec![1, 1, 1, 1], classes: 4 };
+    same_on_host_and_virtual(resnet, Dataset::Stripes { side: 32, classes: 4 });
+    let mobilenet = Arch::MobileNetV3 { side: 32, width_mult: 0.25, classes: 4 };
+    same_on_host_and_virtual(mobilenet, Dataset::Stripes { side: 32, classes: 4 });
+    let vit =
+        Arch::Vit { side: 16, patch: 4, d: 16, layers: 2, heads: 2, classes: 4, dropout: 0.1 };
+    same_on_host_and_virtual(vit, Dataset::Stripes { side: 16, classes: 4 });
+}

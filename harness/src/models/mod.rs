@@ -3,6 +3,7 @@
 //! with a cross-entropy loss; the GPT has a token + position embedding in front.
 
 pub mod layers;
+pub mod spec;
 
 use crate::data::{Batch, Input};
 use crate::rng::Rng;
@@ -56,6 +57,8 @@ pub enum Arch {
         /// Dropout after each block's MLP.
         dropout: f32,
     },
+    /// A user-described model ([`spec::ModelSpec`], read from a TOML or JSON file).
+    Custom(spec::ModelSpec),
 }
 
 struct Embed {
@@ -221,6 +224,12 @@ impl Model {
                     dtype,
                 )?));
                 "gpt".to_string()
+            }
+            Arch::Custom(model_spec) => {
+                let (e, chain) = spec::build(device, model_spec, rng, dtype)?;
+                embed = e;
+                layers = chain;
+                model_spec.name.clone()
             }
         };
         Ok(Model { name, arch, device: device.clone(), embed, chain: Chain::new(layers) })

@@ -232,7 +232,8 @@ impl Row {
     }
 }
 
-/// Fixed and per-sample memory of one configuration, from runs at micro-batches 1 and 2.
+/// Fixed and per-sample memory of one configuration, from its peaks at micro-batches 8 and
+/// 16 (the slope is the per-sample part).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Decomposition {
     /// The configuration.

@@ -4,7 +4,7 @@
 use super::PlanError;
 use crate::data::{Batch, Input};
 use crate::models::Arch;
-use crate::models::spec::{InputSpec, ModelSpec, Resolved};
+use crate::models::spec::{InputSpec, LayerSpec, ModelSpec, Resolved};
 use crate::rng::Rng;
 use serde::Serialize;
 
@@ -125,13 +125,25 @@ pub fn model_from_args(name: &str, o: &ModelOverrides) -> Result<PlanModel, Plan
         "gpt2-small" | "gpt2-medium" | "gpt" => {
             unused("side", o.side.is_some())?;
             unused("classes", o.classes.is_some())?;
-            match key.as_str() {
+            let m = match key.as_str() {
                 // GPT-2's sizes; the harness's block has single-head attention (the memory of
                 // multi-head attention differs in the score tensors' layout, not their size).
                 "gpt2-small" => gpt(50257, 768, 12, 1024),
                 "gpt2-medium" => gpt(50257, 1024, 24, 1024),
                 _ => gpt(256, 64, 2, 64),
+            };
+            let mut m = m;
+            if key.starts_with("gpt2") {
+                // TODO(presets): `Arch::preset(..)` (multi-head attention) once it is merged.
+                m.notes.push(
+                    "GPT-2 is the harness's GPT at GPT-2's sizes: single-head attention (the \
+                     score tensors of multi-head attention have the same bytes per layer \
+                     only with one head; with h heads they are h times larger), an LM head \
+                     not tied to the token embedding (+vocab x d parameters), no dropout"
+                        .into(),
+                );
             }
+            m
         }
         "resnet50" => {
             unused("seq", o.seq.is_some())?;
@@ -340,7 +352,9 @@ impl PlanModel {
     }
 
     /// A smaller model of the same kind for `--verify` on the host: it runs on the CPU in
-    /// seconds, with the same plan kinds, precision, allocator settings and optimizer.
+    /// seconds, with the same plan kinds, precision, allocator settings and optimizer
+    /// (widths capped at 64, 16 channels, vocabularies at 512, sequences at 32, images at
+    /// 16 px; a model file keeps its layer structure).
     pub fn reduced(&self) -> PlanModel {
         let mut m = self.clone();
         match &mut m.arch {
@@ -362,13 +376,35 @@ impl PlanModel {
                 m.classes = *classes;
             }
             Arch::Custom(spec) => {
-                // Layer widths are the user's: only the sequence or image side shrinks.
+                let mut spec = spec.clone();
                 match &mut spec.input {
                     InputSpec::Tokens { seq } => *seq = (*seq).min(32),
                     InputSpec::Image { side, .. } => *side = (*side).min(16),
-                    InputSpec::Features { .. } => {}
+                    InputSpec::Features { dim } => *dim = (*dim).min(64),
                 }
-                if let Ok(pm) = model_from_spec(spec.clone()) {
+                let mut channels = match spec.input {
+                    InputSpec::Image { channels, .. } => channels,
+                    _ => 0,
+                };
+                let last = spec.layers.len().saturating_sub(1);
+                for (i, layer) in spec.layers.iter_mut().enumerate() {
+                    match layer {
+                        LayerSpec::Embedding { vocab, dim } => {
+                            (*vocab, *dim) = ((*vocab).min(512), (*dim).min(64));
+                        }
+                        LayerSpec::Linear { out, .. } => {
+                            *out = (*out).min(if i == last { 512 } else { 64 });
+                        }
+                        LayerSpec::Conv { out, groups, .. } => {
+                            let depthwise = *groups > 1 && *groups == *out;
+                            *out = (*out).min(16);
+                            *groups = if depthwise && channels == *out { *out } else { 1 };
+                            channels = *out;
+                        }
+                        LayerSpec::Attention { .. } | LayerSpec::Norm | LayerSpec::Pool => {}
+                    }
+                }
+                if let Ok(pm) = model_from_spec(spec) {
                     m = pm;
                 }
             }

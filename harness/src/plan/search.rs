@@ -214,7 +214,7 @@ impl Search<'_> {
             + accum as f64 * ASSUMED_FLOP_PER_BYTE * 3.0 * bytes(precision);
         let base = ASSUMED_FP32_FACTOR * 3.0 * forward
             + ASSUMED_FLOP_PER_BYTE * 3.0 * bytes(Precision::Fp32);
-        let frac = if forward > 0.0 { recomputed / (3.0 * forward) } else { 0.0 };
+        let frac = if recomputed > 0.0 { recomputed / (3.0 * forward) } else { 0.0 };
         (frac, if base > 0.0 { cost / base } else { 1.0 })
     }
 }
@@ -427,7 +427,7 @@ fn why(fitting: &[Row], usable: u64) -> String {
 }
 
 impl Search<'_> {
-    /// Fixed and per-sample peak allocated bytes of `c` (runs at micro-batches 1 and 2).
+    /// Fixed and per-sample peak allocated bytes of `c` (runs at micro-batches 8 and 16).
     fn decompose(&mut self, c: Config) -> Result<Decomposition, PlanError> {
         let plan = if c.plan == PlanKind::Budget { PlanKind::None } else { c.plan };
         let c = Config { plan, ..c };
@@ -438,11 +438,12 @@ impl Search<'_> {
                 Outcome::Oom => u64::MAX,
             })
         };
-        let (one, two) = (peak(1)?, peak(2)?);
-        let per_sample = two.saturating_sub(one);
+        // At 8 and 16 samples the activations, not the optimizer step, make the peak.
+        let (lo, hi) = (peak(8)?, peak(16)?);
+        let per_sample = hi.saturating_sub(lo) / 8;
         Ok(Decomposition {
             config: format!("{} / {} / {}", c.precision.label(), plan.label(), ALLOCATOR_SETTINGS[c.alloc].0),
-            fixed: one.saturating_sub(per_sample),
+            fixed: lo.saturating_sub(8 * per_sample),
             per_sample,
         })
     }
@@ -525,14 +526,15 @@ impl Search<'_> {
             }
             self.model = original;
             self.memo.clear();
-            if let Some((seq, reserved)) = found {
-                out.push(format!(
+            out.push(match found {
+                Some((seq, reserved)) => format!(
                     "sequence length {seq} fits with {} (run on the virtual device): {g} x 1 \
                      sample peaks at {} reserved",
                     closest.label(),
                     human(reserved)
-                ));
-            }
+                ),
+                None => format!("no shorter sequence (halving {seq} down to 16) fits either"),
+            });
         }
         out.push(format!(
             "a device with at least {} (need + the {} reserve) fits {} as asked",

@@ -560,44 +560,34 @@ pub fn verify(req: &PlanRequest, report: &PlanReport) -> Result<Verification, Pl
         what: "--verify",
         reason: "no configuration fits, there is nothing to verify".into(),
     })?;
-    let alloc = AllocatorConfig::parse(&best.alloc_conf).map_err(|e| PlanError::InvalidArgument {
-        what: "allocator settings",
-        reason: e.to_string(),
-    })?;
+
     let cuda = Device::cuda(0).is_ok();
     let (model, micro, accum, capacity) = if cuda {
         (req.model.clone(), best.micro, best.accum, req.usable())
     } else {
         (req.model.reduced(), best.micro.min(2), best.accum.min(2), 4 << 30)
     };
-    let (_, n) = param_count(&model)?;
-    let schedule = match best.plan {
-        PlanKind::Budget => {
-            let profile = flop_profile(&model, best.precision, &alloc, micro)?;
-            let none = fixed_schedule(PlanKind::None, n)?;
-            let fail = |source| PlanError::Run { context: "budget plan".into(), source };
-            let top = profile.predict(&none).map_err(fail)?.peak_bytes;
-            // Between the lowest peak and no checkpointing, so that the plan recomputes
-            // something at this scale too.
-            let budget = profile.min_peak_bytes() + (top - profile.min_peak_bytes().min(top)) / 2;
-            profile.fastest_within(budget).map_err(fail)?
-        }
-        kind => fixed_schedule(kind, n)?,
+    let candidate = Candidate {
+        precision: best.precision,
+        plan: best.plan,
+        alloc_conf: best.alloc_conf.clone(),
+        optimizer: req.optimizer,
+        micro,
+        accum,
     };
-    let run_on = |place| run(&model, best.precision, req.optimizer, &alloc, &schedule, micro, accum, place);
-    let peaks = |o: Outcome| match o {
-        Outcome::Ran { allocated, reserved } => Ok((allocated, reserved)),
-        Outcome::Oom => Err(PlanError::InvalidArgument {
+    let ran = |o: Option<(u64, u64)>| {
+        o.ok_or_else(|| PlanError::InvalidArgument {
             what: "--verify",
             reason: "the run ran out of memory".into(),
-        }),
+        })
     };
-    let predicted = peaks(run_on(Where::Virtual(if cuda { UNLIMITED } else { capacity }))?)?;
+    let predicted =
+        ran(measure(&model, &candidate, Target::Virtual(if cuda { UNLIMITED } else { capacity }))?)?;
     let started = Instant::now();
     let (measured, device) = if cuda {
-        (peaks(run_on(Where::Cuda(capacity))?)?, "CUDA device 0".to_string())
+        (ran(measure(&model, &candidate, Target::Cuda(capacity))?)?, "CUDA device 0".to_string())
     } else {
-        (peaks(run_on(Where::Host(capacity))?)?, format!("host ({} cap)", human(capacity)))
+        (ran(measure(&model, &candidate, Target::Host(capacity))?)?, format!("host ({} cap)", human(capacity)))
     };
     Ok(Verification {
         device,
@@ -608,5 +598,81 @@ pub fn verify(req: &PlanRequest, report: &PlanReport) -> Result<Verification, Pl
         predicted,
         measured,
         seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// One configuration of a training run, for [`measure`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Candidate {
+    /// Precision.
+    pub precision: Precision,
+    /// Checkpoint plan kind. [`PlanKind::Budget`] gets the budget halfway between the
+    /// lowest peak any plan reaches and the peak without checkpointing (from the chain's
+    /// profile at `micro` samples), so that it recomputes something.
+    pub plan: PlanKind,
+    /// Allocator settings (`PYTORCH_CUDA_ALLOC_CONF` syntax; empty: the default).
+    pub alloc_conf: String,
+    /// Optimizer.
+    pub optimizer: OptimizerKind,
+    /// Samples per micro-batch.
+    pub micro: usize,
+    /// Micro-batches per optimizer step.
+    pub accum: usize,
+}
+
+/// Where [`measure`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// A virtual device of this capacity (the prediction).
+    Virtual(u64),
+    /// The host, computing, with this capacity (and an H100's cuBLAS workspace counted).
+    Host(u64),
+    /// CUDA device 0, capped at this capacity.
+    Cuda(u64),
+}
+
+/// Peak allocated and reserved bytes of two optimizer steps of `candidate` on a fresh
+/// device, or `None` if it ran out of memory there.
+///
+/// # Errors
+///
+/// [`PlanError::InvalidArgument`] for bad allocator settings, a zero micro-batch or
+/// accumulation; [`PlanError::Run`] if a step fails for another reason than memory.
+pub fn measure(
+    model: &PlanModel,
+    candidate: &Candidate,
+    target: Target,
+) -> Result<Option<(u64, u64)>, PlanError> {
+    let c = candidate;
+    if c.micro == 0 || c.accum == 0 {
+        return Err(PlanError::InvalidArgument {
+            what: "candidate",
+            reason: "micro-batch and accumulation must be at least 1".into(),
+        });
+    }
+    let alloc = AllocatorConfig::parse(&c.alloc_conf).map_err(|e| PlanError::InvalidArgument {
+        what: "allocator settings",
+        reason: e.to_string(),
+    })?;
+    let (_, n) = param_count(model)?;
+    let schedule = match c.plan {
+        PlanKind::Budget => {
+            let profile = flop_profile(model, c.precision, &alloc, c.micro)?;
+            let none = fixed_schedule(PlanKind::None, n)?;
+            let fail = |source| PlanError::Run { context: "budget plan".into(), source };
+            let top = profile.predict(&none).map_err(fail)?.peak_bytes;
+            let low = profile.min_peak_bytes().min(top);
+            profile.fastest_within(low + (top - low) / 2).map_err(fail)?
+        }
+        kind => fixed_schedule(kind, n)?,
+    };
+    let place = match target {
+        Target::Virtual(cap) => Where::Virtual(cap),
+        Target::Host(cap) => Where::Host(cap),
+        Target::Cuda(cap) => Where::Cuda(cap),
+    };
+    Ok(match run(model, c.precision, c.optimizer, &alloc, &schedule, c.micro, c.accum, place)? {
+        Outcome::Ran { allocated, reserved } => Some((allocated, reserved)),
+        Outcome::Oom => None,
     })
 }

@@ -2,22 +2,40 @@
 //! measured peak under every plan kind and precision, the recommended micro-batch fits and
 //! the next one does not, the ranking is stable, and bad input is a clear error.
 
-use vram_harness::plan::{
-    self, Candidate, ModelOverrides, NoProgress, OptimizerKind, PlanError, PlanKind,
-    PlanRequest, Precision, PrecisionChoice, Target, model_from_args, model_from_spec,
-};
 use vram_harness::models::spec::ModelSpec;
+use vram_harness::plan::{
+    self, Candidate, ModelOverrides, NoProgress, OptimizerKind, PlanError, PlanKind, PlanRequest,
+    Precision, PrecisionChoice, Target, model_from_args, model_from_spec,
+};
 
 fn small(name: &str) -> plan::PlanModel {
     let o = match name {
-        "gpt" => ModelOverrides { width: Some(32), depth: Some(3), seq: Some(16), vocab: Some(64), ..Default::default() },
-        "resnet" | "mobilenet" => ModelOverrides { width: Some(4), depth: Some(1), side: Some(8), classes: Some(4), ..Default::default() },
-        _ => ModelOverrides { width: Some(32), depth: Some(3), classes: Some(4), ..Default::default() },
+        "gpt" => ModelOverrides {
+            width: Some(32),
+            depth: Some(3),
+            seq: Some(16),
+            vocab: Some(64),
+            ..Default::default()
+        },
+        "resnet" | "mobilenet" => ModelOverrides {
+            width: Some(4),
+            depth: Some(1),
+            side: Some(8),
+            classes: Some(4),
+            ..Default::default()
+        },
+        _ => ModelOverrides {
+            width: Some(32),
+            depth: Some(3),
+            classes: Some(4),
+            ..Default::default()
+        },
     };
     model_from_args(name, &o).unwrap()
 }
 
-const KINDS: [PlanKind; 4] = [PlanKind::None, PlanKind::EveryK(2), PlanKind::Sqrt, PlanKind::Budget];
+const KINDS: [PlanKind; 4] =
+    [PlanKind::None, PlanKind::EveryK(2), PlanKind::Sqrt, PlanKind::Budget];
 
 #[test]
 fn predicted_peak_equals_the_host_measured_peak_for_every_plan_kind_and_precision() {
@@ -35,7 +53,13 @@ fn predicted_peak_equals_the_host_measured_peak_for_every_plan_kind_and_precisio
         "custom",
     )
     .unwrap();
-    let models = [small("gpt"), small("resnet"), small("mobilenet"), small("mlp"), model_from_spec(custom).unwrap()];
+    let models = [
+        small("gpt"),
+        small("resnet"),
+        small("mobilenet"),
+        small("mlp"),
+        model_from_spec(custom).unwrap(),
+    ];
     for model in &models {
         for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
             for plan in KINDS {
@@ -96,7 +120,12 @@ fn the_recommended_split_fits_and_the_next_larger_micro_batch_does_not() {
             continue;
         }
         assert!(at(row, row.max_micro, 1).is_some(), "{}: {} fits", row.label(), row.max_micro);
-        assert!(at(row, row.max_micro + 1, 1).is_none(), "{}: {} + 1 does not", row.label(), row.max_micro);
+        assert!(
+            at(row, row.max_micro + 1, 1).is_none(),
+            "{}: {} + 1 does not",
+            row.label(),
+            row.max_micro
+        );
         checked += 1;
     }
     assert!(checked >= 6, "{checked} rows checked");
@@ -130,10 +159,15 @@ fn nothing_fits_says_what_would() {
 #[test]
 fn bad_input_is_a_clear_error() {
     let e = model_from_args("gpt3", &ModelOverrides::default()).unwrap_err();
-    assert!(matches!(e, PlanError::UnknownModel { .. }) && e.to_string().contains("gpt2-medium"), "{e}");
-    let e = model_from_args("resnet50", &ModelOverrides { seq: Some(8), ..Default::default() }).unwrap_err();
+    assert!(
+        matches!(e, PlanError::UnknownModel { .. }) && e.to_string().contains("gpt2-medium"),
+        "{e}"
+    );
+    let e = model_from_args("resnet50", &ModelOverrides { seq: Some(8), ..Default::default() })
+        .unwrap_err();
     assert!(e.to_string().contains("no --seq"), "{e}");
-    let e = model_from_args("gpt", &ModelOverrides { width: Some(0), ..Default::default() }).unwrap_err();
+    let e = model_from_args("gpt", &ModelOverrides { width: Some(0), ..Default::default() })
+        .unwrap_err();
     assert!(e.to_string().contains("--width"), "{e}");
 
     let mut req = PlanRequest::new(small("gpt"), 4, 1 << 10);

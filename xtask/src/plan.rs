@@ -84,9 +84,11 @@ impl PlanProgress for Bar {
         }
         let bar = indicatif::ProgressBar::new(total as u64);
         bar.set_style(
-            indicatif::ProgressStyle::with_template("{spinner} [{bar:30}] {pos}/{len} {msg} ({elapsed})")
-                .expect("valid template")
-                .progress_chars("=> "),
+            indicatif::ProgressStyle::with_template(
+                "{spinner} [{bar:30}] {pos}/{len} {msg} ({elapsed})",
+            )
+            .expect("valid template")
+            .progress_chars("=> "),
         );
         bar.enable_steady_tick(Duration::from_millis(120));
         self.0 = Some(bar);
@@ -131,7 +133,8 @@ fn request(args: &PlanArgs) -> Result<PlanRequest, PlanError> {
             });
         }
     };
-    let mut req = PlanRequest::new(model, args.batch, size("--device-memory", &args.device_memory)?);
+    let mut req =
+        PlanRequest::new(model, args.batch, size("--device-memory", &args.device_memory)?);
     req.reserve = size("--reserve", &args.reserve).or_else(|e| {
         // `0` is a valid reserve, which parse_size (sizes >= 1 byte) refuses.
         if args.reserve.trim() == "0" { Ok(0) } else { Err(e) }
@@ -199,7 +202,12 @@ pub fn run(args: PlanArgs) -> Result<ExitCode, String> {
                 v.seconds
             );
         }
-        println!("\n(search {:.1} s, {} runs on the virtual device; total {:.1} s)", report.seconds, report.runs, started.elapsed().as_secs_f64());
+        println!(
+            "\n(search {:.1} s, {} runs on the virtual device; total {:.1} s)",
+            report.seconds,
+            report.runs,
+            started.elapsed().as_secs_f64()
+        );
     }
     Ok(match &verification {
         Some(v) if !v.matches() => ExitCode::FAILURE,
@@ -208,7 +216,11 @@ pub fn run(args: PlanArgs) -> Result<ExitCode, String> {
 }
 
 fn signed(bytes: i64) -> String {
-    if bytes < 0 { format!("-{}", human_bytes(bytes.unsigned_abs())) } else { human_bytes(bytes as u64) }
+    if bytes < 0 {
+        format!("-{}", human_bytes(bytes.unsigned_abs()))
+    } else {
+        human_bytes(bytes as u64)
+    }
 }
 
 fn line(r: &Row) -> String {
@@ -243,7 +255,17 @@ pub fn render(r: &PlanReport) -> String {
     );
     let header = format!(
         "{:<5} {:<8} {:<15} {:>12} {:>10} {:>10} {:>10} {:>8} {:>6} {:>6}   {}\n",
-        "prec", "ckpt", "allocator", "steps x mb", "peak alloc", "reserved", "headroom", "recomp", "cost", "max mb", "schedule"
+        "prec",
+        "ckpt",
+        "allocator",
+        "steps x mb",
+        "peak alloc",
+        "reserved",
+        "headroom",
+        "recomp",
+        "cost",
+        "max mb",
+        "schedule"
     );
     if r.fitting.is_empty() {
         out += "NOTHING FITS.\n";
@@ -265,7 +287,10 @@ pub fn render(r: &PlanReport) -> String {
         );
     }
     if !r.not_fitting.is_empty() {
-        out += &format!("\ndoes not fit ({} configurations; headroom < 0 is the shortfall):\n", r.not_fitting.len());
+        out += &format!(
+            "\ndoes not fit ({} configurations; headroom < 0 is the shortfall):\n",
+            r.not_fitting.len()
+        );
         out += &header;
         for row in &r.not_fitting {
             out += &line(row);
@@ -295,4 +320,85 @@ pub fn render(r: &PlanReport) -> String {
         out += &format!("  - {s}\n");
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: PlanArgs,
+    }
+
+    fn outcome(argv: &[&str]) -> Result<ExitCode, String> {
+        let mut full = vec!["plan"];
+        full.extend(argv);
+        run(Cli::try_parse_from(full).expect("parses").args)
+    }
+
+    #[test]
+    fn bad_input_is_an_error_naming_the_problem() {
+        // main() prints these and exits with status 2.
+        let dir = std::env::temp_dir().join(format!("vram-plan-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("bad.toml");
+        std::fs::write(
+            &file,
+            "input = { kind = \"features\", dim = 4 }\n[[layers]]\nkind = \"lstm\"\n",
+        )
+        .unwrap();
+        let file = file.to_str().unwrap();
+        for (argv, needle) in [
+            (
+                vec!["--model", "gpt5", "--batch", "8", "--device-memory", "8GiB"],
+                "unknown model `gpt5`",
+            ),
+            (
+                vec!["--model", "gpt", "--batch", "8", "--device-memory", "eight"],
+                "malformed size `eight`",
+            ),
+            (
+                vec![
+                    "--model",
+                    "gpt2-medium",
+                    "--batch",
+                    "8",
+                    "--device-memory",
+                    "1GiB",
+                    "--reserve",
+                    "512MiB",
+                ],
+                "too small for the parameters alone",
+            ),
+            (
+                vec!["--model-file", file, "--batch", "8", "--device-memory", "1GiB"],
+                "layer 0 (kind `lstm`)",
+            ),
+        ] {
+            let e = outcome(&argv).expect_err("bad input");
+            assert!(e.contains(needle), "{argv:?}: {e}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_small_plan_runs_and_verifies_on_the_host() {
+        let code = outcome(&[
+            "--model",
+            "gpt",
+            "--batch",
+            "4",
+            "--device-memory",
+            "64MiB",
+            "--reserve",
+            "0",
+            "--verify",
+            "--json",
+        ])
+        .unwrap();
+        assert_eq!(code, ExitCode::SUCCESS);
+    }
 }

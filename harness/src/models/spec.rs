@@ -364,7 +364,9 @@ impl ModelSpec {
                     Flow::Rows { rows: seq, d: dim, seq: Some(seq) }
                 }
                 (LayerSpec::Embedding { .. }, _) => {
-                    return Err(bad("an embedding must be the first layer of a tokens input".into()));
+                    return Err(bad(
+                        "an embedding must be the first layer of a tokens input".into()
+                    ));
                 }
                 (_, Flow::Tokens { .. }) => {
                     return Err(bad("a tokens input must start with an embedding layer".into()));
@@ -373,12 +375,22 @@ impl ModelSpec {
                     if out == 0 {
                         return Err(bad("out must be at least 1".into()));
                     }
-                    chain.push(Resolved::Linear { d_in: d, d_out: out, rows_per_sample: rows, act });
+                    chain.push(Resolved::Linear {
+                        d_in: d,
+                        d_out: out,
+                        rows_per_sample: rows,
+                        act,
+                    });
                     Flow::Rows { rows, d: out, seq }
                 }
-                (LayerSpec::Conv { out, kernel, stride, groups, act }, Flow::Planes { c, side }) => {
+                (
+                    LayerSpec::Conv { out, kernel, stride, groups, act },
+                    Flow::Planes { c, side },
+                ) => {
                     if out == 0 || kernel == 0 || stride == 0 || groups == 0 {
-                        return Err(bad("out, kernel, stride and groups must be at least 1".into()));
+                        return Err(
+                            bad("out, kernel, stride and groups must be at least 1".into()),
+                        );
                     }
                     if c % groups != 0 || out % groups != 0 {
                         return Err(bad(format!(
@@ -387,7 +399,9 @@ impl ModelSpec {
                     }
                     let padded = side + 2 * (kernel / 2);
                     if padded < kernel {
-                        return Err(bad(format!("kernel {kernel} is larger than the {side} px plane")));
+                        return Err(bad(format!(
+                            "kernel {kernel} is larger than the {side} px plane"
+                        )));
                     }
                     let side_out = (padded - kernel) / stride + 1;
                     chain.push(Resolved::Conv {
@@ -420,7 +434,9 @@ impl ModelSpec {
                     Flow::Rows { rows: 1, d: c, seq: None }
                 }
                 (LayerSpec::Linear { .. } | LayerSpec::Norm, Flow::Planes { .. }) => {
-                    return Err(bad("needs rows [batch, width]; put a `pool` layer before it".into()));
+                    return Err(bad(
+                        "needs rows [batch, width]; put a `pool` layer before it".into()
+                    ));
                 }
                 (LayerSpec::Conv { .. } | LayerSpec::Pool, Flow::Rows { .. }) => {
                     return Err(bad("needs images [batch, channels, h, w]".into()));
@@ -460,10 +476,9 @@ pub(super) fn build(
     rng: &mut Rng,
     dtype: DType,
 ) -> Result<(Option<Embed>, Vec<BoxedLayer>)> {
-    let resolved = spec.resolve().map_err(|e| vram_accum::Error::InvalidArgument {
-        what: "model spec",
-        reason: e.reason,
-    })?;
+    let resolved = spec
+        .resolve()
+        .map_err(|e| vram_accum::Error::InvalidArgument { what: "model spec", reason: e.reason })?;
     let embed = match (resolved.embedding, spec.input) {
         (Some((vocab, dim)), InputSpec::Tokens { seq }) => Some(Embed {
             tok: Param::new("wte", layers::normal(device, &[vocab, dim], 0.02, rng, dtype)?),
@@ -479,12 +494,23 @@ pub(super) fn build(
             Resolved::Linear { d_in, d_out, act, .. } => {
                 BoxedLayer::new(Dense::new(device, &name, d_in, d_out, act.act(), rng, dtype)?)
             }
-            Resolved::Conv { c_in, c_out, kernel, stride, groups, act, .. } => BoxedLayer::new(
-                Conv::new(device, &name, c_in, c_out, kernel, stride, groups, act.act(), rng, dtype)?,
-            ),
-            Resolved::Attention { d, seq, dropout } => BoxedLayer::new(TransformerBlock::new(
-                device, &name, d, seq, dropout, rng, dtype,
-            )?),
+            Resolved::Conv { c_in, c_out, kernel, stride, groups, act, .. } => {
+                BoxedLayer::new(Conv::new(
+                    device,
+                    &name,
+                    c_in,
+                    c_out,
+                    kernel,
+                    stride,
+                    groups,
+                    act.act(),
+                    rng,
+                    dtype,
+                )?)
+            }
+            Resolved::Attention { d, seq, dropout } => {
+                BoxedLayer::new(TransformerBlock::new(device, &name, d, seq, dropout, rng, dtype)?)
+            }
             Resolved::Norm { d, .. } => BoxedLayer::new(LayerNorm::new(device, &name, d, dtype)?),
             Resolved::Pool { .. } => BoxedLayer::new(GlobalPool { name, device: device.clone() }),
         });
@@ -519,7 +545,11 @@ impl Layer for LayerNorm {
         self.name.clone()
     }
 
-    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<Self::Saved>)> {
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<(Tensor, Option<Self::Saved>)> {
         let out = ops::layer_norm(x, &self.gamma.value, &self.beta.value, 1e-5)?;
         let saved = ctx.training().then(|| (x.clone(), out.mean, out.rstd));
         Ok((out.y, saved))
@@ -560,12 +590,21 @@ impl Layer for GlobalPool {
         self.name.clone()
     }
 
-    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<Vec<usize>>)> {
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<(Tensor, Option<Vec<usize>>)> {
         let y = ops::global_avg_pool(x)?;
         Ok((y, ctx.training().then(|| x.shape().to_vec())))
     }
 
-    fn backward(&mut self, shape: Vec<usize>, dy: &Tensor, want_dx: bool) -> Result<Option<Tensor>> {
+    fn backward(
+        &mut self,
+        shape: Vec<usize>,
+        dy: &Tensor,
+        want_dx: bool,
+    ) -> Result<Option<Tensor>> {
         if !want_dx {
             return Ok(None);
         }

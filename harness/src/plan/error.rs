@@ -1,11 +1,15 @@
 //! What can go wrong when planning.
 
+use vram_alloc::human_bytes;
+
 /// A planning error. Every variant but [`PlanError::Run`] is bad input (`cargo xtask plan`
 /// exits with status 2 on them).
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
     /// A model name that is not known.
-    #[error("unknown model `{name}`; known models: {known}; or describe your own with --model-file")]
+    #[error(
+        "unknown model `{name}`; known models: {known}; or describe your own with --model-file"
+    )]
     UnknownModel {
         /// The name given.
         name: String,
@@ -32,25 +36,22 @@ pub enum PlanError {
     },
     /// The device cannot even hold the parameters.
     #[error(
-        "the device is too small for the parameters alone: {params} parameters take {param_bytes} bytes ({param_human}) in {dtype}, but only {usable} bytes ({usable_human}) are usable ({device} device memory minus {reserve} reserve)"
+        "the device is too small for the parameters alone: {params} parameters take {param_bytes} bytes ({}) in {dtype}, but only {usable} bytes ({}) are usable ({} device memory minus {} reserve)",
+        human_bytes(*param_bytes), human_bytes(*usable), human_bytes(*device_memory), human_bytes(*reserve)
     )]
     DeviceTooSmall {
         /// Number of parameters.
         params: u64,
         /// Their bytes in the smallest precision asked for.
         param_bytes: u64,
-        /// `param_bytes`, readable.
-        param_human: String,
         /// That precision.
-        dtype: String,
+        dtype: &'static str,
         /// Usable bytes.
         usable: u64,
-        /// `usable`, readable.
-        usable_human: String,
-        /// Device memory, readable.
-        device: String,
-        /// Reserve, readable.
-        reserve: String,
+        /// Device memory.
+        device_memory: u64,
+        /// Reserve.
+        reserve: u64,
     },
     /// A model file that cannot be used.
     #[error("{0}")]
@@ -61,7 +62,7 @@ pub enum PlanError {
         /// What was being run.
         context: String,
         /// The error.
-        source: vram_accum::Error,
+        source: Box<vram_accum::Error>,
     },
 }
 

@@ -227,12 +227,13 @@ pub fn model_from_file(path: &std::path::Path) -> Result<PlanModel, PlanError> {
 pub fn model_from_spec(spec: ModelSpec) -> Result<PlanModel, PlanError> {
     let resolved = spec.resolve()?;
     let input = match spec.input {
-        InputSpec::Tokens { seq } => SampleInput::Tokens {
-            seq,
-            vocab: resolved.embedding.map_or(1, |(vocab, _)| vocab),
-        },
+        InputSpec::Tokens { seq } => {
+            SampleInput::Tokens { seq, vocab: resolved.embedding.map_or(1, |(vocab, _)| vocab) }
+        }
         InputSpec::Features { dim } => SampleInput::Dense { shape: vec![dim] },
-        InputSpec::Image { channels, side } => SampleInput::Dense { shape: vec![channels, side, side] },
+        InputSpec::Image { channels, side } => {
+            SampleInput::Dense { shape: vec![channels, side, side] }
+        }
     };
     Ok(PlanModel {
         name: format!("{} (model file, {} layers)", spec.name, resolved.chain.len()),
@@ -296,7 +297,8 @@ impl PlanModel {
                 v.push(2.0 * f(*dims.last().unwrap_or(&0)) * f(*classes));
                 v
             }
-            Arch::ResNet { width, blocks, classes } | Arch::MobileNet { width, blocks, classes } => {
+            Arch::ResNet { width, blocks, classes }
+            | Arch::MobileNet { width, blocks, classes } => {
                 let mobile = matches!(self.arch, Arch::MobileNet { .. });
                 let mut side = match &self.input {
                     SampleInput::Dense { shape } => shape.last().copied().unwrap_or(1),
@@ -363,7 +365,8 @@ impl PlanModel {
                 m.input = SampleInput::Tokens { seq: *seq, vocab: *vocab };
                 m.classes = *vocab;
             }
-            Arch::ResNet { width, blocks, classes } | Arch::MobileNet { width, blocks, classes } => {
+            Arch::ResNet { width, blocks, classes }
+            | Arch::MobileNet { width, blocks, classes } => {
                 *width = (*width).min(8);
                 blocks.iter_mut().for_each(|b| *b = (*b).min(2));
                 *classes = (*classes).min(10);
@@ -409,7 +412,8 @@ impl PlanModel {
                 }
             }
         }
-        m.name = format!("{} reduced for the host", self.name.split(" (").next().unwrap_or("model"));
+        m.name =
+            format!("{} reduced for the host", self.name.split(" (").next().unwrap_or("model"));
         m
     }
 }

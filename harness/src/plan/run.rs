@@ -59,7 +59,7 @@ pub(crate) fn run(
     let device = device(place, alloc)?;
     let fail = |source: vram_accum::Error| PlanError::Run {
         context: format!("{} on {}", model.name, device.name()),
-        source,
+        source: Box::new(source),
     };
     let result = steps(&device, model, precision, optimizer, schedule, micro, accum);
     match result {
@@ -113,7 +113,9 @@ fn steps(
     // The scale's value changes no allocation; a moderate one keeps the host's real f16
     // gradients finite, so the update (and its state) happens as on a virtual device.
     let mut scaler = match precision {
-        Precision::Fp16 => LossScaler::new(ScalerConfig { init_scale: 256.0, ..Default::default() })?,
+        Precision::Fp16 => {
+            LossScaler::new(ScalerConfig { init_scale: 256.0, ..Default::default() })?
+        }
         _ => LossScaler::disabled(),
     };
     let batch = pm.batch(micro, (!device.is_virtual()).then_some(&mut rng));
@@ -149,7 +151,10 @@ pub(crate) fn flop_profile(
     micro: usize,
 ) -> Result<ChainProfile, PlanError> {
     let device = device(Where::Virtual(UNLIMITED), alloc)?;
-    let fail = |source| PlanError::Run { context: format!("profiling {}", pm.name), source };
+    let fail = |source: vram_accum::Error| PlanError::Run {
+        context: format!("profiling {}", pm.name),
+        source: Box::new(source),
+    };
     let mut model = Model::new(&device, pm.arch.clone(), 1, precision.dtype()).map_err(fail)?;
     let mut profile = model.profile(&pm.batch(micro, None), 0).map_err(fail)?;
     let flops = pm.chain_flops();
@@ -168,5 +173,8 @@ pub(crate) fn fixed_schedule(kind: PlanKind, n: usize) -> Result<Schedule, PlanE
         PlanKind::EveryK(k) => Schedule::every(n, k),
         PlanKind::Sqrt => Schedule::sqrt(n),
     };
-    s.map_err(|source| PlanError::Run { context: "checkpoint schedule".into(), source })
+    s.map_err(|source| PlanError::Run {
+        context: "checkpoint schedule".into(),
+        source: Box::new(source),
+    })
 }

@@ -4,9 +4,9 @@
 use super::model::{PlanModel, SampleInput};
 use super::run::{Outcome, UNLIMITED, Where, fixed_schedule, flop_profile, run};
 use super::{
-    ALLOCATOR_SETTINGS, ASSUMED_FLOP_PER_BYTE, ASSUMED_FP32_FACTOR, Decomposition,
-    OptimizerKind, PLAN_KINDS, PlanError, PlanKind, PlanProgress, PlanReport, PlanRequest,
-    Precision, Row, Verification,
+    ALLOCATOR_SETTINGS, ASSUMED_FLOP_PER_BYTE, ASSUMED_FP32_FACTOR, Decomposition, OptimizerKind,
+    PLAN_KINDS, PlanError, PlanKind, PlanProgress, PlanReport, PlanRequest, Precision, Row,
+    Verification,
 };
 use crate::models::{Arch, Model};
 use std::collections::HashMap;
@@ -45,13 +45,26 @@ struct Search<'a> {
 }
 
 impl Search<'_> {
-    fn run(&mut self, c: Config, s: &Schedule, micro: usize, accum: usize, place: Where) -> Result<Outcome, PlanError> {
+    fn run(
+        &mut self,
+        c: Config,
+        s: &Schedule,
+        micro: usize,
+        accum: usize,
+        place: Where,
+    ) -> Result<Outcome, PlanError> {
         self.runs += 1;
         run(&self.model, c.precision, self.optimizer, &self.allocs[c.alloc], s, micro, accum, place)
     }
 
     /// Runs `schedule` unlimited, then on the usable capacity if only reserved is over.
-    fn check(&mut self, c: Config, schedule: Schedule, micro: usize, accum: usize) -> Result<Eval, PlanError> {
+    fn check(
+        &mut self,
+        c: Config,
+        schedule: Schedule,
+        micro: usize,
+        accum: usize,
+    ) -> Result<Eval, PlanError> {
         let Outcome::Ran { allocated, reserved } =
             self.run(c, &schedule, micro, accum, Where::Virtual(UNLIMITED))?
         else {
@@ -64,7 +77,9 @@ impl Search<'_> {
             return Ok(Eval { fits: reserved <= self.usable, allocated, reserved, schedule });
         }
         Ok(match self.run(c, &schedule, micro, accum, Where::Virtual(self.usable))? {
-            Outcome::Ran { allocated, reserved } => Eval { fits: true, allocated, reserved, schedule },
+            Outcome::Ran { allocated, reserved } => {
+                Eval { fits: true, allocated, reserved, schedule }
+            }
             Outcome::Oom => Eval { fits: false, allocated, reserved, schedule },
         })
     }
@@ -93,9 +108,10 @@ impl Search<'_> {
         }
         self.runs += 1;
         let profile = flop_profile(&self.model, c.precision, &self.allocs[c.alloc], micro)?;
-        let predicted = profile
-            .predict(&plain.schedule)
-            .map_err(|source| PlanError::Run { context: "budget plan".into(), source })?;
+        let predicted = profile.predict(&plain.schedule).map_err(|source| PlanError::Run {
+            context: "budget plan".into(),
+            source: Box::new(source),
+        })?;
         let fixed = plain.allocated.saturating_sub(predicted.peak_bytes);
         let mut budget = self.usable.saturating_sub(fixed);
         let mut last = plain;
@@ -105,7 +121,7 @@ impl Search<'_> {
                 Err(_) => {
                     // No plan fits the budget: measure the lowest-peak plan to say by how much.
                     let s = profile.fastest_within(profile.min_peak_bytes()).map_err(|source| {
-                        PlanError::Run { context: "budget plan".into(), source }
+                        PlanError::Run { context: "budget plan".into(), source: Box::new(source) }
                     })?;
                     let e = self.check(c, s, micro, accum)?;
                     return Ok(e);
@@ -154,7 +170,7 @@ impl Search<'_> {
         let g = self.req.batch;
         let max_micro = self.max_micro(c)?;
         let mut best = None;
-        for micro in (1..=g.min(max_micro)).rev().filter(|d| g % d == 0) {
+        for micro in (1..=g.min(max_micro)).rev().filter(|d| g.is_multiple_of(*d)) {
             let e = self.evaluate(c, micro, g / micro)?;
             if e.fits {
                 best = Some((micro, e));
@@ -239,7 +255,10 @@ fn parse_allocs() -> Result<Vec<AllocatorConfig>, PlanError> {
 fn param_count(model: &PlanModel) -> Result<(u64, usize), PlanError> {
     let device = Device::virtual_device(UNLIMITED);
     let m = Model::new(&device, model.arch.clone(), 1, vram_kernels::DType::BF16).map_err(
-        |source| PlanError::Run { context: format!("building {}", model.name), source },
+        |source| PlanError::Run {
+            context: format!("building {}", model.name),
+            source: Box::new(source),
+        },
     )?;
     Ok((m.param_count(), m.chain_len()))
 }
@@ -297,12 +316,10 @@ pub fn plan(req: &PlanRequest, progress: &mut dyn PlanProgress) -> Result<PlanRe
         return Err(PlanError::DeviceTooSmall {
             params,
             param_bytes,
-            param_human: human(param_bytes),
-            dtype: format!("{smallest:?}"),
+            dtype: if smallest == vram_kernels::DType::F32 { "fp32" } else { "16 bits" },
             usable,
-            usable_human: human(usable),
-            device: human(req.device_memory),
-            reserve: human(req.reserve),
+            device_memory: req.device_memory,
+            reserve: req.reserve,
         });
     }
     let mut s = Search {
@@ -334,11 +351,9 @@ pub fn plan(req: &PlanRequest, progress: &mut dyn PlanProgress) -> Result<PlanRe
     // Best first: cost, then headroom, then the configuration's order (a stable ranking).
     let (mut fitting, mut not): (Vec<_>, Vec<_>) = rows.into_iter().partition(|(_, r)| r.fits);
     fitting.sort_by(|a, b| {
-        a.1.relative_cost
-            .total_cmp(&b.1.relative_cost)
-            .then(b.1.headroom.cmp(&a.1.headroom))
+        a.1.relative_cost.total_cmp(&b.1.relative_cost).then(b.1.headroom.cmp(&a.1.headroom))
     });
-    not.sort_by(|a, b| b.1.headroom.cmp(&a.1.headroom));
+    not.sort_by_key(|r| std::cmp::Reverse(r.1.headroom));
     let basis = fitting.first().or(not.first()).map(|(c, _)| *c);
     let decomposition = match basis {
         Some(c) => Some(s.decompose(c)?),
@@ -419,7 +434,11 @@ fn why(fitting: &[Row], usable: u64) -> String {
         "; {} x {} samples, {} recomputed, {} headroom ({:.0}% of usable)",
         best.accum,
         best.micro,
-        if best.recompute > 0.0 { format!("{:.0}% of FLOPs", best.recompute * 100.0) } else { "nothing".into() },
+        if best.recompute > 0.0 {
+            format!("{:.0}% of FLOPs", best.recompute * 100.0)
+        } else {
+            "nothing".into()
+        },
         human(best.headroom.max(0) as u64),
         100.0 * best.headroom.max(0) as f64 / usable.max(1) as f64
     );
@@ -442,7 +461,12 @@ impl Search<'_> {
         let (lo, hi) = (peak(8)?, peak(16)?);
         let per_sample = hi.saturating_sub(lo) / 8;
         Ok(Decomposition {
-            config: format!("{} / {} / {}", c.precision.label(), plan.label(), ALLOCATOR_SETTINGS[c.alloc].0),
+            config: format!(
+                "{} / {} / {}",
+                c.precision.label(),
+                plan.label(),
+                ALLOCATOR_SETTINGS[c.alloc].0
+            ),
             fixed: lo.saturating_sub(8 * per_sample),
             per_sample,
         })
@@ -480,7 +504,10 @@ impl Search<'_> {
                     human(e.reserved)
                 )
             } else {
-                format!("SGD with momentum does not fit either: needs {}", human(e.reserved.max(e.allocated)))
+                format!(
+                    "SGD with momentum does not fit either: needs {}",
+                    human(e.reserved.max(e.allocated))
+                )
             });
             // 8-bit moments: 2 B/parameter instead of 8 (estimate: vram has no such optimizer).
             let saving = 6 * self.params;
@@ -581,13 +608,19 @@ pub fn verify(req: &PlanRequest, report: &PlanReport) -> Result<Verification, Pl
             reason: "the run ran out of memory".into(),
         })
     };
-    let predicted =
-        ran(measure(&model, &candidate, Target::Virtual(if cuda { UNLIMITED } else { capacity }))?)?;
+    let predicted = ran(measure(
+        &model,
+        &candidate,
+        Target::Virtual(if cuda { UNLIMITED } else { capacity }),
+    )?)?;
     let started = Instant::now();
     let (measured, device) = if cuda {
         (ran(measure(&model, &candidate, Target::Cuda(capacity))?)?, "CUDA device 0".to_string())
     } else {
-        (ran(measure(&model, &candidate, Target::Host(capacity))?)?, format!("host ({} cap)", human(capacity)))
+        (
+            ran(measure(&model, &candidate, Target::Host(capacity))?)?,
+            format!("host ({} cap)", human(capacity)),
+        )
     };
     Ok(Verification {
         device,
@@ -659,7 +692,10 @@ pub fn measure(
         PlanKind::Budget => {
             let profile = flop_profile(model, c.precision, &alloc, c.micro)?;
             let none = fixed_schedule(PlanKind::None, n)?;
-            let fail = |source| PlanError::Run { context: "budget plan".into(), source };
+            let fail = |source: vram_accum::Error| PlanError::Run {
+                context: "budget plan".into(),
+                source: Box::new(source),
+            };
             let top = profile.predict(&none).map_err(fail)?.peak_bytes;
             let low = profile.min_peak_bytes().min(top);
             profile.fastest_within(low + (top - low) / 2).map_err(fail)?

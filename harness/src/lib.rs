@@ -11,6 +11,7 @@ mod error;
 mod experiments;
 pub mod models;
 pub mod optim;
+pub mod plan;
 mod plots;
 mod report;
 mod results;

@@ -2,6 +2,7 @@
 //! the report of claims against measurements; `cargo xtask replay` replays a PyTorch memory
 //! snapshot through vram's allocator under the recorded settings and others.
 
+mod plan;
 mod replay;
 
 use clap::{Parser, Subcommand, ValueEnum};
@@ -28,6 +29,9 @@ enum Command {
     /// segments, compares other settings (peak reserved, fragmentation, device calls, OOMs)
     /// and draws the memory timeline.
     Replay(replay::ReplayArgs),
+    /// Find the batch split, checkpoint plan, precision and allocator settings that fit a
+    /// model on a GPU of a given memory, by running each candidate on the virtual device.
+    Plan(Box<plan::PlanArgs>),
 }
 
 #[derive(clap::Args)]
@@ -172,6 +176,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Bench(args) => bench(args),
         Command::Replay(args) => replay::run(args),
+        Command::Plan(args) => plan::run(*args),
     };
     result.unwrap_or_else(|message| {
         eprintln!("error: {message}");

@@ -4,6 +4,7 @@
 //! Each is a [`Chain`] of vram-accum layers ([`vram_accum::layers`]) with a cross-entropy
 //! loss; GPT has a token + position embedding in front and, tied, its LM head after.
 
+pub mod spec;
 pub mod zoo;
 
 pub use zoo::{Arch, Preset, ZooError};
@@ -241,6 +242,7 @@ impl Model {
                 b.conv("lastconv", last, 6 * last, 1, 1, 1, Act::Relu)?;
                 b.head(6 * last, Some(ch(1280)), *classes)?;
             }
+            Arch::Custom(spec) => embed = spec::build(&mut b, spec)?,
             Arch::Vit { side, patch, d, layers, heads, classes, dropout } => {
                 let cfg = PatchEmbedConfig::new(3, *d, *patch, *side)
                     .with_dtype(dtype)

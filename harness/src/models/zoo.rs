@@ -12,6 +12,7 @@
 //! # Ok::<(), vram_harness::models::ZooError>(())
 //! ```
 
+use super::spec::ModelSpec;
 use crate::data::Dataset;
 
 /// Which model.
@@ -105,6 +106,8 @@ pub enum Arch {
         /// Dropout on attention probabilities and residual branches.
         dropout: f32,
     },
+    /// A user-described model ([`ModelSpec`], read from a TOML or JSON file).
+    Custom(ModelSpec),
 }
 
 /// A named architecture of the zoo.
@@ -251,8 +254,9 @@ impl Arch {
     }
 
     /// A short name for reports ("gpt", "resnet-bottleneck", ...).
-    pub fn name(&self) -> &'static str {
+    pub fn name(&self) -> &str {
         match self {
+            Arch::Custom(spec) => &spec.name,
             Arch::Mlp { .. } => "mlp",
             Arch::ResNet { .. } => "resnet-like",
             Arch::MobileNet { .. } => "mobilenet-like",
@@ -278,6 +282,7 @@ impl Arch {
             Arch::BottleneckResNet { side, classes, .. }
             | Arch::MobileNetV3 { side, classes, .. }
             | Arch::Vit { side, classes, .. } => Dataset::Stripes { side, classes },
+            Arch::Custom(ref spec) => spec.dataset(),
         }
     }
 
@@ -352,7 +357,7 @@ impl Arch {
             | Arch::BottleneckResNet { classes, .. }
             | Arch::MobileNetV3 { classes, .. }
             | Arch::Vit { classes, .. } => *classes = n,
-            Arch::Gpt { .. } => return Err(self.not_applicable("classes")),
+            Arch::Gpt { .. } | Arch::Custom(_) => return Err(self.not_applicable("classes")),
         }
         Ok(self)
     }
@@ -397,6 +402,7 @@ impl Arch {
                 }
                 *d = *heads * head;
             }
+            Arch::Custom(_) => return Err(self.not_applicable("width")),
         }
         Ok(self)
     }
@@ -427,7 +433,7 @@ impl Arch {
                     *n = scale(*n).max(1);
                 }
             }
-            Arch::Mlp { .. } | Arch::MobileNetV3 { .. } => {
+            Arch::Mlp { .. } | Arch::MobileNetV3 { .. } | Arch::Custom(_) => {
                 return Err(self.not_applicable("depth"));
             }
         }

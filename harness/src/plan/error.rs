@@ -1,0 +1,74 @@
+//! What can go wrong when planning.
+
+use vram_alloc::human_bytes;
+
+/// A planning error. Every variant but [`PlanError::Run`] is bad input (`cargo xtask plan`
+/// exits with status 2 on them).
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// A model name that is not known.
+    #[error(
+        "unknown model `{name}`; known models: {known}; or describe your own with --model-file"
+    )]
+    UnknownModel {
+        /// The name given.
+        name: String,
+        /// The known names, comma-separated.
+        known: String,
+    },
+    /// A size that could not be parsed.
+    #[error(
+        "malformed size `{input}` for {what}: expected a number with an optional unit (B, KiB, MiB, GiB, KB, MB, GB), e.g. `24GiB`"
+    )]
+    MalformedSize {
+        /// The option.
+        what: &'static str,
+        /// The text given.
+        input: String,
+    },
+    /// An argument outside its domain (zero batch, an override a model has no use for, ...).
+    #[error("invalid {what}: {reason}")]
+    InvalidArgument {
+        /// The argument.
+        what: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// The device cannot even hold the parameters.
+    #[error(
+        "the device is too small for the parameters alone: {params} parameters take {param_bytes} bytes ({}) in {dtype}, but only {usable} bytes ({}) are usable ({} device memory minus {} reserve)",
+        human_bytes(*param_bytes), human_bytes(*usable), human_bytes(*device_memory), human_bytes(*reserve)
+    )]
+    DeviceTooSmall {
+        /// Number of parameters.
+        params: u64,
+        /// Their bytes in the smallest precision asked for.
+        param_bytes: u64,
+        /// That precision.
+        dtype: &'static str,
+        /// Usable bytes.
+        usable: u64,
+        /// Device memory.
+        device_memory: u64,
+        /// Reserve.
+        reserve: u64,
+    },
+    /// A model file that cannot be used.
+    #[error("{0}")]
+    ModelFile(#[from] crate::models::spec::SpecError),
+    /// A training step failed for another reason than running out of memory.
+    #[error("{context}: {source}")]
+    Run {
+        /// What was being run.
+        context: String,
+        /// The error.
+        source: Box<vram_accum::Error>,
+    },
+}
+
+impl PlanError {
+    /// Whether the error is the user's input (exit status 2) rather than a failure.
+    pub fn is_bad_input(&self) -> bool {
+        !matches!(self, PlanError::Run { .. })
+    }
+}

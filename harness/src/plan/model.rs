@@ -1,0 +1,533 @@
+//! Which model to plan for: names and size overrides, user model files, the forward FLOPs of
+//! each chain layer (for the cost model) and the batches a run feeds.
+
+use super::PlanError;
+use crate::data::{Batch, Dataset, Input};
+use crate::models::Arch;
+use crate::models::spec::{InputSpec, LayerSpec, ModelSpec, Resolved};
+use crate::rng::Rng;
+use serde::Serialize;
+
+/// Short names [`model_from_args`] takes besides the zoo's presets
+/// ([`Arch::presets`](crate::models::Arch::presets)): `resnet` and `mobilenet` for the small
+/// executed CNNs.
+pub const ALIASES: &[(&str, &str)] = &[("resnet", "resnet-like"), ("mobilenet", "mobilenet-like")];
+
+/// Size parameters that override a named model's defaults.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ModelOverrides {
+    /// Sequence length (token models).
+    pub seq: Option<usize>,
+    /// Image side (image models).
+    pub side: Option<usize>,
+    /// Width: `d` of a GPT, first-stage channels of a CNN, hidden width of the MLP.
+    pub width: Option<usize>,
+    /// Depth: transformer blocks, blocks per CNN stage, hidden layers of the MLP.
+    pub depth: Option<usize>,
+    /// Vocabulary (token models).
+    pub vocab: Option<usize>,
+    /// Output classes (classifiers).
+    pub classes: Option<usize>,
+}
+
+/// What one sample is.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub enum SampleInput {
+    /// `seq` token ids below `vocab`; one target per token.
+    Tokens {
+        /// Sequence length.
+        seq: usize,
+        /// Vocabulary.
+        vocab: usize,
+    },
+    /// Real values of this shape (without the batch dimension); one target per sample.
+    Dense {
+        /// Per-sample shape.
+        shape: Vec<usize>,
+    },
+}
+
+/// A model to plan for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanModel {
+    /// Name for reports, with its size parameters.
+    pub name: String,
+    /// The architecture.
+    pub arch: Arch,
+    /// One sample.
+    pub input: SampleInput,
+    /// Classes of the loss.
+    pub classes: usize,
+    /// Notes on approximations in this model, printed with the report.
+    pub notes: Vec<String>,
+}
+
+fn invalid(what: &'static str, reason: impl Into<String>) -> PlanError {
+    PlanError::InvalidArgument { what, reason: reason.into() }
+}
+
+/// The model called `name` (a preset of the zoo, [`Arch::preset`], or an [`ALIASES`] name),
+/// with `overrides` applied: absolute sizes (`--width` is GPT's and ViT's `d`, kept at the
+/// preset's head width; the CNNs' first-stage width; the MLP's hidden width), unlike the
+/// zoo's multipliers.
+///
+/// # Errors
+///
+/// [`PlanError::UnknownModel`] listing the known names; [`PlanError::InvalidArgument`] for
+/// a zero size, a width that is not whole heads, or an override the model has no use for.
+pub fn model_from_args(name: &str, o: &ModelOverrides) -> Result<PlanModel, PlanError> {
+    for (what, v) in [
+        ("seq", o.seq),
+        ("side", o.side),
+        ("width", o.width),
+        ("depth", o.depth),
+        ("vocab", o.vocab),
+        ("classes", o.classes),
+    ] {
+        if v == Some(0) {
+            return Err(invalid("size override", format!("--{what} must be at least 1")));
+        }
+    }
+    let key = name.trim().to_ascii_lowercase();
+    let preset = ALIASES.iter().find(|(a, _)| *a == key).map_or(key.as_str(), |(_, p)| *p);
+    let mut arch = Arch::preset(preset).map_err(|_| {
+        let mut known: Vec<&str> = Arch::presets().iter().map(|p| p.name).collect();
+        known.extend(ALIASES.iter().map(|(a, _)| *a));
+        PlanError::UnknownModel { name: name.to_string(), known: known.join(", ") }
+    })?;
+    let unused = |what: &str, given: Option<usize>| -> Result<(), PlanError> {
+        match given {
+            Some(_) => Err(invalid("size override", format!("model `{name}` has no --{what}"))),
+            None => Ok(()),
+        }
+    };
+    let whole_heads = |d: usize, head: usize| -> Result<usize, PlanError> {
+        if d.is_multiple_of(head) {
+            Ok(d / head)
+        } else {
+            Err(invalid(
+                "size override",
+                format!("--width {d} is not whole heads of {head} (the preset's head width)"),
+            ))
+        }
+    };
+    // The small CNNs take any image side: it lives in the input, not the architecture.
+    let mut cnn_side = 32;
+    match &mut arch {
+        Arch::Gpt { vocab, d, layers, heads, seq, .. } => {
+            unused("side", o.side)?;
+            unused("classes", o.classes)?;
+            if let Some(w) = o.width {
+                *heads = whole_heads(w, *d / *heads)?;
+                *d = w;
+            }
+            *layers = o.depth.unwrap_or(*layers);
+            *seq = o.seq.unwrap_or(*seq);
+            *vocab = o.vocab.unwrap_or(*vocab);
+        }
+        Arch::Vit { side, patch, d, layers, heads, classes, .. } => {
+            unused("seq", o.seq)?;
+            unused("vocab", o.vocab)?;
+            if let Some(w) = o.width {
+                *heads = whole_heads(w, *d / *heads)?;
+                *d = w;
+            }
+            *layers = o.depth.unwrap_or(*layers);
+            *classes = o.classes.unwrap_or(*classes);
+            if let Some(px) = o.side {
+                if !px.is_multiple_of(*patch) {
+                    return Err(invalid(
+                        "size override",
+                        format!("--side {px} is not whole {patch} px patches"),
+                    ));
+                }
+                *side = px;
+            }
+        }
+        Arch::BottleneckResNet { side, width, blocks, classes } => {
+            unused("seq", o.seq)?;
+            unused("vocab", o.vocab)?;
+            *width = o.width.unwrap_or(*width);
+            if let Some(d) = o.depth {
+                blocks.iter_mut().for_each(|b| *b = d);
+            }
+            *classes = o.classes.unwrap_or(*classes);
+            *side = o.side.unwrap_or(*side);
+        }
+        Arch::MobileNetV3 { side, classes, .. } => {
+            unused("seq", o.seq)?;
+            unused("vocab", o.vocab)?;
+            unused("width", o.width)?;
+            unused("depth", o.depth)?;
+            *classes = o.classes.unwrap_or(*classes);
+            *side = o.side.unwrap_or(*side);
+        }
+        Arch::ResNet { width, blocks, classes } | Arch::MobileNet { width, blocks, classes } => {
+            unused("seq", o.seq)?;
+            unused("vocab", o.vocab)?;
+            *width = o.width.unwrap_or(*width);
+            if let Some(d) = o.depth {
+                blocks.iter_mut().for_each(|b| *b = d);
+            }
+            *classes = o.classes.unwrap_or(*classes);
+            cnn_side = o.side.unwrap_or(cnn_side);
+        }
+        Arch::Mlp { dims, classes } => {
+            unused("seq", o.seq)?;
+            unused("side", o.side)?;
+            unused("vocab", o.vocab)?;
+            let hidden = dims.len().saturating_sub(1);
+            let width = o.width.unwrap_or_else(|| dims.get(1).copied().unwrap_or(64));
+            dims.truncate(1);
+            dims.extend(std::iter::repeat_n(width, o.depth.unwrap_or(hidden)));
+            *classes = o.classes.unwrap_or(*classes);
+        }
+        Arch::Custom(_) => {
+            return Err(invalid("model", "a model file is read by model_from_file".to_string()));
+        }
+    }
+    let (input, classes) = match arch.dataset() {
+        Dataset::Sequences { vocab, seq } => (SampleInput::Tokens { seq, vocab }, vocab),
+        Dataset::Stripes { side, classes } => {
+            let side = if matches!(arch, Arch::ResNet { .. } | Arch::MobileNet { .. }) {
+                cnn_side
+            } else {
+                side
+            };
+            (SampleInput::Dense { shape: vec![3, side, side] }, classes)
+        }
+        Dataset::Clusters { dim, classes } => (SampleInput::Dense { shape: vec![dim] }, classes),
+    };
+    let mut notes = Vec::new();
+    match arch {
+        Arch::BottleneckResNet { .. } => notes.push(
+            "ResNet-50 without batch norm (vram has no BN op): BN would add 53,120 parameters \
+             and keep each convolution's output beside the normalised one, so real PyTorch \
+             activations are larger"
+                .into(),
+        ),
+        Arch::MobileNetV3 { .. } => notes.push(
+            "MobileNetV3-like: ReLU instead of hard-swish, no squeeze-excitation, no batch norm"
+                .into(),
+        ),
+        Arch::Gpt { .. } => notes.push(
+            "GPT: attention materialises the [b, heads, seq, seq] scores (no fused/flash \
+             attention); q, k, v are three matrices (the fused c_attn has the same count)"
+                .into(),
+        ),
+        _ => {}
+    }
+    let size = match &arch {
+        Arch::Gpt { d, layers, heads, seq, vocab, .. } => {
+            format!("d {d}, {layers} layers, {heads} heads, seq {seq}, vocab {vocab}")
+        }
+        Arch::Vit { side, d, layers, heads, .. } => {
+            format!("d {d}, {layers} layers, {heads} heads, {side} px")
+        }
+        Arch::BottleneckResNet { side, width, blocks, classes } => {
+            format!("width {width}, blocks {blocks:?}, {side} px, {classes} classes")
+        }
+        Arch::MobileNetV3 { side, classes, .. } => format!("{side} px, {classes} classes"),
+        Arch::ResNet { width, blocks, classes } | Arch::MobileNet { width, blocks, classes } => {
+            format!("width {width}, blocks {blocks:?}, {cnn_side} px, {classes} classes")
+        }
+        Arch::Mlp { dims, classes } => format!("dims {dims:?}, {classes} classes"),
+        Arch::Custom(_) => String::new(),
+    };
+    Ok(PlanModel { name: format!("{key} ({size})"), arch, input, classes, notes })
+}
+
+/// A user-described model (see [`crate::models::spec`]).
+///
+/// # Errors
+///
+/// [`PlanError::ModelFile`] for a file that cannot be read or used.
+pub fn model_from_file(path: &std::path::Path) -> Result<PlanModel, PlanError> {
+    let spec = ModelSpec::from_path(path)?;
+    model_from_spec(spec)
+}
+
+/// A [`PlanModel`] from a parsed spec.
+///
+/// # Errors
+///
+/// [`PlanError::ModelFile`] if the layers do not chain.
+pub fn model_from_spec(spec: ModelSpec) -> Result<PlanModel, PlanError> {
+    let resolved = spec.resolve()?;
+    let input = match spec.input {
+        InputSpec::Tokens { seq } => {
+            SampleInput::Tokens { seq, vocab: resolved.embedding.map_or(1, |(vocab, _)| vocab) }
+        }
+        InputSpec::Features { dim } => SampleInput::Dense { shape: vec![dim] },
+        InputSpec::Image { channels, side } => {
+            SampleInput::Dense { shape: vec![channels, side, side] }
+        }
+    };
+    Ok(PlanModel {
+        name: format!("{} (model file, {} layers)", spec.name, resolved.chain.len()),
+        arch: Arch::Custom(spec),
+        input,
+        classes: resolved.classes,
+        notes: Vec::new(),
+    })
+}
+
+impl PlanModel {
+    /// Targets (loss rows) per sample.
+    pub fn targets_per_sample(&self) -> usize {
+        match self.input {
+            SampleInput::Tokens { seq, .. } => seq,
+            SampleInput::Dense { .. } => 1,
+        }
+    }
+
+    /// A batch of `samples`: zeros (enough for a virtual device, which reads no values) or,
+    /// with `rng`, random inputs and targets.
+    pub fn batch(&self, samples: usize, rng: Option<&mut Rng>) -> Batch {
+        let rows = samples * self.targets_per_sample();
+        let classes = self.classes.max(1) as u64;
+        match (&self.input, rng) {
+            (SampleInput::Tokens { vocab, .. }, None) => {
+                let _ = vocab;
+                Batch { input: Input::Tokens(vec![0; rows]), targets: vec![0; rows] }
+            }
+            (SampleInput::Tokens { vocab, .. }, Some(rng)) => {
+                let ids = (0..rows).map(|_| rng.below(*vocab as u64) as u32).collect();
+                let targets = (0..rows).map(|_| rng.below(classes) as u32).collect();
+                Batch { input: Input::Tokens(ids), targets }
+            }
+            (SampleInput::Dense { shape }, rng) => {
+                let per: usize = shape.iter().product();
+                let mut full = vec![samples];
+                full.extend(shape);
+                let (values, targets) = match rng {
+                    None => (vec![0.0; samples * per], vec![0; rows]),
+                    Some(rng) => (
+                        (0..samples * per).map(|_| rng.normal()).collect(),
+                        (0..rows).map(|_| rng.below(classes) as u32).collect(),
+                    ),
+                };
+                Batch { input: Input::Dense { values, shape: full }, targets }
+            }
+        }
+    }
+
+    /// Forward FLOPs per sample of each chain layer (matrix products and convolutions; the
+    /// elementwise work is memory-bound and left out), in chain order.
+    pub fn chain_flops(&self) -> Vec<f64> {
+        let f = |x: usize| x as f64;
+        let conv = |c_in: usize, c_out: usize, k: usize, groups: usize, side: usize| {
+            2.0 * f(c_out) * f(c_in / groups.max(1)) * f(k * k) * f(side * side)
+        };
+        match &self.arch {
+            Arch::Mlp { dims, classes } => {
+                let mut v: Vec<f64> = dims.windows(2).map(|w| 2.0 * f(w[0]) * f(w[1])).collect();
+                v.push(2.0 * f(*dims.last().unwrap_or(&0)) * f(*classes));
+                v
+            }
+            Arch::ResNet { width, blocks, classes }
+            | Arch::MobileNet { width, blocks, classes } => {
+                let mobile = matches!(self.arch, Arch::MobileNet { .. });
+                let mut side = match &self.input {
+                    SampleInput::Dense { shape } => shape.last().copied().unwrap_or(1),
+                    SampleInput::Tokens { .. } => 1,
+                };
+                let mut v = vec![conv(3, *width, 3, 1, side)];
+                let mut c = *width;
+                for (stage, &n) in blocks.iter().enumerate() {
+                    if stage > 0 {
+                        side = (side + 2 - 3) / 2 + 1;
+                        v.push(conv(c, 2 * c, 3, 1, side));
+                        c *= 2;
+                    }
+                    for _ in 0..n {
+                        if mobile {
+                            v.push(conv(c, c, 3, c, side));
+                            v.push(conv(c, c, 1, 1, side));
+                        } else {
+                            v.push(2.0 * conv(c, c, 3, 1, side));
+                        }
+                    }
+                }
+                v.push(2.0 * f(c) * f(*classes));
+                v
+            }
+            Arch::Gpt { vocab, d, layers, seq, tied, .. } => {
+                let block = 24.0 * f(*seq) * f(*d) * f(*d) + 4.0 * f(*seq) * f(*seq) * f(*d);
+                let mut v = vec![block; *layers];
+                v.push(0.0); // ln_f
+                if !tied {
+                    v.push(2.0 * f(*seq) * f(*d) * f(*vocab));
+                }
+                v
+            }
+            Arch::BottleneckResNet { side, width, blocks, classes } => {
+                // conv1 7x7/2, max pool 3x3/2, bottlenecks (stride on the 3x3), head.
+                let out = |s: usize, k: usize, st: usize| (s + 2 * (k / 2) - k) / st + 1;
+                let mut s = out(*side, 7, 2);
+                let mut v = vec![conv(3, *width, 7, 1, s)];
+                s = (s + 2 - 3) / 2 + 1;
+                v.push(0.0);
+                let mut c_in = *width;
+                for (stage, &n) in blocks.iter().enumerate() {
+                    let mid = width << stage;
+                    for i in 0..n {
+                        let st = if i == 0 && stage > 0 { 2 } else { 1 };
+                        let s_out = out(s, 3, st);
+                        let mut fl = conv(c_in, mid, 1, 1, s)
+                            + conv(mid, mid, 3, 1, s_out)
+                            + conv(mid, 4 * mid, 1, 1, s_out);
+                        if st != 1 || c_in != 4 * mid {
+                            fl += conv(c_in, 4 * mid, 1, 1, s_out);
+                        }
+                        v.push(fl);
+                        (c_in, s) = (4 * mid, s_out);
+                    }
+                }
+                v.push(2.0 * f(c_in) * f(*classes));
+                v
+            }
+            Arch::MobileNetV3 { side, width_mult, classes } => {
+                use crate::models::zoo::{MOBILENETV3_LARGE, make_divisible};
+                let ch = |c| make_divisible(c, *width_mult);
+                let out = |s: usize, k: usize, st: usize| (s + 2 * (k / 2) - k) / st + 1;
+                let mut s = out(*side, 3, 2);
+                let first = ch(MOBILENETV3_LARGE[0].0);
+                let mut v = vec![conv(3, first, 3, 1, s)];
+                let mut last = first;
+                for &(c_in, k, e, c_out, st) in MOBILENETV3_LARGE.iter() {
+                    let (c_in, e, c_out) = (ch(c_in), ch(e), ch(c_out));
+                    let s_out = out(s, k, st);
+                    let expand = if e != c_in { conv(c_in, e, 1, 1, s) } else { 0.0 };
+                    v.push(expand + conv(e, e, k, e, s_out) + conv(e, c_out, 1, 1, s_out));
+                    (last, s) = (c_out, s_out);
+                }
+                v.push(conv(last, 6 * last, 1, 1, s));
+                let hidden = ch(1280);
+                v.push(2.0 * f(6 * last) * f(hidden) + 2.0 * f(hidden) * f(*classes));
+                v
+            }
+            Arch::Vit { side, patch, d, layers, classes, .. } => {
+                let tokens = (side / patch) * (side / patch);
+                let mut v = vec![2.0 * f(tokens) * f(3 * patch * patch) * f(*d)];
+                let block = 24.0 * f(tokens) * f(*d) * f(*d) + 4.0 * f(tokens) * f(tokens) * f(*d);
+                v.extend(std::iter::repeat_n(block, *layers));
+                v.extend([0.0, 0.0, 2.0 * f(*d) * f(*classes)]); // norm, pool, head
+                v
+            }
+            Arch::Custom(spec) => spec
+                .resolve()
+                .map(|r| {
+                    r.chain
+                        .iter()
+                        .map(|l| match *l {
+                            Resolved::Linear { d_in, d_out, rows_per_sample, .. } => {
+                                2.0 * f(rows_per_sample) * f(d_in) * f(d_out)
+                            }
+                            Resolved::Conv { c_in, c_out, kernel, groups, side_out, .. } => {
+                                conv(c_in, c_out, kernel, groups, side_out)
+                            }
+                            Resolved::Attention { d, seq, .. } => {
+                                24.0 * f(seq) * f(d) * f(d) + 4.0 * f(seq) * f(seq) * f(d)
+                            }
+                            Resolved::Norm { .. } | Resolved::Pool { .. } => 0.0,
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+        }
+    }
+
+    /// Forward FLOPs per sample outside the chain: GPT's LM head when it is tied to the
+    /// token embedding (applied after the chain, never recomputed).
+    pub fn outside_chain_flops(&self) -> f64 {
+        match self.arch {
+            Arch::Gpt { vocab, d, seq, tied: true, .. } => 2.0 * (seq * d) as f64 * vocab as f64,
+            _ => 0.0,
+        }
+    }
+
+    /// A smaller model of the same kind for `--verify` on the host: it runs on the CPU in
+    /// seconds, with the same plan kinds, precision, allocator settings and optimizer
+    /// (widths capped at 64, 16 channels, vocabularies at 512, sequences at 32, images at
+    /// 16 px; a model file keeps its layer structure).
+    pub fn reduced(&self) -> PlanModel {
+        let mut m = self.clone();
+        match &mut m.arch {
+            Arch::Gpt { vocab, d, layers, heads, seq, .. } => {
+                (*vocab, *d, *layers, *seq) = ((*vocab).min(512), 64, (*layers).min(4), 32);
+                *heads = (*heads).min(4);
+                m.input = SampleInput::Tokens { seq: *seq, vocab: *vocab };
+                m.classes = *vocab;
+            }
+            Arch::Vit { side, patch, d, layers, heads, classes, .. } => {
+                (*side, *patch, *d, *layers) = (16, 4, 64, (*layers).min(2));
+                (*heads, *classes) = ((*heads).min(4), (*classes).min(10));
+                m.classes = *classes;
+                m.input = SampleInput::Dense { shape: vec![3, 16, 16] };
+            }
+            Arch::BottleneckResNet { side, width, blocks, classes } => {
+                (*side, *width) = (32, (*width).min(8));
+                blocks.iter_mut().for_each(|b| *b = (*b).min(1));
+                *classes = (*classes).min(10);
+                m.classes = *classes;
+                m.input = SampleInput::Dense { shape: vec![3, 32, 32] };
+            }
+            Arch::MobileNetV3 { side, width_mult, classes } => {
+                (*side, *width_mult) = (32, 0.25);
+                *classes = (*classes).min(10);
+                m.classes = *classes;
+                m.input = SampleInput::Dense { shape: vec![3, 32, 32] };
+            }
+            Arch::ResNet { width, blocks, classes }
+            | Arch::MobileNet { width, blocks, classes } => {
+                *width = (*width).min(8);
+                blocks.iter_mut().for_each(|b| *b = (*b).min(2));
+                *classes = (*classes).min(10);
+                m.classes = *classes;
+                m.input = SampleInput::Dense { shape: vec![3, 16, 16] };
+            }
+            Arch::Mlp { dims, classes } => {
+                dims.iter_mut().skip(1).for_each(|d| *d = (*d).min(64));
+                *classes = (*classes).min(10);
+                m.classes = *classes;
+            }
+            Arch::Custom(spec) => {
+                let mut spec = spec.clone();
+                match &mut spec.input {
+                    InputSpec::Tokens { seq } => *seq = (*seq).min(32),
+                    InputSpec::Image { side, .. } => *side = (*side).min(16),
+                    InputSpec::Features { dim } => *dim = (*dim).min(64),
+                }
+                let mut channels = match spec.input {
+                    InputSpec::Image { channels, .. } => channels,
+                    _ => 0,
+                };
+                let last = spec.layers.len().saturating_sub(1);
+                for (i, layer) in spec.layers.iter_mut().enumerate() {
+                    match layer {
+                        LayerSpec::Embedding { vocab, dim } => {
+                            (*vocab, *dim) = ((*vocab).min(512), (*dim).min(64));
+                        }
+                        LayerSpec::Linear { out, .. } => {
+                            *out = (*out).min(if i == last { 512 } else { 64 });
+                        }
+                        LayerSpec::Conv { out, groups, .. } => {
+                            let depthwise = *groups > 1 && *groups == *out;
+                            *out = (*out).min(16);
+                            *groups = if depthwise && channels == *out { *out } else { 1 };
+                            channels = *out;
+                        }
+                        LayerSpec::Attention { .. } | LayerSpec::Norm | LayerSpec::Pool => {}
+                    }
+                }
+                if let Ok(pm) = model_from_spec(spec) {
+                    m = pm;
+                }
+            }
+        }
+        m.name =
+            format!("{} reduced for the host", self.name.split(" (").next().unwrap_or("model"));
+        m
+    }
+}

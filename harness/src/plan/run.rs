@@ -1,0 +1,180 @@
+//! One candidate's training steps on a device: the measurement every figure of the plan
+//! comes from.
+
+use super::model::PlanModel;
+use super::{OptimizerKind, PlanError, PlanKind, Precision};
+use crate::models::Model;
+use crate::rng::Rng;
+use vram_accum::{ChainProfile, ForwardCtx, Mode, Schedule};
+use vram_alloc::AllocatorConfig;
+use vram_amp::{AdamW, LossScaler, Optimizer, ScalerConfig, Sgd};
+use vram_kernels::{AdamWConfig, Device, SgdConfig};
+
+/// The capacity of the virtual device that measures what a candidate needs: large enough
+/// never to run out (1 PiB), so the allocator never frees its cache under pressure.
+pub(crate) const UNLIMITED: u64 = 1 << 50;
+
+/// Where a run happens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Where {
+    /// A virtual device of this capacity.
+    Virtual(u64),
+    /// The host, computing, with this capacity and the virtual device's cuBLAS workspace.
+    Host(u64),
+    /// CUDA device 0, its allocator capped at this capacity.
+    Cuda(u64),
+}
+
+/// What a run measured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// Every step ran: peaks of allocated and reserved bytes over the run.
+    Ran {
+        /// `max_memory_allocated`.
+        allocated: u64,
+        /// `max_memory_reserved`.
+        reserved: u64,
+    },
+    /// The allocator ran out of memory.
+    Oom,
+}
+
+/// The optimizer steps each run takes: the first creates the optimizer state lazily, so the
+/// second is the steady state.
+pub(crate) const STEPS: u64 = 2;
+
+/// Builds `model` on a fresh device and runs [`STEPS`] optimizer steps of `accum`
+/// micro-batches of `micro` samples with `schedule`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run(
+    model: &PlanModel,
+    precision: Precision,
+    optimizer: OptimizerKind,
+    alloc: &AllocatorConfig,
+    schedule: &Schedule,
+    micro: usize,
+    accum: usize,
+    place: Where,
+) -> Result<Outcome, PlanError> {
+    let device = device(place, alloc)?;
+    let fail = |source: vram_accum::Error| PlanError::Run {
+        context: format!("{} on {}", model.name, device.name()),
+        source: Box::new(source),
+    };
+    let result = steps(&device, model, precision, optimizer, schedule, micro, accum);
+    match result {
+        Ok(()) => Ok(Outcome::Ran {
+            allocated: device.max_memory_allocated(),
+            reserved: device.max_memory_reserved(),
+        }),
+        Err(e) if e.is_out_of_memory() => Ok(Outcome::Oom),
+        Err(e) => Err(fail(e)),
+    }
+}
+
+fn device(place: Where, alloc: &AllocatorConfig) -> Result<Device, PlanError> {
+    let bad = |e: vram_kernels::Error| PlanError::InvalidArgument {
+        what: "allocator settings",
+        reason: e.to_string(),
+    };
+    Ok(match place {
+        Where::Virtual(cap) => Device::virtual_with_config(cap, alloc.clone()).map_err(bad)?,
+        Where::Host(cap) => {
+            let d = Device::host_with_config(cap, alloc.clone()).map_err(bad)?;
+            d.set_blas_workspace_size(Device::virtual_device(1).blas_workspace_size());
+            d
+        }
+        Where::Cuda(cap) => {
+            let d = Device::cuda_with_config(0, alloc.clone()).map_err(bad)?;
+            let total = d.mem_info().total.max(1);
+            d.set_memory_fraction((cap as f64 / total as f64).min(1.0)).map_err(bad)?;
+            d
+        }
+    })
+}
+
+fn steps(
+    device: &Device,
+    pm: &PlanModel,
+    precision: Precision,
+    optimizer: OptimizerKind,
+    schedule: &Schedule,
+    micro: usize,
+    accum: usize,
+) -> vram_accum::Result<()> {
+    let mut rng = Rng::new(0x5EED);
+    let mut model = Model::new(device, pm.arch.clone(), 1, precision.dtype())?;
+    let mut opt: Box<dyn Optimizer> = match optimizer {
+        OptimizerKind::AdamW => Box::new(AdamW::new(AdamWConfig::default())),
+        OptimizerKind::Sgd => {
+            Box::new(Sgd::new(SgdConfig { momentum: 0.9, ..SgdConfig::default() }))
+        }
+    };
+    // The scale's value changes no allocation; a moderate one keeps the host's real f16
+    // gradients finite, so the update (and its state) happens as on a virtual device.
+    let mut scaler = match precision {
+        Precision::Fp16 => {
+            LossScaler::new(ScalerConfig { init_scale: 256.0, ..Default::default() })?
+        }
+        _ => LossScaler::disabled(),
+    };
+    let batch = pm.batch(micro, (!device.is_virtual()).then_some(&mut rng));
+    for step in 0..STEPS {
+        for _ in 0..accum {
+            let mut ctx = ForwardCtx::new(Mode::Train, step);
+            let scale = scaler.scale() / accum as f32;
+            model.train_step_with(&batch, &mut ctx, scale, schedule)?;
+        }
+        let outcome = scaler.step(opt.as_mut(), &mut model)?;
+        if outcome == vram_amp::StepOutcome::Skipped {
+            return Err(vram_accum::Error::InvalidArgument {
+                what: "plan run",
+                reason: "the loss scaler skipped an update (non-finite f16 gradients), so the \
+                         optimizer state was not created as on a GPU"
+                    .into(),
+            });
+        }
+        scaler.update()?;
+        model.zero_grad();
+    }
+    device.synchronize()?;
+    Ok(())
+}
+
+/// The chain's profile at `micro` samples (on its own virtual device) with each layer's
+/// times replaced by its FLOPs (1 ns per MFLOP; backward = 2x forward), so that the budget
+/// planner minimises recomputed FLOPs.
+pub(crate) fn flop_profile(
+    pm: &PlanModel,
+    precision: Precision,
+    alloc: &AllocatorConfig,
+    micro: usize,
+) -> Result<ChainProfile, PlanError> {
+    let device = device(Where::Virtual(UNLIMITED), alloc)?;
+    let fail = |source: vram_accum::Error| PlanError::Run {
+        context: format!("profiling {}", pm.name),
+        source: Box::new(source),
+    };
+    let mut model = Model::new(&device, pm.arch.clone(), 1, precision.dtype()).map_err(fail)?;
+    let mut profile = model.profile(&pm.batch(micro, None), 0).map_err(fail)?;
+    let flops = pm.chain_flops();
+    for (l, f) in profile.layers.iter_mut().zip(flops.iter().chain(std::iter::repeat(&0.0))) {
+        let ns = (f * micro as f64 / 1e6).round().max(1.0) as u64;
+        l.fwd_time = std::time::Duration::from_nanos(ns);
+        l.bwd_time = std::time::Duration::from_nanos(2 * ns);
+    }
+    Ok(profile)
+}
+
+/// The schedule of a non-budget plan kind for a chain of `n` layers.
+pub(crate) fn fixed_schedule(kind: PlanKind, n: usize) -> Result<Schedule, PlanError> {
+    let s = match kind {
+        PlanKind::None | PlanKind::Budget => Schedule::none(n),
+        PlanKind::EveryK(k) => Schedule::every(n, k),
+        PlanKind::Sqrt => Schedule::sqrt(n),
+    };
+    s.map_err(|source| PlanError::Run {
+        context: "checkpoint schedule".into(),
+        source: Box::new(source),
+    })
+}

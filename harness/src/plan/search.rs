@@ -1,0 +1,715 @@
+//! The search: every configuration's largest micro-batch, the best split of the global batch,
+//! costs, ranking, and what would fit when nothing does.
+
+use super::model::{PlanModel, SampleInput};
+use super::run::{Outcome, UNLIMITED, Where, fixed_schedule, flop_profile, run};
+use super::{
+    ALLOCATOR_SETTINGS, ASSUMED_FLOP_PER_BYTE, ASSUMED_FP32_FACTOR, Decomposition, OptimizerKind,
+    PLAN_KINDS, PlanError, PlanKind, PlanProgress, PlanReport, PlanRequest, Precision, Row,
+    Verification,
+};
+use crate::models::{Arch, Model};
+use std::collections::HashMap;
+use std::time::Instant;
+use vram_accum::Schedule;
+use vram_alloc::{AllocatorConfig, human_bytes};
+use vram_kernels::Device;
+
+/// One configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Config {
+    precision: Precision,
+    plan: PlanKind,
+    alloc: usize,
+}
+
+/// A candidate's measurement.
+#[derive(Clone, Debug)]
+struct Eval {
+    fits: bool,
+    allocated: u64,
+    reserved: u64,
+    schedule: Schedule,
+}
+
+struct Search<'a> {
+    req: &'a PlanRequest,
+    model: PlanModel,
+    optimizer: OptimizerKind,
+    usable: u64,
+    n: usize,
+    allocs: Vec<AllocatorConfig>,
+    memo: HashMap<(Config, usize, usize), Eval>,
+    params: u64,
+    runs: usize,
+}
+
+impl Search<'_> {
+    fn run(
+        &mut self,
+        c: Config,
+        s: &Schedule,
+        micro: usize,
+        accum: usize,
+        place: Where,
+    ) -> Result<Outcome, PlanError> {
+        self.runs += 1;
+        run(&self.model, c.precision, self.optimizer, &self.allocs[c.alloc], s, micro, accum, place)
+    }
+
+    /// Runs `schedule` unlimited, then on the usable capacity if only reserved is over.
+    fn check(
+        &mut self,
+        c: Config,
+        schedule: Schedule,
+        micro: usize,
+        accum: usize,
+    ) -> Result<Eval, PlanError> {
+        let Outcome::Ran { allocated, reserved } =
+            self.run(c, &schedule, micro, accum, Where::Virtual(UNLIMITED))?
+        else {
+            return Err(PlanError::InvalidArgument {
+                what: "model",
+                reason: "a step ran out of 1 PiB of virtual memory".into(),
+            });
+        };
+        if reserved <= self.usable || allocated > self.usable {
+            return Ok(Eval { fits: reserved <= self.usable, allocated, reserved, schedule });
+        }
+        Ok(match self.run(c, &schedule, micro, accum, Where::Virtual(self.usable))? {
+            Outcome::Ran { allocated, reserved } => {
+                Eval { fits: true, allocated, reserved, schedule }
+            }
+            Outcome::Oom => Eval { fits: false, allocated, reserved, schedule },
+        })
+    }
+
+    fn evaluate(&mut self, c: Config, micro: usize, accum: usize) -> Result<Eval, PlanError> {
+        if let Some(e) = self.memo.get(&(c, micro, accum)) {
+            return Ok(e.clone());
+        }
+        let e = if c.plan == PlanKind::Budget {
+            self.budget(c, micro, accum)?
+        } else {
+            let s = fixed_schedule(c.plan, self.n)?;
+            self.check(c, s, micro, accum)?
+        };
+        self.memo.insert((c, micro, accum), e.clone());
+        Ok(e)
+    }
+
+    /// The budget plan: the least recomputation whose activations fit what the fixed memory
+    /// leaves, tightened by what a run shows over until it fits (or no plan does).
+    fn budget(&mut self, c: Config, micro: usize, accum: usize) -> Result<Eval, PlanError> {
+        let none = Config { plan: PlanKind::None, ..c };
+        let plain = self.evaluate(none, micro, accum)?;
+        if plain.fits {
+            return Ok(plain);
+        }
+        self.runs += 1;
+        let profile = flop_profile(&self.model, c.precision, &self.allocs[c.alloc], micro)?;
+        let predicted = profile.predict(&plain.schedule).map_err(|source| PlanError::Run {
+            context: "budget plan".into(),
+            source: Box::new(source),
+        })?;
+        let fixed = plain.allocated.saturating_sub(predicted.peak_bytes);
+        let mut budget = self.usable.saturating_sub(fixed);
+        let mut last = plain;
+        for _ in 0..4 {
+            let schedule = match profile.fastest_within(budget) {
+                Ok(s) => s,
+                Err(_) => {
+                    // No plan fits the budget: measure the lowest-peak plan to say by how much.
+                    let s = profile.fastest_within(profile.min_peak_bytes()).map_err(|source| {
+                        PlanError::Run { context: "budget plan".into(), source: Box::new(source) }
+                    })?;
+                    let e = self.check(c, s, micro, accum)?;
+                    return Ok(e);
+                }
+            };
+            let e = self.check(c, schedule, micro, accum)?;
+            if e.fits {
+                return Ok(e);
+            }
+            let over = e.reserved.max(e.allocated).saturating_sub(self.usable).max(1 << 20);
+            budget = budget.saturating_sub(over);
+            last = e;
+        }
+        Ok(last)
+    }
+
+    /// The largest micro-batch that fits without accumulation (0 if none).
+    fn max_micro(&mut self, c: Config) -> Result<usize, PlanError> {
+        if !self.evaluate(c, 1, 1)?.fits {
+            return Ok(0);
+        }
+        let cap = self.req.max_micro.max(1);
+        let (mut lo, mut hi) = (1, 2);
+        while hi <= cap && self.evaluate(c, hi, 1)?.fits {
+            lo = hi;
+            hi *= 2;
+        }
+        if hi > cap {
+            hi = cap + 1;
+            if lo < cap && self.evaluate(c, cap, 1)?.fits {
+                return Ok(cap);
+            }
+        }
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if self.evaluate(c, mid, 1)?.fits {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        Ok(lo)
+    }
+
+    fn row(&mut self, c: Config) -> Result<Row, PlanError> {
+        let g = self.req.batch;
+        let max_micro = self.max_micro(c)?;
+        let mut best = None;
+        for micro in (1..=g.min(max_micro)).rev().filter(|d| g.is_multiple_of(*d)) {
+            let e = self.evaluate(c, micro, g / micro)?;
+            if e.fits {
+                best = Some((micro, e));
+                break;
+            }
+        }
+        let (micro, e) = match best {
+            Some(b) => b,
+            None => (1, self.evaluate(c, 1, g)?),
+        };
+        let accum = g / micro;
+        let (recompute, relative_cost) = self.cost(c.precision, &e.schedule, accum);
+        let segments = e.schedule.segments();
+        let recomputed = segments.iter().filter(|s| s.checkpointed).count();
+        let schedule = if recomputed == 0 {
+            "no recompute".to_string()
+        } else {
+            format!("{recomputed} of {} segments recomputed", segments.len())
+        };
+        let (label, conf) = ALLOCATOR_SETTINGS[c.alloc];
+        Ok(Row {
+            precision: c.precision,
+            plan: c.plan,
+            schedule,
+            allocator: label.into(),
+            alloc_conf: conf.into(),
+            fits: e.fits,
+            micro,
+            accum,
+            peak_allocated: e.allocated,
+            peak_reserved: e.reserved,
+            headroom: self.usable as i64 - e.reserved.max(e.allocated) as i64,
+            recompute,
+            relative_cost,
+            max_micro,
+        })
+    }
+
+    /// (recomputed fraction, relative step cost): compute at 2x for fp32, plus one read of
+    /// the weights in forward and backward and one gradient update per micro-batch at the
+    /// assumed machine balance.
+    fn cost(&self, precision: Precision, schedule: &Schedule, accum: usize) -> (f64, f64) {
+        let flops = self.model.chain_flops();
+        let g = self.req.batch as f64;
+        let forward: f64 = (flops.iter().sum::<f64>() + self.model.outside_chain_flops()) * g;
+        let recomputed: f64 = schedule
+            .segments()
+            .iter()
+            .filter(|s| s.checkpointed)
+            .map(|s| flops[s.start..s.end.min(flops.len())].iter().sum::<f64>())
+            .sum::<f64>()
+            * g;
+        let params = self.params as f64;
+        let bytes = |p: Precision| params * p.dtype().size_in_bytes() as f64;
+        let factor = |p: Precision| if p == Precision::Fp32 { ASSUMED_FP32_FACTOR } else { 1.0 };
+        let cost = factor(precision) * (3.0 * forward + recomputed)
+            + accum as f64 * ASSUMED_FLOP_PER_BYTE * 3.0 * bytes(precision);
+        let base = ASSUMED_FP32_FACTOR * 3.0 * forward
+            + ASSUMED_FLOP_PER_BYTE * 3.0 * bytes(Precision::Fp32);
+        let frac = if recomputed > 0.0 { recomputed / (3.0 * forward) } else { 0.0 };
+        (frac, if base > 0.0 { cost / base } else { 1.0 })
+    }
+}
+
+fn human(bytes: u64) -> String {
+    human_bytes(bytes)
+}
+
+fn parse_allocs() -> Result<Vec<AllocatorConfig>, PlanError> {
+    ALLOCATOR_SETTINGS
+        .iter()
+        .map(|(_, conf)| {
+            AllocatorConfig::parse(conf).map_err(|e| PlanError::InvalidArgument {
+                what: "allocator settings",
+                reason: e.to_string(),
+            })
+        })
+        .collect()
+}
+
+/// Parameters of `model` (built on a virtual device: nothing is drawn) and its chain length.
+fn param_count(model: &PlanModel) -> Result<(u64, usize), PlanError> {
+    let device = Device::virtual_device(UNLIMITED);
+    let m = Model::new(&device, model.arch.clone(), 1, vram_kernels::DType::BF16).map_err(
+        |source| PlanError::Run {
+            context: format!("building {}", model.name),
+            source: Box::new(source),
+        },
+    )?;
+    Ok((m.param_count(), m.chain_len()))
+}
+
+fn check_request(req: &PlanRequest) -> Result<(), PlanError> {
+    if req.batch == 0 {
+        return Err(PlanError::InvalidArgument {
+            what: "batch",
+            reason: "the global batch must be at least 1 sample".into(),
+        });
+    }
+    if req.device_memory == 0 {
+        return Err(PlanError::InvalidArgument {
+            what: "device memory",
+            reason: "the device memory must be at least 1 byte".into(),
+        });
+    }
+    if req.usable() == 0 {
+        return Err(PlanError::InvalidArgument {
+            what: "reserve",
+            reason: format!(
+                "the reserve ({}) leaves nothing of the device's {}",
+                human(req.reserve),
+                human(req.device_memory)
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Searches every configuration for `req` and ranks those that fit.
+///
+/// # Errors
+///
+/// Bad input ([`PlanError::is_bad_input`]): a zero batch or device, a reserve that leaves
+/// nothing, a device too small for the parameters alone; [`PlanError::Run`] if a training
+/// step fails for another reason than memory.
+pub fn plan(req: &PlanRequest, progress: &mut dyn PlanProgress) -> Result<PlanReport, PlanError> {
+    let started = Instant::now();
+    check_request(req)?;
+    let usable = req.usable();
+    let (params, n) = param_count(&req.model)?;
+    let flops = req.model.chain_flops();
+    if flops.len() != n {
+        return Err(PlanError::InvalidArgument {
+            what: "model",
+            reason: format!("the cost model has {} layers for a chain of {n}", flops.len()),
+        });
+    }
+    let precisions = req.precision.precisions();
+    let smallest = precisions.iter().map(|p| p.dtype()).min_by_key(|d| d.size_in_bytes());
+    let smallest = smallest.unwrap_or(vram_kernels::DType::F32);
+    let param_bytes = params * smallest.size_in_bytes() as u64;
+    if param_bytes > usable {
+        return Err(PlanError::DeviceTooSmall {
+            params,
+            param_bytes,
+            dtype: if smallest == vram_kernels::DType::F32 { "fp32" } else { "16 bits" },
+            usable,
+            device_memory: req.device_memory,
+            reserve: req.reserve,
+        });
+    }
+    let mut s = Search {
+        req,
+        model: req.model.clone(),
+        optimizer: req.optimizer,
+        usable,
+        n,
+        allocs: parse_allocs()?,
+        memo: HashMap::new(),
+        params,
+        runs: 0,
+    };
+    let configs: Vec<Config> = precisions
+        .iter()
+        .flat_map(|&precision| {
+            PLAN_KINDS.iter().flat_map(move |&plan| {
+                (0..ALLOCATOR_SETTINGS.len()).map(move |alloc| Config { precision, plan, alloc })
+            })
+        })
+        .collect();
+    progress.begin(configs.len() + 2);
+    let mut rows = Vec::new();
+    for &c in &configs {
+        let row = s.row(c)?;
+        progress.advance(&row.label());
+        rows.push((c, row));
+    }
+    // Best first: cost, then headroom, then the configuration's order (a stable ranking).
+    let (mut fitting, mut not): (Vec<_>, Vec<_>) = rows.into_iter().partition(|(_, r)| r.fits);
+    fitting.sort_by(|a, b| {
+        a.1.relative_cost.total_cmp(&b.1.relative_cost).then(b.1.headroom.cmp(&a.1.headroom))
+    });
+    not.sort_by_key(|r| std::cmp::Reverse(r.1.headroom));
+    let basis = fitting.first().or(not.first()).map(|(c, _)| *c);
+    let decomposition = match basis {
+        Some(c) => Some(s.decompose(c)?),
+        None => None,
+    };
+    progress.advance("fixed vs per-sample memory");
+    let suggestions = if fitting.is_empty() {
+        match not.first() {
+            Some((c, row)) => s.suggestions(*c, row, decomposition.as_ref())?,
+            None => Vec::new(),
+        }
+    } else {
+        Vec::new()
+    };
+    progress.advance("suggestions");
+    let why = why(&fitting.iter().map(|(_, r)| r.clone()).collect::<Vec<_>>(), usable);
+    let mut notes = req.model.notes.clone();
+    notes.extend([
+        format!(
+            "usable memory = device memory {} - reserve {} = {}: the reserve stands for what \
+             vram does not model (CUDA context ~500 MiB, cuDNN/NCCL workspaces, other \
+             processes); the cuBLAS workspace (32 MiB, an H100's) is counted",
+            human(req.device_memory),
+            human(req.reserve),
+            human(usable)
+        ),
+        "fits = peak reserved <= usable, from two optimizer steps on a virtual device (the \
+         second with the optimizer state in place); data loading, evaluation and \
+         fragmentation over many steps are not in it"
+            .into(),
+    ]);
+    Ok(PlanReport {
+        model: req.model.name.clone(),
+        params,
+        batch: req.batch,
+        device_memory: req.device_memory,
+        reserve: req.reserve,
+        usable,
+        optimizer: req.optimizer,
+        fitting: fitting.into_iter().map(|(_, r)| r).collect(),
+        not_fitting: not.into_iter().map(|(_, r)| r).collect(),
+        why,
+        decomposition,
+        suggestions,
+        assumptions: vec![
+            format!(
+                "relative cost 1.00 = an fp32 step of the whole batch at once without \
+                 recomputation; compute = matmul/conv FLOPs (backward = 2x forward) plus the \
+                 recomputed forward FLOPs, fp32 FLOPs at {ASSUMED_FP32_FACTOR}x the cost of \
+                 16-bit ones (assumption: TF32 vs bf16 tensor-core rates)"
+            ),
+            format!(
+                "each micro-batch also reads the weights twice and updates the gradients \
+                 (3 x weight bytes) at {ASSUMED_FLOP_PER_BYTE} FLOP per byte (assumption: an \
+                 H100's bf16 rate over its bandwidth); elementwise ops, the optimizer step and \
+                 kernel-launch latency are not counted"
+            ),
+        ],
+        notes,
+        runs: s.runs,
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+fn why(fitting: &[Row], usable: u64) -> String {
+    let Some(best) = fitting.first() else {
+        return "nothing fits".into();
+    };
+    let mut why = format!(
+        "lowest estimated step cost ({:.2}) of the {} configurations that fit",
+        best.relative_cost,
+        fitting.len()
+    );
+    if let Some(next) = fitting.get(1) {
+        why += &format!(" (next: {} at {:.2})", next.label(), next.relative_cost);
+    }
+    why += &format!(
+        "; {} x {} samples, {} recomputed, {} headroom ({:.0}% of usable)",
+        best.accum,
+        best.micro,
+        if best.recompute > 0.0 {
+            format!("{:.0}% of FLOPs", best.recompute * 100.0)
+        } else {
+            "nothing".into()
+        },
+        human(best.headroom.max(0) as u64),
+        100.0 * best.headroom.max(0) as f64 / usable.max(1) as f64
+    );
+    why
+}
+
+impl Search<'_> {
+    /// Fixed and per-sample peak allocated bytes of `c` (runs at micro-batches 8 and 16).
+    fn decompose(&mut self, c: Config) -> Result<Decomposition, PlanError> {
+        let plan = if c.plan == PlanKind::Budget { PlanKind::None } else { c.plan };
+        let c = Config { plan, ..c };
+        let s = fixed_schedule(plan, self.n)?;
+        let mut peak = |m| -> Result<u64, PlanError> {
+            Ok(match self.run(c, &s, m, 1, Where::Virtual(UNLIMITED))? {
+                Outcome::Ran { allocated, .. } => allocated,
+                Outcome::Oom => u64::MAX,
+            })
+        };
+        // At 8 and 16 samples the activations, not the optimizer step, make the peak.
+        let (lo, hi) = (peak(8)?, peak(16)?);
+        let per_sample = hi.saturating_sub(lo) / 8;
+        Ok(Decomposition {
+            config: format!(
+                "{} / {} / {}",
+                c.precision.label(),
+                plan.label(),
+                ALLOCATOR_SETTINGS[c.alloc].0
+            ),
+            fixed: lo.saturating_sub(8 * per_sample),
+            per_sample,
+        })
+    }
+
+    /// What would fit when nothing does, starting from the closest configuration.
+    fn suggestions(
+        &mut self,
+        c: Config,
+        closest: &Row,
+        d: Option<&Decomposition>,
+    ) -> Result<Vec<String>, PlanError> {
+        let g = self.req.batch;
+        let need = closest.peak_reserved.max(closest.peak_allocated);
+        let mut out = vec![format!(
+            "closest: {} needs {} with {} x 1 sample, {} more than usable",
+            closest.label(),
+            human(need),
+            g,
+            human(need.saturating_sub(self.usable))
+        )];
+        if self.optimizer == OptimizerKind::AdamW {
+            let saved = self.optimizer;
+            self.optimizer = OptimizerKind::Sgd;
+            self.memo.clear();
+            let e = self.evaluate(c, 1, g)?;
+            let m = if e.fits { self.max_micro(c)? } else { 0 };
+            self.optimizer = saved;
+            self.memo.clear();
+            out.push(if e.fits {
+                format!(
+                    "SGD with momentum (4 B/parameter of state instead of AdamW's 8) fits (run on \
+                     the virtual device): {g} x 1 sample peaks at {} reserved; up to {m} samples \
+                     per micro-batch",
+                    human(e.reserved)
+                )
+            } else {
+                format!(
+                    "SGD with momentum does not fit either: needs {}",
+                    human(e.reserved.max(e.allocated))
+                )
+            });
+            // 8-bit moments: 2 B/parameter instead of 8 (estimate: vram has no such optimizer).
+            let saving = 6 * self.params;
+            if let Some(d) = d {
+                let fixed = d.fixed.saturating_sub(saving);
+                let room = self.usable.saturating_sub(fixed);
+                let fits = d.per_sample > 0 && room >= d.per_sample;
+                out.push(if fits {
+                    format!(
+                        "an 8-bit AdamW (2 B/parameter of state instead of 8) would leave fixed \
+                         memory at about {}: about {} samples per micro-batch (estimate from \
+                         fixed {} + {} per sample; not run, vram has no 8-bit optimizer)",
+                        human(fixed),
+                        room / d.per_sample.max(1),
+                        human(d.fixed),
+                        human(d.per_sample)
+                    )
+                } else {
+                    format!(
+                        "an 8-bit AdamW (saves about {}) would not be enough by itself (estimate)",
+                        human(saving)
+                    )
+                });
+            }
+        }
+        if let SampleInput::Tokens { seq, .. } = self.model.input {
+            let original = self.model.clone();
+            let mut shorter = seq / 2;
+            let mut found = None;
+            while shorter >= 16 && found.is_none() {
+                if let Arch::Gpt { vocab, d, layers, heads, dropout, tied, .. } = original.arch {
+                    self.model.arch =
+                        Arch::Gpt { vocab, d, layers, heads, seq: shorter, dropout, tied };
+                    self.model.input = SampleInput::Tokens { seq: shorter, vocab };
+                } else {
+                    break;
+                }
+                self.memo.clear();
+                let e = self.evaluate(c, 1, g)?;
+                if e.fits {
+                    found = Some((shorter, e.reserved));
+                }
+                shorter /= 2;
+            }
+            self.model = original;
+            self.memo.clear();
+            out.push(match found {
+                Some((seq, reserved)) => format!(
+                    "sequence length {seq} fits with {} (run on the virtual device): {g} x 1 \
+                     sample peaks at {} reserved",
+                    closest.label(),
+                    human(reserved)
+                ),
+                None => format!("no shorter sequence (halving {seq} down to 16) fits either"),
+            });
+        }
+        out.push(format!(
+            "a device with at least {} (need + the {} reserve) fits {} as asked",
+            human(need + self.req.reserve),
+            human(self.req.reserve),
+            closest.label()
+        ));
+        Ok(out)
+    }
+}
+
+/// Runs the recommended configuration of `report` on a real device and compares its peaks
+/// with the virtual device's prediction for the same run. On a machine with a CUDA device
+/// it runs the full-size configuration there; otherwise it runs on the host at reduced
+/// scale (a smaller model of the same kind, at most 2 x 2 samples), predicting that reduced
+/// run on a virtual device.
+///
+/// # Errors
+///
+/// [`PlanError::InvalidArgument`] if nothing fits; [`PlanError::Run`] if a run fails.
+pub fn verify(req: &PlanRequest, report: &PlanReport) -> Result<Verification, PlanError> {
+    let best = report.recommended().ok_or_else(|| PlanError::InvalidArgument {
+        what: "--verify",
+        reason: "no configuration fits, there is nothing to verify".into(),
+    })?;
+
+    let cuda = Device::cuda(0).is_ok();
+    let (model, micro, accum, capacity) = if cuda {
+        (req.model.clone(), best.micro, best.accum, req.usable())
+    } else {
+        (req.model.reduced(), best.micro.min(2), best.accum.min(2), 4 << 30)
+    };
+    let candidate = Candidate {
+        precision: best.precision,
+        plan: best.plan,
+        alloc_conf: best.alloc_conf.clone(),
+        optimizer: req.optimizer,
+        micro,
+        accum,
+    };
+    let ran = |o: Option<(u64, u64)>| {
+        o.ok_or_else(|| PlanError::InvalidArgument {
+            what: "--verify",
+            reason: "the run ran out of memory".into(),
+        })
+    };
+    let predicted = ran(measure(
+        &model,
+        &candidate,
+        Target::Virtual(if cuda { UNLIMITED } else { capacity }),
+    )?)?;
+    let started = Instant::now();
+    let (measured, device) = if cuda {
+        (ran(measure(&model, &candidate, Target::Cuda(capacity))?)?, "CUDA device 0".to_string())
+    } else {
+        (
+            ran(measure(&model, &candidate, Target::Host(capacity))?)?,
+            format!("host ({} cap)", human(capacity)),
+        )
+    };
+    Ok(Verification {
+        device,
+        model: model.name.clone(),
+        config: best.label(),
+        micro,
+        accum,
+        predicted,
+        measured,
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// One configuration of a training run, for [`measure`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Candidate {
+    /// Precision.
+    pub precision: Precision,
+    /// Checkpoint plan kind. [`PlanKind::Budget`] gets the budget halfway between the
+    /// lowest peak any plan reaches and the peak without checkpointing (from the chain's
+    /// profile at `micro` samples), so that it recomputes something.
+    pub plan: PlanKind,
+    /// Allocator settings (`PYTORCH_CUDA_ALLOC_CONF` syntax; empty: the default).
+    pub alloc_conf: String,
+    /// Optimizer.
+    pub optimizer: OptimizerKind,
+    /// Samples per micro-batch.
+    pub micro: usize,
+    /// Micro-batches per optimizer step.
+    pub accum: usize,
+}
+
+/// Where [`measure`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// A virtual device of this capacity (the prediction).
+    Virtual(u64),
+    /// The host, computing, with this capacity (and an H100's cuBLAS workspace counted).
+    Host(u64),
+    /// CUDA device 0, capped at this capacity.
+    Cuda(u64),
+}
+
+/// Peak allocated and reserved bytes of two optimizer steps of `candidate` on a fresh
+/// device, or `None` if it ran out of memory there.
+///
+/// # Errors
+///
+/// [`PlanError::InvalidArgument`] for bad allocator settings, a zero micro-batch or
+/// accumulation; [`PlanError::Run`] if a step fails for another reason than memory.
+pub fn measure(
+    model: &PlanModel,
+    candidate: &Candidate,
+    target: Target,
+) -> Result<Option<(u64, u64)>, PlanError> {
+    let c = candidate;
+    if c.micro == 0 || c.accum == 0 {
+        return Err(PlanError::InvalidArgument {
+            what: "candidate",
+            reason: "micro-batch and accumulation must be at least 1".into(),
+        });
+    }
+    let alloc = AllocatorConfig::parse(&c.alloc_conf).map_err(|e| PlanError::InvalidArgument {
+        what: "allocator settings",
+        reason: e.to_string(),
+    })?;
+    let (_, n) = param_count(model)?;
+    let schedule = match c.plan {
+        PlanKind::Budget => {
+            let profile = flop_profile(model, c.precision, &alloc, c.micro)?;
+            let none = fixed_schedule(PlanKind::None, n)?;
+            let fail = |source: vram_accum::Error| PlanError::Run {
+                context: "budget plan".into(),
+                source: Box::new(source),
+            };
+            let top = profile.predict(&none).map_err(fail)?.peak_bytes;
+            let low = profile.min_peak_bytes().min(top);
+            profile.fastest_within(low + (top - low) / 2).map_err(fail)?
+        }
+        kind => fixed_schedule(kind, n)?,
+    };
+    let place = match target {
+        Target::Virtual(cap) => Where::Virtual(cap),
+        Target::Host(cap) => Where::Host(cap),
+        Target::Cuda(cap) => Where::Cuda(cap),
+    };
+    Ok(match run(model, c.precision, c.optimizer, &alloc, &schedule, c.micro, c.accum, place)? {
+        Outcome::Ran { allocated, reserved } => Some((allocated, reserved)),
+        Outcome::Oom => None,
+    })
+}

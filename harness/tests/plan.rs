@@ -1,0 +1,213 @@
+//! The planner's figures are measurements: the virtual device's prediction equals the host's
+//! measured peak under every plan kind and precision, the recommended micro-batch fits and
+//! the next one does not, the ranking is stable, and bad input is a clear error.
+
+use vram_harness::models::spec::ModelSpec;
+use vram_harness::plan::{
+    self, Candidate, ModelOverrides, NoProgress, OptimizerKind, PlanError, PlanKind, PlanRequest,
+    Precision, PrecisionChoice, Target, model_from_args, model_from_spec,
+};
+
+fn small(name: &str) -> plan::PlanModel {
+    let o = match name {
+        "gpt" => ModelOverrides {
+            width: Some(32),
+            depth: Some(3),
+            seq: Some(16),
+            vocab: Some(64),
+            ..Default::default()
+        },
+        "resnet" | "mobilenet" => ModelOverrides {
+            width: Some(4),
+            depth: Some(1),
+            side: Some(8),
+            classes: Some(4),
+            ..Default::default()
+        },
+        _ => ModelOverrides {
+            width: Some(32),
+            depth: Some(3),
+            classes: Some(4),
+            ..Default::default()
+        },
+    };
+    model_from_args(name, &o).unwrap()
+}
+
+const KINDS: [PlanKind; 4] =
+    [PlanKind::None, PlanKind::EveryK(2), PlanKind::Sqrt, PlanKind::Budget];
+
+#[test]
+fn predicted_peak_equals_the_host_measured_peak_for_every_plan_kind_and_precision() {
+    let custom = ModelSpec::from_toml_str(
+        r#"
+        input = { kind = "image", channels = 3, side = 8 }
+        layers = [
+          { kind = "conv", out = 4, kernel = 3, act = "relu", repeat = 2 },
+          { kind = "conv", out = 8, kernel = 3, stride = 2, act = "gelu" },
+          { kind = "pool" },
+          { kind = "linear", out = 16, act = "relu" },
+          { kind = "norm" },
+          { kind = "linear", out = 4 },
+        ]"#,
+        "custom",
+    )
+    .unwrap();
+    let models = [
+        small("gpt"),
+        small("resnet"),
+        small("mobilenet"),
+        small("mlp"),
+        model_from_spec(custom).unwrap(),
+        // The real-size presets, reduced to run on the host (the same layer kinds).
+        model_from_args("gpt2-small", &ModelOverrides::default()).unwrap().reduced(),
+        model_from_args("resnet50", &ModelOverrides::default()).unwrap().reduced(),
+        model_from_args("mobilenetv3-like", &ModelOverrides::default()).unwrap().reduced(),
+        model_from_args("vit-b-like", &ModelOverrides::default()).unwrap().reduced(),
+    ];
+    for (i, model) in models.iter().enumerate() {
+        // The reduced presets (the last four) are slower on the host: one 16-bit precision.
+        let precisions: &[Precision] = if i + 4 >= models.len() {
+            &[Precision::Bf16]
+        } else {
+            &[Precision::Fp32, Precision::Bf16, Precision::Fp16]
+        };
+        for &precision in precisions {
+            for plan in KINDS {
+                for (alloc_conf, optimizer) in
+                    [("", OptimizerKind::AdamW), ("expandable_segments:True", OptimizerKind::Sgd)]
+                {
+                    let c = Candidate {
+                        precision,
+                        plan,
+                        alloc_conf: alloc_conf.into(),
+                        optimizer,
+                        micro: 3,
+                        accum: 2,
+                    };
+                    let virt = plan::measure(model, &c, Target::Virtual(1 << 30)).unwrap();
+                    let host = plan::measure(model, &c, Target::Host(1 << 30)).unwrap();
+                    assert!(virt.is_some(), "{} {c:?}", model.name);
+                    assert_eq!(virt, host, "{} {c:?}", model.name);
+                }
+            }
+        }
+    }
+}
+
+fn request(budget: u64) -> PlanRequest {
+    let mut r = PlanRequest::new(small("gpt"), 256, budget);
+    r.reserve = 0;
+    r.precision = PrecisionChoice::Only(Precision::Bf16);
+    r
+}
+
+#[test]
+fn the_recommended_split_fits_and_the_next_larger_micro_batch_does_not() {
+    let req = request(40 << 20);
+    let report = plan::plan(&req, &mut NoProgress).unwrap();
+    let best = report.recommended().expect("something fits in 40 MiB");
+    let usable = req.usable();
+    let at = |row: &plan::Row, micro, accum| {
+        let c = Candidate {
+            precision: row.precision,
+            plan: row.plan,
+            alloc_conf: row.alloc_conf.clone(),
+            optimizer: req.optimizer,
+            micro,
+            accum,
+        };
+        plan::measure(&req.model, &c, Target::Virtual(usable)).unwrap()
+    };
+    let (_, reserved) = at(best, best.micro, best.accum).expect("the recommendation runs");
+    assert!(reserved <= usable);
+    // 256 samples do not fit at once: the split accumulates.
+    assert!(best.accum > 1 && best.micro * best.accum == 256, "{best:?}");
+    let mut checked = 0;
+    for row in report.fitting.iter().chain(&report.not_fitting) {
+        // The budget plan's schedule depends on the micro-batch; its boundary is the
+        // search's own (tested through the fixed plans).
+        if row.plan == PlanKind::Budget || row.max_micro == 0 {
+            continue;
+        }
+        assert!(at(row, row.max_micro, 1).is_some(), "{}: {} fits", row.label(), row.max_micro);
+        assert!(
+            at(row, row.max_micro + 1, 1).is_none(),
+            "{}: {} + 1 does not",
+            row.label(),
+            row.max_micro
+        );
+        checked += 1;
+    }
+    assert!(checked >= 6, "{checked} rows checked");
+    // The search found a real boundary: micro-batches above 1 and below the cap.
+    assert!(best.max_micro > 1 && best.max_micro < req.max_micro, "{}", best.max_micro);
+}
+
+#[test]
+fn the_ranking_is_the_same_on_every_run() {
+    let req = request(40 << 20);
+    let strip = |r: plan::PlanReport| (r.fitting, r.not_fitting, r.why, r.decomposition, r.runs);
+    let a = strip(plan::plan(&req, &mut NoProgress).unwrap());
+    let b = strip(plan::plan(&req, &mut NoProgress).unwrap());
+    assert_eq!(a, b);
+}
+
+#[test]
+fn nothing_fits_says_what_would() {
+    let mut req = PlanRequest::new(small("gpt"), 8, 2 << 20);
+    req.reserve = 0;
+    req.precision = PrecisionChoice::Only(Precision::Fp32);
+    let report = plan::plan(&req, &mut NoProgress).unwrap();
+    assert!(report.fitting.is_empty());
+    assert!(report.not_fitting.iter().all(|r| r.headroom < 0));
+    let text = report.suggestions.join("\n");
+    for needle in ["SGD", "8-bit", "sequence", "a device with at least"] {
+        assert!(text.contains(needle), "{needle} in {text}");
+    }
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let e = model_from_args("gpt3", &ModelOverrides::default()).unwrap_err();
+    assert!(
+        matches!(e, PlanError::UnknownModel { .. }) && e.to_string().contains("gpt2-medium"),
+        "{e}"
+    );
+    let e = model_from_args("resnet50", &ModelOverrides { seq: Some(8), ..Default::default() })
+        .unwrap_err();
+    assert!(e.to_string().contains("no --seq"), "{e}");
+    let e = model_from_args("gpt", &ModelOverrides { width: Some(0), ..Default::default() })
+        .unwrap_err();
+    assert!(e.to_string().contains("--width"), "{e}");
+
+    let mut req = PlanRequest::new(small("gpt"), 4, 1 << 10);
+    req.reserve = 0;
+    let e = plan::plan(&req, &mut NoProgress).unwrap_err();
+    assert!(matches!(e, PlanError::DeviceTooSmall { .. }) && e.is_bad_input(), "{e}");
+    assert!(e.to_string().contains("parameters take"), "{e}");
+    req.batch = 0;
+    assert!(plan::plan(&req, &mut NoProgress).unwrap_err().is_bad_input());
+
+    let e = ModelSpec::from_toml_str(
+        "input = { kind = \"features\", dim = 4 }\n[[layers]]\nkind = \"linear\"\nout = 4\n[[layers]]\nkind = \"lstm\"\n",
+        "m",
+    )
+    .unwrap_err();
+    assert!(e.reason.contains("layer 1") && e.reason.contains("lstm"), "{e}");
+    let e = ModelSpec::from_json_str(r#"{"input": {"kind": "features", "dim": 4}, "layers": [{"kind": "linear", "out": 4, "width": 3}]}"#, "m").unwrap_err();
+    assert!(e.reason.contains("layer 0") && e.reason.contains("width"), "{e}");
+    let e = ModelSpec::from_json_str(r#"{"input": {"kind": "image", "channels": 3, "side": 8}, "layers": [{"kind": "linear", "out": 4}]}"#, "m").unwrap_err();
+    assert!(e.reason.contains("pool"), "{e}");
+    let e = ModelSpec::from_toml_str("input = [", "m").unwrap_err();
+    assert!(e.reason.contains("TOML") && e.reason.contains("line"), "{e}");
+}
+
+#[test]
+fn the_example_model_files_parse() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("models");
+    for f in ["example.toml", "example-cnn.json"] {
+        let m = plan::model_from_file(&root.join(f)).unwrap();
+        assert!(m.classes > 1, "{f}");
+    }
+}

@@ -1,0 +1,404 @@
+//! `cargo xtask plan`: which batch split, checkpoint plan, precision and allocator settings
+//! fit a model on a GPU of a given memory, found on the virtual device.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+use vram_harness::human_bytes;
+use vram_harness::plan::{
+    self, ModelOverrides, OptimizerKind, PlanError, PlanProgress, PlanReport, PlanRequest,
+    Precision, PrecisionChoice, Row,
+};
+
+#[derive(clap::Args)]
+pub struct PlanArgs {
+    /// A model by name (gpt2-small, gpt2-medium, resnet50, gpt, resnet, mobilenet, mlp).
+    #[arg(long, required_unless_present = "model_file", conflicts_with = "model_file")]
+    model: Option<String>,
+    /// A model described in a TOML or JSON file of layer specs (see models/example.toml).
+    #[arg(long, value_name = "FILE")]
+    model_file: Option<PathBuf>,
+    /// Global batch: samples per optimizer step.
+    #[arg(long)]
+    batch: usize,
+    /// The GPU's memory, e.g. 24GiB.
+    #[arg(long, value_name = "SIZE")]
+    device_memory: String,
+    /// Memory kept back for the CUDA context, library workspaces and other processes.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB")]
+    reserve: String,
+    /// Optimizer.
+    #[arg(long, value_enum, default_value_t = OptArg::Adamw)]
+    optimizer: OptArg,
+    /// Precision (auto tries fp32 and bf16).
+    #[arg(long, value_enum, default_value_t = PrecArg::Auto)]
+    precision: PrecArg,
+    /// Sequence length (token models).
+    #[arg(long)]
+    seq: Option<usize>,
+    /// Image side (image models).
+    #[arg(long)]
+    side: Option<usize>,
+    /// Width (GPT d, CNN first-stage channels, MLP hidden width).
+    #[arg(long)]
+    width: Option<usize>,
+    /// Depth (transformer blocks, blocks per CNN stage, MLP hidden layers).
+    #[arg(long)]
+    depth: Option<usize>,
+    /// Vocabulary (token models).
+    #[arg(long)]
+    vocab: Option<usize>,
+    /// Output classes (classifiers).
+    #[arg(long)]
+    classes: Option<usize>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Run the recommended configuration on the device at hand and compare its peak with
+    /// the prediction (CUDA at full size; the host at reduced scale).
+    #[arg(long)]
+    verify: bool,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum OptArg {
+    Adamw,
+    Sgd,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum PrecArg {
+    Fp32,
+    Fp16,
+    Bf16,
+    Auto,
+}
+
+/// A progress bar on a terminal, nothing otherwise.
+struct Bar(Option<indicatif::ProgressBar>);
+
+impl PlanProgress for Bar {
+    fn begin(&mut self, total: usize) {
+        if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+            return;
+        }
+        let bar = indicatif::ProgressBar::new(total as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} [{bar:30}] {pos}/{len} {msg} ({elapsed})",
+            )
+            .expect("valid template")
+            .progress_chars("=> "),
+        );
+        bar.enable_steady_tick(Duration::from_millis(120));
+        self.0 = Some(bar);
+    }
+    fn advance(&mut self, label: &str) {
+        if let Some(bar) = &self.0 {
+            bar.set_message(label.to_string());
+            bar.inc(1);
+        }
+    }
+}
+
+fn size(what: &'static str, s: &str) -> Result<u64, PlanError> {
+    vram_harness::parse_size(s).map_err(|_| PlanError::MalformedSize { what, input: s.into() })
+}
+
+/// The request the arguments describe.
+fn request(args: &PlanArgs) -> Result<PlanRequest, PlanError> {
+    let overrides = ModelOverrides {
+        seq: args.seq,
+        side: args.side,
+        width: args.width,
+        depth: args.depth,
+        vocab: args.vocab,
+        classes: args.classes,
+    };
+    let model = match (&args.model, &args.model_file) {
+        (_, Some(path)) => {
+            if overrides != ModelOverrides::default() {
+                return Err(PlanError::InvalidArgument {
+                    what: "size override",
+                    reason: "a model file sets its own sizes; edit the file".into(),
+                });
+            }
+            plan::model_from_file(path)?
+        }
+        (Some(name), None) => plan::model_from_args(name, &overrides)?,
+        (None, None) => {
+            return Err(PlanError::InvalidArgument {
+                what: "model",
+                reason: "give --model NAME or --model-file FILE".into(),
+            });
+        }
+    };
+    let mut req =
+        PlanRequest::new(model, args.batch, size("--device-memory", &args.device_memory)?);
+    req.reserve = size("--reserve", &args.reserve).or_else(|e| {
+        // `0` is a valid reserve, which parse_size (sizes >= 1 byte) refuses.
+        if args.reserve.trim() == "0" { Ok(0) } else { Err(e) }
+    })?;
+    req.optimizer = match args.optimizer {
+        OptArg::Adamw => OptimizerKind::AdamW,
+        OptArg::Sgd => OptimizerKind::Sgd,
+    };
+    req.precision = match args.precision {
+        PrecArg::Fp32 => PrecisionChoice::Only(Precision::Fp32),
+        PrecArg::Fp16 => PrecisionChoice::Only(Precision::Fp16),
+        PrecArg::Bf16 => PrecisionChoice::Only(Precision::Bf16),
+        PrecArg::Auto => PrecisionChoice::Auto,
+    };
+    Ok(req)
+}
+
+pub fn run(args: PlanArgs) -> Result<ExitCode, String> {
+    let started = Instant::now();
+    let outcome = request(&args).and_then(|req| {
+        let mut bar = Bar(None);
+        let report = plan::plan(&req, &mut bar);
+        if let Some(b) = bar.0 {
+            b.finish_and_clear();
+        }
+        Ok((req, report?))
+    });
+    let (req, report) = match outcome {
+        Ok(r) => r,
+        Err(e) if e.is_bad_input() => return Err(e.to_string()),
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Ok(ExitCode::FAILURE);
+        }
+    };
+    let verification = if args.verify {
+        match plan::verify(&req, &report) {
+            Ok(v) => Some(v),
+            Err(e) => {
+                eprintln!("error: --verify: {e}");
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+    } else {
+        None
+    };
+    if args.json {
+        let json = serde_json::json!({ "plan": report, "verify": verification });
+        println!("{}", serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?);
+    } else {
+        print!("{}", render(&report));
+        if let Some(v) = &verification {
+            println!(
+                "\nverify on {}: {} ({}), {} x {} samples\n  predicted peak allocated {} reserved {}\n  measured  peak allocated {} reserved {}\n  {} ({:.1} s)",
+                v.device,
+                v.model,
+                v.config,
+                v.accum,
+                v.micro,
+                v.predicted.0,
+                v.predicted.1,
+                v.measured.0,
+                v.measured.1,
+                if v.matches() { "equal" } else { "DIFFERENT" },
+                v.seconds
+            );
+        }
+        println!(
+            "\n(search {:.1} s, {} runs on the virtual device; total {:.1} s)",
+            report.seconds,
+            report.runs,
+            started.elapsed().as_secs_f64()
+        );
+    }
+    Ok(match &verification {
+        Some(v) if !v.matches() => ExitCode::FAILURE,
+        _ => ExitCode::SUCCESS,
+    })
+}
+
+fn signed(bytes: i64) -> String {
+    if bytes < 0 {
+        format!("-{}", human_bytes(bytes.unsigned_abs()))
+    } else {
+        human_bytes(bytes as u64)
+    }
+}
+
+fn line(r: &Row) -> String {
+    format!(
+        "{:<5} {:<8} {:<15} {:>4} x {:<5} {:>10} {:>10} {:>10} {:>8} {:>6.2} {:>6}   {}",
+        r.precision.label(),
+        r.plan.label(),
+        r.allocator,
+        r.accum,
+        r.micro,
+        human_bytes(r.peak_allocated),
+        human_bytes(r.peak_reserved),
+        signed(r.headroom),
+        format!("{:.0}%", r.recompute * 100.0),
+        r.relative_cost,
+        r.max_micro,
+        r.schedule
+    )
+}
+
+/// The report as text.
+pub fn render(r: &PlanReport) -> String {
+    let mut out = format!(
+        "plan: {}\n  {} parameters, global batch {}, {:?}, device {} - reserve {} = {} usable\n\n",
+        r.model,
+        r.params,
+        r.batch,
+        r.optimizer,
+        human_bytes(r.device_memory),
+        human_bytes(r.reserve),
+        human_bytes(r.usable)
+    );
+    let header = format!(
+        "{:<5} {:<8} {:<15} {:>12} {:>10} {:>10} {:>10} {:>8} {:>6} {:>6}   {}\n",
+        "prec",
+        "ckpt",
+        "allocator",
+        "steps x mb",
+        "peak alloc",
+        "reserved",
+        "headroom",
+        "recomp",
+        "cost",
+        "max mb",
+        "schedule"
+    );
+    if r.fitting.is_empty() {
+        out += "NOTHING FITS.\n";
+    } else {
+        out += &format!("fits ({} configurations, recommended first):\n", r.fitting.len());
+        out += &header;
+        for (i, row) in r.fitting.iter().enumerate() {
+            out += &line(row);
+            out += if i == 0 { "   <- recommended\n" } else { "\n" };
+        }
+        let best = &r.fitting[0];
+        out += &format!(
+            "\nrecommended: {} with {} micro-batches of {} (PYTORCH_CUDA_ALLOC_CONF={})\n  why: {}\n",
+            best.label(),
+            best.accum,
+            best.micro,
+            if best.alloc_conf.is_empty() { "<unset>" } else { &best.alloc_conf },
+            r.why
+        );
+    }
+    if !r.not_fitting.is_empty() {
+        out += &format!(
+            "\ndoes not fit ({} configurations; headroom < 0 is the shortfall):\n",
+            r.not_fitting.len()
+        );
+        out += &header;
+        for row in &r.not_fitting {
+            out += &line(row);
+            out += "\n";
+        }
+    }
+    if let Some(d) = &r.decomposition {
+        out += &format!(
+            "\nmemory = fixed {} + {} per sample ({}, slope of the peak allocated from 8 to 16 samples)\n",
+            human_bytes(d.fixed),
+            human_bytes(d.per_sample),
+            d.config
+        );
+    }
+    if !r.suggestions.is_empty() {
+        out += "\nwhat would fit:\n";
+        for s in &r.suggestions {
+            out += &format!("  - {s}\n");
+        }
+    }
+    out += "\nassumptions:\n";
+    for s in &r.assumptions {
+        out += &format!("  - {s}\n");
+    }
+    out += "notes:\n";
+    for s in &r.notes {
+        out += &format!("  - {s}\n");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: PlanArgs,
+    }
+
+    fn outcome(argv: &[&str]) -> Result<ExitCode, String> {
+        let mut full = vec!["plan"];
+        full.extend(argv);
+        run(Cli::try_parse_from(full).expect("parses").args)
+    }
+
+    #[test]
+    fn bad_input_is_an_error_naming_the_problem() {
+        // main() prints these and exits with status 2.
+        let dir = std::env::temp_dir().join(format!("vram-plan-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("bad.toml");
+        std::fs::write(
+            &file,
+            "input = { kind = \"features\", dim = 4 }\n[[layers]]\nkind = \"lstm\"\n",
+        )
+        .unwrap();
+        let file = file.to_str().unwrap();
+        for (argv, needle) in [
+            (
+                vec!["--model", "gpt5", "--batch", "8", "--device-memory", "8GiB"],
+                "unknown model `gpt5`",
+            ),
+            (
+                vec!["--model", "gpt", "--batch", "8", "--device-memory", "eight"],
+                "malformed size `eight`",
+            ),
+            (
+                vec![
+                    "--model",
+                    "gpt2-medium",
+                    "--batch",
+                    "8",
+                    "--device-memory",
+                    "1GiB",
+                    "--reserve",
+                    "512MiB",
+                ],
+                "too small for the parameters alone",
+            ),
+            (
+                vec!["--model-file", file, "--batch", "8", "--device-memory", "1GiB"],
+                "layer 0 (kind `lstm`)",
+            ),
+        ] {
+            let e = outcome(&argv).expect_err("bad input");
+            assert!(e.contains(needle), "{argv:?}: {e}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_small_plan_runs_and_verifies_on_the_host() {
+        let code = outcome(&[
+            "--model",
+            "gpt",
+            "--batch",
+            "4",
+            "--device-memory",
+            "64MiB",
+            "--reserve",
+            "0",
+            "--verify",
+            "--json",
+        ])
+        .unwrap();
+        assert_eq!(code, ExitCode::SUCCESS);
+    }
+}

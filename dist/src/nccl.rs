@@ -196,7 +196,15 @@ impl Collective for NcclCollective {
         let (src, dst) = (Self::ptr(input)?, Self::ptr(output)?);
         // SAFETY: as in `all_reduce`; `input` holds `world_size` times `output`'s count.
         unsafe {
-            result::reduce_scatter(src, dst, output.numel(), dtype(output), red(op), self.comm, stream)
+            result::reduce_scatter(
+                src,
+                dst,
+                output.numel(),
+                dtype(output),
+                red(op),
+                self.comm,
+                stream,
+            )
         }
         .map_err(nccl_error("ncclReduceScatter"))?;
         Ok(())
@@ -312,15 +320,14 @@ impl Collective for NcclCollective {
         let s = src.cuda_device_ptr()? + (src_offset * size) as u64;
         let d = dst.cuda_device_ptr()? + (dst_offset * size) as u64;
         // SAFETY: both ranges lie inside their tensors (checked above); stream-ordered.
-        unsafe {
-            cudarc::driver::result::memcpy_dtod_async(d, s, len * size, stream as _)
-        }
-        .map_err(|e| {
-            DistError::Kernel(vram_kernels::Error::Device {
-                op: "cuMemcpyDtoDAsync",
-                reason: e.to_string(),
-            })
-        })
+        unsafe { cudarc::driver::result::memcpy_dtod_async(d, s, len * size, stream as _) }.map_err(
+            |e| {
+                DistError::Kernel(vram_kernels::Error::Device {
+                    op: "cuMemcpyDtoDAsync",
+                    reason: e.to_string(),
+                })
+            },
+        )
     }
 
     fn abort(&self, reason: &str) {

@@ -41,7 +41,11 @@ impl Shard {
         let start = (r * len).min(numel);
         let take = len.min(numel - start);
         if take > 0 {
-            let full = if value.dtype() == DType::F32 { value.clone() } else { value.to_dtype(DType::F32)? };
+            let full = if value.dtype() == DType::F32 {
+                value.clone()
+            } else {
+                value.to_dtype(DType::F32)?
+            };
             comm.copy_elements(&full, start, &mut master, 0, take)?;
         }
         Ok(Shard {
@@ -121,9 +125,10 @@ impl Shard {
         let Some(g) = &self.grad else {
             return Err(DistError::Invalid("a parameter got no gradient this step".into()));
         };
-        let step = self.step.checked_add(1).ok_or_else(|| {
-            DistError::Invalid("a parameter has taken u32::MAX steps".into())
-        })?;
+        let step = self
+            .step
+            .checked_add(1)
+            .ok_or_else(|| DistError::Invalid("a parameter has taken u32::MAX steps".into()))?;
         ops::adamw_step(&mut self.master, g, &mut self.exp_avg, &mut self.exp_avg_sq, step, cfg)?;
         self.step = step;
         if !keep_grad {

@@ -107,8 +107,12 @@ pub struct RankReport {
     /// Peak reserved bytes (`max_memory_reserved`).
     pub peak_reserved: u64,
     /// Bytes allocated right after the last optimizer step, gradients still held: the
-    /// model states (weights, gradients, optimizer state, kept buckets).
+    /// model states (weights, gradients, optimizer state, kept buckets), and whatever else
+    /// the device keeps (a cuBLAS workspace).
     pub state_bytes: u64,
+    /// The same, as requested by the tensors (`requested_bytes`: before the allocator's
+    /// rounding to 512 bytes and its unsplit remainders).
+    pub state_requested_bytes: u64,
     /// Wall time of each step.
     pub step_times: Vec<Duration>,
 }
@@ -175,11 +179,7 @@ impl<R: Replica> RankTrainer<R> {
     ///
     /// A collective's error, out of memory, or [`DistError::Invalid`] for a replica without
     /// parameters or with parameters of mixed dtypes.
-    pub fn new(
-        replica: R,
-        comm: Box<dyn Collective>,
-        config: DpConfig,
-    ) -> Result<Self, DistError> {
+    pub fn new(replica: R, comm: Box<dyn Collective>, config: DpConfig) -> Result<Self, DistError> {
         let s = match Self::setup(replica, &*comm, config) {
             Ok(s) => s,
             Err(e) => {
@@ -252,17 +252,7 @@ impl<R: Replica> RankTrainer<R> {
         let plan = BucketPlan::new(&numels, config.bucket_cap_bytes);
         let buckets = vec![None; plan.buckets.len()];
         drop(params);
-        Ok(Setup {
-            replica,
-            config,
-            dtype,
-            groups,
-            adamw,
-            shards,
-            shapes,
-            plan,
-            buckets,
-        })
+        Ok(Setup { replica, config, dtype, groups, adamw, shards, shapes, plan, buckets })
     }
 
     /// This rank.
@@ -282,7 +272,8 @@ impl<R: Replica> RankTrainer<R> {
     }
 
     /// One training step on this rank's part of `global` (split into `world_size` equal
-    /// parts); returns the bytes allocated right after the optimizer step.
+    /// parts). The model states stay allocated until the next step begins (its
+    /// `zero_grad`), so the device's statistics right after it show them.
     ///
     /// # Errors
     ///
@@ -291,7 +282,7 @@ impl<R: Replica> RankTrainer<R> {
     /// ([`train`] does).
     ///
     /// [`CommError::Aborted`]: crate::CommError::Aborted
-    pub fn step(&mut self, global: &R::Batch) -> Result<u64, DistError> {
+    pub fn step(&mut self, global: &R::Batch) -> Result<(), DistError> {
         let (n, rank) = (self.comm.world_size(), self.comm.rank());
         let parts = R::split(global, n)?;
         let local = parts.get(rank).ok_or_else(|| {
@@ -310,7 +301,7 @@ impl<R: Replica> RankTrainer<R> {
                 self.all_reduce_buckets()?;
                 let mut params = ParamList(self.replica.params_mut());
                 self.adamw.as_mut().map_or(Ok(()), |o| o.step(&mut params))?;
-                Ok(self.replica.device().memory_allocated())
+                Ok(())
             }
             Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3 => self.zero_step(local),
         }
@@ -387,7 +378,7 @@ impl<R: Replica> RankTrainer<R> {
 
     /// ZeRO-1/2/3: forward, backward (ZeRO-2/3 reduce-scatter in the hooks), shard update,
     /// and (ZeRO-1/2) all-gather of the updated weights.
-    fn zero_step(&mut self, local: &R::Batch) -> Result<u64, DistError> {
+    fn zero_step(&mut self, local: &R::Batch) -> Result<(), DistError> {
         let stage = self.config.strategy.zero_stage();
         self.forward_backward(local)?;
         let comm = &*self.comm;
@@ -409,18 +400,13 @@ impl<R: Replica> RankTrainer<R> {
                 s.gather_into(comm, &work, &mut p.value)?;
             }
         }
-        drop(params);
-        Ok(self.replica.device().memory_allocated())
+        Ok(())
     }
 
     /// `nn.DataParallel`: replicate, parallel forward, gather outputs on device 0, loss and
     /// its gradient there, scatter, parallel backward, sum the gradients into device 0,
     /// step there.
-    fn data_parallel_step(
-        &mut self,
-        global: &R::Batch,
-        local: &R::Batch,
-    ) -> Result<u64, DistError> {
+    fn data_parallel_step(&mut self, global: &R::Batch, local: &R::Batch) -> Result<(), DistError> {
         let root = self.comm.rank() == 0;
         let device = self.replica.device().clone();
         for (p, shape) in self.replica.params_mut().into_iter().zip(&self.shapes) {
@@ -432,7 +418,11 @@ impl<R: Replica> RankTrainer<R> {
         let (logits, tape) = self.replica.forward(local, &mut NoHooks)?;
         let (rows, classes) = match logits.shape() {
             [r, c] => (*r, *c),
-            s => return Err(DistError::Invalid(format!("logits of shape {s:?}, not [rows, classes]"))),
+            s => {
+                return Err(DistError::Invalid(format!(
+                    "logits of shape {s:?}, not [rows, classes]"
+                )));
+            }
         };
         let n = self.comm.world_size();
         let mut dlocal = Tensor::zeros(&device, &[rows, classes], logits.dtype())?;
@@ -462,13 +452,13 @@ impl<R: Replica> RankTrainer<R> {
         if root {
             let mut list = ParamList(params);
             self.adamw.as_mut().map_or(Ok(()), |o| o.step(&mut list))?;
-            return Ok(device.memory_allocated());
+            return Ok(());
         }
         for p in params.iter_mut() {
             p.zero_grad();
             p.value = released(&device, self.dtype)?;
         }
-        Ok(device.memory_allocated())
+        Ok(())
     }
 
     /// Every parameter's full value as f32, on every rank (gathered under ZeRO-3, broadcast
@@ -609,9 +599,8 @@ where
         handles
             .into_iter()
             .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(DistError::Invalid("a rank's thread panicked".into()))
-                })
+                h.join()
+                    .unwrap_or_else(|_| Err(DistError::Invalid("a rank's thread panicked".into())))
             })
             .collect()
     })
@@ -635,18 +624,22 @@ fn run_rank<R: Replica, T>(
     let device = trainer.replica.device().clone();
     device.reset_peak_stats();
     let mut times = Vec::with_capacity(batches.len());
-    let mut state_bytes = device.memory_allocated();
+    let (mut state_bytes, mut state_requested_bytes) = (0, 0);
     for batch in batches {
         let t0 = Instant::now();
-        state_bytes = trainer.step(batch).map_err(|e| fail(&*trainer.comm, e))?;
+        trainer.step(batch).map_err(|e| fail(&*trainer.comm, e))?;
         device.synchronize().map_err(|e| fail(&*trainer.comm, e.into()))?;
         times.push(t0.elapsed());
+        state_bytes = device.memory_allocated();
+        state_requested_bytes =
+            u64::try_from(device.memory_stats().requested_bytes.all.current).unwrap_or(0);
     }
     let report = RankReport {
         rank,
         peak_allocated: device.max_memory_allocated(),
         peak_reserved: device.max_memory_reserved(),
         state_bytes,
+        state_requested_bytes,
         step_times: times,
     };
     let extra = finish(&mut trainer).map_err(|e| fail(&*trainer.comm, e))?;

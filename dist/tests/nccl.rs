@@ -38,7 +38,11 @@ fn nccl_ranks_train_like_a_single_host_device() {
         for r in train(replicas, comms, config, &batches, |t| t.full_params()) {
             let (_, params) = r.unwrap();
             for (x, y) in params.iter().flatten().zip(reference.iter().flatten()) {
-                assert!((x - y).abs() <= 1e-4 * y.abs().max(1.0), "{}: {x} vs {y}", strategy.name());
+                assert!(
+                    (x - y).abs() <= 1e-4 * y.abs().max(1.0),
+                    "{}: {x} vs {y}",
+                    strategy.name()
+                );
             }
         }
     }

@@ -49,9 +49,15 @@ fn run(
     let virt = devices[0].is_virtual();
     let replicas = devices.iter().map(|d| Mlp::new(d, dims, dtype)).collect();
     let comms = if virt { virtual_comms(n) } else { host_comms(n) };
-    train(replicas, comms, config, batches, |t| {
-        if virt { Ok(None) } else { t.full_params().map(Some) }
-    })
+    train(
+        replicas,
+        comms,
+        config,
+        batches,
+        |t| {
+            if virt { Ok(None) } else { t.full_params().map(Some) }
+        },
+    )
 }
 
 fn close(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) {
@@ -70,11 +76,16 @@ fn every_strategy_on_n_devices_equals_single_device_training_on_the_global_batch
         for strategy in Strategy::ALL {
             // Bucket caps of 1 element, of a few parameters, and DDP's default.
             for cap in [4, 160, vram_dist::DEFAULT_BUCKET_CAP_BYTES] {
-                let config = DpConfig { bucket_cap_bytes: cap, adamw: adamw(), ..DpConfig::new(strategy) };
+                let config =
+                    DpConfig { bucket_cap_bytes: cap, adamw: adamw(), ..DpConfig::new(strategy) };
                 let out = run(n, &dims, DType::F32, config, &batches, |_| Device::host(64 << 20));
                 for r in out {
                     let (_, params) = r.unwrap();
-                    close(&params.unwrap(), &reference, &format!("{} n={n} cap={cap}", strategy.name()));
+                    close(
+                        &params.unwrap(),
+                        &reference,
+                        &format!("{} n={n} cap={cap}", strategy.name()),
+                    );
                 }
                 if strategy != Strategy::Ddp {
                     break; // the cap only matters to DDP
@@ -122,7 +133,8 @@ fn zero_memory_per_device_is_the_analytic_partition_of_16_bytes_per_parameter() 
     for n in [1usize, 2, 4, 8] {
         for strategy in [Strategy::Ddp, Strategy::Zero1, Strategy::Zero2, Strategy::Zero3] {
             // DDP's buckets are freed after each reduction here, so only model states count.
-            let config = DpConfig { keep_buckets: false, adamw: adamw(), ..DpConfig::new(strategy) };
+            let config =
+                DpConfig { keep_buckets: false, adamw: adamw(), ..DpConfig::new(strategy) };
             let out = run(n, &dims, DType::BF16, config, &batches, |_| Device::host(256 << 20));
             let want = analytic(strategy, p, n as f64);
             // Rounding: each of at most 6 tensors per parameter tensor rounds up to 512 B;
@@ -179,7 +191,9 @@ fn an_out_of_memory_rank_is_a_clear_error_on_every_rank_without_hanging() {
                     DistError::Comm(CommError::Aborted { by: 2, reason }) => {
                         assert!(reason.starts_with("rank 2: out of memory"), "{reason}")
                     }
-                    e => panic!("{} rank {r}: expected an abort by rank 2, got {e}", strategy.name()),
+                    e => {
+                        panic!("{} rank {r}: expected an abort by rank 2, got {e}", strategy.name())
+                    }
                 }
             }
         }

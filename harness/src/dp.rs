@@ -16,8 +16,8 @@ use crate::models::layers::{self, Act, Dense, TransformerBlock};
 use crate::rng::Rng;
 use vram_accum::{BoxedLayer, ForwardCtx, Mode, Param, SavedBox};
 use vram_dist::{
-    Collective, DistError, DpConfig, GroupHooks, HostCollective, InProcessGroup, Pass,
-    RankReport, Replica, VirtualCollective,
+    Collective, DistError, DpConfig, GroupHooks, HostCollective, InProcessGroup, Pass, RankReport,
+    Replica, VirtualCollective,
 };
 use vram_kernels::{DType, Device, Tensor, ops};
 
@@ -45,7 +45,12 @@ impl DpModel {
     /// # Errors
     ///
     /// [`DistError::Invalid`] for the CNNs (not supported here); out of memory.
-    pub fn new(device: &Device, arch: &Arch, seed: u64, dtype: DType) -> Result<DpModel, DistError> {
+    pub fn new(
+        device: &Device,
+        arch: &Arch,
+        seed: u64,
+        dtype: DType,
+    ) -> Result<DpModel, DistError> {
         let mut rng = Rng::new(seed);
         let rng = &mut rng;
         let mut out = Vec::new();
@@ -53,7 +58,8 @@ impl DpModel {
         match arch {
             Arch::Mlp { dims, classes } => {
                 for (i, w) in dims.windows(2).enumerate() {
-                    let l = Dense::new(device, &format!("fc{i}"), w[0], w[1], Act::Relu, rng, dtype);
+                    let l =
+                        Dense::new(device, &format!("fc{i}"), w[0], w[1], Act::Relu, rng, dtype);
                     out.push(BoxedLayer::new(l.map_err(accum)?));
                 }
                 let last = *dims
@@ -67,7 +73,15 @@ impl DpModel {
                 let pos = layers::normal(device, &[*seq, *d], 0.02, rng, dtype).map_err(accum)?;
                 embed = Some(([Param::new("wte", tok), Param::new("wpe", pos)], *seq));
                 for i in 0..*n {
-                    let b = TransformerBlock::new(device, &format!("h{i}"), *d, *seq, *dropout, rng, dtype);
+                    let b = TransformerBlock::new(
+                        device,
+                        &format!("h{i}"),
+                        *d,
+                        *seq,
+                        *dropout,
+                        rng,
+                        dtype,
+                    );
                     out.push(BoxedLayer::new(b.map_err(accum)?));
                 }
                 let head = Dense::new(device, "lm_head", *d, *vocab, Act::Identity, rng, dtype);
@@ -227,7 +241,6 @@ impl Replica for DpModel {
     }
 }
 
-
 impl DpModel {
     /// The embeddings' gradients from the first block's input gradient.
     fn embed_backward(
@@ -266,12 +279,22 @@ pub struct DpRun {
     pub params: u64,
     /// Per rank, in rank order.
     pub ranks: Vec<RankReport>,
+    /// The cuBLAS workspace each device holds once it ran a product (0 on host devices):
+    /// part of [`RankReport::state_bytes`], not a model state.
+    pub workspace_bytes: u64,
 }
 
 impl DpRun {
     /// The largest per-device peak of allocated bytes.
     pub fn max_peak_allocated(&self) -> u64 {
         self.ranks.iter().map(|r| r.peak_allocated).max().unwrap_or(0)
+    }
+
+    /// The largest per-device bytes of model states after a step, as the tensors
+    /// requested them (the allocator's rounding and the cuBLAS workspace left out).
+    pub fn max_state_bytes(&self) -> u64 {
+        let max = self.ranks.iter().map(|r| r.state_requested_bytes).max().unwrap_or(0);
+        max.saturating_sub(self.workspace_bytes)
     }
 
     /// The largest per-device peak of reserved bytes.
@@ -333,6 +356,7 @@ pub fn measure(
         });
     }
     let params = replicas.first_mut().map_or(0, DpModel::param_count);
+    let workspace_bytes = replicas.first().map_or(0, |r| r.device().blas_workspace_size() as u64);
     let batches: Vec<DpBatch> =
         (0..steps).map(|i| DpBatch::new(data, seed, i as u64, samples)).collect();
     let out = vram_dist::train(replicas, comms, config, &batches, |_| Ok(()));
@@ -349,7 +373,7 @@ pub fn measure(
     }
     match first_abort {
         Some(e) => Err(e),
-        None => Ok(DpRun { config, devices: n, params, ranks }),
+        None => Ok(DpRun { config, devices: n, params, ranks, workspace_bytes }),
     }
 }
 

@@ -24,7 +24,8 @@ pub fn rows(seed: u64, rows: usize, dim: usize, classes: usize) -> Rows {
         s ^= s << 17;
         (s >> 11) as f32 / (1u64 << 53) as f32
     };
-    let targets: Vec<u32> = (0..rows).map(|_| (next() * classes as f32) as u32 % classes as u32).collect();
+    let targets: Vec<u32> =
+        (0..rows).map(|_| (next() * classes as f32) as u32 % classes as u32).collect();
     let x = (0..rows * dim)
         .map(|i| next() - 0.5 + 0.3 * (targets[i / dim] as f32 - (i % dim) as f32 * 0.1))
         .collect();

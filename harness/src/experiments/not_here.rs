@@ -2,7 +2,7 @@
 //! and measures what can be measured here.
 
 use super::Sweep;
-use super::common::{cnn, cnn_side, device, median, stripes, sync, train_fresh};
+use super::common::{cnn, cnn_side, device, median, stripes, sync};
 use crate::models::Model;
 use crate::{Backend, Claim, Context, ExperimentResult, Verdict};
 use serde_json::json;

@@ -35,6 +35,9 @@ fn adamw() -> AdamWConfig {
     AdamWConfig { lr: 0.01, weight_decay: 0.01, ..AdamWConfig::default() }
 }
 
+/// Every parameter's values.
+type Params = Vec<Vec<f32>>;
+
 /// Runs `strategy` on `n` devices made by `device`; returns each rank's report and full
 /// parameters (`None` on virtual devices).
 fn run(
@@ -44,7 +47,7 @@ fn run(
     config: DpConfig,
     batches: &[Rows],
     device: impl Fn(usize) -> Device,
-) -> Vec<Result<(RankReport, Option<Vec<Vec<f32>>>), DistError>> {
+) -> Vec<Result<(RankReport, Option<Params>), DistError>> {
     let devices: Vec<Device> = (0..n).map(device).collect();
     let virt = devices[0].is_virtual();
     let replicas = devices.iter().map(|d| Mlp::new(d, dims, dtype)).collect();

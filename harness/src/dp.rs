@@ -157,7 +157,7 @@ impl Replica for DpModel {
     fn split(batch: &DpBatch, parts: usize) -> Result<Vec<DpBatch>, DistError> {
         let rows = batch.batch.targets.len();
         let unit = batch.rows_per_sample.max(1);
-        if parts == 0 || rows % (parts * unit) != 0 {
+        if parts == 0 || !rows.is_multiple_of(parts * unit) {
             return Err(DistError::Invalid(format!(
                 "a batch of {} samples does not split into {parts} equal parts",
                 rows / unit
@@ -186,7 +186,7 @@ impl Replica for DpModel {
                 Tensor::from_f32_slice(&self.device, shape, values, self.dtype)?
             }
             (Input::Tokens(ids), Some((e, seq))) => {
-                if ids.len() % *seq != 0 {
+                if !ids.len().is_multiple_of(*seq) {
                     return Err(DistError::Invalid(format!(
                         "{} tokens are not whole sequences of {seq}",
                         ids.len()

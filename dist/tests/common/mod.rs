@@ -98,7 +98,7 @@ impl Replica for Mlp {
 
     fn split(batch: &Rows, parts: usize) -> Result<Vec<Rows>, DistError> {
         let n = batch.targets.len();
-        if parts == 0 || n % parts != 0 {
+        if parts == 0 || !n.is_multiple_of(parts) {
             return Err(DistError::Invalid(format!("{n} rows do not split into {parts}")));
         }
         let k = n / parts;

@@ -130,6 +130,12 @@ impl Chain {
         &mut self.layers
     }
 
+    /// The layers, by value (to run them another way: data parallelism gathers each
+    /// layer's weights around its forward and backward).
+    pub fn into_layers(self) -> Vec<BoxedLayer> {
+        self.layers
+    }
+
     /// Every parameter, layer by layer.
     pub fn params(&self) -> Vec<&Param> {
         self.layers.iter().flat_map(|l| l.params()).collect()

@@ -1,9 +1,14 @@
-//! Data parallelism for vram: collective communication between replicas.
+//! Data parallelism for vram: N replicas on N devices, each with its own caching allocator,
+//! trained as PyTorch's `DistributedDataParallel` (bucketed gradient all-reduce), as
+//! DeepSpeed's ZeRO stages 1, 2 and 3, or as `nn.DataParallel` (outputs and loss on
+//! device 0).
 //!
-//! This first step provides the [`Communicator`] trait (all-reduce, reduce-scatter,
-//! all-gather, broadcast) and an in-process backend, [`InProcessGroup`], in which each
-//! rank is a thread. A failed rank (an error, a panic, or a rank that never arrives
-//! within the timeout) aborts the group: every rank gets [`CommError::Aborted`], none hangs.
+//! Communication is behind [`Collective`] (tensors) with three backends:
+//! [`HostCollective`] for host devices (values through an in-process [`Communicator`], one
+//! thread per rank), [`VirtualCollective`] for virtual devices (moves no values; every
+//! buffer a real collective needs is still allocated, so memory figures hold at real
+//! sizes), and `NcclCollective` for CUDA devices (feature `cuda`). A failed rank (out of
+//! memory) aborts the group: every rank gets an error naming it, none hangs.
 //!
 //! ```
 //! use std::time::Duration;
@@ -26,9 +31,22 @@
 //! ```
 
 mod bucket;
+mod collective;
 mod comm;
+mod error;
 mod in_process;
+#[cfg(feature = "cuda")]
+mod nccl;
+mod replica;
+mod shard;
+mod trainer;
 
 pub use bucket::{BucketPlan, DEFAULT_BUCKET_CAP_BYTES};
+pub use collective::{Collective, HostCollective, VirtualCollective};
 pub use comm::{CommError, Communicator, ReduceOp};
+pub use error::DistError;
 pub use in_process::{InProcessComm, InProcessGroup};
+#[cfg(feature = "cuda")]
+pub use nccl::NcclCollective;
+pub use replica::{GroupHooks, NoHooks, Pass, Replica};
+pub use trainer::{DpConfig, RankReport, RankTrainer, Strategy, train};

@@ -7,6 +7,7 @@
 mod backend;
 mod bench;
 pub mod data;
+pub mod dp;
 mod error;
 mod experiments;
 pub mod models;

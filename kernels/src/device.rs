@@ -312,6 +312,14 @@ impl Device {
         self.cuda_backend().map(|cuda| cuda.allocator())
     }
 
+    /// The CUDA stream every op of this device runs on (bound to the device's primary
+    /// context), for libraries that enqueue work in order with vram's ops, such as NCCL;
+    /// `None` on a host or virtual device.
+    #[cfg(feature = "cuda")]
+    pub fn cuda_stream(&self) -> Option<std::sync::Arc<cudarc::driver::CudaStream>> {
+        self.cuda_backend().map(|cuda| std::sync::Arc::clone(cuda.stream()))
+    }
+
     /// The CUDA backend, or `None` on another device.
     #[cfg(feature = "cuda")]
     pub(crate) fn cuda_backend(&self) -> Option<&crate::cuda::CudaBackend> {

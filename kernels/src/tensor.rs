@@ -228,6 +228,19 @@ impl Tensor {
         self.storage.cuda_ptr("cuda kernel")
     }
 
+    /// The device address (`CUdeviceptr`) of a CUDA tensor's first element, for libraries
+    /// that work on raw device memory (NCCL). Work that writes through it must be ordered on
+    /// [`Device::cuda_stream`] and must only write a tensor that no clone shares
+    /// ([`is_shared`](Self::is_shared) false), or other clones would see the writes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unsupported`] if the tensor is not on a CUDA device.
+    #[cfg(feature = "cuda")]
+    pub fn cuda_device_ptr(&self) -> Result<u64> {
+        self.cuda_ptr()
+    }
+
     /// The dimensions, outermost first.
     pub fn shape(&self) -> &[usize] {
         &self.shape

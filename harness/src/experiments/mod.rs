@@ -3,6 +3,7 @@
 mod batch_size;
 mod checkpointing;
 mod common;
+mod data_parallel;
 mod empty_cache;
 mod fragmentation;
 mod grad_accumulation;
@@ -42,7 +43,7 @@ const EXPERIMENTS: &[(&str, ExperimentFn)] = &[
     ("monitoring", monitoring::run),
     ("multi-task", multi_task::run),
     ("oom-recovery", oom_recovery::run),
-    ("data-parallel", not_here::data_parallel),
+    ("data-parallel", data_parallel::run),
     ("cpu-fallback", not_here::cpu_fallback),
 ];
 

@@ -2,20 +2,12 @@
 //! and measures what can be measured here.
 
 use super::Sweep;
-use super::common::{cnn, cnn_side, device, median, stripes, sync, train_fresh};
+use super::common::{cnn, cnn_side, device, median, stripes, sync};
 use crate::models::Model;
 use crate::{Backend, Claim, Context, ExperimentResult, Verdict};
 use serde_json::json;
 use vram_accum::Mode;
 use vram_kernels::{DType, Device, Tensor};
-
-fn single_device_baseline(ctx: &Context, sweep: &mut Sweep, name: &str) -> Result<(), String> {
-    let m = train_fresh(ctx, cnn(ctx, false), &stripes(cnn_side(ctx)), 16, "")?;
-    let mut v = sweep.variant(name, m.peak_allocated, m.peak_reserved, Some(m.step_ms));
-    v.extra.insert("samples_per_s".into(), json!(m.samples_per_s));
-    sweep.push(v);
-    Ok(())
-}
 
 /// `pinned-memory`: page-locked host buffers and copies on a side stream. On CUDA, measures
 /// host-to-device copy bandwidth from pageable memory against page-locked memory uploaded on
@@ -73,19 +65,6 @@ pub fn pinned_memory(ctx: &Context) -> Result<ExperimentResult, String> {
             rates[0], rates[1]
         ),
         verdict: if rates[1] > 1.2 * rates[0] { Verdict::Partly } else { Verdict::DoesNotHold },
-    });
-    Ok(sweep.finish())
-}
-
-/// `data-parallel`: several GPUs with NCCL all-reduce.
-pub fn data_parallel(ctx: &Context) -> Result<ExperimentResult, String> {
-    let mut sweep = Sweep::new(ctx, "data-parallel", json!({ "devices": 1 }));
-    single_device_baseline(ctx, &mut sweep, "1 device (baseline)")?;
-    sweep.claim(Claim {
-        claim: "data parallel training over several GPUs spreads memory and work".into(),
-        measured: "not measured: needs more than one GPU; only the single-device baseline ran"
-            .into(),
-        verdict: Verdict::NotApplicable,
     });
     Ok(sweep.finish())
 }

@@ -30,6 +30,16 @@ struct Embed {
     tied: bool,
 }
 
+/// A [`Model`] taken apart ([`Model::into_parts`]).
+pub struct ModelParts {
+    /// GPT's token and position embeddings (`wte`, `wpe`) and the sequence length.
+    pub embed: Option<([Param; 2], usize)>,
+    /// Whether the LM head is `wte` (logits `h wte^T` after the chain).
+    pub tied: bool,
+    /// The chain's layers, in order.
+    pub layers: Vec<BoxedLayer>,
+}
+
 /// A reference model on a device.
 pub struct Model {
     /// Name for reports.
@@ -277,6 +287,17 @@ impl Model {
             embed,
             chain: Chain::new(b.layers),
         })
+    }
+
+    /// The model taken apart: the token and position embeddings with the sequence length
+    /// (GPT), whether the LM head is tied to the token embedding (applied after the chain),
+    /// and the chain's layers.
+    pub fn into_parts(self) -> ModelParts {
+        let (embed, tied) = match self.embed {
+            Some(e) => (Some(([e.tok, e.pos], e.seq)), e.tied),
+            None => (None, false),
+        };
+        ModelParts { embed, tied, layers: self.chain.into_layers() }
     }
 
     /// The architecture.

@@ -134,6 +134,11 @@ impl CudaBackend {
         Ok(self.alloc.allocate(bytes)?)
     }
 
+    /// The stream every op runs on.
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
     /// The transfer stream (created on first use).
     fn transfer_stream(&self) -> Result<&Arc<CudaStream>> {
         if let Some(s) = self.transfer.get() {

@@ -66,7 +66,7 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
             "devices": DEVICES,
             "strategies": Strategy::ALL.iter().map(|s| s.name()).collect::<Vec<_>>(),
             "host_model": format!("{host_arch:?}"), "host_dtype": "f32",
-            "virtual_model": "GPT-2 medium shape: Gpt { vocab: 50257, d: 1024, layers: 24, seq: 1024 }",
+            "virtual_model": format!("GPT-2 medium, untied LM head: {big:?}"),
             "virtual_dtype": "bf16 weights and gradients, f32 master and AdamW moments",
             "virtual_capacity_bytes": capacity,
             "global_batch_sequences": samples, "bucket_cap_bytes": vram_dist::DEFAULT_BUCKET_CAP_BYTES,

@@ -12,7 +12,8 @@ use vram_harness::plan::{
 
 #[derive(clap::Args)]
 pub struct PlanArgs {
-    /// A model by name (gpt2-small, gpt2-medium, resnet50, gpt, resnet, mobilenet, mlp).
+    /// A model by name: gpt2-small, gpt2-medium, resnet50, mobilenetv3-like, vit-b-like (real
+    /// sizes), gpt, resnet-like, mobilenet-like, mlp (small; `resnet`, `mobilenet` also work).
     #[arg(long, required_unless_present = "model_file", conflicts_with = "model_file")]
     model: Option<String>,
     /// A model described in a TOML or JSON file of layer specs (see models/example.toml).

@@ -20,7 +20,7 @@
 //! ```
 //!
 //! Kinds: `embedding {vocab, dim}`, `linear {out, act}`, `conv {out, kernel, stride = 1,
-//! groups = 1, act}` (padding `kernel / 2`, no bias), `attention {dropout = 0}`, `norm`,
+//! groups = 1, act}` (padding `kernel / 2`, no bias), `attention {heads = 1, dropout = 0}`, `norm`,
 //! `pool` (global average pooling, `[b, c, h, w] -> [b, c]`). `act` is `none` (default),
 //! `relu` or `gelu`. The last layer's width is the number of classes of the cross-entropy
 //! loss (per position for token inputs).

@@ -268,10 +268,11 @@ impl DpRun {
         self.ranks.iter().map(|r| r.peak_reserved).max().unwrap_or(0)
     }
 
-    /// Median over the steps after the first of the slowest rank's step time, in ms.
-    pub fn step_ms(&self) -> Option<f64> {
-        let steps = self.ranks.first()?.step_times.len();
-        let mut t: Vec<f64> = (1.min(steps.saturating_sub(1))..steps)
+    /// The slowest rank's step time of every step after the first (which allocates the
+    /// optimizer state and the buckets), in ms.
+    pub fn step_samples_ms(&self) -> Vec<f64> {
+        let steps = self.ranks.first().map_or(0, |r| r.step_times.len());
+        (1.min(steps.saturating_sub(1))..steps)
             .map(|s| {
                 self.ranks
                     .iter()
@@ -282,9 +283,7 @@ impl DpRun {
                     .as_secs_f64()
                     * 1e3
             })
-            .collect();
-        t.sort_by(f64::total_cmp);
-        t.get(t.len() / 2).copied()
+            .collect()
     }
 }
 

@@ -1,23 +1,47 @@
 //! The harness's error type.
 
 use std::path::PathBuf;
+use vram_alloc::human_bytes;
 
 /// What can go wrong when running experiments.
 #[derive(Debug, thiserror::Error)]
 pub enum HarnessError {
     /// An experiment id that does not exist.
-    #[error("unknown experiment id `{id}`; `cargo xtask bench --list` shows the valid ids")]
+    #[error("unknown experiment id `{id}`; the ids are: {known}")]
     UnknownExperiment {
         /// The id given.
         id: String,
+        /// Every valid id, comma-separated.
+        known: String,
+    },
+    /// An experiment id given twice.
+    #[error("experiment id `{id}` is given twice; give each id once")]
+    DuplicateExperiment {
+        /// The id given twice.
+        id: String,
     },
     /// A size argument that could not be parsed.
-    #[error(
-        "malformed size `{input}`: expected a number with an optional unit (B, KiB, MiB, GiB, KB, MB, GB), e.g. `4GiB`"
-    )]
+    #[error("malformed size `{input}`: {reason} (e.g. `4GiB`)")]
     MalformedSize {
         /// The text given.
         input: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A simulated device capacity that an experiment cannot run with on the host.
+    #[error(
+        "experiment `{id}` simulates at most {} on the host backend, asked for {}: {why}; pass --device-memory {} or less, or leave `{id}` out of --only",
+        human_bytes(*limit), human_bytes(*capacity), human_bytes(*limit)
+    )]
+    CapacityTooLarge {
+        /// The experiment.
+        id: String,
+        /// The capacity asked for, in bytes.
+        capacity: u64,
+        /// The largest it runs with, in bytes.
+        limit: u64,
+        /// Why it has a limit.
+        why: String,
     },
     /// The CUDA backend was asked for where it cannot run.
     #[error("the CUDA backend was requested but is not usable: {reason}")]
@@ -34,11 +58,70 @@ pub enum HarnessError {
         source: std::io::Error,
     },
     /// An experiment failed while running.
-    #[error("experiment `{id}` failed: {message}")]
+    #[error("experiment `{id}` failed: {source}")]
     Experiment {
         /// The experiment id.
         id: String,
         /// What went wrong.
-        message: String,
+        source: ExperimentError,
     },
+}
+
+/// What an experiment (or the [`Trainer`](crate::trainer::Trainer)) can fail with. Each
+/// variant keeps the error it came from, so [`ExperimentError::is_out_of_memory`] sees an
+/// out-of-memory error wherever it was raised: a layer, the loss scaler, an optimizer step,
+/// the allocator.
+#[derive(Debug, thiserror::Error)]
+pub enum ExperimentError {
+    /// A layer, the executor, the planner or the accumulator failed.
+    #[error(transparent)]
+    Accum(vram_accum::Error),
+    /// The loss scaler, an optimizer or gradient clipping failed.
+    #[error(transparent)]
+    Amp(#[from] vram_amp::Error),
+    /// A tensor op failed.
+    #[error(transparent)]
+    Kernel(#[from] vram_kernels::Error),
+    /// The allocator failed.
+    #[error(transparent)]
+    Alloc(#[from] vram_alloc::AllocError),
+    /// The raw device memory backend failed (e.g. opening a CUDA device).
+    #[error(transparent)]
+    Device(#[from] vram_alloc::RawError),
+    /// Allocator settings that do not parse.
+    #[error(transparent)]
+    Config(#[from] vram_alloc::ConfigError),
+    /// A data-parallel run failed (on any rank: the first rank's own error).
+    #[error(transparent)]
+    Dist(#[from] vram_dist::DistError),
+    /// The experiment cannot be set up as asked (a size out of range, a backend this build
+    /// lacks).
+    #[error("invalid setup: {0}")]
+    Setup(String),
+}
+
+impl From<vram_accum::Error> for ExperimentError {
+    /// Keeps an amp error an amp error and a tensor error a tensor error.
+    fn from(e: vram_accum::Error) -> Self {
+        match e {
+            vram_accum::Error::Kernel(k) => ExperimentError::Kernel(k),
+            vram_accum::Error::Amp(a) => ExperimentError::Amp(a),
+            other => ExperimentError::Accum(other),
+        }
+    }
+}
+
+impl ExperimentError {
+    /// Whether this is an out-of-memory error, wherever it was raised.
+    pub fn is_out_of_memory(&self) -> bool {
+        match self {
+            ExperimentError::Accum(e) => e.is_out_of_memory(),
+            ExperimentError::Amp(e) => e.is_out_of_memory(),
+            ExperimentError::Kernel(e) => e.is_out_of_memory(),
+            ExperimentError::Alloc(e) => e.is_out_of_memory(),
+            ExperimentError::Device(e) => matches!(e, vram_alloc::RawError::OutOfMemory { .. }),
+            ExperimentError::Dist(e) => e.is_out_of_memory(),
+            ExperimentError::Config(_) | ExperimentError::Setup(_) => false,
+        }
+    }
 }

@@ -1,6 +1,6 @@
 //! vram-harness: reference models, experiments and the report behind `cargo xtask bench`.
 //!
-//! Each technique of the project's catalogue ([`TECHNIQUES`]) gets an experiment that
+//! Each technique of the project's catalogue ([`techniques`]) gets an experiment that
 //! measures what it does to peak memory and speed; [`run`] runs a selection, writes
 //! `<out>/<id>.json` per experiment and `<out>/REPORT.md`.
 
@@ -11,21 +11,22 @@ pub mod dp;
 mod error;
 mod experiments;
 pub mod models;
-pub mod optim;
 pub mod plan;
 mod plots;
 mod report;
 mod results;
 pub mod rng;
 mod techniques;
+pub mod timing;
 pub mod trainer;
 
 pub use backend::{Backend, BackendChoice};
 pub use bench::{
     BenchOptions, BenchSummary, Context, DEFAULT_HOST_DEVICE_MEMORY, Outcome, Progress, list,
-    parse_size, run,
+    parse_only, parse_size, run,
 };
-pub use error::HarnessError;
+pub use error::{ExperimentError, HarnessError};
 pub use results::{Claim, ExperimentResult, Variant, Verdict};
-pub use techniques::{TECHNIQUES, Technique, technique};
+pub use techniques::{Technique, technique, techniques};
+pub use timing::Timing;
 pub use vram_alloc::human_bytes;

@@ -1,13 +1,13 @@
-//! SVG plots of experiment results, drawn from the results files' fields.
+//! SVG charts (lines, labelled points, stacked bars); each experiment draws its plot from its
+//! typed measurements with them.
 
-use crate::ExperimentResult;
 use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
-use serde_json::Value;
 use std::ops::Range;
 
 const SIZE: (u32, u32) = (720, 420);
-const MIB: f64 = 1024.0 * 1024.0;
+/// Bytes per MiB, for axes in MiB.
+pub(crate) const MIB: f64 = 1024.0 * 1024.0;
 const COLOURS: [RGBColor; 6] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
@@ -18,108 +18,6 @@ const COLOURS: [RGBColor; 6] = [
 ];
 
 type Series = (String, Vec<(f64, f64)>);
-
-/// The plot for an experiment, as SVG text, when it has one.
-pub fn render(r: &ExperimentResult) -> Option<String> {
-    let field = |v: &crate::Variant, k: &str| v.extra.get(k).and_then(Value::as_f64);
-    match r.experiment.as_str() {
-        "batch-size" | "input-size" => {
-            let key = if r.experiment == "batch-size" { "batch_size" } else { "side" };
-            let pts = |f: fn(&crate::Variant) -> u64| -> Vec<(f64, f64)> {
-                r.variants
-                    .iter()
-                    .filter_map(|v| Some((field(v, key)?, f(v) as f64 / MIB)))
-                    .collect()
-            };
-            let series = vec![
-                ("peak allocated".to_string(), pts(|v| v.peak_allocated_bytes)),
-                ("peak reserved".to_string(), pts(|v| v.peak_reserved_bytes)),
-            ];
-            let (title, x) = if key == "side" {
-                ("Peak memory vs input side", "image side (pixels)")
-            } else {
-                ("Peak memory vs batch size", "batch size")
-            };
-            lines(title, x, "MiB", &series, true)
-        }
-        "monitoring" => {
-            let v = r.variants.first()?;
-            let per = field(v, "timeline_events_per_point").unwrap_or(1.0);
-            let points = v.extra.get("timeline_allocated_reserved")?.as_array()?;
-            let at = |i: usize| -> Vec<(f64, f64)> {
-                points
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(n, p)| Some((n as f64 * per, p.get(i)?.as_f64()? / MIB)))
-                    .collect()
-            };
-            let series = vec![("allocated".to_string(), at(0)), ("reserved".to_string(), at(1))];
-            lines("Memory timeline of a training run", "allocator event", "MiB", &series, false)
-        }
-        "fragmentation" => {
-            let series: Vec<Series> = r
-                .variants
-                .iter()
-                .filter_map(|v| {
-                    let t = v.extra.get("fragmentation_timeline")?.as_array()?;
-                    let pts = t
-                        .iter()
-                        .enumerate()
-                        .filter_map(|(i, f)| Some((i as f64, 100.0 * f.as_f64()?)))
-                        .collect();
-                    Some((v.name.clone(), pts))
-                })
-                .collect();
-            lines("Fragmentation (1 - allocated / reserved) per step", "step", "%", &series, false)
-        }
-        "checkpointing" => {
-            let base = r.variants.first()?.step_ms?;
-            let pts: Vec<(String, f64, f64)> = r
-                .variants
-                .iter()
-                .filter_map(|v| {
-                    Some((
-                        v.name.clone(),
-                        100.0 * (v.step_ms? / base - 1.0),
-                        v.peak_allocated_bytes as f64 / MIB,
-                    ))
-                })
-                .collect();
-            scatter(
-                "Checkpointing: peak memory vs time overhead",
-                "time overhead vs no checkpointing (%)",
-                "peak allocated (MiB)",
-                &pts,
-            )
-        }
-        "mixed-precision" => {
-            let parts = [
-                ("weights", "weights_bytes"),
-                ("master weights", "master_weights_bytes"),
-                ("gradients", "grads_bytes"),
-                ("optimizer state", "optimizer_state_bytes"),
-                ("activations + temporaries", "activations_and_temporaries_bytes"),
-            ];
-            let bars: Vec<(String, Vec<f64>)> = r
-                .variants
-                .iter()
-                .map(|v| {
-                    (
-                        short(&v.name),
-                        parts.iter().map(|(_, k)| field(v, k).unwrap_or(0.0) / MIB).collect(),
-                    )
-                })
-                .collect();
-            let names: Vec<&str> = parts.iter().map(|(n, _)| *n).collect();
-            stacked("Mixed precision: where peak memory goes", "MiB", &names, &bars)
-        }
-        _ => None,
-    }
-}
-
-fn short(name: &str) -> String {
-    name.split([',', '+']).next().unwrap_or(name).trim().to_string()
-}
 
 fn bounds(series: &[Series], from_zero: bool) -> Option<(f64, f64, f64)> {
     let all = series.iter().flat_map(|(_, p)| p.iter());
@@ -172,7 +70,13 @@ fn chart(
 
 type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
 
-fn lines(title: &str, x: &str, y: &str, series: &[Series], points: bool) -> Option<String> {
+pub(crate) fn lines(
+    title: &str,
+    x: &str,
+    y: &str,
+    series: &[Series],
+    points: bool,
+) -> Option<String> {
     let (x0, x1, y1) = bounds(series, true)?;
     chart(title, x0..x1, 0f64..y1, true, |chart| {
         chart.configure_mesh().x_desc(x).y_desc(y).draw().ok()?;
@@ -193,7 +97,7 @@ fn lines(title: &str, x: &str, y: &str, series: &[Series], points: bool) -> Opti
     })
 }
 
-fn scatter(title: &str, x: &str, y: &str, pts: &[(String, f64, f64)]) -> Option<String> {
+pub(crate) fn scatter(title: &str, x: &str, y: &str, pts: &[(String, f64, f64)]) -> Option<String> {
     let series = vec![(String::new(), pts.iter().map(|p| (p.1, p.2)).collect())];
     let (x0, x1, y1) = bounds(&series, true)?;
     let pad = (x1 - x0) * 0.15;
@@ -215,7 +119,12 @@ fn scatter(title: &str, x: &str, y: &str, pts: &[(String, f64, f64)]) -> Option<
     })
 }
 
-fn stacked(title: &str, y: &str, parts: &[&str], bars: &[(String, Vec<f64>)]) -> Option<String> {
+pub(crate) fn stacked(
+    title: &str,
+    y: &str,
+    parts: &[&str],
+    bars: &[(String, Vec<f64>)],
+) -> Option<String> {
     let top = bars.iter().map(|(_, v)| v.iter().sum::<f64>()).fold(0f64, f64::max) * 1.15;
     let n = bars.len() as f64;
     chart(title, 0f64..n, 0f64..top.max(1.0), true, |chart| {

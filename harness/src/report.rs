@@ -32,7 +32,7 @@ pub fn render(
     let _ = writeln!(s, "|---|---|---|---|");
     for (t, outcome, _) in outcomes {
         match outcome {
-            Outcome::Done(r) => {
+            Outcome::Done { result: r, .. } => {
                 for c in &r.claims {
                     let _ = writeln!(
                         s,
@@ -50,12 +50,8 @@ pub fn render(
                     "| `{}` | {} | experiment failed: {} | **failed** |",
                     t.id,
                     cell(t.claim),
-                    cell(m)
+                    cell(&m.to_string())
                 );
-            }
-            Outcome::NotImplemented => {
-                let _ =
-                    writeln!(s, "| `{}` | {} | no experiment yet | not run |", t.id, cell(t.claim));
             }
         }
     }
@@ -65,13 +61,17 @@ pub fn render(
     );
 
     for (t, outcome, elapsed) in outcomes {
-        let Outcome::Done(r) = outcome else { continue };
+        let Outcome::Done { result: r, plot } = outcome else { continue };
         let _ = writeln!(s, "## `{}`: {}\n", t.id, t.name);
         let _ = writeln!(s, "Ran in {:.1} s. Results: `{}.json`.\n", elapsed.as_secs_f64(), t.id);
-        let _ = writeln!(s, "| variant | peak allocated | peak reserved | step (ms) |");
+        let _ =
+            writeln!(s, "| variant | peak allocated | peak reserved | step (ms, mean +- 95% CI) |");
         let _ = writeln!(s, "|---|---:|---:|---:|");
         for v in &r.variants {
-            let step = v.step_ms.map_or("-".to_string(), |ms| format!("{ms:.3}"));
+            let step = v.timing().map_or("-".to_string(), |t| match t.ci95_ms {
+                Some(_) => format!("{:.3} +- {:.3} (n = {})", t.mean_ms, t.half_width(), t.samples),
+                None => format!("{:.3} (n = {})", t.mean_ms, t.samples),
+            });
             let _ = writeln!(
                 s,
                 "| {} | {} | {} | {} |",
@@ -81,7 +81,7 @@ pub fn render(
                 step
             );
         }
-        if crate::plots::render(r).is_some() {
+        if *plot {
             let _ = writeln!(s, "\n![{}]({}.svg)", t.id, t.id);
         }
         let _ = writeln!(s);

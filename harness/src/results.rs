@@ -29,12 +29,30 @@ pub struct Variant {
     pub peak_allocated_bytes: u64,
     /// Peak of `reserved_bytes.all` during the variant.
     pub peak_reserved_bytes: u64,
-    /// Median step time in milliseconds, when the variant is timed.
+    /// Mean step time in milliseconds, when the variant is timed (steps interleaved with
+    /// the other variants'; see `step_ms_ci95`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub step_ms: Option<f64>,
+    /// 95% confidence interval of the mean step time (Student t), in milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_ms_ci95: Option<[f64; 2]>,
+    /// Number of timed steps behind `step_ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_ms_samples: Option<usize>,
     /// Further measurements specific to the experiment.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, Value>,
+}
+
+impl Variant {
+    /// The step time with its interval, when the variant is timed.
+    pub fn timing(&self) -> Option<crate::Timing> {
+        Some(crate::Timing {
+            mean_ms: self.step_ms?,
+            ci95_ms: self.step_ms_ci95,
+            samples: self.step_ms_samples.unwrap_or(1),
+        })
+    }
 }
 
 /// A verdict on a claim, computed from a measurement at run time.

@@ -2,15 +2,30 @@
 //! scaling, f32 master weights) and vram-accum (gradient accumulation, checkpoint plan), with
 //! hooks on batch end and epoch end.
 
+use crate::ExperimentError;
 use crate::data::{Dataset, Loader};
 use crate::models::Model;
-use crate::optim::Optimizer as F32Optimizer;
 use std::time::Instant;
-use vram_accum::{
-    CheckpointPlan, Error, ForwardCtx, GradAccumulator, Mode, Normalization, Result, Schedule,
-};
-use vram_amp::{AdamW, LossScaler, Optimizer, ScalerConfig, StepOutcome};
-use vram_kernels::{AdamWConfig, DType};
+use vram_accum::{CheckpointPlan, ForwardCtx, GradAccumulator, Mode, Normalization, Schedule};
+use vram_amp::{AdamW, LossScaler, Optimizer, ScalerConfig, Sgd, StepOutcome};
+use vram_kernels::{AdamWConfig, DType, SgdConfig};
+
+/// `Result` with the trainer's error, which keeps where an error came from (a layer, the
+/// scaler, the optimizer), so that [`ExperimentError::is_out_of_memory`] holds for an
+/// out-of-memory error raised anywhere in a step.
+pub type Result<T, E = ExperimentError> = std::result::Result<T, E>;
+
+/// vram-amp's AdamW with PyTorch's defaults (betas 0.9 / 0.999, eps 1e-8, weight decay 0.01)
+/// at learning rate `lr`. Its state is created at each parameter's first step; 16-bit
+/// parameters get an f32 master copy, f32 parameters none.
+pub fn adamw(lr: f32) -> AdamW {
+    AdamW::new(AdamWConfig { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 })
+}
+
+/// vram-amp's SGD with momentum 0.9 at learning rate `lr`.
+pub fn sgd(lr: f32) -> Sgd {
+    Sgd::new(SgdConfig { lr, momentum: 0.9, dampening: 0.0, weight_decay: 0.0, nesterov: false })
+}
 
 /// The numeric precision of a run.
 #[derive(Clone, Debug)]
@@ -100,12 +115,6 @@ pub struct NoHooks;
 
 impl Hooks for NoHooks {}
 
-enum Updater {
-    F32(F32Optimizer),
-    /// vram-amp's AdamW, which keeps f32 masters of the 16-bit weights.
-    Master(AdamW),
-}
-
 /// Bytes by category, for memory breakdowns.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct StateBytes {
@@ -123,7 +132,8 @@ pub struct StateBytes {
 pub struct Trainer {
     model: Model,
     cfg: TrainConfig,
-    updater: Updater,
+    /// vram-amp's AdamW: f32 masters of 16-bit weights, none for f32 ones.
+    optimizer: AdamW,
     scaler: Option<LossScaler>,
     schedule: Schedule,
     accumulator: GradAccumulator,
@@ -133,8 +143,8 @@ pub struct Trainer {
     grad_bytes: u64,
 }
 
-fn invalid(reason: String) -> Error {
-    Error::InvalidArgument { what: "Trainer", reason }
+fn invalid(reason: String) -> ExperimentError {
+    ExperimentError::Setup(format!("Trainer: {reason}"))
 }
 
 impl Trainer {
@@ -150,16 +160,7 @@ impl Trainer {
         if model.params().first().is_some_and(|p| p.value.dtype() != dtype) {
             return Err(invalid(format!("the model is not in {dtype}, the run's precision")));
         }
-        let updater = match cfg.precision {
-            Precision::F32 => Updater::F32(F32Optimizer::adamw(cfg.lr)),
-            _ => Updater::Master(AdamW::new(AdamWConfig {
-                lr: cfg.lr,
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-                weight_decay: 0.01,
-            })),
-        };
+        let optimizer = adamw(cfg.lr);
         let scaler = match &cfg.precision {
             Precision::F16(c) => Some(LossScaler::new(c.clone())?),
             _ => None,
@@ -178,7 +179,7 @@ impl Trainer {
         Ok(Trainer {
             model,
             cfg,
-            updater,
+            optimizer,
             scaler,
             schedule,
             accumulator,
@@ -211,11 +212,12 @@ impl Trainer {
 
     /// Bytes of weights, master weights, gradients and optimizer state.
     pub fn state_bytes(&self) -> StateBytes {
-        let (master, optimizer) = match &self.updater {
-            Updater::F32(o) => (0, o.state_bytes()),
-            Updater::Master(m) => (m.master_bytes(), m.state_bytes()),
-        };
-        StateBytes { weights: self.model.param_bytes(), master, grads: self.grad_bytes, optimizer }
+        StateBytes {
+            weights: self.model.param_bytes(),
+            master: self.optimizer.master_bytes(),
+            grads: self.grad_bytes,
+            optimizer: self.optimizer.state_bytes(),
+        }
     }
 
     /// One optimizer step: `accumulation` micro-batches, then the update.
@@ -249,13 +251,12 @@ impl Trainer {
             .sum();
         hooks.on_backward_end(self.step, &self.model);
         let mut skipped = false;
-        match (&mut self.updater, &mut self.scaler) {
-            (Updater::Master(opt), Some(s)) => {
-                skipped = s.step(opt, &mut self.model)? == StepOutcome::Skipped;
+        match &mut self.scaler {
+            Some(s) => {
+                skipped = s.step(&mut self.optimizer, &mut self.model)? == StepOutcome::Skipped;
                 s.update()?;
             }
-            (Updater::Master(opt), None) => opt.step(&mut self.model)?,
-            (Updater::F32(opt), _) => opt.step(self.model.params_mut())?,
+            None => self.optimizer.step(&mut self.model)?,
         }
         self.model.zero_grad();
         device.synchronize()?;

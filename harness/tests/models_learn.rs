@@ -1,9 +1,10 @@
 //! Every reference model learns its synthetic data set: the loss falls.
 
 use vram_accum::{ForwardCtx, Mode};
+use vram_amp::Optimizer;
 use vram_harness::data::Dataset;
 use vram_harness::models::{Arch, Model};
-use vram_harness::optim::Optimizer;
+use vram_harness::trainer::{adamw, sgd};
 use vram_kernels::{DType, Device};
 
 fn loss_falls(
@@ -11,7 +12,7 @@ fn loss_falls(
     data: Dataset,
     batch: usize,
     steps: usize,
-    mut opt: Optimizer,
+    mut opt: impl Optimizer,
 ) -> (f32, f32) {
     let device = Device::host(1 << 30);
     let mut model = Model::new(&device, arch, 1, DType::F32).unwrap();
@@ -21,7 +22,7 @@ fn loss_falls(
         let b = data.batch(7, step as u64, batch);
         let mut ctx = ForwardCtx::new(Mode::Train, step as u64);
         model.train_step(&b, &mut ctx, 1.0).unwrap();
-        opt.step(model.params_mut()).unwrap();
+        opt.step(&mut model).unwrap();
         model.zero_grad();
     }
     let after = model.eval_loss(&eval, Mode::Inference).unwrap();
@@ -32,24 +33,24 @@ fn loss_falls(
 #[test]
 fn mlp_learns_gaussian_clusters() {
     let arch = Arch::Mlp { dims: vec![16, 32, 32], classes: 4 };
-    loss_falls(arch, Dataset::Clusters { dim: 16, classes: 4 }, 32, 30, Optimizer::sgd(0.01));
+    loss_falls(arch, Dataset::Clusters { dim: 16, classes: 4 }, 32, 30, sgd(0.01));
 }
 
 #[test]
 fn resnet_like_cnn_learns_stripes() {
     let arch = Arch::ResNet { width: 8, blocks: vec![1, 1], classes: 4 };
-    loss_falls(arch, Dataset::Stripes { side: 8, classes: 4 }, 16, 30, Optimizer::adamw(3e-3));
+    loss_falls(arch, Dataset::Stripes { side: 8, classes: 4 }, 16, 30, adamw(3e-3));
 }
 
 #[test]
 fn mobilenet_like_cnn_learns_stripes() {
     let arch = Arch::MobileNet { width: 8, blocks: vec![1, 1], classes: 4 };
-    loss_falls(arch, Dataset::Stripes { side: 8, classes: 4 }, 16, 40, Optimizer::adamw(3e-3));
+    loss_falls(arch, Dataset::Stripes { side: 8, classes: 4 }, 16, 40, adamw(3e-3));
 }
 
 #[test]
 fn gpt_learns_affine_sequences() {
     let arch =
         Arch::Gpt { vocab: 16, d: 32, layers: 2, heads: 2, seq: 8, dropout: 0.1, tied: false };
-    loss_falls(arch, Dataset::Sequences { vocab: 16, seq: 8 }, 8, 60, Optimizer::adamw(3e-3));
+    loss_falls(arch, Dataset::Sequences { vocab: 16, seq: 8 }, 8, 60, adamw(3e-3));
 }

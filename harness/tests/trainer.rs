@@ -88,3 +88,43 @@ fn a_batch_that_micro_batches_do_not_divide_is_an_error() {
     let err = Trainer::new(model, data, 1, cfg).err().expect("10 is not a multiple of 4");
     assert!(err.to_string().contains("multiple"), "{err}");
 }
+
+/// An out-of-memory error raised anywhere in an f16 step (a layer, the loss scaler, the
+/// optimizer creating its f32 masters and moments) reaches the caller as one: on a host
+/// device too small for the run, every failure reports as OOM, and at some capacity the
+/// failure comes from vram-amp (the scaler and optimizer step).
+#[test]
+fn an_f16_run_on_a_tiny_device_fails_with_an_error_that_reports_as_oom() {
+    use vram_harness::ExperimentError;
+    let arch =
+        Arch::Gpt { vocab: 16, d: 128, layers: 4, heads: 4, seq: 8, dropout: 0.0, tied: false };
+    let data = Dataset::Sequences { vocab: 16, seq: 8 };
+    let (mut ooms, mut from_amp, mut fitted) = (0, 0, false);
+    for mib in 1..=64 {
+        let dev = Device::host(mib << 20);
+        let Ok(model) = Model::new(&dev, arch.clone(), 1, vram_kernels::DType::F16) else {
+            continue;
+        };
+        let cfg = TrainConfig {
+            batch: 2,
+            // A scale that does not overflow, so that the first step updates (and allocates
+            // the optimizer's masters and moments).
+            precision: Precision::F16(ScalerConfig { init_scale: 1.0, ..ScalerConfig::default() }),
+            ..TrainConfig::default()
+        };
+        let mut trainer = Trainer::new(model, data.clone(), 1, cfg).unwrap();
+        match trainer.run(2, &mut vram_harness::trainer::NoHooks) {
+            Ok(_) => {
+                fitted = true;
+                break;
+            }
+            Err(e) => {
+                assert!(e.is_out_of_memory(), "{mib} MiB: {e}");
+                ooms += 1;
+                from_amp += usize::from(matches!(e, ExperimentError::Amp(_)));
+            }
+        }
+    }
+    assert!(ooms > 0 && fitted, "{ooms} OOMs, fitted at last: {fitted}");
+    assert!(from_amp > 0, "no OOM came from the scaler or the optimizer ({ooms} OOMs)");
+}

@@ -2,45 +2,68 @@
 //! (weights, gradients, optimizer state) and the per-sample part (activations) fitted as a
 //! line.
 
-use super::Sweep;
-use super::common::{cnn, cnn_side, fit_line, increasing, stripes, train_fresh};
-use crate::{Claim, Context, ExperimentResult, Verdict, human_bytes};
+use super::common::{cnn, cnn_side, fit_line, increasing, stripes, train_fresh_interleaved};
+use super::{Experiment, Sweep};
+use crate::plots::{MIB, lines};
+use crate::techniques::Technique;
+use crate::{Claim, Context, ExperimentError, Verdict, human_bytes};
+use serde::Serialize;
 use serde_json::json;
 
-pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
+pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
+    technique: Technique {
+        id: "batch-size",
+        name: "smaller batch size",
+        claim: "32 -> 8 often relieves memory pressure noticeably; memory falls with batch size",
+    },
+    run,
+    plot: Some(plot),
+    host_capacity_limit: None,
+    expected_secs: [10.0, 40.0],
+};
+
+/// One batch size's measurements.
+#[derive(Serialize)]
+pub(super) struct Measured {
+    batch_size: usize,
+    samples_per_s: f64,
+    last_loss: f32,
+    params_bytes: u64,
+    grads_bytes: u64,
+    optimizer_state_bytes: u64,
+    activation_bytes_estimate: u64,
+}
+
+fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let batches: &[usize] = if ctx.quick { &[4, 8, 16, 32] } else { &[4, 8, 16, 32, 64] };
     let side = cnn_side(ctx);
     let arch = cnn(ctx, false);
     let data = stripes(side);
     let mut sweep = Sweep::new(
         ctx,
-        "batch-size",
         json!({ "model": format!("{arch:?}"), "image_side": side, "batch_sizes": batches, "optimizer": "AdamW" }),
     );
     let mut peaks = Vec::new();
     let mut fixed_analytic = 0;
-    for &b in batches {
-        let m = train_fresh(ctx, arch.clone(), &data, b, "")?;
+    let runs = batches.iter().map(|&b| (arch.clone(), data.clone(), b)).collect();
+    for (&b, m) in batches.iter().zip(train_fresh_interleaved(ctx, runs)?) {
         fixed_analytic = m.param_bytes + m.grad_bytes + m.optimizer_bytes;
-        let mut v = sweep.variant(
+        let measured = Measured {
+            batch_size: b,
+            samples_per_s: m.samples_per_s,
+            last_loss: m.last_loss,
+            params_bytes: m.param_bytes,
+            grads_bytes: m.grad_bytes,
+            optimizer_state_bytes: m.optimizer_bytes,
+            activation_bytes_estimate: m.peak_allocated.saturating_sub(fixed_analytic),
+        };
+        sweep.push(
             &format!("batch {b}"),
             m.peak_allocated,
             m.peak_reserved,
-            Some(m.step_ms),
+            Some(m.step),
+            measured,
         );
-        v.extra.insert("batch_size".into(), json!(b));
-        v.extra.insert("samples_per_s".into(), json!(m.samples_per_s));
-        v.extra.insert("last_loss".into(), json!(m.last_loss));
-        v.extra.insert("params_bytes".into(), json!(m.param_bytes));
-        v.extra.insert("grads_bytes".into(), json!(m.grad_bytes));
-        v.extra.insert("optimizer_state_bytes".into(), json!(m.optimizer_bytes));
-        v.extra.insert(
-            "activation_bytes_estimate".into(),
-            json!(
-                m.peak_allocated.saturating_sub(m.param_bytes + m.grad_bytes + m.optimizer_bytes)
-            ),
-        );
-        sweep.push(v);
         peaks.push((b, m.peak_allocated));
     }
     let xs: Vec<f64> = peaks.iter().map(|&(b, _)| b as f64).collect();
@@ -81,5 +104,17 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
             },
         });
     }
-    Ok(sweep.finish())
+    Ok(sweep)
+}
+
+/// Peak memory against batch size.
+fn plot(sweep: &Sweep<Measured>) -> Option<String> {
+    let pts = |f: fn(&crate::Variant) -> u64| -> Vec<(f64, f64)> {
+        sweep.variants().iter().map(|(v, m)| (m.batch_size as f64, f(v) as f64 / MIB)).collect()
+    };
+    let series = vec![
+        ("peak allocated".to_string(), pts(|v| v.peak_allocated_bytes)),
+        ("peak reserved".to_string(), pts(|v| v.peak_reserved_bytes)),
+    ];
+    lines("Peak memory vs batch size", "batch size", "MiB", &series, true)
 }

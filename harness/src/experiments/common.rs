@@ -4,39 +4,35 @@
 use crate::data::Dataset;
 use crate::models::{Arch, Model};
 use crate::trainer::{NoHooks, TrainConfig, Trainer};
-use crate::{Backend, Context};
+use crate::{Backend, Context, ExperimentError, Timing};
 use vram_alloc::AllocatorConfig;
 use vram_kernels::{DType, Device};
 
 /// A fresh device for one variant (fresh cache, so peaks are per variant).
-pub fn device(ctx: &Context, conf: &str) -> Result<Device, String> {
-    let config = AllocatorConfig::parse(conf).map_err(|e| e.to_string())?;
-    match &ctx.backend {
-        Backend::Cpu => {
-            Device::host_with_config(ctx.device_memory, config).map_err(|e| e.to_string())
-        }
-        Backend::Cuda { .. } => Device::cuda_with_config(0, config).map_err(|e| e.to_string()),
-    }
+pub fn device(ctx: &Context, conf: &str) -> Result<Device, ExperimentError> {
+    let config = AllocatorConfig::parse(conf)?;
+    Ok(match &ctx.backend {
+        Backend::Cpu => Device::host_with_config(ctx.device_memory, config)?,
+        Backend::Cuda { .. } => Device::cuda_with_config(0, config)?,
+    })
 }
 
 /// A device of `capacity` bytes for experiments that size the device: host memory of that
 /// capacity, or the CUDA device capped by a memory fraction.
-pub fn sized_device(ctx: &Context, capacity: u64) -> Result<Device, String> {
+pub fn sized_device(ctx: &Context, capacity: u64) -> Result<Device, ExperimentError> {
     match &ctx.backend {
-        Backend::Cpu => Device::host_with_config(capacity, AllocatorConfig::default())
-            .map_err(|e| e.to_string()),
+        Backend::Cpu => Ok(Device::host_with_config(capacity, AllocatorConfig::default())?),
         Backend::Cuda { total_bytes, .. } => {
-            let dev = Device::cuda(0).map_err(|e| e.to_string())?;
-            dev.set_memory_fraction((capacity as f64 / *total_bytes as f64).min(1.0))
-                .map_err(|e| e.to_string())?;
+            let dev = Device::cuda(0)?;
+            dev.set_memory_fraction((capacity as f64 / *total_bytes as f64).min(1.0))?;
             Ok(dev)
         }
     }
 }
 
 /// Waits for the device's queued work, so that a clock read after it measures the work.
-pub fn sync(dev: &Device) -> Result<(), String> {
-    dev.synchronize().map_err(|e| e.to_string())
+pub fn sync(dev: &Device) -> Result<(), ExperimentError> {
+    Ok(dev.synchronize()?)
 }
 
 /// The CNN input side and models used by the CNN experiments.
@@ -81,9 +77,9 @@ pub struct TrainMeasure {
     pub peak_allocated: u64,
     /// Peak reserved bytes over the run.
     pub peak_reserved: u64,
-    /// Median step time (ms), over the timed steps.
-    pub step_ms: f64,
-    /// Samples per second at the median step time.
+    /// Step time over the timed steps.
+    pub step: Timing,
+    /// Samples per second at the mean step time.
     pub samples_per_s: f64,
     /// Bytes of parameters.
     pub param_bytes: u64,
@@ -96,7 +92,7 @@ pub struct TrainMeasure {
 }
 
 /// Trains `model` with vram-harness's [`Trainer`] for `warmup + timed` steps of `cfg`; the
-/// median step time is over the last `timed`.
+/// step time is over the last `timed`.
 pub fn train(
     model: Model,
     data: &Dataset,
@@ -104,23 +100,56 @@ pub fn train(
     cfg: TrainConfig,
     warmup: usize,
     timed: usize,
-) -> Result<TrainMeasure, String> {
-    let device = model.device().clone();
-    let batch = cfg.batch;
-    let mut trainer = Trainer::new(model, data.clone(), seed, cfg).map_err(|e| e.to_string())?;
-    let ends = trainer.run(warmup + timed, &mut NoHooks).map_err(|e| e.to_string())?;
-    let mut times: Vec<f64> = ends[warmup..].iter().map(|e| e.step_ms).collect();
-    let step_ms = median(&mut times);
+) -> Result<TrainMeasure, ExperimentError> {
+    let mut runs = train_interleaved(vec![(model, data.clone(), cfg)], seed, warmup, timed)?;
+    Ok(runs.remove(0))
+}
+
+/// Trains every `(model, data, cfg)` with its own [`Trainer`], the steps interleaved (one step
+/// of each in turn, `warmup` rounds then `timed` timed ones), so that their step times are
+/// comparable; each model should live on its own device, so that its peaks are its own.
+pub fn train_interleaved(
+    runs: Vec<(Model, Dataset, TrainConfig)>,
+    seed: u64,
+    warmup: usize,
+    timed: usize,
+) -> Result<Vec<TrainMeasure>, ExperimentError> {
+    let mut trainers = Vec::with_capacity(runs.len());
+    for (model, data, cfg) in runs {
+        let batch = cfg.batch;
+        trainers.push((Trainer::new(model, data, seed, cfg)?, batch, f32::NAN));
+    }
+    let samples = crate::timing::interleaved(&mut trainers, warmup, timed, |(t, _, loss)| {
+        let end = t.step(&mut NoHooks)?;
+        *loss = end.loss;
+        Ok::<_, ExperimentError>(end.step_ms)
+    })?;
+    trainers
+        .into_iter()
+        .zip(samples)
+        .map(|((trainer, batch, last_loss), times)| measure(&trainer, batch, &times, last_loss))
+        .collect()
+}
+
+fn measure(
+    trainer: &Trainer,
+    batch: usize,
+    times: &[f64],
+    last_loss: f32,
+) -> Result<TrainMeasure, ExperimentError> {
+    let device = trainer.model().device();
+    let step = Timing::from_samples(times)
+        .ok_or_else(|| ExperimentError::Setup("a timed training run needs timed steps".into()))?;
     let state = trainer.state_bytes();
     Ok(TrainMeasure {
         peak_allocated: device.max_memory_allocated(),
         peak_reserved: device.max_memory_reserved(),
-        step_ms,
-        samples_per_s: batch as f64 / (step_ms / 1e3),
+        step,
+        samples_per_s: batch as f64 / (step.mean_ms / 1e3),
         param_bytes: state.weights,
         grad_bytes: state.grads,
         optimizer_bytes: state.optimizer,
-        last_loss: ends.last().map_or(f32::NAN, |e| e.loss),
+        last_loss,
     })
 }
 
@@ -131,11 +160,26 @@ pub fn train_fresh(
     data: &Dataset,
     batch: usize,
     conf: &str,
-) -> Result<TrainMeasure, String> {
+) -> Result<TrainMeasure, ExperimentError> {
     let device = device(ctx, conf)?;
-    let model = Model::new(&device, arch, ctx.seed, DType::F32).map_err(|e| e.to_string())?;
+    let model = Model::new(&device, arch, ctx.seed, DType::F32)?;
     let (warmup, timed) = timed_steps(ctx);
     train(model, data, ctx.seed, TrainConfig { batch, ..TrainConfig::default() }, warmup, timed)
+}
+
+/// Builds each `(arch, data, batch)` on a fresh device and trains them in f32 with AdamW,
+/// interleaved (see [`train_interleaved`]).
+pub fn train_fresh_interleaved(
+    ctx: &Context,
+    runs: Vec<(Arch, Dataset, usize)>,
+) -> Result<Vec<TrainMeasure>, ExperimentError> {
+    let mut built = Vec::with_capacity(runs.len());
+    for (arch, data, batch) in runs {
+        let model = Model::new(&device(ctx, "")?, arch, ctx.seed, DType::F32)?;
+        built.push((model, data, TrainConfig { batch, ..TrainConfig::default() }));
+    }
+    let (warmup, timed) = timed_steps(ctx);
+    train_interleaved(built, ctx.seed, warmup, timed)
 }
 
 /// A fingerprint of every parameter's bits: equal fingerprints mean untouched weights.
@@ -181,16 +225,6 @@ pub fn max_relative_difference(reference: &[Vec<f32>], other: &[Vec<f32>]) -> f6
     diff / scale
 }
 
-/// The median (sorts in place); NaN for an empty slice.
-pub fn median(v: &mut [f64]) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
-}
-
 /// Least-squares line `y = a + b x`; returns (a, b, r^2).
 pub fn fit_line(xs: &[f64], ys: &[f64]) -> (f64, f64, f64) {
     let n = xs.len() as f64;
@@ -218,12 +252,5 @@ mod tests {
     fn fit_line_recovers_an_exact_line() {
         let (a, b, r2) = fit_line(&[1.0, 2.0, 4.0], &[5.0, 7.0, 11.0]);
         assert!((a - 3.0).abs() < 1e-12 && (b - 2.0).abs() < 1e-12 && (r2 - 1.0).abs() < 1e-12);
-    }
-
-    #[test]
-    fn median_of_even_and_odd_counts() {
-        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
-        assert!(median(&mut []).is_nan());
     }
 }

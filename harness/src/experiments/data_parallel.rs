@@ -3,12 +3,13 @@
 //! and on virtual devices at GPT-2 medium's size (memory only). The runs are
 //! `vram_harness::dp::measure`; this file turns them into variants and verdicts.
 
-use super::Sweep;
+use super::{Experiment, Sweep};
 use crate::data::Dataset;
 use crate::dp::{DeviceKind, DpRun, analytic_state_bytes, measure};
 use crate::models::Arch;
-use crate::{Claim, Context, Verdict, human_bytes};
-use crate::{ExperimentResult, Variant};
+use crate::techniques::Technique;
+use crate::{Claim, Context, ExperimentError, Timing, Verdict, human_bytes};
+use serde::Serialize;
 use serde_json::json;
 use vram_dist::{DpConfig, Strategy};
 use vram_kernels::DType;
@@ -25,34 +26,67 @@ fn gpt2_medium() -> (Arch, Dataset) {
     )
 }
 
-fn variant(sweep: &Sweep, label: &str, run: &DpRun, dtype: DType, timed: bool) -> Variant {
-    let mut v = sweep.variant(
-        &format!("{label} {} x{}", run.config.strategy.name(), run.devices),
-        run.max_peak_allocated(),
-        run.max_peak_reserved(),
-        if timed { run.step_ms() } else { None },
-    );
-    let per = |f: fn(&vram_dist::RankReport) -> u64| run.ranks.iter().map(f).collect::<Vec<_>>();
-    v.extra.insert("model".into(), json!(label));
-    v.extra.insert("strategy".into(), json!(run.config.strategy.name()));
-    v.extra.insert("devices".into(), json!(run.devices));
-    v.extra.insert("params".into(), json!(run.params));
-    v.extra.insert("per_device_peak_allocated_bytes".into(), json!(per(|r| r.peak_allocated)));
-    v.extra.insert("per_device_peak_reserved_bytes".into(), json!(per(|r| r.peak_reserved)));
-    let ws = run.workspace_bytes;
-    let states: Vec<u64> = run.ranks.iter().map(|r| r.state_bytes.saturating_sub(ws)).collect();
-    v.extra.insert("per_device_model_state_bytes".into(), json!(states));
-    let requested: Vec<u64> =
-        run.ranks.iter().map(|r| r.state_requested_bytes.saturating_sub(ws)).collect();
-    v.extra.insert("per_device_model_state_requested_bytes".into(), json!(requested));
-    v.extra.insert("blas_workspace_bytes".into(), json!(ws));
-    if let Some(a) = analytic_state_bytes(&run.config, dtype, run.params, run.devices) {
-        v.extra.insert("analytic_state_bytes".into(), json!(a.round() as u64));
-    }
-    v
+pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
+    technique: Technique {
+        id: "data-parallel",
+        name: "data parallel over several GPUs",
+        claim: "spreads memory and work",
+    },
+    run,
+    plot: None,
+    host_capacity_limit: None,
+    expected_secs: [5.0, 10.0],
+};
+
+/// One run: a strategy on N devices, per-device figures.
+#[derive(Serialize)]
+pub(super) struct Measured {
+    model: &'static str,
+    strategy: &'static str,
+    devices: usize,
+    params: u64,
+    per_device_peak_allocated_bytes: Vec<u64>,
+    per_device_peak_reserved_bytes: Vec<u64>,
+    /// Bytes of model states (weights, gradients, optimizer state, buckets) after a step,
+    /// cuBLAS workspace left out.
+    per_device_model_state_bytes: Vec<u64>,
+    /// The same as the tensors requested them (before the allocator's rounding).
+    per_device_model_state_requested_bytes: Vec<u64>,
+    blas_workspace_bytes: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    analytic_state_bytes: Option<u64>,
 }
 
-pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
+fn push(sweep: &mut Sweep<Measured>, label: &'static str, run: &DpRun, dtype: DType, timed: bool) {
+    let per = |f: fn(&vram_dist::RankReport) -> u64| run.ranks.iter().map(f).collect::<Vec<_>>();
+    let ws = run.workspace_bytes;
+    let m = Measured {
+        model: label,
+        strategy: run.config.strategy.name(),
+        devices: run.devices,
+        params: run.params,
+        per_device_peak_allocated_bytes: per(|r| r.peak_allocated),
+        per_device_peak_reserved_bytes: per(|r| r.peak_reserved),
+        per_device_model_state_bytes: run
+            .ranks
+            .iter()
+            .map(|r| r.state_bytes.saturating_sub(ws))
+            .collect(),
+        per_device_model_state_requested_bytes: run
+            .ranks
+            .iter()
+            .map(|r| r.state_requested_bytes.saturating_sub(ws))
+            .collect(),
+        blas_workspace_bytes: ws,
+        analytic_state_bytes: analytic_state_bytes(&run.config, dtype, run.params, run.devices)
+            .map(|a| a.round() as u64),
+    };
+    let step = if timed { Timing::from_samples(&run.step_samples_ms()) } else { None };
+    let name = format!("{label} {} x{}", run.config.strategy.name(), run.devices);
+    sweep.push(&name, run.max_peak_allocated(), run.max_peak_reserved(), step, m);
+}
+
+fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let host_arch =
         Arch::Gpt { vocab: 64, d: 64, layers: 2, heads: 4, seq: 32, dropout: 0.0, tied: false };
     let host_data = Dataset::Sequences { vocab: 64, seq: 32 };
@@ -61,7 +95,6 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
     let capacity = 80 << 30;
     let mut sweep = Sweep::new(
         ctx,
-        "data-parallel",
         json!({
             "devices": DEVICES,
             "strategies": Strategy::ALL.iter().map(|s| s.name()).collect::<Vec<_>>(),
@@ -89,9 +122,8 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
                 samples,
                 host_steps,
                 ctx.seed,
-            )
-            .map_err(|e| format!("host {} x{n}: {e}", strategy.name()))?;
-            sweep.push(variant(&sweep, "small-gpt", &r, DType::F32, true));
+            )?;
+            push(&mut sweep, "small-gpt", &r, DType::F32, true);
             host.push(r);
             let kind = DeviceKind::Virtual(capacity);
             let r = measure(
@@ -104,9 +136,8 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
                 samples,
                 virt_steps,
                 ctx.seed,
-            )
-            .map_err(|e| format!("GPT-2 medium {} x{n}: {e}", strategy.name()))?;
-            sweep.push(variant(&sweep, "gpt2-medium", &r, DType::BF16, false));
+            )?;
+            push(&mut sweep, "gpt2-medium", &r, DType::BF16, false);
             virt.push(r);
         }
     }
@@ -203,19 +234,20 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
         .map(|&s| {
             let t: Vec<String> = DEVICES
                 .iter()
-                .filter_map(|&n| find(&host, s, n).and_then(|r| r.step_ms()))
-                .map(|t| format!("{t:.1}"))
+                .filter_map(|&n| find(&host, s, n))
+                .filter_map(|r| Timing::from_samples(&r.step_samples_ms()))
+                .map(|t| t.describe())
                 .collect();
-            format!("{}: {} ms", s.name(), t.join(" / "))
+            format!("{}: {}", s.name(), t.join(" / "))
         })
         .collect();
     sweep.claim(Claim {
         claim: "data parallel training spreads the work (step time falls with N)".into(),
         measured: format!(
-            "host timings, not GPU timings: the ranks are threads sharing this machine's CPU cores, so they say nothing of N GPUs; small GPT, step time of the slowest rank at N = 1 / 2 / 4 / 8: {}",
+            "host timings, not GPU timings: the ranks are threads sharing this machine's CPU cores, so they say nothing of N GPUs; small GPT, step time of the slowest rank (mean +- 95% interval) at N = 1 / 2 / 4 / 8: {}",
             times.join("; ")
         ),
         verdict: Verdict::NotApplicable,
     });
-    Ok(sweep.finish())
+    Ok(sweep)
 }

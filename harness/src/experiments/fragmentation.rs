@@ -8,13 +8,47 @@
 //! segments. Variants: the plain cache; the threshold rule (`empty_cache` when reserved -
 //! allocated passes a quarter of the device, the source's "e.g. 1 GB"); expandable segments.
 
-use super::{Sweep, allocator_variant};
+use super::{Experiment, Sweep, allocator_variant};
+use crate::plots::lines;
 use crate::rng::Rng;
-use crate::{Claim, Context, ExperimentResult, Verdict};
+use crate::techniques::Technique;
+use crate::{Claim, Context, ExperimentError, Verdict};
+use serde::Serialize;
 use serde_json::json;
 use std::collections::VecDeque;
-use std::time::Instant;
 use vram_alloc::{Allocation, CachingAllocator, DeviceMemory, human_bytes};
+
+/// The largest device the host simulates: the workload makes about 0.35 x capacity / 5 MiB
+/// allocations per step (18 000 at 256 GiB), so host time and memory grow with the capacity.
+const HOST_LIMIT: u64 = 256 << 30;
+
+pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
+    technique: Technique {
+        id: "fragmentation",
+        name: "fragmentation watch",
+        claim: "fragmentation can cause OOM although enough memory is free in total",
+    },
+    run,
+    plot: Some(plot),
+    host_capacity_limit: Some((
+        HOST_LIMIT,
+        "its workload allocates about 0.35 x the capacity in 1-9 MiB tensors every step, so host time and memory grow with the simulated capacity",
+    )),
+    expected_secs: [2.0, 8.0],
+};
+
+/// One allocator setting's measurements.
+#[derive(Serialize)]
+pub(super) struct Measured {
+    fragmentation_peak: f64,
+    fragmentation_mean: f64,
+    /// 1 - allocated / reserved after each step's forward pass.
+    fragmentation_timeline: Vec<f64>,
+    big_requests: usize,
+    ooms: usize,
+    fragmentation_ooms: usize,
+    empty_cache_calls: usize,
+}
 
 const MIB: usize = 1 << 20;
 const KEEP_ONE_IN: u64 = 16;
@@ -32,7 +66,6 @@ struct Outcome {
     /// OOMs where device free + cached-but-unallocated memory was at least the request.
     fragmentation_ooms: usize,
     empty_cache_calls: usize,
-    step_ms: f64,
 }
 
 fn workload<M: DeviceMemory>(
@@ -41,14 +74,12 @@ fn workload<M: DeviceMemory>(
     steps: usize,
     seed: u64,
     threshold: Option<u64>,
-) -> Result<Outcome, String> {
+) -> Result<Outcome, ExperimentError> {
     let mut rng = Rng::new(seed);
     let mut out = Outcome::default();
-    let weights =
-        cache.allocate((total / 10) as usize).map_err(|e| format!("weights do not fit: {e}"))?;
+    let weights = cache.allocate((total / 10) as usize)?;
     let activation_budget = total * 35 / 100;
     let mut kept: VecDeque<Vec<Allocation<M>>> = VecDeque::new();
-    let started = Instant::now();
     for step in 0..steps {
         let mut acts = Vec::new();
         let mut keep = Vec::new();
@@ -71,7 +102,7 @@ fn workload<M: DeviceMemory>(
             out.big_requests += 1;
             if let Err(e) = cache.allocate(size) {
                 if !e.is_out_of_memory() {
-                    return Err(e.to_string());
+                    return Err(e.into());
                 }
                 out.ooms += 1;
                 let free_in_total =
@@ -88,7 +119,6 @@ fn workload<M: DeviceMemory>(
             out.empty_cache_calls += 1;
         }
     }
-    out.step_ms = started.elapsed().as_secs_f64() * 1e3 / steps as f64;
     drop(kept);
     drop(weights);
     out.peak_allocated = cache.max_memory_allocated();
@@ -96,7 +126,7 @@ fn workload<M: DeviceMemory>(
     Ok(out)
 }
 
-pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
+fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let steps = if ctx.quick { 60 } else { 300 };
     let total = ctx.device_memory;
     let threshold = total / 4;
@@ -107,7 +137,6 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
     ];
     let mut sweep = Sweep::new(
         ctx,
-        "fragmentation",
         json!({ "steps": steps, "seed": ctx.seed, "activation_sizes_mib": [1, 9],
                 "activation_budget_fraction": 0.35, "keep_one_in": KEEP_ONE_IN, "keep_steps": KEEP_STEPS,
                 "big_request_fraction": 0.4, "big_request_every": BIG_EVERY, "threshold_bytes": threshold }),
@@ -116,22 +145,16 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
     for (name, conf, th) in variants {
         let o =
             allocator_variant!(ctx, conf, |cache| workload(&cache, total, steps, ctx.seed, th)?);
-        let mut v = sweep.variant(name, o.peak_allocated, o.peak_reserved, Some(o.step_ms));
-        let peak_frag = o.timeline.iter().copied().fold(0.0, f64::max);
-        let mean_frag = o.timeline.iter().sum::<f64>() / o.timeline.len().max(1) as f64;
-        for (k, val) in [
-            ("fragmentation_peak", json!(peak_frag)),
-            ("fragmentation_mean", json!(mean_frag)),
-            ("fragmentation_timeline", json!(o.timeline)),
-            ("big_requests", json!(o.big_requests)),
-            ("ooms", json!(o.ooms)),
-            ("fragmentation_ooms", json!(o.fragmentation_ooms)),
-            ("empty_cache_calls", json!(o.empty_cache_calls)),
-            ("step_ms_note", json!("allocator time per step on this host")),
-        ] {
-            v.extra.insert(k.into(), val);
-        }
-        sweep.push(v);
+        let measured = Measured {
+            fragmentation_peak: o.timeline.iter().copied().fold(0.0, f64::max),
+            fragmentation_mean: o.timeline.iter().sum::<f64>() / o.timeline.len().max(1) as f64,
+            fragmentation_timeline: o.timeline.clone(),
+            big_requests: o.big_requests,
+            ooms: o.ooms,
+            fragmentation_ooms: o.fragmentation_ooms,
+            empty_cache_calls: o.empty_cache_calls,
+        };
+        sweep.push(name, o.peak_allocated, o.peak_reserved, None, measured);
         outcomes.push((name, o));
     }
     let plain = &outcomes[0].1;
@@ -175,5 +198,23 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
             verdict,
         });
     }
-    Ok(sweep.finish())
+    Ok(sweep)
+}
+
+/// Fragmentation over the steps, one line per setting.
+fn plot(sweep: &Sweep<Measured>) -> Option<String> {
+    let series: Vec<(String, Vec<(f64, f64)>)> = sweep
+        .variants()
+        .iter()
+        .map(|(v, m)| {
+            let pts = m
+                .fragmentation_timeline
+                .iter()
+                .enumerate()
+                .map(|(i, f)| (i as f64, 100.0 * f))
+                .collect();
+            (v.name.clone(), pts)
+        })
+        .collect();
+    lines("Fragmentation (1 - allocated / reserved) per step", "step", "%", &series, false)
 }

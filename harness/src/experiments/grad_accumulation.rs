@@ -2,13 +2,36 @@
 //! step, for k = 1, 2, 4, 8 at the same effective batch; gradients compared with the full
 //! batch.
 
-use super::Sweep;
-use super::common::{cnn, cnn_side, device, gradients, max_relative_difference, median, stripes};
+use super::common::{cnn, cnn_side, device, gradients, max_relative_difference, stripes};
+use super::{Experiment, Sweep};
 use crate::models::Model;
+use crate::techniques::Technique;
+use crate::timing::{Timing, interleaved};
 use crate::trainer::{Hooks, TrainConfig, Trainer};
-use crate::{Claim, Context, ExperimentResult, Verdict, human_bytes};
+use crate::{Backend, Claim, Context, ExperimentError, Verdict, human_bytes};
+use serde::Serialize;
 use serde_json::json;
-use vram_kernels::DType;
+use vram_kernels::{DType, Device};
+
+pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
+    technique: Technique {
+        id: "grad-accumulation",
+        name: "gradient accumulation",
+        claim: "same effective batch, lower memory",
+    },
+    run,
+    plot: None,
+    host_capacity_limit: None,
+    expected_secs: [12.0, 50.0],
+};
+
+/// One micro-batch count's measurements.
+#[derive(Serialize)]
+pub(super) struct Measured {
+    k: usize,
+    samples_per_s: f64,
+    grad_max_relative_difference_vs_full_batch: f64,
+}
 
 /// Keeps the accumulated gradients of the first step.
 struct FirstGradients(Vec<Vec<f32>>);
@@ -21,57 +44,59 @@ impl Hooks for FirstGradients {
     }
 }
 
-pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
+fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let batch = if ctx.quick { 32 } else { 64 };
-    let steps = if ctx.quick { 3 } else { 6 };
+    let steps = if ctx.quick { 4 } else { 8 };
     let (side, arch) = (cnn_side(ctx), cnn(ctx, false));
     let data = stripes(side);
     let mut sweep = Sweep::new(
         ctx,
-        "grad-accumulation",
         json!({ "model": format!("{arch:?}"), "effective_batch": batch, "normalization": "mean", "steps": steps }),
     );
-    let mut reference = Vec::new();
-    let mut rows = Vec::new();
-    for k in [1usize, 2, 4, 8] {
+    let ks = [1usize, 2, 4, 8];
+    let mut states: Vec<(Trainer, FirstGradients, Device)> = Vec::new();
+    for k in ks {
         let dev = device(ctx, "")?;
-        let model =
-            Model::new(&dev, arch.clone(), ctx.seed, DType::F32).map_err(|e| e.to_string())?;
+        let model = Model::new(&dev, arch.clone(), ctx.seed, DType::F32)?;
         let cfg = TrainConfig { batch, accumulation: k, ..TrainConfig::default() };
-        let mut trainer =
-            Trainer::new(model, data.clone(), ctx.seed, cfg).map_err(|e| e.to_string())?;
-        let mut first = FirstGradients(Vec::new());
-        let ends = trainer.run(steps, &mut first).map_err(|e| e.to_string())?;
-        let difference = if k == 1 {
-            reference = first.0;
-            0.0
-        } else {
-            max_relative_difference(&reference, &first.0)
+        states.push((
+            Trainer::new(model, data.clone(), ctx.seed, cfg)?,
+            FirstGradients(Vec::new()),
+            dev,
+        ));
+    }
+    let samples = interleaved(&mut states, 1, steps - 1, |(trainer, first, _)| {
+        Ok::<_, ExperimentError>(trainer.step(first)?.step_ms)
+    })?;
+    let reference = states[0].1.0.clone();
+    let mut rows = Vec::new();
+    for ((k, (_, first, dev)), times) in ks.iter().zip(&states).zip(&samples) {
+        let difference = if *k == 1 { 0.0 } else { max_relative_difference(&reference, &first.0) };
+        let step = Timing::from_samples(times).ok_or_else(|| {
+            ExperimentError::Setup("grad-accumulation needs 2 steps or more".into())
+        })?;
+        let measured = Measured {
+            k: *k,
+            samples_per_s: batch as f64 / (step.mean_ms / 1e3),
+            grad_max_relative_difference_vs_full_batch: difference,
         };
-        let mut times: Vec<f64> = ends[1..].iter().map(|e| e.step_ms).collect();
-        let step_ms = median(&mut times);
-        let mut v = sweep.variant(
-            &format!("k = {k} (micro-batch {})", batch / k),
-            dev.max_memory_allocated(),
-            dev.max_memory_reserved(),
-            Some(step_ms),
-        );
-        v.extra.insert("k".into(), json!(k));
-        v.extra.insert("samples_per_s".into(), json!(batch as f64 / (step_ms / 1e3)));
-        v.extra.insert("grad_max_relative_difference_vs_full_batch".into(), json!(difference));
-        sweep.push(v);
-        rows.push((k, dev.max_memory_allocated(), step_ms, difference));
+        let name = format!("k = {k} (micro-batch {})", batch / k);
+        let (peak, reserved) = (dev.max_memory_allocated(), dev.max_memory_reserved());
+        sweep.push(&name, peak, reserved, Some(step), measured);
+        rows.push((*k, peak, step, difference));
     }
     let peaks: Vec<u64> = rows.iter().map(|r| r.1).collect();
     let falls = peaks.windows(2).all(|w| w[1] < w[0]);
     let (first, last) = (rows[0], rows[rows.len() - 1]);
+    let host = if matches!(ctx.backend, Backend::Cpu) { " (host timings)" } else { "" };
     sweep.claim(Claim {
         claim: "same effective batch, lower memory".into(),
         measured: format!(
-            "peak {} for k = 1, 2, 4, 8; k = 8 uses {:.0}% less than k = 1 and takes {:+.0}% time per step (host timings)",
+            "peak {} for k = 1, 2, 4, 8; k = 8 uses {:.0}% less than k = 1; step {} for k = 1, {} for k = 8{host}",
             peaks.iter().map(|&p| human_bytes(p)).collect::<Vec<_>>().join(", "),
             100.0 * (1.0 - last.1 as f64 / first.1 as f64),
-            100.0 * (last.2 / first.2 - 1.0)
+            first.2.describe(),
+            last.2.describe(),
         ),
         verdict: if falls { Verdict::Holds } else { Verdict::Partly },
     });
@@ -87,5 +112,5 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
             Verdict::DoesNotHold
         },
     });
-    Ok(sweep.finish())
+    Ok(sweep)
 }

@@ -3,15 +3,40 @@
 //! then binary search. Every trial is a real training step; every OOM is caught, the cache
 //! emptied, and the search goes on. The size found then trains.
 
-use super::Sweep;
 use super::common::{cnn, cnn_side, sized_device, stripes, sync, train_fresh};
+use super::{Experiment, Sweep};
 use crate::models::Model;
-use crate::optim::Optimizer;
-use crate::{Claim, Context, ExperimentResult, Verdict, human_bytes};
+use crate::techniques::Technique;
+use crate::trainer::adamw;
+use crate::{Claim, Context, ExperimentError, Verdict, human_bytes};
+use serde::Serialize;
 use serde_json::json;
 use std::time::Instant;
 use vram_accum::{ForwardCtx, Mode};
+use vram_amp::{AdamW, Optimizer};
 use vram_kernels::{DType, Device};
+
+pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
+    technique: Technique {
+        id: "max-batch-search",
+        name: "largest batch that fits",
+        claim: "the search (start at 2, add 2 until OOM) works without restarting the process",
+    },
+    run,
+    plot: None,
+    host_capacity_limit: None,
+    expected_secs: [15.0, 90.0],
+};
+
+/// One search strategy's measurements.
+#[derive(Serialize)]
+pub(super) struct Measured {
+    batch_found: usize,
+    trials: usize,
+    ooms_caught: usize,
+    seconds: f64,
+    found_size_trains: bool,
+}
 
 struct Search {
     found: usize,
@@ -26,22 +51,22 @@ struct Search {
 /// One trial: a training step at `batch`; `Ok(false)` on a caught OOM.
 fn trial(
     model: &mut Model,
-    opt: &mut Optimizer,
+    opt: &mut AdamW,
     dev: &Device,
     data: &crate::data::Dataset,
     seed: u64,
     batch: usize,
-) -> Result<bool, String> {
+) -> Result<bool, ExperimentError> {
     let b = data.batch(seed, batch as u64, batch);
     let mut fctx = ForwardCtx::new(Mode::Train, seed);
     let fits = match model.train_step(&b, &mut fctx, 1.0) {
-        Ok(_) => match opt.step(model.params_mut()) {
+        Ok(_) => match opt.step(model) {
             Ok(()) => true,
             Err(e) if e.is_out_of_memory() => false,
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(e.into()),
         },
         Err(e) if e.is_out_of_memory() => false,
-        Err(e) => return Err(e.to_string()),
+        Err(e) => return Err(e.into()),
     };
     model.zero_grad();
     if !fits {
@@ -50,19 +75,20 @@ fn trial(
     Ok(fits)
 }
 
-fn search(ctx: &Context, capacity: u64, exponential: bool) -> Result<Search, String> {
+fn search(ctx: &Context, capacity: u64, exponential: bool) -> Result<Search, ExperimentError> {
     let (arch, data) = (cnn(ctx, false), stripes(cnn_side(ctx)));
     let dev = sized_device(ctx, capacity)?;
-    let mut model = Model::new(&dev, arch, ctx.seed, DType::F32).map_err(|e| e.to_string())?;
-    let mut opt = Optimizer::adamw(1e-3);
+    let mut model = Model::new(&dev, arch, ctx.seed, DType::F32)?;
+    let mut opt = adamw(1e-3);
     let (mut trials, mut ooms) = (0, 0);
     let started = Instant::now();
-    let mut attempt = |b: usize, trials: &mut usize, ooms: &mut usize| -> Result<bool, String> {
-        *trials += 1;
-        let ok = trial(&mut model, &mut opt, &dev, &data, ctx.seed, b)?;
-        *ooms += usize::from(!ok);
-        Ok(ok)
-    };
+    let mut attempt =
+        |b: usize, trials: &mut usize, ooms: &mut usize| -> Result<bool, ExperimentError> {
+            *trials += 1;
+            let ok = trial(&mut model, &mut opt, &dev, &data, ctx.seed, b)?;
+            *ooms += usize::from(!ok);
+            Ok(ok)
+        };
     let found = if exponential {
         let (mut good, mut bad) = (0, 1);
         while attempt(bad, &mut trials, &mut ooms)? {
@@ -97,7 +123,7 @@ fn search(ctx: &Context, capacity: u64, exponential: bool) -> Result<Search, Str
     })
 }
 
-pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
+fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     // Size the device for a target batch from two measured peaks (fixed + per sample).
     let target = if ctx.quick { 24 } else { 60 };
     let (arch, data) = (cnn(ctx, false), stripes(cnn_side(ctx)));
@@ -107,7 +133,6 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
     let capacity = ((p4 + per_sample * (target - 4) as f64) as u64).next_multiple_of(2 << 20);
     let mut sweep = Sweep::new(
         ctx,
-        "max-batch-search",
         json!({ "device_capacity": capacity, "model": "ResNet-like CNN", "target_batch_for_sizing": target }),
     );
     let mut results = Vec::new();
@@ -115,17 +140,14 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
         [("linear: 2, 4, 6, ... until OOM", false), ("exponential then binary", true)]
     {
         let s = search(ctx, capacity, exponential)?;
-        let mut v = sweep.variant(name, s.peak_allocated, s.peak_reserved, None);
-        for (k, val) in [
-            ("batch_found", json!(s.found)),
-            ("trials", json!(s.trials)),
-            ("ooms_caught", json!(s.ooms)),
-            ("seconds", json!(s.seconds)),
-            ("found_size_trains", json!(s.trains)),
-        ] {
-            v.extra.insert(k.into(), val);
-        }
-        sweep.push(v);
+        let measured = Measured {
+            batch_found: s.found,
+            trials: s.trials,
+            ooms_caught: s.ooms,
+            seconds: s.seconds,
+            found_size_trains: s.trains,
+        };
+        sweep.push(name, s.peak_allocated, s.peak_reserved, None, measured);
         results.push(s);
     }
     let (lin, exp) = (&results[0], &results[1]);
@@ -137,5 +159,5 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
         ),
         verdict: if lin.trains && exp.trains { Verdict::Holds } else if lin.trains || exp.trains { Verdict::Partly } else { Verdict::DoesNotHold },
     });
-    Ok(sweep.finish())
+    Ok(sweep)
 }

@@ -5,10 +5,40 @@
 //! set is 60% of the device, so the 0.5 cap must refuse it although the device has room,
 //! while 0.8 must hold it; reserved memory must never pass a cap.
 
-use super::{Sweep, allocator_variant};
-use crate::{Claim, Context, ExperimentResult, Verdict};
+use super::{Experiment, Sweep, allocator_variant};
+use crate::techniques::Technique;
+use crate::{Claim, Context, ExperimentError, Verdict};
+use serde::Serialize;
 use serde_json::json;
 use vram_alloc::{AllocError, CachingAllocator, DeviceMemory, human_bytes};
+
+pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
+    technique: Technique {
+        id: "memory-fraction",
+        name: "per-process memory fraction cap",
+        claim: "limits usage",
+    },
+    run,
+    plot: None,
+    host_capacity_limit: None,
+    expected_secs: [0.2, 0.5],
+};
+
+/// One cap's measurements.
+#[derive(Serialize)]
+pub(super) struct Measured {
+    cap_bytes: Option<u64>,
+    steps_completed: usize,
+    oom: Option<Refusal>,
+}
+
+/// The first allocation the cap refused.
+#[derive(Serialize)]
+pub(super) struct Refusal {
+    requested_bytes: usize,
+    device_free_bytes: u64,
+    message: String,
+}
 
 const FRACTIONS: [Option<f64>; 3] = [None, Some(0.8), Some(0.5)];
 
@@ -63,11 +93,10 @@ fn workload<M: DeviceMemory>(cache: &CachingAllocator<M>, total: u64, steps: usi
     }
 }
 
-pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
+fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let steps = if ctx.quick { 3 } else { 20 };
     let total = ctx.device_memory;
-    let mut sweep =
-        Sweep::new(ctx, "memory-fraction", json!({ "steps": steps, "working_set_fraction": 0.6 }));
+    let mut sweep = Sweep::new(ctx, json!({ "steps": steps, "working_set_fraction": 0.6 }));
     let mut outcomes = Vec::new();
     for fraction in FRACTIONS {
         let name = match fraction {
@@ -76,19 +105,20 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
         };
         let o = allocator_variant!(ctx, "", |cache| {
             if let Some(f) = fraction {
-                cache.set_memory_fraction(f).map_err(|e| e.to_string())?;
+                cache.set_memory_fraction(f)?;
             }
             workload(&cache, total, steps)
         });
-        let mut v = sweep.variant(&name, o.peak_allocated, o.peak_reserved, None);
-        v.extra.insert("cap_bytes".into(), json!(o.cap));
-        v.extra.insert("steps_completed".into(), json!(o.steps_done));
-        v.extra.insert(
-            "oom".into(),
-            json!(o.failed.as_ref().map(|(size, free, msg)| json!({
-            "requested_bytes": size, "device_free_bytes": free, "message": msg }))),
-        );
-        sweep.push(v);
+        let measured = Measured {
+            cap_bytes: o.cap,
+            steps_completed: o.steps_done,
+            oom: o.failed.as_ref().map(|(size, free, msg)| Refusal {
+                requested_bytes: *size,
+                device_free_bytes: *free,
+                message: msg.clone(),
+            }),
+        };
+        sweep.push(&name, o.peak_allocated, o.peak_reserved, None, measured);
         outcomes.push((fraction, o));
     }
     let within_cap = outcomes.iter().all(|(_, o)| o.cap.is_none_or(|c| o.peak_reserved <= c));
@@ -126,5 +156,5 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
         measured: format!("{}; {refusal}", peaks.join("; ")),
         verdict,
     });
-    Ok(sweep.finish())
+    Ok(sweep)
 }

@@ -19,46 +19,104 @@ mod not_here;
 mod oom_recovery;
 mod release_references;
 
-use crate::{Backend, Claim, Context, ExperimentResult, Variant};
+use crate::techniques::Technique;
+use crate::{Backend, Claim, Context, ExperimentError, ExperimentResult, Timing, Variant};
+use serde::Serialize;
 use serde_json::Value;
 
-/// Runs one experiment on the given context.
-pub type ExperimentFn = fn(&Context) -> Result<ExperimentResult, String>;
+/// Draws an experiment's plot (SVG) from its typed results, if it has data to plot.
+pub(crate) type PlotFn<X> = fn(&Sweep<X>) -> Option<String>;
 
-/// The experiments implemented so far, by technique id.
-const EXPERIMENTS: &[(&str, ExperimentFn)] = &[
-    ("batch-size", batch_size::run),
-    ("max-batch-search", max_batch::run),
-    ("grad-accumulation", grad_accumulation::run),
-    ("mixed-precision", mixed_precision::run),
-    ("no-grad-inference", no_grad::run),
-    ("empty-cache", empty_cache::run),
-    ("release-references", release_references::run),
-    ("pinned-memory", not_here::pinned_memory),
-    ("lighter-model", lighter_model::run),
-    ("input-size", input_size::run),
-    ("memory-fraction", memory_fraction::run),
-    ("checkpointing", checkpointing::run),
-    ("fragmentation", fragmentation::run),
-    ("monitoring", monitoring::run),
-    ("multi-task", multi_task::run),
-    ("oom-recovery", oom_recovery::run),
-    ("data-parallel", data_parallel::run),
-    ("cpu-fallback", not_here::cpu_fallback),
+/// One experiment: its technique (the id, written once, lives here), how to run it, how to
+/// plot its typed results, and what it costs.
+pub(crate) struct Experiment<X: 'static> {
+    /// The technique it measures.
+    pub technique: Technique,
+    /// Runs the experiment; `X` is the experiment's own per-variant measurements.
+    pub run: fn(&Context) -> Result<Sweep<X>, ExperimentError>,
+    /// Draws its plot from the typed results, when it has one.
+    pub plot: Option<PlotFn<X>>,
+    /// The largest simulated device capacity the host backend can run it with (its workload
+    /// grows with the capacity), and why; `None` when its workload does not depend on it.
+    pub host_capacity_limit: Option<(u64, &'static str)>,
+    /// Typical wall time in seconds on a 2-core host, quick and full (for the time-left
+    /// estimate only).
+    pub expected_secs: [f64; 2],
+}
+
+/// What a finished experiment hands to the bench: the results file and the plot.
+pub(crate) struct Finished {
+    pub result: ExperimentResult,
+    pub plot: Option<String>,
+}
+
+/// An [`Experiment`] whatever its measurement type.
+pub(crate) trait Descriptor: Sync {
+    fn technique(&self) -> &Technique;
+    fn run(&self, ctx: &Context) -> Result<Finished, ExperimentError>;
+    fn host_capacity_limit(&self) -> Option<(u64, &'static str)>;
+    fn expected_secs(&self, quick: bool) -> f64;
+}
+
+impl<X: Serialize + 'static> Descriptor for Experiment<X> {
+    fn technique(&self) -> &Technique {
+        &self.technique
+    }
+
+    fn run(&self, ctx: &Context) -> Result<Finished, ExperimentError> {
+        let sweep = (self.run)(ctx)?;
+        let plot = self.plot.and_then(|p| p(&sweep));
+        Ok(Finished { result: sweep.finish(self.technique.id)?, plot })
+    }
+
+    fn host_capacity_limit(&self) -> Option<(u64, &'static str)> {
+        self.host_capacity_limit
+    }
+
+    fn expected_secs(&self, quick: bool) -> f64 {
+        self.expected_secs[usize::from(!quick)]
+    }
+}
+
+/// Every experiment, in the order of the report.
+pub(crate) static EXPERIMENTS: &[&dyn Descriptor] = &[
+    &batch_size::EXPERIMENT,
+    &max_batch::EXPERIMENT,
+    &grad_accumulation::EXPERIMENT,
+    &mixed_precision::EXPERIMENT,
+    &no_grad::EXPERIMENT,
+    &empty_cache::EXPERIMENT,
+    &release_references::EXPERIMENT,
+    &not_here::PINNED_MEMORY,
+    &lighter_model::EXPERIMENT,
+    &input_size::EXPERIMENT,
+    &memory_fraction::EXPERIMENT,
+    &checkpointing::EXPERIMENT,
+    &fragmentation::EXPERIMENT,
+    &monitoring::EXPERIMENT,
+    &multi_task::EXPERIMENT,
+    &oom_recovery::EXPERIMENT,
+    &data_parallel::EXPERIMENT,
+    &not_here::CPU_FALLBACK,
 ];
 
-/// The experiment for a technique id, if it is implemented.
-pub fn find(id: &str) -> Option<ExperimentFn> {
-    EXPERIMENTS.iter().find(|(i, _)| *i == id).map(|(_, f)| *f)
+/// The experiment for a technique id.
+pub(crate) fn find(id: &str) -> Option<&'static dyn Descriptor> {
+    EXPERIMENTS.iter().copied().find(|e| e.technique().id == id)
 }
 
-/// Builds an experiment's results: variants in order, then claims.
-pub(crate) struct Sweep {
-    result: ExperimentResult,
+/// An experiment's results while it runs: variants with their typed measurements `X`
+/// (written flattened into each variant of the results file), then claims.
+pub(crate) struct Sweep<X> {
+    backend: &'static str,
+    device: String,
+    config: Value,
+    variants: Vec<(Variant, X)>,
+    claims: Vec<Claim>,
 }
 
-impl Sweep {
-    pub fn new(ctx: &Context, id: &str, config: Value) -> Sweep {
+impl<X: Serialize> Sweep<X> {
+    pub fn new(ctx: &Context, config: Value) -> Sweep<X> {
         let device = match &ctx.backend {
             Backend::Cpu => format!(
                 "virtual device memory of {} (allocator-level experiment: the same policy runs on every backend, so the figures are exact)",
@@ -67,69 +125,97 @@ impl Sweep {
             Backend::Cuda { name, .. } => name.clone(),
         };
         Sweep {
-            result: ExperimentResult {
-                experiment: id.to_string(),
-                backend: ctx.backend.tag().to_string(),
-                device,
-                config,
-                variants: Vec::new(),
-                claims: Vec::new(),
-            },
+            backend: ctx.backend.tag(),
+            device,
+            config,
+            variants: Vec::new(),
+            claims: Vec::new(),
         }
     }
 
-    pub fn variant(
-        &self,
+    /// Adds a measured variant.
+    pub fn push(
+        &mut self,
         name: &str,
         peak_allocated: u64,
         peak_reserved: u64,
-        step_ms: Option<f64>,
-    ) -> Variant {
-        Variant {
+        step: Option<Timing>,
+        extra: X,
+    ) {
+        let v = Variant {
             name: name.to_string(),
             peak_allocated_bytes: peak_allocated,
             peak_reserved_bytes: peak_reserved,
-            step_ms,
+            step_ms: step.map(|t| t.mean_ms),
+            step_ms_ci95: step.and_then(|t| t.ci95_ms),
+            step_ms_samples: step.map(|t| t.samples),
             extra: serde_json::Map::new(),
-        }
+        };
+        self.variants.push((v, extra));
     }
 
-    pub fn push(&mut self, v: Variant) {
-        self.result.variants.push(v);
+    /// The variants so far, with their measurements.
+    pub fn variants(&self) -> &[(Variant, X)] {
+        &self.variants
     }
 
     pub fn claim(&mut self, c: Claim) {
-        self.result.claims.push(c);
+        self.claims.push(c);
     }
 
-    pub fn finish(self) -> ExperimentResult {
-        self.result
+    fn finish(self, id: &str) -> Result<ExperimentResult, ExperimentError> {
+        let variants = self
+            .variants
+            .into_iter()
+            .map(|(mut v, x)| {
+                v.extra = match serde_json::to_value(x) {
+                    Ok(Value::Object(map)) => map,
+                    Ok(Value::Null) => serde_json::Map::new(),
+                    other => {
+                        return Err(ExperimentError::Setup(format!(
+                            "{id}: a variant's measurements must serialise to a JSON object, got {other:?}"
+                        )));
+                    }
+                };
+                Ok(v)
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(ExperimentResult {
+            experiment: id.to_string(),
+            backend: self.backend.to_string(),
+            device: self.device,
+            config: self.config,
+            variants,
+            claims: self.claims,
+        })
     }
 }
 
 /// Runs `$body` with `$cache` bound to a fresh caching allocator (settings `$conf`, in
 /// `VRAM_ALLOC_CONF` syntax) on the context's device memory: virtual memory of the simulated
 /// capacity on the host backend, the real device on CUDA. Evaluates to `$body`'s value; the
-/// enclosing function must return `Result<_, String>`.
+/// enclosing function must return `Result<_, ExperimentError>`.
 macro_rules! allocator_variant {
     ($ctx:expr, $conf:expr, |$cache:ident| $body:expr) => {{
-        let config = vram_alloc::AllocatorConfig::parse($conf).map_err(|e| e.to_string())?;
+        let config = vram_alloc::AllocatorConfig::parse($conf)?;
         match &$ctx.backend {
             $crate::Backend::Cpu => {
                 let mem = vram_alloc::VirtualMemory::new($ctx.device_memory);
-                let $cache = vram_alloc::CachingAllocator::with_config(mem, config)
-                    .map_err(|e| e.to_string())?;
+                let $cache = vram_alloc::CachingAllocator::with_config(mem, config)?;
                 $body
             }
             #[cfg(feature = "cuda")]
             $crate::Backend::Cuda { .. } => {
-                let mem = vram_alloc::cuda::CudaMemory::new(0).map_err(|e| e.to_string())?;
-                let $cache = vram_alloc::CachingAllocator::with_config(mem, config)
-                    .map_err(|e| e.to_string())?;
+                let mem = vram_alloc::cuda::CudaMemory::new(0)?;
+                let $cache = vram_alloc::CachingAllocator::with_config(mem, config)?;
                 $body
             }
             #[cfg(not(feature = "cuda"))]
-            $crate::Backend::Cuda { .. } => return Err("this build has no CUDA support".into()),
+            $crate::Backend::Cuda { .. } => {
+                return Err($crate::ExperimentError::Setup(
+                    "this build has no CUDA support".into(),
+                ));
+            }
         }
     }};
 }

@@ -1,37 +1,62 @@
 //! `monitoring`: a training run's memory timeline (rebuilt from the allocator's trace), the
 //! summary table, and device-level used memory next to the allocator's own figure.
 
-use super::Sweep;
 use super::common::{device, gpt, timed_steps};
+use super::{Experiment, Sweep};
 use crate::models::Model;
-use crate::optim::Optimizer;
-use crate::{Claim, Context, ExperimentResult, Verdict, human_bytes};
+use crate::plots::{MIB, lines};
+use crate::techniques::Technique;
+use crate::trainer::adamw;
+use crate::{Claim, Context, ExperimentError, Verdict, human_bytes};
+use serde::Serialize;
 use serde_json::json;
 use vram_accum::{ForwardCtx, Mode};
 use vram_alloc::TraceAction;
+use vram_amp::Optimizer;
 use vram_kernels::DType;
+
+pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
+    technique: Technique {
+        id: "monitoring",
+        name: "memory monitoring",
+        claim: "memory_allocated / memory_reserved / memory_summary find the bottleneck",
+    },
+    run,
+    plot: Some(plot),
+    host_capacity_limit: None,
+    expected_secs: [2.0, 8.0],
+};
+
+/// The training run's timeline and figures.
+#[derive(Serialize)]
+pub(super) struct Measured {
+    /// Allocated and reserved bytes, each point the maximum of its window of events.
+    timeline_allocated_reserved: Vec<[i64; 2]>,
+    timeline_events_per_point: usize,
+    step_starts_event_index: Vec<usize>,
+    device_used_bytes: u64,
+    reserved_bytes: u64,
+    memory_summary: String,
+}
 
 /// At most this many timeline points are kept (each the maximum of its window).
 const POINTS: usize = 400;
 
-pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
+fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let (arch, data) = gpt(ctx);
     let batch = 8;
     let (warmup, timed) = timed_steps(ctx);
     let steps = warmup + timed;
     let dev = device(ctx, "")?;
     dev.record_history(Some(1 << 22));
-    let mut model =
-        Model::new(&dev, arch.clone(), ctx.seed, DType::F32).map_err(|e| e.to_string())?;
-    let mut opt = Optimizer::adamw(1e-3);
+    let mut model = Model::new(&dev, arch.clone(), ctx.seed, DType::F32)?;
+    let mut opt = adamw(1e-3);
     let mut step_starts = Vec::new();
     for step in 0..steps {
         step_starts.push(dev.trace().len());
         let mut fctx = ForwardCtx::new(Mode::Train, step as u64);
-        model
-            .train_step(&data.batch(ctx.seed, step as u64, batch), &mut fctx, 1.0)
-            .map_err(|e| e.to_string())?;
-        opt.step(model.params_mut()).map_err(|e| e.to_string())?;
+        model.train_step(&data.batch(ctx.seed, step as u64, batch), &mut fctx, 1.0)?;
+        opt.step(&mut model)?;
         model.zero_grad();
     }
     let trace = dev.trace();
@@ -67,22 +92,18 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
     let device_used = info.total - info.free;
     let mut sweep = Sweep::new(
         ctx,
-        "monitoring",
         json!({ "model": format!("{arch:?}"), "steps": steps, "batch_size": batch }),
     );
-    let mut v = sweep.variant(
-        "GPT training run",
-        dev.max_memory_allocated(),
-        dev.max_memory_reserved(),
-        None,
-    );
-    v.extra.insert("timeline_allocated_reserved".into(), json!(timeline));
-    v.extra.insert("timeline_events_per_point".into(), json!(window));
-    v.extra.insert("step_starts_event_index".into(), json!(step_starts));
-    v.extra.insert("device_used_bytes".into(), json!(device_used));
-    v.extra.insert("reserved_bytes".into(), json!(dev.memory_reserved()));
-    v.extra.insert("memory_summary".into(), json!(dev.memory_summary()));
-    sweep.push(v);
+    let measured = Measured {
+        timeline_allocated_reserved: timeline,
+        timeline_events_per_point: window,
+        step_starts_event_index: step_starts,
+        device_used_bytes: device_used,
+        reserved_bytes: dev.memory_reserved(),
+        memory_summary: dev.memory_summary(),
+    };
+    let (max_allocated, max_reserved) = (dev.max_memory_allocated(), dev.max_memory_reserved());
+    sweep.push("GPT training run", max_allocated, max_reserved, None, measured);
     let consistent =
         peak as u64 == dev.max_memory_allocated() && device_used == dev.memory_reserved();
     sweep.claim(Claim {
@@ -93,5 +114,20 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
         ),
         verdict: if consistent { Verdict::Holds } else { Verdict::Partly },
     });
-    Ok(sweep.finish())
+    Ok(sweep)
+}
+
+/// Allocated and reserved memory over the run's allocator events.
+fn plot(sweep: &Sweep<Measured>) -> Option<String> {
+    let (_, m) = sweep.variants().first()?;
+    let per = m.timeline_events_per_point as f64;
+    let at = |i: usize| -> Vec<(f64, f64)> {
+        m.timeline_allocated_reserved
+            .iter()
+            .enumerate()
+            .map(|(n, p)| (n as f64 * per, p[i] as f64 / MIB))
+            .collect()
+    };
+    let series = vec![("allocated".to_string(), at(0)), ("reserved".to_string(), at(1))];
+    lines("Memory timeline of a training run", "allocator event", "MiB", &series, false)
 }

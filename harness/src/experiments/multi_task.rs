@@ -2,14 +2,37 @@
 //! emptying the cache between. The device is sized so that A's cached memory plus B's need
 //! exceed it: B must get memory A's cache holds.
 
-use super::Sweep;
 use super::common::{cnn, cnn_side, device, sized_device, stripes, timed_steps, train};
+use super::{Experiment, Sweep};
 use crate::models::Model;
+use crate::techniques::Technique;
 use crate::trainer::TrainConfig;
-use crate::{Claim, Context, ExperimentResult, Verdict, human_bytes};
+use crate::{Claim, Context, ExperimentError, Verdict, human_bytes};
+use serde::Serialize;
 use serde_json::json;
 use vram_accum::Mode;
 use vram_kernels::{DType, Device};
+
+pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
+    technique: Technique {
+        id: "multi-task",
+        name: "two models in one process",
+        claim: "emptying the cache between tasks lets B get the memory",
+    },
+    run,
+    plot: None,
+    host_capacity_limit: None,
+    expected_secs: [6.0, 25.0],
+};
+
+/// One run of A then B.
+#[derive(Serialize)]
+pub(super) struct Measured {
+    reserved_after_a: u64,
+    b_fitted: bool,
+    alloc_retries_during_b: u64,
+    device_capacity: u64,
+}
 
 /// The outcome of one A-then-B run.
 pub struct Switch {
@@ -29,22 +52,19 @@ pub struct Switch {
 
 /// Runs A (training) then B (evaluation at 4x the batch) on a device just too small to hold
 /// A's cache and B together; `empty` calls `empty_cache` between the two.
-pub fn two_model_scenario(ctx: &Context, empty: bool) -> Result<Switch, String> {
+pub fn two_model_scenario(ctx: &Context, empty: bool) -> Result<Switch, ExperimentError> {
     let side = cnn_side(ctx);
     let data = stripes(side);
     let (batch_a, batch_b) = (16, 64);
     let (warmup, timed) = timed_steps(ctx);
-    let run_a = |dev: &Device| -> Result<(), String> {
-        let a =
-            Model::new(dev, cnn(ctx, false), ctx.seed, DType::F32).map_err(|e| e.to_string())?;
+    let run_a = |dev: &Device| -> Result<(), ExperimentError> {
+        let a = Model::new(dev, cnn(ctx, false), ctx.seed, DType::F32)?;
         let cfg = TrainConfig { batch: batch_a, ..TrainConfig::default() };
         train(a, &data, ctx.seed, cfg, warmup, timed).map(|_| ())
     };
-    let run_b = |dev: &Device| -> Result<f32, String> {
-        let mut b =
-            Model::new(dev, cnn(ctx, true), ctx.seed + 1, DType::F32).map_err(|e| e.to_string())?;
-        b.eval_loss(&data.batch(ctx.seed, 1 << 30, batch_b), Mode::Inference)
-            .map_err(|e| e.to_string())
+    let run_b = |dev: &Device| -> Result<f32, ExperimentError> {
+        let mut b = Model::new(dev, cnn(ctx, true), ctx.seed + 1, DType::F32)?;
+        Ok(b.eval_loss(&data.batch(ctx.seed, 1 << 30, batch_b), Mode::Inference)?)
     };
     // Calibrate on a roomy device: A's cache and B's peak.
     let roomy = device(ctx, "")?;
@@ -63,7 +83,11 @@ pub fn two_model_scenario(ctx: &Context, empty: bool) -> Result<Switch, String> 
     }
     dev.reset_peak_stats();
     let retries_before = dev.memory_stats().num_alloc_retries;
-    let b_fitted = run_b(&dev).is_ok();
+    let b_fitted = match run_b(&dev) {
+        Ok(_) => true,
+        Err(e) if e.is_out_of_memory() => false,
+        Err(e) => return Err(e),
+    };
     Ok(Switch {
         reserved_after_a,
         peak_allocated_b: dev.max_memory_allocated(),
@@ -103,23 +127,23 @@ pub fn claim(kept: &Switch, emptied: &Switch) -> Claim {
     }
 }
 
-pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
+fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let mut sweep = Sweep::new(
         ctx,
-        "multi-task",
         json!({ "task_a": "train ResNet-like, batch 16", "task_b": "evaluate MobileNet-like, batch 64" }),
     );
     let kept = two_model_scenario(ctx, false)?;
     let emptied = two_model_scenario(ctx, true)?;
     for (name, s) in [("cache kept between tasks", &kept), ("empty_cache between tasks", &emptied)]
     {
-        let mut v = sweep.variant(name, s.peak_allocated_b, s.peak_reserved_b, None);
-        v.extra.insert("reserved_after_a".into(), json!(s.reserved_after_a));
-        v.extra.insert("b_fitted".into(), json!(s.b_fitted));
-        v.extra.insert("alloc_retries_during_b".into(), json!(s.retries_during_b));
-        v.extra.insert("device_capacity".into(), json!(s.capacity));
-        sweep.push(v);
+        let measured = Measured {
+            reserved_after_a: s.reserved_after_a,
+            b_fitted: s.b_fitted,
+            alloc_retries_during_b: s.retries_during_b,
+            device_capacity: s.capacity,
+        };
+        sweep.push(name, s.peak_allocated_b, s.peak_reserved_b, None, measured);
     }
     sweep.claim(claim(&kept, &emptied));
-    Ok(sweep.finish())
+    Ok(sweep)
 }

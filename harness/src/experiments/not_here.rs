@@ -1,102 +1,150 @@
 //! Experiments whose main measurement needs hardware this run does not have. Each says why,
 //! and measures what can be measured here.
 
-use super::Sweep;
-use super::common::{cnn, cnn_side, device, median, stripes, sync};
+use super::common::{cnn, cnn_side, device, stripes, sync};
+use super::{Experiment, Sweep};
 use crate::models::Model;
-use crate::{Backend, Claim, Context, ExperimentResult, Verdict};
+use crate::techniques::Technique;
+use crate::timing::{Timing, interleaved};
+use crate::{Backend, Claim, Context, ExperimentError, Verdict};
+use serde::Serialize;
 use serde_json::json;
 use vram_accum::Mode;
 use vram_kernels::{DType, Device, Tensor};
 
+pub(super) static PINNED_MEMORY: Experiment<Transfer> = Experiment {
+    technique: Technique {
+        id: "pinned-memory",
+        name: "pinned host memory",
+        claim: "faster transfers, fewer stalls",
+    },
+    run: pinned_memory,
+    plot: None,
+    host_capacity_limit: None,
+    expected_secs: [0.1, 0.1],
+};
+
+pub(super) static CPU_FALLBACK: Experiment<Evaluation> = Experiment {
+    technique: Technique {
+        id: "cpu-fallback",
+        name: "CPU fallback for inference",
+        claim: "keeps working",
+    },
+    run: cpu_fallback,
+    plot: None,
+    host_capacity_limit: None,
+    expected_secs: [0.1, 0.1],
+};
+
+/// A host-to-device copy's rate.
+#[derive(Serialize)]
+pub(super) struct Transfer {
+    copy_gib_per_s: f64,
+}
+
+/// An evaluation's loss.
+#[derive(Serialize)]
+pub(super) struct Evaluation {
+    eval_loss: f32,
+}
+
+/// Copies timed per kind, interleaved.
+const COPIES: usize = 5;
+
 /// `pinned-memory`: page-locked host buffers and copies on a side stream. On CUDA, measures
 /// host-to-device copy bandwidth from pageable memory against page-locked memory uploaded on
-/// the transfer stream. The overlap of copies with compute is not measured yet.
-pub fn pinned_memory(ctx: &Context) -> Result<ExperimentResult, String> {
-    let mut sweep = Sweep::new(ctx, "pinned-memory", json!({ "bytes": 64u64 << 20, "repeats": 5 }));
+/// the transfer stream, the copies interleaved. The overlap of copies with compute is not
+/// measured yet.
+fn pinned_memory(ctx: &Context) -> Result<Sweep<Transfer>, ExperimentError> {
+    let mut sweep = Sweep::new(ctx, json!({ "bytes": 64u64 << 20, "repeats": COPIES }));
     if matches!(ctx.backend, Backend::Cpu) {
         sweep.claim(Claim {
             claim: "pinned memory gives faster transfers and fewer stalls".into(),
             measured: "not measured: the host backend has no host-to-device transfers: tensors already live in host memory".into(),
             verdict: Verdict::NotApplicable,
         });
-        return Ok(sweep.finish());
+        return Ok(sweep);
     }
     let dev = device(ctx, "")?;
     let n = (64usize << 20) / 4;
     let values: Vec<f32> = (0..n).map(|i| (i % 1000) as f32).collect();
-    let mut pinned = vram_kernels::PinnedBuffer::new(&dev, n * 4).map_err(|e| e.to_string())?;
-    pinned.write_f32(&values, DType::F32).map_err(|e| e.to_string())?;
-    let mut rates = Vec::new();
-    for page_locked in [false, true] {
-        let mut times = Vec::new();
-        for _ in 0..5 {
-            sync(&dev)?;
-            let started = std::time::Instant::now();
-            let t = if page_locked {
-                dev.upload_async(&pinned, &[n], DType::F32)
-                    .and_then(|u| u.wait())
-                    .map_err(|e| e.to_string())?
-            } else {
-                Tensor::from_f32_slice(&dev, &[n], &values, DType::F32)
-                    .map_err(|e| e.to_string())?
-            };
-            sync(&dev)?;
-            times.push(started.elapsed().as_secs_f64());
-            drop(t);
-        }
-        let secs = median(&mut times);
-        let gib_s = (n * 4) as f64 / secs / (1u64 << 30) as f64;
-        let name = if page_locked { "page-locked, transfer stream" } else { "pageable" };
-        let mut v = sweep.variant(
-            name,
-            dev.max_memory_allocated(),
-            dev.max_memory_reserved(),
-            Some(secs * 1e3),
-        );
-        v.extra.insert("copy_gib_per_s".into(), json!(gib_s));
-        sweep.push(v);
-        rates.push(gib_s);
+    let mut pinned = vram_kernels::PinnedBuffer::new(&dev, n * 4)?;
+    pinned.write_f32(&values, DType::F32)?;
+    let mut kinds = [false, true];
+    let samples = interleaved(&mut kinds, 1, COPIES, |page_locked| {
+        sync(&dev)?;
+        let started = std::time::Instant::now();
+        let t = if *page_locked {
+            dev.upload_async(&pinned, &[n], DType::F32).and_then(|u| u.wait())?
+        } else {
+            Tensor::from_f32_slice(&dev, &[n], &values, DType::F32)?
+        };
+        sync(&dev)?;
+        drop(t);
+        Ok::<_, ExperimentError>(started.elapsed().as_secs_f64() * 1e3)
+    })?;
+    let mut timings = Vec::new();
+    for (page_locked, times) in kinds.iter().zip(&samples) {
+        let step = Timing::from_samples(times)
+            .ok_or_else(|| ExperimentError::Setup("pinned-memory needs timed copies".into()))?;
+        let gib_s = (n * 4) as f64 / (step.mean_ms / 1e3) / (1u64 << 30) as f64;
+        let name = if *page_locked { "page-locked, transfer stream" } else { "pageable" };
+        let (peak, reserved) = (dev.max_memory_allocated(), dev.max_memory_reserved());
+        sweep.push(name, peak, reserved, Some(step), Transfer { copy_gib_per_s: gib_s });
+        timings.push((step, gib_s));
     }
+    let ((pageable, slow_rate), (locked, fast_rate)) = (timings[0], timings[1]);
     sweep.claim(Claim {
         claim: "pinned memory gives faster transfers and fewer stalls".into(),
         measured: format!(
-            "64 MiB host-to-device: {:.1} GiB/s pageable, {:.1} GiB/s page-locked; overlap with compute not measured yet",
-            rates[0], rates[1]
+            "64 MiB host-to-device: {slow_rate:.1} GiB/s pageable ({}), {fast_rate:.1} GiB/s page-locked ({}); overlap with compute not measured yet",
+            pageable.describe(),
+            locked.describe()
         ),
-        verdict: if rates[1] > 1.2 * rates[0] { Verdict::Partly } else { Verdict::DoesNotHold },
+        verdict: if pageable.clearly_above(&locked) && fast_rate > 1.2 * slow_rate {
+            Verdict::Partly
+        } else {
+            Verdict::DoesNotHold
+        },
     });
-    Ok(sweep.finish())
+    Ok(sweep)
 }
+
+/// Timed evaluations per device, interleaved.
+const EVALUATIONS: usize = 3;
 
 /// `cpu-fallback`: inference on the CPU when the GPU cannot hold it: the same model (same
 /// seed) evaluated on the CUDA device and on the host gives the same loss.
-pub fn cpu_fallback(ctx: &Context) -> Result<ExperimentResult, String> {
-    let mut sweep =
-        Sweep::new(ctx, "cpu-fallback", json!({ "model": "ResNet-like CNN", "batch_size": 16 }));
+fn cpu_fallback(ctx: &Context) -> Result<Sweep<Evaluation>, ExperimentError> {
+    let mut sweep = Sweep::new(ctx, json!({ "model": "ResNet-like CNN", "batch_size": 16 }));
     if matches!(ctx.backend, Backend::Cpu) {
         sweep.claim(Claim {
             claim: "falling back to the CPU keeps inference working, with the same outputs".into(),
             measured: "not measured: there is no CUDA device to fall back from; comparing outputs needs one".into(),
             verdict: Verdict::NotApplicable,
         });
-        return Ok(sweep.finish());
+        return Ok(sweep);
     }
     let batch = stripes(cnn_side(ctx)).batch(ctx.seed, 0, 16);
-    let mut losses = Vec::new();
-    for (name, dev) in
-        [("CUDA device", device(ctx, "")?), ("host fallback", Device::host(ctx.device_memory))]
-    {
-        let mut model =
-            Model::new(&dev, cnn(ctx, false), ctx.seed, DType::F32).map_err(|e| e.to_string())?;
+    let mut states = Vec::new();
+    for dev in [device(ctx, "")?, Device::host(ctx.device_memory)] {
+        let model = Model::new(&dev, cnn(ctx, false), ctx.seed, DType::F32)?;
+        states.push((dev, model, f32::NAN));
+    }
+    let samples = interleaved(&mut states, 0, EVALUATIONS, |(dev, model, loss)| {
         let started = std::time::Instant::now();
-        let loss = model.eval_loss(&batch, Mode::Inference).map_err(|e| e.to_string())?;
-        let ms = started.elapsed().as_secs_f64() * 1e3;
-        let mut v =
-            sweep.variant(name, dev.max_memory_allocated(), dev.max_memory_reserved(), Some(ms));
-        v.extra.insert("eval_loss".into(), json!(loss));
-        sweep.push(v);
-        losses.push(loss);
+        *loss = model.eval_loss(&batch, Mode::Inference)?;
+        sync(dev)?;
+        Ok::<_, ExperimentError>(started.elapsed().as_secs_f64() * 1e3)
+    })?;
+    let mut losses = Vec::new();
+    for ((name, (dev, _, loss)), times) in
+        ["CUDA device", "host fallback"].iter().zip(&states).zip(&samples)
+    {
+        let (peak, reserved) = (dev.max_memory_allocated(), dev.max_memory_reserved());
+        let step = Timing::from_samples(times);
+        sweep.push(name, peak, reserved, step, Evaluation { eval_loss: *loss });
+        losses.push(*loss);
     }
     let rel = (losses[0] - losses[1]).abs() / losses[1].abs().max(f32::MIN_POSITIVE);
     sweep.claim(Claim {
@@ -107,5 +155,5 @@ pub fn cpu_fallback(ctx: &Context) -> Result<ExperimentResult, String> {
         ),
         verdict: if rel <= 1e-4 { Verdict::Holds } else { Verdict::DoesNotHold },
     });
-    Ok(sweep.finish())
+    Ok(sweep)
 }

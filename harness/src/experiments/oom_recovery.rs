@@ -2,16 +2,42 @@
 //! half-batches (gradient accumulation), on a device sized so that the full batch does not
 //! fit but half of it does.
 
-use super::Sweep;
 use super::common::{cnn, cnn_side, fingerprint, sized_device, stripes, train_fresh};
+use super::{Experiment, Sweep};
 use crate::models::Model;
-use crate::optim::Optimizer;
-use crate::{Claim, Context, ExperimentResult, Verdict, human_bytes};
+use crate::techniques::Technique;
+use crate::trainer::adamw;
+use crate::{Claim, Context, ExperimentError, Verdict, human_bytes};
+use serde::Serialize;
 use serde_json::json;
 use vram_accum::{ForwardCtx, Mode};
+use vram_amp::Optimizer;
 use vram_kernels::DType;
 
-pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
+pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
+    technique: Technique {
+        id: "oom-recovery",
+        name: "OOM recovery",
+        claim: "catch OOM, empty the cache, retry with half the batch: recovery success +50%",
+    },
+    run,
+    plot: None,
+    host_capacity_limit: None,
+    expected_secs: [6.0, 30.0],
+};
+
+/// One policy's outcome.
+#[derive(Serialize)]
+pub(super) struct Measured {
+    ooms: usize,
+    recovered: usize,
+    steps_completed: usize,
+    params_intact_after_oom: bool,
+    eval_loss_before: f32,
+    eval_loss_after: f32,
+}
+
+fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let steps = if ctx.quick { 4 } else { 10 };
     let (side, batch) = (cnn_side(ctx), if ctx.quick { 16 } else { 32 });
     let data = stripes(side);
@@ -21,18 +47,16 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
     let capacity = ((half + full) / 2).next_multiple_of(2 << 20).min(full - 1);
     let mut sweep = Sweep::new(
         ctx,
-        "oom-recovery",
         json!({ "model": format!("{arch:?}"), "batch_size": batch, "device_capacity": capacity, "steps": steps }),
     );
 
     let mut outcomes = Vec::new();
     for recover in [false, true] {
         let dev = sized_device(ctx, capacity)?;
-        let mut model =
-            Model::new(&dev, arch.clone(), ctx.seed, DType::F32).map_err(|e| e.to_string())?;
-        let mut opt = Optimizer::adamw(1e-3);
+        let mut model = Model::new(&dev, arch.clone(), ctx.seed, DType::F32)?;
+        let mut opt = adamw(1e-3);
         let eval = data.batch(ctx.seed, 1 << 30, batch / 2);
-        let loss_before = model.eval_loss(&eval, Mode::Inference).map_err(|e| e.to_string())?;
+        let loss_before = model.eval_loss(&eval, Mode::Inference)?;
         let (mut ooms, mut recovered, mut intact, mut completed) = (0, 0, true, 0);
         for step in 0..steps {
             let b = data.batch(ctx.seed, step as u64, batch);
@@ -58,28 +82,25 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
                     }
                     recovered += 1;
                 }
-                Err(e) => return Err(e.to_string()),
+                Err(e) => return Err(e.into()),
             }
-            opt.step(model.params_mut()).map_err(|e| e.to_string())?;
+            opt.step(&mut model)?;
             model.zero_grad();
             completed += 1;
         }
-        let loss_after = model.eval_loss(&eval, Mode::Inference).map_err(|e| e.to_string())?;
+        let loss_after = model.eval_loss(&eval, Mode::Inference)?;
         let name =
             if recover { "catch OOM, empty_cache, retry as 2 half-batches" } else { "no recovery" };
-        let mut v =
-            sweep.variant(name, dev.max_memory_allocated(), dev.max_memory_reserved(), None);
-        for (k, val) in [
-            ("ooms", json!(ooms)),
-            ("recovered", json!(recovered)),
-            ("steps_completed", json!(completed)),
-            ("params_intact_after_oom", json!(intact)),
-            ("eval_loss_before", json!(loss_before)),
-            ("eval_loss_after", json!(loss_after)),
-        ] {
-            v.extra.insert(k.into(), val);
-        }
-        sweep.push(v);
+        let measured = Measured {
+            ooms,
+            recovered,
+            steps_completed: completed,
+            params_intact_after_oom: intact,
+            eval_loss_before: loss_before,
+            eval_loss_after: loss_after,
+        };
+        let (peak, reserved) = (dev.max_memory_allocated(), dev.max_memory_reserved());
+        sweep.push(name, peak, reserved, None, measured);
         outcomes.push((ooms, recovered, completed, intact, loss_before, loss_after));
     }
     let (none, rec) = (outcomes[0], outcomes[1]);
@@ -92,5 +113,5 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
         ),
         verdict: if holds { Verdict::Holds } else if rec.1 > 0 { Verdict::Partly } else { Verdict::DoesNotHold },
     });
-    Ok(sweep.finish())
+    Ok(sweep)
 }

@@ -2,12 +2,34 @@
 //! activations, as `losses.append(loss)` keeps autograd graphs) against one that drops them,
 //! with a leak detector on allocated memory per iteration.
 
-use super::Sweep;
 use super::common::{cnn, cnn_side, device, fit_line, stripes};
+use super::{Experiment, Sweep};
 use crate::models::Model;
-use crate::{Claim, Context, ExperimentResult, Verdict, human_bytes};
+use crate::techniques::Technique;
+use crate::{Claim, Context, ExperimentError, Verdict, human_bytes};
+use serde::Serialize;
 use serde_json::json;
 use vram_kernels::DType;
+
+pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
+    technique: Technique {
+        id: "release-references",
+        name: "dropping references (del)",
+        claim: "one del can save you; leaks show as steadily growing memory",
+    },
+    run,
+    plot: None,
+    host_capacity_limit: None,
+    expected_secs: [2.0, 8.0],
+};
+
+/// One loop's allocation series.
+#[derive(Serialize)]
+pub(super) struct Measured {
+    allocated_per_iteration: Vec<u64>,
+    growth_bytes_per_iteration: f64,
+    leak_flagged: bool,
+}
 
 /// Flags steady growth: the fitted slope is over 1% of the first iteration's allocation per
 /// iteration and the line explains the series (r^2 > 0.9).
@@ -18,28 +40,25 @@ fn leaking(series: &[u64]) -> (bool, f64) {
     (slope > 0.01 * series[0] as f64 && r2 > 0.9, slope)
 }
 
-pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
+fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let iterations = if ctx.quick { 8 } else { 20 };
     let (side, batch) = (cnn_side(ctx), 8);
     let arch = cnn(ctx, false);
     let data = stripes(side);
     let mut sweep = Sweep::new(
         ctx,
-        "release-references",
         json!({ "model": format!("{arch:?}"), "iterations": iterations, "batch_size": batch }),
     );
     let mut results = Vec::new();
     for keep in [true, false] {
         let dev = device(ctx, "")?;
-        let mut model =
-            Model::new(&dev, arch.clone(), ctx.seed, DType::F32).map_err(|e| e.to_string())?;
+        let mut model = Model::new(&dev, arch.clone(), ctx.seed, DType::F32)?;
         let mut history = Vec::new();
         let mut losses = Vec::new();
         let mut allocated = Vec::new();
         for i in 0..iterations {
-            let (loss, graph) = model
-                .forward_graph(&data.batch(ctx.seed, i as u64, batch), i as u64)
-                .map_err(|e| e.to_string())?;
+            let (loss, graph) =
+                model.forward_graph(&data.batch(ctx.seed, i as u64, batch), i as u64)?;
             losses.push(loss);
             if keep {
                 history.push(graph);
@@ -52,12 +71,13 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
         } else {
             "drops them (loss.item())"
         };
-        let mut v =
-            sweep.variant(name, dev.max_memory_allocated(), dev.max_memory_reserved(), None);
-        v.extra.insert("allocated_per_iteration".into(), json!(allocated));
-        v.extra.insert("growth_bytes_per_iteration".into(), json!(slope));
-        v.extra.insert("leak_flagged".into(), json!(flagged));
-        sweep.push(v);
+        let measured = Measured {
+            allocated_per_iteration: allocated.clone(),
+            growth_bytes_per_iteration: slope,
+            leak_flagged: flagged,
+        };
+        let (peak, reserved) = (dev.max_memory_allocated(), dev.max_memory_reserved());
+        sweep.push(name, peak, reserved, None, measured);
         results.push((allocated, flagged, slope, dev.max_memory_allocated()));
         drop(history);
     }
@@ -79,5 +99,5 @@ pub fn run(ctx: &Context) -> Result<ExperimentResult, String> {
         ),
         verdict: if fixed.3 * 2 < leak.3 { Verdict::Holds } else if fixed.3 < leak.3 { Verdict::Partly } else { Verdict::DoesNotHold },
     });
-    Ok(sweep.finish())
+    Ok(sweep)
 }

@@ -4,6 +4,7 @@
 //! measures what it does to peak memory and speed; [`run`] runs a selection, writes
 //! `<out>/<id>.json` per experiment and `<out>/REPORT.md`.
 
+pub mod advice;
 mod backend;
 mod bench;
 pub mod data;

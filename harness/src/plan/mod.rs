@@ -36,7 +36,7 @@ pub use model::{
     ALIASES, ModelOverrides, PlanModel, SampleInput, model_from_args, model_from_file,
     model_from_spec,
 };
-pub use search::{Candidate, Target, measure, plan, verify};
+pub use search::{Candidate, Target, estimate_cost, measure, plan, verify};
 
 use serde::Serialize;
 use vram_kernels::DType;

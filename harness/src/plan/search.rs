@@ -209,30 +209,63 @@ impl Search<'_> {
         })
     }
 
-    /// (recomputed fraction, relative step cost): compute at 2x for fp32, plus one read of
-    /// the weights in forward and backward and one gradient update per micro-batch at the
-    /// assumed machine balance.
+    /// (recomputed fraction, relative step cost) of a step of the request's batch.
     fn cost(&self, precision: Precision, schedule: &Schedule, accum: usize) -> (f64, f64) {
-        let flops = self.model.chain_flops();
-        let g = self.req.batch as f64;
-        let forward: f64 = (flops.iter().sum::<f64>() + self.model.outside_chain_flops()) * g;
-        let recomputed: f64 = schedule
-            .segments()
-            .iter()
-            .filter(|s| s.checkpointed)
-            .map(|s| flops[s.start..s.end.min(flops.len())].iter().sum::<f64>())
-            .sum::<f64>()
-            * g;
-        let params = self.params as f64;
-        let bytes = |p: Precision| params * p.dtype().size_in_bytes() as f64;
-        let factor = |p: Precision| if p == Precision::Fp32 { ASSUMED_FP32_FACTOR } else { 1.0 };
-        let cost = factor(precision) * (3.0 * forward + recomputed)
-            + accum as f64 * ASSUMED_FLOP_PER_BYTE * 3.0 * bytes(precision);
-        let base = ASSUMED_FP32_FACTOR * 3.0 * forward
-            + ASSUMED_FLOP_PER_BYTE * 3.0 * bytes(Precision::Fp32);
-        let frac = if recomputed > 0.0 { recomputed / (3.0 * forward) } else { 0.0 };
-        (frac, if base > 0.0 { cost / base } else { 1.0 })
+        cost_model(&self.model, self.params, self.req.batch, precision, schedule, accum)
     }
+}
+
+/// (recomputed fraction, relative step cost) of a step of `batch` samples: compute at 2x
+/// for fp32, plus one read of the weights in forward and backward and one gradient update
+/// per micro-batch at the assumed machine balance; 1.0 is an fp32 step without
+/// recomputation or accumulation.
+fn cost_model(
+    model: &PlanModel,
+    params: u64,
+    batch: usize,
+    precision: Precision,
+    schedule: &Schedule,
+    accum: usize,
+) -> (f64, f64) {
+    let flops = model.chain_flops();
+    let g = batch as f64;
+    let forward: f64 = (flops.iter().sum::<f64>() + model.outside_chain_flops()) * g;
+    let recomputed: f64 = schedule
+        .segments()
+        .iter()
+        .filter(|s| s.checkpointed)
+        .map(|s| flops[s.start..s.end.min(flops.len())].iter().sum::<f64>())
+        .sum::<f64>()
+        * g;
+    let params = params as f64;
+    let bytes = |p: Precision| params * p.dtype().size_in_bytes() as f64;
+    let factor = |p: Precision| if p == Precision::Fp32 { ASSUMED_FP32_FACTOR } else { 1.0 };
+    let cost = factor(precision) * (3.0 * forward + recomputed)
+        + accum as f64 * ASSUMED_FLOP_PER_BYTE * 3.0 * bytes(precision);
+    let base =
+        ASSUMED_FP32_FACTOR * 3.0 * forward + ASSUMED_FLOP_PER_BYTE * 3.0 * bytes(Precision::Fp32);
+    let frac = if recomputed > 0.0 { recomputed / (3.0 * forward) } else { 0.0 };
+    (frac, if base > 0.0 { cost / base } else { 1.0 })
+}
+
+/// The estimated (recomputed fraction, relative step cost) of `candidate` for one optimizer
+/// step of `micro x accum` samples, by the planner's cost model (FLOPs and weight traffic
+/// with the assumptions printed by `cargo xtask plan`; 1.0 = fp32, no recomputation, no
+/// accumulation). A budget plan is costed as the sqrt plan (its schedule depends on a
+/// memory budget the candidate does not carry).
+///
+/// # Errors
+///
+/// [`PlanError::Run`] if the model cannot be built.
+pub fn estimate_cost(model: &PlanModel, candidate: &Candidate) -> Result<(f64, f64), PlanError> {
+    let (params, n) = param_count(model)?;
+    let kind = match candidate.plan {
+        PlanKind::Budget => PlanKind::Sqrt,
+        k => k,
+    };
+    let schedule = fixed_schedule(kind, n)?;
+    let batch = candidate.micro * candidate.accum;
+    Ok(cost_model(model, params, batch, candidate.precision, &schedule, candidate.accum))
 }
 
 fn human(bytes: u64) -> String {

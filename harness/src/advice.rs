@@ -1,0 +1,335 @@
+//! The report's first section, "What should I do?": for each real-size model, peak memory
+//! split into a fixed part (weights, gradients and optimizer state: parameters x bytes per
+//! parameter for the precision and optimizer) and a per-sample part (activations), and the
+//! techniques ranked by the memory they save at a realistic batch against their time cost
+//! and numerical risk.
+//!
+//! Every memory figure is a training step (two optimizer steps, the second with the
+//! optimizer state in place) on the virtual device ([`crate::plan::measure`]): exact for
+//! vram's own allocations, computed by nothing. Time costs are the planner's cost model
+//! ([`crate::plan::estimate_cost`]: FLOPs and weight traffic under stated assumptions), not
+//! host timings.
+
+use crate::ExperimentError;
+use crate::plan::{
+    self, Candidate, ModelOverrides, OptimizerKind, PlanError, PlanKind, PlanModel, Precision,
+    Target,
+};
+use serde::Serialize;
+use std::fmt::Write as _;
+use vram_alloc::human_bytes;
+
+/// A device big enough for every measurement here (the virtual device has no capacity cost).
+const UNLIMITED: u64 = 1 << 50;
+
+/// One model's decomposition and ranked techniques.
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelAdvice {
+    /// Model name with its sizes.
+    pub model: String,
+    /// Parameters.
+    pub params: u64,
+    /// The batch the techniques are compared at.
+    pub batch: usize,
+    /// Model states with AdamW, 16 bytes per parameter alike in fp32 (weights 4, gradients
+    /// 4, moments 8) and with bf16 autocast (2 + 2, f32 masters 4, moments 8).
+    pub state_bytes: u64,
+    /// Measured fixed part (fp32, AdamW): the peak's intercept at zero samples.
+    pub fixed_bytes: u64,
+    /// Measured per-sample part (fp32, AdamW): the peak's slope.
+    pub per_sample_bytes: u64,
+    /// Share of the peak at one sample that is fixed.
+    pub fixed_share_at_one: f64,
+    /// Share of the peak at `batch` samples that is fixed.
+    pub fixed_share_at_batch: f64,
+    /// Techniques, most memory saved first.
+    pub techniques: Vec<TechniqueRow>,
+}
+
+/// One technique (or combination) at the comparison batch.
+#[derive(Clone, Debug, Serialize)]
+pub struct TechniqueRow {
+    /// What changes from the fp32 / AdamW / no checkpointing / default allocator baseline.
+    pub technique: &'static str,
+    /// Peak allocated bytes.
+    pub peak_allocated: u64,
+    /// Peak reserved bytes.
+    pub peak_reserved: u64,
+    /// Reserved bytes saved against the baseline (negative: costs memory).
+    pub saved_bytes: i64,
+    /// Estimated step cost relative to the baseline (1.0 = the same).
+    pub relative_cost: f64,
+    /// What it risks numerically.
+    pub risk: &'static str,
+}
+
+/// The whole section.
+#[derive(Clone, Debug, Serialize)]
+pub struct Advice {
+    /// One entry per model.
+    pub models: Vec<ModelAdvice>,
+}
+
+struct Tech {
+    name: &'static str,
+    precision: Precision,
+    plan: PlanKind,
+    alloc_conf: &'static str,
+    optimizer: OptimizerKind,
+    accum: usize,
+    risk: &'static str,
+}
+
+const TECHNIQUES: &[Tech] = &[
+    Tech {
+        name: "baseline: fp32, AdamW, no checkpointing",
+        precision: Precision::Fp32,
+        plan: PlanKind::None,
+        alloc_conf: "",
+        optimizer: OptimizerKind::AdamW,
+        accum: 1,
+        risk: "-",
+    },
+    Tech {
+        name: "bf16 autocast, f32 master weights",
+        precision: Precision::Bf16,
+        plan: PlanKind::None,
+        alloc_conf: "",
+        optimizer: OptimizerKind::AdamW,
+        accum: 1,
+        risk: "low: 8-bit mantissa in activations (see mixed-precision's loss agreement)",
+    },
+    Tech {
+        name: "fp16 + dynamic loss scaling, f32 masters",
+        precision: Precision::Fp16,
+        plan: PlanKind::None,
+        alloc_conf: "",
+        optimizer: OptimizerKind::AdamW,
+        accum: 1,
+        risk: "medium: overflow; the scaler skips steps (counted in mixed-precision)",
+    },
+    Tech {
+        name: "checkpointing, sqrt(n) segments",
+        precision: Precision::Fp32,
+        plan: PlanKind::Sqrt,
+        alloc_conf: "",
+        optimizer: OptimizerKind::AdamW,
+        accum: 1,
+        risk: "none: gradients bit-identical (checkpointing's test)",
+    },
+    Tech {
+        name: "checkpointing, every 2 layers",
+        precision: Precision::Fp32,
+        plan: PlanKind::EveryK(2),
+        alloc_conf: "",
+        optimizer: OptimizerKind::AdamW,
+        accum: 1,
+        risk: "none: gradients bit-identical",
+    },
+    Tech {
+        name: "gradient accumulation, 4 micro-batches",
+        precision: Precision::Fp32,
+        plan: PlanKind::None,
+        alloc_conf: "",
+        optimizer: OptimizerKind::AdamW,
+        accum: 4,
+        risk: "none: equal to the full batch up to summation order",
+    },
+    Tech {
+        name: "SGD with momentum instead of AdamW",
+        precision: Precision::Fp32,
+        plan: PlanKind::None,
+        alloc_conf: "",
+        optimizer: OptimizerKind::Sgd,
+        accum: 1,
+        risk: "high: a different optimizer; convergence and tuning change",
+    },
+    Tech {
+        name: "expandable segments (allocator)",
+        precision: Precision::Fp32,
+        plan: PlanKind::None,
+        alloc_conf: "expandable_segments:True",
+        optimizer: OptimizerKind::AdamW,
+        accum: 1,
+        risk: "none: allocator policy only",
+    },
+    Tech {
+        name: "bf16 + sqrt checkpointing + 4 micro-batches + expandable",
+        precision: Precision::Bf16,
+        plan: PlanKind::Sqrt,
+        alloc_conf: "expandable_segments:True",
+        optimizer: OptimizerKind::AdamW,
+        accum: 4,
+        risk: "low (bf16's)",
+    },
+];
+
+/// The models of the section and the batch each is compared at (a realistic training batch
+/// per device): the quick run takes the first two.
+const MODELS: &[(&str, usize)] = &[
+    ("gpt2-small", 8),
+    ("resnet50", 64),
+    ("gpt2-medium", 8),
+    ("vit-b-like", 64),
+    ("mobilenetv3-like", 64),
+];
+
+fn peak(model: &PlanModel, t: &Tech, micro: usize, accum: usize) -> Result<(u64, u64), PlanError> {
+    let c = Candidate {
+        precision: t.precision,
+        plan: t.plan,
+        alloc_conf: t.alloc_conf.into(),
+        optimizer: t.optimizer,
+        micro,
+        accum,
+    };
+    plan::measure(model, &c, Target::Virtual(UNLIMITED))?.ok_or_else(|| {
+        PlanError::InvalidArgument {
+            what: "model",
+            reason: format!(
+                "{} ran out of a {} virtual device",
+                model.name,
+                human_bytes(UNLIMITED)
+            ),
+        }
+    })
+}
+
+fn one_model(name: &str, batch: usize) -> Result<ModelAdvice, PlanError> {
+    let model = plan::model_from_args(name, &ModelOverrides::default())?;
+    let base = &TECHNIQUES[0];
+    // Fixed + per sample from the peaks at 1 and 2 samples: the line through them.
+    let (p1, _) = peak(&model, base, 1, 1)?;
+    let (p2, _) = peak(&model, base, 2, 1)?;
+    let per_sample = p2.saturating_sub(p1);
+    let fixed = p1.saturating_sub(per_sample);
+    let params = params_of(&model)?;
+    let mut rows = Vec::new();
+    let mut baseline = None;
+    for t in TECHNIQUES {
+        let micro = batch / t.accum;
+        let (alloc, reserved) = peak(&model, t, micro, t.accum)?;
+        let c = Candidate {
+            precision: t.precision,
+            plan: t.plan,
+            alloc_conf: t.alloc_conf.into(),
+            optimizer: t.optimizer,
+            micro,
+            accum: t.accum,
+        };
+        let (_, cost) = plan::estimate_cost(&model, &c)?;
+        let (base_reserved, base_cost) = *baseline.get_or_insert((reserved, cost));
+        rows.push(TechniqueRow {
+            technique: t.name,
+            peak_allocated: alloc,
+            peak_reserved: reserved,
+            saved_bytes: base_reserved as i64 - reserved as i64,
+            relative_cost: cost / base_cost,
+            risk: t.risk,
+        });
+    }
+    let (first, rest) = rows.split_at_mut(1);
+    rest.sort_by(|a, b| b.saved_bytes.cmp(&a.saved_bytes));
+    let techniques = first.iter().chain(rest.iter()).cloned().collect();
+    let at = |n: usize| fixed as f64 / (fixed + n as u64 * per_sample).max(1) as f64;
+    Ok(ModelAdvice {
+        model: model.name.clone(),
+        params,
+        batch,
+        state_bytes: 16 * params,
+        fixed_bytes: fixed,
+        per_sample_bytes: per_sample,
+        fixed_share_at_one: at(1),
+        fixed_share_at_batch: at(batch),
+        techniques,
+    })
+}
+
+fn params_of(model: &PlanModel) -> Result<u64, PlanError> {
+    let device = vram_kernels::Device::virtual_device(UNLIMITED);
+    let m = crate::models::Model::new(&device, model.arch.clone(), 1, vram_kernels::DType::F32)
+        .map_err(|e| PlanError::Run {
+            context: format!("building {}", model.name),
+            source: Box::new(e),
+        })?;
+    Ok(m.param_count())
+}
+
+/// Computes the section: two models when `quick`, five otherwise.
+///
+/// # Errors
+///
+/// A model that cannot be built or run on the virtual device.
+pub fn compute(quick: bool) -> Result<Advice, ExperimentError> {
+    let n = if quick { 2 } else { MODELS.len() };
+    let models = MODELS[..n]
+        .iter()
+        .map(|&(name, batch)| one_model(name, batch))
+        .collect::<Result<_, _>>()
+        .map_err(|e| ExperimentError::Setup(format!("what-should-I-do section: {e}")))?;
+    Ok(Advice { models })
+}
+
+/// The section as Markdown.
+pub fn markdown(a: &Advice) -> String {
+    let mut s = String::from("## What should I do?\n\n");
+    s.push_str(
+        "Peak memory of one training step at real model sizes, measured on the virtual \
+         device (exact for vram's own allocations; a GPU adds the CUDA context, ~0.5 GiB, \
+         and library workspaces beyond cuBLAS's, which `cargo xtask plan --reserve` keeps \
+         back). Fixed = what does not grow with the batch (weights, gradients, optimizer \
+         state: 16 bytes per parameter for AdamW in fp32, and also with bf16 autocast, whose \
+         f32 master weights keep it at 2 + 2 + 4 + 8); per sample = activations.\n\n",
+    );
+    s.push_str(
+        "| model | parameters | states, 16 B/param | fixed (measured) | per sample | fixed share at 1 sample | at the batch |\n|---|---|---|---|---|---|---|\n",
+    );
+    for m in &a.models {
+        let _ = writeln!(
+            s,
+            "| {} | {:.1} M | {} | {} | {} | {:.0}% | {:.0}% (batch {}) |",
+            m.model,
+            m.params as f64 / 1e6,
+            human_bytes(m.state_bytes),
+            human_bytes(m.fixed_bytes),
+            human_bytes(m.per_sample_bytes),
+            100.0 * m.fixed_share_at_one,
+            100.0 * m.fixed_share_at_batch,
+            m.batch
+        );
+    }
+    s.push_str(
+        "\nWhere the fixed share is high (large models, small batches), techniques that cut \
+         activations (checkpointing, smaller batches, accumulation, 16-bit activations) save \
+         little: only sharding the states (ZeRO, see data-parallel), a lighter optimizer or \
+         a smaller model do. Techniques ranked by the reserved memory they save at each \
+         model's batch; cost is the planner's estimate relative to the baseline (FLOPs and \
+         weight traffic, assuming 16-bit math at twice fp32's rate: a GPU assumption, not a \
+         host timing).\n",
+    );
+    for m in &a.models {
+        let _ = write!(
+            s,
+            "\n### {} at batch {}\n\n| technique | peak allocated | peak reserved | saved | est. cost | numerical risk |\n|---|---|---|---|---|---|\n",
+            m.model, m.batch
+        );
+        for r in &m.techniques {
+            let saved = if r.saved_bytes >= 0 {
+                human_bytes(r.saved_bytes as u64)
+            } else {
+                format!("-{}", human_bytes(r.saved_bytes.unsigned_abs()))
+            };
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {:.2}x | {} |",
+                r.technique,
+                human_bytes(r.peak_allocated),
+                human_bytes(r.peak_reserved),
+                saved,
+                r.relative_cost,
+                r.risk
+            );
+        }
+    }
+    s
+}

@@ -23,6 +23,10 @@ use crate::{Backend, Claim, Context, ExperimentError, ExperimentResult, Timing, 
 use serde::Serialize;
 use serde_json::Value;
 
+/// Draws an experiment's plot (SVG text) from its typed results; `None` when there is
+/// nothing to draw.
+pub(crate) type PlotFn<X> = fn(&Sweep<X>) -> Option<String>;
+
 /// One experiment: its technique (the id, written once, lives here), how to run it, how to
 /// plot its typed results, and what it costs.
 pub(crate) struct Experiment<X: 'static> {
@@ -31,12 +35,12 @@ pub(crate) struct Experiment<X: 'static> {
     /// Runs the experiment; `X` is the experiment's own per-variant measurements.
     pub run: fn(&Context) -> Result<Sweep<X>, ExperimentError>,
     /// Draws its plot from the typed results, when it has one.
-    pub plot: Option<fn(&Sweep<X>) -> Option<String>>,
+    pub plot: Option<PlotFn<X>>,
     /// The largest simulated device capacity the host backend can run it with (its workload
     /// grows with the capacity), and why; `None` when its workload does not depend on it.
     pub host_capacity_limit: Option<(u64, &'static str)>,
-    /// Typical wall time in seconds on a 2-core host, quick and full (for the time-left
-    /// estimate only).
+    /// Typical wall time in seconds of a release build on a shared 2-core host, quick and
+    /// full (measured; for the time-left estimate only).
     pub expected_secs: [f64; 2],
 }
 

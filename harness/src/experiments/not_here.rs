@@ -33,7 +33,7 @@ pub(super) static DATA_PARALLEL: Experiment<Throughput> = Experiment {
     run: data_parallel,
     plot: None,
     host_capacity_limit: None,
-    expected_secs: [3.0, 10.0],
+    expected_secs: [0.7, 3.0],
 };
 
 pub(super) static CPU_FALLBACK: Experiment<Evaluation> = Experiment {

@@ -378,7 +378,11 @@ mod tests {
         let err = run(&opts, &mut Silent).unwrap_err();
         let text = err.to_string();
         assert!(matches!(err, HarnessError::CapacityTooLarge { .. }), "{text}");
-        assert!(text.contains("fragmentation") && text.contains("256.00 GiB"), "{text}");
+        assert!(
+            text.contains("fragmentation") && text.contains("--device-memory 256GiB"),
+            "{text}"
+        );
+        assert_eq!(parse_size("256GiB").unwrap(), 256 << 30, "the suggested size parses");
         assert!(!out.join("REPORT.md").exists());
     }
 

@@ -3,6 +3,16 @@
 use std::path::PathBuf;
 use vram_alloc::human_bytes;
 
+/// `bytes` as `--device-memory` takes it: `256GiB`, or plain bytes.
+fn size_arg(bytes: u64) -> String {
+    for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
+        if bytes >= 1 << shift && bytes.is_multiple_of(1 << shift) {
+            return format!("{}{unit}", bytes >> shift);
+        }
+    }
+    bytes.to_string()
+}
+
 /// What can go wrong when running experiments.
 #[derive(Debug, thiserror::Error)]
 pub enum HarnessError {
@@ -31,7 +41,7 @@ pub enum HarnessError {
     /// A simulated device capacity that an experiment cannot run with on the host.
     #[error(
         "experiment `{id}` simulates at most {} on the host backend, asked for {}: {why}; pass --device-memory {} or less, or leave `{id}` out of --only",
-        human_bytes(*limit), human_bytes(*capacity), human_bytes(*limit)
+        human_bytes(*limit), human_bytes(*capacity), size_arg(*limit)
     )]
     CapacityTooLarge {
         /// The experiment.

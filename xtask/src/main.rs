@@ -36,8 +36,9 @@ enum Command {
 
 #[derive(clap::Args)]
 struct BenchArgs {
-    /// Reduced sizes (CI): about 2 minutes for every experiment on a 2-core host, against
-    /// about 10 minutes for the full run.
+    /// Reduced sizes (CI): about 45 seconds for all 18 experiments on a shared 2-core host,
+    /// against about 8 minutes for the full run (plus about 5 minutes for the first release
+    /// build).
     #[arg(long)]
     quick: bool,
     /// Run only these experiment ids, comma-separated (spaces around ids are ignored; each id

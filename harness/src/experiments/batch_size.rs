@@ -19,7 +19,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: Some(plot),
     host_capacity_limit: None,
-    expected_secs: [10.0, 40.0],
+    expected_secs: [3.0, 50.0],
 };
 
 /// One batch size's measurements.

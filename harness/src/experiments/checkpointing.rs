@@ -26,7 +26,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: Some(plot),
     host_capacity_limit: None,
-    expected_secs: [12.0, 60.0],
+    expected_secs: [2.6, 18.0],
 };
 
 /// One plan's measurements.

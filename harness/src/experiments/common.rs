@@ -67,7 +67,7 @@ pub fn gpt(ctx: &Context) -> (Arch, Dataset) {
 
 /// Timed steps after warm-up.
 pub fn timed_steps(ctx: &Context) -> (usize, usize) {
-    if ctx.quick { (1, 3) } else { (1, 5) }
+    if ctx.quick { (1, 5) } else { (2, 10) }
 }
 
 /// Measurements of a training run.

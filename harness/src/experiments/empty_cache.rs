@@ -26,7 +26,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: None,
     host_capacity_limit: None,
-    expected_secs: [12.0, 45.0],
+    expected_secs: [16.5, 100.0],
 };
 
 /// One calling policy's measurements.

@@ -22,7 +22,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: None,
     host_capacity_limit: None,
-    expected_secs: [12.0, 50.0],
+    expected_secs: [5.5, 120.0],
 };
 
 /// One micro-batch count's measurements.
@@ -46,7 +46,7 @@ impl Hooks for FirstGradients {
 
 fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let batch = if ctx.quick { 32 } else { 64 };
-    let steps = if ctx.quick { 4 } else { 8 };
+    let steps = if ctx.quick { 6 } else { 12 };
     let (side, arch) = (cnn_side(ctx), cnn(ctx, false));
     let data = stripes(side);
     let mut sweep = Sweep::new(

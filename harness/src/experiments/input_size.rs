@@ -17,7 +17,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: Some(plot),
     host_capacity_limit: None,
-    expected_secs: [6.0, 30.0],
+    expected_secs: [3.0, 16.0],
 };
 
 /// One input side's measurements.

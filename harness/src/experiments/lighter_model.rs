@@ -20,7 +20,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: None,
     host_capacity_limit: None,
-    expected_secs: [5.0, 25.0],
+    expected_secs: [1.5, 10.0],
 };
 
 /// One architecture's measurements.

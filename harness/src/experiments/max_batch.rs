@@ -25,7 +25,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: None,
     host_capacity_limit: None,
-    expected_secs: [15.0, 90.0],
+    expected_secs: [2.5, 40.0],
 };
 
 /// One search strategy's measurements.

@@ -20,8 +20,11 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     },
     run,
     plot: None,
-    host_capacity_limit: None,
-    expected_secs: [0.2, 0.5],
+    host_capacity_limit: Some((
+        1 << 60,
+        "the virtual device hands out 64-bit addresses and does not reuse them, so segments of a tenth of a larger device run out of address space",
+    )),
+    expected_secs: [0.1, 0.1],
 };
 
 /// One cap's measurements.

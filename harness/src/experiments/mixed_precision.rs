@@ -25,7 +25,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: Some(plot),
     host_capacity_limit: None,
-    expected_secs: [15.0, 60.0],
+    expected_secs: [1.2, 12.0],
 };
 
 /// One precision's measurements: where its peak goes.

@@ -39,8 +39,8 @@ pub(crate) struct Experiment<X: 'static> {
     /// The largest simulated device capacity the host backend can run it with (its workload
     /// grows with the capacity), and why; `None` when its workload does not depend on it.
     pub host_capacity_limit: Option<(u64, &'static str)>,
-    /// Typical wall time in seconds on a 2-core host, quick and full (for the time-left
-    /// estimate only).
+    /// Typical wall time in seconds of a release build on a shared 2-core host, quick and
+    /// full (measured; for the time-left estimate only).
     pub expected_secs: [f64; 2],
 }
 

@@ -22,7 +22,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: None,
     host_capacity_limit: None,
-    expected_secs: [6.0, 25.0],
+    expected_secs: [3.0, 17.0],
 };
 
 /// One run of A then B.

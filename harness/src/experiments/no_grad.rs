@@ -21,7 +21,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: None,
     host_capacity_limit: None,
-    expected_secs: [3.0, 12.0],
+    expected_secs: [2.0, 20.0],
 };
 
 /// One evaluation's measurements.

@@ -23,7 +23,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: None,
     host_capacity_limit: None,
-    expected_secs: [6.0, 30.0],
+    expected_secs: [1.5, 21.0],
 };
 
 /// One policy's outcome.

@@ -20,7 +20,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: None,
     host_capacity_limit: None,
-    expected_secs: [2.0, 8.0],
+    expected_secs: [0.6, 4.0],
 };
 
 /// One loop's allocation series.

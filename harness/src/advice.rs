@@ -229,7 +229,7 @@ fn one_model(name: &str, batch: usize) -> Result<ModelAdvice, PlanError> {
         });
     }
     let (first, rest) = rows.split_at_mut(1);
-    rest.sort_by(|a, b| b.saved_bytes.cmp(&a.saved_bytes));
+    rest.sort_by_key(|r| std::cmp::Reverse(r.saved_bytes));
     let techniques = first.iter().chain(rest.iter()).cloned().collect();
     let at = |n: usize| fixed as f64 / (fixed + n as u64 * per_sample).max(1) as f64;
     Ok(ModelAdvice {

@@ -199,8 +199,20 @@ pub fn run(opts: &BenchOptions, progress: &mut dyn Progress) -> Result<BenchSumm
         progress.finish(t.id, &outcome, elapsed);
         outcomes.push((t, outcome, elapsed));
     }
+    // "What should I do?": real-size models on the virtual device, whatever the backend
+    // (only with the whole selection: a `--only` run reports its experiments alone).
+    let advice = match opts.only {
+        None => {
+            let advice = crate::advice::compute(opts.quick);
+            if let Ok(a) = &advice {
+                write_json(&opts.out.join("advice.json"), a)?;
+            }
+            Some(advice)
+        }
+        Some(_) => None,
+    };
     let report = opts.out.join("REPORT.md");
-    let text = report::render(&ctx, opts, &outcomes);
+    let text = report::render(&ctx, opts, advice.as_ref(), &outcomes);
     write_atomically(&report, text.as_bytes())?;
     Ok(BenchSummary { backend, outcomes, report })
 }
@@ -222,7 +234,7 @@ fn check_capacity(selected: &[&'static dyn Descriptor], capacity: u64) -> Result
     Ok(())
 }
 
-fn write_json(path: &Path, result: &ExperimentResult) -> Result<(), HarnessError> {
+fn write_json(path: &Path, result: &impl serde::Serialize) -> Result<(), HarnessError> {
     let mut text = serde_json::to_string_pretty(result).expect("results serialize");
     text.push('\n');
     write_atomically(path, text.as_bytes())

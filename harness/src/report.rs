@@ -10,6 +10,7 @@ use vram_alloc::human_bytes;
 pub fn render(
     ctx: &Context,
     opts: &BenchOptions,
+    advice: Option<&Result<crate::advice::Advice, crate::ExperimentError>>,
     outcomes: &[(&'static Technique, Outcome, Duration)],
 ) -> String {
     let mut s = String::new();
@@ -26,6 +27,15 @@ pub fn render(
     let _ = writeln!(s, "- device: {device}");
     let _ = writeln!(s, "- mode: {}", if opts.quick { "quick (reduced sizes)" } else { "full" });
     let _ = writeln!(s, "- seed: {}\n", opts.seed);
+    match advice {
+        Some(Ok(a)) => {
+            let _ = writeln!(s, "{}", crate::advice::markdown(a));
+        }
+        Some(Err(e)) => {
+            let _ = writeln!(s, "## What should I do?\n\nNot computed: {e}\n");
+        }
+        None => {}
+    }
 
     let _ = writeln!(s, "## Claims\n");
     let _ = writeln!(s, "| technique | claim | measured | verdict |");
@@ -63,6 +73,10 @@ pub fn render(
     for (t, outcome, elapsed) in outcomes {
         let Outcome::Done { result: r, plot } = outcome else { continue };
         let _ = writeln!(s, "## `{}`: {}\n", t.id, t.name);
+        let _ = writeln!(s, "Claim: {} (source: {}).\n", t.claim, t.source);
+        if let Some(reading) = &r.reading {
+            let _ = writeln!(s, "Reading: {reading}\n");
+        }
         let _ = writeln!(s, "Ran in {:.1} s. Results: `{}.json`.\n", elapsed.as_secs_f64(), t.id);
         let _ =
             writeln!(s, "| variant | peak allocated | peak reserved | step (ms, mean +- 95% CI) |");

@@ -18,6 +18,9 @@ pub struct ExperimentResult {
     pub variants: Vec<Variant>,
     /// Every claim with the verdict computed from the measurements.
     pub claims: Vec<Claim>,
+    /// One line: what the measurements mean for a user.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reading: Option<String>,
 }
 
 /// One measured configuration of an experiment.

@@ -12,6 +12,8 @@ pub struct Technique {
     pub name: &'static str,
     /// The claim as found in the source material.
     pub claim: &'static str,
+    /// The source post(s) the claim comes from: file names in `../shared/sources/`.
+    pub source: &'static str,
 }
 
 /// Every technique vram reproduces, in the order of the report.

@@ -15,6 +15,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
         id: "batch-size",
         name: "smaller batch size",
         claim: "32 -> 8 often relieves memory pressure noticeably; memory falls with batch size",
+        source: "003_9fc4b5f809544d8d.txt (32 -> 8), 001_eb115694b312c654.txt, 002_07a140921eef9482.txt",
     },
     run,
     plot: Some(plot),

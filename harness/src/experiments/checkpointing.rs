@@ -22,6 +22,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
         id: "checkpointing",
         name: "activation checkpointing",
         claim: "needed for large models; trades compute for memory",
+        source: "004_4a0e2eb70881fd56.txt, 002_07a140921eef9482.txt",
     },
     run,
     plot: Some(plot),

@@ -31,6 +31,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
         id: "data-parallel",
         name: "data parallel over several GPUs",
         claim: "spreads memory and work",
+        source: "002_07a140921eef9482.txt, 003_9fc4b5f809544d8d.txt",
     },
     run,
     plot: None,
@@ -227,6 +228,15 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             verdict: if vr >= 1.10 && hr >= 1.10 { Verdict::Holds } else if vr >= 1.10 || hr >= 1.10 { Verdict::Partly } else { Verdict::DoesNotHold },
         });
     }
+
+    let peak_at = |s: Strategy, n: usize| find(&virt, s, n).map_or(0, |r| r.max_peak_allocated());
+    sweep.reading(format!(
+        "GPT-2 medium, largest per-device peak on 1 -> 8 devices: DDP {} -> {} (its 16 B/param of states stay on every device; only activations spread), ZeRO-3 {} -> {} (states sharded too); nn.DataParallel keeps device 0 the fullest",
+        human_bytes(peak_at(Strategy::Ddp, 1)),
+        human_bytes(peak_at(Strategy::Ddp, 8)),
+        human_bytes(peak_at(Strategy::Zero3, 1)),
+        human_bytes(peak_at(Strategy::Zero3, 8)),
+    ));
 
     // Work: step time over N, on the host.
     let times: Vec<String> = Strategy::ALL

@@ -22,6 +22,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
         id: "empty-cache",
         name: "empty_cache",
         claim: "helps with fragmentation; every batch costs 5-10% speed; lets a second task fit",
+        source: "004_4a0e2eb70881fd56.txt (5-10% per batch, scenarios), 000_cc24938f7d0f0079.txt",
     },
     run,
     plot: None,

@@ -27,6 +27,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
         id: "fragmentation",
         name: "fragmentation watch",
         claim: "fragmentation can cause OOM although enough memory is free in total",
+        source: "004_4a0e2eb70881fd56.txt (reserved - allocated > 1 GB)",
     },
     run,
     plot: Some(plot),

@@ -18,6 +18,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
         id: "grad-accumulation",
         name: "gradient accumulation",
         claim: "same effective batch, lower memory",
+        source: "000_cc24938f7d0f0079.txt, 002_07a140921eef9482.txt, 003_9fc4b5f809544d8d.txt",
     },
     run,
     plot: None,

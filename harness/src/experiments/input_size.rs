@@ -13,6 +13,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
         id: "input-size",
         name: "smaller input resolution",
         claim: "memory grows with resolution",
+        source: "003_9fc4b5f809544d8d.txt",
     },
     run,
     plot: Some(plot),

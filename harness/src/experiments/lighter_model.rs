@@ -16,6 +16,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
         id: "lighter-model",
         name: "lighter architecture",
         claim: "e.g. ResNet50 -> MobileNetV3 to fit",
+        source: "003_9fc4b5f809544d8d.txt (ResNet50 -> MobileNetV3)",
     },
     run,
     plot: None,

@@ -21,6 +21,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
         id: "max-batch-search",
         name: "largest batch that fits",
         claim: "the search (start at 2, add 2 until OOM) works without restarting the process",
+        source: "001_eb115694b312c654.txt",
     },
     run,
     plot: None,

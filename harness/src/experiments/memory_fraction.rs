@@ -17,6 +17,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
         id: "memory-fraction",
         name: "per-process memory fraction cap",
         claim: "limits usage",
+        source: "000_cc24938f7d0f0079.txt (set_per_process_memory_fraction(0.8))",
     },
     run,
     plot: None,

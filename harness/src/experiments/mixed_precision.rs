@@ -21,6 +21,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
         id: "mixed-precision",
         name: "mixed precision (fp16 + loss scaling, bf16)",
         claim: "about 50% less memory; 30%+ less memory and 20%+ faster",
+        source: "002_07a140921eef9482.txt (about 50%), 003_9fc4b5f809544d8d.txt (30%+ less, 20%+ faster), 000_cc24938f7d0f0079.txt",
     },
     run,
     plot: Some(plot),

@@ -113,6 +113,7 @@ pub(crate) struct Sweep<X> {
     config: Value,
     variants: Vec<(Variant, X)>,
     claims: Vec<Claim>,
+    reading: Option<String>,
 }
 
 impl<X: Serialize> Sweep<X> {
@@ -130,6 +131,7 @@ impl<X: Serialize> Sweep<X> {
             config,
             variants: Vec::new(),
             claims: Vec::new(),
+            reading: None,
         }
     }
 
@@ -163,6 +165,11 @@ impl<X: Serialize> Sweep<X> {
         self.claims.push(c);
     }
 
+    /// One line for the report: what the measurements mean for a user.
+    pub fn reading(&mut self, text: impl Into<String>) {
+        self.reading = Some(text.into());
+    }
+
     fn finish(self, id: &str) -> Result<ExperimentResult, ExperimentError> {
         let variants = self
             .variants
@@ -187,6 +194,7 @@ impl<X: Serialize> Sweep<X> {
             config: self.config,
             variants,
             claims: self.claims,
+            reading: self.reading,
         })
     }
 }

@@ -20,6 +20,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
         id: "monitoring",
         name: "memory monitoring",
         claim: "memory_allocated / memory_reserved / memory_summary find the bottleneck",
+        source: "002_07a140921eef9482.txt, 004_4a0e2eb70881fd56.txt",
     },
     run,
     plot: Some(plot),

@@ -18,6 +18,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
         id: "multi-task",
         name: "two models in one process",
         claim: "emptying the cache between tasks lets B get the memory",
+        source: "004_4a0e2eb70881fd56.txt",
     },
     run,
     plot: None,

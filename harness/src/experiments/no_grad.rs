@@ -17,6 +17,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
         id: "no-grad-inference",
         name: "evaluation without saved activations",
         claim: "saves memory in evaluation",
+        source: "000_cc24938f7d0f0079.txt, 002_07a140921eef9482.txt, 003_9fc4b5f809544d8d.txt",
     },
     run,
     plot: None,

@@ -19,6 +19,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
         id: "oom-recovery",
         name: "OOM recovery",
         claim: "catch OOM, empty the cache, retry with half the batch: recovery success +50%",
+        source: "004_4a0e2eb70881fd56.txt (recovery success +50%)",
     },
     run,
     plot: None,

@@ -16,6 +16,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
         id: "release-references",
         name: "dropping references (del)",
         claim: "one del can save you; leaks show as steadily growing memory",
+        source: "000_cc24938f7d0f0079.txt, 001_eb115694b312c654.txt (loss.item()), 003_9fc4b5f809544d8d.txt",
     },
     run,
     plot: None,

@@ -119,6 +119,7 @@ pub(crate) fn scatter(title: &str, x: &str, y: &str, pts: &[(String, f64, f64)])
     })
 }
 
+#[allow(dead_code)] // superseded by `stacked_with_totals`; kept for other plots
 pub(crate) fn stacked(
     title: &str,
     y: &str,

@@ -119,6 +119,7 @@ pub(crate) fn scatter(title: &str, x: &str, y: &str, pts: &[(String, f64, f64)])
     })
 }
 
+#[allow(dead_code)] // superseded by `stacked_with_totals`; kept for other plots
 pub(crate) fn stacked(
     title: &str,
     y: &str,
@@ -158,6 +159,160 @@ pub(crate) fn stacked(
                 .ok()?
                 .label(*part)
                 .legend(move |(a, b)| Rectangle::new([(a, b - 5), (a + 12, b + 5)], c.filled()));
+        }
+        Some(())
+    })
+}
+
+/// One measured series with its fitted curve: name, measured points, fit label and the fit
+/// sampled at the x values to draw.
+pub(crate) type FittedSeries = (String, Vec<(f64, f64)>, String, Vec<(f64, f64)>);
+
+/// Measured points (markers joined by nothing) with each series' fitted curve dashed, both
+/// in the legend.
+pub(crate) fn measured_and_fit(
+    title: &str,
+    x: &str,
+    y: &str,
+    series: &[FittedSeries],
+) -> Option<String> {
+    let all: Vec<Series> = series
+        .iter()
+        .flat_map(|(n, p, f, c)| [(n.clone(), p.clone()), (f.clone(), c.clone())])
+        .collect();
+    let (x0, x1, y1) = bounds(&all, true)?;
+    chart(title, x0..x1, 0f64..y1, true, |chart| {
+        chart.configure_mesh().x_desc(x).y_desc(y).draw().ok()?;
+        for (i, (name, pts, fit_name, fit)) in series.iter().enumerate() {
+            let c = COLOURS[i % COLOURS.len()];
+            chart
+                .draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled())))
+                .ok()?
+                .label(name.as_str())
+                .legend(move |(a, b)| Circle::new((a + 10, b), 4, c.filled()));
+            chart
+                .draw_series(DashedLineSeries::new(fit.iter().copied(), 6, 4, c.stroke_width(1)))
+                .ok()?
+                .label(fit_name.as_str())
+                .legend(move |(a, b)| {
+                    PathElement::new(vec![(a, b), (a + 20, b)], c.stroke_width(1))
+                });
+        }
+        Some(())
+    })
+}
+
+/// Stacked bars as [`stacked`] with each bar's total written above it (`unit` after the
+/// number).
+pub(crate) fn stacked_with_totals(
+    title: &str,
+    y: &str,
+    unit: &str,
+    parts: &[&str],
+    bars: &[(String, Vec<f64>)],
+) -> Option<String> {
+    let top = bars.iter().map(|(_, v)| v.iter().sum::<f64>()).fold(0f64, f64::max) * 1.3;
+    let n = bars.len() as f64;
+    chart(title, 0f64..n, 0f64..top.max(1.0), true, |chart| {
+        let labels: Vec<String> = bars.iter().map(|(l, _)| l.clone()).collect();
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(bars.len() * 2 + 1)
+            .x_label_formatter(&|x| {
+                let i = x.floor() as usize;
+                if (x - x.floor() - 0.5).abs() < 0.01 {
+                    labels.get(i).cloned().unwrap_or_default()
+                } else {
+                    String::new()
+                }
+            })
+            .y_desc(y)
+            .draw()
+            .ok()?;
+        for (k, part) in parts.iter().enumerate() {
+            let c = COLOURS[k % COLOURS.len()];
+            let rects = bars.iter().enumerate().map(|(i, (_, v))| {
+                let below: f64 = v[..k].iter().sum();
+                Rectangle::new(
+                    [(i as f64 + 0.2, below), (i as f64 + 0.8, below + v[k])],
+                    c.filled(),
+                )
+            });
+            chart
+                .draw_series(rects)
+                .ok()?
+                .label(*part)
+                .legend(move |(a, b)| Rectangle::new([(a, b - 5), (a + 12, b + 5)], c.filled()));
+        }
+        let totals = bars.iter().enumerate().map(|(i, (_, v))| {
+            let total: f64 = v.iter().sum();
+            let text = if total >= 100.0 {
+                format!("{total:.0} {unit}")
+            } else {
+                format!("{total:.1} {unit}")
+            };
+            Text::new(text, (i as f64 + 0.25, total + top * 0.02), ("sans-serif", 12).into_font())
+        });
+        chart.draw_series(totals).ok()?;
+        Some(())
+    })
+}
+
+/// Grouped bars: one group per label, one bar per series in it, each bar's value written
+/// above it (`unit` after the number).
+pub(crate) fn grouped_bars(
+    title: &str,
+    y: &str,
+    unit: &str,
+    series: &[&str],
+    groups: &[(String, Vec<f64>)],
+) -> Option<String> {
+    let top = groups.iter().flat_map(|(_, v)| v.iter().copied()).fold(0f64, f64::max) * 1.25;
+    let n = groups.len() as f64;
+    let per = series.len().max(1) as f64;
+    chart(title, 0f64..n, 0f64..top.max(1.0), true, |chart| {
+        let labels: Vec<String> = groups.iter().map(|(l, _)| l.clone()).collect();
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(groups.len() * 2 + 1)
+            .x_label_formatter(&|x| {
+                let i = x.floor() as usize;
+                if (x - x.floor() - 0.5).abs() < 0.01 {
+                    labels.get(i).cloned().unwrap_or_default()
+                } else {
+                    String::new()
+                }
+            })
+            .y_desc(y)
+            .draw()
+            .ok()?;
+        let width = 0.8 / per;
+        for (k, name) in series.iter().enumerate() {
+            let c = COLOURS[k % COLOURS.len()];
+            let left = |i: usize| i as f64 + 0.1 + k as f64 * width;
+            let rects = groups.iter().enumerate().filter_map(|(i, (_, v))| {
+                v.get(k).map(|&h| {
+                    Rectangle::new([(left(i), 0.0), (left(i) + width * 0.9, h)], c.filled())
+                })
+            });
+            chart
+                .draw_series(rects)
+                .ok()?
+                .label(*name)
+                .legend(move |(a, b)| Rectangle::new([(a, b - 5), (a + 12, b + 5)], c.filled()));
+            let texts = groups.iter().enumerate().filter_map(|(i, (_, v))| {
+                v.get(k).map(|&h| {
+                    let text = if h >= 100.0 { format!("{h:.0}") } else { format!("{h:.1}") };
+                    Text::new(
+                        format!("{text}{unit}"),
+                        (left(i), h + top * 0.02),
+                        ("sans-serif", 11).into_font(),
+                    )
+                })
+            });
+            chart.draw_series(texts).ok()?;
         }
         Some(())
     })

@@ -254,3 +254,90 @@ mod tests {
         assert!((a - 3.0).abs() < 1e-12 && (b - 2.0).abs() < 1e-12 && (r2 - 1.0).abs() < 1e-12);
     }
 }
+
+/// The capacity of the virtual device for real-size measurements: large enough never to run
+/// out (1 PiB), so that the peaks are what the step needs.
+pub const REAL_CAPACITY: u64 = 1 << 50;
+
+/// What the real-size parts leave out, for claims and readings.
+pub const REAL_SIZE_CAVEAT: &str = "real-size figures are vram's own allocations on the virtual device; a GPU adds the CUDA context (~0.5 GiB) and cuDNN/cuBLAS workspaces beyond cuBLAS's default";
+
+/// A real-size model by preset name with `overrides` (see [`crate::plan::model_from_args`]).
+pub fn real_model(
+    name: &str,
+    overrides: &crate::plan::ModelOverrides,
+) -> Result<crate::plan::PlanModel, ExperimentError> {
+    crate::plan::model_from_args(name, overrides)
+        .map_err(|e| ExperimentError::Setup(format!("real-size model {name}: {e}")))
+}
+
+/// Peak allocated and reserved bytes of a real-size training step (two optimizer steps of
+/// `accum` micro-batches of `micro` samples) on the virtual device.
+pub fn real_peak(
+    model: &crate::plan::PlanModel,
+    precision: crate::plan::Precision,
+    plan: crate::plan::PlanKind,
+    micro: usize,
+    accum: usize,
+) -> Result<(u64, u64), ExperimentError> {
+    let c = crate::plan::Candidate {
+        precision,
+        plan,
+        alloc_conf: String::new(),
+        optimizer: crate::plan::OptimizerKind::AdamW,
+        micro,
+        accum,
+    };
+    crate::plan::measure(model, &c, crate::plan::Target::Virtual(REAL_CAPACITY))
+        .map_err(|e| ExperimentError::Setup(format!("real-size {}: {e}", model.name)))?
+        .ok_or_else(|| {
+            ExperimentError::Setup(format!(
+                "real-size {} ran out of the virtual device",
+                model.name
+            ))
+        })
+}
+
+/// Parameters of a real-size model (built on the virtual device: nothing is drawn).
+pub fn real_params(model: &crate::plan::PlanModel) -> Result<u64, ExperimentError> {
+    let device = Device::virtual_device(REAL_CAPACITY);
+    Ok(Model::new(&device, model.arch.clone(), 1, DType::F32)?.param_count())
+}
+
+/// Least-squares power law `y = c x^e` (a line in log-log); returns (c, e, r^2 of the
+/// log-log line). Points with a non-positive coordinate are left out.
+pub fn fit_power(xs: &[f64], ys: &[f64]) -> (f64, f64, f64) {
+    let (lx, ly): (Vec<f64>, Vec<f64>) = xs
+        .iter()
+        .zip(ys)
+        .filter(|(x, y)| **x > 0.0 && **y > 0.0)
+        .map(|(x, y)| (x.ln(), y.ln()))
+        .unzip();
+    let (a, e, r2) = fit_line(&lx, &ly);
+    (a.exp(), e, r2)
+}
+
+/// Human bytes of each value, comma-separated.
+pub fn bytes_list(v: &[u64]) -> String {
+    v.iter().map(|&b| vram_alloc::human_bytes(b)).collect::<Vec<_>>().join(", ")
+}
+
+#[cfg(test)]
+mod power_tests {
+    use super::*;
+
+    #[test]
+    fn fit_power_recovers_an_exact_power_law() {
+        let xs = [4.0, 8.0, 16.0, 32.0];
+        let ys: Vec<f64> = xs.iter().map(|x: &f64| 3.0 * x.powf(0.5)).collect();
+        let (c, e, r2) = fit_power(&xs, &ys);
+        assert!((c - 3.0).abs() < 1e-9 && (e - 0.5).abs() < 1e-12 && (r2 - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn fit_power_tells_a_line_from_a_square_root() {
+        let xs = [4.0, 8.0, 16.0, 32.0];
+        let (_, e, _) = fit_power(&xs, &xs);
+        assert!((e - 1.0).abs() < 1e-12);
+    }
+}

@@ -1,8 +1,12 @@
 //! `input-size`: peak memory against image side, with the quadratic trend fitted.
 
-use super::common::{cnn, fit_line, increasing, stripes, train_fresh_interleaved};
+use super::common::{
+    REAL_SIZE_CAVEAT, bytes_list, cnn, fit_line, increasing, real_model, real_peak, stripes,
+    train_fresh_interleaved,
+};
 use super::{Experiment, Sweep};
-use crate::plots::{MIB, lines};
+use crate::plan::{ModelOverrides, PlanKind, Precision};
+use crate::plots::{FittedSeries, measured_and_fit};
 use crate::techniques::Technique;
 use crate::{Claim, Context, ExperimentError, Verdict, human_bytes};
 use serde::Serialize;
@@ -24,9 +28,19 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
 /// One input side's measurements.
 #[derive(Serialize)]
 pub(super) struct Measured {
+    part: &'static str,
+    model: String,
+    batch_size: usize,
     side: usize,
-    samples_per_s: f64,
+    samples_per_s: Option<f64>,
 }
+
+const SMALL: &str = "small (executed)";
+const REAL: &str = "real size (virtual)";
+
+/// ResNet-50's sides and batch at real size.
+const REAL_SIDES: &[usize] = &[112, 160, 224, 320];
+const REAL_BATCH: usize = 32;
 
 fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let sides: &[usize] = if ctx.quick { &[16, 32, 64] } else { &[16, 32, 64, 96] };
@@ -39,8 +53,14 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let mut peaks = Vec::new();
     let runs = sides.iter().map(|&side| (arch.clone(), stripes(side), batch)).collect();
     for (&side, m) in sides.iter().zip(train_fresh_interleaved(ctx, runs)?) {
-        let measured = Measured { side, samples_per_s: m.samples_per_s };
-        let name = format!("{side}x{side}");
+        let measured = Measured {
+            part: SMALL,
+            model: format!("{arch:?}"),
+            batch_size: batch,
+            side,
+            samples_per_s: Some(m.samples_per_s),
+        };
+        let name = format!("{SMALL}: {side}x{side}");
         sweep.push(&name, m.peak_allocated, m.peak_reserved, Some(m.step), measured);
         peaks.push(m.peak_allocated);
     }
@@ -48,16 +68,40 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let ys: Vec<f64> = peaks.iter().map(|&p| p as f64).collect();
     let (fixed, per_pixel, r2) = fit_line(&xs, &ys);
     let grows = increasing(&peaks);
+    let mut real = Vec::new();
+    for &side in REAL_SIDES {
+        let model =
+            real_model("resnet50", &ModelOverrides { side: Some(side), ..Default::default() })?;
+        let (alloc, reserved) = real_peak(&model, Precision::Fp32, PlanKind::None, REAL_BATCH, 1)?;
+        let measured = Measured {
+            part: REAL,
+            model: "resnet50".into(),
+            batch_size: REAL_BATCH,
+            side,
+            samples_per_s: None,
+        };
+        let name = format!("{REAL}: resnet50, batch {REAL_BATCH}, {side}x{side}");
+        sweep.push(&name, alloc, reserved, None, measured);
+        real.push(alloc);
+    }
+    let rx: Vec<f64> = REAL_SIDES.iter().map(|&s| (s * s) as f64).collect();
+    let ry: Vec<f64> = real.iter().map(|&p| p as f64).collect();
+    let (rfixed, rper, rr2) = fit_line(&rx, &ry);
+    let real_grows = increasing(&real);
     sweep.claim(Claim {
         claim: "memory grows with input resolution (quadratically in the side)".into(),
         measured: format!(
-            "peak {} for sides {:?}; fit peak = {} + {} x side^2, r^2 {r2:.4}",
+            "{SMALL}: peak {} for sides {:?}; fit peak = {} + {} x side^2, r^2 {r2:.4}. {REAL}, ResNet-50 batch {REAL_BATCH}, fp32 + AdamW: peak {} for sides {:?}; fit {} + {} x side^2, r^2 {rr2:.4} ({REAL_SIZE_CAVEAT})",
             peaks.iter().map(|&p| human_bytes(p)).collect::<Vec<_>>().join(", "),
             sides,
             human_bytes(fixed.max(0.0) as u64),
             human_bytes(per_pixel.max(0.0) as u64),
+            bytes_list(&real),
+            REAL_SIDES,
+            human_bytes(rfixed.max(0.0) as u64),
+            human_bytes(rper.max(0.0) as u64),
         ),
-        verdict: if grows && r2 > 0.98 {
+        verdict: if grows && r2 > 0.98 && real_grows && rr2 > 0.98 {
             Verdict::Holds
         } else if grows {
             Verdict::Partly
@@ -65,17 +109,54 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             Verdict::DoesNotHold
         },
     });
+    let at = |side: usize| REAL_SIDES.iter().position(|&s| s == side).map(|i| real[i]);
+    if let (Some(p224), Some(p160), Some(p112)) = (at(224), at(160), at(112)) {
+        sweep.reading(format!(
+            "Activation memory scales with the pixel count: ResNet-50 at batch {REAL_BATCH} needs {} at 224 px, {} at 160 px ({:.0}% less) and {} at 112 px ({:.0}% less); each extra pixel per side costs about {} at this batch (2 x side x the per-side^2 slope {}).",
+            human_bytes(p224),
+            human_bytes(p160),
+            100.0 * (1.0 - p160 as f64 / p224 as f64),
+            human_bytes(p112),
+            100.0 * (1.0 - p112 as f64 / p224 as f64),
+            human_bytes((2.0 * 224.0 * rper).max(0.0) as u64),
+            human_bytes(rper.max(0.0) as u64),
+        ));
+    }
     Ok(sweep)
 }
 
-/// Peak memory against the input side.
+/// Real-size peak memory against the input side, measured points with the side^2 fit (the
+/// small run's fit is in the claim).
 fn plot(sweep: &Sweep<Measured>) -> Option<String> {
-    let pts = |f: fn(&crate::Variant) -> u64| -> Vec<(f64, f64)> {
-        sweep.variants().iter().map(|(v, m)| (m.side as f64, f(v) as f64 / MIB)).collect()
-    };
-    let series = vec![
-        ("peak allocated".to_string(), pts(|v| v.peak_allocated_bytes)),
-        ("peak reserved".to_string(), pts(|v| v.peak_reserved_bytes)),
-    ];
-    lines("Peak memory vs input side", "image side (pixels)", "MiB", &series, true)
+    let series: Vec<FittedSeries> = [(REAL, 1024.0 * 1024.0 * 1024.0, "GiB")]
+        .iter()
+        .filter_map(|&(part, unit, label)| {
+            let pts: Vec<(f64, f64)> = sweep
+                .variants()
+                .iter()
+                .filter(|(_, m)| m.part == part)
+                .map(|(v, m)| (m.side as f64, v.peak_allocated_bytes as f64 / unit))
+                .collect();
+            let (_, m) = sweep.variants().iter().find(|(_, m)| m.part == part)?;
+            let xs: Vec<f64> = pts.iter().map(|p| p.0 * p.0).collect();
+            let ys: Vec<f64> = pts.iter().map(|p| p.1).collect();
+            let (a, b, r2) = fit_line(&xs, &ys);
+            let top = pts.iter().map(|p| p.0).fold(0.0, f64::max);
+            let curve =
+                (0..=40).map(|i| top * i as f64 / 40.0).map(|x| (x, a + b * x * x)).collect();
+            let model = m.model.split(" {").next().unwrap_or(&m.model).to_string();
+            Some((
+                format!("{part}: {model}, batch {} ({label})", m.batch_size),
+                pts,
+                format!("fit {a:.2} + {b:.2e} x side^2 (r^2 {r2:.3})"),
+                curve,
+            ))
+        })
+        .collect();
+    measured_and_fit(
+        "Real size (virtual device): peak vs input side, side^2 fit (fp32 + AdamW)",
+        "image side (pixels)",
+        "peak allocated (GiB)",
+        &series,
+    )
 }

@@ -168,7 +168,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     }
     for (name, _, pts, ..) in &real {
         if let (Some(p32), Some(p8)) = (at(pts, 32), at(pts, 8)) {
-            savings.push((format!("{name}"), p32, p8));
+            savings.push((name.to_string(), p32, p8));
         }
     }
     let saving = |&(_, p32, p8): &(String, u64, u64)| 1.0 - p8 as f64 / p32 as f64;

@@ -337,3 +337,36 @@ pub fn replay_trace<M: vram_alloc::DeviceMemory>(
     }
     Ok(true)
 }
+
+#[cfg(test)]
+mod shared_memory_tests {
+    use super::*;
+    use vram_alloc::CachingAllocator;
+
+    #[test]
+    fn a_cache_held_by_one_allocator_is_capacity_the_other_cannot_get() {
+        let mem = SharedMemory::new(24 << 20);
+        let (first, second) = (CachingAllocator::new(mem.clone()), CachingAllocator::new(mem));
+        drop(first.allocate(16 << 20).unwrap());
+        assert_eq!(first.memory_reserved(), 16 << 20);
+        assert!(second.allocate(16 << 20).is_err());
+        first.empty_cache();
+        assert!(second.allocate(16 << 20).is_ok());
+    }
+
+    #[test]
+    fn replaying_a_trace_reproduces_its_reserved_bytes_and_reports_oom() {
+        let mem = SharedMemory::new(64 << 20);
+        let recorded = CachingAllocator::new(mem);
+        recorded.record_history(Some(1000));
+        let a = recorded.allocate(12 << 20).unwrap();
+        drop(recorded.allocate(30 << 20).unwrap());
+        drop(a);
+        let trace = recorded.trace();
+        let roomy = CachingAllocator::new(SharedMemory::new(64 << 20));
+        assert!(replay_trace(&roomy, &trace).unwrap());
+        assert_eq!(roomy.max_memory_reserved(), recorded.max_memory_reserved());
+        let small = CachingAllocator::new(SharedMemory::new(32 << 20));
+        assert!(!replay_trace(&small, &trace).unwrap());
+    }
+}

@@ -341,3 +341,119 @@ mod power_tests {
         assert!((e - 1.0).abs() < 1e-12);
     }
 }
+
+/// Virtual device memory shared by several caching allocators: each allocator is one process
+/// (or one other user) of the same device, and a segment one of them holds, cached or not,
+/// is capacity the others cannot get. Addresses and accounting only, as [`VirtualMemory`].
+///
+/// [`VirtualMemory`]: vram_alloc::VirtualMemory
+#[derive(Clone, Debug)]
+pub struct SharedMemory(pub std::sync::Arc<vram_alloc::VirtualMemory>);
+
+impl SharedMemory {
+    /// A device of `capacity` bytes to share.
+    pub fn new(capacity: u64) -> Self {
+        SharedMemory(std::sync::Arc::new(vram_alloc::VirtualMemory::new(capacity)))
+    }
+}
+
+impl vram_alloc::DeviceMemory for SharedMemory {
+    type Event = <vram_alloc::VirtualMemory as vram_alloc::DeviceMemory>::Event;
+
+    fn name(&self) -> String {
+        format!("shared {}", self.0.name())
+    }
+
+    fn allocate(&self, size: usize) -> Result<vram_alloc::DevicePtr, vram_alloc::RawError> {
+        self.0.allocate(size)
+    }
+
+    unsafe fn deallocate(&self, ptr: vram_alloc::DevicePtr, size: usize) {
+        // SAFETY: the caller's contract is the inner memory's.
+        unsafe { self.0.deallocate(ptr, size) }
+    }
+
+    fn mem_info(&self) -> vram_alloc::MemInfo {
+        self.0.mem_info()
+    }
+
+    fn record_event(
+        &self,
+        stream: vram_alloc::Stream,
+    ) -> Result<Self::Event, vram_alloc::RawError> {
+        self.0.record_event(stream)
+    }
+
+    fn event_completed(&self, event: &Self::Event) -> bool {
+        self.0.event_completed(event)
+    }
+
+    fn synchronize_event(&self, event: &Self::Event) {
+        self.0.synchronize_event(event)
+    }
+
+    fn destroy_event(&self, event: Self::Event) {
+        self.0.destroy_event(event)
+    }
+}
+
+/// Replays the allocations and frees of a recorded trace (a device's
+/// [`trace`](vram_kernels::Device::trace)) on `cache`: each `alloc` allocates its block size,
+/// each free drops it (what is still live at the end is dropped then). Returns whether every
+/// allocation succeeded (it stops at the first out-of-memory error).
+pub fn replay_trace<M: vram_alloc::DeviceMemory>(
+    cache: &vram_alloc::CachingAllocator<M>,
+    trace: &[vram_alloc::TraceEntry],
+) -> Result<bool, ExperimentError> {
+    use vram_alloc::TraceAction;
+    let mut live = std::collections::HashMap::new();
+    for e in trace {
+        match e.action {
+            TraceAction::Alloc => match cache.allocate(e.size) {
+                Ok(a) => {
+                    live.insert(e.addr, a);
+                }
+                Err(vram_alloc::AllocError::OutOfMemory(_)) => return Ok(false),
+                Err(err) => return Err(ExperimentError::Setup(format!("replay: {err}"))),
+            },
+            TraceAction::FreeRequested | TraceAction::FreeCompleted => {
+                live.remove(&e.addr);
+            }
+            _ => {}
+        }
+    }
+    Ok(true)
+}
+
+#[cfg(test)]
+mod shared_memory_tests {
+    use super::*;
+    use vram_alloc::CachingAllocator;
+
+    #[test]
+    fn a_cache_held_by_one_allocator_is_capacity_the_other_cannot_get() {
+        let mem = SharedMemory::new(24 << 20);
+        let (first, second) = (CachingAllocator::new(mem.clone()), CachingAllocator::new(mem));
+        drop(first.allocate(16 << 20).unwrap());
+        assert_eq!(first.memory_reserved(), 16 << 20);
+        assert!(second.allocate(16 << 20).is_err());
+        first.empty_cache();
+        assert!(second.allocate(16 << 20).is_ok());
+    }
+
+    #[test]
+    fn replaying_a_trace_reproduces_its_reserved_bytes_and_reports_oom() {
+        let mem = SharedMemory::new(64 << 20);
+        let recorded = CachingAllocator::new(mem);
+        recorded.record_history(Some(1000));
+        let a = recorded.allocate(12 << 20).unwrap();
+        drop(recorded.allocate(30 << 20).unwrap());
+        drop(a);
+        let trace = recorded.trace();
+        let roomy = CachingAllocator::new(SharedMemory::new(64 << 20));
+        assert!(replay_trace(&roomy, &trace).unwrap());
+        assert_eq!(roomy.max_memory_reserved(), recorded.max_memory_reserved());
+        let small = CachingAllocator::new(SharedMemory::new(32 << 20));
+        assert!(!replay_trace(&small, &trace).unwrap());
+    }
+}

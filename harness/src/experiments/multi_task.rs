@@ -140,11 +140,6 @@ fn calibrate(ctx: &Context) -> Result<Calibration, ExperimentError> {
 
 /// Runs A (training) then B (evaluation at 4x the batch) in one process on a device just too
 /// small to hold A's cache and B together; `empty` calls `empty_cache` between the two.
-pub fn two_model_scenario(ctx: &Context, empty: bool) -> Result<Switch, ExperimentError> {
-    let cal = calibrate(ctx)?;
-    in_process(ctx, &cal, empty)
-}
-
 fn in_process(ctx: &Context, cal: &Calibration, empty: bool) -> Result<Switch, ExperimentError> {
     let (run_a, run_b) = tasks(ctx);
     let capacity = cal.capacity;
@@ -175,7 +170,7 @@ fn in_process(ctx: &Context, cal: &Calibration, empty: bool) -> Result<Switch, E
 }
 
 /// The claim about emptying the cache between tasks, from the two runs.
-pub fn claim(kept: &Switch, emptied: &Switch) -> Claim {
+fn claim(kept: &Switch, emptied: &Switch) -> Claim {
     // Emptying the cache matters only where B fails without it and fits with it; where B
     // fits either way, empty_cache changed nothing for B.
     let verdict = match (kept.b_fitted, emptied.b_fitted) {

@@ -34,15 +34,55 @@ fn bounds(series: &[Series], from_zero: bool) -> Option<(f64, f64, f64)> {
     Some((x0, if x1 > x0 { x1 } else { x0 + 1.0 }, if y1 > 0.0 { y1 * 1.1 } else { 1.0 }))
 }
 
+/// The chart corner with the fewest of `points` under where a legend box would sit (the
+/// outer 45% of the width by the outer 40% of the height), so that the legend hides no data.
+fn free_corner(points: &[(f64, f64)], x: &Range<f64>, y: &Range<f64>) -> SeriesLabelPosition {
+    let (w, h) =
+        ((x.end - x.start).max(f64::MIN_POSITIVE), (y.end - y.start).max(f64::MIN_POSITIVE));
+    let count = |left: bool, top: bool| {
+        points
+            .iter()
+            .filter(|&&(px, py)| {
+                let (u, v) = ((px - x.start) / w, (py - y.start) / h);
+                (if left { u <= 0.45 } else { u >= 0.55 })
+                    && (if top { v >= 0.6 } else { v <= 0.4 })
+            })
+            .count()
+    };
+    [
+        (SeriesLabelPosition::UpperRight, count(false, true)),
+        (SeriesLabelPosition::UpperLeft, count(true, true)),
+        (SeriesLabelPosition::LowerRight, count(false, false)),
+        (SeriesLabelPosition::LowerLeft, count(true, false)),
+    ]
+    .into_iter()
+    .min_by_key(|&(_, n)| n)
+    .map_or(SeriesLabelPosition::UpperRight, |(p, _)| p)
+}
+
+/// Points filling bar slot `i` (x in `i + 0.1 .. i + 0.9`) from 0 up to its top, with room
+/// for the value written above it: what a legend must not cover.
+fn bar_tops(tops: impl Iterator<Item = f64>) -> Vec<(f64, f64)> {
+    tops.enumerate()
+        .flat_map(|(i, t)| {
+            (1..10).flat_map(move |k| {
+                (0..=12).map(move |j| (i as f64 + k as f64 / 10.0, t * 1.1 * j as f64 / 12.0))
+            })
+        })
+        .collect()
+}
+
 /// Draws a titled cartesian chart over `x` and `y` into an SVG string; `body` draws in it,
-/// then the series legend is drawn when `legend` is set.
+/// then the series legend, when `legend` gives the data points, in the corner with the
+/// fewest of them.
 fn chart(
     title: &str,
     x: Range<f64>,
     y: Range<f64>,
-    legend: bool,
+    legend: Option<&[(f64, f64)]>,
     body: impl FnOnce(&mut Chart<'_, '_>) -> Option<()>,
 ) -> Option<String> {
+    let corner = legend.map(|pts| free_corner(pts, &x, &y));
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
@@ -55,9 +95,10 @@ fn chart(
             .build_cartesian_2d(x, y)
             .ok()?;
         body(&mut chart)?;
-        if legend {
+        if let Some(corner) = corner {
             chart
                 .configure_series_labels()
+                .position(corner)
                 .background_style(WHITE.mix(0.8))
                 .border_style(BLACK)
                 .draw()
@@ -78,7 +119,8 @@ pub(crate) fn lines(
     points: bool,
 ) -> Option<String> {
     let (x0, x1, y1) = bounds(series, true)?;
-    chart(title, x0..x1, 0f64..y1, true, |chart| {
+    let pts: Vec<(f64, f64)> = series.iter().flat_map(|(_, p)| p.iter().copied()).collect();
+    chart(title, x0..x1, 0f64..y1, Some(&pts), |chart| {
         chart.configure_mesh().x_desc(x).y_desc(y).draw().ok()?;
         for (i, (name, pts)) in series.iter().enumerate() {
             let c = COLOURS[i % COLOURS.len()];
@@ -101,7 +143,7 @@ pub(crate) fn scatter(title: &str, x: &str, y: &str, pts: &[(String, f64, f64)])
     let series = vec![(String::new(), pts.iter().map(|p| (p.1, p.2)).collect())];
     let (x0, x1, y1) = bounds(&series, true)?;
     let pad = (x1 - x0) * 0.15;
-    chart(title, (x0 - pad)..(x1 + pad), 0f64..y1, false, |chart| {
+    chart(title, (x0 - pad)..(x1 + pad), 0f64..y1, None, |chart| {
         chart.configure_mesh().x_desc(x).y_desc(y).draw().ok()?;
         for (i, (name, px, py)) in pts.iter().enumerate() {
             let c = COLOURS[i % COLOURS.len()];
@@ -128,7 +170,8 @@ pub(crate) fn stacked(
 ) -> Option<String> {
     let top = bars.iter().map(|(_, v)| v.iter().sum::<f64>()).fold(0f64, f64::max) * 1.15;
     let n = bars.len() as f64;
-    chart(title, 0f64..n, 0f64..top.max(1.0), true, |chart| {
+    let pts = bar_tops(bars.iter().map(|(_, v)| v.iter().sum::<f64>()));
+    chart(title, 0f64..n, 0f64..top.max(1.0), Some(&pts), |chart| {
         let labels: Vec<String> = bars.iter().map(|(l, _)| l.clone()).collect();
         chart
             .configure_mesh()
@@ -181,7 +224,8 @@ pub(crate) fn measured_and_fit(
         .flat_map(|(n, p, f, c)| [(n.clone(), p.clone()), (f.clone(), c.clone())])
         .collect();
     let (x0, x1, y1) = bounds(&all, true)?;
-    chart(title, x0..x1, 0f64..y1, true, |chart| {
+    let pts: Vec<(f64, f64)> = all.iter().flat_map(|(_, p)| p.iter().copied()).collect();
+    chart(title, x0..x1, 0f64..y1, Some(&pts), |chart| {
         chart.configure_mesh().x_desc(x).y_desc(y).draw().ok()?;
         for (i, (name, pts, fit_name, fit)) in series.iter().enumerate() {
             let c = COLOURS[i % COLOURS.len()];
@@ -213,7 +257,8 @@ pub(crate) fn stacked_with_totals(
 ) -> Option<String> {
     let top = bars.iter().map(|(_, v)| v.iter().sum::<f64>()).fold(0f64, f64::max) * 1.3;
     let n = bars.len() as f64;
-    chart(title, 0f64..n, 0f64..top.max(1.0), true, |chart| {
+    let pts = bar_tops(bars.iter().map(|(_, v)| v.iter().sum::<f64>()));
+    chart(title, 0f64..n, 0f64..top.max(1.0), Some(&pts), |chart| {
         let labels: Vec<String> = bars.iter().map(|(l, _)| l.clone()).collect();
         chart
             .configure_mesh()
@@ -271,7 +316,8 @@ pub(crate) fn grouped_bars(
     let top = groups.iter().flat_map(|(_, v)| v.iter().copied()).fold(0f64, f64::max) * 1.25;
     let n = groups.len() as f64;
     let per = series.len().max(1) as f64;
-    chart(title, 0f64..n, 0f64..top.max(1.0), true, |chart| {
+    let pts = bar_tops(groups.iter().map(|(_, v)| v.iter().copied().fold(0f64, f64::max)));
+    chart(title, 0f64..n, 0f64..top.max(1.0), Some(&pts), |chart| {
         let labels: Vec<String> = groups.iter().map(|(l, _)| l.clone()).collect();
         chart
             .configure_mesh()

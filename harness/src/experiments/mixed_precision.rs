@@ -359,5 +359,10 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
 }
 
 fn short(name: &str) -> String {
-    name.split([',', '+']).next().unwrap_or(name).trim().to_string()
+    let head = name.split([',', '+']).next().unwrap_or(name).trim();
+    if name.contains("overflow injected") {
+        format!("{head} (overflow injected)")
+    } else {
+        head.to_string()
+    }
 }

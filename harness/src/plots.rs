@@ -31,11 +31,12 @@ fn bounds(series: &[Series], from_zero: bool) -> Option<(f64, f64, f64)> {
         return None;
     }
     let x0 = if from_zero { x0.min(0.0) } else { x0 };
-    Some((x0, if x1 > x0 { x1 } else { x0 + 1.0 }, if y1 > 0.0 { y1 * 1.1 } else { 1.0 }))
+    Some((x0, if x1 > x0 { x1 } else { x0 + 1.0 }, if y1 > 0.0 { y1 * 1.3 } else { 1.0 }))
 }
 
 /// The chart corner with the fewest of `points` under where a legend box would sit (the
-/// outer 45% of the width by the outer 40% of the height), so that the legend hides no data.
+/// outer 45% of the width by the outer 22% of the height; line charts leave the top 23%
+/// free), so that the legend hides no data.
 fn free_corner(points: &[(f64, f64)], x: &Range<f64>, y: &Range<f64>) -> SeriesLabelPosition {
     let (w, h) =
         ((x.end - x.start).max(f64::MIN_POSITIVE), (y.end - y.start).max(f64::MIN_POSITIVE));

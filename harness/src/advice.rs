@@ -174,24 +174,21 @@ const MODELS: &[(&str, usize)] = &[
     ("mobilenetv3-like", 64),
 ];
 
-fn peak(model: &PlanModel, t: &Tech, micro: usize, accum: usize) -> Result<(u64, u64), PlanError> {
-    let c = Candidate {
+fn candidate(t: &Tech, micro: usize, accum: usize) -> Candidate {
+    Candidate {
         precision: t.precision,
         plan: t.plan,
         alloc_conf: t.alloc_conf.into(),
         optimizer: t.optimizer,
         micro,
         accum,
-    };
-    plan::measure(model, &c, Target::Virtual(UNLIMITED))?.ok_or_else(|| {
-        PlanError::InvalidArgument {
-            what: "model",
-            reason: format!(
-                "{} ran out of a {} virtual device",
-                model.name,
-                human_bytes(UNLIMITED)
-            ),
-        }
+    }
+}
+
+fn peak(model: &PlanModel, c: &Candidate) -> Result<(u64, u64), PlanError> {
+    plan::measure(model, c, Target::Virtual(UNLIMITED))?.ok_or_else(|| PlanError::InvalidArgument {
+        what: "model",
+        reason: format!("{} ran out of a {} virtual device", model.name, human_bytes(UNLIMITED)),
     })
 }
 
@@ -199,24 +196,16 @@ fn one_model(name: &str, batch: usize) -> Result<ModelAdvice, PlanError> {
     let model = plan::model_from_args(name, &ModelOverrides::default())?;
     let base = &TECHNIQUES[0];
     // Fixed + per sample from the peaks at 1 and 2 samples: the line through them.
-    let (p1, _) = peak(&model, base, 1, 1)?;
-    let (p2, _) = peak(&model, base, 2, 1)?;
+    let (p1, _) = peak(&model, &candidate(base, 1, 1))?;
+    let (p2, _) = peak(&model, &candidate(base, 2, 1))?;
     let per_sample = p2.saturating_sub(p1);
     let fixed = p1.saturating_sub(per_sample);
-    let params = params_of(&model)?;
+    let (params, _) = plan::param_count(&model)?;
     let mut rows = Vec::new();
     let mut baseline = None;
     for t in TECHNIQUES {
-        let micro = batch / t.accum;
-        let (alloc, reserved) = peak(&model, t, micro, t.accum)?;
-        let c = Candidate {
-            precision: t.precision,
-            plan: t.plan,
-            alloc_conf: t.alloc_conf.into(),
-            optimizer: t.optimizer,
-            micro,
-            accum: t.accum,
-        };
+        let c = candidate(t, batch / t.accum, t.accum);
+        let (alloc, reserved) = peak(&model, &c)?;
         let (_, cost) = plan::estimate_cost(&model, &c)?;
         let (base_reserved, base_cost) = *baseline.get_or_insert((reserved, cost));
         rows.push(TechniqueRow {
@@ -243,16 +232,6 @@ fn one_model(name: &str, batch: usize) -> Result<ModelAdvice, PlanError> {
         fixed_share_at_batch: at(batch),
         techniques,
     })
-}
-
-fn params_of(model: &PlanModel) -> Result<u64, PlanError> {
-    let device = vram_kernels::Device::virtual_device(UNLIMITED);
-    let m = crate::models::Model::new(&device, model.arch.clone(), 1, vram_kernels::DType::F32)
-        .map_err(|e| PlanError::Run {
-            context: format!("building {}", model.name),
-            source: Box::new(e),
-        })?;
-    Ok(m.param_count())
 }
 
 /// Computes the section: two models when `quick`, five otherwise.

@@ -162,52 +162,6 @@ pub(crate) fn scatter(title: &str, x: &str, y: &str, pts: &[(String, f64, f64)])
     })
 }
 
-#[allow(dead_code)] // superseded by `stacked_with_totals`; kept for other plots
-pub(crate) fn stacked(
-    title: &str,
-    y: &str,
-    parts: &[&str],
-    bars: &[(String, Vec<f64>)],
-) -> Option<String> {
-    let top = bars.iter().map(|(_, v)| v.iter().sum::<f64>()).fold(0f64, f64::max) * 1.15;
-    let n = bars.len() as f64;
-    let pts = bar_tops(bars.iter().map(|(_, v)| v.iter().sum::<f64>()));
-    chart(title, 0f64..n, 0f64..top.max(1.0), Some(&pts), |chart| {
-        let labels: Vec<String> = bars.iter().map(|(l, _)| l.clone()).collect();
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(bars.len() * 2 + 1)
-            .x_label_formatter(&|x| {
-                let i = x.floor() as usize;
-                if (x - x.floor() - 0.5).abs() < 0.01 {
-                    labels.get(i).cloned().unwrap_or_default()
-                } else {
-                    String::new()
-                }
-            })
-            .y_desc(y)
-            .draw()
-            .ok()?;
-        for (k, part) in parts.iter().enumerate() {
-            let c = COLOURS[k % COLOURS.len()];
-            let rects = bars.iter().enumerate().map(|(i, (_, v))| {
-                let below: f64 = v[..k].iter().sum();
-                Rectangle::new(
-                    [(i as f64 + 0.2, below), (i as f64 + 0.8, below + v[k])],
-                    c.filled(),
-                )
-            });
-            chart
-                .draw_series(rects)
-                .ok()?
-                .label(*part)
-                .legend(move |(a, b)| Rectangle::new([(a, b - 5), (a + 12, b + 5)], c.filled()));
-        }
-        Some(())
-    })
-}
-
 /// One measured series with its fitted curve: name, measured points, fit label and the fit
 /// sampled at the x values to draw.
 pub(crate) type FittedSeries = (String, Vec<(f64, f64)>, String, Vec<(f64, f64)>);
@@ -247,7 +201,7 @@ pub(crate) fn measured_and_fit(
     })
 }
 
-/// Stacked bars as [`stacked`] with each bar's total written above it (`unit` after the
+/// Stacked bars, one colour per part, with each bar's total written above it (`unit` after the
 /// number).
 pub(crate) fn stacked_with_totals(
     title: &str,

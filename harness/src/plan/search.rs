@@ -285,7 +285,7 @@ fn parse_allocs() -> Result<Vec<AllocatorConfig>, PlanError> {
 }
 
 /// Parameters of `model` (built on a virtual device: nothing is drawn) and its chain length.
-fn param_count(model: &PlanModel) -> Result<(u64, usize), PlanError> {
+pub(crate) fn param_count(model: &PlanModel) -> Result<(u64, usize), PlanError> {
     let device = Device::virtual_device(UNLIMITED);
     let m = Model::new(&device, model.arch.clone(), 1, vram_kernels::DType::BF16).map_err(
         |source| PlanError::Run {

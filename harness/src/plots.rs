@@ -201,6 +201,25 @@ pub(crate) fn measured_and_fit(
     })
 }
 
+/// The mesh of a bar chart: one label under the middle of each bar slot, `y` on the side.
+fn bar_axes(chart: &mut Chart<'_, '_>, labels: Vec<String>, y: &str) -> Option<()> {
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(labels.len() * 2 + 1)
+        .x_label_formatter(&|x| {
+            let i = x.floor() as usize;
+            if (x - x.floor() - 0.5).abs() < 0.01 {
+                labels.get(i).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        })
+        .y_desc(y)
+        .draw()
+        .ok()
+}
+
 /// Stacked bars, one colour per part, with each bar's total written above it (`unit` after the
 /// number).
 pub(crate) fn stacked_with_totals(
@@ -214,22 +233,7 @@ pub(crate) fn stacked_with_totals(
     let n = bars.len() as f64;
     let pts = bar_tops(bars.iter().map(|(_, v)| v.iter().sum::<f64>()));
     chart(title, 0f64..n, 0f64..top.max(1.0), Some(&pts), |chart| {
-        let labels: Vec<String> = bars.iter().map(|(l, _)| l.clone()).collect();
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(bars.len() * 2 + 1)
-            .x_label_formatter(&|x| {
-                let i = x.floor() as usize;
-                if (x - x.floor() - 0.5).abs() < 0.01 {
-                    labels.get(i).cloned().unwrap_or_default()
-                } else {
-                    String::new()
-                }
-            })
-            .y_desc(y)
-            .draw()
-            .ok()?;
+        bar_axes(chart, bars.iter().map(|(l, _)| l.clone()).collect(), y)?;
         for (k, part) in parts.iter().enumerate() {
             let c = COLOURS[k % COLOURS.len()];
             let rects = bars.iter().enumerate().map(|(i, (_, v))| {
@@ -273,22 +277,7 @@ pub(crate) fn grouped_bars(
     let per = series.len().max(1) as f64;
     let pts = bar_tops(groups.iter().map(|(_, v)| v.iter().copied().fold(0f64, f64::max)));
     chart(title, 0f64..n, 0f64..top.max(1.0), Some(&pts), |chart| {
-        let labels: Vec<String> = groups.iter().map(|(l, _)| l.clone()).collect();
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(groups.len() * 2 + 1)
-            .x_label_formatter(&|x| {
-                let i = x.floor() as usize;
-                if (x - x.floor() - 0.5).abs() < 0.01 {
-                    labels.get(i).cloned().unwrap_or_default()
-                } else {
-                    String::new()
-                }
-            })
-            .y_desc(y)
-            .draw()
-            .ok()?;
+        bar_axes(chart, groups.iter().map(|(l, _)| l.clone()).collect(), y)?;
         let width = 0.8 / per;
         for (k, name) in series.iter().enumerate() {
             let c = COLOURS[k % COLOURS.len()];

@@ -199,6 +199,14 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             verdict,
         });
     }
+    let best = outcomes[1..]
+        .iter()
+        .min_by_key(|(_, o)| (o.fragmentation_ooms, o.peak_reserved))
+        .map_or("none", |(name, _)| name);
+    sweep.reading(format!(
+        "with the plain cache {} of {} large requests failed although the memory was free in total; of the remedies, {best} did best here (fewest such failures, then least reserved)",
+        plain.fragmentation_ooms, plain.big_requests
+    ));
     Ok(sweep)
 }
 

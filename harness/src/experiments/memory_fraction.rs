@@ -160,5 +160,8 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         measured: format!("{}; {refusal}", peaks.join("; ")),
         verdict,
     });
+    sweep.reading(format!(
+        "a fraction caps this process's reserved memory, not its need: past the cap an allocation fails as out of memory ({refusal}) even with the device free, so it protects other users of the device, not this run"
+    ));
     Ok(sweep)
 }

@@ -115,6 +115,12 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         ),
         verdict: if consistent { Verdict::Holds } else { Verdict::Partly },
     });
+    sweep.reading(format!(
+        "the timeline shows where the peak is (step {} of {steps}, {} allocated) and that the device holds {} for this process (reserved, what nvidia-smi would show beyond the CUDA context); the layer that makes the peak is not yet singled out",
+        peak_step + 1,
+        human_bytes(peak as u64),
+        human_bytes(dev.memory_reserved())
+    ));
     Ok(sweep)
 }
 

@@ -100,5 +100,10 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         ),
         verdict: if fixed.3 * 2 < leak.3 { Verdict::Holds } else if fixed.3 < leak.3 { Verdict::Partly } else { Verdict::DoesNotHold },
     });
+    sweep.reading(format!(
+        "keeping each iteration's output with what its backward would need grew memory by {} per iteration; keeping only the number (loss.item()) grew it by {}",
+        human_bytes(leak.2.max(0.0) as u64),
+        human_bytes(fixed.2.max(0.0) as u64)
+    ));
     Ok(sweep)
 }

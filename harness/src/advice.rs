@@ -11,6 +11,7 @@
 //! host timings.
 
 use crate::ExperimentError;
+use crate::plan::UNLIMITED;
 use crate::plan::{
     self, Candidate, ModelOverrides, OptimizerKind, PlanError, PlanKind, PlanModel, Precision,
     Target,
@@ -18,9 +19,6 @@ use crate::plan::{
 use serde::Serialize;
 use std::fmt::Write as _;
 use vram_alloc::human_bytes;
-
-/// A device big enough for every measurement here (the virtual device has no capacity cost).
-const UNLIMITED: u64 = 1 << 50;
 
 /// One model's decomposition and ranked techniques.
 #[derive(Clone, Debug, Serialize)]

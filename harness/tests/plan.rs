@@ -59,19 +59,14 @@ fn predicted_peak_equals_the_host_measured_peak_for_every_plan_kind_and_precisio
         small("mobilenet"),
         small("mlp"),
         model_from_spec(custom).unwrap(),
-        // The real-size presets, reduced to run on the host (the same layer kinds).
-        model_from_args("gpt2-small", &ModelOverrides::default()).unwrap().reduced(),
-        model_from_args("resnet50", &ModelOverrides::default()).unwrap().reduced(),
-        model_from_args("mobilenetv3-like", &ModelOverrides::default()).unwrap().reduced(),
-        model_from_args("vit-b-like", &ModelOverrides::default()).unwrap().reduced(),
     ];
-    for (i, model) in models.iter().enumerate() {
-        // The reduced presets (the last four) are slower on the host: one 16-bit precision.
-        let precisions: &[Precision] = if i + 4 >= models.len() {
-            &[Precision::Bf16]
-        } else {
-            &[Precision::Fp32, Precision::Bf16, Precision::Fp16]
-        };
+    // The real-size presets, reduced to run on the host (the same layer kinds).
+    let presets = ["gpt2-small", "resnet50", "mobilenetv3-like", "vit-b-like"]
+        .map(|n| model_from_args(n, &ModelOverrides::default()).unwrap().reduced());
+    // The reduced presets are slower on the host: one 16-bit precision for them.
+    let all = [Precision::Fp32, Precision::Bf16, Precision::Fp16];
+    let runs = models.iter().map(|m| (m, &all[..])).chain(presets.iter().map(|m| (m, &all[1..2])));
+    for (model, precisions) in runs {
         for &precision in precisions {
             for plan in KINDS {
                 for (alloc_conf, optimizer) in

@@ -533,39 +533,41 @@ struct Run {
     steps: Vec<f64>,
 }
 
-/// Builds the model on `dev` and runs `steps` training steps.
-fn run_gpt(dev: &Device, cfg: GptConfig, steps: u32) -> Result<Run> {
-    let mut model = Gpt::new(dev, cfg)?;
-    let (ids, targets) = model.batch();
+/// Runs `steps` training steps (`step(1)`, `step(2)`, ...) of a model of `params` parameters
+/// built on `dev`, timing each.
+fn timed(
+    dev: &Device,
+    params: usize,
+    steps: u32,
+    mut step: impl FnMut(u32) -> Result<f32>,
+) -> Result<Run> {
     let mut times = Vec::new();
-    for step in 1..=steps {
+    for s in 1..=steps {
         let t = Instant::now();
-        model.step(&ids, &targets, step)?;
+        step(s)?;
         times.push(t.elapsed().as_secs_f64());
     }
     Ok(Run {
-        params: model.params.count(),
+        params,
         peak_allocated: dev.max_memory_allocated(),
         peak_reserved: dev.max_memory_reserved(),
         steps: times,
     })
 }
 
+/// Builds the model on `dev` and runs `steps` training steps.
+fn run_gpt(dev: &Device, cfg: GptConfig, steps: u32) -> Result<Run> {
+    let mut model = Gpt::new(dev, cfg)?;
+    let (ids, targets) = model.batch();
+    let params = model.params.count();
+    timed(dev, params, steps, |s| model.step(&ids, &targets, s))
+}
+
 fn run_resnet(dev: &Device, cfg: ResNetConfig, steps: u32) -> Result<Run> {
     let mut model = ResNet::new(dev, cfg)?;
     let (x, targets) = model.batch(dev)?;
-    let mut times = Vec::new();
-    for step in 1..=steps {
-        let t = Instant::now();
-        model.step(&x, &targets, step)?;
-        times.push(t.elapsed().as_secs_f64());
-    }
-    Ok(Run {
-        params: model.params.count(),
-        peak_allocated: dev.max_memory_allocated(),
-        peak_reserved: dev.max_memory_reserved(),
-        steps: times,
-    })
+    let params = model.params.count();
+    timed(dev, params, steps, |s| model.step(&x, &targets, s))
 }
 
 /// The allocator trace of `run` on `dev`, without addresses and times.

@@ -36,6 +36,7 @@ pub use model::{
     ALIASES, ModelOverrides, PlanModel, SampleInput, model_from_args, model_from_file,
     model_from_spec,
 };
+pub(crate) use run::UNLIMITED;
 pub(crate) use search::param_count;
 pub use search::{Candidate, Target, estimate_cost, measure, plan, verify};
 

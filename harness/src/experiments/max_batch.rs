@@ -2,10 +2,19 @@
 //! source's linear search (start at 2, add 2 until an OOM is caught) against an exponential
 //! then binary search. Every trial is a real training step; every OOM is caught, the cache
 //! emptied, and the search goes on. The size found then trains.
+//!
+//! The ground truth is exhaustive: every batch from 1 to twice the largest found, each on a
+//! fresh device (a fresh process: nothing cached, nothing fragmented by earlier trials), two
+//! training steps each. The same batches on an unlimited virtual device give the memory each
+//! needs, which grows in steps, not smoothly: the allocator rounds and pools by size, and
+//! the largest step comes where a tensor passes one of its size boundaries (1 MiB: small
+//! to large pool; 10 MiB: its own segment instead of a share of a 20 MiB one).
 
 use super::common::{cnn, cnn_side, sized_device, stripes, sync, train_fresh};
 use super::{Experiment, Sweep};
-use crate::models::Model;
+use crate::Backend;
+use crate::models::{Arch, Model};
+use crate::plots::{MIB, lines};
 use crate::techniques::Technique;
 use crate::trainer::adamw;
 use crate::{Claim, Context, ExperimentError, Verdict, human_bytes};
@@ -13,6 +22,7 @@ use serde::Serialize;
 use serde_json::json;
 use std::time::Instant;
 use vram_accum::{ForwardCtx, Mode};
+use vram_alloc::{AllocatorConfig, MIN_LARGE_ALLOC, SMALL_SIZE, TraceAction};
 use vram_amp::{AdamW, Optimizer};
 use vram_kernels::{DType, Device};
 
@@ -24,12 +34,12 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
         source: "001_eb115694b312c654.txt",
     },
     run,
-    plot: None,
+    plot: Some(plot),
     host_capacity_limit: None,
     expected_secs: [2.5, 40.0],
 };
 
-/// One search strategy's measurements.
+/// One search strategy's measurements; the exhaustive one also keeps every probe.
 #[derive(Serialize)]
 pub(super) struct Measured {
     batch_found: usize,
@@ -37,6 +47,23 @@ pub(super) struct Measured {
     ooms_caught: usize,
     seconds: f64,
     found_size_trains: bool,
+    /// Device capacity, for the plot.
+    capacity_bytes: u64,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    probes: Vec<Probe>,
+}
+
+/// One batch of the exhaustive sweep.
+#[derive(Clone, Copy, Serialize)]
+pub(super) struct Probe {
+    batch: usize,
+    /// Whether two training steps ran on a fresh device of the capacity.
+    fits: bool,
+    /// What two steps need (unlimited virtual device): peak allocated and reserved.
+    needs_allocated_bytes: u64,
+    needs_reserved_bytes: u64,
+    /// The largest single request of the step.
+    largest_request_bytes: u64,
 }
 
 struct Search {
@@ -124,6 +151,77 @@ fn search(ctx: &Context, capacity: u64, exponential: bool) -> Result<Search, Exp
     })
 }
 
+/// Two training steps at `batch` on a fresh `dev`: whether they ran, the peaks, and the
+/// largest single request (from the allocator's trace).
+fn probe_on(
+    ctx: &Context,
+    dev: &Device,
+    arch: &Arch,
+    data: &crate::data::Dataset,
+    batch: usize,
+) -> Result<(bool, u64, u64, u64), ExperimentError> {
+    dev.record_history(Some(1 << 20));
+    let mut model = Model::new(dev, arch.clone(), ctx.seed, DType::F32)?;
+    let mut opt = adamw(1e-3);
+    let fits = trial(&mut model, &mut opt, dev, data, ctx.seed, batch)?
+        && trial(&mut model, &mut opt, dev, data, ctx.seed, batch)?;
+    let largest = dev
+        .trace()
+        .iter()
+        .filter(|e| e.action == TraceAction::Alloc)
+        .map(|e| e.requested as u64)
+        .max()
+        .unwrap_or(0);
+    dev.record_history(None);
+    Ok((fits, dev.max_memory_allocated(), dev.max_memory_reserved(), largest))
+}
+
+/// Every batch from 1 to `hi`: on a fresh device of `capacity` (does it fit?) and on an
+/// unlimited virtual device (what does it need?). On the host backend the capacity device is
+/// virtual too: the same allocator on the same capacity with the host's cuBLAS workspace
+/// (none), nothing computed (its figures equal the host device's byte for byte, which the
+/// plan tests check), so the sweep stays cheap.
+fn exhaustive(ctx: &Context, capacity: u64, hi: usize) -> Result<Vec<Probe>, ExperimentError> {
+    let (arch, data) = (cnn(ctx, false), stripes(cnn_side(ctx)));
+    let workspace = sized_device(ctx, capacity)?.blas_workspace_size();
+    (1..=hi)
+        .map(|batch| {
+            let dev = match ctx.backend {
+                Backend::Cpu => {
+                    let dev = Device::virtual_with_config(capacity, AllocatorConfig::default())?;
+                    dev.set_blas_workspace_size(workspace);
+                    dev
+                }
+                Backend::Cuda { .. } => sized_device(ctx, capacity)?,
+            };
+            let (fits, ..) = probe_on(ctx, &dev, &arch, &data, batch)?;
+            drop(dev);
+            let unlimited = Device::virtual_device(crate::plan::UNLIMITED);
+            unlimited.set_blas_workspace_size(workspace);
+            let (_, alloc, reserved, largest) = probe_on(ctx, &unlimited, &arch, &data, batch)?;
+            Ok(Probe {
+                batch,
+                fits,
+                needs_allocated_bytes: alloc,
+                needs_reserved_bytes: reserved,
+                largest_request_bytes: largest,
+            })
+        })
+        .collect()
+}
+
+/// The allocator's size boundaries a request crosses going from `a` to `b` bytes.
+fn boundary_crossed(a: u64, b: u64) -> Option<&'static str> {
+    let crosses = |limit: usize| a <= limit as u64 && b > limit as u64;
+    if crosses(MIN_LARGE_ALLOC) {
+        Some("past 10 MiB: it gets its own segment instead of a share of a 20 MiB one")
+    } else if crosses(SMALL_SIZE) {
+        Some("past 1 MiB: from the small pool's 2 MiB segments to the large pool's 20 MiB ones")
+    } else {
+        None
+    }
+}
+
 fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     // Size the device for a target batch from two measured peaks (fixed + per sample).
     let target = if ctx.quick { 24 } else { 60 };
@@ -147,22 +245,180 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             ooms_caught: s.ooms,
             seconds: s.seconds,
             found_size_trains: s.trains,
+            capacity_bytes: capacity,
+            probes: Vec::new(),
         };
         sweep.push(name, s.peak_allocated, s.peak_reserved, None, measured);
         results.push(s);
     }
     let (lin, exp) = (&results[0], &results[1]);
-    sweep.claim(Claim {
-        claim: "the search (start at 2, add 2 until an OOM is caught, empty_cache) works without restarting the process".into(),
-        measured: format!(
-            "device {}: linear found {} in {} trials ({:.1} s, {} OOM caught); exponential + binary found {} in {} trials ({:.1} s, {} OOMs caught); found sizes train: {} / {}",
-            human_bytes(capacity), lin.found, lin.trials, lin.seconds, lin.ooms, exp.found, exp.trials, exp.seconds, exp.ooms, lin.trains, exp.trains
-        ),
-        verdict: if lin.trains && exp.trains { Verdict::Holds } else if lin.trains || exp.trains { Verdict::Partly } else { Verdict::DoesNotHold },
+
+    // Ground truth: every batch up to twice the largest found, each from a fresh start.
+    let hi = 2 * lin.found.max(exp.found).max(4);
+    let started = Instant::now();
+    let probes = exhaustive(ctx, capacity, hi)?;
+    let seconds = started.elapsed().as_secs_f64();
+    let truth = probes.iter().filter(|p| p.fits).map(|p| p.batch).max().unwrap_or(0);
+    let first_failure = probes.iter().find(|p| !p.fits).map(|p| p.batch);
+    let monotone = first_failure.is_none_or(|f| truth < f);
+    let at = |b: usize| probes.iter().find(|p| p.batch == b);
+    let (peak_alloc, peak_reserved) =
+        at(truth.max(1)).map_or((0, 0), |p| (p.needs_allocated_bytes, p.needs_reserved_bytes));
+    sweep.push(
+        "exhaustive: every batch on a fresh device (ground truth)",
+        peak_alloc,
+        peak_reserved,
+        None,
+        Measured {
+            batch_found: truth,
+            trials: probes.len(),
+            ooms_caught: probes.iter().filter(|p| !p.fits).count(),
+            seconds,
+            found_size_trains: truth > 0,
+            capacity_bytes: capacity,
+            probes: probes.clone(),
+        },
+    );
+
+    // What each batch needs does not grow smoothly: where the largest tensor crosses an
+    // allocator size boundary, and the largest step.
+    let mib = |b: u64| human_bytes(b);
+    let crossings: Vec<String> = probes
+        .windows(3)
+        .filter_map(|w| {
+            let what = boundary_crossed(w[0].largest_request_bytes, w[1].largest_request_bytes)?;
+            Some(format!(
+                "from batch {} to {} the largest tensor goes {what} and reserved goes {} -> {} (then {} at batch {})",
+                w[0].batch,
+                w[1].batch,
+                mib(w[0].needs_reserved_bytes),
+                mib(w[1].needs_reserved_bytes),
+                mib(w[2].needs_reserved_bytes),
+                w[2].batch
+            ))
+        })
+        .collect();
+    let jump = probes
+        .windows(2)
+        .map(|w| (w[1].needs_reserved_bytes.saturating_sub(w[0].needs_reserved_bytes), w[0], w[1]))
+        .max_by_key(|j| j.0);
+    let span = probes.len().saturating_sub(1).max(1) as f64;
+    let mean_step = probes.last().map_or(0.0, |l| {
+        (l.needs_reserved_bytes as f64 - probes[0].needs_reserved_bytes as f64) / span
     });
+    let jump_text = match jump {
+        Some((bytes, a, b)) => format!(
+            "reserved grows by {} per sample on average, by {} from batch {} to {}{}",
+            mib(mean_step.max(0.0) as u64),
+            mib(bytes),
+            a.batch,
+            b.batch,
+            if crossings.is_empty() {
+                String::new()
+            } else {
+                format!("; {}", crossings.join("; "))
+            }
+        ),
+        None => "one batch only".into(),
+    };
+    let refits: Vec<String> = probes
+        .iter()
+        .filter(|p| p.fits && first_failure.is_some_and(|f| p.batch > f))
+        .map(|p| p.batch.to_string())
+        .collect();
+
+    // Does each search find the truth? Linear steps by 2, so it can only find even sizes.
+    let judge = |s: &Search, step: usize| {
+        if !s.trains || s.found > truth {
+            Verdict::DoesNotHold
+        } else if s.found + step > truth {
+            Verdict::Holds
+        } else {
+            Verdict::Partly
+        }
+    };
+    let (vl, ve) = (judge(lin, 2), judge(exp, 1));
+    sweep.claim(Claim {
+        claim: "the search (start at 2, add 2 until an OOM is caught, empty_cache) finds the largest batch without restarting the process".into(),
+        measured: format!(
+            "device {}: true largest batch {truth} (every batch 1..{hi} from a fresh start{}); linear found {} in {} trials ({} OOM caught), exponential + binary {} in {} trials ({} caught); found sizes train again: {} / {}",
+            human_bytes(capacity),
+            if monotone { String::new() } else { format!("; not monotone: {} fails but {} fit", first_failure.unwrap_or(0), refits.join(", ")) },
+            lin.found, lin.trials, lin.ooms, exp.found, exp.trials, exp.ooms, lin.trains, exp.trains
+        ),
+        verdict: match (vl, ve) {
+            (Verdict::Holds, Verdict::Holds) => Verdict::Holds,
+            (Verdict::DoesNotHold, Verdict::DoesNotHold) => Verdict::DoesNotHold,
+            _ => Verdict::Partly,
+        },
+    });
+    // The shortcut of sizing a batch from two small ones, against the truth.
+    let predicted = match (at(4), at(8)) {
+        (Some(a), Some(b)) if b.needs_reserved_bytes > a.needs_reserved_bytes => {
+            let per = (b.needs_reserved_bytes - a.needs_reserved_bytes) as f64 / 4.0;
+            let fixed = a.needs_reserved_bytes as f64 - 4.0 * per;
+            Some(((capacity as f64 - fixed) / per).floor().max(0.0) as usize)
+        }
+        _ => None,
+    };
+    if let Some(predicted) = predicted {
+        let off = 100.0 * (predicted as f64 / truth.max(1) as f64 - 1.0);
+        sweep.claim(Claim {
+            claim: "a shortcut: the largest batch follows from two measured batches (fixed + per-sample memory)".into(),
+            measured: format!(
+                "from batches 4 and 8: predicted {predicted}, true {truth} ({off:+.0}%); {jump_text}"
+            ),
+            verdict: if predicted == truth {
+                Verdict::Holds
+            } else if off.abs() <= 10.0 {
+                Verdict::Partly
+            } else {
+                Verdict::DoesNotHold
+            },
+        });
+    }
+    let shape = if monotone {
+        "every batch up to it fits and none above it".to_string()
+    } else {
+        format!(
+            "but fitting is not monotone: batch {} fails while {} fit, so any search that stops at the first OOM stops below the largest batch",
+            first_failure.unwrap_or(0),
+            refits.join(", ")
+        )
+    };
     sweep.reading(format!(
-        "a caught OOM costs nothing but the trial: the linear search needed {} trials to find batch {}, exponential then binary {} trials to find {}; both sizes then trained in the same process",
-        lin.trials, lin.found, exp.trials, exp.found
+        "the true largest batch is {truth}, {shape}; exponential then binary search found {} in {} trials, the source's linear search {} in {} (even sizes only), both in one process; {jump_text}",
+        exp.found, exp.trials, lin.found, lin.trials
     ));
     Ok(sweep)
+}
+
+/// What each batch needs (allocated, reserved) against the capacity, with the batches where
+/// the largest tensor crosses an allocator size boundary.
+fn plot(sweep: &Sweep<Measured>) -> Option<String> {
+    let (_, m) = sweep.variants().iter().find(|(_, m)| !m.probes.is_empty())?;
+    let xy = |f: fn(&Probe) -> u64| -> Vec<(f64, f64)> {
+        m.probes.iter().map(|p| (p.batch as f64, f(p) as f64 / MIB)).collect()
+    };
+    let (first, last) = (m.probes.first()?.batch as f64, m.probes.last()?.batch as f64);
+    let cap = m.capacity_bytes as f64 / MIB;
+    let mut series = vec![
+        ("needs: peak reserved".to_string(), xy(|p| p.needs_reserved_bytes)),
+        ("needs: peak allocated".to_string(), xy(|p| p.needs_allocated_bytes)),
+        ("device capacity".to_string(), vec![(first, cap), (last, cap)]),
+    ];
+    let top = m.probes.iter().map(|p| p.needs_reserved_bytes).max()? as f64 / MIB;
+    for w in m.probes.windows(2) {
+        let (a, b) = (w[0].largest_request_bytes, w[1].largest_request_bytes);
+        if let Some(what) = boundary_crossed(a, b) {
+            let x = w[1].batch as f64 - 0.5;
+            let label = what.split(':').next().unwrap_or(what);
+            series.push((format!("largest tensor {label}"), vec![(x, 0.0), (x, top)]));
+        }
+    }
+    if m.batch_found > 0 {
+        let x = m.batch_found as f64;
+        series.push((format!("true largest batch ({})", m.batch_found), vec![(x, 0.0), (x, cap)]));
+    }
+    lines("Memory each batch needs (fresh device, 2 steps)", "batch size", "MiB", &series, false)
 }

@@ -478,6 +478,21 @@ impl Model {
         Ok((loss, Graph { _saved: saved, _logits: logits }))
     }
 
+    /// The logits of an inference forward on `batch` (nothing saved for backward: PyTorch's
+    /// `with torch.no_grad(): out = model(x)`). The output stays allocated while the caller
+    /// holds it.
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::train_step`].
+    pub fn infer(&mut self, batch: &Batch) -> Result<Tensor> {
+        let dtype = self.params()[0].value.dtype();
+        let x = self.input(batch, dtype)?;
+        let out = self.chain.infer(&x)?;
+        drop(x);
+        self.logits(out)
+    }
+
     /// Mean loss on a batch without backward. With `mode == Mode::Train` the forward saves
     /// what backward would need (as a training forward does) and drops it at the end; with
     /// `Mode::Inference` nothing is saved.

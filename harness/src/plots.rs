@@ -35,8 +35,8 @@ fn bounds(series: &[Series], from_zero: bool) -> Option<(f64, f64, f64)> {
 }
 
 /// The chart corner with the fewest of `points` under where a legend box would sit (the
-/// outer 45% of the width by the outer 22% of the height; line charts leave the top 23%
-/// free), so that the legend hides no data.
+/// outer 45% of the width by the outer 22% of the height; line charts leave about 7% of the
+/// height per legend entry free above their data), so that the legend hides no data.
 fn free_corner(points: &[(f64, f64)], x: &Range<f64>, y: &Range<f64>) -> SeriesLabelPosition {
     let (w, h) =
         ((x.end - x.start).max(f64::MIN_POSITIVE), (y.end - y.start).max(f64::MIN_POSITIVE));
@@ -119,8 +119,36 @@ pub(crate) fn lines(
     series: &[Series],
     points: bool,
 ) -> Option<String> {
+    lines_with_marks(title, x, y, series, points, &[])
+}
+
+/// Marks drawn over a line chart, each with its legend entry.
+pub(crate) enum Mark {
+    /// Thin dashed vertical lines at these x positions (e.g. step boundaries).
+    Vertical(String, Vec<f64>),
+    /// Crosses at these points (e.g. out-of-memory errors).
+    Crosses(String, Vec<(f64, f64)>),
+}
+
+/// [`lines`] with `marks` drawn over the series.
+pub(crate) fn lines_with_marks(
+    title: &str,
+    x: &str,
+    y: &str,
+    series: &[Series],
+    points: bool,
+    marks: &[Mark],
+) -> Option<String> {
     let (x0, x1, y1) = bounds(series, true)?;
-    let pts: Vec<(f64, f64)> = series.iter().flat_map(|(_, p)| p.iter().copied()).collect();
+    // Room above the data for the legend: about 7% of the height per entry.
+    let entries = (series.len() + marks.len()) as f64;
+    let y1 = (y1 / 1.3) / (1.0 - 0.07 * entries - 0.04).max(0.3);
+    let mut pts: Vec<(f64, f64)> = series.iter().flat_map(|(_, p)| p.iter().copied()).collect();
+    for m in marks {
+        if let Mark::Crosses(_, c) = m {
+            pts.extend(c.iter().copied());
+        }
+    }
     chart(title, x0..x1, 0f64..y1, Some(&pts), |chart| {
         chart.configure_mesh().x_desc(x).y_desc(y).draw().ok()?;
         for (i, (name, pts)) in series.iter().enumerate() {
@@ -134,6 +162,37 @@ pub(crate) fn lines(
                 });
             if points {
                 chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled()))).ok()?;
+            }
+        }
+        for m in marks {
+            match m {
+                Mark::Vertical(name, xs) => {
+                    let grey = RGBColor(110, 110, 110);
+                    let mut first = true;
+                    for &vx in xs {
+                        let drawn = chart
+                            .draw_series(DashedLineSeries::new(
+                                [(vx, 0.0), (vx, y1)],
+                                5,
+                                4,
+                                grey.stroke_width(1),
+                            ))
+                            .ok()?;
+                        if std::mem::take(&mut first) {
+                            drawn.label(name.as_str()).legend(move |(a, b)| {
+                                PathElement::new(vec![(a, b), (a + 20, b)], grey.stroke_width(1))
+                            });
+                        }
+                    }
+                }
+                Mark::Crosses(name, at) => {
+                    let red = RGBColor(200, 0, 0);
+                    chart
+                        .draw_series(at.iter().map(|&p| Cross::new(p, 6, red.stroke_width(2))))
+                        .ok()?
+                        .label(name.as_str())
+                        .legend(move |(a, b)| Cross::new((a + 10, b), 6, red.stroke_width(2)));
+                }
             }
         }
         Some(())

@@ -54,3 +54,53 @@ fn gpt_learns_affine_sequences() {
         Arch::Gpt { vocab: 16, d: 32, layers: 2, heads: 2, seq: 8, dropout: 0.1, tied: false };
     loss_falls(arch, Dataset::Sequences { vocab: 16, seq: 8 }, 8, 60, adamw(3e-3));
 }
+
+/// The layer-by-layer step with phase marks computes what the executor's step computes (same
+/// loss, same gradients bit for bit, same peak), and marks every layer forward and backward.
+#[test]
+fn marked_step_equals_the_plain_step() {
+    use vram_harness::models::Phase;
+    for arch in [
+        Arch::Gpt { vocab: 16, d: 32, layers: 2, heads: 2, seq: 8, dropout: 0.1, tied: true },
+        Arch::Gpt { vocab: 16, d: 32, layers: 2, heads: 2, seq: 8, dropout: 0.1, tied: false },
+        Arch::ResNet { width: 8, blocks: vec![1, 1], classes: 4 },
+    ] {
+        let data = arch.dataset();
+        let b = data.batch(3, 0, 4);
+        let run = |marked: bool| {
+            let device = Device::host(1 << 30);
+            let mut model = Model::new(&device, arch.clone(), 1, DType::F32).unwrap();
+            let mut ctx = ForwardCtx::new(Mode::Train, 5);
+            let mut phases = Vec::new();
+            let loss = if marked {
+                model.train_step_marked(&b, &mut ctx, &mut |p| phases.push(p)).unwrap().loss
+            } else {
+                model.train_step(&b, &mut ctx, 1.0).unwrap().loss
+            };
+            let grads: Vec<Vec<u32>> = model
+                .params()
+                .iter()
+                .map(|p| {
+                    p.grad
+                        .as_ref()
+                        .unwrap()
+                        .to_f32_vec()
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect()
+                })
+                .collect();
+            (loss.to_bits(), grads, device.max_memory_allocated(), phases, model.chain_len())
+        };
+        let (plain, marked) = (run(false), run(true));
+        assert_eq!(plain.0, marked.0, "{arch:?}: loss");
+        assert_eq!(plain.1, marked.1, "{arch:?}: gradients");
+        assert_eq!(plain.2, marked.2, "{arch:?}: peak allocated");
+        let n = marked.4;
+        let forwards = marked.3.iter().filter(|p| matches!(p, Phase::Forward(..))).count();
+        let backwards = marked.3.iter().filter(|p| matches!(p, Phase::Backward(..))).count();
+        assert_eq!((forwards, backwards), (n, n), "{arch:?}: {:?}", marked.3);
+        assert!(marked.3.contains(&Phase::Loss));
+    }
+}

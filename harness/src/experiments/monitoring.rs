@@ -1,15 +1,25 @@
 //! `monitoring`: a training run's memory timeline (rebuilt from the allocator's trace), the
-//! summary table, and device-level used memory next to the allocator's own figure.
+//! summary table, device-level used memory next to the allocator's own figure, and what
+//! makes the peak.
+//!
+//! The steps run layer by layer with a mark before each phase (each layer's forward, the
+//! loss, each layer's backward, the optimizer step), as PyTorch's module hooks or
+//! `record_function` ranges would give a profiler. Two instruments then say where the peak
+//! is, independently: `max_memory_allocated` read at every mark (the phase after which it
+//! last rose), and the trace replayed to the peak event (the phase of that event). The
+//! blocks alive at that event, each attributed to the phase that allocated it, say what
+//! makes the peak; they must add up to `max_memory_allocated`.
 
 use super::common::{device, gpt, timed_steps};
 use super::{Experiment, Sweep};
 use crate::models::Model;
-use crate::plots::{MIB, lines};
+use crate::plots::{MIB, Mark, lines_with_marks};
 use crate::techniques::Technique;
 use crate::trainer::adamw;
 use crate::{Claim, Context, ExperimentError, Verdict, human_bytes};
 use serde::Serialize;
 use serde_json::json;
+use std::collections::HashMap;
 use vram_accum::{ForwardCtx, Mode};
 use vram_alloc::TraceAction;
 use vram_amp::Optimizer;
@@ -35,6 +45,14 @@ pub(super) struct Measured {
     timeline_allocated_reserved: Vec<[i64; 2]>,
     timeline_events_per_point: usize,
     step_starts_event_index: Vec<usize>,
+    peak_event_index: usize,
+    /// The phase the trace puts the peak in, and the one `max_memory_allocated` does.
+    peak_phase_from_trace: String,
+    peak_phase_from_counter: String,
+    /// Bytes alive at the peak by the phase that allocated them, largest first.
+    live_at_peak_by_phase: Vec<(String, u64)>,
+    largest_live_tensor_bytes: u64,
+    largest_live_tensor_phase: String,
     device_used_bytes: u64,
     reserved_bytes: u64,
     memory_summary: String,
@@ -43,6 +61,26 @@ pub(super) struct Measured {
 /// At most this many timeline points are kept (each the maximum of its window).
 const POINTS: usize = 400;
 
+/// The phase of the run: where it starts in the trace and its label.
+struct Phase {
+    start: usize,
+    label: String,
+}
+
+/// The phase containing trace event `index`.
+fn phase_of(phases: &[Phase], index: usize) -> &str {
+    let k = phases.partition_point(|p| p.start <= index).saturating_sub(1);
+    phases.get(k).map_or("?", |p| p.label.as_str())
+}
+
+/// A phase label without its step, for grouping what earlier steps left alive.
+fn kind_of(label: &str) -> String {
+    match label.split_once(": ") {
+        Some((_, rest)) if rest.starts_with("optimizer") => "optimizer steps".into(),
+        _ => label.to_string(),
+    }
+}
+
 fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let (arch, data) = gpt(ctx);
     let batch = 8;
@@ -50,38 +88,77 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let steps = warmup + timed;
     let dev = device(ctx, "")?;
     dev.record_history(Some(1 << 22));
+    let mut phases = vec![Phase { start: 0, label: "building the model".into() }];
+    // max_memory_allocated at the start of each phase, and at the end.
+    let mut counter = vec![0u64];
     let mut model = Model::new(&dev, arch.clone(), ctx.seed, DType::F32)?;
     let mut opt = adamw(1e-3);
     let mut step_starts = Vec::new();
     for step in 0..steps {
+        let mut enter = |label: String| {
+            phases.push(Phase { start: dev.trace().len(), label });
+            counter.push(dev.max_memory_allocated());
+        };
         step_starts.push(dev.trace().len());
+        enter(format!("step {}: input batch", step + 1));
         let mut fctx = ForwardCtx::new(Mode::Train, step as u64);
-        model.train_step(&data.batch(ctx.seed, step as u64, batch), &mut fctx, 1.0)?;
+        let b = data.batch(ctx.seed, step as u64, batch);
+        model
+            .train_step_marked(&b, &mut fctx, &mut |p| enter(format!("step {}: {p}", step + 1)))?;
+        enter(format!("step {}: optimizer step", step + 1));
         opt.step(&mut model)?;
+        enter(format!("step {}: zero_grad", step + 1));
         model.zero_grad();
     }
+    counter.push(dev.max_memory_allocated());
     let trace = dev.trace();
     dev.record_history(None);
-    // Replay the trace into running totals.
+    // Replay the trace into running totals, keeping the blocks alive at the peak.
     let (mut allocated, mut reserved) = (0i64, 0i64);
     let mut series = Vec::with_capacity(trace.len());
-    for e in &trace {
+    let mut live: HashMap<u64, (u64, usize)> = HashMap::new();
+    let (mut peak, mut peak_index, mut at_peak) = (0i64, 0usize, HashMap::new());
+    for (i, e) in trace.iter().enumerate() {
         match e.action {
-            TraceAction::Alloc => allocated += e.size as i64,
-            TraceAction::FreeRequested => allocated -= e.size as i64,
+            TraceAction::Alloc => {
+                allocated += e.size as i64;
+                live.insert(e.addr, (e.size as u64, i));
+            }
+            TraceAction::FreeRequested => {
+                allocated -= e.size as i64;
+                live.remove(&e.addr);
+            }
             TraceAction::SegmentAlloc | TraceAction::SegmentMap => reserved += e.size as i64,
             TraceAction::SegmentFree | TraceAction::SegmentUnmap => reserved -= e.size as i64,
             _ => {}
         }
+        if allocated > peak {
+            (peak, peak_index) = (allocated, i);
+            at_peak.clone_from(&live);
+        }
         series.push((allocated, reserved));
     }
-    let (peak_index, peak) = series
-        .iter()
-        .enumerate()
-        .map(|(i, &(a, _))| (i, a))
-        .max_by_key(|&(_, a)| a)
-        .unwrap_or((0, 0));
     let peak_step = step_starts.iter().rposition(|&s| s <= peak_index).unwrap_or(0);
+    let from_trace = phase_of(&phases, peak_index).to_string();
+    // The counter: the last phase during which max_memory_allocated rose.
+    let from_counter = (0..phases.len())
+        .rev()
+        .find(|&k| counter[k + 1] > counter[k])
+        .map_or("?".to_string(), |k| phases[k].label.clone());
+    let mut groups: HashMap<String, u64> = HashMap::new();
+    for &(size, index) in at_peak.values() {
+        *groups.entry(kind_of(phase_of(&phases, index))).or_default() += size;
+    }
+    let mut by_phase: Vec<(String, u64)> = groups.into_iter().collect();
+    by_phase.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    let live_sum: u64 = at_peak.values().map(|v| v.0).sum();
+    let (largest_bytes, largest_phase) = at_peak
+        .values()
+        .max_by_key(|v| (v.0, std::cmp::Reverse(v.1)))
+        .map_or((0, "?".to_string()), |&(size, index)| {
+            (size, phase_of(&phases, index).to_string())
+        });
+
     let window = series.len().div_ceil(POINTS).max(1);
     let timeline: Vec<[i64; 2]> = series
         .chunks(window)
@@ -95,36 +172,54 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         ctx,
         json!({ "model": format!("{arch:?}"), "steps": steps, "batch_size": batch }),
     );
+    let max_allocated = dev.max_memory_allocated();
+    let top: Vec<String> = by_phase
+        .iter()
+        .take(4)
+        .map(|(label, bytes)| format!("{label} {}", human_bytes(*bytes)))
+        .collect();
     let measured = Measured {
         timeline_allocated_reserved: timeline,
         timeline_events_per_point: window,
         step_starts_event_index: step_starts,
+        peak_event_index: peak_index,
+        peak_phase_from_trace: from_trace.clone(),
+        peak_phase_from_counter: from_counter.clone(),
+        live_at_peak_by_phase: by_phase.clone(),
+        largest_live_tensor_bytes: largest_bytes,
+        largest_live_tensor_phase: largest_phase.clone(),
         device_used_bytes: device_used,
         reserved_bytes: dev.memory_reserved(),
         memory_summary: dev.memory_summary(),
     };
-    let (max_allocated, max_reserved) = (dev.max_memory_allocated(), dev.max_memory_reserved());
-    sweep.push("GPT training run", max_allocated, max_reserved, None, measured);
-    let consistent =
-        peak as u64 == dev.max_memory_allocated() && device_used == dev.memory_reserved();
+    sweep.push("GPT training run", max_allocated, dev.max_memory_reserved(), None, measured);
+    let same_phase = from_trace == from_counter;
+    let adds_up = live_sum == max_allocated && peak as u64 == max_allocated;
     sweep.claim(Claim {
-        claim: "memory_allocated / memory_reserved / max_memory_allocated / memory_summary / device-level used memory find the bottleneck".into(),
+        claim: "memory_allocated / max_memory_allocated / the allocator's trace find the bottleneck: the phase and the tensors that make the peak".into(),
         measured: format!(
-            "timeline of {} events: peak {} allocated in step {} of {steps} (max_memory_allocated {}); device-level used {} vs reserved {}",
-            trace.len(), human_bytes(peak as u64), peak_step + 1, human_bytes(dev.max_memory_allocated()), human_bytes(device_used), human_bytes(dev.memory_reserved())
+            "peak {} allocated in step {} of {steps}: the trace puts it in \"{from_trace}\", max_memory_allocated read at every phase in \"{from_counter}\"; the {} blocks alive then add up to {} (max_memory_allocated {}); by the phase that allocated them: {}; largest tensor {} from \"{largest_phase}\"",
+            human_bytes(peak as u64), peak_step + 1, at_peak.len(), human_bytes(live_sum), human_bytes(max_allocated), top.join(", "), human_bytes(largest_bytes)
         ),
-        verdict: if consistent { Verdict::Holds } else { Verdict::Partly },
+        verdict: match (same_phase, adds_up) {
+            (true, true) => Verdict::Holds,
+            (false, false) => Verdict::DoesNotHold,
+            _ => Verdict::Partly,
+        },
     });
     sweep.reading(format!(
-        "the timeline shows where the peak is (step {} of {steps}, {} allocated) and that the device holds {} for this process (reserved, what nvidia-smi would show beyond the CUDA context); the layer that makes the peak is not yet singled out",
-        peak_step + 1,
+        "the peak ({} in step {} of {steps}) comes in the {}; what is alive then is mostly {}; the device holds {} for this process (reserved, what nvidia-smi shows beyond the CUDA context)",
         human_bytes(peak as u64),
+        peak_step + 1,
+        from_trace.split_once(": ").map_or(from_trace.as_str(), |(_, p)| p),
+        top.iter().take(2).cloned().collect::<Vec<_>>().join(" and "),
         human_bytes(dev.memory_reserved())
     ));
     Ok(sweep)
 }
 
-/// Allocated and reserved memory over the run's allocator events.
+/// Allocated and reserved memory over the run's allocator events, with the step boundaries
+/// and the peak.
 fn plot(sweep: &Sweep<Measured>) -> Option<String> {
     let (_, m) = sweep.variants().first()?;
     let per = m.timeline_events_per_point as f64;
@@ -136,5 +231,23 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
             .collect()
     };
     let series = vec![("allocated".to_string(), at(0)), ("reserved".to_string(), at(1))];
-    lines("Memory timeline of a training run", "allocator event", "MiB", &series, false)
+    let peak = sweep.variants().first()?.0.peak_allocated_bytes as f64 / MIB;
+    let marks = [
+        Mark::Vertical(
+            "step starts".into(),
+            m.step_starts_event_index.iter().map(|&i| i as f64).collect(),
+        ),
+        Mark::Crosses(
+            format!("peak: {}", m.peak_phase_from_trace),
+            vec![(m.peak_event_index as f64, peak)],
+        ),
+    ];
+    lines_with_marks(
+        "Memory timeline of a training run",
+        "allocator event",
+        "MiB",
+        &series,
+        false,
+        &marks,
+    )
 }

@@ -56,6 +56,30 @@ pub struct Graph {
     _logits: Tensor,
 }
 
+/// A phase of [`Model::train_step_marked`]: layers by index in the chain and name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// A layer's forward.
+    Forward(usize, String),
+    /// The head and the loss, with the loss gradient.
+    Loss,
+    /// A layer's backward.
+    Backward(usize, String),
+    /// The embedding tables' backward (GPT).
+    EmbeddingBackward,
+}
+
+impl std::fmt::Display for Phase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Phase::Forward(i, name) => write!(f, "forward of layer {i} ({name})"),
+            Phase::Loss => f.write_str("loss"),
+            Phase::Backward(i, name) => write!(f, "backward of layer {i} ({name})"),
+            Phase::EmbeddingBackward => f.write_str("embedding backward"),
+        }
+    }
+}
+
 /// What one training step measured.
 #[derive(Clone, Copy, Debug)]
 pub struct StepOutcome {
@@ -439,6 +463,61 @@ impl Model {
         drop(x);
         if let Some(dx) = dx {
             self.embed_backward(batch, &dx)?;
+        }
+        Ok(StepOutcome { loss })
+    }
+
+    /// [`Model::train_step`] without checkpointing, layer by layer, calling `mark` before each
+    /// phase (each layer's forward, the loss, each layer's backward, the embedding's
+    /// backward): what PyTorch's module hooks or `record_function` ranges give a memory
+    /// profiler, so that an allocation can be attributed to the layer that made it.
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::train_step`].
+    pub fn train_step_marked(
+        &mut self,
+        batch: &Batch,
+        ctx: &mut ForwardCtx,
+        mark: &mut dyn FnMut(Phase),
+    ) -> Result<StepOutcome> {
+        let dtype = self.params()[0].value.dtype();
+        let want_first_dx = self.embed.is_some();
+        let mut x = self.input(batch, dtype)?;
+        let mut saved = Vec::with_capacity(self.chain.len());
+        for (i, layer) in self.chain.layers_mut().iter_mut().enumerate() {
+            mark(Phase::Forward(i, layer.name()));
+            let (y, s) = layer.forward(&x, ctx)?;
+            saved.push(s);
+            x = y;
+        }
+        mark(Phase::Loss);
+        let (logits, out) = match self.tied_head() {
+            Some(w) => (ops::linear(&x, w, None)?, Some(x)),
+            None => (x, None),
+        };
+        let ce = ops::cross_entropy(&logits, &batch.targets, None)?;
+        let loss = ce.loss;
+        let mut dy = ops::cross_entropy_backward(&logits, &batch.targets, None, &ce.lse, 1.0)?;
+        drop((logits, ce));
+        if let (Some(out), Some(e)) = (out, &mut self.embed) {
+            let g = ops::linear_backward(&out, &e.tok.value, &dy, false)?;
+            drop(out);
+            e.tok.accumulate_grad(g.dw)?;
+            dy = g.dx;
+        }
+        for (i, layer) in self.chain.layers_mut().iter_mut().enumerate().rev() {
+            mark(Phase::Backward(i, layer.name()));
+            let s = saved.pop().flatten().ok_or_else(|| invalid("a layer saved nothing"))?;
+            match layer.backward(s, &dy, i > 0 || want_first_dx)? {
+                Some(dx) => dy = dx,
+                None if i == 0 => {}
+                None => return Err(invalid("a layer returned no input gradient")),
+            }
+        }
+        if want_first_dx {
+            mark(Phase::EmbeddingBackward);
+            self.embed_backward(batch, &dy)?;
         }
         Ok(StepOutcome { loss })
     }

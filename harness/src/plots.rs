@@ -126,8 +126,9 @@ pub(crate) fn lines(
 pub(crate) enum Mark {
     /// Thin dashed vertical lines at these x positions (e.g. step boundaries).
     Vertical(String, Vec<f64>),
-    /// Crosses at these points (e.g. out-of-memory errors).
-    Crosses(String, Vec<(f64, f64)>),
+    /// Crosses at these points (e.g. out-of-memory errors), in the colour of series `i` when
+    /// given, red otherwise.
+    Crosses(String, Vec<(f64, f64)>, Option<usize>),
 }
 
 /// [`lines`] with `marks` drawn over the series.
@@ -145,7 +146,7 @@ pub(crate) fn lines_with_marks(
     let y1 = (y1 / 1.3) / (1.0 - 0.07 * entries - 0.04).max(0.3);
     let mut pts: Vec<(f64, f64)> = series.iter().flat_map(|(_, p)| p.iter().copied()).collect();
     for m in marks {
-        if let Mark::Crosses(_, c) = m {
+        if let Mark::Crosses(_, c, _) = m {
             pts.extend(c.iter().copied());
         }
     }
@@ -185,8 +186,8 @@ pub(crate) fn lines_with_marks(
                         }
                     }
                 }
-                Mark::Crosses(name, at) => {
-                    let red = RGBColor(200, 0, 0);
+                Mark::Crosses(name, at, colour) => {
+                    let red = colour.map_or(RGBColor(200, 0, 0), |i| COLOURS[i % COLOURS.len()]);
                     chart
                         .draw_series(at.iter().map(|&p| Cross::new(p, 6, red.stroke_width(2))))
                         .ok()?

@@ -240,6 +240,7 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
         Mark::Crosses(
             format!("peak: {}", m.peak_phase_from_trace),
             vec![(m.peak_event_index as f64, peak)],
+            None,
         ),
     ];
     lines_with_marks(

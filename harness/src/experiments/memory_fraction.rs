@@ -1,16 +1,28 @@
-//! `memory-fraction`: cap the process at a fraction of device memory.
+//! `memory-fraction`: cap a process at a fraction of device memory, with another user on the
+//! same device.
 //!
-//! A training-like working set (weights kept, activations allocated and freed each step) runs
-//! on a device of the configured capacity, uncapped and capped at 0.8 and 0.5. The working
-//! set is 60% of the device, so the 0.5 cap must refuse it although the device has room,
-//! while 0.8 must hold it; reserved memory must never pass a cap.
+//! Two processes share one device (two caching allocators over one capacity, as in
+//! `multi-task`). Process A trains: 10% of the device in weights, then each step 20
+//! activations of 1.75% of the device (35% in all), and every third step an evaluation of 6
+//! tensors of 5% (30%) after the training step has freed its activations. Each of these
+//! tensors is a segment of its own (over 10 MiB), and the training blocks cannot serve the
+//! larger evaluation ones, so A's cache holds both sets: it reserves about 75% of the device
+//! while it never has more than 45% allocated. After A's first evaluation process B (an
+//! inference server, say) asks for 40% of the device and holds it while A trains on. A runs
+//! uncapped and capped at 0.8 (the source's value), 0.6 and 0.3 (below A's own need).
+//!
+//! What can fail: whether a cap is what lets B in (it is not when A's cache stays small on
+//! its own); whether A still trains under a cap that holds its allocated working set but not
+//! its cache (the allocator must free cached blocks and retry instead of failing); whether a
+//! cap below the need fails with an error that names the cap.
 
-use super::{Experiment, Sweep, allocator_variant};
+use super::common::SharedMemory;
+use super::{Experiment, Sweep};
 use crate::techniques::Technique;
-use crate::{Claim, Context, ExperimentError, Verdict};
+use crate::{Backend, Claim, Context, ExperimentError, Verdict};
 use serde::Serialize;
 use serde_json::json;
-use vram_alloc::{AllocError, CachingAllocator, DeviceMemory, human_bytes};
+use vram_alloc::{AllocError, AllocatorConfig, CachingAllocator, DeviceMemory, human_bytes};
 
 pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     technique: Technique {
@@ -32,136 +44,227 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
 #[derive(Serialize)]
 pub(super) struct Measured {
     cap_bytes: Option<u64>,
-    steps_completed: usize,
-    oom: Option<Refusal>,
+    a_steps_completed: usize,
+    a_steps: usize,
+    /// A's peak allocated and reserved bytes.
+    a_peak_allocated: u64,
+    a_peak_reserved: u64,
+    /// Segments A obtained from and returned to the device (the cap's cost: cache freed and
+    /// obtained again).
+    a_device_allocations: u64,
+    a_device_frees: u64,
+    /// A's first error, if any.
+    a_error: Option<String>,
+    /// Whether B got its memory, and its error otherwise.
+    b_fits: bool,
+    b_error: Option<String>,
 }
 
-/// The first allocation the cap refused.
-#[derive(Serialize)]
-pub(super) struct Refusal {
-    requested_bytes: usize,
-    device_free_bytes: u64,
-    message: String,
-}
+const FRACTIONS: [Option<f64>; 4] = [None, Some(0.8), Some(0.6), Some(0.3)];
+/// Steps of A before B arrives.
+const B_ARRIVES_AFTER: usize = 3;
 
-const FRACTIONS: [Option<f64>; 3] = [None, Some(0.8), Some(0.5)];
-
+/// What one run of the two processes did.
 struct Outcome {
-    peak_reserved: u64,
-    peak_allocated: u64,
     cap: Option<u64>,
-    failed: Option<(usize, u64, String)>,
-    steps_done: usize,
+    a_done: usize,
+    a_peak: (u64, u64),
+    a_device: (u64, u64),
+    a_error: Option<AllocError>,
+    b_error: Option<AllocError>,
 }
 
-fn workload<M: DeviceMemory>(cache: &CachingAllocator<M>, total: u64, steps: usize) -> Outcome {
-    // 10% weights (kept), 50% activations per step in 25 tensors of 2% each.
-    let weights_bytes = (total / 10) as usize;
-    let act = (total / 50) as usize;
-    let mut failed = None;
-    let mut steps_done = 0;
-    let mut on_err = |e: AllocError, size: usize, cache: &CachingAllocator<M>| {
-        if failed.is_none() {
-            failed = Some((size, cache.mem_info().free, e.to_string()));
-        }
+/// A's training with B arriving after [`B_ARRIVES_AFTER`] steps; stops at A's first error.
+fn two_processes<M: DeviceMemory>(
+    a: &CachingAllocator<M>,
+    b: &CachingAllocator<M>,
+    total: u64,
+    steps: usize,
+    seed: u64,
+) -> Outcome {
+    let _ = seed;
+    let mut out = Outcome {
+        cap: a.memory_cap(),
+        a_done: 0,
+        a_peak: (0, 0),
+        a_device: (0, 0),
+        a_error: None,
+        b_error: None,
     };
-    let weights = match cache.allocate(weights_bytes) {
-        Ok(w) => Some(w),
-        Err(e) => {
-            on_err(e, weights_bytes, cache);
-            None
-        }
-    };
-    if weights.is_some() {
-        'steps: for _ in 0..steps {
-            let mut acts = Vec::with_capacity(25);
-            for _ in 0..25 {
-                match cache.allocate(act) {
-                    Ok(a) => acts.push(a),
-                    Err(e) => {
-                        on_err(e, act, cache);
-                        break 'steps;
+    let mut b_holds = None;
+    match a.allocate((total / 10) as usize) {
+        Err(e) => out.a_error = Some(e),
+        Ok(weights) => {
+            'steps: for step in 0..steps {
+                if step == B_ARRIVES_AFTER {
+                    match b.allocate((total * 4 / 10) as usize) {
+                        Ok(block) => b_holds = Some(block),
+                        Err(e) => out.b_error = Some(e),
                     }
                 }
+                let phase = |count: usize, size: u64| -> Result<(), AllocError> {
+                    let mut held = Vec::with_capacity(count);
+                    for _ in 0..count {
+                        held.push(a.allocate(size as usize)?);
+                    }
+                    Ok(())
+                };
+                let evaluation = step % 3 == 2;
+                let done = phase(20, total * 35 / 2000)
+                    .and_then(|()| if evaluation { phase(6, total / 20) } else { Ok(()) });
+                if let Err(e) = done {
+                    out.a_error = Some(e);
+                    break 'steps;
+                }
+                out.a_done += 1;
             }
-            steps_done += 1;
+            drop(weights);
         }
     }
-    drop(weights);
-    Outcome {
-        peak_reserved: cache.max_memory_reserved(),
-        peak_allocated: cache.max_memory_allocated(),
-        cap: cache.memory_cap(),
-        failed,
-        steps_done,
-    }
+    drop(b_holds);
+    out.a_peak = (a.max_memory_allocated(), a.max_memory_reserved());
+    let stats = a.memory_stats();
+    out.a_device = (stats.num_device_alloc, stats.num_device_free);
+    out
 }
 
 fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
-    let steps = if ctx.quick { 3 } else { 20 };
+    if !matches!(ctx.backend, Backend::Cpu) {
+        return Err(ExperimentError::Setup(
+            "memory-fraction simulates two processes on one device; it runs on the host backend"
+                .into(),
+        ));
+    }
+    let steps = if ctx.quick { 12 } else { 40 };
     let total = ctx.device_memory;
-    let mut sweep = Sweep::new(ctx, json!({ "steps": steps, "working_set_fraction": 0.6 }));
+    let mut sweep = Sweep::new(
+        ctx,
+        json!({ "steps": steps, "weights_fraction": 0.1, "activations": "20 x 1.75% per step",
+                "evaluation": "6 x 5% every third step", "second_process_fraction": 0.4,
+                "second_process_arrives_after_steps": B_ARRIVES_AFTER }),
+    );
     let mut outcomes = Vec::new();
     for fraction in FRACTIONS {
+        let mem = SharedMemory::new(total);
+        let a = CachingAllocator::with_config(mem.clone(), AllocatorConfig::default())?;
+        let b = CachingAllocator::with_config(mem, AllocatorConfig::default())?;
+        if let Some(f) = fraction {
+            a.set_memory_fraction(f)?;
+        }
+        let o = two_processes(&a, &b, total, steps, ctx.seed);
         let name = match fraction {
-            None => "no cap".to_string(),
-            Some(f) => format!("fraction {f}"),
+            None => "A uncapped".to_string(),
+            Some(f) => format!("A capped at {f}"),
         };
-        let o = allocator_variant!(ctx, "", |cache| {
-            if let Some(f) = fraction {
-                cache.set_memory_fraction(f)?;
-            }
-            workload(&cache, total, steps)
-        });
-        let measured = Measured {
-            cap_bytes: o.cap,
-            steps_completed: o.steps_done,
-            oom: o.failed.as_ref().map(|(size, free, msg)| Refusal {
-                requested_bytes: *size,
-                device_free_bytes: *free,
-                message: msg.clone(),
-            }),
-        };
-        sweep.push(&name, o.peak_allocated, o.peak_reserved, None, measured);
+        sweep.push(
+            &name,
+            o.a_peak.0,
+            o.a_peak.1,
+            None,
+            Measured {
+                cap_bytes: o.cap,
+                a_steps_completed: o.a_done,
+                a_steps: steps,
+                a_peak_allocated: o.a_peak.0,
+                a_peak_reserved: o.a_peak.1,
+                a_device_allocations: o.a_device.0,
+                a_device_frees: o.a_device.1,
+                a_error: o.a_error.as_ref().map(ToString::to_string),
+                b_fits: o.b_error.is_none(),
+                b_error: o.b_error.as_ref().map(ToString::to_string),
+            },
+        );
         outcomes.push((fraction, o));
     }
-    let within_cap = outcomes.iter().all(|(_, o)| o.cap.is_none_or(|c| o.peak_reserved <= c));
-    let half = &outcomes[2].1;
-    let refused_with_room = half
-        .failed
-        .as_ref()
-        .is_some_and(|(size, free, msg)| *free >= *size as u64 && msg.contains("memory fraction"));
-    let uncapped_ok = outcomes[0].1.failed.is_none() && outcomes[1].1.failed.is_none();
-    let peaks: Vec<String> = outcomes
-        .iter()
-        .map(|(f, o)| {
-            format!(
-                "{}: peak reserved {} (cap {})",
-                f.map_or("none".into(), |f| f.to_string()),
-                human_bytes(o.peak_reserved),
-                o.cap.map_or("-".into(), human_bytes)
-            )
-        })
-        .collect();
-    let verdict = match (within_cap, refused_with_room, uncapped_ok) {
-        (true, true, true) => Verdict::Holds,
-        (true, _, _) => Verdict::Partly,
-        _ => Verdict::DoesNotHold,
+    let find = |f: Option<f64>| outcomes.iter().find(|(x, _)| *x == f).map(|(_, o)| o);
+    let (Some(free), Some(c80), Some(c50), Some(c30)) =
+        (find(None), find(Some(0.8)), find(Some(0.6)), find(Some(0.3)))
+    else {
+        return Err(ExperimentError::Setup("memory-fraction: a cap did not run".into()));
     };
-    let refusal = half.failed.as_ref().map_or("no refusal".into(), |(size, free, _)| {
+    let b_text = |o: &Outcome| if o.b_error.is_none() { "fits" } else { "out of memory" };
+    let a_text = |o: &Outcome| {
         format!(
-            "cap 0.5 refused {} with {} free on the device",
-            human_bytes(*size as u64),
-            human_bytes(*free)
+            "A {}/{steps} steps, reserved {} (allocated {})",
+            o.a_done,
+            human_bytes(o.a_peak.1),
+            human_bytes(o.a_peak.0)
         )
-    });
+    };
+    // 1. The cap is what lets B in.
     sweep.claim(Claim {
-        claim: "a memory fraction limits usage: reserved never passes the cap; over it, a clear OOM although the device has room; under it, all works".into(),
-        measured: format!("{}; {refusal}", peaks.join("; ")),
-        verdict,
+        claim: "a memory fraction limits a process's usage so that another user of the device gets its memory".into(),
+        measured: format!(
+            "B asks for {} after A's step {B_ARRIVES_AFTER}: A uncapped: {}, B {}; cap 0.8: {}, B {}; cap 0.6: {}, B {}",
+            human_bytes(total * 4 / 10),
+            a_text(free), b_text(free), a_text(c80), b_text(c80), a_text(c50), b_text(c50)
+        ),
+        verdict: match (free.b_error.is_some(), c50.b_error.is_none()) {
+            (true, true) => Verdict::Holds,
+            (false, true) => Verdict::NotApplicable,
+            _ => Verdict::DoesNotHold,
+        },
+    });
+    // 2. Under a cap that holds A's allocated working set but not its cache, A still trains.
+    let need = free.a_peak.0;
+    let holds_need = |o: &Outcome| o.cap.is_some_and(|c| c >= need);
+    let squeezed: Vec<&Outcome> = [c80, c50]
+        .into_iter()
+        .filter(|o| holds_need(o) && o.cap.is_some_and(|c| c < free.a_peak.1))
+        .collect();
+    let squeezed_ok = squeezed.iter().all(|o| o.a_error.is_none());
+    sweep.claim(Claim {
+        claim: "under a cap that holds the allocated working set, training goes on: the allocator frees its cache and retries instead of failing".into(),
+        measured: format!(
+            "A needs {} allocated and reserves {} uncapped ({} device allocations); {}",
+            human_bytes(need),
+            human_bytes(free.a_peak.1),
+            free.a_device.0,
+            [c80, c50]
+                .iter()
+                .map(|o| format!(
+                    "cap {}: {}/{steps} steps, reserved {}, {} device allocations{}",
+                    o.cap.map_or("-".into(), human_bytes),
+                    o.a_done,
+                    human_bytes(o.a_peak.1),
+                    o.a_device.0,
+                    o.a_error.as_ref().map_or(String::new(), |e| format!(", failed: {e}"))
+                ))
+                .collect::<Vec<_>>()
+                .join("; ")
+        ),
+        verdict: if squeezed.is_empty() {
+            Verdict::NotApplicable
+        } else if squeezed_ok {
+            Verdict::Holds
+        } else {
+            Verdict::DoesNotHold
+        },
+    });
+    // 3. A cap below the need fails clearly.
+    let names_cap = c30
+        .a_error
+        .as_ref()
+        .is_some_and(|e| e.is_out_of_memory() && e.to_string().contains("memory fraction"));
+    sweep.claim(Claim {
+        claim: "a cap below what the run needs fails with an out-of-memory error that names the cap, although the device has room".into(),
+        measured: format!(
+            "cap 0.3 ({}): A {}/{steps} steps; {}",
+            c30.cap.map_or("-".into(), human_bytes),
+            c30.a_done,
+            c30.a_error.as_ref().map_or("no error".into(), |e| e.to_string())
+        ),
+        verdict: if names_cap { Verdict::Holds } else { Verdict::DoesNotHold },
     });
     sweep.reading(format!(
-        "a fraction caps this process's reserved memory, not its need: past the cap an allocation fails as out of memory ({refusal}) even with the device free, so it protects other users of the device, not this run"
+        "a fraction caps what a process reserves, cache included, not what it needs: uncapped, A's cache grew to {} and B {}; capped at 0.6, A trained on within {} (its cache freed and obtained again: {} device allocations instead of {}) and B {}; the source's 0.8 {} B; a cap below the need (0.3) fails the run although the device has room",
+        human_bytes(free.a_peak.1),
+        if free.b_error.is_some() { "could not get its memory" } else { "still fit" },
+        human_bytes(c50.a_peak.1),
+        c50.a_device.0,
+        free.a_device.0,
+        b_text(c50),
+        if c80.b_error.is_none() { "also let in" } else { "was too high to let in" }
     ));
     Ok(sweep)
 }

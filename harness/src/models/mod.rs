@@ -15,12 +15,12 @@ pub mod zoo;
 pub use zoo::{Arch, Preset, ZooError};
 
 use crate::data::{Batch, Input};
+use vram_accum::autocast::{AutocastPolicy, OpKind, accumulate_grad_cast, cast_into};
 use vram_accum::layers::{
     Act, BottleneckConfig, ClassifierHeadConfig, Conv2dConfig, Init, InvertedResidualConfig,
     LayerNormConfig, LinearConfig, MaxPool2d, PatchEmbedConfig, ResidualBlockConfig, TokenMeanPool,
     TransformerBlockConfig, init_weight, prefix_param_names, sub_seed,
 };
-use vram_accum::autocast::{AutocastPolicy, OpKind, accumulate_grad_cast, cast_into};
 use vram_accum::{
     Autocast, BoxedLayer, Chain, ChainProfile, Error, ForwardCtx, Layer, Mode, Param, Params,
     Result, SavedBox, Schedule,

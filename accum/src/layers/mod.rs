@@ -15,6 +15,11 @@
 //! stream: the same seed gives the same weights on every machine); on a virtual device,
 //! which keeps no values, nothing is drawn and the weights are only allocated.
 //!
+//! Under autocast ([`ForwardCtx::with_autocast`], see [`crate::autocast`]) [`Linear`],
+//! [`LayerNorm`], [`Activation`], [`Dropout`], [`TransformerBlock`], [`MaxPool2d`] and
+//! [`TokenMeanPool`] follow PyTorch's recipe; the others (convolutions, the CNN blocks,
+//! [`ResidualMlp`], [`PatchEmbed`]) return [`Error::AutocastUnsupported`].
+//!
 //! A layer that needs its input in backward keeps a clone of it, which shares its memory (no
 //! copy); the executor drops its own reference once the next layer has consumed the input, so
 //! the layer's is the only one alive, as in PyTorch's autograd graph.

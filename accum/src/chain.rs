@@ -385,6 +385,9 @@ impl Chain {
             cur = Some(y);
         }
         drop(cur);
+        // The forward is over: under autocast its region ends and the cache of parameter
+        // casts empties (casts the layers saved stay), as in a training step.
+        ctx.clear_autocast_cache();
         for i in (0..self.len()).rev() {
             let s = saved_all.pop().ok_or(Error::InvalidArgument {
                 what: "Chain::profile",

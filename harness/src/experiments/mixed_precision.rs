@@ -172,7 +172,12 @@ fn real_split(
     for step in 0..2 {
         let mut ctx = ForwardCtx::new(Mode::Train, step);
         model.train_step(&input, &mut ctx, scaler.scale())?;
-        grads = model.params().iter().filter_map(|p| p.grad.as_ref()).map(|g| g.size_in_bytes() as u64).sum();
+        grads = model
+            .params()
+            .iter()
+            .filter_map(|p| p.grad.as_ref())
+            .map(|g| g.size_in_bytes() as u64)
+            .sum();
         scaler.step(&mut opt, &mut model)?;
         scaler.update()?;
         model.zero_grad();
@@ -205,7 +210,11 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     );
     let recipes = [
         ("fp32", "fp32", Precision::F32),
-        ("fp16 + dynamic loss scaling, f32 master weights", FULL, Precision::F16(ScalerConfig::default())),
+        (
+            "fp16 + dynamic loss scaling, f32 master weights",
+            FULL,
+            Precision::F16(ScalerConfig::default()),
+        ),
         ("bf16, f32 master weights", FULL, Precision::Bf16),
         ("bf16 autocast", AUTOCAST, Precision::Autocast { low: DType::BF16, scaler: None }),
         (
@@ -213,7 +222,11 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             AUTOCAST,
             Precision::Autocast { low: DType::F16, scaler: Some(ScalerConfig::default()) },
         ),
-        ("fp16 + loss scaling from 2^28 (overflow injected)", FULL, Precision::F16(overflowing_scaler())),
+        (
+            "fp16 + loss scaling from 2^28 (overflow injected)",
+            FULL,
+            Precision::F16(overflowing_scaler()),
+        ),
     ];
     let precisions: Vec<Precision> = recipes.iter().map(|r| r.2.clone()).collect();
     let runs: Vec<(&str, &str, Run)> = recipes
@@ -273,12 +286,19 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
                 grads_bytes: s.grads,
                 optimizer_state_bytes: s.optimizer,
                 activations_and_temporaries_bytes: s.peak.saturating_sub(s.state()),
-                state_bytes_per_parameter: s.state() as f64 / (s.weights / p.dtype().size_in_bytes() as u64) as f64,
+                state_bytes_per_parameter: s.state() as f64
+                    / (s.weights / p.dtype().size_in_bytes() as u64) as f64,
                 losses: Vec::new(),
                 scaler_steps_skipped: 0,
                 final_loss_scale: 0.0,
             };
-            sweep.push(&format!("{REAL}: gpt2-small, batch {b}, {}", p.label()), s.peak, s.reserved, None, measured);
+            sweep.push(
+                &format!("{REAL}: gpt2-small, batch {b}, {}", p.label()),
+                s.peak,
+                s.reserved,
+                None,
+                measured,
+            );
             row.push(s);
         }
         real.push((b, row));
@@ -290,7 +310,14 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             .map(|(b, row)| {
                 let parts: Vec<String> = ks
                     .iter()
-                    .map(|&k| format!("{} {} ({} less)", kinds[k].label(), human_bytes(row[k].peak), pct(real_saving(row, k))))
+                    .map(|&k| {
+                        format!(
+                            "{} {} ({} less)",
+                            kinds[k].label(),
+                            human_bytes(row[k].peak),
+                            pct(real_saving(row, k))
+                        )
+                    })
                     .collect();
                 format!("batch {b}: fp32 {}, {}", human_bytes(row[0].peak), parts.join(", "))
             })
@@ -314,7 +341,10 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let near_half = |k: usize| -> Vec<usize> {
         real.iter().filter(|(_, row)| real_saving(row, k) >= 0.4).map(|(b, _)| *b).collect()
     };
-    let ac_best = real.iter().flat_map(|(_, row)| [real_saving(row, 3), real_saving(row, 4)]).fold(f64::MIN, f64::max);
+    let ac_best = real
+        .iter()
+        .flat_map(|(_, row)| [real_saving(row, 3), real_saving(row, 4)])
+        .fold(f64::MIN, f64::max);
     let ac_large = real_saving(&large_b.1, 3);
     let ac_small = real_saving(&small_b.1, 3);
     let full_large = s_large;
@@ -404,7 +434,10 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             // bound.
             let upper = |t: &Timing| t.mean_ms + t.half_width();
             let lower = f32r.step.mean_ms - f32r.step.half_width();
-            let fastest = [fp16, bf16, ac_bf16, ac_fp16].iter().map(|r| upper(&r.step)).fold(f64::MAX, f64::min);
+            let fastest = [fp16, bf16, ac_bf16, ac_fp16]
+                .iter()
+                .map(|r| upper(&r.step))
+                .fold(f64::MAX, f64::min);
             let faster = lower / fastest - 1.0;
             (
                 speed,
@@ -485,8 +518,12 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     Ok(sweep)
 }
 
-/// Where each precision's peak goes at real size (GPT-2 small at the sweep's largest batch),
-/// stacked: the two recipes side by side.
+/// The real-size batch the plot shows: small enough that the states are visible beside the
+/// activations, large enough that activations matter.
+const PLOT_BATCH: usize = 4;
+
+/// Where each precision's peak goes at real size (GPT-2 small at [`PLOT_BATCH`], or the
+/// sweep's smallest batch), stacked: the two recipes side by side.
 fn plot(sweep: &Sweep<Measured>) -> Option<String> {
     let parts = [
         "weights",
@@ -497,11 +534,15 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
         "activations + temporaries",
     ];
     let real: Vec<_> = sweep.variants().iter().filter(|(_, m)| m.part == REAL).collect();
-    let largest = real.iter().map(|(_, m)| m.batch_size).max()?;
+    let shown = if real.iter().any(|(_, m)| m.batch_size == PLOT_BATCH) {
+        PLOT_BATCH
+    } else {
+        real.iter().map(|(_, m)| m.batch_size).min()?
+    };
     let gib = MIB * 1024.0;
     let bars: Vec<(String, Vec<f64>)> = real
         .iter()
-        .filter(|(_, m)| m.batch_size == largest)
+        .filter(|(_, m)| m.batch_size == shown)
         .map(|(v, m)| {
             let bytes = [
                 m.weights_bytes,
@@ -520,7 +561,9 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
         })
         .collect();
     stacked_with_totals(
-        &format!("GPT-2 small, batch {largest}, 1024 tokens (virtual device): where peak memory goes"),
+        &format!(
+            "GPT-2 small, batch {shown}, 1024 tokens (virtual device): where peak memory goes"
+        ),
         "GiB",
         "GiB",
         &parts,

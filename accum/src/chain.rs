@@ -1,6 +1,7 @@
 //! [`Chain`]: a sequence of layers run forward and backward under a checkpoint
 //! [`Schedule`], and the [`Tape`] that carries what forward kept to backward.
 
+use crate::autocast::{Autocast, AutocastPolicy};
 use crate::error::{Error, Result};
 use crate::layer::{BoxedLayer, ForwardCtx, Layer, Mode, Param, SavedBox};
 use crate::plan::{ChainProfile, LayerProfile, Schedule, Segment};
@@ -65,6 +66,9 @@ pub struct Tape<'x> {
     generation: u64,
     input: &'x Tensor,
     seed: u64,
+    /// The autocast policy the forward ran under, which checkpointed segments recompute
+    /// under (PyTorch's checkpoint restores the autocast state, too).
+    autocast: Option<AutocastPolicy>,
     /// `None` for a tape recorded in inference mode.
     schedule: Option<Schedule>,
     kept: Vec<(Segment, Kept)>,
@@ -168,8 +172,13 @@ impl Chain {
     ///
     /// A layer's error; [`Error::InvalidArgument`] for an empty chain.
     pub fn infer(&mut self, x: &Tensor) -> Result<Tensor> {
+        self.run_inference(x, &mut ForwardCtx::new(Mode::Inference, 0))
+    }
+
+    /// Inference forward with `ctx` (its autocast state, if any).
+    fn run_inference(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<Tensor> {
         self.check_nonempty()?;
-        let mut ctx = ForwardCtx::new(Mode::Inference, 0);
+        let mut ctx = ForwardCtx { mode: Mode::Inference, ..ctx.clone() };
         let mut cur: Option<Tensor> = None;
         for layer in &mut self.layers {
             let (y, _) = layer.forward(cur.as_ref().unwrap_or(x), &mut ctx)?;
@@ -181,7 +190,7 @@ impl Chain {
     /// Runs forward under `schedule`. In [`Mode::Train`] a plain segment keeps every
     /// layer's saved state; a checkpointed one keeps only its input and `ctx.offset`, and
     /// drops its layers' saved state as soon as each returns. In [`Mode::Inference`] this is
-    /// [`infer`](Self::infer) and the tape refuses backward.
+    /// [`infer`](Self::infer) (under `ctx`'s autocast state) and the tape refuses backward.
     ///
     /// # Errors
     ///
@@ -199,11 +208,12 @@ impl Chain {
             generation: self.generation,
             input: x,
             seed: ctx.seed,
+            autocast: ctx.autocast().map(|a| a.policy().clone()),
             schedule: None,
             kept: Vec::new(),
         };
         if !ctx.training() {
-            return Ok((self.infer(x)?, tape));
+            return Ok((self.run_inference(x, ctx)?, tape));
         }
         if schedule.layer_count() != self.len() {
             return Err(Error::LengthMismatch {
@@ -277,13 +287,20 @@ impl Chain {
         if tape.schedule.is_none() {
             return Err(Error::InferenceTape);
         }
-        let Tape { input, seed, mut kept, .. } = tape;
+        let Tape { input, seed, autocast, mut kept, .. } = tape;
         let mut grad = Some(dy);
         while let Some((seg, k)) = kept.pop() {
             let saved = match k {
                 Kept::Plain(saved) => saved,
                 Kept::Checkpoint { input: ckpt, offset } => {
-                    let mut ctx = ForwardCtx { mode: Mode::Train, seed, offset };
+                    // Recomputation is an autocast region of its own, as in PyTorch: the
+                    // same policy, a fresh cache dropped with the context.
+                    let mut ctx = ForwardCtx {
+                        mode: Mode::Train,
+                        seed,
+                        offset,
+                        autocast: autocast.clone().map(Autocast::new),
+                    };
                     let mut saved = Vec::with_capacity(seg.end - seg.start);
                     let mut ckpt = ckpt;
                     let mut cur: Option<Tensor> = None;
@@ -368,6 +385,9 @@ impl Chain {
             cur = Some(y);
         }
         drop(cur);
+        // The forward is over: under autocast its region ends and the cache of parameter
+        // casts empties (casts the layers saved stay), as in a training step.
+        ctx.clear_autocast_cache();
         for i in (0..self.len()).rev() {
             let s = saved_all.pop().ok_or(Error::InvalidArgument {
                 what: "Chain::profile",

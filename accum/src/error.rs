@@ -106,6 +106,17 @@ pub enum Error {
     /// Backward was asked of a tape recorded in inference mode, which saves nothing.
     #[error("backward called on a tape recorded in inference mode; run forward with Mode::Train")]
     InferenceTape,
+    /// A layer that has no autocast rule was run under autocast
+    /// ([`ForwardCtx::with_autocast`](crate::ForwardCtx::with_autocast)): rather than compute
+    /// in a dtype PyTorch would not, it refuses.
+    #[error(
+        "layer {layer} does not support autocast; run it without autocast (full f32 or a \
+         16-bit model with f32 master weights)"
+    )]
+    AutocastUnsupported {
+        /// The layer's name.
+        layer: String,
+    },
     /// A layer broke the [`Layer`](crate::Layer) contract (e.g. saved nothing in training).
     #[error("layer {index} ({name}): {reason}")]
     LayerContract {

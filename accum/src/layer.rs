@@ -1,9 +1,10 @@
 //! The unit of work: a layer with forward, backward and parameters, and [`BoxedLayer`], the
 //! type-erased form a [`Chain`](crate::Chain) holds.
 
+use crate::autocast::{Autocast, AutocastPolicy, OpKind};
 use crate::error::{Error, Result};
 use std::any::Any;
-use vram_kernels::{Device, Tensor};
+use vram_kernels::{DType, Device, Tensor};
 
 pub use vram_amp::{Param, ParamId};
 
@@ -20,6 +21,11 @@ pub enum Mode {
 /// stream. A layer that draws random numbers (dropout) reserves a range of counters with
 /// [`ForwardCtx::take_offsets`]; recomputing the layer from the same offset reproduces the
 /// same numbers, which is what makes checkpointed backward bit-identical.
+///
+/// With [`ForwardCtx::with_autocast`] the layers run PyTorch's autocast recipe (see
+/// [`crate::autocast`]) and the context holds the step's cache of 16-bit parameter casts,
+/// which [`ForwardCtx::clear_autocast_cache`] empties when the step's forward and loss are
+/// done.
 #[derive(Clone, Debug)]
 pub struct ForwardCtx {
     /// Train or inference.
@@ -28,12 +34,73 @@ pub struct ForwardCtx {
     pub seed: u64,
     /// Next unused counter of the random stream.
     pub offset: u64,
+    /// Autocast's policy and cache, `None` without autocast.
+    pub autocast: Option<Autocast>,
 }
 
 impl ForwardCtx {
-    /// A context for `mode` with a random stream seeded by `seed`.
+    /// A context for `mode` with a random stream seeded by `seed`, without autocast.
     pub fn new(mode: Mode, seed: u64) -> Self {
-        ForwardCtx { mode, seed, offset: 0 }
+        ForwardCtx { mode, seed, offset: 0, autocast: None }
+    }
+
+    /// The same with autocast to `low` (f16 or bf16) under PyTorch's default policy.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Amp`] if `low` is f32.
+    pub fn with_autocast(self, low: DType) -> Result<Self> {
+        Ok(self.with_autocast_policy(AutocastPolicy::new(low)?))
+    }
+
+    /// The same with autocast under `policy`, its cache empty.
+    pub fn with_autocast_policy(self, policy: AutocastPolicy) -> Self {
+        ForwardCtx { autocast: Some(Autocast::new(policy)), ..self }
+    }
+
+    /// The autocast state, `None` without autocast.
+    pub fn autocast(&self) -> Option<&Autocast> {
+        self.autocast.as_ref()
+    }
+
+    /// Empties the cache of parameter casts (PyTorch's `clear_cache` when the autocast
+    /// region exits); a no-op without autocast.
+    pub fn clear_autocast_cache(&mut self) {
+        if let Some(a) = &mut self.autocast {
+            a.clear_cache();
+        }
+    }
+
+    /// The dtype `op` computes in under autocast for inputs of `inputs`' dtypes; `None`
+    /// without autocast (the op runs in its inputs' dtype).
+    pub fn op_dtype(&self, op: OpKind, inputs: &[DType]) -> Option<DType> {
+        self.autocast.as_ref().map(|a| a.policy().dtype_for(op, inputs))
+    }
+
+    /// `p`'s value in `dtype`, through the autocast cache when there is one.
+    ///
+    /// # Errors
+    ///
+    /// Out of memory for the copy.
+    pub fn cast_param(&mut self, p: &Param, dtype: DType) -> Result<Tensor> {
+        match &mut self.autocast {
+            Some(a) => a.cast_param(p, dtype),
+            None => crate::autocast::cast(&p.value, dtype),
+        }
+    }
+
+    /// [`Error::AutocastUnsupported`] for `layer` under autocast; `Ok` without it. Layers
+    /// without autocast rules call it first, so they never compute in a dtype PyTorch's
+    /// recipe would not.
+    ///
+    /// # Errors
+    ///
+    /// As said.
+    pub fn refuse_autocast(&self, layer: impl FnOnce() -> String) -> Result<()> {
+        match self.autocast {
+            Some(_) => Err(crate::autocast::unsupported(layer())),
+            None => Ok(()),
+        }
     }
 
     /// Reserves `n` counters and returns the first.

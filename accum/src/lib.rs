@@ -13,6 +13,10 @@
 //! clipping work on its parameters directly, and [`StepHooks`] put them at the end of each
 //! accumulation window.
 //!
+//! Layers run PyTorch's autocast recipe (f32 parameters, 16-bit matmuls, f32 norms,
+//! softmax and losses, a cache of 16-bit parameter casts per step) under a context built
+//! with [`ForwardCtx::with_autocast`]; see [`autocast`].
+//!
 //! ```
 //! use vram_accum::layers::{Dropout, ResidualMlpConfig};
 //! use vram_accum::{Chain, CheckpointPlan, ForwardCtx, Mode};
@@ -83,6 +87,7 @@
 //! ```
 
 mod accumulate;
+pub mod autocast;
 mod chain;
 mod error;
 mod layer;
@@ -92,6 +97,7 @@ pub mod plan;
 pub use accumulate::{
     FnHooks, GradAccumulator, MicroStep, Normalization, StepHooks, StepReport, Window, WindowHooks,
 };
+pub use autocast::Autocast;
 pub use chain::{Chain, ChainId, Tape};
 pub use error::{Error, Result};
 pub use layer::{BoxedLayer, ForwardCtx, Layer, Mode, Param, ParamId, SavedBox};

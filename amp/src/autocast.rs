@@ -6,6 +6,11 @@
 //! PyTorch's `with torch.autocast(...)` blocks. Outside any scope (or in a disabled one) the
 //! ops in [`ops`] promote mixed inputs to the widest dtype and otherwise run in the inputs'
 //! own dtype.
+//!
+//! These ops cast every input on every call. PyTorch also caches the 16-bit casts of f32
+//! parameters for the duration of the autocast region (`cached_cast` in
+//! `aten/src/ATen/autocast_mode.cpp`); tensors here do not know whether they are parameters,
+//! so that cache lives with the layers that own them: vram-accum's `ForwardCtx`.
 
 use crate::error::Result;
 use crate::policy::{AutocastPolicy, OpKind, widest};

@@ -1,13 +1,17 @@
 //! The autocast precision policy: a readable, overridable table from op kind to precision
-//! class, modelled on PyTorch's autocast op lists.
+//! class, PyTorch's CUDA autocast op lists (`aten/src/ATen/autocast_mode.h`:
+//! `AT_FORALL_LOWER_PRECISION_FP`, `AT_FORALL_FP32`, `AT_FORALL_FP32_SET_OPT_DTYPE`,
+//! `AT_FORALL_PROMOTE`; ops in no list fall through, registered in `autocast_mode.cpp`)
+//! restricted to the op kinds below.
 //!
 //! - [`OpClass::LowPrecision`]: ops that are fast and safe in 16 bits and dominate compute
 //!   (matmul, linear, convolutions, attention products) run in the policy's low dtype.
 //! - [`OpClass::F32`]: ops whose range or accumulation needs f32 (softmax, log-softmax,
 //!   losses, norms, exp/log, sums and means) run in f32.
 //! - [`OpClass::Promote`]: ops with several inputs run in the widest input dtype (f32 wins;
-//!   f16 with bf16 gives f32); with one input this is the input's own dtype, PyTorch's
-//!   "fall-through" for activations.
+//!   f16 with bf16 gives f32); with one input this is the input's own dtype. This is both
+//!   PyTorch's `promote` policy and what its fall-through ops (in no list: add, mul, relu,
+//!   gelu, dropout, mean) do through ATen's own type promotion.
 
 use crate::error::{Error, Result};
 use std::collections::BTreeMap;
@@ -30,14 +34,17 @@ pub enum OpKind {
     LogSoftmax,
     /// Losses (cross-entropy, MSE, ...).
     Loss,
-    /// Layer norm (and other normalizations).
+    /// Layer norm (PyTorch's fp32 list also has group norm; batch norm is in no CUDA list
+    /// and falls through).
     LayerNorm,
     /// Exponential.
     Exp,
     /// Logarithm.
     Log,
-    /// Sums, means and other reductions.
+    /// Sums, products and cumulative sums (PyTorch's `fp32_set_opt_dtype` list).
     Sum,
+    /// Means: in no PyTorch list, so they fall through (the input's dtype).
+    Mean,
     /// Elementwise addition.
     Add,
     /// Elementwise multiplication.
@@ -80,7 +87,7 @@ impl OpClass {
 }
 
 /// The default table, PyTorch's lists restricted to the op kinds above.
-const DEFAULT_TABLE: [(OpKind, OpClass); 14] = [
+const DEFAULT_TABLE: [(OpKind, OpClass); 15] = [
     (OpKind::Matmul, OpClass::LowPrecision),
     (OpKind::Linear, OpClass::LowPrecision),
     (OpKind::Conv2d, OpClass::LowPrecision),
@@ -92,6 +99,7 @@ const DEFAULT_TABLE: [(OpKind, OpClass); 14] = [
     (OpKind::Exp, OpClass::F32),
     (OpKind::Log, OpClass::F32),
     (OpKind::Sum, OpClass::F32),
+    (OpKind::Mean, OpClass::Promote),
     (OpKind::Add, OpClass::Promote),
     (OpKind::Mul, OpClass::Promote),
     (OpKind::Activation, OpClass::Promote),
@@ -174,6 +182,51 @@ mod tests {
         assert_eq!(widest(&[DType::F16, DType::F32]), DType::F32);
         assert_eq!(widest(&[DType::F16, DType::BF16]), DType::F32);
         assert_eq!(widest(&[]), DType::F32);
+    }
+
+    /// The default table against PyTorch's CUDA lists, transcribed from
+    /// `aten/src/ATen/autocast_mode.h` (the ATen op each kind stands for; ops in no list fall
+    /// through: with one input they keep its dtype, with several ATen promotes).
+    #[test]
+    fn the_default_table_follows_pytorchs_cuda_lists() {
+        const LOWER_PRECISION_FP: &[&str] =
+            &["conv2d", "matmul", "mm", "bmm", "linear", "scaled_dot_product_attention"];
+        const FP32: &[&str] = &["exp", "log", "layer_norm", "group_norm", "nll_loss", "mse_loss"];
+        const FP32_SET_OPT_DTYPE: &[&str] = &["softmax", "log_softmax", "sum", "prod", "cumsum"];
+        let aten = |op: OpKind| match op {
+            OpKind::Matmul => "matmul",
+            OpKind::Linear => "linear",
+            OpKind::Conv2d => "conv2d",
+            OpKind::Attention => "scaled_dot_product_attention",
+            OpKind::Softmax => "softmax",
+            OpKind::LogSoftmax => "log_softmax",
+            OpKind::Loss => "nll_loss",
+            OpKind::LayerNorm => "layer_norm",
+            OpKind::Exp => "exp",
+            OpKind::Log => "log",
+            OpKind::Sum => "sum",
+            OpKind::Mean => "mean",
+            OpKind::Add => "add",
+            OpKind::Mul => "mul",
+            OpKind::Activation => "gelu",
+            OpKind::Other(name) => name,
+        };
+        let p = AutocastPolicy::bf16();
+        for (op, class) in p.table() {
+            let name = aten(op);
+            let want = if LOWER_PRECISION_FP.contains(&name) {
+                OpClass::LowPrecision
+            } else if FP32.contains(&name) || FP32_SET_OPT_DTYPE.contains(&name) {
+                OpClass::F32
+            } else {
+                OpClass::Promote
+            };
+            assert_eq!(class, want, "{op:?} ({name})");
+        }
+        // Regression: a mean used to be classed with the sums (f32); PyTorch lists no mean,
+        // so it keeps a 16-bit input's dtype.
+        assert_eq!(p.dtype_for(OpKind::Mean, &[DType::BF16]), DType::BF16);
+        assert_eq!(p.dtype_for(OpKind::Sum, &[DType::BF16]), DType::F32);
     }
 
     #[test]

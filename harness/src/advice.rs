@@ -30,7 +30,8 @@ pub struct ModelAdvice {
     /// The batch the techniques are compared at.
     pub batch: usize,
     /// Model states with AdamW, 16 bytes per parameter alike in fp32 (weights 4, gradients
-    /// 4, moments 8) and with bf16 autocast (2 + 2, f32 masters 4, moments 8).
+    /// 4, moments 8), in full bf16 (2 + 2, f32 masters 4, moments 8) and under bf16 autocast
+    /// (4 + 4 + 8, plus 2 bytes of 16-bit weight copies while a step runs).
     pub state_bytes: u64,
     /// Measured fixed part (fp32, AdamW): the peak's intercept at zero samples.
     pub fixed_bytes: u64,
@@ -89,13 +90,22 @@ const TECHNIQUES: &[Tech] = &[
         risk: "-",
     },
     Tech {
-        name: "bf16 autocast, f32 master weights",
+        name: "full bf16 (weights and activations), f32 master weights",
         precision: Precision::Bf16,
         plan: PlanKind::None,
         alloc_conf: "",
         optimizer: OptimizerKind::AdamW,
         accum: 1,
         risk: "low: 8-bit mantissa in activations (see mixed-precision's loss agreement)",
+    },
+    Tech {
+        name: "bf16 autocast (torch.autocast): f32 weights, 16-bit matmuls",
+        precision: Precision::AutocastBf16,
+        plan: PlanKind::None,
+        alloc_conf: "",
+        optimizer: OptimizerKind::AdamW,
+        accum: 1,
+        risk: "low: 16-bit matmul inputs only; norms, softmax, loss and weights stay f32",
     },
     Tech {
         name: "fp16 + dynamic loss scaling, f32 masters",
@@ -203,7 +213,17 @@ fn one_model(name: &str, batch: usize) -> Result<ModelAdvice, PlanError> {
     let mut baseline = None;
     for t in TECHNIQUES {
         let c = candidate(t, batch / t.accum, t.accum);
-        let (alloc, reserved) = peak(&model, &c)?;
+        let (alloc, reserved) = match peak(&model, &c) {
+            Ok(p) => p,
+            // Autocast has rules for linear, norm and attention layers only (no
+            // convolutions): the technique does not apply to this model.
+            Err(PlanError::Run { source, .. })
+                if matches!(*source, vram_accum::Error::AutocastUnsupported { .. }) =>
+            {
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         let (_, cost) = plan::estimate_cost(&model, &c)?;
         let (base_reserved, base_cost) = *baseline.get_or_insert((reserved, cost));
         rows.push(TechniqueRow {
@@ -255,8 +275,10 @@ pub fn markdown(a: &Advice) -> String {
          device (exact for vram's own allocations; a GPU adds the CUDA context, ~0.5 GiB, \
          and library workspaces beyond cuBLAS's, which `cargo xtask plan --reserve` keeps \
          back). Fixed = what does not grow with the batch (weights, gradients, optimizer \
-         state: 16 bytes per parameter for AdamW in fp32, and also with bf16 autocast, whose \
-         f32 master weights keep it at 2 + 2 + 4 + 8); per sample = activations.\n\n",
+         state: 16 bytes per parameter for AdamW in fp32, and also in full bf16, whose f32 \
+         master weights keep it at 2 + 2 + 4 + 8, and under bf16 autocast, whose weights stay \
+         f32 (4 + 4 + 8, plus 2 bytes of 16-bit weight copies during a step; autocast applies \
+         to models without convolutions)); per sample = activations.\n\n",
     );
     s.push_str(
         "| model | parameters | states, 16 B/param | fixed (measured) | per sample | fixed share at 1 sample | at the batch |\n|---|---|---|---|---|---|---|\n",

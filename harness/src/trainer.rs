@@ -32,19 +32,45 @@ pub fn sgd(lr: f32) -> Sgd {
 pub enum Precision {
     /// Everything in f32.
     F32,
-    /// f16 weights and activations, f32 master weights, dynamic loss scaling.
+    /// Full 16-bit: f16 weights and activations, f32 master weights, dynamic loss scaling.
     F16(ScalerConfig),
-    /// bf16 weights and activations, f32 master weights, no loss scaling.
+    /// Full 16-bit: bf16 weights and activations, f32 master weights, no loss scaling.
     Bf16,
+    /// Autocast, as `torch.autocast` / `torch.cuda.amp`: f32 parameters (no master copy, f32
+    /// gradients and optimizer state), linear and matmul in `low`, layer norm, softmax and
+    /// the loss in f32, with the loss scaler when `scaler` is set (f16: yes, bf16: no).
+    Autocast {
+        /// The low dtype (f16 or bf16).
+        low: DType,
+        /// Dynamic loss scaling, if any.
+        scaler: Option<ScalerConfig>,
+    },
 }
 
 impl Precision {
-    /// The dtype the model computes in.
+    /// The dtype of the model's parameters (f32 under autocast).
     pub fn dtype(&self) -> DType {
         match self {
-            Precision::F32 => DType::F32,
+            Precision::F32 | Precision::Autocast { .. } => DType::F32,
             Precision::F16(_) => DType::F16,
             Precision::Bf16 => DType::BF16,
+        }
+    }
+
+    /// The low dtype of autocast, `None` for the other precisions.
+    pub fn autocast(&self) -> Option<DType> {
+        match self {
+            Precision::Autocast { low, .. } => Some(*low),
+            _ => None,
+        }
+    }
+
+    /// The loss scaler's settings, if the run scales its loss.
+    pub fn scaler(&self) -> Option<&ScalerConfig> {
+        match self {
+            Precision::F16(c) => Some(c),
+            Precision::Autocast { scaler, .. } => scaler.as_ref(),
+            _ => None,
         }
     }
 }
@@ -118,8 +144,11 @@ impl Hooks for NoHooks {}
 /// Bytes by category, for memory breakdowns.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct StateBytes {
-    /// Model weights (in the compute dtype).
+    /// Model weights (in the compute dtype; f32 under autocast).
     pub weights: u64,
+    /// Autocast's 16-bit copies of the weights, as cached when the last forward ended (0
+    /// without autocast).
+    pub weight_copies: u64,
     /// f32 master weights (0 in f32 runs).
     pub master: u64,
     /// Gradients after the last backward.
@@ -148,7 +177,8 @@ fn invalid(reason: String) -> ExperimentError {
 }
 
 impl Trainer {
-    /// A trainer for `model` (built in `cfg.precision`'s dtype) on `dataset`.
+    /// A trainer for `model` (built in `cfg.precision`'s dtype; under autocast the trainer
+    /// puts the model under it) on `dataset`.
     pub fn new(mut model: Model, dataset: Dataset, seed: u64, cfg: TrainConfig) -> Result<Self> {
         if cfg.batch == 0 || cfg.accumulation == 0 || !cfg.batch.is_multiple_of(cfg.accumulation) {
             return Err(invalid(format!(
@@ -160,10 +190,11 @@ impl Trainer {
         if model.params().first().is_some_and(|p| p.value.dtype() != dtype) {
             return Err(invalid(format!("the model is not in {dtype}, the run's precision")));
         }
+        model.set_autocast(cfg.precision.autocast())?;
         let optimizer = adamw(cfg.lr);
-        let scaler = match &cfg.precision {
-            Precision::F16(c) => Some(LossScaler::new(c.clone())?),
-            _ => None,
+        let scaler = match cfg.precision.scaler() {
+            Some(c) => Some(LossScaler::new(c.clone())?),
+            None => None,
         };
         let micro = cfg.batch / cfg.accumulation;
         let schedule = match &cfg.checkpoint {
@@ -205,7 +236,7 @@ impl Trainer {
         &self.schedule
     }
 
-    /// The loss scaler, in f16 runs.
+    /// The loss scaler, in runs that scale their loss.
     pub fn scaler(&self) -> Option<&LossScaler> {
         self.scaler.as_ref()
     }
@@ -214,6 +245,7 @@ impl Trainer {
     pub fn state_bytes(&self) -> StateBytes {
         StateBytes {
             weights: self.model.param_bytes(),
+            weight_copies: self.model.cast_cache_bytes(),
             master: self.optimizer.master_bytes(),
             grads: self.grad_bytes,
             optimizer: self.optimizer.state_bytes(),

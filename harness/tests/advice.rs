@@ -24,13 +24,24 @@ fn the_decomposition_and_the_ranking_follow_first_principles() {
         let per_param = (base.peak_allocated - sgd.peak_allocated) as f64 / m.params as f64;
         assert!((3.0..5.0).contains(&per_param), "{name}: SGD saves {per_param} B/param");
         // 16-bit activations and checkpointing cut the per-sample part.
-        for prefix in ["bf16 autocast", "checkpointing, sqrt", "gradient accumulation"] {
+        for prefix in ["full bf16", "checkpointing, sqrt", "gradient accumulation"] {
             let r = row(prefix).unwrap();
             assert!(r.peak_allocated < base.peak_allocated, "{name}: {prefix}");
         }
         // Recomputation costs time; 16-bit math (assumed twice as fast) saves it.
         assert!(row("checkpointing, sqrt").unwrap().relative_cost > 1.0, "{name}");
-        assert!(row("bf16 autocast").unwrap().relative_cost < 1.0, "{name}");
+        assert!(row("full bf16").unwrap().relative_cost < 1.0, "{name}");
+        // Autocast applies to the transformer, not to ResNet's convolutions; where it does,
+        // it saves less than full bf16 (f32 weights, 16-bit copies, f32 norms and softmax).
+        match row("bf16 autocast") {
+            Some(ac) => {
+                assert!(name.contains("gpt2"), "{name}: autocast has no convolution rules");
+                let full = row("full bf16").unwrap();
+                assert!(full.peak_allocated < ac.peak_allocated, "{name}");
+                assert!(ac.peak_allocated < base.peak_allocated, "{name}");
+            }
+            None => assert!(!name.contains("gpt2"), "{name}: autocast row missing"),
+        }
     }
     let md = advice::markdown(&a);
     assert!(md.starts_with("## What should I do?") && md.contains("| gpt2-small"), "{md}");

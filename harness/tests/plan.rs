@@ -90,6 +90,32 @@ fn predicted_peak_equals_the_host_measured_peak_for_every_plan_kind_and_precisio
     }
 }
 
+/// Autocast (f32 parameters, 16-bit casts cached per step, f32 norms and loss) allocates on
+/// the virtual device exactly what it allocates on the host, under every plan kind: the
+/// models whose layers support autocast (GPT, the MLP, reduced GPT-2 small).
+#[test]
+fn autocast_peaks_on_the_virtual_device_equal_the_host_measured_peaks() {
+    let gpt2 = model_from_args("gpt2-small", &ModelOverrides::default()).unwrap().reduced();
+    for model in [small("gpt"), small("mlp"), gpt2] {
+        for precision in [Precision::AutocastBf16, Precision::AutocastFp16] {
+            for plan in KINDS {
+                let c = Candidate {
+                    precision,
+                    plan,
+                    alloc_conf: String::new(),
+                    optimizer: OptimizerKind::AdamW,
+                    micro: 3,
+                    accum: 2,
+                };
+                let virt = plan::measure(&model, &c, Target::Virtual(1 << 30)).unwrap();
+                let host = plan::measure(&model, &c, Target::Host(1 << 30)).unwrap();
+                assert!(virt.is_some(), "{} {c:?}", model.name);
+                assert_eq!(virt, host, "{} {c:?}", model.name);
+            }
+        }
+    }
+}
+
 fn request(budget: u64) -> PlanRequest {
     let mut r = PlanRequest::new(small("gpt"), 256, budget);
     r.reserve = 0;

@@ -31,7 +31,8 @@ pub struct PlanArgs {
     /// Optimizer.
     #[arg(long, value_enum, default_value_t = OptArg::Adamw)]
     optimizer: OptArg,
-    /// Precision (auto tries fp32 and bf16).
+    /// Precision (auto tries fp32 and full bf16; the autocast ones apply to models without
+    /// convolutions).
     #[arg(long, value_enum, default_value_t = PrecArg::Auto)]
     precision: PrecArg,
     /// Sequence length (token models).
@@ -72,6 +73,10 @@ enum PrecArg {
     Fp32,
     Fp16,
     Bf16,
+    /// bf16 autocast (`torch.autocast`): f32 weights, 16-bit matmuls.
+    AutocastBf16,
+    /// fp16 autocast with loss scaling (`torch.cuda.amp`).
+    AutocastFp16,
     Auto,
 }
 
@@ -148,6 +153,8 @@ fn request(args: &PlanArgs) -> Result<PlanRequest, PlanError> {
         PrecArg::Fp32 => PrecisionChoice::Only(Precision::Fp32),
         PrecArg::Fp16 => PrecisionChoice::Only(Precision::Fp16),
         PrecArg::Bf16 => PrecisionChoice::Only(Precision::Bf16),
+        PrecArg::AutocastBf16 => PrecisionChoice::Only(Precision::AutocastBf16),
+        PrecArg::AutocastFp16 => PrecisionChoice::Only(Precision::AutocastFp16),
         PrecArg::Auto => PrecisionChoice::Auto,
     };
     Ok(req)

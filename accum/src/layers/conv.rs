@@ -195,6 +195,7 @@ impl Layer for Conv2d {
         x: &Tensor,
         ctx: &mut ForwardCtx,
     ) -> Result<(Tensor, Option<AffineSaved>)> {
+        ctx.refuse_autocast(|| self.name())?;
         let z =
             ops::conv2d(x, &self.weight.value, self.bias.as_ref().map(|b| &b.value), &self.opts)?;
         AffineSaved::activate(self.act, x, z, ctx)
@@ -363,6 +364,7 @@ impl Layer for ResidualBlock {
         x: &Tensor,
         ctx: &mut ForwardCtx,
     ) -> Result<(Tensor, Option<ResidualSaved>)> {
+        ctx.refuse_autocast(|| self.name())?;
         const WHAT: &str = "ResidualBlock";
         let (a, s1) = self.c1.forward(x, ctx)?;
         let (z, s2) = self.c2.forward(&a, ctx)?;
@@ -514,6 +516,7 @@ impl Layer for Bottleneck {
         x: &Tensor,
         ctx: &mut ForwardCtx,
     ) -> Result<(Tensor, Option<Self::Saved>)> {
+        ctx.refuse_autocast(|| self.name())?;
         const WHAT: &str = "Bottleneck";
         let (a1, s1) = self.c1.forward(x, ctx)?;
         let (a2, s2) = self.c2.forward(&a1, ctx)?;
@@ -719,6 +722,7 @@ impl Layer for InvertedResidual {
         x: &Tensor,
         ctx: &mut ForwardCtx,
     ) -> Result<(Tensor, Option<InvertedSaved>)> {
+        ctx.refuse_autocast(|| self.name())?;
         const WHAT: &str = "InvertedResidual";
         let (h, se) = match &mut self.expand {
             Some(c) => {
@@ -866,6 +870,7 @@ impl Layer for ClassifierHead {
     }
 
     fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<HeadSaved>)> {
+        ctx.refuse_autocast(|| self.name())?;
         const WHAT: &str = "ClassifierHead";
         let mut h = ops::global_avg_pool(x)?;
         let mut hidden = None;

@@ -15,6 +15,11 @@
 //! stream: the same seed gives the same weights on every machine); on a virtual device,
 //! which keeps no values, nothing is drawn and the weights are only allocated.
 //!
+//! Under autocast ([`ForwardCtx::with_autocast`], see [`crate::autocast`]) [`Linear`],
+//! [`LayerNorm`], [`Activation`], [`Dropout`], [`TransformerBlock`], [`MaxPool2d`] and
+//! [`TokenMeanPool`] follow PyTorch's recipe; the others (convolutions, the CNN blocks,
+//! [`ResidualMlp`], [`PatchEmbed`]) return [`Error::AutocastUnsupported`].
+//!
 //! A layer that needs its input in backward keeps a clone of it, which shares its memory (no
 //! copy); the executor drops its own reference once the next layer has consumed the input, so
 //! the layer's is the only one alive, as in PyTorch's autograd graph.
@@ -30,6 +35,7 @@ pub use transformer::{
     PatchEmbed, PatchEmbedConfig, TokenMeanPool, TransformerBlock, TransformerBlockConfig,
 };
 
+use crate::autocast::{OpKind, accumulate_grad_cast, cast};
 use crate::error::{Error, Result};
 use crate::layer::{ForwardCtx, Layer, Param};
 use vram_kernels::cpu::random::uniform_at;
@@ -179,11 +185,34 @@ impl Act {
 }
 
 /// What a [`Linear`] or [`Conv2d`] keeps for backward: its input and, before a fused
-/// activation other than the identity, the pre-activation.
+/// activation other than the identity, the pre-activation; under autocast the input and the
+/// weight as cast (what PyTorch's linear saves) and the input's own dtype.
 #[derive(Debug)]
 pub struct AffineSaved {
     x: Tensor,
     z: Option<Tensor>,
+    cast: Option<CastSaved>,
+}
+
+/// What a layer run under autocast keeps besides its usual state.
+#[derive(Debug)]
+struct CastSaved {
+    /// The weight in the compute dtype (the cached cast, shared).
+    w: Tensor,
+    /// The dtype of the input, which the input gradient goes back in.
+    in_dtype: DType,
+}
+
+impl AffineSaved {
+    /// The dtype of the layer's input as it came in.
+    pub fn input_dtype(&self) -> DType {
+        self.cast.as_ref().map_or(self.x.dtype(), |c| c.in_dtype)
+    }
+
+    /// The saved input (under autocast, its cast copy).
+    pub fn saved_input(&self) -> &Tensor {
+        &self.x
+    }
 }
 
 impl AffineSaved {
@@ -198,7 +227,7 @@ impl AffineSaved {
             return Ok((act.forward(z)?, None));
         }
         let kept = (act != Act::Identity).then(|| z.clone());
-        Ok((act.forward(z)?, Some(AffineSaved { x: x.clone(), z: kept })))
+        Ok((act.forward(z)?, Some(AffineSaved { x: x.clone(), z: kept, cast: None })))
     }
 }
 
@@ -333,14 +362,51 @@ impl Layer for Linear {
         x: &Tensor,
         ctx: &mut ForwardCtx,
     ) -> Result<(Tensor, Option<AffineSaved>)> {
-        let z = ops::linear(x, &self.weight.value, self.bias_value())?;
-        AffineSaved::activate(self.act, x, z, ctx)
+        // `linear` is in PyTorch's lower-precision list (autocast_mode.h,
+        // AT_FORALL_LOWER_PRECISION_FP): input, weight and bias cast to the low dtype (the
+        // parameters through the cache), output low; the fused activation falls through.
+        let w_dtype = self.weight.value.dtype();
+        let dt = match ctx.op_dtype(OpKind::Linear, &[x.dtype(), w_dtype]) {
+            Some(dt) if dt != x.dtype() || dt != w_dtype => dt,
+            _ => {
+                let z = ops::linear(x, &self.weight.value, self.bias_value())?;
+                return AffineSaved::activate(self.act, x, z, ctx);
+            }
+        };
+        let xc = cast(x, dt)?;
+        let w = ctx.cast_param(&self.weight, dt)?;
+        let b = match &self.bias {
+            Some(b) => Some(ctx.cast_param(b, dt)?),
+            None => None,
+        };
+        let z = ops::linear(&xc, &w, b.as_ref())?;
+        drop(b);
+        let (y, saved) = AffineSaved::activate(self.act, &xc, z, ctx)?;
+        let saved =
+            saved.map(|s| AffineSaved { cast: Some(CastSaved { w, in_dtype: x.dtype() }), ..s });
+        Ok((y, saved))
     }
 
     fn backward(&mut self, s: AffineSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
-        let dz = self.act.backward(s.z.as_ref(), dy)?;
-        let dx = self.grads(&s.x, dz.as_ref().unwrap_or(dy))?;
-        Ok(want.then_some(dx))
+        let Some(c) = s.cast else {
+            let dz = self.act.backward(s.z.as_ref(), dy)?;
+            let dx = self.grads(&s.x, dz.as_ref().unwrap_or(dy))?;
+            return Ok(want.then_some(dx));
+        };
+        // The output was in the compute dtype; the gradient arrives in it (cast if not).
+        let dy = cast(dy, s.x.dtype())?;
+        let dz = self.act.backward(s.z.as_ref(), &dy)?;
+        drop(s.z);
+        let g = ops::linear_backward(&s.x, &c.w, dz.as_ref().unwrap_or(&dy), self.bias.is_some())?;
+        drop((dz, dy, s.x, c.w));
+        accumulate_grad_cast(&mut self.weight, g.dw)?;
+        if let (Some(b), Some(db)) = (&mut self.bias, g.dbias) {
+            accumulate_grad_cast(b, db)?;
+        }
+        if !want {
+            return Ok(None);
+        }
+        Ok(Some(cast(&g.dx, c.in_dtype)?))
     }
 
     fn params(&self) -> Vec<&Param> {
@@ -538,27 +604,67 @@ pub struct LayerNorm {
     device: Device,
 }
 
-/// What [`LayerNorm`] keeps for backward: its input and the row statistics.
+/// What [`LayerNorm`] keeps for backward: its input (under autocast, as cast: f32) and the
+/// row statistics.
 #[derive(Debug)]
 pub struct NormSaved {
     x: Tensor,
     mean: Tensor,
     rstd: Tensor,
+    /// The input's own dtype when autocast cast it.
+    in_dtype: Option<DType>,
+}
+
+impl NormSaved {
+    /// The saved input (under autocast, its f32 copy).
+    pub fn saved_input(&self) -> &Tensor {
+        &self.x
+    }
 }
 
 impl LayerNorm {
-    fn run(&self, x: &Tensor, ctx: &ForwardCtx) -> Result<(Tensor, Option<NormSaved>)> {
-        let out = ops::layer_norm(x, &self.gamma.value, &self.beta.value, self.eps)?;
-        let saved = save_input(x, ctx).map(|x| NormSaved { x, mean: out.mean, rstd: out.rstd });
+    fn run(&self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<NormSaved>)> {
+        // `layer_norm` is in PyTorch's fp32 list (autocast_mode.h, AT_FORALL_FP32): inputs
+        // and parameters cast to f32, output f32.
+        let p_dtype = self.gamma.value.dtype();
+        let dt = match ctx.op_dtype(OpKind::LayerNorm, &[x.dtype(), p_dtype]) {
+            Some(dt) if dt != x.dtype() || dt != p_dtype => dt,
+            _ => {
+                let out = ops::layer_norm(x, &self.gamma.value, &self.beta.value, self.eps)?;
+                let saved = save_input(x, ctx).map(|x| NormSaved {
+                    x,
+                    mean: out.mean,
+                    rstd: out.rstd,
+                    in_dtype: None,
+                });
+                return Ok((out.y, saved));
+            }
+        };
+        let xc = cast(x, dt)?;
+        let (g, b) = (ctx.cast_param(&self.gamma, dt)?, ctx.cast_param(&self.beta, dt)?);
+        let out = ops::layer_norm(&xc, &g, &b, self.eps)?;
+        let saved = ctx.training().then(|| NormSaved {
+            x: xc,
+            mean: out.mean,
+            rstd: out.rstd,
+            in_dtype: Some(x.dtype()),
+        });
         Ok((out.y, saved))
     }
 
     fn grads(&mut self, s: NormSaved, dy: &Tensor) -> Result<Tensor> {
-        let g = ops::layer_norm_backward(&s.x, &self.gamma.value, &s.mean, &s.rstd, dy)?;
-        drop(s);
-        self.gamma.accumulate_grad(g.dgamma)?;
-        self.beta.accumulate_grad(g.dbeta)?;
-        Ok(g.dx)
+        let dt = s.x.dtype();
+        let dy = cast(dy, dt)?;
+        let gamma = cast(&self.gamma.value, dt)?;
+        let g = ops::layer_norm_backward(&s.x, &gamma, &s.mean, &s.rstd, &dy)?;
+        let in_dtype = s.in_dtype;
+        drop((s, dy, gamma));
+        accumulate_grad_cast(&mut self.gamma, g.dgamma)?;
+        accumulate_grad_cast(&mut self.beta, g.dbeta)?;
+        match in_dtype {
+            Some(d) if d != g.dx.dtype() => Ok(g.dx.to_dtype(d)?),
+            _ => Ok(g.dx),
+        }
     }
 }
 
@@ -677,6 +783,7 @@ impl Layer for ResidualMlp {
     }
 
     fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<MlpSaved>)> {
+        ctx.refuse_autocast(|| self.name())?;
         let (normed, norm) = self.norm.run(x, ctx)?;
         let hidden = ops::linear(&normed, &self.fc1.weight.value, self.fc1.bias_value())?;
         let activated = ops::gelu(&hidden)?;
@@ -752,7 +859,7 @@ mod tests {
     #[test]
     fn a_random_stream_that_would_pass_u64_max_is_an_error() {
         let dev = Device::host(16 << 20);
-        let mut ctx = ForwardCtx { mode: Mode::Train, seed: 1, offset: u64::MAX - 3 };
+        let mut ctx = ForwardCtx { offset: u64::MAX - 3, ..ForwardCtx::new(Mode::Train, 1) };
         assert_eq!(ctx.take_offsets(3).unwrap(), u64::MAX - 3);
         assert!(matches!(
             ctx.take_offsets(1),

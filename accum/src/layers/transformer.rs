@@ -7,6 +7,7 @@ use super::{
     Act, AffineSaved, Conv2d, Conv2dConfig, DropoutSaved, Init, LayerNorm, LayerNormConfig, Linear,
     LinearConfig, NormSaved, check_dropout, init_weight, positive, sub_seed,
 };
+use crate::autocast::{OpKind, cast, cast_into};
 use crate::error::{Error, Result};
 use crate::layer::{ForwardCtx, Layer, Param};
 use vram_kernels::{DType, Device, Tensor, ops};
@@ -199,14 +200,53 @@ pub struct BlockSaved {
     qh: Tensor,
     kh: Tensor,
     vh: Tensor,
+    /// The dtype of the q/k/v projections' outputs (their gradients go back in it).
+    qkv_dtype: DType,
     probs: Tensor,
-    dropped: Option<(Tensor, DropoutSaved)>,
+    /// The left operand of `p @ v` as multiplied: the (dropped) probabilities, or under
+    /// autocast their 16-bit copy.
+    pv_lhs: Tensor,
+    /// Dropout on the probabilities.
+    drop_p: Option<DropoutSaved>,
     sproj: AffineSaved,
     drop1: Option<DropoutSaved>,
+    /// The dtype of the attention branch before the residual addition.
+    branch1: DType,
     ln2: NormSaved,
     s1: AffineSaved,
     s2: AffineSaved,
     drop2: Option<DropoutSaved>,
+    /// The dtype of the MLP branch before the residual addition.
+    branch2: DType,
+}
+
+impl BlockSaved {
+    /// The attention probabilities softmax saved (f32 under autocast) and the operand
+    /// `p @ v` saved (under autocast, the low-precision copy).
+    pub fn attention_probs(&self) -> (&Tensor, &Tensor) {
+        (&self.probs, &self.pv_lhs)
+    }
+
+    /// The per-head queries as the score product saved them.
+    pub fn queries(&self) -> &Tensor {
+        &self.qh
+    }
+
+    /// The first layer norm's and the query projection's saved inputs.
+    pub fn ln1_and_q_inputs(&self) -> (&Tensor, &Tensor) {
+        (self.ln1.saved_input(), self.sq.saved_input())
+    }
+}
+
+/// `a + b` with autocast's promotion (an addition is in no autocast list: it falls through to
+/// ATen's type promotion, so f32 with 16 bits gives f32); without autocast the plain op.
+fn residual_add(a: &Tensor, b: &Tensor, ctx: &ForwardCtx) -> Result<Tensor> {
+    match ctx.op_dtype(OpKind::Add, &[a.dtype(), b.dtype()]) {
+        Some(dt) if dt != a.dtype() || dt != b.dtype() => {
+            Ok(ops::add(&cast(a, dt)?, &cast(b, dt)?)?)
+        }
+        _ => Ok(ops::add(a, b)?),
+    }
 }
 
 impl TransformerBlock {
@@ -275,25 +315,39 @@ impl Layer for TransformerBlock {
     ) -> Result<(Tensor, Option<BlockSaved>)> {
         const WHAT: &str = "TransformerBlock";
         let b = self.batch_of(x)?;
+        // Under autocast (PyTorch's lists in aten/src/ATen/autocast_mode.h): the layer norms
+        // give f32, the projections and both attention products (matmul/bmm) run in the low
+        // dtype, softmax runs in f32 (its f32 probabilities are what its backward needs),
+        // and the probabilities are cast to the low dtype for `p @ v`. The residual stream
+        // stays f32: f32 + 16 bits promotes.
         let (h1, ln1) = self.ln1.run(x, ctx)?;
         let (q, sq) = self.q.forward(&h1, ctx)?;
         let (k, sk) = self.k.forward(&h1, ctx)?;
         let (v, sv) = self.v.forward(&h1, ctx)?;
         drop(h1);
+        let qkv_dtype = q.dtype();
         let (qh, kh, vh) =
             (self.split_heads(q, b)?, self.split_heads(k, b)?, self.split_heads(v, b)?);
+        let mm = ctx.op_dtype(OpKind::Matmul, &[qkv_dtype]).unwrap_or(qkv_dtype);
+        let (qh, kh) = (cast_into(qh, mm)?, cast_into(kh, mm)?);
         let scale = self.head_scale(qh.shape()[2]);
         let scores = ops::scale(&ops::matmul(&qh, &kh, false, true)?, scale)?;
+        let sm = ctx.op_dtype(OpKind::Softmax, &[scores.dtype()]).unwrap_or(scores.dtype());
+        let scores = cast_into(scores, sm)?;
         let probs =
             if self.causal { ops::causal_softmax(&scores)? } else { ops::softmax(&scores)? };
         drop(scores);
         let (dropped, drop_p) = self.dropout(probs.clone(), ctx)?;
-        let ctx_h = ops::matmul(&dropped, &vh, false, false)?;
+        let pv = ctx.op_dtype(OpKind::Matmul, &[dropped.dtype(), vh.dtype()]);
+        let pv = pv.unwrap_or(dropped.dtype());
+        let (pv_lhs, vh) = (cast_into(dropped, pv)?, cast_into(vh, pv)?);
+        let ctx_h = ops::matmul(&pv_lhs, &vh, false, false)?;
         let attn = self.merge_heads(ctx_h, b)?;
         let (o, sproj) = self.proj.forward(&attn, ctx)?;
         drop(attn);
         let (o, drop1) = self.dropout(o, ctx)?;
-        let x2 = ops::add(x, &o)?;
+        let branch1 = o.dtype();
+        let x2 = residual_add(x, &o, ctx)?;
         drop(o);
         let (h2, ln2) = self.ln2.run(&x2, ctx)?;
         let (a, s1) = self.fc1.forward(&h2, ctx)?;
@@ -301,11 +355,11 @@ impl Layer for TransformerBlock {
         let (m, s2) = self.fc2.forward(&a, ctx)?;
         drop(a);
         let (m, drop2) = self.dropout(m, ctx)?;
-        let y = ops::add(&x2, &m)?;
+        let branch2 = m.dtype();
+        let y = residual_add(&x2, &m, ctx)?;
         if !ctx.training() {
             return Ok((y, None));
         }
-        let dropped = drop_p.map(|s| (dropped, s));
         let s = BlockSaved {
             ln1: saved(ln1, WHAT)?,
             sq: saved(sq, WHAT)?,
@@ -314,14 +368,18 @@ impl Layer for TransformerBlock {
             qh,
             kh,
             vh,
+            qkv_dtype,
             probs,
-            dropped,
+            pv_lhs,
+            drop_p,
             sproj: saved(sproj, WHAT)?,
             drop1,
+            branch1,
             ln2: saved(ln2, WHAT)?,
             s1: saved(s1, WHAT)?,
             s2: saved(s2, WHAT)?,
             drop2,
+            branch2,
         };
         Ok((y, Some(s)))
     }
@@ -329,27 +387,31 @@ impl Layer for TransformerBlock {
     fn backward(&mut self, s: BlockSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
         const WHAT: &str = "TransformerBlock";
         let b = dy.shape()[0] / self.seq;
-        // y = x2 + drop(fc2(fc1(ln_2(x2))))
-        let dm = self.dropout_backward(s.drop2.as_ref(), dy)?;
-        let da = dx_of(self.fc2.backward(s.s2, dm.as_ref().unwrap_or(dy), true)?, WHAT)?;
-        drop(dm);
+        // y = x2 + drop(fc2(fc1(ln_2(x2)))); the branch's gradient in the branch's dtype.
+        let dbranch = cast(dy, s.branch2)?;
+        let dm = self.dropout_backward(s.drop2.as_ref(), &dbranch)?;
+        let da = dx_of(self.fc2.backward(s.s2, dm.as_ref().unwrap_or(&dbranch), true)?, WHAT)?;
+        drop((dm, dbranch));
         let dh2 = dx_of(self.fc1.backward(s.s1, &da, true)?, WHAT)?;
         drop(da);
         let mut dx2 = self.ln2.grads(s.ln2, &dh2)?;
         drop(dh2);
-        ops::add_assign(&mut dx2, dy)?;
+        let dy_res = cast(dy, dx2.dtype())?;
+        ops::add_assign(&mut dx2, &dy_res)?;
+        drop(dy_res);
         // x2 = x + drop(proj(attn(ln_1(x))))
-        let do_ = self.dropout_backward(s.drop1.as_ref(), &dx2)?;
-        let dattn = dx_of(self.proj.backward(s.sproj, do_.as_ref().unwrap_or(&dx2), true)?, WHAT)?;
-        drop(do_);
+        let dbranch = cast(&dx2, s.branch1)?;
+        let do_ = self.dropout_backward(s.drop1.as_ref(), &dbranch)?;
+        let dattn =
+            dx_of(self.proj.backward(s.sproj, do_.as_ref().unwrap_or(&dbranch), true)?, WHAT)?;
+        drop((do_, dbranch));
         let dctx = self.split_heads(dattn, b)?;
-        let (dropped, drop_p) = match s.dropped {
-            Some((t, p)) => (t, Some(p)),
-            None => (s.probs.clone(), None),
-        };
-        let (ddropped, dvh) = ops::matmul_backward(&dropped, &s.vh, &dctx, false, false)?;
-        drop((dctx, dropped, s.vh));
-        let dprobs = self.dropout_backward(drop_p.as_ref(), &ddropped)?;
+        let dctx = cast_into(dctx, s.pv_lhs.dtype())?;
+        let (dlhs, dvh) = ops::matmul_backward(&s.pv_lhs, &s.vh, &dctx, false, false)?;
+        drop((dctx, s.pv_lhs, s.vh));
+        // The backward of the cast to `p @ v`'s dtype, then of dropout and softmax (f32).
+        let ddropped = cast_into(dlhs, s.probs.dtype())?;
+        let dprobs = self.dropout_backward(s.drop_p.as_ref(), &ddropped)?;
         let dprobs = dprobs.as_ref().unwrap_or(&ddropped);
         let dscores = if self.causal {
             ops::causal_softmax_backward(&s.probs, dprobs)?
@@ -357,21 +419,30 @@ impl Layer for TransformerBlock {
             ops::softmax_backward(&s.probs, dprobs)?
         };
         drop((ddropped, s.probs));
+        let dscores = cast_into(dscores, s.qh.dtype())?;
         let dscores = ops::scale(&dscores, self.head_scale(s.qh.shape()[2]))?;
         let (dqh, dkh) = ops::matmul_backward(&s.qh, &s.kh, &dscores, false, true)?;
         drop((dscores, s.qh, s.kh));
-        let mut dh1 = dx_of(self.q.backward(s.sq, &self.merge_heads(dqh, b)?, true)?, WHAT)?;
-        let dk = dx_of(self.k.backward(s.sk, &self.merge_heads(dkh, b)?, true)?, WHAT)?;
-        ops::add_assign(&mut dh1, &dk)?;
+        let qkv = s.qkv_dtype;
+        let dq = cast_into(self.merge_heads(dqh, b)?, qkv)?;
+        let mut dh1 = dx_of(self.q.backward(s.sq, &dq, true)?, WHAT)?;
+        drop(dq);
+        let dk = cast_into(self.merge_heads(dkh, b)?, qkv)?;
+        let dk_in = dx_of(self.k.backward(s.sk, &dk, true)?, WHAT)?;
         drop(dk);
-        let dv = dx_of(self.v.backward(s.sv, &self.merge_heads(dvh, b)?, true)?, WHAT)?;
-        ops::add_assign(&mut dh1, &dv)?;
+        ops::add_assign(&mut dh1, &dk_in)?;
+        drop(dk_in);
+        let dv = cast_into(self.merge_heads(dvh, b)?, qkv)?;
+        let dv_in = dx_of(self.v.backward(s.sv, &dv, true)?, WHAT)?;
         drop(dv);
+        ops::add_assign(&mut dh1, &dv_in)?;
+        drop(dv_in);
         let mut dx = self.ln1.grads(s.ln1, &dh1)?;
         drop(dh1);
         if !want {
             return Ok(None);
         }
+        let dx2 = cast_into(dx2, dx.dtype())?;
         ops::add_assign(&mut dx, &dx2)?;
         Ok(Some(dx))
     }
@@ -522,6 +593,7 @@ impl Layer for PatchEmbed {
         x: &Tensor,
         ctx: &mut ForwardCtx,
     ) -> Result<(Tensor, Option<PatchSaved>)> {
+        ctx.refuse_autocast(|| self.name())?;
         let (z, sc) = self.conv.forward(x, ctx)?;
         let shape = z.shape().to_vec(); // [b, d, g, g]
         let (b, d) = (shape[0], shape[1]);

@@ -1,12 +1,19 @@
-//! `mixed-precision`: fp32 against fp16 with dynamic loss scaling and against bf16, both with
-//! f32 master weights (the trainer drives vram-amp's scaler): peak memory split into weights,
-//! master weights, gradients, optimizer state and activations; step time; loss agreement;
-//! steps the scaler skipped.
+//! `mixed-precision`: fp32 against two mixed-precision recipes, each in fp16 (with dynamic
+//! loss scaling, vram-amp's scaler) and bf16:
+//!
+//! - full 16-bit: weights and activations in 16 bits, f32 master weights in the optimizer;
+//! - autocast, as `torch.autocast` / `torch.cuda.amp` does it: f32 weights (no master copy),
+//!   matmuls in 16 bits through a per-step cache of 16-bit weight copies, layer norms,
+//!   softmax, the loss and the residual stream in f32.
+//!
+//! Peak memory split into weights, 16-bit weight copies, master weights, gradients, optimizer
+//! state and activations, executed on a small GPT and at real size (GPT-2 small, virtual
+//! device) over a batch sweep; step time; loss agreement; steps the scaler skipped.
 
-use super::common::{REAL_SIZE_CAVEAT, device, gpt, real_model, real_peak};
+use super::common::{REAL_CAPACITY, REAL_SIZE_CAVEAT, device, gpt, real_model};
 use super::{Experiment, Sweep};
 use crate::models::Model;
-use crate::plan::{ModelOverrides, PlanKind};
+use crate::plan::{ModelOverrides, PlanModel};
 use crate::plots::{MIB, stacked_with_totals};
 use crate::techniques::Technique;
 use crate::timing::{Timing, interleaved};
@@ -14,20 +21,21 @@ use crate::trainer::{NoHooks, Precision, TrainConfig, Trainer};
 use crate::{Backend, Claim, Context, ExperimentError, Verdict, human_bytes};
 use serde::Serialize;
 use serde_json::json;
-use vram_amp::ScalerConfig;
-use vram_kernels::Device;
+use vram_accum::{ForwardCtx, Mode};
+use vram_amp::{AdamW, LossScaler, ScalerConfig};
+use vram_kernels::{AdamWConfig, DType, Device};
 
 pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     technique: Technique {
         id: "mixed-precision",
-        name: "mixed precision (fp16 + loss scaling, bf16)",
+        name: "mixed precision (full 16-bit with f32 masters; autocast)",
         claim: "about 50% less memory; 30%+ less memory and 20%+ faster",
         source: "002_07a140921eef9482.txt (about 50%), 003_9fc4b5f809544d8d.txt (30%+ less, 20%+ faster), 000_cc24938f7d0f0079.txt",
     },
     run,
     plot: Some(plot),
     host_capacity_limit: None,
-    expected_secs: [1.2, 12.0],
+    expected_secs: [2.0, 16.0],
 };
 
 /// One precision's measurements: where its peak goes.
@@ -35,7 +43,9 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
 pub(super) struct Measured {
     part: &'static str,
     batch_size: usize,
+    recipe: &'static str,
     weights_bytes: u64,
+    weight_copies_16bit_bytes: u64,
     master_weights_bytes: u64,
     grads_bytes: u64,
     optimizer_state_bytes: u64,
@@ -65,6 +75,7 @@ struct Run {
     step: Timing,
     losses: Vec<f32>,
     weights: u64,
+    copies: u64,
     master: u64,
     grads: u64,
     optimizer: u64,
@@ -105,6 +116,7 @@ fn train(
                 })?,
                 losses,
                 weights: state.weights,
+                copies: state.weight_copies,
                 master: state.master,
                 grads: state.grads,
                 optimizer: state.optimizer,
@@ -115,6 +127,80 @@ fn train(
         .collect()
 }
 
+impl Run {
+    fn state(&self) -> u64 {
+        self.weights + self.copies + self.master + self.grads + self.optimizer
+    }
+}
+
+/// One real-size run: the peaks and where they go.
+struct Split {
+    peak: u64,
+    reserved: u64,
+    weights: u64,
+    copies: u64,
+    master: u64,
+    grads: u64,
+    optimizer: u64,
+}
+
+impl Split {
+    fn state(&self) -> u64 {
+        self.weights + self.copies + self.master + self.grads + self.optimizer
+    }
+}
+
+/// Two AdamW steps of `batch` samples of `pm` in `precision` on a virtual device, as the
+/// planner measures a candidate (`plan::measure`: the same steps, scale and optimizer), with
+/// the state split read from the model and the optimizer.
+fn real_split(
+    pm: &PlanModel,
+    precision: crate::plan::Precision,
+    batch: usize,
+) -> Result<Split, ExperimentError> {
+    let dev = Device::virtual_device(REAL_CAPACITY);
+    let mut model = Model::new(&dev, pm.arch.clone(), 1, precision.dtype())?;
+    model.set_autocast(precision.autocast())?;
+    let mut opt = AdamW::new(AdamWConfig::default());
+    let mut scaler = if precision.scales_loss() {
+        LossScaler::new(ScalerConfig { init_scale: 256.0, ..Default::default() })?
+    } else {
+        LossScaler::disabled()
+    };
+    let input = pm.batch(batch, None);
+    let mut grads = 0;
+    for step in 0..2 {
+        let mut ctx = ForwardCtx::new(Mode::Train, step);
+        model.train_step(&input, &mut ctx, scaler.scale())?;
+        grads = model
+            .params()
+            .iter()
+            .filter_map(|p| p.grad.as_ref())
+            .map(|g| g.size_in_bytes() as u64)
+            .sum();
+        scaler.step(&mut opt, &mut model)?;
+        scaler.update()?;
+        model.zero_grad();
+    }
+    dev.synchronize()?;
+    Ok(Split {
+        peak: dev.max_memory_allocated(),
+        reserved: dev.max_memory_reserved(),
+        weights: model.param_bytes(),
+        copies: model.cast_cache_bytes(),
+        master: opt.master_bytes(),
+        grads,
+        optimizer: opt.state_bytes(),
+    })
+}
+
+const FULL: &str = "full 16-bit, f32 master weights";
+const AUTOCAST: &str = "autocast (f32 weights)";
+
+fn pct(x: f64) -> String {
+    format!("{:.0}%", 100.0 * x)
+}
+
 fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let (steps, batch) = if ctx.quick { (8, 16) } else { (30, 8) };
     let (arch, _) = gpt(ctx);
@@ -122,101 +208,127 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         ctx,
         json!({ "model": format!("{arch:?}"), "batch_size": batch, "steps": steps, "optimizer": "AdamW" }),
     );
-    let names = [
-        "fp32",
-        "fp16 + dynamic loss scaling, f32 master weights",
-        "bf16, f32 master weights",
-        "fp16 + loss scaling from 2^28 (overflow injected)",
+    let recipes = [
+        ("fp32", "fp32", Precision::F32),
+        (
+            "fp16 + dynamic loss scaling, f32 master weights",
+            FULL,
+            Precision::F16(ScalerConfig::default()),
+        ),
+        ("bf16, f32 master weights", FULL, Precision::Bf16),
+        ("bf16 autocast", AUTOCAST, Precision::Autocast { low: DType::BF16, scaler: None }),
+        (
+            "fp16 autocast + dynamic loss scaling",
+            AUTOCAST,
+            Precision::Autocast { low: DType::F16, scaler: Some(ScalerConfig::default()) },
+        ),
+        (
+            "fp16 + loss scaling from 2^28 (overflow injected)",
+            FULL,
+            Precision::F16(overflowing_scaler()),
+        ),
     ];
-    let precisions = [
-        Precision::F32,
-        Precision::F16(ScalerConfig::default()),
-        Precision::Bf16,
-        Precision::F16(overflowing_scaler()),
-    ];
-    let runs: Vec<(&str, Run)> =
-        names.into_iter().zip(train(ctx, &precisions, steps, batch)?).collect();
-    let params: u64 = runs[0].1.weights / 4;
-    for (name, r) in &runs {
-        let state = r.weights + r.master + r.grads + r.optimizer;
+    let precisions: Vec<Precision> = recipes.iter().map(|r| r.2.clone()).collect();
+    let runs: Vec<(&str, &str, Run)> = recipes
+        .iter()
+        .map(|r| (r.0, r.1))
+        .zip(train(ctx, &precisions, steps, batch)?)
+        .map(|((n, k), r)| (n, k, r))
+        .collect();
+    let params: u64 = runs[0].2.weights / 4;
+    for (name, recipe, r) in &runs {
         let measured = Measured {
             part: SMALL,
+            recipe,
             batch_size: batch,
             weights_bytes: r.weights,
+            weight_copies_16bit_bytes: r.copies,
             master_weights_bytes: r.master,
             grads_bytes: r.grads,
             optimizer_state_bytes: r.optimizer,
-            activations_and_temporaries_bytes: r.peak.saturating_sub(state),
-            state_bytes_per_parameter: state as f64 / params as f64,
+            activations_and_temporaries_bytes: r.peak.saturating_sub(r.state()),
+            state_bytes_per_parameter: r.state() as f64 / params as f64,
             losses: r.losses.clone(),
             scaler_steps_skipped: r.skipped,
             final_loss_scale: r.final_scale,
         };
         sweep.push(&format!("{SMALL}: {name}"), r.peak, r.reserved, Some(r.step), measured);
     }
-    let f32r = &runs[0].1;
+    let f32r = &runs[0].2;
     let saving = |r: &Run| 1.0 - r.peak as f64 / f32r.peak as f64;
-    let (fp16, bf16) = (&runs[1].1, &runs[2].1);
-    let best = saving(fp16).max(saving(bf16));
-    // Real size: GPT-2 small (1024 tokens) over a batch sweep in each precision.
+    let (fp16, bf16, ac_bf16, ac_fp16) = (&runs[1].2, &runs[2].2, &runs[3].2, &runs[4].2);
+    let best_full = saving(fp16).max(saving(bf16));
+    let best_ac = saving(ac_bf16).max(saving(ac_fp16));
+    let best = best_full.max(best_ac);
+
+    // Real size: GPT-2 small (1024 tokens) over a batch sweep, each recipe.
+    use crate::plan::Precision as P;
     let real_batches: &[usize] = if ctx.quick { &[1, 4, 16, 32] } else { &[1, 2, 4, 8, 16, 32] };
     let gpt2 = real_model("gpt2-small", &ModelOverrides::default())?;
-    let mut real = Vec::new();
+    let kinds = [P::Fp32, P::Bf16, P::Fp16, P::AutocastBf16, P::AutocastFp16];
+    let recipe_of = |p: P| match p {
+        P::Fp32 => "fp32",
+        P::Bf16 | P::Fp16 => FULL,
+        P::AutocastBf16 | P::AutocastFp16 => AUTOCAST,
+    };
+    let mut real: Vec<(usize, Vec<Split>)> = Vec::new();
     for &b in real_batches {
-        let mut peaks = [0u64; 3];
-        for (k, p) in [
-            crate::plan::Precision::Fp32,
-            crate::plan::Precision::Bf16,
-            crate::plan::Precision::Fp16,
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let (alloc, reserved) = real_peak(&gpt2, p, PlanKind::None, b, 1)?;
+        let mut row = Vec::new();
+        for p in kinds {
+            let s = real_split(&gpt2, p, b)?;
             let measured = Measured {
                 part: REAL,
+                recipe: recipe_of(p),
                 batch_size: b,
-                weights_bytes: 0,
-                master_weights_bytes: 0,
-                grads_bytes: 0,
-                optimizer_state_bytes: 0,
-                activations_and_temporaries_bytes: 0,
-                state_bytes_per_parameter: 0.0,
+                weights_bytes: s.weights,
+                weight_copies_16bit_bytes: s.copies,
+                master_weights_bytes: s.master,
+                grads_bytes: s.grads,
+                optimizer_state_bytes: s.optimizer,
+                activations_and_temporaries_bytes: s.peak.saturating_sub(s.state()),
+                state_bytes_per_parameter: s.state() as f64
+                    / (s.weights / p.dtype().size_in_bytes() as u64) as f64,
                 losses: Vec::new(),
                 scaler_steps_skipped: 0,
                 final_loss_scale: 0.0,
             };
             sweep.push(
                 &format!("{REAL}: gpt2-small, batch {b}, {}", p.label()),
-                alloc,
-                reserved,
+                s.peak,
+                s.reserved,
                 None,
                 measured,
             );
-            peaks[k] = alloc;
+            row.push(s);
         }
-        real.push((b, peaks));
+        real.push((b, row));
     }
-    let real_saving = |p: &[u64; 3], k: usize| 1.0 - p[k] as f64 / p[0] as f64;
-    let real_text = real
-        .iter()
-        .map(|(b, p)| {
-            format!(
-                "batch {b}: {} fp32, {} bf16 ({:.0}% less), {} fp16 ({:.0}% less)",
-                human_bytes(p[0]),
-                human_bytes(p[1]),
-                100.0 * real_saving(p, 1),
-                human_bytes(p[2]),
-                100.0 * real_saving(p, 2)
-            )
-        })
-        .collect::<Vec<_>>()
-        .join("; ");
+    // Savings against fp32, per batch: index into `kinds`.
+    let real_saving = |row: &[Split], k: usize| 1.0 - row[k].peak as f64 / row[0].peak as f64;
+    let per_batch = |ks: &[usize]| {
+        real.iter()
+            .map(|(b, row)| {
+                let parts: Vec<String> = ks
+                    .iter()
+                    .map(|&k| {
+                        format!(
+                            "{} {} ({} less)",
+                            kinds[k].label(),
+                            human_bytes(row[k].peak),
+                            pct(real_saving(row, k))
+                        )
+                    })
+                    .collect();
+                format!("batch {b}: fp32 {}, {}", human_bytes(row[0].peak), parts.join(", "))
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
     let (small_b, large_b) = (&real[0], &real[real.len() - 1]);
     let (s_small, s_large) = (real_saving(&small_b.1, 1), real_saving(&large_b.1, 1));
     sweep.claim(Claim {
-        claim: "at real size the saving approaches 50% when activations dominate (large batches) and not when the 16 B/param states dominate (small batches)".into(),
-        measured: format!("{REAL}, GPT-2 small, 1024 tokens, AdamW: {real_text} ({REAL_SIZE_CAVEAT})"),
+        claim: "full 16-bit with f32 masters: at real size the saving approaches 50% when activations dominate (large batches) and not when the 16 B/param states dominate (small batches)".into(),
+        measured: format!("{REAL}, GPT-2 small, 1024 tokens, AdamW: {} ({REAL_SIZE_CAVEAT})", per_batch(&[1, 2])),
         verdict: if s_large >= 0.4 && s_small < s_large - 0.1 {
             Verdict::Holds
         } else if s_large >= 0.3 {
@@ -225,23 +337,70 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             Verdict::DoesNotHold
         },
     });
+    // Autocast: where (if anywhere) its saving approaches 50%, for both recipes.
+    let near_half = |k: usize| -> Vec<usize> {
+        real.iter().filter(|(_, row)| real_saving(row, k) >= 0.4).map(|(b, _)| *b).collect()
+    };
+    let ac_best = real
+        .iter()
+        .flat_map(|(_, row)| [real_saving(row, 3), real_saving(row, 4)])
+        .fold(f64::MIN, f64::max);
+    let ac_large = real_saving(&large_b.1, 3);
+    let ac_small = real_saving(&small_b.1, 3);
+    let full_large = s_large;
+    let where_half = |k: usize| {
+        let b = near_half(k);
+        if b.is_empty() { "at no batch".to_string() } else { format!("at batch {b:?}") }
+    };
+    let row_large = &large_b.1;
+    let act = |s: &Split| s.peak.saturating_sub(s.state());
+    sweep.claim(Claim {
+        claim: "autocast (torch.cuda.amp: f32 weights, 16-bit matmuls) uses about 50% less memory".into(),
+        measured: format!(
+            "{REAL}, GPT-2 small: {}. Saving of 40% or more: bf16 autocast {}, fp16 autocast {} (full bf16 {}). Autocast's state is {:.1} B/param (f32 weights, gradients and AdamW moments, plus {:.1} B/param of cached 16-bit weight copies) against full 16-bit's {:.1}; its activations at batch {} are {} against fp32's {} and full bf16's {} (the residual stream, layer norms and softmax stay f32, and the attention probabilities are kept in f32 and as a 16-bit copy)",
+            per_batch(&[3, 4]),
+            where_half(3),
+            where_half(4),
+            where_half(1),
+            row_large[3].state() as f64 * 4.0 / row_large[3].weights as f64,
+            row_large[3].copies as f64 * 4.0 / row_large[3].weights as f64,
+            row_large[1].state() as f64 * 2.0 / row_large[1].weights as f64,
+            large_b.0,
+            human_bytes(act(&row_large[3])),
+            human_bytes(act(&row_large[0])),
+            human_bytes(act(&row_large[1])),
+        ),
+        verdict: if ac_best >= 0.4 {
+            Verdict::Holds
+        } else if ac_best >= 0.15 {
+            Verdict::Partly
+        } else {
+            Verdict::DoesNotHold
+        },
+    });
     sweep.reading(format!(
-        "bf16 autocast cuts GPT-2 small's peak by {:.0}% at batch {} but only {:.0}% at batch {}: weights, gradients and AdamW state stay ~16 B/parameter with f32 master weights, only activations halve; expect ~50% only when activations dominate.",
-        100.0 * s_large, large_b.0, 100.0 * s_small, small_b.0
+        "On GPT-2 small, full bf16 with f32 masters cuts the peak by {} at batch {} but {} at batch {}; bf16 autocast (torch.autocast's recipe) cuts it by {} and {}: its weights, gradients and AdamW state stay f32 (16 B/param, plus 2 B/param of 16-bit weight copies) and only part of the activations halve, so pick full bf16 for memory and autocast for f32 weights and norms.",
+        pct(full_large), large_b.0, pct(s_small), small_b.0, pct(ac_large), pct(ac_small)
     ));
     sweep.claim(Claim {
         claim: "mixed precision uses about 50% less memory".into(),
         measured: format!(
-            "{SMALL}: peak {} fp32, {} fp16 ({:.0}% less), {} bf16 ({:.0}% less); {REAL}, GPT-2 small: {:.0}% less (bf16) at batch {}, {:.0}% at batch {}",
+            "{SMALL}: peak {} fp32; full 16-bit: {} fp16 ({} less), {} bf16 ({} less); autocast: {} bf16 ({} less), {} fp16 ({} less); {REAL}, GPT-2 small, bf16: full {} less at batch {} and {} at batch {}, autocast {} and {}",
             human_bytes(f32r.peak),
             human_bytes(fp16.peak),
-            100.0 * saving(fp16),
+            pct(saving(fp16)),
             human_bytes(bf16.peak),
-            100.0 * saving(bf16),
-            100.0 * s_large,
+            pct(saving(bf16)),
+            human_bytes(ac_bf16.peak),
+            pct(saving(ac_bf16)),
+            human_bytes(ac_fp16.peak),
+            pct(saving(ac_fp16)),
+            pct(s_large),
             large_b.0,
-            100.0 * s_small,
-            small_b.0
+            pct(s_small),
+            small_b.0,
+            pct(ac_large),
+            pct(ac_small),
         ),
         verdict: if best >= 0.4 {
             Verdict::Holds
@@ -252,12 +411,16 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         },
     });
     let speed = format!(
-        "memory {:.0}% / {:.0}% less; step {} fp32, {} fp16, {} bf16",
-        100.0 * saving(fp16),
-        100.0 * saving(bf16),
+        "memory {} / {} less (full fp16 / bf16), {} / {} (autocast bf16 / fp16); step {} fp32, {} fp16, {} bf16, {} bf16 autocast, {} fp16 autocast",
+        pct(saving(fp16)),
+        pct(saving(bf16)),
+        pct(saving(ac_bf16)),
+        pct(saving(ac_fp16)),
         f32r.step.describe(),
         fp16.step.describe(),
-        bf16.step.describe()
+        bf16.step.describe(),
+        ac_bf16.step.describe(),
+        ac_fp16.step.describe()
     );
     let (measured, verdict) = match ctx.backend {
         Backend::Cpu => (
@@ -267,10 +430,15 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             Verdict::NotApplicable,
         ),
         Backend::Cuda { .. } => {
-            // 20%+ faster with the intervals: fp32's lower bound over the 16-bit upper bound.
+            // 20%+ faster with the intervals: fp32's lower bound over the best 16-bit upper
+            // bound.
             let upper = |t: &Timing| t.mean_ms + t.half_width();
             let lower = f32r.step.mean_ms - f32r.step.half_width();
-            let faster = lower / upper(&fp16.step).min(upper(&bf16.step)) - 1.0;
+            let fastest = [fp16, bf16, ac_bf16, ac_fp16]
+                .iter()
+                .map(|r| upper(&r.step))
+                .fold(f64::MAX, f64::min);
+            let faster = lower / fastest - 1.0;
             (
                 speed,
                 if best >= 0.3 && faster >= 0.2 {
@@ -284,8 +452,8 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         }
     };
     sweep.claim(Claim { claim: "30%+ less memory and 20%+ faster".into(), measured, verdict });
-    let per_param = |r: &Run| (r.weights + r.master + r.grads + r.optimizer) as f64 / params as f64;
-    let acts = |r: &Run| r.peak.saturating_sub(r.weights + r.master + r.grads + r.optimizer);
+    let per_param = |r: &Run| r.state() as f64 / params as f64;
+    let acts = |r: &Run| r.peak.saturating_sub(r.state());
     sweep.claim(Claim {
         claim: "Micikevicius et al.: the saving is in 16-bit activations; weights + grads + Adam state stay ~16 B/parameter with f32 masters".into(),
         measured: format!(
@@ -294,19 +462,42 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         ),
         verdict: if (per_param(fp16) - per_param(f32r)).abs() <= 1.0 && acts(fp16) < acts(f32r) { Verdict::Holds } else { Verdict::Partly },
     });
+    // Autocast's state: f32 weights, gradients and moments (16 B/param) and no master copy,
+    // plus one 16-bit copy per cast weight (2 B/param for the weights that go through a
+    // matmul: all but the embeddings and the norms).
+    let copies_per_param = |r: &Run| r.copies as f64 / params as f64;
+    let ac_ok = |r: &Run| {
+        r.master == 0
+            && r.grads == r.weights
+            && r.optimizer == 2 * r.weights
+            && r.copies > 0
+            && copies_per_param(r) <= 2.0
+    };
+    sweep.claim(Claim {
+        claim: "autocast keeps f32 weights, gradients and Adam state (16 B/param, no master copy) plus a cached 16-bit copy of each matmul weight (at most 2 B/param)".into(),
+        measured: format!(
+            "{SMALL}: state {:.1} B/param bf16 autocast ({:.2} B/param of 16-bit copies, master {}), {:.1} fp16 autocast ({:.2}, master {}); fp32 {:.1}; activations and temporaries {} bf16 autocast, {} fp16 autocast, {} fp32, {} full bf16",
+            per_param(ac_bf16), copies_per_param(ac_bf16), human_bytes(ac_bf16.master),
+            per_param(ac_fp16), copies_per_param(ac_fp16), human_bytes(ac_fp16.master),
+            per_param(f32r),
+            human_bytes(acts(ac_bf16)), human_bytes(acts(ac_fp16)), human_bytes(acts(f32r)), human_bytes(acts(bf16))
+        ),
+        verdict: if ac_ok(ac_bf16) && ac_ok(ac_fp16) { Verdict::Holds } else { Verdict::DoesNotHold },
+    });
     let diff = |r: &Run| {
         r.losses.iter().zip(&f32r.losses).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max)
     };
     let tolerance = 0.05 * f32r.losses[0];
+    let worst = [fp16, bf16, ac_bf16, ac_fp16].iter().map(|r| diff(r)).fold(0f32, f32::max);
     sweep.claim(Claim {
         claim: "mixed precision trains like fp32 (loss curves agree within 5% of fp32's first loss)".into(),
         measured: format!(
-            "largest loss difference to fp32 over {steps} steps: {:.4} fp16, {:.4} bf16 (tolerance {tolerance:.4} = 5% of fp32's first loss {:.4}); fp16 scaler skipped {} steps (final scale {})",
-            diff(fp16), diff(bf16), f32r.losses[0], fp16.skipped, fp16.final_scale
+            "largest loss difference to fp32 over {steps} steps: full {:.4} fp16, {:.4} bf16; autocast {:.4} bf16, {:.4} fp16 (tolerance {tolerance:.4} = 5% of fp32's first loss {:.4}); scalers skipped {} steps full fp16 (final scale {}), {} fp16 autocast (final scale {})",
+            diff(fp16), diff(bf16), diff(ac_bf16), diff(ac_fp16), f32r.losses[0], fp16.skipped, fp16.final_scale, ac_fp16.skipped, ac_fp16.final_scale
         ),
-        verdict: if diff(fp16).max(diff(bf16)) < tolerance { Verdict::Holds } else { Verdict::Partly },
+        verdict: if worst < tolerance { Verdict::Holds } else { Verdict::Partly },
     });
-    let inj = &runs[3].1;
+    let inj = &runs[5].2;
     let finite = inj.losses.iter().all(|l| l.is_finite());
     sweep.claim(Claim {
         claim: "the loss scaler skips overflowing f16 steps, backs off, and training goes on".into(),
@@ -327,42 +518,55 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     Ok(sweep)
 }
 
-/// Where each precision's peak goes, stacked.
+/// The real-size batch the plot shows: small enough that the states are visible beside the
+/// activations, large enough that activations matter.
+const PLOT_BATCH: usize = 4;
+
+/// Where each precision's peak goes at real size (GPT-2 small at [`PLOT_BATCH`], or the
+/// sweep's smallest batch), stacked: the two recipes side by side.
 fn plot(sweep: &Sweep<Measured>) -> Option<String> {
-    let parts =
-        ["weights", "master weights", "gradients", "optimizer state", "activations + temporaries"];
-    let bars: Vec<(String, Vec<f64>)> = sweep
-        .variants()
+    let parts = [
+        "weights",
+        "16-bit weight copies",
+        "master weights",
+        "gradients",
+        "optimizer state",
+        "activations + temporaries",
+    ];
+    let real: Vec<_> = sweep.variants().iter().filter(|(_, m)| m.part == REAL).collect();
+    let shown = if real.iter().any(|(_, m)| m.batch_size == PLOT_BATCH) {
+        PLOT_BATCH
+    } else {
+        real.iter().map(|(_, m)| m.batch_size).min()?
+    };
+    let gib = MIB * 1024.0;
+    let bars: Vec<(String, Vec<f64>)> = real
         .iter()
-        .filter(|(_, m)| m.part == SMALL)
+        .filter(|(_, m)| m.batch_size == shown)
         .map(|(v, m)| {
             let bytes = [
                 m.weights_bytes,
+                m.weight_copies_16bit_bytes,
                 m.master_weights_bytes,
                 m.grads_bytes,
                 m.optimizer_state_bytes,
                 m.activations_and_temporaries_bytes,
             ];
-            (
-                short(v.name.trim_start_matches(SMALL).trim_start_matches(": ")),
-                bytes.iter().map(|&b| b as f64 / MIB).collect(),
-            )
+            let label = v.name.rsplit(", ").next().unwrap_or(&v.name);
+            let label = match m.recipe {
+                FULL => format!("{label} (full)"),
+                _ => label.to_string(),
+            };
+            (label, bytes.iter().map(|&b| b as f64 / gib).collect())
         })
         .collect();
     stacked_with_totals(
-        "Mixed precision (small, executed): where peak memory goes",
-        "MiB",
-        "MiB",
+        &format!(
+            "GPT-2 small, batch {shown}, 1024 tokens (virtual device): where peak memory goes"
+        ),
+        "GiB",
+        "GiB",
         &parts,
         &bars,
     )
-}
-
-fn short(name: &str) -> String {
-    let head = name.split([',', '+']).next().unwrap_or(name).trim();
-    if name.contains("overflow injected") {
-        format!("{head} (overflow injected)")
-    } else {
-        head.to_string()
-    }
 }

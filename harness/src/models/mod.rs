@@ -3,6 +3,11 @@
 //! (GPT-2 small and medium, ResNet-50, a MobileNetV3-like, a ViT-B/16-like; see [`zoo`]).
 //! Each is a [`Chain`] of vram-accum layers ([`vram_accum::layers`]) with a cross-entropy
 //! loss; GPT has a token + position embedding in front and, tied, its LM head after.
+//!
+//! A model built in f32 can train under autocast ([`Model::set_autocast`]): PyTorch's
+//! `torch.autocast` recipe, every forward (and the loss) in an autocast region whose cache of
+//! 16-bit weight casts is cleared when the loss is computed. The embedding lookups are not
+//! autocast ops (f32 out), the LM head is a linear (16-bit), the cross-entropy runs in f32.
 
 pub mod spec;
 pub mod zoo;
@@ -10,14 +15,15 @@ pub mod zoo;
 pub use zoo::{Arch, Preset, ZooError};
 
 use crate::data::{Batch, Input};
+use vram_accum::autocast::{AutocastPolicy, OpKind, accumulate_grad_cast, cast_into};
 use vram_accum::layers::{
     Act, BottleneckConfig, ClassifierHeadConfig, Conv2dConfig, Init, InvertedResidualConfig,
     LayerNormConfig, LinearConfig, MaxPool2d, PatchEmbedConfig, ResidualBlockConfig, TokenMeanPool,
     TransformerBlockConfig, init_weight, prefix_param_names, sub_seed,
 };
 use vram_accum::{
-    BoxedLayer, Chain, ChainProfile, Error, ForwardCtx, Layer, Mode, Param, Params, Result,
-    SavedBox, Schedule,
+    Autocast, BoxedLayer, Chain, ChainProfile, Error, ForwardCtx, Layer, Mode, Param, Params,
+    Result, SavedBox, Schedule,
 };
 use vram_kernels::{DType, Device, Tensor, ops};
 use zoo::{MOBILENETV3_LARGE, make_divisible};
@@ -48,6 +54,18 @@ pub struct Model {
     device: Device,
     embed: Option<Embed>,
     chain: Chain,
+    /// The low dtype of autocast, `None` without.
+    autocast: Option<DType>,
+    /// Bytes in the autocast cache when the last training forward ended.
+    cast_bytes: u64,
+}
+
+/// What the tied LM head keeps for backward: its input and weight as multiplied, and the
+/// input's own dtype.
+struct HeadSaved {
+    x: Tensor,
+    w: Tensor,
+    in_dtype: DType,
 }
 
 /// What a training forward keeps alive for backward, with its output.
@@ -310,7 +328,62 @@ impl Model {
             device: device.clone(),
             embed,
             chain: Chain::new(b.layers),
+            autocast: None,
+            cast_bytes: 0,
         })
+    }
+
+    /// Trains (and evaluates) under autocast to `low` (f16 or bf16), PyTorch's
+    /// `torch.autocast` recipe, or without autocast (`None`). The parameters stay f32: there
+    /// is no master copy; pair f16 with a loss scaler.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] if `low` is not a 16-bit type or the model is not in f32.
+    pub fn set_autocast(&mut self, low: Option<DType>) -> Result<()> {
+        if let Some(low) = low {
+            if !low.is_low_precision() {
+                return Err(invalid(&format!("autocast needs f16 or bf16, got {low}")));
+            }
+            if let Some(p) = self.params().into_iter().find(|p| p.value.dtype() != DType::F32) {
+                return Err(invalid(&format!(
+                    "autocast keeps f32 parameters (no master copy), but {} is {}: build the \
+                     model in f32",
+                    p.name,
+                    p.value.dtype()
+                )));
+            }
+        }
+        self.autocast = low;
+        Ok(())
+    }
+
+    /// The low dtype of autocast, `None` without autocast.
+    pub fn autocast(&self) -> Option<DType> {
+        self.autocast
+    }
+
+    /// Bytes of the 16-bit weight casts in the autocast cache when the last training forward
+    /// ended (each weight cast once; 0 without autocast).
+    pub fn cast_cache_bytes(&self) -> u64 {
+        self.cast_bytes
+    }
+
+    /// A context for `mode` and `seed`, under the model's autocast if any.
+    fn context(&self, mode: Mode, seed: u64) -> Result<ForwardCtx> {
+        let ctx = ForwardCtx::new(mode, seed);
+        match self.autocast {
+            Some(low) => ctx.with_autocast(low),
+            None => Ok(ctx),
+        }
+    }
+
+    /// Puts `ctx` under the model's autocast unless it already has an autocast state.
+    fn enter_autocast(&self, ctx: &mut ForwardCtx) -> Result<()> {
+        if let (Some(low), None) = (self.autocast, &ctx.autocast) {
+            ctx.autocast = Some(Autocast::new(AutocastPolicy::new(low)?));
+        }
+        Ok(())
     }
 
     /// The model taken apart: the token and position embeddings with the sequence length
@@ -396,17 +469,30 @@ impl Model {
         Ok(())
     }
 
-    /// The tied LM head, if any: `h tok^T`.
-    fn tied_head(&self) -> Option<&Tensor> {
-        self.embed.as_ref().filter(|e| e.tied).map(|e| &e.tok.value)
+    /// The logits from the chain's output (the tied head applied, if any: a linear, so in
+    /// 16 bits under autocast, its weight through the cast cache), and what the head keeps.
+    fn head(&self, out: Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<HeadSaved>)> {
+        let Some(e) = self.embed.as_ref().filter(|e| e.tied) else { return Ok((out, None)) };
+        let in_dtype = out.dtype();
+        let dt = ctx.op_dtype(OpKind::Linear, &[in_dtype, e.tok.value.dtype()]).unwrap_or(in_dtype);
+        let w = ctx.cast_param(&e.tok, dt)?;
+        let x = cast_into(out, dt)?;
+        let logits = ops::linear(&x, &w, None)?;
+        Ok((logits, Some(HeadSaved { x, w, in_dtype })))
     }
 
-    /// The logits from the chain's output (the tied head applied, if any).
-    fn logits(&self, out: Tensor) -> Result<Tensor> {
-        match self.tied_head() {
-            Some(w) => Ok(ops::linear(&out, w, None)?),
-            None => Ok(out),
-        }
+    /// The loss's input: the logits in the dtype the loss runs in (f32 under autocast:
+    /// PyTorch's fp32 list has `nll_loss`, `log_softmax` and `cross_entropy_loss`).
+    fn loss_input(logits: Tensor, ctx: &ForwardCtx) -> Result<Tensor> {
+        let dt = ctx.op_dtype(OpKind::Loss, &[logits.dtype()]).unwrap_or(logits.dtype());
+        cast_into(logits, dt)
+    }
+
+    /// The mean cross-entropy of the chain's output (the head applied) under `ctx`.
+    fn loss_of(&self, out: Tensor, targets: &[u32], ctx: &mut ForwardCtx) -> Result<f32> {
+        let (logits, _) = self.head(out, ctx)?;
+        let logits = Self::loss_input(logits, ctx)?;
+        Ok(ops::cross_entropy(&logits, targets, None)?.loss)
     }
 
     /// Number of layers in the chain (what schedules are built for).
@@ -442,22 +528,28 @@ impl Model {
         scale: f32,
         schedule: &Schedule,
     ) -> Result<StepOutcome> {
+        self.enter_autocast(ctx)?;
         let dtype = self.params()[0].value.dtype();
         let x = self.input(batch, dtype)?;
         let (out, tape) = self.chain.forward(&x, ctx, schedule)?;
-        let (logits, out) = match self.tied_head() {
-            Some(w) => (ops::linear(&out, w, None)?, Some(out)),
-            None => (out, None),
-        };
+        let (logits, head) = self.head(out, ctx)?;
+        let logits_dtype = logits.dtype();
+        let logits = Self::loss_input(logits, ctx)?;
+        // The autocast region ends with the loss: PyTorch's clear_cache. Casts the layers
+        // saved for backward live on until their backward.
+        self.cast_bytes = ctx.autocast().map_or(0, Autocast::cached_bytes);
+        ctx.clear_autocast_cache();
         let ce = ops::cross_entropy(&logits, &batch.targets, None)?;
         let loss = ce.loss;
-        let mut dy = ops::cross_entropy_backward(&logits, &batch.targets, None, &ce.lse, scale)?;
+        let dy = ops::cross_entropy_backward(&logits, &batch.targets, None, &ce.lse, scale)?;
         drop((logits, ce));
-        if let (Some(out), Some(e)) = (out, &mut self.embed) {
-            let g = ops::linear_backward(&out, &e.tok.value, &dy, false)?;
-            drop(out);
-            e.tok.accumulate_grad(g.dw)?;
-            dy = g.dx;
+        let mut dy = cast_into(dy, logits_dtype)?;
+        if let (Some(h), Some(e)) = (head, &mut self.embed) {
+            let g = ops::linear_backward(&h.x, &h.w, &dy, false)?;
+            drop(h.x);
+            drop(h.w);
+            accumulate_grad_cast(&mut e.tok, g.dw)?;
+            dy = cast_into(g.dx, h.in_dtype)?;
         }
         let dx = self.chain.backward(tape, dy, self.embed.is_some())?;
         drop(x);
@@ -531,7 +623,7 @@ impl Model {
     pub fn profile(&mut self, batch: &Batch, seed: u64) -> Result<ChainProfile> {
         let dtype = self.params()[0].value.dtype();
         let x = self.input(batch, dtype)?;
-        let ctx = ForwardCtx::new(Mode::Train, seed);
+        let ctx = self.context(Mode::Train, seed)?;
         self.chain.profile(&x, &ctx, self.embed.is_some())
     }
 
@@ -544,7 +636,7 @@ impl Model {
     /// As [`Model::train_step`].
     pub fn forward_graph(&mut self, batch: &Batch, seed: u64) -> Result<(f32, Graph)> {
         let dtype = self.params()[0].value.dtype();
-        let mut ctx = ForwardCtx::new(Mode::Train, seed);
+        let mut ctx = self.context(Mode::Train, seed)?;
         let mut x = self.input(batch, dtype)?;
         let mut saved = Vec::with_capacity(self.chain.len());
         for layer in self.chain.layers_mut() {
@@ -552,7 +644,9 @@ impl Model {
             saved.extend(s);
             x = y;
         }
-        let logits = self.logits(x)?;
+        let (logits, _) = self.head(x, &mut ctx)?;
+        let logits = Self::loss_input(logits, &ctx)?;
+        ctx.clear_autocast_cache();
         let loss = ops::cross_entropy(&logits, &batch.targets, None)?.loss;
         Ok((loss, Graph { _saved: saved, _logits: logits }))
     }
@@ -582,18 +676,11 @@ impl Model {
     pub fn eval_loss(&mut self, batch: &Batch, mode: Mode) -> Result<f32> {
         let dtype = self.params()[0].value.dtype();
         let x = self.input(batch, dtype)?;
-        let loss = if mode == Mode::Inference {
-            let out = self.chain.infer(&x)?;
-            let logits = self.logits(out)?;
-            ops::cross_entropy(&logits, &batch.targets, None)?.loss
-        } else {
-            let mut ctx = ForwardCtx::new(mode, 0);
-            let plain = Schedule::none(self.chain.len())?;
-            let (out, tape) = self.chain.forward(&x, &mut ctx, &plain)?;
-            let loss = ops::cross_entropy(&self.logits(out)?, &batch.targets, None)?.loss;
-            drop(tape);
-            loss
-        };
+        let mut ctx = self.context(mode, 0)?;
+        let plain = Schedule::none(self.chain.len())?;
+        let (out, tape) = self.chain.forward(&x, &mut ctx, &plain)?;
+        let loss = self.loss_of(out, &batch.targets, &mut ctx)?;
+        drop(tape);
         Ok(loss)
     }
 }

@@ -61,16 +61,44 @@ pub enum Precision {
     Bf16,
     /// f16 weights and activations, f32 master weights, dynamic loss scaling.
     Fp16,
+    /// bf16 autocast (`torch.autocast`): f32 parameters, no master copy, linear and matmul
+    /// in bf16, norms, softmax and the loss in f32.
+    AutocastBf16,
+    /// f16 autocast with dynamic loss scaling (`torch.cuda.amp`).
+    AutocastFp16,
 }
 
 impl Precision {
-    /// The dtype the model computes in.
+    /// The dtype of the model's parameters (f32 under autocast).
     pub fn dtype(self) -> DType {
         match self {
-            Precision::Fp32 => DType::F32,
+            Precision::Fp32 | Precision::AutocastBf16 | Precision::AutocastFp16 => DType::F32,
             Precision::Bf16 => DType::BF16,
             Precision::Fp16 => DType::F16,
         }
+    }
+
+    /// The dtype matmuls compute in (the low dtype under autocast).
+    pub fn compute_dtype(self) -> DType {
+        match self {
+            Precision::Fp32 => DType::F32,
+            Precision::Bf16 | Precision::AutocastBf16 => DType::BF16,
+            Precision::Fp16 | Precision::AutocastFp16 => DType::F16,
+        }
+    }
+
+    /// The low dtype of autocast, `None` for the other precisions.
+    pub fn autocast(self) -> Option<DType> {
+        match self {
+            Precision::AutocastBf16 => Some(DType::BF16),
+            Precision::AutocastFp16 => Some(DType::F16),
+            _ => None,
+        }
+    }
+
+    /// Whether the run scales its loss (f16, full or autocast).
+    pub fn scales_loss(self) -> bool {
+        matches!(self, Precision::Fp16 | Precision::AutocastFp16)
     }
 
     /// The label in reports.
@@ -79,6 +107,8 @@ impl Precision {
             Precision::Fp32 => "fp32",
             Precision::Bf16 => "bf16",
             Precision::Fp16 => "fp16",
+            Precision::AutocastBf16 => "bf16 autocast",
+            Precision::AutocastFp16 => "fp16 autocast",
         }
     }
 }

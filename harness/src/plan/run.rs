@@ -104,6 +104,7 @@ fn steps(
 ) -> vram_accum::Result<()> {
     let mut rng = Rng::new(0x5EED);
     let mut model = Model::new(device, pm.arch.clone(), 1, precision.dtype())?;
+    model.set_autocast(precision.autocast())?;
     let mut opt: Box<dyn Optimizer> = match optimizer {
         OptimizerKind::AdamW => Box::new(AdamW::new(AdamWConfig::default())),
         OptimizerKind::Sgd => {
@@ -112,11 +113,10 @@ fn steps(
     };
     // The scale's value changes no allocation; a moderate one keeps the host's real f16
     // gradients finite, so the update (and its state) happens as on a virtual device.
-    let mut scaler = match precision {
-        Precision::Fp16 => {
-            LossScaler::new(ScalerConfig { init_scale: 256.0, ..Default::default() })?
-        }
-        _ => LossScaler::disabled(),
+    let mut scaler = if precision.scales_loss() {
+        LossScaler::new(ScalerConfig { init_scale: 256.0, ..Default::default() })?
+    } else {
+        LossScaler::disabled()
     };
     let batch = pm.batch(micro, (!device.is_virtual()).then_some(&mut rng));
     for step in 0..STEPS {
@@ -156,6 +156,7 @@ pub(crate) fn flop_profile(
         source: Box::new(source),
     };
     let mut model = Model::new(&device, pm.arch.clone(), 1, precision.dtype()).map_err(fail)?;
+    model.set_autocast(precision.autocast()).map_err(fail)?;
     let mut profile = model.profile(&pm.batch(micro, None), 0).map_err(fail)?;
     let flops = pm.chain_flops();
     for (l, f) in profile.layers.iter_mut().zip(flops.iter().chain(std::iter::repeat(&0.0))) {

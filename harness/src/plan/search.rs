@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 use vram_accum::Schedule;
 use vram_alloc::{AllocatorConfig, human_bytes};
-use vram_kernels::Device;
+use vram_kernels::{DType, Device};
 
 /// One configuration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -239,7 +239,8 @@ fn cost_model(
         * g;
     let params = params as f64;
     let bytes = |p: Precision| params * p.dtype().size_in_bytes() as f64;
-    let factor = |p: Precision| if p == Precision::Fp32 { ASSUMED_FP32_FACTOR } else { 1.0 };
+    let factor =
+        |p: Precision| if p.compute_dtype() == DType::F32 { ASSUMED_FP32_FACTOR } else { 1.0 };
     let cost = factor(precision) * (3.0 * forward + recomputed)
         + accum as f64 * ASSUMED_FLOP_PER_BYTE * 3.0 * bytes(precision);
     let base =

@@ -60,16 +60,20 @@ fn gpt_learns_affine_sequences() {
 #[test]
 fn marked_step_equals_the_plain_step() {
     use vram_harness::models::Phase;
-    for arch in [
-        Arch::Gpt { vocab: 16, d: 32, layers: 2, heads: 2, seq: 8, dropout: 0.1, tied: true },
-        Arch::Gpt { vocab: 16, d: 32, layers: 2, heads: 2, seq: 8, dropout: 0.1, tied: false },
-        Arch::ResNet { width: 8, blocks: vec![1, 1], classes: 4 },
+    let gpt =
+        |tied| Arch::Gpt { vocab: 16, d: 32, layers: 2, heads: 2, seq: 8, dropout: 0.1, tied };
+    for (arch, autocast) in [
+        (gpt(true), None),
+        (gpt(false), None),
+        (gpt(true), Some(DType::BF16)),
+        (Arch::ResNet { width: 8, blocks: vec![1, 1], classes: 4 }, None),
     ] {
         let data = arch.dataset();
         let b = data.batch(3, 0, 4);
         let run = |marked: bool| {
             let device = Device::host(1 << 30);
             let mut model = Model::new(&device, arch.clone(), 1, DType::F32).unwrap();
+            model.set_autocast(autocast).unwrap();
             let mut ctx = ForwardCtx::new(Mode::Train, 5);
             let mut phases = Vec::new();
             let loss = if marked {

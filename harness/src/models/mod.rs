@@ -532,6 +532,24 @@ impl Model {
         let dtype = self.params()[0].value.dtype();
         let x = self.input(batch, dtype)?;
         let (out, tape) = self.chain.forward(&x, ctx, schedule)?;
+        let (loss, dy) = self.loss_backward(out, &batch.targets, ctx, scale)?;
+        let dx = self.chain.backward(tape, dy, self.embed.is_some())?;
+        drop(x);
+        if let Some(dx) = dx {
+            self.embed_backward(batch, &dx)?;
+        }
+        Ok(StepOutcome { loss })
+    }
+
+    /// From the chain's output: the head, the loss and their backward; returns the loss and
+    /// the gradient of the chain's output.
+    fn loss_backward(
+        &mut self,
+        out: Tensor,
+        targets: &[u32],
+        ctx: &mut ForwardCtx,
+        scale: f32,
+    ) -> Result<(f32, Tensor)> {
         let (logits, head) = self.head(out, ctx)?;
         let logits_dtype = logits.dtype();
         let logits = Self::loss_input(logits, ctx)?;
@@ -539,9 +557,9 @@ impl Model {
         // saved for backward live on until their backward.
         self.cast_bytes = ctx.autocast().map_or(0, Autocast::cached_bytes);
         ctx.clear_autocast_cache();
-        let ce = ops::cross_entropy(&logits, &batch.targets, None)?;
+        let ce = ops::cross_entropy(&logits, targets, None)?;
         let loss = ce.loss;
-        let dy = ops::cross_entropy_backward(&logits, &batch.targets, None, &ce.lse, scale)?;
+        let dy = ops::cross_entropy_backward(&logits, targets, None, &ce.lse, scale)?;
         drop((logits, ce));
         let mut dy = cast_into(dy, logits_dtype)?;
         if let (Some(h), Some(e)) = (head, &mut self.embed) {
@@ -551,12 +569,7 @@ impl Model {
             accumulate_grad_cast(&mut e.tok, g.dw)?;
             dy = cast_into(g.dx, h.in_dtype)?;
         }
-        let dx = self.chain.backward(tape, dy, self.embed.is_some())?;
-        drop(x);
-        if let Some(dx) = dx {
-            self.embed_backward(batch, &dx)?;
-        }
-        Ok(StepOutcome { loss })
+        Ok((loss, dy))
     }
 
     /// [`Model::train_step`] without checkpointing, layer by layer, calling `mark` before each
@@ -573,6 +586,7 @@ impl Model {
         ctx: &mut ForwardCtx,
         mark: &mut dyn FnMut(Phase),
     ) -> Result<StepOutcome> {
+        self.enter_autocast(ctx)?;
         let dtype = self.params()[0].value.dtype();
         let want_first_dx = self.embed.is_some();
         let mut x = self.input(batch, dtype)?;
@@ -584,20 +598,7 @@ impl Model {
             x = y;
         }
         mark(Phase::Loss);
-        let (logits, out) = match self.tied_head() {
-            Some(w) => (ops::linear(&x, w, None)?, Some(x)),
-            None => (x, None),
-        };
-        let ce = ops::cross_entropy(&logits, &batch.targets, None)?;
-        let loss = ce.loss;
-        let mut dy = ops::cross_entropy_backward(&logits, &batch.targets, None, &ce.lse, 1.0)?;
-        drop((logits, ce));
-        if let (Some(out), Some(e)) = (out, &mut self.embed) {
-            let g = ops::linear_backward(&out, &e.tok.value, &dy, false)?;
-            drop(out);
-            e.tok.accumulate_grad(g.dw)?;
-            dy = g.dx;
-        }
+        let (loss, mut dy) = self.loss_backward(x, &batch.targets, ctx, 1.0)?;
         for (i, layer) in self.chain.layers_mut().iter_mut().enumerate().rev() {
             mark(Phase::Backward(i, layer.name()));
             let s = saved.pop().flatten().ok_or_else(|| invalid("a layer saved nothing"))?;
@@ -661,9 +662,14 @@ impl Model {
     pub fn infer(&mut self, batch: &Batch) -> Result<Tensor> {
         let dtype = self.params()[0].value.dtype();
         let x = self.input(batch, dtype)?;
-        let out = self.chain.infer(&x)?;
+        let mut ctx = self.context(Mode::Inference, 0)?;
+        let plain = Schedule::none(self.chain.len())?;
+        let (out, tape) = self.chain.forward(&x, &mut ctx, &plain)?;
+        drop(tape);
         drop(x);
-        self.logits(out)
+        let (logits, _) = self.head(out, &mut ctx)?;
+        ctx.clear_autocast_cache();
+        Ok(logits)
     }
 
     /// Mean loss on a batch without backward. With `mode == Mode::Train` the forward saves

@@ -4,6 +4,7 @@
 use super::common::{cnn, cnn_side, device, stripes, sync};
 use super::{Experiment, Sweep};
 use crate::models::Model;
+use crate::plots::{Mark, lines_with_marks};
 use crate::techniques::Technique;
 use crate::timing::{Timing, interleaved};
 use crate::trainer::adamw;
@@ -25,7 +26,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
         source: "004_4a0e2eb70881fd56.txt (5-10% per batch, scenarios), 000_cc24938f7d0f0079.txt",
     },
     run,
-    plot: None,
+    plot: Some(plot),
     host_capacity_limit: None,
     expected_secs: [16.5, 100.0],
 };
@@ -37,6 +38,14 @@ pub(super) struct Measured {
     reserved_at_end: u64,
     reserved_after_empty_cache: u64,
     device_allocs: u64,
+    /// Each timed step's wall time (ms), in order.
+    step_ms_each: Vec<f64>,
+    /// Each timed step's device allocations (cudaMalloc calls on a GPU).
+    device_allocs_each: Vec<u64>,
+    /// Timed steps (0-based) that began with an empty_cache call.
+    called_at: Vec<usize>,
+    /// Whether the times are host times.
+    host_timings: bool,
 }
 
 /// One calling policy while it trains.
@@ -46,6 +55,8 @@ struct Policy {
     model: Model,
     opt: AdamW,
     step: usize,
+    /// The device allocations so far after each step (warm-up included).
+    device_allocs: Vec<u64>,
 }
 
 fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
@@ -65,7 +76,14 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     for (_, every) in policies {
         let dev = device(ctx, "")?;
         let model = Model::new(&dev, arch.clone(), ctx.seed, DType::F32)?;
-        states.push(Policy { every, dev, model, opt: adamw(1e-3), step: 0 });
+        states.push(Policy {
+            every,
+            dev,
+            model,
+            opt: adamw(1e-3),
+            step: 0,
+            device_allocs: Vec::new(),
+        });
     }
     let samples = interleaved(&mut states, 1, timed, |p| {
         let b = data.batch(ctx.seed, p.step as u64, batch);
@@ -81,7 +99,9 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         p.model.zero_grad();
         sync(&p.dev)?;
         p.step += 1;
-        Ok::<_, ExperimentError>(started.elapsed().as_secs_f64() * 1e3)
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        p.device_allocs.push(p.dev.memory_stats().num_device_alloc);
+        Ok::<_, ExperimentError>(ms)
     })?;
     let mut runs = Vec::new();
     for (((name, _), p), times) in policies.iter().zip(&states).zip(&samples) {
@@ -97,6 +117,11 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             reserved_at_end: reserved,
             reserved_after_empty_cache: reserved_after,
             device_allocs: allocs,
+            step_ms_each: times.clone(),
+            device_allocs_each: p.device_allocs.windows(2).map(|w| w[1] - w[0]).collect(),
+            // Timed step k is step k + 1 (step 0 is the warm-up).
+            called_at: (0..timed).filter(|k| p.every.is_some_and(|n| k % n == 0)).collect(),
+            host_timings: matches!(ctx.backend, Backend::Cpu),
         };
         let (peak, peak_reserved) = (dev.max_memory_allocated(), dev.max_memory_reserved());
         sweep.push(&format!("empty_cache {name}"), peak, peak_reserved, Some(step), measured);
@@ -156,4 +181,43 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         never.4
     ));
     Ok(sweep)
+}
+
+/// Each policy's cost per step over the timed steps, with the calls of the every-N policy:
+/// the step time on a GPU; on the host, where a device allocation costs nothing like a
+/// cudaMalloc, the device allocations each step makes (exact on every backend).
+fn plot(sweep: &Sweep<Measured>) -> Option<String> {
+    let host = sweep.variants().first()?.1.host_timings;
+    let series: Vec<(String, Vec<(f64, f64)>)> = sweep
+        .variants()
+        .iter()
+        .map(|(v, m)| {
+            let pts = if host {
+                m.device_allocs_each
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &a)| (i as f64, a as f64))
+                    .collect()
+            } else {
+                m.step_ms_each.iter().enumerate().map(|(i, &t)| (i as f64, t)).collect()
+            };
+            (v.name.clone(), pts)
+        })
+        .collect();
+    let steps = sweep.variants().first()?.1.step_ms_each.len();
+    let every_n = sweep
+        .variants()
+        .iter()
+        .map(|(_, m)| &m.called_at)
+        .find(|c| c.len() > 1 && c.len() < steps)?;
+    let marks = [Mark::Vertical(
+        format!("empty_cache calls (every {EVERY_N})"),
+        every_n.iter().map(|&k| k as f64).collect(),
+    )];
+    let (title, y) = if host {
+        ("Device allocations per step (cudaMalloc calls on a GPU)", "device allocations")
+    } else {
+        ("Step time per step", "ms")
+    };
+    lines_with_marks(title, "timed step", y, &series, true, &marks)
 }

@@ -78,6 +78,13 @@ pub fn render(
             let _ = writeln!(s, "Reading: {reading}\n");
         }
         let _ = writeln!(s, "Ran in {:.1} s. Results: `{}.json`.\n", elapsed.as_secs_f64(), t.id);
+        if r.variants.is_empty() {
+            // Nothing measured on this backend: the claim table says why; no empty table.
+            for c in &r.claims {
+                let _ = writeln!(s, "Not measured here: {}\n", c.measured);
+            }
+            continue;
+        }
         let _ =
             writeln!(s, "| variant | peak allocated | peak reserved | step (ms, mean +- 95% CI) |");
         let _ = writeln!(s, "|---|---:|---:|---:|");

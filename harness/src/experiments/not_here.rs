@@ -65,6 +65,7 @@ fn pinned_memory(ctx: &Context) -> Result<Sweep<Transfer>, ExperimentError> {
             measured: "not measured: the host backend has no host-to-device transfers: tensors already live in host memory".into(),
             verdict: Verdict::NotApplicable,
         });
+        sweep.reading("needs a GPU: `cargo xtask bench --backend cuda --only pinned-memory` times 64 MiB host-to-device copies from pageable and page-locked memory");
         return Ok(sweep);
     }
     let dev = device(ctx, "")?;
@@ -109,6 +110,9 @@ fn pinned_memory(ctx: &Context) -> Result<Sweep<Transfer>, ExperimentError> {
             Verdict::DoesNotHold
         },
     });
+    sweep.reading(format!(
+        "page-locked memory copied at {fast_rate:.1} GiB/s against {slow_rate:.1} GiB/s pageable; whether it also hides copies behind compute is not measured yet"
+    ));
     Ok(sweep)
 }
 
@@ -125,6 +129,7 @@ fn cpu_fallback(ctx: &Context) -> Result<Sweep<Evaluation>, ExperimentError> {
             measured: "not measured: there is no CUDA device to fall back from; comparing outputs needs one".into(),
             verdict: Verdict::NotApplicable,
         });
+        sweep.reading("needs a GPU: with one, the same model (same seed) is evaluated on the GPU and on the host and their losses compared");
         return Ok(sweep);
     }
     let batch = stripes(cnn_side(ctx)).batch(ctx.seed, 0, 16);
@@ -157,5 +162,8 @@ fn cpu_fallback(ctx: &Context) -> Result<Sweep<Evaluation>, ExperimentError> {
         ),
         verdict: if rel <= 1e-4 { Verdict::Holds } else { Verdict::DoesNotHold },
     });
+    sweep.reading(format!(
+        "the host gave the GPU's evaluation loss to a relative {rel:.1e}; it keeps inference working, at the host's speed (see the step times)"
+    ));
     Ok(sweep)
 }

@@ -206,14 +206,26 @@ pub(crate) fn scatter(title: &str, x: &str, y: &str, pts: &[(String, f64, f64)])
     let pad = (x1 - x0) * 0.15;
     chart(title, (x0 - pad)..(x1 + pad), 0f64..y1, None, |chart| {
         chart.configure_mesh().x_desc(x).y_desc(y).draw().ok()?;
+        // A label goes under its point, one line lower for each earlier label it would
+        // overlap (close in x and at the same height).
+        let (w, h) = (x1 - x0 + 2.0 * pad, y1);
+        let mut placed: Vec<(f64, f64)> = Vec::new();
         for (i, (name, px, py)) in pts.iter().enumerate() {
             let c = COLOURS[i % COLOURS.len()];
             chart.draw_series(std::iter::once(Circle::new((*px, *py), 5, c.filled()))).ok()?;
             let label = name.split(" (").next().unwrap_or(name).to_string();
+            let mut ly = *py;
+            while placed
+                .iter()
+                .any(|&(qx, qy)| (qx - px).abs() < 0.12 * w && (qy - ly).abs() < 0.04 * h)
+            {
+                ly -= 0.045 * h;
+            }
+            placed.push((*px, ly));
             chart
                 .draw_series(std::iter::once(Text::new(
                     label,
-                    (*px, *py),
+                    (*px, ly),
                     ("sans-serif", 13).into_font().color(&BLACK),
                 )))
                 .ok()?;

@@ -24,7 +24,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: Some(plot),
     host_capacity_limit: None,
-    expected_secs: [3.0, 50.0],
+    expected_secs: [2.2, 30.0],
 };
 
 /// One batch size's measurements: the small executed run has every field, the real-size

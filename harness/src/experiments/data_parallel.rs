@@ -36,7 +36,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: None,
     host_capacity_limit: None,
-    expected_secs: [5.0, 10.0],
+    expected_secs: [3.9, 5.0],
 };
 
 /// One run: a strategy on N devices, per-device figures.

@@ -28,7 +28,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: Some(plot),
     host_capacity_limit: None,
-    expected_secs: [16.5, 100.0],
+    expected_secs: [6.6, 43.2],
 };
 
 /// One calling policy's measurements.

@@ -28,7 +28,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: Some(plot),
     host_capacity_limit: None,
-    expected_secs: [5.5, 120.0],
+    expected_secs: [4.5, 56.5],
 };
 
 /// One micro-batch count's measurements.

@@ -22,7 +22,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: Some(plot),
     host_capacity_limit: None,
-    expected_secs: [3.0, 16.0],
+    expected_secs: [1.6, 16.6],
 };
 
 /// One input side's measurements.

@@ -26,7 +26,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: Some(plot),
     host_capacity_limit: None,
-    expected_secs: [1.5, 10.0],
+    expected_secs: [0.9, 10.5],
 };
 
 /// One architecture's measurements.

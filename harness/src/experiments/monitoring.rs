@@ -35,7 +35,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: Some(plot),
     host_capacity_limit: None,
-    expected_secs: [0.2, 0.6],
+    expected_secs: [0.1, 0.9],
 };
 
 /// The training run's timeline and figures.

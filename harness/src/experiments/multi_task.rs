@@ -28,7 +28,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: None,
     host_capacity_limit: None,
-    expected_secs: [3.0, 17.0],
+    expected_secs: [2.1, 12.7],
 };
 
 /// One run of A then B.

@@ -23,7 +23,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: Some(plot),
     host_capacity_limit: None,
-    expected_secs: [2.0, 20.0],
+    expected_secs: [1.0, 8.7],
 };
 
 /// One evaluation's measurements.

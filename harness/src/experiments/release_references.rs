@@ -44,7 +44,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: Some(plot),
     host_capacity_limit: None,
-    expected_secs: [1.5, 6.0],
+    expected_secs: [0.5, 5.1],
 };
 
 /// One loop's measurements.

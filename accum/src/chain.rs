@@ -347,6 +347,10 @@ impl Chain {
     ) -> Result<ChainProfile> {
         self.check_nonempty()?;
         let dev = x.device().clone();
+        // A steady step finds the cuBLAS workspace allocated (the first matrix product of the
+        // first step allocates it and it stays): allocate it now, so that no layer's figures
+        // count it.
+        dev.prepare_blas_workspace()?;
         let mut ctx = ForwardCtx { mode: Mode::Train, ..ctx.clone() };
         let mut profiles = Vec::with_capacity(self.len());
         let mut outputs: Vec<(Vec<usize>, vram_kernels::DType)> = Vec::new();

@@ -219,7 +219,8 @@ pub struct ChainProfile {
 /// What a schedule is predicted to cost.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Prediction {
-    /// Peak activation memory of one forward + backward, in bytes.
+    /// Peak activation memory of one forward + backward, in bytes, including the moment the
+    /// caller computes the loss gradient (the output and its gradient both alive).
     pub peak_bytes: u64,
     /// Activation memory kept between forward and backward (saved tensors, checkpoints and
     /// the output), in bytes.
@@ -257,6 +258,14 @@ impl ChainProfile {
     /// Bytes of the output gradient layer `i` receives.
     fn dy(&self, i: usize) -> u64 {
         if i + 1 == self.layers.len() { self.out(i) } else { self.layers[i + 1].dx_bytes }
+    }
+
+    /// Bytes above what the segments keep between the forward and the backward when the
+    /// caller computes the loss gradient: the chain's output and its gradient, both alive
+    /// (the output is freed once the loss gradient exists, before backward starts).
+    fn loss_moment(&self) -> u64 {
+        let n = self.layers.len();
+        if n == 0 { 0 } else { self.out(n - 1) + self.dy(n - 1) }
     }
 
     /// Costs of every segment starting at `s`, for each end `s+1..=n`, plain and
@@ -318,6 +327,7 @@ impl ChainProfile {
             kept += c.kept;
             recompute += c.recompute;
         }
+        peak = peak.max(kept + self.loss_moment());
         let total: f64 = self.layers.iter().map(|l| (l.fwd_time + l.bwd_time).as_secs_f64()).sum();
         Ok(Prediction {
             peak_bytes: peak,
@@ -357,7 +367,8 @@ impl ChainProfile {
                 }
             }
         }
-        fronts[n].iter().map(|&(_, p)| p).min().unwrap_or(0)
+        let loss = self.loss_moment();
+        fronts[n].iter().map(|&(kept, p)| p.max(kept + loss)).min().unwrap_or(0)
     }
 
     /// The schedule with the least recomputation whose predicted peak is at most `budget`
@@ -403,9 +414,11 @@ impl ChainProfile {
                 }
             }
         }
+        let loss = self.loss_moment();
         let best = fronts[n]
             .iter()
             .enumerate()
+            .filter(|(_, e)| e.0 + loss <= budget)
             .min_by(|a, b| a.1.1.total_cmp(&b.1.1).then(a.1.0.cmp(&b.1.0)))
             .map(|(i, _)| i);
         let Some(mut idx) = best else {

@@ -116,6 +116,40 @@ fn checkpointing_a_residual_chain_with_dropout_cuts_its_measured_peak() {
     assert!(sqrt * 2 < none, "sqrt {sqrt} vs none {none}");
 }
 
+/// Regression: a chain whose output is wide (an LM head over a large vocabulary) peaks when
+/// the loss gradient is computed, the output and its gradient both alive; the prediction
+/// used to miss that moment (by a whole output at GPT-2 small's vocabulary).
+#[test]
+fn the_loss_moment_of_a_wide_output_is_predicted() {
+    let dev = device();
+    let mut layers: Vec<vram_accum::BoxedLayer> =
+        (0..4).map(|i| LinearConfig::new(16, 16).with_seed(i).init(&dev).unwrap().into()).collect();
+    layers.push(LinearConfig::new(16, 4096).with_seed(9).init(&dev).unwrap().into());
+    let mut chain = Chain::new(layers);
+    let x = tensor(&dev, &[64, 16], 1);
+    let p = profile(&mut chain, &x);
+    for s in [Schedule::none(5).unwrap(), Schedule::every(5, 1).unwrap()] {
+        let m = measured_peak(&mut chain, &x, &s);
+        let out = 64 * 4096 * 4;
+        assert!(m >= 2 * out, "the output and its gradient are both alive: {m}");
+        assert_eq!(m, p.predict(&s).unwrap().peak_bytes, "{s:?}");
+    }
+}
+
+/// Regression: a device with a cuBLAS workspace allocates it at its first matrix product;
+/// profiling a fresh device used to count it in the first layer's saved bytes.
+#[test]
+fn the_blas_workspace_is_not_counted_as_activation_memory() {
+    let dev = Device::virtual_device(1 << 40);
+    assert!(dev.blas_workspace_size() > 0);
+    let mut chain = linear_chain(&dev, 8, 64);
+    let x = Tensor::zeros(&dev, &[256, 64], DType::F32).unwrap();
+    let p = profile(&mut chain, &x);
+    let none = Schedule::none(8).unwrap();
+    assert_eq!(measured_peak(&mut chain, &x, &none), p.predict(&none).unwrap().peak_bytes);
+    assert!(p.layers[0].saved_bytes < dev.blas_workspace_size() as u64, "{:?}", p.layers[0]);
+}
+
 /// Regression: profiling used to reset the device's peak statistics, losing the caller's
 /// peak. Now the caller's peak afterwards is the larger of its own and the profile's.
 #[test]

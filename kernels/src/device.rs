@@ -375,6 +375,17 @@ impl Device {
         drop(old);
     }
 
+    /// Allocates the cuBLAS workspace now, if this device has one and it is not allocated yet
+    /// (otherwise the first matrix product allocates it, and it stays): for measurements of
+    /// the steady state, in which it exists.
+    ///
+    /// # Errors
+    ///
+    /// Out of memory.
+    pub fn prepare_blas_workspace(&self) -> Result<()> {
+        self.blas_workspace().map(|_| ())
+    }
+
     /// The cuBLAS workspace as `(address, bytes)`, allocated on first use; `None` when its
     /// size is 0. Ops that run matrix products ask for it after allocating their outputs,
     /// where PyTorch's first cuBLAS call allocates its own.

@@ -76,7 +76,10 @@ pub fn step_peak(chain: &mut Chain, x: &Tensor, schedule: &Schedule) -> (u64, u6
     let scope = dev.stats_scope();
     let mut ctx = ForwardCtx::new(Mode::Train, 3);
     let (y, tape) = chain.forward(x, &mut ctx, schedule).unwrap();
-    chain.backward(tape, y, false).unwrap();
+    // The loss gradient is computed while the output is alive, as a training step does.
+    let dy = Tensor::full(&dev, y.shape(), y.dtype(), 1.0).unwrap();
+    drop(y);
+    chain.backward(tape, dy, false).unwrap();
     let peak = scope.finish().allocated_bytes.all.peak as u64 - base;
     (peak, dev.memory_allocated() - base)
 }

@@ -410,19 +410,22 @@ impl Layer for TransformerBlock {
         let (dlhs, dvh) = ops::matmul_backward(&s.pv_lhs, &s.vh, &dctx, false, false)?;
         drop((dctx, s.pv_lhs, s.vh));
         // The backward of the cast to `p @ v`'s dtype, then of dropout and softmax (f32).
+        // Each `[b, heads, s, s]` gradient is dropped as soon as the next one exists, as
+        // autograd frees them: no two of them outlive the op that reads them.
         let ddropped = cast_into(dlhs, s.probs.dtype())?;
-        let dprobs = self.dropout_backward(s.drop_p.as_ref(), &ddropped)?;
-        let dprobs = dprobs.as_ref().unwrap_or(&ddropped);
+        let undropped = self.dropout_backward(s.drop_p.as_ref(), &ddropped)?;
+        let dprobs = undropped.as_ref().unwrap_or(&ddropped);
         let dscores = if self.causal {
             ops::causal_softmax_backward(&s.probs, dprobs)?
         } else {
             ops::softmax_backward(&s.probs, dprobs)?
         };
-        drop((ddropped, s.probs));
+        drop((undropped, ddropped, s.probs));
         let dscores = cast_into(dscores, s.qh.dtype())?;
-        let dscores = ops::scale(&dscores, self.head_scale(s.qh.shape()[2]))?;
-        let (dqh, dkh) = ops::matmul_backward(&s.qh, &s.kh, &dscores, false, true)?;
-        drop((dscores, s.qh, s.kh));
+        let scaled = ops::scale(&dscores, self.head_scale(s.qh.shape()[2]))?;
+        drop(dscores);
+        let (dqh, dkh) = ops::matmul_backward(&s.qh, &s.kh, &scaled, false, true)?;
+        drop((scaled, s.qh, s.kh));
         let qkv = s.qkv_dtype;
         let dq = cast_into(self.merge_heads(dqh, b)?, qkv)?;
         let mut dh1 = dx_of(self.q.backward(s.sq, &dq, true)?, WHAT)?;

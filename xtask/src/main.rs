@@ -36,8 +36,8 @@ enum Command {
 
 #[derive(clap::Args)]
 struct BenchArgs {
-    /// Reduced sizes (CI): about a minute for all 18 experiments on a shared 2-core host,
-    /// against about 5 minutes for the full run (plus about 5 minutes for the first release
+    /// Reduced sizes (CI): about 30 seconds for all 18 experiments on a shared 2-core host,
+    /// against about 5 minutes for the full run (plus about 3 minutes for the first release
     /// build).
     #[arg(long)]
     quick: bool,

@@ -210,6 +210,13 @@ impl<M: DeviceMemory> CachingAllocator<M> {
         self.state().trace.entries()
     }
 
+    /// How many actions [`trace`](Self::trace) would return, without copying them: the index
+    /// the next recorded action will have (until the ring buffer is full), to mark where a
+    /// phase of a program starts in the trace.
+    pub fn trace_len(&self) -> usize {
+        self.state().trace.len()
+    }
+
     /// A human-readable table of the statistics, in the layout of
     /// `torch.cuda.memory_summary()`.
     pub fn memory_summary(&self) -> String {

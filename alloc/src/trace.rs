@@ -128,4 +128,8 @@ impl Trace {
     pub fn entries(&self) -> Vec<TraceEntry> {
         self.entries.iter().copied().collect()
     }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
 }

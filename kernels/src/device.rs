@@ -518,6 +518,12 @@ impl Device {
         with_allocator!(self, a => a.trace())
     }
 
+    /// The number of recorded allocator actions, without copying them (see
+    /// [`vram_alloc::CachingAllocator::trace_len`]).
+    pub fn trace_len(&self) -> usize {
+        with_allocator!(self, a => a.trace_len())
+    }
+
     /// Free and total memory as the device reports it.
     pub fn mem_info(&self) -> vram_alloc::MemInfo {
         with_allocator!(self, a => a.mem_info())

@@ -90,6 +90,13 @@ struct Outcome {
     device_frees: u64,
 }
 
+impl Outcome {
+    /// Mean of the fragmentation timeline.
+    fn mean_fragmentation(&self) -> f64 {
+        self.timeline.iter().sum::<f64>() / self.timeline.len().max(1) as f64
+    }
+}
+
 fn workload<M: DeviceMemory>(
     cache: &CachingAllocator<M>,
     total: u64,
@@ -178,7 +185,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             allocator_variant!(ctx, conf, |cache| workload(&cache, total, steps, ctx.seed, th)?);
         let measured = Measured {
             fragmentation_peak: o.timeline.iter().copied().fold(0.0, f64::max),
-            fragmentation_mean: o.timeline.iter().sum::<f64>() / o.timeline.len().max(1) as f64,
+            fragmentation_mean: o.mean_fragmentation(),
             fragmentation_timeline: o.timeline.clone(),
             big_requests: o.big_requests,
             ooms: o.ooms,
@@ -201,7 +208,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             o.ooms,
             o.big_requests,
             o.fragmentation_ooms,
-            100.0 * o.timeline.iter().sum::<f64>() / o.timeline.len().max(1) as f64
+            100.0 * o.mean_fragmentation()
         )
     };
     sweep.claim(Claim {
@@ -266,7 +273,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         })
         .map(|(name, o)| (*name, o));
     let threshold_rule = &outcomes[1].1;
-    sweep.reading(match best {
+    let mut reading = match best {
         Some((name, o)) => format!(
             "with the plain cache {} of {} large requests failed although the memory was free in total; {name} does best here ({} such failures, {} device allocations and frees, {} reserved at peak); the threshold rule fired on {} of {steps} steps and cost {} device allocations and frees",
             plain.fragmentation_ooms,
@@ -278,20 +285,18 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             threshold_rule.device_allocations + threshold_rule.device_frees
         ),
         None => "no remedy ran".into(),
-    });
-    let mean = |o: &Outcome| o.timeline.iter().sum::<f64>() / o.timeline.len().max(1) as f64;
+    };
     if let Some((_, expandable)) = outcomes.iter().find(|(n, _)| *n == "expandable segments")
         && expandable.fragmentation_ooms == 0
-        && mean(expandable) > mean(plain)
+        && expandable.mean_fragmentation() > plain.mean_fragmentation()
     {
-        let reading = format!(
-            "{}; the watched figure misleads here: 1 - allocated / reserved averaged {:.0}% with expandable segments, which never failed, against {:.0}% for the plain cache: their free pages serve any size",
-            sweep.reading_text().unwrap_or_default(),
-            100.0 * mean(expandable),
-            100.0 * mean(plain)
-        );
-        sweep.reading(reading);
+        reading.push_str(&format!(
+            "; the watched figure misleads here: 1 - allocated / reserved averaged {:.0}% with expandable segments, which never failed, against {:.0}% for the plain cache: their free pages serve any size",
+            100.0 * expandable.mean_fragmentation(),
+            100.0 * plain.mean_fragmentation()
+        ));
     }
+    sweep.reading(reading);
     Ok(sweep)
 }
 

@@ -144,30 +144,43 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     };
     let less = |r: &(&str, u64, u64, u64, u64)| 1.0 - r.2 as f64 / real[0].2 as f64;
     let (resnet, mobile, half) = (&real[0], &real[1], &real[2]);
-    sweep.claim(Claim {
-        claim: "ResNet50 -> MobileNetV3 needs less memory at real size (224 px)".into(),
-        measured: format!(
-            "{REAL}, batch {b}, fp32 + AdamW: {}; {}: {:.0}% less ({:.1}x fewer parameters, {:.1}x less per sample); {REAL_SIZE_CAVEAT}; vram's MobileNetV3-like has no squeeze-excitation, hard-swish or batch norm",
-            describe(resnet),
-            describe(mobile),
-            100.0 * less(mobile),
-            resnet.1 as f64 / mobile.1.max(1) as f64,
-            resnet.4 as f64 / mobile.4.max(1) as f64,
-        ),
-        verdict: if less(mobile) >= 0.2 { Verdict::Holds } else if less(mobile) > 0.0 { Verdict::Partly } else { Verdict::DoesNotHold },
-    });
-    sweep.claim(Claim {
-        claim: "fewer channels (ResNet-50 at half width) needs less memory".into(),
-        measured: format!(
-            "{REAL}, batch {b}: {}; {}: {:.0}% less ({:.1}x fewer parameters, {:.1}x less per sample)",
-            describe(resnet),
-            describe(half),
-            100.0 * less(half),
-            resnet.1 as f64 / half.1.max(1) as f64,
-            resnet.4 as f64 / half.4.max(1) as f64,
-        ),
-        verdict: if less(half) >= 0.2 { Verdict::Holds } else if less(half) > 0.0 { Verdict::Partly } else { Verdict::DoesNotHold },
-    });
+    // ResNet-50 against a lighter model: the claim, with `prefix` and `suffix` around the
+    // comparison.
+    let against = |lighter: &(&str, u64, u64, u64, u64),
+                   claim: &str,
+                   prefix: &str,
+                   suffix: &str| {
+        Claim {
+            claim: claim.into(),
+            measured: format!(
+                "{prefix}: {}; {}: {:.0}% less ({:.1}x fewer parameters, {:.1}x less per sample){suffix}",
+                describe(resnet),
+                describe(lighter),
+                100.0 * less(lighter),
+                resnet.1 as f64 / lighter.1.max(1) as f64,
+                resnet.4 as f64 / lighter.4.max(1) as f64,
+            ),
+            verdict: if less(lighter) >= 0.2 {
+                Verdict::Holds
+            } else if less(lighter) > 0.0 {
+                Verdict::Partly
+            } else {
+                Verdict::DoesNotHold
+            },
+        }
+    };
+    sweep.claim(against(
+        mobile,
+        "ResNet50 -> MobileNetV3 needs less memory at real size (224 px)",
+        &format!("{REAL}, batch {b}, fp32 + AdamW"),
+        &format!("; {REAL_SIZE_CAVEAT}; vram's MobileNetV3-like has no squeeze-excitation, hard-swish or batch norm"),
+    ));
+    sweep.claim(against(
+        half,
+        "fewer channels (ResNet-50 at half width) needs less memory",
+        &format!("{REAL}, batch {b}"),
+        "",
+    ));
     let act_share = |r: &(&str, u64, u64, u64, u64)| (r.4 * b as u64) as f64 / r.2 as f64;
     sweep.reading(format!(
         "At batch {b} and 224 px most of a CNN's peak is activations ({:.0}% for ResNet-50, {:.0}% for MobileNetV3-like), so a lighter model helps by its per-sample memory ({} vs {} per sample), not by its parameter count; halving ResNet-50's channels saves {:.0}%.",

@@ -151,16 +151,19 @@ fn search(ctx: &Context, capacity: u64, exponential: bool) -> Result<Search, Exp
     })
 }
 
-/// Two training steps at `batch` on a fresh `dev`: whether they ran, the peaks, and the
-/// largest single request (from the allocator's trace).
+/// Two training steps at `batch` on a fresh `dev`: whether they ran, the peaks, and, when
+/// `traced`, the largest single request (from the allocator's trace; 0 otherwise).
 fn probe_on(
     ctx: &Context,
     dev: &Device,
     arch: &Arch,
     data: &crate::data::Dataset,
     batch: usize,
+    traced: bool,
 ) -> Result<(bool, u64, u64, u64), ExperimentError> {
-    dev.record_history(Some(1 << 20));
+    if traced {
+        dev.record_history(Some(1 << 20));
+    }
     let mut model = Model::new(dev, arch.clone(), ctx.seed, DType::F32)?;
     let mut opt = adamw(1e-3);
     let fits = trial(&mut model, &mut opt, dev, data, ctx.seed, batch)?
@@ -194,11 +197,12 @@ fn exhaustive(ctx: &Context, capacity: u64, hi: usize) -> Result<Vec<Probe>, Exp
                 }
                 Backend::Cuda { .. } => sized_device(ctx, capacity)?,
             };
-            let (fits, ..) = probe_on(ctx, &dev, &arch, &data, batch)?;
+            let (fits, ..) = probe_on(ctx, &dev, &arch, &data, batch, false)?;
             drop(dev);
             let unlimited = Device::virtual_device(crate::plan::UNLIMITED);
             unlimited.set_blas_workspace_size(workspace);
-            let (_, alloc, reserved, largest) = probe_on(ctx, &unlimited, &arch, &data, batch)?;
+            let (_, alloc, reserved, largest) =
+                probe_on(ctx, &unlimited, &arch, &data, batch, true)?;
             Ok(Probe {
                 batch,
                 fits,

@@ -165,11 +165,6 @@ impl<X: Serialize> Sweep<X> {
         self.claims.push(c);
     }
 
-    /// The reading so far.
-    pub fn reading_text(&self) -> Option<String> {
-        self.reading.clone()
-    }
-
     /// One line for the report: what the measurements mean for a user.
     pub fn reading(&mut self, text: impl Into<String>) {
         self.reading = Some(text.into());

@@ -96,10 +96,10 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let mut step_starts = Vec::new();
     for step in 0..steps {
         let mut enter = |label: String| {
-            phases.push(Phase { start: dev.trace().len(), label });
+            phases.push(Phase { start: dev.trace_len(), label });
             counter.push(dev.max_memory_allocated());
         };
-        step_starts.push(dev.trace().len());
+        step_starts.push(dev.trace_len());
         enter(format!("step {}: input batch", step + 1));
         let mut fctx = ForwardCtx::new(Mode::Train, step as u64);
         let b = data.batch(ctx.seed, step as u64, batch);

@@ -20,6 +20,7 @@ pub mod rng;
 mod techniques;
 pub mod timing;
 pub mod trainer;
+pub mod twin;
 
 pub use backend::{Backend, BackendChoice};
 pub use bench::{

@@ -4,6 +4,7 @@
 
 mod plan;
 mod replay;
+mod twin;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
@@ -32,6 +33,9 @@ enum Command {
     /// Find the batch split, checkpoint plan, precision and allocator settings that fit a
     /// model on a GPU of a given memory, by running each candidate on the virtual device.
     Plan(Box<plan::PlanArgs>),
+    /// Train the reference models in vram and in PyTorch (xtask/twin/torch_twin.py) from the
+    /// same weights on the same batch: peaks, step times and every step's loss side by side.
+    Twin(twin::TwinArgs),
 }
 
 #[derive(clap::Args)]
@@ -192,6 +196,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench(args),
         Command::Replay(args) => replay::run(args),
         Command::Plan(args) => plan::run(*args),
+        Command::Twin(args) => twin::run(args),
     };
     result.unwrap_or_else(|message| {
         eprintln!("error: {message}");

@@ -1,0 +1,554 @@
+//! The PyTorch twin behind `cargo xtask twin`: a reference model trained by vram and by
+//! PyTorch from the same initial weights on the same batch, so that peak memory, step time
+//! and every step's loss can be put side by side.
+//!
+//! [`run_vram`] builds a model on a device, writes an export into a folder (`twin.json`:
+//! the architecture, the parameters in vram's order with their shapes, the optimizer, the
+//! step count; `weights.f32`, `input.*`, `targets.u32`: little-endian binaries), then trains
+//! it for a few AdamW steps and adds what it measured to `twin.json` under `"vram"`.
+//! `xtask/twin/torch_twin.py` reads the folder, builds the same model in PyTorch (explicit
+//! attention, the same layers), loads the weights, runs the same steps and writes
+//! `torch.json`. [`compare`] reads both and [`report`] writes the table.
+//!
+//! Both sides measure the same way: peaks are reset once the model, the batch and the
+//! optimizer are on the device (PyTorch's AdamW, like vram's, creates its state at the first
+//! step), then each step is forward, loss, backward, optimizer step and gradients set to
+//! none, timed between two device synchronizations.
+//!
+//! ```
+//! use vram_harness::twin::{self, TwinSettings};
+//! use vram_kernels::Device;
+//!
+//! let dir = std::env::temp_dir().join(format!("twin-doc-{}", std::process::id()));
+//! let settings = TwinSettings { batch: 4, steps: 2, ..TwinSettings::default() };
+//! let run = twin::run_vram(&Device::host(64 << 20), "mlp", &settings, &dir)?;
+//! assert_eq!(run.losses.len(), 2);
+//! assert!(std::fs::metadata(dir.join("weights.f32"))?.len() == 4 * run.param_count);
+//! # std::fs::remove_dir_all(&dir)?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use crate::data::{Batch, Input};
+use crate::models::{Arch, Model};
+use crate::trainer::adamw;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use vram_accum::{ForwardCtx, Mode};
+use vram_alloc::human_bytes;
+use vram_amp::Optimizer;
+use vram_kernels::{DType, Device};
+
+/// The version of the export's layout (`twin.json["format"]`).
+pub const FORMAT: u32 = 1;
+
+/// What went wrong exporting, training or comparing.
+#[derive(Debug, thiserror::Error)]
+pub enum TwinError {
+    /// A model the twin cannot export.
+    #[error("{0}")]
+    Model(String),
+    /// A setting out of range.
+    #[error("invalid {what}: {reason}")]
+    InvalidArgument {
+        /// The setting.
+        what: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// Building or training the model failed.
+    #[error("{model} on {device}: {source}")]
+    Run {
+        /// The model.
+        model: String,
+        /// The device.
+        device: String,
+        /// What failed.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// Reading or writing a file failed.
+    #[error("{path}: {reason}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// How to run a twin.
+#[derive(Clone, Debug)]
+pub struct TwinSettings {
+    /// Samples per batch (sequences for GPT).
+    pub batch: usize,
+    /// Optimizer steps (at least 2: the first creates AdamW's state, the next are steady).
+    pub steps: usize,
+    /// Dropout of GPT and ViT (0 by default, so that both sides' losses can be compared
+    /// step for step; PyTorch's dropout draws other numbers than vram's).
+    pub dropout: f32,
+    /// Seed of the weights and the batch.
+    pub seed: u64,
+    /// AdamW's learning rate (the other settings are PyTorch's defaults).
+    pub lr: f32,
+}
+
+impl Default for TwinSettings {
+    fn default() -> Self {
+        TwinSettings { batch: 8, steps: 5, dropout: 0.0, seed: 1, lr: 1e-3 }
+    }
+}
+
+/// What vram measured (`twin.json["vram"]`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct VramRun {
+    /// `"cpu"`, `"cuda"` or `"virtual"`.
+    pub backend: String,
+    /// The device's name.
+    pub device: String,
+    /// Parameters (a tied head counted once).
+    pub param_count: u64,
+    /// Loss before each step's update.
+    pub losses: Vec<f32>,
+    /// Each step's time in milliseconds.
+    pub step_ms: Vec<f64>,
+    /// Bytes allocated once model, batch and optimizer were on the device.
+    pub weights_bytes: u64,
+    /// `max_memory_allocated` over the steps.
+    pub peak_allocated: u64,
+    /// `max_memory_reserved` over the steps.
+    pub peak_reserved: u64,
+    /// The device's used memory (total - free, `cuMemGetInfo`) after the steps, with the
+    /// allocator's cache still held: what `nvidia-smi` shows for the process and others.
+    pub device_used: Option<u64>,
+}
+
+/// What PyTorch measured (`torch.json`, written by `xtask/twin/torch_twin.py`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TorchRun {
+    /// `torch.__version__`.
+    pub torch: String,
+    /// The device's name.
+    pub device: String,
+    /// `"cuda"` or `"cpu"`.
+    pub backend: String,
+    /// Parameters.
+    pub param_count: u64,
+    /// Loss before each step's update.
+    pub losses: Vec<f32>,
+    /// Each step's time in milliseconds.
+    pub step_ms: Vec<f64>,
+    /// `torch.cuda.max_memory_allocated` over the steps (none on the CPU).
+    pub peak_allocated: Option<u64>,
+    /// `torch.cuda.max_memory_reserved` over the steps (none on the CPU).
+    pub peak_reserved: Option<u64>,
+    /// Anything the script wants said (TF32 off, attention kind, ...).
+    #[serde(default)]
+    pub notes: Vec<String>,
+}
+
+/// The architecture as the twin script reads it; GPT and ViT with `dropout`.
+///
+/// # Errors
+///
+/// [`TwinError::Model`] for a user-described model (`Arch::Custom`), which the script does
+/// not build.
+pub fn arch_json(arch: &Arch, dropout: f32) -> Result<Value, TwinError> {
+    Ok(match arch {
+        Arch::Mlp { dims, classes } => json!({"kind": "mlp", "dims": dims, "classes": classes}),
+        Arch::ResNet { width, blocks, classes } => {
+            json!({"kind": "resnet", "width": width, "blocks": blocks, "classes": classes})
+        }
+        Arch::MobileNet { width, blocks, classes } => {
+            json!({"kind": "mobilenet", "width": width, "blocks": blocks, "classes": classes})
+        }
+        Arch::Gpt { vocab, d, layers, heads, seq, tied, .. } => json!({
+            "kind": "gpt", "vocab": vocab, "d": d, "layers": layers, "heads": heads,
+            "seq": seq, "dropout": dropout, "tied": tied,
+        }),
+        Arch::BottleneckResNet { side, width, blocks, classes } => json!({
+            "kind": "bottleneck_resnet", "side": side, "width": width, "blocks": blocks,
+            "classes": classes,
+        }),
+        Arch::MobileNetV3 { side, width_mult, classes } => json!({
+            "kind": "mobilenetv3", "side": side, "width_mult": width_mult, "classes": classes,
+        }),
+        Arch::Vit { side, patch, d, layers, heads, classes, .. } => json!({
+            "kind": "vit", "side": side, "patch": patch, "d": d, "layers": layers,
+            "heads": heads, "classes": classes, "dropout": dropout,
+        }),
+        Arch::Custom(spec) => {
+            return Err(TwinError::Model(format!(
+                "model `{}` is user-described; the twin builds the zoo's presets only",
+                spec.name
+            )));
+        }
+    })
+}
+
+/// `arch` with its dropout (GPT, ViT) set to `p`.
+fn with_dropout(arch: Arch, p: f32) -> Arch {
+    match arch {
+        Arch::Gpt { vocab, d, layers, heads, seq, tied, .. } => {
+            Arch::Gpt { vocab, d, layers, heads, seq, dropout: p, tied }
+        }
+        Arch::Vit { side, patch, d, layers, heads, classes, .. } => {
+            Arch::Vit { side, patch, d, layers, heads, classes, dropout: p }
+        }
+        other => other,
+    }
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> TwinError + '_ {
+    move |e| TwinError::Io { path: path.to_path_buf(), reason: e.to_string() }
+}
+
+fn write_le<T: Copy>(
+    path: &Path,
+    values: &[T],
+    to_le: impl Fn(T) -> [u8; 4],
+) -> Result<(), TwinError> {
+    let mut bytes = Vec::with_capacity(4 * values.len());
+    for &v in values {
+        bytes.extend_from_slice(&to_le(v));
+    }
+    std::fs::write(path, bytes).map_err(io(path))
+}
+
+/// Builds preset `name` on `device`, writes its export into `dir` (created if missing) and
+/// trains it for `settings.steps` steps, adding what it measured to `dir/twin.json`.
+///
+/// # Errors
+///
+/// An unknown preset or a user-described model, settings out of range (`batch` 0, fewer
+/// than 2 steps, dropout outside [0, 1), a learning rate that is not finite and > 0), a
+/// virtual device (it keeps no values to export), a failed step (out of memory above all),
+/// an unwritable `dir`.
+pub fn run_vram(
+    device: &Device,
+    name: &str,
+    settings: &TwinSettings,
+    dir: &Path,
+) -> Result<VramRun, TwinError> {
+    check(settings)?;
+    if device.is_virtual() {
+        return Err(TwinError::InvalidArgument {
+            what: "device",
+            reason: "a virtual device keeps no values to export; use the host or CUDA".into(),
+        });
+    }
+    let arch = Arch::preset(name).map_err(|e| TwinError::Model(e.to_string()))?;
+    let arch = with_dropout(arch, settings.dropout);
+    let arch_value = arch_json(&arch, settings.dropout)?;
+    let seq = match arch {
+        Arch::Gpt { seq, .. } => Some(seq),
+        _ => None,
+    };
+    let fail = |source: Box<dyn std::error::Error + Send + Sync>| TwinError::Run {
+        model: name.to_string(),
+        device: device.name(),
+        source,
+    };
+    let batch = arch.dataset().batch(settings.seed, 0, settings.batch);
+    let mut model =
+        Model::new(device, arch, settings.seed, DType::F32).map_err(|e| fail(Box::new(e)))?;
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let (params, input) = export(&model, &batch, seq, dir).map_err(|e| match e {
+        Exported::Io(e) => e,
+        Exported::Kernel(e) => fail(Box::new(e)),
+    })?;
+
+    let mut opt = adamw(settings.lr);
+    device.synchronize().map_err(|e| fail(Box::new(e)))?;
+    device.reset_peak_stats();
+    let weights_bytes = device.memory_allocated();
+    let (mut losses, mut step_ms) = (Vec::new(), Vec::new());
+    for step in 0..settings.steps {
+        let start = Instant::now();
+        let mut ctx = ForwardCtx::new(Mode::Train, step as u64);
+        let out = model.train_step(&batch, &mut ctx, 1.0).map_err(|e| fail(Box::new(e)))?;
+        opt.step(&mut model).map_err(|e| fail(Box::new(e)))?;
+        model.zero_grad();
+        device.synchronize().map_err(|e| fail(Box::new(e)))?;
+        step_ms.push(start.elapsed().as_secs_f64() * 1e3);
+        losses.push(out.loss);
+    }
+    let info = device.mem_info();
+    let run = VramRun {
+        backend: if device.is_cuda() { "cuda" } else { "cpu" }.into(),
+        device: device.name(),
+        param_count: model.param_count(),
+        losses,
+        step_ms,
+        weights_bytes,
+        peak_allocated: device.max_memory_allocated(),
+        peak_reserved: device.max_memory_reserved(),
+        device_used: device.is_cuda().then(|| info.total.saturating_sub(info.free)),
+    };
+    let targets = json!({"shape": [batch.targets.len()], "file": "targets.u32"});
+    let twin = json!({
+        "format": FORMAT,
+        "model": name,
+        "arch": arch_value,
+        "params": params,
+        "weights": "weights.f32",
+        "input": input,
+        "targets": targets,
+        "optimizer": {
+            "kind": "adamw", "lr": settings.lr, "betas": [0.9, 0.999], "eps": 1e-8,
+            "weight_decay": 0.01,
+        },
+        "steps": settings.steps,
+        "vram": run,
+    });
+    let path = dir.join("twin.json");
+    let text = serde_json::to_string_pretty(&twin).expect("a JSON value serializes");
+    std::fs::write(&path, text + "\n").map_err(io(&path))?;
+    Ok(run)
+}
+
+fn check(s: &TwinSettings) -> Result<(), TwinError> {
+    let bad = |what, reason: String| Err(TwinError::InvalidArgument { what, reason });
+    if s.batch == 0 {
+        return bad("batch", "must be at least 1".into());
+    }
+    if s.steps < 2 {
+        return bad(
+            "steps",
+            format!("must be at least 2 (the first creates AdamW's state), got {}", s.steps),
+        );
+    }
+    if !(0.0..1.0).contains(&s.dropout) {
+        return bad("dropout", format!("must be in [0, 1), got {}", s.dropout));
+    }
+    if !(s.lr.is_finite() && s.lr > 0.0) {
+        return bad("learning rate", format!("must be finite and > 0, got {}", s.lr));
+    }
+    Ok(())
+}
+
+enum Exported {
+    Io(TwinError),
+    Kernel(vram_kernels::Error),
+}
+
+/// Writes `weights.f32`, `input.*` and `targets.u32`; returns the parameter list and the
+/// input's entry of `twin.json`.
+fn export(
+    model: &Model,
+    batch: &Batch,
+    seq: Option<usize>,
+    dir: &Path,
+) -> Result<(Vec<Value>, Value), Exported> {
+    let mut params = Vec::new();
+    let mut weights: Vec<f32> = Vec::with_capacity(model.param_count() as usize);
+    for p in model.params() {
+        params.push(json!({"name": p.name, "shape": p.value.shape(), "offset": weights.len()}));
+        weights.extend(p.value.to_f32_vec().map_err(Exported::Kernel)?);
+    }
+    let le32 = |v: f32| v.to_le_bytes();
+    write_le(&dir.join("weights.f32"), &weights, le32).map_err(Exported::Io)?;
+    let input = match &batch.input {
+        Input::Dense { values, shape } => {
+            write_le(&dir.join("input.f32"), values, le32).map_err(Exported::Io)?;
+            json!({"kind": "dense", "shape": shape, "file": "input.f32"})
+        }
+        Input::Tokens(ids) => {
+            write_le(&dir.join("input.u32"), ids, u32::to_le_bytes).map_err(Exported::Io)?;
+            let s = seq.unwrap_or(ids.len()).max(1);
+            json!({"kind": "tokens", "shape": [ids.len() / s, s], "file": "input.u32"})
+        }
+        Input::Shape(_) => {
+            return Err(Exported::Io(TwinError::Model(
+                "the batch has no values (drawn for a virtual device)".into(),
+            )));
+        }
+    };
+    write_le(&dir.join("targets.u32"), &batch.targets, u32::to_le_bytes).map_err(Exported::Io)?;
+    Ok((params, input))
+}
+
+/// One model's two runs, read back from its folder.
+#[derive(Clone, Debug)]
+pub struct Comparison {
+    /// The preset's name.
+    pub model: String,
+    /// Samples per batch.
+    pub batch: usize,
+    /// vram's run.
+    pub vram: VramRun,
+    /// PyTorch's run, or why there is none.
+    pub torch: Result<TorchRun, String>,
+}
+
+impl Comparison {
+    /// The largest difference between the two sides' losses over the steps, relative to
+    /// the larger of 1 and PyTorch's loss; `None` without a PyTorch run or with different
+    /// step counts.
+    pub fn loss_difference(&self) -> Option<f64> {
+        let torch = self.torch.as_ref().ok()?;
+        if torch.losses.len() != self.vram.losses.len() {
+            return None;
+        }
+        let diff =
+            |(a, b): (&f32, &f32)| (*a as f64 - *b as f64).abs() / (*b as f64).abs().max(1.0);
+        Some(self.vram.losses.iter().zip(&torch.losses).map(diff).fold(0.0, f64::max))
+    }
+
+    /// vram's peak allocated over PyTorch's (both on CUDA).
+    pub fn allocated_ratio(&self) -> Option<f64> {
+        let t = self.torch.as_ref().ok()?.peak_allocated?;
+        (self.vram.backend == "cuda" && t > 0).then(|| self.vram.peak_allocated as f64 / t as f64)
+    }
+
+    /// vram's median steady step time (every step after the first) over PyTorch's, on the
+    /// same kind of device.
+    pub fn time_ratio(&self) -> Option<f64> {
+        let t = self.torch.as_ref().ok()?;
+        if t.backend != self.vram.backend {
+            return None;
+        }
+        Some(steady_median(&self.vram.step_ms)? / steady_median(&t.step_ms)?)
+    }
+}
+
+/// The median of every step's time after the first (which creates the optimizer state and
+/// warms caches).
+pub fn steady_median(step_ms: &[f64]) -> Option<f64> {
+    let mut v: Vec<f64> = step_ms.iter().skip(1).copied().filter(|t| t.is_finite()).collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
+}
+
+/// Reads `dir/twin.json` and, if PyTorch ran, `dir/torch.json`.
+///
+/// # Errors
+///
+/// A missing or malformed `twin.json` (a malformed `torch.json` is reported as the
+/// PyTorch side's absence, with the reason).
+pub fn compare(dir: &Path) -> Result<Comparison, TwinError> {
+    let path = dir.join("twin.json");
+    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
+    let malformed = |reason: String| TwinError::Io { path: path.clone(), reason };
+    let twin: Value = serde_json::from_str(&text).map_err(|e| malformed(e.to_string()))?;
+    let model = twin["model"].as_str().ok_or_else(|| malformed("no `model`".into()))?.to_string();
+    let batch =
+        twin["input"]["shape"][0].as_u64().ok_or_else(|| malformed("no `input.shape`".into()))?;
+    let vram: VramRun = serde_json::from_value(twin["vram"].clone())
+        .map_err(|e| malformed(format!("`vram`: {e}")))?;
+    let torch_path = dir.join("torch.json");
+    let torch = match std::fs::read_to_string(&torch_path) {
+        Ok(text) => serde_json::from_str::<TorchRun>(&text)
+            .map_err(|e| format!("{} is malformed: {e}", torch_path.display())),
+        Err(e) => Err(format!("no PyTorch run ({}: {e})", torch_path.display())),
+    };
+    Ok(Comparison { model, batch: batch as usize, vram, torch })
+}
+
+fn ratio(r: Option<f64>) -> String {
+    r.map_or("-".into(), |r| format!("{r:.2}x"))
+}
+
+fn bytes(b: Option<u64>) -> String {
+    b.map_or("-".into(), human_bytes)
+}
+
+fn ms(t: Option<f64>) -> String {
+    t.map_or("-".into(), |t| format!("{t:.1}"))
+}
+
+/// The twin's report (Markdown): one row per model with both sides' peaks, step times and
+/// the largest loss difference, then the goal (vram's peak allocated at most PyTorch's) and
+/// the notes.
+pub fn report(rows: &[Comparison], settings: &TwinSettings) -> String {
+    let mut s = String::from("# vram vs PyTorch: the same models, weights and batch\n\n");
+    let vram_dev = rows.first().map(|r| format!("{} ({})", r.vram.device, r.vram.backend));
+    let torch = rows.iter().find_map(|r| r.torch.as_ref().ok());
+    let _ = writeln!(s, "- vram: {}", vram_dev.unwrap_or_else(|| "-".into()));
+    match torch {
+        Some(t) => {
+            let _ = writeln!(s, "- PyTorch {}: {} ({})", t.torch, t.device, t.backend);
+        }
+        None => s.push_str("- PyTorch: did not run (see the rows)\n"),
+    }
+    let _ = writeln!(
+        s,
+        "- {} AdamW steps (lr {}, PyTorch's other defaults), f32, dropout {}; peaks over the \
+         steps, reset once model, batch and optimizer were on the device; step time the \
+         median of the steps after the first, in ms\n",
+        settings.steps, settings.lr, settings.dropout
+    );
+    s.push_str(
+        "| model | batch | params | vram peak allocated | PyTorch peak allocated | ratio | vram peak \
+         reserved | PyTorch peak reserved | vram device used | vram step | PyTorch step | \
+         time ratio | largest loss difference |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in rows {
+        let t = r.torch.as_ref().ok();
+        let params = match t {
+            Some(t) if t.param_count != r.vram.param_count => {
+                format!("{} (PyTorch {})", r.vram.param_count, t.param_count)
+            }
+            _ => r.vram.param_count.to_string(),
+        };
+        let _ = writeln!(
+            s,
+            "| {} | {} | {params} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            r.model,
+            r.batch,
+            human_bytes(r.vram.peak_allocated),
+            bytes(t.and_then(|t| t.peak_allocated)),
+            ratio(r.allocated_ratio()),
+            human_bytes(r.vram.peak_reserved),
+            bytes(t.and_then(|t| t.peak_reserved)),
+            bytes(r.vram.device_used),
+            ms(steady_median(&r.vram.step_ms)),
+            ms(t.and_then(|t| steady_median(&t.step_ms))),
+            ratio(r.time_ratio()),
+            r.loss_difference().map_or("-".into(), |d| format!("{d:.1e}")),
+        );
+    }
+    let compared: Vec<&Comparison> =
+        rows.iter().filter(|r| r.allocated_ratio().is_some()).collect();
+    s.push_str("\n## Goal: vram's peak allocated <= 1.0x PyTorch's\n\n");
+    if compared.is_empty() {
+        s.push_str(
+            "Not measured: both sides must run on CUDA (PyTorch's peaks come from its CUDA \
+             caching allocator).\n",
+        );
+    } else {
+        let held: Vec<&str> = compared
+            .iter()
+            .filter(|r| r.allocated_ratio().is_some_and(|x| x <= 1.0))
+            .map(|r| r.model.as_str())
+            .collect();
+        let _ = writeln!(
+            s,
+            "Holds for {} of {} models: {}.",
+            held.len(),
+            compared.len(),
+            held.join(", ")
+        );
+    }
+    let skipped: Vec<String> = rows
+        .iter()
+        .filter_map(|r| r.torch.as_ref().err().map(|e| format!("- {}: {e}", r.model)))
+        .collect();
+    if !skipped.is_empty() {
+        s.push_str("\n## Without a PyTorch run\n\n");
+        s.push_str(&skipped.join("\n"));
+        s.push('\n');
+    }
+    if let Some(t) = torch.filter(|t| !t.notes.is_empty()) {
+        s.push_str("\n## Notes (PyTorch side)\n\n");
+        for n in &t.notes {
+            let _ = writeln!(s, "- {n}");
+        }
+    }
+    s
+}

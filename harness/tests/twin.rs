@@ -1,0 +1,138 @@
+//! The PyTorch twin's export, comparison and report (`cargo xtask twin`). The comparison
+//! with PyTorch itself runs when `VRAM_TWIN_PYTHON` names a Python with PyTorch (or
+//! `python3` has it); otherwise that test says `skipped: PyTorch is not installed`.
+
+use std::path::{Path, PathBuf};
+use vram_harness::twin::{self, Comparison, TwinError, TwinSettings};
+use vram_kernels::Device;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("vram-twin-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn read_f32(path: &Path) -> Vec<f32> {
+    let bytes = std::fs::read(path).unwrap();
+    bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+#[test]
+fn export_holds_the_model_the_batch_and_vrams_measurements() {
+    let dir = scratch("export");
+    let settings = TwinSettings { batch: 3, steps: 3, ..TwinSettings::default() };
+    let run = twin::run_vram(&Device::host(256 << 20), "gpt", &settings, &dir).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("twin.json")).unwrap()).unwrap();
+    assert_eq!(json["format"], twin::FORMAT);
+    assert_eq!(json["arch"]["kind"], "gpt");
+    assert_eq!(json["arch"]["dropout"], 0.0, "the default lets the losses be compared");
+    assert_eq!(json["input"]["shape"], serde_json::json!([3, 64]));
+    // The parameters tile the weights file in order, and their sizes add up to the count.
+    let weights = read_f32(&dir.join("weights.f32"));
+    assert_eq!(weights.len() as u64, run.param_count);
+    let mut next = 0;
+    for p in json["params"].as_array().unwrap() {
+        assert_eq!(p["offset"].as_u64().unwrap(), next, "{}", p["name"]);
+        next += p["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).product::<u64>();
+    }
+    assert_eq!(next, run.param_count);
+    assert_eq!(json["params"][0]["name"], "wte");
+    // The weights are the model's initial ones: the same preset and seed rebuild them.
+    let again = vram_harness::models::Model::new(
+        &Device::host(256 << 20),
+        vram_harness::models::Arch::preset("gpt").unwrap(),
+        settings.seed,
+        vram_kernels::DType::F32,
+    )
+    .unwrap();
+    assert_eq!(again.params()[0].value.to_f32_vec().unwrap(), weights[..256 * 128].to_vec());
+    let tokens = std::fs::read(dir.join("input.u32")).unwrap();
+    assert_eq!(tokens.len(), 4 * 3 * 64);
+    assert_eq!(run.losses.len(), 3);
+    assert!(run.losses[2] < run.losses[0], "training lowers the loss: {:?}", run.losses);
+    assert!(run.peak_allocated > run.weights_bytes && run.peak_reserved >= run.peak_allocated);
+    assert_eq!(run.device_used, None, "cuMemGetInfo is a CUDA figure");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_settings_and_models_are_refused_with_the_reason() {
+    let dir = scratch("bad");
+    let host = Device::host(64 << 20);
+    let cases = [
+        ("mlp", TwinSettings { batch: 0, ..TwinSettings::default() }, "batch"),
+        ("mlp", TwinSettings { steps: 1, ..TwinSettings::default() }, "at least 2"),
+        ("mlp", TwinSettings { dropout: 1.0, ..TwinSettings::default() }, "dropout"),
+        ("mlp", TwinSettings { lr: f32::NAN, ..TwinSettings::default() }, "learning rate"),
+        ("gpt5", TwinSettings::default(), "gpt2-small"),
+    ];
+    for (model, settings, expected) in cases {
+        let err = twin::run_vram(&host, model, &settings, &dir).unwrap_err().to_string();
+        assert!(err.contains(expected), "{model}: {err}");
+    }
+    let err =
+        twin::run_vram(&Device::virtual_device(1 << 30), "mlp", &TwinSettings::default(), &dir)
+            .unwrap_err();
+    assert!(matches!(err, TwinError::InvalidArgument { what: "device", .. }), "{err}");
+    // Out of memory is an error naming the model, not a panic.
+    let tiny = Device::host(64 << 10);
+    let err = twin::run_vram(&tiny, "gpt", &TwinSettings::default(), &dir).unwrap_err();
+    assert!(err.to_string().starts_with("gpt on "), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn comparison_reads_both_sides_and_the_report_states_the_goal() {
+    let dir = scratch("compare");
+    let settings = TwinSettings { batch: 2, steps: 2, ..TwinSettings::default() };
+    let run = twin::run_vram(&Device::host(64 << 20), "mlp", &settings, &dir).unwrap();
+    let alone = twin::compare(&dir).unwrap();
+    assert!(alone.torch.as_ref().unwrap_err().contains("no PyTorch run"));
+    assert_eq!(alone.loss_difference(), None);
+    // A PyTorch side as the script writes it, on the same kind of device (the host): the
+    // losses compare, the memory does not (PyTorch's peaks are CUDA figures).
+    let losses: Vec<f32> = run.losses.iter().map(|l| l * (1.0 + 1e-6)).collect();
+    let torch = serde_json::json!({
+        "torch": "2.11.0", "device": "cpu", "backend": "cpu", "param_count": run.param_count,
+        "losses": losses, "step_ms": [5.0, 2.0], "peak_allocated": null, "peak_reserved": null,
+        "weights_bytes": null, "tf32": false, "notes": ["explicit attention"],
+    });
+    std::fs::write(dir.join("torch.json"), torch.to_string()).unwrap();
+    let row = twin::compare(&dir).unwrap();
+    let diff = row.loss_difference().unwrap();
+    assert!(diff > 0.0 && diff < 1e-5, "{diff}");
+    assert_eq!(row.allocated_ratio(), None);
+    assert!(row.time_ratio().is_some());
+    let text = twin::report(std::slice::from_ref(&row), &settings);
+    assert!(text.contains("| mlp | 2 |"), "{text}");
+    assert!(text.contains("Not measured: both sides must run on CUDA"), "{text}");
+    assert!(text.contains("explicit attention"), "{text}");
+
+    // On CUDA the goal is judged from both peaks.
+    let mut cuda = row.clone();
+    cuda.vram.backend = "cuda".into();
+    cuda.vram.peak_allocated = 900;
+    let mut t = cuda.torch.clone().unwrap();
+    (t.backend, t.peak_allocated, t.peak_reserved) = ("cuda".into(), Some(1000), Some(2048));
+    cuda.torch = Ok(t);
+    assert_eq!(cuda.allocated_ratio(), Some(0.9));
+    let mut worse = cuda.clone();
+    worse.model = "gpt".into();
+    worse.vram.peak_allocated = 1100;
+    let text = twin::report(&[cuda, worse], &settings);
+    assert!(text.contains("Holds for 1 of 2 models: mlp."), "{text}");
+    assert!(text.contains("| 0.90x |") && text.contains("| 1.10x |"), "{text}");
+
+    std::fs::write(dir.join("torch.json"), "{").unwrap();
+    let broken: Comparison = twin::compare(&dir).unwrap();
+    assert!(broken.torch.unwrap_err().contains("malformed"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn steady_median_skips_the_first_step() {
+    assert_eq!(twin::steady_median(&[100.0, 3.0, 1.0, 2.0]), Some(2.0));
+    assert_eq!(twin::steady_median(&[100.0, 3.0, 1.0]), Some(2.0));
+    assert_eq!(twin::steady_median(&[100.0]), None);
+}

@@ -1,0 +1,222 @@
+//! `cargo xtask twin`: the reference models trained by vram and by PyTorch
+//! (`xtask/twin/torch_twin.py`) from the same weights on the same batch, side by side.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use vram_harness::models::Arch;
+use vram_harness::twin::{self, TwinSettings};
+use vram_kernels::Device;
+
+/// The small models, executed on any backend.
+const SMALL: &[&str] = &["mlp", "resnet-like", "mobilenet-like", "gpt"];
+/// The real-size presets, and the batch each runs at by default on a GPU.
+const REAL: &[(&str, usize)] = &[
+    ("gpt2-small", 8),
+    ("gpt2-medium", 4),
+    ("resnet50", 64),
+    ("mobilenetv3-like", 64),
+    ("vit-b-like", 64),
+];
+
+/// Arguments of `cargo xtask twin`.
+#[derive(clap::Args, Debug)]
+#[command(after_help = "\
+Each model's folder under --out gets vram's export (twin.json, weights.f32, input.*, \
+targets.u32) and, when PyTorch is installed, torch.json; <out>/TWIN.md puts both sides side \
+by side. On a GPU machine, in one command:
+    cargo xtask twin --backend cuda --out results/twin
+
+Exit status: 0 when every model ran on both sides (or PyTorch is absent), 1 when a model \
+failed on either side, 2 for bad arguments.")]
+pub struct TwinArgs {
+    /// Models, comma-separated (presets of `cargo xtask plan --list-models`). Default: the
+    /// small ones (mlp, resnet-like, mobilenet-like, gpt), and on CUDA also gpt2-small,
+    /// gpt2-medium, resnet50, mobilenetv3-like and vit-b-like.
+    #[arg(long, value_name = "NAME,...")]
+    models: Option<String>,
+    /// Samples per batch for every model. Default: 8 for the small models; on CUDA 8 for
+    /// gpt2-small, 4 for gpt2-medium, 64 for the image models.
+    #[arg(long, value_name = "N")]
+    batch: Option<usize>,
+    /// AdamW steps per model (at least 2).
+    #[arg(long, default_value_t = 5, value_name = "N")]
+    steps: usize,
+    /// Dropout of GPT and ViT; 0 (the default) lets the losses be compared step for step.
+    #[arg(long, default_value_t = 0.0, value_name = "P")]
+    dropout: f32,
+    /// Seed of the weights and the batch.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Where vram runs: CUDA if usable (auto), the host (cpu), or CUDA or fail (cuda).
+    /// PyTorch runs on the same kind of device.
+    #[arg(long, value_enum, default_value_t = Backend::Auto)]
+    backend: Backend,
+    /// Capacity of the host backend's simulated device, e.g. 16GiB.
+    #[arg(long, default_value = "16GiB", value_name = "SIZE")]
+    device_memory: String,
+    /// Output folder: one folder per model and TWIN.md.
+    #[arg(long, default_value = "results/twin", value_name = "DIR")]
+    out: PathBuf,
+    /// The Python interpreter that has PyTorch.
+    #[arg(long, default_value = "python3", value_name = "PATH")]
+    python: PathBuf,
+    /// The twin script. Default: xtask/twin/torch_twin.py under the current folder, else
+    /// in the source tree this binary was built from.
+    #[arg(long, value_name = "PATH")]
+    script: Option<PathBuf>,
+    /// Run vram's side only (export and measure).
+    #[arg(long)]
+    no_torch: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Backend {
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+fn script(args: &TwinArgs) -> PathBuf {
+    if let Some(s) = &args.script {
+        return s.clone();
+    }
+    let here = Path::new("xtask/twin/torch_twin.py");
+    if here.exists() {
+        return here.to_path_buf();
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("twin/torch_twin.py")
+}
+
+/// The models and their batches.
+fn models(args: &TwinArgs, cuda: bool) -> Result<Vec<(String, usize)>, String> {
+    let mut list: Vec<(String, usize)> = match &args.models {
+        Some(text) => {
+            let mut list = Vec::new();
+            for name in text.split(',').map(str::trim) {
+                if name.is_empty() {
+                    return Err(format!("--models `{text}`: an empty name"));
+                }
+                Arch::preset(name).map_err(|e| format!("--models: {e}"))?;
+                if list.iter().any(|(n, _)| n == name) {
+                    return Err(format!("--models: `{name}` is given twice"));
+                }
+                let batch = REAL.iter().find(|(n, _)| *n == name).map_or(8, |(_, b)| *b);
+                list.push((name.to_string(), batch));
+            }
+            list
+        }
+        None => {
+            let mut list: Vec<(String, usize)> = SMALL.iter().map(|n| (n.to_string(), 8)).collect();
+            if cuda {
+                list.extend(REAL.iter().map(|(n, b)| (n.to_string(), *b)));
+            }
+            list
+        }
+    };
+    if let Some(b) = args.batch {
+        list.iter_mut().for_each(|(_, batch)| *batch = b);
+    }
+    Ok(list)
+}
+
+/// Runs the command; `Err` is a message for a usage error (exit status 2).
+pub fn run(args: TwinArgs) -> Result<ExitCode, String> {
+    if args.batch == Some(0) {
+        return Err("--batch must be at least 1".into());
+    }
+    if args.steps < 2 {
+        return Err(format!(
+            "--steps must be at least 2 (the first creates AdamW's state), got {}",
+            args.steps
+        ));
+    }
+    if !(0.0..1.0).contains(&args.dropout) {
+        return Err(format!("--dropout must be in [0, 1), got {}", args.dropout));
+    }
+    let capacity = vram_harness::parse_size(&args.device_memory)
+        .map_err(|e| format!("--device-memory: {e}"))?;
+    let cuda = match args.backend {
+        Backend::Cpu => false,
+        Backend::Cuda => {
+            Device::cuda(0).map_err(|e| format!("--backend cuda: no usable CUDA device: {e}"))?;
+            true
+        }
+        Backend::Auto => match Device::cuda(0) {
+            Ok(_) => true,
+            Err(e) => {
+                eprintln!("note: no usable CUDA device ({e}); using the host backend");
+                false
+            }
+        },
+    };
+    let models = models(&args, cuda)?;
+    let script = script(&args);
+    if !args.no_torch && !script.exists() {
+        return Err(format!("the twin script {} does not exist (--script)", script.display()));
+    }
+    std::fs::create_dir_all(&args.out).map_err(|e| format!("--out {}: {e}", args.out.display()))?;
+
+    let mut failed = false;
+    let mut rows = Vec::new();
+    let common = TwinSettings {
+        steps: args.steps,
+        dropout: args.dropout,
+        seed: args.seed,
+        ..TwinSettings::default()
+    };
+    for (name, batch) in &models {
+        let dir = args.out.join(name);
+        let settings = TwinSettings { batch: *batch, ..common.clone() };
+        let vram = {
+            let device = if cuda { Device::cuda(0) } else { Ok(Device::host(capacity)) };
+            device.map_err(|e| e.to_string()).and_then(|device| {
+                twin::run_vram(&device, name, &settings, &dir).map_err(|e| e.to_string())
+            })
+        };
+        let vram = match vram {
+            Ok(v) => v,
+            Err(e) => {
+                eprintln!("{name}: vram failed: {e}");
+                failed = true;
+                continue;
+            }
+        };
+        eprintln!(
+            "{name} (batch {batch}): vram peak allocated {}, losses {:?}",
+            vram_harness::human_bytes(vram.peak_allocated),
+            vram.losses
+        );
+        if !args.no_torch {
+            let device = if cuda { "cuda" } else { "cpu" };
+            let status = Command::new(&args.python)
+                .arg(&script)
+                .arg(&dir)
+                .args(["--device", device])
+                .status();
+            match status {
+                Ok(s) if s.success() => {}
+                Ok(s) if s.code() == Some(3) => {} // PyTorch absent: said on stderr
+                Ok(s) => {
+                    eprintln!("{name}: the PyTorch twin failed ({s})");
+                    failed = true;
+                }
+                Err(e) => {
+                    eprintln!("{name}: cannot start {}: {e}", args.python.display());
+                    failed = true;
+                }
+            }
+        }
+        match twin::compare(&dir) {
+            Ok(row) => rows.push(row),
+            Err(e) => {
+                eprintln!("{name}: {e}");
+                failed = true;
+            }
+        }
+    }
+    let text = twin::report(&rows, &common);
+    let path = args.out.join("TWIN.md");
+    std::fs::write(&path, &text).map_err(|e| format!("{}: {e}", path.display()))?;
+    println!("{text}\nwritten: {}", path.display());
+    Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}

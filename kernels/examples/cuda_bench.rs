@@ -4,6 +4,9 @@
 //! - elementwise `add` on 64M elements as a fraction of that copy bandwidth,
 //! - `matmul` at 8192^3 in f16, bf16 and f32 (TFLOP/s).
 //!
+//! Ends with one JSON line (`{"kernels": [...]}`) that `xtask/gpu/torch_bench.py` reads to
+//! put PyTorch's figures from the same run beside these.
+//!
 //! Timing: warm-up first, then a device synchronize around each timed loop. On a machine
 //! without a usable CUDA device it prints `skipped: no CUDA device (...)` and exits 0.
 //!
@@ -59,6 +62,12 @@ fn main() -> Result<()> {
     let data = values(ELEMENTS, 1);
     let data2 = values(ELEMENTS, 2);
     let mut copy_gbs = 0.0;
+    let mut json = Vec::new();
+    let mut record = |op: &str, dtype: DType, ms: f64, rate: f64| {
+        json.push(format!(
+            "{{\"op\": \"{op}\", \"dtype\": \"{dtype}\", \"ms\": {ms:.4}, \"rate\": {rate:.2}}}"
+        ));
+    };
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         let a = Tensor::from_f32_slice(&dev, &[ELEMENTS], &data, dtype)?;
         let b = Tensor::from_f32_slice(&dev, &[ELEMENTS], &data2, dtype)?;
@@ -69,6 +78,8 @@ fn main() -> Result<()> {
         if dtype == DType::F32 {
             copy_gbs = copy;
         }
+        record("copy", dtype, t_copy * 1e3, copy);
+        record("add", dtype, t_add * 1e3, add);
         println!("| d2d copy 64M | {dtype} | {:.3} | {copy:.0} GB/s | 1.00 |", t_copy * 1e3);
         println!(
             "| add 64M | {dtype} | {:.3} | {add:.0} GB/s | {:.2} of copy |",
@@ -84,8 +95,10 @@ fn main() -> Result<()> {
         let iters = if dtype == DType::F32 { 5 } else { 20 };
         let t = time(&dev, 2, iters, || ops::matmul(&a, &b, false, false).map(drop))?;
         let tflops = 2.0 * (MATMUL as f64).powi(3) / t / 1e12;
+        record("matmul", dtype, t * 1e3, tflops);
         println!("| matmul 8192^3 | {dtype} | {:.3} | {tflops:.1} TFLOP/s | |", t * 1e3);
     }
     println!("(copy bandwidth reference: f32 d2d copy {copy_gbs:.0} GB/s)");
+    println!("{{\"kernels\": [{}]}}", json.join(", "));
     Ok(())
 }

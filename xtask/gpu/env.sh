@@ -1,0 +1,9 @@
+# Sourced by the GPU scripts on the device machine: finds the CUDA libraries (driver, NVRTC,
+# cuBLAS, NCCL: the system's or PyTorch's wheels) for the packed binaries.
+libdirs=$(find /usr /opt /lib /lib64 -xdev \( -name 'libcuda.so*' -o -name 'libnvrtc.so*' \
+  -o -name 'libcublas.so*' -o -name 'libcublasLt.so*' -o -name 'libcurand.so*' -o -name 'libnccl.so*' \) \
+  2>/dev/null | xargs -r -n1 dirname | sort -u | paste -sd: -)
+export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+[ -d .gpu/bin ] || { echo "error: no .gpu/bin: run xtask/gpu/prepare here and carry [\".gpu\"]" >&2; exit 2; }

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# On the device machine, in one command (under 10 minutes): the GPU issue's measurements, each
+# bounded by a timeout so that one failure does not cost the others.
+#   1. kernels: copy bandwidth, add as a fraction of it, matmul 8192^3; PyTorch's in the same run
+#   2. allocator: cached pair vs cuMemAlloc + cuMemFree, vs PyTorch's caching allocator
+#   3. the PyTorch twin of the reference models (cargo xtask twin --backend cuda)
+#   4. a PyTorch training trace (default and expandable segments) replayed by vram --strict
+#   5. cargo xtask plan --verify on CUDA (the virtual prediction against the measured peak)
+# Everything lands in $OUT/measure.tar.gz; $OUT/SUMMARY.md has the tables.
+source "$(dirname "$0")/env.sh"
+here=$(cd "$(dirname "$0")" && pwd)
+R=$(mktemp -d)/measure
+mkdir -p "$R/trace"
+S="$R/SUMMARY.md"
+say() { echo "$@" | tee -a "$S"; }
+run() { # name, timeout seconds, command...
+  local name=$1 limit=$2; shift 2
+  say ""; say "## $name"; say ""; say '```'
+  timeout "$limit" "$@" > "$R/$name.txt" 2>&1
+  local rc=$?
+  tail -n 40 "$R/$name.txt" | tee -a "$S"
+  say '```'; say "exit status: $rc"
+}
+say "# GPU measurements ($(date -u +%FT%TZ))"
+say "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
+say "$(python3 -c 'import torch; print("PyTorch", torch.__version__, "CUDA", torch.version.cuda)' 2>&1)"
+run cuda_bench 120 .gpu/bin/cuda_bench
+run cuda_pairs 120 .gpu/bin/cuda_pairs
+run torch_bench 180 python3 "$here/torch_bench.py" --vram-kernels "$R/cuda_bench.txt" --vram-pairs "$R/cuda_pairs.txt"
+run twin 300 .gpu/bin/xtask twin --backend cuda --out "$R/twin"
+cp "$R/twin/TWIN.md" "$R/TWIN.md" 2>/dev/null
+find "$R/twin" \( -name 'weights.f32' -o -name 'input.*' -o -name 'targets.u32' \) -delete
+for conf in default expandable; do
+  c=""; [ "$conf" = expandable ] && c="expandable_segments:True"
+  run "record_$conf" 120 python3 "$here/record_trace.py" "$R/trace/torch_step_$conf.pickle" ${c:+--conf "$c"}
+  run "replay_$conf" 120 .gpu/bin/xtask replay "$R/trace/torch_step_$conf.pickle" --strict --out "$R/trace"
+done
+run plan_verify 240 .gpu/bin/xtask plan --model gpt2-small --batch 32 --device-memory 80GiB --verify
+tar czf "$OUT/measure.tar.gz" -C "$(dirname "$R")" measure
+cp "$S" "$OUT/SUMMARY.md"
+cp "$R/TWIN.md" "$OUT/TWIN.md" 2>/dev/null
+echo "written: $OUT/measure.tar.gz, $OUT/SUMMARY.md"

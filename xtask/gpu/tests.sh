@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# On the device machine: every packed test binary (CUDA tests for real), their logs packed
+# into one file ($OUT takes 8 files at most).
+source "$(dirname "$0")/env.sh"
+logs=$(mktemp -d)
+OUT= bash .gpu/run "$@" 2>&1 | tee "$logs/run.txt"
+status=${PIPESTATUS[0]}
+cp .gpu/*.log "$logs/" 2>/dev/null
+grep -h "skipped: no CUDA" .gpu/*.log | sort | uniq -c > "$logs/skipped.txt" || true
+echo "tests that still skipped CUDA (should be none on a GPU): $(wc -l < "$logs/skipped.txt")"
+tar czf "$OUT/tests.tar.gz" -C "$logs" .
+exit "$status"

@@ -136,3 +136,48 @@ fn steady_median_skips_the_first_step() {
     assert_eq!(twin::steady_median(&[100.0, 3.0, 1.0]), Some(2.0));
     assert_eq!(twin::steady_median(&[100.0]), None);
 }
+
+/// The Python with PyTorch: `VRAM_TWIN_PYTHON`, else `python3` if it imports torch.
+fn python_with_torch() -> Option<String> {
+    let python = std::env::var("VRAM_TWIN_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = std::process::Command::new(&python)
+        .args(["-c", "import torch"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    ok.then_some(python)
+}
+
+#[test]
+fn pytorch_trains_the_same_models_to_the_same_losses() {
+    let Some(python) = python_with_torch() else {
+        println!(
+            "skipped: PyTorch is not installed (set VRAM_TWIN_PYTHON to a Python that has it)"
+        );
+        return;
+    };
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../xtask/twin/torch_twin.py");
+    let settings = TwinSettings { batch: 4, steps: 4, ..TwinSettings::default() };
+    for model in ["mlp", "resnet-like", "mobilenet-like", "gpt"] {
+        let dir = scratch(&format!("torch-{model}"));
+        twin::run_vram(&Device::host(256 << 20), model, &settings, &dir).unwrap();
+        let status = std::process::Command::new(&python)
+            .arg(&script)
+            .arg(&dir)
+            .args(["--device", "cpu"])
+            .status()
+            .unwrap();
+        assert!(status.success(), "{model}: the twin script failed ({status})");
+        let row = twin::compare(&dir).unwrap();
+        let torch = row.torch.as_ref().unwrap();
+        assert_eq!(torch.param_count, row.vram.param_count, "{model}");
+        let diff = row.loss_difference().unwrap();
+        // f32 on both sides, summed in different orders: a few ulps per op.
+        assert!(
+            diff < 1e-4,
+            "{model}: losses differ by {diff:e}: {:?} vs {:?}",
+            row.vram.losses,
+            torch.losses
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

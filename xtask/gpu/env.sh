@@ -6,4 +6,7 @@ libdirs=$(find /usr /opt /lib /lib64 -xdev \( -name 'libcuda.so*' -o -name 'libn
 export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
+if [ -f .gpu/bundle.tar.xz ] && [ ! -d .gpu/bin ]; then
+  tar -C .gpu -xJf .gpu/bundle.tar.xz || { echo "error: cannot unpack .gpu/bundle.tar.xz" >&2; exit 2; }
+fi
 [ -d .gpu/bin ] || { echo "error: no .gpu/bin: run xtask/gpu/prepare here and carry [\".gpu\"]" >&2; exit 2; }

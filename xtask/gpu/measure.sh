@@ -35,7 +35,7 @@ for conf in default expandable; do
   run "record_$conf" 120 python3 "$here/record_trace.py" "$R/trace/torch_step_$conf.pickle" ${c:+--conf "$c"}
   run "replay_$conf" 120 .gpu/bin/xtask replay "$R/trace/torch_step_$conf.pickle" --strict --out "$R/trace"
 done
-run plan_verify 240 .gpu/bin/xtask plan --model gpt2-small --batch 32 --device-memory 80GiB --verify
+run plan_verify 240 .gpu/bin/xtask plan --model gpt2-small --batch 32 --device-memory 79GiB --verify
 tar czf "$OUT/measure.tar.gz" -C "$(dirname "$R")" measure
 cp "$S" "$OUT/SUMMARY.md"
 cp "$R/TWIN.md" "$OUT/TWIN.md" 2>/dev/null

@@ -7,6 +7,6 @@ OUT= bash .gpu/run "$@" 2>&1 | tee "$logs/run.txt"
 status=${PIPESTATUS[0]}
 cp .gpu/*.log "$logs/" 2>/dev/null
 grep -h "skipped: no CUDA" .gpu/*.log | sort | uniq -c > "$logs/skipped.txt" || true
-echo "tests that still skipped CUDA (should be none on a GPU): $(wc -l < "$logs/skipped.txt")"
+echo "distinct \"skipped: no CUDA\" lines (none on a working GPU): $(wc -l < "$logs/skipped.txt")"
 tar czf "$OUT/tests.tar.gz" -C "$logs" .
 exit "$status"

@@ -254,6 +254,11 @@ pub fn run_vram(
     let mut model =
         Model::new(device, arch, settings.seed, DType::F32).map_err(|e| fail(Box::new(e)))?;
     std::fs::create_dir_all(dir).map_err(io(dir))?;
+    // A PyTorch side from an earlier run would be compared with this one's.
+    let stale = dir.join("torch.json");
+    if stale.exists() {
+        std::fs::remove_file(&stale).map_err(io(&stale))?;
+    }
     let (params, input) = export(&model, &batch, seq, dir).map_err(|e| match e {
         Exported::Io(e) => e,
         Exported::Kernel(e) => fail(Box::new(e)),
@@ -459,7 +464,11 @@ fn bytes(b: Option<u64>) -> String {
 }
 
 fn ms(t: Option<f64>) -> String {
-    t.map_or("-".into(), |t| format!("{t:.1}"))
+    match t {
+        None => "-".into(),
+        Some(t) if t < 1.0 => format!("{t:.3}"),
+        Some(t) => format!("{t:.1}"),
+    }
 }
 
 /// The twin's report (Markdown): one row per model with both sides' peaks, step times and
@@ -467,7 +476,8 @@ fn ms(t: Option<f64>) -> String {
 /// the notes.
 pub fn report(rows: &[Comparison], settings: &TwinSettings) -> String {
     let mut s = String::from("# vram vs PyTorch: the same models, weights and batch\n\n");
-    let vram_dev = rows.first().map(|r| format!("{} ({})", r.vram.device, r.vram.backend));
+    let vram_dev = rows.first().map(|r| r.vram.device.clone());
+    let host = rows.iter().any(|r| r.vram.backend != "cuda");
     let torch = rows.iter().find_map(|r| r.torch.as_ref().ok());
     let _ = writeln!(s, "- vram: {}", vram_dev.unwrap_or_else(|| "-".into()));
     match torch {
@@ -483,6 +493,13 @@ pub fn report(rows: &[Comparison], settings: &TwinSettings) -> String {
          median of the steps after the first, in ms\n",
         settings.steps, settings.lr, settings.dropout
     );
+    if host {
+        s.pop();
+        s.push_str(
+            "- step times on the host are host figures (vram's CPU backend against PyTorch's \
+             CPU build): they say nothing about GPU speed\n\n",
+        );
+    }
     s.push_str(
         "| model | batch | params | vram peak allocated | PyTorch peak allocated | ratio | vram peak \
          reserved | PyTorch peak reserved | vram device used | vram step | PyTorch step | \

@@ -127,6 +127,9 @@ fn comparison_reads_both_sides_and_the_report_states_the_goal() {
     std::fs::write(dir.join("torch.json"), "{").unwrap();
     let broken: Comparison = twin::compare(&dir).unwrap();
     assert!(broken.torch.unwrap_err().contains("malformed"));
+    // A new vram run in the same folder drops the PyTorch side of the last one.
+    twin::run_vram(&Device::host(64 << 20), "mlp", &settings, &dir).unwrap();
+    assert!(twin::compare(&dir).unwrap().torch.unwrap_err().contains("no PyTorch run"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

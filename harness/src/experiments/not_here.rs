@@ -10,7 +10,7 @@ use crate::{Backend, Claim, Context, ExperimentError, Verdict};
 use serde::Serialize;
 use serde_json::json;
 use vram_accum::Mode;
-use vram_kernels::{DType, Device, Tensor};
+use vram_kernels::{DType, Device, Tensor, ops};
 
 pub(super) static PINNED_MEMORY: Experiment<Transfer> = Experiment {
     technique: Technique {
@@ -38,10 +38,14 @@ pub(super) static CPU_FALLBACK: Experiment<Evaluation> = Experiment {
     expected_secs: [0.1, 0.1],
 };
 
-/// A host-to-device copy's rate.
+/// A host-to-device copy's rate, or how much of it a compute burst hid.
 #[derive(Serialize)]
 pub(super) struct Transfer {
-    copy_gib_per_s: f64,
+    /// The copy alone: GiB/s.
+    copy_gib_per_s: Option<f64>,
+    /// Copy and compute launched together: the share of the shorter of the two (alone)
+    /// that the overlap hid, `(copy + compute - both) / min(copy, compute)`.
+    hidden_share: Option<f64>,
 }
 
 /// An evaluation's loss.
@@ -53,10 +57,25 @@ pub(super) struct Evaluation {
 /// Copies timed per kind, interleaved.
 const COPIES: usize = 5;
 
-/// `pinned-memory`: page-locked host buffers and copies on a side stream. On CUDA, measures
-/// host-to-device copy bandwidth from pageable memory against page-locked memory uploaded on
-/// the transfer stream, the copies interleaved. The overlap of copies with compute is not
-/// measured yet.
+/// The side of the square f32 matmuls of the compute burst.
+const BURST_SIDE: usize = 2048;
+
+/// What one timed round does.
+#[derive(Clone, Copy, PartialEq)]
+enum Work {
+    /// The 64 MiB copy alone (page-locked or not).
+    Copy(bool),
+    /// The compute burst alone.
+    Compute,
+    /// The copy launched, then the burst, then both awaited.
+    Both(bool),
+}
+
+/// `pinned-memory`: page-locked host buffers and copies on a side stream. On CUDA, times
+/// 64 MiB host-to-device copies from pageable memory and from page-locked memory on the
+/// transfer stream, a compute burst (square f32 matmuls sized to last about as long as the
+/// page-locked copy) alone, and each copy launched together with the burst: how much of
+/// the copy the compute hides. Every kind of round is interleaved with the others.
 fn pinned_memory(ctx: &Context) -> Result<Sweep<Transfer>, ExperimentError> {
     let mut sweep = Sweep::new(ctx, json!({ "bytes": 64u64 << 20, "repeats": COPIES }));
     if matches!(ctx.backend, Backend::Cpu) {
@@ -65,53 +84,117 @@ fn pinned_memory(ctx: &Context) -> Result<Sweep<Transfer>, ExperimentError> {
             measured: "not measured: the host backend has no host-to-device transfers: tensors already live in host memory".into(),
             verdict: Verdict::NotApplicable,
         });
-        sweep.reading("needs a GPU: `cargo xtask bench --backend cuda --only pinned-memory` times 64 MiB host-to-device copies from pageable and page-locked memory");
+        sweep.reading("needs a GPU: `cargo xtask bench --backend cuda --only pinned-memory` times 64 MiB host-to-device copies from pageable and page-locked memory, and each alongside compute");
         return Ok(sweep);
     }
     let dev = device(ctx, "")?;
     let n = (64usize << 20) / 4;
-    let values: Vec<f32> = (0..n).map(|i| (i % 1000) as f32).collect();
+    let values: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 - 500.0).collect();
     let mut pinned = vram_kernels::PinnedBuffer::new(&dev, n * 4)?;
     pinned.write_f32(&values, DType::F32)?;
-    let mut kinds = [false, true];
-    let samples = interleaved(&mut kinds, 1, COPIES, |page_locked| {
+    let square: Vec<f32> =
+        (0..BURST_SIDE * BURST_SIDE).map(|i| ((i % 97) as f32 - 48.0) / 64.0).collect();
+    let a = Tensor::from_f32_slice(&dev, &[BURST_SIDE, BURST_SIDE], &square, DType::F32)?;
+    let timed = |f: &mut dyn FnMut() -> Result<(), ExperimentError>| {
         sync(&dev)?;
         let started = std::time::Instant::now();
-        let t = if *page_locked {
+        f()?;
+        sync(&dev)?;
+        Ok::<_, ExperimentError>(started.elapsed().as_secs_f64() * 1e3)
+    };
+    let copy = |page_locked: bool| -> Result<Tensor, ExperimentError> {
+        Ok(if page_locked {
             dev.upload_async(&pinned, &[n], DType::F32).and_then(|u| u.wait())?
         } else {
             Tensor::from_f32_slice(&dev, &[n], &values, DType::F32)?
-        };
-        sync(&dev)?;
-        drop(t);
-        Ok::<_, ExperimentError>(started.elapsed().as_secs_f64() * 1e3)
-    })?;
-    let mut timings = Vec::new();
-    for (page_locked, times) in kinds.iter().zip(&samples) {
-        let step = Timing::from_samples(times)
-            .ok_or_else(|| ExperimentError::Setup("pinned-memory needs timed copies".into()))?;
-        let gib_s = (n * 4) as f64 / (step.mean_ms / 1e3) / (1u64 << 30) as f64;
-        let name = if *page_locked { "page-locked, transfer stream" } else { "pageable" };
-        let (peak, reserved) = (dev.max_memory_allocated(), dev.max_memory_reserved());
-        sweep.push(name, peak, reserved, Some(step), Transfer { copy_gib_per_s: gib_s });
-        timings.push((step, gib_s));
+        })
+    };
+    // The burst's length: as many matmuls as one page-locked copy takes (at least one).
+    let mut one_copy = f64::INFINITY;
+    let mut one_mm = f64::INFINITY;
+    for _ in 0..3 {
+        one_copy = one_copy.min(timed(&mut || copy(true).map(drop))?);
+        one_mm = one_mm
+            .min(timed(&mut || ops::matmul(&a, &a, false, false).map(drop).map_err(Into::into))?);
     }
-    let ((pageable, slow_rate), (locked, fast_rate)) = (timings[0], timings[1]);
+    let burst = ((one_copy / one_mm.max(1e-6)).round() as usize).clamp(1, 10_000);
+    let compute = || -> Result<(), ExperimentError> {
+        for _ in 0..burst {
+            drop(ops::matmul(&a, &a, false, false)?);
+        }
+        Ok(())
+    };
+    let mut kinds =
+        [Work::Copy(false), Work::Copy(true), Work::Compute, Work::Both(false), Work::Both(true)];
+    let samples = interleaved(&mut kinds, 1, COPIES, |work| {
+        let work = *work;
+        timed(&mut || match work {
+            Work::Copy(locked) => copy(locked).map(drop),
+            Work::Compute => compute(),
+            Work::Both(true) => {
+                // The copy goes first on the transfer stream; the burst queues behind it on
+                // the compute stream; `wait` joins them.
+                let upload = dev.upload_async(&pinned, &[n], DType::F32)?;
+                compute()?;
+                drop(upload.wait()?);
+                Ok(())
+            }
+            Work::Both(false) => {
+                // The burst is queued first; a pageable copy cannot start before the host
+                // has staged it, and it runs on the compute stream.
+                compute()?;
+                copy(false).map(drop)
+            }
+        })
+    })?;
+    let mut mean = Vec::new();
+    for times in &samples {
+        mean.push(
+            Timing::from_samples(times)
+                .ok_or_else(|| ExperimentError::Setup("pinned-memory needs timed rounds".into()))?,
+        );
+    }
+    let bytes = (n * 4) as f64;
+    let rate = |t: &Timing| bytes / (t.mean_ms / 1e3) / (1u64 << 30) as f64;
+    let hidden = |copy: &Timing, both: &Timing| {
+        let (c, k, b) = (copy.mean_ms, mean[2].mean_ms, both.mean_ms);
+        ((c + k - b) / c.min(k)).clamp(0.0, 1.0)
+    };
+    let (slow_rate, fast_rate) = (rate(&mean[0]), rate(&mean[1]));
+    let (hidden_pageable, hidden_locked) = (hidden(&mean[0], &mean[3]), hidden(&mean[1], &mean[4]));
+    let (peak, reserved) = (dev.max_memory_allocated(), dev.max_memory_reserved());
+    let rows = [
+        ("pageable copy", Some(slow_rate), None),
+        ("page-locked copy, transfer stream", Some(fast_rate), None),
+        ("compute burst alone", None, None),
+        ("pageable copy + compute", None, Some(hidden_pageable)),
+        ("page-locked copy + compute", None, Some(hidden_locked)),
+    ];
+    for ((name, copy_gib_per_s, hidden_share), t) in rows.into_iter().zip(&mean) {
+        sweep.push(name, peak, reserved, Some(*t), Transfer { copy_gib_per_s, hidden_share });
+    }
+    let faster = mean[0].clearly_above(&mean[1]) && fast_rate > 1.2 * slow_rate;
+    let fewer_stalls = hidden_locked >= 0.5 && hidden_locked > hidden_pageable + 0.25;
     sweep.claim(Claim {
         claim: "pinned memory gives faster transfers and fewer stalls".into(),
         measured: format!(
-            "64 MiB host-to-device: {slow_rate:.1} GiB/s pageable ({}), {fast_rate:.1} GiB/s page-locked ({}); overlap with compute not measured yet",
-            pageable.describe(),
-            locked.describe()
+            "64 MiB host-to-device: {slow_rate:.1} GiB/s pageable ({}), {fast_rate:.1} GiB/s page-locked ({}); alongside a compute burst of {burst} matmuls {BURST_SIDE}^3 f32 ({}): {:.0}% of the page-locked copy hidden, {:.0}% of the pageable one",
+            mean[0].describe(),
+            mean[1].describe(),
+            mean[2].describe(),
+            100.0 * hidden_locked,
+            100.0 * hidden_pageable,
         ),
-        verdict: if pageable.clearly_above(&locked) && fast_rate > 1.2 * slow_rate {
-            Verdict::Partly
-        } else {
-            Verdict::DoesNotHold
+        verdict: match (faster, fewer_stalls) {
+            (true, true) => Verdict::Holds,
+            (false, false) => Verdict::DoesNotHold,
+            _ => Verdict::Partly,
         },
     });
     sweep.reading(format!(
-        "page-locked memory copied at {fast_rate:.1} GiB/s against {slow_rate:.1} GiB/s pageable; whether it also hides copies behind compute is not measured yet"
+        "page-locked memory copied at {fast_rate:.1} GiB/s against {slow_rate:.1} GiB/s pageable, and compute hid {:.0}% of its copy against {:.0}% of the pageable one: copy the next batch from pinned memory on a side stream while this one computes",
+        100.0 * hidden_locked,
+        100.0 * hidden_pageable
     ));
     Ok(sweep)
 }

@@ -122,6 +122,13 @@ pub struct VramRun {
     /// The device's used memory (total - free, `cuMemGetInfo`) after the steps, with the
     /// allocator's cache still held: what `nvidia-smi` shows for the process and others.
     pub device_used: Option<u64>,
+    /// The same steps on a virtual device of the same capacity and cuBLAS workspace: its
+    /// `max_memory_allocated`, the prediction `cargo xtask plan` makes.
+    #[serde(default)]
+    pub predicted_peak_allocated: Option<u64>,
+    /// The virtual device's `max_memory_reserved`.
+    #[serde(default)]
+    pub predicted_peak_reserved: Option<u64>,
 }
 
 /// What PyTorch measured (`torch.json`, written by `xtask/twin/torch_twin.py`).
@@ -251,8 +258,8 @@ pub fn run_vram(
         source,
     };
     let batch = arch.dataset().batch(settings.seed, 0, settings.batch);
-    let mut model =
-        Model::new(device, arch, settings.seed, DType::F32).map_err(|e| fail(Box::new(e)))?;
+    let mut model = Model::new(device, arch.clone(), settings.seed, DType::F32)
+        .map_err(|e| fail(Box::new(e)))?;
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     // A PyTorch side from an earlier run would be compared with this one's.
     let stale = dir.join("torch.json");
@@ -264,32 +271,33 @@ pub fn run_vram(
         Exported::Kernel(e) => fail(Box::new(e)),
     })?;
 
-    let mut opt = adamw(settings.lr);
-    device.synchronize().map_err(|e| fail(Box::new(e)))?;
-    device.reset_peak_stats();
-    let weights_bytes = device.memory_allocated();
-    let (mut losses, mut step_ms) = (Vec::new(), Vec::new());
-    for step in 0..settings.steps {
-        let start = Instant::now();
-        let mut ctx = ForwardCtx::new(Mode::Train, step as u64);
-        let out = model.train_step(&batch, &mut ctx, 1.0).map_err(|e| fail(Box::new(e)))?;
-        opt.step(&mut model).map_err(|e| fail(Box::new(e)))?;
-        model.zero_grad();
-        device.synchronize().map_err(|e| fail(Box::new(e)))?;
-        step_ms.push(start.elapsed().as_secs_f64() * 1e3);
-        losses.push(out.loss);
-    }
+    let measured = train(device, &mut model, &batch, settings).map_err(fail)?;
+    drop(model);
+    // The same run on a virtual device of the same capacity and cuBLAS workspace: the
+    // prediction `cargo xtask plan` would make, which must equal the measurement to the byte.
+    let virt = Device::virtual_device(device.mem_info().total);
+    virt.set_blas_workspace_size(device.blas_workspace_size());
+    let predicted = Model::new(&virt, arch, settings.seed, DType::F32)
+        .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+        .and_then(|mut m| train(&virt, &mut m, &batch, settings))
+        .map_err(|source| TwinError::Run {
+            model: name.to_string(),
+            device: virt.name(),
+            source,
+        })?;
     let info = device.mem_info();
     let run = VramRun {
         backend: if device.is_cuda() { "cuda" } else { "cpu" }.into(),
         device: device.name(),
-        param_count: model.param_count(),
-        losses,
-        step_ms,
-        weights_bytes,
-        peak_allocated: device.max_memory_allocated(),
-        peak_reserved: device.max_memory_reserved(),
+        param_count: measured.param_count,
+        losses: measured.losses,
+        step_ms: measured.step_ms,
+        weights_bytes: measured.weights_bytes,
+        peak_allocated: measured.peak_allocated,
+        peak_reserved: measured.peak_reserved,
         device_used: device.is_cuda().then(|| info.total.saturating_sub(info.free)),
+        predicted_peak_allocated: Some(predicted.peak_allocated),
+        predicted_peak_reserved: Some(predicted.peak_reserved),
     };
     let targets = json!({"shape": [batch.targets.len()], "file": "targets.u32"});
     let twin = json!({
@@ -311,6 +319,50 @@ pub fn run_vram(
     let text = serde_json::to_string_pretty(&twin).expect("a JSON value serializes");
     std::fs::write(&path, text + "\n").map_err(io(&path))?;
     Ok(run)
+}
+
+/// What [`train`] measured.
+struct Trained {
+    param_count: u64,
+    losses: Vec<f32>,
+    step_ms: Vec<f64>,
+    weights_bytes: u64,
+    peak_allocated: u64,
+    peak_reserved: u64,
+}
+
+/// The twin's steps on `device`: peaks reset once the model and the batch are there, then
+/// per step forward, loss, backward, AdamW step and gradients set to none, timed between
+/// two synchronizations.
+fn train(
+    device: &Device,
+    model: &mut Model,
+    batch: &Batch,
+    settings: &TwinSettings,
+) -> Result<Trained, Box<dyn std::error::Error + Send + Sync>> {
+    let mut opt = adamw(settings.lr);
+    device.synchronize()?;
+    device.reset_peak_stats();
+    let weights_bytes = device.memory_allocated();
+    let (mut losses, mut step_ms) = (Vec::new(), Vec::new());
+    for step in 0..settings.steps {
+        let start = Instant::now();
+        let mut ctx = ForwardCtx::new(Mode::Train, step as u64);
+        let out = model.train_step(batch, &mut ctx, 1.0)?;
+        opt.step(model)?;
+        model.zero_grad();
+        device.synchronize()?;
+        step_ms.push(start.elapsed().as_secs_f64() * 1e3);
+        losses.push(out.loss);
+    }
+    Ok(Trained {
+        param_count: model.param_count(),
+        losses,
+        step_ms,
+        weights_bytes,
+        peak_allocated: device.max_memory_allocated(),
+        peak_reserved: device.max_memory_reserved(),
+    })
 }
 
 fn check(s: &TwinSettings) -> Result<(), TwinError> {
@@ -550,6 +602,34 @@ pub fn report(rows: &[Comparison], settings: &TwinSettings) -> String {
             held.len(),
             compared.len(),
             held.join(", ")
+        );
+    }
+    s.push_str(
+        "\n## The virtual device's prediction (`cargo xtask plan`) against vram's measurement\n\n\
+         The same steps on a virtual device of the same capacity and cuBLAS workspace, which \
+         allocates without computing.\n\n\
+         | model | predicted peak allocated | measured | predicted peak reserved | measured | \
+         to the byte |\n|---|---:|---:|---:|---:|---|\n",
+    );
+    for r in rows {
+        let v = &r.vram;
+        let exact = match (v.predicted_peak_allocated, v.predicted_peak_reserved) {
+            (Some(a), Some(b)) if a == v.peak_allocated && b == v.peak_reserved => "yes".into(),
+            (Some(a), Some(b)) => format!(
+                "no: allocated {:+} B, reserved {:+} B",
+                v.peak_allocated as i128 - a as i128,
+                v.peak_reserved as i128 - b as i128
+            ),
+            _ => "-".into(),
+        };
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {exact} |",
+            r.model,
+            bytes(v.predicted_peak_allocated),
+            human_bytes(v.peak_allocated),
+            bytes(v.predicted_peak_reserved),
+            human_bytes(v.peak_reserved),
         );
     }
     let skipped: Vec<String> = rows

@@ -53,6 +53,9 @@ fn export_holds_the_model_the_batch_and_vrams_measurements() {
     assert!(run.losses[2] < run.losses[0], "training lowers the loss: {:?}", run.losses);
     assert!(run.peak_allocated > run.weights_bytes && run.peak_reserved >= run.peak_allocated);
     assert_eq!(run.device_used, None, "cuMemGetInfo is a CUDA figure");
+    // The virtual device, allocating without computing, predicts both peaks to the byte.
+    assert_eq!(run.predicted_peak_allocated, Some(run.peak_allocated));
+    assert_eq!(run.predicted_peak_reserved, Some(run.peak_reserved));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -108,6 +111,10 @@ fn comparison_reads_both_sides_and_the_report_states_the_goal() {
     assert!(text.contains("| mlp | 2 |"), "{text}");
     assert!(text.contains("Not measured: both sides must run on CUDA"), "{text}");
     assert!(text.contains("explicit attention"), "{text}");
+    assert!(
+        text.trim_end().lines().any(|l| l.starts_with("| mlp |") && l.ends_with("| yes |")),
+        "{text}"
+    );
 
     // On CUDA the goal is judged from both peaks.
     let mut cuda = row.clone();
@@ -123,6 +130,8 @@ fn comparison_reads_both_sides_and_the_report_states_the_goal() {
     let text = twin::report(&[cuda, worse], &settings);
     assert!(text.contains("Holds for 1 of 2 models: mlp."), "{text}");
     assert!(text.contains("| 0.90x |") && text.contains("| 1.10x |"), "{text}");
+    // The virtual prediction was of the real run, not of the edited peaks.
+    assert!(text.contains("| no: allocated "), "{text}");
 
     std::fs::write(dir.join("torch.json"), "{").unwrap();
     let broken: Comparison = twin::compare(&dir).unwrap();

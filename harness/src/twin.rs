@@ -100,6 +100,35 @@ impl Default for TwinSettings {
     }
 }
 
+impl TwinSettings {
+    /// Checks the settings: `batch` at least 1, at least 2 steps, dropout in [0, 1), a
+    /// learning rate finite and > 0.
+    ///
+    /// # Errors
+    ///
+    /// [`TwinError::InvalidArgument`] naming the setting and why.
+    pub fn validate(&self) -> Result<(), TwinError> {
+        let s = self;
+        let bad = |what, reason: String| Err(TwinError::InvalidArgument { what, reason });
+        if s.batch == 0 {
+            return bad("batch", "must be at least 1".into());
+        }
+        if s.steps < 2 {
+            return bad(
+                "steps",
+                format!("must be at least 2 (the first creates AdamW's state), got {}", s.steps),
+            );
+        }
+        if !(0.0..1.0).contains(&s.dropout) {
+            return bad("dropout", format!("must be in [0, 1), got {}", s.dropout));
+        }
+        if !(s.lr.is_finite() && s.lr > 0.0) {
+            return bad("learning rate", format!("must be finite and > 0, got {}", s.lr));
+        }
+        Ok(())
+    }
+}
+
 /// What vram measured (`twin.json["vram"]`).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct VramRun {
@@ -238,7 +267,7 @@ pub fn run_vram(
     settings: &TwinSettings,
     dir: &Path,
 ) -> Result<VramRun, TwinError> {
-    check(settings)?;
+    settings.validate()?;
     if device.is_virtual() {
         return Err(TwinError::InvalidArgument {
             what: "device",
@@ -363,26 +392,6 @@ fn train(
         peak_allocated: device.max_memory_allocated(),
         peak_reserved: device.max_memory_reserved(),
     })
-}
-
-fn check(s: &TwinSettings) -> Result<(), TwinError> {
-    let bad = |what, reason: String| Err(TwinError::InvalidArgument { what, reason });
-    if s.batch == 0 {
-        return bad("batch", "must be at least 1".into());
-    }
-    if s.steps < 2 {
-        return bad(
-            "steps",
-            format!("must be at least 2 (the first creates AdamW's state), got {}", s.steps),
-        );
-    }
-    if !(0.0..1.0).contains(&s.dropout) {
-        return bad("dropout", format!("must be in [0, 1), got {}", s.dropout));
-    }
-    if !(s.lr.is_finite() && s.lr > 0.0) {
-        return bad("learning rate", format!("must be finite and > 0, got {}", s.lr));
-    }
-    Ok(())
 }
 
 enum Exported {

@@ -121,18 +121,14 @@ fn models(args: &TwinArgs, cuda: bool) -> Result<Vec<(String, usize)>, String> {
 
 /// Runs the command; `Err` is a message for a usage error (exit status 2).
 pub fn run(args: TwinArgs) -> Result<ExitCode, String> {
-    if args.batch == Some(0) {
-        return Err("--batch must be at least 1".into());
-    }
-    if args.steps < 2 {
-        return Err(format!(
-            "--steps must be at least 2 (the first creates AdamW's state), got {}",
-            args.steps
-        ));
-    }
-    if !(0.0..1.0).contains(&args.dropout) {
-        return Err(format!("--dropout must be in [0, 1), got {}", args.dropout));
-    }
+    let common = TwinSettings {
+        batch: args.batch.unwrap_or(1),
+        steps: args.steps,
+        dropout: args.dropout,
+        seed: args.seed,
+        ..TwinSettings::default()
+    };
+    common.validate().map_err(|e| format!("--{}", e.to_string().trim_start_matches("invalid ")))?;
     let capacity = vram_harness::parse_size(&args.device_memory)
         .map_err(|e| format!("--device-memory: {e}"))?;
     let cuda = match args.backend {
@@ -158,12 +154,6 @@ pub fn run(args: TwinArgs) -> Result<ExitCode, String> {
 
     let mut failed = false;
     let mut rows = Vec::new();
-    let common = TwinSettings {
-        steps: args.steps,
-        dropout: args.dropout,
-        seed: args.seed,
-        ..TwinSettings::default()
-    };
     for (name, batch) in &models {
         let dir = args.out.join(name);
         let settings = TwinSettings { batch: *batch, ..common.clone() };

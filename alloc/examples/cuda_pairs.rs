@@ -60,11 +60,11 @@ fn main() {
             unsafe { raw.deallocate(p, size) };
         });
         println!("| {label} | {cached:.1} | {raw_ns:.0} | {:.0}x |", raw_ns / cached);
-        rows.push(format!(
-            "{{\"size\": {size}, \"cached_ns\": {cached:.2}, \"raw_ns\": {raw_ns:.1}, \
-             \"device_allocs_during_cached\": {device_calls}}}"
-        ));
+        rows.push(serde_json::json!({
+            "size": size, "cached_ns": cached, "raw_ns": raw_ns,
+            "device_allocs_during_cached": device_calls,
+        }));
         assert_eq!(device_calls, 0, "every timed pair was served from the cache");
     }
-    println!("{{\"pairs\": [{}]}}", rows.join(", "));
+    println!("{}", serde_json::json!({ "pairs": rows }));
 }

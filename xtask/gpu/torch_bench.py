@@ -24,7 +24,6 @@ figures worth reading). Exit status 3 when PyTorch is not installed.
 
 import argparse
 import json
-import statistics
 import sys
 import time
 

@@ -537,6 +537,16 @@ def dropout_of(arch):
     return float(p)
 
 
+def transformer_sizes(arch, where):
+    """GPT's and ViT's width, block count and heads; the width must be whole heads."""
+    d = positive_int(arch, "d", where)
+    layers = positive_int(arch, "layers", where)
+    heads = positive_int(arch, "heads", where)
+    if d % heads:
+        raise BadInput(f"{where}: width {d} is not a multiple of the {heads} heads")
+    return d, layers, heads
+
+
 def build_model(arch, sdpa):
     """The PyTorch model for twin.json's `arch`, the number of its classes (logit columns)
     and what its input must look like: ("tokens", seq) or ("dense", shape without batch)."""
@@ -553,12 +563,8 @@ def build_model(arch, sdpa):
         return SmallCNN(width, blocks, classes, kind == "mobilenet"), classes, ("dense", [3, None, None])
     if kind == "gpt":
         vocab = positive_int(arch, "vocab", where)
-        d = positive_int(arch, "d", where)
-        layers = positive_int(arch, "layers", where)
-        heads = positive_int(arch, "heads", where)
+        d, layers, heads = transformer_sizes(arch, where)
         seq = positive_int(arch, "seq", where)
-        if d % heads:
-            raise BadInput(f"{where}: width {d} is not a multiple of the {heads} heads")
         tied = arch.get("tied", False)
         if not isinstance(tied, bool):
             raise BadInput(f"{where}: `tied` is {tied!r}, not a boolean")
@@ -580,14 +586,10 @@ def build_model(arch, sdpa):
     if kind == "vit":
         side = positive_int(arch, "side", where)
         patch = positive_int(arch, "patch", where)
-        d = positive_int(arch, "d", where)
-        layers = positive_int(arch, "layers", where)
-        heads = positive_int(arch, "heads", where)
+        d, layers, heads = transformer_sizes(arch, where)
         classes = positive_int(arch, "classes", where)
         if side % patch:
             raise BadInput(f"{where}: side {side} is not whole {patch} px patches")
-        if d % heads:
-            raise BadInput(f"{where}: width {d} is not a multiple of the {heads} heads")
         model = ViT(side, patch, d, layers, heads, classes, dropout_of(arch), sdpa)
         return model, classes, ("dense", [3, side, side])
     raise BadInput(

@@ -134,19 +134,21 @@ fn saved_activations(arch: &Arch, b: u64) -> u64 {
         Arch::BottleneckResNet { side, width, ref blocks, .. } => {
             let s = side as u64 / 2; // after the stem convolution
             let w = width as u64;
-            // The image, the stem's pre-activation, the pool's argmax.
+            // The image, the stem's output (ReLU keeps it), the pool's argmax.
             let mut total = b * 3 * (side as u64).pow(2) + b * w * s * s + b * w * (s / 2).pow(2);
             let (mut hw, mut c_in) = ((s / 2).pow(2), w);
             for (stage, &n) in blocks.iter().enumerate() {
                 let mid = w << stage;
                 for i in 0..n {
                     let hw_out = if i == 0 && stage > 0 { hw / 4 } else { hw };
-                    // input; c1 pre-activation and output; c2 pre-activation and output; sum.
-                    total += b * (c_in * hw + 2 * mid * hw + 2 * mid * hw_out + 4 * mid * hw_out);
+                    // The input, c1's and c2's outputs (ReLU keeps its output, which is also
+                    // the next convolution's input); the block's output is the next block's
+                    // input.
+                    total += b * (c_in * hw + mid * hw + mid * hw_out);
                     (hw, c_in) = (hw_out, 4 * mid);
                 }
             }
-            total
+            total + b * c_in * hw // the last block's output
         }
         Arch::MobileNetV3 { side, .. } => {
             let s = side as u64 / 2;
@@ -155,13 +157,13 @@ fn saved_activations(arch: &Arch, b: u64) -> u64 {
             for (c_in, k, e, _, stride) in MOBILENET {
                 let _ = k;
                 let hw_out = if stride == 2 { hw / 4 } else { hw };
-                // input; expansion pre-activation and output; depthwise's both; (the
-                // projection is linear: only its input, the depthwise output).
-                let expand = if e != c_in { 2 * e * hw } else { 0 };
-                total += b * (c_in * hw + expand + 2 * e * hw_out);
+                // The input, the expansion's and the depthwise's outputs (ReLU keeps its
+                // output; the linear projection keeps its input, the depthwise output).
+                let expand = if e != c_in { e * hw } else { 0 };
+                total += b * (c_in * hw + expand + e * hw_out);
                 hw = hw_out;
             }
-            total + b * (160 * hw + 960 * hw) // the last convolution's input and pre-activation
+            total + b * (160 * hw + 960 * hw) // the last convolution's input and output
         }
         Arch::Vit { side, patch, d, layers, heads, dropout, .. } => {
             let t = ((side / patch) as u64).pow(2);

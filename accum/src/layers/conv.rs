@@ -344,12 +344,13 @@ pub struct ResidualBlock {
     c2: Conv2d,
 }
 
-/// What a [`ResidualBlock`] keeps: both convolutions' state and the sum before the ReLU.
+/// What a [`ResidualBlock`] keeps: both convolutions' state and the block's output (the
+/// final ReLU's mask).
 #[derive(Debug)]
 pub struct ResidualSaved {
     s1: AffineSaved,
     s2: AffineSaved,
-    sum: Tensor,
+    out: Tensor,
 }
 
 impl Layer for ResidualBlock {
@@ -372,16 +373,19 @@ impl Layer for ResidualBlock {
         let sum = ops::add(x, &z)?;
         drop(z);
         let y = ops::relu(&sum)?;
+        drop(sum);
         if !ctx.training() {
             return Ok((y, None));
         }
-        Ok((y, Some(ResidualSaved { s1: saved(s1, WHAT)?, s2: saved(s2, WHAT)?, sum })))
+        // The ReLU's output gives its mask (`y > 0` where `sum > 0`), as PyTorch's relu keeps.
+        let out = y.clone();
+        Ok((y, Some(ResidualSaved { s1: saved(s1, WHAT)?, s2: saved(s2, WHAT)?, out })))
     }
 
     fn backward(&mut self, s: ResidualSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
         const WHAT: &str = "ResidualBlock";
-        let ds = ops::relu_backward(&s.sum, dy)?;
-        drop(s.sum);
+        let ds = ops::relu_backward(&s.out, dy)?;
+        drop(s.out);
         let da = dx_of(self.c2.backward(s.s2, &ds, true)?, WHAT)?;
         let dx = self.c1.backward(s.s1, &da, want)?;
         drop(da);
@@ -493,14 +497,15 @@ pub struct Bottleneck {
     shortcut: Option<Conv2d>,
 }
 
-/// What a [`Bottleneck`] keeps: each convolution's state and the sum before the ReLU.
+/// What a [`Bottleneck`] keeps: each convolution's state and the block's output (the final
+/// ReLU's mask).
 #[derive(Debug)]
 pub struct BottleneckSaved {
     s1: AffineSaved,
     s2: AffineSaved,
     s3: AffineSaved,
     short: Option<AffineSaved>,
-    sum: Tensor,
+    out: Tensor,
 }
 
 impl Layer for Bottleneck {
@@ -532,6 +537,7 @@ impl Layer for Bottleneck {
         };
         drop(z3);
         let y = ops::relu(&sum)?;
+        drop(sum);
         if !ctx.training() {
             return Ok((y, None));
         }
@@ -544,15 +550,15 @@ impl Layer for Bottleneck {
             s2: saved(s2, WHAT)?,
             s3: saved(s3, WHAT)?,
             short,
-            sum,
+            out: y.clone(),
         };
         Ok((y, Some(s)))
     }
 
     fn backward(&mut self, s: BottleneckSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
         const WHAT: &str = "Bottleneck";
-        let dsum = ops::relu_backward(&s.sum, dy)?;
-        drop(s.sum);
+        let dsum = ops::relu_backward(&s.out, dy)?;
+        drop(s.out);
         let dshort = match (&mut self.shortcut, s.short) {
             (Some(c), Some(ss)) => c.backward(ss, &dsum, want)?,
             _ => None,

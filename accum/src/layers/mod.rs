@@ -173,8 +173,27 @@ impl Act {
         })
     }
 
-    /// `dz` from the pre-activation `z` (kept unless the identity) and `dy`; `None` for the
-    /// identity (`dz = dy`).
+    /// `act(z)` and, in training, what its backward needs: ReLU keeps its output (as
+    /// PyTorch's `relu` does: `y > 0` exactly where `z > 0`, and the output is usually kept
+    /// by the next layer anyway), GELU its input `z`, the identity nothing.
+    fn forward_saving(self, z: Tensor, training: bool) -> Result<(Tensor, Option<Tensor>)> {
+        Ok(match self {
+            Act::Identity => (z, None),
+            Act::Relu => {
+                let y = ops::relu(&z)?;
+                drop(z);
+                let kept = training.then(|| y.clone());
+                (y, kept)
+            }
+            Act::Gelu => {
+                let y = ops::gelu(&z)?;
+                (y, training.then_some(z))
+            }
+        })
+    }
+
+    /// `dz` from what [`Act::forward_saving`] kept (ReLU's output or GELU's input) and `dy`;
+    /// `None` for the identity (`dz = dy`).
     fn backward(self, z: Option<&Tensor>, dy: &Tensor) -> Result<Option<Tensor>> {
         Ok(match (self, z) {
             (Act::Relu, Some(z)) => Some(ops::relu_backward(z, dy)?),
@@ -184,8 +203,8 @@ impl Act {
     }
 }
 
-/// What a [`Linear`] or [`Conv2d`] keeps for backward: its input and, before a fused
-/// activation other than the identity, the pre-activation; under autocast the input and the
+/// What a [`Linear`] or [`Conv2d`] keeps for backward: its input and what a fused activation
+/// needs (ReLU's output, GELU's input; nothing for the identity); under autocast the input and the
 /// weight as cast (what PyTorch's linear saves) and the input's own dtype.
 #[derive(Debug)]
 pub struct AffineSaved {
@@ -226,8 +245,8 @@ impl AffineSaved {
         if !ctx.training() {
             return Ok((act.forward(z)?, None));
         }
-        let kept = (act != Act::Identity).then(|| z.clone());
-        Ok((act.forward(z)?, Some(AffineSaved { x: x.clone(), z: kept, cast: None })))
+        let (y, kept) = act.forward_saving(z, true)?;
+        Ok((y, Some(AffineSaved { x: x.clone(), z: kept, cast: None })))
     }
 }
 
@@ -446,7 +465,7 @@ impl Activation {
 }
 
 impl Layer for Activation {
-    /// The input.
+    /// ReLU's output or GELU's input.
     type Saved = Tensor;
 
     fn name(&self) -> String {
@@ -454,8 +473,7 @@ impl Layer for Activation {
     }
 
     fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<Tensor>)> {
-        let y = self.kind.forward(x.clone())?;
-        Ok((y, save_input(x, ctx)))
+        self.kind.forward_saving(x.clone(), ctx.training())
     }
 
     fn backward(&mut self, x: Tensor, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {

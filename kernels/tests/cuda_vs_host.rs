@@ -228,6 +228,48 @@ fn softmax_cross_entropy_and_layer_norm_match_host() {
     }
 }
 
+/// Batch norm in training (running statistics updated on both) and evaluation, and its
+/// backward, for parameters in the input's dtype and in f32 (the autocast case), on images
+/// and on `[n, c]`.
+#[test]
+fn batch_norm_matches_host() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in DTYPES {
+        let t = tol(dtype, false);
+        for pdtype in [dtype, DType::F32] {
+            for shape in [&[4usize, 6, 9, 11][..], &[37, 5]] {
+                let c = shape[1];
+                let (hx, gx) = pair(&gpu, shape, dtype, 20);
+                let (hg, gg) = pair(&gpu, &[c], pdtype, 21);
+                let (hb, gb) = pair(&gpu, &[c], pdtype, 22);
+                let ones = vec![1.0; c];
+                let (mut hm, mut gm) = pair(&gpu, &[c], pdtype, 23);
+                let mut hv = Tensor::from_f32_slice(&host(), &[c], &ones, pdtype).unwrap();
+                let mut gv = hv.to_device(&gpu).unwrap();
+                let hr = ops::RunningStats { mean: &mut hm, var: &mut hv, momentum: 0.1 };
+                let hn = ops::batch_norm(&hx, &hg, &hb, Some(hr), 1e-5).unwrap();
+                let gr = ops::RunningStats { mean: &mut gm, var: &mut gv, momentum: 0.1 };
+                let gn = ops::batch_norm(&gx, &gg, &gb, Some(gr), 1e-5).unwrap();
+                close("batch_norm", &gn.y, &hn.y, t);
+                close("batch_norm mean", &gn.mean, &hn.mean, 1e-5);
+                close("batch_norm invstd", &gn.invstd, &hn.invstd, 1e-5);
+                let pt = tol(pdtype, false);
+                close("batch_norm running mean", &gm, &hm, pt);
+                close("batch_norm running var", &gv, &hv, pt);
+                let he = ops::batch_norm_eval(&hx, &hg, &hb, &hm, &hv, 1e-5).unwrap();
+                let ge = ops::batch_norm_eval(&gx, &gg, &gb, &gm, &gv, 1e-5).unwrap();
+                close("batch_norm_eval", &ge, &he, t);
+                let (hdy, gdy) = pair(&gpu, shape, dtype, 24);
+                let hgr = ops::batch_norm_backward(&hx, &hg, &hn.mean, &hn.invstd, &hdy).unwrap();
+                let ggr = ops::batch_norm_backward(&gx, &gg, &gn.mean, &gn.invstd, &gdy).unwrap();
+                close("batch_norm dx", &ggr.dx, &hgr.dx, t);
+                close("batch_norm dgamma", &ggr.dgamma, &hgr.dgamma, pt.max(1e-4));
+                close("batch_norm dbeta", &ggr.dbeta, &hgr.dbeta, pt.max(1e-4));
+            }
+        }
+    }
+}
+
 #[test]
 fn matmul_and_linear_match_host() {
     let Some(gpu) = gpu() else { return };

@@ -8,6 +8,7 @@
 //! layer's, checked where they are made.
 
 pub mod activation;
+pub mod batch_norm;
 pub mod conv;
 pub mod elementwise;
 pub mod embedding;

@@ -29,7 +29,7 @@ pub(crate) const ELEMENTWISE: Module =
 /// Whole-tensor, row and column sums.
 pub(crate) const REDUCE: Module =
     Module { name: "reduce", source: include_str!("kernels/reduce.cu") };
-/// Softmax, cross-entropy, layer norm.
+/// Softmax, cross-entropy, layer norm, batch norm.
 pub(crate) const SOFTMAX: Module =
     Module { name: "softmax", source: include_str!("kernels/softmax.cu") };
 /// im2col / col2im and the depthwise convolution.
@@ -205,6 +205,21 @@ kernels! {
     /// float* dg, float* db, u64 rows, u64 d, u64 chunk)`.
     LAYER_NORM_PARAMS_BWD =
         SOFTMAX "layer_norm_params_bwd" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64);
+    /// `bn_stats(const T* x, float* mean, float* invstd, void* rmean, void* rvar, u32 pf32,
+    /// u32 update, float momentum, float eps, u64 n, u64 c, u64 s)`.
+    BN_STATS = SOFTMAX "bn_stats" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, F32, F32, U64, U64, U64);
+    /// `bn_eval_stats(const void* rmean, const void* rvar, u32 pf32, float eps, float* mean,
+    /// float* invstd, u64 c)`.
+    BN_EVAL_STATS = SOFTMAX "bn_eval_stats" dtypes (Ptr, Ptr, U32, F32, Ptr, Ptr, U64);
+    /// `bn_apply(const T* x, const float* mean, const float* invstd, const void* g, const
+    /// void* b, u32 pf32, T* y, u64 total, u64 c, u64 s)`.
+    BN_APPLY = SOFTMAX "bn_apply" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U32, Ptr, U64, U64, U64);
+    /// `bn_bwd_sums(const T* x, const T* dy, const float* mean, const float* invstd, float*
+    /// sums, u64 n, u64 c, u64 s)`.
+    BN_BWD_SUMS = SOFTMAX "bn_bwd_sums" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64);
+    /// `bn_bwd_dx(const T* x, const T* dy, const float* mean, const float* invstd, const void*
+    /// g, u32 pf32, const float* sums, T* dx, u64 total, u64 c, u64 s)`.
+    BN_BWD_DX = SOFTMAX "bn_bwd_dx" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U32, Ptr, Ptr, U64, U64, U64);
 
     /// `im2col(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i64 group)`.
     IM2COL = CONV "im2col" dtypes (Ptr, Ptr, Conv, I64, I64, I64);

@@ -12,6 +12,7 @@
 //! [`Conv2dParams`], [`Pool2dParams`], [`SgdConfig`], [`AdamWConfig`]) live here too.
 
 mod activation;
+mod batch_norm;
 mod config;
 mod conv;
 mod copy;
@@ -31,6 +32,9 @@ mod reduce;
 mod softmax;
 
 pub use activation::{gelu, gelu_backward, relu, relu_backward};
+pub use batch_norm::{
+    BatchNormGrads, BatchNormOutput, RunningStats, batch_norm, batch_norm_backward, batch_norm_eval,
+};
 pub use config::{AdamWConfig, SgdConfig};
 pub use conv::{Conv2dGrads, conv2d, conv2d_backward, conv2d_params};
 pub use elementwise::{add, add_assign, axpy, bias_add, bias_add_backward, mul, scale};

@@ -139,6 +139,116 @@ __device__ void layer_norm_params_bwd_impl(const T* x, const float* mean, const 
     atomicAdd(dbeta + j, b);
 }
 
+// Batch norm over x: [n, c, s]. The statistics and the backward's sums take one block per
+// channel (a grid-stride loop over its n * s values, two passes for the variance); the
+// elementwise parts a grid-stride loop. gamma, beta and the running statistics are f32
+// (pf32 = 1) or T (pf32 = 0).
+template <typename T>
+__device__ __forceinline__ float load_param(const void* p, u64 i, u32 pf32) {
+    return pf32 ? ((const float*)p)[i] : to_f32(((const T*)p)[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ void store_param(void* p, u64 i, u32 pf32, float v) {
+    if (pf32) {
+        ((float*)p)[i] = v;
+    } else {
+        ((T*)p)[i] = from_f32<T>(v);
+    }
+}
+
+// The index in x of the k-th value of channel ch.
+__device__ __forceinline__ u64 channel_index(u64 k, u64 ch, u64 c, u64 s) {
+    return ((k / s) * c + ch) * s + k % s;
+}
+
+__device__ __forceinline__ float inv_std(float var, float eps) {
+    return (var == 0.0f && eps == 0.0f) ? 0.0f : 1.0f / sqrtf(var + eps);
+}
+
+template <typename T>
+__device__ void bn_stats_impl(const T* x, float* mean, float* invstd, void* rmean, void* rvar,
+                              u32 pf32, u32 update, float momentum, float eps, u64 n, u64 c,
+                              u64 s) {
+    const u64 ch = blockIdx.x;
+    const u64 m = n * s;
+    float sum = 0.0f;
+    for (u64 k = threadIdx.x; k < m; k += blockDim.x) sum += to_f32(x[channel_index(k, ch, c, s)]);
+    const float mu = block_sum(sum) / (float)m;
+    float q = 0.0f;
+    for (u64 k = threadIdx.x; k < m; k += blockDim.x) {
+        const float d = to_f32(x[channel_index(k, ch, c, s)]) - mu;
+        q += d * d;
+    }
+    const float var_sum = block_sum(q);
+    if (threadIdx.x == 0) {
+        mean[ch] = mu;
+        invstd[ch] = inv_std(var_sum / (float)m, eps);
+        if (update) {
+            const float rm = load_param<T>(rmean, ch, pf32);
+            const float rv = load_param<T>(rvar, ch, pf32);
+            store_param<T>(rmean, ch, pf32, momentum * mu + (1.0f - momentum) * rm);
+            store_param<T>(rvar, ch, pf32,
+                           momentum * (var_sum / (float)(m - 1)) + (1.0f - momentum) * rv);
+        }
+    }
+}
+
+template <typename T>
+__device__ void bn_eval_stats_impl(const void* rmean, const void* rvar, u32 pf32, float eps,
+                                   float* mean, float* invstd, u64 c) {
+    FOR_EACH(i, c) {
+        mean[i] = load_param<T>(rmean, i, pf32);
+        invstd[i] = inv_std(load_param<T>(rvar, i, pf32), eps);
+    }
+}
+
+template <typename T>
+__device__ void bn_apply_impl(const T* x, const float* mean, const float* invstd, const void* g,
+                              const void* b, u32 pf32, T* y, u64 total, u64 c, u64 s) {
+    FOR_EACH(i, total) {
+        const u64 ch = (i / s) % c;
+        const float v = (to_f32(x[i]) - mean[ch]) * invstd[ch] * load_param<T>(g, ch, pf32);
+        y[i] = from_f32<T>(v + load_param<T>(b, ch, pf32));
+    }
+}
+
+// sums[ch] = sum of dy * xhat, sums[c + ch] = sum of dy over channel ch.
+template <typename T>
+__device__ void bn_bwd_sums_impl(const T* x, const T* dy, const float* mean, const float* invstd,
+                                 float* sums, u64 n, u64 c, u64 s) {
+    const u64 ch = blockIdx.x;
+    const u64 m = n * s;
+    const float mu = mean[ch], r = invstd[ch];
+    float a = 0.0f, b = 0.0f;
+    for (u64 k = threadIdx.x; k < m; k += blockDim.x) {
+        const u64 i = channel_index(k, ch, c, s);
+        const float g = to_f32(dy[i]);
+        a += g * (to_f32(x[i]) - mu) * r;
+        b += g;
+    }
+    a = block_sum(a);
+    b = block_sum(b);
+    if (threadIdx.x == 0) {
+        sums[ch] = a;
+        sums[c + ch] = b;
+    }
+}
+
+template <typename T>
+__device__ void bn_bwd_dx_impl(const T* x, const T* dy, const float* mean, const float* invstd,
+                               const void* g, u32 pf32, const float* sums, T* dx, u64 total,
+                               u64 c, u64 s) {
+    const float m = (float)(total / c);
+    FOR_EACH(i, total) {
+        const u64 ch = (i / s) % c;
+        const float r = invstd[ch];
+        const float xhat = (to_f32(x[i]) - mean[ch]) * r;
+        const float k = load_param<T>(g, ch, pf32) * r;
+        dx[i] = from_f32<T>(k * (to_f32(dy[i]) - sums[c + ch] / m - xhat * sums[ch] / m));
+    }
+}
+
 #define ROWWISE(T, S) \
     extern "C" __global__ void softmax_##S(const T* x, T* y, u64 cols, u64 seq) { softmax_impl<T>(x, y, cols, seq); } \
     extern "C" __global__ void softmax_bwd_##S(const T* y, const T* dy, T* dx, u64 cols, u64 seq) { softmax_bwd_impl<T>(y, dy, dx, cols, seq); } \
@@ -146,5 +256,10 @@ __device__ void layer_norm_params_bwd_impl(const T* x, const float* mean, const 
     extern "C" __global__ void ce_bwd_##S(const T* x, const u32* t, const float* lse, float g, u64 c, u32 ig, u32 has_ig, T* dx, u64 n) { ce_bwd_impl<T>(x, t, lse, g, c, ig, has_ig, dx, n); } \
     extern "C" __global__ void layer_norm_##S(const T* x, const T* g, const T* b, float eps, T* y, float* m, float* r, u64 d) { layer_norm_impl<T>(x, g, b, eps, y, m, r, d); } \
     extern "C" __global__ void layer_norm_bwd_##S(const T* x, const T* g, const float* m, const float* r, const T* dy, T* dx, u64 d) { layer_norm_bwd_impl<T>(x, g, m, r, dy, dx, d); } \
-    extern "C" __global__ void layer_norm_params_bwd_##S(const T* x, const float* m, const float* r, const T* dy, float* dg, float* db, u64 rows, u64 d, u64 chunk) { layer_norm_params_bwd_impl<T>(x, m, r, dy, dg, db, rows, d, chunk); }
+    extern "C" __global__ void layer_norm_params_bwd_##S(const T* x, const float* m, const float* r, const T* dy, float* dg, float* db, u64 rows, u64 d, u64 chunk) { layer_norm_params_bwd_impl<T>(x, m, r, dy, dg, db, rows, d, chunk); } \
+    extern "C" __global__ void bn_stats_##S(const T* x, float* m, float* r, void* rm, void* rv, u32 pf32, u32 update, float momentum, float eps, u64 n, u64 c, u64 s) { bn_stats_impl<T>(x, m, r, rm, rv, pf32, update, momentum, eps, n, c, s); } \
+    extern "C" __global__ void bn_eval_stats_##S(const void* rm, const void* rv, u32 pf32, float eps, float* m, float* r, u64 c) { bn_eval_stats_impl<T>(rm, rv, pf32, eps, m, r, c); } \
+    extern "C" __global__ void bn_apply_##S(const T* x, const float* m, const float* r, const void* g, const void* b, u32 pf32, T* y, u64 total, u64 c, u64 s) { bn_apply_impl<T>(x, m, r, g, b, pf32, y, total, c, s); } \
+    extern "C" __global__ void bn_bwd_sums_##S(const T* x, const T* dy, const float* m, const float* r, float* sums, u64 n, u64 c, u64 s) { bn_bwd_sums_impl<T>(x, dy, m, r, sums, n, c, s); } \
+    extern "C" __global__ void bn_bwd_dx_##S(const T* x, const T* dy, const float* m, const float* r, const void* g, u32 pf32, const float* sums, T* dx, u64 total, u64 c, u64 s) { bn_bwd_dx_impl<T>(x, dy, m, r, g, pf32, sums, dx, total, c, s); }
 FOR_DTYPES(ROWWISE)

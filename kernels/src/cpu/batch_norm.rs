@@ -1,0 +1,182 @@
+//! Batch normalization over `[n, c, s]` (`s` the spatial positions, 1 for `[n, c]`): every
+//! channel is normalized with the mean and variance over its `n * s` values.
+//!
+//! Layout: `x`, `y`, `dy`, `dx` are `[n, c, s]` row-major; the per-channel vectors (`mean`,
+//! `invstd`, `gamma`, `beta`, `dgamma`, `dbeta`) are `[c]` in f32, `c = mean.len()`. The
+//! statistics accumulate in f64 (two passes); the variance that normalizes is the biased
+//! one, as in PyTorch (`batch_norm_cpu_update_stats_template`).
+
+use super::check_len;
+use crate::Element;
+use crate::cpu::elementwise::PAR_THRESHOLD;
+use crate::error::{Error, Result};
+use rayon::prelude::*;
+
+/// Checks `x` against `c` channels of `s` positions; returns `n`.
+fn batches(op: &'static str, len: usize, c: usize, s: usize) -> Result<usize> {
+    let plane = c * s;
+    if plane == 0 || !len.is_multiple_of(plane) {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!("{len} elements are not whole images of {c} channels x {s} positions"),
+        });
+    }
+    Ok(len / plane)
+}
+
+/// Runs `f(channel)` for every channel, in parallel when `x` is large.
+fn per_channel(
+    c: usize,
+    len: usize,
+    f: impl Fn(usize) -> (f64, f64) + Sync + Send,
+) -> Vec<(f64, f64)> {
+    if len >= PAR_THRESHOLD {
+        (0..c).into_par_iter().map(f).collect()
+    } else {
+        (0..c).map(f).collect()
+    }
+}
+
+/// The planes (`s` values) of channel `ch` in `x: [n, c, s]`.
+fn planes<T>(x: &[T], c: usize, s: usize, ch: usize) -> impl Iterator<Item = &[T]> {
+    x.chunks(c * s).map(move |img| &img[ch * s..(ch + 1) * s])
+}
+
+/// Per-channel mean and biased variance of `x: [n, c, s]` into `mean` and `var` (`[c]`).
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for lengths that do not fit the layout.
+pub fn batch_norm_stats<T: Element>(
+    x: &[T],
+    s: usize,
+    mean: &mut [f32],
+    var: &mut [f32],
+) -> Result<()> {
+    const OP: &str = "cpu::batch_norm_stats";
+    let c = mean.len();
+    let n = batches(OP, x.len(), c, s)?;
+    check_len(OP, "var", var.len(), c)?;
+    let m = (n * s) as f64;
+    let stats = per_channel(c, x.len(), |ch| {
+        let sum: f64 = planes(x, c, s, ch).flatten().map(|v| f64::from(v.to_f32())).sum();
+        let mu = sum / m;
+        let sq: f64 = planes(x, c, s, ch)
+            .flatten()
+            .map(|v| {
+                let d = f64::from(v.to_f32()) - mu;
+                d * d
+            })
+            .sum();
+        (mu, sq / m)
+    });
+    for ((o, v), (mu, var_b)) in mean.iter_mut().zip(var.iter_mut()).zip(stats) {
+        (*o, *v) = (mu as f32, var_b as f32);
+    }
+    Ok(())
+}
+
+/// `y = (x - mean[ch]) * invstd[ch] * gamma[ch] + beta[ch]` over `x: [n, c, s]`.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for lengths that do not fit the layout.
+pub fn batch_norm_apply<T: Element>(
+    x: &[T],
+    s: usize,
+    mean: &[f32],
+    invstd: &[f32],
+    gamma: &[f32],
+    beta: &[f32],
+    y: &mut [T],
+) -> Result<()> {
+    const OP: &str = "cpu::batch_norm_apply";
+    let c = mean.len();
+    batches(OP, x.len(), c, s)?;
+    for (what, v) in [("invstd", invstd), ("gamma", gamma), ("beta", beta)] {
+        check_len(OP, what, v.len(), c)?;
+    }
+    check_len(OP, "y", y.len(), x.len())?;
+    let plane = |(p, (y, x)): (usize, (&mut [T], &[T]))| {
+        let ch = p % c;
+        let (mu, r, g, b) = (mean[ch], invstd[ch], gamma[ch], beta[ch]);
+        for (o, &v) in y.iter_mut().zip(x) {
+            *o = T::from_f32((v.to_f32() - mu) * r * g + b);
+        }
+    };
+    if x.len() >= PAR_THRESHOLD {
+        y.par_chunks_mut(s).zip(x.par_chunks(s)).enumerate().for_each(plane);
+    } else {
+        y.chunks_mut(s).zip(x.chunks(s)).enumerate().for_each(plane);
+    }
+    Ok(())
+}
+
+/// Batch-norm backward from the forward input `x`, the saved `mean`/`invstd`, `gamma` and
+/// the upstream `dy`: `dgamma = sum(dy * xhat)`, `dbeta = sum(dy)` per channel, and
+/// `dx = gamma * invstd * (dy - dbeta / m - xhat * dgamma / m)` with `m = n * s` (training
+/// statistics: the mean and variance depend on `x`).
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for lengths that do not fit the layout.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm_backward<T: Element>(
+    x: &[T],
+    dy: &[T],
+    s: usize,
+    mean: &[f32],
+    invstd: &[f32],
+    gamma: &[f32],
+    dx: &mut [T],
+    dgamma: &mut [f32],
+    dbeta: &mut [f32],
+) -> Result<()> {
+    const OP: &str = "cpu::batch_norm_backward";
+    let c = mean.len();
+    let n = batches(OP, x.len(), c, s)?;
+    for (what, len) in [
+        ("invstd", invstd.len()),
+        ("gamma", gamma.len()),
+        ("dgamma", dgamma.len()),
+        ("dbeta", dbeta.len()),
+    ] {
+        check_len(OP, what, len, c)?;
+    }
+    check_len(OP, "dy", dy.len(), x.len())?;
+    check_len(OP, "dx", dx.len(), x.len())?;
+    let sums = per_channel(c, x.len(), |ch| {
+        let (mu, r) = (f64::from(mean[ch]), f64::from(invstd[ch]));
+        let (mut a, mut b) = (0.0f64, 0.0f64);
+        for (xs, gs) in planes(x, c, s, ch).zip(planes(dy, c, s, ch)) {
+            for (&v, &g) in xs.iter().zip(gs) {
+                let g = f64::from(g.to_f32());
+                a += g * (f64::from(v.to_f32()) - mu) * r;
+                b += g;
+            }
+        }
+        (a, b)
+    });
+    for ((dg, db), &(a, b)) in dgamma.iter_mut().zip(dbeta.iter_mut()).zip(&sums) {
+        (*dg, *db) = (a as f32, b as f32);
+    }
+    let m = (n * s) as f32;
+    let (dgamma, dbeta) = (&*dgamma, &*dbeta);
+    type Plane<'a, T> = (usize, (&'a mut [T], (&'a [T], &'a [T])));
+    let plane = |(p, (dx, (x, dy))): Plane<'_, T>| {
+        let ch = p % c;
+        let (mu, r) = (mean[ch], invstd[ch]);
+        let (mean_dy, mean_dyx) = (dbeta[ch] / m, dgamma[ch] / m);
+        let k = gamma[ch] * r;
+        for ((o, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
+            let xhat = (v.to_f32() - mu) * r;
+            *o = T::from_f32(k * (g.to_f32() - mean_dy - xhat * mean_dyx));
+        }
+    };
+    if x.len() >= PAR_THRESHOLD {
+        dx.par_chunks_mut(s).zip(x.par_chunks(s).zip(dy.par_chunks(s))).enumerate().for_each(plane);
+    } else {
+        dx.chunks_mut(s).zip(x.chunks(s).zip(dy.chunks(s))).enumerate().for_each(plane);
+    }
+    Ok(())
+}

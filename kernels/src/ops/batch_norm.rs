@@ -1,0 +1,534 @@
+//! Batch normalization over the channels of `x: [n, c, ..]` (`BatchNorm2d` on images,
+//! `BatchNorm1d` on `[n, c]`), training and evaluation forward, and backward.
+//!
+//! As PyTorch's: in training every channel is normalized with its mean and biased variance
+//! over the batch and the spatial positions, and the running statistics, when given, move
+//! by `momentum` towards the mean and the *unbiased* variance
+//! (`aten/src/ATen/native/Normalization.cpp`, `batch_norm_cpu_update_stats_template`); in
+//! evaluation the running statistics normalize. The scale and shift (`gamma`, `beta`) and
+//! the running statistics are stored either in `x`'s dtype or in f32 (what a 16-bit input
+//! meets under autocast, where PyTorch runs batch norm on the 16-bit input with the f32
+//! module's parameters); arithmetic is in f32. The saved statistics are f32 `[c]`.
+
+use super::dispatch::{Buffers, Op, Plan, run};
+use super::{expect_dtype, expect_shape, invalid, same_device, same_layout};
+use crate::cpu::batch_norm as cpu;
+use crate::device::Device;
+use crate::dtype::{DType, with_dtype};
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// The result of [`batch_norm`] in training.
+#[derive(Debug)]
+pub struct BatchNormOutput {
+    /// The normalized output, `x`'s shape and dtype.
+    pub y: Tensor,
+    /// Per-channel batch mean, `[c]` f32, saved for the backward.
+    pub mean: Tensor,
+    /// Per-channel `1 / sqrt(var + eps)` of the batch (biased variance), `[c]` f32.
+    pub invstd: Tensor,
+}
+
+/// Gradients of [`batch_norm`].
+#[derive(Debug)]
+pub struct BatchNormGrads {
+    /// Gradient of the input, `x`'s shape and dtype.
+    pub dx: Tensor,
+    /// Gradient of the scale, `[c]`, `gamma`'s dtype.
+    pub dgamma: Tensor,
+    /// Gradient of the shift, `[c]`, `gamma`'s dtype.
+    pub dbeta: Tensor,
+}
+
+/// The running statistics a training [`batch_norm`] updates in place:
+/// `running = (1 - momentum) * running + momentum * batch` (PyTorch's convention, default
+/// momentum 0.1), with the unbiased batch variance.
+#[derive(Debug)]
+pub struct RunningStats<'a> {
+    /// Running mean, `[c]`, the parameters' dtype.
+    pub mean: &'a mut Tensor,
+    /// Running variance, `[c]`, the parameters' dtype.
+    pub var: &'a mut Tensor,
+    /// Weight of the batch statistics, in `[0, 1]`.
+    pub momentum: f32,
+}
+
+/// `(n, c, s)` of `x: [n, c, spatial..]` (`s` the product of the spatial sizes, 1 for
+/// `[n, c]`), after checking the per-channel tensors: `[c]`, on `x`'s device, all of one
+/// dtype that is `x`'s or f32, and `eps` finite and `>= 0`.
+fn dims(
+    op: &'static str,
+    x: &Tensor,
+    per_channel: &[&Tensor],
+    eps: f32,
+) -> Result<(usize, usize, usize)> {
+    let shape = x.shape();
+    if shape.len() < 2 {
+        return Err(invalid(op, format!("expected [batch, channels, ..], got shape {shape:?}")));
+    }
+    let (n, c) = (shape[0], shape[1]);
+    if c == 0 {
+        return Err(invalid(op, format!("cannot normalize zero channels {shape:?}")));
+    }
+    let s = shape[2..].iter().product::<usize>();
+    let pdtype = per_channel[0].dtype();
+    if pdtype != x.dtype() && pdtype != DType::F32 {
+        return Err(invalid(
+            op,
+            format!(
+                "parameters in {pdtype:?} for a {:?} input: they must be f32 or {:?}",
+                x.dtype(),
+                x.dtype()
+            ),
+        ));
+    }
+    for t in per_channel {
+        same_device(op, x, t)?;
+        expect_dtype(op, pdtype, t)?;
+        expect_shape(op, &[c], t)?;
+    }
+    if !(eps.is_finite() && eps >= 0.0) {
+        return Err(invalid(op, format!("eps {eps} is not finite and >= 0")));
+    }
+    Ok((n, c, s))
+}
+
+/// A `[c]` tensor as f32 values on the host.
+fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
+    with_dtype!(t.dtype(), T => Ok(t.as_slice::<T>()?.iter().map(|v| crate::Element::to_f32(*v)).collect()))
+}
+
+/// Writes f32 `values` into the `[c]` tensor `t` in its dtype.
+fn host_store(t: &mut Tensor, values: &[f32]) -> Result<()> {
+    with_dtype!(t.dtype(), T => {
+        for (o, &v) in t.as_mut_slice::<T>()?.iter_mut().zip(values) {
+            *o = <T as crate::Element>::from_f32(v);
+        }
+        Ok(())
+    })
+}
+
+/// `1 / sqrt(var + eps)`, 0 where both are 0 (as PyTorch's `InvStd`).
+fn invstd(var: f32, eps: f32) -> f32 {
+    if var == 0.0 && eps == 0.0 { 0.0 } else { 1.0 / (var + eps).sqrt() }
+}
+
+/// Batch norm in training: `y = (x - mean) * invstd * gamma + beta` per channel with the
+/// batch's statistics over `x: [n, c, ..]`; `gamma` and `beta` are `[c]`. Updates
+/// `running` when given.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for a rank below 2, zero channels, a channel with fewer than
+/// two values (PyTorch's "expected more than 1 value per channel when training"), a negative
+/// or non-finite `eps`, a momentum outside `[0, 1]`; shape, dtype (parameters neither `x`'s
+/// dtype nor f32, or not all alike) and device mismatches; out of memory. Nothing is updated
+/// on error.
+pub fn batch_norm(
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    running: Option<RunningStats<'_>>,
+    eps: f32,
+) -> Result<BatchNormOutput> {
+    run(BatchNorm { x, gamma, beta, running, eps, dims: (0, 0, 0) })
+}
+
+struct BatchNorm<'a, 'r> {
+    x: &'a Tensor,
+    gamma: &'a Tensor,
+    beta: &'a Tensor,
+    running: Option<RunningStats<'r>>,
+    eps: f32,
+    dims: (usize, usize, usize),
+}
+
+impl Op for BatchNorm<'_, '_> {
+    const NAME: &'static str = "batch_norm";
+    type Output = BatchNormOutput;
+
+    fn device(&self) -> &Device {
+        self.x.device()
+    }
+
+    fn plan(&mut self) -> Result<Plan> {
+        let mut per_channel = vec![self.gamma, self.beta];
+        if let Some(r) = &self.running {
+            if !(0.0..=1.0).contains(&r.momentum) {
+                return Err(invalid(
+                    Self::NAME,
+                    format!("momentum {} is not in [0, 1]", r.momentum),
+                ));
+            }
+            per_channel.extend([&*r.mean, &*r.var]);
+        }
+        let (n, c, s) = dims(Self::NAME, self.x, &per_channel, self.eps)?;
+        if n * s < 2 {
+            return Err(invalid(
+                Self::NAME,
+                format!(
+                    "expected more than 1 value per channel when training, got input of shape {:?}",
+                    self.x.shape()
+                ),
+            ));
+        }
+        self.dims = (n, c, s);
+        if let Some(r) = &mut self.running {
+            r.mean.make_unique()?;
+            r.var.make_unique()?;
+        }
+        let mut plan = Plan::one(self.x.shape(), self.x.dtype());
+        plan.output(&[c], DType::F32);
+        plan.output(&[c], DType::F32);
+        Ok(plan)
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        let (n, c, s) = self.dims;
+        let [y, mean, inv] = bufs.outputs_mut() else { unreachable!("planned") };
+        let (mean, inv) = (mean.out_slice::<f32>(Self::NAME)?, inv.out_slice::<f32>(Self::NAME)?);
+        let mut var = vec![0.0f32; c];
+        with_dtype!(self.x.dtype(), T => cpu::batch_norm_stats(self.x.as_slice::<T>()?, s, mean, &mut var))?;
+        for (r, &v) in inv.iter_mut().zip(&var) {
+            *r = invstd(v, self.eps);
+        }
+        let (g, b) = (host_f32(self.gamma)?, host_f32(self.beta)?);
+        with_dtype!(self.x.dtype(), T => cpu::batch_norm_apply(
+            self.x.as_slice::<T>()?, s, mean, inv, &g, &b, y.out_slice::<T>(Self::NAME)?,
+        ))?;
+        if let Some(r) = &mut self.running {
+            let (m, unbias) = (r.momentum, (n * s) as f32 / (n * s - 1) as f32);
+            let rm: Vec<f32> = host_f32(r.mean)?
+                .iter()
+                .zip(mean.iter())
+                .map(|(&old, &mu)| m * mu + (1.0 - m) * old)
+                .collect();
+            let rv: Vec<f32> = host_f32(r.var)?
+                .iter()
+                .zip(&var)
+                .map(|(&old, &v)| m * (v * unbias) + (1.0 - m) * old)
+                .collect();
+            host_store(r.mean, &rm)?;
+            host_store(r.var, &rv)?;
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::helpers::{check_rows, ptr};
+        use crate::cuda::registry::{BN_APPLY, BN_STATS};
+        use crate::cuda::{Arg, launch};
+        let (n, c, s) = self.dims;
+        let t = self.x.dtype();
+        let pf32 = Arg::U32((self.gamma.dtype() == DType::F32) as u32);
+        let [y, mean, inv] = bufs.outputs_mut() else { unreachable!("planned") };
+        check_rows(Self::NAME, c)?;
+        let (rm, rv, momentum) = match &self.running {
+            Some(r) => (ptr(r.mean)?, ptr(r.var)?, r.momentum),
+            None => (Arg::Ptr(0), Arg::Ptr(0), 0.0),
+        };
+        // SAFETY: bn_stats_T(const T* x, float* mean, float* invstd, void* rmean, void* rvar,
+        // u32 pf32, u32 update, float momentum, float eps, u64 n, u64 c, u64 s), one block
+        // per channel; x holds n * c * s elements, mean and invstd c floats, the running
+        // statistics (read and written only when update is 1) c parameters.
+        unsafe {
+            gpu.launch(
+                BN_STATS.of(t),
+                launch::per_row(c),
+                &[
+                    ptr(self.x)?,
+                    ptr(mean)?,
+                    ptr(inv)?,
+                    rm,
+                    rv,
+                    pf32,
+                    Arg::U32(self.running.is_some() as u32),
+                    Arg::F32(momentum),
+                    Arg::F32(self.eps),
+                    Arg::count(n),
+                    Arg::count(c),
+                    Arg::count(s),
+                ],
+            )?;
+        }
+        let total = self.x.numel();
+        // SAFETY: bn_apply_T(const T* x, const float* mean, const float* invstd, const void* g,
+        // const void* b, u32 pf32, T* y, u64 total, u64 c, u64 s), grid-stride over total
+        // elements; gamma and beta hold c parameters.
+        unsafe {
+            gpu.launch(
+                BN_APPLY.of(t),
+                launch::elementwise(total),
+                &[
+                    ptr(self.x)?,
+                    ptr(mean)?,
+                    ptr(inv)?,
+                    ptr(self.gamma)?,
+                    ptr(self.beta)?,
+                    pf32,
+                    ptr(y)?,
+                    Arg::count(total),
+                    Arg::count(c),
+                    Arg::count(s),
+                ],
+            )
+        }
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<BatchNormOutput> {
+        let mut out = bufs.into_outputs();
+        match (out.next(), out.next(), out.next()) {
+            (Some(y), Some(mean), Some(invstd)) => Ok(BatchNormOutput { y, mean, invstd }),
+            _ => unreachable!("the plan has y, mean and invstd"),
+        }
+    }
+}
+
+/// Batch norm in evaluation: `y = (x - running_mean) * invstd * gamma + beta` per channel,
+/// `invstd = 1 / sqrt(running_var + eps)`, over `x: [n, c, ..]` (any batch, one image too).
+///
+/// # Errors
+///
+/// As [`batch_norm`], less the two-values rule and the momentum.
+pub fn batch_norm_eval(
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    running_mean: &Tensor,
+    running_var: &Tensor,
+    eps: f32,
+) -> Result<Tensor> {
+    run(BatchNormEval { x, gamma, beta, running_mean, running_var, eps, s: 0, ws: None })
+}
+
+struct BatchNormEval<'a> {
+    x: &'a Tensor,
+    gamma: &'a Tensor,
+    beta: &'a Tensor,
+    running_mean: &'a Tensor,
+    running_var: &'a Tensor,
+    eps: f32,
+    s: usize,
+    /// The f32 mean and invstd on the GPU, `2 * c` floats.
+    ws: Option<usize>,
+}
+
+impl Op for BatchNormEval<'_> {
+    const NAME: &'static str = "batch_norm_eval";
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.x.device()
+    }
+
+    fn plan(&mut self) -> Result<Plan> {
+        let per_channel = [self.gamma, self.beta, self.running_mean, self.running_var];
+        let (_, c, s) = dims(Self::NAME, self.x, &per_channel, self.eps)?;
+        self.s = s;
+        let mut plan = Plan::one(self.x.shape(), self.x.dtype());
+        self.ws = plan.workspace(2 * c * 4);
+        Ok(plan)
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        let mean = host_f32(self.running_mean)?;
+        let inv: Vec<f32> =
+            host_f32(self.running_var)?.iter().map(|&v| invstd(v, self.eps)).collect();
+        let (g, b) = (host_f32(self.gamma)?, host_f32(self.beta)?);
+        with_dtype!(self.x.dtype(), T => cpu::batch_norm_apply(
+            self.x.as_slice::<T>()?, self.s, &mean, &inv, &g, &b, bufs.out(0).out_slice::<T>(Self::NAME)?,
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::helpers::ptr;
+        use crate::cuda::registry::{BN_APPLY, BN_EVAL_STATS};
+        use crate::cuda::{Arg, launch};
+        let c = self.gamma.numel();
+        let t = self.x.dtype();
+        let pf32 = Arg::U32((self.gamma.dtype() == DType::F32) as u32);
+        let mean = bufs.ws(self.ws)?;
+        let inv = mean + 4 * c as u64;
+        // SAFETY: bn_eval_stats_T(const void* rmean, const void* rvar, u32 pf32, float eps,
+        // float* mean, float* invstd, u64 c), grid-stride over c; the workspace holds 2c
+        // floats.
+        unsafe {
+            gpu.launch(
+                BN_EVAL_STATS.of(t),
+                launch::elementwise(c),
+                &[
+                    ptr(self.running_mean)?,
+                    ptr(self.running_var)?,
+                    pf32,
+                    Arg::F32(self.eps),
+                    Arg::Ptr(mean),
+                    Arg::Ptr(inv),
+                    Arg::count(c),
+                ],
+            )?;
+        }
+        let total = self.x.numel();
+        // SAFETY: as in `batch_norm`'s apply launch.
+        unsafe {
+            gpu.launch(
+                BN_APPLY.of(t),
+                launch::elementwise(total),
+                &[
+                    ptr(self.x)?,
+                    Arg::Ptr(mean),
+                    Arg::Ptr(inv),
+                    ptr(self.gamma)?,
+                    ptr(self.beta)?,
+                    pf32,
+                    ptr(bufs.out(0))?,
+                    Arg::count(total),
+                    Arg::count(c),
+                    Arg::count(self.s),
+                ],
+            )
+        }
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
+}
+
+/// Gradients of a training [`batch_norm`] from its input `x`, `gamma`, the saved `mean` and
+/// `invstd`, and the upstream `dy`.
+///
+/// # Errors
+///
+/// Shape, dtype and device mismatches; out of memory.
+pub fn batch_norm_backward(
+    x: &Tensor,
+    gamma: &Tensor,
+    mean: &Tensor,
+    invstd: &Tensor,
+    dy: &Tensor,
+) -> Result<BatchNormGrads> {
+    run(BatchNormBackward { x, gamma, mean, invstd, dy, s: 0, sums: None })
+}
+
+struct BatchNormBackward<'a> {
+    x: &'a Tensor,
+    gamma: &'a Tensor,
+    mean: &'a Tensor,
+    invstd: &'a Tensor,
+    dy: &'a Tensor,
+    s: usize,
+    /// The f32 per-channel sums of `dy * xhat` and `dy` on the GPU, `2 * c` floats.
+    sums: Option<usize>,
+}
+
+impl Op for BatchNormBackward<'_> {
+    const NAME: &'static str = "batch_norm_backward";
+    type Output = BatchNormGrads;
+
+    fn device(&self) -> &Device {
+        self.x.device()
+    }
+
+    fn plan(&mut self) -> Result<Plan> {
+        let (_, c, s) = dims(Self::NAME, self.x, &[self.gamma], 0.0)?;
+        same_layout(Self::NAME, self.x, self.dy)?;
+        for saved in [self.mean, self.invstd] {
+            same_device(Self::NAME, self.x, saved)?;
+            expect_dtype(Self::NAME, DType::F32, saved)?;
+            expect_shape(Self::NAME, &[c], saved)?;
+        }
+        self.s = s;
+        let mut plan = Plan::one(self.x.shape(), self.x.dtype());
+        plan.output(&[c], self.gamma.dtype());
+        plan.output(&[c], self.gamma.dtype());
+        self.sums = plan.workspace(2 * c * 4);
+        Ok(plan)
+    }
+
+    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+        let c = self.gamma.numel();
+        let (mut dg, mut db) = (vec![0.0f32; c], vec![0.0f32; c]);
+        let g = host_f32(self.gamma)?;
+        let [dx, dgamma, dbeta] = bufs.outputs_mut() else { unreachable!("planned") };
+        with_dtype!(self.x.dtype(), T => cpu::batch_norm_backward(
+            self.x.as_slice::<T>()?,
+            self.dy.as_slice::<T>()?,
+            self.s,
+            self.mean.as_slice::<f32>()?,
+            self.invstd.as_slice::<f32>()?,
+            &g,
+            dx.out_slice::<T>(Self::NAME)?,
+            &mut dg,
+            &mut db,
+        ))?;
+        host_store(dgamma, &dg)?;
+        host_store(dbeta, &db)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+        use crate::cuda::helpers::{check_rows, from_f32, ptr};
+        use crate::cuda::registry::{BN_BWD_DX, BN_BWD_SUMS};
+        use crate::cuda::{Arg, launch};
+        let c = self.gamma.numel();
+        let n = self.x.numel() / (c * self.s).max(1);
+        let t = self.x.dtype();
+        check_rows(Self::NAME, c)?;
+        let sums = bufs.ws(self.sums)?;
+        // SAFETY: bn_bwd_sums_T(const T* x, const T* dy, const float* mean, const float*
+        // invstd, float* sums, u64 n, u64 c, u64 s), one block per channel; sums holds 2c
+        // floats (sum of dy * xhat, then sum of dy).
+        unsafe {
+            gpu.launch(
+                BN_BWD_SUMS.of(t),
+                launch::per_row(c),
+                &[
+                    ptr(self.x)?,
+                    ptr(self.dy)?,
+                    ptr(self.mean)?,
+                    ptr(self.invstd)?,
+                    Arg::Ptr(sums),
+                    Arg::count(n),
+                    Arg::count(c),
+                    Arg::count(self.s),
+                ],
+            )?;
+        }
+        let total = self.x.numel();
+        let [dx, dgamma, dbeta] = bufs.outputs_mut() else { unreachable!("planned") };
+        // SAFETY: bn_bwd_dx_T(const T* x, const T* dy, const float* mean, const float* invstd,
+        // const void* g, u32 pf32, const float* sums, T* dx, u64 total, u64 c, u64 s),
+        // grid-stride over total elements.
+        unsafe {
+            gpu.launch(
+                BN_BWD_DX.of(t),
+                launch::elementwise(total),
+                &[
+                    ptr(self.x)?,
+                    ptr(self.dy)?,
+                    ptr(self.mean)?,
+                    ptr(self.invstd)?,
+                    ptr(self.gamma)?,
+                    Arg::U32((self.gamma.dtype() == DType::F32) as u32),
+                    Arg::Ptr(sums),
+                    ptr(dx)?,
+                    Arg::count(total),
+                    Arg::count(c),
+                    Arg::count(self.s),
+                ],
+            )?;
+        }
+        from_f32(gpu, sums, dgamma)?;
+        from_f32(gpu, sums + 4 * c as u64, dbeta)
+    }
+
+    fn finish(self, bufs: Buffers) -> Result<BatchNormGrads> {
+        let mut out = bufs.into_outputs();
+        match (out.next(), out.next(), out.next()) {
+            (Some(dx), Some(dgamma), Some(dbeta)) => Ok(BatchNormGrads { dx, dgamma, dbeta }),
+            _ => unreachable!("the plan has dx, dgamma and dbeta"),
+        }
+    }
+}

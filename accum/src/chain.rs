@@ -300,6 +300,7 @@ impl Chain {
                         seed,
                         offset,
                         autocast: autocast.clone().map(Autocast::new),
+                        update_running_stats: false,
                     };
                     let mut saved = Vec::with_capacity(seg.end - seg.start);
                     let mut ckpt = ckpt;
@@ -334,7 +335,8 @@ impl Chain {
     /// Parameter gradients are left as they were: during the pass each layer's gradients
     /// are replaced by zero tensors, so the figures are those of the steady state in which
     /// gradients exist; what creating them costs is [`LayerProfile::grad_bytes`]. `ctx` is
-    /// cloned; the caller's stream does not advance.
+    /// cloned; the caller's stream does not advance, and batch norm's running statistics do
+    /// not move.
     ///
     /// # Errors
     ///
@@ -351,7 +353,7 @@ impl Chain {
         // first step allocates it and it stays): allocate it now, so that no layer's figures
         // count it.
         dev.prepare_blas_workspace()?;
-        let mut ctx = ForwardCtx { mode: Mode::Train, ..ctx.clone() };
+        let mut ctx = ForwardCtx { mode: Mode::Train, update_running_stats: false, ..ctx.clone() };
         let mut profiles = Vec::with_capacity(self.len());
         let mut outputs: Vec<(Vec<usize>, vram_kernels::DType)> = Vec::new();
         let mut saved_all = Vec::with_capacity(self.len());

@@ -36,12 +36,17 @@ pub struct ForwardCtx {
     pub offset: u64,
     /// Autocast's policy and cache, `None` without autocast.
     pub autocast: Option<Autocast>,
+    /// Whether a training forward moves batch norm's running statistics (default true).
+    /// A checkpointed segment's recomputation and [`crate::Chain::profile`] run with it
+    /// false, so a step updates them once whatever the schedule (PyTorch's checkpoint
+    /// updates them twice: pytorch/pytorch#96136).
+    pub update_running_stats: bool,
 }
 
 impl ForwardCtx {
     /// A context for `mode` with a random stream seeded by `seed`, without autocast.
     pub fn new(mode: Mode, seed: u64) -> Self {
-        ForwardCtx { mode, seed, offset: 0, autocast: None }
+        ForwardCtx { mode, seed, offset: 0, autocast: None, update_running_stats: true }
     }
 
     /// The same with autocast to `low` (f16 or bf16) under PyTorch's default policy.

@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{device, layer, step_bits, tensor};
+use common::{bits, device, layer, step_bits, tensor};
 use proptest::prelude::*;
 use vram_accum::{Chain, CheckpointPlan, Error, ForwardCtx, Mode, Schedule, Segment};
 
@@ -155,4 +155,42 @@ fn saved_state_of_another_layer_type_is_an_error() {
     let (y, saved) = norm.forward(&x, &mut ctx).unwrap();
     let err = linear.backward(saved.unwrap(), &y, true).unwrap_err();
     assert!(matches!(err, Error::ForeignSavedState { .. }), "{err}");
+}
+
+/// A chain of batch-normed convolutions: checkpointing recomputes the norms' forward, which
+/// must not move the running statistics a second time (PyTorch's checkpoint does:
+/// pytorch/pytorch#96136). After two steps under any schedule, gradients are bit-identical
+/// and evaluation (which normalizes with the running statistics) gives the same output as
+/// after plain steps; it differs from the output before training, so the statistics moved.
+#[test]
+fn checkpointing_moves_batch_norm_running_statistics_once() {
+    use vram_accum::BoxedLayer;
+    use vram_accum::layers::{Act, Conv2dConfig, ResidualBlockConfig};
+    let build = || {
+        let dev = device();
+        let conv = Conv2dConfig::new(2, 4, 3)
+            .with_batch_norm(true)
+            .with_activation(Act::Relu)
+            .with_seed(1)
+            .init(&dev)
+            .unwrap();
+        let block = ResidualBlockConfig::new(4).with_batch_norm(true).with_seed(2).init(&dev);
+        let chain = Chain::new(vec![BoxedLayer::new(conv), BoxedLayer::new(block.unwrap())]);
+        (dev, chain)
+    };
+    let eval = |chain: &mut Chain, x: &vram_kernels::Tensor| bits(&chain.infer(x).unwrap());
+    let (dev, mut plain) = build();
+    let x = tensor(&dev, &[3, 2, 5, 5], 7);
+    let before = eval(&mut plain, &x);
+    let none = Schedule::none(2).unwrap();
+    let plain_steps: Vec<_> = (0..2).map(|s| step_bits(&mut plain, &x, s, &none)).collect();
+    let after = eval(&mut plain, &x);
+    assert_ne!(before, after, "training moved the running statistics");
+    for schedule in [Schedule::every(2, 1).unwrap(), Schedule::every(2, 2).unwrap()] {
+        let (dev, mut chain) = build();
+        let x = tensor(&dev, &[3, 2, 5, 5], 7);
+        let steps: Vec<_> = (0..2).map(|s| step_bits(&mut chain, &x, s, &schedule)).collect();
+        assert_eq!(steps, plain_steps, "{schedule:?}: outputs and gradients");
+        assert_eq!(eval(&mut chain, &x), after, "{schedule:?}: running statistics");
+    }
 }

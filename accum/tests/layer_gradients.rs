@@ -3,8 +3,8 @@
 //! coordinates, for a loss `L = sum(y * r)` with fixed random `r` (so `dL/dy = r`).
 
 use vram_accum::layers::{
-    Act, BottleneckConfig, ClassifierHeadConfig, InvertedResidualConfig, LinearConfig,
-    PatchEmbedConfig, ResidualBlockConfig, TokenMeanPool, TransformerBlockConfig,
+    Act, BottleneckConfig, ClassifierHeadConfig, Conv2dConfig, InvertedResidualConfig,
+    LinearConfig, PatchEmbedConfig, ResidualBlockConfig, TokenMeanPool, TransformerBlockConfig,
 };
 use vram_accum::{BoxedLayer, ForwardCtx, Mode};
 use vram_kernels::cpu::random::uniform_at;
@@ -14,8 +14,12 @@ fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
     (0..n as u64).map(|i| scale * (2.0 * uniform_at(seed, i) - 1.0)).collect()
 }
 
+/// `sum(layer(x) * r)` by a training forward (batch norm normalizes with the batch's
+/// statistics, as in the forward being differentiated) that leaves the running statistics
+/// alone.
 fn loss(layer: &mut BoxedLayer, x: &Tensor, r: &Tensor) -> f64 {
-    let (y, _) = layer.forward(x, &mut ForwardCtx::new(Mode::Inference, 0)).unwrap();
+    let mut ctx = ForwardCtx { update_running_stats: false, ..ForwardCtx::new(Mode::Train, 0) };
+    let (y, _) = layer.forward(x, &mut ctx).unwrap();
     let (y, r) = (y.to_f32_vec().unwrap(), r.to_f32_vec().unwrap());
     y.iter().zip(&r).map(|(&a, &b)| a as f64 * b as f64).sum()
 }
@@ -158,6 +162,31 @@ fn convolutional_blocks_match_finite_differences() {
     check("ClassifierHead", BoxedLayer::new(h), &dev, &[2, 4, 3, 3]);
     let l = LinearConfig::new(5, 4).with_activation(Act::Gelu).with_seed(7).init(&dev).unwrap();
     check("Linear(gelu)", BoxedLayer::new(l), &dev, &[3, 5]);
+}
+
+/// The same blocks with a batch norm after every convolution: the norm's gradients (and
+/// `bn.weight`/`bn.bias`) against finite differences of the training forward.
+#[test]
+fn batch_normed_blocks_match_finite_differences() {
+    let dev = Device::host(64 << 20);
+    let c = Conv2dConfig::new(3, 4, 3)
+        .with_batch_norm(true)
+        .with_activation(Act::Relu)
+        .with_seed(1)
+        .init(&dev)
+        .unwrap();
+    check("Conv2d+BN+ReLU", BoxedLayer::new(c), &dev, &[3, 3, 5, 5]);
+    let b = BottleneckConfig::new(4, 2, 8)
+        .with_stride(2)
+        .with_batch_norm(true)
+        .with_seed(1)
+        .init(&dev)
+        .unwrap();
+    check("Bottleneck+BN(projection)", BoxedLayer::new(b), &dev, &[2, 4, 6, 6]);
+    let b = InvertedResidualConfig::new(4, 12, 4).with_batch_norm(true).with_seed(3).init(&dev);
+    check("InvertedResidual+BN", BoxedLayer::new(b.unwrap()), &dev, &[2, 4, 6, 6]);
+    let b = ResidualBlockConfig::new(3).with_batch_norm(true).with_seed(5).init(&dev).unwrap();
+    check("ResidualBlock+BN", BoxedLayer::new(b), &dev, &[2, 3, 5, 5]);
 }
 
 #[test]

@@ -223,6 +223,15 @@ fn relu_layers_keep_their_output_and_gelu_layers_their_input() {
     let mut conv = Conv2dConfig::new(8, 8, 3).with_activation(Act::Relu).init(&dev).unwrap();
     let (kept, out) = kept_by_forward(&mut conv, &x);
     assert_eq!(kept, out, "a conv + ReLU keeps its output only");
+    // With a batch norm, as PyTorch's Conv2d + BatchNorm2d + ReLU: the conv output (the
+    // norm's input) besides the output, and the two f32 statistics (512-byte blocks).
+    let mut conv = Conv2dConfig::new(8, 8, 3)
+        .with_batch_norm(true)
+        .with_activation(Act::Relu)
+        .init(&dev)
+        .unwrap();
+    let (kept, out) = kept_by_forward(&mut conv, &x);
+    assert_eq!(kept, 2 * out + 2 * 512, "a conv + BN + ReLU keeps the conv output too");
     let mut lin = LinearConfig::new(16, 16).with_activation(Act::Relu).init(&dev).unwrap();
     let (kept, out) = kept_by_forward(&mut lin, &x);
     assert_eq!(kept, out, "a linear + ReLU keeps its output only");

@@ -3,16 +3,22 @@
 //! [`InvertedResidual`] block and a [`ClassifierHead`] (global average pool, then linear
 //! layers). Images are `[b, c, h, w]`.
 //!
-//! There is no batch-norm op in `vram_kernels`, so these blocks have none: a residual
-//! branch's last convolution starts small instead (its weights drawn with a gain below 1,
-//! as Fixup does), which keeps a deep stack trainable. For memory this leaves out what
-//! batch norm would add: per normalized activation, PyTorch keeps the BN input (the conv
-//! output) as well as its output, and two vectors of statistics per layer.
+//! Every convolution can be followed by a batch norm (`with_batch_norm`, PyTorch's
+//! `Conv2d` + `BatchNorm2d`): it keeps the conv output (the norm's input) and two f32
+//! vectors of batch statistics, as PyTorch does, and holds running statistics that
+//! [`Mode::Inference`](crate::Mode) normalizes with. Without batch norm a residual branch's
+//! last convolution starts small instead (its weights drawn with a gain below 1, as Fixup
+//! does), which keeps a deep stack trainable.
 
 use super::{Act, AffineSaved, Init, Linear, LinearConfig, init_weight, positive, sub_seed};
 use crate::error::{Error, Result};
 use crate::layer::{ForwardCtx, Layer, Param};
 use vram_kernels::{Conv2dOptions, DType, Device, Indices, Pool2dOptions, Tensor, ops};
+
+/// Batch norm's `eps` and `momentum`, PyTorch's defaults (`nn.BatchNorm2d`).
+pub const BATCH_NORM_EPS: f32 = 1e-5;
+/// See [`BATCH_NORM_EPS`].
+pub const BATCH_NORM_MOMENTUM: f32 = 0.1;
 
 /// The state a sub-layer saved in training mode, or an error naming the block.
 fn saved<T>(s: Option<T>, block: &'static str) -> Result<T> {
@@ -47,6 +53,9 @@ pub struct Conv2dConfig {
     pub groups: usize,
     /// Whether the layer has a bias (default false, as in ResNet and MobileNet).
     pub bias: bool,
+    /// Whether a batch norm follows the convolution, before the activation (default false;
+    /// PyTorch's `Conv2d` + `BatchNorm2d`, eps 1e-5, momentum 0.1, scale 1, shift 0).
+    pub batch_norm: bool,
     /// The activation fused after it (default none).
     pub activation: Act,
     /// The weight initialization (default PyTorch's, uniform in `±1/sqrt(fan_in)`).
@@ -69,6 +78,7 @@ impl Conv2dConfig {
             padding: kernel / 2,
             groups: 1,
             bias: false,
+            batch_norm: false,
             activation: Act::Identity,
             init: Init::default(),
             dtype: DType::F32,
@@ -94,6 +104,11 @@ impl Conv2dConfig {
     /// The same with or without a bias.
     pub fn with_bias(self, bias: bool) -> Self {
         Conv2dConfig { bias, ..self }
+    }
+
+    /// The same with or without a batch norm after the convolution.
+    pub fn with_batch_norm(self, batch_norm: bool) -> Self {
+        Conv2dConfig { batch_norm, ..self }
     }
 
     /// The same with `activation` fused after the convolution.
@@ -160,9 +175,21 @@ impl Conv2dConfig {
             .stride((self.stride, self.stride))
             .padding((self.padding, self.padding))
             .groups(self.groups);
+        let norm = if self.batch_norm {
+            let c = [self.c_out];
+            Some(Norm {
+                gamma: Param::new("bn.weight", Tensor::full(device, &c, self.dtype, 1.0)?),
+                beta: Param::new("bn.bias", Tensor::zeros(device, &c, self.dtype)?),
+                running_mean: Tensor::zeros(device, &c, self.dtype)?,
+                running_var: Tensor::full(device, &c, self.dtype, 1.0)?,
+            })
+        } else {
+            None
+        };
         Ok(Conv2d {
             weight: Param::new("weight", w),
             bias,
+            norm,
             opts,
             act: self.activation,
             device: device.clone(),
@@ -170,12 +197,37 @@ impl Conv2dConfig {
     }
 }
 
-/// A 2-d convolution with a fused activation, `[b, c_in, h, w] -> [b, c_out, h', w']`.
-/// Built from a [`Conv2dConfig`].
+/// A convolution's batch norm: scale and shift (parameters `bn.weight`, `bn.bias`) and the
+/// running statistics (buffers, not parameters), all in the layer's dtype.
+#[derive(Debug)]
+struct Norm {
+    gamma: Param,
+    beta: Param,
+    running_mean: Tensor,
+    running_var: Tensor,
+}
+
+/// What a training batch norm keeps: its input (the convolution's output) and the batch's
+/// f32 mean and `1 / std`, as PyTorch's `native_batch_norm` saves.
+#[derive(Debug)]
+pub(crate) struct NormSaved {
+    z: Tensor,
+    mean: Tensor,
+    invstd: Tensor,
+}
+
+/// A 2-d convolution, optionally followed by a batch norm, with a fused activation,
+/// `[b, c_in, h, w] -> [b, c_out, h', w']`. Built from a [`Conv2dConfig`].
+///
+/// The batch norm normalizes with the batch's statistics in [`Mode::Train`](crate::Mode)
+/// (moving the running ones unless [`ForwardCtx::update_running_stats`] is off) and with the
+/// running statistics in [`Mode::Inference`](crate::Mode), as PyTorch's `train()` and
+/// `eval()` modules do.
 #[derive(Debug)]
 pub struct Conv2d {
     pub(super) weight: Param,
     bias: Option<Param>,
+    norm: Option<Norm>,
     opts: Conv2dOptions,
     act: Act,
     pub(super) device: Device,
@@ -198,15 +250,42 @@ impl Layer for Conv2d {
         ctx.refuse_autocast(|| self.name())?;
         let z =
             ops::conv2d(x, &self.weight.value, self.bias.as_ref().map(|b| &b.value), &self.opts)?;
-        AffineSaved::activate(self.act, x, z, ctx)
+        let Some(norm) = &mut self.norm else {
+            return AffineSaved::activate(self.act, x, z, ctx);
+        };
+        let (g, b) = (&norm.gamma.value, &norm.beta.value);
+        if !ctx.training() {
+            let (rm, rv) = (&norm.running_mean, &norm.running_var);
+            let u = ops::batch_norm_eval(&z, g, b, rm, rv, BATCH_NORM_EPS)?;
+            drop(z);
+            return Ok((self.act.forward(u)?, None));
+        }
+        let running = ctx.update_running_stats.then_some(ops::RunningStats {
+            mean: &mut norm.running_mean,
+            var: &mut norm.running_var,
+            momentum: BATCH_NORM_MOMENTUM,
+        });
+        let out = ops::batch_norm(&z, g, b, running, BATCH_NORM_EPS)?;
+        let (y, kept) = self.act.forward_saving(out.y, true)?;
+        let norm = NormSaved { z, mean: out.mean, invstd: out.invstd };
+        Ok((y, Some(AffineSaved { x: x.clone(), z: kept, cast: None, norm: Some(norm) })))
     }
 
     fn backward(&mut self, s: AffineSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
-        let dz = self.act.backward(s.z.as_ref(), dy)?;
+        let AffineSaved { x, z: kept, norm: norm_saved, .. } = s;
+        let mut dz = self.act.backward(kept.as_ref(), dy)?;
+        drop(kept);
+        if let (Some(norm), Some(ns)) = (&mut self.norm, norm_saved) {
+            let du = dz.as_ref().unwrap_or(dy);
+            let g = ops::batch_norm_backward(&ns.z, &norm.gamma.value, &ns.mean, &ns.invstd, du)?;
+            drop(ns);
+            dz = Some(g.dx);
+            norm.gamma.accumulate_grad(g.dgamma)?;
+            norm.beta.accumulate_grad(g.dbeta)?;
+        }
         let dz = dz.as_ref().unwrap_or(dy);
-        let g =
-            ops::conv2d_backward(&s.x, &self.weight.value, dz, &self.opts, self.bias.is_some())?;
-        drop(s);
+        let g = ops::conv2d_backward(&x, &self.weight.value, dz, &self.opts, self.bias.is_some())?;
+        drop(x);
         self.weight.accumulate_grad(g.dweight)?;
         if let (Some(b), Some(db)) = (&mut self.bias, g.dbias) {
             b.accumulate_grad(db)?;
@@ -217,12 +296,18 @@ impl Layer for Conv2d {
     fn params(&self) -> Vec<&Param> {
         let mut p = vec![&self.weight];
         p.extend(&self.bias);
+        if let Some(n) = &self.norm {
+            p.extend([&n.gamma, &n.beta]);
+        }
         p
     }
 
     fn params_mut(&mut self) -> Vec<&mut Param> {
         let mut p = vec![&mut self.weight];
         p.extend(&mut self.bias);
+        if let Some(n) = &mut self.norm {
+            p.extend([&mut n.gamma, &mut n.beta]);
+        }
         p
     }
 
@@ -292,6 +377,8 @@ impl Layer for MaxPool2d {
 pub struct ResidualBlockConfig {
     /// Channels in and out.
     pub channels: usize,
+    /// Whether each convolution is followed by a batch norm (default false).
+    pub batch_norm: bool,
     /// The dtype of the weights (default f32).
     pub dtype: DType,
     /// Seed of the weight initialization (default 0).
@@ -301,7 +388,12 @@ pub struct ResidualBlockConfig {
 impl ResidualBlockConfig {
     /// A block of `channels` channels, f32, seed 0.
     pub fn new(channels: usize) -> Self {
-        ResidualBlockConfig { channels, dtype: DType::F32, seed: 0 }
+        ResidualBlockConfig { channels, batch_norm: false, dtype: DType::F32, seed: 0 }
+    }
+
+    /// The same with or without a batch norm after each convolution.
+    pub fn with_batch_norm(self, batch_norm: bool) -> Self {
+        ResidualBlockConfig { batch_norm, ..self }
     }
 
     /// The same with weights in `dtype`.
@@ -314,14 +406,17 @@ impl ResidualBlockConfig {
         ResidualBlockConfig { seed, ..self }
     }
 
-    /// The block on `device`: He-normal weights, the second convolution at gain 0.1.
+    /// The block on `device`: He-normal weights, the second convolution at gain 0.1 without
+    /// batch norm (at 1 with it).
     ///
     /// # Errors
     ///
     /// As [`Conv2dConfig::init`].
     pub fn init(&self, device: &Device) -> Result<ResidualBlock> {
+        let last_gain = if self.batch_norm { 1.0 } else { 0.1 };
         let conv = |act, gain, part| {
             Conv2dConfig::new(self.channels, self.channels, 3)
+                .with_batch_norm(self.batch_norm)
                 .with_activation(act)
                 .with_init(Init::HeNormal { gain })
                 .with_dtype(self.dtype)
@@ -329,15 +424,15 @@ impl ResidualBlockConfig {
                 .init(device)
         };
         let mut c1 = conv(Act::Relu, 1.0, 0)?;
-        let mut c2 = conv(Act::Identity, 0.1, 1)?;
+        let mut c2 = conv(Act::Identity, last_gain, 1)?;
         super::prefix_param_names(&mut c1, "conv1");
         super::prefix_param_names(&mut c2, "conv2");
         Ok(ResidualBlock { c1, c2 })
     }
 }
 
-/// ResNet's basic block without normalization, `relu(x + conv(relu(conv(x))))` with two
-/// 3x3 convolutions of the same width. Built from a [`ResidualBlockConfig`].
+/// ResNet's basic block, `relu(x + conv(relu(conv(x))))` with two 3x3 convolutions of the
+/// same width, each optionally batch-normed. Built from a [`ResidualBlockConfig`].
 #[derive(Debug)]
 pub struct ResidualBlock {
     c1: Conv2d,
@@ -426,6 +521,9 @@ pub struct BottleneckConfig {
     pub c_out: usize,
     /// Stride of the 3x3 convolution and of the projection shortcut (default 1).
     pub stride: usize,
+    /// Whether each convolution (the projection's too) is followed by a batch norm, as in
+    /// torchvision's ResNet-50 (default false).
+    pub batch_norm: bool,
     /// The dtype of the weights (default f32).
     pub dtype: DType,
     /// Seed of the weight initialization (default 0).
@@ -433,9 +531,22 @@ pub struct BottleneckConfig {
 }
 
 impl BottleneckConfig {
-    /// A block `c_in -> mid -> mid -> c_out`, stride 1, f32, seed 0.
+    /// A block `c_in -> mid -> mid -> c_out`, stride 1, no batch norm, f32, seed 0.
     pub fn new(c_in: usize, mid: usize, c_out: usize) -> Self {
-        BottleneckConfig { c_in, mid, c_out, stride: 1, dtype: DType::F32, seed: 0 }
+        BottleneckConfig {
+            c_in,
+            mid,
+            c_out,
+            stride: 1,
+            batch_norm: false,
+            dtype: DType::F32,
+            seed: 0,
+        }
+    }
+
+    /// The same with or without a batch norm after each convolution.
+    pub fn with_batch_norm(self, batch_norm: bool) -> Self {
+        BottleneckConfig { batch_norm, ..self }
     }
 
     /// The same with `stride` (2 halves the resolution).
@@ -453,16 +564,19 @@ impl BottleneckConfig {
         BottleneckConfig { seed, ..self }
     }
 
-    /// The block on `device`: He-normal weights, the last convolution at gain 0.1, and a
-    /// projection shortcut (1x1, strided) when the stride is not 1 or the channels change.
+    /// The block on `device`: He-normal weights, the last convolution at gain 0.1 without
+    /// batch norm (at 1 with it), and a projection shortcut (1x1, strided) when the stride is
+    /// not 1 or the channels change.
     ///
     /// # Errors
     ///
     /// As [`Conv2dConfig::init`].
     pub fn init(&self, device: &Device) -> Result<Bottleneck> {
+        let last_gain = if self.batch_norm { 1.0 } else { 0.1 };
         let conv = |c_in, c_out, k, stride, act, gain, part, name| -> Result<Conv2d> {
             let mut c = Conv2dConfig::new(c_in, c_out, k)
                 .with_stride(stride)
+                .with_batch_norm(self.batch_norm)
                 .with_activation(act)
                 .with_init(Init::HeNormal { gain })
                 .with_dtype(self.dtype)
@@ -480,13 +594,14 @@ impl BottleneckConfig {
         Ok(Bottleneck {
             c1: conv(c_in, mid, 1, 1, Act::Relu, 1.0, 0, "conv1")?,
             c2: conv(mid, mid, 3, s, Act::Relu, 1.0, 1, "conv2")?,
-            c3: conv(mid, c_out, 1, 1, Act::Identity, 0.1, 2, "conv3")?,
+            c3: conv(mid, c_out, 1, 1, Act::Identity, last_gain, 2, "conv3")?,
             shortcut,
         })
     }
 }
 
-/// ResNet-50's bottleneck block without normalization: `relu(c3(c2(c1(x))) + shortcut(x))`
+/// ResNet-50's bottleneck block, each conv optionally batch-normed:
+/// `relu(c3(c2(c1(x))) + shortcut(x))`
 /// with `c1` 1x1 (ReLU), `c2` 3x3 strided (ReLU), `c3` 1x1, and the shortcut the identity or
 /// a 1x1 strided projection. Built from a [`BottleneckConfig`].
 #[derive(Debug)]
@@ -616,6 +731,9 @@ pub struct InvertedResidualConfig {
     pub kernel: usize,
     /// Stride of the depthwise convolution (default 1).
     pub stride: usize,
+    /// Whether each convolution is followed by a batch norm, as in torchvision's MobileNets
+    /// (default false).
+    pub batch_norm: bool,
     /// The dtype of the weights (default f32).
     pub dtype: DType,
     /// Seed of the weight initialization (default 0).
@@ -631,9 +749,15 @@ impl InvertedResidualConfig {
             c_out,
             kernel: 3,
             stride: 1,
+            batch_norm: false,
             dtype: DType::F32,
             seed: 0,
         }
+    }
+
+    /// The same with or without a batch norm after each convolution.
+    pub fn with_batch_norm(self, batch_norm: bool) -> Self {
+        InvertedResidualConfig { batch_norm, ..self }
     }
 
     /// The same with a `kernel x kernel` depthwise convolution.
@@ -657,7 +781,7 @@ impl InvertedResidualConfig {
     }
 
     /// The block on `device`: He-normal weights, the projection at gain 0.1 when the block
-    /// is residual.
+    /// is residual and has no batch norm.
     ///
     /// # Errors
     ///
@@ -666,6 +790,7 @@ impl InvertedResidualConfig {
         let residual = self.stride == 1 && self.c_in == self.c_out;
         let conv = |cfg: Conv2dConfig, gain, part, name| -> Result<Conv2d> {
             let mut c = cfg
+                .with_batch_norm(self.batch_norm)
                 .with_init(Init::HeNormal { gain })
                 .with_dtype(self.dtype)
                 .with_seed(sub_seed(self.seed, part))
@@ -688,13 +813,19 @@ impl InvertedResidualConfig {
         Ok(InvertedResidual {
             expand,
             depthwise: conv(dw, 1.0, 1, "depthwise")?,
-            project: conv(project, if residual { 0.1 } else { 1.0 }, 2, "project")?,
+            project: conv(
+                project,
+                if residual && !self.batch_norm { 0.1 } else { 1.0 },
+                2,
+                "project",
+            )?,
             residual,
         })
     }
 }
 
-/// MobileNetV2/V3's inverted residual block without normalization or squeeze-excitation,
+/// MobileNetV2/V3's inverted residual block, each conv optionally batch-normed, without
+/// squeeze-excitation,
 /// with ReLU: a 1x1 expansion (ReLU), a depthwise `k x k` convolution (ReLU, strided), a
 /// linear 1x1 projection, and `x +` that when the stride is 1 and the channels stay.
 /// Built from an [`InvertedResidualConfig`].

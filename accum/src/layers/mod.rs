@@ -28,8 +28,9 @@ pub mod conv;
 pub mod transformer;
 
 pub use conv::{
-    Bottleneck, BottleneckConfig, ClassifierHead, ClassifierHeadConfig, Conv2d, Conv2dConfig,
-    InvertedResidual, InvertedResidualConfig, MaxPool2d, ResidualBlock, ResidualBlockConfig,
+    BATCH_NORM_EPS, BATCH_NORM_MOMENTUM, Bottleneck, BottleneckConfig, ClassifierHead,
+    ClassifierHeadConfig, Conv2d, Conv2dConfig, InvertedResidual, InvertedResidualConfig,
+    MaxPool2d, ResidualBlock, ResidualBlockConfig,
 };
 pub use transformer::{
     PatchEmbed, PatchEmbedConfig, TokenMeanPool, TransformerBlock, TransformerBlockConfig,
@@ -203,14 +204,17 @@ impl Act {
     }
 }
 
-/// What a [`Linear`] or [`Conv2d`] keeps for backward: its input and what a fused activation
-/// needs (ReLU's output, GELU's input; nothing for the identity); under autocast the input and the
+/// What a [`Linear`] or [`Conv2d`] keeps for backward: its input, a convolution's batch norm
+/// input and statistics, and what a fused activation needs (ReLU's output, GELU's input;
+/// nothing for the identity); under autocast the input and the
 /// weight as cast (what PyTorch's linear saves) and the input's own dtype.
 #[derive(Debug)]
 pub struct AffineSaved {
     x: Tensor,
     z: Option<Tensor>,
     cast: Option<CastSaved>,
+    /// A convolution's batch norm: its input and the batch statistics.
+    norm: Option<conv::NormSaved>,
 }
 
 /// What a layer run under autocast keeps besides its usual state.
@@ -246,7 +250,7 @@ impl AffineSaved {
             return Ok((act.forward(z)?, None));
         }
         let (y, kept) = act.forward_saving(z, true)?;
-        Ok((y, Some(AffineSaved { x: x.clone(), z: kept, cast: None })))
+        Ok((y, Some(AffineSaved { x: x.clone(), z: kept, cast: None, norm: None })))
     }
 }
 

@@ -205,10 +205,11 @@ pub fn arch_json(arch: &Arch, dropout: f32) -> Result<Value, TwinError> {
         }),
         Arch::BottleneckResNet { side, width, blocks, classes } => json!({
             "kind": "bottleneck_resnet", "side": side, "width": width, "blocks": blocks,
-            "classes": classes,
+            "classes": classes, "batch_norm": true,
         }),
         Arch::MobileNetV3 { side, width_mult, classes } => json!({
             "kind": "mobilenetv3", "side": side, "width_mult": width_mult, "classes": classes,
+            "batch_norm": true,
         }),
         Arch::Vit { side, patch, d, layers, heads, classes, .. } => json!({
             "kind": "vit", "side": side, "patch": patch, "d": d, "layers": layers,

@@ -21,21 +21,10 @@ fn preset(name: &str) -> Arch {
     Arch::preset(name).unwrap()
 }
 
-/// Batch-norm parameters (scale and shift per channel) torchvision's ResNet-50 has and
-/// ours leaves out: after the stem, after each bottleneck convolution and each projection.
-fn resnet50_bn_params() -> u64 {
-    let mut channels = 64; // stem
-    for (stage, blocks) in [3u64, 4, 6, 3].into_iter().enumerate() {
-        let mid = 64 << stage;
-        channels += blocks * (mid + mid + 4 * mid) + 4 * mid; // + the projection's BN
-    }
-    2 * channels
-}
-
-/// What torchvision's MobileNetV3-Large has and ours leaves out: batch norm after every
-/// convolution, and squeeze-excitation (two 1x1 convolutions with biases, squeezing to
-/// `make_divisible(expanded / 4)`) in the blocks that have it.
-fn mobilenetv3_bn_and_se_params() -> u64 {
+/// What torchvision's MobileNetV3-Large has and ours leaves out: squeeze-excitation (two
+/// 1x1 convolutions with biases, squeezing to `make_divisible(expanded / 4)`) in the blocks
+/// that have it.
+fn mobilenetv3_se_params() -> u64 {
     let div = |v: u64| {
         let r = ((v + 4) / 8 * 8).max(8);
         if (r as f64) < 0.9 * v as f64 { r + 8 } else { r }
@@ -58,16 +47,14 @@ fn mobilenetv3_bn_and_se_params() -> u64 {
         (160, 960, 160, true),
         (160, 960, 160, true),
     ];
-    let mut bn = 16 + 960; // stem, last 1x1 convolution
     let mut se = 0;
-    for (c_in, e, out, has_se) in blocks {
-        bn += if e != c_in { e } else { 0 } + e + out;
+    for (_, e, _, has_se) in blocks {
         if has_se {
             let s = div(e / 4);
             se += e * s + s + s * e + e;
         }
     }
-    2 * bn + se
+    se
 }
 
 #[test]
@@ -81,10 +68,10 @@ fn presets_have_the_published_parameter_counts() {
     };
     let untied = Arch::Gpt { vocab, d, layers, heads, seq, dropout, tied: false };
     assert_eq!(count(untied), 124_439_808 + (vocab * d) as u64);
-    // ResNet-50: torchvision's 25,557,032 less its batch norms.
-    assert_eq!(count(preset("resnet50")) + resnet50_bn_params(), 25_557_032);
-    // MobileNetV3-Large: torchvision's 5,483,032 less batch norm and squeeze-excitation.
-    assert_eq!(count(preset("mobilenetv3-like")) + mobilenetv3_bn_and_se_params(), 5_483_032);
+    // ResNet-50: torchvision's, batch norms included.
+    assert_eq!(count(preset("resnet50")), 25_557_032);
+    // MobileNetV3-Large: torchvision's 5,483,032 less squeeze-excitation.
+    assert_eq!(count(preset("mobilenetv3-like")) + mobilenetv3_se_params(), 5_483_032);
     // ViT-B/16: timm's 86,567,656 less the class token and its position.
     assert_eq!(count(preset("vit-b-like")) + 2 * 768, 86_567_656);
 }
@@ -134,17 +121,22 @@ fn saved_activations(arch: &Arch, b: u64) -> u64 {
         Arch::BottleneckResNet { side, width, ref blocks, .. } => {
             let s = side as u64 / 2; // after the stem convolution
             let w = width as u64;
-            // The image, the stem's output (ReLU keeps it), the pool's argmax.
-            let mut total = b * 3 * (side as u64).pow(2) + b * w * s * s + b * w * (s / 2).pow(2);
+            // The image, the stem's conv output (the batch norm's input) and output (ReLU
+            // keeps it), the pool's argmax.
+            let mut total =
+                b * 3 * (side as u64).pow(2) + 2 * b * w * s * s + b * w * (s / 2).pow(2);
             let (mut hw, mut c_in) = ((s / 2).pow(2), w);
             for (stage, &n) in blocks.iter().enumerate() {
                 let mid = w << stage;
                 for i in 0..n {
                     let hw_out = if i == 0 && stage > 0 { hw / 4 } else { hw };
-                    // The input, c1's and c2's outputs (ReLU keeps its output, which is also
-                    // the next convolution's input); the block's output is the next block's
-                    // input.
-                    total += b * (c_in * hw + mid * hw + mid * hw_out);
+                    let projection = i == 0;
+                    // The input; c1's and c2's conv outputs (batch-norm inputs) and outputs
+                    // (ReLU keeps its output, which is also the next convolution's input);
+                    // c3's and the projection's conv outputs. The block's output is the next
+                    // block's input.
+                    let c3 = if projection { 2 } else { 1 } * 4 * mid * hw_out;
+                    total += b * (c_in * hw + 2 * mid * hw + 2 * mid * hw_out + c3);
                     (hw, c_in) = (hw_out, 4 * mid);
                 }
             }
@@ -152,18 +144,21 @@ fn saved_activations(arch: &Arch, b: u64) -> u64 {
         }
         Arch::MobileNetV3 { side, .. } => {
             let s = side as u64 / 2;
-            let mut total = b * 3 * (side as u64).pow(2) + b * 16 * s * s;
+            // The image, the stem's conv output and output.
+            let mut total = b * 3 * (side as u64).pow(2) + 2 * b * 16 * s * s;
             let mut hw = s * s;
-            for (c_in, k, e, _, stride) in MOBILENET {
+            for (c_in, k, e, c_out, stride) in MOBILENET {
                 let _ = k;
                 let hw_out = if stride == 2 { hw / 4 } else { hw };
-                // The input, the expansion's and the depthwise's outputs (ReLU keeps its
-                // output; the linear projection keeps its input, the depthwise output).
-                let expand = if e != c_in { e * hw } else { 0 };
-                total += b * (c_in * hw + expand + e * hw_out);
+                // The input; the expansion's and the depthwise's conv outputs (batch-norm
+                // inputs) and outputs (ReLU keeps its output); the projection's conv output
+                // (it keeps its input, the depthwise output).
+                let expand = if e != c_in { 2 * e * hw } else { 0 };
+                total += b * (c_in * hw + expand + 2 * e * hw_out + c_out * hw_out);
                 hw = hw_out;
             }
-            total + b * (160 * hw + 960 * hw) // the last convolution's input and output
+            // The last convolution's input, conv output and output.
+            total + b * (160 * hw + 2 * 960 * hw)
         }
         Arch::Vit { side, patch, d, layers, heads, dropout, .. } => {
             let t = ((side / patch) as u64).pow(2);

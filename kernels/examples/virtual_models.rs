@@ -5,7 +5,7 @@
 //!   the LM head tied to the token embedding), sequence 1024, batch 8, dropout 0.1, f32,
 //!   AdamW.
 //! - ResNet-50: 25,503,912 parameters (bottleneck stages 3-4-6-3, torchvision's layout
-//!   without batch norm, which this crate has no op for), 224 px, batch 64, f32, AdamW.
+//!   without batch norm: this example keeps to convolutions), 224 px, batch 64, f32, AdamW.
 //!
 //! Both are written with `vram_kernels::ops` alone (forward, backward by hand, AdamW), so
 //! they run unchanged on the host, on a virtual device and on a GPU. The program first runs

@@ -68,21 +68,28 @@ def norm_params(prefix, ln):
 
 
 class ConvAct(nn.Module):
-    """vram's Conv2d: a square k x k convolution, padding k // 2, no bias, with a fused
-    activation (ReLU or none)."""
+    """vram's Conv2d: a square k x k convolution, padding k // 2, no bias, optionally a
+    BatchNorm2d (eps 1e-5, momentum 0.1, scale 1, shift 0), with a fused activation (ReLU or
+    none)."""
 
-    def __init__(self, c_in, c_out, k, stride=1, groups=1, relu=True):
+    def __init__(self, c_in, c_out, k, stride=1, groups=1, relu=True, bn=False):
         super().__init__()
         self.conv = nn.Conv2d(c_in, c_out, k, stride=stride, padding=k // 2, groups=groups,
                               bias=False)
+        self.bn = nn.BatchNorm2d(c_out, eps=1e-5, momentum=0.1) if bn else None
         self.relu = relu
 
     def forward(self, x):
         x = self.conv(x)
+        if self.bn is not None:
+            x = self.bn(x)
         return F.relu(x) if self.relu else x
 
     def vram_params(self, prefix):
-        return [(f"{prefix}weight", self.conv.weight)]
+        out = [(f"{prefix}weight", self.conv.weight)]
+        if self.bn is not None:
+            out += [(f"{prefix}bn.weight", self.bn.weight), (f"{prefix}bn.bias", self.bn.bias)]
+        return out
 
 
 class ClassifierHead(nn.Module):
@@ -122,17 +129,18 @@ class ResidualBlock(nn.Module):
 
 
 class Bottleneck(nn.Module):
-    """ResNet-50's bottleneck without normalization: relu(conv3(conv2(conv1(x))) + shortcut),
-    conv2 strided, a 1x1 strided projection shortcut when the stride or the width changes."""
+    """ResNet-50's bottleneck: relu(conv3(conv2(conv1(x))) + shortcut), each conv batch-normed
+    when bn, conv2 strided, a 1x1 strided projection shortcut when the stride or the width
+    changes."""
 
-    def __init__(self, c_in, mid, c_out, stride):
+    def __init__(self, c_in, mid, c_out, stride, bn):
         super().__init__()
-        self.conv1 = ConvAct(c_in, mid, 1, relu=True)
-        self.conv2 = ConvAct(mid, mid, 3, stride=stride, relu=True)
-        self.conv3 = ConvAct(mid, c_out, 1, relu=False)
+        self.conv1 = ConvAct(c_in, mid, 1, relu=True, bn=bn)
+        self.conv2 = ConvAct(mid, mid, 3, stride=stride, relu=True, bn=bn)
+        self.conv3 = ConvAct(mid, c_out, 1, relu=False, bn=bn)
         self.downsample = None
         if stride != 1 or c_in != c_out:
-            self.downsample = ConvAct(c_in, c_out, 1, stride=stride, relu=False)
+            self.downsample = ConvAct(c_in, c_out, 1, stride=stride, relu=False, bn=bn)
 
     def forward(self, x):
         shortcut = x if self.downsample is None else self.downsample(x)
@@ -148,15 +156,17 @@ class Bottleneck(nn.Module):
 
 
 class InvertedResidual(nn.Module):
-    """MobileNetV2/V3's inverted residual without BN or squeeze-excitation, ReLU: a 1x1
-    expansion (skipped when the width stays), a k x k depthwise convolution (strided), a
-    linear 1x1 projection, and the input added when the stride is 1 and the width stays."""
+    """MobileNetV2/V3's inverted residual without squeeze-excitation, ReLU, each conv
+    batch-normed when bn: a 1x1 expansion (skipped when the width stays), a k x k depthwise
+    convolution (strided), a linear 1x1 projection, and the input added when the stride is 1
+    and the width stays."""
 
-    def __init__(self, c_in, expanded, c_out, k, stride):
+    def __init__(self, c_in, expanded, c_out, k, stride, bn):
         super().__init__()
-        self.expand = ConvAct(c_in, expanded, 1, relu=True) if expanded != c_in else None
-        self.depthwise = ConvAct(expanded, expanded, k, stride=stride, groups=expanded, relu=True)
-        self.project = ConvAct(expanded, c_out, 1, relu=False)
+        self.expand = ConvAct(c_in, expanded, 1, relu=True, bn=bn) if expanded != c_in else None
+        self.depthwise = ConvAct(expanded, expanded, k, stride=stride, groups=expanded, relu=True,
+                                 bn=bn)
+        self.project = ConvAct(expanded, c_out, 1, relu=False, bn=bn)
         self.residual = stride == 1 and c_in == c_out
 
     def forward(self, x):
@@ -320,13 +330,13 @@ class SmallCNN(nn.Module):
 
 
 class BottleneckResNet(nn.Module):
-    """ResNet-50 without batch norm: 7x7/2 stem (ReLU), 3x3/2 max pool (padding 1), stages of
-    bottlenecks (width 64 << stage, output 4x, the first block of stages after the first
-    strided), global pool and a linear classifier."""
+    """ResNet-50 (torchvision's layout, every conv batch-normed when bn): 7x7/2 stem (ReLU),
+    3x3/2 max pool (padding 1), stages of bottlenecks (width 64 << stage, output 4x, the first
+    block of stages after the first strided), global pool and a linear classifier."""
 
-    def __init__(self, width, blocks, classes):
+    def __init__(self, width, blocks, classes, bn):
         super().__init__()
-        self.conv1 = ConvAct(3, width, 7, stride=2)
+        self.conv1 = ConvAct(3, width, 7, stride=2, bn=bn)
         self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
         self.names = []
         layers = []
@@ -335,7 +345,7 @@ class BottleneckResNet(nn.Module):
             mid = width << stage
             for i in range(n):
                 stride = 2 if i == 0 and stage > 0 else 1
-                layers.append(Bottleneck(c_in, mid, 4 * mid, stride))
+                layers.append(Bottleneck(c_in, mid, 4 * mid, stride, bn))
                 self.names.append(f"layer{stage + 1}.{i}")
                 c_in = 4 * mid
         self.layers = nn.Sequential(*layers)
@@ -387,22 +397,23 @@ def make_divisible(c, mult):
 
 
 class MobileNetV3(nn.Module):
-    """MobileNetV3-Large's layout with ReLU everywhere, no SE, no BN: a 3x3/2 stem, the 15
-    inverted residuals, a 1x1 convolution to 6x the last width (ReLU), global pool, a
-    hidden ReLU layer of make_divisible(1280) units and the classifier."""
+    """MobileNetV3-Large's layout with ReLU everywhere, no SE, every conv batch-normed when
+    bn: a 3x3/2 stem, the 15 inverted residuals, a 1x1 convolution to 6x the last width
+    (ReLU), global pool, a hidden ReLU layer of make_divisible(1280) units and the
+    classifier."""
 
-    def __init__(self, width_mult, classes):
+    def __init__(self, width_mult, classes, bn):
         super().__init__()
         ch = lambda c: make_divisible(c, width_mult)  # noqa: E731
         first = ch(MOBILENETV3_LARGE[0][0])
-        self.stem = ConvAct(3, first, 3, stride=2)
+        self.stem = ConvAct(3, first, 3, stride=2, bn=bn)
         blocks = []
         last = first
         for c_in, k, e, c_out, stride in MOBILENETV3_LARGE:
-            blocks.append(InvertedResidual(ch(c_in), ch(e), ch(c_out), k, stride))
+            blocks.append(InvertedResidual(ch(c_in), ch(e), ch(c_out), k, stride, bn))
             last = ch(c_out)
         self.features = nn.Sequential(*blocks)
-        self.lastconv = ConvAct(last, 6 * last, 1)
+        self.lastconv = ConvAct(last, 6 * last, 1, bn=bn)
         self.head = ClassifierHead(6 * last, classes, hidden=ch(1280))
 
     def forward(self, x):
@@ -575,14 +586,16 @@ def build_model(arch, sdpa):
         width = positive_int(arch, "width", where)
         blocks = int_list(arch, "blocks", where)
         classes = positive_int(arch, "classes", where)
-        return BottleneckResNet(width, blocks, classes), classes, ("dense", [3, side, side])
+        bn = field(arch, "batch_norm", bool, where)
+        return BottleneckResNet(width, blocks, classes, bn), classes, ("dense", [3, side, side])
     if kind == "mobilenetv3":
         side = positive_int(arch, "side", where)
         mult = field(arch, "width_mult", (int, float), where)
         if not (math.isfinite(mult) and mult > 0):
             raise BadInput(f"{where}: width_mult {mult} is not finite and > 0")
         classes = positive_int(arch, "classes", where)
-        return MobileNetV3(float(mult), classes), classes, ("dense", [3, side, side])
+        bn = field(arch, "batch_norm", bool, where)
+        return MobileNetV3(float(mult), classes, bn), classes, ("dense", [3, side, side])
     if kind == "vit":
         side = positive_int(arch, "side", where)
         patch = positive_int(arch, "patch", where)

@@ -5,7 +5,7 @@
 //!   [`Dropout`], [`LayerNorm`], a pre-norm residual MLP block, [`ResidualMlp`];
 //! - convolutional ([`conv`]): [`Conv2d`], [`MaxPool2d`], ResNet's basic
 //!   [`ResidualBlock`] and [`Bottleneck`], MobileNet's [`InvertedResidual`], and a
-//!   pooled [`ClassifierHead`] (all without batch norm: there is no batch-norm op);
+//!   pooled [`ClassifierHead`]; every convolution optionally batch-normed;
 //! - transformer ([`transformer`]): a multi-head [`TransformerBlock`] (causal for GPT,
 //!   not for ViT), ViT's [`PatchEmbed`] and a token mean pool, [`TokenMeanPool`].
 //!

@@ -172,7 +172,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     if let [(rn, re, rp), (gn, ge, gp), ..] = real.as_slice() {
         let floor = |pk: &[u64]| pk[pk.len() - 1];
         sweep.reading(format!(
-            "Accumulating 8 micro-batches keeps the effective batch and cuts the peak from {} to {} ({rn}, batch {re}) and from {} to {} ({gn}, batch {ge}); what stays is the fixed part (weights, gradients, AdamW state), so the saving shrinks as k grows; the gradients match the full batch to {worst:.0e} (relative, f32).",
+            "Accumulating 8 micro-batches keeps the effective batch and cuts the peak from {} to {} ({rn}, batch {re}) and from {} to {} ({gn}, batch {ge}); what stays is the fixed part (weights, gradients, AdamW state), so the saving shrinks as k grows; the gradients of the small executed models match the full batch to {worst:.0e} (relative, f32). They have no batch norm: with it ({rn} has), each micro-batch is normalized with its own statistics, so accumulated gradients are not the full batch's, in PyTorch as here.",
             human_bytes(rp[0]),
             human_bytes(floor(rp)),
             human_bytes(gp[0]),

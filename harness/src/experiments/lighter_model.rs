@@ -173,7 +173,9 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         mobile,
         "ResNet50 -> MobileNetV3 needs less memory at real size (224 px)",
         &format!("{REAL}, batch {b}, fp32 + AdamW"),
-        &format!("; {REAL_SIZE_CAVEAT}; vram's MobileNetV3-like has no squeeze-excitation, hard-swish or batch norm"),
+        &format!(
+            "; {REAL_SIZE_CAVEAT}; vram's MobileNetV3-like has no squeeze-excitation or hard-swish"
+        ),
     ));
     sweep.claim(against(
         half,

@@ -110,6 +110,8 @@ struct Builder<'a> {
     device: &'a Device,
     dtype: DType,
     seed: u64,
+    /// Whether convolutions carry a batch norm (the torchvision presets).
+    batch_norm: bool,
     layers: Vec<BoxedLayer>,
 }
 
@@ -123,7 +125,8 @@ impl Builder<'_> {
         self.layers.push(BoxedLayer::new(layer));
     }
 
-    /// A He-normal convolution with padding `k / 2` and a fused activation.
+    /// A He-normal convolution with padding `k / 2` and a fused activation, batch-normed
+    /// when the builder's `batch_norm` is on.
     #[allow(clippy::too_many_arguments)]
     fn conv(
         &mut self,
@@ -138,6 +141,7 @@ impl Builder<'_> {
         let conv = Conv2dConfig::new(c_in, c_out, k)
             .with_stride(stride)
             .with_groups(groups)
+            .with_batch_norm(self.batch_norm)
             .with_activation(act)
             .with_init(Init::HeNormal { gain: 1.0 })
             .with_dtype(self.dtype)
@@ -175,7 +179,8 @@ impl Model {
     /// [`Error::InvalidArgument`] for sizes the layers refuse (an empty MLP, a width that
     /// is not whole heads, an image side that is not whole patches, ...); out of memory.
     pub fn new(device: &Device, arch: Arch, seed: u64, dtype: DType) -> Result<Model> {
-        let mut b = Builder { device, dtype, seed, layers: Vec::new() };
+        let batch_norm = matches!(arch, Arch::BottleneckResNet { .. } | Arch::MobileNetV3 { .. });
+        let mut b = Builder { device, dtype, seed, batch_norm, layers: Vec::new() };
         let mut embed = None;
         match &arch {
             Arch::Mlp { dims, classes } => {
@@ -267,6 +272,7 @@ impl Model {
                         let stride = if i == 0 && stage > 0 { 2 } else { 1 };
                         let block = BottleneckConfig::new(c_in, mid, 4 * mid)
                             .with_stride(stride)
+                            .with_batch_norm(true)
                             .with_dtype(dtype)
                             .with_seed(b.seed())
                             .init(device)?;
@@ -285,6 +291,7 @@ impl Model {
                     let block = InvertedResidualConfig::new(ch(c_in), ch(e), ch(c_out))
                         .with_kernel(k)
                         .with_stride(stride)
+                        .with_batch_norm(true)
                         .with_dtype(dtype)
                         .with_seed(b.seed())
                         .init(device)?;

@@ -66,7 +66,7 @@ pub enum Arch {
         tied: bool,
     },
     /// ResNet with bottleneck blocks (ResNet-50: stages 3-4-6-3), a 7x7/2 stem and a 3x3/2
-    /// max pool, projection shortcuts, without batch norm.
+    /// max pool, projection shortcuts, a batch norm after every convolution (torchvision's).
     BottleneckResNet {
         /// Image side in pixels (the data's; the network is fully convolutional).
         side: usize,
@@ -78,7 +78,7 @@ pub enum Arch {
         classes: usize,
     },
     /// MobileNetV3-Large's layout of inverted residual blocks (3x3 and 5x5 depthwise) with
-    /// ReLU everywhere and neither squeeze-excitation nor batch norm.
+    /// a batch norm after every convolution, ReLU everywhere and no squeeze-excitation.
     MobileNetV3 {
         /// Image side in pixels (the data's).
         side: usize,
@@ -144,11 +144,11 @@ const PRESETS: &[Preset] = &[
     },
     Preset {
         name: "resnet50",
-        description: "ResNet-50 without batch norm, 25,503,912 params (torchvision 25,557,032 with BN): 224 px, 1000 classes",
+        description: "ResNet-50 with batch norm, 25,557,032 params (= torchvision): 224 px, 1000 classes",
     },
     Preset {
         name: "mobilenetv3-like",
-        description: "MobileNetV3-Large layout, ReLU, no SE, no BN: 224 px, 1000 classes",
+        description: "MobileNetV3-Large layout with BN, ReLU, no SE: 224 px, 1000 classes",
     },
     Preset {
         name: "vit-b-like",

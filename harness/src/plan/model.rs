@@ -201,13 +201,13 @@ pub fn model_from_args(name: &str, o: &ModelOverrides) -> Result<PlanModel, Plan
     let mut notes = Vec::new();
     match arch {
         Arch::BottleneckResNet { .. } => notes.push(
-            "ResNet-50 without batch norm (vram has no BN op): BN would add 53,120 parameters \
-             and keep each convolution's output beside the normalised one, so real PyTorch \
-             activations are larger"
+            "ResNet-50 as torchvision's, batch norms included (each keeps its convolution's \
+             output beside the normalised one, as PyTorch's)"
                 .into(),
         ),
         Arch::MobileNetV3 { .. } => notes.push(
-            "MobileNetV3-like: ReLU instead of hard-swish, no squeeze-excitation, no batch norm"
+            "MobileNetV3-like: batch norms as torchvision's, but ReLU instead of hard-swish \
+             and no squeeze-excitation"
                 .into(),
         ),
         Arch::Gpt { .. } => notes.push(

@@ -215,8 +215,8 @@ fn one_model(name: &str, batch: usize) -> Result<ModelAdvice, PlanError> {
         let c = candidate(t, batch / t.accum, t.accum);
         let (alloc, reserved) = match peak(&model, &c) {
             Ok(p) => p,
-            // Autocast has rules for linear, norm and attention layers only (no
-            // convolutions): the technique does not apply to this model.
+            // A layer without autocast rules (a user model's residual MLP): the technique
+            // does not apply to this model.
             Err(PlanError::Run { source, .. })
                 if matches!(*source, vram_accum::Error::AutocastUnsupported { .. }) =>
             {
@@ -277,8 +277,8 @@ pub fn markdown(a: &Advice) -> String {
          back). Fixed = what does not grow with the batch (weights, gradients, optimizer \
          state: 16 bytes per parameter for AdamW in fp32, and also in full bf16, whose f32 \
          master weights keep it at 2 + 2 + 4 + 8, and under bf16 autocast, whose weights stay \
-         f32 (4 + 4 + 8, plus 2 bytes of 16-bit weight copies during a step; autocast applies \
-         to models without convolutions)); per sample = activations.\n\n",
+         f32 (4 + 4 + 8, plus 2 bytes of 16-bit weight copies during a step)); per sample = \
+         activations.\n\n",
     );
     s.push_str(
         "| model | parameters | states, 16 B/param | fixed (measured) | per sample | fixed share at 1 sample | at the batch |\n|---|---|---|---|---|---|---|\n",

@@ -31,8 +31,8 @@ pub struct PlanArgs {
     /// Optimizer.
     #[arg(long, value_enum, default_value_t = OptArg::Adamw)]
     optimizer: OptArg,
-    /// Precision (auto tries fp32 and full bf16; the autocast ones apply to models without
-    /// convolutions).
+    /// Precision (auto tries fp32 and full bf16; the autocast ones are torch.autocast's
+    /// recipe: f32 weights, 16-bit matmuls and convolutions).
     #[arg(long, value_enum, default_value_t = PrecArg::Auto)]
     precision: PrecArg,
     /// Sequence length (token models).

@@ -10,7 +10,10 @@
 //! last convolution starts small instead (its weights drawn with a gain below 1, as Fixup
 //! does), which keeps a deep stack trainable.
 
-use super::{Act, AffineSaved, Init, Linear, LinearConfig, init_weight, positive, sub_seed};
+use super::{
+    Act, AffineSaved, CastSaved, Init, Linear, LinearConfig, init_weight, positive, sub_seed,
+};
+use crate::autocast::{OpKind, accumulate_grad_cast, cast};
 use crate::error::{Error, Result};
 use crate::layer::{ForwardCtx, Layer, Param};
 use vram_kernels::{Conv2dOptions, DType, Device, Indices, Pool2dOptions, Tensor, ops};
@@ -34,6 +37,20 @@ fn dx_of(dx: Option<Tensor>, block: &'static str) -> Result<Tensor> {
         what: block,
         reason: "a sub-layer returned no input gradient".into(),
     })
+}
+
+/// `a + b` with PyTorch's type promotion: under autocast a residual sum may meet a 16-bit
+/// branch and an f32 one, which add in f32.
+pub(super) fn add_promoted(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.dtype() == b.dtype() {
+        return Ok(ops::add(a, b)?);
+    }
+    Ok(ops::add(&cast(a, DType::F32)?, &cast(b, DType::F32)?)?)
+}
+
+/// `dx += g`, with `g` in `dx`'s dtype (the gradient of a promoted sum is in the sum's).
+fn add_grad(dx: &mut Tensor, g: &Tensor) -> Result<()> {
+    Ok(ops::add_assign(dx, &cast(g, dx.dtype())?)?)
 }
 
 /// The settings of a [`Conv2d`] layer: a square `kernel x kernel` convolution.
@@ -247,14 +264,37 @@ impl Layer for Conv2d {
         x: &Tensor,
         ctx: &mut ForwardCtx,
     ) -> Result<(Tensor, Option<AffineSaved>)> {
-        ctx.refuse_autocast(|| self.name())?;
-        let z =
-            ops::conv2d(x, &self.weight.value, self.bias.as_ref().map(|b| &b.value), &self.opts)?;
+        // `conv2d` is in PyTorch's lower-precision list (autocast_mode.h): input, weight and
+        // bias cast to the low dtype (the parameters through the cache), output low. Batch
+        // norm is in no list: it runs on the low input with the f32 scale, shift and
+        // running statistics, output low (what cuDNN's batch norm does under autocast).
+        let w_dtype = self.weight.value.dtype();
+        let low = match ctx.op_dtype(OpKind::Conv2d, &[x.dtype(), w_dtype]) {
+            Some(dt) if dt != x.dtype() || dt != w_dtype => Some(dt),
+            _ => None,
+        };
+        let (xc, cast_saved) = match low {
+            Some(dt) => {
+                let w = ctx.cast_param(&self.weight, dt)?;
+                (cast(x, dt)?, Some(CastSaved { w, in_dtype: x.dtype() }))
+            }
+            None => (x.clone(), None),
+        };
+        let w = cast_saved.as_ref().map_or(&self.weight.value, |c| &c.w);
+        let b = match (&self.bias, low) {
+            (Some(b), Some(dt)) => Some(ctx.cast_param(b, dt)?),
+            (Some(b), None) => Some(b.value.clone()),
+            (None, _) => None,
+        };
+        let z = ops::conv2d(&xc, w, b.as_ref(), &self.opts)?;
+        drop(b);
         let Some(norm) = &mut self.norm else {
-            return AffineSaved::activate(self.act, x, z, ctx);
+            let (y, saved) = AffineSaved::activate(self.act, &xc, z, ctx)?;
+            return Ok((y, saved.map(|s| AffineSaved { cast: cast_saved, ..s })));
         };
         let (g, b) = (&norm.gamma.value, &norm.beta.value);
         if !ctx.training() {
+            drop(xc);
             let (rm, rv) = (&norm.running_mean, &norm.running_var);
             let u = ops::batch_norm_eval(&z, g, b, rm, rv, BATCH_NORM_EPS)?;
             drop(z);
@@ -267,30 +307,40 @@ impl Layer for Conv2d {
         });
         let out = ops::batch_norm(&z, g, b, running, BATCH_NORM_EPS)?;
         let (y, kept) = self.act.forward_saving(out.y, true)?;
-        let norm = NormSaved { z, mean: out.mean, invstd: out.invstd };
-        Ok((y, Some(AffineSaved { x: x.clone(), z: kept, cast: None, norm: Some(norm) })))
+        let norm = Some(NormSaved { z, mean: out.mean, invstd: out.invstd });
+        Ok((y, Some(AffineSaved { x: xc, z: kept, cast: cast_saved, norm })))
     }
 
     fn backward(&mut self, s: AffineSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
-        let AffineSaved { x, z: kept, norm: norm_saved, .. } = s;
-        let mut dz = self.act.backward(kept.as_ref(), dy)?;
+        let AffineSaved { x, z: kept, norm: norm_saved, cast: cast_saved } = s;
+        // Under autocast the output was in the compute dtype; the gradient arrives in it
+        // (cast if not).
+        let dy = cast(dy, if cast_saved.is_some() { x.dtype() } else { dy.dtype() })?;
+        let mut dz = self.act.backward(kept.as_ref(), &dy)?;
         drop(kept);
         if let (Some(norm), Some(ns)) = (&mut self.norm, norm_saved) {
-            let du = dz.as_ref().unwrap_or(dy);
+            let du = dz.as_ref().unwrap_or(&dy);
             let g = ops::batch_norm_backward(&ns.z, &norm.gamma.value, &ns.mean, &ns.invstd, du)?;
             drop(ns);
             dz = Some(g.dx);
-            norm.gamma.accumulate_grad(g.dgamma)?;
-            norm.beta.accumulate_grad(g.dbeta)?;
+            accumulate_grad_cast(&mut norm.gamma, g.dgamma)?;
+            accumulate_grad_cast(&mut norm.beta, g.dbeta)?;
         }
-        let dz = dz.as_ref().unwrap_or(dy);
-        let g = ops::conv2d_backward(&x, &self.weight.value, dz, &self.opts, self.bias.is_some())?;
-        drop(x);
-        self.weight.accumulate_grad(g.dweight)?;
+        let dz = dz.unwrap_or(dy);
+        let w = cast_saved.as_ref().map_or(&self.weight.value, |c| &c.w);
+        let g = ops::conv2d_backward(&x, w, &dz, &self.opts, self.bias.is_some())?;
+        drop((x, dz));
+        accumulate_grad_cast(&mut self.weight, g.dweight)?;
         if let (Some(b), Some(db)) = (&mut self.bias, g.dbias) {
-            b.accumulate_grad(db)?;
+            accumulate_grad_cast(b, db)?;
         }
-        Ok(want.then_some(g.dx))
+        if !want {
+            return Ok(None);
+        }
+        match cast_saved {
+            Some(c) => Ok(Some(cast(&g.dx, c.in_dtype)?)),
+            None => Ok(Some(g.dx)),
+        }
     }
 
     fn params(&self) -> Vec<&Param> {
@@ -460,12 +510,11 @@ impl Layer for ResidualBlock {
         x: &Tensor,
         ctx: &mut ForwardCtx,
     ) -> Result<(Tensor, Option<ResidualSaved>)> {
-        ctx.refuse_autocast(|| self.name())?;
         const WHAT: &str = "ResidualBlock";
         let (a, s1) = self.c1.forward(x, ctx)?;
         let (z, s2) = self.c2.forward(&a, ctx)?;
         drop(a);
-        let sum = ops::add(x, &z)?;
+        let sum = add_promoted(x, &z)?;
         drop(z);
         let y = ops::relu(&sum)?;
         drop(sum);
@@ -486,7 +535,7 @@ impl Layer for ResidualBlock {
         drop(da);
         match dx {
             Some(mut dx) => {
-                ops::add_assign(&mut dx, &ds)?;
+                add_grad(&mut dx, &ds)?;
                 Ok(Some(dx))
             }
             None => Ok(None),
@@ -636,7 +685,6 @@ impl Layer for Bottleneck {
         x: &Tensor,
         ctx: &mut ForwardCtx,
     ) -> Result<(Tensor, Option<Self::Saved>)> {
-        ctx.refuse_autocast(|| self.name())?;
         const WHAT: &str = "Bottleneck";
         let (a1, s1) = self.c1.forward(x, ctx)?;
         let (a2, s2) = self.c2.forward(&a1, ctx)?;
@@ -646,9 +694,9 @@ impl Layer for Bottleneck {
         let (sum, short) = match &mut self.shortcut {
             Some(c) => {
                 let (p, s) = c.forward(x, ctx)?;
-                (ops::add(&z3, &p)?, s)
+                (add_promoted(&z3, &p)?, s)
             }
-            None => (ops::add(&z3, x)?, None),
+            None => (add_promoted(&z3, x)?, None),
         };
         drop(z3);
         let y = ops::relu(&sum)?;
@@ -685,7 +733,7 @@ impl Layer for Bottleneck {
         drop(da1);
         match dx {
             Some(mut dx) => {
-                ops::add_assign(&mut dx, dshort.as_ref().unwrap_or(&dsum))?;
+                add_grad(&mut dx, dshort.as_ref().unwrap_or(&dsum))?;
                 Ok(Some(dx))
             }
             None => Ok(None),
@@ -859,7 +907,6 @@ impl Layer for InvertedResidual {
         x: &Tensor,
         ctx: &mut ForwardCtx,
     ) -> Result<(Tensor, Option<InvertedSaved>)> {
-        ctx.refuse_autocast(|| self.name())?;
         const WHAT: &str = "InvertedResidual";
         let (h, se) = match &mut self.expand {
             Some(c) => {
@@ -872,7 +919,7 @@ impl Layer for InvertedResidual {
         drop(h);
         let (p, sp) = self.project.forward(&d, ctx)?;
         drop(d);
-        let y = if self.residual { ops::add(x, &p)? } else { p };
+        let y = if self.residual { add_promoted(x, &p)? } else { p };
         if !ctx.training() {
             return Ok((y, None));
         }
@@ -896,7 +943,7 @@ impl Layer for InvertedResidual {
         };
         match dx {
             Some(mut dx) if self.residual => {
-                ops::add_assign(&mut dx, dy)?;
+                add_grad(&mut dx, dy)?;
                 Ok(Some(dx))
             }
             dx => Ok(dx),
@@ -1007,7 +1054,6 @@ impl Layer for ClassifierHead {
     }
 
     fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<HeadSaved>)> {
-        ctx.refuse_autocast(|| self.name())?;
         const WHAT: &str = "ClassifierHead";
         let mut h = ops::global_avg_pool(x)?;
         let mut hidden = None;

@@ -596,7 +596,8 @@ impl Layer for PatchEmbed {
         x: &Tensor,
         ctx: &mut ForwardCtx,
     ) -> Result<(Tensor, Option<PatchSaved>)> {
-        ctx.refuse_autocast(|| self.name())?;
+        // Under autocast the convolution's output is 16-bit and the positions f32: the sum
+        // promotes to f32, as PyTorch's `x + pos_embed` does.
         let (z, sc) = self.conv.forward(x, ctx)?;
         let shape = z.shape().to_vec(); // [b, d, g, g]
         let (b, d) = (shape[0], shape[1]);
@@ -609,7 +610,7 @@ impl Layer for PatchEmbed {
         }
         let rows = ops::permute(&z.reshape(&[b, d, t])?, &[0, 2, 1])?.reshape(&[b * t, d])?;
         let pos = ops::embedding(&self.pos.value, &self.positions(b))?;
-        let y = ops::add(&rows, &pos)?;
+        let y = super::conv::add_promoted(&rows, &pos)?;
         drop((rows, pos));
         let saved = sc.map(|conv| PatchSaved { conv, shape });
         Ok((y, saved))

@@ -231,4 +231,11 @@ fn the_example_model_files_parse() {
         let m = plan::model_from_file(&root.join(f)).unwrap();
         assert!(m.classes > 1, "{f}");
     }
+    // The CNN's two batch-normed convolutions add a scale and a shift per channel: convs
+    // 3*32*9 + 32*64*9, three depthwise 64*9, the linear 64*10 + 10, and 2 * (32 + 64).
+    let m = plan::model_from_file(&root.join("example-cnn.json")).unwrap();
+    let want = 3 * 32 * 9 + 32 * 64 * 9 + 3 * 64 * 9 + 64 * 10 + 10 + 2 * (32 + 64);
+    let dev = vram_kernels::Device::virtual_device(1 << 30);
+    let model = vram_harness::models::Model::new(&dev, m.arch, 0, vram_kernels::DType::F32);
+    assert_eq!(model.unwrap().param_count(), want);
 }

@@ -20,7 +20,7 @@
 //! ```
 //!
 //! Kinds: `embedding {vocab, dim}`, `linear {out, act}`, `conv {out, kernel, stride = 1,
-//! groups = 1, act}` (padding `kernel / 2`, no bias), `attention {heads = 1, dropout = 0}`, `norm`,
+//! groups = 1, bn = false, act}` (padding `kernel / 2`, no bias; `bn` adds a batch norm), `attention {heads = 1, dropout = 0}`, `norm`,
 //! `pool` (global average pooling, `[b, c, h, w] -> [b, c]`). `act` is `none` (default),
 //! `relu` or `gelu`. The last layer's width is the number of classes of the cross-entropy
 //! loss (per position for token inputs).
@@ -126,7 +126,7 @@ pub enum LayerSpec {
         #[serde(default)]
         act: ActSpec,
     },
-    /// A 2-d convolution (no bias, padding `kernel / 2`).
+    /// A 2-d convolution (no bias, padding `kernel / 2`), optionally batch-normed.
     Conv {
         /// Output channels.
         out: usize,
@@ -138,6 +138,10 @@ pub enum LayerSpec {
         /// Groups (`groups == channels` is depthwise).
         #[serde(default = "one")]
         groups: usize,
+        /// A batch norm after the convolution, before the activation (PyTorch's
+        /// `BatchNorm2d`).
+        #[serde(default)]
+        bn: bool,
         /// Activation.
         #[serde(default)]
         act: ActSpec,
@@ -191,6 +195,8 @@ pub enum Resolved {
         groups: usize,
         /// Output side.
         side_out: usize,
+        /// Batch norm after the convolution.
+        bn: bool,
         /// Activation.
         act: ActSpec,
     },
@@ -406,7 +412,7 @@ impl ModelSpec {
                     Flow::Rows { rows, d: out, seq }
                 }
                 (
-                    LayerSpec::Conv { out, kernel, stride, groups, act },
+                    LayerSpec::Conv { out, kernel, stride, groups, bn, act },
                     Flow::Planes { c, side },
                 ) => {
                     if out == 0 || kernel == 0 || stride == 0 || groups == 0 {
@@ -433,6 +439,7 @@ impl ModelSpec {
                         stride,
                         groups,
                         side_out,
+                        bn,
                         act,
                     });
                     Flow::Planes { c: out, side: side_out }
@@ -527,10 +534,11 @@ pub(super) fn build(b: &mut Builder<'_>, spec: &ModelSpec) -> Result<Option<Embe
                     .init(device)?;
                 b.push(&name, l);
             }
-            Resolved::Conv { c_in, c_out, kernel, stride, groups, act, .. } => {
+            Resolved::Conv { c_in, c_out, kernel, stride, groups, bn, act, .. } => {
                 let c = Conv2dConfig::new(c_in, c_out, kernel)
                     .with_stride(stride)
                     .with_groups(groups)
+                    .with_batch_norm(bn)
                     .with_activation(act.act())
                     .with_init(Init::HeNormal { gain: 1.0 })
                     .with_dtype(dtype)

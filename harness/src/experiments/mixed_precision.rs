@@ -401,16 +401,16 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         sweep.push(&name, s.peak, s.reserved, None, measured);
     }
     let cnn_saving = |k: usize| 1.0 - cnn[k].1.peak as f64 / cnn[0].1.peak as f64;
-    sweep.reading(format!(
+    let cnn_reading = format!(
         "On ResNet-50 (224 px, batch {cnn_batch}, batch norms included), where activations dominate, the peak goes from {} (fp32) to {} with full bf16 ({} less) and {} with bf16 autocast ({} less): convolutions, their saved inputs and the batch norms' inputs are 16-bit under autocast, while weights, gradients and AdamW state stay f32.",
         human_bytes(cnn[0].1.peak),
         human_bytes(cnn[1].1.peak),
         pct(cnn_saving(1)),
         human_bytes(cnn[2].1.peak),
         pct(cnn_saving(2)),
-    ));
+    );
     sweep.reading(format!(
-        "On GPT-2 small, full bf16 with f32 masters cuts the peak by {} at batch {} but {} at batch {}; bf16 autocast (torch.autocast's recipe) cuts it by {} and {}: its weights, gradients and AdamW state stay f32 (16 B/param, plus 2 B/param of 16-bit weight copies) and only part of the activations halve, so pick full bf16 for memory and autocast for f32 weights and norms.",
+        "On GPT-2 small, full bf16 with f32 masters cuts the peak by {} at batch {} but {} at batch {}; bf16 autocast (torch.autocast's recipe) cuts it by {} and {}: its weights, gradients and AdamW state stay f32 (16 B/param, plus 2 B/param of 16-bit weight copies) and only part of the activations halve, so pick full bf16 for memory and autocast for f32 weights and norms. {cnn_reading}",
         pct(full_large), large_b.0, pct(s_small), small_b.0, pct(ac_large), pct(ac_small)
     ));
     sweep.claim(Claim {

@@ -117,6 +117,34 @@ fn elementwise_and_activations_match_host() {
         let (hg, gg) =
             (ops::gelu_backward(&ha, &hb).unwrap(), ops::gelu_backward(&ga, &gb).unwrap());
         close("gelu_backward", &gg, &hg, t);
+        for (name, f, b) in [
+            (
+                "hardswish",
+                ops::hardswish as fn(&Tensor) -> _,
+                ops::hardswish_backward as fn(&Tensor, &Tensor) -> _,
+            ),
+            ("hardsigmoid", ops::hardsigmoid, ops::hardsigmoid_backward),
+        ] {
+            close(name, &f(&ga).unwrap(), &f(&ha).unwrap(), t);
+            close(name, &b(&ga, &gb).unwrap(), &b(&ha, &hb).unwrap(), t);
+        }
+        // Squeeze-excitation's per-channel scale over [n, c, h, w] planes.
+        let planes = [6, 5, 7, 9];
+        let (hx, gx) = pair(&gpu, &planes, dtype, 32);
+        let (hdy, gdy) = pair(&gpu, &planes, dtype, 33);
+        let (hs, gs) = pair(&gpu, &planes[..2], dtype, 31);
+        close(
+            "scale_channels",
+            &ops::scale_channels(&gx, &gs).unwrap(),
+            &ops::scale_channels(&hx, &hs).unwrap(),
+            t,
+        );
+        let (hg, gg) = (
+            ops::scale_channels_backward(&hx, &hs, &hdy).unwrap(),
+            ops::scale_channels_backward(&gx, &gs, &gdy).unwrap(),
+        );
+        close("scale_channels dx", &gg.dx, &hg.dx, t);
+        close("scale_channels ds", &gg.ds, &hg.ds, t.max(1e-4));
         let (hbias, gbias) = pair(&gpu, &[129], dtype, 4);
         close(
             "bias_add",

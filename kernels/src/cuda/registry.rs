@@ -161,6 +161,18 @@ kernels! {
     GELU = ELEMENTWISE "gelu" dtypes (Ptr, Ptr, U64);
     /// `gelu_bwd(const T* x, const T* dy, T* dx, u64 n)`.
     GELU_BWD = ELEMENTWISE "gelu_bwd" dtypes (Ptr, Ptr, Ptr, U64);
+    /// `hardswish(const T* x, T* y, u64 n)`.
+    HARDSWISH = ELEMENTWISE "hardswish" dtypes (Ptr, Ptr, U64);
+    /// `hardswish_bwd(const T* x, const T* dy, T* dx, u64 n)`.
+    HARDSWISH_BWD = ELEMENTWISE "hardswish_bwd" dtypes (Ptr, Ptr, Ptr, U64);
+    /// `hardsigmoid(const T* x, T* y, u64 n)`.
+    HARDSIGMOID = ELEMENTWISE "hardsigmoid" dtypes (Ptr, Ptr, U64);
+    /// `hardsigmoid_bwd(const T* x, const T* dy, T* dx, u64 n)`.
+    HARDSIGMOID_BWD = ELEMENTWISE "hardsigmoid_bwd" dtypes (Ptr, Ptr, Ptr, U64);
+    /// `scale_channels(const T* x, const T* s, T* y, u64 n, u64 hw)`.
+    SCALE_CHANNELS = ELEMENTWISE "scale_channels" dtypes (Ptr, Ptr, Ptr, U64, U64);
+    /// `scale_channels_bwd(const T* x, const T* s, const T* dy, T* dx, T* ds, u64 hw)`.
+    SCALE_CHANNELS_BWD = ELEMENTWISE "scale_channels_bwd" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U64);
     /// `bias_add(const T* x, const T* b, T* y, u64 n, u64 d)`.
     BIAS_ADD = ELEMENTWISE "bias_add" dtypes (Ptr, Ptr, Ptr, U64, U64);
     /// `bias_fill(const T* b, T* y, u64 n, u64 d)`.

@@ -19,6 +19,27 @@ unary_op! {
 }
 
 unary_op! {
+    /// Hard swish, `x * relu6(x + 3) / 6` (PyTorch's `hardswish`, MobileNetV3's activation).
+    hardswish,
+    /// Gradient of [`hardswish`] from the forward input `x` and the upstream `dy`: 0 for
+    /// `x <= -3`, `dy * (x / 3 + 1/2)` below 3, `dy` from 3 on (PyTorch's CUDA kernel).
+    hardswish_backward: Hardswish, HARDSWISH, HARDSWISH_BWD,
+    |x| x * (x + 3.0).clamp(0.0, 6.0) / 6.0,
+    |x, dy| if x <= -3.0 { 0.0 } else if x < 3.0 { dy * (x / 3.0 + 0.5) } else { dy },
+}
+
+unary_op! {
+    /// Hard sigmoid, `relu6(x + 3) / 6` (PyTorch's `hardsigmoid`, squeeze-excitation's gate
+    /// in MobileNetV3).
+    hardsigmoid,
+    /// Gradient of [`hardsigmoid`] from the forward input `x` and the upstream `dy`: `dy / 6`
+    /// strictly between -3 and 3, else 0.
+    hardsigmoid_backward: Hardsigmoid, HARDSIGMOID, HARDSIGMOID_BWD,
+    |x| (x + 3.0).clamp(0.0, 6.0) / 6.0,
+    |x, dy| if x > -3.0 && x < 3.0 { dy / 6.0 } else { 0.0 },
+}
+
+unary_op! {
     /// GELU, tanh approximation (PyTorch's `gelu(x, approximate='tanh')`).
     gelu,
     /// Gradient of [`gelu`] from the forward input `x` and the upstream `dy`.

@@ -29,9 +29,13 @@ mod permute;
 mod pool;
 mod random;
 mod reduce;
+mod scale_channels;
 mod softmax;
 
-pub use activation::{gelu, gelu_backward, relu, relu_backward};
+pub use activation::{
+    gelu, gelu_backward, hardsigmoid, hardsigmoid_backward, hardswish, hardswish_backward, relu,
+    relu_backward,
+};
 pub use batch_norm::{
     BatchNormGrads, BatchNormOutput, RunningStats, batch_norm, batch_norm_backward, batch_norm_eval,
 };
@@ -54,6 +58,7 @@ pub use reduce::{
     mean, mean_backward, mean_last_dim, mean_last_dim_backward, sum, sum_backward, sum_last_dim,
     sum_last_dim_backward,
 };
+pub use scale_channels::{ScaleChannelsGrads, scale_channels, scale_channels_backward};
 pub use softmax::{causal_softmax, causal_softmax_backward, softmax, softmax_backward};
 
 use crate::dtype::DType;

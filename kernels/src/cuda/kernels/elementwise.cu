@@ -44,6 +44,33 @@ __device__ void broadcast_rows_impl(const T* dy, float factor, T* dx, u64 n, u64
     extern "C" __global__ void broadcast_rows_##S(const T* dy, float f, T* dx, u64 n, u64 d) { broadcast_rows_impl<T>(dy, f, dx, n, d); }
 FOR_DTYPES(PER_DTYPE)
 
+// x * s per plane of hw values (s: one scale per plane), and its backward: one block per
+// plane, dx = dy * s and ds = the plane's sum of dy * x.
+template <typename T>
+__device__ void scale_channels_impl(const T* x, const T* s, T* y, u64 n, u64 hw) {
+    FOR_EACH(i, n) { y[i] = from_f32<T>(to_f32(x[i]) * to_f32(s[i / hw])); }
+}
+
+template <typename T>
+__device__ void scale_channels_bwd_impl(const T* x, const T* s, const T* dy, T* dx, T* ds,
+                                        u64 hw) {
+    const u64 p = blockIdx.x;
+    const float sc = to_f32(s[p]);
+    float acc = 0.0f;
+    for (u64 j = threadIdx.x; j < hw; j += blockDim.x) {
+        const float g = to_f32(dy[p * hw + j]);
+        dx[p * hw + j] = from_f32<T>(g * sc);
+        acc += g * to_f32(x[p * hw + j]);
+    }
+    acc = block_sum(acc);
+    if (threadIdx.x == 0) ds[p] = from_f32<T>(acc);
+}
+
+#define SCALE_CHANNELS(T, S) \
+    extern "C" __global__ void scale_channels_##S(const T* x, const T* s, T* y, u64 n, u64 hw) { scale_channels_impl<T>(x, s, y, n, hw); } \
+    extern "C" __global__ void scale_channels_bwd_##S(const T* x, const T* s, const T* dy, T* dx, T* ds, u64 hw) { scale_channels_bwd_impl<T>(x, s, dy, dx, ds, hw); }
+FOR_DTYPES(SCALE_CHANNELS)
+
 // Elementwise maps, the kernels of `ops::map`. A unary op and its backward are one
 // UNARY_OP line: the name, the forward as an expression of v = x[i], the backward as an
 // expression of v and g = dy[i] (both f32). It defines NAME_<dtype>(const T* x, T* y, u64 n)
@@ -72,6 +99,13 @@ FOR_DTYPES(PER_DTYPE)
 
 UNARY_OP(relu, fmaxf(v, 0.0f), v > 0.0f ? g : 0.0f)
 UNARY_OP(gelu, gelu_f(v), g * gelu_grad(v))
+// PyTorch's hardswish and hardsigmoid (ActivationHardswishKernel.cu,
+// ActivationHardsigmoidKernel.cu): x * relu6(x + 3) / 6 and relu6(x + 3) / 6; hardswish's
+// derivative is 0 up to -3 (included), x / 3 + 1/2 below 3, then 1.
+UNARY_OP(hardswish, v * fminf(fmaxf(v + 3.0f, 0.0f), 6.0f) / 6.0f,
+         v <= -3.0f ? 0.0f : (v < 3.0f ? g * (v / 3.0f + 0.5f) : g))
+UNARY_OP(hardsigmoid, fminf(fmaxf(v + 3.0f, 0.0f), 6.0f) / 6.0f,
+         (v > -3.0f && v < 3.0f) ? g / 6.0f : 0.0f)
 BINARY_OP(add, a + b)
 BINARY_OP(mul, a * b)
 

@@ -292,10 +292,16 @@ fn convolutional_layers_under_autocast_match_f32_with_pytorchs_dtypes() {
             loose,
             |y, _| assert_eq!(y.dtype(), low),
         );
-        let make =
-            || InvertedResidualConfig::new(8, 24, 8).with_batch_norm(true).with_seed(6).init(&dev);
+        let make = || {
+            InvertedResidualConfig::new(8, 24, 8)
+                .with_batch_norm(true)
+                .with_activation(Act::Hardswish)
+                .with_squeeze_excitation(Some(8))
+                .with_seed(6)
+                .init(&dev)
+        };
         compare(
-            "InvertedResidual+BN",
+            "InvertedResidual+BN+HS+SE",
             || make().unwrap(),
             &x16,
             low,

@@ -187,6 +187,22 @@ fn batch_normed_blocks_match_finite_differences() {
     check("InvertedResidual+BN", BoxedLayer::new(b.unwrap()), &dev, &[2, 4, 6, 6]);
     let b = ResidualBlockConfig::new(3).with_batch_norm(true).with_seed(5).init(&dev).unwrap();
     check("ResidualBlock+BN", BoxedLayer::new(b), &dev, &[2, 3, 5, 5]);
+    // MobileNetV3's later blocks: hard swish and squeeze-excitation (hard-sigmoid gate).
+    let b = InvertedResidualConfig::new(4, 12, 4)
+        .with_batch_norm(true)
+        .with_activation(Act::Hardswish)
+        .with_squeeze_excitation(Some(8))
+        .with_seed(6)
+        .init(&dev)
+        .unwrap();
+    check("InvertedResidual+BN+HS+SE", BoxedLayer::new(b), &dev, &[2, 4, 5, 5]);
+    let h = ClassifierHeadConfig::new(4, 3)
+        .with_hidden(6)
+        .with_hidden_activation(Act::Hardswish)
+        .with_seed(7)
+        .init(&dev)
+        .unwrap();
+    check("ClassifierHead(hardswish)", BoxedLayer::new(h), &dev, &[2, 4, 3, 3]);
 }
 
 #[test]

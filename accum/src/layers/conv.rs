@@ -782,6 +782,12 @@ pub struct InvertedResidualConfig {
     /// Whether each convolution is followed by a batch norm, as in torchvision's MobileNets
     /// (default false).
     pub batch_norm: bool,
+    /// The activation of the expansion and the depthwise convolution (default ReLU;
+    /// MobileNetV3 uses hard swish in its later blocks).
+    pub activation: Act,
+    /// Squeeze-excitation after the depthwise convolution, squeezing to this many channels
+    /// (default none; MobileNetV3: `make_divisible(expanded / 4, 8)` in some blocks).
+    pub squeeze: Option<usize>,
     /// The dtype of the weights (default f32).
     pub dtype: DType,
     /// Seed of the weight initialization (default 0).
@@ -798,9 +804,21 @@ impl InvertedResidualConfig {
             kernel: 3,
             stride: 1,
             batch_norm: false,
+            activation: Act::Relu,
+            squeeze: None,
             dtype: DType::F32,
             seed: 0,
         }
+    }
+
+    /// The same with `activation` after the expansion and the depthwise convolution.
+    pub fn with_activation(self, activation: Act) -> Self {
+        InvertedResidualConfig { activation, ..self }
+    }
+
+    /// The same with squeeze-excitation to `channels` (or without, for `None`).
+    pub fn with_squeeze_excitation(self, channels: Option<usize>) -> Self {
+        InvertedResidualConfig { squeeze: channels, ..self }
     }
 
     /// The same with or without a batch norm after each convolution.
@@ -848,7 +866,7 @@ impl InvertedResidualConfig {
         };
         let e = self.expanded;
         let expand = if e != self.c_in {
-            let cfg = Conv2dConfig::new(self.c_in, e, 1).with_activation(Act::Relu);
+            let cfg = Conv2dConfig::new(self.c_in, e, 1).with_activation(self.activation);
             Some(conv(cfg, 1.0, 0, "expand")?)
         } else {
             None
@@ -856,11 +874,31 @@ impl InvertedResidualConfig {
         let dw = Conv2dConfig::new(e, e, self.kernel)
             .with_stride(self.stride)
             .with_groups(e)
-            .with_activation(Act::Relu);
+            .with_activation(self.activation);
         let project = Conv2dConfig::new(e, self.c_out, 1);
+        let se = match self.squeeze {
+            Some(sq) => {
+                positive("InvertedResidualConfig", "squeeze", sq)?;
+                let linear = |i, o, act, part, name| -> Result<Linear> {
+                    let mut l = LinearConfig::new(i, o)
+                        .with_activation(act)
+                        .with_dtype(self.dtype)
+                        .with_seed(sub_seed(self.seed, part))
+                        .init(device)?;
+                    super::prefix_param_names(&mut l, name);
+                    Ok(l)
+                };
+                Some(SqueezeExcitation {
+                    fc1: linear(e, sq, Act::Relu, 3, "se.fc1")?,
+                    fc2: linear(sq, e, Act::Identity, 4, "se.fc2")?,
+                })
+            }
+            None => None,
+        };
         Ok(InvertedResidual {
             expand,
             depthwise: conv(dw, 1.0, 1, "depthwise")?,
+            se,
             project: conv(
                 project,
                 if residual && !self.batch_norm { 0.1 } else { 1.0 },
@@ -872,24 +910,77 @@ impl InvertedResidualConfig {
     }
 }
 
-/// MobileNetV2/V3's inverted residual block, each conv optionally batch-normed, without
-/// squeeze-excitation,
-/// with ReLU: a 1x1 expansion (ReLU), a depthwise `k x k` convolution (ReLU, strided), a
-/// linear 1x1 projection, and `x +` that when the stride is 1 and the channels stay.
-/// Built from an [`InvertedResidualConfig`].
+/// MobileNetV2/V3's inverted residual block, each conv optionally batch-normed: a 1x1
+/// expansion (activated), a depthwise `k x k` convolution (activated, strided), optionally
+/// squeeze-excitation, a linear 1x1 projection, and `x +` that when the stride is 1 and the
+/// channels stay. Built from an [`InvertedResidualConfig`].
 #[derive(Debug)]
 pub struct InvertedResidual {
     expand: Option<Conv2d>,
     depthwise: Conv2d,
+    se: Option<SqueezeExcitation>,
     project: Conv2d,
     residual: bool,
 }
 
-/// What an [`InvertedResidual`] keeps: each convolution's state.
+/// torchvision's `SqueezeExcitation` (MobileNetV3's): `x * hardsigmoid(fc2(relu(fc1(pool(x)))))`
+/// with the two 1x1 convolutions on the pooled `[n, c]` as linear layers (same parameters).
+#[derive(Debug)]
+struct SqueezeExcitation {
+    fc1: Linear,
+    fc2: Linear,
+}
+
+/// What squeeze-excitation keeps: its input and shape, the linear layers' state, the gate's
+/// input and the gate.
+#[derive(Debug)]
+struct SeSaved {
+    x: Tensor,
+    fc1: AffineSaved,
+    fc2: AffineSaved,
+    g: Tensor,
+    gate: Tensor,
+}
+
+impl SqueezeExcitation {
+    fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<SeSaved>)> {
+        const WHAT: &str = "SqueezeExcitation";
+        let pooled = ops::global_avg_pool(x)?;
+        let (h, s1) = self.fc1.forward(&pooled, ctx)?;
+        drop(pooled);
+        let (g, s2) = self.fc2.forward(&h, ctx)?;
+        drop(h);
+        // The gate multiplies `x`, in `x`'s dtype (both are 16-bit under autocast).
+        let gate = cast(&ops::hardsigmoid(&g)?, x.dtype())?;
+        let y = ops::scale_channels(x, &gate)?;
+        if !ctx.training() {
+            return Ok((y, None));
+        }
+        let s = SeSaved { x: x.clone(), fc1: saved(s1, WHAT)?, fc2: saved(s2, WHAT)?, g, gate };
+        Ok((y, Some(s)))
+    }
+
+    fn backward(&mut self, s: SeSaved, dy: &Tensor) -> Result<Tensor> {
+        const WHAT: &str = "SqueezeExcitation";
+        let shape = s.x.shape().to_vec();
+        let grads = ops::scale_channels_backward(&s.x, &s.gate, dy)?;
+        drop((s.x, s.gate));
+        let dg = ops::hardsigmoid_backward(&s.g, &cast(&grads.ds, s.g.dtype())?)?;
+        drop(s.g);
+        let dh = dx_of(self.fc2.backward(s.fc2, &dg, true)?, WHAT)?;
+        let dpooled = dx_of(self.fc1.backward(s.fc1, &dh, true)?, WHAT)?;
+        let mut dx = grads.dx;
+        add_grad(&mut dx, &ops::global_avg_pool_backward(&dpooled, &shape)?)?;
+        Ok(dx)
+    }
+}
+
+/// What an [`InvertedResidual`] keeps: each convolution's state and squeeze-excitation's.
 #[derive(Debug)]
 pub struct InvertedSaved {
     expand: Option<AffineSaved>,
     depthwise: AffineSaved,
+    se: Option<SeSaved>,
     project: AffineSaved,
 }
 
@@ -917,6 +1008,10 @@ impl Layer for InvertedResidual {
         };
         let (d, sd) = self.depthwise.forward(&h, ctx)?;
         drop(h);
+        let (d, sse) = match &mut self.se {
+            Some(se) => se.forward(&d, ctx)?,
+            None => (d, None),
+        };
         let (p, sp) = self.project.forward(&d, ctx)?;
         drop(d);
         let y = if self.residual { add_promoted(x, &p)? } else { p };
@@ -927,13 +1022,21 @@ impl Layer for InvertedResidual {
             Some(s) => Some(saved(s, WHAT)?),
             None => None,
         };
-        let s = InvertedSaved { expand, depthwise: saved(sd, WHAT)?, project: saved(sp, WHAT)? };
+        let se = match (&self.se, sse) {
+            (Some(_), s) => Some(saved(s, WHAT)?),
+            (None, _) => None,
+        };
+        let s =
+            InvertedSaved { expand, depthwise: saved(sd, WHAT)?, se, project: saved(sp, WHAT)? };
         Ok((y, Some(s)))
     }
 
     fn backward(&mut self, s: InvertedSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
         const WHAT: &str = "InvertedResidual";
-        let dd = dx_of(self.project.backward(s.project, dy, true)?, WHAT)?;
+        let mut dd = dx_of(self.project.backward(s.project, dy, true)?, WHAT)?;
+        if let (Some(se), Some(ss)) = (&mut self.se, s.se) {
+            dd = se.backward(ss, &dd)?;
+        }
         let want_h = want || self.expand.is_some();
         let dh = self.depthwise.backward(s.depthwise, &dd, want_h)?;
         drop(dd);
@@ -953,6 +1056,10 @@ impl Layer for InvertedResidual {
     fn params(&self) -> Vec<&Param> {
         let mut p = self.expand.as_ref().map(|c| c.params()).unwrap_or_default();
         p.extend(self.depthwise.params());
+        if let Some(se) = &self.se {
+            p.extend(se.fc1.params());
+            p.extend(se.fc2.params());
+        }
         p.extend(self.project.params());
         p
     }
@@ -960,6 +1067,10 @@ impl Layer for InvertedResidual {
     fn params_mut(&mut self) -> Vec<&mut Param> {
         let mut p = self.expand.as_mut().map(|c| c.params_mut()).unwrap_or_default();
         p.extend(self.depthwise.params_mut());
+        if let Some(se) = &mut self.se {
+            p.extend(se.fc1.params_mut());
+            p.extend(se.fc2.params_mut());
+        }
         p.extend(self.project.params_mut());
         p
     }
@@ -974,9 +1085,11 @@ impl Layer for InvertedResidual {
 pub struct ClassifierHeadConfig {
     /// Channels of the pooled features.
     pub channels: usize,
-    /// Units of a hidden ReLU layer before the classifier (MobileNetV3: 1280), or none
+    /// Units of a hidden layer before the classifier (MobileNetV3: 1280), or none
     /// (default).
     pub hidden: Option<usize>,
+    /// The hidden layer's activation (default ReLU; MobileNetV3: hard swish).
+    pub hidden_activation: Act,
     /// Output classes.
     pub classes: usize,
     /// The dtype of the weights (default f32).
@@ -988,10 +1101,22 @@ pub struct ClassifierHeadConfig {
 impl ClassifierHeadConfig {
     /// A head from `channels` pooled features to `classes`, no hidden layer, f32, seed 0.
     pub fn new(channels: usize, classes: usize) -> Self {
-        ClassifierHeadConfig { channels, hidden: None, classes, dtype: DType::F32, seed: 0 }
+        ClassifierHeadConfig {
+            channels,
+            hidden: None,
+            hidden_activation: Act::Relu,
+            classes,
+            dtype: DType::F32,
+            seed: 0,
+        }
     }
 
-    /// The same with a hidden ReLU layer of `units`.
+    /// The same with `activation` after the hidden layer.
+    pub fn with_hidden_activation(self, activation: Act) -> Self {
+        ClassifierHeadConfig { hidden_activation: activation, ..self }
+    }
+
+    /// The same with a hidden layer of `units` (activated by `hidden_activation`).
     pub fn with_hidden(self, units: usize) -> Self {
         ClassifierHeadConfig { hidden: Some(units), ..self }
     }
@@ -1023,7 +1148,7 @@ impl ClassifierHeadConfig {
             Ok(l)
         };
         let (hidden, last) = match self.hidden {
-            Some(h) => (Some(linear(self.channels, h, Act::Relu, 0, "hidden")?), h),
+            Some(h) => (Some(linear(self.channels, h, self.hidden_activation, 0, "hidden")?), h),
             None => (None, self.channels),
         };
         Ok(ClassifierHead { hidden, fc: linear(last, self.classes, Act::Identity, 1, "fc")? })

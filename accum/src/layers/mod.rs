@@ -162,6 +162,8 @@ pub enum Act {
     Relu,
     /// GELU (tanh approximation, as `vram_kernels::ops::gelu`).
     Gelu,
+    /// Hard swish, `x * relu6(x + 3) / 6` (MobileNetV3's).
+    Hardswish,
 }
 
 impl Act {
@@ -171,12 +173,13 @@ impl Act {
             Act::Identity => z,
             Act::Relu => ops::relu(&z)?,
             Act::Gelu => ops::gelu(&z)?,
+            Act::Hardswish => ops::hardswish(&z)?,
         })
     }
 
     /// `act(z)` and, in training, what its backward needs: ReLU keeps its output (as
     /// PyTorch's `relu` does: `y > 0` exactly where `z > 0`, and the output is usually kept
-    /// by the next layer anyway), GELU its input `z`, the identity nothing.
+    /// by the next layer anyway), GELU and hard swish their input `z`, the identity nothing.
     fn forward_saving(self, z: Tensor, training: bool) -> Result<(Tensor, Option<Tensor>)> {
         Ok(match self {
             Act::Identity => (z, None),
@@ -186,8 +189,8 @@ impl Act {
                 let kept = training.then(|| y.clone());
                 (y, kept)
             }
-            Act::Gelu => {
-                let y = ops::gelu(&z)?;
+            Act::Gelu | Act::Hardswish => {
+                let y = self.forward(z.clone())?;
                 (y, training.then_some(z))
             }
         })
@@ -199,6 +202,7 @@ impl Act {
         Ok(match (self, z) {
             (Act::Relu, Some(z)) => Some(ops::relu_backward(z, dy)?),
             (Act::Gelu, Some(z)) => Some(ops::gelu_backward(z, dy)?),
+            (Act::Hardswish, Some(z)) => Some(ops::hardswish_backward(z, dy)?),
             _ => None,
         })
     }

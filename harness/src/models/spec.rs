@@ -22,7 +22,7 @@
 //! Kinds: `embedding {vocab, dim}`, `linear {out, act}`, `conv {out, kernel, stride = 1,
 //! groups = 1, bn = false, act}` (padding `kernel / 2`, no bias; `bn` adds a batch norm), `attention {heads = 1, dropout = 0}`, `norm`,
 //! `pool` (global average pooling, `[b, c, h, w] -> [b, c]`). `act` is `none` (default),
-//! `relu` or `gelu`. The last layer's width is the number of classes of the cross-entropy
+//! `relu`, `gelu` or `hardswish`. The last layer's width is the number of classes of the cross-entropy
 //! loss (per position for token inputs).
 //!
 //! [`Model`]: super::Model
@@ -95,6 +95,8 @@ pub enum ActSpec {
     Relu,
     /// GELU (tanh approximation).
     Gelu,
+    /// Hard swish (MobileNetV3's).
+    Hardswish,
 }
 
 impl ActSpec {
@@ -103,6 +105,7 @@ impl ActSpec {
             ActSpec::None => Act::Identity,
             ActSpec::Relu => Act::Relu,
             ActSpec::Gelu => Act::Gelu,
+            ActSpec::Hardswish => Act::Hardswish,
         }
     }
 }

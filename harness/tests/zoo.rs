@@ -21,42 +21,6 @@ fn preset(name: &str) -> Arch {
     Arch::preset(name).unwrap()
 }
 
-/// What torchvision's MobileNetV3-Large has and ours leaves out: squeeze-excitation (two
-/// 1x1 convolutions with biases, squeezing to `make_divisible(expanded / 4)`) in the blocks
-/// that have it.
-fn mobilenetv3_se_params() -> u64 {
-    let div = |v: u64| {
-        let r = ((v + 4) / 8 * 8).max(8);
-        if (r as f64) < 0.9 * v as f64 { r + 8 } else { r }
-    };
-    // (in, expanded, out, se) per block, torchvision's table.
-    let blocks: [(u64, u64, u64, bool); 15] = [
-        (16, 16, 16, false),
-        (16, 64, 24, false),
-        (24, 72, 24, false),
-        (24, 72, 40, true),
-        (40, 120, 40, true),
-        (40, 120, 40, true),
-        (40, 240, 80, false),
-        (80, 200, 80, false),
-        (80, 184, 80, false),
-        (80, 184, 80, false),
-        (80, 480, 112, true),
-        (112, 672, 112, true),
-        (112, 672, 160, true),
-        (160, 960, 160, true),
-        (160, 960, 160, true),
-    ];
-    let mut se = 0;
-    for (_, e, _, has_se) in blocks {
-        if has_se {
-            let s = div(e / 4);
-            se += e * s + s + s * e + e;
-        }
-    }
-    se
-}
-
 #[test]
 fn presets_have_the_published_parameter_counts() {
     // GPT-2 (Hugging Face's count, LM head tied to the token embedding).
@@ -70,8 +34,8 @@ fn presets_have_the_published_parameter_counts() {
     assert_eq!(count(untied), 124_439_808 + (vocab * d) as u64);
     // ResNet-50: torchvision's, batch norms included.
     assert_eq!(count(preset("resnet50")), 25_557_032);
-    // MobileNetV3-Large: torchvision's 5,483,032 less squeeze-excitation.
-    assert_eq!(count(preset("mobilenetv3-like")) + mobilenetv3_se_params(), 5_483_032);
+    // MobileNetV3-Large: torchvision's (batch norms, squeeze-excitation, hard-swish head).
+    assert_eq!(count(preset("mobilenetv3-like")), 5_483_032);
     // ViT-B/16: timm's 86,567,656 less the class token and its position.
     assert_eq!(count(preset("vit-b-like")) + 2 * 768, 86_567_656);
 }
@@ -144,20 +108,27 @@ fn saved_activations(arch: &Arch, b: u64) -> u64 {
         }
         Arch::MobileNetV3 { side, .. } => {
             let s = side as u64 / 2;
-            // The image, the stem's conv output and output.
+            // The image; the stem's conv output (the batch norm's input) and the norm's output
+            // (hard swish keeps its input); the swish's output is the first block's input.
             let mut total = b * 3 * (side as u64).pow(2) + 2 * b * 16 * s * s;
             let mut hw = s * s;
-            for (c_in, k, e, c_out, stride) in MOBILENET {
-                let _ = k;
+            for (i, (c_in, _, e, c_out, stride)) in MOBILENET.into_iter().enumerate() {
+                let hs = i >= 6; // hard swish from the seventh block on, ReLU before
+                let se = [3, 4, 5, 10, 11, 12, 13, 14].contains(&i);
                 let hw_out = if stride == 2 { hw / 4 } else { hw };
-                // The input; the expansion's and the depthwise's conv outputs (batch-norm
-                // inputs) and outputs (ReLU keeps its output); the projection's conv output
-                // (it keeps its input, the depthwise output).
-                let expand = if e != c_in { 2 * e * hw } else { 0 };
-                total += b * (c_in * hw + expand + 2 * e * hw_out + c_out * hw_out);
+                // Per activated conv: its output (batch-norm input), the norm's output when
+                // hard swish keeps it, and the activation's output (the next layer's input).
+                let act = if hs { 3 } else { 2 };
+                let expand = if e != c_in { act * e * hw } else { 0 };
+                // Squeeze-excitation's output (the projection's input; its own input is the
+                // depthwise's output, counted).
+                let gate = if se { e * hw_out } else { 0 };
+                // The input, the expansion, the depthwise, the gate, the projection's conv
+                // output.
+                total += b * (c_in * hw + expand + act * e * hw_out + gate + c_out * hw_out);
                 hw = hw_out;
             }
-            // The last convolution's input, conv output and output.
+            // The last convolution's input, conv output and norm output (hard swish).
             total + b * (160 * hw + 2 * 960 * hw)
         }
         Arch::Vit { side, patch, d, layers, heads, dropout, .. } => {

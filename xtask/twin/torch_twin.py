@@ -67,23 +67,32 @@ def norm_params(prefix, ln):
     return [(f"{prefix}gamma", ln.weight), (f"{prefix}beta", ln.bias)]
 
 
+def activate(x, act):
+    """vram's Act: "relu", "hardswish" or None (the identity)."""
+    if act == "relu":
+        return F.relu(x)
+    if act == "hardswish":
+        return F.hardswish(x)
+    return x
+
+
 class ConvAct(nn.Module):
     """vram's Conv2d: a square k x k convolution, padding k // 2, no bias, optionally a
-    BatchNorm2d (eps 1e-5, momentum 0.1, scale 1, shift 0), with a fused activation (ReLU or
-    none)."""
+    BatchNorm2d (eps 1e-5, momentum 0.1, scale 1, shift 0), with a fused activation (ReLU
+    (relu=True), hard swish (act="hardswish") or none)."""
 
-    def __init__(self, c_in, c_out, k, stride=1, groups=1, relu=True, bn=False):
+    def __init__(self, c_in, c_out, k, stride=1, groups=1, relu=True, bn=False, act=None):
         super().__init__()
         self.conv = nn.Conv2d(c_in, c_out, k, stride=stride, padding=k // 2, groups=groups,
                               bias=False)
         self.bn = nn.BatchNorm2d(c_out, eps=1e-5, momentum=0.1) if bn else None
-        self.relu = relu
+        self.act = act if act is not None else ("relu" if relu else None)
 
     def forward(self, x):
         x = self.conv(x)
         if self.bn is not None:
             x = self.bn(x)
-        return F.relu(x) if self.relu else x
+        return activate(x, self.act)
 
     def vram_params(self, prefix):
         out = [(f"{prefix}weight", self.conv.weight)]
@@ -93,17 +102,19 @@ class ConvAct(nn.Module):
 
 
 class ClassifierHead(nn.Module):
-    """Global average pool, an optional hidden ReLU linear layer, the classifier."""
+    """Global average pool, an optional hidden linear layer (ReLU or hard swish), the
+    classifier."""
 
-    def __init__(self, channels, classes, hidden=None):
+    def __init__(self, channels, classes, hidden=None, act="relu"):
         super().__init__()
         self.hidden = nn.Linear(channels, hidden) if hidden is not None else None
         self.fc = nn.Linear(hidden if hidden is not None else channels, classes)
+        self.act = act
 
     def forward(self, x):
         x = F.adaptive_avg_pool2d(x, 1).flatten(1)
         if self.hidden is not None:
-            x = F.relu(self.hidden(x))
+            x = activate(self.hidden(x), self.act)
         return self.fc(x)
 
     def vram_params(self, prefix):
@@ -155,31 +166,57 @@ class Bottleneck(nn.Module):
         return out
 
 
-class InvertedResidual(nn.Module):
-    """MobileNetV2/V3's inverted residual without squeeze-excitation, ReLU, each conv
-    batch-normed when bn: a 1x1 expansion (skipped when the width stays), a k x k depthwise
-    convolution (strided), a linear 1x1 projection, and the input added when the stride is 1
-    and the width stays."""
+class SqueezeExcitation(nn.Module):
+    """torchvision's SqueezeExcitation (MobileNetV3's): x * hardsigmoid(fc2(relu(fc1(pool(x))))).
+    fc1 and fc2 are 1x1 convolutions on the pooled [n, c, 1, 1] in torchvision; here linear
+    layers on [n, c], the same parameters in vram's [out, in] shape."""
 
-    def __init__(self, c_in, expanded, c_out, k, stride, bn):
+    def __init__(self, channels, squeeze):
         super().__init__()
-        self.expand = ConvAct(c_in, expanded, 1, relu=True, bn=bn) if expanded != c_in else None
-        self.depthwise = ConvAct(expanded, expanded, k, stride=stride, groups=expanded, relu=True,
-                                 bn=bn)
+        self.fc1 = nn.Linear(channels, squeeze)
+        self.fc2 = nn.Linear(squeeze, channels)
+
+    def forward(self, x):
+        s = F.adaptive_avg_pool2d(x, 1).flatten(1)
+        s = F.hardsigmoid(self.fc2(F.relu(self.fc1(s))))
+        return x * s[:, :, None, None]
+
+    def vram_params(self, prefix):
+        return linear_params(f"{prefix}fc1.", self.fc1) + linear_params(f"{prefix}fc2.", self.fc2)
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2/V3's inverted residual, each conv batch-normed when bn: a 1x1 expansion
+    (skipped when the width stays), a k x k depthwise convolution (strided), both activated by
+    act, squeeze-excitation to `squeeze` channels when given, a linear 1x1 projection, and
+    the input added when the stride is 1 and the width stays."""
+
+    def __init__(self, c_in, expanded, c_out, k, stride, bn, act="relu", squeeze=None):
+        super().__init__()
+        self.expand = (ConvAct(c_in, expanded, 1, bn=bn, act=act)
+                       if expanded != c_in else None)
+        self.depthwise = ConvAct(expanded, expanded, k, stride=stride, groups=expanded, bn=bn,
+                                 act=act)
+        self.se = SqueezeExcitation(expanded, squeeze) if squeeze is not None else None
         self.project = ConvAct(expanded, c_out, 1, relu=False, bn=bn)
         self.residual = stride == 1 and c_in == c_out
 
     def forward(self, x):
         h = self.expand(x) if self.expand is not None else x
-        y = self.project(self.depthwise(h))
+        h = self.depthwise(h)
+        if self.se is not None:
+            h = self.se(h)
+        y = self.project(h)
         return x + y if self.residual else y
 
     def vram_params(self, prefix):
         out = []
         if self.expand is not None:
             out += self.expand.vram_params(f"{prefix}expand.")
-        return (out + self.depthwise.vram_params(f"{prefix}depthwise.")
-                + self.project.vram_params(f"{prefix}project."))
+        out += self.depthwise.vram_params(f"{prefix}depthwise.")
+        if self.se is not None:
+            out += self.se.vram_params(f"{prefix}se.")
+        return out + self.project.vram_params(f"{prefix}project.")
 
 
 class Attention(nn.Module):
@@ -361,24 +398,25 @@ class BottleneckResNet(nn.Module):
         return out + self.head.vram_params("head.")
 
 
-# torchvision's _mobilenet_v3_conf for MobileNetV3-Large, as vram's zoo.rs MOBILENETV3_LARGE:
-# input channels, kernel, expanded channels, output channels, stride.
+# torchvision's _mobilenet_v3_conf for MobileNetV3-Large: input channels, kernel, expanded
+# channels, output channels, squeeze-excitation, activation ("RE" ReLU, "HS" hard swish),
+# stride.
 MOBILENETV3_LARGE = [
-    (16, 3, 16, 16, 1),
-    (16, 3, 64, 24, 2),
-    (24, 3, 72, 24, 1),
-    (24, 5, 72, 40, 2),
-    (40, 5, 120, 40, 1),
-    (40, 5, 120, 40, 1),
-    (40, 3, 240, 80, 2),
-    (80, 3, 200, 80, 1),
-    (80, 3, 184, 80, 1),
-    (80, 3, 184, 80, 1),
-    (80, 3, 480, 112, 1),
-    (112, 3, 672, 112, 1),
-    (112, 5, 672, 160, 2),
-    (160, 5, 960, 160, 1),
-    (160, 5, 960, 160, 1),
+    (16, 3, 16, 16, False, "RE", 1),
+    (16, 3, 64, 24, False, "RE", 2),
+    (24, 3, 72, 24, False, "RE", 1),
+    (24, 5, 72, 40, True, "RE", 2),
+    (40, 5, 120, 40, True, "RE", 1),
+    (40, 5, 120, 40, True, "RE", 1),
+    (40, 3, 240, 80, False, "HS", 2),
+    (80, 3, 200, 80, False, "HS", 1),
+    (80, 3, 184, 80, False, "HS", 1),
+    (80, 3, 184, 80, False, "HS", 1),
+    (80, 3, 480, 112, True, "HS", 1),
+    (112, 3, 672, 112, True, "HS", 1),
+    (112, 5, 672, 160, True, "HS", 2),
+    (160, 5, 960, 160, True, "HS", 1),
+    (160, 5, 960, 160, True, "HS", 1),
 ]
 
 
@@ -397,24 +435,28 @@ def make_divisible(c, mult):
 
 
 class MobileNetV3(nn.Module):
-    """MobileNetV3-Large's layout with ReLU everywhere, no SE, every conv batch-normed when
-    bn: a 3x3/2 stem, the 15 inverted residuals, a 1x1 convolution to 6x the last width
-    (ReLU), global pool, a hidden ReLU layer of make_divisible(1280) units and the
-    classifier."""
+    """torchvision's MobileNetV3-Large without the classifier's dropout: a 3x3/2 stem (hard
+    swish), the 15 inverted residuals (ReLU or hard swish, squeeze-excitation to
+    make_divisible(expanded // 4) where the table says), a 1x1 convolution to 6x the last
+    width (hard swish), global pool, a hard-swish hidden layer of make_divisible(1280) units
+    and the classifier; every conv batch-normed when bn."""
 
     def __init__(self, width_mult, classes, bn):
         super().__init__()
         ch = lambda c: make_divisible(c, width_mult)  # noqa: E731
         first = ch(MOBILENETV3_LARGE[0][0])
-        self.stem = ConvAct(3, first, 3, stride=2, bn=bn)
+        self.stem = ConvAct(3, first, 3, stride=2, bn=bn, act="hardswish")
         blocks = []
         last = first
-        for c_in, k, e, c_out, stride in MOBILENETV3_LARGE:
-            blocks.append(InvertedResidual(ch(c_in), ch(e), ch(c_out), k, stride, bn))
+        for c_in, k, e, c_out, se, act, stride in MOBILENETV3_LARGE:
+            e = ch(e)
+            squeeze = make_divisible(e // 4, 1.0) if se else None
+            act = "hardswish" if act == "HS" else "relu"
+            blocks.append(InvertedResidual(ch(c_in), e, ch(c_out), k, stride, bn, act, squeeze))
             last = ch(c_out)
         self.features = nn.Sequential(*blocks)
-        self.lastconv = ConvAct(last, 6 * last, 1, bn=bn)
-        self.head = ClassifierHead(6 * last, classes, hidden=ch(1280))
+        self.lastconv = ConvAct(last, 6 * last, 1, bn=bn, act="hardswish")
+        self.head = ClassifierHead(6 * last, classes, hidden=ch(1280), act="hardswish")
 
     def forward(self, x):
         return self.head(self.lastconv(self.features(self.stem(x))))

@@ -152,7 +152,19 @@ impl Builder<'_> {
     }
 
     fn head(&mut self, channels: usize, hidden: Option<usize>, classes: usize) -> Result<()> {
+        self.head_with(channels, hidden, Act::Relu, classes)
+    }
+
+    /// The classifier head, its hidden layer (if any) activated by `act`.
+    fn head_with(
+        &mut self,
+        channels: usize,
+        hidden: Option<usize>,
+        act: Act,
+        classes: usize,
+    ) -> Result<()> {
         let mut cfg = ClassifierHeadConfig::new(channels, classes)
+            .with_hidden_activation(act)
             .with_dtype(self.dtype)
             .with_seed(self.seed());
         if let Some(h) = hidden {
@@ -285,21 +297,28 @@ impl Model {
             Arch::MobileNetV3 { width_mult, classes, .. } => {
                 let ch = |c| make_divisible(c, *width_mult);
                 let first = ch(MOBILENETV3_LARGE[0].0);
-                b.conv("stem", 3, first, 3, 2, 1, Act::Relu)?;
+                b.conv("stem", 3, first, 3, 2, 1, Act::Hardswish)?;
                 let mut last = first;
-                for (i, &(c_in, k, e, c_out, stride)) in MOBILENETV3_LARGE.iter().enumerate() {
-                    let block = InvertedResidualConfig::new(ch(c_in), ch(e), ch(c_out))
+                for (i, &(c_in, k, e, c_out, se, hs, stride)) in
+                    MOBILENETV3_LARGE.iter().enumerate()
+                {
+                    let e = ch(e);
+                    // torchvision: _make_divisible(expanded // 4, 8).
+                    let squeeze = se.then(|| make_divisible(e / 4, 1.0));
+                    let block = InvertedResidualConfig::new(ch(c_in), e, ch(c_out))
                         .with_kernel(k)
                         .with_stride(stride)
                         .with_batch_norm(true)
+                        .with_activation(if hs { Act::Hardswish } else { Act::Relu })
+                        .with_squeeze_excitation(squeeze)
                         .with_dtype(dtype)
                         .with_seed(b.seed())
                         .init(device)?;
                     b.push(&format!("features.{}", i + 1), block);
                     last = ch(c_out);
                 }
-                b.conv("lastconv", last, 6 * last, 1, 1, 1, Act::Relu)?;
-                b.head(6 * last, Some(ch(1280)), *classes)?;
+                b.conv("lastconv", last, 6 * last, 1, 1, 1, Act::Hardswish)?;
+                b.head_with(6 * last, Some(ch(1280)), Act::Hardswish, *classes)?;
             }
             Arch::Custom(spec) => embed = spec::build(&mut b, spec)?,
             Arch::Vit { side, patch, d, layers, heads, classes, dropout } => {

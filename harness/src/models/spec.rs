@@ -22,8 +22,8 @@
 //! Kinds: `embedding {vocab, dim}`, `linear {out, act}`, `conv {out, kernel, stride = 1,
 //! groups = 1, bn = false, act}` (padding `kernel / 2`, no bias; `bn` adds a batch norm), `attention {heads = 1, dropout = 0}`, `norm`,
 //! `pool` (global average pooling, `[b, c, h, w] -> [b, c]`). `act` is `none` (default),
-//! `relu`, `gelu` or `hardswish`. The last layer's width is the number of classes of the cross-entropy
-//! loss (per position for token inputs).
+//! `relu`, `gelu` or `hardswish`. The last layer's width is the number of classes of the
+//! cross-entropy loss (per position for token inputs).
 //!
 //! [`Model`]: super::Model
 

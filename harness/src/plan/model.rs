@@ -206,8 +206,8 @@ pub fn model_from_args(name: &str, o: &ModelOverrides) -> Result<PlanModel, Plan
                 .into(),
         ),
         Arch::MobileNetV3 { .. } => notes.push(
-            "MobileNetV3-like: batch norms as torchvision's, but ReLU instead of hard-swish \
-             and no squeeze-excitation"
+            "MobileNetV3-Large as torchvision's (batch norms, hard swish, squeeze-excitation), \
+             but without the classifier's dropout"
                 .into(),
         ),
         Arch::Gpt { .. } => notes.push(
@@ -395,11 +395,13 @@ impl PlanModel {
                 let first = ch(MOBILENETV3_LARGE[0].0);
                 let mut v = vec![conv(3, first, 3, 1, s)];
                 let mut last = first;
-                for &(c_in, k, e, c_out, st) in MOBILENETV3_LARGE.iter() {
+                for &(c_in, k, e, c_out, se, _, st) in MOBILENETV3_LARGE.iter() {
                     let (c_in, e, c_out) = (ch(c_in), ch(e), ch(c_out));
                     let s_out = out(s, k, st);
                     let expand = if e != c_in { conv(c_in, e, 1, 1, s) } else { 0.0 };
-                    v.push(expand + conv(e, e, k, e, s_out) + conv(e, c_out, 1, 1, s_out));
+                    let sq = make_divisible(e / 4, 1.0);
+                    let se = if se { 4.0 * f(e) * f(sq) } else { 0.0 };
+                    v.push(expand + conv(e, e, k, e, s_out) + se + conv(e, c_out, 1, 1, s_out));
                     (last, s) = (c_out, s_out);
                 }
                 v.push(conv(last, 6 * last, 1, 1, s));

@@ -145,6 +145,31 @@ struct Split {
 }
 
 impl Split {
+    /// The row of a real-size run of `precision` (`recipe` its family) at `batch`.
+    fn measured(
+        &self,
+        recipe: &'static str,
+        precision: crate::plan::Precision,
+        batch: usize,
+    ) -> Measured {
+        Measured {
+            part: REAL,
+            recipe,
+            batch_size: batch,
+            weights_bytes: self.weights,
+            weight_copies_16bit_bytes: self.copies,
+            master_weights_bytes: self.master,
+            grads_bytes: self.grads,
+            optimizer_state_bytes: self.optimizer,
+            activations_and_temporaries_bytes: self.peak.saturating_sub(self.state()),
+            state_bytes_per_parameter: self.state() as f64
+                / (self.weights / precision.dtype().size_in_bytes() as u64) as f64,
+            losses: Vec::new(),
+            scaler_steps_skipped: 0,
+            final_loss_scale: 0.0,
+        }
+    }
+
     fn state(&self) -> u64 {
         self.weights + self.copies + self.master + self.grads + self.optimizer
     }
@@ -276,22 +301,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         let mut row = Vec::new();
         for p in kinds {
             let s = real_split(&gpt2, p, b)?;
-            let measured = Measured {
-                part: REAL,
-                recipe: recipe_of(p),
-                batch_size: b,
-                weights_bytes: s.weights,
-                weight_copies_16bit_bytes: s.copies,
-                master_weights_bytes: s.master,
-                grads_bytes: s.grads,
-                optimizer_state_bytes: s.optimizer,
-                activations_and_temporaries_bytes: s.peak.saturating_sub(s.state()),
-                state_bytes_per_parameter: s.state() as f64
-                    / (s.weights / p.dtype().size_in_bytes() as u64) as f64,
-                losses: Vec::new(),
-                scaler_steps_skipped: 0,
-                final_loss_scale: 0.0,
-            };
+            let measured = s.measured(recipe_of(p), p, b);
             sweep.push(
                 &format!("{REAL}: gpt2-small, batch {b}, {}", p.label()),
                 s.peak,
@@ -381,22 +391,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         .map(|p| real_split(&resnet, p, cnn_batch).map(|s| (p, s)))
         .collect::<Result<_, _>>()?;
     for (p, s) in &cnn {
-        let measured = Measured {
-            part: REAL,
-            recipe: recipe_of(*p),
-            batch_size: cnn_batch,
-            weights_bytes: s.weights,
-            weight_copies_16bit_bytes: s.copies,
-            master_weights_bytes: s.master,
-            grads_bytes: s.grads,
-            optimizer_state_bytes: s.optimizer,
-            activations_and_temporaries_bytes: s.peak.saturating_sub(s.state()),
-            state_bytes_per_parameter: s.state() as f64
-                / (s.weights / p.dtype().size_in_bytes() as u64) as f64,
-            losses: Vec::new(),
-            scaler_steps_skipped: 0,
-            final_loss_scale: 0.0,
-        };
+        let measured = s.measured(recipe_of(*p), *p, cnn_batch);
         let name = format!("{REAL}: resnet50, batch {cnn_batch}, {}", p.label());
         sweep.push(&name, s.peak, s.reserved, None, measured);
     }

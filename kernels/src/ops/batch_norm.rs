@@ -217,7 +217,7 @@ impl Op for BatchNorm<'_, '_> {
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
         use crate::cuda::helpers::{check_rows, ptr};
-        use crate::cuda::registry::{BN_APPLY, BN_STATS};
+        use crate::cuda::registry::BN_STATS;
         use crate::cuda::{Arg, launch};
         let (n, c, s) = self.dims;
         let t = self.x.dtype();
@@ -252,28 +252,8 @@ impl Op for BatchNorm<'_, '_> {
                 ],
             )?;
         }
-        let total = self.x.numel();
-        // SAFETY: bn_apply_T(const T* x, const float* mean, const float* invstd, const void* g,
-        // const void* b, u32 pf32, T* y, u64 total, u64 c, u64 s), grid-stride over total
-        // elements; gamma and beta hold c parameters.
-        unsafe {
-            gpu.launch(
-                BN_APPLY.of(t),
-                launch::elementwise(total),
-                &[
-                    ptr(self.x)?,
-                    ptr(mean)?,
-                    ptr(inv)?,
-                    ptr(self.gamma)?,
-                    ptr(self.beta)?,
-                    pf32,
-                    ptr(y)?,
-                    Arg::count(total),
-                    Arg::count(c),
-                    Arg::count(s),
-                ],
-            )
-        }
+        let (mean, inv) = (ptr(mean)?, ptr(inv)?);
+        apply(gpu, self.x, (mean, inv), (self.gamma, self.beta), y, (c, s))
     }
 
     fn finish(self, bufs: Buffers) -> Result<BatchNormOutput> {
@@ -282,6 +262,45 @@ impl Op for BatchNorm<'_, '_> {
             (Some(y), Some(mean), Some(invstd)) => Ok(BatchNormOutput { y, mean, invstd }),
             _ => unreachable!("the plan has y, mean and invstd"),
         }
+    }
+}
+
+/// `y = (x - mean) * invstd * gamma + beta` on the GPU, from the f32 statistics at
+/// `stats` and the `[c]` scale and shift, over `x: [n, c, s]` (`dims` = `(c, s)`).
+#[cfg(feature = "cuda")]
+fn apply(
+    gpu: &crate::cuda::Gpu<'_>,
+    x: &Tensor,
+    stats: (crate::cuda::Arg, crate::cuda::Arg),
+    (gamma, beta): (&Tensor, &Tensor),
+    y: &mut Tensor,
+    (c, s): (usize, usize),
+) -> Result<()> {
+    use crate::cuda::helpers::ptr;
+    use crate::cuda::registry::BN_APPLY;
+    use crate::cuda::{Arg, launch};
+    let total = x.numel();
+    // SAFETY: bn_apply_T(const T* x, const float* mean, const float* invstd, const void* g,
+    // const void* b, u32 pf32, T* y, u64 total, u64 c, u64 s), grid-stride over total
+    // elements; x and y hold total elements, the statistics c floats each, gamma and beta c
+    // parameters (f32 when pf32 is 1).
+    unsafe {
+        gpu.launch(
+            BN_APPLY.of(x.dtype()),
+            launch::elementwise(total),
+            &[
+                ptr(x)?,
+                stats.0,
+                stats.1,
+                ptr(gamma)?,
+                ptr(beta)?,
+                Arg::U32((gamma.dtype() == DType::F32) as u32),
+                ptr(y)?,
+                Arg::count(total),
+                Arg::count(c),
+                Arg::count(s),
+            ],
+        )
     }
 }
 
@@ -344,7 +363,7 @@ impl Op for BatchNormEval<'_> {
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
         use crate::cuda::helpers::ptr;
-        use crate::cuda::registry::{BN_APPLY, BN_EVAL_STATS};
+        use crate::cuda::registry::BN_EVAL_STATS;
         use crate::cuda::{Arg, launch};
         let c = self.gamma.numel();
         let t = self.x.dtype();
@@ -369,26 +388,8 @@ impl Op for BatchNormEval<'_> {
                 ],
             )?;
         }
-        let total = self.x.numel();
-        // SAFETY: as in `batch_norm`'s apply launch.
-        unsafe {
-            gpu.launch(
-                BN_APPLY.of(t),
-                launch::elementwise(total),
-                &[
-                    ptr(self.x)?,
-                    Arg::Ptr(mean),
-                    Arg::Ptr(inv),
-                    ptr(self.gamma)?,
-                    ptr(self.beta)?,
-                    pf32,
-                    ptr(bufs.out(0))?,
-                    Arg::count(total),
-                    Arg::count(c),
-                    Arg::count(self.s),
-                ],
-            )
-        }
+        let y = bufs.out(0);
+        apply(gpu, self.x, (Arg::Ptr(mean), Arg::Ptr(inv)), (self.gamma, self.beta), y, (c, self.s))
     }
 
     fn finish(self, bufs: Buffers) -> Result<Tensor> {

@@ -11,7 +11,8 @@
 //! does), which keeps a deep stack trainable.
 
 use super::{
-    Act, AffineSaved, CastSaved, Init, Linear, LinearConfig, init_weight, positive, sub_seed,
+    Act, AffineSaved, CastSaved, Init, Linear, LinearConfig, add_grad, add_promoted, init_weight,
+    positive, sub_seed,
 };
 use crate::autocast::{OpKind, accumulate_grad_cast, cast};
 use crate::error::{Error, Result};
@@ -37,20 +38,6 @@ fn dx_of(dx: Option<Tensor>, block: &'static str) -> Result<Tensor> {
         what: block,
         reason: "a sub-layer returned no input gradient".into(),
     })
-}
-
-/// `a + b` with PyTorch's type promotion: under autocast a residual sum may meet a 16-bit
-/// branch and an f32 one, which add in f32.
-pub(super) fn add_promoted(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if a.dtype() == b.dtype() {
-        return Ok(ops::add(a, b)?);
-    }
-    Ok(ops::add(&cast(a, DType::F32)?, &cast(b, DType::F32)?)?)
-}
-
-/// `dx += g`, with `g` in `dx`'s dtype (the gradient of a promoted sum is in the sum's).
-fn add_grad(dx: &mut Tensor, g: &Tensor) -> Result<()> {
-    Ok(ops::add_assign(dx, &cast(g, dx.dtype())?)?)
 }
 
 /// The settings of a [`Conv2d`] layer: a square `kernel x kernel` convolution.

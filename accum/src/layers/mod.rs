@@ -129,6 +129,20 @@ pub fn prefix_param_names<L: Layer + ?Sized>(layer: &mut L, prefix: &str) {
 }
 
 /// Keeps `x` (a shared reference, no copy) when the forward must save it.
+/// `a + b` with PyTorch's type promotion: under autocast a residual sum may meet a 16-bit
+/// branch and an f32 one, which add in f32.
+fn add_promoted(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.dtype() == b.dtype() {
+        return Ok(ops::add(a, b)?);
+    }
+    Ok(ops::add(&cast(a, DType::F32)?, &cast(b, DType::F32)?)?)
+}
+
+/// `dx += g`, with `g` in `dx`'s dtype (the gradient of a promoted sum is in the sum's).
+fn add_grad(dx: &mut Tensor, g: &Tensor) -> Result<()> {
+    Ok(ops::add_assign(dx, &cast(g, dx.dtype())?)?)
+}
+
 fn save_input(x: &Tensor, ctx: &ForwardCtx) -> Option<Tensor> {
     ctx.training().then(|| x.clone())
 }

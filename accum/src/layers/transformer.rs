@@ -610,7 +610,7 @@ impl Layer for PatchEmbed {
         }
         let rows = ops::permute(&z.reshape(&[b, d, t])?, &[0, 2, 1])?.reshape(&[b * t, d])?;
         let pos = ops::embedding(&self.pos.value, &self.positions(b))?;
-        let y = super::conv::add_promoted(&rows, &pos)?;
+        let y = super::add_promoted(&rows, &pos)?;
         drop((rows, pos));
         let saved = sc.map(|conv| PatchSaved { conv, shape });
         Ok((y, saved))

@@ -8,7 +8,7 @@
 
 use super::check_len;
 use crate::Element;
-use crate::cpu::elementwise::PAR_THRESHOLD;
+use crate::cpu::elementwise::min_items_per_task;
 use crate::error::{Error, Result};
 use rayon::prelude::*;
 
@@ -24,17 +24,14 @@ fn batches(op: &'static str, len: usize, c: usize, s: usize) -> Result<usize> {
     Ok(len / plane)
 }
 
-/// Runs `f(channel)` for every channel, in parallel when `x` is large.
+/// `f(channel)` for every channel, `len` values in all: in parallel, small inputs on one
+/// thread.
 fn per_channel(
     c: usize,
     len: usize,
     f: impl Fn(usize) -> (f64, f64) + Sync + Send,
 ) -> Vec<(f64, f64)> {
-    if len >= PAR_THRESHOLD {
-        (0..c).into_par_iter().map(f).collect()
-    } else {
-        (0..c).map(f).collect()
-    }
+    (0..c).into_par_iter().with_min_len(min_items_per_task(len / c.max(1))).map(f).collect()
 }
 
 /// The planes (`s` values) of channel `ch` in `x: [n, c, s]`.
@@ -97,18 +94,17 @@ pub fn batch_norm_apply<T: Element>(
         check_len(OP, what, v.len(), c)?;
     }
     check_len(OP, "y", y.len(), x.len())?;
-    let plane = |(p, (y, x)): (usize, (&mut [T], &[T]))| {
-        let ch = p % c;
-        let (mu, r, g, b) = (mean[ch], invstd[ch], gamma[ch], beta[ch]);
-        for (o, &v) in y.iter_mut().zip(x) {
-            *o = T::from_f32((v.to_f32() - mu) * r * g + b);
-        }
-    };
-    if x.len() >= PAR_THRESHOLD {
-        y.par_chunks_mut(s).zip(x.par_chunks(s)).enumerate().for_each(plane);
-    } else {
-        y.chunks_mut(s).zip(x.chunks(s)).enumerate().for_each(plane);
-    }
+    y.par_chunks_mut(s)
+        .zip(x.par_chunks(s))
+        .enumerate()
+        .with_min_len(min_items_per_task(s))
+        .for_each(|(p, (y, x))| {
+            let ch = p % c;
+            let (mu, r, g, b) = (mean[ch], invstd[ch], gamma[ch], beta[ch]);
+            for (o, &v) in y.iter_mut().zip(x) {
+                *o = T::from_f32((v.to_f32() - mu) * r * g + b);
+            }
+        });
     Ok(())
 }
 
@@ -162,21 +158,19 @@ pub fn batch_norm_backward<T: Element>(
     }
     let m = (n * s) as f32;
     let (dgamma, dbeta) = (&*dgamma, &*dbeta);
-    type Plane<'a, T> = (usize, (&'a mut [T], (&'a [T], &'a [T])));
-    let plane = |(p, (dx, (x, dy))): Plane<'_, T>| {
-        let ch = p % c;
-        let (mu, r) = (mean[ch], invstd[ch]);
-        let (mean_dy, mean_dyx) = (dbeta[ch] / m, dgamma[ch] / m);
-        let k = gamma[ch] * r;
-        for ((o, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
-            let xhat = (v.to_f32() - mu) * r;
-            *o = T::from_f32(k * (g.to_f32() - mean_dy - xhat * mean_dyx));
-        }
-    };
-    if x.len() >= PAR_THRESHOLD {
-        dx.par_chunks_mut(s).zip(x.par_chunks(s).zip(dy.par_chunks(s))).enumerate().for_each(plane);
-    } else {
-        dx.chunks_mut(s).zip(x.chunks(s).zip(dy.chunks(s))).enumerate().for_each(plane);
-    }
+    dx.par_chunks_mut(s)
+        .zip(x.par_chunks(s).zip(dy.par_chunks(s)))
+        .enumerate()
+        .with_min_len(min_items_per_task(s))
+        .for_each(|(p, (dx, (x, dy)))| {
+            let ch = p % c;
+            let (mu, r) = (mean[ch], invstd[ch]);
+            let (mean_dy, mean_dyx) = (dbeta[ch] / m, dgamma[ch] / m);
+            let k = gamma[ch] * r;
+            for ((o, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
+                let xhat = (v.to_f32() - mu) * r;
+                *o = T::from_f32(k * (g.to_f32() - mean_dy - xhat * mean_dyx));
+            }
+        });
     Ok(())
 }

@@ -11,6 +11,13 @@ use rayon::prelude::*;
 
 /// Below this many elements a plain loop beats rayon's scheduling overhead.
 pub(crate) const PAR_THRESHOLD: usize = 1 << 16;
+
+/// Items of `size` values each per rayon task (`with_min_len`), so that inputs below
+/// [`PAR_THRESHOLD`] values run on one thread.
+pub(crate) fn min_items_per_task(size: usize) -> usize {
+    (PAR_THRESHOLD / size.max(1)).max(1)
+}
+
 /// Elements per rayon task once an op runs in parallel.
 pub(crate) const PAR_CHUNK: usize = 1 << 14;
 

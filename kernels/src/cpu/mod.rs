@@ -20,6 +20,7 @@ pub mod permute;
 pub mod pool;
 pub mod random;
 pub mod reduce;
+pub mod scale_channels;
 pub mod softmax;
 
 use crate::error::{Error, Result};

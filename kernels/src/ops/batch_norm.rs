@@ -93,19 +93,9 @@ fn dims(
     Ok((n, c, s))
 }
 
-/// A `[c]` tensor as f32 values on the host.
-fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
-    with_dtype!(t.dtype(), T => Ok(t.as_slice::<T>()?.iter().map(|v| crate::Element::to_f32(*v)).collect()))
-}
-
 /// Writes f32 `values` into the `[c]` tensor `t` in its dtype.
 fn host_store(t: &mut Tensor, values: &[f32]) -> Result<()> {
-    with_dtype!(t.dtype(), T => {
-        for (o, &v) in t.as_mut_slice::<T>()?.iter_mut().zip(values) {
-            *o = <T as crate::Element>::from_f32(v);
-        }
-        Ok(())
-    })
+    with_dtype!(t.dtype(), T => crate::cpu::elementwise::cast(values, t.as_mut_slice::<T>()?))
 }
 
 /// `1 / sqrt(var + eps)`, 0 where both are 0 (as PyTorch's `InvStd`).
@@ -192,18 +182,22 @@ impl Op for BatchNorm<'_, '_> {
         for (r, &v) in inv.iter_mut().zip(&var) {
             *r = invstd(v, self.eps);
         }
-        let (g, b) = (host_f32(self.gamma)?, host_f32(self.beta)?);
+        let (g, b) = (self.gamma.to_f32_vec()?, self.beta.to_f32_vec()?);
         with_dtype!(self.x.dtype(), T => cpu::batch_norm_apply(
             self.x.as_slice::<T>()?, s, mean, inv, &g, &b, y.out_slice::<T>(Self::NAME)?,
         ))?;
         if let Some(r) = &mut self.running {
             let (m, unbias) = (r.momentum, (n * s) as f32 / (n * s - 1) as f32);
-            let rm: Vec<f32> = host_f32(r.mean)?
+            let rm: Vec<f32> = r
+                .mean
+                .to_f32_vec()?
                 .iter()
                 .zip(mean.iter())
                 .map(|(&old, &mu)| m * mu + (1.0 - m) * old)
                 .collect();
-            let rv: Vec<f32> = host_f32(r.var)?
+            let rv: Vec<f32> = r
+                .var
+                .to_f32_vec()?
                 .iter()
                 .zip(&var)
                 .map(|(&old, &v)| m * (v * unbias) + (1.0 - m) * old)
@@ -351,10 +345,10 @@ impl Op for BatchNormEval<'_> {
     }
 
     fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
-        let mean = host_f32(self.running_mean)?;
+        let mean = self.running_mean.to_f32_vec()?;
         let inv: Vec<f32> =
-            host_f32(self.running_var)?.iter().map(|&v| invstd(v, self.eps)).collect();
-        let (g, b) = (host_f32(self.gamma)?, host_f32(self.beta)?);
+            self.running_var.to_f32_vec()?.iter().map(|&v| invstd(v, self.eps)).collect();
+        let (g, b) = (self.gamma.to_f32_vec()?, self.beta.to_f32_vec()?);
         with_dtype!(self.x.dtype(), T => cpu::batch_norm_apply(
             self.x.as_slice::<T>()?, self.s, &mean, &inv, &g, &b, bufs.out(0).out_slice::<T>(Self::NAME)?,
         ))
@@ -451,7 +445,7 @@ impl Op for BatchNormBackward<'_> {
     fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
         let c = self.gamma.numel();
         let (mut dg, mut db) = (vec![0.0f32; c], vec![0.0f32; c]);
-        let g = host_f32(self.gamma)?;
+        let g = self.gamma.to_f32_vec()?;
         let [dx, dgamma, dbeta] = bufs.outputs_mut() else { unreachable!("planned") };
         with_dtype!(self.x.dtype(), T => cpu::batch_norm_backward(
             self.x.as_slice::<T>()?,

@@ -4,11 +4,11 @@
 
 use super::dispatch::{Buffers, Op, Plan, run};
 use super::{invalid, same_kind, same_layout};
+use crate::cpu::scale_channels as cpu;
 use crate::device::Device;
-use crate::dtype::{Element, with_dtype};
+use crate::dtype::with_dtype;
 use crate::error::Result;
 use crate::tensor::Tensor;
-use rayon::prelude::*;
 
 /// Gradients of [`scale_channels`].
 #[derive(Debug)]
@@ -88,42 +88,22 @@ impl Op for ScaleChannels<'_> {
     }
 
     fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
-        let hw = self.hw.max(1);
         with_dtype!(self.x.dtype(), T => {
             let (x, s) = (self.x.as_slice::<T>()?, self.s.as_slice::<T>()?);
             match self.dy {
-                None => {
-                    let y = bufs.out(0).out_slice::<T>(Self::NAME)?;
-                    y.par_chunks_mut(hw).zip(x.par_chunks(hw)).zip(s.par_iter()).for_each(
-                        |((y, x), &s)| {
-                            let s = s.to_f32();
-                            for (o, &v) in y.iter_mut().zip(x) {
-                                *o = T::from_f32(v.to_f32() * s);
-                            }
-                        },
-                    );
-                }
+                None => cpu::scale_channels(x, s, self.hw, bufs.out(0).out_slice::<T>(Self::NAME)?),
                 Some(dy) => {
-                    let dy = dy.as_slice::<T>()?;
                     let [dx, ds] = bufs.outputs_mut() else { unreachable!("planned") };
-                    let (dx, ds) = (dx.out_slice::<T>(Self::NAME)?, ds.out_slice::<T>(Self::NAME)?);
-                    dx.par_chunks_mut(hw)
-                        .zip(ds.par_iter_mut())
-                        .zip(x.par_chunks(hw).zip(dy.par_chunks(hw)))
-                        .zip(s.par_iter())
-                        .for_each(|(((dx, ds), (x, dy)), &s)| {
-                            let s = s.to_f32();
-                            let mut acc = 0.0f64;
-                            for ((o, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
-                                let g = g.to_f32();
-                                *o = T::from_f32(g * s);
-                                acc += f64::from(g) * f64::from(v.to_f32());
-                            }
-                            *ds = T::from_f32(acc as f32);
-                        });
+                    cpu::scale_channels_backward(
+                        x,
+                        s,
+                        dy.as_slice::<T>()?,
+                        self.hw,
+                        dx.out_slice::<T>(Self::NAME)?,
+                        ds.out_slice::<T>(Self::NAME)?,
+                    )
                 }
             }
-            Ok(())
         })
     }
 

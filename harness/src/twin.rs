@@ -158,6 +158,11 @@ pub struct VramRun {
     /// The virtual device's `max_memory_reserved`.
     #[serde(default)]
     pub predicted_peak_reserved: Option<u64>,
+    /// Bytes a training forward and its loss leave for backward (the layers' saved state and
+    /// the logits), as requested from the allocator (before its rounding), measured on one
+    /// more forward after the steps: what PyTorch's autograd graph holds at the same point.
+    #[serde(default)]
+    pub kept_for_backward: Option<u64>,
 }
 
 /// What PyTorch measured (`torch.json`, written by `xtask/twin/torch_twin.py`).
@@ -179,6 +184,10 @@ pub struct TorchRun {
     pub peak_allocated: Option<u64>,
     /// `torch.cuda.max_memory_reserved` over the steps (none on the CPU).
     pub peak_reserved: Option<u64>,
+    /// The bytes of the distinct storages autograd saved in one forward and loss, without
+    /// parameters, buffers and targets (on every device).
+    #[serde(default)]
+    pub saved_for_backward: Option<u64>,
     /// Anything the script wants said (TF32 off, attention kind, ...).
     #[serde(default)]
     pub notes: Vec<String>,
@@ -328,6 +337,7 @@ pub fn run_vram(
         device_used: device.is_cuda().then(|| info.total.saturating_sub(info.free)),
         predicted_peak_allocated: Some(predicted.peak_allocated),
         predicted_peak_reserved: Some(predicted.peak_reserved),
+        kept_for_backward: Some(measured.kept_for_backward),
     };
     let targets = json!({"shape": [batch.targets.len()], "file": "targets.u32"});
     let twin = json!({
@@ -359,11 +369,13 @@ struct Trained {
     weights_bytes: u64,
     peak_allocated: u64,
     peak_reserved: u64,
+    kept_for_backward: u64,
 }
 
 /// The twin's steps on `device`: peaks reset once the model and the batch are there, then
 /// per step forward, loss, backward, AdamW step and gradients set to none, timed between
-/// two synchronizations.
+/// two synchronizations. After the steps (and their peaks), one more forward measures what
+/// it keeps for backward.
 fn train(
     device: &Device,
     model: &mut Model,
@@ -385,13 +397,24 @@ fn train(
         step_ms.push(start.elapsed().as_secs_f64() * 1e3);
         losses.push(out.loss);
     }
+    let (peak_allocated, peak_reserved) =
+        (device.max_memory_allocated(), device.max_memory_reserved());
+    // Requested bytes, not the allocator's blocks: a block handed out whole (its remainder
+    // too small to split) carries slack that depends on what was cached, not on what the
+    // layers keep.
+    let requested = || device.memory_stats().requested_bytes.all.current;
+    let before = requested();
+    let (_, graph) = model.forward_graph(batch, settings.seed)?;
+    let kept_for_backward = u64::try_from(requested() - before).unwrap_or(0);
+    drop(graph);
     Ok(Trained {
         param_count: model.param_count(),
         losses,
         step_ms,
         weights_bytes,
-        peak_allocated: device.max_memory_allocated(),
-        peak_reserved: device.max_memory_reserved(),
+        peak_allocated,
+        peak_reserved,
+        kept_for_backward,
     })
 }
 
@@ -467,6 +490,13 @@ impl Comparison {
     pub fn allocated_ratio(&self) -> Option<f64> {
         let t = self.torch.as_ref().ok()?.peak_allocated?;
         (self.vram.backend == "cuda" && t > 0).then(|| self.vram.peak_allocated as f64 / t as f64)
+    }
+
+    /// vram's bytes kept for backward over PyTorch's saved bytes (any device).
+    pub fn kept_ratio(&self) -> Option<f64> {
+        let t = self.torch.as_ref().ok()?.saved_for_backward?;
+        let v = self.vram.kept_for_backward?;
+        (t > 0).then(|| v as f64 / t as f64)
     }
 
     /// vram's median steady step time (every step after the first) over PyTorch's, on the
@@ -620,6 +650,35 @@ pub fn report(rows: &[Comparison], settings: &TwinSettings) -> String {
             held.len(),
             compared.len(),
             held.join(", ")
+        );
+    }
+    let kept: Vec<&Comparison> = rows.iter().filter(|r| r.kept_ratio().is_some()).collect();
+    if !kept.is_empty() {
+        s.push_str(
+            "\n## Kept for backward: what the forward and the loss leave for backward\n\n\
+             vram: bytes requested from its allocator while it holds the layers' saved state \
+             and the logits; PyTorch: the bytes of the distinct storages autograd saved \
+             (`saved_tensors_hooks`); both before the allocator's rounding, neither counts \
+             parameters or buffers. One forward after the steps. The part of the peak that what each op saves decides, measurable on any \
+             device: a ratio above 1 is a model where vram keeps more than PyTorch.\n\n\
+             | model | vram kept | PyTorch saved | ratio |\n|---|---:|---:|---:|\n",
+        );
+        for r in &kept {
+            let t = r.torch.as_ref().ok().and_then(|t| t.saved_for_backward);
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} |",
+                r.model,
+                bytes(r.vram.kept_for_backward),
+                bytes(t),
+                ratio(r.kept_ratio())
+            );
+        }
+        let held = kept.iter().filter(|r| r.kept_ratio().is_some_and(|x| x <= 1.0)).count();
+        let _ = writeln!(
+            s,
+            "\nvram keeps at most PyTorch's bytes for {held} of {} models.",
+            kept.len()
         );
     }
     s.push_str(

@@ -115,6 +115,14 @@ fn comparison_reads_both_sides_and_the_report_states_the_goal() {
         text.trim_end().lines().any(|l| l.starts_with("| mlp |") && l.ends_with("| yes |")),
         "{text}"
     );
+    // No saved-bytes figure from PyTorch: no kept-for-backward table.
+    assert!(!text.contains("## Kept for backward"), "{text}");
+    assert!(run.kept_for_backward.is_some_and(|k| k > 0), "{run:?}");
+    let mut saved = row.clone();
+    saved.torch.as_mut().unwrap().saved_for_backward = run.kept_for_backward.map(|k| k + 4);
+    let text = twin::report(std::slice::from_ref(&saved), &settings);
+    assert!(text.contains("## Kept for backward"), "{text}");
+    assert!(text.contains("vram keeps at most PyTorch's bytes for 1 of 1 models."), "{text}");
 
     // On CUDA the goal is judged from both peaks.
     let mut cuda = row.clone();
@@ -190,6 +198,15 @@ fn pytorch_trains_the_same_models_to_the_same_losses() {
             row.vram.losses,
             torch.losses
         );
+        // What the forward leaves for backward: vram keeps what autograd saves, no more, and
+        // no less but what vram holds on the host: nll_loss's 4-byte total_weight and, for
+        // GPT, the token and position indices (int64) the embeddings save (2,560 B here).
+        let kept = row.vram.kept_for_backward.unwrap();
+        let saved = torch.saved_for_backward.unwrap();
+        println!("{model}: vram keeps {kept} B for backward, PyTorch saves {saved} B");
+        assert!(kept <= saved, "{model}: vram keeps {kept} B for backward, PyTorch {saved} B");
+        let indices = if model == "gpt" { 8 * (4 * 64 + 64) } else { 0 };
+        assert_eq!(saved - kept, 4 + indices, "{model}: vram keeps {kept} B, PyTorch {saved} B");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

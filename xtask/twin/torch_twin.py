@@ -6,10 +6,12 @@
 Reads the export vram wrote into DIR (twin.json, weights.f32, input.*, targets.u32), builds
 the same model in PyTorch (same layers, same parameter shapes, vram's initial weights),
 trains it for the same AdamW steps on the same batch and writes DIR/torch.json: the losses,
-each step's time and, on CUDA, the caching allocator's peaks.
+each step's time, the bytes autograd saved for backward and, on CUDA, the caching
+allocator's peaks.
 
-The models follow vram's layers (harness/src/models/mod.rs, accum/src/layers/): no batch
-norm, ReLU fused after the convolutions, pre-norm transformer blocks with separate q, k, v
+The models follow vram's layers (harness/src/models/mod.rs, accum/src/layers/): convolutions
+with batch norm where vram's model has it and the activation after it (in place, as
+torchvision's layers), pre-norm transformer blocks with separate q, k, v
 projections (GPT-2 layout, biases), GELU with the tanh approximation, LayerNorm eps 1e-5,
 explicit attention `softmax(q k^T / sqrt(dh) + causal mask) v` (or, with --sdpa,
 F.scaled_dot_product_attention, for an informational comparison).
@@ -68,11 +70,14 @@ def norm_params(prefix, ln):
 
 
 def activate(x, act):
-    """vram's Act: "relu", "hardswish" or None (the identity)."""
+    """vram's Act: "relu", "hardswish" or None (the identity), in place on `x` (a fresh
+    output no one saved) as torchvision's layers do (`nn.ReLU(inplace=True)`,
+    `Conv2dNormActivation`'s `inplace=True`), so that the peaks are those of the models people
+    run."""
     if act == "relu":
-        return F.relu(x)
+        return F.relu(x, inplace=True)
     if act == "hardswish":
-        return F.hardswish(x)
+        return F.hardswish(x, inplace=True)
     return x
 
 
@@ -133,7 +138,7 @@ class ResidualBlock(nn.Module):
         self.conv2 = ConvAct(c, c, 3, relu=False)
 
     def forward(self, x):
-        return F.relu(x + self.conv2(self.conv1(x)))
+        return F.relu(x + self.conv2(self.conv1(x)), inplace=True)
 
     def vram_params(self, prefix):
         return self.conv1.vram_params(f"{prefix}conv1.") + self.conv2.vram_params(f"{prefix}conv2.")
@@ -155,7 +160,10 @@ class Bottleneck(nn.Module):
 
     def forward(self, x):
         shortcut = x if self.downsample is None else self.downsample(x)
-        return F.relu(self.conv3(self.conv2(self.conv1(x))) + shortcut)
+        # torchvision's `out += identity; out = self.relu(out)`: both in place.
+        out = self.conv3(self.conv2(self.conv1(x)))
+        out += shortcut
+        return F.relu(out, inplace=True)
 
     def vram_params(self, prefix):
         out = []
@@ -178,6 +186,7 @@ class SqueezeExcitation(nn.Module):
 
     def forward(self, x):
         s = F.adaptive_avg_pool2d(x, 1).flatten(1)
+        # torchvision's nn.ReLU() and nn.Hardsigmoid() here are not in place.
         s = F.hardsigmoid(self.fc2(F.relu(self.fc1(s))))
         return x * s[:, :, None, None]
 
@@ -207,7 +216,9 @@ class InvertedResidual(nn.Module):
         if self.se is not None:
             h = self.se(h)
         y = self.project(h)
-        return x + y if self.residual else y
+        if self.residual:
+            y += x  # torchvision's `result += input`
+        return y
 
     def vram_params(self, prefix):
         out = []
@@ -824,6 +835,36 @@ def loss_difference(ours, theirs):
     return max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(theirs, ours))
 
 
+def saved_for_backward(model, x, y):
+    """Bytes autograd keeps for backward once forward and loss have run: the distinct storages
+    the graph saves (`saved_tensors_hooks` sees every one), their sizes as requested (before
+    the caching allocator's rounding), without the parameters, the buffers (there before the
+    step) and the targets. The input counts when a layer saves it, as on vram's side. Measured on one
+    extra forward after the steps (no backward); the buffers it moves are put back."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    skip = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    skip.add(y.untyped_storage().data_ptr())
+    kept = []
+
+    def pack(t):
+        kept.append(t)  # held as the graph would hold it, so no storage is reused meanwhile
+        return None
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+        loss = F.cross_entropy(model(x), y)
+    sizes = {}
+    for t in kept:
+        storage = t.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if ptr not in skip and nbytes > 0:
+            sizes[ptr] = max(sizes.get(ptr, 0), nbytes)
+    del loss, kept
+    with torch.no_grad():
+        for b, saved in buffers:
+            b.copy_(saved)
+    return sum(sizes.values())
+
+
 def run(args):
     directory = args.dir
     path = os.path.join(directory, "twin.json")
@@ -916,6 +957,10 @@ def run(args):
 
     peak_allocated = torch.cuda.max_memory_allocated() if cuda else None
     peak_reserved = torch.cuda.max_memory_reserved() if cuda else None
+    saved = saved_for_backward(model, x, y)
+    notes.append("saved for backward: the distinct storages autograd saved in one more "
+                 "forward after the steps (saved_tensors_hooks), their requested bytes, "
+                 "without parameters, buffers and targets")
     result = {
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
@@ -926,6 +971,7 @@ def run(args):
         "peak_allocated": peak_allocated,
         "peak_reserved": peak_reserved,
         "weights_bytes": weights_bytes,
+        "saved_for_backward": saved,
         "tf32": False,
         "notes": notes,
     }
@@ -944,6 +990,7 @@ def run(args):
     shown = ", ".join(f"{v:.6g}" for v in losses)
     line = (f"{spec.get('model', arch.get('kind'))}: {param_count} params on "
             f"{result['device']}, losses [{shown}], peak allocated {peak}, "
+            f"saved for backward {saved / 2**20:.2f} MiB, "
             f"median step {median:.1f} ms")
     if diff is not None:
         line += f", largest loss difference vs vram {diff:.3g}"

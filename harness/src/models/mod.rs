@@ -71,6 +71,8 @@ struct HeadSaved {
 /// What a training forward keeps alive for backward, with its output.
 pub struct Graph {
     _saved: Vec<SavedBox>,
+    /// A tied LM head's saved input (and weight), which its backward needs.
+    _head: Option<HeadSaved>,
     _logits: Tensor,
 }
 
@@ -516,7 +518,8 @@ impl Model {
 
     /// The mean cross-entropy of the chain's output (the head applied) under `ctx`.
     fn loss_of(&self, out: Tensor, targets: &[u32], ctx: &mut ForwardCtx) -> Result<f32> {
-        let (logits, _) = self.head(out, ctx)?;
+        // A tied head's saved input lives until the loss is computed, as in a training step.
+        let (logits, _head) = self.head(out, ctx)?;
         let logits = Self::loss_input(logits, ctx)?;
         Ok(ops::cross_entropy(&logits, targets, None)?.loss)
     }
@@ -671,11 +674,11 @@ impl Model {
             saved.extend(s);
             x = y;
         }
-        let (logits, _) = self.head(x, &mut ctx)?;
+        let (logits, head) = self.head(x, &mut ctx)?;
         let logits = Self::loss_input(logits, &ctx)?;
         ctx.clear_autocast_cache();
         let loss = ops::cross_entropy(&logits, &batch.targets, None)?.loss;
-        Ok((loss, Graph { _saved: saved, _logits: logits }))
+        Ok((loss, Graph { _saved: saved, _head: head, _logits: logits }))
     }
 
     /// The logits of an inference forward on `batch` (nothing saved for backward: PyTorch's

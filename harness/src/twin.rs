@@ -44,6 +44,10 @@ use vram_kernels::{DType, Device};
 /// The version of the export's layout (`twin.json["format"]`).
 pub const FORMAT: u32 = 1;
 
+/// Steps after the timed ones over which both sides track their peak at the tensor level
+/// (`xtask/twin/torch_twin.py` has the same constant).
+pub const TRACKED_STEPS: usize = 2;
+
 /// What went wrong exporting, training or comparing.
 #[derive(Debug, thiserror::Error)]
 pub enum TwinError {
@@ -163,6 +167,11 @@ pub struct VramRun {
     /// more forward after the steps: what PyTorch's autograd graph holds at the same point.
     #[serde(default)]
     pub kept_for_backward: Option<u64>,
+    /// The peak of bytes requested from the allocator (before its rounding) over
+    /// [`TRACKED_STEPS`] more steps after the timed ones, weights and optimizer state
+    /// included: the figure PyTorch's `MemTracker` gives on the host.
+    #[serde(default)]
+    pub tracked_peak: Option<u64>,
 }
 
 /// What PyTorch measured (`torch.json`, written by `xtask/twin/torch_twin.py`).
@@ -188,6 +197,10 @@ pub struct TorchRun {
     /// parameters, buffers and targets (on every device).
     #[serde(default)]
     pub saved_for_backward: Option<u64>,
+    /// `MemTracker`'s peak over [`TRACKED_STEPS`] more steps: every storage at the dispatcher,
+    /// parameters, gradients, optimizer state and batch included (host runs only).
+    #[serde(default)]
+    pub tracked_peak: Option<u64>,
     /// Anything the script wants said (TF32 off, attention kind, ...).
     #[serde(default)]
     pub notes: Vec<String>,
@@ -338,6 +351,7 @@ pub fn run_vram(
         predicted_peak_allocated: Some(predicted.peak_allocated),
         predicted_peak_reserved: Some(predicted.peak_reserved),
         kept_for_backward: Some(measured.kept_for_backward),
+        tracked_peak: Some(measured.tracked_peak),
     };
     let targets = json!({"shape": [batch.targets.len()], "file": "targets.u32"});
     let twin = json!({
@@ -370,6 +384,7 @@ struct Trained {
     peak_allocated: u64,
     peak_reserved: u64,
     kept_for_backward: u64,
+    tracked_peak: u64,
 }
 
 /// The twin's steps on `device`: peaks reset once the model and the batch are there, then
@@ -387,25 +402,33 @@ fn train(
     device.reset_peak_stats();
     let weights_bytes = device.memory_allocated();
     let (mut losses, mut step_ms) = (Vec::new(), Vec::new());
-    for step in 0..settings.steps {
-        let start = Instant::now();
+    let mut step = |step: usize| -> Result<f32, Box<dyn std::error::Error + Send + Sync>> {
         let mut ctx = ForwardCtx::new(Mode::Train, step as u64);
         let out = model.train_step(batch, &mut ctx, 1.0)?;
         opt.step(model)?;
         model.zero_grad();
         device.synchronize()?;
+        Ok(out.loss)
+    };
+    for i in 0..settings.steps {
+        let start = Instant::now();
+        losses.push(step(i)?);
         step_ms.push(start.elapsed().as_secs_f64() * 1e3);
-        losses.push(out.loss);
     }
     let (peak_allocated, peak_reserved) =
         (device.max_memory_allocated(), device.max_memory_reserved());
     // Requested bytes, not the allocator's blocks: a block handed out whole (its remainder
     // too small to split) carries slack that depends on what was cached, not on what the
-    // layers keep.
-    let requested = || device.memory_stats().requested_bytes.all.current;
-    let before = requested();
+    // model holds.
+    let requested = || device.memory_stats().requested_bytes;
+    device.reset_peak_stats();
+    for i in 0..TRACKED_STEPS {
+        step(settings.steps + i)?;
+    }
+    let tracked_peak = u64::try_from(requested().all.peak).unwrap_or(0);
+    let before = requested().all.current;
     let (_, graph) = model.forward_graph(batch, settings.seed)?;
-    let kept_for_backward = u64::try_from(requested() - before).unwrap_or(0);
+    let kept_for_backward = u64::try_from(requested().all.current - before).unwrap_or(0);
     drop(graph);
     Ok(Trained {
         param_count: model.param_count(),
@@ -415,6 +438,7 @@ fn train(
         peak_allocated,
         peak_reserved,
         kept_for_backward,
+        tracked_peak,
     })
 }
 
@@ -496,6 +520,13 @@ impl Comparison {
     pub fn kept_ratio(&self) -> Option<f64> {
         let t = self.torch.as_ref().ok()?.saved_for_backward?;
         let v = self.vram.kept_for_backward?;
+        (t > 0).then(|| v as f64 / t as f64)
+    }
+
+    /// vram's tracked peak over PyTorch's (host runs).
+    pub fn tracked_ratio(&self) -> Option<f64> {
+        let t = self.torch.as_ref().ok()?.tracked_peak?;
+        let v = self.vram.tracked_peak?;
         (t > 0).then(|| v as f64 / t as f64)
     }
 
@@ -679,6 +710,40 @@ pub fn report(rows: &[Comparison], settings: &TwinSettings) -> String {
             s,
             "\nvram keeps at most PyTorch's bytes for {held} of {} models.",
             kept.len()
+        );
+    }
+    let tracked: Vec<&Comparison> = rows.iter().filter(|r| r.tracked_ratio().is_some()).collect();
+    if !tracked.is_empty() {
+        let _ = write!(
+            s,
+            "\n## Peak at the tensor level: vram's requested bytes against PyTorch's MemTracker\n\n\
+             Over {TRACKED_STEPS} more steps after the timed ones, the peak of what each side \
+             asked its allocator for (parameters, gradients, AdamW state, activations, \
+             temporaries, the batch), before rounding; PyTorch's side from \
+             `torch.distributed._tools.mem_tracker.MemTracker`, which does not see workspaces \
+             a kernel allocates inside itself (oneDNN's on the host), while vram's figure \
+             includes its kernels' workspaces (a convolution's im2col buffers: up to 9x a 3x3 \
+             convolution's input), allocated on every backend as on the GPU. The host's \
+             stand-in for the goal above; on CUDA both peaks add the allocator's rounding and \
+             slack, and PyTorch's adds cuDNN's and cuBLAS's workspaces.\n\n| model | vram peak requested | PyTorch tracked peak | ratio |\n\
+             |---|---:|---:|---:|\n"
+        );
+        for r in &tracked {
+            let t = r.torch.as_ref().ok().and_then(|t| t.tracked_peak);
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} |",
+                r.model,
+                bytes(r.vram.tracked_peak),
+                bytes(t),
+                ratio(r.tracked_ratio())
+            );
+        }
+        let held = tracked.iter().filter(|r| r.tracked_ratio().is_some_and(|x| x <= 1.0)).count();
+        let _ = writeln!(
+            s,
+            "\nvram's peak is at most PyTorch's for {held} of {} models.",
+            tracked.len()
         );
     }
     s.push_str(

@@ -123,6 +123,13 @@ fn comparison_reads_both_sides_and_the_report_states_the_goal() {
     let text = twin::report(std::slice::from_ref(&saved), &settings);
     assert!(text.contains("## Kept for backward"), "{text}");
     assert!(text.contains("vram keeps at most PyTorch's bytes for 1 of 1 models."), "{text}");
+    assert!(!text.contains("## Peak at the tensor level"), "{text}");
+    assert!(run.tracked_peak.is_some_and(|p| p > run.weights_bytes), "{run:?}");
+    saved.torch.as_mut().unwrap().tracked_peak = run.tracked_peak.map(|p| p / 2);
+    let text = twin::report(std::slice::from_ref(&saved), &settings);
+    assert!(text.contains("## Peak at the tensor level"), "{text}");
+    assert!(text.contains("| 2.00x |"), "{text}");
+    assert!(text.contains("vram's peak is at most PyTorch's for 0 of 1 models."), "{text}");
 
     // On CUDA the goal is judged from both peaks.
     let mut cuda = row.clone();
@@ -203,7 +210,11 @@ fn pytorch_trains_the_same_models_to_the_same_losses() {
         // GPT, the token and position indices (int64) the embeddings save (2,560 B here).
         let kept = row.vram.kept_for_backward.unwrap();
         let saved = torch.saved_for_backward.unwrap();
-        println!("{model}: vram keeps {kept} B for backward, PyTorch saves {saved} B");
+        println!(
+            "{model}: vram keeps {kept} B for backward, PyTorch saves {saved} B; tracked peaks \
+             {:?} vs {:?}",
+            row.vram.tracked_peak, torch.tracked_peak
+        );
         assert!(kept <= saved, "{model}: vram keeps {kept} B for backward, PyTorch {saved} B");
         let indices = if model == "gpt" { 8 * (4 * 64 + 64) } else { 0 };
         assert_eq!(saved - kept, 4 + indices, "{model}: vram keeps {kept} B, PyTorch {saved} B");

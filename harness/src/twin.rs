@@ -518,16 +518,13 @@ impl Comparison {
 
     /// vram's bytes kept for backward over PyTorch's saved bytes (any device).
     pub fn kept_ratio(&self) -> Option<f64> {
-        let t = self.torch.as_ref().ok()?.saved_for_backward?;
-        let v = self.vram.kept_for_backward?;
-        (t > 0).then(|| v as f64 / t as f64)
+        let t = self.torch.as_ref().ok()?.saved_for_backward;
+        bytes_ratio((self.vram.kept_for_backward, t))
     }
 
     /// vram's tracked peak over PyTorch's (host runs).
     pub fn tracked_ratio(&self) -> Option<f64> {
-        let t = self.torch.as_ref().ok()?.tracked_peak?;
-        let v = self.vram.tracked_peak?;
-        (t > 0).then(|| v as f64 / t as f64)
+        bytes_ratio((self.vram.tracked_peak, self.torch.as_ref().ok()?.tracked_peak))
     }
 
     /// vram's median steady step time (every step after the first) over PyTorch's, on the
@@ -592,6 +589,36 @@ fn ms(t: Option<f64>) -> String {
         Some(t) if t < 1.0 => format!("{t:.3}"),
         Some(t) => format!("{t:.1}"),
     }
+}
+
+/// vram's bytes over PyTorch's, when both are there.
+fn bytes_ratio((vram, torch): (Option<u64>, Option<u64>)) -> Option<f64> {
+    let (v, t) = (vram?, torch?);
+    (t > 0).then(|| v as f64 / t as f64)
+}
+
+/// A section of the report comparing one byte figure per model, `(vram, PyTorch)` from
+/// `pick`: the heading and table head, a row per model where both sides have the figure, and
+/// how many models have vram's at most PyTorch's. Nothing when no model has both.
+fn bytes_table(
+    s: &mut String,
+    rows: &[Comparison],
+    head: &str,
+    pick: impl Fn(&Comparison) -> (Option<u64>, Option<u64>),
+    verdict: &str,
+) {
+    let both: Vec<(&Comparison, f64)> =
+        rows.iter().filter_map(|r| Some((r, bytes_ratio(pick(r))?))).collect();
+    if both.is_empty() {
+        return;
+    }
+    s.push_str(head);
+    for (r, x) in &both {
+        let (v, t) = pick(r);
+        let _ = writeln!(s, "| {} | {} | {} | {} |", r.model, bytes(v), bytes(t), ratio(Some(*x)));
+    }
+    let held = both.iter().filter(|(_, x)| *x <= 1.0).count();
+    let _ = writeln!(s, "\n{verdict} for {held} of {} models.", both.len());
 }
 
 /// The twin's report (Markdown): one row per model with both sides' peaks, step times and
@@ -683,39 +710,24 @@ pub fn report(rows: &[Comparison], settings: &TwinSettings) -> String {
             held.join(", ")
         );
     }
-    let kept: Vec<&Comparison> = rows.iter().filter(|r| r.kept_ratio().is_some()).collect();
-    if !kept.is_empty() {
-        s.push_str(
-            "\n## Kept for backward: what the forward and the loss leave for backward\n\n\
-             vram: bytes requested from its allocator while it holds the layers' saved state \
-             and the logits; PyTorch: the bytes of the distinct storages autograd saved \
-             (`saved_tensors_hooks`); both before the allocator's rounding, neither counts \
-             parameters or buffers. One forward after the steps. The part of the peak that what each op saves decides, measurable on any \
-             device: a ratio above 1 is a model where vram keeps more than PyTorch.\n\n\
-             | model | vram kept | PyTorch saved | ratio |\n|---|---:|---:|---:|\n",
-        );
-        for r in &kept {
-            let t = r.torch.as_ref().ok().and_then(|t| t.saved_for_backward);
-            let _ = writeln!(
-                s,
-                "| {} | {} | {} | {} |",
-                r.model,
-                bytes(r.vram.kept_for_backward),
-                bytes(t),
-                ratio(r.kept_ratio())
-            );
-        }
-        let held = kept.iter().filter(|r| r.kept_ratio().is_some_and(|x| x <= 1.0)).count();
-        let _ = writeln!(
-            s,
-            "\nvram keeps at most PyTorch's bytes for {held} of {} models.",
-            kept.len()
-        );
-    }
-    let tracked: Vec<&Comparison> = rows.iter().filter(|r| r.tracked_ratio().is_some()).collect();
-    if !tracked.is_empty() {
-        let _ = write!(
-            s,
+    bytes_table(
+        &mut s,
+        rows,
+        "\n## Kept for backward: what the forward and the loss leave for backward\n\n\
+         vram: bytes requested from its allocator while it holds the layers' saved state and \
+         the logits; PyTorch: the bytes of the distinct storages autograd saved \
+         (`saved_tensors_hooks`); both before the allocator's rounding, neither counts \
+         parameters or buffers. One forward after the steps. The part of the peak that what \
+         each op saves decides, measurable on any device: a ratio above 1 is a model where \
+         vram keeps more than PyTorch.\n\n\
+         | model | vram kept | PyTorch saved | ratio |\n|---|---:|---:|---:|\n",
+        |r| (r.vram.kept_for_backward, r.torch.as_ref().ok().and_then(|t| t.saved_for_backward)),
+        "vram keeps at most PyTorch's bytes",
+    );
+    bytes_table(
+        &mut s,
+        rows,
+        &format!(
             "\n## Peak at the tensor level: vram's requested bytes against PyTorch's MemTracker\n\n\
              Over {TRACKED_STEPS} more steps after the timed ones, the peak of what each side \
              asked its allocator for (parameters, gradients, AdamW state, activations, \
@@ -725,27 +737,12 @@ pub fn report(rows: &[Comparison], settings: &TwinSettings) -> String {
              includes its kernels' workspaces (a convolution's im2col buffers: up to 9x a 3x3 \
              convolution's input), allocated on every backend as on the GPU. The host's \
              stand-in for the goal above; on CUDA both peaks add the allocator's rounding and \
-             slack, and PyTorch's adds cuDNN's and cuBLAS's workspaces.\n\n| model | vram peak requested | PyTorch tracked peak | ratio |\n\
-             |---|---:|---:|---:|\n"
-        );
-        for r in &tracked {
-            let t = r.torch.as_ref().ok().and_then(|t| t.tracked_peak);
-            let _ = writeln!(
-                s,
-                "| {} | {} | {} | {} |",
-                r.model,
-                bytes(r.vram.tracked_peak),
-                bytes(t),
-                ratio(r.tracked_ratio())
-            );
-        }
-        let held = tracked.iter().filter(|r| r.tracked_ratio().is_some_and(|x| x <= 1.0)).count();
-        let _ = writeln!(
-            s,
-            "\nvram's peak is at most PyTorch's for {held} of {} models.",
-            tracked.len()
-        );
-    }
+             slack, and PyTorch's adds cuDNN's and cuBLAS's workspaces.\n\n\
+             | model | vram peak requested | PyTorch tracked peak | ratio |\n|---|---:|---:|---:|\n"
+        ),
+        |r| (r.vram.tracked_peak, r.torch.as_ref().ok().and_then(|t| t.tracked_peak)),
+        "vram's peak is at most PyTorch's",
+    );
     s.push_str(
         "\n## The virtual device's prediction (`cargo xtask plan`) against vram's measurement\n\n\
          The same steps on a virtual device of the same capacity and cuBLAS workspace, which \

@@ -516,17 +516,6 @@ impl Comparison {
         (self.vram.backend == "cuda" && t > 0).then(|| self.vram.peak_allocated as f64 / t as f64)
     }
 
-    /// vram's bytes kept for backward over PyTorch's saved bytes (any device).
-    pub fn kept_ratio(&self) -> Option<f64> {
-        let t = self.torch.as_ref().ok()?.saved_for_backward;
-        bytes_ratio((self.vram.kept_for_backward, t))
-    }
-
-    /// vram's tracked peak over PyTorch's (host runs).
-    pub fn tracked_ratio(&self) -> Option<f64> {
-        bytes_ratio((self.vram.tracked_peak, self.torch.as_ref().ok()?.tracked_peak))
-    }
-
     /// vram's median steady step time (every step after the first) over PyTorch's, on the
     /// same kind of device.
     pub fn time_ratio(&self) -> Option<f64> {

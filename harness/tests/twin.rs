@@ -3,6 +3,7 @@
 //! `python3` has it); otherwise that test says `skipped: PyTorch is not installed`.
 
 use std::path::{Path, PathBuf};
+use vram_harness::models::Arch;
 use vram_harness::twin::{self, Comparison, TwinError, TwinSettings};
 use vram_kernels::Device;
 
@@ -207,7 +208,7 @@ fn pytorch_trains_the_same_models_to_the_same_losses() {
         );
         // What the forward leaves for backward: vram keeps what autograd saves, no more, and
         // no less but what vram holds on the host: nll_loss's 4-byte total_weight and, for
-        // GPT, the token and position indices (int64) the embeddings save (2,560 B here).
+        // GPT, the token and position indices (int64) the embeddings save.
         let kept = row.vram.kept_for_backward.unwrap();
         let saved = torch.saved_for_backward.unwrap();
         println!(
@@ -216,7 +217,10 @@ fn pytorch_trains_the_same_models_to_the_same_losses() {
             row.vram.tracked_peak, torch.tracked_peak
         );
         assert!(kept <= saved, "{model}: vram keeps {kept} B for backward, PyTorch {saved} B");
-        let indices = if model == "gpt" { 8 * (4 * 64 + 64) } else { 0 };
+        let indices = match Arch::preset(model).unwrap() {
+            Arch::Gpt { seq, .. } => 8 * (settings.batch * seq + seq) as u64,
+            _ => 0,
+        };
         assert_eq!(saved - kept, 4 + indices, "{model}: vram keeps {kept} B, PyTorch {saved} B");
         std::fs::remove_dir_all(&dir).unwrap();
     }

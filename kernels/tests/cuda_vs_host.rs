@@ -393,6 +393,66 @@ fn conv2d_dense_grouped_pointwise_and_depthwise_match_host() {
     }
 }
 
+/// The images per chunk a convolution's forward and backward got on `d` (from its im2col
+/// requests of `per_image` bytes each), and their outputs.
+fn conv_in_chunks(
+    d: &Device,
+    (x, w, dy): (&Tensor, &Tensor, &Tensor),
+    opts: &Conv2dOptions,
+    per_image: usize,
+) -> vram_kernels::Result<(Vec<usize>, Tensor, ops::Conv2dGrads)> {
+    d.record_history(Some(1 << 16));
+    let out = ops::conv2d(x, w, None, opts)
+        .and_then(|y| Ok((y, ops::conv2d_backward(x, w, dy, opts, false)?)));
+    let trace = d.trace();
+    d.record_history(None);
+    let (y, g) = out?;
+    let requests = trace.iter().filter(|e| e.action == vram_kernels::TraceAction::Alloc);
+    let chunks = requests.map(|e| e.requested).filter(|r| r % per_image == 0);
+    Ok((chunks.map(|r| r / per_image).collect(), y, g))
+}
+
+/// A convolution that runs short of memory for its im2col buffer works through the batch in
+/// chunks of fewer images (`Plan::chunked_workspace`), and computes what the host computes:
+/// 5 images in 2 groups, chunks of 2 and a last one of 1.
+#[test]
+fn conv2d_in_chunks_of_fewer_images_matches_host() {
+    let Some(gpu) = gpu() else { return };
+    // An image's columns take 2.53 MiB: 5 images need a segment of their own, 2 fit beside
+    // the operands in theirs.
+    let (xs, ws) = ([5, 16, 96, 96], [16, 8, 3, 3]);
+    let opts = Conv2dOptions::default().padding((1, 1)).groups(2);
+    let per_image = 8 * 9 * 96 * 96 * 4;
+    let run = |d: &Device| {
+        // No cuBLAS workspace: its block would fragment the little room there is.
+        d.set_blas_workspace_size(0);
+        let t = |shape: &[usize], seed| {
+            let n = shape.iter().product();
+            Tensor::from_f32_slice(d, shape, &values(n, seed, -4.0, 4.0), DType::F32)
+        };
+        let (x, w, dy) = (t(&xs, 1)?, t(&ws, 2)?, t(&xs, 3)?);
+        conv_in_chunks(d, (&x, &w, &dy), &opts, per_image)
+    };
+    let (roomy, want_y, want_g) = run(&host()).unwrap();
+    assert_eq!(roomy, [5, 5]);
+    // The largest capacity (whole MiB) that leaves the host's forward 2 images per chunk.
+    let (capacity, host_chunks) = (16..48u64)
+        .rev()
+        .find_map(|mib| match run(&Device::host(mib << 20)) {
+            Ok((chunks, ..)) if chunks.first() == Some(&2) => Some((mib << 20, chunks)),
+            _ => None,
+        })
+        .expect("a capacity that leaves the forward chunks of 2 images");
+    let total = gpu.mem_info().total.max(1);
+    gpu.set_memory_fraction(capacity as f64 / total as f64).unwrap();
+    let (chunks, y, g) = run(&gpu).unwrap();
+    assert_eq!(chunks, host_chunks, "images per chunk, CUDA against the host in {capacity} B");
+    let t = tol(DType::F32, true);
+    close("conv2d in chunks", &y, &want_y, t);
+    close("conv2d dx in chunks", &g.dx, &want_g.dx, t);
+    close("conv2d dweight in chunks", &g.dweight, &want_g.dweight, t);
+}
+
 #[test]
 fn pooling_matches_host() {
     let Some(gpu) = gpu() else { return };

@@ -341,3 +341,79 @@ fn a_virtual_device_runs_out_of_memory_where_the_gpu_would() {
     assert!(e.is_out_of_memory(), "{e}");
     assert_eq!(d.memory_allocated(), 400 << 20, "the failed op's output went back");
 }
+
+/// A host, a virtual and (where one opens) a CUDA device whose allocator may hold at most
+/// `capacity` bytes.
+fn capped_devices(capacity: u64) -> Vec<Device> {
+    let mut devices = vec![Device::host(capacity), Device::virtual_device(capacity)];
+    match Device::cuda(0) {
+        Ok(gpu) => {
+            let total = gpu.mem_info().total.max(1);
+            gpu.set_memory_fraction(capacity as f64 / total as f64).unwrap();
+            devices.push(gpu);
+        }
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({e}); host and virtual");
+        }
+    }
+    for d in &devices {
+        d.set_blas_workspace_size(BLAS_WORKSPACE);
+    }
+    devices
+}
+
+#[test]
+fn a_convolution_whose_im2col_buffer_does_not_fit_works_in_fewer_images() {
+    // 8 images of 16 x 64 x 64, a 3x3 convolution: each image's im2col matrix (and its
+    // backward's f32 columns) is 144 x 4096 x 4 B = 2.25 MiB, 18 MiB for the whole batch.
+    let (xs, ws) = ([8, 16, 64, 64], [16, 16, 3, 3]);
+    let opts = Conv2dOptions::default().padding((1, 1));
+    let per_image = 16 * 9 * 64 * 64 * 4;
+    let step = |d: &Device| {
+        let (x, w) = (t(d, &xs, 1, DType::F32), t(d, &ws, 2, DType::F32));
+        let dy = t(d, &xs, 3, DType::F32);
+        let before = d.memory_stats().num_ooms;
+        let trace = traced(d, || {
+            let y = ops::conv2d(&x, &w, None, &opts)?;
+            let g = ops::conv2d_backward(&x, &w, &dy, &opts, false)?;
+            Ok((y, g))
+        });
+        (trace, d.memory_stats().num_ooms - before)
+    };
+    let workspaces = |trace: &[Entry]| -> Vec<usize> {
+        let sizes = trace.iter().filter(|e| e.0 == TraceAction::Alloc).map(|e| e.2);
+        sizes.filter(|s| s % per_image == 0 && *s >= per_image).map(|s| s / per_image).collect()
+    };
+    // With room, each op takes the whole batch's columns at once.
+    let (roomy, ooms) = step(&Device::host(1 << 30));
+    assert_eq!((workspaces(&roomy), ooms), (vec![8, 8], 0));
+    // In 36 MiB (operands, outputs and the cuBLAS workspace share a 20 MiB segment, the
+    // small weights a 2 MiB one) 18 MiB more do not fit, and every device settles on the
+    // same fewer images, after the same out-of-memory attempts.
+    let devices = capped_devices(36 << 20);
+    let (want, ooms) = step(&devices[0]);
+    let got = workspaces(&want);
+    assert_eq!(got.len(), 2, "{want:?}");
+    assert!(got.iter().all(|&n| (1..8).contains(&n) && 8 % n == 0), "{got:?}");
+    let refused = want.iter().filter(|e| e.0 == TraceAction::Oom).count();
+    assert!(refused >= 2 && ooms == refused as u64, "{refused} oom entries, {ooms} ooms");
+    for d in &devices[1..] {
+        assert_eq!(step(d), (want.clone(), ooms), "{} against the host", d.name());
+    }
+    // When not even one image's columns fit, the op fails as out of memory and everything
+    // the caller held is intact.
+    for d in [Device::host(24 << 20), Device::virtual_device(24 << 20)] {
+        d.set_blas_workspace_size(BLAS_WORKSPACE);
+        let (x, w) = (t(&d, &xs, 1, DType::F32), t(&d, &ws, 2, DType::F32));
+        let filler = Tensor::zeros(&d, &[(19 << 20) / 4 - x.numel() - w.numel() - 64], DType::F32);
+        let filler = filler.unwrap();
+        let held = d.memory_allocated();
+        let e = ops::conv2d(&x, &w, None, &opts).unwrap_err();
+        assert!(e.is_out_of_memory(), "{}: {e}", d.name());
+        assert_eq!(d.memory_allocated(), held, "{}: the failed op's buffers went back", d.name());
+        if !d.is_virtual() {
+            assert_eq!(x.to_f32_vec().unwrap(), values(x.numel(), 1));
+        }
+        drop(filler);
+    }
+}

@@ -10,9 +10,10 @@
 //! that fits with gradient accumulation over the rest. "Fits" means the run's peak reserved
 //! bytes stay within the usable memory (device memory minus a reserve for what vram does not
 //! model: the CUDA context, library workspaces beyond cuBLAS's, other processes). A run is
-//! first measured on an unlimited virtual device; only when its peak allocated fits but its
-//! peak reserved does not is it run again on a device of the usable capacity, where the
-//! allocator frees its cache and retries before giving up, as PyTorch's does.
+//! first measured on an unlimited virtual device; only when its peak reserved does not fit
+//! is it run again on a device of the usable capacity, where the allocator frees its cache
+//! and retries before giving up, and a convolution whose im2col buffer does not fit works in
+//! chunks of fewer images, as PyTorch's allocator and cuDNN algorithm fallback do.
 //!
 //! ```
 //! use vram_harness::plan::{self, ModelOverrides, PlanRequest};

@@ -3,7 +3,10 @@
 //! On CUDA a convolution is im2col (`conv.cu`) plus one cuBLAS product per channel group,
 //! batched over the images of a chunk whose im2col matrices fit [`COL_BUDGET`]; depthwise
 //! convolutions use direct kernels. The plan allocates those im2col buffers and f32
-//! accumulators on every backend, so the host's figures are the GPU's.
+//! accumulators on every backend, so the host's figures are the GPU's. When the im2col
+//! buffer does not fit in the memory left, the convolution asks for half as many images,
+//! down to one, rather than failing (as PyTorch falls back to a cuDNN algorithm with a
+//! smaller workspace; `Plan::chunked_workspace` in `dispatch`).
 
 use super::dispatch::{Buffers, Op, Plan, run};
 use super::params::{Conv2dOptions, Conv2dParams};
@@ -85,7 +88,7 @@ impl Op for Conv2d<'_> {
         let col_bytes = p.col_rows() * oh * ow * self.x.dtype().size_in_bytes();
         self.chunk = chunk_images(p, col_bytes);
         if !p.is_pointwise() {
-            self.col = plan.workspace(self.chunk * col_bytes);
+            self.col = plan.chunked_workspace(col_bytes, self.chunk);
         }
         plan.blas();
         Ok(plan)
@@ -103,8 +106,8 @@ impl Op for Conv2d<'_> {
 
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
-        let col = bufs.ws(self.col)?;
-        cuda::forward(gpu, &self.p, self.x, self.weight, self.bias, bufs.out(0), (col, self.chunk))
+        let col = (bufs.ws(self.col)?, bufs.chunks(self.col).unwrap_or(self.chunk));
+        cuda::forward(gpu, &self.p, self.x, self.weight, self.bias, bufs.out(0), col)
     }
 
     fn finish(self, bufs: Buffers) -> Result<Tensor> {
@@ -204,7 +207,7 @@ impl Op for Conv2dBackward<'_> {
             let per_image = p.col_rows() * oh * ow * 4;
             self.ws.chunk = chunk_images(p, per_image);
             if !p.is_pointwise() {
-                self.ws.cols = plan.workspace(self.ws.chunk * per_image);
+                self.ws.cols = plan.chunked_workspace(per_image, self.ws.chunk);
             }
             self.ws.dweight = plan.zeroed_workspace(w.numel() * 4);
             plan.blas();
@@ -240,10 +243,10 @@ impl Op for Conv2dBackward<'_> {
             if p.is_depthwise() {
                 cuda::depthwise_backward(gpu, p, x, w, dy, bufs)?;
             } else {
-                let cols = bufs.ws(ws.cols)?;
-                cuda::backward_input(gpu, p, w, dy, bufs.out(0), (cols, ws.chunk))?;
+                let cols = (bufs.ws(ws.cols)?, bufs.chunks(ws.cols).unwrap_or(ws.chunk));
+                cuda::backward_input(gpu, p, w, dy, bufs.out(0), cols)?;
                 let acc = bufs.ws(ws.dweight)?;
-                cuda::backward_weight(gpu, p, x, dy, bufs.out(1), (cols, ws.chunk), acc)?;
+                cuda::backward_weight(gpu, p, x, dy, bufs.out(1), cols, acc)?;
             }
         }
         if self.with_bias && dy.numel() > 0 {

@@ -10,6 +10,15 @@
 //! backend makes the same requests in the same order, and the host's and a virtual device's
 //! statistics are the GPU's. Workspaces go back to the cache when the op returns (on a GPU
 //! after its work is queued, which the stream orders before any later use of the block).
+//!
+//! A chunked workspace ([`Plan::chunked_workspace`], a convolution's im2col buffer) is a
+//! preference, not a need: when its full size runs out of memory, [`run`] asks for half as
+//! many chunks, down to one, and the op works in smaller chunks, as PyTorch falls back to a
+//! convolution algorithm with a smaller workspace when cuDNN's preferred one does not fit
+//! (`AlgoIterator::try_all` in `aten/src/ATen/native/cudnn/Conv_v7.cpp` catches the
+//! workspace's `OutOfMemoryError`). Each refused request is an out-of-memory of the
+//! allocator (its `num_ooms`, its trace's `oom` entry), as in PyTorch; the fallback depends
+//! only on the allocator's state, so every backend still makes the same requests.
 
 use crate::device::{Compute, Device};
 use crate::dtype::DType;
@@ -35,8 +44,12 @@ struct Output {
 
 #[derive(Debug)]
 struct Workspace {
-    bytes: usize,
+    /// Bytes of one chunk; the buffer holds `chunks` of them.
+    chunk: usize,
+    chunks: usize,
     zeroed: bool,
+    /// Fewer chunks (at least one) will do when `chunks` do not fit.
+    shrinkable: bool,
 }
 
 impl Plan {
@@ -74,19 +87,27 @@ impl Plan {
     /// computes in its own scratch memory; the buffer is allocated there too, so that the
     /// host's allocator sees what a GPU's does.
     pub(crate) fn workspace(&mut self, bytes: usize) -> Option<usize> {
-        self.push_workspace(bytes, false)
+        self.push_workspace(Workspace { chunk: bytes, chunks: 1, zeroed: false, shrinkable: false })
     }
 
     /// A scratch buffer of `bytes` that starts as zeros on the GPU (an accumulator).
     pub(crate) fn zeroed_workspace(&mut self, bytes: usize) -> Option<usize> {
-        self.push_workspace(bytes, true)
+        self.push_workspace(Workspace { chunk: bytes, chunks: 1, zeroed: true, shrinkable: false })
     }
 
-    fn push_workspace(&mut self, bytes: usize, zeroed: bool) -> Option<usize> {
-        if bytes == 0 {
+    /// A scratch buffer of `chunks` chunks of `chunk` bytes each, of which fewer will do:
+    /// when the whole does not fit, [`run`] halves the number of chunks until it does, down
+    /// to one ([`Buffers::chunks`] says how many the op got). Not zeroed.
+    pub(crate) fn chunked_workspace(&mut self, chunk: usize, chunks: usize) -> Option<usize> {
+        let chunks = chunks.max(1);
+        self.push_workspace(Workspace { chunk, chunks, zeroed: false, shrinkable: chunks > 1 })
+    }
+
+    fn push_workspace(&mut self, ws: Workspace) -> Option<usize> {
+        if ws.chunk == 0 {
             return None;
         }
-        self.workspaces.push(Workspace { bytes, zeroed });
+        self.workspaces.push(ws);
         Some(self.workspaces.len() - 1)
     }
 
@@ -99,7 +120,8 @@ impl Plan {
 /// The buffers of a [`Plan`]: outputs in plan order, then workspaces.
 pub(crate) struct Buffers {
     outputs: Vec<Tensor>,
-    workspaces: Vec<Storage>,
+    /// Each workspace, and the number of chunks it holds.
+    workspaces: Vec<(Storage, usize)>,
 }
 
 impl Buffers {
@@ -113,9 +135,16 @@ impl Buffers {
     #[cfg(feature = "cuda")]
     pub(crate) fn ws(&self, i: Option<usize>) -> Result<u64> {
         match i {
-            Some(i) => self.workspaces[i].cuda_ptr("workspace"),
+            Some(i) => self.workspaces[i].0.cuda_ptr("workspace"),
             None => Ok(0),
         }
+    }
+
+    /// The chunks workspace `i` holds (fewer than planned when memory ran short); `None`
+    /// for a workspace that was not needed.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn chunks(&self, i: Option<usize>) -> Option<usize> {
+        i.map(|i| self.workspaces[i].1)
     }
 
     /// Every output, in plan order.
@@ -181,11 +210,11 @@ pub(crate) fn run<O: Op>(mut op: O) -> Result<O::Output> {
     }
     let mut workspaces = Vec::with_capacity(plan.workspaces.len());
     for ws in &plan.workspaces {
-        let storage = device.allocate(ws.bytes)?;
+        let (storage, chunks) = allocate_workspace(&device, ws)?;
         if ws.zeroed {
             zero_workspace(&device, compute, &storage)?;
         }
-        workspaces.push(storage);
+        workspaces.push((storage, chunks));
     }
     // Allocated on every backend, for the statistics; only cuBLAS uses it.
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
@@ -203,6 +232,19 @@ pub(crate) fn run<O: Op>(mut op: O) -> Result<O::Output> {
     }
     bufs.workspaces.clear();
     op.finish(bufs)
+}
+
+/// Allocates `ws`; a shrinkable one that runs out of memory is asked for again with half
+/// as many chunks, down to one. Returns the storage and its chunks.
+fn allocate_workspace(device: &Device, ws: &Workspace) -> Result<(Storage, usize)> {
+    let mut chunks = ws.chunks;
+    loop {
+        match device.allocate(ws.chunk * chunks) {
+            Ok(storage) => return Ok((storage, chunks)),
+            Err(e) if ws.shrinkable && chunks > 1 && e.is_out_of_memory() => chunks /= 2,
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Sets a fresh output to zeros (nothing to set on a virtual device).

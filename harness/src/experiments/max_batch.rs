@@ -6,15 +6,18 @@
 //! The ground truth is exhaustive: every batch from 1 to twice the largest found, each on a
 //! fresh device (a fresh process: nothing cached, nothing fragmented by earlier trials), two
 //! training steps each. The same batches on an unlimited virtual device give the memory each
-//! needs, which grows in steps, not smoothly: the allocator rounds and pools by size, and
-//! the largest step comes where a tensor passes one of its size boundaries (1 MiB: small
-//! to large pool; 10 MiB: its own segment instead of a share of a 20 MiB one).
+//! takes with room, which grows in steps, not smoothly: the allocator rounds and pools by
+//! size, and the largest step comes where a tensor passes one of its size boundaries (1 MiB:
+//! small to large pool; 10 MiB: its own segment instead of a share of a 20 MiB one). With
+//! room, a convolution takes its im2col buffer for many images at once; where memory is
+//! short it works in fewer, so a batch can fit a device smaller than what it takes with room,
+//! and whether it fits depends on which blocks are free: fitting need not be monotone.
 
 use super::common::{cnn, cnn_side, sized_device, stripes, sync, train_fresh};
 use super::{Experiment, Sweep};
 use crate::Backend;
 use crate::models::{Arch, Model};
-use crate::plots::{MIB, lines};
+use crate::plots::{MIB, Mark, lines_with_marks};
 use crate::techniques::Technique;
 use crate::trainer::adamw;
 use crate::{Claim, Context, ExperimentError, Verdict, human_bytes};
@@ -385,13 +388,29 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         "every batch up to it fits and none above it".to_string()
     } else {
         format!(
-            "but fitting is not monotone: batch {} fails while {} fit, so any search that stops at the first OOM stops below the largest batch",
+            "but fitting is not monotone: batch {} fails while {} fit, so a search that stops at its first OOM can stop below the largest batch",
             first_failure.unwrap_or(0),
             refits.join(", ")
         )
     };
+    // A size a search found that did not train again fit only once, in a cache that the
+    // earlier trials had shaped (where memory is short, a convolution's im2col chunks
+    // depend on which blocks are free).
+    let once: Vec<String> = [("the linear search's", lin), ("exponential search's", exp)]
+        .iter()
+        .filter(|(_, s)| s.found > 0 && !s.trains)
+        .map(|(name, s)| {
+            let fresh = at(s.found).is_some_and(|p| p.fits);
+            format!(
+                "{name} {} fit once in that process, after its earlier trials, but not in the two steps after the search{}",
+                s.found,
+                if fresh { "" } else { " nor from a fresh start" }
+            )
+        })
+        .collect();
+    let once = if once.is_empty() { String::new() } else { format!("; {}", once.join("; ")) };
     sweep.reading(format!(
-        "the true largest batch is {truth}, {shape}; exponential then binary search found {} in {} trials, the source's linear search {} in {} (even sizes only), both in one process; {jump_text}",
+        "the true largest batch is {truth}, {shape}; exponential then binary search found {} in {} trials, the source's linear search {} in {} (even sizes only), both in one process{once}; {jump_text}",
         exp.found, exp.trials, lin.found, lin.trials
     ));
     Ok(sweep)
@@ -407,8 +426,8 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
     let (first, last) = (m.probes.first()?.batch as f64, m.probes.last()?.batch as f64);
     let cap = m.capacity_bytes as f64 / MIB;
     let mut series = vec![
-        ("needs: peak reserved".to_string(), xy(|p| p.needs_reserved_bytes)),
-        ("needs: peak allocated".to_string(), xy(|p| p.needs_allocated_bytes)),
+        ("with room: peak reserved".to_string(), xy(|p| p.needs_reserved_bytes)),
+        ("with room: peak allocated".to_string(), xy(|p| p.needs_allocated_bytes)),
         ("device capacity".to_string(), vec![(first, cap), (last, cap)]),
     ];
     let top = m.probes.iter().map(|p| p.needs_reserved_bytes).max()? as f64 / MIB;
@@ -424,5 +443,18 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
         let x = m.batch_found as f64;
         series.push((format!("true largest batch ({})", m.batch_found), vec![(x, 0.0), (x, cap)]));
     }
-    lines("Memory each batch needs (fresh device, 2 steps)", "batch size", "MiB", &series, false)
+    // Where memory is short a convolution works in smaller im2col chunks, so a batch can fit
+    // the device although it takes more than the device with room: the crosses say which
+    // batches failed on it.
+    let failed: Vec<(f64, f64)> =
+        m.probes.iter().filter(|p| !p.fits).map(|p| (p.batch as f64, cap)).collect();
+    let marks = [Mark::Crosses("fails on the device".into(), failed, None)];
+    lines_with_marks(
+        "Memory each batch takes with room, and where it fails (fresh device, 2 steps)",
+        "batch size",
+        "MiB",
+        &series,
+        false,
+        &marks,
+    )
 }

@@ -15,8 +15,8 @@
 //! preference, not a need: when its full size runs out of memory, [`run`] asks for half as
 //! many chunks, down to one, and the op works in smaller chunks, as PyTorch falls back to a
 //! convolution algorithm with a smaller workspace when cuDNN's preferred one does not fit
-//! (`AlgoIterator::try_all` in `aten/src/ATen/native/cudnn/Conv_v7.cpp` catches the
-//! workspace's `OutOfMemoryError`). Each refused request is an out-of-memory of the
+//! (`try_plans` in `aten/src/ATen/native/cudnn/Conv_v8.cpp`, and `AlgoIterator::try_all` in
+//! `Conv_v7.cpp`, catch the workspace's `OutOfMemoryError` and try the next plan). Each refused request is an out-of-memory of the
 //! allocator (its `num_ooms`, its trace's `oom` entry), as in PyTorch; the fallback depends
 //! only on the allocator's state, so every backend still makes the same requests.
 

@@ -723,8 +723,9 @@ pub fn report(rows: &[Comparison], settings: &TwinSettings) -> String {
              temporaries, the batch), before rounding; PyTorch's side from \
              `torch.distributed._tools.mem_tracker.MemTracker`, which does not see workspaces \
              a kernel allocates inside itself (oneDNN's on the host), while vram's figure \
-             includes its kernels' workspaces (a convolution's im2col buffers: up to 9x a 3x3 \
-             convolution's input), allocated on every backend as on the GPU. The host's \
+             includes its kernels' workspaces (a large convolution's im2col buffers: up to 9x \
+             a 3x3 convolution's input; small ones run direct, without), allocated on every \
+             backend as on the GPU. The host's \
              stand-in for the goal above; on CUDA both peaks add the allocator's rounding and \
              slack, and PyTorch's adds cuDNN's and cuBLAS's workspaces.\n\n\
              | model | vram peak requested | PyTorch tracked peak | ratio |\n|---|---:|---:|---:|\n"

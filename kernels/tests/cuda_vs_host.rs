@@ -367,7 +367,24 @@ fn conv2d_dense_grouped_pointwise_and_depthwise_match_host() {
             [6, 1, 5, 5],
             Conv2dOptions::default().stride((2, 2)).padding((2, 2)).groups(6),
         ),
+        (
+            [2, 6, 11, 11],
+            [4, 3, 5, 5],
+            Conv2dOptions::default().stride((2, 2)).padding((2, 2)).groups(2),
+        ),
+        // Above DIRECT_MAX_MACS: im2col and cuBLAS, grouped and dilated too.
+        ([4, 32, 40, 40], [64, 32, 3, 3], Conv2dOptions::default().padding((1, 1))),
+        (
+            [4, 64, 64, 64],
+            [64, 16, 3, 3],
+            Conv2dOptions::default().padding((1, 1)).dilation((2, 1)).groups(4),
+        ),
     ];
+    let direct = cases.iter().map(|(x, w, o)| ops::conv2d_params(x, w, o).unwrap().is_direct());
+    assert_eq!(
+        direct.collect::<Vec<_>>(),
+        [true, true, true, false, true, true, true, false, false]
+    );
     for dtype in DTYPES {
         let t = tol(dtype, true);
         for (i, (xs, ws, opts)) in cases.iter().enumerate() {
@@ -418,11 +435,12 @@ fn conv_in_chunks(
 #[test]
 fn conv2d_in_chunks_of_fewer_images_matches_host() {
     let Some(gpu) = gpu() else { return };
-    // An image's columns take 2.53 MiB: 5 images need a segment of their own, 2 fit beside
-    // the operands in theirs.
-    let (xs, ws) = ([5, 16, 96, 96], [16, 8, 3, 3]);
+    // An image's columns take 4.5 MiB: 5 images need a segment of 24 MiB, 2 share one of
+    // 20 MiB. Above DIRECT_MAX_MACS, so the im2col path.
+    let (xs, ws) = ([5, 16, 128, 128], [16, 8, 3, 3]);
     let opts = Conv2dOptions::default().padding((1, 1)).groups(2);
-    let per_image = 8 * 9 * 96 * 96 * 4;
+    assert!(!ops::conv2d_params(&xs, &ws, &opts).unwrap().is_direct());
+    let per_image = 8 * 9 * 128 * 128 * 4;
     let run = |d: &Device| {
         // No cuBLAS workspace: its block would fragment the little room there is.
         d.set_blas_workspace_size(0);
@@ -436,7 +454,7 @@ fn conv2d_in_chunks_of_fewer_images_matches_host() {
     let (roomy, want_y, want_g) = run(&host()).unwrap();
     assert_eq!(roomy, [5, 5]);
     // The largest capacity (whole MiB) that leaves the host's forward 2 images per chunk.
-    let (capacity, host_chunks) = (16..48u64)
+    let (capacity, host_chunks) = (16..64u64)
         .rev()
         .find_map(|mib| match run(&Device::host(mib << 20)) {
             Ok((chunks, ..)) if chunks.first() == Some(&2) => Some((mib << 20, chunks)),

@@ -198,6 +198,8 @@ fn convolutions_allocate_alike_on_every_device() {
         ([2, 6, 10, 10], [6, 1, 3, 3], Conv2dOptions::default().padding((1, 1)).groups(6)),
         ([2, 0, 4, 4], [3, 0, 3, 3], Conv2dOptions::default().padding((1, 1))),
         ([1, 2, 0, 3], [3, 2, 1, 1], Conv2dOptions::default().padding((1, 1))),
+        // Above DIRECT_MAX_MACS: im2col buffers and the cuBLAS workspace.
+        ([2, 32, 48, 48], [64, 32, 3, 3], Conv2dOptions::default().padding((1, 1))),
     ];
     for (xs, ws, opts) in cases {
         for with_bias in [false, true] {
@@ -368,6 +370,7 @@ fn a_convolution_whose_im2col_buffer_does_not_fit_works_in_fewer_images() {
     // backward's f32 columns) is 144 x 4096 x 4 B = 2.25 MiB, 18 MiB for the whole batch.
     let (xs, ws) = ([8, 16, 64, 64], [16, 16, 3, 3]);
     let opts = Conv2dOptions::default().padding((1, 1));
+    assert!(!ops::conv2d_params(&xs, &ws, &opts).unwrap().is_direct(), "the im2col path");
     let per_image = 16 * 9 * 64 * 64 * 4;
     let step = |d: &Device| {
         let (x, w) = (t(d, &xs, 1, DType::F32), t(d, &ws, 2, DType::F32));
@@ -416,4 +419,28 @@ fn a_convolution_whose_im2col_buffer_does_not_fit_works_in_fewer_images() {
         }
         drop(filler);
     }
+}
+
+#[test]
+fn small_convolutions_run_direct_and_allocate_only_their_outputs() {
+    // A toy model's 3x3 convolution: its im2col matrix would be 9x its input (4.5 MiB here);
+    // the direct kernels need no buffer and no cuBLAS workspace, on every device.
+    let (xs, ws) = ([8, 16, 32, 32], [16, 16, 3, 3]);
+    let opts = Conv2dOptions::default().padding((1, 1));
+    let p = ops::conv2d_params(&xs, &ws, &opts).unwrap();
+    assert!(p.is_direct());
+    let (x_bytes, w_bytes) = (8 * 16 * 32 * 32 * 4, 16 * 16 * 9 * 4);
+    same_trace("direct conv2d", |d| {
+        let (x, w) = (t(d, &xs, 1, DType::F32), t(d, &ws, 2, DType::F32));
+        let dy = t(d, &p.output_shape(), 3, DType::F32);
+        let trace = traced(d, || {
+            let y = ops::conv2d(&x, &w, None, &opts)?;
+            let g = ops::conv2d_backward(&x, &w, &dy, &opts, false)?;
+            Ok((y, g))
+        });
+        let allocs: Vec<usize> =
+            trace.iter().filter(|e| e.0 == TraceAction::Alloc).map(|e| e.2).collect();
+        assert_eq!(allocs, [x_bytes, x_bytes, w_bytes], "{}: y, dx, dweight only", d.name());
+        trace
+    });
 }

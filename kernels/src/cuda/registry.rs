@@ -239,12 +239,13 @@ kernels! {
     COL2IM = CONV "col2im" dtypes (Ptr, Ptr, Conv, I64, I64, I64);
     /// `bias_planes(const T* b, T* y, u64 n, u64 c, u64 ohw)`.
     BIAS_PLANES = CONV "bias_planes" dtypes (Ptr, Ptr, U64, U64, U64);
-    /// `dw_fwd(const T* x, const T* w, const T* b, u32 has_b, T* y, ConvGeom g)`.
-    DW_FWD = CONV "dw_fwd" dtypes (Ptr, Ptr, Ptr, U32, Ptr, Conv);
-    /// `dw_bwd_input(const T* w, const T* dy, T* dx, ConvGeom g)`.
-    DW_BWD_INPUT = CONV "dw_bwd_input" dtypes (Ptr, Ptr, Ptr, Conv);
-    /// `dw_bwd_weight(const T* x, const T* dy, T* dw, ConvGeom g)`.
-    DW_BWD_WEIGHT = CONV "dw_bwd_weight" dtypes (Ptr, Ptr, Ptr, Conv);
+    /// `direct_fwd(const T* x, const T* w, const T* b, u32 has_b, T* y, ConvGeom g)`.
+    DIRECT_FWD = CONV "direct_fwd" dtypes (Ptr, Ptr, Ptr, U32, Ptr, Conv);
+    /// `direct_bwd_input(const T* w, const T* dy, T* dx, ConvGeom g)`.
+    DIRECT_BWD_INPUT = CONV "direct_bwd_input" dtypes (Ptr, Ptr, Ptr, Conv);
+    /// `direct_bwd_weight(const T* x, const T* dy, T* dw, ConvGeom g)`, one block per weight
+    /// element.
+    DIRECT_BWD_WEIGHT = CONV "direct_bwd_weight" dtypes (Ptr, Ptr, Ptr, Conv);
 
     /// `max_pool(const T* x, T* y, u32* arg, PoolGeom g)`.
     MAX_POOL = POOL "max_pool" dtypes (Ptr, Ptr, Ptr, Pool);

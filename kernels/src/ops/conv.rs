@@ -2,13 +2,18 @@
 //!
 //! On CUDA a convolution is im2col (`conv.cu`) plus one cuBLAS product per channel group,
 //! batched over the images of a chunk whose im2col matrices fit [`COL_BUDGET`]; depthwise
-//! convolutions use direct kernels. The plan allocates those im2col buffers and f32
+//! convolutions, and small ones (at most [`DIRECT_MAX_MACS`] multiply-adds, see
+//! [`Conv2dParams::is_direct`]), use direct kernels that need no buffer at all, which keeps
+//! a small model's peak from being its largest im2col matrix (`kh * kw` times the
+//! convolution's input). The plan allocates those im2col buffers and f32
 //! accumulators on every backend, so the host's figures are the GPU's. When the im2col
 //! buffer does not fit in the memory left, the convolution asks for half as many images,
 //! down to one, rather than failing (as PyTorch falls back to a cuDNN algorithm with a
 //! smaller workspace; `Plan::chunked_workspace` in `dispatch`).
 
 use super::dispatch::{Buffers, Op, Plan, run};
+#[cfg(doc)]
+use super::params::DIRECT_MAX_MACS;
 use super::params::{Conv2dOptions, Conv2dParams};
 use super::{expect_rank, expect_shape, same_kind};
 use crate::cpu::conv as cpu;
@@ -81,7 +86,7 @@ impl Op for Conv2d<'_> {
             expect_shape(Self::NAME, &[p.c_out()], bias)?;
         }
         let mut plan = Plan::one(&p.output_shape(), self.x.dtype());
-        if p.output_len() == 0 || self.x.numel() == 0 || p.is_depthwise() {
+        if p.output_len() == 0 || self.x.numel() == 0 || p.is_direct() {
             return Ok(plan);
         }
         let (oh, ow) = p.output_hw();
@@ -201,7 +206,7 @@ impl Op for Conv2dBackward<'_> {
                 plan.output(&[p.c_out()], dtype);
             }
         }
-        if !nothing && !p.is_depthwise() {
+        if !nothing && !p.is_direct() {
             let (oh, ow) = p.output_hw();
             // One buffer serves the f32 input-gradient columns, then the input's columns.
             let per_image = p.col_rows() * oh * ow * 4;
@@ -240,8 +245,8 @@ impl Op for Conv2dBackward<'_> {
         let ws = self.ws;
         let (p, x, w, dy) = (&self.p, self.x, self.weight, self.dy);
         if dy.numel() > 0 && x.numel() > 0 {
-            if p.is_depthwise() {
-                cuda::depthwise_backward(gpu, p, x, w, dy, bufs)?;
+            if p.is_direct() {
+                cuda::direct_backward(gpu, p, x, w, dy, bufs)?;
             } else {
                 let cols = (bufs.ws(ws.cols)?, bufs.chunks(ws.cols).unwrap_or(ws.chunk));
                 cuda::backward_input(gpu, p, w, dy, bufs.out(0), cols)?;
@@ -265,13 +270,15 @@ impl Op for Conv2dBackward<'_> {
     }
 }
 
-/// The CUDA side: im2col + cuBLAS per group, direct depthwise kernels.
+/// The CUDA side: im2col + cuBLAS per group, or direct kernels.
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::Buffers;
     use crate::cuda::helpers::{check_rows, from_f32, ptr};
     use crate::cuda::launch::{self, ConvGeom, elementwise as grid};
-    use crate::cuda::registry::{BIAS_PLANES, COL2IM, DW_BWD_INPUT, DW_BWD_WEIGHT, DW_FWD, IM2COL};
+    use crate::cuda::registry::{
+        BIAS_PLANES, COL2IM, DIRECT_BWD_INPUT, DIRECT_BWD_WEIGHT, DIRECT_FWD, IM2COL,
+    };
     use crate::cuda::{Arg, Gpu};
     use crate::dtype::DType;
     use crate::error::Result;
@@ -337,7 +344,7 @@ mod cuda {
     }
 
     /// `y = conv2d(x, w) + bias`; `y` is nonempty. `col` is the im2col workspace of
-    /// `chunk` images (0 for a pointwise or depthwise convolution).
+    /// `chunk` images (0 for a pointwise or direct convolution).
     pub(super) fn forward(
         gpu: &Gpu<'_>,
         p: &Conv2dParams,
@@ -352,16 +359,16 @@ mod cuda {
         if n == 0 {
             return Ok(());
         }
-        if x.numel() > 0 && p.is_depthwise() {
+        if x.numel() > 0 && p.is_direct() {
             let (b, has_b) = match bias {
                 Some(b) => (ptr(b)?, 1),
                 None => (Arg::Ptr(0), 0),
             };
-            // SAFETY: dw_fwd_T(const T* x, const T* w, const T* b, u32 has_b, T* y,
+            // SAFETY: direct_fwd_T(const T* x, const T* w, const T* b, u32 has_b, T* y,
             // ConvGeom g); the tensors have the geometry's shapes; b is read only when has_b.
             return unsafe {
                 gpu.launch(
-                    DW_FWD.of(t),
+                    DIRECT_FWD.of(t),
                     grid(n),
                     &[ptr(x)?, ptr(w)?, b, Arg::U32(has_b), ptr(y)?, Arg::Conv(geom(p))],
                 )
@@ -429,8 +436,8 @@ mod cuda {
         Ok(())
     }
 
-    /// Depthwise gradients of the input (`out(0)`) and the weight (`out(1)`).
-    pub(super) fn depthwise_backward(
+    /// Direct gradients of the input (`out(0)`) and the weight (`out(1)`).
+    pub(super) fn direct_backward(
         gpu: &Gpu<'_>,
         p: &Conv2dParams,
         x: &Tensor,
@@ -440,11 +447,11 @@ mod cuda {
     ) -> Result<()> {
         let t = x.dtype();
         let dx = bufs.out(0);
-        // SAFETY: dw_bwd_input_T(const T* w, const T* dy, T* dx, ConvGeom g); shapes from
+        // SAFETY: direct_bwd_input_T(const T* w, const T* dy, T* dx, ConvGeom g); shapes from
         // the geometry.
         unsafe {
             gpu.launch(
-                DW_BWD_INPUT.of(t),
+                DIRECT_BWD_INPUT.of(t),
                 grid(dx.numel()),
                 &[ptr(w)?, ptr(dy)?, ptr(dx)?, Arg::Conv(geom(p))],
             )?;
@@ -452,11 +459,11 @@ mod cuda {
         let dweight = bufs.out(1);
         let taps = dweight.numel();
         check_rows("conv2d_backward", taps)?;
-        // SAFETY: dw_bwd_weight_T(const T* x, const T* dy, T* dw, ConvGeom g), one block
-        // per weight element; dweight holds c_in * kh * kw elements.
+        // SAFETY: direct_bwd_weight_T(const T* x, const T* dy, T* dw, ConvGeom g), one block
+        // per weight element; dweight holds c_out * c_in / groups * kh * kw elements.
         unsafe {
             gpu.launch(
-                DW_BWD_WEIGHT.of(t),
+                DIRECT_BWD_WEIGHT.of(t),
                 launch::per_row(taps),
                 &[ptr(x)?, ptr(dy)?, ptr(dweight)?, Arg::Conv(geom(p))],
             )

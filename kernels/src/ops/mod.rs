@@ -47,7 +47,9 @@ pub use loss::{CrossEntropy, cross_entropy, cross_entropy_backward};
 pub use matmul::{LinearGrads, linear, linear_backward, matmul, matmul_backward, matmul_spec};
 pub use norm::{LayerNormGrads, LayerNormOutput, layer_norm, layer_norm_backward};
 pub use optim::{adamw_step, sgd_step, unscale_and_check_finite};
-pub use params::{Conv2dOptions, Conv2dParams, MatmulSpec, Pool2dOptions, Pool2dParams};
+pub use params::{
+    Conv2dOptions, Conv2dParams, DIRECT_MAX_MACS, MatmulSpec, Pool2dOptions, Pool2dParams,
+};
 pub use permute::{MAX_PERMUTE_RANK, permute, permute_backward};
 pub use pool::{
     avg_pool2d, avg_pool2d_backward, global_avg_pool, global_avg_pool_backward, max_pool2d,

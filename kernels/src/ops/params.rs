@@ -228,6 +228,15 @@ impl Conv2dOptions {
     }
 }
 
+/// Most multiply-adds of a convolution that runs as direct kernels
+/// ([`Conv2dParams::is_direct`]): 2^26, about 0.13 GFLOP. Below it a convolution is small
+/// (the toy models' 32-pixel images), kernel launches dominate its time and an im2col
+/// buffer would dominate its memory. The convolutions of the real-size presets at 224
+/// pixels that are not depthwise or pointwise are above it at any batch (ResNet-50's,
+/// ViT-B's patch embedding), or from batch 13 on (MobileNetV3's stem: 3 input channels),
+/// and keep the cuBLAS path.
+pub const DIRECT_MAX_MACS: u64 = 1 << 26;
+
 /// The full geometry of a 2-D convolution: the input and weight shapes with the
 /// [`Conv2dOptions`], checked. Layouts: `x: [batch, c_in, h, w]`,
 /// `weight: [c_out, c_in / groups, kh, kw]`, `bias: [c_out]`, `y: [batch, c_out, oh, ow]`
@@ -401,6 +410,21 @@ impl Conv2dParams {
         self.groups() == self.c_in && self.c_out == self.c_in
     }
 
+    /// Multiply-adds of the forward: every output element sums `c_in / groups * kh * kw`
+    /// products (saturating).
+    pub fn macs(&self) -> u64 {
+        (self.output_len() as u64).saturating_mul(self.col_rows() as u64)
+    }
+
+    /// Whether the convolution runs as direct kernels, without im2col buffers and cuBLAS:
+    /// depthwise convolutions, and those of at most [`DIRECT_MAX_MACS`] multiply-adds that
+    /// are not pointwise, whose im2col buffer (`kh * kw` times the input) would cost more
+    /// memory than the matrix product saves time. Decided from the shape alone, so every
+    /// backend allocates the same.
+    pub fn is_direct(&self) -> bool {
+        self.is_depthwise() || (!self.is_pointwise() && self.macs() <= DIRECT_MAX_MACS)
+    }
+
     /// Whether im2col would copy `x` unchanged (1x1 kernel, stride 1, no padding).
     pub(crate) fn is_pointwise(&self) -> bool {
         self.kernel == (1, 1) && self.stride() == (1, 1) && self.padding() == (0, 0)
@@ -546,6 +570,27 @@ impl Pool2dParams {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn small_and_depthwise_convolutions_are_direct_real_size_ones_are_not() {
+        let o = Conv2dOptions::default();
+        let direct = |x: [usize; 4], w: [usize; 4], o: Conv2dOptions| {
+            Conv2dParams::new(&x, &w, &o).unwrap().is_direct()
+        };
+        // The toy models' 3x3 convolutions at 32 px; depthwise ones at any size.
+        assert!(direct([8, 16, 32, 32], [16, 16, 3, 3], o.padding((1, 1))));
+        assert!(direct([64, 96, 56, 56], [96, 1, 3, 3], o.padding((1, 1)).groups(96)));
+        // Pointwise ones keep the product (they need no buffer anyway).
+        assert!(!direct([2, 8, 7, 7], [16, 8, 1, 1], o));
+        // ResNet-50 at batch 1: its smallest 3x3 (layer 4) and strided 1x1 convolutions.
+        assert!(!direct([1, 512, 7, 7], [512, 512, 3, 3], o.padding((1, 1))));
+        assert!(!direct([1, 1024, 14, 14], [2048, 1024, 1, 1], o.stride((2, 2))));
+        // MobileNetV3's stem goes over the threshold at batch 13.
+        let stem = |b| direct([b, 3, 224, 224], [16, 3, 3, 3], o.stride((2, 2)).padding((1, 1)));
+        assert!(stem(12) && !stem(13));
+        let p = Conv2dParams::new(&[8, 16, 32, 32], &[16, 8, 3, 3], &o.padding((1, 1)).groups(2));
+        assert_eq!(p.unwrap().macs(), 8 * 16 * 32 * 32 * 8 * 9);
+    }
 
     #[test]
     fn huge_padding_dilation_and_shapes_are_errors_not_overflows() {

@@ -1,6 +1,6 @@
 // 2-D convolution helpers (NCHW): im2col / col2im for the cuBLAS path, direct kernels for
-// depthwise convolutions, and the per-channel bias broadcast. `ConvGeom` mirrors the Rust
-// struct of the same name field for field (all i64, so no padding).
+// depthwise and small convolutions, and the per-channel bias broadcast. `ConvGeom` mirrors
+// the Rust struct of the same name field for field (all i64, so no padding).
 
 struct ConvGeom {
     i64 batch, c_in, h, w, c_out, kh, kw, sh, sw, ph, pw, dh, dw, groups, oh, ow;
@@ -69,43 +69,54 @@ template <typename T> __device__ void bias_planes_impl(const T* bias, T* y, u64 
     FOR_EACH(i, n) y[i] = bias[(i / ohw) % c];
 }
 
-// Depthwise forward (groups == c_in == c_out): one thread per output element.
+// Direct convolution (depthwise, or small enough that an im2col buffer is not worth it),
+// any groups: one thread per output element, summing over its group's input channels and
+// the taps in f32, one rounding.
 template <typename T>
-__device__ void dw_fwd_impl(const T* x, const T* wt, const T* bias, u32 has_bias, T* y, ConvGeom g) {
+__device__ void direct_fwd_impl(const T* x, const T* wt, const T* bias, u32 has_bias, T* y, ConvGeom g) {
+    const i64 cin_g = g.c_in / g.groups;
+    const i64 cout_g = g.c_out / g.groups;
     const u64 total = (u64)(g.batch * g.c_out * g.oh * g.ow);
     FOR_EACH(i, total) {
         const i64 ox = (i64)(i % (u64)g.ow);
         const i64 oy = (i64)((i / (u64)g.ow) % (u64)g.oh);
-        const i64 plane = (i64)(i / (u64)(g.oh * g.ow));
-        const i64 c = plane % g.c_in;
-        const T* xp = x + plane * g.h * g.w;
-        const T* wp = wt + c * g.kh * g.kw;
+        const i64 co = (i64)((i / (u64)(g.oh * g.ow)) % (u64)g.c_out);
+        const i64 n = (i64)(i / (u64)(g.c_out * g.oh * g.ow));
+        const i64 c0 = (co / cout_g) * cin_g;
         float s = 0.0f;
-        for (i64 ky = 0; ky < g.kh; ++ky) {
-            const i64 iy = oy * g.sh - g.ph + ky * g.dh;
-            if (iy < 0 || iy >= g.h) continue;
-            for (i64 kx = 0; kx < g.kw; ++kx) {
-                const i64 ix = ox * g.sw - g.pw + kx * g.dw;
-                if (ix < 0 || ix >= g.w) continue;
-                s += to_f32(wp[ky * g.kw + kx]) * to_f32(xp[iy * g.w + ix]);
+        for (i64 c = 0; c < cin_g; ++c) {
+            const T* xp = x + (n * g.c_in + c0 + c) * g.h * g.w;
+            const T* wp = wt + (co * cin_g + c) * g.kh * g.kw;
+            for (i64 ky = 0; ky < g.kh; ++ky) {
+                const i64 iy = oy * g.sh - g.ph + ky * g.dh;
+                if (iy < 0 || iy >= g.h) continue;
+                for (i64 kx = 0; kx < g.kw; ++kx) {
+                    const i64 ix = ox * g.sw - g.pw + kx * g.dw;
+                    if (ix < 0 || ix >= g.w) continue;
+                    s += to_f32(wp[ky * g.kw + kx]) * to_f32(xp[iy * g.w + ix]);
+                }
             }
         }
-        if (has_bias) s += to_f32(bias[c]);
+        if (has_bias) s += to_f32(bias[co]);
         y[i] = from_f32<T>(s);
     }
 }
 
-// Depthwise input gradient: one thread per input element, gathering over the taps.
+// Direct input gradient: one thread per input element, gathering over its group's output
+// channels and the taps that read it.
 template <typename T>
-__device__ void dw_bwd_input_impl(const T* wt, const T* dy, T* dx, ConvGeom g) {
+__device__ void direct_bwd_input_impl(const T* wt, const T* dy, T* dx, ConvGeom g) {
+    const i64 cin_g = g.c_in / g.groups;
+    const i64 cout_g = g.c_out / g.groups;
+    const i64 ohw = g.oh * g.ow;
     const u64 total = (u64)(g.batch * g.c_in * g.h * g.w);
     FOR_EACH(i, total) {
         const i64 ix = (i64)(i % (u64)g.w);
         const i64 iy = (i64)((i / (u64)g.w) % (u64)g.h);
-        const i64 plane = (i64)(i / (u64)(g.h * g.w));
-        const i64 c = plane % g.c_in;
-        const T* dyp = dy + plane * g.oh * g.ow;
-        const T* wp = wt + c * g.kh * g.kw;
+        const i64 ci = (i64)((i / (u64)(g.h * g.w)) % (u64)g.c_in);
+        const i64 n = (i64)(i / (u64)(g.c_in * g.h * g.w));
+        const i64 grp = ci / cin_g;
+        const i64 cl = ci % cin_g;
         float s = 0.0f;
         for (i64 ky = 0; ky < g.kh; ++ky) {
             const i64 ty = iy + g.ph - ky * g.dh;
@@ -117,21 +128,29 @@ __device__ void dw_bwd_input_impl(const T* wt, const T* dy, T* dx, ConvGeom g) {
                 if (tx < 0 || tx % g.sw != 0) continue;
                 const i64 ox = tx / g.sw;
                 if (ox >= g.ow) continue;
-                s += to_f32(wp[ky * g.kw + kx]) * to_f32(dyp[oy * g.ow + ox]);
+                for (i64 o = 0; o < cout_g; ++o) {
+                    const i64 co = grp * cout_g + o;
+                    s += to_f32(wt[((co * cin_g + cl) * g.kh + ky) * g.kw + kx])
+                        * to_f32(dy[(n * g.c_out + co) * ohw + oy * g.ow + ox]);
+                }
             }
         }
         dx[i] = from_f32<T>(s);
     }
 }
 
-// Depthwise weight gradient: one block per weight element (c, ky, kx), reducing over the
+// Direct weight gradient: one block per weight element (co, c, ky, kx), reducing over the
 // batch and the output plane.
 template <typename T>
-__device__ void dw_bwd_weight_impl(const T* x, const T* dy, T* dw, ConvGeom g) {
+__device__ void direct_bwd_weight_impl(const T* x, const T* dy, T* dw, ConvGeom g) {
+    const i64 cin_g = g.c_in / g.groups;
+    const i64 cout_g = g.c_out / g.groups;
     const i64 tap = blockIdx.x;
-    const i64 c = tap / (g.kh * g.kw);
-    const i64 ky = (tap / g.kw) % g.kh;
     const i64 kx = tap % g.kw;
+    const i64 ky = (tap / g.kw) % g.kh;
+    const i64 c = (tap / (g.kh * g.kw)) % cin_g;
+    const i64 co = tap / (g.kh * g.kw * cin_g);
+    const i64 ci = (co / cout_g) * cin_g + c;
     const i64 ohw = g.oh * g.ow;
     const u64 total = (u64)(g.batch * ohw);
     float s = 0.0f;
@@ -142,8 +161,8 @@ __device__ void dw_bwd_weight_impl(const T* x, const T* dy, T* dw, ConvGeom g) {
         const i64 iy = oy * g.sh - g.ph + ky * g.dh;
         const i64 ix = ox * g.sw - g.pw + kx * g.dw;
         if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
-        const i64 plane = n * g.c_in + c;
-        s += to_f32(dy[plane * ohw + pos]) * to_f32(x[(plane * g.h + iy) * g.w + ix]);
+        s += to_f32(dy[(n * g.c_out + co) * ohw + pos])
+            * to_f32(x[((n * g.c_in + ci) * g.h + iy) * g.w + ix]);
     }
     s = block_sum(s);
     if (threadIdx.x == 0) dw[tap] = from_f32<T>(s);
@@ -153,7 +172,7 @@ __device__ void dw_bwd_weight_impl(const T* x, const T* dy, T* dw, ConvGeom g) {
     extern "C" __global__ void im2col_##S(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i64 group) { im2col_impl<T>(x, col, g, n0, nimg, group); } \
     extern "C" __global__ void col2im_##S(const float* dcol, T* dx, ConvGeom g, i64 n0, i64 nimg, i64 group) { col2im_impl<T>(dcol, dx, g, n0, nimg, group); } \
     extern "C" __global__ void bias_planes_##S(const T* b, T* y, u64 n, u64 c, u64 ohw) { bias_planes_impl<T>(b, y, n, c, ohw); } \
-    extern "C" __global__ void dw_fwd_##S(const T* x, const T* w, const T* b, u32 has_b, T* y, ConvGeom g) { dw_fwd_impl<T>(x, w, b, has_b, y, g); } \
-    extern "C" __global__ void dw_bwd_input_##S(const T* w, const T* dy, T* dx, ConvGeom g) { dw_bwd_input_impl<T>(w, dy, dx, g); } \
-    extern "C" __global__ void dw_bwd_weight_##S(const T* x, const T* dy, T* dw, ConvGeom g) { dw_bwd_weight_impl<T>(x, dy, dw, g); }
+    extern "C" __global__ void direct_fwd_##S(const T* x, const T* w, const T* b, u32 has_b, T* y, ConvGeom g) { direct_fwd_impl<T>(x, w, b, has_b, y, g); } \
+    extern "C" __global__ void direct_bwd_input_##S(const T* w, const T* dy, T* dx, ConvGeom g) { direct_bwd_input_impl<T>(w, dy, dx, g); } \
+    extern "C" __global__ void direct_bwd_weight_##S(const T* x, const T* dy, T* dw, ConvGeom g) { direct_bwd_weight_impl<T>(x, dy, dw, g); }
 FOR_DTYPES(CONV)

@@ -20,8 +20,9 @@ impl Layer for BiasRelu {
         let z = ops::bias_add(x, &self.0.value)?;
         Ok((ops::relu(&z)?, ctx.training().then_some(z)))
     }
-    fn backward(&mut self, z: Tensor, dy: &Tensor, want_dx: bool) -> Result<Option<Tensor>> {
-        let dz = ops::relu_backward(&z, dy)?;
+    fn backward(&mut self, z: Tensor, dy: Tensor, want_dx: bool) -> Result<Option<Tensor>> {
+        let dz = ops::relu_backward(&z, &dy)?;
+        drop((z, dy)); // freed as soon as they are used, as PyTorch frees them
         self.0.accumulate_grad(ops::bias_add_backward(&dz)?)?;
         Ok(want_dx.then_some(dz))
     }

@@ -322,7 +322,7 @@ impl Chain {
                     reason: "backward returned no input gradient although one was asked for".into(),
                 })?;
                 let want = i > 0 || want_input_grad;
-                grad = self.layers[i].backward(s, &dy, want)?;
+                grad = self.layers[i].backward(s, dy, want)?;
             }
         }
         Ok(if want_input_grad { grad } else { None })
@@ -412,15 +412,17 @@ impl Chain {
                 .collect::<Result<_>>()?;
             let before = dev.memory_allocated();
             profiles[i].grad_bytes = before - before_grads;
-            let saved_bytes = profiles[i].saved_bytes;
             let scope = dev.stats_scope();
             let t = Instant::now();
-            let dx = self.layers[i].backward(s, &dy, i > 0 || want_input_grad)?;
+            // The layer owns `dy` and may drop it before it returns, as in a training step.
+            let dx = self.layers[i].backward(s, dy, i > 0 || want_input_grad)?;
             profiles[i].bwd_time = t.elapsed();
             profiles[i].bwd_peak_bytes =
                 peak_above(scope.finish().allocated_bytes.all.peak, before);
-            profiles[i].dx_bytes = (dev.memory_allocated() + saved_bytes).saturating_sub(before);
-            drop((dx, dy));
+            // What dropping the input gradient frees (it may share `dy`'s memory).
+            let with_dx = dev.memory_allocated();
+            drop(dx);
+            profiles[i].dx_bytes = with_dx.saturating_sub(dev.memory_allocated());
             for (p, old) in self.layers[i].params_mut().into_iter().zip(stash) {
                 p.grad = old;
             }

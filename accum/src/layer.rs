@@ -155,8 +155,9 @@ impl ForwardCtx {
 ///         let z = ops::bias_add(x, &self.b.value)?;
 ///         Ok((ops::relu(&z)?, ctx.training().then_some(z)))
 ///     }
-///     fn backward(&mut self, z: Tensor, dy: &Tensor, want_dx: bool) -> Result<Option<Tensor>> {
-///         let dz = ops::relu_backward(&z, dy)?;
+///     fn backward(&mut self, z: Tensor, dy: Tensor, want_dx: bool) -> Result<Option<Tensor>> {
+///         let dz = ops::relu_backward(&z, &dy)?;
+///         drop(dy); // freed as soon as it is used, as in PyTorch
 ///         self.b.accumulate_grad(ops::bias_add_backward(&dz)?)?;
 ///         Ok(want_dx.then_some(dz))
 ///     }
@@ -177,7 +178,7 @@ impl ForwardCtx {
 /// let (y, saved) = layer.forward(&x, &mut ForwardCtx::new(Mode::Train, 0))?;
 /// assert_eq!(y.to_f32_vec().unwrap(), [0.0, 1.0, 2.0, 0.5]);
 /// let ones = Tensor::full(&dev, &[2, 2], DType::F32, 1.0)?;
-/// layer.backward(saved.expect("saved in training"), &ones, false)?;
+/// layer.backward(saved.expect("saved in training"), ones, false)?;
 /// assert_eq!(layer.b.grad.as_ref().map(|g| g.to_f32_vec().unwrap()), Some(vec![1.0, 2.0]));
 /// # Ok::<(), vram_accum::Error>(())
 /// ```
@@ -200,7 +201,10 @@ pub trait Layer: Send {
         ctx: &mut ForwardCtx,
     ) -> Result<(Tensor, Option<Self::Saved>)>;
 
-    /// Computes gradients from what forward saved and the output gradient.
+    /// Computes gradients from what forward saved and the output gradient. `dy` is the
+    /// layer's to drop as soon as it has no more use for it, as PyTorch frees a node's
+    /// incoming gradient once that node's backward has consumed it; a caller that needs it
+    /// afterwards passes a clone (which shares its memory).
     ///
     /// # Errors
     ///
@@ -208,7 +212,7 @@ pub trait Layer: Send {
     fn backward(
         &mut self,
         saved: Self::Saved,
-        dy: &Tensor,
+        dy: Tensor,
         want_input_grad: bool,
     ) -> Result<Option<Tensor>>;
 
@@ -238,7 +242,7 @@ impl std::fmt::Debug for SavedBox {
 trait Erased: Send {
     fn name(&self) -> String;
     fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<SavedBox>)>;
-    fn backward(&mut self, saved: SavedBox, dy: &Tensor, want: bool) -> Result<Option<Tensor>>;
+    fn backward(&mut self, saved: SavedBox, dy: Tensor, want: bool) -> Result<Option<Tensor>>;
     fn params(&self) -> Vec<&Param>;
     fn params_mut(&mut self) -> Vec<&mut Param>;
     fn device(&self) -> &Device;
@@ -255,7 +259,7 @@ impl<L: Layer> Erased for L {
         Ok((y, saved))
     }
 
-    fn backward(&mut self, saved: SavedBox, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+    fn backward(&mut self, saved: SavedBox, dy: Tensor, want: bool) -> Result<Option<Tensor>> {
         let SavedBox { layer, state } = saved;
         let state = state
             .downcast::<L::Saved>()
@@ -325,7 +329,7 @@ impl BoxedLayer {
     pub fn backward(
         &mut self,
         saved: SavedBox,
-        dy: &Tensor,
+        dy: Tensor,
         want_input_grad: bool,
     ) -> Result<Option<Tensor>> {
         self.0.backward(saved, dy, want_input_grad)

@@ -58,7 +58,7 @@ fn run<L: Layer>(
     check(&y, &saved);
     ctx.clear_autocast_cache();
     let r = tensor(x.device(), y.shape(), 99, y.dtype());
-    let dx = layer.backward(saved, &r, true).unwrap().expect("dx");
+    let dx = layer.backward(saved, r, true).unwrap().expect("dx");
     let grads = layer.params().iter().map(|p| p.grad.clone().expect("grad")).collect();
     (y, dx, grads)
 }
@@ -193,8 +193,8 @@ fn a_weight_used_twice_in_one_forward_is_cast_once_and_the_cache_empties() {
     assert_eq!(ctx.autocast().unwrap().cached(), 0);
     assert_eq!(dev.memory_allocated() - base, first + second - 256 * 2);
     let dy = Tensor::full(&dev, y1.shape(), DType::BF16, 1.0).unwrap();
-    lin.backward(s1.unwrap(), &dy, false).unwrap();
-    lin.backward(s2.unwrap(), &dy, false).unwrap();
+    lin.backward(s1.unwrap(), dy.clone(), false).unwrap();
+    lin.backward(s2.unwrap(), dy.clone(), false).unwrap();
     let grad = lin.params().iter().map(|p| p.grad.as_ref().unwrap().size_in_bytes()).sum::<usize>();
     drop((y1, y2, dy));
     assert_eq!(dev.memory_allocated() - base, grad as u64, "only the f32 gradients remain");

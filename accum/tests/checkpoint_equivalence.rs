@@ -153,7 +153,7 @@ fn saved_state_of_another_layer_type_is_an_error() {
     let mut linear = common::layer(&dev, 0, D, 1);
     let mut norm = common::layer(&dev, 4, D, 1);
     let (y, saved) = norm.forward(&x, &mut ctx).unwrap();
-    let err = linear.backward(saved.unwrap(), &y, true).unwrap_err();
+    let err = linear.backward(saved.unwrap(), y, true).unwrap_err();
     assert!(matches!(err, Error::ForeignSavedState { .. }), "{err}");
 }
 

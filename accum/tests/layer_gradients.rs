@@ -58,7 +58,7 @@ fn check(name: &str, mut layer: BoxedLayer, dev: &Device, shape: &[usize]) {
     let x = Tensor::from_f32_slice(dev, shape, &values(n, 1, 1.0), DType::F32).unwrap();
     let (y, saved) = layer.forward(&x, &mut ForwardCtx::new(Mode::Train, 0)).unwrap();
     let r = Tensor::from_f32_slice(dev, y.shape(), &values(y.numel(), 2, 1.0), DType::F32).unwrap();
-    let dx = layer.backward(saved.expect("training saves"), &r, true).unwrap().expect("dx");
+    let dx = layer.backward(saved.expect("training saves"), r.clone(), true).unwrap().expect("dx");
     assert_eq!(dx.shape(), x.shape(), "{name}: dx shape");
     let dx = dx.to_f32_vec().unwrap();
     let xs = x.to_f32_vec().unwrap();

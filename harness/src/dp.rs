@@ -191,18 +191,21 @@ impl Replica for DpModel {
     ) -> Result<(), DistError> {
         let off = self.offset();
         let want_first = self.embed.is_some();
-        let mut dy = dlogits.clone();
+        let mut dy = Some(dlogits.clone());
         for (i, (layer, s)) in self.layers.iter_mut().zip(tape.saved).enumerate().rev() {
             hooks.before(Pass::Backward, i + off, &mut layer.params_mut())?;
-            let dx = layer.backward(s, &dy, i > 0 || want_first).map_err(accum)?;
+            let g = dy
+                .take()
+                .ok_or_else(|| DistError::Replica("a layer returned no input gradient".into()))?;
+            dy = layer.backward(s, g, i > 0 || want_first).map_err(accum)?;
             hooks.after(Pass::Backward, i + off, &mut layer.params_mut())?;
-            if let Some(dx) = dx {
-                dy = dx;
-            }
         }
-        match tape.ids {
-            Some(ids) => self.embed_backward(&ids, &dy, hooks),
-            None => Ok(()),
+        match (tape.ids, dy) {
+            (Some(ids), Some(dy)) => self.embed_backward(&ids, &dy, hooks),
+            (Some(_), None) => {
+                Err(DistError::Replica("the first layer returned no input gradient".into()))
+            }
+            (None, _) => Ok(()),
         }
     }
 }

@@ -14,7 +14,7 @@ use super::{
     Act, AffineSaved, CastSaved, Init, Linear, LinearConfig, add_grad, add_promoted, init_weight,
     positive, sub_seed,
 };
-use crate::autocast::{OpKind, accumulate_grad_cast, cast};
+use crate::autocast::{OpKind, accumulate_grad_cast, cast, cast_into};
 use crate::error::{Error, Result};
 use crate::layer::{ForwardCtx, Layer, Param};
 use vram_kernels::{Conv2dOptions, DType, Device, Indices, Pool2dOptions, Tensor, ops};
@@ -298,22 +298,26 @@ impl Layer for Conv2d {
         Ok((y, Some(AffineSaved { x: xc, z: kept, cast: cast_saved, norm })))
     }
 
-    fn backward(&mut self, s: AffineSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+    fn backward(&mut self, s: AffineSaved, dy: Tensor, want: bool) -> Result<Option<Tensor>> {
         let AffineSaved { x, z: kept, norm: norm_saved, cast: cast_saved } = s;
         // Under autocast the output was in the compute dtype; the gradient arrives in it
         // (cast if not).
-        let dy = cast(dy, if cast_saved.is_some() { x.dtype() } else { dy.dtype() })?;
-        let mut dz = self.act.backward(kept.as_ref(), &dy)?;
+        let dtype = if cast_saved.is_some() { x.dtype() } else { dy.dtype() };
+        let dy = cast_into(dy, dtype)?;
+        // Each gradient is dropped as soon as the next one is computed from it, as PyTorch
+        // frees a node's incoming gradient after that node's backward.
+        let mut dz = match self.act.backward(kept.as_ref(), &dy)? {
+            Some(dz) => dz,
+            None => dy,
+        };
         drop(kept);
         if let (Some(norm), Some(ns)) = (&mut self.norm, norm_saved) {
-            let du = dz.as_ref().unwrap_or(&dy);
-            let g = ops::batch_norm_backward(&ns.z, &norm.gamma.value, &ns.mean, &ns.invstd, du)?;
+            let g = ops::batch_norm_backward(&ns.z, &norm.gamma.value, &ns.mean, &ns.invstd, &dz)?;
             drop(ns);
-            dz = Some(g.dx);
+            dz = g.dx;
             accumulate_grad_cast(&mut norm.gamma, g.dgamma)?;
             accumulate_grad_cast(&mut norm.beta, g.dbeta)?;
         }
-        let dz = dz.unwrap_or(dy);
         let w = cast_saved.as_ref().map_or(&self.weight.value, |c| &c.w);
         let g = ops::conv2d_backward(&x, w, &dz, &self.opts, self.bias.is_some())?;
         drop((x, dz));
@@ -389,11 +393,11 @@ impl Layer for MaxPool2d {
         Ok((y, saved))
     }
 
-    fn backward(&mut self, s: PoolSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+    fn backward(&mut self, s: PoolSaved, dy: Tensor, want: bool) -> Result<Option<Tensor>> {
         if !want {
             return Ok(None);
         }
-        Ok(Some(ops::max_pool2d_backward(dy, &s.argmax, &s.shape, &self.opts)?))
+        Ok(Some(ops::max_pool2d_backward(&dy, &s.argmax, &s.shape, &self.opts)?))
     }
 
     fn params(&self) -> Vec<&Param> {
@@ -513,13 +517,13 @@ impl Layer for ResidualBlock {
         Ok((y, Some(ResidualSaved { s1: saved(s1, WHAT)?, s2: saved(s2, WHAT)?, out })))
     }
 
-    fn backward(&mut self, s: ResidualSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+    fn backward(&mut self, s: ResidualSaved, dy: Tensor, want: bool) -> Result<Option<Tensor>> {
         const WHAT: &str = "ResidualBlock";
-        let ds = ops::relu_backward(&s.out, dy)?;
-        drop(s.out);
-        let da = dx_of(self.c2.backward(s.s2, &ds, true)?, WHAT)?;
-        let dx = self.c1.backward(s.s1, &da, want)?;
-        drop(da);
+        let ds = ops::relu_backward(&s.out, &dy)?;
+        drop((dy, s.out));
+        // `ds` flows into the branch and, kept, into the shortcut.
+        let da = dx_of(self.c2.backward(s.s2, ds.clone(), true)?, WHAT)?;
+        let dx = self.c1.backward(s.s1, da, want)?;
         match dx {
             Some(mut dx) => {
                 add_grad(&mut dx, &ds)?;
@@ -705,22 +709,23 @@ impl Layer for Bottleneck {
         Ok((y, Some(s)))
     }
 
-    fn backward(&mut self, s: BottleneckSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+    fn backward(&mut self, s: BottleneckSaved, dy: Tensor, want: bool) -> Result<Option<Tensor>> {
         const WHAT: &str = "Bottleneck";
-        let dsum = ops::relu_backward(&s.out, dy)?;
-        drop(s.out);
-        let dshort = match (&mut self.shortcut, s.short) {
-            (Some(c), Some(ss)) => c.backward(ss, &dsum, want)?,
-            _ => None,
+        let dsum = ops::relu_backward(&s.out, &dy)?;
+        drop((dy, s.out));
+        let (dshort, projected) = match (&mut self.shortcut, s.short) {
+            (Some(c), Some(ss)) => (c.backward(ss, dsum.clone(), want)?, true),
+            _ => (None, false),
         };
-        let da2 = dx_of(self.c3.backward(s.s3, &dsum, true)?, WHAT)?;
-        let da1 = dx_of(self.c2.backward(s.s2, &da2, true)?, WHAT)?;
-        drop(da2);
-        let dx = self.c1.backward(s.s1, &da1, want)?;
-        drop(da1);
+        // Without a projection the shortcut's gradient is `dsum` itself, kept for the end;
+        // with one, the main branch has the last use of `dsum`.
+        let dshort = if projected { dshort } else { want.then(|| dsum.clone()) };
+        let da2 = dx_of(self.c3.backward(s.s3, dsum, true)?, WHAT)?;
+        let da1 = dx_of(self.c2.backward(s.s2, da2, true)?, WHAT)?;
+        let dx = self.c1.backward(s.s1, da1, want)?;
         match dx {
             Some(mut dx) => {
-                add_grad(&mut dx, dshort.as_ref().unwrap_or(&dsum))?;
+                add_grad(&mut dx, &dx_of(dshort, WHAT)?)?;
                 Ok(Some(dx))
             }
             None => Ok(None),
@@ -954,8 +959,8 @@ impl SqueezeExcitation {
         drop((s.x, s.gate));
         let dg = ops::hardsigmoid_backward(&s.g, &cast(&grads.ds, s.g.dtype())?)?;
         drop(s.g);
-        let dh = dx_of(self.fc2.backward(s.fc2, &dg, true)?, WHAT)?;
-        let dpooled = dx_of(self.fc1.backward(s.fc1, &dh, true)?, WHAT)?;
+        let dh = dx_of(self.fc2.backward(s.fc2, dg, true)?, WHAT)?;
+        let dpooled = dx_of(self.fc1.backward(s.fc1, dh, true)?, WHAT)?;
         let mut dx = grads.dx;
         add_grad(&mut dx, &ops::global_avg_pool_backward(&dpooled, &shape)?)?;
         Ok(dx)
@@ -1018,25 +1023,26 @@ impl Layer for InvertedResidual {
         Ok((y, Some(s)))
     }
 
-    fn backward(&mut self, s: InvertedSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+    fn backward(&mut self, s: InvertedSaved, dy: Tensor, want: bool) -> Result<Option<Tensor>> {
         const WHAT: &str = "InvertedResidual";
+        // With a residual, `dy` also flows into the shortcut and is kept for the end.
+        let dshort = (self.residual && want).then(|| dy.clone());
         let mut dd = dx_of(self.project.backward(s.project, dy, true)?, WHAT)?;
         if let (Some(se), Some(ss)) = (&mut self.se, s.se) {
             dd = se.backward(ss, &dd)?;
         }
         let want_h = want || self.expand.is_some();
-        let dh = self.depthwise.backward(s.depthwise, &dd, want_h)?;
-        drop(dd);
+        let dh = self.depthwise.backward(s.depthwise, dd, want_h)?;
         let dx = match (&mut self.expand, s.expand) {
-            (Some(c), Some(se)) => c.backward(se, &dx_of(dh, WHAT)?, want)?,
+            (Some(c), Some(se)) => c.backward(se, dx_of(dh, WHAT)?, want)?,
             _ => dh,
         };
-        match dx {
-            Some(mut dx) if self.residual => {
-                add_grad(&mut dx, dy)?;
+        match (dx, dshort) {
+            (Some(mut dx), Some(dshort)) => {
+                add_grad(&mut dx, &dshort)?;
                 Ok(Some(dx))
             }
-            dx => Ok(dx),
+            (dx, _) => Ok(dx),
         }
     }
 
@@ -1184,12 +1190,12 @@ impl Layer for ClassifierHead {
         Ok((y, Some(HeadSaved { shape: x.shape().to_vec(), hidden, fc: saved(fc, WHAT)? })))
     }
 
-    fn backward(&mut self, s: HeadSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+    fn backward(&mut self, s: HeadSaved, dy: Tensor, want: bool) -> Result<Option<Tensor>> {
         const WHAT: &str = "ClassifierHead";
         let want_h = want || self.hidden.is_some();
         let mut dh = self.fc.backward(s.fc, dy, want_h)?;
         if let (Some(l), Some(sh)) = (&mut self.hidden, s.hidden) {
-            dh = l.backward(sh, &dx_of(dh, WHAT)?, want)?;
+            dh = l.backward(sh, dx_of(dh, WHAT)?, want)?;
         }
         match dh {
             Some(dp) if want => Ok(Some(ops::global_avg_pool_backward(&dp, &s.shape)?)),

@@ -36,7 +36,7 @@ pub use transformer::{
     PatchEmbed, PatchEmbedConfig, TokenMeanPool, TransformerBlock, TransformerBlockConfig,
 };
 
-use crate::autocast::{OpKind, accumulate_grad_cast, cast};
+use crate::autocast::{OpKind, accumulate_grad_cast, cast, cast_into};
 use crate::error::{Error, Result};
 use crate::layer::{ForwardCtx, Layer, Param};
 use vram_kernels::cpu::random::uniform_at;
@@ -428,18 +428,27 @@ impl Layer for Linear {
         Ok((y, saved))
     }
 
-    fn backward(&mut self, s: AffineSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+    fn backward(&mut self, s: AffineSaved, dy: Tensor, want: bool) -> Result<Option<Tensor>> {
+        // The activation's gradient replaces `dy`, which is dropped then, as PyTorch frees a
+        // node's incoming gradient after that node's backward.
         let Some(c) = s.cast else {
-            let dz = self.act.backward(s.z.as_ref(), dy)?;
-            let dx = self.grads(&s.x, dz.as_ref().unwrap_or(dy))?;
+            let dz = match self.act.backward(s.z.as_ref(), &dy)? {
+                Some(dz) => dz,
+                None => dy,
+            };
+            drop(s.z);
+            let dx = self.grads(&s.x, &dz)?;
             return Ok(want.then_some(dx));
         };
         // The output was in the compute dtype; the gradient arrives in it (cast if not).
-        let dy = cast(dy, s.x.dtype())?;
-        let dz = self.act.backward(s.z.as_ref(), &dy)?;
+        let dy = cast_into(dy, s.x.dtype())?;
+        let dz = match self.act.backward(s.z.as_ref(), &dy)? {
+            Some(dz) => dz,
+            None => dy,
+        };
         drop(s.z);
-        let g = ops::linear_backward(&s.x, &c.w, dz.as_ref().unwrap_or(&dy), self.bias.is_some())?;
-        drop((dz, dy, s.x, c.w));
+        let g = ops::linear_backward(&s.x, &c.w, &dz, self.bias.is_some())?;
+        drop((dz, s.x, c.w));
         accumulate_grad_cast(&mut self.weight, g.dw)?;
         if let (Some(b), Some(db)) = (&mut self.bias, g.dbias) {
             accumulate_grad_cast(b, db)?;
@@ -498,11 +507,11 @@ impl Layer for Activation {
         self.kind.forward_saving(x.clone(), ctx.training())
     }
 
-    fn backward(&mut self, x: Tensor, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+    fn backward(&mut self, x: Tensor, dy: Tensor, want: bool) -> Result<Option<Tensor>> {
         if !want {
             return Ok(None);
         }
-        self.kind.backward(Some(&x), dy)
+        self.kind.backward(Some(&x), &dy)
     }
 
     fn params(&self) -> Vec<&Param> {
@@ -566,11 +575,11 @@ impl Layer for Dropout {
         Ok((y, Some(DropoutSaved { seed: ctx.seed, offset })))
     }
 
-    fn backward(&mut self, s: DropoutSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+    fn backward(&mut self, s: DropoutSaved, dy: Tensor, want: bool) -> Result<Option<Tensor>> {
         if !want {
             return Ok(None);
         }
-        Ok(Some(ops::dropout_backward(dy, self.p, s.seed, s.offset)?))
+        Ok(Some(ops::dropout_backward(&dy, self.p, s.seed, s.offset)?))
     }
 
     fn params(&self) -> Vec<&Param> {
@@ -719,8 +728,8 @@ impl Layer for LayerNorm {
         self.run(x, ctx)
     }
 
-    fn backward(&mut self, s: NormSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
-        let dx = self.grads(s, dy)?;
+    fn backward(&mut self, s: NormSaved, dy: Tensor, want: bool) -> Result<Option<Tensor>> {
+        let dx = self.grads(s, &dy)?;
         Ok(want.then_some(dx))
     }
 
@@ -840,7 +849,8 @@ impl Layer for ResidualMlp {
         Ok((y, saved))
     }
 
-    fn backward(&mut self, s: MlpSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+    fn backward(&mut self, s: MlpSaved, dy: Tensor, want: bool) -> Result<Option<Tensor>> {
+        let dy = &dy; // also the shortcut's gradient: kept to the end
         let dbranch = match &s.dropout {
             Some(d) => Some(ops::dropout_backward(dy, self.p, d.seed, d.offset)?),
             None => None,

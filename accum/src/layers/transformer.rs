@@ -384,27 +384,24 @@ impl Layer for TransformerBlock {
         Ok((y, Some(s)))
     }
 
-    fn backward(&mut self, s: BlockSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+    fn backward(&mut self, s: BlockSaved, dy: Tensor, want: bool) -> Result<Option<Tensor>> {
         const WHAT: &str = "TransformerBlock";
         let b = dy.shape()[0] / self.seq;
         // y = x2 + drop(fc2(fc1(ln_2(x2)))); the branch's gradient in the branch's dtype.
-        let dbranch = cast(dy, s.branch2)?;
-        let dm = self.dropout_backward(s.drop2.as_ref(), &dbranch)?;
-        let da = dx_of(self.fc2.backward(s.s2, dm.as_ref().unwrap_or(&dbranch), true)?, WHAT)?;
-        drop((dm, dbranch));
-        let dh2 = dx_of(self.fc1.backward(s.s1, &da, true)?, WHAT)?;
-        drop(da);
+        // `dy` is also the shortcut's: kept until it is added to x2's.
+        let dbranch = cast(&dy, s.branch2)?;
+        let dbranch = self.dropout_backward(s.drop2.as_ref(), &dbranch)?.unwrap_or(dbranch);
+        let da = dx_of(self.fc2.backward(s.s2, dbranch, true)?, WHAT)?;
+        let dh2 = dx_of(self.fc1.backward(s.s1, da, true)?, WHAT)?;
         let mut dx2 = self.ln2.grads(s.ln2, &dh2)?;
         drop(dh2);
-        let dy_res = cast(dy, dx2.dtype())?;
+        let dy_res = cast_into(dy, dx2.dtype())?;
         ops::add_assign(&mut dx2, &dy_res)?;
         drop(dy_res);
         // x2 = x + drop(proj(attn(ln_1(x))))
         let dbranch = cast(&dx2, s.branch1)?;
-        let do_ = self.dropout_backward(s.drop1.as_ref(), &dbranch)?;
-        let dattn =
-            dx_of(self.proj.backward(s.sproj, do_.as_ref().unwrap_or(&dbranch), true)?, WHAT)?;
-        drop((do_, dbranch));
+        let dbranch = self.dropout_backward(s.drop1.as_ref(), &dbranch)?.unwrap_or(dbranch);
+        let dattn = dx_of(self.proj.backward(s.sproj, dbranch, true)?, WHAT)?;
         let dctx = self.split_heads(dattn, b)?;
         let dctx = cast_into(dctx, s.pv_lhs.dtype())?;
         let (dlhs, dvh) = ops::matmul_backward(&s.pv_lhs, &s.vh, &dctx, false, false)?;
@@ -428,16 +425,13 @@ impl Layer for TransformerBlock {
         drop((scaled, s.qh, s.kh));
         let qkv = s.qkv_dtype;
         let dq = cast_into(self.merge_heads(dqh, b)?, qkv)?;
-        let mut dh1 = dx_of(self.q.backward(s.sq, &dq, true)?, WHAT)?;
-        drop(dq);
+        let mut dh1 = dx_of(self.q.backward(s.sq, dq, true)?, WHAT)?;
         let dk = cast_into(self.merge_heads(dkh, b)?, qkv)?;
-        let dk_in = dx_of(self.k.backward(s.sk, &dk, true)?, WHAT)?;
-        drop(dk);
+        let dk_in = dx_of(self.k.backward(s.sk, dk, true)?, WHAT)?;
         ops::add_assign(&mut dh1, &dk_in)?;
         drop(dk_in);
         let dv = cast_into(self.merge_heads(dvh, b)?, qkv)?;
-        let dv_in = dx_of(self.v.backward(s.sv, &dv, true)?, WHAT)?;
-        drop(dv);
+        let dv_in = dx_of(self.v.backward(s.sv, dv, true)?, WHAT)?;
         ops::add_assign(&mut dh1, &dv_in)?;
         drop(dv_in);
         let mut dx = self.ln1.grads(s.ln1, &dh1)?;
@@ -616,12 +610,12 @@ impl Layer for PatchEmbed {
         Ok((y, saved))
     }
 
-    fn backward(&mut self, s: PatchSaved, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+    fn backward(&mut self, s: PatchSaved, dy: Tensor, want: bool) -> Result<Option<Tensor>> {
         let (b, d, t) = (s.shape[0], s.shape[1], self.tokens);
-        self.pos.accumulate_grad(ops::embedding_backward(&self.positions(b), dy, t)?)?;
-        let dz = dy.clone().reshape(&[b, t, d])?;
+        self.pos.accumulate_grad(ops::embedding_backward(&self.positions(b), &dy, t)?)?;
+        let dz = dy.reshape(&[b, t, d])?;
         let dz = ops::permute_backward(&dz, &[0, 2, 1])?.reshape(&s.shape)?;
-        self.conv.backward(s.conv, &dz, want)
+        self.conv.backward(s.conv, dz, want)
     }
 
     fn params(&self) -> Vec<&Param> {
@@ -689,12 +683,12 @@ impl Layer for TokenMeanPool {
         Ok((y, ctx.training().then(|| x.shape().to_vec())))
     }
 
-    fn backward(&mut self, shape: Vec<usize>, dy: &Tensor, want: bool) -> Result<Option<Tensor>> {
+    fn backward(&mut self, shape: Vec<usize>, dy: Tensor, want: bool) -> Result<Option<Tensor>> {
         if !want {
             return Ok(None);
         }
         let (b, d) = (shape[0] / self.seq, shape[1]);
-        let dt = ops::mean_last_dim_backward(dy, self.seq)?.reshape(&[b, d, self.seq])?;
+        let dt = ops::mean_last_dim_backward(&dy, self.seq)?.reshape(&[b, d, self.seq])?;
         Ok(Some(ops::permute_backward(&dt, &[0, 2, 1])?.reshape(&shape)?))
     }
 

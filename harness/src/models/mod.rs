@@ -627,18 +627,18 @@ impl Model {
             x = y;
         }
         mark(Phase::Loss);
-        let (loss, mut dy) = self.loss_backward(x, &batch.targets, ctx, 1.0)?;
+        let (loss, dy) = self.loss_backward(x, &batch.targets, ctx, 1.0)?;
+        // Each layer owns its output gradient (and frees it when done with it).
+        let mut dy = Some(dy);
         for (i, layer) in self.chain.layers_mut().iter_mut().enumerate().rev() {
             mark(Phase::Backward(i, layer.name()));
             let s = saved.pop().flatten().ok_or_else(|| invalid("a layer saved nothing"))?;
-            match layer.backward(s, &dy, i > 0 || want_first_dx)? {
-                Some(dx) => dy = dx,
-                None if i == 0 => {}
-                None => return Err(invalid("a layer returned no input gradient")),
-            }
+            let g = dy.take().ok_or_else(|| invalid("a layer returned no input gradient"))?;
+            dy = layer.backward(s, g, i > 0 || want_first_dx)?;
         }
         if want_first_dx {
             mark(Phase::EmbeddingBackward);
+            let dy = dy.ok_or_else(|| invalid("the first layer returned no input gradient"))?;
             self.embed_backward(batch, &dy)?;
         }
         Ok(StepOutcome { loss })

@@ -589,16 +589,11 @@ impl Layer for GlobalPool {
         Ok((y, ctx.training().then(|| x.shape().to_vec())))
     }
 
-    fn backward(
-        &mut self,
-        shape: Vec<usize>,
-        dy: &Tensor,
-        want_dx: bool,
-    ) -> Result<Option<Tensor>> {
+    fn backward(&mut self, shape: Vec<usize>, dy: Tensor, want_dx: bool) -> Result<Option<Tensor>> {
         if !want_dx {
             return Ok(None);
         }
-        Ok(Some(ops::global_avg_pool_backward(dy, &shape)?))
+        Ok(Some(ops::global_avg_pool_backward(&dy, &shape)?))
     }
 
     fn params(&self) -> Vec<&Param> {

@@ -153,20 +153,6 @@ fn measure(
     })
 }
 
-/// Builds `arch` on a fresh device and trains it in f32 with AdamW.
-pub fn train_fresh(
-    ctx: &Context,
-    arch: Arch,
-    data: &Dataset,
-    batch: usize,
-    conf: &str,
-) -> Result<TrainMeasure, ExperimentError> {
-    let device = device(ctx, conf)?;
-    let model = Model::new(&device, arch, ctx.seed, DType::F32)?;
-    let (warmup, timed) = timed_steps(ctx);
-    train(model, data, ctx.seed, TrainConfig { batch, ..TrainConfig::default() }, warmup, timed)
-}
-
 /// Builds each `(arch, data, batch)` on a fresh device and trains them in f32 with AdamW,
 /// interleaved (see [`train_interleaved`]).
 pub fn train_fresh_interleaved(

@@ -306,10 +306,7 @@ impl Layer for Conv2d {
         let dy = cast_into(dy, dtype)?;
         // Each gradient is dropped as soon as the next one is computed from it, as PyTorch
         // frees a node's incoming gradient after that node's backward.
-        let mut dz = match self.act.backward(kept.as_ref(), &dy)? {
-            Some(dz) => dz,
-            None => dy,
-        };
+        let mut dz = self.act.backward(kept.as_ref(), &dy)?.unwrap_or(dy);
         drop(kept);
         if let (Some(norm), Some(ns)) = (&mut self.norm, norm_saved) {
             let g = ops::batch_norm_backward(&ns.z, &norm.gamma.value, &ns.mean, &ns.invstd, &dz)?;

@@ -432,20 +432,14 @@ impl Layer for Linear {
         // The activation's gradient replaces `dy`, which is dropped then, as PyTorch frees a
         // node's incoming gradient after that node's backward.
         let Some(c) = s.cast else {
-            let dz = match self.act.backward(s.z.as_ref(), &dy)? {
-                Some(dz) => dz,
-                None => dy,
-            };
+            let dz = self.act.backward(s.z.as_ref(), &dy)?.unwrap_or(dy);
             drop(s.z);
             let dx = self.grads(&s.x, &dz)?;
             return Ok(want.then_some(dx));
         };
         // The output was in the compute dtype; the gradient arrives in it (cast if not).
         let dy = cast_into(dy, s.x.dtype())?;
-        let dz = match self.act.backward(s.z.as_ref(), &dy)? {
-            Some(dz) => dz,
-            None => dy,
-        };
+        let dz = self.act.backward(s.z.as_ref(), &dy)?.unwrap_or(dy);
         drop(s.z);
         let g = ops::linear_backward(&s.x, &c.w, &dz, self.bias.is_some())?;
         drop((dz, s.x, c.w));

@@ -145,7 +145,10 @@ pub(crate) fn effects(cells: &[Measured; 4]) -> [f64; 5] {
 
 fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let steps = if ctx.quick { 4 } else { 10 };
-    let batch = if ctx.quick { 1024 } else { 2048 };
+    // At 2048 samples the step's largest tensors take 20 MiB segments of their own, at 1024
+    // they share 2 MiB ones: the two needs are far enough apart (24 vs 6 MiB) for a device
+    // between them. (At 1024 vs 512 they are one 2 MiB segment apart.)
+    let batch = 2048;
     let data = Dataset::Clusters { dim: 64, classes: 8 };
     let arch = Arch::Mlp { dims: vec![64, 256, 256, 256], classes: 8 };
     // Each batch size's need: one training step and optimizer step on a roomy device.

@@ -16,9 +16,10 @@
 //! many chunks, down to one, and the op works in smaller chunks, as PyTorch falls back to a
 //! convolution algorithm with a smaller workspace when cuDNN's preferred one does not fit
 //! (`try_plans` in `aten/src/ATen/native/cudnn/Conv_v8.cpp`, and `AlgoIterator::try_all` in
-//! `Conv_v7.cpp`, catch the workspace's `OutOfMemoryError` and try the next plan). Each refused request is an out-of-memory of the
-//! allocator (its `num_ooms`, its trace's `oom` entry), as in PyTorch; the fallback depends
-//! only on the allocator's state, so every backend still makes the same requests.
+//! `Conv_v7.cpp`, catch the workspace's `OutOfMemoryError` and try the next plan). Each
+//! refused request is an out-of-memory of the allocator (its `num_ooms`, its trace's `oom`
+//! entry), as in PyTorch; the fallback depends only on the allocator's state, so every
+//! backend still makes the same requests.
 
 use crate::device::{Compute, Device};
 use crate::dtype::DType;
@@ -44,12 +45,11 @@ struct Output {
 
 #[derive(Debug)]
 struct Workspace {
-    /// Bytes of one chunk; the buffer holds `chunks` of them.
+    /// Bytes of one chunk; the buffer holds `chunks` of them, and fewer (at least one) will
+    /// do when they do not fit.
     chunk: usize,
     chunks: usize,
     zeroed: bool,
-    /// Fewer chunks (at least one) will do when `chunks` do not fit.
-    shrinkable: bool,
 }
 
 impl Plan {
@@ -87,20 +87,19 @@ impl Plan {
     /// computes in its own scratch memory; the buffer is allocated there too, so that the
     /// host's allocator sees what a GPU's does.
     pub(crate) fn workspace(&mut self, bytes: usize) -> Option<usize> {
-        self.push_workspace(Workspace { chunk: bytes, chunks: 1, zeroed: false, shrinkable: false })
+        self.push_workspace(Workspace { chunk: bytes, chunks: 1, zeroed: false })
     }
 
     /// A scratch buffer of `bytes` that starts as zeros on the GPU (an accumulator).
     pub(crate) fn zeroed_workspace(&mut self, bytes: usize) -> Option<usize> {
-        self.push_workspace(Workspace { chunk: bytes, chunks: 1, zeroed: true, shrinkable: false })
+        self.push_workspace(Workspace { chunk: bytes, chunks: 1, zeroed: true })
     }
 
     /// A scratch buffer of `chunks` chunks of `chunk` bytes each, of which fewer will do:
     /// when the whole does not fit, [`run`] halves the number of chunks until it does, down
     /// to one ([`Buffers::chunks`] says how many the op got). Not zeroed.
     pub(crate) fn chunked_workspace(&mut self, chunk: usize, chunks: usize) -> Option<usize> {
-        let chunks = chunks.max(1);
-        self.push_workspace(Workspace { chunk, chunks, zeroed: false, shrinkable: chunks > 1 })
+        self.push_workspace(Workspace { chunk, chunks: chunks.max(1), zeroed: false })
     }
 
     fn push_workspace(&mut self, ws: Workspace) -> Option<usize> {
@@ -234,14 +233,14 @@ pub(crate) fn run<O: Op>(mut op: O) -> Result<O::Output> {
     op.finish(bufs)
 }
 
-/// Allocates `ws`; a shrinkable one that runs out of memory is asked for again with half
-/// as many chunks, down to one. Returns the storage and its chunks.
+/// Allocates `ws`; one of several chunks that runs out of memory is asked for again with
+/// half as many, down to one. Returns the storage and its chunks.
 fn allocate_workspace(device: &Device, ws: &Workspace) -> Result<(Storage, usize)> {
     let mut chunks = ws.chunks;
     loop {
         match device.allocate(ws.chunk * chunks) {
             Ok(storage) => return Ok((storage, chunks)),
-            Err(e) if ws.shrinkable && chunks > 1 && e.is_out_of_memory() => chunks /= 2,
+            Err(e) if chunks > 1 && e.is_out_of_memory() => chunks /= 2,
             Err(e) => return Err(e),
         }
     }

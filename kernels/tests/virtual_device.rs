@@ -18,11 +18,23 @@ const BLAS_WORKSPACE: usize = 4 << 20;
 type Entry = (TraceAction, usize, usize, u64);
 
 fn devices() -> Vec<Device> {
-    let host = Device::host(4 << 30);
-    let virt = Device::virtual_device(4 << 30);
-    let mut devices = vec![host, virt];
+    devices_of(None)
+}
+
+/// A host, a virtual and (where one opens) a CUDA device whose allocators may hold at most
+/// `capacity` bytes (4 GiB for the host and virtual ones, the GPU's own memory for CUDA,
+/// when `None`).
+fn devices_of(capacity: Option<u64>) -> Vec<Device> {
+    let cap = capacity.unwrap_or(4 << 30);
+    let mut devices = vec![Device::host(cap), Device::virtual_device(cap)];
     match Device::cuda(0) {
-        Ok(gpu) => devices.push(gpu),
+        Ok(gpu) => {
+            if let Some(cap) = capacity {
+                let total = gpu.mem_info().total.max(1);
+                gpu.set_memory_fraction(cap as f64 / total as f64).unwrap();
+            }
+            devices.push(gpu);
+        }
         Err(e) => {
             let _ =
                 writeln!(std::io::stderr(), "skipped: no CUDA device ({e}); host and virtual only");
@@ -344,26 +356,6 @@ fn a_virtual_device_runs_out_of_memory_where_the_gpu_would() {
     assert_eq!(d.memory_allocated(), 400 << 20, "the failed op's output went back");
 }
 
-/// A host, a virtual and (where one opens) a CUDA device whose allocator may hold at most
-/// `capacity` bytes.
-fn capped_devices(capacity: u64) -> Vec<Device> {
-    let mut devices = vec![Device::host(capacity), Device::virtual_device(capacity)];
-    match Device::cuda(0) {
-        Ok(gpu) => {
-            let total = gpu.mem_info().total.max(1);
-            gpu.set_memory_fraction(capacity as f64 / total as f64).unwrap();
-            devices.push(gpu);
-        }
-        Err(e) => {
-            let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({e}); host and virtual");
-        }
-    }
-    for d in &devices {
-        d.set_blas_workspace_size(BLAS_WORKSPACE);
-    }
-    devices
-}
-
 #[test]
 fn a_convolution_whose_im2col_buffer_does_not_fit_works_in_fewer_images() {
     // 8 images of 16 x 64 x 64, a 3x3 convolution: each image's im2col matrix (and its
@@ -393,7 +385,7 @@ fn a_convolution_whose_im2col_buffer_does_not_fit_works_in_fewer_images() {
     // In 36 MiB (operands, outputs and the cuBLAS workspace share a 20 MiB segment, the
     // small weights a 2 MiB one) 18 MiB more do not fit, and every device settles on the
     // same fewer images, after the same out-of-memory attempts.
-    let devices = capped_devices(36 << 20);
+    let devices = devices_of(Some(36 << 20));
     let (want, ooms) = step(&devices[0]);
     let got = workspaces(&want);
     assert_eq!(got.len(), 2, "{want:?}");

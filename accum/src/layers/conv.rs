@@ -710,13 +710,12 @@ impl Layer for Bottleneck {
         const WHAT: &str = "Bottleneck";
         let dsum = ops::relu_backward(&s.out, &dy)?;
         drop((dy, s.out));
-        let (dshort, projected) = match (&mut self.shortcut, s.short) {
-            (Some(c), Some(ss)) => (c.backward(ss, dsum.clone(), want)?, true),
-            _ => (None, false),
-        };
         // Without a projection the shortcut's gradient is `dsum` itself, kept for the end;
-        // with one, the main branch has the last use of `dsum`.
-        let dshort = if projected { dshort } else { want.then(|| dsum.clone()) };
+        // either way the main branch has the last use of `dsum`.
+        let dshort = match (&mut self.shortcut, s.short) {
+            (Some(c), Some(ss)) => c.backward(ss, dsum.clone(), want)?,
+            _ => want.then(|| dsum.clone()),
+        };
         let da2 = dx_of(self.c3.backward(s.s3, dsum, true)?, WHAT)?;
         let da1 = dx_of(self.c2.backward(s.s2, da2, true)?, WHAT)?;
         let dx = self.c1.backward(s.s1, da1, want)?;

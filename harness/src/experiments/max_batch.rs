@@ -187,6 +187,14 @@ fn probe_on(
 /// virtual too: the same allocator on the same capacity with the host's cuBLAS workspace
 /// (none), nothing computed (its figures equal the host device's byte for byte, which the
 /// plan tests check), so the sweep stays cheap.
+/// An unlimited virtual device with the backend's cuBLAS workspace: what a batch takes with
+/// room.
+fn roomy(workspace: usize) -> Device {
+    let dev = Device::virtual_device(crate::plan::UNLIMITED);
+    dev.set_blas_workspace_size(workspace);
+    dev
+}
+
 fn exhaustive(ctx: &Context, capacity: u64, hi: usize) -> Result<Vec<Probe>, ExperimentError> {
     let (arch, data) = (cnn(ctx, false), stripes(cnn_side(ctx)));
     let workspace = sized_device(ctx, capacity)?.blas_workspace_size();
@@ -202,10 +210,8 @@ fn exhaustive(ctx: &Context, capacity: u64, hi: usize) -> Result<Vec<Probe>, Exp
             };
             let (fits, ..) = probe_on(ctx, &dev, &arch, &data, batch, false)?;
             drop(dev);
-            let unlimited = Device::virtual_device(crate::plan::UNLIMITED);
-            unlimited.set_blas_workspace_size(workspace);
             let (_, alloc, reserved, largest) =
-                probe_on(ctx, &unlimited, &arch, &data, batch, true)?;
+                probe_on(ctx, &roomy(workspace), &arch, &data, batch, true)?;
             Ok(Probe {
                 batch,
                 fits,
@@ -235,9 +241,8 @@ fn boundary_crossed(a: u64, b: u64) -> Option<&'static str> {
 /// batches may fit too: under pressure convolutions work in fewer images per im2col buffer.
 fn capacity_for(ctx: &Context, target: usize) -> Result<u64, ExperimentError> {
     let (arch, data) = (cnn(ctx, false), stripes(cnn_side(ctx)));
-    let roomy = Device::virtual_device(crate::plan::UNLIMITED);
-    roomy.set_blas_workspace_size(sized_device(ctx, 2 << 20)?.blas_workspace_size());
-    let (_, _, reserved, _) = probe_on(ctx, &roomy, &arch, &data, target, false)?;
+    let workspace = sized_device(ctx, 2 << 20)?.blas_workspace_size();
+    let (_, _, reserved, _) = probe_on(ctx, &roomy(workspace), &arch, &data, target, false)?;
     Ok(reserved.next_multiple_of(2 << 20))
 }
 
@@ -405,7 +410,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     // A size a search found that did not train again fit only once, in a cache that the
     // earlier trials had shaped (where memory is short, a convolution's im2col chunks
     // depend on which blocks are free).
-    let once: Vec<String> = [("the linear search's", lin), ("exponential search's", exp)]
+    let once: Vec<String> = [("the linear search's", lin), ("the exponential search's", exp)]
         .iter()
         .filter(|(_, s)| s.found > 0 && !s.trains)
         .map(|(name, s)| {

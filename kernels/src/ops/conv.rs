@@ -2,18 +2,16 @@
 //!
 //! On CUDA a convolution is im2col (`conv.cu`) plus one cuBLAS product per channel group,
 //! batched over the images of a chunk whose im2col matrices fit [`COL_BUDGET`]; depthwise
-//! convolutions, and small ones (at most [`DIRECT_MAX_MACS`] multiply-adds, see
-//! [`Conv2dParams::is_direct`]), use direct kernels that need no buffer at all, which keeps
-//! a small model's peak from being its largest im2col matrix (`kh * kw` times the
-//! convolution's input). The plan allocates those im2col buffers and f32
+//! convolutions, and small ones (at most [`DIRECT_MAX_MACS`](super::DIRECT_MAX_MACS)
+//! multiply-adds, see [`Conv2dParams::is_direct`]), use direct kernels that need no buffer
+//! at all, which keeps a small model's peak from being its largest im2col matrix (`kh * kw`
+//! times the convolution's input). The plan allocates those im2col buffers and f32
 //! accumulators on every backend, so the host's figures are the GPU's. When the im2col
 //! buffer does not fit in the memory left, the convolution asks for half as many images,
 //! down to one, rather than failing (as PyTorch falls back to a cuDNN algorithm with a
 //! smaller workspace; `Plan::chunked_workspace` in `dispatch`).
 
 use super::dispatch::{Buffers, Op, Plan, run};
-#[cfg(doc)]
-use super::params::DIRECT_MAX_MACS;
 use super::params::{Conv2dOptions, Conv2dParams};
 use super::{expect_rank, expect_shape, same_kind};
 use crate::cpu::conv as cpu;

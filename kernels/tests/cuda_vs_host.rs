@@ -170,6 +170,37 @@ fn elementwise_and_activations_match_host() {
     }
 }
 
+/// The plain maps move 16-byte packs per thread with a scalar tail, grid-stride over packs
+/// once a tensor has more packs than the grid has threads (2^24). Every element, at sizes
+/// below one pack, with a tail, and past one grid's worth of packs for each element size,
+/// must come out: integer values in [-128, 128), exact in all three dtypes.
+#[test]
+fn elementwise_maps_reach_every_element_at_odd_and_grid_exceeding_sizes() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in DTYPES {
+        let per_pack = 16 / dtype.size_in_bytes();
+        for n in [1, per_pack - 1, 4773, (per_pack << 24) + per_pack * 3 + 5] {
+            let ints: Vec<f32> = (0..n).map(|i| (i % 256) as f32 - 128.0).collect();
+            let a = Tensor::from_f32_slice(&gpu, &[n], &ints, dtype).unwrap();
+            let one = Tensor::full(&gpu, &[n], dtype, 1.0).unwrap();
+            let check = |what: &str, t: &Tensor, f: &dyn Fn(f32) -> f32| {
+                let got = t.to_f32_vec().unwrap();
+                assert_eq!(got.len(), n, "{what} ({dtype}, n = {n}): length");
+                if let Some(i) = (0..n).find(|&i| got[i] != f(ints[i])) {
+                    panic!("{what} ({dtype}, n = {n}): index {i}: {} != {}", got[i], f(ints[i]));
+                }
+            };
+            check("add", &ops::add(&a, &one).unwrap(), &|v| v + 1.0);
+            check("scale", &ops::scale(&a, 0.5).unwrap(), &|v| v * 0.5);
+            check("relu", &ops::relu(&a).unwrap(), &|v| v.max(0.0));
+            check("cast", &a.to_dtype(DType::F32).unwrap(), &|v| v);
+            let mut acc = Tensor::full(&gpu, &[n], DType::F32, 2.0).unwrap();
+            ops::axpy(-1.0, &a, &mut acc).unwrap();
+            check("axpy", &acc, &|v| 2.0 - v);
+        }
+    }
+}
+
 #[test]
 fn reductions_match_host() {
     let Some(gpu) = gpu() else { return };

@@ -34,10 +34,11 @@ pub(crate) fn cast(
     to: DType,
     n: usize,
 ) -> Result<()> {
+    let grid = launch::map(n, from.size_in_bytes().max(to.size_in_bytes()));
     // SAFETY: cast_S_D(const S* x, D* y, u64 n); the caller's pointers hold n elements of
     // their dtypes.
     unsafe {
-        gpu.launch(CAST.of_pair(from, to), grid(n), &[Arg::Ptr(src), Arg::Ptr(dst), Arg::count(n)])
+        gpu.launch(CAST.of_pair(from, to), grid, &[Arg::Ptr(src), Arg::Ptr(dst), Arg::count(n)])
     }
 }
 

@@ -20,6 +20,15 @@ pub(crate) fn elementwise(n: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// The maps of `common.cuh` (`map0`, `map1`, `map2`): one thread per pack of 16 bytes of the
+/// widest operand (`widest` bytes per element), grid-stride, at most [`MAX_GRID`] blocks. The
+/// kernels take any `n` and any alignment (scalar loops for the rest); this only sizes the
+/// grid so that no thread is left without a pack.
+pub(crate) fn map(n: usize, widest: usize) -> LaunchConfig {
+    let per_thread = (16 / widest.clamp(1, 16)).max(1);
+    elementwise(n.div_ceil(per_thread))
+}
+
 /// One block per row (softmax, layer norm, row sums). `rows` must fit a grid dimension;
 /// callers check with [`fits_grid`].
 pub(crate) fn per_row(rows: usize) -> LaunchConfig {

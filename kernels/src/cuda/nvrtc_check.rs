@@ -239,3 +239,61 @@ fn every_registered_kernel_has_one_name_per_instance_and_names_are_unique() {
         }
     }
 }
+
+/// The plain maps of `elementwise.cu` (`map0`, `map1`, `map2` in `common.cuh`) and how many
+/// arrays each one reads or writes; the last three are named by a dtype pair.
+const MAPS: [(&str, usize); 15] = [
+    ("fill", 1),
+    ("scale", 2),
+    ("relu", 2),
+    ("relu_bwd", 3),
+    ("gelu", 2),
+    ("gelu_bwd", 3),
+    ("hardswish", 2),
+    ("hardswish_bwd", 3),
+    ("hardsigmoid", 2),
+    ("hardsigmoid_bwd", 3),
+    ("add", 3),
+    ("mul", 3),
+    ("cast", 2),
+    ("add_assign", 3),
+    ("axpy", 3),
+];
+
+/// Every plain map moves whole packs: in the PTX, each array it reads or writes has one
+/// vector access (`ld.global.v2/v4`, `st.global.v2/v4`: 8 or 16 bytes) besides the scalar
+/// tail. A change that loses the packs' alignment would make the compiler fall back to
+/// 2- and 4-byte accesses, which on an H100 cannot keep its memory busy.
+#[test]
+fn the_plain_maps_read_and_write_whole_packs() {
+    if !nvrtc_present() {
+        return;
+    }
+    let module = MODULES.iter().find(|m| m.name == "elementwise").expect("elementwise.cu");
+    let ptx = compile_ptx_with_opts(full_source(module), compile_options(module, "compute_90"))
+        .unwrap_or_else(|e| panic!("{}", compile_error(module, e)))
+        .to_src();
+    let dtypes = ["f32", "f16", "bf16"];
+    let mut checked = 0;
+    for body in ptx.split(".entry ").skip(1) {
+        let name = &body[..body.find('(').unwrap_or(0)].trim();
+        let body = &body[..body.find("\n}").unwrap_or(body.len())];
+        let arrays = MAPS.iter().find_map(|&(base, arrays)| {
+            let rest = name.strip_prefix(base)?.strip_prefix('_')?;
+            let named = dtypes.contains(&rest)
+                || rest
+                    .split_once('_')
+                    .is_some_and(|(a, b)| dtypes.contains(&a) && dtypes.contains(&b));
+            named.then_some(arrays)
+        });
+        let Some(arrays) = arrays else { continue };
+        let vector = ["ld.global.v2", "ld.global.v4", "st.global.v2", "st.global.v4"]
+            .iter()
+            .map(|op| body.matches(op).count())
+            .sum::<usize>();
+        assert_eq!(vector, arrays, "{name}: {vector} vector accesses for {arrays} arrays");
+        checked += 1;
+    }
+    // 12 maps in three dtypes, three over the nine dtype pairs.
+    assert_eq!(checked, 12 * 3 + 3 * 9, "plain maps found in elementwise.cu's PTX");
+}

@@ -15,10 +15,11 @@ fn fill_into(t: &mut Tensor, value: f32, op: &'static str) -> Result<()> {
 
 #[cfg(feature = "cuda")]
 fn fill_cuda(gpu: &crate::cuda::Gpu<'_>, t: &Tensor, value: f32) -> Result<()> {
-    use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::FILL};
+    use crate::cuda::{Arg, helpers::ptr, launch, registry::FILL};
     let n = t.numel();
+    let grid = launch::map(n, t.dtype().size_in_bytes());
     // SAFETY: fill_T(T* y, float v, u64 n); y holds n elements of T.
-    unsafe { gpu.launch(FILL.of(t.dtype()), grid(n), &[ptr(t)?, Arg::F32(value), Arg::count(n)]) }
+    unsafe { gpu.launch(FILL.of(t.dtype()), grid, &[ptr(t)?, Arg::F32(value), Arg::count(n)]) }
 }
 
 /// A new tensor of `shape` and `dtype`, every element `value`.

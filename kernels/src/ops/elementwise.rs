@@ -53,14 +53,14 @@ impl Op for Scale<'_> {
 
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
-        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::SCALE};
+        use crate::cuda::{Arg, helpers::ptr, launch, registry::SCALE};
         let y = bufs.out(0);
         let n = y.numel();
         // SAFETY: scale_T(const T* x, float alpha, T* y, u64 n); x and y hold n elements.
         unsafe {
             gpu.launch(
                 SCALE.of(self.x.dtype()),
-                grid(n),
+                launch::map(n, y.dtype().size_in_bytes()),
                 &[ptr(self.x)?, Arg::F32(self.alpha), ptr(y)?, Arg::count(n)],
             )
         }
@@ -136,16 +136,17 @@ impl Op for Update<'_> {
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, _: &mut Buffers) -> Result<()> {
         use crate::cuda::registry::{ADD_ASSIGN, AXPY};
-        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid};
+        use crate::cuda::{Arg, helpers::ptr, launch};
         let (x, y) = (self.x, &*self.y);
         let n = y.numel();
+        let grid = launch::map(n, x.dtype().size_in_bytes().max(y.dtype().size_in_bytes()));
         match self.alpha {
             // SAFETY: add_assign_A_X(A* acc, const X* x, u64 n); both hold n elements of
             // their types (one shape, checked in `plan`).
             None => unsafe {
                 gpu.launch(
                     ADD_ASSIGN.of_pair(y.dtype(), x.dtype()),
-                    grid(n),
+                    grid,
                     &[ptr(y)?, ptr(x)?, Arg::count(n)],
                 )
             },
@@ -153,7 +154,7 @@ impl Op for Update<'_> {
             Some(alpha) => unsafe {
                 gpu.launch(
                     AXPY.of_pair(y.dtype(), x.dtype()),
-                    grid(n),
+                    grid,
                     &[Arg::F32(alpha), ptr(x)?, ptr(y)?, Arg::count(n)],
                 )
             },

@@ -79,14 +79,14 @@ impl<U: Unary> Op for UnaryForward<'_, U> {
 
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
-        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid};
+        use crate::cuda::{Arg, helpers::ptr, launch};
         let y = bufs.out(0);
         let n = y.numel();
         // SAFETY: U::KERNEL(const T* x, T* y, u64 n); x and y hold n elements of T.
         unsafe {
             gpu.launch(
                 U::KERNEL.of(self.x.dtype()),
-                grid(n),
+                launch::map(n, y.dtype().size_in_bytes()),
                 &[ptr(self.x)?, ptr(y)?, Arg::count(n)],
             )
         }
@@ -123,7 +123,7 @@ impl<U: Unary> Op for UnaryBackward<'_, U> {
 
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
-        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid};
+        use crate::cuda::{Arg, helpers::ptr, launch};
         let dx = bufs.out(0);
         let n = dx.numel();
         // SAFETY: U::BACKWARD_KERNEL(const T* x, const T* dy, T* dx, u64 n); all three hold
@@ -131,7 +131,7 @@ impl<U: Unary> Op for UnaryBackward<'_, U> {
         unsafe {
             gpu.launch(
                 U::BACKWARD_KERNEL.of(self.x.dtype()),
-                grid(n),
+                launch::map(n, dx.dtype().size_in_bytes()),
                 &[ptr(self.x)?, ptr(self.dy)?, ptr(dx)?, Arg::count(n)],
             )
         }
@@ -243,7 +243,7 @@ impl<B: Binary> Op for BinaryOp<'_, B> {
 
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
-        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid};
+        use crate::cuda::{Arg, helpers::ptr, launch};
         let y = bufs.out(0);
         let n = y.numel();
         // SAFETY: B::KERNEL(const T* a, const T* b, T* y, u64 n); all three hold n elements
@@ -251,7 +251,7 @@ impl<B: Binary> Op for BinaryOp<'_, B> {
         unsafe {
             gpu.launch(
                 B::KERNEL.of(self.a.dtype()),
-                grid(n),
+                launch::map(n, y.dtype().size_in_bytes()),
                 &[ptr(self.a)?, ptr(self.b)?, ptr(y)?, Arg::count(n)],
             )
         }

@@ -60,6 +60,87 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
          i += (u64)blockDim.x * gridDim.x)
 
+// Elementwise maps over [0, n), computed in f32 with one rounding to the output type. Each
+// thread moves a pack of V elements at a time, V = 16 bytes over the widest operand's
+// element (PyTorch's vectorized elementwise kernels do the same with `aligned_vector`), so
+// that every load and store is one 8- or 16-byte access; a scalar loop takes the tail, or
+// everything when a pointer is not aligned to its pack (the allocator's blocks always are;
+// a buffer at an odd offset inside one may not be). Grid-stride over packs; `launch::map`
+// sizes the grid for V. `nvrtc_check` checks the PTX for the vector accesses.
+template <typename T, int V> struct alignas(sizeof(T) * V) Pack { T v[V]; };
+
+// Elements per pack: 16 bytes over the widest of the operands' element sizes.
+__host__ __device__ constexpr int pack_len(int a, int b, int c) {
+    return 16 / (a > b ? (a > c ? a : c) : (b > c ? b : c));
+}
+
+__device__ __forceinline__ bool packs_aligned(const void* p, u64 bytes) {
+    return ((u64)p & (bytes - 1)) == 0;
+}
+
+// Calls pack(k) for every whole pack k of V elements when `aligned`, then one(i) for every
+// element not in a pack; grid-stride over both.
+template <int V, typename P, typename S>
+__device__ __forceinline__ void map_loop(u64 n, bool aligned, P pack, S one) {
+    const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 stride = (u64)blockDim.x * gridDim.x;
+    u64 done = 0;
+    if (aligned) {
+        const u64 packs = n / V;
+        for (u64 k = first; k < packs; k += stride) pack(k);
+        done = packs * V;
+    }
+    for (u64 i = done + first; i < n; i += stride) one(i);
+}
+
+// y[i] = v for i in [0, n).
+template <typename O> __device__ __forceinline__ void map0(O* y, u64 n, float v) {
+    constexpr int V = pack_len(sizeof(O), sizeof(O), sizeof(O));
+    const O t = from_f32<O>(v);
+    Pack<O, V> r;
+#pragma unroll
+    for (int j = 0; j < V; ++j) r.v[j] = t;
+    map_loop<V>(n, packs_aligned(y, sizeof(O) * V),
+                [&](u64 k) { reinterpret_cast<Pack<O, V>*>(y)[k] = r; },
+                [&](u64 i) { y[i] = t; });
+}
+
+// y[i] = f(x[i]) for i in [0, n); f maps f32 to f32.
+template <typename X, typename O, typename F>
+__device__ __forceinline__ void map1(const X* x, O* y, u64 n, F f) {
+    constexpr int V = pack_len(sizeof(X), sizeof(O), sizeof(O));
+    map_loop<V>(
+        n, packs_aligned(x, sizeof(X) * V) && packs_aligned(y, sizeof(O) * V),
+        [&](u64 k) {
+            const Pack<X, V> a = reinterpret_cast<const Pack<X, V>*>(x)[k];
+            Pack<O, V> r;
+#pragma unroll
+            for (int j = 0; j < V; ++j) r.v[j] = from_f32<O>(f(to_f32(a.v[j])));
+            reinterpret_cast<Pack<O, V>*>(y)[k] = r;
+        },
+        [&](u64 i) { y[i] = from_f32<O>(f(to_f32(x[i]))); });
+}
+
+// y[i] = f(a[i], b[i]) for i in [0, n); f maps two f32 to f32. y may be a (in-place
+// updates: the thread that writes a pack or an element has read it first).
+template <typename A, typename B, typename O, typename F>
+__device__ __forceinline__ void map2(const A* a, const B* b, O* y, u64 n, F f) {
+    constexpr int V = pack_len(sizeof(A), sizeof(B), sizeof(O));
+    map_loop<V>(
+        n,
+        packs_aligned(a, sizeof(A) * V) && packs_aligned(b, sizeof(B) * V) &&
+            packs_aligned(y, sizeof(O) * V),
+        [&](u64 k) {
+            const Pack<A, V> pa = reinterpret_cast<const Pack<A, V>*>(a)[k];
+            const Pack<B, V> pb = reinterpret_cast<const Pack<B, V>*>(b)[k];
+            Pack<O, V> r;
+#pragma unroll
+            for (int j = 0; j < V; ++j) r.v[j] = from_f32<O>(f(to_f32(pa.v[j]), to_f32(pb.v[j])));
+            reinterpret_cast<Pack<O, V>*>(y)[k] = r;
+        },
+        [&](u64 i) { y[i] = from_f32<O>(f(to_f32(a[i]), to_f32(b[i]))); });
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

@@ -1,15 +1,14 @@
-// Elementwise arithmetic, activations, casts, bias broadcast: one thread per element
-// (grid-stride), arithmetic in f32, one rounding to the storage type, as on the host.
+// Elementwise arithmetic, activations, casts, bias broadcast: arithmetic in f32, one rounding
+// to the storage type, as on the host. The plain maps (fills, scales, activations, add, mul,
+// casts, in-place updates) go through `map0`/`map1`/`map2` (common.cuh: 16-byte packs per
+// thread, launched with `launch::map`); the indexed ones are one thread per element.
 
 #define GELU_K 0.7978846f
 #define GELU_C 0.044715f
 
-template <typename T> __device__ void fill_impl(T* y, float v, u64 n) {
-    const T t = from_f32<T>(v);
-    FOR_EACH(i, n) y[i] = t;
-}
+template <typename T> __device__ void fill_impl(T* y, float v, u64 n) { map0(y, n, v); }
 template <typename T> __device__ void scale_impl(const T* x, float alpha, T* y, u64 n) {
-    FOR_EACH(i, n) y[i] = from_f32<T>(alpha * to_f32(x[i]));
+    map1(x, y, n, [=](float v) { return alpha * v; });
 }
 __device__ __forceinline__ float gelu_f(float v) {
     const float inner = GELU_K * (v + GELU_C * v * v * v);
@@ -78,10 +77,10 @@ FOR_DTYPES(SCALE_CHANNELS)
 // line, an expression of a and b, defining NAME_<dtype>(const T* a, const T* b, T* y, u64 n).
 #define UNARY_INSTANCE(T, S, NAME, FWD, BWD) \
     extern "C" __global__ void NAME##_##S(const T* x, T* y, u64 n) { \
-        FOR_EACH(i, n) { const float v = to_f32(x[i]); y[i] = from_f32<T>(FWD); } \
+        map1(x, y, n, [](float v) { return FWD; }); \
     } \
     extern "C" __global__ void NAME##_bwd_##S(const T* x, const T* dy, T* dx, u64 n) { \
-        FOR_EACH(i, n) { const float v = to_f32(x[i]); const float g = to_f32(dy[i]); dx[i] = from_f32<T>(BWD); } \
+        map2(x, dy, dx, n, [](float v, float g) { return BWD; }); \
     }
 #define UNARY_OP(NAME, FWD, BWD) \
     UNARY_INSTANCE(float, f32, NAME, FWD, BWD) \
@@ -90,7 +89,7 @@ FOR_DTYPES(SCALE_CHANNELS)
 
 #define BINARY_INSTANCE(T, S, NAME, F) \
     extern "C" __global__ void NAME##_##S(const T* x, const T* y, T* out, u64 n) { \
-        FOR_EACH(i, n) { const float a = to_f32(x[i]); const float b = to_f32(y[i]); out[i] = from_f32<T>(F); } \
+        map2(x, y, out, n, [](float a, float b) { return F; }); \
     }
 #define BINARY_OP(NAME, F) \
     BINARY_INSTANCE(float, f32, NAME, F) \
@@ -113,12 +112,12 @@ BINARY_OP(mul, a * b)
 // axpy_<y>_<x>.
 #define PAIR(A, SA, B, SB) \
     extern "C" __global__ void cast_##SA##_##SB(const A* x, B* y, u64 n) { \
-        FOR_EACH(i, n) y[i] = from_f32<B>(to_f32(x[i])); \
+        map1(x, y, n, [](float v) { return v; }); \
     } \
     extern "C" __global__ void add_assign_##SA##_##SB(A* acc, const B* x, u64 n) { \
-        FOR_EACH(i, n) acc[i] = from_f32<A>(to_f32(acc[i]) + to_f32(x[i])); \
+        map2(acc, x, acc, n, [](float a, float b) { return a + b; }); \
     } \
     extern "C" __global__ void axpy_##SA##_##SB(float alpha, const B* x, A* y, u64 n) { \
-        FOR_EACH(i, n) y[i] = from_f32<A>(to_f32(y[i]) + alpha * to_f32(x[i])); \
+        map2(y, x, y, n, [=](float a, float b) { return a + alpha * b; }); \
     }
 FOR_DTYPE_PAIRS(PAIR)

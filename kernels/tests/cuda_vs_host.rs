@@ -552,6 +552,10 @@ fn pooling_matches_host() {
             &ops::global_avg_pool_backward(&hdy, hx.shape()).unwrap(),
             t,
         );
+        let (mut hacc, mut gacc) = pair(&gpu, hx.shape(), dtype, 93);
+        ops::global_avg_pool_backward_add(&mut hacc, &hdy).unwrap();
+        ops::global_avg_pool_backward_add(&mut gacc, &gdy).unwrap();
+        close("global_avg_pool_backward_add", &gacc, &hacc, t);
     }
 }
 

@@ -269,6 +269,20 @@ fn conv_pool_and_norm_ops_check_shapes_and_compute_the_reference() {
     let gap = ops::global_avg_pool(&x).unwrap();
     assert_eq!(gap.shape(), &[2, 4]);
     assert_eq!(ops::global_avg_pool_backward(&gap, x.shape()).unwrap().shape(), x.shape());
+    // Added in place: in f32 the same values as materializing the gradient and adding it.
+    let mut acc = t(&d, x.shape(), 5);
+    let mut want = acc.clone();
+    ops::add_assign(&mut want, &ops::global_avg_pool_backward(&gap, x.shape()).unwrap()).unwrap();
+    ops::global_avg_pool_backward_add(&mut acc, &gap).unwrap();
+    assert_eq!(acc.to_f32_vec().unwrap(), want.to_f32_vec().unwrap());
+    // Bad input: an error, the accumulator unchanged.
+    let before = acc.to_f32_vec().unwrap();
+    let half = gap.to_dtype(DType::F16).unwrap();
+    for dy in [&x, &half, &t(&d, &[4, 2], 6)] {
+        assert!(ops::global_avg_pool_backward_add(&mut acc, dy).is_err());
+    }
+    assert!(ops::global_avg_pool_backward_add(&mut gap.clone(), &gap).is_err());
+    assert_eq!(acc.to_f32_vec().unwrap(), before);
     assert!(ops::max_pool2d(&x, &Pool2dOptions::new((2, 2), (0, 1))).is_err());
 
     let h = t(&d, &[3, 8], 3);

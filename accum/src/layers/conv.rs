@@ -948,17 +948,20 @@ impl SqueezeExcitation {
         Ok((y, Some(s)))
     }
 
-    fn backward(&mut self, s: SeSaved, dy: &Tensor) -> Result<Tensor> {
+    /// Each saved tensor and gradient is dropped once consumed, as autograd frees a node's
+    /// inputs after its backward; the pooling's gradient is added into `dx` in place
+    /// (PyTorch materializes it, then adds out of place).
+    fn backward(&mut self, s: SeSaved, dy: Tensor) -> Result<Tensor> {
         const WHAT: &str = "SqueezeExcitation";
-        let shape = s.x.shape().to_vec();
-        let grads = ops::scale_channels_backward(&s.x, &s.gate, dy)?;
-        drop((s.x, s.gate));
-        let dg = ops::hardsigmoid_backward(&s.g, &cast(&grads.ds, s.g.dtype())?)?;
-        drop(s.g);
+        let ops::ScaleChannelsGrads { mut dx, ds } =
+            ops::scale_channels_backward(&s.x, &s.gate, &dy)?;
+        drop((dy, s.x, s.gate));
+        let dg = ops::hardsigmoid_backward(&s.g, &cast(&ds, s.g.dtype())?)?;
+        drop((ds, s.g));
         let dh = dx_of(self.fc2.backward(s.fc2, dg, true)?, WHAT)?;
         let dpooled = dx_of(self.fc1.backward(s.fc1, dh, true)?, WHAT)?;
-        let mut dx = grads.dx;
-        add_grad(&mut dx, &ops::global_avg_pool_backward(&dpooled, &shape)?)?;
+        let dpooled = cast(&dpooled, dx.dtype())?;
+        ops::global_avg_pool_backward_add(&mut dx, &dpooled)?;
         Ok(dx)
     }
 }
@@ -1025,7 +1028,7 @@ impl Layer for InvertedResidual {
         let dshort = (self.residual && want).then(|| dy.clone());
         let mut dd = dx_of(self.project.backward(s.project, dy, true)?, WHAT)?;
         if let (Some(se), Some(ss)) = (&mut self.se, s.se) {
-            dd = se.backward(ss, &dd)?;
+            dd = se.backward(ss, dd)?;
         }
         let want_h = want || self.expand.is_some();
         let dh = self.depthwise.backward(s.depthwise, dd, want_h)?;

@@ -234,6 +234,22 @@ pub fn global_avg_pool_backward<T: Element>(dy: &[T], dx: &mut [T], hw: usize) -
     Ok(())
 }
 
+/// [`global_avg_pool_backward`] added in place: `acc[plane, i] += dy[plane] / hw`, in f32
+/// with one rounding.
+///
+/// # Errors
+///
+/// As [`global_avg_pool_backward`].
+pub fn global_avg_pool_backward_add<T: Element>(dy: &[T], acc: &mut [T], hw: usize) -> Result<()> {
+    let planes = plane_rows("cpu::global_avg_pool_backward_add", acc.len(), hw)?;
+    check_len("cpu::global_avg_pool_backward_add", "dy", dy.len(), planes)?;
+    acc.par_chunks_mut(hw).zip(dy.par_iter()).for_each(|(acc, g)| {
+        let g = g.to_f32() / hw as f32;
+        acc.iter_mut().for_each(|a| *a = T::from_f32(a.to_f32() + g));
+    });
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

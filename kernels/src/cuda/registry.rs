@@ -179,6 +179,8 @@ kernels! {
     BIAS_FILL = ELEMENTWISE "bias_fill" dtypes (Ptr, Ptr, U64, U64);
     /// `broadcast_rows(const T* dy, float f, T* dx, u64 n, u64 d)`.
     BROADCAST_ROWS = ELEMENTWISE "broadcast_rows" dtypes (Ptr, F32, Ptr, U64, U64);
+    /// `broadcast_rows_add(const T* dy, float f, T* acc, u64 n, u64 d)`.
+    BROADCAST_ROWS_ADD = ELEMENTWISE "broadcast_rows_add" dtypes (Ptr, F32, Ptr, U64, U64);
     /// `cast_S_D(const S* x, D* y, u64 n)`.
     CAST = ELEMENTWISE "cast" pairs (Ptr, Ptr, U64);
     /// `add_assign_A_X(A* acc, const X* x, u64 n)`.

@@ -52,8 +52,8 @@ pub use params::{
 };
 pub use permute::{MAX_PERMUTE_RANK, permute, permute_backward};
 pub use pool::{
-    avg_pool2d, avg_pool2d_backward, global_avg_pool, global_avg_pool_backward, max_pool2d,
-    max_pool2d_backward, pool2d_params,
+    avg_pool2d, avg_pool2d_backward, global_avg_pool, global_avg_pool_backward,
+    global_avg_pool_backward_add, max_pool2d, max_pool2d_backward, pool2d_params,
 };
 pub use random::{dropout, dropout_backward};
 pub use reduce::{

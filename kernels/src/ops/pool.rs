@@ -377,6 +377,86 @@ pub fn global_avg_pool_backward(dy: &Tensor, input_shape: &[usize]) -> Result<Te
 }
 
 /// The global average pool (`x` given) or its gradient (`dy` given) over planes of `hw`.
+/// [`global_avg_pool_backward`] added into `acc` in place, without materializing it:
+/// `acc[b, c, i, j] += dy[b, c] / (h * w)`, computed in f32 with one rounding. Where a
+/// layer's input gradient is a sum of a path through the pooling and another path
+/// (squeeze-excitation), this saves an input-sized temporary.
+///
+/// # Errors
+///
+/// [`Error::ShapeMismatch`] if `dy` is not `acc.shape()[..2]`, [`Error::DTypeMismatch`],
+/// [`Error::DeviceMismatch`]; as [`global_avg_pool_backward`] for `acc`'s shape. `acc` is
+/// unchanged then.
+pub fn global_avg_pool_backward_add(acc: &mut Tensor, dy: &Tensor) -> Result<()> {
+    const OP: &str = "global_avg_pool_backward_add";
+    let &[b, c, h, w] = acc.shape() else {
+        return Err(invalid(
+            OP,
+            format!("expected acc of shape [batch, channels, h, w], got {:?}", acc.shape()),
+        ));
+    };
+    super::same_kind(OP, acc, dy)?;
+    expect_shape(OP, &[b, c], dy)?;
+    let hw = h * w;
+    if hw == 0 {
+        return Err(invalid(
+            OP,
+            format!("cannot average an empty plane, acc is {:?}", acc.shape()),
+        ));
+    }
+    run(PoolGradAdd { acc, dy, hw })
+}
+
+/// `acc += global_avg_pool_backward(dy)`, in place.
+struct PoolGradAdd<'a> {
+    acc: &'a mut Tensor,
+    dy: &'a Tensor,
+    hw: usize,
+}
+
+impl Op for PoolGradAdd<'_> {
+    const NAME: &'static str = "global_avg_pool_backward_add";
+    type Output = ();
+
+    fn device(&self) -> &Device {
+        self.dy.device()
+    }
+
+    fn plan(&mut self) -> Result<Plan> {
+        self.acc.make_unique()?;
+        Ok(Plan::default())
+    }
+
+    fn host(&mut self, _: &mut Buffers) -> Result<()> {
+        let (dy, acc, hw) = (self.dy, &mut *self.acc, self.hw);
+        with_dtype!(dy.dtype(), T => {
+            cpu::global_avg_pool_backward_add(dy.as_slice::<T>()?, acc.as_mut_slice::<T>()?, hw)
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, _: &mut Buffers) -> Result<()> {
+        use crate::cuda::registry::BROADCAST_ROWS_ADD;
+        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid};
+        let (dy, acc) = (self.dy, &*self.acc);
+        let n = acc.numel();
+        let factor = 1.0 / self.hw as f32;
+        // SAFETY: broadcast_rows_add_T(const T* dy, float f, T* acc, u64 n, u64 d); acc holds
+        // n elements of T and dy n / hw (shapes and dtypes checked before `run`).
+        unsafe {
+            gpu.launch(
+                BROADCAST_ROWS_ADD.of(acc.dtype()),
+                grid(n),
+                &[ptr(dy)?, Arg::F32(factor), ptr(acc)?, Arg::count(n), Arg::count(self.hw)],
+            )
+        }
+    }
+
+    fn finish(self, _: Buffers) -> Result<()> {
+        Ok(())
+    }
+}
+
 struct GlobalAvgPool<'a> {
     x: Option<&'a Tensor>,
     dy: Option<&'a Tensor>,

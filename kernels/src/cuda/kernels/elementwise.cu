@@ -34,13 +34,19 @@ template <typename T>
 __device__ void broadcast_rows_impl(const T* dy, float factor, T* dx, u64 n, u64 d) {
     FOR_EACH(i, n) dx[i] = from_f32<T>(to_f32(dy[i / d]) * factor);
 }
+// acc[i] += dy[i / d] * factor, one rounding (a global average pool's gradient added in place).
+template <typename T>
+__device__ void broadcast_rows_add_impl(const T* dy, float factor, T* acc, u64 n, u64 d) {
+    FOR_EACH(i, n) acc[i] = from_f32<T>(to_f32(acc[i]) + to_f32(dy[i / d]) * factor);
+}
 
 #define PER_DTYPE(T, S) \
     extern "C" __global__ void fill_##S(T* y, float v, u64 n) { fill_impl<T>(y, v, n); } \
     extern "C" __global__ void scale_##S(const T* x, float alpha, T* y, u64 n) { scale_impl<T>(x, alpha, y, n); } \
     extern "C" __global__ void bias_add_##S(const T* x, const T* b, T* y, u64 n, u64 d) { bias_add_impl<T>(x, b, y, n, d); } \
     extern "C" __global__ void bias_fill_##S(const T* b, T* y, u64 n, u64 d) { bias_fill_impl<T>(b, y, n, d); } \
-    extern "C" __global__ void broadcast_rows_##S(const T* dy, float f, T* dx, u64 n, u64 d) { broadcast_rows_impl<T>(dy, f, dx, n, d); }
+    extern "C" __global__ void broadcast_rows_##S(const T* dy, float f, T* dx, u64 n, u64 d) { broadcast_rows_impl<T>(dy, f, dx, n, d); } \
+    extern "C" __global__ void broadcast_rows_add_##S(const T* dy, float f, T* acc, u64 n, u64 d) { broadcast_rows_add_impl<T>(dy, f, acc, n, d); }
 FOR_DTYPES(PER_DTYPE)
 
 // x * s per plane of hw values (s: one scale per plane), and its backward: one block per

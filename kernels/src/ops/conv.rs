@@ -5,8 +5,9 @@
 //! convolutions, and small ones (at most [`DIRECT_MAX_MACS`](super::DIRECT_MAX_MACS)
 //! multiply-adds, see [`Conv2dParams::is_direct`]), use direct kernels that need no buffer
 //! at all, which keeps a small model's peak from being its largest im2col matrix (`kh * kw`
-//! times the convolution's input). The plan allocates those im2col buffers and f32
-//! accumulators on every backend, so the host's figures are the GPU's. When the im2col
+//! times the convolution's input). The plan allocates those im2col buffers and the f32
+//! accumulators of 16-bit gradients (an f32 weight gradient accumulates over the images in
+//! place) on every backend, so the host's figures are the GPU's. When the im2col
 //! buffer does not fit in the memory left, the convolution asks for half as many images,
 //! down to one, rather than failing (as PyTorch falls back to a cuDNN algorithm with a
 //! smaller workspace; `Plan::chunked_workspace` in `dispatch`).
@@ -16,7 +17,7 @@ use super::params::{Conv2dOptions, Conv2dParams};
 use super::{expect_rank, expect_shape, same_kind};
 use crate::cpu::conv as cpu;
 use crate::device::Device;
-use crate::dtype::with_dtype;
+use crate::dtype::{DType, with_dtype};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -163,7 +164,7 @@ struct BackwardWorkspaces {
     chunk: usize,
     /// im2col matrices (of the input, or of the input's gradient in f32) of `chunk` images.
     cols: Option<usize>,
-    /// The weight gradient in f32.
+    /// The weight gradient in f32, for 16-bit weights (f32 ones accumulate in place).
     dweight: Option<usize>,
     /// Per-(image, channel) sums of `dy`, f32.
     plane_sums: Option<usize>,
@@ -212,7 +213,11 @@ impl Op for Conv2dBackward<'_> {
             if !p.is_pointwise() {
                 self.ws.cols = plan.chunked_workspace(per_image, self.ws.chunk);
             }
-            self.ws.dweight = plan.zeroed_workspace(w.numel() * 4);
+            // An f32 weight gradient accumulates over the images in place (the first image's
+            // product overwrites); a 16-bit one in an f32 buffer, rounded once.
+            if dtype != DType::F32 {
+                self.ws.dweight = plan.zeroed_workspace(w.numel() * 4);
+            }
             plan.blas();
         }
         if self.with_bias && dy.numel() > 0 {
@@ -530,8 +535,10 @@ mod cuda {
         Ok(())
     }
 
-    /// dW_g = sum over images of `dy_g * col^T`, accumulated in the zeroed f32 `acc` and
-    /// rounded once; the input's columns go to `cols`.
+    /// dW_g = sum over images of `dy_g * col^T`: for f32 weights accumulated in `dweight`
+    /// itself (the first image's product with beta = 0, so `dweight` need not be zeroed;
+    /// `acc` unused), for 16-bit ones in the zeroed f32 `acc` and rounded once. The input's
+    /// columns go to `cols`.
     pub(super) fn backward_weight(
         gpu: &Gpu<'_>,
         p: &Conv2dParams,
@@ -545,7 +552,9 @@ mod cuda {
         let size = t.size_in_bytes();
         let (ohw, k, cin_g, cout_g, hw) = dims(p);
         let (px, pdy) = (x.cuda_ptr()?, dy.cuda_ptr()?);
-        let spec = MatmulSpec::new(cout_g, k, ohw).transpose(false, true).scaled(1.0, 1.0);
+        let in_place = t == DType::F32;
+        let acc = if in_place { dweight.cuda_ptr()? } else { acc };
+        let spec = MatmulSpec::new(cout_g, k, ohw).transpose(false, true);
         for n0 in (0..p.batch()).step_by(chunk) {
             let nimg = chunk.min(p.batch() - n0);
             for g in 0..p.groups() {
@@ -561,12 +570,14 @@ mod cuda {
                     };
                     let a = pdy + ((n * p.c_out() + g * cout_g) * ohw * size) as u64;
                     let c = acc + (g * cout_g * k * 4) as u64;
+                    let beta = if in_place && n == 0 { 0.0 } else { 1.0 };
                     // SAFETY: dy plane block [cout_g, ohw] * columns^T ([k, ohw] stored) ->
-                    // the f32 accumulator of group g, [cout_g, k], inside acc.
-                    unsafe { gpu.gemm(&spec, a, b, c, t, DType::F32)? };
+                    // the f32 accumulator of group g, [cout_g, k], inside acc (dweight's
+                    // f32 elements when in place; with beta = 0 its contents are not read).
+                    unsafe { gpu.gemm(&spec.scaled(1.0, beta), a, b, c, t, DType::F32)? };
                 }
             }
         }
-        from_f32(gpu, acc, dweight)
+        if in_place { Ok(()) } else { from_f32(gpu, acc, dweight) }
     }
 }

@@ -7,7 +7,7 @@ use super::params::MatmulSpec;
 use super::{expect_rank, expect_shape, rows_cols, same_kind};
 use crate::cpu::matmul as cpu;
 use crate::device::Device;
-use crate::dtype::with_dtype;
+use crate::dtype::{DType, with_dtype};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -142,11 +142,13 @@ impl Op for MatmulBackward<'_> {
         }
         plan.output(a.shape(), a.dtype());
         plan.output(b.shape(), b.dtype());
-        // A broadcast operand's gradient sums the batches in f32, rounded once.
-        if s.batch > 1 && s.stride_a == 0 {
+        // A broadcast operand's gradient sums the batches in f32, rounded once: in place for
+        // f32 operands, in an f32 buffer for 16-bit ones.
+        let sums = s.batch > 1 && a.dtype() != DType::F32;
+        if sums && s.stride_a == 0 {
             self.acc[0] = plan.zeroed_workspace(s.m * s.k * 4);
         }
-        if s.batch > 1 && s.stride_b == 0 {
+        if sums && s.stride_b == 0 {
             self.acc[1] = plan.zeroed_workspace(s.k * s.n * 4);
         }
         if s.k > 0 {
@@ -445,8 +447,9 @@ mod cuda {
     use crate::tensor::Tensor;
 
     /// One gradient product of a matmul's backward, as the host's `grad_batches`: batched
-    /// into `out` when the operand has its own matrix per batch, summed over batches (in the
-    /// zeroed f32 accumulator `acc`, rounded once) when it was broadcast.
+    /// into `out` when the operand has its own matrix per batch, summed over batches when it
+    /// was broadcast: in `out` itself for f32 (the first batch's product with beta = 0;
+    /// `acc` unused), in the zeroed f32 accumulator `acc` for 16-bit types, rounded once.
     pub(super) fn grad_batches(
         gpu: &Gpu<'_>,
         spec: &MatmulSpec,
@@ -462,9 +465,13 @@ mod cuda {
             // layouts the forward spec describes; `g` addresses exactly those ranges.
             return unsafe { gpu.gemm(&g, lhs, rhs, out.cuda_ptr()?, t, t) };
         }
+        let in_place = t == DType::F32;
+        let acc = if in_place { out.cuda_ptr()? } else { acc };
         for i in 0..spec.batch {
-            let g = grad.scaled(grad.alpha, 1.0);
-            // SAFETY: batch i's matrices start i strides in; acc holds the m * n f32 sum.
+            let beta = if in_place && i == 0 { 0.0 } else { 1.0 };
+            let g = grad.scaled(grad.alpha, beta);
+            // SAFETY: batch i's matrices start i strides in; acc holds the m * n f32 sum
+            // (out's f32 elements when in place; with beta = 0 they are not read).
             unsafe {
                 gpu.gemm(
                     &g,
@@ -476,7 +483,7 @@ mod cuda {
                 )?;
             }
         }
-        from_f32(gpu, acc, out)
+        if in_place { Ok(()) } else { from_f32(gpu, acc, out) }
     }
 
     /// `y[i] = bias[i % d]` over all of `y` (the C operand of a linear layer's gemm).

@@ -296,7 +296,9 @@ fn batch_norm_matches_host() {
     for dtype in DTYPES {
         let t = tol(dtype, false);
         for pdtype in [dtype, DType::F32] {
-            for shape in [&[4usize, 6, 9, 11][..], &[37, 5]] {
+            // One part per channel (the first two), then 4 even and 2 uneven parts of whole
+            // images per channel (`batch_norm::parts`: at least 4096 values per part).
+            for shape in [&[4usize, 6, 9, 11][..], &[37, 5], &[16, 4, 32, 32], &[7, 2, 30, 40]] {
                 let c = shape[1];
                 let (hx, gx) = pair(&gpu, shape, dtype, 20);
                 let (hg, gg) = pair(&gpu, &[c], pdtype, 21);

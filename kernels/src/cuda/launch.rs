@@ -35,6 +35,16 @@ pub(crate) fn per_row(rows: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// `parts` blocks per row (grid `(rows, parts)`): a per-channel reduction spread over
+/// several blocks. `rows` must fit grid.x ([`fits_grid`]); `parts` at most 65535.
+pub(crate) fn per_row_parts(rows: usize, parts: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, parts as u32, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// Whether `blocks` blocks fit grid.x (2^31 - 1).
 pub(crate) fn fits_grid(blocks: usize) -> bool {
     blocks <= i32::MAX as usize

@@ -219,18 +219,23 @@ kernels! {
     /// float* dg, float* db, u64 rows, u64 d, u64 chunk)`.
     LAYER_NORM_PARAMS_BWD =
         SOFTMAX "layer_norm_params_bwd" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64);
-    /// `bn_stats(const T* x, float* mean, float* invstd, void* rmean, void* rvar, u32 pf32,
-    /// u32 update, float momentum, float eps, u64 n, u64 c, u64 s)`.
-    BN_STATS = SOFTMAX "bn_stats" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, F32, F32, U64, U64, U64);
+    /// `bn_partial(const T* x, float* part, u64 n, u64 c, u64 s, u32 parts)`.
+    BN_PARTIAL = SOFTMAX "bn_partial" dtypes (Ptr, Ptr, U64, U64, U64, U32);
+    /// `bn_finalize(const float* part, float* mean, float* invstd, void* rmean, void* rvar,
+    /// u32 pf32, u32 update, float momentum, float eps, u64 n, u64 c, u64 s, u32 parts)`.
+    BN_FINALIZE = SOFTMAX "bn_finalize" dtypes
+        (Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, F32, F32, U64, U64, U64, U32);
     /// `bn_eval_stats(const void* rmean, const void* rvar, u32 pf32, float eps, float* mean,
     /// float* invstd, u64 c)`.
     BN_EVAL_STATS = SOFTMAX "bn_eval_stats" dtypes (Ptr, Ptr, U32, F32, Ptr, Ptr, U64);
     /// `bn_apply(const T* x, const float* mean, const float* invstd, const void* g, const
     /// void* b, u32 pf32, T* y, u64 total, u64 c, u64 s)`.
     BN_APPLY = SOFTMAX "bn_apply" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U32, Ptr, U64, U64, U64);
-    /// `bn_bwd_sums(const T* x, const T* dy, const float* mean, const float* invstd, float*
-    /// sums, u64 n, u64 c, u64 s)`.
-    BN_BWD_SUMS = SOFTMAX "bn_bwd_sums" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64);
+    /// `bn_bwd_partial(const T* x, const T* dy, const float* mean, const float* invstd,
+    /// float* part, u64 n, u64 c, u64 s, u32 parts)`.
+    BN_BWD_PARTIAL = SOFTMAX "bn_bwd_partial" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U32);
+    /// `bn_bwd_finalize(const float* part, float* sums, u64 c, u32 parts)`.
+    BN_BWD_FINALIZE = SOFTMAX "bn_bwd_finalize" once (Ptr, Ptr, U64, U32);
     /// `bn_bwd_dx(const T* x, const T* dy, const float* mean, const float* invstd, const void*
     /// g, u32 pf32, const float* sums, T* dx, u64 total, u64 c, u64 s)`.
     BN_BWD_DX = SOFTMAX "bn_bwd_dx" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U32, Ptr, Ptr, U64, U64, U64);

@@ -98,6 +98,22 @@ fn host_store(t: &mut Tensor, values: &[f32]) -> Result<()> {
     with_dtype!(t.dtype(), T => crate::cpu::elementwise::cast(values, t.as_mut_slice::<T>()?))
 }
 
+/// Blocks the GPU aims for in a per-channel reduction (an H100 holds about 1000 of 256
+/// threads at once).
+const PART_BLOCKS: usize = 1024;
+
+/// Fewest values a block of a per-channel reduction is given.
+const PART_VALUES: usize = 4096;
+
+/// Parts (of whole images) each channel's statistics and backward sums are spread over on
+/// the GPU, for `x: [n, c, s]`: enough for about [`PART_BLOCKS`] blocks, at most one per
+/// image, each over at least [`PART_VALUES`] values. A function of the shape alone, so
+/// the workspace it sizes is the same on every backend.
+fn parts(n: usize, c: usize, s: usize) -> usize {
+    let by_values = n.saturating_mul(s) / PART_VALUES;
+    (PART_BLOCKS / c.max(1)).min(n).min(by_values).clamp(1, u16::MAX as usize)
+}
+
 /// `1 / sqrt(var + eps)`, 0 where both are 0 (as PyTorch's `InvStd`).
 fn invstd(var: f32, eps: f32) -> f32 {
     if var == 0.0 && eps == 0.0 { 0.0 } else { 1.0 / (var + eps).sqrt() }
@@ -121,7 +137,7 @@ pub fn batch_norm(
     running: Option<RunningStats<'_>>,
     eps: f32,
 ) -> Result<BatchNormOutput> {
-    run(BatchNorm { x, gamma, beta, running, eps, dims: (0, 0, 0) })
+    run(BatchNorm { x, gamma, beta, running, eps, dims: (0, 0, 0), part: None })
 }
 
 struct BatchNorm<'a, 'r> {
@@ -131,6 +147,8 @@ struct BatchNorm<'a, 'r> {
     running: Option<RunningStats<'r>>,
     eps: f32,
     dims: (usize, usize, usize),
+    /// The per-part (mean, m2) pairs on the GPU, `2 * c * parts` floats.
+    part: Option<usize>,
 }
 
 impl Op for BatchNorm<'_, '_> {
@@ -170,6 +188,7 @@ impl Op for BatchNorm<'_, '_> {
         let mut plan = Plan::one(self.x.shape(), self.x.dtype());
         plan.output(&[c], DType::F32);
         plan.output(&[c], DType::F32);
+        self.part = plan.workspace(2 * c * parts(n, c, s) * 4);
         Ok(plan)
     }
 
@@ -211,27 +230,45 @@ impl Op for BatchNorm<'_, '_> {
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
         use crate::cuda::helpers::{check_rows, ptr};
-        use crate::cuda::registry::BN_STATS;
+        use crate::cuda::registry::{BN_FINALIZE, BN_PARTIAL};
         use crate::cuda::{Arg, launch};
         let (n, c, s) = self.dims;
+        let parts = parts(n, c, s);
         let t = self.x.dtype();
         let pf32 = Arg::U32((self.gamma.dtype() == DType::F32) as u32);
+        let part = bufs.ws(self.part)?;
         let [y, mean, inv] = bufs.outputs_mut() else { unreachable!("planned") };
         check_rows(Self::NAME, c)?;
         let (rm, rv, momentum) = match &self.running {
             Some(r) => (ptr(r.mean)?, ptr(r.var)?, r.momentum),
             None => (Arg::Ptr(0), Arg::Ptr(0), 0.0),
         };
-        // SAFETY: bn_stats_T(const T* x, float* mean, float* invstd, void* rmean, void* rvar,
-        // u32 pf32, u32 update, float momentum, float eps, u64 n, u64 c, u64 s), one block
-        // per channel; x holds n * c * s elements, mean and invstd c floats, the running
-        // statistics (read and written only when update is 1) c parameters.
+        // SAFETY: bn_partial_T(const T* x, float* part, u64 n, u64 c, u64 s, u32 parts), grid
+        // (c, parts); x holds n * c * s elements, the workspace 2 * c * parts floats.
         unsafe {
             gpu.launch(
-                BN_STATS.of(t),
-                launch::per_row(c),
+                BN_PARTIAL.of(t),
+                launch::per_row_parts(c, parts),
                 &[
                     ptr(self.x)?,
+                    Arg::Ptr(part),
+                    Arg::count(n),
+                    Arg::count(c),
+                    Arg::count(s),
+                    Arg::U32(parts as u32),
+                ],
+            )?;
+        }
+        // SAFETY: bn_finalize_T(const float* part, float* mean, float* invstd, void* rmean,
+        // void* rvar, u32 pf32, u32 update, float momentum, float eps, u64 n, u64 c, u64 s,
+        // u32 parts), grid-stride over c; part as just written, mean and invstd c floats, the
+        // running statistics (read and written only when update is 1) c parameters.
+        unsafe {
+            gpu.launch(
+                BN_FINALIZE.of(t),
+                launch::elementwise(c),
+                &[
+                    Arg::Ptr(part),
                     ptr(mean)?,
                     ptr(inv)?,
                     rm,
@@ -243,6 +280,7 @@ impl Op for BatchNorm<'_, '_> {
                     Arg::count(n),
                     Arg::count(c),
                     Arg::count(s),
+                    Arg::U32(parts as u32),
                 ],
             )?;
         }
@@ -404,7 +442,7 @@ pub fn batch_norm_backward(
     invstd: &Tensor,
     dy: &Tensor,
 ) -> Result<BatchNormGrads> {
-    run(BatchNormBackward { x, gamma, mean, invstd, dy, s: 0, sums: None })
+    run(BatchNormBackward { x, gamma, mean, invstd, dy, s: 0, parts: 1, sums: None })
 }
 
 struct BatchNormBackward<'a> {
@@ -414,7 +452,10 @@ struct BatchNormBackward<'a> {
     invstd: &'a Tensor,
     dy: &'a Tensor,
     s: usize,
-    /// The f32 per-channel sums of `dy * xhat` and `dy` on the GPU, `2 * c` floats.
+    /// Parts per channel of the sums on the GPU ([`parts`]).
+    parts: usize,
+    /// The f32 per-channel sums of `dy * xhat` and `dy` on the GPU, `2 * c` floats, then
+    /// their per-part terms, `2 * c * parts`.
     sums: Option<usize>,
 }
 
@@ -427,7 +468,7 @@ impl Op for BatchNormBackward<'_> {
     }
 
     fn plan(&mut self) -> Result<Plan> {
-        let (_, c, s) = dims(Self::NAME, self.x, &[self.gamma], 0.0)?;
+        let (n, c, s) = dims(Self::NAME, self.x, &[self.gamma], 0.0)?;
         same_layout(Self::NAME, self.x, self.dy)?;
         for saved in [self.mean, self.invstd] {
             same_device(Self::NAME, self.x, saved)?;
@@ -435,10 +476,11 @@ impl Op for BatchNormBackward<'_> {
             expect_shape(Self::NAME, &[c], saved)?;
         }
         self.s = s;
+        self.parts = parts(n, c, s);
         let mut plan = Plan::one(self.x.shape(), self.x.dtype());
         plan.output(&[c], self.gamma.dtype());
         plan.output(&[c], self.gamma.dtype());
-        self.sums = plan.workspace(2 * c * 4);
+        self.sums = plan.workspace(2 * c * (1 + self.parts) * 4);
         Ok(plan)
     }
 
@@ -465,30 +507,42 @@ impl Op for BatchNormBackward<'_> {
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
         use crate::cuda::helpers::{check_rows, from_f32, ptr};
-        use crate::cuda::registry::{BN_BWD_DX, BN_BWD_SUMS};
+        use crate::cuda::registry::{BN_BWD_DX, BN_BWD_FINALIZE, BN_BWD_PARTIAL};
         use crate::cuda::{Arg, launch};
         let c = self.gamma.numel();
         let n = self.x.numel() / (c * self.s).max(1);
-        let t = self.x.dtype();
+        let (t, parts) = (self.x.dtype(), self.parts);
         check_rows(Self::NAME, c)?;
         let sums = bufs.ws(self.sums)?;
-        // SAFETY: bn_bwd_sums_T(const T* x, const T* dy, const float* mean, const float*
-        // invstd, float* sums, u64 n, u64 c, u64 s), one block per channel; sums holds 2c
-        // floats (sum of dy * xhat, then sum of dy).
+        let part = sums + (2 * c * 4) as u64;
+        // SAFETY: bn_bwd_partial_T(const T* x, const T* dy, const float* mean, const float*
+        // invstd, float* part, u64 n, u64 c, u64 s, u32 parts), grid (c, parts); x and dy
+        // hold n * c * s elements, mean and invstd c floats, part (inside the workspace, after
+        // the 2c sums) 2 * c * parts.
         unsafe {
             gpu.launch(
-                BN_BWD_SUMS.of(t),
-                launch::per_row(c),
+                BN_BWD_PARTIAL.of(t),
+                launch::per_row_parts(c, parts),
                 &[
                     ptr(self.x)?,
                     ptr(self.dy)?,
                     ptr(self.mean)?,
                     ptr(self.invstd)?,
-                    Arg::Ptr(sums),
+                    Arg::Ptr(part),
                     Arg::count(n),
                     Arg::count(c),
                     Arg::count(self.s),
+                    Arg::U32(parts as u32),
                 ],
+            )?;
+        }
+        // SAFETY: bn_bwd_finalize(const float* part, float* sums, u64 c, u32 parts),
+        // grid-stride over c; sums holds 2c floats (sum of dy * xhat, then sum of dy).
+        unsafe {
+            gpu.launch(
+                BN_BWD_FINALIZE.of(DType::F32),
+                launch::elementwise(c),
+                &[Arg::Ptr(part), Arg::Ptr(sums), Arg::count(c), Arg::U32(parts as u32)],
             )?;
         }
         let total = self.x.numel();
@@ -525,5 +579,27 @@ impl Op for BatchNormBackward<'_> {
             (Some(dx), Some(dgamma), Some(dbeta)) => Ok(BatchNormGrads { dx, dgamma, dbeta }),
             _ => unreachable!("the plan has dx, dgamma and dbeta"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parts;
+
+    #[test]
+    fn a_channel_is_spread_over_parts_of_whole_images_of_at_least_4096_values() {
+        // Small inputs, many channels: one part.
+        assert_eq!(parts(4, 6, 99), 1);
+        assert_eq!(parts(37, 5, 1), 1);
+        assert_eq!(parts(64, 2048, 49), 1);
+        // ResNet-50's first batch norm at batch 64 and at batch 2.
+        assert_eq!(parts(64, 64, 112 * 112), 16);
+        assert_eq!(parts(2, 64, 112 * 112), 2);
+        // The GPU test's shapes: 4 even parts, then 2 parts of 3 and 4 images.
+        assert_eq!(parts(16, 4, 32 * 32), 4);
+        assert_eq!(parts(7, 2, 30 * 40), 2);
+        // Never more parts than images, never zero.
+        assert_eq!(parts(3, 1, 1 << 20), 3);
+        assert_eq!(parts(0, 0, 0), 1);
     }
 }

@@ -139,10 +139,11 @@ __device__ void layer_norm_params_bwd_impl(const T* x, const float* mean, const 
     atomicAdd(dbeta + j, b);
 }
 
-// Batch norm over x: [n, c, s]. The statistics and the backward's sums take one block per
-// channel (a grid-stride loop over its n * s values, two passes for the variance); the
-// elementwise parts a grid-stride loop. gamma, beta and the running statistics are f32
-// (pf32 = 1) or T (pf32 = 0).
+// Batch norm over x: [n, c, s]. The statistics and the backward's sums spread each channel
+// over `parts` blocks of whole images (grid (c, parts), `batch_norm::parts` on the Rust
+// side), whose partial results one thread per channel then merges; the elementwise parts
+// are a grid-stride loop. gamma, beta and the running statistics are f32 (pf32 = 1) or T
+// (pf32 = 0).
 template <typename T>
 __device__ __forceinline__ float load_param(const void* p, u64 i, u32 pf32) {
     return pf32 ? ((const float*)p)[i] : to_f32(((const T*)p)[i]);
@@ -157,39 +158,63 @@ __device__ __forceinline__ void store_param(void* p, u64 i, u32 pf32, float v) {
     }
 }
 
-// The index in x of the k-th value of channel ch.
-__device__ __forceinline__ u64 channel_index(u64 k, u64 ch, u64 c, u64 s) {
-    return ((k / s) * c + ch) * s + k % s;
-}
-
 __device__ __forceinline__ float inv_std(float var, float eps) {
     return (var == 0.0f && eps == 0.0f) ? 0.0f : 1.0f / sqrtf(var + eps);
 }
 
+// The images of part p of `parts` (of n): [n * p / parts, n * (p + 1) / parts).
+__device__ __forceinline__ u64 part_start(u64 n, u64 p, u64 parts) { return n * p / parts; }
+
+// The statistics' first kernel, grid (c, parts): each block writes its part's mean and sum
+// of squared deviations from it (two passes over the part), part[2 * (ch * parts + p)] =
+// (mean, m2); the part's count follows from n, s and parts.
 template <typename T>
-__device__ void bn_stats_impl(const T* x, float* mean, float* invstd, void* rmean, void* rvar,
-                              u32 pf32, u32 update, float momentum, float eps, u64 n, u64 c,
-                              u64 s) {
-    const u64 ch = blockIdx.x;
-    const u64 m = n * s;
+__device__ void bn_partial_impl(const T* x, float* part, u64 n, u64 c, u64 s, u32 parts) {
+    const u64 ch = blockIdx.x, p = blockIdx.y;
+    const u64 img0 = part_start(n, p, parts);
+    const u64 m = (part_start(n, p + 1, parts) - img0) * s;
+    const T* base = x + (img0 * c + ch) * s;
     float sum = 0.0f;
-    for (u64 k = threadIdx.x; k < m; k += blockDim.x) sum += to_f32(x[channel_index(k, ch, c, s)]);
-    const float mu = block_sum(sum) / (float)m;
+    for (u64 k = threadIdx.x; k < m; k += blockDim.x) sum += to_f32(base[(k / s) * c * s + k % s]);
+    const float mu = m > 0 ? block_sum(sum) / (float)m : 0.0f;
     float q = 0.0f;
     for (u64 k = threadIdx.x; k < m; k += blockDim.x) {
-        const float d = to_f32(x[channel_index(k, ch, c, s)]) - mu;
+        const float d = to_f32(base[(k / s) * c * s + k % s]) - mu;
         q += d * d;
     }
-    const float var_sum = block_sum(q);
+    const float m2 = block_sum(q);
     if (threadIdx.x == 0) {
+        part[2 * (ch * parts + p)] = mu;
+        part[2 * (ch * parts + p) + 1] = m2;
+    }
+}
+
+// The second: merges each channel's parts in order with Chan et al.'s pairwise formula (one
+// thread per channel) into mean and invstd and, when `update`, the running statistics
+// (momentum, unbiased variance).
+template <typename T>
+__device__ void bn_finalize_impl(const float* part, float* mean, float* invstd, void* rmean,
+                                 void* rvar, u32 pf32, u32 update, float momentum, float eps,
+                                 u64 n, u64 c, u64 s, u32 parts) {
+    FOR_EACH(ch, c) {
+        float count = 0.0f, mu = 0.0f, m2 = 0.0f;
+        for (u32 p = 0; p < parts; ++p) {
+            const float nb = (float)((part_start(n, p + 1, parts) - part_start(n, p, parts)) * s);
+            if (nb == 0.0f) continue;
+            const float pm = part[2 * (ch * parts + p)], pq = part[2 * (ch * parts + p) + 1];
+            const float total = count + nb;
+            const float d = pm - mu;
+            mu += d * (nb / total);
+            m2 += pq + d * d * (count * nb / total);
+            count = total;
+        }
         mean[ch] = mu;
-        invstd[ch] = inv_std(var_sum / (float)m, eps);
+        invstd[ch] = inv_std(m2 / count, eps);
         if (update) {
             const float rm = load_param<T>(rmean, ch, pf32);
             const float rv = load_param<T>(rvar, ch, pf32);
             store_param<T>(rmean, ch, pf32, momentum * mu + (1.0f - momentum) * rm);
-            store_param<T>(rvar, ch, pf32,
-                           momentum * (var_sum / (float)(m - 1)) + (1.0f - momentum) * rv);
+            store_param<T>(rvar, ch, pf32, momentum * (m2 / (count - 1.0f)) + (1.0f - momentum) * rv);
         }
     }
 }
@@ -213,16 +238,20 @@ __device__ void bn_apply_impl(const T* x, const float* mean, const float* invstd
     }
 }
 
-// sums[ch] = sum of dy * xhat, sums[c + ch] = sum of dy over channel ch.
+// The backward's per-channel sums in two kernels, over grid (c, parts) as the statistics:
+// part[2 * (ch * parts + p)] = (sum of dy * xhat, sum of dy) over part p of channel ch.
 template <typename T>
-__device__ void bn_bwd_sums_impl(const T* x, const T* dy, const float* mean, const float* invstd,
-                                 float* sums, u64 n, u64 c, u64 s) {
-    const u64 ch = blockIdx.x;
-    const u64 m = n * s;
+__device__ void bn_bwd_partial_impl(const T* x, const T* dy, const float* mean,
+                                    const float* invstd, float* part, u64 n, u64 c, u64 s,
+                                    u32 parts) {
+    const u64 ch = blockIdx.x, p = blockIdx.y;
+    const u64 img0 = part_start(n, p, parts);
+    const u64 m = (part_start(n, p + 1, parts) - img0) * s;
+    const u64 start = (img0 * c + ch) * s;
     const float mu = mean[ch], r = invstd[ch];
     float a = 0.0f, b = 0.0f;
     for (u64 k = threadIdx.x; k < m; k += blockDim.x) {
-        const u64 i = channel_index(k, ch, c, s);
+        const u64 i = start + (k / s) * c * s + k % s;
         const float g = to_f32(dy[i]);
         a += g * (to_f32(x[i]) - mu) * r;
         b += g;
@@ -230,6 +259,20 @@ __device__ void bn_bwd_sums_impl(const T* x, const T* dy, const float* mean, con
     a = block_sum(a);
     b = block_sum(b);
     if (threadIdx.x == 0) {
+        part[2 * (ch * parts + p)] = a;
+        part[2 * (ch * parts + p) + 1] = b;
+    }
+}
+
+// sums[ch] = sum of dy * xhat, sums[c + ch] = sum of dy over channel ch: the parts added in
+// order, one thread per channel.
+extern "C" __global__ void bn_bwd_finalize(const float* part, float* sums, u64 c, u32 parts) {
+    FOR_EACH(ch, c) {
+        float a = 0.0f, b = 0.0f;
+        for (u32 p = 0; p < parts; ++p) {
+            a += part[2 * (ch * parts + p)];
+            b += part[2 * (ch * parts + p) + 1];
+        }
         sums[ch] = a;
         sums[c + ch] = b;
     }
@@ -257,9 +300,10 @@ __device__ void bn_bwd_dx_impl(const T* x, const T* dy, const float* mean, const
     extern "C" __global__ void layer_norm_##S(const T* x, const T* g, const T* b, float eps, T* y, float* m, float* r, u64 d) { layer_norm_impl<T>(x, g, b, eps, y, m, r, d); } \
     extern "C" __global__ void layer_norm_bwd_##S(const T* x, const T* g, const float* m, const float* r, const T* dy, T* dx, u64 d) { layer_norm_bwd_impl<T>(x, g, m, r, dy, dx, d); } \
     extern "C" __global__ void layer_norm_params_bwd_##S(const T* x, const float* m, const float* r, const T* dy, float* dg, float* db, u64 rows, u64 d, u64 chunk) { layer_norm_params_bwd_impl<T>(x, m, r, dy, dg, db, rows, d, chunk); } \
-    extern "C" __global__ void bn_stats_##S(const T* x, float* m, float* r, void* rm, void* rv, u32 pf32, u32 update, float momentum, float eps, u64 n, u64 c, u64 s) { bn_stats_impl<T>(x, m, r, rm, rv, pf32, update, momentum, eps, n, c, s); } \
+    extern "C" __global__ void bn_partial_##S(const T* x, float* part, u64 n, u64 c, u64 s, u32 parts) { bn_partial_impl<T>(x, part, n, c, s, parts); } \
+    extern "C" __global__ void bn_finalize_##S(const float* part, float* m, float* r, void* rm, void* rv, u32 pf32, u32 update, float momentum, float eps, u64 n, u64 c, u64 s, u32 parts) { bn_finalize_impl<T>(part, m, r, rm, rv, pf32, update, momentum, eps, n, c, s, parts); } \
     extern "C" __global__ void bn_eval_stats_##S(const void* rm, const void* rv, u32 pf32, float eps, float* m, float* r, u64 c) { bn_eval_stats_impl<T>(rm, rv, pf32, eps, m, r, c); } \
     extern "C" __global__ void bn_apply_##S(const T* x, const float* m, const float* r, const void* g, const void* b, u32 pf32, T* y, u64 total, u64 c, u64 s) { bn_apply_impl<T>(x, m, r, g, b, pf32, y, total, c, s); } \
-    extern "C" __global__ void bn_bwd_sums_##S(const T* x, const T* dy, const float* m, const float* r, float* sums, u64 n, u64 c, u64 s) { bn_bwd_sums_impl<T>(x, dy, m, r, sums, n, c, s); } \
+    extern "C" __global__ void bn_bwd_partial_##S(const T* x, const T* dy, const float* m, const float* r, float* part, u64 n, u64 c, u64 s, u32 parts) { bn_bwd_partial_impl<T>(x, dy, m, r, part, n, c, s, parts); } \
     extern "C" __global__ void bn_bwd_dx_##S(const T* x, const T* dy, const float* m, const float* r, const void* g, u32 pf32, const float* sums, T* dx, u64 total, u64 c, u64 s) { bn_bwd_dx_impl<T>(x, dy, m, r, g, pf32, sums, dx, total, c, s); }
 FOR_DTYPES(ROWWISE)

@@ -45,6 +45,18 @@ pub(crate) fn per_row_parts(rows: usize, parts: usize) -> LaunchConfig {
     }
 }
 
+/// One block per plane of `plane` values (`planes` blocks): as many threads as the plane
+/// needs, rounded up to whole warps, at most [`BLOCK`], so that a 7x7 plane does not leave
+/// most of a block idle. `planes` must fit grid.x ([`fits_grid`]).
+pub(crate) fn per_plane(planes: usize, plane: usize) -> LaunchConfig {
+    let threads = plane.div_ceil(32).clamp(1, BLOCK as usize / 32) as u32 * 32;
+    LaunchConfig {
+        grid_dim: (planes as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// Whether `blocks` blocks fit grid.x (2^31 - 1).
 pub(crate) fn fits_grid(blocks: usize) -> bool {
     blocks <= i32::MAX as usize

@@ -327,13 +327,14 @@ mod cuda {
         (n0, nimg, group): (usize, usize, usize),
     ) -> Result<()> {
         let (ohw, k, ..) = dims(p);
-        // SAFETY: im2col_T(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i64 group); x
-        // is the input the geometry describes, col holds nimg * k * ohw elements of T (the
-        // plan's chunk of images).
+        check_rows("conv2d", nimg * k)?;
+        // SAFETY: im2col_T(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i64 group), one
+        // block per (image, row); x is the input the geometry describes, col holds
+        // nimg * k * ohw elements of T (the plan's chunk of images).
         unsafe {
             gpu.launch(
                 IM2COL.of(x.dtype()),
-                grid(nimg * k * ohw),
+                launch::per_plane(nimg * k, ohw),
                 &[
                     ptr(x)?,
                     Arg::Ptr(col),
@@ -514,12 +515,14 @@ mod cuda {
                 // SAFETY: W_g^T [k, cout_g] * dy planes [cout_g, ohw] -> dcol in `cols`,
                 // which holds chunk * k * ohw floats.
                 unsafe { gpu.gemm(&spec, a, b, cols, t, DType::F32)? };
+                check_rows("conv2d_backward", nimg * cin_g)?;
                 // SAFETY: col2im_T(const float* dcol, T* dx, ConvGeom g, i64 n0, i64 nimg,
-                // i64 group); dcol as just written, dx the input's shape.
+                // i64 group), one block per input plane; dcol as just written, dx the
+                // input's shape.
                 unsafe {
                     gpu.launch(
                         COL2IM.of(t),
-                        grid(nimg * cin_g * hw),
+                        launch::per_plane(nimg * cin_g, hw),
                         &[
                             Arg::Ptr(cols),
                             Arg::Ptr(pdx),

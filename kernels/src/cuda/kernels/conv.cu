@@ -7,60 +7,82 @@ struct ConvGeom {
 };
 
 // col[img][row][pos] for images n0 .. n0 + nimg and channel group `group`, where
-// row = (c * kh + ky) * kw + kx over the group's channels and pos = oy * ow + ox.
+// row = (c * kh + ky) * kw + kx over the group's channels and pos = oy * ow + ox. One block
+// per (img, row) (grid nimg * k), its threads over the row's positions: the row is decoded
+// once per thread and (oy, ox) stepped without a division per element.
 template <typename T>
 __device__ void im2col_impl(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i64 group) {
     const i64 cin_g = g.c_in / g.groups;
     const i64 k = cin_g * g.kh * g.kw;
     const i64 ohw = g.oh * g.ow;
-    const u64 total = (u64)(nimg * k * ohw);
-    FOR_EACH(i, total) {
-        const i64 pos = (i64)(i % (u64)ohw);
-        const i64 row = (i64)((i / (u64)ohw) % (u64)k);
-        const i64 img = (i64)(i / (u64)(ohw * k));
-        const i64 c = row / (g.kh * g.kw);
-        const i64 ky = (row / g.kw) % g.kh;
-        const i64 kx = row % g.kw;
-        const i64 iy = (pos / g.ow) * g.sh - g.ph + ky * g.dh;
-        const i64 ix = (pos % g.ow) * g.sw - g.pw + kx * g.dw;
+    const i64 b = blockIdx.x;
+    const i64 img = b / k, row = b % k;
+    const i64 c = row / (g.kh * g.kw);
+    const i64 ky = (row / g.kw) % g.kh, kx = row % g.kw;
+    const T* plane = x + ((n0 + img) * g.c_in + group * cin_g + c) * g.h * g.w;
+    T* out = col + b * ohw;
+    const i64 y0 = ky * g.dh - g.ph, x0 = kx * g.dw - g.pw;
+    const i64 step = blockDim.x, step_y = step / g.ow, step_x = step % g.ow;
+    i64 oy = threadIdx.x / g.ow, ox = threadIdx.x % g.ow;
+    for (i64 pos = threadIdx.x; pos < ohw; pos += step) {
+        const i64 iy = oy * g.sh + y0, ix = ox * g.sw + x0;
         T v = from_f32<T>(0.0f);
-        if (iy >= 0 && iy < g.h && ix >= 0 && ix < g.w)
-            v = x[(((n0 + img) * g.c_in + group * cin_g + c) * g.h + iy) * g.w + ix];
-        col[i] = v;
+        if (iy >= 0 && iy < g.h && ix >= 0 && ix < g.w) v = plane[iy * g.w + ix];
+        out[pos] = v;
+        ox += step_x;
+        oy += step_y;
+        if (ox >= g.ow) {
+            ox -= g.ow;
+            ++oy;
+        }
     }
 }
 
 // Gathers the f32 column gradient `dcol` (im2col layout) back into dx for images
-// n0 .. n0 + nimg and channel group `group`: one thread per input element, one rounding.
+// n0 .. n0 + nimg and channel group `group`, one rounding: one block per input plane
+// (img, c) (grid nimg * cin_g), its threads over the plane's positions, stepped as in
+// im2col; with unit strides no tap needs a division.
 template <typename T>
 __device__ void col2im_impl(const float* dcol, T* dx, ConvGeom g, i64 n0, i64 nimg, i64 group) {
     const i64 cin_g = g.c_in / g.groups;
-    const i64 k = cin_g * g.kh * g.kw;
+    const i64 taps = g.kh * g.kw;
     const i64 ohw = g.oh * g.ow;
+    const i64 b = blockIdx.x;
+    const i64 img = b / cin_g, c = b % cin_g;
+    const float* base = dcol + (img * cin_g + c) * taps * ohw;
+    T* plane = dx + ((n0 + img) * g.c_in + group * cin_g + c) * g.h * g.w;
+    const bool unit = g.sh == 1 && g.sw == 1;
     const i64 hw = g.h * g.w;
-    const u64 total = (u64)(nimg * cin_g * hw);
-    FOR_EACH(i, total) {
-        const i64 ix = (i64)(i % (u64)g.w);
-        const i64 iy = (i64)((i / (u64)g.w) % (u64)g.h);
-        const i64 c = (i64)((i / (u64)hw) % (u64)cin_g);
-        const i64 img = (i64)(i / (u64)(hw * cin_g));
-        const float* base = dcol + img * k * ohw;
+    const i64 step = blockDim.x, step_y = step / g.w, step_x = step % g.w;
+    i64 iy = threadIdx.x / g.w, ix = threadIdx.x % g.w;
+    for (i64 pos = threadIdx.x; pos < hw; pos += step) {
         float s = 0.0f;
         for (i64 ky = 0; ky < g.kh; ++ky) {
-            const i64 ty = iy + g.ph - ky * g.dh;
-            if (ty < 0 || ty % g.sh != 0) continue;
-            const i64 oy = ty / g.sh;
+            i64 oy = iy + g.ph - ky * g.dh;
+            if (oy < 0) continue;
+            if (!unit) {
+                if (oy % g.sh != 0) continue;
+                oy /= g.sh;
+            }
             if (oy >= g.oh) continue;
             for (i64 kx = 0; kx < g.kw; ++kx) {
-                const i64 tx = ix + g.pw - kx * g.dw;
-                if (tx < 0 || tx % g.sw != 0) continue;
-                const i64 ox = tx / g.sw;
+                i64 ox = ix + g.pw - kx * g.dw;
+                if (ox < 0) continue;
+                if (!unit) {
+                    if (ox % g.sw != 0) continue;
+                    ox /= g.sw;
+                }
                 if (ox >= g.ow) continue;
-                const i64 row = (c * g.kh + ky) * g.kw + kx;
-                s += base[row * ohw + oy * g.ow + ox];
+                s += base[(ky * g.kw + kx) * ohw + oy * g.ow + ox];
             }
         }
-        dx[(((n0 + img) * g.c_in + group * cin_g + c) * g.h + iy) * g.w + ix] = from_f32<T>(s);
+        plane[pos] = from_f32<T>(s);
+        ix += step_x;
+        iy += step_y;
+        if (ix >= g.w) {
+            ix -= g.w;
+            ++iy;
+        }
     }
 }
 

@@ -405,6 +405,9 @@ fn conv2d_dense_grouped_pointwise_and_depthwise_match_host() {
             [4, 3, 5, 5],
             Conv2dOptions::default().stride((2, 2)).padding((2, 2)).groups(2),
         ),
+        // Direct with planes of more positions than a block has threads (1600 and 360).
+        ([2, 4, 40, 40], [4, 1, 3, 3], Conv2dOptions::default().padding((1, 1)).groups(4)),
+        ([2, 3, 40, 36], [4, 3, 3, 3], Conv2dOptions::default().stride((2, 2)).padding((1, 1))),
         // Above DIRECT_MAX_MACS: im2col and cuBLAS, grouped and dilated too.
         ([4, 32, 40, 40], [64, 32, 3, 3], Conv2dOptions::default().padding((1, 1))),
         (
@@ -419,7 +422,7 @@ fn conv2d_dense_grouped_pointwise_and_depthwise_match_host() {
     let direct = cases.iter().map(|(x, w, o)| ops::conv2d_params(x, w, o).unwrap().is_direct());
     assert_eq!(
         direct.collect::<Vec<_>>(),
-        [true, true, true, false, true, true, true, false, false, false, false]
+        [true, true, true, false, true, true, true, true, true, false, false, false, false]
     );
     for dtype in DTYPES {
         let t = tol(dtype, true);

@@ -368,12 +368,15 @@ mod cuda {
                 Some(b) => (ptr(b)?, 1),
                 None => (Arg::Ptr(0), 0),
             };
+            let (oh, ow) = p.output_hw();
+            check_rows("conv2d", p.batch() * p.c_out())?;
             // SAFETY: direct_fwd_T(const T* x, const T* w, const T* b, u32 has_b, T* y,
-            // ConvGeom g); the tensors have the geometry's shapes; b is read only when has_b.
+            // ConvGeom g), one block per output plane; the tensors have the geometry's
+            // shapes; b is read only when has_b.
             return unsafe {
                 gpu.launch(
                     DIRECT_FWD.of(t),
-                    grid(n),
+                    launch::per_plane(p.batch() * p.c_out(), oh * ow),
                     &[ptr(x)?, ptr(w)?, b, Arg::U32(has_b), ptr(y)?, Arg::Conv(geom(p))],
                 )
             };
@@ -450,13 +453,15 @@ mod cuda {
         bufs: &mut Buffers,
     ) -> Result<()> {
         let t = x.dtype();
+        let (ohw, .., hw) = dims(p);
         let dx = bufs.out(0);
-        // SAFETY: direct_bwd_input_T(const T* w, const T* dy, T* dx, ConvGeom g); shapes from
-        // the geometry.
+        check_rows("conv2d_backward", p.batch() * p.c_in())?;
+        // SAFETY: direct_bwd_input_T(const T* w, const T* dy, T* dx, ConvGeom g), one block
+        // per input plane; shapes from the geometry.
         unsafe {
             gpu.launch(
                 DIRECT_BWD_INPUT.of(t),
-                grid(dx.numel()),
+                launch::per_plane(p.batch() * p.c_in(), hw),
                 &[ptr(w)?, ptr(dy)?, ptr(dx)?, Arg::Conv(geom(p))],
             )?;
         }
@@ -464,11 +469,12 @@ mod cuda {
         let taps = dweight.numel();
         check_rows("conv2d_backward", taps)?;
         // SAFETY: direct_bwd_weight_T(const T* x, const T* dy, T* dw, ConvGeom g), one block
-        // per weight element; dweight holds c_out * c_in / groups * kh * kw elements.
+        // (whole warps, for its block sum) per weight element; dweight holds
+        // c_out * c_in / groups * kh * kw elements.
         unsafe {
             gpu.launch(
                 DIRECT_BWD_WEIGHT.of(t),
-                launch::per_row(taps),
+                launch::per_plane(taps, ohw),
                 &[ptr(x)?, ptr(dy)?, ptr(dweight)?, Arg::Conv(geom(p))],
             )
         }

@@ -92,23 +92,26 @@ template <typename T> __device__ void bias_planes_impl(const T* bias, T* y, u64 
 }
 
 // Direct convolution (depthwise, or small enough that an im2col buffer is not worth it),
-// any groups: one thread per output element, summing over its group's input channels and
+// any groups: one block per output plane (n, co) (grid batch * c_out), its threads over the
+// plane's positions stepped as in im2col, each summing over its group's input channels and
 // the taps in f32, one rounding.
 template <typename T>
 __device__ void direct_fwd_impl(const T* x, const T* wt, const T* bias, u32 has_bias, T* y, ConvGeom g) {
     const i64 cin_g = g.c_in / g.groups;
     const i64 cout_g = g.c_out / g.groups;
-    const u64 total = (u64)(g.batch * g.c_out * g.oh * g.ow);
-    FOR_EACH(i, total) {
-        const i64 ox = (i64)(i % (u64)g.ow);
-        const i64 oy = (i64)((i / (u64)g.ow) % (u64)g.oh);
-        const i64 co = (i64)((i / (u64)(g.oh * g.ow)) % (u64)g.c_out);
-        const i64 n = (i64)(i / (u64)(g.c_out * g.oh * g.ow));
-        const i64 c0 = (co / cout_g) * cin_g;
+    const i64 ohw = g.oh * g.ow;
+    const i64 b = blockIdx.x;
+    const i64 n = b / g.c_out, co = b % g.c_out;
+    const T* xn = x + (n * g.c_in + (co / cout_g) * cin_g) * g.h * g.w;
+    const T* wc = wt + co * cin_g * g.kh * g.kw;
+    T* out = y + b * ohw;
+    const i64 step = blockDim.x, step_y = step / g.ow, step_x = step % g.ow;
+    i64 oy = threadIdx.x / g.ow, ox = threadIdx.x % g.ow;
+    for (i64 pos = threadIdx.x; pos < ohw; pos += step) {
         float s = 0.0f;
         for (i64 c = 0; c < cin_g; ++c) {
-            const T* xp = x + (n * g.c_in + c0 + c) * g.h * g.w;
-            const T* wp = wt + (co * cin_g + c) * g.kh * g.kw;
+            const T* xp = xn + c * g.h * g.w;
+            const T* wp = wc + c * g.kh * g.kw;
             for (i64 ky = 0; ky < g.kh; ++ky) {
                 const i64 iy = oy * g.sh - g.ph + ky * g.dh;
                 if (iy < 0 || iy >= g.h) continue;
@@ -120,49 +123,70 @@ __device__ void direct_fwd_impl(const T* x, const T* wt, const T* bias, u32 has_
             }
         }
         if (has_bias) s += to_f32(bias[co]);
-        y[i] = from_f32<T>(s);
+        out[pos] = from_f32<T>(s);
+        ox += step_x;
+        oy += step_y;
+        if (ox >= g.ow) {
+            ox -= g.ow;
+            ++oy;
+        }
     }
 }
 
-// Direct input gradient: one thread per input element, gathering over its group's output
-// channels and the taps that read it.
+// Direct input gradient: one block per input plane (n, ci) (grid batch * c_in), its threads
+// over the plane's positions, each gathering over its group's output channels and the taps
+// that read it (no division for unit strides).
 template <typename T>
 __device__ void direct_bwd_input_impl(const T* wt, const T* dy, T* dx, ConvGeom g) {
     const i64 cin_g = g.c_in / g.groups;
     const i64 cout_g = g.c_out / g.groups;
     const i64 ohw = g.oh * g.ow;
-    const u64 total = (u64)(g.batch * g.c_in * g.h * g.w);
-    FOR_EACH(i, total) {
-        const i64 ix = (i64)(i % (u64)g.w);
-        const i64 iy = (i64)((i / (u64)g.w) % (u64)g.h);
-        const i64 ci = (i64)((i / (u64)(g.h * g.w)) % (u64)g.c_in);
-        const i64 n = (i64)(i / (u64)(g.c_in * g.h * g.w));
-        const i64 grp = ci / cin_g;
-        const i64 cl = ci % cin_g;
+    const i64 hw = g.h * g.w;
+    const i64 b = blockIdx.x;
+    const i64 n = b / g.c_in, ci = b % g.c_in;
+    const i64 grp = ci / cin_g, cl = ci % cin_g;
+    const T* dyn = dy + (n * g.c_out + grp * cout_g) * ohw;
+    const T* wg = wt + (grp * cout_g * cin_g + cl) * g.kh * g.kw;
+    T* plane = dx + b * hw;
+    const bool unit = g.sh == 1 && g.sw == 1;
+    const i64 step = blockDim.x, step_y = step / g.w, step_x = step % g.w;
+    i64 iy = threadIdx.x / g.w, ix = threadIdx.x % g.w;
+    for (i64 pos = threadIdx.x; pos < hw; pos += step) {
         float s = 0.0f;
         for (i64 ky = 0; ky < g.kh; ++ky) {
-            const i64 ty = iy + g.ph - ky * g.dh;
-            if (ty < 0 || ty % g.sh != 0) continue;
-            const i64 oy = ty / g.sh;
+            i64 oy = iy + g.ph - ky * g.dh;
+            if (oy < 0) continue;
+            if (!unit) {
+                if (oy % g.sh != 0) continue;
+                oy /= g.sh;
+            }
             if (oy >= g.oh) continue;
             for (i64 kx = 0; kx < g.kw; ++kx) {
-                const i64 tx = ix + g.pw - kx * g.dw;
-                if (tx < 0 || tx % g.sw != 0) continue;
-                const i64 ox = tx / g.sw;
+                i64 ox = ix + g.pw - kx * g.dw;
+                if (ox < 0) continue;
+                if (!unit) {
+                    if (ox % g.sw != 0) continue;
+                    ox /= g.sw;
+                }
                 if (ox >= g.ow) continue;
                 for (i64 o = 0; o < cout_g; ++o) {
-                    const i64 co = grp * cout_g + o;
-                    s += to_f32(wt[((co * cin_g + cl) * g.kh + ky) * g.kw + kx])
-                        * to_f32(dy[(n * g.c_out + co) * ohw + oy * g.ow + ox]);
+                    s += to_f32(wg[(o * cin_g * g.kh + ky) * g.kw + kx])
+                        * to_f32(dyn[o * ohw + oy * g.ow + ox]);
                 }
             }
         }
-        dx[i] = from_f32<T>(s);
+        plane[pos] = from_f32<T>(s);
+        ix += step_x;
+        iy += step_y;
+        if (ix >= g.w) {
+            ix -= g.w;
+            ++iy;
+        }
     }
 }
 
 // Direct weight gradient: one block per weight element (co, c, ky, kx), reducing over the
-// batch and the output plane.
+// batch and, per image, over the output plane's positions stepped as in im2col.
 template <typename T>
 __device__ void direct_bwd_weight_impl(const T* x, const T* dy, T* dw, ConvGeom g) {
     const i64 cin_g = g.c_in / g.groups;
@@ -174,17 +198,25 @@ __device__ void direct_bwd_weight_impl(const T* x, const T* dy, T* dw, ConvGeom 
     const i64 co = tap / (g.kh * g.kw * cin_g);
     const i64 ci = (co / cout_g) * cin_g + c;
     const i64 ohw = g.oh * g.ow;
-    const u64 total = (u64)(g.batch * ohw);
+    const i64 y0 = ky * g.dh - g.ph, x0 = kx * g.dw - g.pw;
+    const i64 step = blockDim.x, step_y = step / g.ow, step_x = step % g.ow;
+    const i64 oy0 = threadIdx.x / g.ow, ox0 = threadIdx.x % g.ow;
     float s = 0.0f;
-    for (u64 i = threadIdx.x; i < total; i += blockDim.x) {
-        const i64 n = (i64)(i / (u64)ohw);
-        const i64 pos = (i64)(i % (u64)ohw);
-        const i64 oy = pos / g.ow, ox = pos % g.ow;
-        const i64 iy = oy * g.sh - g.ph + ky * g.dh;
-        const i64 ix = ox * g.sw - g.pw + kx * g.dw;
-        if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
-        s += to_f32(dy[(n * g.c_out + co) * ohw + pos])
-            * to_f32(x[((n * g.c_in + ci) * g.h + iy) * g.w + ix]);
+    for (i64 n = 0; n < g.batch; ++n) {
+        const T* dyp = dy + (n * g.c_out + co) * ohw;
+        const T* xp = x + (n * g.c_in + ci) * g.h * g.w;
+        i64 oy = oy0, ox = ox0;
+        for (i64 pos = threadIdx.x; pos < ohw; pos += step) {
+            const i64 iy = oy * g.sh + y0, ix = ox * g.sw + x0;
+            if (iy >= 0 && iy < g.h && ix >= 0 && ix < g.w)
+                s += to_f32(dyp[pos]) * to_f32(xp[iy * g.w + ix]);
+            ox += step_x;
+            oy += step_y;
+            if (ox >= g.ow) {
+                ox -= g.ow;
+                ++oy;
+            }
+        }
     }
     s = block_sum(s);
     if (threadIdx.x == 0) dw[tap] = from_f32<T>(s);

@@ -6,6 +6,36 @@ struct ConvGeom {
     i64 batch, c_in, h, w, c_out, kh, kw, sh, sw, ph, pw, dh, dw, groups, oh, ow;
 };
 
+// The positions of a plane `width` wide that a block's threads visit in turn: thread t at
+// t, t + blockDim.x, ...; (y, x) follow without a division per step.
+struct PlaneWalk {
+    i64 y, x, step_y, step_x, width;
+    __device__ explicit PlaneWalk(i64 w)
+        : y(threadIdx.x / w), x(threadIdx.x % w), step_y(blockDim.x / w),
+          step_x(blockDim.x % w), width(w) {}
+    __device__ void next() {
+        x += step_x;
+        y += step_y;
+        if (x >= width) {
+            x -= width;
+            ++y;
+        }
+    }
+};
+
+// In a gradient gather: whether input offset t = i + pad - k * dilation is read by an output
+// position along one axis, and which (into *o): t >= 0, a multiple of the stride (no
+// division when `unit`), below `limit`.
+__device__ __forceinline__ bool tap_source(i64 t, i64 stride, bool unit, i64 limit, i64* o) {
+    if (t < 0) return false;
+    if (!unit) {
+        if (t % stride != 0) return false;
+        t /= stride;
+    }
+    *o = t;
+    return t < limit;
+}
+
 // col[img][row][pos] for images n0 .. n0 + nimg and channel group `group`, where
 // row = (c * kh + ky) * kw + kx over the group's channels and pos = oy * ow + ox. One block
 // per (img, row) (grid nimg * k), its threads over the row's positions: the row is decoded
@@ -22,19 +52,12 @@ __device__ void im2col_impl(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i6
     const T* plane = x + ((n0 + img) * g.c_in + group * cin_g + c) * g.h * g.w;
     T* out = col + b * ohw;
     const i64 y0 = ky * g.dh - g.ph, x0 = kx * g.dw - g.pw;
-    const i64 step = blockDim.x, step_y = step / g.ow, step_x = step % g.ow;
-    i64 oy = threadIdx.x / g.ow, ox = threadIdx.x % g.ow;
-    for (i64 pos = threadIdx.x; pos < ohw; pos += step) {
-        const i64 iy = oy * g.sh + y0, ix = ox * g.sw + x0;
+    PlaneWalk o(g.ow);
+    for (i64 pos = threadIdx.x; pos < ohw; pos += blockDim.x, o.next()) {
+        const i64 iy = o.y * g.sh + y0, ix = o.x * g.sw + x0;
         T v = from_f32<T>(0.0f);
         if (iy >= 0 && iy < g.h && ix >= 0 && ix < g.w) v = plane[iy * g.w + ix];
         out[pos] = v;
-        ox += step_x;
-        oy += step_y;
-        if (ox >= g.ow) {
-            ox -= g.ow;
-            ++oy;
-        }
     }
 }
 
@@ -53,36 +76,19 @@ __device__ void col2im_impl(const float* dcol, T* dx, ConvGeom g, i64 n0, i64 ni
     T* plane = dx + ((n0 + img) * g.c_in + group * cin_g + c) * g.h * g.w;
     const bool unit = g.sh == 1 && g.sw == 1;
     const i64 hw = g.h * g.w;
-    const i64 step = blockDim.x, step_y = step / g.w, step_x = step % g.w;
-    i64 iy = threadIdx.x / g.w, ix = threadIdx.x % g.w;
-    for (i64 pos = threadIdx.x; pos < hw; pos += step) {
+    PlaneWalk in(g.w);
+    for (i64 pos = threadIdx.x; pos < hw; pos += blockDim.x, in.next()) {
         float s = 0.0f;
         for (i64 ky = 0; ky < g.kh; ++ky) {
-            i64 oy = iy + g.ph - ky * g.dh;
-            if (oy < 0) continue;
-            if (!unit) {
-                if (oy % g.sh != 0) continue;
-                oy /= g.sh;
-            }
-            if (oy >= g.oh) continue;
+            i64 oy;
+            if (!tap_source(in.y + g.ph - ky * g.dh, g.sh, unit, g.oh, &oy)) continue;
             for (i64 kx = 0; kx < g.kw; ++kx) {
-                i64 ox = ix + g.pw - kx * g.dw;
-                if (ox < 0) continue;
-                if (!unit) {
-                    if (ox % g.sw != 0) continue;
-                    ox /= g.sw;
-                }
-                if (ox >= g.ow) continue;
+                i64 ox;
+                if (!tap_source(in.x + g.pw - kx * g.dw, g.sw, unit, g.ow, &ox)) continue;
                 s += base[(ky * g.kw + kx) * ohw + oy * g.ow + ox];
             }
         }
         plane[pos] = from_f32<T>(s);
-        ix += step_x;
-        iy += step_y;
-        if (ix >= g.w) {
-            ix -= g.w;
-            ++iy;
-        }
     }
 }
 
@@ -105,18 +111,17 @@ __device__ void direct_fwd_impl(const T* x, const T* wt, const T* bias, u32 has_
     const T* xn = x + (n * g.c_in + (co / cout_g) * cin_g) * g.h * g.w;
     const T* wc = wt + co * cin_g * g.kh * g.kw;
     T* out = y + b * ohw;
-    const i64 step = blockDim.x, step_y = step / g.ow, step_x = step % g.ow;
-    i64 oy = threadIdx.x / g.ow, ox = threadIdx.x % g.ow;
-    for (i64 pos = threadIdx.x; pos < ohw; pos += step) {
+    PlaneWalk o(g.ow);
+    for (i64 pos = threadIdx.x; pos < ohw; pos += blockDim.x, o.next()) {
         float s = 0.0f;
         for (i64 c = 0; c < cin_g; ++c) {
             const T* xp = xn + c * g.h * g.w;
             const T* wp = wc + c * g.kh * g.kw;
             for (i64 ky = 0; ky < g.kh; ++ky) {
-                const i64 iy = oy * g.sh - g.ph + ky * g.dh;
+                const i64 iy = o.y * g.sh - g.ph + ky * g.dh;
                 if (iy < 0 || iy >= g.h) continue;
                 for (i64 kx = 0; kx < g.kw; ++kx) {
-                    const i64 ix = ox * g.sw - g.pw + kx * g.dw;
+                    const i64 ix = o.x * g.sw - g.pw + kx * g.dw;
                     if (ix < 0 || ix >= g.w) continue;
                     s += to_f32(wp[ky * g.kw + kx]) * to_f32(xp[iy * g.w + ix]);
                 }
@@ -124,12 +129,6 @@ __device__ void direct_fwd_impl(const T* x, const T* wt, const T* bias, u32 has_
         }
         if (has_bias) s += to_f32(bias[co]);
         out[pos] = from_f32<T>(s);
-        ox += step_x;
-        oy += step_y;
-        if (ox >= g.ow) {
-            ox -= g.ow;
-            ++oy;
-        }
     }
 }
 
@@ -149,26 +148,15 @@ __device__ void direct_bwd_input_impl(const T* wt, const T* dy, T* dx, ConvGeom 
     const T* wg = wt + (grp * cout_g * cin_g + cl) * g.kh * g.kw;
     T* plane = dx + b * hw;
     const bool unit = g.sh == 1 && g.sw == 1;
-    const i64 step = blockDim.x, step_y = step / g.w, step_x = step % g.w;
-    i64 iy = threadIdx.x / g.w, ix = threadIdx.x % g.w;
-    for (i64 pos = threadIdx.x; pos < hw; pos += step) {
+    PlaneWalk in(g.w);
+    for (i64 pos = threadIdx.x; pos < hw; pos += blockDim.x, in.next()) {
         float s = 0.0f;
         for (i64 ky = 0; ky < g.kh; ++ky) {
-            i64 oy = iy + g.ph - ky * g.dh;
-            if (oy < 0) continue;
-            if (!unit) {
-                if (oy % g.sh != 0) continue;
-                oy /= g.sh;
-            }
-            if (oy >= g.oh) continue;
+            i64 oy;
+            if (!tap_source(in.y + g.ph - ky * g.dh, g.sh, unit, g.oh, &oy)) continue;
             for (i64 kx = 0; kx < g.kw; ++kx) {
-                i64 ox = ix + g.pw - kx * g.dw;
-                if (ox < 0) continue;
-                if (!unit) {
-                    if (ox % g.sw != 0) continue;
-                    ox /= g.sw;
-                }
-                if (ox >= g.ow) continue;
+                i64 ox;
+                if (!tap_source(in.x + g.pw - kx * g.dw, g.sw, unit, g.ow, &ox)) continue;
                 for (i64 o = 0; o < cout_g; ++o) {
                     s += to_f32(wg[(o * cin_g * g.kh + ky) * g.kw + kx])
                         * to_f32(dyn[o * ohw + oy * g.ow + ox]);
@@ -176,12 +164,6 @@ __device__ void direct_bwd_input_impl(const T* wt, const T* dy, T* dx, ConvGeom 
             }
         }
         plane[pos] = from_f32<T>(s);
-        ix += step_x;
-        iy += step_y;
-        if (ix >= g.w) {
-            ix -= g.w;
-            ++iy;
-        }
     }
 }
 
@@ -199,23 +181,16 @@ __device__ void direct_bwd_weight_impl(const T* x, const T* dy, T* dw, ConvGeom 
     const i64 ci = (co / cout_g) * cin_g + c;
     const i64 ohw = g.oh * g.ow;
     const i64 y0 = ky * g.dh - g.ph, x0 = kx * g.dw - g.pw;
-    const i64 step = blockDim.x, step_y = step / g.ow, step_x = step % g.ow;
-    const i64 oy0 = threadIdx.x / g.ow, ox0 = threadIdx.x % g.ow;
+    const PlaneWalk first(g.ow);
     float s = 0.0f;
     for (i64 n = 0; n < g.batch; ++n) {
         const T* dyp = dy + (n * g.c_out + co) * ohw;
         const T* xp = x + (n * g.c_in + ci) * g.h * g.w;
-        i64 oy = oy0, ox = ox0;
-        for (i64 pos = threadIdx.x; pos < ohw; pos += step) {
-            const i64 iy = oy * g.sh + y0, ix = ox * g.sw + x0;
+        PlaneWalk o = first;
+        for (i64 pos = threadIdx.x; pos < ohw; pos += blockDim.x, o.next()) {
+            const i64 iy = o.y * g.sh + y0, ix = o.x * g.sw + x0;
             if (iy >= 0 && iy < g.h && ix >= 0 && ix < g.w)
                 s += to_f32(dyp[pos]) * to_f32(xp[iy * g.w + ix]);
-            ox += step_x;
-            oy += step_y;
-            if (ox >= g.ow) {
-                ox -= g.ow;
-                ++oy;
-            }
         }
     }
     s = block_sum(s);

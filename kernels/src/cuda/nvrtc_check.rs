@@ -276,7 +276,7 @@ fn the_plain_maps_read_and_write_whole_packs() {
     let dtypes = ["f32", "f16", "bf16"];
     let mut checked = 0;
     for body in ptx.split(".entry ").skip(1) {
-        let name = &body[..body.find('(').unwrap_or(0)].trim();
+        let name = body[..body.find('(').unwrap_or(0)].trim();
         let body = &body[..body.find("\n}").unwrap_or(body.len())];
         let arrays = MAPS.iter().find_map(|&(base, arrays)| {
             let rest = name.strip_prefix(base)?.strip_prefix('_')?;

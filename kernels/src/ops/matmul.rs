@@ -144,11 +144,11 @@ impl Op for MatmulBackward<'_> {
         plan.output(b.shape(), b.dtype());
         // A broadcast operand's gradient sums the batches in f32, rounded once: in place for
         // f32 operands, in an f32 buffer for 16-bit ones.
-        let sums = s.batch > 1 && a.dtype() != DType::F32;
-        if sums && s.stride_a == 0 {
+        let f32_acc = s.batch > 1 && a.dtype() != DType::F32;
+        if f32_acc && s.stride_a == 0 {
             self.acc[0] = plan.zeroed_workspace(s.m * s.k * 4);
         }
-        if sums && s.stride_b == 0 {
+        if f32_acc && s.stride_b == 0 {
             self.acc[1] = plan.zeroed_workspace(s.k * s.n * 4);
         }
         if s.k > 0 {

@@ -32,7 +32,7 @@ pub(crate) fn map(n: usize, widest: usize) -> LaunchConfig {
 /// One block per row (softmax, layer norm, row sums). `rows` must fit a grid dimension;
 /// callers check with [`fits_grid`].
 pub(crate) fn per_row(rows: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
+    per_row_parts(rows, 1)
 }
 
 /// `parts` blocks per row (grid `(rows, parts)`): a per-channel reduction spread over

@@ -442,7 +442,7 @@ pub fn batch_norm_backward(
     invstd: &Tensor,
     dy: &Tensor,
 ) -> Result<BatchNormGrads> {
-    run(BatchNormBackward { x, gamma, mean, invstd, dy, s: 0, parts: 1, sums: None })
+    run(BatchNormBackward { x, gamma, mean, invstd, dy, s: 0, sums: None })
 }
 
 struct BatchNormBackward<'a> {
@@ -452,10 +452,8 @@ struct BatchNormBackward<'a> {
     invstd: &'a Tensor,
     dy: &'a Tensor,
     s: usize,
-    /// Parts per channel of the sums on the GPU ([`parts`]).
-    parts: usize,
     /// The f32 per-channel sums of `dy * xhat` and `dy` on the GPU, `2 * c` floats, then
-    /// their per-part terms, `2 * c * parts`.
+    /// their per-part terms, `2 * c * parts(n, c, s)`.
     sums: Option<usize>,
 }
 
@@ -476,11 +474,10 @@ impl Op for BatchNormBackward<'_> {
             expect_shape(Self::NAME, &[c], saved)?;
         }
         self.s = s;
-        self.parts = parts(n, c, s);
         let mut plan = Plan::one(self.x.shape(), self.x.dtype());
         plan.output(&[c], self.gamma.dtype());
         plan.output(&[c], self.gamma.dtype());
-        self.sums = plan.workspace(2 * c * (1 + self.parts) * 4);
+        self.sums = plan.workspace(2 * c * (1 + parts(n, c, s)) * 4);
         Ok(plan)
     }
 
@@ -511,7 +508,7 @@ impl Op for BatchNormBackward<'_> {
         use crate::cuda::{Arg, launch};
         let c = self.gamma.numel();
         let n = self.x.numel() / (c * self.s).max(1);
-        let (t, parts) = (self.x.dtype(), self.parts);
+        let (t, parts) = (self.x.dtype(), parts(n, c, self.s));
         check_rows(Self::NAME, c)?;
         let sums = bufs.ws(self.sums)?;
         let part = sums + (2 * c * 4) as u64;

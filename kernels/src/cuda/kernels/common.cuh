@@ -141,6 +141,23 @@ __device__ __forceinline__ void map2(const A* a, const B* b, O* y, u64 n, F f) {
         [&](u64 i) { y[i] = from_f32<O>(f(to_f32(a[i]), to_f32(b[i]))); });
 }
 
+// The positions of a plane `width` wide that a block's threads visit in turn: thread t at
+// t, t + blockDim.x, ...; (y, x) follow without a division per step.
+struct PlaneWalk {
+    i64 y, x, step_y, step_x, width;
+    __device__ explicit PlaneWalk(i64 w)
+        : y(threadIdx.x / w), x(threadIdx.x % w), step_y(blockDim.x / w),
+          step_x(blockDim.x % w), width(w) {}
+    __device__ void next() {
+        x += step_x;
+        y += step_y;
+        if (x >= width) {
+            x -= width;
+            ++y;
+        }
+    }
+};
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

@@ -6,23 +6,6 @@ struct ConvGeom {
     i64 batch, c_in, h, w, c_out, kh, kw, sh, sw, ph, pw, dh, dw, groups, oh, ow;
 };
 
-// The positions of a plane `width` wide that a block's threads visit in turn: thread t at
-// t, t + blockDim.x, ...; (y, x) follow without a division per step.
-struct PlaneWalk {
-    i64 y, x, step_y, step_x, width;
-    __device__ explicit PlaneWalk(i64 w)
-        : y(threadIdx.x / w), x(threadIdx.x % w), step_y(blockDim.x / w),
-          step_x(blockDim.x % w), width(w) {}
-    __device__ void next() {
-        x += step_x;
-        y += step_y;
-        if (x >= width) {
-            x -= width;
-            ++y;
-        }
-    }
-};
-
 // In a gradient gather: whether input offset t = i + pad - k * dilation is read by an output
 // position along one axis, and which (into *o): t >= 0, a multiple of the stride (no
 // division when `unit`), below `limit`.

@@ -165,21 +165,33 @@ __device__ __forceinline__ float inv_std(float var, float eps) {
 // The images of part p of `parts` (of n): [n * p / parts, n * (p + 1) / parts).
 __device__ __forceinline__ u64 part_start(u64 n, u64 p, u64 parts) { return n * p / parts; }
 
+// The block's part of its channel in a (c, parts) grid: the index in x of the part's first
+// value, and the part's images. Value k of the part is at start + (k / s) * c * s + k % s;
+// a PlaneWalk over width s gives (k / s, k % s) without dividing.
+__device__ __forceinline__ u64 channel_part(u64 n, u64 c, u64 s, u32 parts, u64* images) {
+    const u64 p = blockIdx.y, img0 = part_start(n, p, parts);
+    *images = part_start(n, p + 1, parts) - img0;
+    return (img0 * c + blockIdx.x) * s;
+}
+
 // The statistics' first kernel, grid (c, parts): each block writes its part's mean and sum
 // of squared deviations from it (two passes over the part), part[2 * (ch * parts + p)] =
 // (mean, m2); the part's count follows from n, s and parts.
 template <typename T>
 __device__ void bn_partial_impl(const T* x, float* part, u64 n, u64 c, u64 s, u32 parts) {
     const u64 ch = blockIdx.x, p = blockIdx.y;
-    const u64 img0 = part_start(n, p, parts);
-    const u64 m = (part_start(n, p + 1, parts) - img0) * s;
-    const T* base = x + (img0 * c + ch) * s;
+    u64 images;
+    const T* base = x + channel_part(n, c, s, parts, &images);
+    const u64 m = images * s;
+    const PlaneWalk first(s);
     float sum = 0.0f;
-    for (u64 k = threadIdx.x; k < m; k += blockDim.x) sum += to_f32(base[(k / s) * c * s + k % s]);
+    PlaneWalk v = first;
+    for (u64 k = threadIdx.x; k < m; k += blockDim.x, v.next()) sum += to_f32(base[v.y * c * s + v.x]);
     const float mu = m > 0 ? block_sum(sum) / (float)m : 0.0f;
     float q = 0.0f;
-    for (u64 k = threadIdx.x; k < m; k += blockDim.x) {
-        const float d = to_f32(base[(k / s) * c * s + k % s]) - mu;
+    v = first;
+    for (u64 k = threadIdx.x; k < m; k += blockDim.x, v.next()) {
+        const float d = to_f32(base[v.y * c * s + v.x]) - mu;
         q += d * d;
     }
     const float m2 = block_sum(q);
@@ -245,13 +257,14 @@ __device__ void bn_bwd_partial_impl(const T* x, const T* dy, const float* mean,
                                     const float* invstd, float* part, u64 n, u64 c, u64 s,
                                     u32 parts) {
     const u64 ch = blockIdx.x, p = blockIdx.y;
-    const u64 img0 = part_start(n, p, parts);
-    const u64 m = (part_start(n, p + 1, parts) - img0) * s;
-    const u64 start = (img0 * c + ch) * s;
+    u64 images;
+    const u64 start = channel_part(n, c, s, parts, &images);
+    const u64 m = images * s;
     const float mu = mean[ch], r = invstd[ch];
     float a = 0.0f, b = 0.0f;
-    for (u64 k = threadIdx.x; k < m; k += blockDim.x) {
-        const u64 i = start + (k / s) * c * s + k % s;
+    PlaneWalk v(s);
+    for (u64 k = threadIdx.x; k < m; k += blockDim.x, v.next()) {
+        const u64 i = start + v.y * c * s + v.x;
         const float g = to_f32(dy[i]);
         a += g * (to_f32(x[i]) - mu) * r;
         b += g;

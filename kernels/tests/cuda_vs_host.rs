@@ -607,6 +607,12 @@ fn permute_matches_host() {
             );
         }
         assert!(ops::permute(&gx, &[0, 1, 1, 2]).is_err());
+        // Lower ranks are padded in front to four axes: dividers of 1.
+        for (shape, perm) in [(&[37, 5][..], &[1, 0][..]), (&[6, 1, 11][..], &[2, 0, 1][..])] {
+            let (hx, gx) = pair(&gpu, shape, dtype, 103);
+            let (hy, gy) = (ops::permute(&hx, perm).unwrap(), ops::permute(&gx, perm).unwrap());
+            close("permute (rank < 4)", &gy, &hy, 0.0);
+        }
     }
 }
 

@@ -184,7 +184,7 @@ pub(crate) fn broadcast_rows(
         gpu.launch(
             BROADCAST_ROWS.of(dx.dtype()),
             grid(n),
-            &[ptr(dy)?, Arg::F32(factor), ptr(dx)?, Arg::count(n), Arg::count(d)],
+            &[ptr(dy)?, Arg::F32(factor), ptr(dx)?, Arg::count(n), Arg::div(d)],
         )
     }
 }

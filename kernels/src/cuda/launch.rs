@@ -122,6 +122,49 @@ pub(crate) struct PoolGeom {
 // SAFETY: `repr(C)`, twelve i64: the layout of `PoolGeom` in pool.cu.
 unsafe impl DeviceRepr for PoolGeom {}
 
+/// A divisor fixed for a launch, with its magic number: the kernels divide an element index
+/// by it with one 64x64-bit high multiply, two shifts and an add (`Div` in `common.cuh`)
+/// instead of a 64-bit division, which a GPU does in software (dozens of instructions: more
+/// than an elementwise kernel's memory time per element on an H100). Granlund and
+/// Montgomery, "Division by Invariant Integers using Multiplication" (1994), figure 4.1, for
+/// N = 64: exact for every dividend and divisor below 2^64. PyTorch's `IntDivider` does the
+/// same in 32 bits.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Div {
+    /// The divisor d.
+    pub d: u64,
+    /// m' = floor(2^64 * (2^l - d) / d) + 1 with l = ceil(log2 d).
+    m: u64,
+    /// min(l, 1).
+    s1: u32,
+    /// max(l, 1) - 1.
+    s2: u32,
+}
+
+// SAFETY: `repr(C)`, two u64 then two u32 (24 bytes, no padding, no pointers): the layout of
+// `Div` in common.cuh.
+unsafe impl DeviceRepr for Div {}
+
+impl Div {
+    /// The divider for `d`. A zero divisor stands for one: launches pass it only for empty
+    /// tensors, whose kernels divide nothing.
+    pub(crate) fn new(d: usize) -> Div {
+        let d = (d as u64).max(1);
+        let l = if d == 1 { 0 } else { 64 - (d - 1).leading_zeros() };
+        // 2^l - d < d, so m' < 2^64 (the paper's bound); the product fits in 128 bits.
+        let m = (((1u128 << 64) * ((1u128 << l) - d as u128)) / d as u128 + 1) as u64;
+        Div { d, m, s1: l.min(1), s2: l.max(1) - 1 }
+    }
+
+    /// n / d exactly as the kernels compute it (`Div::div` in common.cuh).
+    #[cfg(test)]
+    fn div(&self, n: u64) -> u64 {
+        let t = ((self.m as u128 * n as u128) >> 64) as u64;
+        (t + ((n - t) >> self.s1)) >> self.s2
+    }
+}
+
 /// One kernel argument. Arguments are collected in a slice that outlives the launch, so the
 /// driver reads every value from memory that is still alive.
 #[derive(Clone, Copy, Debug)]
@@ -140,6 +183,8 @@ pub(crate) enum Arg {
     Conv(ConvGeom),
     /// `PoolGeom`, by value.
     Pool(PoolGeom),
+    /// `Div`, by value.
+    Div(Div),
 }
 
 impl Arg {
@@ -153,12 +198,18 @@ impl Arg {
             Arg::F32(_) => Param::F32,
             Arg::Conv(_) => Param::Conv,
             Arg::Pool(_) => Param::Pool,
+            Arg::Div(_) => Param::Div,
         }
     }
 
     /// An element count or size.
     pub(crate) fn count(n: usize) -> Arg {
         Arg::U64(n as u64)
+    }
+
+    /// A divisor of element indices ([`Div`]).
+    pub(crate) fn div(d: usize) -> Arg {
+        Arg::Div(Div::new(d))
     }
 }
 
@@ -192,5 +243,59 @@ mod tests {
         assert!(swapped.unwrap_err().to_string().contains("fill_bf16"));
         assert!(check_args(fill, &[Arg::Ptr(0), Arg::F32(1.0)]).is_err(), "one too few");
         assert_eq!(AXPY.of_pair(DType::F32, DType::F16).name, "axpy_f32_f16");
+    }
+
+    /// Checks the divider of `d` on the dividends most likely to break it: around 0, around
+    /// multiples of d (where the quotient steps), and at the top of the range.
+    fn check_divisor(d: u64) {
+        let div = Div::new(d as usize);
+        let mut dividends =
+            vec![0, 1, 2, d - 1, d, d.saturating_add(1), u64::MAX, u64::MAX - 1, u64::MAX / 2];
+        for q in
+            [1u64, 2, 3, 1 << 20, u64::MAX / d, u64::MAX / d / 2, (u64::MAX / d).saturating_sub(1)]
+        {
+            if let Some(n) = q.checked_mul(d) {
+                dividends.extend([n.saturating_sub(1), n, n.saturating_add(1)]);
+            }
+        }
+        for n in dividends {
+            assert_eq!(div.div(n), n / d, "{n} / {d}");
+        }
+    }
+
+    #[test]
+    fn the_divider_is_exact_at_the_edges_of_the_range() {
+        let mut divisors = vec![1u64, 2, 3, 5, 6, 7, 49, 196, 3136, 50257, 12544];
+        for k in 1..64 {
+            divisors.extend([(1u64 << k) - 1, 1 << k, (1u64 << k) + 1]);
+        }
+        divisors.extend([u64::MAX, u64::MAX - 1, u64::MAX / 3, (1 << 63) + 12345]);
+        for d in divisors {
+            check_divisor(d);
+        }
+        assert_eq!(Div::new(0), Div::new(1), "a zero divisor stands for one");
+        let one = Div::new(1);
+        assert_eq!((one.s1, one.s2, one.div(u64::MAX)), (0, 0, u64::MAX));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_divider_matches_integer_division(
+            d in 1u64..,
+            n: u64,
+            q: u64,
+            small in 1u64..100_000,
+            m in 0u64..(1 << 40),
+        ) {
+            let div = Div::new(d as usize);
+            proptest::prop_assert_eq!(div.div(n), n / d);
+            // A multiple of d and the dividend before it: where the quotient steps.
+            let k = (q % (u64::MAX / d + 1)) * d;
+            proptest::prop_assert_eq!(div.div(k), k / d);
+            proptest::prop_assert_eq!(div.div(k.saturating_sub(1)), k.saturating_sub(1) / d);
+            let small_div = Div::new(small as usize);
+            proptest::prop_assert_eq!(small_div.div(m), m / small);
+            proptest::prop_assert_eq!(small_div.div(n), n / small);
+        }
     }
 }

@@ -290,6 +290,7 @@ impl CudaBackend {
                 Arg::F32(v) => builder.arg(v),
                 Arg::Conv(v) => builder.arg(v),
                 Arg::Pool(v) => builder.arg(v),
+                Arg::Div(v) => builder.arg(v),
             };
         }
         // SAFETY: the arguments match the kernel's parameters (checked above against the

@@ -240,6 +240,22 @@ fn every_registered_kernel_has_one_name_per_instance_and_names_are_unique() {
     }
 }
 
+/// Each kernel of module `name` (a `.cu` file's stem) as `(entry name, PTX body)`, compiled
+/// for compute_90.
+fn kernel_bodies(name: &str) -> Vec<(String, String)> {
+    let module = MODULES.iter().find(|m| m.name == name).expect("a registered module");
+    let ptx = compile_ptx_with_opts(full_source(module), compile_options(module, "compute_90"))
+        .unwrap_or_else(|e| panic!("{}", compile_error(module, e)))
+        .to_src();
+    ptx.split(".entry ")
+        .skip(1)
+        .map(|body| {
+            let name = body[..body.find('(').unwrap_or(0)].trim().to_string();
+            (name, body[..body.find("\n}").unwrap_or(body.len())].to_string())
+        })
+        .collect()
+}
+
 /// The plain maps of `elementwise.cu` (`map0`, `map1`, `map2` in `common.cuh`) and how many
 /// arrays each one reads or writes; the last three are named by a dtype pair.
 const MAPS: [(&str, usize); 15] = [
@@ -269,15 +285,10 @@ fn the_plain_maps_read_and_write_whole_packs() {
     if !nvrtc_present() {
         return;
     }
-    let module = MODULES.iter().find(|m| m.name == "elementwise").expect("elementwise.cu");
-    let ptx = compile_ptx_with_opts(full_source(module), compile_options(module, "compute_90"))
-        .unwrap_or_else(|e| panic!("{}", compile_error(module, e)))
-        .to_src();
     let dtypes = ["f32", "f16", "bf16"];
     let mut checked = 0;
-    for body in ptx.split(".entry ").skip(1) {
-        let name = body[..body.find('(').unwrap_or(0)].trim();
-        let body = &body[..body.find("\n}").unwrap_or(body.len())];
+    for (name, body) in kernel_bodies("elementwise") {
+        let (name, body) = (name.as_str(), body.as_str());
         let arrays = MAPS.iter().find_map(|&(base, arrays)| {
             let rest = name.strip_prefix(base)?.strip_prefix('_')?;
             let named = dtypes.contains(&rest)
@@ -296,4 +307,43 @@ fn the_plain_maps_read_and_write_whole_packs() {
     }
     // 12 maps in three dtypes, three over the nine dtype pairs.
     assert_eq!(checked, 12 * 3 + 3 * 9, "plain maps found in elementwise.cu's PTX");
+}
+
+/// The grid-stride kernels that split an element index into coordinates (bias and row
+/// broadcasts, batch norm's elementwise parts, pooling, embedding, permute, cross-entropy's
+/// gradient), by module. They divide with `Div` (`common.cuh`): a 64-bit `/` or `%` is a
+/// software routine on a GPU, dozens of instructions per element, more than the memory time
+/// of an elementwise kernel on an H100.
+const DIVIDING: [(&str, &[&str]); 5] = [
+    (
+        "elementwise",
+        &["bias_add", "bias_fill", "broadcast_rows", "broadcast_rows_add", "scale_channels"],
+    ),
+    ("conv", &["bias_planes"]),
+    ("softmax", &["ce_bwd", "bn_apply", "bn_bwd_dx"]),
+    ("pool", &["max_pool", "max_pool_bwd", "avg_pool", "avg_pool_bwd"]),
+    ("misc", &["embedding", "embedding_bwd", "permute"]),
+];
+
+/// Those kernels' PTX has no 64-bit division or remainder, and the high multiply of `Div`.
+#[test]
+fn indexed_kernels_divide_by_multiplying() {
+    if !nvrtc_present() {
+        return;
+    }
+    let mut checked = 0;
+    for (module, bases) in DIVIDING {
+        for (name, body) in kernel_bodies(module) {
+            let Some((base, _)) = name.rsplit_once('_') else { continue };
+            if !bases.contains(&base) {
+                continue;
+            }
+            for op in ["div.u64", "rem.u64", "div.s64", "rem.s64"] {
+                assert!(!body.contains(op), "{name} has a 64-bit division ({op})");
+            }
+            assert!(body.contains("mul.hi.u64"), "{name} divides without Div");
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 16 * 3, "dividing kernels found in the PTX");
 }

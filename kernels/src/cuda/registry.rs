@@ -60,6 +60,8 @@ pub(crate) enum Param {
     Conv,
     /// `PoolGeom` by value (twelve i64).
     Pool,
+    /// `Div` by value (two u64, two u32).
+    Div,
 }
 
 impl Param {
@@ -73,6 +75,7 @@ impl Param {
             Param::F32 => ("f32", 4),
             Param::Conv => ("b8", 16 * 8),
             Param::Pool => ("b8", 12 * 8),
+            Param::Div => ("b8", 24),
         }
     }
 }
@@ -169,18 +172,18 @@ kernels! {
     HARDSIGMOID = ELEMENTWISE "hardsigmoid" dtypes (Ptr, Ptr, U64);
     /// `hardsigmoid_bwd(const T* x, const T* dy, T* dx, u64 n)`.
     HARDSIGMOID_BWD = ELEMENTWISE "hardsigmoid_bwd" dtypes (Ptr, Ptr, Ptr, U64);
-    /// `scale_channels(const T* x, const T* s, T* y, u64 n, u64 hw)`.
-    SCALE_CHANNELS = ELEMENTWISE "scale_channels" dtypes (Ptr, Ptr, Ptr, U64, U64);
+    /// `scale_channels(const T* x, const T* s, T* y, u64 n, Div hw)`.
+    SCALE_CHANNELS = ELEMENTWISE "scale_channels" dtypes (Ptr, Ptr, Ptr, U64, Div);
     /// `scale_channels_bwd(const T* x, const T* s, const T* dy, T* dx, T* ds, u64 hw)`.
     SCALE_CHANNELS_BWD = ELEMENTWISE "scale_channels_bwd" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U64);
-    /// `bias_add(const T* x, const T* b, T* y, u64 n, u64 d)`.
-    BIAS_ADD = ELEMENTWISE "bias_add" dtypes (Ptr, Ptr, Ptr, U64, U64);
-    /// `bias_fill(const T* b, T* y, u64 n, u64 d)`.
-    BIAS_FILL = ELEMENTWISE "bias_fill" dtypes (Ptr, Ptr, U64, U64);
-    /// `broadcast_rows(const T* dy, float f, T* dx, u64 n, u64 d)`.
-    BROADCAST_ROWS = ELEMENTWISE "broadcast_rows" dtypes (Ptr, F32, Ptr, U64, U64);
-    /// `broadcast_rows_add(const T* dy, float f, T* acc, u64 n, u64 d)`.
-    BROADCAST_ROWS_ADD = ELEMENTWISE "broadcast_rows_add" dtypes (Ptr, F32, Ptr, U64, U64);
+    /// `bias_add(const T* x, const T* b, T* y, u64 n, Div d)`.
+    BIAS_ADD = ELEMENTWISE "bias_add" dtypes (Ptr, Ptr, Ptr, U64, Div);
+    /// `bias_fill(const T* b, T* y, u64 n, Div d)`.
+    BIAS_FILL = ELEMENTWISE "bias_fill" dtypes (Ptr, Ptr, U64, Div);
+    /// `broadcast_rows(const T* dy, float f, T* dx, u64 n, Div d)`.
+    BROADCAST_ROWS = ELEMENTWISE "broadcast_rows" dtypes (Ptr, F32, Ptr, U64, Div);
+    /// `broadcast_rows_add(const T* dy, float f, T* acc, u64 n, Div d)`.
+    BROADCAST_ROWS_ADD = ELEMENTWISE "broadcast_rows_add" dtypes (Ptr, F32, Ptr, U64, Div);
     /// `cast_S_D(const S* x, D* y, u64 n)`.
     CAST = ELEMENTWISE "cast" pairs (Ptr, Ptr, U64);
     /// `add_assign_A_X(A* acc, const X* x, u64 n)`.
@@ -206,9 +209,9 @@ kernels! {
     /// `ce_fwd(const T* x, const u32* t, u64 c, u32 ignore, u32 has_ignore, float* lse,
     /// float* loss)`.
     CE_FWD = SOFTMAX "ce_fwd" dtypes (Ptr, Ptr, U64, U32, U32, Ptr, Ptr);
-    /// `ce_bwd(const T* x, const u32* t, const float* lse, float g, u64 c, u32 ignore,
+    /// `ce_bwd(const T* x, const u32* t, const float* lse, float g, Div c, u32 ignore,
     /// u32 has_ignore, T* dx, u64 n)`.
-    CE_BWD = SOFTMAX "ce_bwd" dtypes (Ptr, Ptr, Ptr, F32, U64, U32, U32, Ptr, U64);
+    CE_BWD = SOFTMAX "ce_bwd" dtypes (Ptr, Ptr, Ptr, F32, Div, U32, U32, Ptr, U64);
     /// `layer_norm(const T* x, const T* g, const T* b, float eps, T* y, float* m, float* r,
     /// u64 d)`.
     LAYER_NORM = SOFTMAX "layer_norm" dtypes (Ptr, Ptr, Ptr, F32, Ptr, Ptr, Ptr, U64);
@@ -229,23 +232,23 @@ kernels! {
     /// float* invstd, u64 c)`.
     BN_EVAL_STATS = SOFTMAX "bn_eval_stats" dtypes (Ptr, Ptr, U32, F32, Ptr, Ptr, U64);
     /// `bn_apply(const T* x, const float* mean, const float* invstd, const void* g, const
-    /// void* b, u32 pf32, T* y, u64 total, u64 c, u64 s)`.
-    BN_APPLY = SOFTMAX "bn_apply" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U32, Ptr, U64, U64, U64);
+    /// void* b, u32 pf32, T* y, u64 total, Div c, Div s)`.
+    BN_APPLY = SOFTMAX "bn_apply" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U32, Ptr, U64, Div, Div);
     /// `bn_bwd_partial(const T* x, const T* dy, const float* mean, const float* invstd,
     /// float* part, u64 n, u64 c, u64 s, u32 parts)`.
     BN_BWD_PARTIAL = SOFTMAX "bn_bwd_partial" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U32);
     /// `bn_bwd_finalize(const float* part, float* sums, u64 c, u32 parts)`.
     BN_BWD_FINALIZE = SOFTMAX "bn_bwd_finalize" once (Ptr, Ptr, U64, U32);
     /// `bn_bwd_dx(const T* x, const T* dy, const float* mean, const float* invstd, const void*
-    /// g, u32 pf32, const float* sums, T* dx, u64 total, u64 c, u64 s)`.
-    BN_BWD_DX = SOFTMAX "bn_bwd_dx" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U32, Ptr, Ptr, U64, U64, U64);
+    /// g, u32 pf32, const float* sums, T* dx, u64 total, Div c, Div s)`.
+    BN_BWD_DX = SOFTMAX "bn_bwd_dx" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U32, Ptr, Ptr, U64, Div, Div);
 
     /// `im2col(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i64 group)`.
     IM2COL = CONV "im2col" dtypes (Ptr, Ptr, Conv, I64, I64, I64);
     /// `col2im(const float* dcol, T* dx, ConvGeom g, i64 n0, i64 nimg, i64 group)`.
     COL2IM = CONV "col2im" dtypes (Ptr, Ptr, Conv, I64, I64, I64);
-    /// `bias_planes(const T* b, T* y, u64 n, u64 c, u64 ohw)`.
-    BIAS_PLANES = CONV "bias_planes" dtypes (Ptr, Ptr, U64, U64, U64);
+    /// `bias_planes(const T* b, T* y, u64 n, Div c, Div ohw)`.
+    BIAS_PLANES = CONV "bias_planes" dtypes (Ptr, Ptr, U64, Div, Div);
     /// `direct_fwd(const T* x, const T* w, const T* b, u32 has_b, T* y, ConvGeom g)`.
     DIRECT_FWD = CONV "direct_fwd" dtypes (Ptr, Ptr, Ptr, U32, Ptr, Conv);
     /// `direct_bwd_input(const T* w, const T* dy, T* dx, ConvGeom g)`.
@@ -254,19 +257,20 @@ kernels! {
     /// element.
     DIRECT_BWD_WEIGHT = CONV "direct_bwd_weight" dtypes (Ptr, Ptr, Ptr, Conv);
 
-    /// `max_pool(const T* x, T* y, u32* arg, PoolGeom g)`.
-    MAX_POOL = POOL "max_pool" dtypes (Ptr, Ptr, Ptr, Pool);
-    /// `max_pool_bwd(const T* dy, const u32* arg, float* acc, PoolGeom g)`.
-    MAX_POOL_BWD = POOL "max_pool_bwd" dtypes (Ptr, Ptr, Ptr, Pool);
-    /// `avg_pool(const T* x, T* y, PoolGeom g, u32 include_pad)`.
-    AVG_POOL = POOL "avg_pool" dtypes (Ptr, Ptr, Pool, U32);
-    /// `avg_pool_bwd(const T* dy, T* dx, PoolGeom g, u32 include_pad)`.
-    AVG_POOL_BWD = POOL "avg_pool_bwd" dtypes (Ptr, Ptr, Pool, U32);
+    /// `max_pool(const T* x, T* y, u32* arg, PoolGeom g, Div ow, Div oh)`.
+    MAX_POOL = POOL "max_pool" dtypes (Ptr, Ptr, Ptr, Pool, Div, Div);
+    /// `max_pool_bwd(const T* dy, const u32* arg, float* acc, PoolGeom g, Div ohw)`.
+    MAX_POOL_BWD = POOL "max_pool_bwd" dtypes (Ptr, Ptr, Ptr, Pool, Div);
+    /// `avg_pool(const T* x, T* y, PoolGeom g, u32 include_pad, Div ow, Div oh)`.
+    AVG_POOL = POOL "avg_pool" dtypes (Ptr, Ptr, Pool, U32, Div, Div);
+    /// `avg_pool_bwd(const T* dy, T* dx, PoolGeom g, u32 include_pad, Div w, Div h, Div sh,
+    /// Div sw)`.
+    AVG_POOL_BWD = POOL "avg_pool_bwd" dtypes (Ptr, Ptr, Pool, U32, Div, Div, Div, Div);
 
-    /// `embedding(const u32* ids, const T* table, T* out, u64 n, u64 dim)`.
-    EMBEDDING = MISC "embedding" dtypes (Ptr, Ptr, Ptr, U64, U64);
-    /// `embedding_bwd(const u32* ids, const T* dout, float* acc, u64 n, u64 dim)`.
-    EMBEDDING_BWD = MISC "embedding_bwd" dtypes (Ptr, Ptr, Ptr, U64, U64);
+    /// `embedding(const u32* ids, const T* table, T* out, u64 n, Div dim)`.
+    EMBEDDING = MISC "embedding" dtypes (Ptr, Ptr, Ptr, U64, Div);
+    /// `embedding_bwd(const u32* ids, const T* dout, float* acc, u64 n, Div dim)`.
+    EMBEDDING_BWD = MISC "embedding_bwd" dtypes (Ptr, Ptr, Ptr, U64, Div);
     /// `dropout(const T* x, T* y, u64 n, float p, float scale, u64 seed, u64 offset)`.
     DROPOUT = MISC "dropout" dtypes (Ptr, Ptr, U64, F32, F32, U64, U64);
     /// `sgd(float* p, const T* g, float* buf, u64 n, float lr, float momentum, float
@@ -275,9 +279,9 @@ kernels! {
     /// `adamw(float* p, const T* g, float* m, float* v, u64 n, float b1, float b2, float
     /// eps, float step_size, float bias2_sqrt, float decay)`.
     ADAMW = MISC "adamw" dtypes (Ptr, Ptr, Ptr, Ptr, U64, F32, F32, F32, F32, F32, F32);
-    /// `permute(const T* x, T* y, u64 n, u64 d1, u64 d2, u64 d3, u64 s0, u64 s1, u64 s2,
+    /// `permute(const T* x, T* y, u64 n, Div d1, Div d2, Div d3, u64 s0, u64 s1, u64 s2,
     /// u64 s3)`.
-    PERMUTE = MISC "permute" dtypes (Ptr, Ptr, U64, U64, U64, U64, U64, U64, U64, U64);
+    PERMUTE = MISC "permute" dtypes (Ptr, Ptr, U64, Div, Div, Div, U64, U64, U64, U64);
     /// `unscale(T* g, float inv, u64 n, u32* flag)`.
     UNSCALE = MISC "unscale" dtypes (Ptr, F32, U64, Ptr);
 }

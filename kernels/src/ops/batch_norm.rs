@@ -329,8 +329,8 @@ fn apply(
                 Arg::U32((gamma.dtype() == DType::F32) as u32),
                 ptr(y)?,
                 Arg::count(total),
-                Arg::count(c),
-                Arg::count(s),
+                Arg::div(c),
+                Arg::div(s),
             ],
         )
     }
@@ -561,8 +561,8 @@ impl Op for BatchNormBackward<'_> {
                     Arg::Ptr(sums),
                     ptr(dx)?,
                     Arg::count(total),
-                    Arg::count(c),
-                    Arg::count(self.s),
+                    Arg::div(c),
+                    Arg::div(self.s),
                 ],
             )?;
         }

@@ -390,13 +390,7 @@ mod cuda {
                     gpu.launch(
                         BIAS_PLANES.of(t),
                         grid(n),
-                        &[
-                            ptr(bias)?,
-                            ptr(y)?,
-                            Arg::count(n),
-                            Arg::count(p.c_out()),
-                            Arg::count(ohw),
-                        ],
+                        &[ptr(bias)?, ptr(y)?, Arg::count(n), Arg::div(p.c_out()), Arg::div(ohw)],
                     )?;
                 }
                 1.0

@@ -218,7 +218,7 @@ impl Op for BiasAdd<'_> {
             gpu.launch(
                 BIAS_ADD.of(self.x.dtype()),
                 grid(n),
-                &[ptr(self.x)?, ptr(self.bias)?, ptr(y)?, Arg::count(n), Arg::count(d)],
+                &[ptr(self.x)?, ptr(self.bias)?, ptr(y)?, Arg::count(n), Arg::div(d)],
             )
         }
     }

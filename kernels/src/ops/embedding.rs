@@ -79,7 +79,7 @@ impl Op for Embedding<'_> {
             gpu.launch(
                 EMBEDDING.of(self.table.dtype()),
                 grid(n),
-                &[Arg::Ptr(idx), ptr(self.table)?, ptr(out)?, Arg::count(n), Arg::count(dim)],
+                &[Arg::Ptr(idx), ptr(self.table)?, ptr(out)?, Arg::count(n), Arg::div(dim)],
             )
         }
     }
@@ -163,13 +163,7 @@ impl Op for EmbeddingBackward<'_> {
                 gpu.launch(
                     EMBEDDING_BWD.of(self.dout.dtype()),
                     grid(n),
-                    &[
-                        Arg::Ptr(idx),
-                        ptr(self.dout)?,
-                        Arg::Ptr(acc),
-                        Arg::count(n),
-                        Arg::count(dim),
-                    ],
+                    &[Arg::Ptr(idx), ptr(self.dout)?, Arg::Ptr(acc), Arg::count(n), Arg::div(dim)],
                 )?;
             }
         }

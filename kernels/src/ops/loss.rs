@@ -216,7 +216,7 @@ impl Op for CrossEntropyBackward<'_> {
                     Arg::Ptr(t),
                     ptr(self.lse)?,
                     Arg::F32(g),
-                    Arg::count(c),
+                    Arg::div(c),
                     Arg::U32(ignore.unwrap_or(0)),
                     Arg::U32(ignore.is_some() as u32),
                     ptr(bufs.out(0))?,

@@ -498,7 +498,7 @@ mod cuda {
             gpu.launch(
                 BIAS_FILL.of(y.dtype()),
                 grid(n),
-                &[ptr(bias)?, ptr(y)?, Arg::count(n), Arg::count(d)],
+                &[ptr(bias)?, ptr(y)?, Arg::count(n), Arg::div(d)],
             )
         }
     }

@@ -64,13 +64,21 @@ impl Op for MaxPool<'_> {
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
         use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::MAX_POOL};
         let [y, argmax] = bufs.outputs_mut() else { unreachable!("planned") };
-        // SAFETY: max_pool_T(const T* x, T* y, u32* arg, PoolGeom g); x, y and arg have the
-        // geometry's shapes.
+        let (oh, ow) = self.p.output_hw();
+        // SAFETY: max_pool_T(const T* x, T* y, u32* arg, PoolGeom g, Div ow, Div oh); x, y
+        // and arg have the geometry's shapes.
         unsafe {
             gpu.launch(
                 MAX_POOL.of(self.x.dtype()),
                 grid(y.numel()),
-                &[ptr(self.x)?, ptr(y)?, ptr(argmax)?, Arg::Pool(cuda::geom(&self.p))],
+                &[
+                    ptr(self.x)?,
+                    ptr(y)?,
+                    ptr(argmax)?,
+                    Arg::Pool(cuda::geom(&self.p)),
+                    Arg::div(ow),
+                    Arg::div(oh),
+                ],
             )
         }
     }
@@ -169,8 +177,10 @@ impl Op for MaxPoolBackward<'_> {
         if acc == 0 {
             return Ok(());
         }
-        // SAFETY: max_pool_bwd_T(const T* dy, const u32* arg, float* acc, PoolGeom g); dy and
-        // arg have the pooled shape, acc the input's; the kernel skips indices >= h * w.
+        let (oh, ow) = self.p.output_hw();
+        // SAFETY: max_pool_bwd_T(const T* dy, const u32* arg, float* acc, PoolGeom g, Div
+        // ohw); dy and arg have the pooled shape, acc the input's; the kernel skips indices
+        // >= h * w.
         unsafe {
             gpu.launch(
                 MAX_POOL_BWD.of(self.dy.dtype()),
@@ -180,6 +190,7 @@ impl Op for MaxPoolBackward<'_> {
                     Arg::Ptr(self.argmax.cuda_ptr()?),
                     Arg::Ptr(acc),
                     Arg::Pool(cuda::geom(&self.p)),
+                    Arg::div(oh * ow),
                 ],
             )?;
         }
@@ -232,8 +243,9 @@ impl Op for AvgPool<'_> {
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
         use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::AVG_POOL};
         let y = bufs.out(0);
-        // SAFETY: avg_pool_T(const T* x, T* y, PoolGeom g, u32 include_pad); shapes from
-        // the geometry.
+        let (oh, ow) = self.p.output_hw();
+        // SAFETY: avg_pool_T(const T* x, T* y, PoolGeom g, u32 include_pad, Div ow, Div oh);
+        // shapes from the geometry.
         unsafe {
             gpu.launch(
                 AVG_POOL.of(self.x.dtype()),
@@ -243,6 +255,8 @@ impl Op for AvgPool<'_> {
                     ptr(y)?,
                     Arg::Pool(cuda::geom(&self.p)),
                     Arg::U32(self.count_include_pad as u32),
+                    Arg::div(ow),
+                    Arg::div(oh),
                 ],
             )
         }
@@ -313,8 +327,8 @@ impl Op for AvgPoolBackward<'_> {
             return Ok(());
         }
         let dx = bufs.out(0);
-        // SAFETY: avg_pool_bwd_T(const T* dy, T* dx, PoolGeom g, u32 include_pad); shapes
-        // from the geometry.
+        // SAFETY: avg_pool_bwd_T(const T* dy, T* dx, PoolGeom g, u32 include_pad, Div w, Div
+        // h, Div sh, Div sw); shapes from the geometry.
         unsafe {
             gpu.launch(
                 AVG_POOL_BWD.of(self.dy.dtype()),
@@ -324,6 +338,10 @@ impl Op for AvgPoolBackward<'_> {
                     ptr(dx)?,
                     Arg::Pool(cuda::geom(&self.p)),
                     Arg::U32(self.count_include_pad as u32),
+                    Arg::div(self.p.w()),
+                    Arg::div(self.p.h()),
+                    Arg::div(self.p.stride().0),
+                    Arg::div(self.p.stride().1),
                 ],
             )
         }
@@ -447,7 +465,7 @@ impl Op for PoolGradAdd<'_> {
             gpu.launch(
                 BROADCAST_ROWS_ADD.of(acc.dtype()),
                 grid(n),
-                &[ptr(dy)?, Arg::F32(factor), ptr(acc)?, Arg::count(n), Arg::count(self.hw)],
+                &[ptr(dy)?, Arg::F32(factor), ptr(acc)?, Arg::count(n), Arg::div(self.hw)],
             )
         }
     }

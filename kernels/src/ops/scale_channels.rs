@@ -129,7 +129,7 @@ impl Op for ScaleChannels<'_> {
                         ptr(self.s)?,
                         ptr(bufs.out(0))?,
                         Arg::count(n),
-                        Arg::count(self.hw),
+                        Arg::div(self.hw),
                     ],
                 )
             },

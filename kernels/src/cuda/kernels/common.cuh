@@ -55,6 +55,21 @@ __device__ __forceinline__ bool is_finite(float v) {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+// Division of element indices by a divisor fixed for the launch, with the magic number the
+// host computed (`launch::Div`: Granlund and Montgomery's figure 4.1 for 64 bits, exact for
+// every u64): a high multiply, a subtraction, two shifts and an add, where `/` on a u64 is a
+// software routine of dozens of instructions. Every grid-stride kernel that splits an index
+// into coordinates divides with this; `nvrtc_check` holds them to it.
+struct Div {
+    u64 d, m;
+    u32 s1, s2;
+    __device__ __forceinline__ u64 div(u64 n) const {
+        const u64 t = __umul64hi(n, m);
+        return (t + ((n - t) >> s1)) >> s2;
+    }
+    __device__ __forceinline__ u64 mod(u64 n) const { return n - div(n) * d; }
+};
+
 // Grid-stride loop over [0, n).
 #define FOR_EACH(i, n) \
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \

@@ -76,8 +76,8 @@ __device__ void col2im_impl(const float* dcol, T* dx, ConvGeom g, i64 n0, i64 ni
 }
 
 // y[n, c, pos] = bias[c]: the C operand of the forward gemm with beta = 1.
-template <typename T> __device__ void bias_planes_impl(const T* bias, T* y, u64 n, u64 c, u64 ohw) {
-    FOR_EACH(i, n) y[i] = bias[(i / ohw) % c];
+template <typename T> __device__ void bias_planes_impl(const T* bias, T* y, u64 n, Div c, Div ohw) {
+    FOR_EACH(i, n) y[i] = bias[c.mod(ohw.div(i))];
 }
 
 // Direct convolution (depthwise, or small enough that an im2col buffer is not worth it),
@@ -183,7 +183,7 @@ __device__ void direct_bwd_weight_impl(const T* x, const T* dy, T* dw, ConvGeom 
 #define CONV(T, S) \
     extern "C" __global__ void im2col_##S(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i64 group) { im2col_impl<T>(x, col, g, n0, nimg, group); } \
     extern "C" __global__ void col2im_##S(const float* dcol, T* dx, ConvGeom g, i64 n0, i64 nimg, i64 group) { col2im_impl<T>(dcol, dx, g, n0, nimg, group); } \
-    extern "C" __global__ void bias_planes_##S(const T* b, T* y, u64 n, u64 c, u64 ohw) { bias_planes_impl<T>(b, y, n, c, ohw); } \
+    extern "C" __global__ void bias_planes_##S(const T* b, T* y, u64 n, Div c, Div ohw) { bias_planes_impl<T>(b, y, n, c, ohw); } \
     extern "C" __global__ void direct_fwd_##S(const T* x, const T* w, const T* b, u32 has_b, T* y, ConvGeom g) { direct_fwd_impl<T>(x, w, b, has_b, y, g); } \
     extern "C" __global__ void direct_bwd_input_##S(const T* w, const T* dy, T* dx, ConvGeom g) { direct_bwd_input_impl<T>(w, dy, dx, g); } \
     extern "C" __global__ void direct_bwd_weight_##S(const T* x, const T* dy, T* dw, ConvGeom g) { direct_bwd_weight_impl<T>(x, dy, dw, g); }

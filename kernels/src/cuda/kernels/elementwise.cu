@@ -22,38 +22,38 @@ __device__ __forceinline__ float gelu_grad(float v) {
 }
 // y = x + bias[i % d]
 template <typename T>
-__device__ void bias_add_impl(const T* x, const T* bias, T* y, u64 n, u64 d) {
-    FOR_EACH(i, n) y[i] = from_f32<T>(to_f32(x[i]) + to_f32(bias[i % d]));
+__device__ void bias_add_impl(const T* x, const T* bias, T* y, u64 n, Div d) {
+    FOR_EACH(i, n) y[i] = from_f32<T>(to_f32(x[i]) + to_f32(bias[d.mod(i)]));
 }
 // y[i] = bias[i % d]: the C operand of a linear layer's gemm with beta = 1.
-template <typename T> __device__ void bias_fill_impl(const T* bias, T* y, u64 n, u64 d) {
-    FOR_EACH(i, n) y[i] = bias[i % d];
+template <typename T> __device__ void bias_fill_impl(const T* bias, T* y, u64 n, Div d) {
+    FOR_EACH(i, n) y[i] = bias[d.mod(i)];
 }
 // dx[i] = dy[i / d] * factor (backward of row sums and means, global average pool).
 template <typename T>
-__device__ void broadcast_rows_impl(const T* dy, float factor, T* dx, u64 n, u64 d) {
-    FOR_EACH(i, n) dx[i] = from_f32<T>(to_f32(dy[i / d]) * factor);
+__device__ void broadcast_rows_impl(const T* dy, float factor, T* dx, u64 n, Div d) {
+    FOR_EACH(i, n) dx[i] = from_f32<T>(to_f32(dy[d.div(i)]) * factor);
 }
 // acc[i] += dy[i / d] * factor, one rounding (a global average pool's gradient added in place).
 template <typename T>
-__device__ void broadcast_rows_add_impl(const T* dy, float factor, T* acc, u64 n, u64 d) {
-    FOR_EACH(i, n) acc[i] = from_f32<T>(to_f32(acc[i]) + to_f32(dy[i / d]) * factor);
+__device__ void broadcast_rows_add_impl(const T* dy, float factor, T* acc, u64 n, Div d) {
+    FOR_EACH(i, n) acc[i] = from_f32<T>(to_f32(acc[i]) + to_f32(dy[d.div(i)]) * factor);
 }
 
 #define PER_DTYPE(T, S) \
     extern "C" __global__ void fill_##S(T* y, float v, u64 n) { fill_impl<T>(y, v, n); } \
     extern "C" __global__ void scale_##S(const T* x, float alpha, T* y, u64 n) { scale_impl<T>(x, alpha, y, n); } \
-    extern "C" __global__ void bias_add_##S(const T* x, const T* b, T* y, u64 n, u64 d) { bias_add_impl<T>(x, b, y, n, d); } \
-    extern "C" __global__ void bias_fill_##S(const T* b, T* y, u64 n, u64 d) { bias_fill_impl<T>(b, y, n, d); } \
-    extern "C" __global__ void broadcast_rows_##S(const T* dy, float f, T* dx, u64 n, u64 d) { broadcast_rows_impl<T>(dy, f, dx, n, d); } \
-    extern "C" __global__ void broadcast_rows_add_##S(const T* dy, float f, T* acc, u64 n, u64 d) { broadcast_rows_add_impl<T>(dy, f, acc, n, d); }
+    extern "C" __global__ void bias_add_##S(const T* x, const T* b, T* y, u64 n, Div d) { bias_add_impl<T>(x, b, y, n, d); } \
+    extern "C" __global__ void bias_fill_##S(const T* b, T* y, u64 n, Div d) { bias_fill_impl<T>(b, y, n, d); } \
+    extern "C" __global__ void broadcast_rows_##S(const T* dy, float f, T* dx, u64 n, Div d) { broadcast_rows_impl<T>(dy, f, dx, n, d); } \
+    extern "C" __global__ void broadcast_rows_add_##S(const T* dy, float f, T* acc, u64 n, Div d) { broadcast_rows_add_impl<T>(dy, f, acc, n, d); }
 FOR_DTYPES(PER_DTYPE)
 
 // x * s per plane of hw values (s: one scale per plane), and its backward: one block per
 // plane, dx = dy * s and ds = the plane's sum of dy * x.
 template <typename T>
-__device__ void scale_channels_impl(const T* x, const T* s, T* y, u64 n, u64 hw) {
-    FOR_EACH(i, n) { y[i] = from_f32<T>(to_f32(x[i]) * to_f32(s[i / hw])); }
+__device__ void scale_channels_impl(const T* x, const T* s, T* y, u64 n, Div hw) {
+    FOR_EACH(i, n) { y[i] = from_f32<T>(to_f32(x[i]) * to_f32(s[hw.div(i)])); }
 }
 
 template <typename T>
@@ -72,7 +72,7 @@ __device__ void scale_channels_bwd_impl(const T* x, const T* s, const T* dy, T* 
 }
 
 #define SCALE_CHANNELS(T, S) \
-    extern "C" __global__ void scale_channels_##S(const T* x, const T* s, T* y, u64 n, u64 hw) { scale_channels_impl<T>(x, s, y, n, hw); } \
+    extern "C" __global__ void scale_channels_##S(const T* x, const T* s, T* y, u64 n, Div hw) { scale_channels_impl<T>(x, s, y, n, hw); } \
     extern "C" __global__ void scale_channels_bwd_##S(const T* x, const T* s, const T* dy, T* dx, T* ds, u64 hw) { scale_channels_bwd_impl<T>(x, s, dy, dx, ds, hw); }
 FOR_DTYPES(SCALE_CHANNELS)
 

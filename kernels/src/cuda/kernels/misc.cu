@@ -2,14 +2,20 @@
 // fused unscale with non-finite check, axis permutation.
 
 template <typename T>
-__device__ void embedding_impl(const u32* ids, const T* table, T* out, u64 n, u64 dim) {
-    FOR_EACH(i, n) out[i] = table[(u64)ids[i / dim] * dim + i % dim];
+__device__ void embedding_impl(const u32* ids, const T* table, T* out, u64 n, Div dim) {
+    FOR_EACH(i, n) {
+        const u64 t = dim.div(i);
+        out[i] = table[(u64)ids[t] * dim.d + (i - t * dim.d)];
+    }
 }
 
 // acc[ids[t], j] += dout[t, j] (f32 accumulator zeroed by the caller).
 template <typename T>
-__device__ void embedding_bwd_impl(const u32* ids, const T* dout, float* acc, u64 n, u64 dim) {
-    FOR_EACH(i, n) atomicAdd(acc + (u64)ids[i / dim] * dim + i % dim, to_f32(dout[i]));
+__device__ void embedding_bwd_impl(const u32* ids, const T* dout, float* acc, u64 n, Div dim) {
+    FOR_EACH(i, n) {
+        const u64 t = dim.div(i);
+        atomicAdd(acc + (u64)ids[t] * dim.d + (i - t * dim.d), to_f32(dout[i]));
+    }
 }
 
 // Philox4x32-10 (Random123): the same rounds as kernels/src/cpu/random.rs.
@@ -91,26 +97,22 @@ template <typename T> __device__ void unscale_impl(T* g, float inv_scale, u64 n,
 // multi-index (i0, i1, i2, i3) in the output shape (d0, d1, d2, d3) and reads x at
 // i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3 (s_k: the input stride of the axis output axis k reads).
 template <typename T>
-__device__ void permute_impl(const T* x, T* y, u64 n, u64 d1, u64 d2, u64 d3, u64 s0, u64 s1,
+__device__ void permute_impl(const T* x, T* y, u64 n, Div d1, Div d2, Div d3, u64 s0, u64 s1,
                              u64 s2, u64 s3) {
     FOR_EACH(i, n) {
-        u64 rest = i;
-        const u64 i3 = rest % d3;
-        rest /= d3;
-        const u64 i2 = rest % d2;
-        rest /= d2;
-        const u64 i1 = rest % d1;
-        const u64 i0 = rest / d1;
+        const u64 r3 = d3.div(i), i3 = i - r3 * d3.d;
+        const u64 r2 = d2.div(r3), i2 = r3 - r2 * d2.d;
+        const u64 i0 = d1.div(r2), i1 = r2 - i0 * d1.d;
         y[i] = x[i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3];
     }
 }
 
 #define MISC(T, S) \
-    extern "C" __global__ void embedding_##S(const u32* ids, const T* table, T* out, u64 n, u64 dim) { embedding_impl<T>(ids, table, out, n, dim); } \
-    extern "C" __global__ void embedding_bwd_##S(const u32* ids, const T* dout, float* acc, u64 n, u64 dim) { embedding_bwd_impl<T>(ids, dout, acc, n, dim); } \
+    extern "C" __global__ void embedding_##S(const u32* ids, const T* table, T* out, u64 n, Div dim) { embedding_impl<T>(ids, table, out, n, dim); } \
+    extern "C" __global__ void embedding_bwd_##S(const u32* ids, const T* dout, float* acc, u64 n, Div dim) { embedding_bwd_impl<T>(ids, dout, acc, n, dim); } \
     extern "C" __global__ void dropout_##S(const T* x, T* y, u64 n, float p, float scale, u64 seed, u64 offset) { dropout_impl<T>(x, y, n, p, scale, seed, offset); } \
     extern "C" __global__ void sgd_##S(float* p, const T* g, float* buf, u64 n, float lr, float mom, float damp, float wd, u32 nest, u32 first) { sgd_impl<T>(p, g, buf, n, lr, mom, damp, wd, nest, first); } \
     extern "C" __global__ void adamw_##S(float* p, const T* g, float* m, float* v, u64 n, float b1, float b2, float eps, float ss, float b2s, float decay) { adamw_impl<T>(p, g, m, v, n, b1, b2, eps, ss, b2s, decay); } \
     extern "C" __global__ void unscale_##S(T* g, float inv, u64 n, u32* flag) { unscale_impl<T>(g, inv, n, flag); } \
-    extern "C" __global__ void permute_##S(const T* x, T* y, u64 n, u64 d1, u64 d2, u64 d3, u64 s0, u64 s1, u64 s2, u64 s3) { permute_impl<T>(x, y, n, d1, d2, d3, s0, s1, s2, s3); }
+    extern "C" __global__ void permute_##S(const T* x, T* y, u64 n, Div d1, Div d2, Div d3, u64 s0, u64 s1, u64 s2, u64 s3) { permute_impl<T>(x, y, n, d1, d2, d3, s0, s1, s2, s3); }
 FOR_DTYPES(MISC)

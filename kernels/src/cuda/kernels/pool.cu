@@ -14,13 +14,22 @@ __device__ __forceinline__ void window(const PoolGeom& g, i64 oy, i64 ox, i64* y
     *x1 = sx + g.kw < g.w ? sx + g.kw : g.w;
 }
 
+// Element i of [planes, rows, cols] as (plane, row, col), with cols and rows as dividers.
+__device__ __forceinline__ void decode(u64 i, Div cols, Div rows, i64* plane, i64* row,
+                                       i64* col) {
+    const u64 q = cols.div(i), p = rows.div(q);
+    *col = (i64)(i - q * cols.d);
+    *row = (i64)(q - p * rows.d);
+    *plane = (i64)p;
+}
+
 // Max pool with the host's rules: strict > keeps the first maximum, NaN wins over numbers.
-template <typename T> __device__ void max_pool_impl(const T* x, T* y, u32* arg, PoolGeom g) {
+template <typename T>
+__device__ void max_pool_impl(const T* x, T* y, u32* arg, PoolGeom g, Div ow, Div oh) {
     const u64 total = (u64)(g.batch * g.channels * g.oh * g.ow);
     FOR_EACH(i, total) {
-        const i64 ox = (i64)(i % (u64)g.ow);
-        const i64 oy = (i64)((i / (u64)g.ow) % (u64)g.oh);
-        const i64 plane = (i64)(i / (u64)(g.oh * g.ow));
+        i64 plane, oy, ox;
+        decode(i, ow, oh, &plane, &oy, &ox);
         const T* xp = x + plane * g.h * g.w;
         i64 y0, y1, x0, x1;
         window(g, oy, ox, &y0, &y1, &x0, &x1);
@@ -42,11 +51,12 @@ template <typename T> __device__ void max_pool_impl(const T* x, T* y, u32* arg, 
 
 // acc[plane, arg] += dy (f32 accumulator zeroed by the caller); out-of-plane indices are
 // skipped.
-template <typename T> __device__ void max_pool_bwd_impl(const T* dy, const u32* arg, float* acc, PoolGeom g) {
-    const i64 ohw = g.oh * g.ow, hw = g.h * g.w;
-    const u64 total = (u64)(g.batch * g.channels * ohw);
+template <typename T>
+__device__ void max_pool_bwd_impl(const T* dy, const u32* arg, float* acc, PoolGeom g, Div ohw) {
+    const i64 hw = g.h * g.w;
+    const u64 total = (u64)(g.batch * g.channels) * ohw.d;
     FOR_EACH(i, total) {
-        const i64 plane = (i64)(i / (u64)ohw);
+        const i64 plane = (i64)ohw.div(i);
         const u32 a = arg[i];
         if ((i64)a < hw) atomicAdd(acc + plane * hw + a, to_f32(dy[i]));
     }
@@ -59,12 +69,12 @@ __device__ __forceinline__ float divisor(const PoolGeom& g, i64 oy, i64 ox, u32 
     return (float)((y1 - y0) * (x1 - x0));
 }
 
-template <typename T> __device__ void avg_pool_impl(const T* x, T* y, PoolGeom g, u32 include_pad) {
+template <typename T>
+__device__ void avg_pool_impl(const T* x, T* y, PoolGeom g, u32 include_pad, Div ow, Div oh) {
     const u64 total = (u64)(g.batch * g.channels * g.oh * g.ow);
     FOR_EACH(i, total) {
-        const i64 ox = (i64)(i % (u64)g.ow);
-        const i64 oy = (i64)((i / (u64)g.ow) % (u64)g.oh);
-        const i64 plane = (i64)(i / (u64)(g.oh * g.ow));
+        i64 plane, oy, ox;
+        decode(i, ow, oh, &plane, &oy, &ox);
         const T* xp = x + plane * g.h * g.w;
         i64 y0, y1, x0, x1;
         window(g, oy, ox, &y0, &y1, &x0, &x1);
@@ -75,20 +85,27 @@ template <typename T> __device__ void avg_pool_impl(const T* x, T* y, PoolGeom g
     }
 }
 
+// The windows along one axis that cover input position t + pad (t >= 0): [*o0, *o1), those
+// o < out with o * stride <= t + pad < o * stride + k.
+__device__ __forceinline__ void covering(i64 tp, i64 k, Div stride, i64 out, i64* o0, i64* o1) {
+    const i64 s = (i64)stride.d;
+    *o0 = tp - k + 1 > 0 ? (i64)stride.div((u64)(tp - k + s)) : 0;
+    const i64 last = (i64)stride.div((u64)tp) + 1;
+    *o1 = last < out ? last : out;
+}
+
 // Average-pool gradient gathered per input element over the windows that cover it.
-template <typename T> __device__ void avg_pool_bwd_impl(const T* dy, T* dx, PoolGeom g, u32 include_pad) {
-    const u64 total = (u64)(g.batch * g.channels * g.h * g.w);
+template <typename T>
+__device__ void avg_pool_bwd_impl(const T* dy, T* dx, PoolGeom g, u32 include_pad, Div w, Div h,
+                                  Div sh, Div sw) {
+    const u64 total = (u64)(g.batch * g.channels) * h.d * w.d;
     FOR_EACH(i, total) {
-        const i64 ix = (i64)(i % (u64)g.w);
-        const i64 iy = (i64)((i / (u64)g.w) % (u64)g.h);
-        const i64 plane = (i64)(i / (u64)(g.h * g.w));
+        i64 plane, iy, ix;
+        decode(i, w, h, &plane, &iy, &ix);
         const T* dyp = dy + plane * g.oh * g.ow;
-        // Windows oy with oy * sh - ph <= iy < oy * sh - ph + kh.
-        const i64 ty = iy + g.ph, tx = ix + g.pw;
-        i64 oy0 = ty - g.kh + 1 > 0 ? (ty - g.kh + 1 + g.sh - 1) / g.sh : 0;
-        i64 oy1 = ty / g.sh + 1 < g.oh ? ty / g.sh + 1 : g.oh;
-        i64 ox0 = tx - g.kw + 1 > 0 ? (tx - g.kw + 1 + g.sw - 1) / g.sw : 0;
-        i64 ox1 = tx / g.sw + 1 < g.ow ? tx / g.sw + 1 : g.ow;
+        i64 oy0, oy1, ox0, ox1;
+        covering(iy + g.ph, g.kh, sh, g.oh, &oy0, &oy1);
+        covering(ix + g.pw, g.kw, sw, g.ow, &ox0, &ox1);
         float s = 0.0f;
         for (i64 oy = oy0; oy < oy1; ++oy)
             for (i64 ox = ox0; ox < ox1; ++ox)
@@ -98,8 +115,8 @@ template <typename T> __device__ void avg_pool_bwd_impl(const T* dy, T* dx, Pool
 }
 
 #define POOL(T, S) \
-    extern "C" __global__ void max_pool_##S(const T* x, T* y, u32* arg, PoolGeom g) { max_pool_impl<T>(x, y, arg, g); } \
-    extern "C" __global__ void max_pool_bwd_##S(const T* dy, const u32* arg, float* acc, PoolGeom g) { max_pool_bwd_impl<T>(dy, arg, acc, g); } \
-    extern "C" __global__ void avg_pool_##S(const T* x, T* y, PoolGeom g, u32 inc) { avg_pool_impl<T>(x, y, g, inc); } \
-    extern "C" __global__ void avg_pool_bwd_##S(const T* dy, T* dx, PoolGeom g, u32 inc) { avg_pool_bwd_impl<T>(dy, dx, g, inc); }
+    extern "C" __global__ void max_pool_##S(const T* x, T* y, u32* arg, PoolGeom g, Div ow, Div oh) { max_pool_impl<T>(x, y, arg, g, ow, oh); } \
+    extern "C" __global__ void max_pool_bwd_##S(const T* dy, const u32* arg, float* acc, PoolGeom g, Div ohw) { max_pool_bwd_impl<T>(dy, arg, acc, g, ohw); } \
+    extern "C" __global__ void avg_pool_##S(const T* x, T* y, PoolGeom g, u32 inc, Div ow, Div oh) { avg_pool_impl<T>(x, y, g, inc, ow, oh); } \
+    extern "C" __global__ void avg_pool_bwd_##S(const T* dy, T* dx, PoolGeom g, u32 inc, Div w, Div h, Div sh, Div sw) { avg_pool_bwd_impl<T>(dy, dx, g, inc, w, h, sh, sw); }
 FOR_DTYPES(POOL)

@@ -55,11 +55,11 @@ __device__ void ce_fwd_impl(const T* x, const u32* targets, u64 c, u32 ignore, u
 
 // dx[i, j] = g * (exp(x[i, j] - lse[i]) - [j == t_i]), 0 for ignored rows.
 template <typename T>
-__device__ void ce_bwd_impl(const T* x, const u32* targets, const float* lse, float g, u64 c,
+__device__ void ce_bwd_impl(const T* x, const u32* targets, const float* lse, float g, Div c,
                             u32 ignore, u32 has_ignore, T* dx, u64 n) {
     FOR_EACH(i, n) {
-        const u64 row = i / c;
-        const u64 j = i - row * c;
+        const u64 row = c.div(i);
+        const u64 j = i - row * c.d;
         const u32 t = targets[row];
         float v = 0.0f;
         if (!(has_ignore && t == ignore)) {
@@ -242,9 +242,9 @@ __device__ void bn_eval_stats_impl(const void* rmean, const void* rvar, u32 pf32
 
 template <typename T>
 __device__ void bn_apply_impl(const T* x, const float* mean, const float* invstd, const void* g,
-                              const void* b, u32 pf32, T* y, u64 total, u64 c, u64 s) {
+                              const void* b, u32 pf32, T* y, u64 total, Div c, Div s) {
     FOR_EACH(i, total) {
-        const u64 ch = (i / s) % c;
+        const u64 ch = c.mod(s.div(i));
         const float v = (to_f32(x[i]) - mean[ch]) * invstd[ch] * load_param<T>(g, ch, pf32);
         y[i] = from_f32<T>(v + load_param<T>(b, ch, pf32));
     }
@@ -294,14 +294,14 @@ extern "C" __global__ void bn_bwd_finalize(const float* part, float* sums, u64 c
 template <typename T>
 __device__ void bn_bwd_dx_impl(const T* x, const T* dy, const float* mean, const float* invstd,
                                const void* g, u32 pf32, const float* sums, T* dx, u64 total,
-                               u64 c, u64 s) {
-    const float m = (float)(total / c);
+                               Div c, Div s) {
+    const float m = (float)c.div(total);
     FOR_EACH(i, total) {
-        const u64 ch = (i / s) % c;
+        const u64 ch = c.mod(s.div(i));
         const float r = invstd[ch];
         const float xhat = (to_f32(x[i]) - mean[ch]) * r;
         const float k = load_param<T>(g, ch, pf32) * r;
-        dx[i] = from_f32<T>(k * (to_f32(dy[i]) - sums[c + ch] / m - xhat * sums[ch] / m));
+        dx[i] = from_f32<T>(k * (to_f32(dy[i]) - sums[c.d + ch] / m - xhat * sums[ch] / m));
     }
 }
 
@@ -309,14 +309,14 @@ __device__ void bn_bwd_dx_impl(const T* x, const T* dy, const float* mean, const
     extern "C" __global__ void softmax_##S(const T* x, T* y, u64 cols, u64 seq) { softmax_impl<T>(x, y, cols, seq); } \
     extern "C" __global__ void softmax_bwd_##S(const T* y, const T* dy, T* dx, u64 cols, u64 seq) { softmax_bwd_impl<T>(y, dy, dx, cols, seq); } \
     extern "C" __global__ void ce_fwd_##S(const T* x, const u32* t, u64 c, u32 ig, u32 has_ig, float* lse, float* loss) { ce_fwd_impl<T>(x, t, c, ig, has_ig, lse, loss); } \
-    extern "C" __global__ void ce_bwd_##S(const T* x, const u32* t, const float* lse, float g, u64 c, u32 ig, u32 has_ig, T* dx, u64 n) { ce_bwd_impl<T>(x, t, lse, g, c, ig, has_ig, dx, n); } \
+    extern "C" __global__ void ce_bwd_##S(const T* x, const u32* t, const float* lse, float g, Div c, u32 ig, u32 has_ig, T* dx, u64 n) { ce_bwd_impl<T>(x, t, lse, g, c, ig, has_ig, dx, n); } \
     extern "C" __global__ void layer_norm_##S(const T* x, const T* g, const T* b, float eps, T* y, float* m, float* r, u64 d) { layer_norm_impl<T>(x, g, b, eps, y, m, r, d); } \
     extern "C" __global__ void layer_norm_bwd_##S(const T* x, const T* g, const float* m, const float* r, const T* dy, T* dx, u64 d) { layer_norm_bwd_impl<T>(x, g, m, r, dy, dx, d); } \
     extern "C" __global__ void layer_norm_params_bwd_##S(const T* x, const float* m, const float* r, const T* dy, float* dg, float* db, u64 rows, u64 d, u64 chunk) { layer_norm_params_bwd_impl<T>(x, m, r, dy, dg, db, rows, d, chunk); } \
     extern "C" __global__ void bn_partial_##S(const T* x, float* part, u64 n, u64 c, u64 s, u32 parts) { bn_partial_impl<T>(x, part, n, c, s, parts); } \
     extern "C" __global__ void bn_finalize_##S(const float* part, float* m, float* r, void* rm, void* rv, u32 pf32, u32 update, float momentum, float eps, u64 n, u64 c, u64 s, u32 parts) { bn_finalize_impl<T>(part, m, r, rm, rv, pf32, update, momentum, eps, n, c, s, parts); } \
     extern "C" __global__ void bn_eval_stats_##S(const void* rm, const void* rv, u32 pf32, float eps, float* m, float* r, u64 c) { bn_eval_stats_impl<T>(rm, rv, pf32, eps, m, r, c); } \
-    extern "C" __global__ void bn_apply_##S(const T* x, const float* m, const float* r, const void* g, const void* b, u32 pf32, T* y, u64 total, u64 c, u64 s) { bn_apply_impl<T>(x, m, r, g, b, pf32, y, total, c, s); } \
+    extern "C" __global__ void bn_apply_##S(const T* x, const float* m, const float* r, const void* g, const void* b, u32 pf32, T* y, u64 total, Div c, Div s) { bn_apply_impl<T>(x, m, r, g, b, pf32, y, total, c, s); } \
     extern "C" __global__ void bn_bwd_partial_##S(const T* x, const T* dy, const float* m, const float* r, float* part, u64 n, u64 c, u64 s, u32 parts) { bn_bwd_partial_impl<T>(x, dy, m, r, part, n, c, s, parts); } \
-    extern "C" __global__ void bn_bwd_dx_##S(const T* x, const T* dy, const float* m, const float* r, const void* g, u32 pf32, const float* sums, T* dx, u64 total, u64 c, u64 s) { bn_bwd_dx_impl<T>(x, dy, m, r, g, pf32, sums, dx, total, c, s); }
+    extern "C" __global__ void bn_bwd_dx_##S(const T* x, const T* dy, const float* m, const float* r, const void* g, u32 pf32, const float* sums, T* dx, u64 total, Div c, Div s) { bn_bwd_dx_impl<T>(x, dy, m, r, g, pf32, sums, dx, total, c, s); }
 FOR_DTYPES(ROWWISE)

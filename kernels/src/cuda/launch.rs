@@ -97,6 +97,32 @@ pub(crate) struct ConvGeom {
     pub ow: i64,
 }
 
+impl ConvGeom {
+    /// The geometry of `p`.
+    pub(crate) fn of(p: &crate::ops::Conv2dParams) -> ConvGeom {
+        let (oh, ow) = p.output_hw();
+        let i = |v: usize| v as i64;
+        ConvGeom {
+            batch: i(p.batch()),
+            c_in: i(p.c_in()),
+            h: i(p.h()),
+            w: i(p.w()),
+            c_out: i(p.c_out()),
+            kh: i(p.kernel().0),
+            kw: i(p.kernel().1),
+            sh: i(p.stride().0),
+            sw: i(p.stride().1),
+            ph: i(p.padding().0),
+            pw: i(p.padding().1),
+            dh: i(p.dilation().0),
+            dw: i(p.dilation().1),
+            groups: i(p.groups()),
+            oh: i(oh),
+            ow: i(ow),
+        }
+    }
+}
+
 // SAFETY: `repr(C)`, sixteen i64 and nothing else: the same layout as `ConvGeom` in conv.cu,
 // with no padding and no pointers.
 unsafe impl DeviceRepr for ConvGeom {}
@@ -117,6 +143,28 @@ pub(crate) struct PoolGeom {
     pub pw: i64,
     pub oh: i64,
     pub ow: i64,
+}
+
+impl PoolGeom {
+    /// The geometry of `p`.
+    pub(crate) fn of(p: &crate::ops::Pool2dParams) -> PoolGeom {
+        let (oh, ow) = p.output_hw();
+        let i = |v: usize| v as i64;
+        PoolGeom {
+            batch: i(p.batch()),
+            channels: i(p.channels()),
+            h: i(p.h()),
+            w: i(p.w()),
+            kh: i(p.kernel().0),
+            kw: i(p.kernel().1),
+            sh: i(p.stride().0),
+            sw: i(p.stride().1),
+            ph: i(p.padding().0),
+            pw: i(p.padding().1),
+            oh: i(oh),
+            ow: i(ow),
+        }
+    }
 }
 
 // SAFETY: `repr(C)`, twelve i64: the layout of `PoolGeom` in pool.cu.

@@ -12,6 +12,10 @@
 //! conversions instead.
 
 mod blas;
+#[cfg(test)]
+mod emulate;
+#[cfg(test)]
+mod emulated_kernels;
 pub(crate) mod helpers;
 pub(crate) mod launch;
 mod loader;

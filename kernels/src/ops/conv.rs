@@ -288,29 +288,6 @@ mod cuda {
     use crate::ops::{Conv2dParams, MatmulSpec};
     use crate::tensor::Tensor;
 
-    fn geom(p: &Conv2dParams) -> ConvGeom {
-        let (oh, ow) = p.output_hw();
-        let i = |v: usize| v as i64;
-        ConvGeom {
-            batch: i(p.batch()),
-            c_in: i(p.c_in()),
-            h: i(p.h()),
-            w: i(p.w()),
-            c_out: i(p.c_out()),
-            kh: i(p.kernel().0),
-            kw: i(p.kernel().1),
-            sh: i(p.stride().0),
-            sw: i(p.stride().1),
-            ph: i(p.padding().0),
-            pw: i(p.padding().1),
-            dh: i(p.dilation().0),
-            dw: i(p.dilation().1),
-            groups: i(p.groups()),
-            oh: i(oh),
-            ow: i(ow),
-        }
-    }
-
     /// Sizes of one group's product: `(ohw, k, cin_g, cout_g, hw)`.
     fn dims(p: &Conv2dParams) -> (usize, usize, usize, usize, usize) {
         let (oh, ow) = p.output_hw();
@@ -338,7 +315,7 @@ mod cuda {
                 &[
                     ptr(x)?,
                     Arg::Ptr(col),
-                    Arg::Conv(geom(p)),
+                    Arg::Conv(ConvGeom::of(p)),
                     Arg::I64(n0 as i64),
                     Arg::I64(nimg as i64),
                     Arg::I64(group as i64),
@@ -377,7 +354,7 @@ mod cuda {
                 gpu.launch(
                     DIRECT_FWD.of(t),
                     launch::per_plane(p.batch() * p.c_out(), oh * ow),
-                    &[ptr(x)?, ptr(w)?, b, Arg::U32(has_b), ptr(y)?, Arg::Conv(geom(p))],
+                    &[ptr(x)?, ptr(w)?, b, Arg::U32(has_b), ptr(y)?, Arg::Conv(ConvGeom::of(p))],
                 )
             };
         }
@@ -456,7 +433,7 @@ mod cuda {
             gpu.launch(
                 DIRECT_BWD_INPUT.of(t),
                 launch::per_plane(p.batch() * p.c_in(), hw),
-                &[ptr(w)?, ptr(dy)?, ptr(dx)?, Arg::Conv(geom(p))],
+                &[ptr(w)?, ptr(dy)?, ptr(dx)?, Arg::Conv(ConvGeom::of(p))],
             )?;
         }
         let dweight = bufs.out(1);
@@ -469,7 +446,7 @@ mod cuda {
             gpu.launch(
                 DIRECT_BWD_WEIGHT.of(t),
                 launch::per_plane(taps, ohw),
-                &[ptr(x)?, ptr(dy)?, ptr(dweight)?, Arg::Conv(geom(p))],
+                &[ptr(x)?, ptr(dy)?, ptr(dweight)?, Arg::Conv(ConvGeom::of(p))],
             )
         }
     }
@@ -526,7 +503,7 @@ mod cuda {
                         &[
                             Arg::Ptr(cols),
                             Arg::Ptr(pdx),
-                            Arg::Conv(geom(p)),
+                            Arg::Conv(ConvGeom::of(p)),
                             Arg::I64(n0 as i64),
                             Arg::I64(nimg as i64),
                             Arg::I64(g as i64),

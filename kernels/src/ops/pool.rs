@@ -75,7 +75,7 @@ impl Op for MaxPool<'_> {
                     ptr(self.x)?,
                     ptr(y)?,
                     ptr(argmax)?,
-                    Arg::Pool(cuda::geom(&self.p)),
+                    Arg::Pool(crate::cuda::launch::PoolGeom::of(&self.p)),
                     Arg::div(ow),
                     Arg::div(oh),
                 ],
@@ -189,7 +189,7 @@ impl Op for MaxPoolBackward<'_> {
                     ptr(self.dy)?,
                     Arg::Ptr(self.argmax.cuda_ptr()?),
                     Arg::Ptr(acc),
-                    Arg::Pool(cuda::geom(&self.p)),
+                    Arg::Pool(crate::cuda::launch::PoolGeom::of(&self.p)),
                     Arg::div(oh * ow),
                 ],
             )?;
@@ -253,7 +253,7 @@ impl Op for AvgPool<'_> {
                 &[
                     ptr(self.x)?,
                     ptr(y)?,
-                    Arg::Pool(cuda::geom(&self.p)),
+                    Arg::Pool(crate::cuda::launch::PoolGeom::of(&self.p)),
                     Arg::U32(self.count_include_pad as u32),
                     Arg::div(ow),
                     Arg::div(oh),
@@ -336,7 +336,7 @@ impl Op for AvgPoolBackward<'_> {
                 &[
                     ptr(self.dy)?,
                     ptr(dx)?,
-                    Arg::Pool(cuda::geom(&self.p)),
+                    Arg::Pool(crate::cuda::launch::PoolGeom::of(&self.p)),
                     Arg::U32(self.count_include_pad as u32),
                     Arg::div(self.p.w()),
                     Arg::div(self.p.h()),
@@ -530,30 +530,5 @@ impl Op for GlobalAvgPool<'_> {
 
     fn finish(self, bufs: Buffers) -> Result<Tensor> {
         Ok(bufs.into_output())
-    }
-}
-
-#[cfg(feature = "cuda")]
-mod cuda {
-    use crate::cuda::launch::PoolGeom;
-    use crate::ops::Pool2dParams;
-
-    pub(super) fn geom(p: &Pool2dParams) -> PoolGeom {
-        let (oh, ow) = p.output_hw();
-        let i = |v: usize| v as i64;
-        PoolGeom {
-            batch: i(p.batch()),
-            channels: i(p.channels()),
-            h: i(p.h()),
-            w: i(p.w()),
-            kh: i(p.kernel().0),
-            kw: i(p.kernel().1),
-            sh: i(p.stride().0),
-            sw: i(p.stride().1),
-            ph: i(p.padding().0),
-            pw: i(p.padding().1),
-            oh: i(oh),
-            ow: i(ow),
-        }
     }
 }

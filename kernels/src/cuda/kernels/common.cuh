@@ -16,11 +16,17 @@ struct bf16_t { u16 bits; };
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
 
+// (The host emulation of the tests, `cuda/emulate.rs`, has no PTX: it converts with the C++
+// compiler's _Float16, which also rounds to nearest even.)
+#ifndef VRAM_HOST_EMULATION
 __device__ __forceinline__ float to_f32(half_t v) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
     return f;
 }
+#else
+__device__ __forceinline__ float to_f32(half_t v) { return (float)__builtin_bit_cast(_Float16, v.bits); }
+#endif
 
 __device__ __forceinline__ float to_f32(bf16_t v) {
     return __uint_as_float(((u32)v.bits) << 16);
@@ -32,7 +38,11 @@ template <> __device__ __forceinline__ float from_f32<float>(float v) { return v
 
 template <> __device__ __forceinline__ half_t from_f32<half_t>(float v) {
     half_t h;
+#ifndef VRAM_HOST_EMULATION
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(v));
+#else
+    h.bits = __builtin_bit_cast(u16, (_Float16)v);
+#endif
     return h;
 }
 

@@ -1,0 +1,228 @@
+//! The CUDA kernels run on the host, for tests on machines without a GPU: each `.cu` module
+//! is compiled as C++ (the system's `c++`, C++20) behind a small shim of CUDA's execution
+//! model, loaded, and launched with the registry's argument checks and the launch
+//! configurations the ops use. Device pointers are host addresses.
+//!
+//! The shim runs one block at a time, each of its threads an OS thread: `__syncthreads` is a
+//! barrier of the block, `__shfl_xor_sync` an exchange through memory between two barriers
+//! of the warp, `__shared__` a static (one block at a time), `atomicAdd` an atomic on the
+//! host. It is faithful for kernels that follow CUDA's rules (barriers reached by the whole
+//! block, shuffles by whole warps) and finds what NVRTC's type checks cannot: wrong indices,
+//! elements missed or written twice, packs that overrun, reductions that drop a thread's
+//! share. It says nothing of speed, of the GPU's memory model beyond barriers, or of the
+//! device's math library (the host's `expf` and `tanhf` differ from CUDA's in the last bits:
+//! the comparisons allow for it). f16 converts through the compiler's `_Float16` instead of
+//! PTX (`VRAM_HOST_EMULATION` in `common.cuh`); every other line is the one NVRTC compiles.
+//!
+//! Without a C++ compiler the tests print `skipped: no C++ compiler (...)` and pass.
+
+use super::launch::{Arg, check_args};
+use super::registry::{ALL, COMMON, Instance, Module};
+use cudarc::driver::LaunchConfig;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+/// Before the sources: the CUDA names the kernels use, on the host.
+const PRELUDE: &str = r#"
+#define VRAM_HOST_EMULATION 1
+#include <atomic>
+#include <barrier>
+#include <math.h>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+struct emu_dim3 { unsigned int x, y, z; };
+static thread_local emu_dim3 threadIdx, blockIdx;
+static emu_dim3 blockDim, gridDim;
+static std::barrier<>* emu_block;
+static std::vector<std::unique_ptr<std::barrier<>>> emu_warps;
+static float emu_exchange[1024];
+inline void __syncthreads() { emu_block->arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
+    const unsigned t = threadIdx.x;
+    std::barrier<>& warp = *emu_warps[t / 32];
+    emu_exchange[t] = v;
+    warp.arrive_and_wait();
+    const float r = emu_exchange[t ^ (unsigned)lane_mask];
+    warp.arrive_and_wait();
+    return r;
+}
+inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
+    return (unsigned long long)(((unsigned __int128)a * b) >> 64);
+}
+inline unsigned int __umulhi(unsigned int a, unsigned int b) {
+    return (unsigned int)(((unsigned long long)a * b) >> 32);
+}
+inline unsigned int __float_as_uint(float f) { return __builtin_bit_cast(unsigned int, f); }
+inline float __uint_as_float(unsigned int u) { return __builtin_bit_cast(float, u); }
+inline float __int_as_float(int i) { return __builtin_bit_cast(float, i); }
+inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+"#;
+
+/// After the sources: the launcher and the calls by parameter array (`void**`, as
+/// `cuLaunchKernel` takes them).
+const LAUNCHER: &str = r#"
+template <typename... A, std::size_t... I>
+void emu_call(void (*f)(A...), void** p, std::index_sequence<I...>) {
+    f(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(p[I])...);
+}
+template <typename... A> void emu_call(void (*f)(A...), void** p) {
+    emu_call(f, p, std::index_sequence_for<A...>{});
+}
+// Runs `kernel` over grid (gx, gy) of blocks of bx threads (whole warps, at most 1024).
+extern "C" int emu_launch(void (*kernel)(void**), unsigned gx, unsigned gy, unsigned bx,
+                          void** params) {
+    if (bx == 0 || bx > 1024 || bx % 32 != 0) return 1;
+    blockDim = {bx, 1, 1};
+    gridDim = {gx, gy, 1};
+    std::barrier<> block(bx);
+    emu_block = &block;
+    emu_warps.clear();
+    for (unsigned w = 0; w < bx / 32; ++w) emu_warps.push_back(std::make_unique<std::barrier<>>(32));
+    std::vector<std::thread> threads;
+    for (unsigned t = 0; t < bx; ++t) {
+        threads.emplace_back([=, &block] {
+            threadIdx = {t, 0, 0};
+            for (unsigned y = 0; y < gy; ++y) {
+                for (unsigned x = 0; x < gx; ++x) {
+                    blockIdx = {x, y, 0};
+                    kernel(params);
+                    block.arrive_and_wait();
+                }
+            }
+        });
+    }
+    for (auto& th : threads) th.join();
+    return 0;
+}
+"#;
+
+type Entry = unsafe extern "C" fn(*mut *mut c_void);
+type Launch = unsafe extern "C" fn(Entry, u32, u32, u32, *mut *mut c_void) -> i32;
+
+/// One module compiled for the host.
+struct Library {
+    lib: libloading::Library,
+}
+
+/// Compiled modules by name (`None`: no compiler), and one launch at a time (the shim's
+/// launch state is global).
+fn libraries() -> MutexGuard<'static, HashMap<&'static str, Option<&'static Library>>> {
+    static LIBS: OnceLock<Mutex<HashMap<&'static str, Option<&'static Library>>>> = OnceLock::new();
+    LIBS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn say(line: &str) {
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+/// `module` with the shim, compiled into a shared library, or why not.
+fn compile(module: &Module) -> Result<Library, String> {
+    let mut source = format!("{PRELUDE}\n{COMMON}\n{}\n{LAUNCHER}\n", module.source);
+    for kernel in ALL.iter().filter(|k| k.module.name == module.name) {
+        for name in kernel.names {
+            source +=
+                &format!("extern \"C\" void emu_{name}(void** p) {{ emu_call({name}, p); }}\n");
+        }
+    }
+    let dir: PathBuf = std::env::temp_dir().join(format!("vram-emulate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let (src, lib) =
+        (dir.join(format!("{}.cpp", module.name)), dir.join(format!("{}.so", module.name)));
+    std::fs::write(&src, source).map_err(|e| e.to_string())?;
+    let out = Command::new("c++")
+        .args(["-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-pthread"])
+        .args(["-Wno-unknown-pragmas", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .output()
+        .map_err(|e| format!("no C++ compiler ({e})"))?;
+    if !out.status.success() {
+        // A compiler that exists but fails on the sources is a test failure, not a skip.
+        panic!(
+            "{}.cu does not compile as C++:\n{}",
+            module.name,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // SAFETY: a library just built from our sources; its initializers only set up statics.
+    let lib = unsafe { libloading::Library::new(&lib) }.map_err(|e| e.to_string())?;
+    Ok(Library { lib })
+}
+
+/// The library of `module`, compiled on first use; `None` (after a skip line) without a
+/// compiler.
+fn library(module: &'static Module) -> Option<&'static Library> {
+    let mut libs = libraries();
+    *libs.entry(module.name).or_insert_with(|| match compile(module) {
+        Ok(lib) => Some(Box::leak(Box::new(lib))),
+        Err(e) => {
+            say(&format!("skipped: no C++ compiler for the kernel emulation ({e})"));
+            None
+        }
+    })
+}
+
+/// Launches `kernel` on the host as the GPU would (see the module doc). Panics on a launch
+/// the GPU would refuse (arguments that do not match the registry, a 3-D grid or block).
+/// Returns false (after a skip line) where no compiler is available.
+pub(crate) fn launch(kernel: Instance, cfg: LaunchConfig, args: &[Arg]) -> bool {
+    check_args(kernel, args).unwrap();
+    let Some(library) = library(kernel.kernel.module) else { return false };
+    let (gx, gy, gz) = cfg.grid_dim;
+    let (bx, by, bz) = cfg.block_dim;
+    assert!(
+        gz == 1 && by == 1 && bz == 1,
+        "{}: the kernels use 1-D blocks, 2-D grids",
+        kernel.name
+    );
+    if gx == 0 || gy == 0 {
+        return true;
+    }
+    let mut params: Vec<*mut c_void> = args
+        .iter()
+        .map(|a| match a {
+            Arg::Ptr(v) | Arg::U64(v) => v as *const u64 as *mut c_void,
+            Arg::I64(v) => v as *const i64 as *mut c_void,
+            Arg::U32(v) => v as *const u32 as *mut c_void,
+            Arg::F32(v) => v as *const f32 as *mut c_void,
+            Arg::Conv(v) => v as *const _ as *mut c_void,
+            Arg::Pool(v) => v as *const _ as *mut c_void,
+            Arg::Div(v) => v as *const _ as *mut c_void,
+        })
+        .collect();
+    let _one_at_a_time = libraries();
+    // SAFETY: the symbols exist (generated above for every registered kernel of the module)
+    // with these signatures; `params` holds one pointer per parameter to a value of the
+    // registered type (checked against the registry above, the registry against the
+    // kernel's declaration by the NVRTC test), alive for the call; the pointers the
+    // arguments carry are the caller's contract, as on a GPU.
+    unsafe {
+        let run: libloading::Symbol<'_, Launch> = library.lib.get(b"emu_launch").unwrap();
+        let entry: libloading::Symbol<'_, Entry> =
+            library.lib.get(format!("emu_{}", kernel.name).as_bytes()).unwrap();
+        assert_eq!(
+            run(*entry, gx, gy, bx, params.as_mut_ptr()),
+            0,
+            "{}: block of {bx}",
+            kernel.name
+        );
+    }
+    true
+}
+
+/// A device pointer to `v`'s elements (a host address here).
+pub(crate) fn ptr<T>(v: &mut [T]) -> Arg {
+    Arg::Ptr(v.as_mut_ptr() as u64)
+}

@@ -157,8 +157,10 @@ fn compile(module: &Module) -> Result<Library, String> {
         );
     }
     // SAFETY: a library just built from our sources; its initializers only set up statics.
-    let lib = unsafe { libloading::Library::new(&lib) }.map_err(|e| e.to_string())?;
-    Ok(Library { lib })
+    let loaded = unsafe { libloading::Library::new(&lib) }.map_err(|e| e.to_string());
+    // Loaded (or not), the files can go: the mapping outlives them.
+    let _ = (std::fs::remove_file(&src), std::fs::remove_file(&lib), std::fs::remove_dir(&dir));
+    Ok(Library { lib: loaded? })
 }
 
 /// The library of `module`, compiled on first use; `None` (after a skip line) without a

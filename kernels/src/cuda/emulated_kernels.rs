@@ -5,11 +5,11 @@
 //! is checked before any GPU runs it; `cuda_vs_host.rs` checks the same on a GPU.
 
 use super::emulate::{launch, ptr};
-use super::launch::{self, Arg};
+use super::launch::{self, Arg, ConvGeom, PoolGeom};
 use super::registry::*;
 use crate::device::Device;
 use crate::dtype::{DType, Element};
-use crate::ops;
+use crate::ops::{self, Conv2dOptions, Conv2dParams, Pool2dOptions};
 use crate::tensor::Tensor;
 use half::{bf16, f16};
 
@@ -204,4 +204,388 @@ fn permute_reads_every_element_from_its_source() {
         let Some(got) = emulated_permute(&xv, shape, perm) else { return };
         close(&format!("permute {shape:?} by {perm:?}"), &got, &want, 0.0);
     }
+}
+
+#[test]
+fn batch_norm_parts_merge_into_the_hosts_statistics_and_gradients() {
+    // 4 even parts, 2 uneven ones (3 and 4 images), one part.
+    for (case, shape) in [[16, 4, 32, 32], [7, 2, 30, 40], [4, 6, 3, 3]].iter().enumerate() {
+        let (n, c, s) = (shape[0], shape[1], shape[2] * shape[3]);
+        let total = n * c * s;
+        let parts = ops::batch_norm_parts(n, c, s);
+        assert_eq!(parts, [4, 2, 1][case]);
+        let seed = 20 + 10 * case as u64;
+        let (xv, gv, bv) = (
+            values(total, seed, -3.0, 5.0),
+            values(c, seed + 1, 0.5, 2.0),
+            values(c, seed + 2, -1.0, 1.0),
+        );
+        let (mut rm_t, mut rv_t) = (tensor(&[c], &vec![0.5; c]), tensor(&[c], &vec![2.0; c]));
+        let running = ops::RunningStats { mean: &mut rm_t, var: &mut rv_t, momentum: 0.1 };
+        let (x_t, g_t) = (tensor(shape, &xv), tensor(&[c], &gv));
+        let want = ops::batch_norm(&x_t, &g_t, &tensor(&[c], &bv), Some(running), 1e-5).unwrap();
+
+        let (mut x, mut g, mut b) = (xv.clone(), gv.clone(), bv.clone());
+        let mut part = vec![f32::NAN; 2 * c * parts];
+        let args = [
+            ptr(&mut x),
+            ptr(&mut part),
+            Arg::count(n),
+            Arg::count(c),
+            Arg::count(s),
+            Arg::U32(parts as u32),
+        ];
+        if !launch(BN_PARTIAL.of(DType::F32), launch::per_row_parts(c, parts), &args) {
+            return;
+        }
+        let (mut mean, mut inv) = (vec![0.0f32; c], vec![0.0f32; c]);
+        let (mut rm, mut rv) = (vec![0.5f32; c], vec![2.0f32; c]);
+        let args = [
+            ptr(&mut part),
+            ptr(&mut mean),
+            ptr(&mut inv),
+            ptr(&mut rm),
+            ptr(&mut rv),
+            Arg::U32(1),
+            Arg::U32(1),
+            Arg::F32(0.1),
+            Arg::F32(1e-5),
+            Arg::count(n),
+            Arg::count(c),
+            Arg::count(s),
+            Arg::U32(parts as u32),
+        ];
+        launch(BN_FINALIZE.of(DType::F32), launch::elementwise(c), &args);
+        close("batch norm mean", &mean, &f32s(&want.mean), 1e-5);
+        close("batch norm invstd", &inv, &f32s(&want.invstd), 1e-4);
+        close("running mean", &rm, &f32s(&rm_t), 1e-5);
+        close("running var", &rv, &f32s(&rv_t), 1e-4);
+        let mut y = vec![0.0f32; total];
+        let args = [
+            ptr(&mut x),
+            ptr(&mut mean),
+            ptr(&mut inv),
+            ptr(&mut g),
+            ptr(&mut b),
+            Arg::U32(1),
+            ptr(&mut y),
+            Arg::count(total),
+            Arg::div(c),
+            Arg::div(s),
+        ];
+        launch(BN_APPLY.of(DType::F32), launch::elementwise(total), &args);
+        close("batch norm y", &y, &f32s(&want.y), 1e-4);
+
+        // Backward from the host's saved statistics.
+        let dyv = values(total, seed + 3, -1.0, 1.0);
+        let grads =
+            ops::batch_norm_backward(&x_t, &g_t, &want.mean, &want.invstd, &tensor(shape, &dyv))
+                .unwrap();
+        let (mut dy, mut mean, mut inv) = (dyv, f32s(&want.mean), f32s(&want.invstd));
+        let mut part = vec![f32::NAN; 2 * c * parts];
+        let args = [
+            ptr(&mut x),
+            ptr(&mut dy),
+            ptr(&mut mean),
+            ptr(&mut inv),
+            ptr(&mut part),
+            Arg::count(n),
+            Arg::count(c),
+            Arg::count(s),
+            Arg::U32(parts as u32),
+        ];
+        launch(BN_BWD_PARTIAL.of(DType::F32), launch::per_row_parts(c, parts), &args);
+        let mut sums = vec![f32::NAN; 2 * c];
+        let args = [ptr(&mut part), ptr(&mut sums), Arg::count(c), Arg::U32(parts as u32)];
+        launch(BN_BWD_FINALIZE.of(DType::F32), launch::elementwise(c), &args);
+        close("batch norm dgamma", &sums[..c], &f32s(&grads.dgamma), 1e-3);
+        close("batch norm dbeta", &sums[c..], &f32s(&grads.dbeta), 1e-3);
+        let mut dx = vec![0.0f32; total];
+        let args = [
+            ptr(&mut x),
+            ptr(&mut dy),
+            ptr(&mut mean),
+            ptr(&mut inv),
+            ptr(&mut g),
+            Arg::U32(1),
+            ptr(&mut sums),
+            ptr(&mut dx),
+            Arg::count(total),
+            Arg::div(c),
+            Arg::div(s),
+        ];
+        launch(BN_BWD_DX.of(DType::F32), launch::elementwise(total), &args);
+        close("batch norm dx", &dx, &f32s(&grads.dx), 1e-3);
+    }
+}
+
+#[test]
+fn pooling_windows_and_their_gradients_match_the_host() {
+    let shape = [2, 3, 11, 10];
+    let xv = values(660, 30, -4.0, 4.0);
+    let x_t = tensor(&shape, &xv);
+    for opts in
+        [Pool2dOptions::new((2, 2), (2, 2)), Pool2dOptions::new((3, 3), (2, 1)).padding((1, 1))]
+    {
+        let p = ops::pool2d_params(&shape, &opts).unwrap();
+        let (oh, ow) = p.output_hw();
+        let ny = p.output_len();
+        let geom = Arg::Pool(PoolGeom::of(&p));
+        let (want, want_arg) = ops::max_pool2d(&x_t, &opts).unwrap();
+        let (mut x, mut y, mut arg) = (xv.clone(), vec![0.0f32; ny], vec![0u32; ny]);
+        let args = [ptr(&mut x), ptr(&mut y), ptr(&mut arg), geom, Arg::div(ow), Arg::div(oh)];
+        if !launch(MAX_POOL.of(DType::F32), launch::elementwise(ny), &args) {
+            return;
+        }
+        close("max_pool", &y, &f32s(&want), 0.0);
+        assert_eq!(arg, want_arg.as_slice().unwrap(), "max_pool argmax");
+        let dyv = values(ny, 31, -1.0, 1.0);
+        let dy_t = tensor(want.shape(), &dyv);
+        let want = ops::max_pool2d_backward(&dy_t, &want_arg, &shape, &opts).unwrap();
+        let (mut dy, mut acc) = (dyv.clone(), vec![0.0f32; 660]);
+        let args = [ptr(&mut dy), ptr(&mut arg), ptr(&mut acc), geom, Arg::div(oh * ow)];
+        launch(MAX_POOL_BWD.of(DType::F32), launch::elementwise(ny), &args);
+        close("max_pool_backward", &acc, &f32s(&want), 1e-6);
+        for pad in [true, false] {
+            let want = ops::avg_pool2d(&x_t, &opts, pad).unwrap();
+            let mut y = vec![0.0f32; ny];
+            let args =
+                [ptr(&mut x), ptr(&mut y), geom, Arg::U32(pad as u32), Arg::div(ow), Arg::div(oh)];
+            launch(AVG_POOL.of(DType::F32), launch::elementwise(ny), &args);
+            close("avg_pool", &y, &f32s(&want), 1e-6);
+            let want = ops::avg_pool2d_backward(&dy_t, &shape, &opts, pad).unwrap();
+            let mut dx = vec![0.0f32; 660];
+            let args = [
+                ptr(&mut dy),
+                ptr(&mut dx),
+                geom,
+                Arg::U32(pad as u32),
+                Arg::div(shape[3]),
+                Arg::div(shape[2]),
+                Arg::div(p.stride().0),
+                Arg::div(p.stride().1),
+            ];
+            launch(AVG_POOL_BWD.of(DType::F32), launch::elementwise(660), &args);
+            close("avg_pool_backward", &dx, &f32s(&want), 1e-6);
+        }
+    }
+}
+
+/// im2col's columns by definition: `col[img][row][pos]` for images `n0 .. n0 + nimg` and
+/// channel group `group`, with integer division.
+fn im2col_reference(p: &Conv2dParams, x: &[f32], n0: usize, nimg: usize, group: usize) -> Vec<f32> {
+    let (oh, ow) = p.output_hw();
+    let ((kh, kw), (sh, sw), (ph, pw), (dh, dw)) =
+        (p.kernel(), p.stride(), p.padding(), p.dilation());
+    let (h, w, cin_g, k) = (p.h(), p.w(), p.c_in() / p.groups(), p.col_rows());
+    let mut col = vec![0.0f32; nimg * k * oh * ow];
+    for img in 0..nimg {
+        for row in 0..k {
+            let (c, ky, kx) = (row / (kh * kw), (row / kw) % kh, row % kw);
+            for pos in 0..oh * ow {
+                let (oy, ox) = (pos / ow, pos % ow);
+                let iy = (oy * sh + ky * dh) as i64 - ph as i64;
+                let ix = (ox * sw + kx * dw) as i64 - pw as i64;
+                if iy >= 0 && (iy as usize) < h && ix >= 0 && (ix as usize) < w {
+                    let plane = ((n0 + img) * p.c_in() + group * cin_g + c) * h * w;
+                    col[(img * k + row) * oh * ow + pos] = x[plane + iy as usize * w + ix as usize];
+                }
+            }
+        }
+    }
+    col
+}
+
+#[test]
+fn convolution_kernels_match_the_host() {
+    let cases = [
+        ([3, 4, 12, 12], [6, 2, 3, 3], Conv2dOptions::default().stride((2, 2)).groups(2)),
+        ([2, 3, 13, 11], [8, 3, 3, 3], Conv2dOptions::default().padding((1, 1))),
+        ([3, 5, 9, 9], [4, 5, 3, 2], Conv2dOptions::default().dilation((2, 1)).padding((2, 0))),
+        (
+            [2, 6, 11, 11],
+            [6, 1, 5, 5],
+            Conv2dOptions::default().stride((2, 2)).padding((2, 2)).groups(6),
+        ),
+        ([1, 2, 20, 20], [2, 1, 3, 3], Conv2dOptions::default().padding((1, 1)).groups(2)),
+    ];
+    for (i, (xs, ws, opts)) in cases.iter().enumerate() {
+        let p = ops::conv2d_params(xs, ws, opts).unwrap();
+        let geom = Arg::Conv(ConvGeom::of(&p));
+        let seed = 40 + 10 * i as u64;
+        let (xv, wv, bv) = (
+            values(xs.iter().product(), seed, -2.0, 2.0),
+            values(ws.iter().product(), seed + 1, -1.0, 1.0),
+            values(ws[0], seed + 2, -1.0, 1.0),
+        );
+        let (oh, ow) = p.output_hw();
+        let (ohw, hw, ny) = (oh * ow, p.h() * p.w(), p.output_len());
+        let mut want = vec![0.0f32; ny];
+        crate::cpu::conv::conv2d(&p, &xv, &wv, Some(&bv), &mut want).unwrap();
+        let (mut x, mut w, mut b, mut y) = (xv.clone(), wv.clone(), bv.clone(), vec![0.0f32; ny]);
+        let args = [ptr(&mut x), ptr(&mut w), ptr(&mut b), Arg::U32(1), ptr(&mut y), geom];
+        let planes = launch::per_plane(p.batch() * p.c_out(), ohw);
+        if !launch(DIRECT_FWD.of(DType::F32), planes, &args) {
+            return;
+        }
+        close(&format!("direct conv case {i}"), &y, &want, 1e-5);
+
+        let dyv = values(ny, seed + 3, -1.0, 1.0);
+        let (mut want_dx, mut want_dw) = (vec![0.0f32; xv.len()], vec![0.0f32; wv.len()]);
+        crate::cpu::conv::conv2d_backward(
+            &p,
+            &xv,
+            &wv,
+            &dyv,
+            Some(&mut want_dx),
+            Some(&mut want_dw),
+            None,
+        )
+        .unwrap();
+        let (mut dy, mut dx, mut dw) =
+            (dyv.clone(), vec![0.0f32; xv.len()], vec![0.0f32; wv.len()]);
+        let args = [ptr(&mut w), ptr(&mut dy), ptr(&mut dx), geom];
+        launch(DIRECT_BWD_INPUT.of(DType::F32), launch::per_plane(p.batch() * p.c_in(), hw), &args);
+        close(&format!("direct conv dx case {i}"), &dx, &want_dx, 1e-5);
+        let args = [ptr(&mut x), ptr(&mut dy), ptr(&mut dw), geom];
+        launch(DIRECT_BWD_WEIGHT.of(DType::F32), launch::per_plane(wv.len(), ohw), &args);
+        close(&format!("direct conv dweight case {i}"), &dw, &want_dw, 1e-4);
+
+        // im2col of the last images of the last group, and col2im (its adjoint) back.
+        let k = p.col_rows();
+        let (group, n0) = (p.groups() - 1, p.batch() / 2);
+        let nimg = p.batch() - n0;
+        let want = im2col_reference(&p, &xv, n0, nimg, group);
+        let mut col = vec![f32::NAN; want.len()];
+        let args = [
+            ptr(&mut x),
+            ptr(&mut col),
+            geom,
+            Arg::I64(n0 as i64),
+            Arg::I64(nimg as i64),
+            Arg::I64(group as i64),
+        ];
+        launch(IM2COL.of(DType::F32), launch::per_plane(nimg * k, ohw), &args);
+        close(&format!("im2col case {i}"), &col, &want, 0.0);
+        // col2im: <im2col(x), dcol> = <x, col2im(dcol)> for every x, so col2im's output is
+        // the sum of dcol over the column entries each input element was copied to.
+        let mut dcol = values(want.len(), seed + 4, -1.0, 1.0);
+        let mut want_dx = vec![0.0f32; xv.len()];
+        let probe = |e: usize| {
+            let mut unit = vec![0.0f32; xv.len()];
+            unit[e] = 1.0;
+            im2col_reference(&p, &unit, n0, nimg, group)
+        };
+        let cin_g = p.c_in() / p.groups();
+        for img in n0..p.batch() {
+            for c in group * cin_g..(group + 1) * cin_g {
+                let plane = (img * p.c_in() + c) * hw;
+                for (e, v) in want_dx.iter_mut().enumerate().skip(plane).take(hw) {
+                    *v = probe(e).iter().zip(&dcol).map(|(u, d)| u * d).sum();
+                }
+            }
+        }
+        let mut dx = vec![0.0f32; xv.len()];
+        let args = [
+            ptr(&mut dcol),
+            ptr(&mut dx),
+            geom,
+            Arg::I64(n0 as i64),
+            Arg::I64(nimg as i64),
+            Arg::I64(group as i64),
+        ];
+        launch(COL2IM.of(DType::F32), launch::per_plane(nimg * cin_g, hw), &args);
+        close(&format!("col2im case {i}"), &dx, &want_dx, 1e-5);
+    }
+}
+
+#[test]
+fn row_kernels_match_the_host() {
+    // Softmax, plain and causal: rows of 300 columns (more than a block's threads).
+    let (rows, cols) = (6, 300);
+    let xv = values(rows * cols, 50, -6.0, 6.0);
+    let want = f32s(&ops::softmax(&tensor(&[rows, cols], &xv)).unwrap());
+    let (mut x, mut y) = (xv.clone(), vec![0.0f32; rows * cols]);
+    let args = [ptr(&mut x), ptr(&mut y), Arg::count(cols), Arg::count(0)];
+    if !launch(SOFTMAX_FWD.of(DType::F32), launch::per_row(rows), &args) {
+        return;
+    }
+    close("softmax", &y, &want, 1e-5);
+    let (heads, seq) = (3, 40);
+    let xv = values(heads * seq * seq, 51, -6.0, 6.0);
+    let want = f32s(&ops::causal_softmax(&tensor(&[heads, seq, seq], &xv)).unwrap());
+    let (mut x, mut y) = (xv, vec![0.0f32; heads * seq * seq]);
+    let args = [ptr(&mut x), ptr(&mut y), Arg::count(seq), Arg::count(seq)];
+    launch(SOFTMAX_FWD.of(DType::F32), launch::per_row(heads * seq), &args);
+    close("causal softmax", &y, &want, 1e-5);
+
+    // Layer norm over rows of 300.
+    let (xv, gv, bv) = (
+        values(rows * cols, 52, -3.0, 5.0),
+        values(cols, 53, 0.5, 2.0),
+        values(cols, 54, -1.0, 1.0),
+    );
+    let want = ops::layer_norm(
+        &tensor(&[rows, cols], &xv),
+        &tensor(&[cols], &gv),
+        &tensor(&[cols], &bv),
+        1e-5,
+    )
+    .unwrap();
+    let (mut x, mut g, mut b) = (xv, gv, bv);
+    let (mut y, mut m, mut r) = (vec![0.0f32; rows * cols], vec![0.0f32; rows], vec![0.0f32; rows]);
+    let args = [
+        ptr(&mut x),
+        ptr(&mut g),
+        ptr(&mut b),
+        Arg::F32(1e-5),
+        ptr(&mut y),
+        ptr(&mut m),
+        ptr(&mut r),
+        Arg::count(cols),
+    ];
+    launch(LAYER_NORM.of(DType::F32), launch::per_row(rows), &args);
+    close("layer_norm y", &y, &f32s(&want.y), 1e-4);
+    close("layer_norm mean", &m, &f32s(&want.mean), 1e-5);
+    close("layer_norm rstd", &r, &f32s(&want.rstd), 1e-4);
+
+    // Cross-entropy over 7 rows of 1000 classes, one row ignored.
+    let (n, c) = (7, 1000);
+    let xv = values(n * c, 55, -5.0, 5.0);
+    let targets: Vec<u32> = (0..n as u32).map(|i| i * 137 % c as u32).collect();
+    let ignore = Some(targets[3]);
+    let logits = tensor(&[n, c], &xv);
+    let want = ops::cross_entropy(&logits, &targets, ignore).unwrap();
+    let (mut x, mut t) = (xv, targets.clone());
+    let (mut lse, mut loss) = (vec![0.0f32; n], vec![0.0f32; n]);
+    let args = [
+        ptr(&mut x),
+        ptr(&mut t),
+        Arg::count(c),
+        Arg::U32(targets[3]),
+        Arg::U32(1),
+        ptr(&mut lse),
+        ptr(&mut loss),
+    ];
+    launch(CE_FWD.of(DType::F32), launch::per_row(n), &args);
+    close("cross_entropy lse", &lse, &f32s(&want.lse), 1e-5);
+    let kept = targets.iter().filter(|&&v| Some(v) != ignore).count();
+    let mean = loss.iter().sum::<f32>() / kept as f32;
+    close("cross_entropy loss", &[mean], &[want.loss], 1e-5);
+    let want_dx =
+        f32s(&ops::cross_entropy_backward(&logits, &targets, ignore, &want.lse, 1.0).unwrap());
+    let mut dx = vec![0.0f32; n * c];
+    let args = [
+        ptr(&mut x),
+        ptr(&mut t),
+        ptr(&mut lse),
+        Arg::F32(1.0 / kept as f32),
+        Arg::div(c),
+        Arg::U32(targets[3]),
+        Arg::U32(1),
+        ptr(&mut dx),
+        Arg::count(n * c),
+    ];
+    launch(CE_BWD.of(DType::F32), launch::elementwise(n * c), &args);
+    close("cross_entropy_backward", &dx, &want_dx, 1e-5);
 }

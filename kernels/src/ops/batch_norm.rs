@@ -109,7 +109,7 @@ const PART_VALUES: usize = 4096;
 /// the GPU, for `x: [n, c, s]`: enough for about [`PART_BLOCKS`] blocks, at most one per
 /// image, each over at least [`PART_VALUES`] values. A function of the shape alone, so
 /// the workspace it sizes is the same on every backend.
-fn parts(n: usize, c: usize, s: usize) -> usize {
+pub(crate) fn parts(n: usize, c: usize, s: usize) -> usize {
     let by_values = n.saturating_mul(s) / PART_VALUES;
     (PART_BLOCKS / c.max(1)).min(n).min(by_values).clamp(1, u16::MAX as usize)
 }

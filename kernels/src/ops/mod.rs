@@ -36,6 +36,8 @@ pub use activation::{
     gelu, gelu_backward, hardsigmoid, hardsigmoid_backward, hardswish, hardswish_backward, relu,
     relu_backward,
 };
+#[cfg(all(test, feature = "cuda"))]
+pub(crate) use batch_norm::parts as batch_norm_parts;
 pub use batch_norm::{
     BatchNormGrads, BatchNormOutput, RunningStats, batch_norm, batch_norm_backward, batch_norm_eval,
 };

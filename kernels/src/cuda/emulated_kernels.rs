@@ -11,6 +11,7 @@ use crate::device::Device;
 use crate::dtype::{DType, Element};
 use crate::ops::{self, Conv2dOptions, Conv2dParams, Pool2dOptions};
 use crate::tensor::Tensor;
+use cudarc::driver::LaunchConfig;
 use half::{bf16, f16};
 
 /// One host device for all references (tensors of an op share a device).
@@ -588,4 +589,88 @@ fn row_kernels_match_the_host() {
     ];
     launch(CE_BWD.of(DType::F32), launch::elementwise(n * c), &args);
     close("cross_entropy_backward", &dx, &want_dx, 1e-5);
+}
+
+#[test]
+fn reductions_and_row_backwards_match_the_host() {
+    // A whole-tensor sum in two passes, over several block counts.
+    let n = 100_003;
+    let xv = values(n, 60, -1.0, 1.0);
+    let want = ops::sum(&tensor(&[n], &xv)).unwrap();
+    for blocks in [1usize, 7, 40] {
+        let (mut x, mut partial, mut total) = (xv.clone(), vec![f32::NAN; blocks], [f32::NAN]);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (launch::BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = [ptr(&mut x), Arg::count(n), ptr(&mut partial)];
+        if !launch(SUM_PARTIAL.of(DType::F32), cfg, &args) {
+            return;
+        }
+        let one = LaunchConfig { grid_dim: (1, 1, 1), ..cfg };
+        let args = [ptr(&mut partial), Arg::U32(blocks as u32), ptr(&mut total)];
+        launch(SUM_FINAL.of(DType::F32), one, &args);
+        close(&format!("sum over {blocks} blocks"), &total, &[want], 1e-4);
+    }
+
+    // Row sums (a mean) and column sums (a bias gradient) of [rows, d], d past one block.
+    let (rows, d) = (70, 300);
+    let xv = values(rows * d, 61, -1.0, 1.0);
+    let x_t = tensor(&[rows, d], &xv);
+    let want = f32s(&ops::mean_last_dim(&x_t).unwrap());
+    let (mut x, mut y) = (xv.clone(), vec![0.0f32; rows]);
+    let args = [ptr(&mut x), ptr(&mut y), Arg::count(d), Arg::F32(1.0 / d as f32)];
+    launch(ROW_SUM.of(DType::F32), launch::per_row(rows), &args);
+    close("row_sum", &y, &want, 1e-5);
+    let want = f32s(&ops::bias_add_backward(&x_t).unwrap());
+    let (cfg, chunk) = launch::columns(rows, d);
+    let mut acc = vec![0.0f32; d];
+    let args = [ptr(&mut x), ptr(&mut acc), Arg::count(rows), Arg::count(d), Arg::count(chunk)];
+    launch(COL_SUM.of(DType::F32), cfg, &args);
+    close("col_sum", &acc, &want, 1e-5);
+
+    // Softmax backward from the host's output.
+    let y_t = ops::softmax(&x_t).unwrap();
+    let dyv = values(rows * d, 62, -1.0, 1.0);
+    let dy_t = tensor(&[rows, d], &dyv);
+    let want = f32s(&ops::softmax_backward(&y_t, &dy_t).unwrap());
+    let (mut yv, mut dy, mut dx) = (f32s(&y_t), dyv.clone(), vec![0.0f32; rows * d]);
+    let args = [ptr(&mut yv), ptr(&mut dy), ptr(&mut dx), Arg::count(d), Arg::count(0)];
+    launch(SOFTMAX_BWD.of(DType::F32), launch::per_row(rows), &args);
+    close("softmax_backward", &dx, &want, 1e-5);
+
+    // Layer norm backward: dx per row, dgamma and dbeta over row chunks.
+    let (gv, bv) = (values(d, 63, 0.5, 2.0), values(d, 64, -1.0, 1.0));
+    let g_t = tensor(&[d], &gv);
+    let fwd = ops::layer_norm(&x_t, &g_t, &tensor(&[d], &bv), 1e-5).unwrap();
+    let want = ops::layer_norm_backward(&x_t, &g_t, &fwd.mean, &fwd.rstd, &dy_t).unwrap();
+    let (mut g, mut m, mut r) = (gv, f32s(&fwd.mean), f32s(&fwd.rstd));
+    let mut dx = vec![0.0f32; rows * d];
+    let args = [
+        ptr(&mut x),
+        ptr(&mut g),
+        ptr(&mut m),
+        ptr(&mut r),
+        ptr(&mut dy),
+        ptr(&mut dx),
+        Arg::count(d),
+    ];
+    launch(LAYER_NORM_BWD.of(DType::F32), launch::per_row(rows), &args);
+    close("layer_norm_backward dx", &dx, &f32s(&want.dx), 1e-4);
+    let (mut dg, mut db) = (vec![0.0f32; d], vec![0.0f32; d]);
+    let args = [
+        ptr(&mut x),
+        ptr(&mut m),
+        ptr(&mut r),
+        ptr(&mut dy),
+        ptr(&mut dg),
+        ptr(&mut db),
+        Arg::count(rows),
+        Arg::count(d),
+        Arg::count(chunk),
+    ];
+    launch(LAYER_NORM_PARAMS_BWD.of(DType::F32), cfg, &args);
+    close("layer_norm_backward dgamma", &dg, &f32s(&want.dgamma), 1e-4);
+    close("layer_norm_backward dbeta", &db, &f32s(&want.dbeta), 1e-4);
 }

@@ -674,3 +674,30 @@ fn reductions_and_row_backwards_match_the_host() {
     close("layer_norm_backward dgamma", &dg, &f32s(&want.dgamma), 1e-4);
     close("layer_norm_backward dbeta", &db, &f32s(&want.dbeta), 1e-4);
 }
+
+/// Dropout's mask is Philox4x32-10 of (seed, offset + index) on both backends: the same
+/// elements are dropped, bit for bit, at any offset (also one not a multiple of 4).
+#[test]
+fn dropout_draws_the_hosts_mask() {
+    let n = 1037;
+    let xv = values(n, 70, 0.5, 2.0);
+    for (p, seed, offset) in [(0.1f32, 7u64, 0u64), (0.5, 1 << 40, 13), (0.9, 3, 1 << 33)] {
+        let want = f32s(&ops::dropout(&tensor(&[n], &xv), p, seed, offset).unwrap());
+        let (mut x, mut y) = (xv.clone(), vec![f32::NAN; n]);
+        let args = [
+            ptr(&mut x),
+            ptr(&mut y),
+            Arg::count(n),
+            Arg::F32(p),
+            Arg::F32(1.0 / (1.0 - p)),
+            Arg::U64(seed),
+            Arg::U64(offset),
+        ];
+        if !launch(DROPOUT.of(DType::F32), launch::elementwise(n), &args) {
+            return;
+        }
+        close(&format!("dropout p {p} seed {seed} offset {offset}"), &y, &want, 0.0);
+        let dropped = y.iter().filter(|&&v| v == 0.0).count() as f32 / n as f32;
+        assert!((dropped - p).abs() < 0.06, "dropout p {p}: {dropped} dropped");
+    }
+}

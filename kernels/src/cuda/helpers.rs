@@ -178,7 +178,7 @@ pub(crate) fn broadcast_rows(
         return Ok(());
     }
     let d = n / dy.numel();
-    // SAFETY: broadcast_rows_T(const T* dy, float f, T* dx, u64 n, u64 d); dx holds n
+    // SAFETY: broadcast_rows_T(const T* dy, float f, T* dx, u64 n, Div d); dx holds n
     // elements and dy n / d.
     unsafe {
         gpu.launch(

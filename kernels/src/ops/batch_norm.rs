@@ -313,7 +313,7 @@ fn apply(
     use crate::cuda::{Arg, launch};
     let total = x.numel();
     // SAFETY: bn_apply_T(const T* x, const float* mean, const float* invstd, const void* g,
-    // const void* b, u32 pf32, T* y, u64 total, u64 c, u64 s), grid-stride over total
+    // const void* b, u32 pf32, T* y, u64 total, Div c, Div s), grid-stride over total
     // elements; x and y hold total elements, the statistics c floats each, gamma and beta c
     // parameters (f32 when pf32 is 1).
     unsafe {
@@ -545,7 +545,7 @@ impl Op for BatchNormBackward<'_> {
         let total = self.x.numel();
         let [dx, dgamma, dbeta] = bufs.outputs_mut() else { unreachable!("planned") };
         // SAFETY: bn_bwd_dx_T(const T* x, const T* dy, const float* mean, const float* invstd,
-        // const void* g, u32 pf32, const float* sums, T* dx, u64 total, u64 c, u64 s),
+        // const void* g, u32 pf32, const float* sums, T* dx, u64 total, Div c, Div s),
         // grid-stride over total elements.
         unsafe {
             gpu.launch(

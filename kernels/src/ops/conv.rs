@@ -361,7 +361,7 @@ mod cuda {
         let (ohw, k, cin_g, cout_g, hw) = dims(p);
         let beta = match bias {
             Some(bias) => {
-                // SAFETY: bias_planes_T(const T* b, T* y, u64 n, u64 c, u64 ohw); y holds
+                // SAFETY: bias_planes_T(const T* b, T* y, u64 n, Div c, Div ohw); y holds
                 // n = batch * c_out * ohw elements, bias c_out.
                 unsafe {
                     gpu.launch(

@@ -212,7 +212,7 @@ impl Op for BiasAdd<'_> {
         if n == 0 {
             return Ok(());
         }
-        // SAFETY: bias_add_T(const T* x, const T* b, T* y, u64 n, u64 d); x and y hold n
+        // SAFETY: bias_add_T(const T* x, const T* b, T* y, u64 n, Div d); x and y hold n
         // elements, bias d > 0 (n > 0 and n is a multiple of d).
         unsafe {
             gpu.launch(

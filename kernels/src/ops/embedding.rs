@@ -72,7 +72,7 @@ impl Op for Embedding<'_> {
         let idx = bufs.ws(self.upload)?;
         upload_u32(gpu, self.ids, idx)?;
         let out = bufs.out(0);
-        // SAFETY: embedding_T(const u32* ids, const T* table, T* out, u64 n, u64 dim); out
+        // SAFETY: embedding_T(const u32* ids, const T* table, T* out, u64 n, Div dim); out
         // holds n = ids.len() * dim elements, every id is below the table's rows (checked in
         // `plan`).
         unsafe {
@@ -156,7 +156,7 @@ impl Op for EmbeddingBackward<'_> {
             let dim = self.dout.shape()[1];
             let idx = bufs.ws(self.upload)?;
             upload_u32(gpu, self.ids, idx)?;
-            // SAFETY: embedding_bwd_T(const u32* ids, const T* dout, float* acc, u64 n, u64
+            // SAFETY: embedding_bwd_T(const u32* ids, const T* dout, float* acc, u64 n, Div
             // dim); dout holds n = ids.len() * dim elements, acc vocab * dim floats and every
             // id is below vocab (checked in `plan`).
             unsafe {

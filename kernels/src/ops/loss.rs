@@ -204,7 +204,7 @@ impl Op for CrossEntropyBackward<'_> {
         let g = self.dloss / count as f32;
         let t = bufs.ws(self.upload)?;
         upload_u32(gpu, self.targets, t)?;
-        // SAFETY: ce_bwd_T(const T* x, const u32* t, const float* lse, float g, u64 c, u32
+        // SAFETY: ce_bwd_T(const T* x, const u32* t, const float* lse, float g, Div c, u32
         // ignore, u32 has_ignore, T* dx, u64 n); logits and dlogits hold n = rows * c
         // elements, targets and lse one per row, targets checked in `plan`.
         unsafe {

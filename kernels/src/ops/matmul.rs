@@ -492,7 +492,7 @@ mod cuda {
         if n == 0 {
             return Ok(());
         }
-        // SAFETY: bias_fill_T(const T* b, T* y, u64 n, u64 d); y holds n elements, a multiple
+        // SAFETY: bias_fill_T(const T* b, T* y, u64 n, Div d); y holds n elements, a multiple
         // of d > 0; bias holds d.
         unsafe {
             gpu.launch(

@@ -81,7 +81,7 @@ impl Op for Permute<'_> {
             return Ok(());
         }
         let (d, s) = cpu::geometry(self.x.shape(), self.perm);
-        // SAFETY: permute_T(const T* x, T* y, u64 n, u64 d1, u64 d2, u64 d3, u64 s0, u64 s1,
+        // SAFETY: permute_T(const T* x, T* y, u64 n, Div d1, Div d2, Div d3, u64 s0, u64 s1,
         // u64 s2, u64 s3); x and y hold n = d0 * d1 * d2 * d3 elements and every source index
         // sum(i_k * s_k) is below n (`s` are the input strides of a permutation of its axes).
         unsafe {

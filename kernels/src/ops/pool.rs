@@ -459,7 +459,7 @@ impl Op for PoolGradAdd<'_> {
         let (dy, acc) = (self.dy, &*self.acc);
         let n = acc.numel();
         let factor = 1.0 / self.hw as f32;
-        // SAFETY: broadcast_rows_add_T(const T* dy, float f, T* acc, u64 n, u64 d); acc holds
+        // SAFETY: broadcast_rows_add_T(const T* dy, float f, T* acc, u64 n, Div d); acc holds
         // n elements of T and dy n / hw (shapes and dtypes checked before `run`).
         unsafe {
             gpu.launch(

@@ -118,7 +118,7 @@ impl Op for ScaleChannels<'_> {
             return Ok(()); // nothing to scale; empty planes' ds is zeroed
         }
         match self.dy {
-            // SAFETY: scale_channels_T(const T* x, const T* s, T* y, u64 n, u64 hw),
+            // SAFETY: scale_channels_T(const T* x, const T* s, T* y, u64 n, Div hw),
             // grid-stride over the n elements of x and y; s holds n / hw scales.
             None => unsafe {
                 gpu.launch(

@@ -160,19 +160,11 @@ fn indexed_kernels_split_indices_as_the_host_does() {
     close("embedding_backward", &acc, &want, 1e-5);
 }
 
-/// `permute` as `ops/permute.rs` launches it: the shape padded in front to four axes.
+/// `permute` as `ops/permute.rs` launches it (the shape padded in front to four axes by
+/// `cpu::permute::geometry`).
 /// `None` without a compiler.
 fn emulated_permute(x: &[f32], shape: &[usize], perm: &[usize]) -> Option<Vec<f32>> {
-    let pad = 4 - shape.len();
-    let mut strides = vec![1usize; shape.len()];
-    for k in (0..shape.len().saturating_sub(1)).rev() {
-        strides[k] = strides[k + 1] * shape[k + 1];
-    }
-    let (mut d, mut s) = ([1usize; 4], [0usize; 4]);
-    for (k, &p) in perm.iter().enumerate() {
-        d[pad + k] = shape[p];
-        s[pad + k] = strides[p];
-    }
+    let (d, s) = crate::cpu::permute::geometry(shape, perm);
     let n = x.len();
     let (mut x, mut y) = (x.to_vec(), vec![0.0f32; n]);
     let args = [

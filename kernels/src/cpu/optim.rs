@@ -125,12 +125,8 @@ pub fn adamw_step<T: Element>(
     check_len(OP, "grads", grads.len(), params.len())?;
     check_len(OP, "exp_avg", exp_avg.len(), params.len())?;
     check_len(OP, "exp_avg_sq", exp_avg_sq.len(), params.len())?;
-    let AdamWConfig { lr, beta1, beta2, eps, weight_decay } = *cfg;
-    let t = step as i32;
-    let bias1 = 1.0 - beta1.powi(t);
-    let bias2_sqrt = (1.0 - beta2.powi(t)).sqrt();
-    let step_size = lr / bias1;
-    let decay = 1.0 - lr * weight_decay;
+    let AdamWConfig { beta1, beta2, eps, .. } = *cfg;
+    let (step_size, bias2_sqrt, decay) = cfg.step_scalars(step);
     zip_state(params, exp_avg, exp_avg_sq, grads, |p, m, v, g| {
         *p *= decay;
         *m = beta1 * *m + (1.0 - beta1) * g;

@@ -9,7 +9,7 @@ use super::launch::{self, Arg, ConvGeom, PoolGeom};
 use super::registry::*;
 use crate::device::Device;
 use crate::dtype::{DType, Element};
-use crate::ops::{self, Conv2dOptions, Conv2dParams, Pool2dOptions};
+use crate::ops::{self, AdamWConfig, Conv2dOptions, Conv2dParams, Pool2dOptions, SgdConfig};
 use crate::tensor::Tensor;
 use cudarc::driver::LaunchConfig;
 use half::{bf16, f16};
@@ -691,5 +691,416 @@ fn dropout_draws_the_hosts_mask() {
         close(&format!("dropout p {p} seed {seed} offset {offset}"), &y, &want, 0.0);
         let dropped = y.iter().filter(|&&v| v == 0.0).count() as f32 / n as f32;
         assert!((dropped - p).abs() < 0.06, "dropout p {p}: {dropped} dropped");
+    }
+}
+
+/// `v` rounded into `T` (as a tensor of `T` built from `v` holds it).
+fn typed<T: Element>(v: &[f32]) -> Vec<T> {
+    v.iter().map(|&x| T::from_f32(x)).collect()
+}
+
+fn widen<T: Element>(v: &[T]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
+}
+
+fn tensor_of<T: Element>(shape: &[usize], v: &[f32]) -> Tensor {
+    Tensor::from_f32_slice(host(), shape, v, T::DTYPE).unwrap()
+}
+
+type Forward = fn(&Tensor) -> crate::error::Result<Tensor>;
+type Backward = fn(&Tensor, &Tensor) -> crate::error::Result<Tensor>;
+
+/// The activations forward and backward, `scale`, `mul`, `fill`, and the mixed-type
+/// in-place updates (`add_assign`, `axpy` into an f32 accumulator and into `T`), as the
+/// ops launch them, bit for bit against the host (one f32 expression, one rounding, the same
+/// `tanhf`), on inputs that include each piecewise definition's edges.
+fn maps_of_dtype<T: Element>() -> bool {
+    let n = 1029;
+    let mut xv = values(n, 80, -5.0, 5.0);
+    xv[..8].copy_from_slice(&[0.0, -0.0, -3.0, 3.0, -6.0, 6.0, 1e-3, -1e-3]);
+    let dyv = values(n, 81, -2.0, 2.0);
+    let (xt, dyt) = (tensor_of::<T>(&[n], &xv), tensor_of::<T>(&[n], &dyv));
+    let size = T::DTYPE.size_in_bytes();
+    let cases: [(&str, Forward, Backward, Instance, Instance); 4] = [
+        ("relu", ops::relu, ops::relu_backward, RELU.of(T::DTYPE), RELU_BWD.of(T::DTYPE)),
+        ("gelu", ops::gelu, ops::gelu_backward, GELU.of(T::DTYPE), GELU_BWD.of(T::DTYPE)),
+        (
+            "hardswish",
+            ops::hardswish,
+            ops::hardswish_backward,
+            HARDSWISH.of(T::DTYPE),
+            HARDSWISH_BWD.of(T::DTYPE),
+        ),
+        (
+            "hardsigmoid",
+            ops::hardsigmoid,
+            ops::hardsigmoid_backward,
+            HARDSIGMOID.of(T::DTYPE),
+            HARDSIGMOID_BWD.of(T::DTYPE),
+        ),
+    ];
+    for (name, fwd, bwd, kernel, bwd_kernel) in cases {
+        let (mut x, mut dy) = (typed::<T>(&xv), typed::<T>(&dyv));
+        let mut y = vec![T::from_f32(f32::NAN); n];
+        if !launch(kernel, launch::map(n, size), &[ptr(&mut x), ptr(&mut y), Arg::count(n)]) {
+            return false;
+        }
+        let what = format!("{name} {:?}", T::DTYPE);
+        close(&what, &widen(&y), &f32s(&fwd(&xt).unwrap()), 0.0);
+        let args = [ptr(&mut x), ptr(&mut dy), ptr(&mut y), Arg::count(n)];
+        launch(bwd_kernel, launch::map(n, size), &args);
+        close(&format!("{what} backward"), &widen(&y), &f32s(&bwd(&xt, &dyt).unwrap()), 0.0);
+    }
+
+    let (mut x, mut dy) = (typed::<T>(&xv), typed::<T>(&dyv));
+    let mut y = vec![T::from_f32(f32::NAN); n];
+    let args = [ptr(&mut x), Arg::F32(-0.37), ptr(&mut y), Arg::count(n)];
+    launch(SCALE.of(T::DTYPE), launch::map(n, size), &args);
+    close("scale", &widen(&y), &f32s(&ops::scale(&xt, -0.37).unwrap()), 0.0);
+    let args = [ptr(&mut x), ptr(&mut dy), ptr(&mut y), Arg::count(n)];
+    launch(MUL.of(T::DTYPE), launch::map(n, size), &args);
+    close("mul", &widen(&y), &f32s(&ops::mul(&xt, &dyt).unwrap()), 0.0);
+    let args = [ptr(&mut y), Arg::F32(0.1), Arg::count(n)];
+    launch(FILL.of(T::DTYPE), launch::map(n, size), &args);
+    close("fill", &widen(&y), &vec![T::from_f32(0.1).to_f32(); n], 0.0);
+
+    // In-place updates of an accumulator of every dtype by x of T (the packs of the wider).
+    let accv = values(n, 82, -3.0, 3.0);
+    for acc_dtype in DType::ALL {
+        let grid = launch::map(n, size.max(acc_dtype.size_in_bytes()));
+        let mut acc_t = Tensor::from_f32_slice(host(), &[n], &accv, acc_dtype).unwrap();
+        ops::add_assign(&mut acc_t, &xt).unwrap();
+        let mut acc = accv.clone();
+        let got = with_typed(acc_dtype, &mut acc, |acc| {
+            launch(
+                ADD_ASSIGN.of_pair(acc_dtype, T::DTYPE),
+                grid,
+                &[acc, ptr(&mut x), Arg::count(n)],
+            );
+        });
+        close(&format!("add_assign {acc_dtype:?} += {:?}", T::DTYPE), &got, &f32s(&acc_t), 0.0);
+        let mut acc_t = Tensor::from_f32_slice(host(), &[n], &accv, acc_dtype).unwrap();
+        ops::axpy(0.25, &xt, &mut acc_t).unwrap();
+        let mut acc = accv.clone();
+        let got = with_typed(acc_dtype, &mut acc, |acc| {
+            let args = [Arg::F32(0.25), ptr(&mut x), acc, Arg::count(n)];
+            launch(AXPY.of_pair(acc_dtype, T::DTYPE), grid, &args);
+        });
+        close(&format!("axpy {acc_dtype:?} += {:?}", T::DTYPE), &got, &f32s(&acc_t), 0.0);
+    }
+    true
+}
+
+/// Runs `f` on `v` rounded into `dtype` (its pointer as the argument) and returns the
+/// result widened back to f32.
+fn with_typed(dtype: DType, v: &mut [f32], f: impl FnOnce(Arg)) -> Vec<f32> {
+    fn run<T: Element>(v: &[f32], f: impl FnOnce(Arg)) -> Vec<f32> {
+        let mut t = typed::<T>(v);
+        f(ptr(&mut t));
+        widen(&t)
+    }
+    match dtype {
+        DType::F32 => run::<f32>(v, f),
+        DType::F16 => run::<f16>(v, f),
+        DType::BF16 => run::<bf16>(v, f),
+    }
+}
+
+#[test]
+fn activations_and_in_place_maps_match_the_host_bit_for_bit() {
+    if maps_of_dtype::<f32>() {
+        assert!(maps_of_dtype::<f16>() && maps_of_dtype::<bf16>());
+    }
+}
+
+/// SGD (plain; momentum over two steps, the first taking the gradient as the buffer;
+/// Nesterov with weight decay; dampening) and AdamW (steps 1 and 2, the op's per-step
+/// scalars) on f32 parameters with gradients of `T`, and the fused unscale with its
+/// non-finite flag, as the ops launch them, bit for bit against the host.
+fn updates_of_dtype<T: Element>() -> bool {
+    let n = 1031;
+    let (pv, gv1, gv2) =
+        (values(n, 90, -1.0, 1.0), values(n, 91, -0.5, 0.5), values(n, 92, -0.5, 0.5));
+    let grads = [tensor_of::<T>(&[n], &gv1), tensor_of::<T>(&[n], &gv2)];
+    let sgd = [
+        SgdConfig { lr: 0.1, ..SgdConfig::default() },
+        SgdConfig { lr: 0.05, momentum: 0.9, ..SgdConfig::default() },
+        SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            weight_decay: 1e-2,
+            nesterov: true,
+            ..SgdConfig::default()
+        },
+        SgdConfig { lr: 0.05, momentum: 0.5, dampening: 0.3, ..SgdConfig::default() },
+    ];
+    for cfg in sgd {
+        let mut p_t = tensor(&[n], &pv);
+        let mut b_t = tensor(&[n], &vec![0.0; n]);
+        let (mut p, mut b) = (pv.clone(), vec![0.0f32; n]);
+        for (step, (g_t, gv)) in grads.iter().zip([&gv1, &gv2]).enumerate() {
+            let buf = (cfg.momentum != 0.0).then_some(&mut b_t);
+            ops::sgd_step(&mut p_t, g_t, buf, step == 0, &cfg).unwrap();
+            let mut g = typed::<T>(gv);
+            let buf = if cfg.momentum != 0.0 { ptr(&mut b) } else { Arg::Ptr(0) };
+            let args = [
+                ptr(&mut p),
+                ptr(&mut g),
+                buf,
+                Arg::count(n),
+                Arg::F32(cfg.lr),
+                Arg::F32(cfg.momentum),
+                Arg::F32(cfg.dampening),
+                Arg::F32(cfg.weight_decay),
+                Arg::U32(cfg.nesterov as u32),
+                Arg::U32((step == 0) as u32),
+            ];
+            if !launch(SGD.of(T::DTYPE), launch::elementwise(n), &args) {
+                return false;
+            }
+            let what = format!("sgd {:?} {cfg:?} step {}", T::DTYPE, step + 1);
+            close(&what, &p, &f32s(&p_t), 0.0);
+            if cfg.momentum != 0.0 {
+                close(&format!("{what} buffer"), &b, &f32s(&b_t), 0.0);
+            }
+        }
+    }
+
+    let cfg = AdamWConfig { lr: 1e-2, weight_decay: 0.1, ..AdamWConfig::default() };
+    let zeros = vec![0.0f32; n];
+    let (mut p_t, mut m_t, mut v_t) =
+        (tensor(&[n], &pv), tensor(&[n], &zeros), tensor(&[n], &zeros));
+    let (mut p, mut m, mut v) = (pv.clone(), zeros.clone(), zeros);
+    for (step, (g_t, gv)) in (1..).zip(grads.iter().zip([&gv1, &gv2])) {
+        ops::adamw_step(&mut p_t, g_t, &mut m_t, &mut v_t, step, &cfg).unwrap();
+        let (step_size, bias2_sqrt, decay) = cfg.step_scalars(step);
+        let mut g = typed::<T>(gv);
+        let args = [
+            ptr(&mut p),
+            ptr(&mut g),
+            ptr(&mut m),
+            ptr(&mut v),
+            Arg::count(n),
+            Arg::F32(cfg.beta1),
+            Arg::F32(cfg.beta2),
+            Arg::F32(cfg.eps),
+            Arg::F32(step_size),
+            Arg::F32(bias2_sqrt),
+            Arg::F32(decay),
+        ];
+        launch(ADAMW.of(T::DTYPE), launch::elementwise(n), &args);
+        let what = format!("adamw {:?} step {step}", T::DTYPE);
+        close(&what, &p, &f32s(&p_t), 0.0);
+        close(&format!("{what} exp_avg"), &m, &f32s(&m_t), 0.0);
+        close(&format!("{what} exp_avg_sq"), &v, &f32s(&v_t), 0.0);
+    }
+
+    // Unscale: all finite (the flag stays 0), then one inf and one NaN among the elements.
+    let scaled = values(n, 93, -6e4, 6e4);
+    for bad in [None, Some((17, f32::INFINITY)), Some((n - 1, f32::NAN))] {
+        let mut gv = scaled.clone();
+        if let Some((i, x)) = bad {
+            gv[i] = x;
+        }
+        let mut g_t = tensor_of::<T>(&[n], &gv);
+        let want_found = ops::unscale_and_check_finite(&mut [&mut g_t], 1.0 / 1024.0).unwrap();
+        let (mut g, mut flag) = (typed::<T>(&gv), [0u32]);
+        let args = [ptr(&mut g), Arg::F32(1.0 / 1024.0), Arg::count(n), ptr(&mut flag)];
+        launch(UNSCALE.of(T::DTYPE), launch::elementwise(n), &args);
+        let what = format!("unscale {:?} with {bad:?}", T::DTYPE);
+        assert_eq!(flag[0] != 0, want_found, "{what}: the found-non-finite flag");
+        assert_eq!(want_found, bad.is_some(), "{what}: the host's flag");
+        let (got, want) = (widen(&g), f32s(&g_t));
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(g == w || (g.is_nan() && w.is_nan()), "{what}: index {i}: {g} vs {w}");
+        }
+    }
+    true
+}
+
+#[test]
+fn optimizer_steps_and_unscale_match_the_host_bit_for_bit() {
+    if updates_of_dtype::<f32>() {
+        assert!(updates_of_dtype::<f16>() && updates_of_dtype::<bf16>());
+    }
+}
+
+/// One unit in the last place of `T` at 1 (the tolerance of a result rounded once into
+/// `T` from an f32 computed in another order).
+fn ulp<T: Element>() -> f32 {
+    match T::DTYPE {
+        DType::F32 => 1e-5,
+        DType::F16 => 1.0 / 1024.0,
+        DType::BF16 => 1.0 / 128.0,
+    }
+}
+
+/// The row kernels in `T` (softmax plain and causal, layer norm, cross-entropy forward and
+/// backward), squeeze-excitation's backward, the per-plane f32 sums of a convolution's bias
+/// gradient and batch norm in evaluation (parameters in f32 and in `T`), against the host's
+/// ops on tensors of `T`.
+fn rows_of_dtype<T: Element>() -> bool {
+    let tol = ulp::<T>();
+    let dt = T::DTYPE;
+    let (rows, cols) = (5, 300);
+    let xv = values(rows * cols, 100, -6.0, 6.0);
+    let x_t = tensor_of::<T>(&[rows, cols], &xv);
+    let (mut x, mut y) = (typed::<T>(&xv), vec![T::from_f32(f32::NAN); rows * cols]);
+    let args = [ptr(&mut x), ptr(&mut y), Arg::count(cols), Arg::count(0)];
+    if !launch(SOFTMAX_FWD.of(dt), launch::per_row(rows), &args) {
+        return false;
+    }
+    close(&format!("softmax {dt:?}"), &widen(&y), &f32s(&ops::softmax(&x_t).unwrap()), tol);
+    let seq = 30;
+    let cv = values(2 * seq * seq, 101, -6.0, 6.0);
+    let want = f32s(&ops::causal_softmax(&tensor_of::<T>(&[2, seq, seq], &cv)).unwrap());
+    let (mut c, mut y) = (typed::<T>(&cv), vec![T::from_f32(f32::NAN); 2 * seq * seq]);
+    let args = [ptr(&mut c), ptr(&mut y), Arg::count(seq), Arg::count(seq)];
+    launch(SOFTMAX_FWD.of(dt), launch::per_row(2 * seq), &args);
+    close(&format!("causal softmax {dt:?}"), &widen(&y), &want, tol);
+
+    let (gv, bv) = (values(cols, 102, 0.5, 2.0), values(cols, 103, -1.0, 1.0));
+    let ln =
+        ops::layer_norm(&x_t, &tensor_of::<T>(&[cols], &gv), &tensor_of::<T>(&[cols], &bv), 1e-5)
+            .unwrap();
+    let (mut g, mut b) = (typed::<T>(&gv), typed::<T>(&bv));
+    let mut y = vec![T::from_f32(f32::NAN); rows * cols];
+    let (mut m, mut r) = (vec![0.0f32; rows], vec![0.0f32; rows]);
+    let args = [
+        ptr(&mut x),
+        ptr(&mut g),
+        ptr(&mut b),
+        Arg::F32(1e-5),
+        ptr(&mut y),
+        ptr(&mut m),
+        ptr(&mut r),
+        Arg::count(cols),
+    ];
+    launch(LAYER_NORM.of(dt), launch::per_row(rows), &args);
+    // y is rounded into T; its error relative to 1 grows with |y| (up to about 4 here).
+    close(&format!("layer_norm {dt:?} y"), &widen(&y), &f32s(&ln.y), 4.0 * tol);
+    close(&format!("layer_norm {dt:?} mean"), &m, &f32s(&ln.mean), 1e-5);
+    close(&format!("layer_norm {dt:?} rstd"), &r, &f32s(&ln.rstd), 1e-4);
+
+    // Cross-entropy, no ignored row; logits of T, statistics in f32.
+    let targets: Vec<u32> = (0..rows as u32).map(|i| i * 61 % cols as u32).collect();
+    let ce = ops::cross_entropy(&x_t, &targets, None).unwrap();
+    let (mut t, mut lse, mut loss) = (targets.clone(), vec![0.0f32; rows], vec![0.0f32; rows]);
+    let args = [
+        ptr(&mut x),
+        ptr(&mut t),
+        Arg::count(cols),
+        Arg::U32(0),
+        Arg::U32(0),
+        ptr(&mut lse),
+        ptr(&mut loss),
+    ];
+    launch(CE_FWD.of(dt), launch::per_row(rows), &args);
+    close(&format!("cross_entropy {dt:?} lse"), &lse, &f32s(&ce.lse), 1e-5);
+    let mean = loss.iter().sum::<f32>() / rows as f32;
+    close(&format!("cross_entropy {dt:?} loss"), &[mean], &[ce.loss], 1e-5);
+    let want = f32s(&ops::cross_entropy_backward(&x_t, &targets, None, &ce.lse, 1.0).unwrap());
+    let mut dx = vec![T::from_f32(f32::NAN); rows * cols];
+    let args = [
+        ptr(&mut x),
+        ptr(&mut t),
+        ptr(&mut lse),
+        Arg::F32(1.0 / rows as f32),
+        Arg::div(cols),
+        Arg::U32(0),
+        Arg::U32(0),
+        ptr(&mut dx),
+        Arg::count(rows * cols),
+    ];
+    launch(CE_BWD.of(dt), launch::elementwise(rows * cols), &args);
+    close(&format!("cross_entropy_backward {dt:?}"), &widen(&dx), &want, tol);
+
+    // Squeeze-excitation's backward over planes of 300 (past one block's threads).
+    let (planes, hw) = (6, 300);
+    let shape = [2, 3, 15, 20];
+    let (xv, sv, dyv) = (
+        values(planes * hw, 104, -2.0, 2.0),
+        values(planes, 105, 0.0, 1.0),
+        values(planes * hw, 106, -1.0, 1.0),
+    );
+    let want = ops::scale_channels_backward(
+        &tensor_of::<T>(&shape, &xv),
+        &tensor_of::<T>(&[2, 3], &sv),
+        &tensor_of::<T>(&shape, &dyv),
+    )
+    .unwrap();
+    let (mut x, mut s, mut dy) = (typed::<T>(&xv), typed::<T>(&sv), typed::<T>(&dyv));
+    let (mut dx, mut ds) =
+        (vec![T::from_f32(f32::NAN); planes * hw], vec![T::from_f32(f32::NAN); planes]);
+    let args = [ptr(&mut x), ptr(&mut s), ptr(&mut dy), ptr(&mut dx), ptr(&mut ds), Arg::count(hw)];
+    launch(SCALE_CHANNELS_BWD.of(dt), launch::per_row(planes), &args);
+    close(&format!("scale_channels_backward {dt:?} dx"), &widen(&dx), &f32s(&want.dx), 0.0);
+    // ds sums 300 products: its rounding into T may differ by one unit of its magnitude.
+    let ds_want = f32s(&want.ds);
+    let scale = ds_want.iter().fold(1.0f32, |a, v| a.max(v.abs()));
+    close(&format!("scale_channels_backward {dt:?} ds"), &widen(&ds), &ds_want, scale * tol);
+
+    // Per-plane f32 sums (the first pass of a convolution's bias gradient), by definition.
+    let mut sums = vec![f32::NAN; planes];
+    let args = [ptr(&mut dy), ptr(&mut sums), Arg::count(hw)];
+    launch(ROW_SUM_F32.of(dt), launch::per_row(planes), &args);
+    let want: Vec<f32> = widen(&dy)
+        .chunks(hw)
+        .map(|p| p.iter().map(|&v| f64::from(v)).sum::<f64>() as f32)
+        .collect();
+    close(&format!("row_sum_f32 {dt:?}"), &sums, &want, 1e-5);
+
+    // Batch norm in evaluation: the running statistics into mean and invstd, then applied.
+    let c = 3;
+    let (mv, vv) = (values(c, 107, -0.5, 0.5), values(c, 108, 0.5, 2.0));
+    let (gv, bv) = (values(c, 109, 0.5, 1.5), values(c, 110, -0.5, 0.5));
+    let mut param_dtypes = vec![DType::F32];
+    if dt != DType::F32 {
+        param_dtypes.push(dt);
+    }
+    for pdt in param_dtypes {
+        let p = |v: &[f32]| Tensor::from_f32_slice(host(), &[c], v, pdt).unwrap();
+        let want = ops::batch_norm_eval(
+            &tensor_of::<T>(&shape, &xv),
+            &p(&gv),
+            &p(&bv),
+            &p(&mv),
+            &p(&vv),
+            1e-5,
+        )
+        .unwrap();
+        // The parameters as the kernels read them: f32, or T when pf32 is 0.
+        let mut wide = [mv.clone(), vv.clone(), gv.clone(), bv.clone()];
+        let mut narrow = [&mv, &vv, &gv, &bv].map(|v| typed::<T>(v));
+        let mut raw =
+            |i: usize| if pdt == DType::F32 { ptr(&mut wide[i]) } else { ptr(&mut narrow[i]) };
+        let (mut mean, mut inv) = (vec![f32::NAN; c], vec![f32::NAN; c]);
+        let pf32 = Arg::U32((pdt == DType::F32) as u32);
+        let args =
+            [raw(0), raw(1), pf32, Arg::F32(1e-5), ptr(&mut mean), ptr(&mut inv), Arg::count(c)];
+        launch(BN_EVAL_STATS.of(dt), launch::elementwise(c), &args);
+        let mut y = vec![T::from_f32(f32::NAN); planes * hw];
+        let args = [
+            ptr(&mut x),
+            ptr(&mut mean),
+            ptr(&mut inv),
+            raw(2),
+            raw(3),
+            pf32,
+            ptr(&mut y),
+            Arg::count(planes * hw),
+            Arg::div(c),
+            Arg::div(hw),
+        ];
+        launch(BN_APPLY.of(dt), launch::elementwise(planes * hw), &args);
+        close(&format!("batch_norm_eval {dt:?} params {pdt:?}"), &widen(&y), &f32s(&want), 0.0);
+    }
+    true
+}
+
+#[test]
+fn row_channel_and_eval_kernels_match_the_host_in_every_dtype() {
+    if rows_of_dtype::<f32>() {
+        assert!(rows_of_dtype::<f16>() && rows_of_dtype::<bf16>());
     }
 }

@@ -103,6 +103,17 @@ impl AdamWConfig {
         }
         Ok(())
     }
+
+    /// The scalars of step `step` (1-based), computed once per step on the host:
+    /// `(step_size, bias2_sqrt, decay)` = `(lr / (1 - beta1^t), sqrt(1 - beta2^t),
+    /// 1 - lr * weight_decay)`. Both backends' update is, per element,
+    /// `p = p * decay - step_size * m / (sqrt(v) / bias2_sqrt + eps)`.
+    pub(crate) fn step_scalars(&self, step: u32) -> (f32, f32, f32) {
+        let t = step as i32;
+        let bias1 = 1.0 - self.beta1.powi(t);
+        let bias2_sqrt = (1.0 - self.beta2.powi(t)).sqrt();
+        (self.lr / bias1, bias2_sqrt, 1.0 - self.lr * self.weight_decay)
+    }
 }
 
 #[cfg(test)]

@@ -199,11 +199,7 @@ impl Op for AdamW<'_> {
         use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::ADAMW};
         let n = self.params.numel();
         let cfg = self.cfg;
-        let t = self.step as i32;
-        let bias1 = 1.0 - cfg.beta1.powi(t);
-        let bias2_sqrt = (1.0 - cfg.beta2.powi(t)).sqrt();
-        let step_size = cfg.lr / bias1;
-        let decay = 1.0 - cfg.lr * cfg.weight_decay;
+        let (step_size, bias2_sqrt, decay) = cfg.step_scalars(self.step);
         // SAFETY: adamw_T(float* p, const T* g, float* m, float* v, u64 n, float b1, float
         // b2, float eps, float step_size, float bias2_sqrt, float decay); all four tensors
         // hold n elements.

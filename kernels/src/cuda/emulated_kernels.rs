@@ -125,6 +125,13 @@ fn indexed_kernels_split_indices_as_the_host_does() {
     let args = [ptr(&mut dy), Arg::F32(1.0 / 63.0), ptr(&mut dx), Arg::count(n), Arg::div(63)];
     launch(BROADCAST_ROWS.of(DType::F32), launch::elementwise(n), &args);
     close("broadcast_rows", &dx, &want, 1e-6);
+    // The same added in place (one rounding), by its definition.
+    let accv = values(n, 11, -1.0, 1.0);
+    let mut acc = accv.clone();
+    let args = [ptr(&mut dy), Arg::F32(1.0 / 63.0), ptr(&mut acc), Arg::count(n), Arg::div(63)];
+    launch(BROADCAST_ROWS_ADD.of(DType::F32), launch::elementwise(n), &args);
+    let want: Vec<f32> = (0..n).map(|i| accv[i] + dyv[i / 63] * (1.0 / 63.0)).collect();
+    close("broadcast_rows_add", &acc, &want, 0.0);
 
     // Squeeze-excitation's scale per plane.
     let (xv, sv) = (values(n, 6, -4.0, 4.0), values(15, 7, 0.0, 1.0));
@@ -141,6 +148,11 @@ fn indexed_kernels_split_indices_as_the_host_does() {
     launch(BIAS_PLANES.of(DType::F32), launch::elementwise(n), &args);
     let want: Vec<f32> = (0..n).map(|i| b[(i / 63) % 5]).collect();
     close("bias_planes", &y, &want, 0.0);
+    // A linear layer's bias rows (the C operand of its product), by definition.
+    let args = [ptr(&mut b), ptr(&mut y), Arg::count(n), Arg::div(5)];
+    launch(BIAS_FILL.of(DType::F32), launch::elementwise(n), &args);
+    let want: Vec<f32> = (0..n).map(|i| b[i % 5]).collect();
+    close("bias_fill", &y, &want, 0.0);
 
     // Embedding rows gathered and their gradients scattered.
     let (vocab, dim) = (50, 24);

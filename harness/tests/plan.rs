@@ -140,6 +140,7 @@ fn the_recommended_split_fits_and_the_next_larger_micro_batch_does_not() {
         };
         plan::measure(&req.model, &c, Target::Virtual(usable)).unwrap()
     };
+    assert_eq!(report.min_micro, 1);
     let (_, reserved) = at(best, best.micro, best.accum).expect("the recommendation runs");
     assert!(reserved <= usable);
     // 256 samples do not fit at once: the split accumulates.
@@ -186,6 +187,45 @@ fn nothing_fits_says_what_would() {
     for needle in ["SGD", "8-bit", "sequence", "a device with at least"] {
         assert!(text.contains(needle), "{needle} in {text}");
     }
+}
+
+/// A batch norm over 1 x 1 planes (ResNet-50's last stage at 32 px) cannot train on one
+/// sample, in PyTorch as in vram: the search starts at two samples per micro-batch and says
+/// why, whether the model fits or not, and a global batch of one is refused.
+#[test]
+fn a_model_that_cannot_train_on_one_sample_is_planned_from_two() {
+    let spec = ModelSpec::from_toml_str(
+        r#"
+        input = { kind = "image", channels = 3, side = 2 }
+        layers = [
+          { kind = "conv", out = 8, kernel = 3, stride = 2, bn = true, act = "relu" },
+          { kind = "pool" },
+          { kind = "linear", out = 4 },
+        ]"#,
+        "one-by-one",
+    )
+    .unwrap();
+    let model = model_from_spec(spec).unwrap();
+    for (memory, fits) in [(64 << 20, true), (48 << 10, false)] {
+        let mut req = PlanRequest::new(model.clone(), 6, memory);
+        req.reserve = 0;
+        req.precision = PrecisionChoice::Only(Precision::Fp32);
+        let report = plan::plan(&req, &mut NoProgress).unwrap();
+        assert_eq!(report.min_micro, 2);
+        assert_eq!(report.recommended().is_some(), fits, "{memory} bytes");
+        for row in report.fitting.iter().chain(&report.not_fitting) {
+            assert!(row.micro >= 2 && row.micro * row.accum == 6, "{row:?}");
+        }
+        let notes = report.notes.join("\n");
+        assert!(notes.contains("start at 2 samples") && notes.contains("1 value per channel"));
+        if !fits {
+            assert!(report.suggestions[0].contains("3 x 2 samples"), "{:?}", report.suggestions);
+        }
+    }
+    let mut req = PlanRequest::new(model, 1, 64 << 20);
+    req.reserve = 0;
+    let e = plan::plan(&req, &mut NoProgress).unwrap_err();
+    assert!(e.is_bad_input() && e.to_string().contains("at least 2"), "{e}");
 }
 
 #[test]

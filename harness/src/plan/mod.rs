@@ -7,7 +7,9 @@
 //! finds the largest micro-batch that fits (exponential then binary search, each probe two
 //! optimizer steps on a fresh virtual device: the first creates the optimizer state, the
 //! second is the steady state) and then the largest divisor of the requested global batch
-//! that fits with gradient accumulation over the rest. "Fits" means the run's peak reserved
+//! that fits with gradient accumulation over the rest. Micro-batches start at one sample, or
+//! at two when a step of one fails for another reason than memory (a batch norm over 1 x 1
+//! planes, which PyTorch refuses too). "Fits" means the run's peak reserved
 //! bytes stay within the usable memory (device memory minus a reserve for what vram does not
 //! model: the CUDA context, library workspaces beyond cuBLAS's, other processes). A run is
 //! first measured on an unlimited virtual device; only when its peak reserved does not fit
@@ -254,7 +256,8 @@ pub struct Row {
     /// Estimated step time relative to an fp32 step of the whole batch at once without
     /// recomputation (see [`PlanReport::assumptions`]).
     pub relative_cost: f64,
-    /// The largest micro-batch that fits without accumulation (0: not even one sample).
+    /// The largest micro-batch that fits without accumulation (0: not even the smallest,
+    /// [`PlanReport::min_micro`]).
     pub max_micro: usize,
 }
 
@@ -309,6 +312,9 @@ pub struct PlanReport {
     pub assumptions: Vec<String>,
     /// What the figures leave out, and model approximations.
     pub notes: Vec<String>,
+    /// The fewest samples per micro-batch the model trains on: 1, or 2 when a step of one
+    /// sample fails (a batch norm over 1 x 1 planes; the reason is in `notes`).
+    pub min_micro: usize,
     /// Training runs on the virtual device.
     pub runs: usize,
     /// Wall time of the search in seconds.

@@ -42,6 +42,8 @@ struct Search<'a> {
     memo: HashMap<(Config, usize, usize), Eval>,
     params: u64,
     runs: usize,
+    /// The fewest samples a micro-batch may hold ([`Search::smallest_micro`]).
+    min_micro: usize,
 }
 
 impl Search<'_> {
@@ -140,13 +142,43 @@ impl Search<'_> {
         Ok(last)
     }
 
+    /// The fewest samples per micro-batch the model trains on, with why one sample fails
+    /// when it does: 1, or 2 when a step of one sample fails for another reason than memory
+    /// (a batch norm over 1 x 1 planes, as ResNet-50's last stage at 32 px, sees one value
+    /// per channel, which PyTorch refuses too). Run in `precision`.
+    fn smallest_micro(
+        &mut self,
+        precision: Precision,
+    ) -> Result<(usize, Option<String>), PlanError> {
+        // Evaluated as the search would (memoized): the first configuration's first probe.
+        let c = Config { precision, plan: PlanKind::None, alloc: 0 };
+        match self.evaluate(c, 1, 1) {
+            Err(PlanError::Run { context, source }) => {
+                let s = fixed_schedule(PlanKind::None, self.n)?;
+                match self.run(c, &s, 2, 1, Where::Virtual(UNLIMITED)) {
+                    Ok(_) => Ok((2, Some(source.to_string()))),
+                    Err(_) => Err(PlanError::Run { context, source }),
+                }
+            }
+            Err(e) => Err(e),
+            Ok(_) => Ok((1, None)),
+        }
+    }
+
+    /// The smallest micro-batch the search may use for a global batch of `g` (a divisor of
+    /// `g`, at least [`Search::min_micro`]; `g` itself at worst).
+    fn smallest_split(&self, g: usize) -> usize {
+        (self.min_micro..=g).find(|d| g.is_multiple_of(*d)).unwrap_or(g)
+    }
+
     /// The largest micro-batch that fits without accumulation (0 if none).
     fn max_micro(&mut self, c: Config) -> Result<usize, PlanError> {
-        if !self.evaluate(c, 1, 1)?.fits {
+        let first = self.min_micro;
+        if !self.evaluate(c, first, 1)?.fits {
             return Ok(0);
         }
-        let cap = self.req.max_micro.max(1);
-        let (mut lo, mut hi) = (1, 2);
+        let cap = self.req.max_micro.max(first);
+        let (mut lo, mut hi) = (first, 2 * first);
         while hi <= cap && self.evaluate(c, hi, 1)?.fits {
             lo = hi;
             hi *= 2;
@@ -172,7 +204,8 @@ impl Search<'_> {
         let g = self.req.batch;
         let max_micro = self.max_micro(c)?;
         let mut best = None;
-        for micro in (1..=g.min(max_micro)).rev().filter(|d| g.is_multiple_of(*d)) {
+        let fewest = self.min_micro;
+        for micro in (fewest..=g.min(max_micro)).rev().filter(|d| g.is_multiple_of(*d)) {
             let e = self.evaluate(c, micro, g / micro)?;
             if e.fits {
                 best = Some((micro, e));
@@ -181,7 +214,10 @@ impl Search<'_> {
         }
         let (micro, e) = match best {
             Some(b) => b,
-            None => (1, self.evaluate(c, 1, g)?),
+            None => {
+                let micro = self.smallest_split(g);
+                (micro, self.evaluate(c, micro, g / micro)?)
+            }
         };
         let accum = g / micro;
         let (recompute, relative_cost) = self.cost(c.precision, &e.schedule, accum);
@@ -368,7 +404,21 @@ pub fn plan(req: &PlanRequest, progress: &mut dyn PlanProgress) -> Result<PlanRe
         memo: HashMap::new(),
         params,
         runs: 0,
+        min_micro: 1,
     };
+    let (min_micro, one_fails) = s.smallest_micro(precisions[0])?;
+    if req.batch < min_micro {
+        return Err(PlanError::InvalidArgument {
+            what: "batch",
+            reason: format!(
+                "{} cannot train on one sample per step ({}); ask for a global batch of at \
+                 least {min_micro}",
+                req.model.name,
+                one_fails.unwrap_or_default()
+            ),
+        });
+    }
+    s.min_micro = min_micro;
     let configs: Vec<Config> = precisions
         .iter()
         .flat_map(|&precision| {
@@ -407,6 +457,12 @@ pub fn plan(req: &PlanRequest, progress: &mut dyn PlanProgress) -> Result<PlanRe
     progress.advance("suggestions");
     let why = why(&fitting.iter().map(|(_, r)| r.clone()).collect::<Vec<_>>(), usable);
     let mut notes = req.model.notes.clone();
+    if let Some(why) = &one_fails {
+        notes.push(format!(
+            "micro-batches start at {min_micro} samples: a step of one sample fails ({why}), \
+             as it does in PyTorch"
+        ));
+    }
     notes.extend([
         format!(
             "usable memory = device memory {} - reserve {} = {}: the reserve stands for what \
@@ -449,6 +505,7 @@ pub fn plan(req: &PlanRequest, progress: &mut dyn PlanProgress) -> Result<PlanRe
             ),
         ],
         notes,
+        min_micro,
         runs: s.runs,
         seconds: started.elapsed().as_secs_f64(),
     })
@@ -517,25 +574,26 @@ impl Search<'_> {
     ) -> Result<Vec<String>, PlanError> {
         let g = self.req.batch;
         let need = closest.peak_reserved.max(closest.peak_allocated);
+        let m = self.smallest_split(g);
+        let split = format!("{} x {m} sample{}", g / m, if m == 1 { "" } else { "s" });
         let mut out = vec![format!(
-            "closest: {} needs {} with {} x 1 sample, {} more than usable",
+            "closest: {} needs {} with {split}, {} more than usable",
             closest.label(),
             human(need),
-            g,
             human(need.saturating_sub(self.usable))
         )];
         if self.optimizer == OptimizerKind::AdamW {
             let saved = self.optimizer;
             self.optimizer = OptimizerKind::Sgd;
             self.memo.clear();
-            let e = self.evaluate(c, 1, g)?;
-            let m = if e.fits { self.max_micro(c)? } else { 0 };
+            let e = self.evaluate(c, m, g / m)?;
+            let most = if e.fits { self.max_micro(c)? } else { 0 };
             self.optimizer = saved;
             self.memo.clear();
             out.push(if e.fits {
                 format!(
                     "SGD with momentum (4 B/parameter of state instead of AdamW's 8) fits (run on \
-                     the virtual device): {g} x 1 sample peaks at {} reserved; up to {m} samples \
+                     the virtual device): {split} peaks at {} reserved; up to {most} samples \
                      per micro-batch",
                     human(e.reserved)
                 )
@@ -582,7 +640,7 @@ impl Search<'_> {
                     break;
                 }
                 self.memo.clear();
-                let e = self.evaluate(c, 1, g)?;
+                let e = self.evaluate(c, m, g / m)?;
                 if e.fits {
                     found = Some((shorter, e.reserved));
                 }
@@ -592,8 +650,8 @@ impl Search<'_> {
             self.memo.clear();
             out.push(match found {
                 Some((seq, reserved)) => format!(
-                    "sequence length {seq} fits with {} (run on the virtual device): {g} x 1 \
-                     sample peaks at {} reserved",
+                    "sequence length {seq} fits with {} (run on the virtual device): {split} \
+                     peaks at {} reserved",
                     closest.label(),
                     human(reserved)
                 ),

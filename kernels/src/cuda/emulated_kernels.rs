@@ -505,97 +505,6 @@ fn convolution_kernels_match_the_host() {
 }
 
 #[test]
-fn row_kernels_match_the_host() {
-    // Softmax, plain and causal: rows of 300 columns (more than a block's threads).
-    let (rows, cols) = (6, 300);
-    let xv = values(rows * cols, 50, -6.0, 6.0);
-    let want = f32s(&ops::softmax(&tensor(&[rows, cols], &xv)).unwrap());
-    let (mut x, mut y) = (xv.clone(), vec![0.0f32; rows * cols]);
-    let args = [ptr(&mut x), ptr(&mut y), Arg::count(cols), Arg::count(0)];
-    if !launch(SOFTMAX_FWD.of(DType::F32), launch::per_row(rows), &args) {
-        return;
-    }
-    close("softmax", &y, &want, 1e-5);
-    let (heads, seq) = (3, 40);
-    let xv = values(heads * seq * seq, 51, -6.0, 6.0);
-    let want = f32s(&ops::causal_softmax(&tensor(&[heads, seq, seq], &xv)).unwrap());
-    let (mut x, mut y) = (xv, vec![0.0f32; heads * seq * seq]);
-    let args = [ptr(&mut x), ptr(&mut y), Arg::count(seq), Arg::count(seq)];
-    launch(SOFTMAX_FWD.of(DType::F32), launch::per_row(heads * seq), &args);
-    close("causal softmax", &y, &want, 1e-5);
-
-    // Layer norm over rows of 300.
-    let (xv, gv, bv) = (
-        values(rows * cols, 52, -3.0, 5.0),
-        values(cols, 53, 0.5, 2.0),
-        values(cols, 54, -1.0, 1.0),
-    );
-    let want = ops::layer_norm(
-        &tensor(&[rows, cols], &xv),
-        &tensor(&[cols], &gv),
-        &tensor(&[cols], &bv),
-        1e-5,
-    )
-    .unwrap();
-    let (mut x, mut g, mut b) = (xv, gv, bv);
-    let (mut y, mut m, mut r) = (vec![0.0f32; rows * cols], vec![0.0f32; rows], vec![0.0f32; rows]);
-    let args = [
-        ptr(&mut x),
-        ptr(&mut g),
-        ptr(&mut b),
-        Arg::F32(1e-5),
-        ptr(&mut y),
-        ptr(&mut m),
-        ptr(&mut r),
-        Arg::count(cols),
-    ];
-    launch(LAYER_NORM.of(DType::F32), launch::per_row(rows), &args);
-    close("layer_norm y", &y, &f32s(&want.y), 1e-4);
-    close("layer_norm mean", &m, &f32s(&want.mean), 1e-5);
-    close("layer_norm rstd", &r, &f32s(&want.rstd), 1e-4);
-
-    // Cross-entropy over 7 rows of 1000 classes, one row ignored.
-    let (n, c) = (7, 1000);
-    let xv = values(n * c, 55, -5.0, 5.0);
-    let targets: Vec<u32> = (0..n as u32).map(|i| i * 137 % c as u32).collect();
-    let ignore = Some(targets[3]);
-    let logits = tensor(&[n, c], &xv);
-    let want = ops::cross_entropy(&logits, &targets, ignore).unwrap();
-    let (mut x, mut t) = (xv, targets.clone());
-    let (mut lse, mut loss) = (vec![0.0f32; n], vec![0.0f32; n]);
-    let args = [
-        ptr(&mut x),
-        ptr(&mut t),
-        Arg::count(c),
-        Arg::U32(targets[3]),
-        Arg::U32(1),
-        ptr(&mut lse),
-        ptr(&mut loss),
-    ];
-    launch(CE_FWD.of(DType::F32), launch::per_row(n), &args);
-    close("cross_entropy lse", &lse, &f32s(&want.lse), 1e-5);
-    let kept = targets.iter().filter(|&&v| Some(v) != ignore).count();
-    let mean = loss.iter().sum::<f32>() / kept as f32;
-    close("cross_entropy loss", &[mean], &[want.loss], 1e-5);
-    let want_dx =
-        f32s(&ops::cross_entropy_backward(&logits, &targets, ignore, &want.lse, 1.0).unwrap());
-    let mut dx = vec![0.0f32; n * c];
-    let args = [
-        ptr(&mut x),
-        ptr(&mut t),
-        ptr(&mut lse),
-        Arg::F32(1.0 / kept as f32),
-        Arg::div(c),
-        Arg::U32(targets[3]),
-        Arg::U32(1),
-        ptr(&mut dx),
-        Arg::count(n * c),
-    ];
-    launch(CE_BWD.of(DType::F32), launch::elementwise(n * c), &args);
-    close("cross_entropy_backward", &dx, &want_dx, 1e-5);
-}
-
-#[test]
 fn reductions_and_row_backwards_match_the_host() {
     // A whole-tensor sum in two passes, over several block counts.
     let n = 100_003;
@@ -855,18 +764,8 @@ fn updates_of_dtype<T: Element>() -> bool {
             ops::sgd_step(&mut p_t, g_t, buf, step == 0, &cfg).unwrap();
             let mut g = typed::<T>(gv);
             let buf = if cfg.momentum != 0.0 { ptr(&mut b) } else { Arg::Ptr(0) };
-            let args = [
-                ptr(&mut p),
-                ptr(&mut g),
-                buf,
-                Arg::count(n),
-                Arg::F32(cfg.lr),
-                Arg::F32(cfg.momentum),
-                Arg::F32(cfg.dampening),
-                Arg::F32(cfg.weight_decay),
-                Arg::U32(cfg.nesterov as u32),
-                Arg::U32((step == 0) as u32),
-            ];
+            let [lr, mo, da, wd, ne, fi] = ops::sgd_scalars(&cfg, step == 0);
+            let args = [ptr(&mut p), ptr(&mut g), buf, Arg::count(n), lr, mo, da, wd, ne, fi];
             if !launch(SGD.of(T::DTYPE), launch::elementwise(n), &args) {
                 return false;
             }
@@ -947,8 +846,8 @@ fn ulp<T: Element>() -> f32 {
     }
 }
 
-/// The row kernels in `T` (softmax plain and causal, layer norm, cross-entropy forward and
-/// backward), squeeze-excitation's backward, the per-plane f32 sums of a convolution's bias
+/// The row kernels in `T` (softmax plain and causal over rows longer than a block, layer
+/// norm, cross-entropy forward and backward with an ignored row), squeeze-excitation's backward, the per-plane f32 sums of a convolution's bias
 /// gradient and batch norm in evaluation (parameters in f32 and in `T`), against the host's
 /// ops on tensors of `T`.
 fn rows_of_dtype<T: Element>() -> bool {
@@ -994,37 +893,43 @@ fn rows_of_dtype<T: Element>() -> bool {
     close(&format!("layer_norm {dt:?} mean"), &m, &f32s(&ln.mean), 1e-5);
     close(&format!("layer_norm {dt:?} rstd"), &r, &f32s(&ln.rstd), 1e-4);
 
-    // Cross-entropy, no ignored row; logits of T, statistics in f32.
-    let targets: Vec<u32> = (0..rows as u32).map(|i| i * 61 % cols as u32).collect();
-    let ce = ops::cross_entropy(&x_t, &targets, None).unwrap();
-    let (mut t, mut lse, mut loss) = (targets.clone(), vec![0.0f32; rows], vec![0.0f32; rows]);
+    // Cross-entropy over 7 rows of 1000 classes, one row ignored; statistics in f32.
+    let (n, c) = (7, 1000);
+    let lv = values(n * c, 111, -5.0, 5.0);
+    let logits = tensor_of::<T>(&[n, c], &lv);
+    let targets: Vec<u32> = (0..n as u32).map(|i| i * 137 % c as u32).collect();
+    let ignore = Some(targets[3]);
+    let ce = ops::cross_entropy(&logits, &targets, ignore).unwrap();
+    let (mut l, mut t) = (typed::<T>(&lv), targets.clone());
+    let (mut lse, mut loss) = (vec![0.0f32; n], vec![0.0f32; n]);
     let args = [
-        ptr(&mut x),
+        ptr(&mut l),
         ptr(&mut t),
-        Arg::count(cols),
-        Arg::U32(0),
-        Arg::U32(0),
+        Arg::count(c),
+        Arg::U32(targets[3]),
+        Arg::U32(1),
         ptr(&mut lse),
         ptr(&mut loss),
     ];
-    launch(CE_FWD.of(dt), launch::per_row(rows), &args);
+    launch(CE_FWD.of(dt), launch::per_row(n), &args);
     close(&format!("cross_entropy {dt:?} lse"), &lse, &f32s(&ce.lse), 1e-5);
-    let mean = loss.iter().sum::<f32>() / rows as f32;
+    let kept = targets.iter().filter(|&&v| Some(v) != ignore).count();
+    let mean = loss.iter().sum::<f32>() / kept as f32;
     close(&format!("cross_entropy {dt:?} loss"), &[mean], &[ce.loss], 1e-5);
-    let want = f32s(&ops::cross_entropy_backward(&x_t, &targets, None, &ce.lse, 1.0).unwrap());
-    let mut dx = vec![T::from_f32(f32::NAN); rows * cols];
+    let want = f32s(&ops::cross_entropy_backward(&logits, &targets, ignore, &ce.lse, 1.0).unwrap());
+    let mut dx = vec![T::from_f32(f32::NAN); n * c];
     let args = [
-        ptr(&mut x),
+        ptr(&mut l),
         ptr(&mut t),
         ptr(&mut lse),
-        Arg::F32(1.0 / rows as f32),
-        Arg::div(cols),
-        Arg::U32(0),
-        Arg::U32(0),
+        Arg::F32(1.0 / kept as f32),
+        Arg::div(c),
+        Arg::U32(targets[3]),
+        Arg::U32(1),
         ptr(&mut dx),
-        Arg::count(rows * cols),
+        Arg::count(n * c),
     ];
-    launch(CE_BWD.of(dt), launch::elementwise(rows * cols), &args);
+    launch(CE_BWD.of(dt), launch::elementwise(n * c), &args);
     close(&format!("cross_entropy_backward {dt:?}"), &widen(&dx), &want, tol);
 
     // Squeeze-excitation's backward over planes of 300 (past one block's threads).

@@ -102,7 +102,7 @@ impl Op for Sgd<'_> {
             Some(b) => ptr(b)?,
             None => Arg::Ptr(0),
         };
-        let cfg = self.cfg;
+        let [lr, mo, da, wd, ne, fi] = sgd_scalars(self.cfg, self.first_step);
         // SAFETY: sgd_T(float* p, const T* g, float* buf, u64 n, float lr, float momentum,
         // float dampening, float wd, u32 nesterov, u32 first_step); params, grads and (with
         // momentum) buf hold n elements; without momentum buf is never read.
@@ -110,18 +110,7 @@ impl Op for Sgd<'_> {
             gpu.launch(
                 SGD.of(self.grads.dtype()),
                 grid(n),
-                &[
-                    ptr(self.params)?,
-                    ptr(self.grads)?,
-                    buf,
-                    Arg::count(n),
-                    Arg::F32(cfg.lr),
-                    Arg::F32(cfg.momentum),
-                    Arg::F32(cfg.dampening),
-                    Arg::F32(cfg.weight_decay),
-                    Arg::U32(cfg.nesterov as u32),
-                    Arg::U32(self.first_step as u32),
-                ],
+                &[ptr(self.params)?, ptr(self.grads)?, buf, Arg::count(n), lr, mo, da, wd, ne, fi],
             )
         }
     }
@@ -129,6 +118,21 @@ impl Op for Sgd<'_> {
     fn finish(self, _: Buffers) -> Result<()> {
         Ok(())
     }
+}
+
+/// The scalar arguments of `sgd_T` after its pointers and count: lr, momentum, dampening,
+/// weight decay, nesterov, first step.
+#[cfg(feature = "cuda")]
+pub(crate) fn sgd_scalars(cfg: &SgdConfig, first_step: bool) -> [crate::cuda::Arg; 6] {
+    use crate::cuda::Arg;
+    [
+        Arg::F32(cfg.lr),
+        Arg::F32(cfg.momentum),
+        Arg::F32(cfg.dampening),
+        Arg::F32(cfg.weight_decay),
+        Arg::U32(cfg.nesterov as u32),
+        Arg::U32(first_step as u32),
+    ]
 }
 
 /// One AdamW step (`torch.optim.AdamW`) on f32 `params` with gradients of any dtype;

@@ -286,10 +286,13 @@ pub fn render(r: &PlanReport) -> String {
         }
         let best = &r.fitting[0];
         out += &format!(
-            "\nrecommended: {} with {} micro-batches of {} (PYTORCH_CUDA_ALLOC_CONF={})\n  why: {}\n",
+            "\nrecommended: {} with {} (PYTORCH_CUDA_ALLOC_CONF={})\n  why: {}\n",
             best.label(),
-            best.accum,
-            best.micro,
+            if best.accum == 1 {
+                format!("the whole batch of {} at once", best.micro)
+            } else {
+                format!("{} micro-batches of {} (gradient accumulation)", best.accum, best.micro)
+            },
             if best.alloc_conf.is_empty() { "<unset>" } else { &best.alloc_conf },
             r.why
         );

@@ -851,7 +851,6 @@ fn ulp<T: Element>() -> f32 {
 /// gradient and batch norm in evaluation (parameters in f32 and in `T`), against the host's
 /// ops on tensors of `T`.
 fn rows_of_dtype<T: Element>() -> bool {
-    let tol = ulp::<T>();
     let dt = T::DTYPE;
     let (rows, cols) = (5, 300);
     let xv = values(rows * cols, 100, -6.0, 6.0);
@@ -861,14 +860,14 @@ fn rows_of_dtype<T: Element>() -> bool {
     if !launch(SOFTMAX_FWD.of(dt), launch::per_row(rows), &args) {
         return false;
     }
-    close(&format!("softmax {dt:?}"), &widen(&y), &f32s(&ops::softmax(&x_t).unwrap()), tol);
+    close_rounded(&format!("softmax {dt:?}"), &y, &ops::softmax(&x_t).unwrap());
     let seq = 30;
     let cv = values(2 * seq * seq, 101, -6.0, 6.0);
-    let want = f32s(&ops::causal_softmax(&tensor_of::<T>(&[2, seq, seq], &cv)).unwrap());
+    let want = ops::causal_softmax(&tensor_of::<T>(&[2, seq, seq], &cv)).unwrap();
     let (mut c, mut y) = (typed::<T>(&cv), vec![T::from_f32(f32::NAN); 2 * seq * seq]);
     let args = [ptr(&mut c), ptr(&mut y), Arg::count(seq), Arg::count(seq)];
     launch(SOFTMAX_FWD.of(dt), launch::per_row(2 * seq), &args);
-    close(&format!("causal softmax {dt:?}"), &widen(&y), &want, tol);
+    close_rounded(&format!("causal softmax {dt:?}"), &y, &want);
 
     let (gv, bv) = (values(cols, 102, 0.5, 2.0), values(cols, 103, -1.0, 1.0));
     let ln =
@@ -888,8 +887,7 @@ fn rows_of_dtype<T: Element>() -> bool {
         Arg::count(cols),
     ];
     launch(LAYER_NORM.of(dt), launch::per_row(rows), &args);
-    // y is rounded into T; its error relative to 1 grows with |y| (up to about 4 here).
-    close(&format!("layer_norm {dt:?} y"), &widen(&y), &f32s(&ln.y), 4.0 * tol);
+    close_rounded(&format!("layer_norm {dt:?} y"), &y, &ln.y);
     close(&format!("layer_norm {dt:?} mean"), &m, &f32s(&ln.mean), 1e-5);
     close(&format!("layer_norm {dt:?} rstd"), &r, &f32s(&ln.rstd), 1e-4);
 
@@ -916,7 +914,7 @@ fn rows_of_dtype<T: Element>() -> bool {
     let kept = targets.iter().filter(|&&v| Some(v) != ignore).count();
     let mean = loss.iter().sum::<f32>() / kept as f32;
     close(&format!("cross_entropy {dt:?} loss"), &[mean], &[ce.loss], 1e-5);
-    let want = f32s(&ops::cross_entropy_backward(&logits, &targets, ignore, &ce.lse, 1.0).unwrap());
+    let want = ops::cross_entropy_backward(&logits, &targets, ignore, &ce.lse, 1.0).unwrap();
     let mut dx = vec![T::from_f32(f32::NAN); n * c];
     let args = [
         ptr(&mut l),
@@ -930,7 +928,7 @@ fn rows_of_dtype<T: Element>() -> bool {
         Arg::count(n * c),
     ];
     launch(CE_BWD.of(dt), launch::elementwise(n * c), &args);
-    close(&format!("cross_entropy_backward {dt:?}"), &widen(&dx), &want, tol);
+    close_rounded(&format!("cross_entropy_backward {dt:?}"), &dx, &want);
 
     // Squeeze-excitation's backward over planes of 300 (past one block's threads).
     let (planes, hw) = (6, 300);
@@ -952,10 +950,7 @@ fn rows_of_dtype<T: Element>() -> bool {
     let args = [ptr(&mut x), ptr(&mut s), ptr(&mut dy), ptr(&mut dx), ptr(&mut ds), Arg::count(hw)];
     launch(SCALE_CHANNELS_BWD.of(dt), launch::per_row(planes), &args);
     close(&format!("scale_channels_backward {dt:?} dx"), &widen(&dx), &f32s(&want.dx), 0.0);
-    // ds sums 300 products: its rounding into T may differ by one unit of its magnitude.
-    let ds_want = f32s(&want.ds);
-    let scale = ds_want.iter().fold(1.0f32, |a, v| a.max(v.abs()));
-    close(&format!("scale_channels_backward {dt:?} ds"), &widen(&ds), &ds_want, scale * tol);
+    close_rounded(&format!("scale_channels_backward {dt:?} ds"), &ds, &want.ds);
 
     // Per-plane f32 sums (the first pass of a convolution's bias gradient), by definition.
     let mut sums = vec![f32::NAN; planes];
@@ -1019,5 +1014,139 @@ fn rows_of_dtype<T: Element>() -> bool {
 fn row_channel_and_eval_kernels_match_the_host_in_every_dtype() {
     if rows_of_dtype::<f32>() {
         assert!(rows_of_dtype::<f16>() && rows_of_dtype::<bf16>());
+    }
+}
+
+/// `got` (computed in f32 in another order, rounded once into `T`) against `want` (the
+/// host's, rounded once): within one unit in the last place of `T` at each value, plus the
+/// f32 sums' own difference (1e-5 of the largest value, for sums that cancel).
+fn close_rounded<T: Element>(what: &str, got: &[T], want: &Tensor) {
+    let want = f32s(want);
+    let scale = want.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    for (i, (g, &w)) in got.iter().zip(&want).enumerate() {
+        let g = g.to_f32();
+        assert!(
+            (g - w).abs() <= ulp::<T>() * w.abs() + 1e-5 * scale,
+            "{what}: index {i}: emulated {g}, host {w}"
+        );
+    }
+    assert_eq!(got.len(), want.len(), "{what}: length");
+}
+
+/// The direct convolutions (forward, dx, dweight) of a depthwise and a small dense case,
+/// im2col, and max and average pooling with their gradients, on tensors of `T`, against the
+/// host's ops in `T` (f32 arithmetic, one rounding).
+fn windows_of_dtype<T: Element>() -> bool {
+    let dt = T::DTYPE;
+    let cases = [
+        (
+            [2, 6, 11, 11],
+            [6, 1, 5, 5],
+            Conv2dOptions::default().stride((2, 2)).padding((2, 2)).groups(6),
+        ),
+        ([2, 3, 9, 9], [4, 3, 3, 3], Conv2dOptions::default().padding((1, 1))),
+    ];
+    for (i, (xs, ws, opts)) in cases.iter().enumerate() {
+        let p = ops::conv2d_params(xs, ws, opts).unwrap();
+        assert!(p.is_direct(), "case {i} takes the direct kernels");
+        let geom = Arg::Conv(ConvGeom::of(&p));
+        let (xv, wv, bv) = (
+            values(xs.iter().product(), 120 + i as u64, -2.0, 2.0),
+            values(ws.iter().product(), 121, -1.0, 1.0),
+            values(ws[0], 122, -1.0, 1.0),
+        );
+        let (x_t, w_t, b_t) =
+            (tensor_of::<T>(xs, &xv), tensor_of::<T>(ws, &wv), tensor_of::<T>(&[ws[0]], &bv));
+        let want = ops::conv2d(&x_t, &w_t, Some(&b_t), opts).unwrap();
+        let (mut x, mut w, mut b) = (typed::<T>(&xv), typed::<T>(&wv), typed::<T>(&bv));
+        let (oh, ow) = p.output_hw();
+        let mut y = vec![T::from_f32(f32::NAN); p.output_len()];
+        let args = [ptr(&mut x), ptr(&mut w), ptr(&mut b), Arg::U32(1), ptr(&mut y), geom];
+        if !launch(DIRECT_FWD.of(dt), launch::per_plane(p.batch() * p.c_out(), oh * ow), &args) {
+            return false;
+        }
+        close_rounded(&format!("direct conv {dt:?} case {i}"), &y, &want);
+        let dyv = values(p.output_len(), 123, -1.0, 1.0);
+        let dy_t = tensor_of::<T>(want.shape(), &dyv);
+        let grads = ops::conv2d_backward(&x_t, &w_t, &dy_t, opts, false).unwrap();
+        let mut dy = typed::<T>(&dyv);
+        let mut dx = vec![T::from_f32(f32::NAN); xv.len()];
+        let args = [ptr(&mut w), ptr(&mut dy), ptr(&mut dx), geom];
+        launch(
+            DIRECT_BWD_INPUT.of(dt),
+            launch::per_plane(p.batch() * p.c_in(), p.h() * p.w()),
+            &args,
+        );
+        close_rounded(&format!("direct conv dx {dt:?} case {i}"), &dx, &grads.dx);
+        let mut dw = vec![T::from_f32(f32::NAN); wv.len()];
+        let args = [ptr(&mut x), ptr(&mut dy), ptr(&mut dw), geom];
+        launch(DIRECT_BWD_WEIGHT.of(dt), launch::per_plane(wv.len(), oh * ow), &args);
+        close_rounded(&format!("direct conv dweight {dt:?} case {i}"), &dw, &grads.dweight);
+
+        // im2col copies: exact in any dtype.
+        let want: Vec<f32> = im2col_reference(&p, &widen(&x), 0, p.batch(), 0);
+        let mut col = vec![T::from_f32(f32::NAN); want.len()];
+        let args = [
+            ptr(&mut x),
+            ptr(&mut col),
+            geom,
+            Arg::I64(0),
+            Arg::I64(p.batch() as i64),
+            Arg::I64(0),
+        ];
+        launch(IM2COL.of(dt), launch::per_plane(p.batch() * p.col_rows(), oh * ow), &args);
+        close(&format!("im2col {dt:?} case {i}"), &widen(&col), &want, 0.0);
+    }
+
+    let shape = [2, 3, 11, 10];
+    let xv = values(660, 124, -4.0, 4.0);
+    let x_t = tensor_of::<T>(&shape, &xv);
+    let opts = Pool2dOptions::new((3, 3), (2, 1)).padding((1, 1));
+    let p = ops::pool2d_params(&shape, &opts).unwrap();
+    let (oh, ow) = p.output_hw();
+    let ny = p.output_len();
+    let geom = Arg::Pool(PoolGeom::of(&p));
+    let (want, want_arg) = ops::max_pool2d(&x_t, &opts).unwrap();
+    let mut x = typed::<T>(&xv);
+    let (mut y, mut arg) = (vec![T::from_f32(f32::NAN); ny], vec![0u32; ny]);
+    let args = [ptr(&mut x), ptr(&mut y), ptr(&mut arg), geom, Arg::div(ow), Arg::div(oh)];
+    launch(MAX_POOL.of(dt), launch::elementwise(ny), &args);
+    close(&format!("max_pool {dt:?}"), &widen(&y), &f32s(&want), 0.0);
+    assert_eq!(arg, want_arg.as_slice().unwrap(), "max_pool {dt:?} argmax");
+    let dyv = values(ny, 125, -1.0, 1.0);
+    let dy_t = tensor_of::<T>(want.shape(), &dyv);
+    let want = ops::max_pool2d_backward(&dy_t, &want_arg, &shape, &opts).unwrap();
+    let (mut dy, mut acc) = (typed::<T>(&dyv), vec![0.0f32; 660]);
+    let args = [ptr(&mut dy), ptr(&mut arg), ptr(&mut acc), geom, Arg::div(oh * ow)];
+    launch(MAX_POOL_BWD.of(dt), launch::elementwise(ny), &args);
+    // The f32 sums the op rounds once into T.
+    let rounded: Vec<f32> = acc.iter().map(|&v| T::from_f32(v).to_f32()).collect();
+    close(&format!("max_pool_backward {dt:?}"), &rounded, &f32s(&want), ulp::<T>());
+    let want = ops::avg_pool2d(&x_t, &opts, true).unwrap();
+    let mut y = vec![T::from_f32(f32::NAN); ny];
+    let args = [ptr(&mut x), ptr(&mut y), geom, Arg::U32(1), Arg::div(ow), Arg::div(oh)];
+    launch(AVG_POOL.of(dt), launch::elementwise(ny), &args);
+    close(&format!("avg_pool {dt:?}"), &widen(&y), &f32s(&want), ulp::<T>());
+    let want = ops::avg_pool2d_backward(&dy_t, &shape, &opts, true).unwrap();
+    let mut dx = vec![T::from_f32(f32::NAN); 660];
+    let args = [
+        ptr(&mut dy),
+        ptr(&mut dx),
+        geom,
+        Arg::U32(1),
+        Arg::div(shape[3]),
+        Arg::div(shape[2]),
+        Arg::div(p.stride().0),
+        Arg::div(p.stride().1),
+    ];
+    launch(AVG_POOL_BWD.of(dt), launch::elementwise(660), &args);
+    close(&format!("avg_pool_backward {dt:?}"), &widen(&dx), &f32s(&want), ulp::<T>());
+    true
+}
+
+#[test]
+fn convolution_and_pooling_kernels_match_the_host_in_16_bits() {
+    if windows_of_dtype::<f16>() {
+        assert!(windows_of_dtype::<bf16>());
     }
 }

@@ -784,7 +784,7 @@ fn updates_of_dtype<T: Element>() -> bool {
     let (mut p, mut m, mut v) = (pv.clone(), zeros.clone(), zeros);
     for (step, (g_t, gv)) in (1..).zip(grads.iter().zip([&gv1, &gv2])) {
         ops::adamw_step(&mut p_t, g_t, &mut m_t, &mut v_t, step, &cfg).unwrap();
-        let (step_size, bias2_sqrt, decay) = cfg.step_scalars(step);
+        let [b1, b2, eps, step_size, bias2_sqrt, decay] = ops::adamw_scalars(&cfg, step);
         let mut g = typed::<T>(gv);
         let args = [
             ptr(&mut p),
@@ -792,12 +792,12 @@ fn updates_of_dtype<T: Element>() -> bool {
             ptr(&mut m),
             ptr(&mut v),
             Arg::count(n),
-            Arg::F32(cfg.beta1),
-            Arg::F32(cfg.beta2),
-            Arg::F32(cfg.eps),
-            Arg::F32(step_size),
-            Arg::F32(bias2_sqrt),
-            Arg::F32(decay),
+            b1,
+            b2,
+            eps,
+            step_size,
+            bias2_sqrt,
+            decay,
         ];
         launch(ADAMW.of(T::DTYPE), launch::elementwise(n), &args);
         let what = format!("adamw {:?} step {step}", T::DTYPE);

@@ -49,7 +49,7 @@ pub use loss::{CrossEntropy, cross_entropy, cross_entropy_backward};
 pub use matmul::{LinearGrads, linear, linear_backward, matmul, matmul_backward, matmul_spec};
 pub use norm::{LayerNormGrads, LayerNormOutput, layer_norm, layer_norm_backward};
 #[cfg(all(test, feature = "cuda"))]
-pub(crate) use optim::sgd_scalars;
+pub(crate) use optim::{adamw_scalars, sgd_scalars};
 pub use optim::{adamw_step, sgd_step, unscale_and_check_finite};
 pub use params::{
     Conv2dOptions, Conv2dParams, DIRECT_MAX_MACS, MatmulSpec, Pool2dOptions, Pool2dParams,

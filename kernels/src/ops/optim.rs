@@ -135,6 +135,15 @@ pub(crate) fn sgd_scalars(cfg: &SgdConfig, first_step: bool) -> [crate::cuda::Ar
     ]
 }
 
+/// The scalar arguments of `adamw_T` after its pointers and count: beta1, beta2, eps and
+/// step `step`'s [`AdamWConfig::step_scalars`].
+#[cfg(feature = "cuda")]
+pub(crate) fn adamw_scalars(cfg: &AdamWConfig, step: u32) -> [crate::cuda::Arg; 6] {
+    use crate::cuda::Arg;
+    let (step_size, bias2_sqrt, decay) = cfg.step_scalars(step);
+    [cfg.beta1, cfg.beta2, cfg.eps, step_size, bias2_sqrt, decay].map(Arg::F32)
+}
+
 /// One AdamW step (`torch.optim.AdamW`) on f32 `params` with gradients of any dtype;
 /// `exp_avg` and `exp_avg_sq` are the f32 moment buffers (zeros before the first step) and
 /// `step` the 1-based step count used for bias correction.
@@ -202,8 +211,7 @@ impl Op for AdamW<'_> {
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, _: &mut Buffers) -> Result<()> {
         use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::ADAMW};
         let n = self.params.numel();
-        let cfg = self.cfg;
-        let (step_size, bias2_sqrt, decay) = cfg.step_scalars(self.step);
+        let [b1, b2, eps, step_size, bias2_sqrt, decay] = adamw_scalars(self.cfg, self.step);
         // SAFETY: adamw_T(float* p, const T* g, float* m, float* v, u64 n, float b1, float
         // b2, float eps, float step_size, float bias2_sqrt, float decay); all four tensors
         // hold n elements.
@@ -217,12 +225,12 @@ impl Op for AdamW<'_> {
                     ptr(self.exp_avg)?,
                     ptr(self.exp_avg_sq)?,
                     Arg::count(n),
-                    Arg::F32(cfg.beta1),
-                    Arg::F32(cfg.beta2),
-                    Arg::F32(cfg.eps),
-                    Arg::F32(step_size),
-                    Arg::F32(bias2_sqrt),
-                    Arg::F32(decay),
+                    b1,
+                    b2,
+                    eps,
+                    step_size,
+                    bias2_sqrt,
+                    decay,
                 ],
             )
         }

@@ -33,8 +33,13 @@ fn values(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
         .collect()
 }
 
+/// A host tensor of `T` holding `v` rounded into `T`.
+fn tensor_of<T: Element>(shape: &[usize], v: &[f32]) -> Tensor {
+    Tensor::from_f32_slice(host(), shape, v, T::DTYPE).unwrap()
+}
+
 fn tensor(shape: &[usize], v: &[f32]) -> Tensor {
-    Tensor::from_f32_slice(host(), shape, v, DType::F32).unwrap()
+    tensor_of::<f32>(shape, v)
 }
 
 fn f32s(t: &Tensor) -> Vec<f32> {
@@ -60,13 +65,8 @@ fn maps_of<T: Element>() -> bool {
     for n in [1usize, 7, 9, 4773] {
         for offset in [0usize, 1] {
             let (a, b) = (values(n, 1, -4.0, 4.0), values(n, 2, -4.0, 4.0));
-            let want = f32s(
-                &ops::add(
-                    &Tensor::from_f32_slice(host(), &[n], &a, T::DTYPE).unwrap(),
-                    &Tensor::from_f32_slice(host(), &[n], &b, T::DTYPE).unwrap(),
-                )
-                .unwrap(),
-            );
+            let want =
+                f32s(&ops::add(&tensor_of::<T>(&[n], &a), &tensor_of::<T>(&[n], &b)).unwrap());
             let pad = |v: &[f32]| -> Vec<T> {
                 let mut out = vec![T::from_f32(-7.0); n + offset + 1];
                 out[offset..offset + n].iter_mut().zip(v).for_each(|(o, &x)| *o = T::from_f32(x));
@@ -622,10 +622,6 @@ fn typed<T: Element>(v: &[f32]) -> Vec<T> {
 
 fn widen<T: Element>(v: &[T]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
-}
-
-fn tensor_of<T: Element>(shape: &[usize], v: &[f32]) -> Tensor {
-    Tensor::from_f32_slice(host(), shape, v, T::DTYPE).unwrap()
 }
 
 type Forward = fn(&Tensor) -> crate::error::Result<Tensor>;

@@ -11,8 +11,8 @@ use std::time::Instant;
 use vram_alloc::cuda::{CudaMemory, MAX_IDLE_EVENTS, probe};
 use vram_alloc::memory::PAGE_SIZE;
 use vram_alloc::{
-    AllocError, Allocation, AllocatorConfig, CachingAllocator, DeviceMemory, RawError, Snapshot,
-    Stream, VirtualMemory,
+    AllocError, Allocation, AllocatorConfig, CachingAllocator, DeviceMemory, LARGE_BUFFER,
+    RawError, Snapshot, Stream, VirtualMemory,
 };
 
 type TestResult = Result<(), Box<dyn Error>>;
@@ -389,17 +389,19 @@ fn cuda_expandable_unmapping_part_of_one_mapping_keeps_the_rest() -> TestResult 
     let Some(_device) = device() else { return Ok(()) };
     let Some((cuda, twin)) = expandable_twins()? else { return Ok(()) };
     let _context = PrimaryContext::bind()?;
-    // One map call of four pages ...
-    drop((cuda.allocate(8 * MIB)?, twin.allocate(8 * MIB)?));
+    // The large pool maps pages of 20 MiB (PyTorch's `segment_size_`), each backed by
+    // 2 MiB physical pages of the CUDA memory. One map call of four pages ...
+    let page = LARGE_BUFFER;
+    drop((cuda.allocate(4 * page)?, twin.allocate(4 * page)?));
     assert_eq!(cuda.memory_stats().num_device_alloc, 1, "one map call");
-    assert_eq!(cuda.memory().mapped_bytes(), 8 * MIB);
+    assert_eq!(cuda.memory().mapped_bytes(), 4 * page);
     // ... carved into pages 0, 1 and 2; page 1 is freed, page 3 never used.
-    let x = cuda.allocate(2 * MIB)?;
-    let y = cuda.allocate(2 * MIB)?;
-    let z = cuda.allocate(2 * MIB)?;
-    let mut twins: Vec<_> = (0..3).map(|_| twin.allocate(2 * MIB)).collect::<Result<_, _>>()?;
-    assert_eq!(y.ptr(), x.ptr() + 2 * MIB as u64);
-    assert_eq!(z.ptr(), y.ptr() + 2 * MIB as u64);
+    let x = cuda.allocate(page)?;
+    let y = cuda.allocate(page)?;
+    let z = cuda.allocate(page)?;
+    let mut twins: Vec<_> = (0..3).map(|_| twin.allocate(page)).collect::<Result<_, _>>()?;
+    assert_eq!(y.ptr(), x.ptr() + page as u64);
+    assert_eq!(z.ptr(), y.ptr() + page as u64);
     fill_and_check(&x, 0x11)?;
     fill_and_check(&z, 0x33)?;
     drop(y);
@@ -408,13 +410,14 @@ fn cuda_expandable_unmapping_part_of_one_mapping_keeps_the_rest() -> TestResult 
     cuda.empty_cache();
     twin.empty_cache();
     assert_twins_agree(&cuda, &twin);
-    assert_eq!(cuda.memory().mapped_bytes(), 4 * MIB);
+    assert_eq!(cuda.memory().mapped_bytes(), 2 * page);
     assert_eq!(read(&x)?, vec![0x11; x.len()], "page 0 survived");
     assert_eq!(read(&z)?, vec![0x33; z.len()], "page 2 survived");
     // The hole is mapped again on demand.
-    let w = cuda.allocate(2 * MIB)?;
+    let w = cuda.allocate(page)?;
     fill_and_check(&w, 0x77)?;
     assert_eq!(read(&x)?, vec![0x11; x.len()]);
+    assert_eq!(read(&z)?, vec![0x33; z.len()]);
     Ok(())
 }
 

@@ -1,6 +1,8 @@
 //! Every op on CUDA against the host reference, on random inputs: f32 within 1e-5 relative
 //! (1e-4 for the cuBLAS products: matmul, linear, conv), f16 and bf16 within 1e-2, dropout
-//! masks identical. Each test prints `skipped: no CUDA device (...)` and passes where no GPU
+//! masks identical. Results of long sums (products, convolutions, gradients of weights and
+//! biases, reductions) are compared relative to the largest value of the tensor
+//! ([`close_sum`]): the two backends add in different orders. Each test prints `skipped: no CUDA device (...)` and passes where no GPU
 //! can be opened.
 
 use std::io::Write as _;
@@ -23,8 +25,11 @@ fn gpu() -> Option<Device> {
     }
 }
 
+/// The host device of this test binary: one, shared by every test, so that the host
+/// tensors of one comparison are on one device.
 fn host() -> Device {
-    Device::host(4 << 30)
+    static HOST: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
+    HOST.get_or_init(|| Device::host(4 << 30)).clone()
 }
 
 /// Elementwise tolerance for `dtype`; `gemm` for cuBLAS products.
@@ -60,20 +65,41 @@ fn pair(gpu: &Device, shape: &[usize], dtype: DType, seed: u64) -> (Tensor, Tens
 /// `got` (from the GPU) against `want` (host): same shape and dtype,
 /// `|g - w| <= tol * max(|w|, 1)` everywhere; NaN passes only against NaN.
 fn close(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
+    compare(what, got, want, tol, false);
+}
+
+/// As [`close`] for the results of long sums (products, convolutions, weight and bias
+/// gradients, reductions): `|g - w| <= tol * max(max_j |w_j|, 1)`. A sum's rounding error
+/// follows the size of its terms, not of its result, and the GPU adds in another order than
+/// the host: a result that cancels to near zero differs by more than `tol` of itself.
+fn close_sum(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
+    compare(what, got, want, tol, true);
+}
+
+fn compare(what: &str, got: &Tensor, want: &Tensor, tol: f64, normwise: bool) {
     assert!(got.device().is_cuda() && !want.device().is_cuda(), "{what}: devices");
     assert_eq!(got.shape(), want.shape(), "{what}: shape");
     assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
     let (g, w) = (got.to_f32_vec().unwrap(), want.to_f32_vec().unwrap());
+    let largest =
+        if normwise { w.iter().fold(1.0f64, |m, &v| m.max(f64::from(v).abs())) } else { 1.0 };
     for (i, (&g, &w)) in g.iter().zip(&w).enumerate() {
         let (g, w) = (f64::from(g), f64::from(w));
-        let ok = if w.is_nan() { g.is_nan() } else { (g - w).abs() <= tol * w.abs().max(1.0) };
-        assert!(ok, "{what} ({}): index {i}: cuda {g}, host {w}, tol {tol}", got.dtype());
+        let ok = if w.is_nan() { g.is_nan() } else { (g - w).abs() <= tol * w.abs().max(largest) };
+        assert!(
+            ok,
+            "{what} ({}): index {i}: cuda {g}, host {w}, tol {tol} (scale {largest})",
+            got.dtype()
+        );
     }
 }
 
-fn close_scalar(what: &str, got: f32, want: f32, tol: f64) {
+/// `|g - w| <= tol * max(|w|, scale, 1)`: `scale` is the sum of the absolute terms for a
+/// whole-tensor sum (whose rounding follows them), 0 otherwise.
+fn close_scalar(what: &str, got: f32, want: f32, tol: f64, scale: f64) {
     let (g, w) = (f64::from(got), f64::from(want));
-    assert!((g - w).abs() <= tol * w.abs().max(1.0), "{what}: cuda {g}, host {w}");
+    let bound = tol * w.abs().max(scale).max(1.0);
+    assert!((g - w).abs() <= bound, "{what}: cuda {g}, host {w}, bound {bound}");
 }
 
 #[test]
@@ -144,7 +170,7 @@ fn elementwise_and_activations_match_host() {
             ops::scale_channels_backward(&gx, &gs, &gdy).unwrap(),
         );
         close("scale_channels dx", &gg.dx, &hg.dx, t);
-        close("scale_channels ds", &gg.ds, &hg.ds, t.max(1e-4));
+        close_sum("scale_channels ds", &gg.ds, &hg.ds, t.max(1e-4));
         let (hbias, gbias) = pair(&gpu, &[129], dtype, 4);
         close(
             "bias_add",
@@ -152,7 +178,7 @@ fn elementwise_and_activations_match_host() {
             &ops::bias_add(&ha, &hbias).unwrap(),
             t,
         );
-        close(
+        close_sum(
             "bias_add_backward",
             &ops::bias_add_backward(&ga).unwrap(),
             &ops::bias_add_backward(&ha).unwrap(),
@@ -207,9 +233,16 @@ fn reductions_match_host() {
     for dtype in DTYPES {
         let t = tol(dtype, false);
         let (h, g) = pair(&gpu, &[41, 263], dtype, 6);
-        close_scalar("sum", ops::sum(&g).unwrap(), ops::sum(&h).unwrap(), 1e-5);
-        close_scalar("mean", ops::mean(&g).unwrap(), ops::mean(&h).unwrap(), 1e-5);
-        close("sum_last_dim", &ops::sum_last_dim(&g).unwrap(), &ops::sum_last_dim(&h).unwrap(), t);
+        let abs: f64 = h.to_f32_vec().unwrap().iter().map(|v| f64::from(v.abs())).sum();
+        let n = h.numel() as f64;
+        close_scalar("sum", ops::sum(&g).unwrap(), ops::sum(&h).unwrap(), 1e-6, abs);
+        close_scalar("mean", ops::mean(&g).unwrap(), ops::mean(&h).unwrap(), 1e-6, abs / n);
+        close_sum(
+            "sum_last_dim",
+            &ops::sum_last_dim(&g).unwrap(),
+            &ops::sum_last_dim(&h).unwrap(),
+            t,
+        );
         close(
             "mean_last_dim",
             &ops::mean_last_dim(&g).unwrap(),
@@ -260,7 +293,7 @@ fn softmax_cross_entropy_and_layer_norm_match_host() {
                 ops::cross_entropy(&hl, &targets, ignore).unwrap(),
                 ops::cross_entropy(&gl, &targets, ignore).unwrap(),
             );
-            close_scalar("cross_entropy", gc.loss, hc.loss, 1e-5);
+            close_scalar("cross_entropy", gc.loss, hc.loss, 1e-5, 0.0);
             close("cross_entropy lse", &gc.lse, &hc.lse, 1e-5);
             let hd = ops::cross_entropy_backward(&hl, &targets, ignore, &hc.lse, 2.0).unwrap();
             let gd = ops::cross_entropy_backward(&gl, &targets, ignore, &gc.lse, 2.0).unwrap();
@@ -282,8 +315,8 @@ fn softmax_cross_entropy_and_layer_norm_match_host() {
         let hgr = ops::layer_norm_backward(&hx, &hg, &hn.mean, &hn.rstd, &hdy).unwrap();
         let ggr = ops::layer_norm_backward(&gx, &gg, &gn.mean, &gn.rstd, &gdy).unwrap();
         close("layer_norm dx", &ggr.dx, &hgr.dx, t);
-        close("layer_norm dgamma", &ggr.dgamma, &hgr.dgamma, t);
-        close("layer_norm dbeta", &ggr.dbeta, &hgr.dbeta, t);
+        close_sum("layer_norm dgamma", &ggr.dgamma, &hgr.dgamma, t);
+        close_sum("layer_norm dbeta", &ggr.dbeta, &hgr.dbeta, t);
     }
 }
 
@@ -324,8 +357,8 @@ fn batch_norm_matches_host() {
                 let hgr = ops::batch_norm_backward(&hx, &hg, &hn.mean, &hn.invstd, &hdy).unwrap();
                 let ggr = ops::batch_norm_backward(&gx, &gg, &gn.mean, &gn.invstd, &gdy).unwrap();
                 close("batch_norm dx", &ggr.dx, &hgr.dx, t);
-                close("batch_norm dgamma", &ggr.dgamma, &hgr.dgamma, pt.max(1e-4));
-                close("batch_norm dbeta", &ggr.dbeta, &hgr.dbeta, pt.max(1e-4));
+                close_sum("batch_norm dgamma", &ggr.dgamma, &hgr.dgamma, pt.max(1e-4));
+                close_sum("batch_norm dbeta", &ggr.dbeta, &hgr.dbeta, pt.max(1e-4));
             }
         }
     }
@@ -349,23 +382,23 @@ fn matmul_and_linear_match_host() {
             let (hb, gb) = pair(&gpu, sb, dtype, 30 + i as u64);
             let (hc, gc) =
                 (ops::matmul(&ha, &hb, ta, tb).unwrap(), ops::matmul(&ga, &gb, ta, tb).unwrap());
-            close("matmul", &gc, &hc, t);
+            close_sum("matmul", &gc, &hc, t);
             let (hdc, gdc) = pair(&gpu, hc.shape(), dtype, 40 + i as u64);
             let (hda, hdb) = ops::matmul_backward(&ha, &hb, &hdc, ta, tb).unwrap();
             let (gda, gdb) = ops::matmul_backward(&ga, &gb, &gdc, ta, tb).unwrap();
-            close("matmul_backward da", &gda, &hda, t);
-            close("matmul_backward db", &gdb, &hdb, t);
+            close_sum("matmul_backward da", &gda, &hda, t);
+            close_sum("matmul_backward db", &gdb, &hdb, t);
         }
         let (hx, gx) = pair(&gpu, &[3, 11, 64], dtype, 50);
         let (hw, gw) = pair(&gpu, &[24, 64], dtype, 51);
         let (hb, gb) = pair(&gpu, &[24], dtype, 52);
-        close(
+        close_sum(
             "linear",
             &ops::linear(&gx, &gw, Some(&gb)).unwrap(),
             &ops::linear(&hx, &hw, Some(&hb)).unwrap(),
             t,
         );
-        close(
+        close_sum(
             "linear no bias",
             &ops::linear(&gx, &gw, None).unwrap(),
             &ops::linear(&hx, &hw, None).unwrap(),
@@ -374,9 +407,9 @@ fn matmul_and_linear_match_host() {
         let (hdy, gdy) = pair(&gpu, &[3, 11, 24], dtype, 53);
         let hg = ops::linear_backward(&hx, &hw, &hdy, true).unwrap();
         let gg = ops::linear_backward(&gx, &gw, &gdy, true).unwrap();
-        close("linear dx", &gg.dx, &hg.dx, t);
-        close("linear dw", &gg.dw, &hg.dw, t);
-        close(
+        close_sum("linear dx", &gg.dx, &hg.dx, t);
+        close_sum("linear dw", &gg.dw, &hg.dw, t);
+        close_sum(
             "linear dbias",
             gg.dbias.as_ref().unwrap(),
             hg.dbias.as_ref().unwrap(),
@@ -433,13 +466,13 @@ fn conv2d_dense_grouped_pointwise_and_depthwise_match_host() {
             let (hb, gb) = pair(&gpu, &[ws[0]], dtype, seed + 2);
             let hy = ops::conv2d(&hx, &hw, Some(&hb), opts).unwrap();
             let gy = ops::conv2d(&gx, &gw, Some(&gb), opts).unwrap();
-            close(&format!("conv2d case {i}"), &gy, &hy, t);
+            close_sum(&format!("conv2d case {i}"), &gy, &hy, t);
             let (hdy, gdy) = pair(&gpu, hy.shape(), dtype, seed + 3);
             let hg = ops::conv2d_backward(&hx, &hw, &hdy, opts, true).unwrap();
             let gg = ops::conv2d_backward(&gx, &gw, &gdy, opts, true).unwrap();
-            close(&format!("conv2d dx case {i}"), &gg.dx, &hg.dx, t);
-            close(&format!("conv2d dweight case {i}"), &gg.dweight, &hg.dweight, t);
-            close(
+            close_sum(&format!("conv2d dx case {i}"), &gg.dx, &hg.dx, t);
+            close_sum(&format!("conv2d dweight case {i}"), &gg.dweight, &hg.dweight, t);
+            close_sum(
                 &format!("conv2d dbias case {i}"),
                 gg.dbias.as_ref().unwrap(),
                 hg.dbias.as_ref().unwrap(),
@@ -505,9 +538,9 @@ fn conv2d_in_chunks_of_fewer_images_matches_host() {
     let (chunks, y, g) = run(&gpu).unwrap();
     assert_eq!(chunks, host_chunks, "images per chunk, CUDA against the host in {capacity} B");
     let t = tol(DType::F32, true);
-    close("conv2d in chunks", &y, &want_y, t);
-    close("conv2d dx in chunks", &g.dx, &want_g.dx, t);
-    close("conv2d dweight in chunks", &g.dweight, &want_g.dweight, t);
+    close_sum("conv2d in chunks", &y, &want_y, t);
+    close_sum("conv2d dx in chunks", &g.dx, &want_g.dx, t);
+    close_sum("conv2d dweight in chunks", &g.dweight, &want_g.dweight, t);
 }
 
 #[test]
@@ -581,7 +614,7 @@ fn embedding_matches_host() {
             0.0,
         );
         let (hd, gd) = pair(&gpu, &[97, 24], dtype, 101);
-        close(
+        close_sum(
             "embedding_backward",
             &ops::embedding_backward(&ids, &gd, 50).unwrap(),
             &ops::embedding_backward(&ids, &hd, 50).unwrap(),

@@ -7,6 +7,7 @@
 #   4. a PyTorch training trace (default and expandable segments) replayed by vram --strict
 #   5. cargo xtask plan --verify on CUDA (the virtual prediction against the measured peak)
 # Everything lands in $OUT/measure.tar.gz; $OUT/SUMMARY.md has the tables.
+# Arguments pick parts (kernels, twin, trace, plan); none runs them all.
 source "$(dirname "$0")/env.sh"
 here=$(cd "$(dirname "$0")" && pwd)
 R=$(mktemp -d)/measure
@@ -24,18 +25,28 @@ run() { # name, timeout seconds, command...
 say "# GPU measurements ($(date -u +%FT%TZ))"
 say "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
 say "$(python3 -c 'import torch; print("PyTorch", torch.__version__, "CUDA", torch.version.cuda)' 2>&1)"
-run cuda_bench 120 .gpu/bin/cuda_bench
-run cuda_pairs 120 .gpu/bin/cuda_pairs
-run torch_bench 180 python3 "$here/torch_bench.py" --vram-kernels "$R/cuda_bench.txt" --vram-pairs "$R/cuda_pairs.txt"
-run twin 300 .gpu/bin/xtask twin --backend cuda --out "$R/twin"
-cp "$R/twin/TWIN.md" "$R/TWIN.md" 2>/dev/null
-find "$R/twin" \( -name 'weights.f32' -o -name 'input.*' -o -name 'targets.u32' \) -delete
-for conf in default expandable; do
-  c=""; [ "$conf" = expandable ] && c="expandable_segments:True"
-  run "record_$conf" 120 python3 "$here/record_trace.py" "$R/trace/torch_step_$conf.pickle" ${c:+--conf "$c"}
-  run "replay_$conf" 120 .gpu/bin/xtask replay "$R/trace/torch_step_$conf.pickle" --strict --out "$R/trace"
-done
-run plan_verify 240 .gpu/bin/xtask plan --model gpt2-small --batch 32 --device-memory 79GiB --verify
+parts=" ${*:-kernels twin trace plan} "
+wants() { [[ "$parts" == *" $1 "* ]]; }
+if wants kernels; then
+  run cuda_bench 120 .gpu/bin/cuda_bench
+  run cuda_pairs 120 .gpu/bin/cuda_pairs
+  run torch_bench 180 python3 "$here/torch_bench.py" --vram-kernels "$R/cuda_bench.txt" --vram-pairs "$R/cuda_pairs.txt"
+fi
+if wants twin; then
+  run twin 300 .gpu/bin/xtask twin --backend cuda --out "$R/twin"
+  cp "$R/twin/TWIN.md" "$R/TWIN.md" 2>/dev/null
+  find "$R/twin" \( -name 'weights.f32' -o -name 'input.*' -o -name 'targets.u32' \) -delete
+fi
+if wants trace; then
+  for conf in default expandable; do
+    c=""; [ "$conf" = expandable ] && c="expandable_segments:True"
+    run "record_$conf" 120 python3 "$here/record_trace.py" "$R/trace/torch_step_$conf.pickle" ${c:+--conf "$c"}
+    run "replay_$conf" 120 .gpu/bin/xtask replay "$R/trace/torch_step_$conf.pickle" --strict --out "$R/trace"
+  done
+fi
+if wants plan; then
+  run plan_verify 240 .gpu/bin/xtask plan --model gpt2-small --batch 32 --device-memory 79GiB --verify
+fi
 tar czf "$OUT/measure.tar.gz" -C "$(dirname "$R")" measure
 cp "$S" "$OUT/SUMMARY.md"
 cp "$R/TWIN.md" "$OUT/TWIN.md" 2>/dev/null

@@ -500,3 +500,24 @@ fn cuda_events_for_pending_frees_are_pooled_and_reused() -> TestResult {
     unsafe { result::stream::destroy(stream) }?;
     Ok(())
 }
+
+/// A cache dropped with a gigabyte cached gives it back to the device (its `cuMemAlloc`
+/// segments are freed), as `empty_cache` would.
+#[test]
+fn cuda_dropping_the_cache_frees_its_segments() -> TestResult {
+    let Some(_device) = device_alone() else { return Ok(()) };
+    let _context = PrimaryContext::bind()?;
+    let cache = cache()?;
+    let before = cache.mem_info().free;
+    let blocks: Vec<_> = (0..4).map(|_| cache.allocate(256 * MIB)).collect::<Result<_, _>>()?;
+    assert!(before - cache.mem_info().free >= 1 << 30, "a gigabyte is held");
+    drop(blocks);
+    assert!(before - cache.mem_info().free >= 1 << 30, "and stays cached");
+    drop(cache);
+    let after = CudaMemory::new(0)?.mem_info().free;
+    assert!(
+        after + (64 * MIB) as u64 >= before,
+        "free {after} B after the drop, {before} B before"
+    );
+    Ok(())
+}

@@ -491,3 +491,105 @@ fn concurrent_threads_allocate_and_free_consistently() {
     c.empty_cache();
     assert_eq!(c.memory_reserved(), 0);
 }
+
+/// Virtual memory that counts what the cache holds of it: segments allocated, bytes mapped
+/// and address ranges reserved, in counters the test keeps after the cache is gone.
+struct Counted {
+    inner: VirtualMemory,
+    held: std::sync::Arc<[std::sync::atomic::AtomicI64; 3]>,
+}
+
+impl Counted {
+    fn add(&self, which: usize, bytes: usize, sign: i64) {
+        self.held[which].fetch_add(sign * bytes as i64, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl vram_alloc::DeviceMemory for Counted {
+    type Event = <VirtualMemory as vram_alloc::DeviceMemory>::Event;
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+    fn allocate(&self, size: usize) -> Result<vram_alloc::DevicePtr, vram_alloc::RawError> {
+        let p = self.inner.allocate(size)?;
+        self.add(0, size, 1);
+        Ok(p)
+    }
+    unsafe fn deallocate(&self, ptr: vram_alloc::DevicePtr, size: usize) {
+        self.add(0, size, -1);
+        // SAFETY: forwarded from the caller.
+        unsafe { self.inner.deallocate(ptr, size) }
+    }
+    fn mem_info(&self) -> vram_alloc::MemInfo {
+        self.inner.mem_info()
+    }
+    fn record_event(&self, stream: Stream) -> Result<Self::Event, vram_alloc::RawError> {
+        self.inner.record_event(stream)
+    }
+    fn event_completed(&self, event: &Self::Event) -> bool {
+        self.inner.event_completed(event)
+    }
+    fn synchronize_event(&self, event: &Self::Event) {
+        self.inner.synchronize_event(event);
+    }
+    fn destroy_event(&self, event: Self::Event) {
+        self.inner.destroy_event(event);
+    }
+    fn supports_expandable(&self) -> bool {
+        true
+    }
+    fn reserve(&self, size: usize) -> Result<vram_alloc::DevicePtr, vram_alloc::RawError> {
+        let p = self.inner.reserve(size)?;
+        self.add(2, size, 1);
+        Ok(p)
+    }
+    unsafe fn map(
+        &self,
+        ptr: vram_alloc::DevicePtr,
+        size: usize,
+    ) -> Result<(), vram_alloc::RawError> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.inner.map(ptr, size) }?;
+        self.add(1, size, 1);
+        Ok(())
+    }
+    unsafe fn unmap(&self, ptr: vram_alloc::DevicePtr, size: usize) {
+        self.add(1, size, -1);
+        // SAFETY: forwarded from the caller.
+        unsafe { self.inner.unmap(ptr, size) }
+    }
+    unsafe fn release(&self, ptr: vram_alloc::DevicePtr, size: usize) {
+        self.add(2, size, -1);
+        // SAFETY: forwarded from the caller.
+        unsafe { self.inner.release(ptr, size) }
+    }
+}
+
+/// Dropping the cache (its last handle, after its last allocation) gives every segment,
+/// mapped page and reserved range back to the device, frees pending on another stream
+/// included: a CUDA cache dropped with memory cached used to keep its segments allocated
+/// until the process exited (seen on the H100, one model after another in one process).
+#[test]
+fn dropping_the_cache_gives_every_segment_back() {
+    for conf in ["", "expandable_segments:True", "max_split_size_mb:40"] {
+        let held =
+            std::sync::Arc::new(std::array::from_fn(|_| std::sync::atomic::AtomicI64::new(0)));
+        let mem = Counted { inner: VirtualMemory::new(GIB), held: held.clone() };
+        let cache =
+            CachingAllocator::with_config(mem, AllocatorConfig::parse(conf).unwrap()).unwrap();
+        let sizes = [512, 3 * MIB / 2, 7 * MIB, 30 * MIB, 100 * MIB, 5000];
+        let mut live: Vec<_> = sizes.iter().map(|&s| cache.allocate(s).unwrap()).collect();
+        live[3].record_stream(Stream(7));
+        let kept = live.split_off(3);
+        drop(live);
+        let held_now = |i: usize| held[i].load(std::sync::atomic::Ordering::Relaxed);
+        assert!(held_now(0) + held_now(1) > 0, "{conf:?}: memory is held while cached");
+        let second = cache.clone();
+        drop(cache);
+        assert!(held_now(0) + held_now(1) > 0, "{conf:?}: a handle and allocations remain");
+        drop(kept);
+        assert!(held_now(0) + held_now(1) > 0, "{conf:?}: a handle remains");
+        drop(second);
+        assert_eq!([held_now(0), held_now(1), held_now(2)], [0, 0, 0], "{conf:?}: all given back");
+    }
+}

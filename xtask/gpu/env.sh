@@ -1,5 +1,8 @@
 # Sourced by the GPU scripts on the device machine: finds the CUDA libraries (driver, NVRTC,
-# cuBLAS, NCCL: the system's or PyTorch's wheels) for the packed binaries.
+# cuBLAS, NCCL: the system's or PyTorch's wheels) for the packed binaries. PyTorch runs through
+# $TORCH_PYTHON, with the library path it was given: it brings its own CUDA libraries, and a
+# system cuDNN first on the path stops it ("cuDNN version incompatibility").
+export VRAM_ORIG_LD_LIBRARY_PATH="${VRAM_ORIG_LD_LIBRARY_PATH-${LD_LIBRARY_PATH:-}}"
 libdirs=$(find /usr /opt /lib /lib64 -xdev \( -name 'libcuda.so*' -o -name 'libnvrtc.so*' \
   -o -name 'libcublas.so*' -o -name 'libcublasLt.so*' -o -name 'libcurand.so*' -o -name 'libnccl.so*' \) \
   2>/dev/null | xargs -r -n1 dirname | sort -u | paste -sd: -)
@@ -10,3 +13,11 @@ if [ -f .gpu/bundle.tar.xz ] && [ ! -d .gpu/bin ]; then
   tar -C .gpu -xJf .gpu/bundle.tar.xz || { echo "error: cannot unpack .gpu/bundle.tar.xz" >&2; exit 2; }
 fi
 [ -d .gpu/bin ] || { echo "error: no .gpu/bin: run xtask/gpu/prepare here and carry [\".gpu\"]" >&2; exit 2; }
+TORCH_PYTHON="$PWD/.gpu/python3"
+if [ -n "$VRAM_ORIG_LD_LIBRARY_PATH" ]; then
+  restore="export LD_LIBRARY_PATH=$(printf %q "$VRAM_ORIG_LD_LIBRARY_PATH")"
+else
+  restore="unset LD_LIBRARY_PATH"
+fi
+printf '#!/usr/bin/env bash\n%s\nexec python3 "$@"\n' "$restore" > "$TORCH_PYTHON"
+chmod +x "$TORCH_PYTHON"

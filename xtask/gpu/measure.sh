@@ -24,23 +24,23 @@ run() { # name, timeout seconds, command...
 }
 say "# GPU measurements ($(date -u +%FT%TZ))"
 say "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
-say "$(python3 -c 'import torch; print("PyTorch", torch.__version__, "CUDA", torch.version.cuda)' 2>&1)"
+say "$("$TORCH_PYTHON" -c 'import torch; print("PyTorch", torch.__version__, "CUDA", torch.version.cuda)' 2>&1)"
 parts=" ${*:-kernels twin trace plan} "
 wants() { [[ "$parts" == *" $1 "* ]]; }
 if wants kernels; then
   run cuda_bench 120 .gpu/bin/cuda_bench
   run cuda_pairs 120 .gpu/bin/cuda_pairs
-  run torch_bench 180 python3 "$here/torch_bench.py" --vram-kernels "$R/cuda_bench.txt" --vram-pairs "$R/cuda_pairs.txt"
+  run torch_bench 180 "$TORCH_PYTHON" "$here/torch_bench.py" --vram-kernels "$R/cuda_bench.txt" --vram-pairs "$R/cuda_pairs.txt"
 fi
 if wants twin; then
-  run twin 300 .gpu/bin/xtask twin --backend cuda --out "$R/twin"
+  run twin 300 .gpu/bin/xtask twin --backend cuda --python "$TORCH_PYTHON" --out "$R/twin"
   cp "$R/twin/TWIN.md" "$R/TWIN.md" 2>/dev/null
   find "$R/twin" \( -name 'weights.f32' -o -name 'input.*' -o -name 'targets.u32' \) -delete
 fi
 if wants trace; then
   for conf in default expandable; do
     c=""; [ "$conf" = expandable ] && c="expandable_segments:True"
-    run "record_$conf" 120 python3 "$here/record_trace.py" "$R/trace/torch_step_$conf.pickle" ${c:+--conf "$c"}
+    run "record_$conf" 120 "$TORCH_PYTHON" "$here/record_trace.py" "$R/trace/torch_step_$conf.pickle" ${c:+--conf "$c"}
     run "replay_$conf" 120 .gpu/bin/xtask replay "$R/trace/torch_step_$conf.pickle" --strict --out "$R/trace"
   done
 fi

@@ -328,14 +328,23 @@ impl Recording {
 
     /// Replays the trace on a fresh [`VirtualMemory`] of `capacity` bytes under `config`,
     /// recording the segment actions (for [`Recording::check`]) and the memory after every
-    /// entry. Fails only if the settings cannot be honoured; out-of-memory errors are
+    /// entry. Segments get the addresses the recording gave segments of their size
+    /// ([`VirtualMemory::with_addresses`]): the policy breaks ties between equal blocks by
+    /// address. Fails only if the settings cannot be honoured; out-of-memory errors are
     /// counted in the report.
     pub fn replay_with(
         &self,
         config: AllocatorConfig,
         capacity: u64,
     ) -> Result<ReplayReport, AllocError> {
-        let cache = CachingAllocator::with_config(VirtualMemory::new(capacity), config)?;
+        let segments: Vec<(usize, u64)> = self
+            .entries
+            .iter()
+            .filter(|e| e.action == Action::SegmentAlloc)
+            .map(|e| (e.size as usize, e.addr))
+            .collect();
+        let memory = VirtualMemory::with_addresses(capacity, &segments);
+        let cache = CachingAllocator::with_config(memory, config)?;
         engine::run(self, &cache, Some(cache.memory().streams()), true, capacity)
     }
 }

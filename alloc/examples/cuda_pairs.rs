@@ -9,6 +9,7 @@
 //!
 //! `cargo run --release -p vram-alloc --example cuda_pairs`
 
+use cudarc::driver::result;
 use std::hint::black_box;
 use std::time::Instant;
 use vram_alloc::cuda::CudaMemory;
@@ -43,8 +44,11 @@ fn main() {
         }
     };
     println!("device: {}", raw.name());
-    println!("| size | cached pair (ns) | raw cuMemAlloc + cuMemFree (ns) | raw / cached |");
-    println!("|---|---:|---:|---:|");
+    println!(
+        "| size | cached pair (ns) | raw cuMemAlloc + cuMemFree (ns) | raw / cached | \
+         vram segment pair, ordered addresses (ns) |"
+    );
+    println!("|---|---:|---:|---:|---:|");
     let cache = CachingAllocator::new(CudaMemory::new(0).expect("opened above"));
     let mut rows = Vec::new();
     for (size, label) in SIZES {
@@ -54,14 +58,26 @@ fn main() {
             drop(black_box(cache.allocate(black_box(size)).expect("served from the cache")));
         });
         let device_calls = cache.memory_stats().num_device_alloc - before;
+        // `mem_info` makes the device's primary context current on this thread.
+        let _ = raw.mem_info();
         let raw_ns = ns_per_pair(5, 200, || {
-            let p = raw.allocate(black_box(size)).expect("cuMemAlloc");
+            // SAFETY: the primary context is current; the memory is freed right away.
+            let p = unsafe { result::malloc_sync(black_box(size)) }.expect("cuMemAlloc");
+            // SAFETY: `p` was just allocated and nothing uses it.
+            unsafe { result::free_sync(p) }.expect("cuMemFree");
+        });
+        // The segments vram's cache asks for: cuMemCreate + cuMemMap at increasing addresses.
+        let ordered_ns = ns_per_pair(5, 200, || {
+            let p = raw.allocate(black_box(size)).expect("a segment");
             // SAFETY: `p` was just allocated with `size` and nothing uses it.
             unsafe { raw.deallocate(p, size) };
         });
-        println!("| {label} | {cached:.1} | {raw_ns:.0} | {:.0}x |", raw_ns / cached);
+        println!(
+            "| {label} | {cached:.1} | {raw_ns:.0} | {:.0}x | {ordered_ns:.0} |",
+            raw_ns / cached
+        );
         rows.push(serde_json::json!({
-            "size": size, "cached_ns": cached, "raw_ns": raw_ns,
+            "size": size, "cached_ns": cached, "raw_ns": raw_ns, "ordered_ns": ordered_ns,
             "device_allocs_during_cached": device_calls,
         }));
         assert_eq!(device_calls, 0, "every timed pair was served from the cache");

@@ -521,3 +521,39 @@ fn cuda_dropping_the_cache_frees_its_segments() -> TestResult {
     );
     Ok(())
 }
+
+/// With virtual memory management, segments come at increasing addresses in the order they
+/// are allocated (as on `VirtualMemory`), whatever their sizes and pools, and after a
+/// segment is freed: the policy's ties between equal blocks then go as on a virtual device.
+#[test]
+fn cuda_segments_come_in_allocation_order() -> TestResult {
+    let Some(_device) = device() else { return Ok(()) };
+    let mem = CudaMemory::new(0)?;
+    if mem.granularity().is_none() {
+        skip("CUDA device 0 lacks virtual memory management (ordered segment addresses)");
+        return Ok(());
+    }
+    let cache = CachingAllocator::new(mem);
+    cache.record_history(Some(1000));
+    let mut live = Vec::new();
+    for size in [30 * MIB, 512, 3 * MIB, 100 * MIB, 2 * MIB, 5000, 21 * MIB] {
+        let a = cache.allocate(size)?;
+        fill_and_check(&a, 0x42)?;
+        live.push(a);
+    }
+    live.swap_remove(3);
+    cache.empty_cache();
+    live.push(cache.allocate(100 * MIB)?);
+    let segments: Vec<u64> = cache
+        .trace()
+        .iter()
+        .filter(|e| e.action == vram_alloc::TraceAction::SegmentAlloc)
+        .map(|e| e.addr)
+        .collect();
+    assert_eq!(segments.len(), 7, "{segments:x?}");
+    assert!(segments.windows(2).all(|w| w[0] < w[1]), "increasing: {segments:x?}");
+    for a in &live {
+        fill_and_check(a, 0x24)?;
+    }
+    Ok(())
+}

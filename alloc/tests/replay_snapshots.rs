@@ -124,10 +124,8 @@ fn the_h100_traces_replay_step_for_step() {
 /// one more 20 MiB segment is unsplit, and released, than in PyTorch's run.
 #[test]
 fn on_increasing_addresses_the_h100_trace_drifts() {
-    let rec = PyTorchSnapshot::load(fixture("h100_gpt_default.pickle"))
-        .unwrap()
-        .recording(None)
-        .unwrap();
+    let rec =
+        PyTorchSnapshot::load(fixture("h100_gpt_default.pickle")).unwrap().recording(None).unwrap();
     let capacity = rec.infer_capacity().bytes;
     let scripted = rec.replay_with(rec.recorded_config().unwrap(), capacity).unwrap();
     let plain = rec.replay(&CachingAllocator::new(VirtualMemory::new(capacity)));

@@ -28,6 +28,16 @@ pub const MAX_IDLE_EVENTS: usize = 1024;
 /// any page-aligned sub-range of earlier mappings can be unmapped (`cuMemUnmap` only takes
 /// whole mappings).
 ///
+/// Segments ([`DeviceMemory::allocate`]) get increasing addresses, in the order they are
+/// allocated, where the driver has virtual memory management: each is one physical
+/// allocation (`cuMemCreate`) mapped at the next free address of a large reserved range,
+/// which is never reused. The caching policy breaks ties between cached blocks of one size
+/// by address, as PyTorch's does; on `cuMemAlloc`'s addresses, which come in no fixed order,
+/// two runs of one program could pick different blocks and end with different figures. In
+/// allocation order they pick what [`crate::VirtualMemory`] (which hands out addresses the
+/// same way) picks, so a virtual device predicts a CUDA run's memory to the byte. Without
+/// virtual memory management, segments are plain `cuMemAlloc`s.
+///
 /// Events for pending frees come from a pool (PyTorch's `EventPool`): an event given back
 /// with [`DeviceMemory::destroy_event`] is kept, up to [`MAX_IDLE_EVENTS`], and recorded again
 /// instead of creating a new one; the pool is destroyed with the `CudaMemory`, and so are the
@@ -46,6 +56,20 @@ pub struct CudaMemory {
     pages: Mutex<BTreeMap<DevicePtr, sys::CUmemGenericAllocationHandle>>,
     /// Events given back, ready to be recorded again.
     idle_events: Mutex<Vec<sys::CUevent>>,
+    /// Segments at increasing addresses (with virtual memory management).
+    ordered: Mutex<Ordered>,
+}
+
+/// The address ranges segments are placed in, and the segments placed there.
+#[derive(Debug, Default)]
+struct Ordered {
+    /// Reserved ranges (start, size), in the order they were reserved.
+    arenas: Vec<(DevicePtr, usize)>,
+    /// The next free address of the last arena, and that arena's end.
+    next: DevicePtr,
+    end: DevicePtr,
+    /// Every live segment: its physical allocation and mapped size, by address.
+    segments: BTreeMap<DevicePtr, (sys::CUmemGenericAllocationHandle, usize)>,
 }
 
 // SAFETY: a primary context may be made current on any thread; every call below binds it
@@ -124,6 +148,7 @@ impl CudaMemory {
             reservations: Mutex::new(BTreeMap::new()),
             pages: Mutex::new(BTreeMap::new()),
             idle_events: Mutex::new(Vec::new()),
+            ordered: Mutex::new(Ordered::default()),
         };
         memory.granularity = memory.expandable_granularity();
         Ok(memory)
@@ -178,6 +203,71 @@ impl CudaMemory {
         debug_assert!(bound.is_ok(), "cuCtxSetCurrent failed: {bound:?}");
     }
 
+    /// Bytes of the range an arena reserves for segments: four times the device, so that
+    /// one arena serves a long run (addresses are never reused); more for a larger segment.
+    fn arena_size(&self, segment: usize) -> usize {
+        let total = usize::try_from(self.total).unwrap_or(usize::MAX / 8);
+        total.saturating_mul(4).max(segment).next_multiple_of(PAGE_SIZE)
+    }
+
+    /// A segment of `size` bytes (rounded up to whole pages) at the next free address:
+    /// `cuMemCreate`, `cuMemMap`, `cuMemSetAccess`. `None` when no address range could be
+    /// reserved for it (the caller falls back to `cuMemAlloc`).
+    fn allocate_ordered(&self, size: usize) -> Result<Option<DevicePtr>, RawError> {
+        let size = size.max(1).next_multiple_of(PAGE_SIZE);
+        let mut ordered = lock(&self.ordered);
+        if ordered.end - ordered.next < size as u64 {
+            let arena = self.arena_size(size);
+            let mut base: sys::CUdeviceptr = 0;
+            // SAFETY: `base` is a live local; the driver picks the address; the range is
+            // freed with cuMemAddressFree when this memory is dropped.
+            let code = unsafe { sys::cuMemAddressReserve(&mut base, arena, 0, 0, 0) };
+            if code != sys::CUresult::CUDA_SUCCESS {
+                return Ok(None);
+            }
+            ordered.arenas.push((base, arena));
+            ordered.next = base;
+            ordered.end = base + arena as u64;
+        }
+        let at = ordered.next;
+        let prop = allocation_prop(self.device);
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: `handle` and `prop` are live locals; `size` is a multiple of PAGE_SIZE, which
+        // the granularity divides (checked when the device was opened).
+        let code = unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) };
+        match code {
+            sys::CUresult::CUDA_SUCCESS => {}
+            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                return Err(RawError::OutOfMemory { requested: size });
+            }
+            e => return Err(device_error("cuMemCreate", DriverError(e))),
+        }
+        // SAFETY: `[at, at + size)` is unused space of an arena of ours; `handle` is a fresh
+        // allocation of `size` bytes.
+        let code = unsafe { sys::cuMemMap(at, size, 0, handle, 0) };
+        if let Err(e) = check("cuMemMap", code) {
+            // SAFETY: `handle` is mapped nowhere.
+            let _ = unsafe { sys::cuMemRelease(handle) };
+            return Err(e);
+        }
+        let access = sys::CUmemAccessDesc {
+            location: prop.location,
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: `[at, at + size)` was just mapped; `access` is a live local.
+        let code = unsafe { sys::cuMemSetAccess(at, size, &access, 1) };
+        if let Err(e) = check("cuMemSetAccess", code) {
+            // SAFETY: mapped just above and used by nothing; then mapped nowhere.
+            let _ = unsafe { sys::cuMemUnmap(at, size) };
+            // SAFETY: as above.
+            let _ = unsafe { sys::cuMemRelease(handle) };
+            return Err(e);
+        }
+        ordered.next = at + size as u64;
+        ordered.segments.insert(at, (handle, size));
+        Ok(Some(at))
+    }
+
     /// Unmaps and releases pages that were created and mapped by a `map` that is being undone:
     /// nothing has used them, so no synchronization is needed.
     fn undo_pages(pages: &[(DevicePtr, sys::CUmemGenericAllocationHandle, bool)]) {
@@ -201,8 +291,20 @@ impl Drop for CudaMemory {
         // wait for queued work, then give back what expandable segments still hold.
         let pages = std::mem::take(&mut *lock(&self.pages));
         let reservations = std::mem::take(&mut *lock(&self.reservations));
-        if !pages.is_empty() {
+        let ordered = std::mem::take(&mut *lock(&self.ordered));
+        if !pages.is_empty() || !ordered.segments.is_empty() {
             let _ = result::ctx::synchronize();
+        }
+        for (at, (handle, size)) in ordered.segments {
+            // SAFETY: a segment of ours that the gone cache never gave back; no work uses it
+            // (the device was synchronized above).
+            let _ = unsafe { sys::cuMemUnmap(at, size) };
+            // SAFETY: `handle` is mapped nowhere any more.
+            let _ = unsafe { sys::cuMemRelease(handle) };
+        }
+        for (base, size) in ordered.arenas {
+            // SAFETY: an arena of ours, with every segment in it unmapped above.
+            let _ = unsafe { sys::cuMemAddressFree(base, size) };
         }
         for (at, handle) in pages {
             // SAFETY: `at` is a page this memory mapped to `handle`, used by no work (the
@@ -233,6 +335,11 @@ impl DeviceMemory for CudaMemory {
 
     fn allocate(&self, size: usize) -> Result<DevicePtr, RawError> {
         self.bind();
+        if self.granularity.is_some()
+            && let Some(ptr) = self.allocate_ordered(size)?
+        {
+            return Ok(ptr);
+        }
         // SAFETY: the context is current; the memory is owned by the cache until deallocate.
         match unsafe { result::malloc_sync(size) } {
             Ok(ptr) => Ok(ptr),
@@ -245,6 +352,20 @@ impl DeviceMemory for CudaMemory {
 
     unsafe fn deallocate(&self, ptr: DevicePtr, _size: usize) {
         self.bind();
+        let segment = lock(&self.ordered).segments.remove(&ptr);
+        if let Some((handle, size)) = segment {
+            // As cuMemFree, which waits for the device: cuMemUnmap does not, and the block's
+            // stream may still be using the memory.
+            let _ = result::ctx::synchronize();
+            // SAFETY: `ptr` is a segment of ours, mapped to `handle`, that no work uses (the
+            // caller's contract, and the synchronization above).
+            let code = unsafe { sys::cuMemUnmap(ptr, size) };
+            debug_assert_eq!(code, sys::CUresult::CUDA_SUCCESS, "cuMemUnmap failed");
+            // SAFETY: `handle` is mapped nowhere any more.
+            let code = unsafe { sys::cuMemRelease(handle) };
+            debug_assert_eq!(code, sys::CUresult::CUDA_SUCCESS, "cuMemRelease failed");
+            return;
+        }
         // SAFETY: the caller guarantees `ptr` came from `allocate` and no work uses it.
         let freed = unsafe { result::free_sync(ptr) };
         debug_assert!(freed.is_ok(), "cuMemFree failed: {freed:?}");

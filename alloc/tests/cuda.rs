@@ -533,27 +533,37 @@ fn cuda_segments_come_in_allocation_order() -> TestResult {
         skip("CUDA device 0 lacks virtual memory management (ordered segment addresses)");
         return Ok(());
     }
-    let cache = CachingAllocator::new(mem);
-    cache.record_history(Some(1000));
-    let mut live = Vec::new();
-    for size in [30 * MIB, 512, 3 * MIB, 100 * MIB, 2 * MIB, 5000, 21 * MIB] {
-        let a = cache.allocate(size)?;
-        fill_and_check(&a, 0x42)?;
-        live.push(a);
+    let total = mem.mem_info().total;
+    let cuda = CachingAllocator::new(mem);
+    let twin = CachingAllocator::new(VirtualMemory::new(total));
+    /// The workload's segment addresses, in the order they were allocated.
+    fn segments<M: DeviceMemory>(
+        cache: &CachingAllocator<M>,
+        check: impl Fn(&Allocation<M>) -> TestResult,
+    ) -> Result<Vec<u64>, Box<dyn Error>> {
+        cache.record_history(Some(1000));
+        let mut live = Vec::new();
+        for size in [30 * MIB, 512, 3 * MIB, 100 * MIB, 2 * MIB, 5000, 21 * MIB] {
+            let a = cache.allocate(size)?;
+            check(&a)?;
+            live.push(a);
+        }
+        live.swap_remove(3);
+        cache.empty_cache();
+        live.push(cache.allocate(100 * MIB)?);
+        for a in &live {
+            check(a)?;
+        }
+        let trace = cache.trace();
+        let allocs = trace.iter().filter(|e| e.action == vram_alloc::TraceAction::SegmentAlloc);
+        Ok(allocs.map(|e| e.addr).collect())
     }
-    live.swap_remove(3);
-    cache.empty_cache();
-    live.push(cache.allocate(100 * MIB)?);
-    let segments: Vec<u64> = cache
-        .trace()
-        .iter()
-        .filter(|e| e.action == vram_alloc::TraceAction::SegmentAlloc)
-        .map(|e| e.addr)
-        .collect();
-    assert_eq!(segments.len(), 7, "{segments:x?}");
-    assert!(segments.windows(2).all(|w| w[0] < w[1]), "increasing: {segments:x?}");
-    for a in &live {
-        fill_and_check(a, 0x24)?;
-    }
+    let on_cuda = segments(&cuda, |a| fill_and_check(a, 0x42))?;
+    let on_twin = segments(&twin, |_| Ok(()))?;
+    assert_eq!(on_cuda.len(), on_twin.len(), "{on_cuda:x?}");
+    assert!(on_cuda.len() >= 5, "{on_cuda:x?}");
+    assert!(on_cuda.windows(2).all(|w| w[0] < w[1]), "increasing: {on_cuda:x?}");
+    let offsets = |v: &[u64]| v.iter().map(|a| a - v[0]).collect::<Vec<_>>();
+    assert_eq!(offsets(&on_cuda), offsets(&on_twin), "laid out as on the virtual device");
     Ok(())
 }

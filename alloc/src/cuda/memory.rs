@@ -1,6 +1,7 @@
 //! Raw CUDA memory on a device's primary context, through cudarc's driver API (loaded at run
-//! time): `cuMemAlloc`/`cuMemFree` segments, pooled events, `cuMemGetInfo`, and expandable
-//! segments on the driver's virtual memory management (`cuMemAddressReserve`, `cuMemCreate`,
+//! time): segments (each a `cuMemCreate` mapped at increasing addresses where the driver has
+//! virtual memory management, else a `cuMemAlloc`), pooled events, `cuMemGetInfo`, and
+//! expandable segments on the driver's virtual memory management (`cuMemAddressReserve`, `cuMemCreate`,
 //! `cuMemMap`, `cuMemSetAccess`, `cuMemUnmap`, `cuMemRelease`, `cuMemAddressFree`), as
 //! PyTorch's `ExpandableSegment` in `c10/cuda/CUDACachingAllocator.cpp` uses them.
 

@@ -44,7 +44,7 @@
 //! `free_completed` when the block is back in the cache. Without `record_stream` the two are
 //! adjacent, and the replay drops the allocation at `free_requested`. When they are apart,
 //! other streams were still using the block (`Tensor.record_stream`): the replay frees the
-//! allocation at `free_requested` after [`Allocation::record_stream`] on a held simulated
+//! allocation at `free_requested` after [`Allocation::record_stream`](crate::Allocation::record_stream) on a held simulated
 //! stream, so allocated bytes fall there while the block stays unusable, and releases that
 //! stream at `free_completed`, so the block returns to the cache where it did in the
 //! recording (at the start of the next allocation, or earlier if the policy synchronizes,

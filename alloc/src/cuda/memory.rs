@@ -251,13 +251,8 @@ impl CudaMemory {
             let _ = unsafe { sys::cuMemRelease(handle) };
             return Err(e);
         }
-        let access = sys::CUmemAccessDesc {
-            location: prop.location,
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        // SAFETY: `[at, at + size)` was just mapped; `access` is a live local.
-        let code = unsafe { sys::cuMemSetAccess(at, size, &access, 1) };
-        if let Err(e) = check("cuMemSetAccess", code) {
+        // SAFETY: `[at, at + size)` was just mapped.
+        if let Err(e) = unsafe { self.grant_access(at, size) } {
             // SAFETY: mapped just above and used by nothing; then mapped nowhere.
             let _ = unsafe { sys::cuMemUnmap(at, size) };
             // SAFETY: as above.
@@ -267,6 +262,19 @@ impl CudaMemory {
         ordered.next = at + size as u64;
         ordered.segments.insert(at, (handle, size));
         Ok(Some(at))
+    }
+
+    /// Makes `[ptr, ptr + size)` readable and writable by the device (`cuMemSetAccess`).
+    ///
+    /// # Safety
+    /// The range must be mapped in full, in a reservation of ours.
+    unsafe fn grant_access(&self, ptr: DevicePtr, size: usize) -> Result<(), RawError> {
+        let access = sys::CUmemAccessDesc {
+            location: allocation_prop(self.device).location,
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the range is mapped (the caller's contract); `access` is a live local.
+        check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(ptr, size, &access, 1) })
     }
 
     /// Unmaps and releases pages that were created and mapped by a `map` that is being undone:
@@ -502,13 +510,8 @@ impl DeviceMemory for CudaMemory {
             created[i].2 = true;
         }
         // ... and make the whole range readable and writable by the device.
-        let access = sys::CUmemAccessDesc {
-            location: prop.location,
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        // SAFETY: `[ptr, ptr + size)` was just mapped in full; `access` is a live local.
-        let code = unsafe { sys::cuMemSetAccess(ptr, size, &access, 1) };
-        if let Err(e) = check("cuMemSetAccess", code) {
+        // SAFETY: `[ptr, ptr + size)` was just mapped in full.
+        if let Err(e) = unsafe { self.grant_access(ptr, size) } {
             Self::undo_pages(&created);
             return Err(e);
         }

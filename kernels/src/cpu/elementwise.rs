@@ -191,11 +191,17 @@ pub fn bias_add<T: Element>(x: &[T], bias: &[T], out: &mut [T]) -> Result<()> {
     Ok(())
 }
 
-/// Column sums in f32 of a row-major `[n, d]` matrix, blocked by rows so that each partial
-/// sum adds at most `ROWS` terms (accuracy) and blocks can run in parallel (deterministic:
-/// partials are combined in block order).
+/// Rows per partial column sum. Column sums (bias gradients, layer norm's dgamma and dbeta)
+/// add each chunk of this many rows in row order from 0, then the chunks' sums in chunk
+/// order, on the host and on a GPU alike: the order is fixed, so results repeat bit for bit,
+/// and the two backends add the same terms in the same order.
+pub(crate) const COLUMN_SUM_ROWS: usize = 256;
+
+/// Column sums in f32 of a row-major `[n, d]` matrix, blocked by [`COLUMN_SUM_ROWS`] rows so
+/// that each partial sum adds at most that many terms (accuracy) and blocks can run in
+/// parallel (deterministic: partials are combined in block order).
 pub(crate) fn column_sums<T: Element>(x: &[T], d: usize) -> Vec<f32> {
-    const ROWS: usize = 256;
+    const ROWS: usize = COLUMN_SUM_ROWS;
     let mut total = vec![0.0f32; d];
     if d == 0 {
         return total;

@@ -6,7 +6,7 @@
 
 use super::check_len;
 use crate::Element;
-use crate::cpu::elementwise::PAR_THRESHOLD;
+use crate::cpu::elementwise::{COLUMN_SUM_ROWS, PAR_THRESHOLD};
 use crate::error::{Error, Result};
 use rayon::prelude::*;
 
@@ -138,15 +138,7 @@ pub fn layer_norm_backward<T: Element>(
             .zip(mean.iter().zip(rstd.iter()))
             .for_each(|((dx, (x, dy)), (&m, &r))| backward_row(x, gamma, dy, m, r, dx));
     }
-    let mut dg = vec![0.0f32; d];
-    let mut db = vec![0.0f32; d];
-    for (((x, dy), &m), &r) in x.chunks(d).zip(dy.chunks(d)).zip(mean).zip(rstd) {
-        for (((a, b), &v), &g) in dg.iter_mut().zip(db.iter_mut()).zip(x).zip(dy) {
-            let g = g.to_f32();
-            *a += g * (v.to_f32() - m) * r;
-            *b += g;
-        }
-    }
+    let (dg, db) = param_sums(x, mean, rstd, dy, d);
     for (o, v) in dgamma.iter_mut().zip(dg) {
         *o = T::from_f32(v);
     }
@@ -154,6 +146,45 @@ pub fn layer_norm_backward<T: Element>(
         *o = T::from_f32(v);
     }
     Ok(())
+}
+
+/// `dgamma = sum over rows of dy * xhat` and `dbeta = sum over rows of dy` in f32, in the
+/// order of every column sum ([`COLUMN_SUM_ROWS`] rows at a time, then the chunks in order),
+/// which the GPU's kernels follow too; chunks run in parallel for large inputs.
+fn param_sums<T: Element>(
+    x: &[T],
+    mean: &[f32],
+    rstd: &[f32],
+    dy: &[T],
+    d: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    // Chunk c: rows c * COLUMN_SUM_ROWS onwards, added in row order from 0.
+    let chunk = |c: usize| {
+        let rows = c * COLUMN_SUM_ROWS..((c + 1) * COLUMN_SUM_ROWS).min(mean.len());
+        let (mut a, mut b) = (vec![0.0f32; d], vec![0.0f32; d]);
+        for r in rows {
+            let (x, dy) = (&x[r * d..][..d], &dy[r * d..][..d]);
+            let (m, rs) = (mean[r], rstd[r]);
+            for (((a, b), &v), &g) in a.iter_mut().zip(b.iter_mut()).zip(x).zip(dy) {
+                let g = g.to_f32();
+                *a += g * (v.to_f32() - m) * rs;
+                *b += g;
+            }
+        }
+        (a, b)
+    };
+    let chunks = mean.len().div_ceil(COLUMN_SUM_ROWS);
+    let partials: Vec<(Vec<f32>, Vec<f32>)> = if x.len() >= PAR_THRESHOLD {
+        (0..chunks).into_par_iter().map(chunk).collect()
+    } else {
+        (0..chunks).map(chunk).collect()
+    };
+    let (mut dg, mut db) = (vec![0.0f32; d], vec![0.0f32; d]);
+    for (a, b) in &partials {
+        dg.iter_mut().zip(a).for_each(|(t, &v)| *t += v);
+        db.iter_mut().zip(b).for_each(|(t, &v)| *t += v);
+    }
+    (dg, db)
 }
 
 #[cfg(test)]

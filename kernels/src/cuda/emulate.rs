@@ -5,14 +5,16 @@
 //!
 //! The shim runs one block at a time, each of its threads an OS thread: `__syncthreads` is a
 //! barrier of the block, `__shfl_xor_sync` an exchange through memory between two barriers
-//! of the warp, `__shared__` a static (one block at a time), `atomicAdd` an atomic on the
-//! host. It is faithful for kernels that follow CUDA's rules (barriers reached by the whole
-//! block, shuffles by whole warps) and finds what NVRTC's type checks cannot: wrong indices,
-//! elements missed or written twice, packs that overrun, reductions that drop a thread's
-//! share. It says nothing of speed, of the GPU's memory model beyond barriers, or of the
-//! device's math library (the host's `expf` and `tanhf` differ from CUDA's in the last bits:
-//! the comparisons allow for it). f16 converts through the compiler's `_Float16` instead of
-//! PTX (`VRAM_HOST_EMULATION` in `common.cuh`); every other line is the one NVRTC compiles.
+//! of the warp, `__shared__` a static (one block at a time); there is no `atomicAdd` (no
+//! kernel adds with atomics: `nvrtc_check` keeps it so). It is faithful for kernels that
+//! follow CUDA's rules (barriers reached by the whole block, shuffles by whole warps) and
+//! finds what NVRTC's type checks cannot: wrong indices, elements missed or written twice,
+//! packs that overrun, reductions that drop a thread's share, sums added in another order
+//! than the host's. It says nothing of speed, of the GPU's memory model beyond barriers, or
+//! of the device's math library (the host's `expf` and `tanhf` differ from CUDA's in the last
+//! bits: the comparisons allow for it). f16 converts through the compiler's `_Float16`
+//! instead of PTX (`VRAM_HOST_EMULATION` in `common.cuh`); every other line is the one NVRTC
+//! compiles.
 //!
 //! Without a C++ compiler the tests print `skipped: no C++ compiler (...)` and pass.
 
@@ -67,7 +69,6 @@ inline unsigned int __umulhi(unsigned int a, unsigned int b) {
 inline unsigned int __float_as_uint(float f) { return __builtin_bit_cast(unsigned int, f); }
 inline float __uint_as_float(unsigned int u) { return __builtin_bit_cast(float, u); }
 inline float __int_as_float(int i) { return __builtin_bit_cast(float, i); }
-inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
 "#;
 
 /// After the sources: the launcher and the calls by parameter array (`void**`, as

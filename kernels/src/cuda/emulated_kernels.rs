@@ -164,12 +164,26 @@ fn indexed_kernels_split_indices_as_the_host_does() {
     let args = [ptr(&mut ids_dev), ptr(&mut table), ptr(&mut out), Arg::count(n), Arg::div(dim)];
     launch(EMBEDDING.of(DType::F32), launch::elementwise(n), &args);
     close("embedding", &out, &want, 0.0);
-    let dv = values(n, 10, -1.0, 1.0);
-    let want = f32s(&ops::embedding_backward(&ids, &tensor(&[97, dim], &dv), vocab).unwrap());
-    let (mut dout, mut acc) = (dv, vec![0.0f32; vocab * dim]);
-    let args = [ptr(&mut ids_dev), ptr(&mut dout), ptr(&mut acc), Arg::count(n), Arg::div(dim)];
-    launch(EMBEDDING_BWD.of(DType::F32), launch::elementwise(n), &args);
-    close("embedding_backward", &acc, &want, 1e-5);
+    // Their gradients, summed per vocabulary row in token order: the host's sums, bit for bit,
+    // for rows of one block and of several, vocabularies of one row per range and of several.
+    for (vocab, dim, tokens) in [(50, 24, 97), (7, 300, 200), (3000, 40, 900)] {
+        let ids: Vec<u32> = (0..tokens).map(|i| (i * i % vocab) as u32).collect();
+        let dv = values(tokens * dim, 10, -1.0, 1.0);
+        let want =
+            f32s(&ops::embedding_backward(&ids, &tensor(&[tokens, dim], &dv), vocab).unwrap());
+        let (cfg, per_range) = launch::embedding_rows(vocab, dim);
+        let (mut ids_dev, mut dout, mut acc) = (ids, dv, vec![0.0f32; vocab * dim]);
+        let args = [
+            ptr(&mut ids_dev),
+            ptr(&mut dout),
+            ptr(&mut acc),
+            Arg::count(tokens),
+            Arg::count(dim),
+            Arg::count(per_range),
+        ];
+        launch(EMBEDDING_BWD.of(DType::F32), cfg, &args);
+        close(&format!("embedding_backward {vocab} x {dim}"), &acc, &want, 0.0);
+    }
 }
 
 /// `permute` as `ops/permute.rs` launches it (the shape padded in front to four axes by
@@ -347,10 +361,20 @@ fn pooling_windows_and_their_gradients_match_the_host() {
         let dyv = values(ny, 31, -1.0, 1.0);
         let dy_t = tensor(want.shape(), &dyv);
         let want = ops::max_pool2d_backward(&dy_t, &want_arg, &shape, &opts).unwrap();
-        let (mut dy, mut acc) = (dyv.clone(), vec![0.0f32; 660]);
-        let args = [ptr(&mut dy), ptr(&mut arg), ptr(&mut acc), geom, Arg::div(oh * ow)];
-        launch(MAX_POOL_BWD.of(DType::F32), launch::elementwise(ny), &args);
-        close("max_pool_backward", &acc, &f32s(&want), 1e-6);
+        let (mut dy, mut dx) = (dyv.clone(), vec![f32::NAN; 660]);
+        let args = [
+            ptr(&mut dy),
+            ptr(&mut arg),
+            ptr(&mut dx),
+            geom,
+            Arg::div(shape[3]),
+            Arg::div(shape[2]),
+            Arg::div(p.stride().0),
+            Arg::div(p.stride().1),
+        ];
+        launch(MAX_POOL_BWD.of(DType::F32), launch::elementwise(660), &args);
+        // Gathered in the order the host scatters: the same sums, bit for bit.
+        close("max_pool_backward", &dx, &f32s(&want), 0.0);
         for pad in [true, false] {
             let want = ops::avg_pool2d(&x_t, &opts, pad).unwrap();
             let mut y = vec![0.0f32; ny];
@@ -536,12 +560,7 @@ fn reductions_and_row_backwards_match_the_host() {
     let args = [ptr(&mut x), ptr(&mut y), Arg::count(d), Arg::F32(1.0 / d as f32)];
     launch(ROW_SUM.of(DType::F32), launch::per_row(rows), &args);
     close("row_sum", &y, &want, 1e-5);
-    let want = f32s(&ops::bias_add_backward(&x_t).unwrap());
-    let (cfg, chunk) = launch::columns(rows, d);
-    let mut acc = vec![0.0f32; d];
-    let args = [ptr(&mut x), ptr(&mut acc), Arg::count(rows), Arg::count(d), Arg::count(chunk)];
-    launch(COL_SUM.of(DType::F32), cfg, &args);
-    close("col_sum", &acc, &want, 1e-5);
+    column_sums_match_the_hosts_bit_for_bit();
 
     // Softmax backward from the host's output.
     let y_t = ops::softmax(&x_t).unwrap();
@@ -571,21 +590,91 @@ fn reductions_and_row_backwards_match_the_host() {
     ];
     launch(LAYER_NORM_BWD.of(DType::F32), launch::per_row(rows), &args);
     close("layer_norm_backward dx", &dx, &f32s(&want.dx), 1e-4);
-    let (mut dg, mut db) = (vec![0.0f32; d], vec![0.0f32; d]);
-    let args = [
-        ptr(&mut x),
-        ptr(&mut m),
-        ptr(&mut r),
-        ptr(&mut dy),
-        ptr(&mut dg),
-        ptr(&mut db),
-        Arg::count(rows),
-        Arg::count(d),
-        Arg::count(chunk),
-    ];
-    launch(LAYER_NORM_PARAMS_BWD.of(DType::F32), cfg, &args);
-    close("layer_norm_backward dgamma", &dg, &f32s(&want.dgamma), 1e-4);
-    close("layer_norm_backward dbeta", &db, &f32s(&want.dbeta), 1e-4);
+    layer_norm_parameter_gradients_add_in_the_hosts_order();
+}
+
+/// The second pass of column sums, as `helpers::finish_column_sums` launches it: the
+/// `[chunks, d]` partials added in chunk order.
+fn finish_columns(partials: &mut [f32], d: usize) -> Vec<f32> {
+    let chunks = partials.len() / d;
+    let mut sums = vec![f32::NAN; d];
+    let (mut cfg, _) = launch::columns(1, d);
+    cfg.grid_dim.1 = 1;
+    let args =
+        [ptr(partials), ptr(&mut sums), Arg::count(chunks), Arg::count(d), Arg::count(chunks)];
+    launch(COL_SUM.of(DType::F32), cfg, &args);
+    sums
+}
+
+/// Column sums (a bias gradient) as `helpers::column_sums` runs them, over one chunk of
+/// rows and over several, and with fewer block rows than chunks (blocks stride): the host's
+/// sums, bit for bit (the same terms added in the same order).
+fn column_sums_match_the_hosts_bit_for_bit() {
+    let d = 300;
+    for rows in [70, 700] {
+        let xv = values(rows * d, 65, -1.0, 1.0);
+        let want = f32s(&ops::bias_add_backward(&tensor(&[rows, d], &xv)).unwrap());
+        let (cfg, chunk) = launch::columns(rows, d);
+        let chunks = rows.div_ceil(chunk);
+        for grid_rows in [cfg.grid_dim.1, 2] {
+            let cfg = LaunchConfig { grid_dim: (cfg.grid_dim.0, grid_rows, 1), ..cfg };
+            let (mut x, mut partials) = (xv.clone(), vec![f32::NAN; chunks * d]);
+            let args = [
+                ptr(&mut x),
+                ptr(&mut partials),
+                Arg::count(rows),
+                Arg::count(d),
+                Arg::count(chunk),
+            ];
+            if !launch(COL_SUM.of(DType::F32), cfg, &args) {
+                return;
+            }
+            let sums = if chunks > 1 { finish_columns(&mut partials, d) } else { partials };
+            close(&format!("col_sum {rows} rows, {grid_rows} block rows"), &sums, &want, 0.0);
+        }
+    }
+}
+
+/// Layer norm's dgamma and dbeta: per chunk of rows, then over chunks, as the host adds.
+fn layer_norm_parameter_gradients_add_in_the_hosts_order() {
+    let d = 300;
+    for rows in [70, 700] {
+        let xv = values(rows * d, 66, -1.0, 1.0);
+        let dyv = values(rows * d, 67, -1.0, 1.0);
+        let x_t = tensor(&[rows, d], &xv);
+        let (gv, bv) = (values(d, 68, 0.5, 2.0), values(d, 69, -1.0, 1.0));
+        let g_t = tensor(&[d], &gv);
+        let fwd = ops::layer_norm(&x_t, &g_t, &tensor(&[d], &bv), 1e-5).unwrap();
+        let dy_t = tensor(&[rows, d], &dyv);
+        let want = ops::layer_norm_backward(&x_t, &g_t, &fwd.mean, &fwd.rstd, &dy_t).unwrap();
+        let (mut x, mut dy, mut m, mut r) = (xv, dyv, f32s(&fwd.mean), f32s(&fwd.rstd));
+        let (cfg, chunk) = launch::columns(rows, d);
+        let chunks = rows.div_ceil(chunk);
+        let (mut dg, mut db) = (vec![f32::NAN; chunks * d], vec![f32::NAN; chunks * d]);
+        let args = [
+            ptr(&mut x),
+            ptr(&mut m),
+            ptr(&mut r),
+            ptr(&mut dy),
+            ptr(&mut dg),
+            ptr(&mut db),
+            Arg::count(rows),
+            Arg::count(d),
+            Arg::count(chunk),
+        ];
+        if !launch(LAYER_NORM_PARAMS_BWD.of(DType::F32), cfg, &args) {
+            return;
+        }
+        let (dg, db) = if chunks > 1 {
+            (finish_columns(&mut dg, d), finish_columns(&mut db, d))
+        } else {
+            (dg, db)
+        };
+        // The products may be fused on a GPU (NVRTC contracts a * b + c): the sums' order is
+        // the host's, each term within rounding of it.
+        close(&format!("layer_norm dgamma, {rows} rows"), &dg, &f32s(&want.dgamma), 1e-5);
+        close(&format!("layer_norm dbeta, {rows} rows"), &db, &f32s(&want.dbeta), 0.0);
+    }
 }
 
 /// Dropout's mask is Philox4x32-10 of (seed, offset + index) on both backends: the same
@@ -1112,12 +1201,20 @@ fn windows_of_dtype<T: Element>() -> bool {
     let dyv = values(ny, 125, -1.0, 1.0);
     let dy_t = tensor_of::<T>(want.shape(), &dyv);
     let want = ops::max_pool2d_backward(&dy_t, &want_arg, &shape, &opts).unwrap();
-    let (mut dy, mut acc) = (typed::<T>(&dyv), vec![0.0f32; 660]);
-    let args = [ptr(&mut dy), ptr(&mut arg), ptr(&mut acc), geom, Arg::div(oh * ow)];
-    launch(MAX_POOL_BWD.of(dt), launch::elementwise(ny), &args);
-    // The f32 sums the op rounds once into T.
-    let rounded: Vec<f32> = acc.iter().map(|&v| T::from_f32(v).to_f32()).collect();
-    close(&format!("max_pool_backward {dt:?}"), &rounded, &f32s(&want), ulp::<T>());
+    let (mut dy, mut dx) = (typed::<T>(&dyv), vec![T::from_f32(f32::NAN); 660]);
+    let args = [
+        ptr(&mut dy),
+        ptr(&mut arg),
+        ptr(&mut dx),
+        geom,
+        Arg::div(shape[3]),
+        Arg::div(shape[2]),
+        Arg::div(p.stride().0),
+        Arg::div(p.stride().1),
+    ];
+    launch(MAX_POOL_BWD.of(dt), launch::elementwise(660), &args);
+    // Summed in f32 in the host's order and rounded once into T, as the host does.
+    close(&format!("max_pool_backward {dt:?}"), &widen(&dx), &f32s(&want), 0.0);
     let want = ops::avg_pool2d(&x_t, &opts, true).unwrap();
     let mut y = vec![T::from_f32(f32::NAN); ny];
     let args = [ptr(&mut x), ptr(&mut y), geom, Arg::U32(1), Arg::div(ow), Arg::div(oh)];

@@ -6,6 +6,7 @@ use super::registry::{
     BROADCAST_ROWS, CAST, COL_SUM, ROW_SUM, ROW_SUM_F32, SUM_FINAL, SUM_PARTIAL,
 };
 use super::{Arg, Gpu};
+use crate::cpu::elementwise::COLUMN_SUM_ROWS;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -110,14 +111,15 @@ pub(crate) fn row_sum(
     }
 }
 
-/// `out[j] = sum over rows of x[row, j]` for `x` at `x_ptr` (`[rows, d]` of `dtype`),
-/// accumulated in the zeroed f32 buffer `acc` (`d` floats) and rounded once into `out: [d]`.
+/// `out[j] = sum over rows of x[row, j]` for `x` at `x_ptr` (`[rows, d]` of `dtype`), added
+/// in f32 in the workspace `ws` (of [`column_sum_workspace`](crate::ops) bytes) and rounded
+/// once into `out: [d]`: per chunk of rows, then over chunks in order, as the host adds.
 pub(crate) fn column_sums(
     gpu: &Gpu<'_>,
     x_ptr: u64,
     dtype: DType,
     rows: usize,
-    acc: u64,
+    ws: u64,
     out: &mut Tensor,
 ) -> Result<()> {
     let d = out.numel();
@@ -125,26 +127,69 @@ pub(crate) fn column_sums(
         return Ok(());
     }
     let (cfg, chunk) = launch::columns(rows, d);
-    // SAFETY: col_sum_T(const T* x, float* acc, u64 rows, u64 d, u64 chunk), grid (columns,
-    // row chunks); x holds rows * d elements of `dtype`, acc d floats.
+    // SAFETY: col_sum_T(const T* x, float* partial, u64 rows, u64 d, u64 chunk), grid
+    // (columns, chunks); x holds rows * d elements of `dtype`, the partials chunks * d floats
+    // (the workspace's layout, `column_partials`).
     unsafe {
         gpu.launch(
             COL_SUM.of(dtype),
             cfg,
-            &[Arg::Ptr(x_ptr), Arg::Ptr(acc), Arg::count(rows), Arg::count(d), Arg::count(chunk)],
+            &[
+                Arg::Ptr(x_ptr),
+                Arg::Ptr(column_partials(ws, rows, d)),
+                Arg::count(rows),
+                Arg::count(d),
+                Arg::count(chunk),
+            ],
         )?;
     }
-    from_f32(gpu, acc, out)
+    finish_column_sums(gpu, ws, rows, d)?;
+    from_f32(gpu, ws, out)
+}
+
+/// Where the first pass of column sums over `[rows, d]` writes its per-chunk partial sums in
+/// the workspace `ws`: after the `d` sums when the rows span several chunks, else the sums
+/// themselves (one chunk: its partials are the sums).
+pub(crate) fn column_partials(ws: u64, rows: usize, d: usize) -> u64 {
+    if rows > COLUMN_SUM_ROWS { ws + d as u64 * 4 } else { ws }
+}
+
+/// The second pass of column sums: the first `d` floats of `ws` become the sums, in chunk
+/// order, of the partials [`column_partials`] points at (nothing to do for one chunk).
+pub(crate) fn finish_column_sums(gpu: &Gpu<'_>, ws: u64, rows: usize, d: usize) -> Result<()> {
+    if rows <= COLUMN_SUM_ROWS || d == 0 {
+        return Ok(());
+    }
+    let chunks = rows.div_ceil(COLUMN_SUM_ROWS);
+    let (mut cfg, _) = launch::columns(1, d);
+    cfg.grid_dim.1 = 1;
+    // SAFETY: col_sum_f32(const float* x, float* partial, u64 rows, u64 d, u64 chunk) over
+    // the [chunks, d] partials as one chunk: writes the d floats at ws, which the partials
+    // (from ws + 4d) do not overlap.
+    unsafe {
+        gpu.launch(
+            COL_SUM.of(DType::F32),
+            cfg,
+            &[
+                Arg::Ptr(column_partials(ws, rows, d)),
+                Arg::Ptr(ws),
+                Arg::count(chunks),
+                Arg::count(d),
+                Arg::count(chunks),
+            ],
+        )
+    }
 }
 
 /// Per-channel sums of `dy: [batch, c, plane]` (the bias gradient of a convolution) into
 /// `out: [c]`: row sums of every (image, channel) plane into `sums` (`batch * c` floats),
-/// then column sums over images through the zeroed accumulator `acc` (`c` floats).
+/// then column sums over images in the column-sum workspace `ws` (`column_sum_workspace(batch,
+/// c)` bytes).
 pub(crate) fn channel_sums(
     gpu: &Gpu<'_>,
     dy: &Tensor,
     batch: usize,
-    (sums, acc): (u64, u64),
+    (sums, ws): (u64, u64),
     out: &mut Tensor,
 ) -> Result<()> {
     let c = out.numel();
@@ -163,7 +208,7 @@ pub(crate) fn channel_sums(
             &[ptr(dy)?, Arg::Ptr(sums), Arg::count(plane)],
         )?;
     }
-    column_sums(gpu, sums, DType::F32, batch, acc, out)
+    column_sums(gpu, sums, DType::F32, batch, ws, out)
 }
 
 /// `dx[i] = dy[i / d] * factor` with `dx: [dy.numel() * d]`.

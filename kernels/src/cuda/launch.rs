@@ -1,6 +1,7 @@
 //! Launch configurations and kernel arguments.
 
 use super::registry::{Instance, Param};
+use crate::cpu::elementwise::COLUMN_SUM_ROWS;
 use crate::error::{Error, Result};
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 
@@ -11,8 +12,11 @@ pub(crate) const BLOCK: u32 = 256;
 /// Most blocks a grid-stride kernel is given; each thread then handles several elements.
 const MAX_GRID: usize = 1 << 16;
 
-/// Row chunks of a column-sum kernel are at most this many (grid.y is capped at 65535).
-const MAX_ROW_CHUNKS: usize = 1024;
+/// The largest grid.y.
+const MAX_GRID_Y: usize = 65535;
+
+/// Threads an embedding backward aims for ([`embedding_rows`]).
+const EMBEDDING_THREADS: usize = 1 << 16;
 
 /// One thread per element, grid-stride: `ceil(n / BLOCK)` blocks, at most [`MAX_GRID`].
 pub(crate) fn elementwise(n: usize) -> LaunchConfig {
@@ -62,17 +66,35 @@ pub(crate) fn fits_grid(blocks: usize) -> bool {
     blocks <= i32::MAX as usize
 }
 
-/// Column sums over `[rows, d]`: one thread per column, one block row per chunk of rows.
-/// Returns the configuration and the rows per chunk.
+/// Column sums over `[rows, d]` (`col_sum`, `layer_norm_params_bwd`): one thread per column,
+/// one block row per chunk of [`COLUMN_SUM_ROWS`] rows (at most 65535 block rows, which then
+/// stride over the chunks). Returns the configuration and the rows per chunk.
 pub(crate) fn columns(rows: usize, d: usize) -> (LaunchConfig, usize) {
-    let chunk = rows.div_ceil(MAX_ROW_CHUNKS).max(32);
-    let chunks = rows.div_ceil(chunk) as u32;
+    let chunks = rows.div_ceil(COLUMN_SUM_ROWS).clamp(1, MAX_GRID_Y);
     let cfg = LaunchConfig {
-        grid_dim: (d.div_ceil(BLOCK as usize) as u32, chunks, 1),
+        grid_dim: (d.div_ceil(BLOCK as usize) as u32, chunks as u32, 1),
         block_dim: (BLOCK, 1, 1),
         shared_mem_bytes: 0,
     };
-    (cfg, chunk)
+    (cfg, COLUMN_SUM_ROWS)
+}
+
+/// Embedding backward over a table of `vocab` rows of `d` (`embedding_bwd`): one thread per
+/// column and range of vocabulary rows, each scanning every id, with about
+/// [`EMBEDDING_THREADS`] threads in all (fewer ranges for wider rows: every range reads all
+/// ids again). Returns the configuration and the rows per range.
+pub(crate) fn embedding_rows(vocab: usize, d: usize) -> (LaunchConfig, usize) {
+    let threads = d.div_ceil(32).clamp(1, BLOCK as usize / 32) * 32;
+    let col_blocks = d.div_ceil(threads).max(1);
+    let wanted = (EMBEDDING_THREADS / (col_blocks * threads)).clamp(1, MAX_GRID_Y);
+    let per_range = vocab.div_ceil(wanted).max(1);
+    let ranges = vocab.div_ceil(per_range).max(1);
+    let cfg = LaunchConfig {
+        grid_dim: (col_blocks as u32, ranges as u32, 1),
+        block_dim: (threads as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    (cfg, per_range)
 }
 
 /// The geometry of a convolution as the kernels read it (`ConvGeom` in `conv.cu`).

@@ -260,7 +260,7 @@ kernels! {
     /// `max_pool(const T* x, T* y, u32* arg, PoolGeom g, Div ow, Div oh)`.
     MAX_POOL = POOL "max_pool" dtypes (Ptr, Ptr, Ptr, Pool, Div, Div);
     /// `max_pool_bwd(const T* dy, const u32* arg, float* acc, PoolGeom g, Div ohw)`.
-    MAX_POOL_BWD = POOL "max_pool_bwd" dtypes (Ptr, Ptr, Ptr, Pool, Div);
+    MAX_POOL_BWD = POOL "max_pool_bwd" dtypes (Ptr, Ptr, Ptr, Pool, Div, Div, Div, Div);
     /// `avg_pool(const T* x, T* y, PoolGeom g, u32 include_pad, Div ow, Div oh)`.
     AVG_POOL = POOL "avg_pool" dtypes (Ptr, Ptr, Pool, U32, Div, Div);
     /// `avg_pool_bwd(const T* dy, T* dx, PoolGeom g, u32 include_pad, Div w, Div h, Div sh,
@@ -270,7 +270,7 @@ kernels! {
     /// `embedding(const u32* ids, const T* table, T* out, u64 n, Div dim)`.
     EMBEDDING = MISC "embedding" dtypes (Ptr, Ptr, Ptr, U64, Div);
     /// `embedding_bwd(const u32* ids, const T* dout, float* acc, u64 n, Div dim)`.
-    EMBEDDING_BWD = MISC "embedding_bwd" dtypes (Ptr, Ptr, Ptr, U64, Div);
+    EMBEDDING_BWD = MISC "embedding_bwd" dtypes (Ptr, Ptr, Ptr, U64, U64, U64);
     /// `dropout(const T* x, T* y, u64 n, float p, float scale, u64 seed, u64 offset)`.
     DROPOUT = MISC "dropout" dtypes (Ptr, Ptr, U64, F32, F32, U64, U64);
     /// `sgd(float* p, const T* g, float* buf, u64 n, float lr, float momentum, float

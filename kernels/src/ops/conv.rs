@@ -222,7 +222,11 @@ impl Op for Conv2dBackward<'_> {
         }
         if self.with_bias && dy.numel() > 0 {
             self.ws.plane_sums = plan.workspace(p.batch() * p.c_out() * 4);
-            self.ws.dbias = plan.zeroed_workspace(p.c_out() * 4);
+            self.ws.dbias = plan.workspace(super::reduce::column_sum_workspace(
+                Self::NAME,
+                p.batch(),
+                p.c_out(),
+            )?);
         }
         Ok(plan)
     }

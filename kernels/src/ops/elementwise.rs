@@ -240,7 +240,7 @@ pub fn bias_add_backward(dy: &Tensor) -> Result<Tensor> {
 
 struct BiasAddBackward<'a> {
     dy: &'a Tensor,
-    /// The f32 column accumulator.
+    /// The f32 column sums and their partials.
     acc: Option<usize>,
 }
 
@@ -253,10 +253,10 @@ impl Op for BiasAddBackward<'_> {
     }
 
     fn plan(&mut self) -> Result<Plan> {
-        let (_, d) = rows_cols(Self::NAME, self.dy.shape())?;
-        // The GPU sums columns into an f32 accumulator and rounds once.
+        let (rows, d) = rows_cols(Self::NAME, self.dy.shape())?;
+        // The GPU sums columns in f32 (per chunk of rows, then over chunks) and rounds once.
         let mut plan = Plan::one(&[d], self.dy.dtype());
-        self.acc = plan.zeroed_workspace(d * 4);
+        self.acc = plan.workspace(super::reduce::column_sum_workspace(Self::NAME, rows, d)?);
         Ok(plan)
     }
 

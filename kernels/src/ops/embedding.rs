@@ -105,7 +105,7 @@ struct EmbeddingBackward<'a> {
     ids: &'a [u32],
     dout: &'a Tensor,
     vocab: usize,
-    /// The f32 scatter-add accumulator.
+    /// The f32 sums, zeroed (rows no id names stay 0).
     acc: Option<usize>,
     /// The ids on the device.
     upload: Option<usize>,
@@ -149,21 +149,30 @@ impl Op for EmbeddingBackward<'_> {
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
         use crate::cuda::registry::EMBEDDING_BWD;
-        use crate::cuda::{Arg, helpers::ptr, helpers::upload_u32, launch::elementwise as grid};
+        use crate::cuda::{Arg, helpers::ptr, helpers::upload_u32, launch::embedding_rows};
         let acc = bufs.ws(self.acc)?;
         let n = self.dout.numel();
         if n > 0 {
             let dim = self.dout.shape()[1];
             let idx = bufs.ws(self.upload)?;
             upload_u32(gpu, self.ids, idx)?;
-            // SAFETY: embedding_bwd_T(const u32* ids, const T* dout, float* acc, u64 n, Div
-            // dim); dout holds n = ids.len() * dim elements, acc vocab * dim floats and every
-            // id is below vocab (checked in `plan`).
+            let (cfg, per_range) = embedding_rows(self.vocab, dim);
+            // SAFETY: embedding_bwd_T(const u32* ids, const T* dout, float* acc, u64 tokens,
+            // u64 d, u64 per_range), grid (columns, vocabulary ranges); dout holds tokens * d
+            // elements, acc vocab * d zeroed floats, and every id is below vocab (checked in
+            // `plan`).
             unsafe {
                 gpu.launch(
                     EMBEDDING_BWD.of(self.dout.dtype()),
-                    grid(n),
-                    &[Arg::Ptr(idx), ptr(self.dout)?, Arg::Ptr(acc), Arg::count(n), Arg::div(dim)],
+                    cfg,
+                    &[
+                        Arg::Ptr(idx),
+                        ptr(self.dout)?,
+                        Arg::Ptr(acc),
+                        Arg::count(self.ids.len()),
+                        Arg::count(dim),
+                        Arg::count(per_range),
+                    ],
                 )?;
             }
         }

@@ -377,7 +377,8 @@ impl Op for LinearBackward<'_> {
         plan.output(w.shape(), dtype);
         if self.with_bias {
             plan.output(&[d_out], dtype);
-            self.acc = plan.zeroed_workspace(d_out * 4);
+            self.acc =
+                plan.workspace(super::reduce::column_sum_workspace(Self::NAME, rows, d_out)?);
         }
         if d_in > 0 {
             plan.blas();

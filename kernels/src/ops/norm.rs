@@ -151,7 +151,7 @@ struct LayerNormBackward<'a> {
     mean: &'a Tensor,
     rstd: &'a Tensor,
     dy: &'a Tensor,
-    /// The f32 accumulators of dgamma and dbeta.
+    /// The f32 column sums of dgamma and dbeta, and their partials.
     acc: [Option<usize>; 2],
 }
 
@@ -174,7 +174,9 @@ impl Op for LayerNormBackward<'_> {
         let mut plan = Plan::one(self.x.shape(), self.x.dtype());
         plan.output(&[d], self.x.dtype());
         plan.output(&[d], self.x.dtype());
-        self.acc = [plan.zeroed_workspace(d * 4), plan.zeroed_workspace(d * 4)];
+        // dgamma and dbeta: f32 column sums (per chunk of rows, then over chunks).
+        let bytes = super::reduce::column_sum_workspace(Self::NAME, rows, d)?;
+        self.acc = [plan.workspace(bytes), plan.workspace(bytes)];
         Ok(plan)
     }
 
@@ -194,7 +196,9 @@ impl Op for LayerNormBackward<'_> {
 
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
-        use crate::cuda::helpers::{check_rows, from_f32, ptr};
+        use crate::cuda::helpers::{
+            check_rows, column_partials, finish_column_sums, from_f32, ptr,
+        };
         use crate::cuda::registry::{LAYER_NORM_BWD, LAYER_NORM_PARAMS_BWD};
         use crate::cuda::{Arg, launch};
         let (dg, db) = (bufs.ws(self.acc[0])?, bufs.ws(self.acc[1])?);
@@ -223,7 +227,8 @@ impl Op for LayerNormBackward<'_> {
         let (cfg, chunk) = launch::columns(rows, d);
         // SAFETY: layer_norm_params_bwd_T(const T* x, const float* m, const float* r, const
         // T* dy, float* dg, float* db, u64 rows, u64 d, u64 chunk), grid (columns, row
-        // chunks); dg and db are the zeroed workspaces of d floats.
+        // chunks); dg and db point at the partials (chunks * d floats) of the column-sum
+        // workspaces.
         unsafe {
             gpu.launch(
                 LAYER_NORM_PARAMS_BWD.of(t),
@@ -233,14 +238,16 @@ impl Op for LayerNormBackward<'_> {
                     ptr(self.mean)?,
                     ptr(self.rstd)?,
                     ptr(self.dy)?,
-                    Arg::Ptr(dg),
-                    Arg::Ptr(db),
+                    Arg::Ptr(column_partials(dg, rows, d)),
+                    Arg::Ptr(column_partials(db, rows, d)),
                     Arg::count(rows),
                     Arg::count(d),
                     Arg::count(chunk),
                 ],
             )?;
         }
+        finish_column_sums(gpu, dg, rows, d)?;
+        finish_column_sums(gpu, db, rows, d)?;
         from_f32(gpu, dg, dgamma)?;
         from_f32(gpu, db, dbeta)
     }

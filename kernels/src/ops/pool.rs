@@ -121,15 +121,13 @@ pub fn max_pool2d_backward(
 ) -> Result<Tensor> {
     const OP: &str = "max_pool2d_backward";
     let p = backward_params(OP, dy, input_shape, opts)?;
-    run(MaxPoolBackward { p, dy, argmax, acc: None })
+    run(MaxPoolBackward { p, dy, argmax })
 }
 
 struct MaxPoolBackward<'a> {
     p: Pool2dParams,
     dy: &'a Tensor,
     argmax: &'a Indices,
-    /// The f32 scatter-add accumulator.
-    acc: Option<usize>,
 }
 
 impl Op for MaxPoolBackward<'_> {
@@ -151,13 +149,9 @@ impl Op for MaxPoolBackward<'_> {
                 rhs: self.argmax.shape().to_vec(),
             });
         }
-        let mut plan = Plan::one(
-            &[self.p.batch(), self.p.channels(), self.p.h(), self.p.w()],
-            self.dy.dtype(),
-        );
-        // The GPU scatter-adds through argmax into f32 and rounds once.
-        self.acc = plan.zeroed_workspace(self.p.input_len() * 4);
-        Ok(plan)
+        // The GPU gathers each input element's gradient in f32 and rounds once: no
+        // accumulator (as PyTorch's `max_pool_backward_nchw`).
+        Ok(Plan::one(&[self.p.batch(), self.p.channels(), self.p.h(), self.p.w()], self.dy.dtype()))
     }
 
     fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
@@ -173,28 +167,31 @@ impl Op for MaxPoolBackward<'_> {
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
         use crate::cuda::registry::MAX_POOL_BWD;
         use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid};
-        let acc = bufs.ws(self.acc)?;
-        if acc == 0 {
+        let dx = bufs.out(0);
+        let n = dx.numel();
+        if n == 0 {
             return Ok(());
         }
-        let (oh, ow) = self.p.output_hw();
-        // SAFETY: max_pool_bwd_T(const T* dy, const u32* arg, float* acc, PoolGeom g, Div
-        // ohw); dy and arg have the pooled shape, acc the input's; the kernel skips indices
-        // >= h * w.
+        let (sh, sw) = self.p.stride();
+        // SAFETY: max_pool_bwd_T(const T* dy, const u32* arg, T* dx, PoolGeom g, Div w, Div h,
+        // Div sh, Div sw); dy and arg have the pooled shape, dx the input's, each element of
+        // which one thread writes; indices >= h * w match no element.
         unsafe {
             gpu.launch(
                 MAX_POOL_BWD.of(self.dy.dtype()),
-                grid(self.dy.numel()),
+                grid(n),
                 &[
                     ptr(self.dy)?,
                     Arg::Ptr(self.argmax.cuda_ptr()?),
-                    Arg::Ptr(acc),
+                    ptr(dx)?,
                     Arg::Pool(crate::cuda::launch::PoolGeom::of(&self.p)),
-                    Arg::div(oh * ow),
+                    Arg::div(self.p.w()),
+                    Arg::div(self.p.h()),
+                    Arg::div(sh),
+                    Arg::div(sw),
                 ],
-            )?;
+            )
         }
-        crate::cuda::helpers::from_f32(gpu, acc, bufs.out(0))
     }
 
     fn finish(self, bufs: Buffers) -> Result<Tensor> {

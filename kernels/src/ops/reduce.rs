@@ -23,6 +23,18 @@ pub(crate) fn sum_workspaces(n: usize) -> (usize, usize) {
     (n.div_ceil(SUM_THREADS).min(SUM_BLOCKS) * 4, 4)
 }
 
+/// The f32 workspace of column sums over `[rows, d]` on a GPU, in bytes: the `d` sums, and,
+/// when the rows span more than one chunk of
+/// [`COLUMN_SUM_ROWS`](crate::cpu::elementwise::COLUMN_SUM_ROWS), one partial sum per chunk
+/// and column, which a second pass adds in chunk order (no atomics: the sums repeat bit for
+/// bit, and equal the host's). Every backend allocates it, so that memory figures agree.
+pub(crate) fn column_sum_workspace(op: &'static str, rows: usize, d: usize) -> Result<usize> {
+    let chunks = rows.div_ceil(crate::cpu::elementwise::COLUMN_SUM_ROWS);
+    let partials = if chunks > 1 { chunks } else { 0 };
+    let floats = super::params::mul(op, "the column sums", partials + 1, d)?;
+    super::params::mul(op, "the column sums", floats, 4)
+}
+
 /// The sum of all elements, accumulated in f32 (pairwise on the host).
 ///
 /// # Errors

@@ -9,12 +9,20 @@ __device__ void embedding_impl(const u32* ids, const T* table, T* out, u64 n, Di
     }
 }
 
-// acc[ids[t], j] += dout[t, j] (f32 accumulator zeroed by the caller).
+// acc[v, j] = sum of dout[t, j] over the tokens t with ids[t] == v, added in token order
+// (acc zeroed by the caller). Thread (j, r) owns column j of the vocabulary rows
+// [r * per_range, (r + 1) * per_range) and scans every id: each cell has one writer that adds
+// in the host's order, so the result repeats bit for bit and equals the host's (atomics
+// would add in whatever order the threads arrive). grid (ceil(d / blockDim), ranges).
 template <typename T>
-__device__ void embedding_bwd_impl(const u32* ids, const T* dout, float* acc, u64 n, Div dim) {
-    FOR_EACH(i, n) {
-        const u64 t = dim.div(i);
-        atomicAdd(acc + (u64)ids[t] * dim.d + (i - t * dim.d), to_f32(dout[i]));
+__device__ void embedding_bwd_impl(const u32* ids, const T* dout, float* acc, u64 tokens, u64 d,
+                                   u64 per_range) {
+    const u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= d) return;
+    const u64 v0 = (u64)blockIdx.y * per_range;
+    for (u64 t = 0; t < tokens; ++t) {
+        const u64 v = ids[t];
+        if (v - v0 < per_range) acc[v * d + j] += to_f32(dout[t * d + j]);
     }
 }
 
@@ -109,7 +117,7 @@ __device__ void permute_impl(const T* x, T* y, u64 n, Div d1, Div d2, Div d3, u6
 
 #define MISC(T, S) \
     extern "C" __global__ void embedding_##S(const u32* ids, const T* table, T* out, u64 n, Div dim) { embedding_impl<T>(ids, table, out, n, dim); } \
-    extern "C" __global__ void embedding_bwd_##S(const u32* ids, const T* dout, float* acc, u64 n, Div dim) { embedding_bwd_impl<T>(ids, dout, acc, n, dim); } \
+    extern "C" __global__ void embedding_bwd_##S(const u32* ids, const T* dout, float* acc, u64 tokens, u64 d, u64 per_range) { embedding_bwd_impl<T>(ids, dout, acc, tokens, d, per_range); } \
     extern "C" __global__ void dropout_##S(const T* x, T* y, u64 n, float p, float scale, u64 seed, u64 offset) { dropout_impl<T>(x, y, n, p, scale, seed, offset); } \
     extern "C" __global__ void sgd_##S(float* p, const T* g, float* buf, u64 n, float lr, float mom, float damp, float wd, u32 nest, u32 first) { sgd_impl<T>(p, g, buf, n, lr, mom, damp, wd, nest, first); } \
     extern "C" __global__ void adamw_##S(float* p, const T* g, float* m, float* v, u64 n, float b1, float b2, float eps, float ss, float b2s, float decay) { adamw_impl<T>(p, g, m, v, n, b1, b2, eps, ss, b2s, decay); } \

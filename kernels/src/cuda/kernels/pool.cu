@@ -49,19 +49,6 @@ __device__ void max_pool_impl(const T* x, T* y, u32* arg, PoolGeom g, Div ow, Di
     }
 }
 
-// acc[plane, arg] += dy (f32 accumulator zeroed by the caller); out-of-plane indices are
-// skipped.
-template <typename T>
-__device__ void max_pool_bwd_impl(const T* dy, const u32* arg, float* acc, PoolGeom g, Div ohw) {
-    const i64 hw = g.h * g.w;
-    const u64 total = (u64)(g.batch * g.channels) * ohw.d;
-    FOR_EACH(i, total) {
-        const i64 plane = (i64)ohw.div(i);
-        const u32 a = arg[i];
-        if ((i64)a < hw) atomicAdd(acc + plane * hw + a, to_f32(dy[i]));
-    }
-}
-
 __device__ __forceinline__ float divisor(const PoolGeom& g, i64 oy, i64 ox, u32 include_pad) {
     if (include_pad) return (float)(g.kh * g.kw);
     i64 y0, y1, x0, x1;
@@ -94,6 +81,30 @@ __device__ __forceinline__ void covering(i64 tp, i64 k, Div stride, i64 out, i64
     *o1 = last < out ? last : out;
 }
 
+// Max-pool gradient gathered per input element: the sum of dy over the windows that cover it
+// and chose it (arg), added in window order, as the host's scatter adds them, and rounded
+// once. Every element is written by one thread (no atomics): the result repeats bit for
+// bit and equals the host's.
+template <typename T>
+__device__ void max_pool_bwd_impl(const T* dy, const u32* arg, T* dx, PoolGeom g, Div w, Div h,
+                                  Div sh, Div sw) {
+    const u64 total = (u64)(g.batch * g.channels) * h.d * w.d;
+    FOR_EACH(i, total) {
+        i64 plane, iy, ix;
+        decode(i, w, h, &plane, &iy, &ix);
+        const i64 out = plane * g.oh * g.ow;
+        const u32 at = (u32)(iy * g.w + ix);
+        i64 oy0, oy1, ox0, ox1;
+        covering(iy + g.ph, g.kh, sh, g.oh, &oy0, &oy1);
+        covering(ix + g.pw, g.kw, sw, g.ow, &ox0, &ox1);
+        float s = 0.0f;
+        for (i64 oy = oy0; oy < oy1; ++oy)
+            for (i64 ox = ox0; ox < ox1; ++ox)
+                if (arg[out + oy * g.ow + ox] == at) s += to_f32(dy[out + oy * g.ow + ox]);
+        dx[i] = from_f32<T>(s);
+    }
+}
+
 // Average-pool gradient gathered per input element over the windows that cover it.
 template <typename T>
 __device__ void avg_pool_bwd_impl(const T* dy, T* dx, PoolGeom g, u32 include_pad, Div w, Div h,
@@ -116,7 +127,7 @@ __device__ void avg_pool_bwd_impl(const T* dy, T* dx, PoolGeom g, u32 include_pa
 
 #define POOL(T, S) \
     extern "C" __global__ void max_pool_##S(const T* x, T* y, u32* arg, PoolGeom g, Div ow, Div oh) { max_pool_impl<T>(x, y, arg, g, ow, oh); } \
-    extern "C" __global__ void max_pool_bwd_##S(const T* dy, const u32* arg, float* acc, PoolGeom g, Div ohw) { max_pool_bwd_impl<T>(dy, arg, acc, g, ohw); } \
+    extern "C" __global__ void max_pool_bwd_##S(const T* dy, const u32* arg, T* dx, PoolGeom g, Div w, Div h, Div sh, Div sw) { max_pool_bwd_impl<T>(dy, arg, dx, g, w, h, sh, sw); } \
     extern "C" __global__ void avg_pool_##S(const T* x, T* y, PoolGeom g, u32 inc, Div ow, Div oh) { avg_pool_impl<T>(x, y, g, inc, ow, oh); } \
     extern "C" __global__ void avg_pool_bwd_##S(const T* dy, T* dx, PoolGeom g, u32 inc, Div w, Div h, Div sh, Div sw) { avg_pool_bwd_impl<T>(dy, dx, g, inc, w, h, sh, sw); }
 FOR_DTYPES(POOL)

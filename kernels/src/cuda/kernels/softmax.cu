@@ -119,24 +119,29 @@ __device__ void layer_norm_bwd_impl(const T* x, const T* gamma, const float* mea
     }
 }
 
-// dgamma[j] += sum over a chunk of rows of dy * xhat, dbeta[j] += sum of dy (f32
-// accumulators zeroed by the caller); grid (ceil(d / blockDim), row chunks).
+// dgamma[c, j] = sum over the rows of chunk c of dy * xhat, dbeta[c, j] = sum of dy (f32
+// partials, added in row order; grid (ceil(d / blockDim), at most the number of chunks),
+// which `col_sum_f32` then adds in chunk order, as the host does. No atomics: the result
+// repeats bit for bit.
 template <typename T>
 __device__ void layer_norm_params_bwd_impl(const T* x, const float* mean, const float* rstd,
                                            const T* dy, float* dgamma, float* dbeta, u64 rows,
                                            u64 d, u64 chunk) {
     const u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= d) return;
-    const u64 r0 = (u64)blockIdx.y * chunk;
-    const u64 r1 = r0 + chunk < rows ? r0 + chunk : rows;
-    float a = 0.0f, b = 0.0f;
-    for (u64 r = r0; r < r1; ++r) {
-        const float g = to_f32(dy[r * d + j]);
-        a += g * (to_f32(x[r * d + j]) - mean[r]) * rstd[r];
-        b += g;
+    const u64 chunks = rows > chunk ? (rows + chunk - 1) / chunk : 1;
+    for (u64 c = blockIdx.y; c < chunks; c += gridDim.y) {
+        const u64 r0 = c * chunk;
+        const u64 r1 = r0 + chunk < rows ? r0 + chunk : rows;
+        float a = 0.0f, b = 0.0f;
+        for (u64 r = r0; r < r1; ++r) {
+            const float g = to_f32(dy[r * d + j]);
+            a += g * (to_f32(x[r * d + j]) - mean[r]) * rstd[r];
+            b += g;
+        }
+        dgamma[c * d + j] = a;
+        dbeta[c * d + j] = b;
     }
-    atomicAdd(dgamma + j, a);
-    atomicAdd(dbeta + j, b);
 }
 
 // Batch norm over x: [n, c, s]. The statistics and the backward's sums spread each channel

@@ -611,7 +611,7 @@ fn finish_columns(partials: &mut [f32], d: usize) -> Vec<f32> {
 /// sums, bit for bit (the same terms added in the same order).
 fn column_sums_match_the_hosts_bit_for_bit() {
     let d = 300;
-    for rows in [70, 700] {
+    for rows in [50, 70, 700] {
         let xv = values(rows * d, 65, -1.0, 1.0);
         let want = f32s(&ops::bias_add_backward(&tensor(&[rows, d], &xv)).unwrap());
         let (cfg, chunk) = launch::columns(rows, d);
@@ -638,7 +638,7 @@ fn column_sums_match_the_hosts_bit_for_bit() {
 /// Layer norm's dgamma and dbeta: per chunk of rows, then over chunks, as the host adds.
 fn layer_norm_parameter_gradients_add_in_the_hosts_order() {
     let d = 300;
-    for rows in [70, 700] {
+    for rows in [50, 70, 700] {
         let xv = values(rows * d, 66, -1.0, 1.0);
         let dyv = values(rows * d, 67, -1.0, 1.0);
         let x_t = tensor(&[rows, d], &xv);

@@ -8,13 +8,15 @@ use std::ops::Range;
 const SIZE: (u32, u32) = (720, 420);
 /// Bytes per MiB, for axes in MiB.
 pub(crate) const MIB: f64 = 1024.0 * 1024.0;
-const COLOURS: [RGBColor; 6] = [
+const COLOURS: [RGBColor; 8] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
     RGBColor(214, 39, 40),
     RGBColor(148, 103, 189),
     RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
 ];
 
 type Series = (String, Vec<(f64, f64)>);
@@ -200,35 +202,37 @@ pub(crate) fn lines_with_marks(
     })
 }
 
+/// Labelled points, each in its own colour, named in the legend (in the corner with the
+/// fewest points) and, where the name fits without touching an earlier one, beside the
+/// point in the point's colour: close points keep their names apart in the legend instead of
+/// having them pushed away from the points they name.
 pub(crate) fn scatter(title: &str, x: &str, y: &str, pts: &[(String, f64, f64)]) -> Option<String> {
     let series = vec![(String::new(), pts.iter().map(|p| (p.1, p.2)).collect())];
     let (x0, x1, y1) = bounds(&series, true)?;
     let pad = (x1 - x0) * 0.15;
-    chart(title, (x0 - pad)..(x1 + pad), 0f64..y1, None, |chart| {
+    let points: Vec<(f64, f64)> = pts.iter().map(|p| (p.1, p.2)).collect();
+    chart(title, (x0 - pad)..(x1 + pad), 0f64..y1, Some(&points), |chart| {
         chart.configure_mesh().x_desc(x).y_desc(y).draw().ok()?;
-        // A label goes under its point, one line lower for each earlier label it would
-        // overlap (close in x and at the same height).
         let (w, h) = (x1 - x0 + 2.0 * pad, y1);
-        let mut placed: Vec<(f64, f64)> = Vec::new();
+        let mut named: Vec<(f64, f64)> = Vec::new();
         for (i, (name, px, py)) in pts.iter().enumerate() {
             let c = COLOURS[i % COLOURS.len()];
-            chart.draw_series(std::iter::once(Circle::new((*px, *py), 5, c.filled()))).ok()?;
             let label = name.split(" (").next().unwrap_or(name).to_string();
-            let mut ly = *py;
-            while placed
-                .iter()
-                .any(|&(qx, qy)| (qx - px).abs() < 0.12 * w && (qy - ly).abs() < 0.04 * h)
-            {
-                ly -= 0.045 * h;
-            }
-            placed.push((*px, ly));
             chart
-                .draw_series(std::iter::once(Text::new(
-                    label,
-                    (*px, ly),
-                    ("sans-serif", 13).into_font().color(&BLACK),
-                )))
-                .ok()?;
+                .draw_series(std::iter::once(Circle::new((*px, *py), 5, c.filled())))
+                .ok()?
+                .label(label.as_str())
+                .legend(move |(a, b)| Circle::new((a + 10, b), 5, c.filled()));
+            // A name is about 12% of the width wide and 5% of the height tall.
+            let clear = named
+                .iter()
+                .all(|&(qx, qy)| (qx - px).abs() >= 0.13 * w || (qy - py).abs() >= 0.05 * h);
+            if clear {
+                named.push((*px, *py));
+                let font = ("sans-serif", 13).into_font().color(&c);
+                let name = EmptyElement::at((*px, *py)) + Text::new(label, (8, -6), font);
+                chart.draw_series(std::iter::once(name)).ok()?;
+            }
         }
         Some(())
     })

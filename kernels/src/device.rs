@@ -43,6 +43,8 @@ struct Inner {
     /// The cuBLAS workspace goes before the allocator that holds it.
     blas: Mutex<BlasWorkspace>,
     backend: Backend,
+    /// Time per op, while profiling.
+    profile: crate::profile::OpProfiler,
 }
 
 /// The workspace cuBLAS runs in: its size and, once an op has run a product, its block.
@@ -287,7 +289,7 @@ impl Device {
 
     fn from_backend(backend: Backend) -> Device {
         let blas = Mutex::new(BlasWorkspace { size: 0, block: None });
-        Device { inner: Arc::new(Inner { blas, backend }) }
+        Device { inner: Arc::new(Inner { blas, backend, profile: Default::default() }) }
     }
 
     /// The host allocator that holds this device's tensors, or `None` on another device.
@@ -441,6 +443,38 @@ impl Device {
             Backend::Cuda(cuda) => cuda.synchronize(),
             _ => Ok(()),
         }
+    }
+
+    /// Starts timing every op on this device (and its clones), from a clean table: see
+    /// [`crate::profile`] for what is timed. [`Device::stop_op_profile`] returns the table.
+    ///
+    /// ```
+    /// use vram_kernels::{DType, Device, Tensor, ops};
+    ///
+    /// let dev = Device::host(16 << 20);
+    /// let a = Tensor::zeros(&dev, &[64, 64], DType::F32)?;
+    /// dev.start_op_profile();
+    /// let b = ops::matmul(&a, &a, false, false)?;
+    /// let _ = ops::add(&b, &a)?;
+    /// let _ = ops::add(&b, &b)?;
+    /// let ops = dev.stop_op_profile();
+    /// let add = ops.iter().find(|o| o.name == "add").unwrap();
+    /// assert_eq!((add.calls, ops.len()), (2, 2));
+    /// # Ok::<(), vram_kernels::Error>(())
+    /// ```
+    pub fn start_op_profile(&self) {
+        self.inner.profile.start();
+    }
+
+    /// Stops timing ops; what each op took while profiling, longest total first.
+    pub fn stop_op_profile(&self) -> Vec<crate::profile::OpTime> {
+        self.inner.profile.stop()
+    }
+
+    /// Whether ops are being timed (one relaxed load: the dispatch function asks per op).
+    pub(crate) fn op_profiler(&self) -> Option<&crate::profile::OpProfiler> {
+        let p = &self.inner.profile;
+        p.is_on().then_some(p)
     }
 
     /// The allocator's statistics, with PyTorch's key names.

@@ -46,6 +46,7 @@ pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod ops;
+pub mod profile;
 mod storage;
 pub mod tensor;
 pub mod transfer;
@@ -56,6 +57,7 @@ pub use error::{Error, Result};
 pub use ops::{
     AdamWConfig, Conv2dOptions, Conv2dParams, MatmulSpec, Pool2dOptions, Pool2dParams, SgdConfig,
 };
+pub use profile::OpTime;
 pub use tensor::{Indices, Tensor};
 pub use transfer::{PinnedBuffer, Upload};
 

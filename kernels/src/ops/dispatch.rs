@@ -194,6 +194,14 @@ pub(crate) fn run<O: Op>(mut op: O) -> Result<O::Output> {
     let plan = op.plan()?;
     let device = op.device().clone();
     let compute = device.compute();
+    // Profiling: the op's own time, from a synchronized device to the end of its work.
+    let timer = match device.op_profiler() {
+        Some(_) => {
+            device.synchronize()?;
+            Some(std::time::Instant::now())
+        }
+        None => None,
+    };
     let mut outputs = Vec::with_capacity(plan.outputs.len());
     for out in &plan.outputs {
         let elem = out.dtype.map_or(4, DType::size_in_bytes);
@@ -230,6 +238,12 @@ pub(crate) fn run<O: Op>(mut op: O) -> Result<O::Output> {
         }
     }
     bufs.workspaces.clear();
+    if let Some(start) = timer {
+        device.synchronize()?;
+        if let Some(profile) = device.op_profiler() {
+            profile.record(O::NAME, start.elapsed());
+        }
+    }
     op.finish(bufs)
 }
 

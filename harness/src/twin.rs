@@ -48,6 +48,62 @@ pub const FORMAT: u32 = 1;
 /// (`xtask/twin/torch_twin.py` has the same constant).
 pub const TRACKED_STEPS: usize = 2;
 
+/// Entries of a profile table in TWIN.md.
+const PROFILE_ROWS: usize = 12;
+
+/// TWIN.md's "where the time goes" section: per model with a profiled step, vram's longest
+/// ops and PyTorch's longest kernels (or CPU ops), each with its share of its side's total.
+fn profiles(s: &mut String, rows: &[Comparison]) {
+    let with: Vec<&Comparison> = rows.iter().filter(|r| r.vram.profile.is_some()).collect();
+    if with.is_empty() {
+        return;
+    }
+    s.push_str(
+        "\n## Where the time goes: one profiled step (`--profile`)\n\n\
+         One more step after the measured ones. vram times each op between two \
+         synchronizations (so the ops run one at a time, launch overhead included, and the \
+         step is slower than a plain one); PyTorch's side is `torch.profiler`: on a GPU its \
+         kernels by device time, on the host its aten ops by self CPU time. Compare shares \
+         within a side, and which ops lead on each.\n",
+    );
+    for r in with {
+        let side = |p: &StepProfile| -> Vec<String> {
+            let mut lines = vec![format!(
+                "{}: step {:.2} ms profiled, {:.2} ms in the entries",
+                p.time, p.step_ms, p.total_ms
+            )];
+            for o in p.ops.iter().take(PROFILE_ROWS) {
+                let share = if p.total_ms > 0.0 { 100.0 * o.ms / p.total_ms } else { 0.0 };
+                lines.push(format!(
+                    "| {} | {} | {:.3} | {share:.1}% |",
+                    o.name.replace('|', "/"),
+                    o.calls,
+                    o.ms
+                ));
+            }
+            lines
+        };
+        let _ = writeln!(s, "\n### {} (batch {})\n", r.model, r.batch);
+        let vram = r.vram.profile.as_ref().map(side).unwrap_or_default();
+        let torch = r.torch.as_ref().ok().and_then(|t| t.profile.as_ref()).map(side);
+        for (who, lines) in [("vram", Some(vram)), ("PyTorch", torch)] {
+            match lines {
+                Some(lines) if !lines.is_empty() => {
+                    let _ = writeln!(s, "{who}, {}\n", lines[0]);
+                    s.push_str("| op | calls | ms | share |\n|---|---:|---:|---:|\n");
+                    for l in &lines[1..] {
+                        let _ = writeln!(s, "{l}");
+                    }
+                    s.push('\n');
+                }
+                _ => {
+                    let _ = writeln!(s, "{who}: no profile\n");
+                }
+            }
+        }
+    }
+}
+
 /// What went wrong exporting, training or comparing.
 #[derive(Debug, thiserror::Error)]
 pub enum TwinError {
@@ -96,12 +152,40 @@ pub struct TwinSettings {
     pub seed: u64,
     /// AdamW's learning rate (the other settings are PyTorch's defaults).
     pub lr: f32,
+    /// One more step on each side after the measured ones, profiled: vram's time per op
+    /// ([`Device::start_op_profile`]), PyTorch's under `torch.profiler`. Off by default.
+    pub profile: bool,
 }
 
 impl Default for TwinSettings {
     fn default() -> Self {
-        TwinSettings { batch: 8, steps: 5, dropout: 0.0, seed: 1, lr: 1e-3 }
+        TwinSettings { batch: 8, steps: 5, dropout: 0.0, seed: 1, lr: 1e-3, profile: false }
     }
+}
+
+/// One profiled step (`"profile"` in `twin.json["vram"]` and in `torch.json`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct StepProfile {
+    /// The profiled step's wall time in milliseconds (profiling included: vram synchronizes
+    /// around every op).
+    pub step_ms: f64,
+    /// The total over every entry (the listed ones are the longest).
+    pub total_ms: f64,
+    /// What the entries time: vram's ops; PyTorch's CUDA kernels or CPU aten ops.
+    pub time: String,
+    /// The entries, longest first.
+    pub ops: Vec<ProfiledOp>,
+}
+
+/// One entry of a [`StepProfile`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ProfiledOp {
+    /// The op's (or kernel's) name.
+    pub name: String,
+    /// Calls in the step.
+    pub calls: u64,
+    /// Their total time in milliseconds.
+    pub ms: f64,
 }
 
 impl TwinSettings {
@@ -172,6 +256,9 @@ pub struct VramRun {
     /// included: the figure PyTorch's `MemTracker` gives on the host.
     #[serde(default)]
     pub tracked_peak: Option<u64>,
+    /// One more step, profiled per op (with [`TwinSettings::profile`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<StepProfile>,
 }
 
 /// What PyTorch measured (`torch.json`, written by `xtask/twin/torch_twin.py`).
@@ -204,6 +291,9 @@ pub struct TorchRun {
     /// Anything the script wants said (TF32 off, attention kind, ...).
     #[serde(default)]
     pub notes: Vec<String>,
+    /// One more step under `torch.profiler` (with [`TwinSettings::profile`]).
+    #[serde(default)]
+    pub profile: Option<StepProfile>,
 }
 
 /// The architecture as the twin script reads it; GPT and ViT with `dropout`.
@@ -331,7 +421,9 @@ pub fn run_vram(
     virt.set_blas_workspace_size(device.blas_workspace_size());
     let predicted = Model::new(&virt, arch, settings.seed, DType::F32)
         .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
-        .and_then(|mut m| train(&virt, &mut m, &batch, settings))
+        .and_then(|mut m| {
+            train(&virt, &mut m, &batch, &TwinSettings { profile: false, ..settings.clone() })
+        })
         .map_err(|source| TwinError::Run {
             model: name.to_string(),
             device: virt.name(),
@@ -352,6 +444,7 @@ pub fn run_vram(
         predicted_peak_reserved: Some(predicted.peak_reserved),
         kept_for_backward: Some(measured.kept_for_backward),
         tracked_peak: Some(measured.tracked_peak),
+        profile: measured.profile,
     };
     let targets = json!({"shape": [batch.targets.len()], "file": "targets.u32"});
     let twin = json!({
@@ -367,6 +460,7 @@ pub fn run_vram(
             "weight_decay": 0.01,
         },
         "steps": settings.steps,
+        "profile": settings.profile,
         "vram": run,
     });
     let path = dir.join("twin.json");
@@ -385,6 +479,7 @@ struct Trained {
     peak_reserved: u64,
     kept_for_backward: u64,
     tracked_peak: u64,
+    profile: Option<StepProfile>,
 }
 
 /// The twin's steps on `device`: peaks reset once the model and the batch are there, then
@@ -426,6 +521,27 @@ fn train(
         step(settings.steps + i)?;
     }
     let tracked_peak = u64::try_from(requested().all.peak).unwrap_or(0);
+    // After the peaks are read: a profiled step synchronizes around every op.
+    let profile = if settings.profile {
+        device.start_op_profile();
+        let start = Instant::now();
+        let stepped = step(settings.steps + TRACKED_STEPS);
+        let step_ms = start.elapsed().as_secs_f64() * 1e3;
+        let ops = device.stop_op_profile();
+        stepped?;
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        Some(StepProfile {
+            step_ms,
+            total_ms: ops.iter().map(|o| ms(o.total)).sum(),
+            time: "ops, each between two synchronizations".into(),
+            ops: ops
+                .iter()
+                .map(|o| ProfiledOp { name: o.name.into(), calls: o.calls, ms: ms(o.total) })
+                .collect(),
+        })
+    } else {
+        None
+    };
     let before = requested().all.current;
     let (_, graph) = model.forward_graph(batch, settings.seed)?;
     let kept_for_backward = u64::try_from(requested().all.current - before).unwrap_or(0);
@@ -439,6 +555,7 @@ fn train(
         peak_reserved,
         kept_for_backward,
         tracked_peak,
+        profile,
     })
 }
 
@@ -761,6 +878,7 @@ pub fn report(rows: &[Comparison], settings: &TwinSettings) -> String {
             human_bytes(v.peak_reserved),
         );
     }
+    profiles(&mut s, rows);
     let skipped: Vec<String> = rows
         .iter()
         .filter_map(|r| r.torch.as_ref().err().map(|e| format!("- {}: {e}", r.model)))

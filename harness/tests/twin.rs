@@ -57,6 +57,7 @@ fn export_holds_the_model_the_batch_and_vrams_measurements() {
     // The virtual device, allocating without computing, predicts both peaks to the byte.
     assert_eq!(run.predicted_peak_allocated, Some(run.peak_allocated));
     assert_eq!(run.predicted_peak_reserved, Some(run.peak_reserved));
+    assert!(run.profile.is_none() && json["profile"] == false, "profiling is asked for");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -224,4 +225,32 @@ fn pytorch_trains_the_same_models_to_the_same_losses() {
         assert_eq!(saved - kept, 4 + indices, "{model}: vram keeps {kept} B, PyTorch {saved} B");
         std::fs::remove_dir_all(&dir).unwrap();
     }
+}
+
+/// `--profile`: one more step, timed per op, after the peaks were read (which it leaves
+/// as they are); the report lists vram's ops beside PyTorch's entries, or says there are none.
+#[test]
+fn a_profiled_step_says_where_the_time_goes() {
+    let dir = scratch("profile");
+    let plain = TwinSettings { batch: 2, steps: 2, ..TwinSettings::default() };
+    let base = twin::run_vram(&Device::host(256 << 20), "gpt", &plain, &dir).unwrap();
+    let settings = TwinSettings { profile: true, ..plain };
+    let run = twin::run_vram(&Device::host(256 << 20), "gpt", &settings, &dir).unwrap();
+    assert_eq!((run.peak_allocated, run.peak_reserved), (base.peak_allocated, base.peak_reserved));
+    let p = run.profile.as_ref().expect("a profile");
+    let names: Vec<&str> = p.ops.iter().map(|o| o.name.as_str()).collect();
+    for op in ["linear", "linear_backward", "layer_norm_backward", "adamw_step"] {
+        assert!(names.contains(&op), "{op} in {names:?}");
+    }
+    assert!(p.ops.windows(2).all(|w| w[0].ms >= w[1].ms), "longest first");
+    let sum: f64 = p.ops.iter().map(|o| o.ms).sum();
+    assert!((sum - p.total_ms).abs() < 1e-9 && p.total_ms <= p.step_ms + 1e-9, "{p:?}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("twin.json")).unwrap()).unwrap();
+    assert_eq!(json["profile"], true, "the PyTorch side is asked to profile too");
+    let row = Comparison { model: "gpt".into(), batch: 2, vram: run, torch: Err("not run".into()) };
+    let report = twin::report(&[row], &settings);
+    assert!(report.contains("## Where the time goes"), "{report}");
+    assert!(report.contains("| linear_backward |") && report.contains("PyTorch: no profile"));
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -3,7 +3,7 @@
 # bounded by a timeout so that one failure does not cost the others.
 #   1. kernels: copy bandwidth, add as a fraction of it, matmul 8192^3; PyTorch's in the same run
 #   2. allocator: cached pair vs cuMemAlloc + cuMemFree, vs PyTorch's caching allocator
-#   3. the PyTorch twin of the reference models (cargo xtask twin --backend cuda)
+#   3. the PyTorch twin of the reference models (cargo xtask twin --backend cuda --profile)
 #   4. a PyTorch training trace (default and expandable segments) replayed by vram --strict
 #   5. cargo xtask plan --verify on CUDA (the virtual prediction against the measured peak)
 # Everything lands in $OUT/measure.tar.gz; $OUT/SUMMARY.md has the tables.
@@ -33,7 +33,7 @@ if wants kernels; then
   run torch_bench 180 "$TORCH_PYTHON" "$here/torch_bench.py" --vram-kernels "$R/cuda_bench.txt" --vram-pairs "$R/cuda_pairs.txt"
 fi
 if wants twin; then
-  run twin 300 .gpu/bin/xtask twin --backend cuda --python "$TORCH_PYTHON" --out "$R/twin"
+  run twin 300 .gpu/bin/xtask twin --backend cuda --profile --python "$TORCH_PYTHON" --out "$R/twin"
   cp "$R/twin/TWIN.md" "$R/TWIN.md" 2>/dev/null
   find "$R/twin" \( -name 'weights.f32' -o -name 'input.*' -o -name 'targets.u32' \) -delete
 fi

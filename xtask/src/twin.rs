@@ -67,6 +67,10 @@ pub struct TwinArgs {
     /// Run vram's side only (export and measure).
     #[arg(long)]
     no_torch: bool,
+    /// Profile one more step on each side (vram per op, PyTorch with torch.profiler) and
+    /// add "where the time goes" to TWIN.md.
+    #[arg(long)]
+    profile: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -126,6 +130,7 @@ pub fn run(args: TwinArgs) -> Result<ExitCode, String> {
         steps: args.steps,
         dropout: args.dropout,
         seed: args.seed,
+        profile: args.profile,
         ..TwinSettings::default()
     };
     common.validate().map_err(|e| format!("--{}", e.to_string().trim_start_matches("invalid ")))?;

@@ -898,6 +898,53 @@ def tracked_peak(model, opt, x, y):
     return peak
 
 
+PROFILE_ROWS = 25
+
+
+def profiled_step(model, opt, x, y, cuda):
+    """One more training step under torch.profiler: the PROFILE_ROWS entries with the most
+    time (on the GPU its kernels by device time, on the CPU the aten ops by self CPU time), as
+    {"name", "calls", "ms"}, their total, and the step's wall time (profiling included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        del loss
+        if cuda:
+            torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) * 1e3
+
+    if cuda:
+        # The kernels (device events), by their device time: they do not overlap, and they
+        # add up to the time the GPU was busy. (An aten op's self device time would count
+        # its kernels a second time.)
+        events = [e for e in prof.key_averages()
+                  if str(getattr(e, "device_type", "")).endswith("CUDA")]
+
+        def self_us(e):
+            return getattr(e, "self_device_time_total", None) or e.self_cuda_time_total
+    else:
+        events = list(prof.key_averages())
+
+        def self_us(e):
+            return e.self_cpu_time_total
+
+    events.sort(key=self_us, reverse=True)
+    ops = [{"name": e.key[:100], "calls": int(e.count), "ms": self_us(e) / 1e3}
+           for e in events if self_us(e) > 0][:PROFILE_ROWS]
+    total = sum(self_us(e) for e in events) / 1e3
+    return {"step_ms": wall, "total_ms": total,
+            "time": "CUDA kernel time" if cuda else "self CPU time", "ops": ops}
+
+
 def run(args):
     directory = args.dir
     path = os.path.join(directory, "twin.json")
@@ -995,6 +1042,10 @@ def run(args):
         notes.append(f"tracked peak: MemTracker over {TRACKED_STEPS} more steps (storages at the "
                      "dispatcher, unrounded; kernels' internal workspaces unseen), AdamW's "
                      "for-loop implementation (PyTorch's default on the CPU)")
+    profile = None
+    if spec.get("profile") is True:
+        profile = profiled_step(model, opt, x, y, cuda)
+        notes.append(f"profile: one more step under torch.profiler, ops by {profile['time']}")
     saved = saved_for_backward(model, x, y)
     notes.append("saved for backward: the distinct storages autograd saved in one more "
                  "forward after the steps (saved_tensors_hooks), their requested bytes, "
@@ -1014,6 +1065,8 @@ def run(args):
         "tf32": False,
         "notes": notes,
     }
+    if profile is not None:
+        result["profile"] = profile
     out = os.path.join(directory, "torch.json")
     try:
         with open(out, "w", encoding="utf-8") as f:

@@ -868,6 +868,20 @@ def saved_for_backward(model, x, y):
 TRACKED_STEPS = 2
 
 
+def train_step(model, opt, x, y):
+    """One step as the twin measures it: forward, cross-entropy, backward, AdamW step,
+    gradients set to None; returns the loss. No reference to the logits is kept: autograd
+    alone decides how long they live (cross-entropy's backward needs its log-softmax, not
+    the logits)."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    value = loss.item()
+    del loss
+    return value
+
+
 def tracked_peak(model, opt, x, y):
     """PyTorch's peak over TRACKED_STEPS more training steps as MemTracker
     (torch.distributed._tools.mem_tracker) sees it: every storage from its creation to its
@@ -885,12 +899,7 @@ def tracked_peak(model, opt, x, y):
     peak = None
     for _ in range(TRACKED_STEPS):
         with tracker:  # one step per entry: the tracker refuses a module called twice
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            loss.item()
-            del loss
+            train_step(model, opt, x, y)
         total = tracker.get_tracker_snapshot("peak").get(x.device, {}).get("Total")
         if total is not None:
             peak = total if peak is None else max(peak, total)
@@ -912,12 +921,7 @@ def profiled_step(model, opt, x, y, cuda):
         torch.cuda.synchronize()
     start = time.perf_counter()
     with profile(activities=activities) as prof:
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss.item()
-        del loss
+        train_step(model, opt, x, y)
         if cuda:
             torch.cuda.synchronize()
     wall = (time.perf_counter() - start) * 1e3
@@ -1023,14 +1027,7 @@ def run(args):
     for _ in range(steps):
         sync()
         start = time.perf_counter()
-        # No reference to the logits is kept: autograd alone decides how long they live
-        # (cross-entropy's backward needs its log-softmax, not the logits).
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        value = loss.item()
-        del loss
+        value = train_step(model, opt, x, y)
         sync()
         step_ms.append((time.perf_counter() - start) * 1e3)
         losses.append(value)

@@ -362,16 +362,7 @@ fn pooling_windows_and_their_gradients_match_the_host() {
         let dy_t = tensor(want.shape(), &dyv);
         let want = ops::max_pool2d_backward(&dy_t, &want_arg, &shape, &opts).unwrap();
         let (mut dy, mut dx) = (dyv.clone(), vec![f32::NAN; 660]);
-        let args = [
-            ptr(&mut dy),
-            ptr(&mut arg),
-            ptr(&mut dx),
-            geom,
-            Arg::div(shape[3]),
-            Arg::div(shape[2]),
-            Arg::div(p.stride().0),
-            Arg::div(p.stride().1),
-        ];
+        let args = pool_bwd_args(&[ptr(&mut dy), ptr(&mut arg), ptr(&mut dx), geom], &shape, &p);
         launch(MAX_POOL_BWD.of(DType::F32), launch::elementwise(660), &args);
         // Gathered in the order the host scatters: the same sums, bit for bit.
         close("max_pool_backward", &dx, &f32s(&want), 0.0);
@@ -384,20 +375,25 @@ fn pooling_windows_and_their_gradients_match_the_host() {
             close("avg_pool", &y, &f32s(&want), 1e-6);
             let want = ops::avg_pool2d_backward(&dy_t, &shape, &opts, pad).unwrap();
             let mut dx = vec![0.0f32; 660];
-            let args = [
-                ptr(&mut dy),
-                ptr(&mut dx),
-                geom,
-                Arg::U32(pad as u32),
-                Arg::div(shape[3]),
-                Arg::div(shape[2]),
-                Arg::div(p.stride().0),
-                Arg::div(p.stride().1),
-            ];
+            let args = pool_bwd_args(
+                &[ptr(&mut dy), ptr(&mut dx), geom, Arg::U32(pad as u32)],
+                &shape,
+                &p,
+            );
             launch(AVG_POOL_BWD.of(DType::F32), launch::elementwise(660), &args);
             close("avg_pool_backward", &dx, &f32s(&want), 1e-6);
         }
     }
+}
+
+/// A pooling backward's arguments as `ops/pool.rs` passes them: `head` (through the
+/// geometry and the divisor flag), then the input's width and height and the strides as
+/// dividers.
+fn pool_bwd_args(head: &[Arg], shape: &[usize], p: &crate::ops::Pool2dParams) -> Vec<Arg> {
+    let mut args = head.to_vec();
+    let (sh, sw) = p.stride();
+    args.extend([Arg::div(shape[3]), Arg::div(shape[2]), Arg::div(sh), Arg::div(sw)]);
+    args
 }
 
 /// im2col's columns by definition: `col[img][row][pos]` for images `n0 .. n0 + nimg` and
@@ -1202,16 +1198,7 @@ fn windows_of_dtype<T: Element>() -> bool {
     let dy_t = tensor_of::<T>(want.shape(), &dyv);
     let want = ops::max_pool2d_backward(&dy_t, &want_arg, &shape, &opts).unwrap();
     let (mut dy, mut dx) = (typed::<T>(&dyv), vec![T::from_f32(f32::NAN); 660]);
-    let args = [
-        ptr(&mut dy),
-        ptr(&mut arg),
-        ptr(&mut dx),
-        geom,
-        Arg::div(shape[3]),
-        Arg::div(shape[2]),
-        Arg::div(p.stride().0),
-        Arg::div(p.stride().1),
-    ];
+    let args = pool_bwd_args(&[ptr(&mut dy), ptr(&mut arg), ptr(&mut dx), geom], &shape, &p);
     launch(MAX_POOL_BWD.of(dt), launch::elementwise(660), &args);
     // Summed in f32 in the host's order and rounded once into T, as the host does.
     close(&format!("max_pool_backward {dt:?}"), &widen(&dx), &f32s(&want), 0.0);
@@ -1222,16 +1209,7 @@ fn windows_of_dtype<T: Element>() -> bool {
     close(&format!("avg_pool {dt:?}"), &widen(&y), &f32s(&want), ulp::<T>());
     let want = ops::avg_pool2d_backward(&dy_t, &shape, &opts, true).unwrap();
     let mut dx = vec![T::from_f32(f32::NAN); 660];
-    let args = [
-        ptr(&mut dy),
-        ptr(&mut dx),
-        geom,
-        Arg::U32(1),
-        Arg::div(shape[3]),
-        Arg::div(shape[2]),
-        Arg::div(p.stride().0),
-        Arg::div(p.stride().1),
-    ];
+    let args = pool_bwd_args(&[ptr(&mut dy), ptr(&mut dx), geom, Arg::U32(1)], &shape, &p);
     launch(AVG_POOL_BWD.of(dt), launch::elementwise(660), &args);
     close(&format!("avg_pool_backward {dt:?}"), &widen(&dx), &f32s(&want), ulp::<T>());
     true

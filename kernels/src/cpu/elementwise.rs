@@ -199,6 +199,13 @@ pub fn bias_add<T: Element>(x: &[T], bias: &[T], out: &mut [T]) -> Result<()> {
 /// of 1/16 of an f32 input.
 pub(crate) const COLUMN_SUM_ROWS: usize = 64;
 
+/// The rows of partial sums that column sums over `rows` rows keep: one per chunk of
+/// [`COLUMN_SUM_ROWS`], none when the rows fit one chunk (its partials are the sums). Sizes
+/// the GPU's workspace and says where its second pass reads.
+pub(crate) fn column_sum_partials(rows: usize) -> usize {
+    if rows > COLUMN_SUM_ROWS { rows.div_ceil(COLUMN_SUM_ROWS) } else { 0 }
+}
+
 /// Column sums in f32 of a row-major `[n, d]` matrix, blocked by [`COLUMN_SUM_ROWS`] rows so
 /// that each partial sum adds at most that many terms (accuracy) and blocks can run in
 /// parallel (deterministic: partials are combined in block order).

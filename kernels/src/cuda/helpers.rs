@@ -6,7 +6,7 @@ use super::registry::{
     BROADCAST_ROWS, CAST, COL_SUM, ROW_SUM, ROW_SUM_F32, SUM_FINAL, SUM_PARTIAL,
 };
 use super::{Arg, Gpu};
-use crate::cpu::elementwise::COLUMN_SUM_ROWS;
+use crate::cpu::elementwise::column_sum_partials;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -151,16 +151,16 @@ pub(crate) fn column_sums(
 /// the workspace `ws`: after the `d` sums when the rows span several chunks, else the sums
 /// themselves (one chunk: its partials are the sums).
 pub(crate) fn column_partials(ws: u64, rows: usize, d: usize) -> u64 {
-    if rows > COLUMN_SUM_ROWS { ws + d as u64 * 4 } else { ws }
+    if column_sum_partials(rows) > 0 { ws + d as u64 * 4 } else { ws }
 }
 
 /// The second pass of column sums: the first `d` floats of `ws` become the sums, in chunk
 /// order, of the partials [`column_partials`] points at (nothing to do for one chunk).
 pub(crate) fn finish_column_sums(gpu: &Gpu<'_>, ws: u64, rows: usize, d: usize) -> Result<()> {
-    if rows <= COLUMN_SUM_ROWS || d == 0 {
+    let chunks = column_sum_partials(rows);
+    if chunks == 0 || d == 0 {
         return Ok(());
     }
-    let chunks = rows.div_ceil(COLUMN_SUM_ROWS);
     let (mut cfg, _) = launch::columns(1, d);
     cfg.grid_dim.1 = 1;
     // SAFETY: col_sum_f32(const float* x, float* partial, u64 rows, u64 d, u64 chunk) over

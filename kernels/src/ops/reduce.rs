@@ -29,8 +29,7 @@ pub(crate) fn sum_workspaces(n: usize) -> (usize, usize) {
 /// and column, which a second pass adds in chunk order (no atomics: the sums repeat bit for
 /// bit, and equal the host's). Every backend allocates it, so that memory figures agree.
 pub(crate) fn column_sum_workspace(op: &'static str, rows: usize, d: usize) -> Result<usize> {
-    let chunks = rows.div_ceil(crate::cpu::elementwise::COLUMN_SUM_ROWS);
-    let partials = if chunks > 1 { chunks } else { 0 };
+    let partials = crate::cpu::elementwise::column_sum_partials(rows);
     let floats = super::params::mul(op, "the column sums", partials + 1, d)?;
     super::params::mul(op, "the column sums", floats, 4)
 }

@@ -18,9 +18,14 @@
 //!
 //! Without a C++ compiler the tests print `skipped: no C++ compiler (...)` and pass.
 
+use super::Exec;
 use super::launch::{Arg, check_args};
 use super::registry::{ALL, COMMON, Instance, Module};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::ops::MatmulSpec;
 use cudarc::driver::LaunchConfig;
+use half::{bf16, f16};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::io::Write as _;
@@ -129,7 +134,7 @@ fn say(line: &str) {
 }
 
 /// `module` with the shim, compiled into a shared library, or why not.
-fn compile(module: &Module) -> Result<Library, String> {
+fn compile(module: &Module) -> std::result::Result<Library, String> {
     let mut source = format!("{PRELUDE}\n{COMMON}\n{}\n{LAUNCHER}\n", module.source);
     for kernel in ALL.iter().filter(|k| k.module.name == module.name) {
         for name in kernel.names {
@@ -228,4 +233,106 @@ pub(crate) fn launch(kernel: Instance, cfg: LaunchConfig, args: &[Arg]) -> bool 
 /// A device pointer to `v`'s elements (a host address here).
 pub(crate) fn ptr<T>(v: &mut [T]) -> Arg {
     Arg::Ptr(v.as_mut_ptr() as u64)
+}
+
+/// An op's CUDA code on the host, as an [`Exec`]: kernels through [`launch`], products by
+/// the definition of [`MatmulSpec`] (row-major layouts, f64 sums rounded once to C's
+/// dtype), memsets by writing zeros. What it checks is the op's side of the contract: which
+/// kernels it launches on which addresses, its products' shapes, transposes and strides, and
+/// whether its workspaces are large enough and laid out as the kernels read them. Whether
+/// [`Gpu::gemm`](super::Gpu::gemm) maps a spec onto cuBLAS correctly is the matmul tests'
+/// business on a GPU.
+pub(crate) struct Emulator(());
+
+impl Emulator {
+    /// The emulation of `probe`'s module, or `None` (after a skip line) where no C++
+    /// compiler can build it.
+    pub(crate) fn new(probe: Instance) -> Option<Emulator> {
+        library(probe.kernel.module).map(|_| Emulator(()))
+    }
+}
+
+/// Element `i` of the `dtype` array at `p`.
+///
+/// # Safety
+///
+/// `p` must be the host address of at least `i + 1` elements of `dtype`.
+unsafe fn load(p: u64, dtype: DType, i: usize) -> f64 {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match dtype {
+            DType::F32 => f64::from(*(p as *const f32).add(i)),
+            DType::F16 => (*(p as *const f16).add(i)).to_f64(),
+            DType::BF16 => (*(p as *const bf16).add(i)).to_f64(),
+        }
+    }
+}
+
+/// Writes `v` (rounded to `dtype`) to element `i` of the `dtype` array at `p`.
+///
+/// # Safety
+///
+/// `p` must be the host address of at least `i + 1` writable elements of `dtype`.
+unsafe fn store(p: u64, dtype: DType, i: usize, v: f64) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match dtype {
+            DType::F32 => *(p as *mut f32).add(i) = v as f32,
+            DType::F16 => *(p as *mut f16).add(i) = f16::from_f64(v),
+            DType::BF16 => *(p as *mut bf16).add(i) = bf16::from_f64(v),
+        }
+    }
+}
+
+impl Exec for Emulator {
+    unsafe fn launch(&self, kernel: Instance, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        if launch(kernel, cfg, args) {
+            Ok(())
+        } else {
+            Err(Error::Device { op: "emulate", reason: "no C++ compiler".into() })
+        }
+    }
+
+    unsafe fn gemm(
+        &self,
+        s: &MatmulSpec,
+        a: u64,
+        b: u64,
+        c: u64,
+        ab: DType,
+        c_type: DType,
+    ) -> Result<()> {
+        let (m, n, k) = (s.m, s.n, s.k);
+        for batch in 0..s.batch {
+            let (a0, b0, c0) = (batch * s.stride_a, batch * s.stride_b, batch * s.stride_c);
+            for i in 0..m {
+                for j in 0..n {
+                    let mut sum = 0.0f64;
+                    for l in 0..k {
+                        let ai = if s.trans_a { l * m + i } else { i * k + l };
+                        let bi = if s.trans_b { j * k + l } else { l * n + j };
+                        // SAFETY: the caller's contract: A and B hold a_len() and b_len()
+                        // elements of `ab`.
+                        sum += unsafe { load(a, ab, a0 + ai) * load(b, ab, b0 + bi) };
+                    }
+                    let ci = c0 + i * n + j;
+                    let mut v = f64::from(s.alpha) * sum;
+                    if s.beta != 0.0 {
+                        // SAFETY: C holds c_len() elements of `c_type`.
+                        v += f64::from(s.beta) * unsafe { load(c, c_type, ci) };
+                    }
+                    // SAFETY: as above.
+                    unsafe { store(c, c_type, ci, v) };
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn zero(&self, dst: u64, bytes: usize) -> Result<()> {
+        // SAFETY: `dst` is the host address of `bytes` writable bytes (the caller's buffer,
+        // as a device allocation on a GPU).
+        unsafe { std::ptr::write_bytes(dst as *mut u8, 0, bytes) };
+        Ok(())
+    }
 }

@@ -489,9 +489,23 @@ fn convolution_kernels_match_the_host() {
             Arg::I64(n0 as i64),
             Arg::I64(nimg as i64),
             Arg::I64(group as i64),
+            Arg::U32(0),
         ];
         launch(IM2COL.of(DType::F32), launch::per_plane(nimg * k, ohw), &args);
         close(&format!("im2col case {i}"), &col, &want, 0.0);
+        // The weight gradient's layout: the same matrices with rows outermost.
+        let mut rows_outer = vec![f32::NAN; want.len()];
+        let mut args = args;
+        args[1] = ptr(&mut rows_outer);
+        args[6] = Arg::U32(1);
+        launch(IM2COL.of(DType::F32), launch::per_plane(nimg * k, ohw), &args);
+        let want_rows_outer: Vec<f32> = (0..want.len())
+            .map(|e| {
+                let (row, img, pos) = (e / (nimg * ohw), e / ohw % nimg, e % ohw);
+                want[(img * k + row) * ohw + pos]
+            })
+            .collect();
+        close(&format!("im2col rows outer case {i}"), &rows_outer, &want_rows_outer, 0.0);
         // col2im: <im2col(x), dcol> = <x, col2im(dcol)> for every x, so col2im's output is
         // the sum of dcol over the column entries each input element was copied to.
         let mut dcol = values(want.len(), seed + 4, -1.0, 1.0);
@@ -1174,6 +1188,7 @@ fn windows_of_dtype<T: Element>() -> bool {
             Arg::I64(0),
             Arg::I64(p.batch() as i64),
             Arg::I64(0),
+            Arg::U32(0),
         ];
         launch(IM2COL.of(dt), launch::per_plane(p.batch() * p.col_rows(), oh * ow), &args);
         close(&format!("im2col {dt:?} case {i}"), &widen(&col), &want, 0.0);

@@ -5,7 +5,7 @@ use super::launch::{self, BLOCK, elementwise as grid};
 use super::registry::{
     BROADCAST_ROWS, CAST, COL_SUM, ROW_SUM, ROW_SUM_F32, SUM_FINAL, SUM_PARTIAL,
 };
-use super::{Arg, Gpu};
+use super::{Arg, Exec, Gpu};
 use crate::cpu::elementwise::column_sum_partials;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -28,7 +28,7 @@ pub(crate) fn check_rows(op: &'static str, rows: usize) -> Result<()> {
 
 /// Converts `n` elements at `src` (of `from`) to `dst` (of `to`).
 pub(crate) fn cast(
-    gpu: &Gpu<'_>,
+    gpu: &impl Exec,
     src: u64,
     from: DType,
     dst: u64,

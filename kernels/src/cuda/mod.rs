@@ -13,7 +13,7 @@
 
 mod blas;
 #[cfg(test)]
-mod emulate;
+pub(crate) mod emulate;
 #[cfg(test)]
 mod emulated_kernels;
 pub(crate) mod helpers;
@@ -357,6 +357,62 @@ impl<'a> Gpu<'a> {
         let mut blas = self.cu.blas.lock().unwrap_or_else(|e| e.into_inner());
         blas.set_workspace(self.blas_workspace)?;
         blas.gemm(s, a, b, c, ab, c_type)
+    }
+}
+
+/// What an op's CUDA code runs on: kernel launches, cuBLAS products and memsets. [`Gpu`] is
+/// the device; in tests, [`emulate::Emulator`] runs the same code on the host (the kernels
+/// compiled as C++, products by a reference loop), so an op's launch sequence, strides and
+/// workspace layout are checked on machines without a GPU. Ops whose CUDA code takes an
+/// `Exec` (convolution) work on raw addresses rather than tensors for that reason.
+pub(crate) trait Exec {
+    /// Launches `kernel` (see [`CudaBackend::launch`]).
+    ///
+    /// # Safety
+    ///
+    /// As [`CudaBackend::launch`].
+    unsafe fn launch(&self, kernel: Instance, cfg: LaunchConfig, args: &[Arg]) -> Result<()>;
+
+    /// `C = alpha * op(A) * op(B) + beta * C` (see [`Gpu::gemm`]).
+    ///
+    /// # Safety
+    ///
+    /// As [`Gpu::gemm`].
+    unsafe fn gemm(
+        &self,
+        spec: &crate::ops::MatmulSpec,
+        a: u64,
+        b: u64,
+        c: u64,
+        ab: crate::DType,
+        c_type: crate::DType,
+    ) -> Result<()>;
+
+    /// Sets `bytes` bytes at `dst` to zero (see [`CudaBackend::zero`]).
+    fn zero(&self, dst: u64, bytes: usize) -> Result<()>;
+}
+
+impl Exec for Gpu<'_> {
+    unsafe fn launch(&self, kernel: Instance, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        // SAFETY: the caller's contract is the backend's.
+        unsafe { self.cu.launch(kernel, cfg, args) }
+    }
+
+    unsafe fn gemm(
+        &self,
+        spec: &crate::ops::MatmulSpec,
+        a: u64,
+        b: u64,
+        c: u64,
+        ab: crate::DType,
+        c_type: crate::DType,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract is the inherent method's.
+        unsafe { Gpu::gemm(self, spec, a, b, c, ab, c_type) }
+    }
+
+    fn zero(&self, dst: u64, bytes: usize) -> Result<()> {
+        self.cu.zero(dst, bytes)
     }
 }
 

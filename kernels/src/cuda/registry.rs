@@ -243,8 +243,8 @@ kernels! {
     /// g, u32 pf32, const float* sums, T* dx, u64 total, Div c, Div s)`.
     BN_BWD_DX = SOFTMAX "bn_bwd_dx" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U32, Ptr, Ptr, U64, Div, Div);
 
-    /// `im2col(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i64 group)`.
-    IM2COL = CONV "im2col" dtypes (Ptr, Ptr, Conv, I64, I64, I64);
+    /// `im2col(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i64 group, u32 rows_outer)`.
+    IM2COL = CONV "im2col" dtypes (Ptr, Ptr, Conv, I64, I64, I64, U32);
     /// `col2im(const float* dcol, T* dx, ConvGeom g, i64 n0, i64 nimg, i64 group)`.
     COL2IM = CONV "col2im" dtypes (Ptr, Ptr, Conv, I64, I64, I64);
     /// `bias_planes(const T* b, T* y, u64 n, Div c, Div ohw)`.

@@ -19,12 +19,16 @@ __device__ __forceinline__ bool tap_source(i64 t, i64 stride, bool unit, i64 lim
     return t < limit;
 }
 
-// col[img][row][pos] for images n0 .. n0 + nimg and channel group `group`, where
-// row = (c * kh + ky) * kw + kx over the group's channels and pos = oy * ow + ox. One block
-// per (img, row) (grid nimg * k), its threads over the row's positions: the row is decoded
-// once per thread and (oy, ox) stepped without a division per element.
+// The im2col matrices of images n0 .. n0 + nimg and channel group `group`: col[img][row][pos]
+// (one [k, ohw] matrix per image, the forward's), or with `rows_outer` col[row][img][pos]
+// (one [k, nimg * ohw] matrix whose columns run over the images' positions, the weight
+// gradient's), where row = (c * kh + ky) * kw + kx over the group's channels and
+// pos = oy * ow + ox. One block per (img, row) (grid nimg * k), its threads over the row's
+// positions: the row is decoded once per thread and (oy, ox) stepped without a division per
+// element. With a 1x1 geometry over planes of `dy` this lays out dy's channels as rows.
 template <typename T>
-__device__ void im2col_impl(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i64 group) {
+__device__ void im2col_impl(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i64 group,
+                            u32 rows_outer) {
     const i64 cin_g = g.c_in / g.groups;
     const i64 k = cin_g * g.kh * g.kw;
     const i64 ohw = g.oh * g.ow;
@@ -33,7 +37,7 @@ __device__ void im2col_impl(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i6
     const i64 c = row / (g.kh * g.kw);
     const i64 ky = (row / g.kw) % g.kh, kx = row % g.kw;
     const T* plane = x + ((n0 + img) * g.c_in + group * cin_g + c) * g.h * g.w;
-    T* out = col + b * ohw;
+    T* out = col + (rows_outer ? row * nimg + img : b) * ohw;
     const i64 y0 = ky * g.dh - g.ph, x0 = kx * g.dw - g.pw;
     PlaneWalk o(g.ow);
     for (i64 pos = threadIdx.x; pos < ohw; pos += blockDim.x, o.next()) {
@@ -181,7 +185,7 @@ __device__ void direct_bwd_weight_impl(const T* x, const T* dy, T* dw, ConvGeom 
 }
 
 #define CONV(T, S) \
-    extern "C" __global__ void im2col_##S(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i64 group) { im2col_impl<T>(x, col, g, n0, nimg, group); } \
+    extern "C" __global__ void im2col_##S(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i64 group, u32 rows_outer) { im2col_impl<T>(x, col, g, n0, nimg, group, rows_outer); } \
     extern "C" __global__ void col2im_##S(const float* dcol, T* dx, ConvGeom g, i64 n0, i64 nimg, i64 group) { col2im_impl<T>(dcol, dx, g, n0, nimg, group); } \
     extern "C" __global__ void bias_planes_##S(const T* b, T* y, u64 n, Div c, Div ohw) { bias_planes_impl<T>(b, y, n, c, ohw); } \
     extern "C" __global__ void direct_fwd_##S(const T* x, const T* w, const T* b, u32 has_b, T* y, ConvGeom g) { direct_fwd_impl<T>(x, w, b, has_b, y, g); } \

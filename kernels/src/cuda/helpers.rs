@@ -122,7 +122,18 @@ pub(crate) fn column_sums(
     ws: u64,
     out: &mut Tensor,
 ) -> Result<()> {
-    let d = out.numel();
+    column_sums_into(gpu, x_ptr, dtype, rows, ws, (out.cuda_ptr()?, out.dtype(), out.numel()))
+}
+
+/// [`column_sums`] into the `d` elements of `out_dtype` at `out`.
+pub(crate) fn column_sums_into(
+    gpu: &impl Exec,
+    x_ptr: u64,
+    dtype: DType,
+    rows: usize,
+    ws: u64,
+    (out, out_dtype, d): (u64, DType, usize),
+) -> Result<()> {
     if d == 0 {
         return Ok(());
     }
@@ -144,7 +155,7 @@ pub(crate) fn column_sums(
         )?;
     }
     finish_column_sums(gpu, ws, rows, d)?;
-    from_f32(gpu, ws, out)
+    cast(gpu, ws, DType::F32, out, out_dtype, d)
 }
 
 /// Where the first pass of column sums over `[rows, d]` writes its per-chunk partial sums in
@@ -156,7 +167,7 @@ pub(crate) fn column_partials(ws: u64, rows: usize, d: usize) -> u64 {
 
 /// The second pass of column sums: the first `d` floats of `ws` become the sums, in chunk
 /// order, of the partials [`column_partials`] points at (nothing to do for one chunk).
-pub(crate) fn finish_column_sums(gpu: &Gpu<'_>, ws: u64, rows: usize, d: usize) -> Result<()> {
+pub(crate) fn finish_column_sums(gpu: &impl Exec, ws: u64, rows: usize, d: usize) -> Result<()> {
     let chunks = column_sum_partials(rows);
     if chunks == 0 || d == 0 {
         return Ok(());

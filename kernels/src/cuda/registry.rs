@@ -256,6 +256,8 @@ kernels! {
     /// `direct_bwd_weight(const T* x, const T* dy, T* dw, ConvGeom g)`, one block per weight
     /// element.
     DIRECT_BWD_WEIGHT = CONV "direct_bwd_weight" dtypes (Ptr, Ptr, Ptr, Conv);
+    /// `depthwise_bwd_weight(const T* x, const T* dy, float* partial, ConvGeom g)`.
+    DEPTHWISE_BWD_WEIGHT = CONV "depthwise_bwd_weight" dtypes (Ptr, Ptr, Ptr, Conv);
 
     /// `max_pool(const T* x, T* y, u32* arg, PoolGeom g, Div ow, Div oh)`.
     MAX_POOL = POOL "max_pool" dtypes (Ptr, Ptr, Ptr, Pool, Div, Div);

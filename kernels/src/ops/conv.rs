@@ -5,11 +5,13 @@
 //! the weight gradient is one product per chunk of images (of [`BACKWARD_COL_BUDGET`]) and
 //! group, contracting over the chunk's output positions; depthwise convolutions, and small
 //! ones (at most [`DIRECT_MAX_MACS`](super::DIRECT_MAX_MACS) multiply-adds, see
-//! [`Conv2dParams::is_direct`]), use direct kernels that need no buffer at all, which keeps a
-//! small model's peak from being its largest im2col matrix (`kh * kw` times the
-//! convolution's input). The plan allocates those im2col buffers and the f32 accumulators
-//! of 16-bit weight gradients (an f32 one accumulates in place) on every backend, so the
-//! host's figures are the GPU's. When a buffer does not fit in the memory left, the
+//! [`Conv2dParams::is_direct`]), use direct kernels that need no im2col buffer, which keeps
+//! a small model's peak from being its largest im2col matrix (`kh * kw` times the
+//! convolution's input); a depthwise weight gradient (up to 7 x 7) sums each image's taps in
+//! registers, one block per image and channel, into f32 per-image sums that column sums add
+//! over the images in order. The plan allocates those buffers and the f32 accumulators of
+//! 16-bit weight gradients (an f32 one accumulates in place) on every backend, so the host's
+//! figures are the GPU's. When a buffer does not fit in the memory left, the
 //! convolution asks for half as many images, down to one, rather than failing (as PyTorch
 //! falls back to a cuDNN algorithm with a smaller workspace; `Plan::chunked_workspace` in
 //! `dispatch`).
@@ -51,6 +53,13 @@ fn backward_cols_per_image(p: &Conv2dParams, t: DType) -> usize {
     let (ohw, k, cout_g) = (oh * ow, p.col_rows(), p.c_out() / p.groups());
     let dcol = if p.is_pointwise() { 0 } else { k * ohw * 4 };
     dcol.max((k + cout_g) * ohw * t.size_in_bytes())
+}
+
+/// Whether a convolution's weight gradient is the depthwise kernel's (taps in registers,
+/// one block per image and channel, then column sums over the images): depthwise, at most
+/// 7 x 7 (`DW_MAX_SIDE` in `conv.cu`).
+fn depthwise_in_registers(p: &Conv2dParams) -> bool {
+    p.is_depthwise() && p.kernel().0 <= 7 && p.kernel().1 <= 7
 }
 
 /// The full geometry of a convolution of input shape `x: [batch, c_in, h, w]` with weight
@@ -202,6 +211,9 @@ struct BackwardWorkspaces {
     cols: Option<usize>,
     /// The weight gradient in f32, for 16-bit weights (f32 ones accumulate in place).
     dweight: Option<usize>,
+    /// The depthwise weight gradient's per-image sums, `[batch, dw.numel()]` f32, and
+    /// their column-sum workspace.
+    depthwise: [Option<usize>; 2],
     /// Per-(image, channel) sums of `dy`, f32.
     plane_sums: Option<usize>,
     /// The bias gradient in f32.
@@ -240,6 +252,18 @@ impl Op for Conv2dBackward<'_> {
             } else {
                 plan.output(&[p.c_out()], dtype);
             }
+        }
+        if !nothing && depthwise_in_registers(p) {
+            let taps = w.numel();
+            self.ws.depthwise = [
+                plan.workspace(super::params::mul(
+                    Self::NAME,
+                    "the weight gradient",
+                    p.batch(),
+                    taps * 4,
+                )?),
+                plan.workspace(super::reduce::column_sum_workspace(Self::NAME, p.batch(), taps)?),
+            ];
         }
         if !nothing && !p.is_direct() {
             // One buffer serves the f32 input-gradient columns, then the weight gradient's
@@ -295,7 +319,12 @@ impl Op for Conv2dBackward<'_> {
             };
             let t = x.dtype();
             if p.is_direct() {
-                cuda::direct_backward(gpu, p, t, &b)?;
+                let [partials, sums] = ws.depthwise;
+                let depthwise = match partials {
+                    Some(_) => Some((bufs.ws(partials)?, bufs.ws(sums)?)),
+                    None => None,
+                };
+                cuda::direct_backward(gpu, p, t, &b, depthwise)?;
             } else {
                 let cols = (bufs.ws(ws.cols)?, bufs.chunks(ws.cols).unwrap_or(ws.chunk));
                 cuda::backward_input(gpu, p, t, &b, cols)?;
@@ -322,10 +351,11 @@ impl Op for Conv2dBackward<'_> {
 /// through [`Exec`](crate::cuda::Exec), so that the tests run it on the host emulation too.
 #[cfg(feature = "cuda")]
 mod cuda {
-    use crate::cuda::helpers::{cast, check_rows};
+    use crate::cuda::helpers::{cast, check_rows, column_sums_into};
     use crate::cuda::launch::{self, ConvGeom, elementwise as grid};
     use crate::cuda::registry::{
-        BIAS_PLANES, COL2IM, DIRECT_BWD_INPUT, DIRECT_BWD_WEIGHT, DIRECT_FWD, IM2COL,
+        BIAS_PLANES, COL2IM, DEPTHWISE_BWD_WEIGHT, DIRECT_BWD_INPUT, DIRECT_BWD_WEIGHT, DIRECT_FWD,
+        IM2COL,
     };
     use crate::cuda::{Arg, Exec};
     use crate::dtype::DType;
@@ -506,12 +536,15 @@ mod cuda {
         pub(super) dw: u64,
     }
 
-    /// Direct gradients of the input and the weight.
+    /// Direct gradients of the input and the weight; `depthwise` holds the depthwise
+    /// weight gradient's workspaces (per-image sums, column-sum workspace) when it uses
+    /// them ([`depthwise_in_registers`](super::depthwise_in_registers)).
     pub(super) fn direct_backward(
         e: &impl Exec,
         p: &Conv2dParams,
         t: DType,
         b: &Backward,
+        depthwise: Option<(u64, u64)>,
     ) -> Result<()> {
         let (ohw, .., hw) = dims(p);
         check_rows("conv2d_backward", p.batch() * p.c_in())?;
@@ -525,6 +558,26 @@ mod cuda {
             )?;
         }
         let taps = p.c_out() * p.col_rows();
+        if let Some((partials, sums)) = depthwise {
+            let planes = p.batch() * p.c_out();
+            check_rows("conv2d_backward", planes)?;
+            // SAFETY: depthwise_bwd_weight_T(const T* x, const T* dy, float* partial,
+            // ConvGeom g), one block per (image, channel) plane of a depthwise convolution
+            // of at most 7 x 7; partials holds batch * taps floats.
+            unsafe {
+                e.launch(
+                    DEPTHWISE_BWD_WEIGHT.of(t),
+                    launch::per_plane(planes, ohw),
+                    &[
+                        Arg::Ptr(b.x),
+                        Arg::Ptr(b.dy),
+                        Arg::Ptr(partials),
+                        Arg::Conv(ConvGeom::of(p)),
+                    ],
+                )?;
+            }
+            return column_sums_into(e, partials, DType::F32, p.batch(), sums, (b.dw, t, taps));
+        }
         check_rows("conv2d_backward", taps)?;
         // SAFETY: direct_bwd_weight_T(const T* x, const T* dy, T* dw, ConvGeom g), one block
         // (whole warps, for its block sum) per weight element; dw holds
@@ -756,6 +809,86 @@ mod cuda {
             close(&format!("dweight {what}"), &dw, &want_dw, tol);
             intact(&format!("backward's columns {what}"), &cols);
             intact(&format!("weight gradient's accumulator {what}"), &acc);
+        }
+
+        /// The direct kernels' forward and gradients, with the depthwise weight gradient's
+        /// workspaces as the plan sizes them where it has them.
+        fn run_direct<T: Element>(e: &Emulator, case: usize, p: &Conv2dParams, tol: f32) {
+            let t = T::DTYPE;
+            let (xn, wn, yn) = (input_len(p), p.c_out() * p.col_rows(), p.output_len());
+            let typed = |v: Vec<f32>| v.into_iter().map(T::from_f32).collect::<Vec<T>>();
+            let (mut x, mut w) = (typed(values(xn, 5 + case as u64)), typed(values(wn, 17)));
+            let (mut bias, mut dy) = (typed(values(p.c_out(), 19)), typed(values(yn, 23)));
+            let widen = |v: &[T]| v.iter().map(|e| e.to_f32()).collect::<Vec<f32>>();
+            let (xf, wf, bf, dyf) = (widen(&x), widen(&w), widen(&bias), widen(&dy));
+            let what = format!("direct case {case} {t:?}");
+
+            let mut want = vec![0.0f32; yn];
+            crate::cpu::conv::conv2d(p, &xf, &wf, Some(&bf), &mut want).unwrap();
+            let mut y = vec![T::from_f32(f32::NAN); yn];
+            let f = Forward {
+                x: addr(&mut x),
+                w: addr(&mut w),
+                bias: Some(addr(&mut bias)),
+                y: addr(&mut y),
+            };
+            direct_forward(e, p, t, &f).unwrap();
+            close(&format!("forward {what}"), &y, &want, tol);
+
+            let (mut want_dx, mut want_dw) = (vec![0.0f32; xn], vec![0.0f32; wn]);
+            crate::cpu::conv::conv2d_backward(
+                p,
+                &xf,
+                &wf,
+                &dyf,
+                Some(&mut want_dx),
+                Some(&mut want_dw),
+                None,
+            )
+            .unwrap();
+            let (mut dx, mut dw) =
+                (vec![T::from_f32(f32::NAN); xn], vec![T::from_f32(f32::NAN); wn]);
+            let b = Backward {
+                x: addr(&mut x),
+                w: addr(&mut w),
+                dy: addr(&mut dy),
+                dx: addr(&mut dx),
+                dw: addr(&mut dw),
+            };
+            let sums = crate::ops::reduce::column_sum_workspace("test", p.batch(), wn).unwrap();
+            let (mut partials, mut sums) = (poisoned(p.batch() * wn * 4), poisoned(sums));
+            let depthwise = super::super::depthwise_in_registers(p);
+            let ws = depthwise.then(|| (addr(&mut partials), addr(&mut sums)));
+            direct_backward(e, p, t, &b, ws).unwrap();
+            close(&format!("dx {what}"), &dx, &want_dx, tol);
+            close(&format!("dweight {what} (depthwise kernel: {depthwise})"), &dw, &want_dw, tol);
+            intact(&format!("depthwise partials {what}"), &partials);
+            intact(&format!("depthwise column sums {what}"), &sums);
+        }
+
+        #[test]
+        fn direct_and_depthwise_convolutions_match_the_host() {
+            let Some(e) = Emulator::new(IM2COL.of(DType::F32)) else { return };
+            let o = Conv2dOptions::default;
+            let cases = [
+                ([3, 4, 9, 9], [4, 1, 3, 3], o().padding((1, 1)).groups(4)),
+                ([2, 3, 11, 10], [3, 1, 5, 5], o().stride((2, 2)).padding((2, 2)).groups(3)),
+                ([2, 2, 12, 12], [2, 1, 7, 7], o().padding((3, 3)).groups(2)),
+                ([2, 3, 10, 9], [3, 1, 3, 5], o().dilation((2, 1)).padding((2, 2)).groups(3)),
+                // More images than a column-sum chunk: the two-pass sums over images.
+                ([70, 2, 5, 5], [2, 1, 3, 3], o().padding((1, 1)).groups(2)),
+                // Past the registers' 7 x 7, and not depthwise: the per-tap kernel.
+                ([1, 2, 10, 10], [2, 1, 9, 9], o().padding((4, 4)).groups(2)),
+                ([2, 4, 8, 8], [6, 2, 3, 3], o().padding((1, 1)).groups(2)),
+            ];
+            for (i, (xs, ws, opts)) in cases.iter().enumerate() {
+                let p = Conv2dParams::new(xs, ws, opts).unwrap();
+                assert!(p.is_direct(), "case {i}");
+                assert_eq!(super::super::depthwise_in_registers(&p), i < 5, "case {i}");
+                run_direct::<f32>(&e, i, &p, 1e-5);
+                run_direct::<bf16>(&e, i, &p, 2e-2);
+                run_direct::<f16>(&e, i, &p, 4e-3);
+            }
         }
 
         #[test]

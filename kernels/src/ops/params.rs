@@ -580,7 +580,7 @@ mod tests {
         // The toy models' 3x3 convolutions at 32 px; depthwise ones at any size.
         assert!(direct([8, 16, 32, 32], [16, 16, 3, 3], o.padding((1, 1))));
         assert!(direct([64, 96, 56, 56], [96, 1, 3, 3], o.padding((1, 1)).groups(96)));
-        // Pointwise ones keep the product (they need no buffer anyway).
+        // Pointwise ones keep the product (their forward needs no buffer).
         assert!(!direct([2, 8, 7, 7], [16, 8, 1, 1], o));
         // ResNet-50 at batch 1: its smallest 3x3 (layer 4) and strided 1x1 convolutions.
         assert!(!direct([1, 512, 7, 7], [512, 512, 3, 3], o.padding((1, 1))));

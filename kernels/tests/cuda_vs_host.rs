@@ -484,13 +484,13 @@ fn conv2d_dense_grouped_pointwise_and_depthwise_match_host() {
     }
 }
 
-/// The images per chunk a convolution's forward and backward got on `d` (from its im2col
-/// requests of `per_image` bytes each), and their outputs.
+/// The images per chunk a convolution's forward and backward got on `d` (from their
+/// buffers' requests of `forward` and `backward` bytes an image), and their outputs.
 fn conv_in_chunks(
     d: &Device,
     (x, w, dy): (&Tensor, &Tensor, &Tensor),
     opts: &Conv2dOptions,
-    per_image: usize,
+    (forward, backward): (usize, usize),
 ) -> vram_kernels::Result<(Vec<usize>, Tensor, ops::Conv2dGrads)> {
     d.record_history(Some(1 << 16));
     let out = ops::conv2d(x, w, None, opts)
@@ -499,8 +499,10 @@ fn conv_in_chunks(
     d.record_history(None);
     let (y, g) = out?;
     let requests = trace.iter().filter(|e| e.action == vram_kernels::TraceAction::Alloc);
-    let chunks = requests.map(|e| e.requested).filter(|r| r % per_image == 0);
-    Ok((chunks.map(|r| r / per_image).collect(), y, g))
+    let images = |r: usize, per_image: usize| r.is_multiple_of(per_image).then_some(r / per_image);
+    let chunks =
+        requests.filter_map(|e| images(e.requested, backward).or(images(e.requested, forward)));
+    Ok((chunks.collect(), y, g))
 }
 
 /// A convolution that runs short of memory for its im2col buffer works through the batch in
@@ -510,11 +512,13 @@ fn conv_in_chunks(
 fn conv2d_in_chunks_of_fewer_images_matches_host() {
     let Some(gpu) = gpu() else { return };
     // An image's columns take 4.5 MiB: 5 images need a segment of 24 MiB, 2 share one of
-    // 20 MiB. Above DIRECT_MAX_MACS, so the im2col path.
-    let (xs, ws) = ([5, 16, 128, 128], [16, 8, 3, 3]);
+    // 20 MiB; the backward's 5.25 MiB (its columns and dy's 12 channels of a group). No
+    // output is a multiple of either (x and dx 5 MiB, y and dy 7.5 MiB). Above
+    // DIRECT_MAX_MACS, so the im2col path.
+    let (xs, ws, ys) = ([5, 16, 128, 128], [24, 8, 3, 3], [5, 24, 128, 128]);
     let opts = Conv2dOptions::default().padding((1, 1)).groups(2);
     assert!(!ops::conv2d_params(&xs, &ws, &opts).unwrap().is_direct());
-    let per_image = 8 * 9 * 128 * 128 * 4;
+    let per_image = (8 * 9 * 128 * 128 * 4, (8 * 9 + 12) * 128 * 128 * 4);
     let run = |d: &Device| {
         // No cuBLAS workspace: its block would fragment the little room there is.
         d.set_blas_workspace_size(0);
@@ -522,7 +526,7 @@ fn conv2d_in_chunks_of_fewer_images_matches_host() {
             let n = shape.iter().product();
             Tensor::from_f32_slice(d, shape, &values(n, seed, -4.0, 4.0), DType::F32)
         };
-        let (x, w, dy) = (t(&xs, 1)?, t(&ws, 2)?, t(&xs, 3)?);
+        let (x, w, dy) = (t(&xs, 1)?, t(&ws, 2)?, t(&ys, 3)?);
         conv_in_chunks(d, (&x, &w, &dy), &opts, per_image)
     };
     let (roomy, want_y, want_g) = run(&host()).unwrap();
@@ -833,5 +837,22 @@ fn gradients_repeat_bit_for_bit() {
         );
         assert_eq!(bits(&a.dweight), bits(&b.dweight), "conv2d dweight ({dtype})");
         assert_eq!(bits(&a.dx), bits(&b.dx), "conv2d dx ({dtype})");
+
+        // Depthwise (per-image tap sums added over 300 images in order) and im2col + cuBLAS
+        // (the weight gradient a product per chunk of 12 images, over 6 chunks).
+        let cases = [
+            ([300, 8, 12, 12], [8, 1, 3, 3], Conv2dOptions::default().padding((1, 1)).groups(8)),
+            ([64, 64, 32, 32], [64, 64, 3, 3], Conv2dOptions::default().padding((1, 1))),
+        ];
+        for (i, (xs, ws, opts)) in cases.iter().enumerate() {
+            let p = ops::conv2d_params(xs, ws, opts).unwrap();
+            let (_, cx) = pair(&gpu, xs, dtype, 131 + i as u64);
+            let (_, cw) = pair(&gpu, ws, dtype, 133 + i as u64);
+            let (_, cdy) = pair(&gpu, &p.output_shape(), dtype, 135 + i as u64);
+            let conv = || ops::conv2d_backward(&cx, &cw, &cdy, opts, false).unwrap();
+            let (a, b) = (conv(), conv());
+            assert_eq!(bits(&a.dweight), bits(&b.dweight), "conv2d case {i} dweight ({dtype})");
+            assert_eq!(bits(&a.dx), bits(&b.dx), "conv2d case {i} dx ({dtype})");
+        }
     }
 }

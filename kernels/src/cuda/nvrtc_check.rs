@@ -379,3 +379,23 @@ fn no_kernel_adds_with_atomics() {
     }
     assert!(kernels > 100, "only {kernels} kernels found in the PTX");
 }
+
+/// The depthwise weight gradient keeps its 7 x 7 tap sums in registers: after unrolling,
+/// every index into its array is a constant, so its PTX has no local-memory frame
+/// (`__local_depot`, `ld.local`/`st.local`), which a loop the compiler could not unroll
+/// would bring back (an array indexed at run time lives in local memory).
+#[test]
+fn the_depthwise_weight_gradient_keeps_its_taps_in_registers() {
+    if !nvrtc_present() {
+        return;
+    }
+    let bodies = kernel_bodies("conv");
+    let mut checked = 0;
+    for (name, body) in bodies.iter().filter(|(n, _)| n.starts_with("depthwise_bwd_weight_")) {
+        for local in ["__local_depot", "ld.local", "st.local"] {
+            assert!(!body.contains(local), "{name} uses local memory ({local})");
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 3, "depthwise weight gradient kernels found in the PTX");
+}

@@ -21,7 +21,7 @@ fn host() -> &'static Device {
 }
 
 /// Deterministic pseudo-random values in `[lo, hi)` (xorshift).
-fn values(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+pub(crate) fn values(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..n)
         .map(|_| {

@@ -15,7 +15,7 @@ mod blas;
 #[cfg(test)]
 pub(crate) mod emulate;
 #[cfg(test)]
-mod emulated_kernels;
+pub(crate) mod emulated_kernels;
 pub(crate) mod helpers;
 pub(crate) mod launch;
 mod loader;

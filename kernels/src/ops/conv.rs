@@ -712,20 +712,9 @@ mod cuda {
     mod tests {
         use super::*;
         use crate::cuda::emulate::Emulator;
+        use crate::cuda::emulated_kernels::values;
         use crate::dtype::Element;
         use half::{bf16, f16};
-
-        fn values(n: usize, seed: u64) -> Vec<f32> {
-            let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-            (0..n)
-                .map(|_| {
-                    s ^= s << 13;
-                    s ^= s >> 7;
-                    s ^= s << 17;
-                    (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-                })
-                .collect()
-        }
 
         /// Words after a workspace that nothing may write.
         const GUARD: usize = 64;
@@ -755,113 +744,118 @@ mod cuda {
             }
         }
 
+        /// A convolution's operands in `T`, its outputs (NaN until written), and what the
+        /// host computes from the same (rounded) operands in f32.
+        struct Case<T> {
+            x: Vec<T>,
+            w: Vec<T>,
+            bias: Vec<T>,
+            dy: Vec<T>,
+            y: Vec<T>,
+            dx: Vec<T>,
+            dw: Vec<T>,
+            want_y: Vec<f32>,
+            want_dx: Vec<f32>,
+            want_dw: Vec<f32>,
+        }
+
+        impl<T: Element> Case<T> {
+            fn new(p: &Conv2dParams, seed: u64) -> Case<T> {
+                let (xn, wn, yn) = (input_len(p), p.c_out() * p.col_rows(), p.output_len());
+                let typed = |n, seed| {
+                    let v = values(n, seed, -1.0, 1.0);
+                    v.into_iter().map(T::from_f32).collect::<Vec<T>>()
+                };
+                let (x, w, bias, dy) = (
+                    typed(xn, seed),
+                    typed(wn, seed + 1),
+                    typed(p.c_out(), seed + 2),
+                    typed(yn, seed + 3),
+                );
+                let widen = |v: &[T]| v.iter().map(|e| e.to_f32()).collect::<Vec<f32>>();
+                let (xf, wf, dyf) = (widen(&x), widen(&w), widen(&dy));
+                let mut want_y = vec![0.0f32; yn];
+                crate::cpu::conv::conv2d(p, &xf, &wf, Some(&widen(&bias)), &mut want_y).unwrap();
+                let (mut want_dx, mut want_dw) = (vec![0.0f32; xn], vec![0.0f32; wn]);
+                let (dx, dw) = (Some(&mut want_dx[..]), Some(&mut want_dw[..]));
+                crate::cpu::conv::conv2d_backward(p, &xf, &wf, &dyf, dx, dw, None).unwrap();
+                let nan = |n| vec![T::from_f32(f32::NAN); n];
+                Case {
+                    x,
+                    w,
+                    bias,
+                    dy,
+                    y: nan(yn),
+                    dx: nan(xn),
+                    dw: nan(wn),
+                    want_y,
+                    want_dx,
+                    want_dw,
+                }
+            }
+
+            fn forward(&mut self) -> Forward {
+                Forward {
+                    x: addr(&mut self.x),
+                    w: addr(&mut self.w),
+                    bias: Some(addr(&mut self.bias)),
+                    y: addr(&mut self.y),
+                }
+            }
+
+            fn backward(&mut self) -> Backward {
+                Backward {
+                    x: addr(&mut self.x),
+                    w: addr(&mut self.w),
+                    dy: addr(&mut self.dy),
+                    dx: addr(&mut self.dx),
+                    dw: addr(&mut self.dw),
+                }
+            }
+
+            /// The outputs against the host's, within `tol`.
+            fn check(&self, what: &str, tol: f32) {
+                close(&format!("forward {what}"), &self.y, &self.want_y, tol);
+                close(&format!("dx {what}"), &self.dx, &self.want_dx, tol);
+                close(&format!("dweight {what}"), &self.dw, &self.want_dw, tol);
+            }
+        }
+
+        /// The im2col + cuBLAS path in chunks of `chunk` images, with the workspaces the
+        /// plan sizes.
         fn run<T: Element>(e: &Emulator, case: usize, p: &Conv2dParams, chunk: usize, tol: f32) {
             let t = T::DTYPE;
-            let (xn, wn, yn) = (input_len(p), p.c_out() * p.col_rows(), p.output_len());
-            let typed = |v: Vec<f32>| v.into_iter().map(T::from_f32).collect::<Vec<T>>();
-            let (mut x, mut w) = (typed(values(xn, 3 * case as u64)), typed(values(wn, 7)));
-            let (mut bias, mut dy) = (typed(values(p.c_out(), 11)), typed(values(yn, 13)));
-            let widen = |v: &[T]| v.iter().map(|e| e.to_f32()).collect::<Vec<f32>>();
-            let (xf, wf, bf, dyf) = (widen(&x), widen(&w), widen(&bias), widen(&dy));
-            let what = format!("case {case} {t:?} chunk {chunk}");
-
-            let mut want = vec![0.0f32; yn];
-            crate::cpu::conv::conv2d(p, &xf, &wf, Some(&bf), &mut want).unwrap();
-            let mut y = vec![T::from_f32(f32::NAN); yn];
+            let mut c = Case::<T>::new(p, 3 * case as u64);
             let (ohw, k) = (dims(p).0, p.col_rows());
             let mut col_ws = poisoned(chunk * k * ohw * t.size_in_bytes());
             let col = if p.is_pointwise() { 0 } else { addr(&mut col_ws) };
-            let f = Forward {
-                x: addr(&mut x),
-                w: addr(&mut w),
-                bias: Some(addr(&mut bias)),
-                y: addr(&mut y),
-            };
-            forward(e, p, t, &f, (col, chunk)).unwrap();
-            close(&format!("forward {what}"), &y, &want, tol);
-            intact(&format!("forward's columns {what}"), &col_ws);
-
-            let (mut want_dx, mut want_dw) = (vec![0.0f32; xn], vec![0.0f32; wn]);
-            crate::cpu::conv::conv2d_backward(
-                p,
-                &xf,
-                &wf,
-                &dyf,
-                Some(&mut want_dx),
-                Some(&mut want_dw),
-                None,
-            )
-            .unwrap();
-            let (mut dx, mut dw) =
-                (vec![T::from_f32(f32::NAN); xn], vec![T::from_f32(f32::NAN); wn]);
+            forward(e, p, t, &c.forward(), (col, chunk)).unwrap();
             let mut cols = poisoned(chunk * super::super::backward_cols_per_image(p, t));
-            let mut acc = poisoned(wn * 4);
-            let b = Backward {
-                x: addr(&mut x),
-                w: addr(&mut w),
-                dy: addr(&mut dy),
-                dx: addr(&mut dx),
-                dw: addr(&mut dw),
-            };
+            let mut acc = poisoned(c.dw.len() * 4);
+            let b = c.backward();
             backward_input(e, p, t, &b, (addr(&mut cols), chunk)).unwrap();
-            close(&format!("dx {what}"), &dx, &want_dx, tol);
             backward_weight(e, p, t, &b, (addr(&mut cols), chunk), addr(&mut acc)).unwrap();
-            close(&format!("dweight {what}"), &dw, &want_dw, tol);
+            let what = format!("case {case} {t:?} chunk {chunk}");
+            c.check(&what, tol);
+            intact(&format!("forward's columns {what}"), &col_ws);
             intact(&format!("backward's columns {what}"), &cols);
             intact(&format!("weight gradient's accumulator {what}"), &acc);
         }
 
-        /// The direct kernels' forward and gradients, with the depthwise weight gradient's
-        /// workspaces as the plan sizes them where it has them.
+        /// The direct kernels, with the depthwise weight gradient's workspaces as the plan
+        /// sizes them where it has them.
         fn run_direct<T: Element>(e: &Emulator, case: usize, p: &Conv2dParams, tol: f32) {
             let t = T::DTYPE;
-            let (xn, wn, yn) = (input_len(p), p.c_out() * p.col_rows(), p.output_len());
-            let typed = |v: Vec<f32>| v.into_iter().map(T::from_f32).collect::<Vec<T>>();
-            let (mut x, mut w) = (typed(values(xn, 5 + case as u64)), typed(values(wn, 17)));
-            let (mut bias, mut dy) = (typed(values(p.c_out(), 19)), typed(values(yn, 23)));
-            let widen = |v: &[T]| v.iter().map(|e| e.to_f32()).collect::<Vec<f32>>();
-            let (xf, wf, bf, dyf) = (widen(&x), widen(&w), widen(&bias), widen(&dy));
-            let what = format!("direct case {case} {t:?}");
-
-            let mut want = vec![0.0f32; yn];
-            crate::cpu::conv::conv2d(p, &xf, &wf, Some(&bf), &mut want).unwrap();
-            let mut y = vec![T::from_f32(f32::NAN); yn];
-            let f = Forward {
-                x: addr(&mut x),
-                w: addr(&mut w),
-                bias: Some(addr(&mut bias)),
-                y: addr(&mut y),
-            };
-            direct_forward(e, p, t, &f).unwrap();
-            close(&format!("forward {what}"), &y, &want, tol);
-
-            let (mut want_dx, mut want_dw) = (vec![0.0f32; xn], vec![0.0f32; wn]);
-            crate::cpu::conv::conv2d_backward(
-                p,
-                &xf,
-                &wf,
-                &dyf,
-                Some(&mut want_dx),
-                Some(&mut want_dw),
-                None,
-            )
-            .unwrap();
-            let (mut dx, mut dw) =
-                (vec![T::from_f32(f32::NAN); xn], vec![T::from_f32(f32::NAN); wn]);
-            let b = Backward {
-                x: addr(&mut x),
-                w: addr(&mut w),
-                dy: addr(&mut dy),
-                dx: addr(&mut dx),
-                dw: addr(&mut dw),
-            };
+            let mut c = Case::<T>::new(p, 5 + case as u64);
+            direct_forward(e, p, t, &c.forward()).unwrap();
+            let wn = c.dw.len();
             let sums = crate::ops::reduce::column_sum_workspace("test", p.batch(), wn).unwrap();
             let (mut partials, mut sums) = (poisoned(p.batch() * wn * 4), poisoned(sums));
             let depthwise = super::super::depthwise_in_registers(p);
             let ws = depthwise.then(|| (addr(&mut partials), addr(&mut sums)));
-            direct_backward(e, p, t, &b, ws).unwrap();
-            close(&format!("dx {what}"), &dx, &want_dx, tol);
-            close(&format!("dweight {what} (depthwise kernel: {depthwise})"), &dw, &want_dw, tol);
+            direct_backward(e, p, t, &c.backward(), ws).unwrap();
+            let what = format!("direct case {case} {t:?} (depthwise kernel: {depthwise})");
+            c.check(&what, tol);
             intact(&format!("depthwise partials {what}"), &partials);
             intact(&format!("depthwise column sums {what}"), &sums);
         }

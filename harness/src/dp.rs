@@ -3,7 +3,7 @@
 //! their own), and [`measure`], one data-parallel run over N host or virtual devices.
 //!
 //! `DpModel` is built from the same layers in the same order with the same random draws as
-//! [`Model`](crate::models::Model), so one step of it on one device equals one step of the
+//! [`Model`], so one step of it on one device equals one step of the
 //! reference model (`harness/tests/data_parallel.rs` checks it); it runs the layers one by
 //! one so that ZeRO-3 can gather each layer's weights around its forward and backward.
 

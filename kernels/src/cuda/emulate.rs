@@ -16,6 +16,10 @@
 //! instead of PTX (`VRAM_HOST_EMULATION` in `common.cuh`); every other line is the one NVRTC
 //! compiles.
 //!
+//! [`Emulator`] goes one level up: an op's CUDA code written against [`Exec`] (the
+//! convolution's) runs here whole, its kernels emulated and its cuBLAS products computed by
+//! definition.
+//!
 //! Without a C++ compiler the tests print `skipped: no C++ compiler (...)` and pass.
 
 use super::Exec;

@@ -361,7 +361,7 @@ impl<'a> Gpu<'a> {
 }
 
 /// What an op's CUDA code runs on: kernel launches, cuBLAS products and memsets. [`Gpu`] is
-/// the device; in tests, [`emulate::Emulator`] runs the same code on the host (the kernels
+/// the device; in tests, `emulate::Emulator` runs the same code on the host (the kernels
 /// compiled as C++, products by a reference loop), so an op's launch sequence, strides and
 /// workspace layout are checked on machines without a GPU. Ops whose CUDA code takes an
 /// `Exec` (convolution) work on raw addresses rather than tensors for that reason.

@@ -125,7 +125,7 @@ fn invstd(var: f32, eps: f32) -> f32 {
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] for a rank below 2, zero channels, a channel with fewer than
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a rank below 2, zero channels, a channel with fewer than
 /// two values (PyTorch's "expected more than 1 value per channel when training"), a negative
 /// or non-finite `eps`, a momentum outside `[0, 1]`; shape, dtype (parameters neither `x`'s
 /// dtype nor f32, or not all alike) and device mismatches; out of memory. Nothing is updated

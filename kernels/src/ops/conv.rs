@@ -416,7 +416,7 @@ mod cuda {
         }
     }
 
-    /// The device addresses of a forward's tensors (`bias` 0 for none).
+    /// The device addresses of a forward's tensors.
     pub(super) struct Forward {
         pub(super) x: u64,
         pub(super) w: u64,

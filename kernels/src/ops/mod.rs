@@ -1,6 +1,6 @@
 //! Ops on [`Tensor`]s, forward and backward, each described once: its checks, what it
 //! allocates, its host code and its CUDA launches, run through one dispatch function
-//! ([`dispatch`]).
+//! (`dispatch`).
 //!
 //! Every op validates before it allocates and allocates before it writes, so an error (out
 //! of memory included) leaves its inputs as they were. An op allocates exactly the same

@@ -376,7 +376,7 @@ mod cuda {
 
     /// How im2col lays out the matrices of a chunk of images.
     #[derive(Clone, Copy, PartialEq)]
-    pub(super) enum Layout {
+    enum Layout {
         /// `[img][row][pos]`: one `[k, ohw]` matrix per image (forward).
         PerImage,
         /// `[row][img][pos]`: one `[k, nimg * ohw]` matrix whose columns run over every
@@ -457,7 +457,7 @@ mod cuda {
     }
 
     /// `y = conv2d(x, w) + bias` in dtype `t` by im2col and cuBLAS (or zeros, or the bias,
-    /// for an empty input). `col` is the im2col workspace of `chunk` images (0 for a
+    /// for an empty input); `y` is nonempty (the op returns before). `col` is the im2col workspace of `chunk` images (0 for a
     /// pointwise convolution).
     pub(super) fn forward(
         e: &impl Exec,
@@ -467,9 +467,6 @@ mod cuda {
         (col, chunk): (u64, usize),
     ) -> Result<()> {
         let n = p.output_len();
-        if n == 0 {
-            return Ok(());
-        }
         let (ohw, k, cin_g, cout_g, hw) = dims(p);
         let beta = match f.bias {
             Some(bias) => {

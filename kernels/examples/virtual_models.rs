@@ -508,9 +508,10 @@ impl ResNet {
         drop((dh, argmax, a0));
         let dz0 = ops::relu_backward(&z0, &da0)?;
         drop((da0, z0));
-        let g = ops::conv2d_backward(x, p.value(self.stem.w), &dz0, &self.stem.opts, false)?;
+        // The input needs no gradient: the weight's alone.
+        let g = ops::conv2d_backward_weight(x, p.value(self.stem.w), &dz0, &self.stem.opts, false)?;
         p.accumulate(self.stem.w, g.dweight)?;
-        drop((g.dx, dz0));
+        drop(dz0);
         p.adamw(step, &AdamWConfig::default())?;
         Ok(ce.loss)
     }

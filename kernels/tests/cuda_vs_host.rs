@@ -480,6 +480,15 @@ fn conv2d_dense_grouped_pointwise_and_depthwise_match_host() {
                 hg.dbias.as_ref().unwrap(),
                 t,
             );
+            // The parameters' gradients alone (no dx): the same as with it.
+            let gw_only = ops::conv2d_backward_weight(&gx, &gw, &gdy, opts, true).unwrap();
+            close_sum(&format!("conv2d dweight alone case {i}"), &gw_only.dweight, &hg.dweight, t);
+            close_sum(
+                &format!("conv2d dbias alone case {i}"),
+                gw_only.dbias.as_ref().unwrap(),
+                hg.dbias.as_ref().unwrap(),
+                t,
+            );
         }
     }
 }

@@ -257,6 +257,19 @@ fn conv_pool_and_norm_ops_check_shapes_and_compute_the_reference() {
     assert_eq!(y.to_f32_vec().unwrap(), want);
     let g = ops::conv2d_backward(&x, &k, &y, &opts, true).unwrap();
     assert_eq!((g.dx.shape(), g.dweight.shape()), (x.shape(), k.shape()));
+    // The parameters' gradients alone: the same values, and no dx allocated (the peak is
+    // lower by at least dx's bytes).
+    d.reset_peak_stats();
+    let full_peak = {
+        let _g = ops::conv2d_backward(&x, &k, &y, &opts, true).unwrap();
+        d.max_memory_allocated()
+    };
+    d.reset_peak_stats();
+    let alone = ops::conv2d_backward_weight(&x, &k, &y, &opts, true).unwrap();
+    let alone_peak = d.max_memory_allocated();
+    assert_eq!(alone.dweight.to_f32_vec().unwrap(), g.dweight.to_f32_vec().unwrap());
+    assert_eq!(alone.dbias.unwrap().to_f32_vec().unwrap(), g.dbias.unwrap().to_f32_vec().unwrap());
+    assert!(alone_peak + x.size_in_bytes() as u64 <= full_peak, "{alone_peak} vs {full_peak}");
     assert!(ops::conv2d(&x, &k, None, &Conv2dOptions::default().groups(3)).is_err());
 
     let p = Pool2dOptions::new((2, 2), (2, 2));

@@ -6,8 +6,9 @@
 #   3. the PyTorch twin of the reference models (cargo xtask twin --backend cuda --profile)
 #   4. a PyTorch training trace (default and expandable segments) replayed by vram --strict
 #   5. cargo xtask plan --verify on CUDA (the virtual prediction against the measured peak)
+#   6. conv: ResNet-50's convolutions one by one, vram (cuda_conv) and cuDNN (torch_conv.py)
 # Everything lands in $OUT/measure.tar.gz; $OUT/SUMMARY.md has the tables.
-# Arguments pick parts (kernels, twin, trace, plan); none runs them all.
+# Arguments pick parts (kernels, twin, trace, plan, conv); none runs them all.
 source "$(dirname "$0")/env.sh"
 here=$(cd "$(dirname "$0")" && pwd)
 R=$(mktemp -d)/measure
@@ -25,7 +26,7 @@ run() { # name, timeout seconds, command...
 say "# GPU measurements ($(date -u +%FT%TZ))"
 say "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
 say "$("$TORCH_PYTHON" -c 'import torch; print("PyTorch", torch.__version__, "CUDA", torch.version.cuda)' 2>&1)"
-parts=" ${*:-kernels twin trace plan} "
+parts=" ${*:-kernels twin trace plan conv} "
 wants() { [[ "$parts" == *" $1 "* ]]; }
 if wants kernels; then
   run cuda_bench 120 .gpu/bin/cuda_bench
@@ -46,6 +47,10 @@ if wants trace; then
 fi
 if wants plan; then
   run plan_verify 240 .gpu/bin/xtask plan --model gpt2-small --batch 32 --device-memory 79GiB --verify
+fi
+if wants conv; then
+  run cuda_conv 120 .gpu/bin/cuda_conv
+  run torch_conv 120 "$TORCH_PYTHON" "$here/torch_conv.py"
 fi
 tar czf "$OUT/measure.tar.gz" -C "$(dirname "$R")" measure
 cp "$S" "$OUT/SUMMARY.md"

@@ -316,18 +316,25 @@ impl Layer for Conv2d {
             accumulate_grad_cast(&mut norm.beta, g.dbeta)?;
         }
         let w = cast_saved.as_ref().map_or(&self.weight.value, |c| &c.w);
-        let g = ops::conv2d_backward(&x, w, &dz, &self.opts, self.bias.is_some())?;
+        let with_bias = self.bias.is_some();
+        // Without a wanted input gradient (the first layer), dx is neither computed nor
+        // allocated, as PyTorch's convolution_backward with output_mask [False, ...].
+        let (dx, dweight, dbias) = if want {
+            let g = ops::conv2d_backward(&x, w, &dz, &self.opts, with_bias)?;
+            (Some(g.dx), g.dweight, g.dbias)
+        } else {
+            let g = ops::conv2d_backward_weight(&x, w, &dz, &self.opts, with_bias)?;
+            (None, g.dweight, g.dbias)
+        };
         drop((x, dz));
-        accumulate_grad_cast(&mut self.weight, g.dweight)?;
-        if let (Some(b), Some(db)) = (&mut self.bias, g.dbias) {
+        accumulate_grad_cast(&mut self.weight, dweight)?;
+        if let (Some(b), Some(db)) = (&mut self.bias, dbias) {
             accumulate_grad_cast(b, db)?;
         }
-        if !want {
-            return Ok(None);
-        }
+        let Some(dx) = dx else { return Ok(None) };
         match cast_saved {
-            Some(c) => Ok(Some(cast(&g.dx, c.in_dtype)?)),
-            None => Ok(Some(g.dx)),
+            Some(c) => Ok(Some(cast(&dx, c.in_dtype)?)),
+            None => Ok(Some(dx)),
         }
     }
 

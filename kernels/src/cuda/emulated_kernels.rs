@@ -524,17 +524,33 @@ fn convolution_kernels_match_the_host() {
                 }
             }
         }
-        let mut dx = vec![0.0f32; xv.len()];
-        let args = [
-            ptr(&mut dcol),
-            ptr(&mut dx),
-            geom,
-            Arg::I64(n0 as i64),
-            Arg::I64(nimg as i64),
-            Arg::I64(group as i64),
-        ];
-        launch(COL2IM.of(DType::F32), launch::per_plane(nimg * cin_g, hw), &args);
-        close(&format!("col2im case {i}"), &dx, &want_dx, 1e-5);
+        // As launched (each plane split over blocks where the planes are few), and with
+        // every plane split over 3 blocks (of whole warps, whatever the plane's size).
+        let mut forced = launch::per_plane(nimg * cin_g, hw);
+        forced.grid_dim.1 = 3;
+        for (how, cfg) in
+            [("split", launch::per_plane_split(nimg * cin_g, hw)), ("3 parts", forced)]
+        {
+            let mut dx = vec![f32::NAN; xv.len()];
+            let args = [
+                ptr(&mut dcol),
+                ptr(&mut dx),
+                geom,
+                Arg::I64(n0 as i64),
+                Arg::I64(nimg as i64),
+                Arg::I64(group as i64),
+            ];
+            launch(COL2IM.of(DType::F32), cfg, &args);
+            // Planes outside the chunk and group stay unwritten (NaN).
+            let plane_of = |e: usize| (e / (hw * p.c_in()), e / hw % p.c_in());
+            let mine = |e: usize| {
+                let (img, c) = plane_of(e);
+                img >= n0 && c / cin_g == group
+            };
+            assert!(dx.iter().enumerate().all(|(e, v)| mine(e) != v.is_nan()), "col2im {how} {i}");
+            let dx: Vec<f32> = dx.iter().map(|v| if v.is_nan() { 0.0 } else { *v }).collect();
+            close(&format!("col2im {how} case {i}"), &dx, &want_dx, 1e-5);
+        }
     }
 }
 

@@ -61,6 +61,22 @@ pub(crate) fn per_plane(planes: usize, plane: usize) -> LaunchConfig {
     }
 }
 
+/// Blocks [`per_plane_split`] aims at: enough to fill a large GPU (132 SMs of an H100, 8
+/// blocks of 256 threads each resident) with whole waves to spare.
+const SPLIT_TARGET_BLOCKS: usize = 2048;
+
+/// As [`per_plane`], with each plane split over `grid.y` blocks where `planes` alone would
+/// leave the device idle (a convolution's 3 input channels over a chunk of 3 images): the
+/// blocks of a plane take turns over its positions. At most one block per `block_dim.x`
+/// positions, and at most 65535 (grid.y's limit).
+pub(crate) fn per_plane_split(planes: usize, plane: usize) -> LaunchConfig {
+    let mut cfg = per_plane(planes, plane);
+    let most = plane.div_ceil(cfg.block_dim.0 as usize).clamp(1, MAX_GRID_Y);
+    let parts = SPLIT_TARGET_BLOCKS.div_ceil(planes.max(1)).clamp(1, most);
+    cfg.grid_dim.1 = parts as u32;
+    cfg
+}
+
 /// Whether `blocks` blocks fit grid.x (2^31 - 1).
 pub(crate) fn fits_grid(blocks: usize) -> bool {
     blocks <= i32::MAX as usize

@@ -34,9 +34,10 @@ const FORWARD_COL_BUDGET: usize = 256 << 20;
 /// activations are held and freed one by one, and buffers of many sizes there fragment the
 /// cache. Measured on the virtual device (`cargo xtask plan --batch 64`, f32, default
 /// allocator): 32 MiB keeps ResNet-50's peak allocated at 5.45 GiB and reserved at
-/// 5.56 GiB (256 MiB: 6.29 GiB reserved), MobileNetV3's at 2.77 and 3.16 GiB (256 MiB:
-/// 3.57 GiB); a chunk still contracts over thousands of positions (4 images of 56 x 56 for
-/// ResNet-50's first 3x3 convolutions).
+/// 5.56 GiB (64 MiB: 5.46 / 5.55, 256 MiB: 6.29 GiB reserved), MobileNetV3's at 2.77 and
+/// 3.16 GiB (64 MiB: 3.32, 256 MiB: 3.57 GiB reserved). The price in time, measured on an
+/// H100 (`cuda_conv`, ResNet-50's 53 convolutions at batch 64, f32): backward 62.9 ms at
+/// 32 MiB, 58.5 at 64, 55.3 at 128, 54.0 at 256 (cuDNN: 45.9).
 const BACKWARD_COL_BUDGET: usize = 32 << 20;
 
 /// Images per chunk for a per-image buffer of `per_image` bytes within `budget`.
@@ -45,13 +46,14 @@ fn chunk_images(budget: usize, p: &Conv2dParams, per_image: usize) -> usize {
 }
 
 /// Bytes per image of the backward's `cols` workspace in dtype `t`: the f32 columns of the
-/// input's gradient (none for a pointwise convolution, whose product is dx itself), then,
+/// input's gradient (none for a pointwise convolution, whose product is dx itself, and none
+/// without dx, `input` false), then,
 /// reused, the weight gradient's operands: the input's columns and dy's channels, each with
 /// the images' positions as one dimension (`cuda::backward_weight`).
-fn backward_cols_per_image(p: &Conv2dParams, t: DType) -> usize {
+fn backward_cols_per_image(p: &Conv2dParams, t: DType, input: bool) -> usize {
     let (oh, ow) = p.output_hw();
     let (ohw, k, cout_g) = (oh * ow, p.col_rows(), p.c_out() / p.groups());
-    let dcol = if p.is_pointwise() { 0 } else { k * ohw * 4 };
+    let dcol = if p.is_pointwise() || !input { 0 } else { k * ohw * 4 };
     dcol.max((k + cout_g) * ohw * t.size_in_bytes())
 }
 
@@ -190,7 +192,42 @@ pub fn conv2d_backward(
     with_bias: bool,
 ) -> Result<Conv2dGrads> {
     let p = conv2d_params(x.shape(), weight.shape(), opts)?;
-    run(Conv2dBackward { p, x, weight, dy, with_bias, ws: BackwardWorkspaces::default() })
+    let ws = BackwardWorkspaces::default();
+    let (dx, dweight, dbias) =
+        run(Conv2dBackward { p, x, weight, dy, input: true, with_bias, ws })?;
+    let dx = dx.expect("planned: dx");
+    Ok(Conv2dGrads { dx, dweight, dbias })
+}
+
+/// Gradients of a 2-D convolution's parameters only.
+#[derive(Debug)]
+pub struct Conv2dWeightGrads {
+    /// Gradient of the weight, the weight's shape.
+    pub dweight: Tensor,
+    /// Gradient of the bias, `[c_out]`, when asked for.
+    pub dbias: Option<Tensor>,
+}
+
+/// [`conv2d_backward`] without the input's gradient, for a convolution whose input needs
+/// none (a network's first layer): as PyTorch's `convolution_backward` with
+/// `output_mask = [False, True, with_bias]`, it neither computes nor allocates dx (a
+/// ResNet stem's dx is 3 planes of 224 x 224 per image, gathered from 49 taps each).
+///
+/// # Errors
+///
+/// As [`conv2d_backward`].
+pub fn conv2d_backward_weight(
+    x: &Tensor,
+    weight: &Tensor,
+    dy: &Tensor,
+    opts: &Conv2dOptions,
+    with_bias: bool,
+) -> Result<Conv2dWeightGrads> {
+    let p = conv2d_params(x.shape(), weight.shape(), opts)?;
+    let ws = BackwardWorkspaces::default();
+    let (_, dweight, dbias) =
+        run(Conv2dBackward { p, x, weight, dy, input: false, with_bias, ws })?;
+    Ok(Conv2dWeightGrads { dweight, dbias })
 }
 
 struct Conv2dBackward<'a> {
@@ -198,6 +235,8 @@ struct Conv2dBackward<'a> {
     x: &'a Tensor,
     weight: &'a Tensor,
     dy: &'a Tensor,
+    /// Whether dx is computed (the first output).
+    input: bool,
     with_bias: bool,
     ws: BackwardWorkspaces,
 }
@@ -222,7 +261,7 @@ struct BackwardWorkspaces {
 
 impl Op for Conv2dBackward<'_> {
     const NAME: &'static str = "conv2d_backward";
-    type Output = Conv2dGrads;
+    type Output = (Option<Tensor>, Tensor, Option<Tensor>);
 
     fn device(&self) -> &Device {
         self.x.device()
@@ -240,10 +279,14 @@ impl Op for Conv2dBackward<'_> {
         let mut plan = Plan::default();
         let dtype = x.dtype();
         if nothing {
-            plan.zeroed_output(x.shape(), dtype);
+            if self.input {
+                plan.zeroed_output(x.shape(), dtype);
+            }
             plan.zeroed_output(w.shape(), dtype);
         } else {
-            plan.output(x.shape(), dtype);
+            if self.input {
+                plan.output(x.shape(), dtype);
+            }
             plan.output(w.shape(), dtype);
         }
         if self.with_bias {
@@ -268,7 +311,7 @@ impl Op for Conv2dBackward<'_> {
         if !nothing && !p.is_direct() {
             // One buffer serves the f32 input-gradient columns, then the weight gradient's
             // operands (the input's columns and dy's channels, over a chunk of images).
-            let per_image = backward_cols_per_image(p, dtype);
+            let per_image = backward_cols_per_image(p, dtype, self.input);
             self.ws.chunk = chunk_images(BACKWARD_COL_BUDGET, p, per_image);
             self.ws.cols = plan.chunked_workspace(per_image, self.ws.chunk);
             // An f32 weight gradient accumulates over the chunks in place (the first chunk's
@@ -293,13 +336,20 @@ impl Op for Conv2dBackward<'_> {
         if self.dy.numel() == 0 {
             return Ok(());
         }
-        let [dx, dw, rest @ ..] = bufs.outputs_mut() else { unreachable!("planned") };
+        let outs = bufs.outputs_mut();
+        let (dx, outs) = if self.input {
+            let (dx, rest) = outs.split_first_mut().expect("planned: dx");
+            (Some(dx), rest)
+        } else {
+            (None, outs)
+        };
+        let [dw, rest @ ..] = outs else { unreachable!("planned: dweight") };
         with_dtype!(self.x.dtype(), T => cpu::conv2d_backward(
             &self.p,
             self.x.as_slice::<T>()?,
             self.weight.as_slice::<T>()?,
             self.dy.as_slice::<T>()?,
-            Some(dx.out_slice::<T>(Self::NAME)?),
+            dx.map(|b| b.out_slice::<T>(Self::NAME)).transpose()?,
             Some(dw.out_slice::<T>(Self::NAME)?),
             rest.first_mut().map(|b| b.out_slice::<T>(Self::NAME)).transpose()?,
         ))
@@ -310,12 +360,13 @@ impl Op for Conv2dBackward<'_> {
         let ws = self.ws;
         let (p, x, w, dy) = (&self.p, self.x, self.weight, self.dy);
         if dy.numel() > 0 && x.numel() > 0 {
+            let first = usize::from(self.input);
             let b = cuda::Backward {
                 x: x.cuda_ptr()?,
                 w: w.cuda_ptr()?,
                 dy: dy.cuda_ptr()?,
-                dx: bufs.out(0).cuda_ptr()?,
-                dw: bufs.out(1).cuda_ptr()?,
+                dx: if self.input { Some(bufs.out(0).cuda_ptr()?) } else { None },
+                dw: bufs.out(first).cuda_ptr()?,
             };
             let t = x.dtype();
             if p.is_direct() {
@@ -327,23 +378,25 @@ impl Op for Conv2dBackward<'_> {
                 cuda::direct_backward(gpu, p, t, &b, depthwise)?;
             } else {
                 let cols = (bufs.ws(ws.cols)?, bufs.chunks(ws.cols).unwrap_or(ws.chunk));
-                cuda::backward_input(gpu, p, t, &b, cols)?;
+                if let Some(dx) = b.dx {
+                    cuda::backward_input(gpu, p, t, &b, dx, cols)?;
+                }
                 cuda::backward_weight(gpu, p, t, &b, cols, bufs.ws(ws.dweight)?)?;
             }
         }
         if self.with_bias && dy.numel() > 0 {
             let sums = (bufs.ws(ws.plane_sums)?, bufs.ws(ws.dbias)?);
-            crate::cuda::helpers::channel_sums(gpu, dy, p.batch(), sums, bufs.out(2))?;
+            let dbias = bufs.out(usize::from(self.input) + 1);
+            crate::cuda::helpers::channel_sums(gpu, dy, p.batch(), sums, dbias)?;
         }
         Ok(())
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Conv2dGrads> {
+    fn finish(self, bufs: Buffers) -> Result<Self::Output> {
         let mut out = bufs.into_outputs();
-        let (Some(dx), Some(dweight)) = (out.next(), out.next()) else {
-            unreachable!("the plan has dx and dweight")
-        };
-        Ok(Conv2dGrads { dx, dweight, dbias: out.next() })
+        let dx = if self.input { out.next() } else { None };
+        let Some(dweight) = out.next() else { unreachable!("the plan has dweight") };
+        Ok((dx, dweight, out.next()))
     }
 }
 
@@ -529,11 +582,12 @@ mod cuda {
         pub(super) x: u64,
         pub(super) w: u64,
         pub(super) dy: u64,
-        pub(super) dx: u64,
+        /// None when dx is not wanted.
+        pub(super) dx: Option<u64>,
         pub(super) dw: u64,
     }
 
-    /// Direct gradients of the input and the weight; `depthwise` holds the depthwise
+    /// Direct gradients of the input (when wanted) and the weight; `depthwise` holds the depthwise
     /// weight gradient's workspaces (per-image sums, column-sum workspace) when it uses
     /// them ([`depthwise_in_registers`](super::depthwise_in_registers)).
     pub(super) fn direct_backward(
@@ -544,15 +598,17 @@ mod cuda {
         depthwise: Option<(u64, u64)>,
     ) -> Result<()> {
         let (ohw, .., hw) = dims(p);
-        check_rows("conv2d_backward", p.batch() * p.c_in())?;
-        // SAFETY: direct_bwd_input_T(const T* w, const T* dy, T* dx, ConvGeom g), one block
-        // per input plane; shapes from the geometry.
-        unsafe {
-            e.launch(
-                DIRECT_BWD_INPUT.of(t),
-                launch::per_plane(p.batch() * p.c_in(), hw),
-                &[Arg::Ptr(b.w), Arg::Ptr(b.dy), Arg::Ptr(b.dx), Arg::Conv(ConvGeom::of(p))],
-            )?;
+        if let Some(dx) = b.dx {
+            check_rows("conv2d_backward", p.batch() * p.c_in())?;
+            // SAFETY: direct_bwd_input_T(const T* w, const T* dy, T* dx, ConvGeom g), one
+            // block per input plane; shapes from the geometry.
+            unsafe {
+                e.launch(
+                    DIRECT_BWD_INPUT.of(t),
+                    launch::per_plane(p.batch() * p.c_in(), hw),
+                    &[Arg::Ptr(b.w), Arg::Ptr(b.dy), Arg::Ptr(dx), Arg::Conv(ConvGeom::of(p))],
+                )?;
+            }
         }
         let taps = p.c_out() * p.col_rows();
         if let Some((partials, sums)) = depthwise {
@@ -595,6 +651,7 @@ mod cuda {
         p: &Conv2dParams,
         t: DType,
         b: &Backward,
+        dx: u64,
         (cols, chunk): (u64, usize),
     ) -> Result<()> {
         let size = t.size_in_bytes();
@@ -611,7 +668,7 @@ mod cuda {
                         p.c_out() * ohw,
                         p.c_in() * hw,
                     );
-                    let c = b.dx + ((n0 * p.c_in() + g * cin_g) * hw * size) as u64;
+                    let c = dx + ((n0 * p.c_in() + g * cin_g) * hw * size) as u64;
                     // SAFETY: W_g^T [cin_g, cout_g] * dy planes [cout_g, hw] -> dx planes,
                     // all inside w, dy and dx.
                     unsafe { e.gemm(&spec, a, dy, c, t, t)? };
@@ -633,10 +690,10 @@ mod cuda {
                 unsafe {
                     e.launch(
                         COL2IM.of(t),
-                        launch::per_plane(nimg * cin_g, hw),
+                        launch::per_plane_split(nimg * cin_g, hw),
                         &[
                             Arg::Ptr(cols),
-                            Arg::Ptr(b.dx),
+                            Arg::Ptr(dx),
                             Arg::Conv(ConvGeom::of(p)),
                             Arg::I64(n0 as i64),
                             Arg::I64(nimg as i64),
@@ -805,7 +862,7 @@ mod cuda {
                     x: addr(&mut self.x),
                     w: addr(&mut self.w),
                     dy: addr(&mut self.dy),
-                    dx: addr(&mut self.dx),
+                    dx: Some(addr(&mut self.dx)),
                     dw: addr(&mut self.dw),
                 }
             }
@@ -815,6 +872,13 @@ mod cuda {
                 close(&format!("forward {what}"), &self.y, &self.want_y, tol);
                 close(&format!("dx {what}"), &self.dx, &self.want_dx, tol);
                 close(&format!("dweight {what}"), &self.dw, &self.want_dw, tol);
+            }
+
+            /// After a backward without dx: the weight gradient, and dx never written.
+            fn check_weight_only(&self, what: &str, tol: f32) {
+                close(&format!("dweight alone {what}"), &self.dw, &self.want_dw, tol);
+                let untouched = self.dx.iter().all(|v| v.to_f32().is_nan());
+                assert!(untouched, "dx written without being asked for, {what}");
             }
         }
 
@@ -827,16 +891,25 @@ mod cuda {
             let mut col_ws = poisoned(chunk * k * ohw * t.size_in_bytes());
             let col = if p.is_pointwise() { 0 } else { addr(&mut col_ws) };
             forward(e, p, t, &c.forward(), (col, chunk)).unwrap();
-            let mut cols = poisoned(chunk * super::super::backward_cols_per_image(p, t));
+            let mut cols = poisoned(chunk * super::super::backward_cols_per_image(p, t, true));
             let mut acc = poisoned(c.dw.len() * 4);
             let b = c.backward();
-            backward_input(e, p, t, &b, (addr(&mut cols), chunk)).unwrap();
+            let dx = b.dx.unwrap();
+            backward_input(e, p, t, &b, dx, (addr(&mut cols), chunk)).unwrap();
             backward_weight(e, p, t, &b, (addr(&mut cols), chunk), addr(&mut acc)).unwrap();
             let what = format!("case {case} {t:?} chunk {chunk}");
             c.check(&what, tol);
             intact(&format!("forward's columns {what}"), &col_ws);
             intact(&format!("backward's columns {what}"), &cols);
             intact(&format!("weight gradient's accumulator {what}"), &acc);
+            // Without dx: the workspace the plan sizes for the weight gradient alone.
+            let mut c = Case::<T>::new(p, 3 * case as u64);
+            let mut cols = poisoned(chunk * super::super::backward_cols_per_image(p, t, false));
+            let mut acc = poisoned(c.dw.len() * 4);
+            let b = Backward { dx: None, ..c.backward() };
+            backward_weight(e, p, t, &b, (addr(&mut cols), chunk), addr(&mut acc)).unwrap();
+            c.check_weight_only(&what, tol);
+            intact(&format!("backward's columns without dx {what}"), &cols);
         }
 
         /// The direct kernels, with the depthwise weight gradient's workspaces as the plan
@@ -855,6 +928,10 @@ mod cuda {
             c.check(&what, tol);
             intact(&format!("depthwise partials {what}"), &partials);
             intact(&format!("depthwise column sums {what}"), &sums);
+            let mut c = Case::<T>::new(p, 5 + case as u64);
+            let b = Backward { dx: None, ..c.backward() };
+            direct_backward(e, p, t, &b, ws).unwrap();
+            c.check_weight_only(&what, tol);
         }
 
         #[test]

@@ -42,7 +42,9 @@ pub use batch_norm::{
     BatchNormGrads, BatchNormOutput, RunningStats, batch_norm, batch_norm_backward, batch_norm_eval,
 };
 pub use config::{AdamWConfig, SgdConfig};
-pub use conv::{Conv2dGrads, conv2d, conv2d_backward, conv2d_params};
+pub use conv::{
+    Conv2dGrads, Conv2dWeightGrads, conv2d, conv2d_backward, conv2d_backward_weight, conv2d_params,
+};
 pub use elementwise::{add, add_assign, axpy, bias_add, bias_add_backward, mul, scale};
 pub use embedding::{embedding, embedding_backward};
 pub use loss::{CrossEntropy, cross_entropy, cross_entropy_backward};

@@ -170,9 +170,10 @@ __device__ __forceinline__ void map2(const A* a, const B* b, O* y, u64 n, F f) {
 // t, t + blockDim.x, ...; (y, x) follow without a division per step.
 struct PlaneWalk {
     i64 y, x, step_y, step_x, width;
-    __device__ explicit PlaneWalk(i64 w)
-        : y(threadIdx.x / w), x(threadIdx.x % w), step_y(blockDim.x / w),
-          step_x(blockDim.x % w), width(w) {}
+    __device__ explicit PlaneWalk(i64 w) : PlaneWalk(w, threadIdx.x, blockDim.x) {}
+    // From position `start`, `step` positions at a time.
+    __device__ PlaneWalk(i64 w, i64 start, i64 step)
+        : y(start / w), x(start % w), step_y(step / w), step_x(step % w), width(w) {}
     __device__ void next() {
         x += step_x;
         y += step_y;

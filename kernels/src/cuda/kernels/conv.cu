@@ -49,9 +49,10 @@ __device__ void im2col_impl(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i6
 }
 
 // Gathers the f32 column gradient `dcol` (im2col layout) back into dx for images
-// n0 .. n0 + nimg and channel group `group`, one rounding: one block per input plane
-// (img, c) (grid nimg * cin_g), its threads over the plane's positions, stepped as in
-// im2col; with unit strides no tap needs a division.
+// n0 .. n0 + nimg and channel group `group`, one rounding: blocks (img * cin_g + c, part)
+// (grid nimg * cin_g by parts), part p's threads at positions p * blockDim.x + t stepping
+// gridDim.y * blockDim.x, so that few large planes (a stem's 3 channels of 224 x 224) still
+// fill the device; with unit strides no tap needs a division.
 template <typename T>
 __device__ void col2im_impl(const float* dcol, T* dx, ConvGeom g, i64 n0, i64 nimg, i64 group) {
     const i64 cin_g = g.c_in / g.groups;
@@ -63,8 +64,10 @@ __device__ void col2im_impl(const float* dcol, T* dx, ConvGeom g, i64 n0, i64 ni
     T* plane = dx + ((n0 + img) * g.c_in + group * cin_g + c) * g.h * g.w;
     const bool unit = g.sh == 1 && g.sw == 1;
     const i64 hw = g.h * g.w;
-    PlaneWalk in(g.w);
-    for (i64 pos = threadIdx.x; pos < hw; pos += blockDim.x, in.next()) {
+    const i64 start = (i64)blockIdx.y * blockDim.x + threadIdx.x;
+    const i64 step = (i64)gridDim.y * blockDim.x;
+    PlaneWalk in(g.w, start, step);
+    for (i64 pos = start; pos < hw; pos += step, in.next()) {
         float s = 0.0f;
         for (i64 ky = 0; ky < g.kh; ++ky) {
             i64 oy;

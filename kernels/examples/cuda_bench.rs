@@ -12,41 +12,14 @@
 //!
 //! `cargo run --release -p vram-kernels --example cuda_bench`
 
+mod common;
+
+use common::{time, values};
 use std::io::Write as _;
-use std::time::Instant;
 use vram_kernels::{DType, Device, Result, Tensor, ops};
 
 const ELEMENTS: usize = 64 << 20;
 const MATMUL: usize = 8192;
-
-/// Seconds per call of `f`, after `warmup` untimed calls.
-fn time(
-    dev: &Device,
-    warmup: usize,
-    iters: usize,
-    mut f: impl FnMut() -> Result<()>,
-) -> Result<f64> {
-    for _ in 0..warmup {
-        f()?;
-    }
-    dev.synchronize()?;
-    let start = Instant::now();
-    for _ in 0..iters {
-        f()?;
-    }
-    dev.synchronize()?;
-    Ok(start.elapsed().as_secs_f64() / iters as f64)
-}
-
-/// Non-zero pseudo-random values in [-1, 1).
-fn values(n: usize, seed: u32) -> Vec<f32> {
-    (0..n)
-        .map(|i| {
-            let h = (i as u32).wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(0x9E37_79B9);
-            ((h >> 8) as f32 / (1u32 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
 
 fn main() -> Result<()> {
     let dev = match Device::cuda(0) {

@@ -10,8 +10,10 @@
 //!
 //! `cargo run --release -p vram-kernels --example cuda_conv [batch]`
 
+mod common;
+
+use common::{time, values};
 use std::io::Write as _;
-use std::time::Instant;
 use vram_kernels::ops::{self, Conv2dOptions};
 use vram_kernels::{DType, Device, Result, Tensor};
 
@@ -42,30 +44,6 @@ const SHAPES: &[(usize, usize, usize, usize, usize, usize)] = &[
     (1024, 2048, 1, 2, 14, 1),
 ];
 
-/// Milliseconds per call of `f`, after two untimed calls.
-fn time(dev: &Device, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    for _ in 0..2 {
-        f()?;
-    }
-    dev.synchronize()?;
-    let start = Instant::now();
-    for _ in 0..10 {
-        f()?;
-    }
-    dev.synchronize()?;
-    Ok(start.elapsed().as_secs_f64() * 1e3 / 10.0)
-}
-
-/// Non-zero pseudo-random values in [-1, 1).
-fn values(n: usize, seed: u32) -> Vec<f32> {
-    (0..n)
-        .map(|i| {
-            let h = (i as u32).wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(0x9E37_79B9);
-            ((h >> 8) as f32 / (1u32 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
 fn main() -> Result<()> {
     let dev = match Device::cuda(0) {
         Ok(dev) => dev,
@@ -90,10 +68,13 @@ fn main() -> Result<()> {
         let x = tensor(&[batch, cin, side, side], 1)?;
         let w = tensor(&[cout, cin, k, k], 2)?;
         let dy = tensor(ops::conv2d(&x, &w, None, &opts)?.shape(), 3)?;
+        let ms = |f: &mut dyn FnMut() -> Result<()>| {
+            Ok::<_, vram_kernels::Error>(time(&dev, 2, 10, f)? * 1e3)
+        };
         let t = [
-            time(&dev, || ops::conv2d(&x, &w, None, &opts).map(drop))?,
-            time(&dev, || ops::conv2d_backward(&x, &w, &dy, &opts, false).map(drop))?,
-            time(&dev, || ops::conv2d_backward_weight(&x, &w, &dy, &opts, false).map(drop))?,
+            ms(&mut || ops::conv2d(&x, &w, None, &opts).map(drop))?,
+            ms(&mut || ops::conv2d_backward(&x, &w, &dy, &opts, false).map(drop))?,
+            ms(&mut || ops::conv2d_backward_weight(&x, &w, &dy, &opts, false).map(drop))?,
         ];
         for (sum, t) in total.iter_mut().zip(t) {
             *sum += t * calls as f64;

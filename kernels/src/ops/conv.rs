@@ -359,14 +359,15 @@ impl Op for Conv2dBackward<'_> {
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
         let ws = self.ws;
         let (p, x, w, dy) = (&self.p, self.x, self.weight, self.dy);
+        // The outputs: dx when wanted, then dweight, then dbias when asked for.
+        let dweight = usize::from(self.input);
         if dy.numel() > 0 && x.numel() > 0 {
-            let first = usize::from(self.input);
             let b = cuda::Backward {
                 x: x.cuda_ptr()?,
                 w: w.cuda_ptr()?,
                 dy: dy.cuda_ptr()?,
                 dx: if self.input { Some(bufs.out(0).cuda_ptr()?) } else { None },
-                dw: bufs.out(first).cuda_ptr()?,
+                dw: bufs.out(dweight).cuda_ptr()?,
             };
             let t = x.dtype();
             if p.is_direct() {
@@ -386,8 +387,7 @@ impl Op for Conv2dBackward<'_> {
         }
         if self.with_bias && dy.numel() > 0 {
             let sums = (bufs.ws(ws.plane_sums)?, bufs.ws(ws.dbias)?);
-            let dbias = bufs.out(usize::from(self.input) + 1);
-            crate::cuda::helpers::channel_sums(gpu, dy, p.batch(), sums, dbias)?;
+            crate::cuda::helpers::channel_sums(gpu, dy, p.batch(), sums, bufs.out(dweight + 1))?;
         }
         Ok(())
     }
@@ -510,8 +510,8 @@ mod cuda {
     }
 
     /// `y = conv2d(x, w) + bias` in dtype `t` by im2col and cuBLAS (or zeros, or the bias,
-    /// for an empty input); `y` is nonempty (the op returns before). `col` is the im2col workspace of `chunk` images (0 for a
-    /// pointwise convolution).
+    /// for an empty input); `y` is nonempty (the op returns before). `col` is the im2col
+    /// workspace of `chunk` images (0 for a pointwise convolution).
     pub(super) fn forward(
         e: &impl Exec,
         p: &Conv2dParams,
@@ -587,9 +587,9 @@ mod cuda {
         pub(super) dw: u64,
     }
 
-    /// Direct gradients of the input (when wanted) and the weight; `depthwise` holds the depthwise
-    /// weight gradient's workspaces (per-image sums, column-sum workspace) when it uses
-    /// them ([`depthwise_in_registers`](super::depthwise_in_registers)).
+    /// Direct gradients of the input (when wanted) and the weight; `depthwise` holds the
+    /// depthwise weight gradient's workspaces (per-image sums, column-sum workspace) when it
+    /// uses them ([`depthwise_in_registers`](super::depthwise_in_registers)).
     pub(super) fn direct_backward(
         e: &impl Exec,
         p: &Conv2dParams,

@@ -14,21 +14,14 @@
 
 mod common;
 
-use common::{time, values};
-use std::io::Write as _;
-use vram_kernels::{DType, Device, Result, Tensor, ops};
+use common::{cuda_or_skip, time, values};
+use vram_kernels::{DType, Result, Tensor, ops};
 
 const ELEMENTS: usize = 64 << 20;
 const MATMUL: usize = 8192;
 
 fn main() -> Result<()> {
-    let dev = match Device::cuda(0) {
-        Ok(dev) => dev,
-        Err(e) => {
-            let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({e})");
-            return Ok(());
-        }
-    };
+    let Some(dev) = cuda_or_skip() else { return Ok(()) };
     println!("device: {}", dev.name());
     println!("| measurement | dtype | time (ms) | throughput | fraction |");
     println!("|---|---|---:|---:|---:|");

@@ -12,10 +12,9 @@
 
 mod common;
 
-use common::{time, values};
-use std::io::Write as _;
+use common::{cuda_or_skip, time, values};
 use vram_kernels::ops::{self, Conv2dOptions};
-use vram_kernels::{DType, Device, Result, Tensor};
+use vram_kernels::{DType, Result, Tensor};
 
 /// `(c_in, c_out, kernel, stride, input side, calls per step)`; padding is kernel / 2.
 const SHAPES: &[(usize, usize, usize, usize, usize, usize)] = &[
@@ -45,13 +44,7 @@ const SHAPES: &[(usize, usize, usize, usize, usize, usize)] = &[
 ];
 
 fn main() -> Result<()> {
-    let dev = match Device::cuda(0) {
-        Ok(dev) => dev,
-        Err(e) => {
-            let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({e})");
-            return Ok(());
-        }
-    };
+    let Some(dev) = cuda_or_skip() else { return Ok(()) };
     let batch = std::env::args().nth(1).and_then(|v| v.parse().ok()).unwrap_or(64);
     let tensor = |shape: &[usize], seed| {
         let n = shape.iter().product();

@@ -1,7 +1,19 @@
 //! What the CUDA timing examples share: a timed loop and their operands' values.
 
+use std::io::Write as _;
 use std::time::Instant;
 use vram_kernels::{Device, Result};
+
+/// CUDA device 0, or None after printing `skipped: no CUDA device (...)` on stderr.
+pub fn cuda_or_skip() -> Option<Device> {
+    match Device::cuda(0) {
+        Ok(dev) => Some(dev),
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
 
 /// Seconds per call of `f`, after `warmup` untimed calls, the timed ones between two device
 /// synchronizations.

@@ -379,9 +379,7 @@ impl Op for Conv2dBackward<'_> {
                 cuda::direct_backward(gpu, p, t, &b, depthwise)?;
             } else {
                 let cols = (bufs.ws(ws.cols)?, bufs.chunks(ws.cols).unwrap_or(ws.chunk));
-                if let Some(dx) = b.dx {
-                    cuda::backward_input(gpu, p, t, &b, dx, cols)?;
-                }
+                cuda::backward_input(gpu, p, t, &b, cols)?;
                 cuda::backward_weight(gpu, p, t, &b, cols, bufs.ws(ws.dweight)?)?;
             }
         }
@@ -644,16 +642,16 @@ mod cuda {
         }
     }
 
-    /// dx: per group, `dcol = W_g^T * dy_g` (f32) into `cols`, gathered back by col2im; for
-    /// a pointwise convolution the product is dx itself.
+    /// dx (when wanted, `b.dx`): per group, `dcol = W_g^T * dy_g` (f32) into `cols`, gathered
+    /// back by col2im; for a pointwise convolution the product is dx itself.
     pub(super) fn backward_input(
         e: &impl Exec,
         p: &Conv2dParams,
         t: DType,
         b: &Backward,
-        dx: u64,
         (cols, chunk): (u64, usize),
     ) -> Result<()> {
+        let Some(dx) = b.dx else { return Ok(()) };
         let size = t.size_in_bytes();
         let (ohw, k, cin_g, cout_g, hw) = dims(p);
         for n0 in (0..p.batch()).step_by(chunk) {
@@ -894,8 +892,7 @@ mod cuda {
             let mut cols = poisoned(chunk * super::super::backward_cols_per_image(p, t, true));
             let mut acc = poisoned(c.dw.len() * 4);
             let b = c.backward();
-            let dx = b.dx.unwrap();
-            backward_input(e, p, t, &b, dx, (addr(&mut cols), chunk)).unwrap();
+            backward_input(e, p, t, &b, (addr(&mut cols), chunk)).unwrap();
             backward_weight(e, p, t, &b, (addr(&mut cols), chunk), addr(&mut acc)).unwrap();
             let what = format!("case {case} {t:?} chunk {chunk}");
             c.check(&what, tol);

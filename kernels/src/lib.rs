@@ -42,6 +42,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod custom;
 pub mod device;
 pub mod dtype;
 pub mod error;

@@ -22,13 +22,25 @@
 //!
 //! Without a C++ compiler the tests print `skipped: no C++ compiler (...)` and pass.
 
+#[cfg(test)]
 use super::Exec;
-use super::launch::{Arg, check_args};
-use super::registry::{ALL, COMMON, Instance, Module};
+use super::launch::Arg;
+use super::registry::COMMON;
+#[cfg(test)]
+use super::{
+    launch::check_args,
+    registry::{ALL, Instance, Module},
+};
+#[cfg(feature = "emulation")]
+use crate::custom::{CudaKernel, CudaSource, Grid, KernelArg};
+#[cfg(test)]
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+#[cfg(test)]
 use crate::ops::MatmulSpec;
+#[cfg(test)]
 use cudarc::driver::LaunchConfig;
+#[cfg(test)]
 use half::{bf16, f16};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -126,10 +138,35 @@ struct Library {
     lib: libloading::Library,
 }
 
-/// Compiled modules by name (`None`: no compiler), and one launch at a time (the shim's
-/// launch state is global).
-fn libraries() -> MutexGuard<'static, HashMap<&'static str, Option<&'static Library>>> {
-    static LIBS: OnceLock<Mutex<HashMap<&'static str, Option<&'static Library>>>> = OnceLock::new();
+/// What a module is compiled from: its name, its source (without `common.cuh`) and the
+/// kernels to export.
+struct Source<'a> {
+    name: &'a str,
+    source: &'a str,
+    kernels: Vec<&'a str>,
+}
+
+/// Why a source was not compiled.
+enum Unbuilt {
+    /// No C++ compiler (or the library would not load): the emulation skips.
+    NoCompiler(String),
+    /// The compiler rejected the source.
+    Rejected(String),
+}
+
+/// Compiled modules, by name for this crate's modules and by the address of their
+/// [`CudaSource`] for custom ops' (`None`: no compiler); their lock also makes launches one
+/// at a time (the shim's launch state is global).
+#[derive(Default)]
+struct Libraries {
+    #[cfg(test)]
+    modules: HashMap<&'static str, Option<&'static Library>>,
+    #[cfg(feature = "emulation")]
+    custom: HashMap<usize, Option<&'static Library>>,
+}
+
+fn libraries() -> MutexGuard<'static, Libraries> {
+    static LIBS: OnceLock<Mutex<Libraries>> = OnceLock::new();
     LIBS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -137,70 +174,111 @@ fn say(line: &str) {
     let _ = writeln!(std::io::stderr(), "{line}");
 }
 
-/// `module` with the shim, compiled into a shared library, or why not.
-fn compile(module: &Module) -> std::result::Result<Library, String> {
-    let mut source = format!("{PRELUDE}\n{COMMON}\n{}\n{LAUNCHER}\n", module.source);
-    for kernel in ALL.iter().filter(|k| k.module.name == module.name) {
-        for name in kernel.names {
-            source +=
-                &format!("extern \"C\" void emu_{name}(void** p) {{ emu_call({name}, p); }}\n");
-        }
+/// `source` with the shim, compiled into a shared library, or why not.
+fn compile(source: &Source<'_>) -> std::result::Result<Library, Unbuilt> {
+    let mut text = format!("{PRELUDE}\n{COMMON}\n{}\n{LAUNCHER}\n", source.source);
+    for name in &source.kernels {
+        text += &format!("extern \"C\" void emu_{name}(void** p) {{ emu_call({name}, p); }}\n");
     }
-    let dir: PathBuf = std::env::temp_dir().join(format!("vram-emulate-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let (src, lib) =
-        (dir.join(format!("{}.cpp", module.name)), dir.join(format!("{}.so", module.name)));
-    std::fs::write(&src, source).map_err(|e| e.to_string())?;
+    static BUILDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let build = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir: PathBuf =
+        std::env::temp_dir().join(format!("vram-emulate-{}-{build}", std::process::id()));
+    let io = |e: std::io::Error| Unbuilt::NoCompiler(e.to_string());
+    std::fs::create_dir_all(&dir).map_err(io)?;
+    let (src, lib) = (dir.join("module.cpp"), dir.join("module.so"));
+    std::fs::write(&src, text).map_err(io)?;
     let out = Command::new("c++")
         .args(["-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-pthread"])
         .args(["-Wno-unknown-pragmas", "-o"])
         .arg(&lib)
         .arg(&src)
         .output()
-        .map_err(|e| format!("no C++ compiler ({e})"))?;
-    if !out.status.success() {
-        // A compiler that exists but fails on the sources is a test failure, not a skip.
-        panic!(
+        .map_err(|e| Unbuilt::NoCompiler(format!("no C++ compiler ({e})")))?;
+    let loaded = if out.status.success() {
+        // SAFETY: a library just built from our sources; its initializers only set up
+        // statics.
+        unsafe { libloading::Library::new(&lib) }.map_err(|e| Unbuilt::NoCompiler(e.to_string()))
+    } else {
+        Err(Unbuilt::Rejected(format!(
             "{}.cu does not compile as C++:\n{}",
-            module.name,
+            source.name,
             String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    // SAFETY: a library just built from our sources; its initializers only set up statics.
-    let loaded = unsafe { libloading::Library::new(&lib) }.map_err(|e| e.to_string());
+        )))
+    };
     // Loaded (or not), the files can go: the mapping outlives them.
     let _ = (std::fs::remove_file(&src), std::fs::remove_file(&lib), std::fs::remove_dir(&dir));
     Ok(Library { lib: loaded? })
 }
 
-/// The library of `module`, compiled on first use; `None` (after a skip line) without a
-/// compiler.
-fn library(module: &'static Module) -> Option<&'static Library> {
-    let mut libs = libraries();
-    *libs.entry(module.name).or_insert_with(|| match compile(module) {
-        Ok(lib) => Some(Box::leak(Box::new(lib))),
-        Err(e) => {
+/// Compiles `source` once into `slot`: the library, `None` after a skip line without a
+/// compiler, or the compiler's complaint.
+fn build(
+    slot: &mut Option<Option<&'static Library>>,
+    source: impl FnOnce() -> Source<'static>,
+) -> std::result::Result<Option<&'static Library>, String> {
+    if let Some(built) = *slot {
+        return Ok(built);
+    }
+    let built = match compile(&source()) {
+        Ok(lib) => Some(&*Box::leak(Box::new(lib))),
+        Err(Unbuilt::NoCompiler(e)) => {
             say(&format!("skipped: no C++ compiler for the kernel emulation ({e})"));
             None
         }
-    })
+        Err(Unbuilt::Rejected(e)) => return Err(e),
+    };
+    *slot = Some(built);
+    Ok(built)
 }
 
-/// Launches `kernel` on the host as the GPU would (see the module doc). Panics on a launch
-/// the GPU would refuse (arguments that do not match the registry, a 3-D grid or block).
-/// Returns false (after a skip line) where no compiler is available.
-pub(crate) fn launch(kernel: Instance, cfg: LaunchConfig, args: &[Arg]) -> bool {
-    check_args(kernel, args).unwrap();
-    let Some(library) = library(kernel.kernel.module) else { return false };
-    let (gx, gy, gz) = cfg.grid_dim;
-    let (bx, by, bz) = cfg.block_dim;
-    assert!(
-        gz == 1 && by == 1 && bz == 1,
-        "{}: the kernels use 1-D blocks, 2-D grids",
-        kernel.name
-    );
+/// The library of `module`, compiled on first use; `None` (after a skip line) without a
+/// compiler. Panics when the compiler rejects the source: this crate's kernels must build.
+#[cfg(test)]
+fn library(libs: &mut Libraries, module: &'static Module) -> Option<&'static Library> {
+    let mut slot = libs.modules.get(module.name).copied();
+    let built = build(&mut slot, || Source {
+        name: module.name,
+        source: module.source,
+        kernels: ALL
+            .iter()
+            .filter(|k| k.module.name == module.name)
+            .flat_map(|k| k.names.iter().copied())
+            .collect(),
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    libs.modules.insert(module.name, built);
+    built
+}
+
+/// The library of a custom op's `source`, compiled on first use; `None` (after a skip line)
+/// without a compiler.
+#[cfg(feature = "emulation")]
+fn custom_library(
+    libs: &mut Libraries,
+    source: &'static CudaSource,
+) -> Result<Option<&'static Library>> {
+    let key = std::ptr::from_ref(source) as usize;
+    let mut slot = libs.custom.get(&key).copied();
+    let built = build(&mut slot, || Source {
+        name: source.name,
+        source: source.source,
+        kernels: source.kernels.iter().map(|k| k.name).collect(),
+    })
+    .map_err(|reason| Error::Device { op: "emulate", reason })?;
+    libs.custom.insert(key, built);
+    Ok(built)
+}
+
+/// Runs `kernel` of `library` over grid `(gx, gy)` of blocks of `bx` threads with `args`.
+///
+/// # Safety
+///
+/// `kernel` is exported by `library`, and `args` match its parameters in number and type;
+/// every pointer among them covers what the kernel addresses.
+unsafe fn run(library: &Library, kernel: &str, (gx, gy, bx): (u32, u32, u32), args: &[Arg]) -> i32 {
     if gx == 0 || gy == 0 {
-        return true;
+        return 0;
     }
     let mut params: Vec<*mut c_void> = args
         .iter()
@@ -214,31 +292,95 @@ pub(crate) fn launch(kernel: Instance, cfg: LaunchConfig, args: &[Arg]) -> bool 
             Arg::Div(v) => v as *const _ as *mut c_void,
         })
         .collect();
-    let _one_at_a_time = libraries();
-    // SAFETY: the symbols exist (generated above for every registered kernel of the module)
-    // with these signatures; `params` holds one pointer per parameter to a value of the
-    // registered type (checked against the registry above, the registry against the
-    // kernel's declaration by the NVRTC test), alive for the call; the pointers the
-    // arguments carry are the caller's contract, as on a GPU.
+    // SAFETY: the symbols exist (generated for every kernel of the library) with these
+    // signatures; `params` holds one pointer per parameter to a value of its type (the
+    // caller's contract), alive for the call; the pointers the arguments carry are the
+    // caller's contract, as on a GPU.
     unsafe {
-        let run: libloading::Symbol<'_, Launch> = library.lib.get(b"emu_launch").unwrap();
+        let launch: libloading::Symbol<'_, Launch> = library.lib.get(b"emu_launch").unwrap();
         let entry: libloading::Symbol<'_, Entry> =
-            library.lib.get(format!("emu_{}", kernel.name).as_bytes()).unwrap();
-        assert_eq!(
-            run(*entry, gx, gy, bx, params.as_mut_ptr()),
-            0,
-            "{}: block of {bx}",
-            kernel.name
-        );
+            library.lib.get(format!("emu_{kernel}").as_bytes()).unwrap();
+        launch(*entry, gx, gy, bx, params.as_mut_ptr())
     }
+}
+
+/// Launches `kernel` on the host as the GPU would (see the module doc). Panics on a launch
+/// the GPU would refuse (arguments that do not match the registry, a 3-D grid or block).
+/// Returns false (after a skip line) where no compiler is available.
+#[cfg(test)]
+pub(crate) fn launch(kernel: Instance, cfg: LaunchConfig, args: &[Arg]) -> bool {
+    check_args(kernel, args).unwrap();
+    let mut libs = libraries();
+    let Some(library) = library(&mut libs, kernel.kernel.module) else { return false };
+    let (gx, gy, gz) = cfg.grid_dim;
+    let (bx, by, bz) = cfg.block_dim;
+    assert!(
+        gz == 1 && by == 1 && bz == 1,
+        "{}: the kernels use 1-D blocks, 2-D grids",
+        kernel.name
+    );
+    // SAFETY: the kernel's module exports it; the arguments match its registered parameters
+    // (checked above, the registry against the kernel's declaration by the NVRTC test); the
+    // pointers are the caller's contract.
+    let status = unsafe { run(library, kernel.name, (gx, gy, bx), args) };
+    assert_eq!(status, 0, "{}: block of {bx}", kernel.name);
     true
 }
 
+/// Whether the host can build `source`'s emulation (compiling it now); `false` after a
+/// `skipped: no C++ compiler` line.
+#[cfg(feature = "emulation")]
+pub(crate) fn compiler_available(source: &'static CudaSource) -> Result<bool> {
+    Ok(custom_library(&mut libraries(), source)?.is_some())
+}
+
+/// Launches a custom op's `kernel` on the host over `grid` (checked by the caller).
+///
+/// # Safety
+///
+/// `args` match `kernel.params`; every pointer among them is a host address covering what
+/// the kernel addresses.
+#[cfg(feature = "emulation")]
+pub(crate) unsafe fn launch_custom(
+    source: &'static CudaSource,
+    kernel: &CudaKernel,
+    grid: Grid,
+    args: &[KernelArg],
+) -> Result<()> {
+    let args: Vec<Arg> = args
+        .iter()
+        .map(|a| match *a {
+            KernelArg::Ptr(v) => Arg::Ptr(v),
+            KernelArg::U64(v) => Arg::U64(v),
+            KernelArg::I64(v) => Arg::I64(v),
+            KernelArg::U32(v) => Arg::U32(v),
+            KernelArg::F32(v) => Arg::F32(v),
+        })
+        .collect();
+    let mut libs = libraries();
+    let Some(library) = custom_library(&mut libs, source)? else {
+        return Err(Error::Device { op: "emulate", reason: "no C++ compiler".into() });
+    };
+    // SAFETY: the library exports every declared kernel; the caller's contract covers the
+    // arguments.
+    let status =
+        unsafe { run(library, kernel.name, (grid.blocks.0, grid.blocks.1, grid.threads), &args) };
+    if status != 0 {
+        return Err(Error::InvalidArgument {
+            op: "emulate",
+            reason: format!("{}: the emulation refused a block of {}", kernel.name, grid.threads),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
 /// A device pointer to `v`'s elements (a host address here).
 pub(crate) fn ptr<T>(v: &mut [T]) -> Arg {
     Arg::Ptr(v.as_mut_ptr() as u64)
 }
 
+#[cfg(test)]
 /// An op's CUDA code on the host, as an [`Exec`]: kernels through [`launch`], products by
 /// the definition of [`MatmulSpec`] (row-major layouts, f64 sums rounded once to C's
 /// dtype), memsets by writing zeros. What it checks is the op's side of the contract: which
@@ -248,14 +390,16 @@ pub(crate) fn ptr<T>(v: &mut [T]) -> Arg {
 /// business on a GPU.
 pub(crate) struct Emulator(());
 
+#[cfg(test)]
 impl Emulator {
     /// The emulation of `probe`'s module, or `None` (after a skip line) where no C++
     /// compiler can build it.
     pub(crate) fn new(probe: Instance) -> Option<Emulator> {
-        library(probe.kernel.module).map(|_| Emulator(()))
+        library(&mut libraries(), probe.kernel.module).map(|_| Emulator(()))
     }
 }
 
+#[cfg(test)]
 /// Element `i` of the `dtype` array at `p`.
 ///
 /// # Safety
@@ -272,6 +416,7 @@ unsafe fn load(p: u64, dtype: DType, i: usize) -> f64 {
     }
 }
 
+#[cfg(test)]
 /// Writes `v` (rounded to `dtype`) to element `i` of the `dtype` array at `p`.
 ///
 /// # Safety
@@ -288,6 +433,7 @@ unsafe fn store(p: u64, dtype: DType, i: usize, v: f64) {
     }
 }
 
+#[cfg(test)]
 impl Exec for Emulator {
     unsafe fn launch(&self, kernel: Instance, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
         if launch(kernel, cfg, args) {

@@ -4,6 +4,7 @@
 
 use super::driver_error;
 use super::registry::{COMMON, Instance, Module};
+use crate::custom::CudaSource as CustomSource;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{CompileError, CompileOptions, compile_ptx_with_opts};
@@ -37,6 +38,9 @@ pub(crate) struct Loader {
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     /// Keyed by the instance's static name: names are unique across modules.
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// Custom ops' functions, keyed by their source's address and the kernel's name (a
+    /// custom kernel may share a name with one of this crate's, or of another source).
+    custom: Mutex<HashMap<(usize, &'static str), CudaFunction>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -51,6 +55,7 @@ impl Loader {
             arch: format!("compute_{major}{minor}"),
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
+            custom: Mutex::new(HashMap::new()),
         }
     }
 
@@ -88,6 +93,39 @@ impl Loader {
         let loaded = ctx.load_module(ptx).map_err(driver_error("cuModuleLoadData"))?;
         modules.insert(module.name, Arc::clone(&loaded));
         Ok(loaded)
+    }
+}
+
+impl Loader {
+    /// The function `kernel` of a custom op's `source`, compiling and loading the source on
+    /// first use (one module per source).
+    pub(crate) fn custom_function(
+        &self,
+        ctx: &Arc<CudaContext>,
+        source: &'static CustomSource,
+        kernel: &'static str,
+    ) -> Result<CudaFunction> {
+        let key = (std::ptr::from_ref(source) as usize, kernel);
+        let mut functions = lock(&self.custom);
+        if let Some(f) = functions.get(&key) {
+            return Ok(f.clone());
+        }
+        let module = Module { name: source.name, source: source.source };
+        let ptx = compile_ptx_with_opts(full_source(&module), compile_options(&module, &self.arch))
+            .map_err(|e| compile_error(&module, e))?;
+        let loaded = ctx.load_module(ptx).map_err(driver_error("cuModuleLoadData"))?;
+        // Every declared kernel of the module at once: one compilation per source.
+        for k in source.kernels {
+            let f = loaded.load_function(k.name).map_err(|e| Error::Device {
+                op: "kernel lookup",
+                reason: format!("no kernel `{}` in the CUDA source `{}`: {e}", k.name, source.name),
+            })?;
+            functions.insert((key.0, k.name), f);
+        }
+        functions.get(&key).cloned().ok_or_else(|| Error::Device {
+            op: "kernel lookup",
+            reason: format!("`{kernel}` is not declared by the CUDA source `{}`", source.name),
+        })
     }
 }
 

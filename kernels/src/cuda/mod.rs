@@ -12,7 +12,8 @@
 //! conversions instead.
 
 mod blas;
-#[cfg(test)]
+mod custom;
+#[cfg(any(test, feature = "emulation"))]
 pub(crate) mod emulate;
 #[cfg(test)]
 pub(crate) mod emulated_kernels;
@@ -23,6 +24,7 @@ mod loader;
 mod nvrtc_check;
 pub(crate) mod registry;
 
+pub(crate) use custom::check_with_nvrtc as custom_check_with_nvrtc;
 pub(crate) use launch::Arg;
 
 use crate::error::{Error, Result};
@@ -320,6 +322,11 @@ impl<'a> Gpu<'a> {
     /// The device `cu` with the cuBLAS workspace `blas_workspace` (`(address, bytes)`).
     pub(crate) fn new(cu: &'a CudaBackend, blas_workspace: Option<(u64, usize)>) -> Gpu<'a> {
         Gpu { cu, blas_workspace }
+    }
+
+    /// The device.
+    pub(crate) fn backend(&self) -> &'a CudaBackend {
+        self.cu
     }
 
     /// `C = alpha * op(A) * op(B) + beta * C` through cuBLAS (see [`blas::Blas::gemm`]);

@@ -146,6 +146,12 @@ impl Buffers {
         i.map(|i| self.workspaces[i].1)
     }
 
+    /// Each workspace's address (a host pointer on the host) and bytes, in plan order.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn workspace_addresses(&self) -> Vec<(u64, usize)> {
+        self.workspaces.iter().map(|(s, _)| (s.address(), s.len())).collect()
+    }
+
     /// Every output, in plan order.
     pub(crate) fn outputs_mut(&mut self) -> &mut [Tensor] {
         &mut self.outputs

@@ -103,7 +103,7 @@ pub enum ExperimentError {
     Config(#[from] vram_alloc::ConfigError),
     /// A data-parallel run failed (on any rank: the first rank's own error).
     #[error(transparent)]
-    Dist(#[from] vram_dist::DistError),
+    Dist(#[from] vram_parallel::DistError),
     /// The experiment cannot be set up as asked (a size out of range, a backend this build
     /// lacks).
     #[error("invalid setup: {0}")]

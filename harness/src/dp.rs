@@ -32,6 +32,7 @@ pub struct DpModel {
 fn accum(e: vram_accum::Error) -> DistError {
     match e {
         vram_accum::Error::Kernel(k) => DistError::Kernel(k),
+        vram_accum::Error::Amp(a) => DistError::Amp(a),
         e => DistError::Replica(e.to_string()),
     }
 }

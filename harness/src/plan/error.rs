@@ -18,7 +18,8 @@ pub enum PlanError {
     },
     /// A size that could not be parsed.
     #[error(
-        "malformed size `{input}` for {what}: expected a number with an optional unit (B, KiB, MiB, GiB, KB, MB, GB), e.g. `24GiB`"
+        "malformed size `{input}` for {what}: expected a number with an optional unit, {}; e.g. `24GiB`",
+        crate::SIZE_UNITS
     )]
     MalformedSize {
         /// The option.

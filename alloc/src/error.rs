@@ -5,7 +5,7 @@ use crate::util::human_bytes;
 use std::fmt;
 
 /// Everything the allocator can fail with.
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum AllocError {
     /// The request could not be satisfied even after releasing the cache.
     #[error(transparent)]

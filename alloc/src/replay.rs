@@ -81,7 +81,7 @@ pub use analysis::{
     CallKind, CallSite, CapacityChoice, CapacitySource, DEFAULT_CAPACITY, Divergence,
     RecordedFigures, Reproduction, WhatIf,
 };
-pub use engine::{ReplayReport, Sample, SegmentAction};
+pub use engine::{ReplayError, ReplayReport, Sample, SegmentAction};
 pub use snapshot::{
     PyTorchSnapshot, RecordedSettings, SnapshotBlock, SnapshotError, SnapshotSegment,
 };
@@ -320,10 +320,8 @@ impl Recording {
     /// `free_completed`. Peak statistics are reset where the trace starts (after the blocks
     /// from before it). Allocations still live at the end are freed when this returns.
     pub fn replay<M: DeviceMemory>(&self, cache: &CachingAllocator<M>) -> ReplayReport {
-        engine::run(self, cache, None, false, 0).unwrap_or_else(|e| ReplayReport {
-            error: Some(e.to_string()),
-            ..ReplayReport::default()
-        })
+        engine::run(self, cache, None, false, 0)
+            .unwrap_or_else(|e| ReplayReport { error: Some(e.into()), ..ReplayReport::default() })
     }
 
     /// Replays the trace on a fresh [`VirtualMemory`] of `capacity` bytes under `config`,

@@ -6,9 +6,12 @@ use std::path::{Path, PathBuf};
 use vram_alloc::memory::Stream;
 use vram_alloc::replay::{
     Action, CapacityChoice, CapacitySource, DEFAULT_CAPACITY, PyTorchSnapshot, Recording,
-    SnapshotError,
+    ReplayError, SnapshotError,
 };
-use vram_alloc::{AllocatorConfig, CachingAllocator, VirtualMemory};
+use vram_alloc::{
+    AllocError, AllocatorConfig, CachingAllocator, DeviceMemory, MemInfo, OutOfMemoryError,
+    RawError, VirtualMemory,
+};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -552,4 +555,87 @@ fn allocator_settings_become_vram_settings() {
     assert_eq!(parsed.roundup_power2_divisions(100 << 20), 8);
     assert_eq!(parsed.roundup_power2_divisions(60 << 30), 8, "the last interval goes on");
     assert_eq!(snap.recording(None).unwrap().config, text);
+}
+
+// ---- errors -----------------------------------------------------------------------------
+
+/// Virtual memory whose driver fails every allocation with a device error (not an
+/// out-of-memory one).
+struct BrokenDriver(VirtualMemory);
+
+impl DeviceMemory for BrokenDriver {
+    type Event = <VirtualMemory as DeviceMemory>::Event;
+    fn name(&self) -> String {
+        "broken driver".into()
+    }
+    fn allocate(&self, _size: usize) -> Result<u64, RawError> {
+        Err(RawError::Device("the driver is gone".into()))
+    }
+    unsafe fn deallocate(&self, ptr: u64, size: usize) {
+        // SAFETY: forwarded unchanged from the caller.
+        unsafe { self.0.deallocate(ptr, size) }
+    }
+    fn mem_info(&self) -> MemInfo {
+        self.0.mem_info()
+    }
+    fn record_event(&self, s: Stream) -> Result<Self::Event, RawError> {
+        self.0.record_event(s)
+    }
+    fn event_completed(&self, e: &Self::Event) -> bool {
+        self.0.event_completed(e)
+    }
+    fn synchronize_event(&self, e: &Self::Event) {
+        self.0.synchronize_event(e)
+    }
+    fn destroy_event(&self, e: Self::Event) {
+        self.0.destroy_event(e)
+    }
+}
+
+#[test]
+fn a_device_error_stops_the_replay_with_the_allocators_error_kept() {
+    let rec = Recording::capture(&record("", 4 * GIB, true));
+    let r = rec.replay(&CachingAllocator::new(BrokenDriver(VirtualMemory::new(4 * GIB))));
+    let Some(ReplayError::Alloc(AllocError::Device(why))) = &r.error else {
+        panic!("expected the allocator's device error, got {:?}", r.error);
+    };
+    assert!(why.contains("the driver is gone"), "{why}");
+    assert!(!r.error.as_ref().is_some_and(ReplayError::is_out_of_memory));
+    // The replay CLI prints the error's text: the allocator's own.
+    assert_eq!(
+        r.error.as_ref().map(ToString::to_string),
+        Some(AllocError::Device(why.clone()).to_string())
+    );
+    // Out-of-memory errors of the trace's allocations are counted, not an error.
+    let small = rec.replay(&CachingAllocator::new(VirtualMemory::new(64 << 20)));
+    assert!(small.new_ooms() > 0 && small.error.is_none(), "{:?}", small.error);
+}
+
+#[test]
+fn a_replay_error_that_was_an_oom_stays_an_oom() {
+    let oom = AllocError::OutOfMemory(Box::new(OutOfMemoryError {
+        requested: 64 << 20,
+        device: "virtual memory".into(),
+        device_total: GIB,
+        device_free: 0,
+        allocated: GIB,
+        reserved: GIB,
+        cap: None,
+        expandable_segments: false,
+    }));
+    let err = ReplayError::from(oom.clone());
+    assert!(err.is_out_of_memory());
+    assert_eq!(err.to_string(), oom.to_string(), "the allocator's message, unchanged");
+    assert!(err.to_string().starts_with("out of memory: tried to allocate 64.00 MiB"), "{err}");
+    for other in [
+        ReplayError::from(AllocError::Device("lost".into())),
+        ReplayError::TraceOverflow { limit: 10 },
+        ReplayError::TraceUnreadable { reason: "bad pickle".into() },
+    ] {
+        assert!(!other.is_out_of_memory(), "{other}");
+    }
+    assert_eq!(
+        ReplayError::TraceOverflow { limit: 10 }.to_string(),
+        "the replay's own trace overflowed 10 entries; segment actions are incomplete"
+    );
 }

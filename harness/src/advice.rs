@@ -262,8 +262,7 @@ pub fn compute(quick: bool) -> Result<Advice, ExperimentError> {
     let models = MODELS[..n]
         .iter()
         .map(|&(name, batch)| one_model(name, batch))
-        .collect::<Result<_, _>>()
-        .map_err(|e| ExperimentError::Setup(format!("what-should-I-do section: {e}")))?;
+        .collect::<Result<_, _>>()?;
     Ok(Advice { models })
 }
 

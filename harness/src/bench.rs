@@ -248,7 +248,9 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), HarnessError> {
     std::fs::rename(&tmp, path).map_err(io)
 }
 
-const UNITS: &str = "B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000)";
+/// The units [`parse_size`] takes, for messages and help texts.
+pub const SIZE_UNITS: &str =
+    "B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000)";
 
 /// Parses a size such as `4GiB`, `512 MiB`, `1.5TiB`, `2GB` or `1048576` (bytes) into bytes.
 /// Units are case-insensitive; `K`, `M`, `G`, `T` alone mean KiB, MiB, GiB, TiB.
@@ -263,7 +265,7 @@ pub fn parse_size(input: &str) -> Result<u64, HarnessError> {
     let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
     if num.is_empty() {
-        return Err(bad(format!("expected a number first, then a unit: {UNITS}")));
+        return Err(bad(format!("expected a number first, then a unit: {SIZE_UNITS}")));
     }
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
@@ -275,7 +277,7 @@ pub fn parse_size(input: &str) -> Result<u64, HarnessError> {
         "mb" => 1_000_000,
         "gb" => 1_000_000_000,
         "tb" => 1_000_000_000_000,
-        other => return Err(bad(format!("unknown unit `{other}`; expected {UNITS}"))),
+        other => return Err(bad(format!("unknown unit `{other}`; expected {SIZE_UNITS}"))),
     };
     let too_large = || bad(format!("more than {} bytes", u64::MAX));
     let bytes = match num.parse::<u64>() {

@@ -1,5 +1,5 @@
 //! Data parallelism for the reference models: [`DpModel`], the reference MLP and GPT as a
-//! [`vram_dist::Replica`] (one parameter group per layer, the GPT's embeddings a group of
+//! [`vram_parallel::Replica`] (one parameter group per layer, the GPT's embeddings a group of
 //! their own), and [`measure`], one data-parallel run over N host or virtual devices.
 //!
 //! `DpModel` is built from the same layers in the same order with the same random draws as
@@ -13,11 +13,11 @@ use crate::data::{Batch, Dataset, Input};
 
 use crate::models::{Arch, Model};
 use vram_accum::{BoxedLayer, ForwardCtx, Mode, Param, SavedBox};
-use vram_dist::{
+use vram_kernels::{DType, Device, Tensor, ops};
+use vram_parallel::{
     Collective, DistError, DpConfig, GroupHooks, HostCollective, InProcessGroup, Pass, RankReport,
     Replica, VirtualCollective,
 };
-use vram_kernels::{DType, Device, Tensor, ops};
 
 /// A reference model (MLP or GPT) as a data-parallel replica.
 pub struct DpModel {
@@ -32,6 +32,7 @@ pub struct DpModel {
 fn accum(e: vram_accum::Error) -> DistError {
     match e {
         vram_accum::Error::Kernel(k) => DistError::Kernel(k),
+        vram_accum::Error::Amp(a) => DistError::Amp(a),
         e => DistError::Replica(e.to_string()),
     }
 }
@@ -327,7 +328,7 @@ pub fn measure(
     let workspace_bytes = replicas.first().map_or(0, |r| r.device().blas_workspace_size() as u64);
     let batches: Vec<DpBatch> =
         (0..steps).map(|i| DpBatch::new(data, seed, i as u64, samples)).collect();
-    let out = vram_dist::train(replicas, comms, config, &batches, |_| Ok(()));
+    let out = vram_parallel::train(replicas, comms, config, &batches, |_| Ok(()));
     let mut ranks = Vec::with_capacity(n);
     let mut first_abort = None;
     for r in out {
@@ -353,7 +354,7 @@ pub fn measure(
 /// and a master copy only where the weights are not already the f32 shard (ZeRO-1 and 2).
 /// `None` for `DataParallel` (device 0 holds everything, the others nothing between steps).
 pub fn analytic_state_bytes(config: &DpConfig, dtype: DType, params: u64, n: usize) -> Option<f64> {
-    use vram_dist::Strategy as S;
+    use vram_parallel::Strategy as S;
     let (p, n, w) = (params as f64, n as f64, dtype.size_in_bytes() as f64);
     let f32 = dtype == DType::F32;
     let adam = if f32 { 8.0 } else { 12.0 };

@@ -80,7 +80,7 @@ pub enum HarnessError {
 /// What an experiment (or the [`Trainer`](crate::trainer::Trainer)) can fail with. Each
 /// variant keeps the error it came from, so [`ExperimentError::is_out_of_memory`] sees an
 /// out-of-memory error wherever it was raised: a layer, the loss scaler, an optimizer step,
-/// the allocator.
+/// the allocator, a data-parallel rank, the planner.
 #[derive(Debug, thiserror::Error)]
 pub enum ExperimentError {
     /// A layer, the executor, the planner or the accumulator failed.
@@ -103,7 +103,14 @@ pub enum ExperimentError {
     Config(#[from] vram_alloc::ConfigError),
     /// A data-parallel run failed (on any rank: the first rank's own error).
     #[error(transparent)]
-    Dist(#[from] vram_dist::DistError),
+    Dist(#[from] vram_parallel::DistError),
+    /// Planning or measuring a real-size model failed (an unknown model, a bad override, a
+    /// step that failed).
+    #[error(transparent)]
+    Plan(#[from] crate::plan::PlanError),
+    /// A model of the zoo could not be looked up or resized.
+    #[error(transparent)]
+    Zoo(#[from] crate::models::ZooError),
     /// The experiment cannot be set up as asked (a size out of range, a backend this build
     /// lacks).
     #[error("invalid setup: {0}")]
@@ -131,7 +138,64 @@ impl ExperimentError {
             ExperimentError::Alloc(e) => e.is_out_of_memory(),
             ExperimentError::Device(e) => matches!(e, vram_alloc::RawError::OutOfMemory { .. }),
             ExperimentError::Dist(e) => e.is_out_of_memory(),
-            ExperimentError::Config(_) | ExperimentError::Setup(_) => false,
+            ExperimentError::Plan(e) => e.is_out_of_memory(),
+            ExperimentError::Config(_) | ExperimentError::Zoo(_) | ExperimentError::Setup(_) => {
+                false
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::{Arch, Model, ZooError};
+    use crate::plan::PlanError;
+    use vram_kernels::{DType, Device};
+
+    /// A real out-of-memory error: GPT-2 small's parameters on a 1 MiB virtual device.
+    fn real_oom() -> vram_accum::Error {
+        let device = Device::virtual_device(1 << 20);
+        let arch = Arch::preset("gpt2-small").unwrap();
+        let err = Model::new(&device, arch, 1, DType::F32).err().expect("1 MiB cannot hold it");
+        assert!(err.is_out_of_memory(), "{err}");
+        err
+    }
+
+    #[test]
+    fn a_plan_error_that_is_an_oom_stays_an_oom_through_experiment_error() {
+        let plan =
+            PlanError::Run { context: "gpt2-small on 1 MiB".into(), source: Box::new(real_oom()) };
+        assert!(plan.is_out_of_memory());
+        let text = plan.to_string();
+        let setup = || -> Result<(), ExperimentError> { Err(plan)? };
+        let err = setup().unwrap_err();
+        assert!(matches!(err, ExperimentError::Plan(PlanError::Run { .. })), "{err:?}");
+        assert!(err.is_out_of_memory(), "{err}");
+        assert_eq!(err.to_string(), text, "transparent: the planner's message");
+        // And one the planner raised as bad input is not an OOM.
+        let bad = ExperimentError::from(PlanError::InvalidArgument {
+            what: "batch",
+            reason: "must be at least 1".into(),
+        });
+        assert!(!bad.is_out_of_memory(), "{bad}");
+    }
+
+    #[test]
+    fn a_zoo_error_stays_typed_through_experiment_error() {
+        let lookup = |name: &str| -> Result<Arch, ExperimentError> { Ok(Arch::preset(name)?) };
+        let err = lookup("gpt5").unwrap_err();
+        let ExperimentError::Zoo(ZooError::UnknownPreset { name, known }) = &err else {
+            panic!("expected the zoo's error, got {err:?}");
+        };
+        assert_eq!(name, "gpt5");
+        assert!(known.contains("gpt2-small"), "{known}");
+        assert_eq!(err.to_string(), Arch::preset("gpt5").unwrap_err().to_string());
+        assert!(!err.is_out_of_memory());
+        let resize = || -> Result<Arch, ExperimentError> { Ok(Arch::preset("mlp")?.with_seq(8)?) };
+        assert!(matches!(
+            resize().unwrap_err(),
+            ExperimentError::Zoo(ZooError::NotApplicable { setting: "seq", .. })
+        ));
     }
 }

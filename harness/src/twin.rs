@@ -110,6 +110,9 @@ pub enum TwinError {
     /// A model the twin cannot export.
     #[error("{0}")]
     Model(String),
+    /// A model name the zoo does not know, or a size it cannot take.
+    #[error(transparent)]
+    Zoo(#[from] crate::models::ZooError),
     /// A setting out of range.
     #[error("invalid {what}: {reason}")]
     InvalidArgument {
@@ -387,7 +390,7 @@ pub fn run_vram(
             reason: "a virtual device keeps no values to export; use the host or CUDA".into(),
         });
     }
-    let arch = Arch::preset(name).map_err(|e| TwinError::Model(e.to_string()))?;
+    let arch = Arch::preset(name)?;
     let arch = with_dropout(arch, settings.dropout);
     let arch_value = arch_json(&arch, settings.dropout)?;
     let seq = match arch {

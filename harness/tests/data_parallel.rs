@@ -6,11 +6,11 @@ use std::time::Duration;
 
 use vram_accum::{ForwardCtx, Mode};
 use vram_amp::{AdamW, Optimizer};
-use vram_dist::{Collective, DpConfig, HostCollective, InProcessGroup, Strategy, train};
 use vram_harness::data::Dataset;
 use vram_harness::dp::{DeviceKind, DpBatch, DpModel, analytic_state_bytes, measure};
 use vram_harness::models::{Arch, Model};
 use vram_kernels::{AdamWConfig, DType, Device};
+use vram_parallel::{Collective, DpConfig, HostCollective, InProcessGroup, Strategy, train};
 
 /// AdamW with eps 1e-3: the attention's key bias has a gradient that is zero in exact
 /// arithmetic (softmax ignores a constant per row), so it is rounding noise whose sign

@@ -3,7 +3,7 @@
 //! `python3` has it); otherwise that test says `skipped: PyTorch is not installed`.
 
 use std::path::{Path, PathBuf};
-use vram_harness::models::Arch;
+use vram_harness::models::{Arch, ZooError};
 use vram_harness::twin::{self, Comparison, TwinError, TwinSettings};
 use vram_kernels::Device;
 
@@ -80,6 +80,12 @@ fn bad_settings_and_models_are_refused_with_the_reason() {
         twin::run_vram(&Device::virtual_device(1 << 30), "mlp", &TwinSettings::default(), &dir)
             .unwrap_err();
     assert!(matches!(err, TwinError::InvalidArgument { what: "device", .. }), "{err}");
+    // An unknown name is the zoo's own error, kept typed.
+    let err = twin::run_vram(&host, "gpt5", &TwinSettings::default(), &dir).unwrap_err();
+    assert!(
+        matches!(&err, TwinError::Zoo(ZooError::UnknownPreset { name, .. }) if name == "gpt5"),
+        "{err}"
+    );
     // Out of memory is an error naming the model, not a panic.
     let tiny = Device::host(64 << 10);
     let err = twin::run_vram(&tiny, "gpt", &TwinSettings::default(), &dir).unwrap_err();

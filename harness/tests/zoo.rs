@@ -41,6 +41,30 @@ fn presets_have_the_published_parameter_counts() {
 }
 
 #[test]
+fn every_name_and_alias_of_the_preset_table_finds_its_own_entry() {
+    let names = Arch::preset_names();
+    let mut unique = names.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), names.len(), "a name given twice: {names:?}");
+    for p in Arch::presets() {
+        assert_eq!(preset(p.name), (p.arch)(), "{}", p.name);
+        for alias in p.aliases {
+            assert_eq!(preset(alias), (p.arch)(), "{alias} is {}", p.name);
+        }
+        // Real-size presets are the ones too large to execute on the host.
+        let params = count((p.arch)());
+        assert_eq!(params > 1_000_000, p.real_size, "{}: {params} parameters", p.name);
+    }
+    assert_eq!(preset("resnet"), preset("resnet-like"));
+    // The error's list is the table's: every name and alias, in order.
+    let Err(ZooError::UnknownPreset { known, .. }) = Arch::preset("gpt5") else {
+        panic!("gpt5 is no preset")
+    };
+    assert_eq!(known, names.join(", "));
+}
+
+#[test]
 fn presets_are_listed_and_resized_with_clear_errors() {
     for p in Arch::presets() {
         assert!(Arch::preset(p.name).is_ok(), "{}", p.name);

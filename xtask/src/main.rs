@@ -38,12 +38,30 @@ enum Command {
     Twin(twin::TwinArgs),
 }
 
+/// `--quick`'s help, with the number of experiments the registry holds.
+fn quick_help() -> String {
+    format!(
+        "Reduced sizes (CI): about 30 seconds for all {} experiments on a shared 2-core host, \
+         against about 5 minutes for the full run (plus about 3 minutes for the first release \
+         build)",
+        vram_harness::techniques().count()
+    )
+}
+
+/// `--device-memory`'s help, with the default and the units `parse_size` takes.
+fn device_memory_help() -> String {
+    format!(
+        "Simulated device capacity on the host backend (default {}): bytes, or a number with \
+         a unit, {}; e.g. 24GiB. Experiments whose workload grows with it refuse capacities \
+         beyond what the host can simulate, naming the limit",
+        vram_harness::human_bytes(vram_harness::DEFAULT_HOST_DEVICE_MEMORY),
+        vram_harness::SIZE_UNITS
+    )
+}
+
 #[derive(clap::Args)]
 struct BenchArgs {
-    /// Reduced sizes (CI): about 30 seconds for all 18 experiments on a shared 2-core host,
-    /// against about 5 minutes for the full run (plus about 3 minutes for the first release
-    /// build).
-    #[arg(long)]
+    #[arg(long, help = quick_help())]
     quick: bool,
     /// Run only these experiment ids, comma-separated (spaces around ids are ignored; each id
     /// once).
@@ -55,24 +73,35 @@ struct BenchArgs {
     /// Output folder for <id>.json files and REPORT.md.
     #[arg(long, default_value = "results", value_name = "DIR")]
     out: PathBuf,
-    /// Where to run: CUDA if usable (auto), the host (cpu), or CUDA or fail (cuda).
+    /// Where to run.
     #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
     backend: BackendArg,
     /// Seed for synthetic data and initialisation.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Simulated device capacity on the host backend (default 4GiB): bytes, or a number with
-    /// KiB, MiB, GiB, TiB (or KB, MB, GB, TB), e.g. 24GiB. Experiments whose workload grows
-    /// with it refuse capacities beyond what the host can simulate, naming the limit.
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", help = device_memory_help())]
     device_memory: Option<String>,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
+/// Where to run, for `bench` and `twin`: the harness's [`BackendChoice`], one value each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum BackendArg {
+    /// CUDA if usable, else the host
     Auto,
+    /// the host
     Cpu,
+    /// CUDA, or fail
     Cuda,
+}
+
+impl From<BackendArg> for BackendChoice {
+    fn from(b: BackendArg) -> Self {
+        match b {
+            BackendArg::Auto => BackendChoice::Auto,
+            BackendArg::Cpu => BackendChoice::Cpu,
+            BackendArg::Cuda => BackendChoice::Cuda,
+        }
+    }
 }
 
 /// Plain lines: for logs and CI.
@@ -163,11 +192,7 @@ fn bench(args: BenchArgs) -> Result<ExitCode, String> {
         quick: args.quick,
         only,
         out: args.out,
-        backend: match args.backend {
-            BackendArg::Auto => BackendChoice::Auto,
-            BackendArg::Cpu => BackendChoice::Cpu,
-            BackendArg::Cuda => BackendChoice::Cuda,
-        },
+        backend: args.backend.into(),
         seed: args.seed,
         device_memory,
     };
@@ -255,6 +280,43 @@ mod tests {
             1 << 40
         );
         assert!(vram_harness::parse_only("fragmentation,fragmentation").is_err());
+    }
+
+    /// What `cargo xtask <argv> --help` prints.
+    fn help(argv: &[&str]) -> String {
+        let mut full = vec!["cargo xtask"];
+        full.extend(argv);
+        full.push("--help");
+        match Cli::try_parse_from(&full) {
+            Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelp => e.to_string(),
+            _ => panic!("{full:?} shows no help"),
+        }
+    }
+
+    #[test]
+    fn help_texts_come_from_the_registries() {
+        let bench = help(&["bench"]);
+        let n = vram_harness::techniques().count();
+        assert!(bench.contains(&format!("all {n} experiments")), "{bench}");
+        assert!(bench.contains(vram_harness::SIZE_UNITS), "{bench}");
+        for value in BackendArg::value_variants() {
+            let name = value.to_possible_value().expect("not hidden").get_name().to_string();
+            assert!(bench.contains(&format!("{name}:")), "{name}: {bench}");
+        }
+        let plan = help(&["plan"]);
+        let twin = help(&["twin"]);
+        for p in vram_harness::models::Arch::presets() {
+            assert!(plan.contains(p.name), "{}: {plan}", p.name);
+            assert!(plan.contains(p.description), "{}: {plan}", p.name);
+            for alias in p.aliases {
+                assert!(plan.contains(&format!("`{alias}`")), "{alias}: {plan}");
+            }
+            assert!(twin.contains(p.name), "{}: {twin}", p.name);
+        }
+        for (label, conf) in vram_harness::plan::ALLOCATOR_SETTINGS {
+            assert!(plan.contains(label) && plan.contains(conf), "{label}: {plan}");
+        }
+        assert!(help(&["twin"]).contains("cpu:"), "the backends' help is bench's");
     }
 
     #[test]

@@ -5,16 +5,81 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 use vram_harness::human_bytes;
+use vram_harness::models::Arch;
 use vram_harness::plan::{
-    self, ModelOverrides, OptimizerKind, PlanError, PlanProgress, PlanReport, PlanRequest,
-    Precision, PrecisionChoice, Row,
+    self, ALLOCATOR_SETTINGS, ModelOverrides, OptimizerKind, PLAN_KINDS, PlanError, PlanProgress,
+    PlanReport, PlanRequest, Precision, PrecisionChoice, Row,
 };
 
+/// `--model`'s help: the zoo's presets, real-size then small, and their aliases.
+fn model_help() -> String {
+    let names = |real: bool| -> String {
+        let names = Arch::presets().iter().filter(|p| p.real_size == real).map(|p| p.name);
+        names.collect::<Vec<_>>().join(", ")
+    };
+    let aliases: Vec<String> =
+        Arch::presets().iter().flat_map(|p| p.aliases.iter().map(|a| format!("`{a}`"))).collect();
+    let also = if aliases.is_empty() {
+        String::new()
+    } else {
+        format!("; {} also work", aliases.join(", "))
+    };
+    format!("A model by name: {} (real sizes), {} (small{also})", names(true), names(false))
+}
+
+/// `--model`'s long help: [`model_help`], then each preset with its description.
+fn model_long_help() -> String {
+    let mut text = model_help() + "\n";
+    for p in Arch::presets() {
+        let aliases: Vec<String> = p.aliases.iter().map(|a| format!("`{a}`")).collect();
+        let also = if aliases.is_empty() {
+            String::new()
+        } else {
+            format!(" (or {})", aliases.join(", "))
+        };
+        text += &format!("\n  {}{also}: {}", p.name, p.description);
+    }
+    text
+}
+
+/// `--precision`'s help, with what `auto` searches.
+fn precision_help() -> String {
+    let auto: Vec<&str> = PrecisionChoice::Auto.precisions().iter().map(|p| p.label()).collect();
+    format!(
+        "Precision (auto tries {}, 16-bit ones in full with f32 master weights; the autocast \
+         ones are torch.autocast's recipe: f32 weights, 16-bit matmuls and convolutions)",
+        auto.join(" and ")
+    )
+}
+
+/// What the search tries besides the precisions: the checkpoint plans and allocator settings.
+fn search_help() -> String {
+    let plans: Vec<String> = PLAN_KINDS.iter().map(|k| k.label()).collect();
+    let allocs: Vec<String> = ALLOCATOR_SETTINGS
+        .iter()
+        .map(
+            |(label, conf)| {
+                if conf.is_empty() { label.to_string() } else { format!("{label} ({conf})") }
+            },
+        )
+        .collect();
+    format!(
+        "Searched for each precision: the checkpoint plans {} and the allocator settings {}.",
+        plans.join(", "),
+        allocs.join(", ")
+    )
+}
+
 #[derive(clap::Args)]
+#[command(after_help = search_help())]
 pub struct PlanArgs {
-    /// A model by name: gpt2-small, gpt2-medium, resnet50, mobilenetv3-like, vit-b-like (real
-    /// sizes), gpt, resnet-like, mobilenet-like, mlp (small; `resnet`, `mobilenet` also work).
-    #[arg(long, required_unless_present = "model_file", conflicts_with = "model_file")]
+    #[arg(
+        long,
+        required_unless_present = "model_file",
+        conflicts_with = "model_file",
+        help = model_help(),
+        long_help = model_long_help()
+    )]
     model: Option<String>,
     /// A model described in a TOML or JSON file of layer specs (see models/example.toml).
     #[arg(long, value_name = "FILE")]
@@ -31,9 +96,7 @@ pub struct PlanArgs {
     /// Optimizer.
     #[arg(long, value_enum, default_value_t = OptArg::Adamw)]
     optimizer: OptArg,
-    /// Precision (auto tries fp32 and full bf16; the autocast ones are torch.autocast's
-    /// recipe: f32 weights, 16-bit matmuls and convolutions).
-    #[arg(long, value_enum, default_value_t = PrecArg::Auto)]
+    #[arg(long, value_enum, default_value_t = PrecArg::Auto, help = precision_help())]
     precision: PrecArg,
     /// Sequence length (token models).
     #[arg(long)]

@@ -7,16 +7,54 @@ use vram_harness::models::Arch;
 use vram_harness::twin::{self, TwinSettings};
 use vram_kernels::Device;
 
-/// The small models, executed on any backend.
-const SMALL: &[&str] = &["mlp", "resnet-like", "mobilenet-like", "gpt"];
-/// The real-size presets, and the batch each runs at by default on a GPU.
-const REAL: &[(&str, usize)] = &[
-    ("gpt2-small", 8),
-    ("gpt2-medium", 4),
-    ("resnet50", 64),
-    ("mobilenetv3-like", 64),
-    ("vit-b-like", 64),
-];
+use crate::BackendArg;
+
+/// The batch of a model not in [`GPU_BATCH`] (the small ones, GPT-2 small).
+const DEFAULT_BATCH: usize = 8;
+/// The presets that run at another batch than [`DEFAULT_BATCH`] by default.
+const GPU_BATCH: &[(&str, usize)] =
+    &[("gpt2-medium", 4), ("resnet50", 64), ("mobilenetv3-like", 64), ("vit-b-like", 64)];
+
+/// The batch `name` runs at unless `--batch` says otherwise.
+fn default_batch(name: &str) -> usize {
+    GPU_BATCH.iter().find(|(n, _)| *n == name).map_or(DEFAULT_BATCH, |(_, b)| *b)
+}
+
+/// The presets run by default: the small ones, and with CUDA the real-size ones too, in the
+/// zoo's order.
+fn default_models(cuda: bool) -> Vec<&'static str> {
+    Arch::presets().iter().filter(|p| cuda || !p.real_size).map(|p| p.name).collect()
+}
+
+/// `--models`' help: the zoo's presets, small and real-size.
+fn models_help() -> String {
+    let real: Vec<&str> = Arch::presets().iter().filter(|p| p.real_size).map(|p| p.name).collect();
+    format!(
+        "Models, comma-separated (presets of `cargo xtask plan --help`). Default: the small \
+         ones ({}), and on CUDA also {}",
+        default_models(false).join(", "),
+        real.join(", ")
+    )
+}
+
+/// `--batch`'s help: the default batches.
+fn batch_help() -> String {
+    let mut by_batch: Vec<(usize, Vec<&str>)> = Vec::new();
+    for p in Arch::presets().iter().filter(|p| p.real_size) {
+        let b = default_batch(p.name);
+        match by_batch.iter_mut().find(|(batch, _)| *batch == b) {
+            Some((_, names)) => names.push(p.name),
+            None => by_batch.push((b, vec![p.name])),
+        }
+    }
+    let real: Vec<String> =
+        by_batch.iter().map(|(b, names)| format!("{b} for {}", names.join(", "))).collect();
+    format!(
+        "Samples per batch for every model. Default: {DEFAULT_BATCH} for the small models; on \
+         CUDA {}",
+        real.join("; ")
+    )
+}
 
 /// Arguments of `cargo xtask twin`.
 #[derive(clap::Args, Debug)]
@@ -29,14 +67,9 @@ by side. On a GPU machine, in one command:
 Exit status: 0 when every model ran on both sides (or PyTorch is absent), 1 when a model \
 failed on either side, 2 for bad arguments.")]
 pub struct TwinArgs {
-    /// Models, comma-separated (presets of `cargo xtask plan --list-models`). Default: the
-    /// small ones (mlp, resnet-like, mobilenet-like, gpt), and on CUDA also gpt2-small,
-    /// gpt2-medium, resnet50, mobilenetv3-like and vit-b-like.
-    #[arg(long, value_name = "NAME,...")]
+    #[arg(long, value_name = "NAME,...", help = models_help())]
     models: Option<String>,
-    /// Samples per batch for every model. Default: 8 for the small models; on CUDA 8 for
-    /// gpt2-small, 4 for gpt2-medium, 64 for the image models.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", help = batch_help())]
     batch: Option<usize>,
     /// AdamW steps per model (at least 2).
     #[arg(long, default_value_t = 5, value_name = "N")]
@@ -47,10 +80,9 @@ pub struct TwinArgs {
     /// Seed of the weights and the batch.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Where vram runs: CUDA if usable (auto), the host (cpu), or CUDA or fail (cuda).
-    /// PyTorch runs on the same kind of device.
-    #[arg(long, value_enum, default_value_t = Backend::Auto)]
-    backend: Backend,
+    /// Where vram runs; PyTorch runs on the same kind of device.
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    backend: BackendArg,
     /// Capacity of the host backend's simulated device, e.g. 16GiB.
     #[arg(long, default_value = "16GiB", value_name = "SIZE")]
     device_memory: String,
@@ -71,13 +103,6 @@ pub struct TwinArgs {
     /// add "where the time goes" to TWIN.md.
     #[arg(long)]
     profile: bool,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-enum Backend {
-    Auto,
-    Cpu,
-    Cuda,
 }
 
 fn script(args: &TwinArgs) -> PathBuf {
@@ -104,17 +129,12 @@ fn models(args: &TwinArgs, cuda: bool) -> Result<Vec<(String, usize)>, String> {
                 if list.iter().any(|(n, _)| n == name) {
                     return Err(format!("--models: `{name}` is given twice"));
                 }
-                let batch = REAL.iter().find(|(n, _)| *n == name).map_or(8, |(_, b)| *b);
-                list.push((name.to_string(), batch));
+                list.push((name.to_string(), default_batch(name)));
             }
             list
         }
         None => {
-            let mut list: Vec<(String, usize)> = SMALL.iter().map(|n| (n.to_string(), 8)).collect();
-            if cuda {
-                list.extend(REAL.iter().map(|(n, b)| (n.to_string(), *b)));
-            }
-            list
+            default_models(cuda).into_iter().map(|n| (n.to_string(), default_batch(n))).collect()
         }
     };
     if let Some(b) = args.batch {
@@ -137,12 +157,12 @@ pub fn run(args: TwinArgs) -> Result<ExitCode, String> {
     let capacity = vram_harness::parse_size(&args.device_memory)
         .map_err(|e| format!("--device-memory: {e}"))?;
     let cuda = match args.backend {
-        Backend::Cpu => false,
-        Backend::Cuda => {
+        BackendArg::Cpu => false,
+        BackendArg::Cuda => {
             Device::cuda(0).map_err(|e| format!("--backend cuda: no usable CUDA device: {e}"))?;
             true
         }
-        Backend::Auto => match Device::cuda(0) {
+        BackendArg::Auto => match Device::cuda(0) {
             Ok(_) => true,
             Err(e) => {
                 eprintln!("note: no usable CUDA device ({e}); using the host backend");
@@ -214,4 +234,31 @@ pub fn run(args: TwinArgs) -> Result<ExitCode, String> {
     std::fs::write(&path, &text).map_err(|e| format!("{}: {e}", path.display()))?;
     println!("{text}\nwritten: {}", path.display());
     Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_models_and_batches_come_from_the_zoo() {
+        for (name, _) in GPU_BATCH {
+            let p = Arch::presets().iter().find(|p| p.name == *name);
+            assert!(p.is_some_and(|p| p.real_size), "`{name}` is no real-size preset");
+        }
+        let small = default_models(false);
+        assert!(!small.is_empty());
+        for p in Arch::presets() {
+            assert_eq!(small.contains(&p.name), !p.real_size, "{}", p.name);
+            assert!(default_models(true).contains(&p.name), "{}", p.name);
+            assert!(models_help().contains(p.name), "{}", p.name);
+            if p.real_size {
+                let batch = format!("{} for ", default_batch(p.name));
+                let help = batch_help();
+                let at = help.find(&batch).unwrap_or_else(|| panic!("{help}"));
+                assert!(help[at..].contains(p.name), "{}: {help}", p.name);
+            }
+        }
+        assert_eq!((default_batch("gpt2-medium"), default_batch("mlp")), (4, DEFAULT_BATCH));
+    }
 }

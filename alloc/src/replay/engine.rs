@@ -85,8 +85,39 @@ pub struct ReplayReport {
     pub segment_actions: Vec<SegmentAction>,
     /// The calls that failed with out-of-memory, in order.
     pub failed_calls: Vec<usize>,
-    /// What stopped the replay early, if anything did (a device error).
-    pub error: Option<String>,
+    /// What stopped the replay early or left the report incomplete, if anything did (a
+    /// device error, the replay's own trace overflowing).
+    pub error: Option<ReplayError>,
+}
+
+/// What stopped a replay early, or left its report incomplete. The allocator's errors keep
+/// their type, so [`ReplayError::is_out_of_memory`] tells an out-of-memory error from the
+/// others (a replay counts the out-of-memory errors of its allocations in the report; one
+/// that stops it came from elsewhere).
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ReplayError {
+    /// The allocator failed (a device error, settings the backend cannot honour).
+    #[error(transparent)]
+    Alloc(#[from] AllocError),
+    /// The replay's own trace ran past its ring buffer: the segment actions are incomplete.
+    #[error("the replay's own trace overflowed {limit} entries; segment actions are incomplete")]
+    TraceOverflow {
+        /// The ring buffer's size.
+        limit: usize,
+    },
+    /// The replay's own trace could not be read back through PyTorch's snapshot layout.
+    #[error("could not read the replay's trace: {reason}")]
+    TraceUnreadable {
+        /// What the pickle writer or the snapshot reader said.
+        reason: String,
+    },
+}
+
+impl ReplayError {
+    /// Whether this is the allocator's out-of-memory error.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, ReplayError::Alloc(e) if e.is_out_of_memory())
+    }
 }
 
 impl ReplayReport {
@@ -322,10 +353,7 @@ pub(crate) fn run<M: DeviceMemory>(
         let trace = cache.trace();
         cache.record_history(None);
         if trace.len() >= max_trace {
-            r.error = Some(format!(
-                "the replay's own trace overflowed {max_trace} entries; segment actions are \
-                 incomplete"
-            ));
+            r.error = Some(ReplayError::TraceOverflow { limit: max_trace });
         }
         // Through PyTorch's layout, as a snapshot would carry it.
         let parsed = serde_pickle::to_value(&trace)
@@ -377,7 +405,7 @@ pub(crate) fn run<M: DeviceMemory>(
                     });
                 }
             }
-            Err(e) => r.error = Some(format!("could not read the replay's trace: {e}")),
+            Err(reason) => r.error = Some(ReplayError::TraceUnreadable { reason }),
         }
     } else {
         let s = cache.memory_stats();

@@ -235,6 +235,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_real_size_model_that_does_not_exist_is_the_planners_typed_error() {
+        let err = real_model("gpt5", &crate::plan::ModelOverrides::default()).unwrap_err();
+        assert!(
+            matches!(&err, ExperimentError::Plan(crate::plan::PlanError::UnknownModel { name, .. }) if name == "gpt5"),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("gpt2-medium"), "{err}");
+        assert!(!err.is_out_of_memory());
+    }
+
+    #[test]
     fn fit_line_recovers_an_exact_line() {
         let (a, b, r2) = fit_line(&[1.0, 2.0, 4.0], &[5.0, 7.0, 11.0]);
         assert!((a - 3.0).abs() < 1e-12 && (b - 2.0).abs() < 1e-12 && (r2 - 1.0).abs() < 1e-12);
@@ -253,8 +264,7 @@ pub fn real_model(
     name: &str,
     overrides: &crate::plan::ModelOverrides,
 ) -> Result<crate::plan::PlanModel, ExperimentError> {
-    crate::plan::model_from_args(name, overrides)
-        .map_err(|e| ExperimentError::Setup(format!("real-size model {name}: {e}")))
+    Ok(crate::plan::model_from_args(name, overrides)?)
 }
 
 /// Peak allocated and reserved bytes of a real-size training step (two optimizer steps of
@@ -274,14 +284,9 @@ pub fn real_peak(
         micro,
         accum,
     };
-    crate::plan::measure(model, &c, crate::plan::Target::Virtual(REAL_CAPACITY))
-        .map_err(|e| ExperimentError::Setup(format!("real-size {}: {e}", model.name)))?
-        .ok_or_else(|| {
-            ExperimentError::Setup(format!(
-                "real-size {} ran out of the virtual device",
-                model.name
-            ))
-        })
+    crate::plan::measure(model, &c, crate::plan::Target::Virtual(REAL_CAPACITY))?.ok_or_else(|| {
+        ExperimentError::Setup(format!("real-size {} ran out of the virtual device", model.name))
+    })
 }
 
 /// Parameters of a real-size model (built on the virtual device: nothing is drawn).
@@ -400,7 +405,7 @@ pub fn replay_trace<M: vram_alloc::DeviceMemory>(
                     live.insert(e.addr, a);
                 }
                 Err(vram_alloc::AllocError::OutOfMemory(_)) => return Ok(false),
-                Err(err) => return Err(ExperimentError::Setup(format!("replay: {err}"))),
+                Err(err) => return Err(err.into()),
             },
             TraceAction::FreeRequested | TraceAction::FreeCompleted => {
                 live.remove(&e.addr);

@@ -11,12 +11,12 @@ use crate::techniques::Technique;
 use crate::{Claim, Context, ExperimentError, Timing, Verdict, human_bytes};
 use serde::Serialize;
 use serde_json::json;
-use vram_dist::{DpConfig, Strategy};
 use vram_kernels::DType;
+use vram_parallel::{DpConfig, Strategy};
 
 const DEVICES: [usize; 4] = [1, 2, 4, 8];
 
-/// GPT-2 medium (16-head attention) with an untied LM head (vram-dist runs no tied head:
+/// GPT-2 medium (16-head attention) with an untied LM head (vram-parallel runs no tied head:
 /// +vocab x d = 51.5 M parameters), no dropout.
 fn gpt2_medium() -> (Arch, Dataset) {
     let (vocab, seq) = (50257, 1024);
@@ -59,7 +59,8 @@ pub(super) struct Measured {
 }
 
 fn push(sweep: &mut Sweep<Measured>, label: &'static str, run: &DpRun, dtype: DType, timed: bool) {
-    let per = |f: fn(&vram_dist::RankReport) -> u64| run.ranks.iter().map(f).collect::<Vec<_>>();
+    let per =
+        |f: fn(&vram_parallel::RankReport) -> u64| run.ranks.iter().map(f).collect::<Vec<_>>();
     let ws = run.workspace_bytes;
     let m = Measured {
         model: label,
@@ -103,7 +104,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             "virtual_model": format!("GPT-2 medium, untied LM head: {big:?}"),
             "virtual_dtype": "bf16 weights and gradients, f32 master and AdamW moments",
             "virtual_capacity_bytes": capacity,
-            "global_batch_sequences": samples, "bucket_cap_bytes": vram_dist::DEFAULT_BUCKET_CAP_BYTES,
+            "global_batch_sequences": samples, "bucket_cap_bytes": vram_parallel::DEFAULT_BUCKET_CAP_BYTES,
             "collectives": "in-process (threads) on host devices, memory-only on virtual devices",
         }),
     );

@@ -125,7 +125,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     // Real size: the same two evaluations of real models on the virtual device.
     let mut real = Vec::new();
     for (name, batches) in real_sweeps(ctx.quick) {
-        let arch = Arch::preset(name).map_err(|e| ExperimentError::Setup(e.to_string()))?;
+        let arch = Arch::preset(name)?;
         for b in batches {
             let mut peaks = [0u64; 2];
             let mut weights = 0;

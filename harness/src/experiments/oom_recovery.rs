@@ -165,10 +165,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     // Real size: GPT-2 small at seq 1024 on a virtual device between the needs of batch 8
     // and batch 16 (each measured by one training step and optimizer step on a roomy one).
     let (big_steps, big_batch) = (if ctx.quick { 2 } else { 4 }, 16);
-    let gpt = Arch::preset("gpt2-small")
-        .map_err(|e| ExperimentError::Setup(e.to_string()))?
-        .with_seq(1024)
-        .map_err(|e| ExperimentError::Setup(e.to_string()))?;
+    let gpt = Arch::preset("gpt2-small")?.with_seq(1024)?;
     let gpt_data = gpt.dataset();
     let need = |n: usize| -> Result<u64, ExperimentError> {
         let dev = Device::virtual_device(80 << 30);

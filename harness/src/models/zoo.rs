@@ -111,49 +111,124 @@ pub enum Arch {
     Custom(ModelSpec),
 }
 
-/// A named architecture of the zoo.
+/// A named architecture of the zoo: one entry of [`Arch::presets`], the only list of them
+/// (names, aliases, descriptions and the architectures all come from it).
 #[derive(Clone, Copy, Debug)]
 pub struct Preset {
     /// The name [`Arch::preset`] takes.
     pub name: &'static str,
+    /// Other names [`Arch::preset`] takes for it.
+    pub aliases: &'static [&'static str],
     /// One line: what it is and what it leaves out.
     pub description: &'static str,
+    /// Whether it is a real-size model (for the virtual device or a GPU) rather than a small
+    /// one the experiments execute on the host.
+    pub real_size: bool,
+    /// The architecture.
+    pub arch: fn() -> Arch,
 }
 
 /// Every preset, small executed models first.
 const PRESETS: &[Preset] = &[
-    Preset { name: "mlp", description: "MLP 32-64-64, 8 classes (executed on the host)" },
+    Preset {
+        name: "mlp",
+        aliases: &[],
+        description: "MLP 32-64-64, 8 classes (executed on the host)",
+        real_size: false,
+        arch: || Arch::Mlp { dims: vec![32, 64, 64], classes: 8 },
+    },
     Preset {
         name: "resnet-like",
+        aliases: &["resnet"],
         description: "small CNN of basic residual blocks, width 16, stages 2-2, 10 classes, 32 px",
+        real_size: false,
+        arch: || Arch::ResNet { width: 16, blocks: vec![2, 2], classes: 10 },
     },
     Preset {
         name: "mobilenet-like",
+        aliases: &["mobilenet"],
         description: "small CNN of depthwise-separable blocks, width 16, stages 2-2, 10 classes, 32 px",
+        real_size: false,
+        arch: || Arch::MobileNet { width: 16, blocks: vec![2, 2], classes: 10 },
     },
     Preset {
         name: "gpt",
+        aliases: &[],
         description: "small GPT: vocab 256, d 128, 4 layers, 4 heads, seq 64, untied head",
+        real_size: false,
+        arch: || Arch::Gpt {
+            vocab: 256,
+            d: 128,
+            layers: 4,
+            heads: 4,
+            seq: 64,
+            dropout: 0.1,
+            tied: false,
+        },
     },
     Preset {
         name: "gpt2-small",
+        aliases: &[],
         description: "GPT-2 small, 124,439,808 params: vocab 50257, d 768, 12 layers, 12 heads, seq 1024, tied head",
+        real_size: true,
+        arch: || Arch::Gpt {
+            vocab: 50257,
+            d: 768,
+            layers: 12,
+            heads: 12,
+            seq: 1024,
+            dropout: 0.1,
+            tied: true,
+        },
     },
     Preset {
         name: "gpt2-medium",
+        aliases: &[],
         description: "GPT-2 medium, 354,823,168 params: d 1024, 24 layers, 16 heads, seq 1024, tied head",
+        real_size: true,
+        arch: || Arch::Gpt {
+            vocab: 50257,
+            d: 1024,
+            layers: 24,
+            heads: 16,
+            seq: 1024,
+            dropout: 0.1,
+            tied: true,
+        },
     },
     Preset {
         name: "resnet50",
+        aliases: &[],
         description: "ResNet-50 with batch norm, 25,557,032 params (= torchvision): 224 px, 1000 classes",
+        real_size: true,
+        arch: || Arch::BottleneckResNet {
+            side: 224,
+            width: 64,
+            blocks: vec![3, 4, 6, 3],
+            classes: 1000,
+        },
     },
     Preset {
         name: "mobilenetv3-like",
+        aliases: &[],
         description: "MobileNetV3-Large, 5,483,032 params (= torchvision): 224 px, 1000 classes",
+        real_size: true,
+        arch: || Arch::MobileNetV3 { side: 224, width_mult: 1.0, classes: 1000 },
     },
     Preset {
         name: "vit-b-like",
+        aliases: &[],
         description: "ViT-B/16 with mean pooling, no class token, 86,566,120 params (timm 86,567,656): 224 px",
+        real_size: true,
+        arch: || Arch::Vit {
+            side: 224,
+            patch: 16,
+            d: 768,
+            layers: 12,
+            heads: 12,
+            classes: 1000,
+            dropout: 0.1,
+        },
     },
 ];
 
@@ -189,69 +264,31 @@ pub enum ZooError {
 }
 
 impl Arch {
-    /// Every preset's name and one-line description.
+    /// Every preset: name, aliases, one-line description and architecture.
     pub fn presets() -> &'static [Preset] {
         PRESETS
     }
 
-    /// The preset called `name` (see [`Arch::presets`]).
+    /// Every name [`Arch::preset`] takes: the presets' names in order, then their aliases.
+    pub fn preset_names() -> Vec<&'static str> {
+        let aliases = PRESETS.iter().flat_map(|p| p.aliases.iter().copied());
+        PRESETS.iter().map(|p| p.name).chain(aliases).collect()
+    }
+
+    /// The preset called `name`, or one of its aliases (see [`Arch::presets`]).
     ///
     /// # Errors
     ///
-    /// [`ZooError::UnknownPreset`], listing the known names.
+    /// [`ZooError::UnknownPreset`], listing the known names ([`Arch::preset_names`]).
     pub fn preset(name: &str) -> Result<Arch, ZooError> {
-        Ok(match name {
-            "mlp" => Arch::Mlp { dims: vec![32, 64, 64], classes: 8 },
-            "resnet-like" => Arch::ResNet { width: 16, blocks: vec![2, 2], classes: 10 },
-            "mobilenet-like" => Arch::MobileNet { width: 16, blocks: vec![2, 2], classes: 10 },
-            "gpt" => Arch::Gpt {
-                vocab: 256,
-                d: 128,
-                layers: 4,
-                heads: 4,
-                seq: 64,
-                dropout: 0.1,
-                tied: false,
-            },
-            "gpt2-small" => Arch::Gpt {
-                vocab: 50257,
-                d: 768,
-                layers: 12,
-                heads: 12,
-                seq: 1024,
-                dropout: 0.1,
-                tied: true,
-            },
-            "gpt2-medium" => Arch::Gpt {
-                vocab: 50257,
-                d: 1024,
-                layers: 24,
-                heads: 16,
-                seq: 1024,
-                dropout: 0.1,
-                tied: true,
-            },
-            "resnet50" => Arch::BottleneckResNet {
-                side: 224,
-                width: 64,
-                blocks: vec![3, 4, 6, 3],
-                classes: 1000,
-            },
-            "mobilenetv3-like" => Arch::MobileNetV3 { side: 224, width_mult: 1.0, classes: 1000 },
-            "vit-b-like" => Arch::Vit {
-                side: 224,
-                patch: 16,
-                d: 768,
-                layers: 12,
-                heads: 12,
-                classes: 1000,
-                dropout: 0.1,
-            },
-            _ => {
-                let known: Vec<&str> = PRESETS.iter().map(|p| p.name).collect();
-                return Err(ZooError::UnknownPreset { name: name.into(), known: known.join(", ") });
-            }
-        })
+        PRESETS
+            .iter()
+            .find(|p| p.name == name || p.aliases.contains(&name))
+            .map(|p| (p.arch)())
+            .ok_or_else(|| ZooError::UnknownPreset {
+                name: name.into(),
+                known: Arch::preset_names().join(", "),
+            })
     }
 
     /// A short name for reports ("gpt", "resnet-bottleneck", ...).

@@ -18,7 +18,8 @@ pub enum PlanError {
     },
     /// A size that could not be parsed.
     #[error(
-        "malformed size `{input}` for {what}: expected a number with an optional unit (B, KiB, MiB, GiB, KB, MB, GB), e.g. `24GiB`"
+        "malformed size `{input}` for {what}: expected a number with an optional unit, {}; e.g. `24GiB`",
+        crate::SIZE_UNITS
     )]
     MalformedSize {
         /// The option.
@@ -56,6 +57,13 @@ pub enum PlanError {
     /// A model file that cannot be used.
     #[error("{0}")]
     ModelFile(#[from] crate::models::spec::SpecError),
+    /// Allocator settings that do not parse.
+    #[error("invalid allocator settings: {0}")]
+    AllocatorSettings(#[from] vram_alloc::ConfigError),
+    /// The device could not be opened, or capped, under the allocator settings (a backend
+    /// that cannot honour them, no CUDA device).
+    #[error("invalid allocator settings: {0}")]
+    Device(#[source] vram_kernels::Error),
     /// A training step failed for another reason than running out of memory.
     #[error("{context}: {source}")]
     Run {
@@ -70,5 +78,15 @@ impl PlanError {
     /// Whether the error is the user's input (exit status 2) rather than a failure.
     pub fn is_bad_input(&self) -> bool {
         !matches!(self, PlanError::Run { .. })
+    }
+
+    /// Whether the error is an out-of-memory error (a step or a device that ran out), seen
+    /// through [`PlanError::Run`] and [`PlanError::Device`].
+    pub fn is_out_of_memory(&self) -> bool {
+        match self {
+            PlanError::Run { source, .. } => source.is_out_of_memory(),
+            PlanError::Device(e) => e.is_out_of_memory(),
+            _ => false,
+        }
     }
 }

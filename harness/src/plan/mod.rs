@@ -36,8 +36,7 @@ mod search;
 
 pub use error::PlanError;
 pub use model::{
-    ALIASES, ModelOverrides, PlanModel, SampleInput, model_from_args, model_from_file,
-    model_from_spec,
+    ModelOverrides, PlanModel, SampleInput, model_from_args, model_from_file, model_from_spec,
 };
 pub(crate) use run::UNLIMITED;
 pub(crate) use search::param_count;

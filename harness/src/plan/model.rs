@@ -8,11 +8,6 @@ use crate::models::spec::{InputSpec, LayerSpec, ModelSpec, Resolved};
 use crate::rng::Rng;
 use serde::Serialize;
 
-/// Short names [`model_from_args`] takes besides the zoo's presets
-/// ([`Arch::presets`](crate::models::Arch::presets)): `resnet` and `mobilenet` for the small
-/// executed CNNs.
-pub const ALIASES: &[(&str, &str)] = &[("resnet", "resnet-like"), ("mobilenet", "mobilenet-like")];
-
 /// Size parameters that override a named model's defaults.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ModelOverrides {
@@ -66,8 +61,8 @@ fn invalid(what: &'static str, reason: impl Into<String>) -> PlanError {
     PlanError::InvalidArgument { what, reason: reason.into() }
 }
 
-/// The model called `name` (a preset of the zoo, [`Arch::preset`], or an [`ALIASES`] name),
-/// with `overrides` applied: absolute sizes (`--width` is GPT's and ViT's `d`, kept at the
+/// The model called `name` (a preset of the zoo or one of its aliases, [`Arch::preset`];
+/// spaces around it and case are ignored), with `overrides` applied: absolute sizes (`--width` is GPT's and ViT's `d`, kept at the
 /// preset's head width; the CNNs' first-stage width; the MLP's hidden width), unlike the
 /// zoo's multipliers.
 ///
@@ -89,11 +84,10 @@ pub fn model_from_args(name: &str, o: &ModelOverrides) -> Result<PlanModel, Plan
         }
     }
     let key = name.trim().to_ascii_lowercase();
-    let preset = ALIASES.iter().find(|(a, _)| *a == key).map_or(key.as_str(), |(_, p)| *p);
-    let mut arch = Arch::preset(preset).map_err(|_| {
-        let mut known: Vec<&str> = Arch::presets().iter().map(|p| p.name).collect();
-        known.extend(ALIASES.iter().map(|(a, _)| *a));
-        PlanError::UnknownModel { name: name.to_string(), known: known.join(", ") }
+    // A lookup fails only for an unknown name.
+    let mut arch = Arch::preset(&key).map_err(|_| PlanError::UnknownModel {
+        name: name.to_string(),
+        known: Arch::preset_names().join(", "),
     })?;
     let unused = |what: &str, given: Option<usize>| -> Result<(), PlanError> {
         match given {

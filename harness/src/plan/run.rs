@@ -73,10 +73,7 @@ pub(crate) fn run(
 }
 
 fn device(place: Where, alloc: &AllocatorConfig) -> Result<Device, PlanError> {
-    let bad = |e: vram_kernels::Error| PlanError::InvalidArgument {
-        what: "allocator settings",
-        reason: e.to_string(),
-    };
+    let bad = PlanError::Device;
     Ok(match place {
         Where::Virtual(cap) => Device::virtual_with_config(cap, alloc.clone()).map_err(bad)?,
         Where::Host(cap) => {

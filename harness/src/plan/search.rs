@@ -314,12 +314,7 @@ fn human(bytes: u64) -> String {
 fn parse_allocs() -> Result<Vec<AllocatorConfig>, PlanError> {
     ALLOCATOR_SETTINGS
         .iter()
-        .map(|(_, conf)| {
-            AllocatorConfig::parse(conf).map_err(|e| PlanError::InvalidArgument {
-                what: "allocator settings",
-                reason: e.to_string(),
-            })
-        })
+        .map(|(_, conf)| AllocatorConfig::parse(conf).map_err(PlanError::from))
         .collect()
 }
 
@@ -778,10 +773,7 @@ pub fn measure(
             reason: "micro-batch and accumulation must be at least 1".into(),
         });
     }
-    let alloc = AllocatorConfig::parse(&c.alloc_conf).map_err(|e| PlanError::InvalidArgument {
-        what: "allocator settings",
-        reason: e.to_string(),
-    })?;
+    let alloc = AllocatorConfig::parse(&c.alloc_conf)?;
     let (_, n) = param_count(model)?;
     let schedule = match c.plan {
         PlanKind::Budget => {

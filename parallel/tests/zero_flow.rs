@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use vram_dist::{Communicator, InProcessGroup, ReduceOp};
+use vram_parallel::{Communicator, InProcessGroup, ReduceOp};
 
 #[test]
 fn reduce_scatter_update_all_gather_equals_all_reduce_update() {

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use vram_dist::{CommError, Communicator, InProcessComm, InProcessGroup, ReduceOp};
+use vram_parallel::{CommError, Communicator, InProcessComm, InProcessGroup, ReduceOp};
 
 /// Runs `f` on every rank of a fresh group, returns the results in rank order.
 fn on_ranks<T: Send + 'static>(

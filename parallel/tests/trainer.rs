@@ -7,11 +7,11 @@ mod common;
 use std::time::Duration;
 
 use common::{Mlp, Rows, rows, single_device};
-use vram_dist::{
+use vram_kernels::{AdamWConfig, DType, Device};
+use vram_parallel::{
     Collective, CommError, DistError, DpConfig, HostCollective, InProcessGroup, RankReport,
     Strategy, VirtualCollective, train,
 };
-use vram_kernels::{AdamWConfig, DType, Device};
 
 const T: Duration = Duration::from_secs(30);
 
@@ -78,7 +78,7 @@ fn every_strategy_on_n_devices_equals_single_device_training_on_the_global_batch
     for n in [1, 2, 4, 8] {
         for strategy in Strategy::ALL {
             // Bucket caps of 1 element, of a few parameters, and DDP's default.
-            for cap in [4, 160, vram_dist::DEFAULT_BUCKET_CAP_BYTES] {
+            for cap in [4, 160, vram_parallel::DEFAULT_BUCKET_CAP_BYTES] {
                 let config =
                     DpConfig { bucket_cap_bytes: cap, adamw: adamw(), ..DpConfig::new(strategy) };
                 let out = run(n, &dims, DType::F32, config, &batches, |_| Device::host(64 << 20));

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use vram_dist::{BucketPlan, Communicator, InProcessGroup};
+use vram_parallel::{BucketPlan, Communicator, InProcessGroup};
 
 /// A two-parameter-tensor linear model y = W x + b, mean squared error; returns the
 /// gradients of the mean loss over `batch`.
@@ -91,7 +91,7 @@ fn buckets_follow_reverse_parameter_order_and_the_cap() {
     assert_eq!(BucketPlan::new(&[10, 20, 30], 200).buckets, vec![vec![2, 1], vec![0]]);
     assert_eq!(BucketPlan::new(&[10, 20, 30], 1).buckets, vec![vec![2], vec![1], vec![0]]);
     assert_eq!(
-        BucketPlan::new(&[10, 20, 30], vram_dist::DEFAULT_BUCKET_CAP_BYTES).buckets,
+        BucketPlan::new(&[10, 20, 30], vram_parallel::DEFAULT_BUCKET_CAP_BYTES).buckets,
         vec![vec![2, 1, 0]]
     );
 }

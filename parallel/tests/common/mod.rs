@@ -4,8 +4,8 @@
 #![allow(dead_code)]
 
 use vram_amp::{AdamW, Optimizer, Param};
-use vram_dist::{DistError, GroupHooks, NoHooks, Pass, Replica};
 use vram_kernels::{AdamWConfig, DType, Device, Tensor, ops};
+use vram_parallel::{DistError, GroupHooks, NoHooks, Pass, Replica};
 
 /// Rows of features with one class each.
 #[derive(Clone, Debug)]

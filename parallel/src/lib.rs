@@ -12,7 +12,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use vram_dist::{Communicator, InProcessGroup, ReduceOp};
+//! use vram_parallel::{Communicator, InProcessGroup, ReduceOp};
 //!
 //! let comms = InProcessGroup::connect(2, Duration::from_secs(10)).unwrap();
 //! let handles: Vec<_> = comms

@@ -7,8 +7,8 @@
 mod common;
 
 use common::{Mlp, Rows, rows, single_device};
-use vram_dist::{Collective, DpConfig, NcclCollective, Strategy, train};
 use vram_kernels::{AdamWConfig, DType, Device};
+use vram_parallel::{Collective, DpConfig, NcclCollective, Strategy, train};
 
 #[test]
 fn nccl_ranks_train_like_a_single_host_device() {

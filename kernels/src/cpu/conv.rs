@@ -9,7 +9,7 @@ use super::check_len;
 use super::matmul::{widen, with_f32_out};
 use crate::dtype::Element;
 use crate::error::Result;
-use crate::ops::{Conv2dParams, MatmulSpec};
+use crate::params::{Conv2dParams, MatmulSpec};
 use rayon::prelude::*;
 use std::ops::Range;
 
@@ -382,7 +382,7 @@ fn depthwise_backward_weight(p: &Conv2dParams, x: &[f32], dy: &[f32], dw: &mut [
 mod tests {
     use super::*;
     use crate::cpu::elementwise::testing::{assert_close, round as cast, widen as to_f64};
-    use crate::ops::Conv2dOptions;
+    use crate::params::Conv2dOptions;
     use half::{bf16, f16};
     use proptest::prelude::*;
 

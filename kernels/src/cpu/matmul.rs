@@ -12,7 +12,7 @@
 use super::check_len;
 use crate::dtype::Element;
 use crate::error::{Error, Result};
-use crate::ops::MatmulSpec;
+use crate::params::MatmulSpec;
 use gemm::Parallelism;
 use rayon::prelude::*;
 use std::any::TypeId;

@@ -3,9 +3,9 @@
 //! Storage is in the element type `T`; arithmetic and accumulation are in f32. Every
 //! function checks that its slices have the lengths its layout needs and returns an
 //! [`Error::InvalidArgument`] otherwise (it writes nothing then); the geometry types it
-//! takes ([`MatmulSpec`](crate::ops::MatmulSpec), [`Conv2dParams`](crate::ops::Conv2dParams),
-//! [`Pool2dParams`](crate::ops::Pool2dParams)) and the optimizer configurations are the op
-//! layer's, checked where they are made.
+//! takes ([`MatmulSpec`](crate::MatmulSpec), [`Conv2dParams`](crate::Conv2dParams),
+//! [`Pool2dParams`](crate::Pool2dParams)) and the optimizer configurations come from the
+//! parameter module below this one, checked where the op layer makes them.
 
 pub mod activation;
 pub mod batch_norm;

@@ -9,7 +9,7 @@ use super::check_len;
 use crate::Element;
 use crate::cpu::elementwise::{PAR_CHUNK, PAR_THRESHOLD};
 use crate::error::{Error, Result};
-use crate::ops::{AdamWConfig, SgdConfig};
+use crate::params::{AdamWConfig, SgdConfig};
 use rayon::prelude::*;
 
 /// Runs `f` over aligned elements of the f32 state slices and the gradient, in parallel

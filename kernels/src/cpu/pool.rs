@@ -8,7 +8,7 @@ use super::matmul::{widen, with_f32_out};
 use super::{check_len, rows_of};
 use crate::dtype::Element;
 use crate::error::Result;
-use crate::ops::Pool2dParams;
+use crate::params::Pool2dParams;
 use rayon::prelude::*;
 use std::ops::Range;
 
@@ -256,7 +256,7 @@ mod tests {
     use crate::cpu::elementwise::testing::{
         assert_close, finite_diff_sum as finite_diff, round as cast, widen as to_f64,
     };
-    use crate::ops::Pool2dOptions;
+    use crate::params::Pool2dOptions;
     use half::{bf16, f16};
     use proptest::prelude::*;
 

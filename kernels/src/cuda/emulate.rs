@@ -27,7 +27,7 @@ use super::launch::{Arg, check_args};
 use super::registry::{ALL, COMMON, Instance, Module};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::ops::MatmulSpec;
+use crate::params::MatmulSpec;
 use cudarc::driver::LaunchConfig;
 use half::{bf16, f16};
 use std::collections::HashMap;

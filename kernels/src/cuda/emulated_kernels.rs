@@ -9,7 +9,10 @@ use super::launch::{self, Arg, ConvGeom, PoolGeom};
 use super::registry::*;
 use crate::device::Device;
 use crate::dtype::{DType, Element};
-use crate::ops::{self, AdamWConfig, Conv2dOptions, Conv2dParams, Pool2dOptions, SgdConfig};
+use crate::ops;
+use crate::params::{
+    AdamWConfig, Conv2dOptions, Conv2dParams, Pool2dOptions, Pool2dParams, SgdConfig,
+};
 use crate::tensor::Tensor;
 use cudarc::driver::LaunchConfig;
 use half::{bf16, f16};
@@ -389,7 +392,7 @@ fn pooling_windows_and_their_gradients_match_the_host() {
 /// A pooling backward's arguments as `ops/pool.rs` passes them: `head` (through the
 /// geometry and the divisor flag), then the input's width and height and the strides as
 /// dividers.
-fn pool_bwd_args(head: &[Arg], shape: &[usize], p: &crate::ops::Pool2dParams) -> Vec<Arg> {
+fn pool_bwd_args(head: &[Arg], shape: &[usize], p: &Pool2dParams) -> Vec<Arg> {
     let mut args = head.to_vec();
     let (sh, sw) = p.stride();
     args.extend([Arg::div(shape[3]), Arg::div(shape[2]), Arg::div(sh), Arg::div(sw)]);

@@ -137,7 +137,7 @@ pub(crate) struct ConvGeom {
 
 impl ConvGeom {
     /// The geometry of `p`.
-    pub(crate) fn of(p: &crate::ops::Conv2dParams) -> ConvGeom {
+    pub(crate) fn of(p: &crate::params::Conv2dParams) -> ConvGeom {
         let (oh, ow) = p.output_hw();
         let i = |v: usize| v as i64;
         ConvGeom {
@@ -185,7 +185,7 @@ pub(crate) struct PoolGeom {
 
 impl PoolGeom {
     /// The geometry of `p`.
-    pub(crate) fn of(p: &crate::ops::Pool2dParams) -> PoolGeom {
+    pub(crate) fn of(p: &crate::params::Pool2dParams) -> PoolGeom {
         let (oh, ow) = p.output_hw();
         let i = |v: usize| v as i64;
         PoolGeom {

@@ -333,7 +333,7 @@ impl<'a> Gpu<'a> {
     /// must not overlap, and C must not alias A or B.
     pub(crate) unsafe fn gemm(
         &self,
-        spec: &crate::ops::MatmulSpec,
+        spec: &crate::params::MatmulSpec,
         a: u64,
         b: u64,
         c: u64,
@@ -380,7 +380,7 @@ pub(crate) trait Exec {
     /// As [`Gpu::gemm`].
     unsafe fn gemm(
         &self,
-        spec: &crate::ops::MatmulSpec,
+        spec: &crate::params::MatmulSpec,
         a: u64,
         b: u64,
         c: u64,
@@ -400,7 +400,7 @@ impl Exec for Gpu<'_> {
 
     unsafe fn gemm(
         &self,
-        spec: &crate::ops::MatmulSpec,
+        spec: &crate::params::MatmulSpec,
         a: u64,
         b: u64,
         c: u64,

@@ -17,12 +17,12 @@
 //! `dispatch`).
 
 use super::dispatch::{Buffers, Op, Plan, run};
-use super::params::{Conv2dOptions, Conv2dParams};
 use super::{expect_rank, expect_shape, same_kind};
 use crate::cpu::conv as cpu;
 use crate::device::Device;
 use crate::dtype::{DType, with_dtype};
 use crate::error::Result;
+use crate::params::{Conv2dOptions, Conv2dParams};
 use crate::tensor::Tensor;
 
 /// Most bytes the forward's im2col buffer may take; the batch is processed in chunks of
@@ -299,7 +299,7 @@ impl Op for Conv2dBackward<'_> {
         if !nothing && depthwise_in_registers(p) {
             let taps = w.numel();
             self.ws.depthwise = [
-                plan.workspace(super::params::mul(
+                plan.workspace(crate::params::mul(
                     Self::NAME,
                     "the weight gradient",
                     p.batch(),

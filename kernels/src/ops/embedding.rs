@@ -3,11 +3,12 @@
 //! workspace.
 
 use super::dispatch::{Buffers, Op, Plan, run};
-use super::{expect_rank, expect_shape, invalid, params::mul};
+use super::{expect_rank, expect_shape, invalid};
 use crate::cpu::embedding as cpu;
 use crate::device::Device;
 use crate::dtype::with_dtype;
 use crate::error::Result;
+use crate::params::mul;
 use crate::tensor::Tensor;
 
 /// Rows `ids` of `table: [vocab, dim]`, as `[ids.len(), dim]`.

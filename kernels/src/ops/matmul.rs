@@ -3,12 +3,12 @@
 //! runs in the device's cuBLAS workspace.
 
 use super::dispatch::{Buffers, Op, Plan, run};
-use super::params::MatmulSpec;
 use super::{expect_rank, expect_shape, rows_cols, same_kind};
 use crate::cpu::matmul as cpu;
 use crate::device::Device;
 use crate::dtype::{DType, with_dtype};
 use crate::error::{Error, Result};
+use crate::params::MatmulSpec;
 use crate::tensor::Tensor;
 
 /// The product spec and output shape of `op(A) * op(B)` for stored shapes `a: [.., r, c]`

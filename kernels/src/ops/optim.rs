@@ -1,13 +1,13 @@
 //! Fused optimizer steps on f32 parameters and state, and the fused gradient unscale with
 //! non-finite check of dynamic loss scaling. All update their tensors in place.
 
-use super::config::{AdamWConfig, SgdConfig};
 use super::dispatch::{Buffers, Op, Plan, run};
 use super::{expect_dtype, invalid, same_device};
 use crate::cpu::optim as cpu;
 use crate::device::Device;
 use crate::dtype::{DType, with_dtype};
 use crate::error::{Error, Result};
+use crate::params::{AdamWConfig, SgdConfig};
 use crate::tensor::Tensor;
 
 /// Checks an f32 state tensor (parameters, moments) against the gradient.

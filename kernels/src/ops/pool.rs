@@ -1,12 +1,12 @@
 //! 2-D max and average pooling (NCHW) and the global average pool, forward and backward.
 
 use super::dispatch::{Buffers, Op, Plan, run};
-use super::params::{Pool2dOptions, Pool2dParams};
 use super::{expect_rank, expect_shape, invalid};
 use crate::cpu::pool as cpu;
 use crate::device::Device;
 use crate::dtype::with_dtype;
 use crate::error::{Error, Result};
+use crate::params::{Pool2dOptions, Pool2dParams};
 use crate::tensor::{Indices, Tensor};
 
 /// The full geometry of pooling an input of shape `[batch, channels, h, w]`; the output is
@@ -387,7 +387,7 @@ pub fn global_avg_pool_backward(dy: &Tensor, input_shape: &[usize]) -> Result<Te
             format!("cannot average an empty plane, input is {input_shape:?}"),
         ));
     }
-    super::params::product(OP, "the input", input_shape)?;
+    crate::params::product(OP, "the input", input_shape)?;
     run(GlobalAvgPool { x: None, dy: Some(dy), shape: input_shape.to_vec(), hw })
 }
 

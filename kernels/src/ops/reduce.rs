@@ -30,8 +30,8 @@ pub(crate) fn sum_workspaces(n: usize) -> (usize, usize) {
 /// bit, and equal the host's). Every backend allocates it, so that memory figures agree.
 pub(crate) fn column_sum_workspace(op: &'static str, rows: usize, d: usize) -> Result<usize> {
     let partials = crate::cpu::elementwise::column_sum_partials(rows);
-    let floats = super::params::mul(op, "the column sums", partials + 1, d)?;
-    super::params::mul(op, "the column sums", floats, 4)
+    let floats = crate::params::mul(op, "the column sums", partials + 1, d)?;
+    crate::params::mul(op, "the column sums", floats, 4)
 }
 
 /// The sum of all elements, accumulated in f32 (pairwise on the host).
@@ -121,7 +121,7 @@ pub fn sum_backward(dy: f32, device: &Device, shape: &[usize], dtype: DType) -> 
 ///
 /// Out of memory; [`Error::InvalidArgument`] if `shape` overflows.
 pub fn mean_backward(dy: f32, device: &Device, shape: &[usize], dtype: DType) -> Result<Tensor> {
-    let n = super::params::product("mean_backward", "the shape", shape)?;
+    let n = crate::params::product("mean_backward", "the shape", shape)?;
     Tensor::full(device, shape, dtype, dy / n as f32)
 }
 

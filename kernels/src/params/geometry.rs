@@ -128,7 +128,8 @@ impl MatmulSpec {
     }
 
     /// The spec and output shape of `op(A) * op(B)` for stored shapes `a: [.., r, c]` and
-    /// `b: [.., r, c]` (see [`crate::ops::matmul`] for the layouts and broadcasting rules).
+    /// `b: [.., r, c]`: equal batch dimensions pair up, and an operand of rank 2 is
+    /// broadcast to every batch of the other (the layouts of `ops::matmul`).
     ///
     /// # Errors
     ///

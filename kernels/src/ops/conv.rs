@@ -824,10 +824,11 @@ mod cuda {
                     typed(p.c_out(), seed + 2),
                     typed(yn, seed + 3),
                 );
-                let widen = |v: &[T]| v.iter().map(|e| e.to_f32()).collect::<Vec<f32>>();
-                let (xf, wf, dyf) = (widen(&x), widen(&w), widen(&dy));
+                use crate::cpu::widen_f32;
+                let (xf, wf, dyf) = (widen_f32(&x), widen_f32(&w), widen_f32(&dy));
                 let mut want_y = vec![0.0f32; yn];
-                crate::cpu::conv::conv2d(p, &xf, &wf, Some(&widen(&bias)), &mut want_y).unwrap();
+                crate::cpu::conv::conv2d(p, &xf, &wf, Some(&widen_f32(&bias)), &mut want_y)
+                    .unwrap();
                 let (mut want_dx, mut want_dw) = (vec![0.0f32; xn], vec![0.0f32; wn]);
                 let (dx, dw) = (Some(&mut want_dx[..]), Some(&mut want_dw[..]));
                 crate::cpu::conv::conv2d_backward(p, &xf, &wf, &dyf, dx, dw, None).unwrap();

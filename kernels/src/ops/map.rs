@@ -38,21 +38,15 @@ pub(crate) struct UnaryForward<'a, U> {
     op: std::marker::PhantomData<U>,
 }
 
-/// `dx = f'(x) dy`.
-pub(crate) struct UnaryBackward<'a, U> {
-    x: &'a Tensor,
-    dy: &'a Tensor,
-    op: std::marker::PhantomData<U>,
-}
-
 /// Runs the forward of `U` on `x`.
 pub(crate) fn unary<U: Unary>(x: &Tensor) -> Result<Tensor> {
     run(UnaryForward::<U> { x, op: std::marker::PhantomData })
 }
 
-/// Runs the backward of `U` for the forward input `x` and the upstream `dy`.
+/// Runs the backward of `U` for the forward input `x` and the upstream `dy`: the binary map
+/// [`Gradient<U>`] of `x` and `dy`.
 pub(crate) fn unary_backward<U: Unary>(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
-    run(UnaryBackward::<U> { x, dy, op: std::marker::PhantomData })
+    binary::<Gradient<U>>(x, dy)
 }
 
 impl<U: Unary> Op for UnaryForward<'_, U> {
@@ -88,51 +82,6 @@ impl<U: Unary> Op for UnaryForward<'_, U> {
                 U::KERNEL.of(self.x.dtype()),
                 launch::map(n, y.dtype().size_in_bytes()),
                 &[ptr(self.x)?, ptr(y)?, Arg::count(n)],
-            )
-        }
-    }
-
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
-        Ok(bufs.into_output())
-    }
-}
-
-impl<U: Unary> Op for UnaryBackward<'_, U> {
-    const NAME: &'static str = U::BACKWARD_NAME;
-    type Output = Tensor;
-
-    fn device(&self) -> &Device {
-        self.x.device()
-    }
-
-    fn plan(&mut self) -> Result<Plan> {
-        same_layout(U::BACKWARD_NAME, self.x, self.dy)?;
-        Ok(Plan::one(self.x.shape(), self.x.dtype()))
-    }
-
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
-        fn go<T: Element, U: Unary>(x: &Tensor, dy: &Tensor, dx: &mut Tensor) -> Result<()> {
-            let out = dx.out_slice::<T>(U::BACKWARD_NAME)?;
-            zip_map_into(x.as_slice::<T>()?, dy.as_slice::<T>()?, out, |v, g| {
-                T::from_f32(U::backward(v.to_f32(), g.to_f32()))
-            });
-            Ok(())
-        }
-        with_dtype!(self.x.dtype(), T => go::<T, U>(self.x, self.dy, bufs.out(0)))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
-        use crate::cuda::{Arg, helpers::ptr, launch};
-        let dx = bufs.out(0);
-        let n = dx.numel();
-        // SAFETY: U::BACKWARD_KERNEL(const T* x, const T* dy, T* dx, u64 n); all three hold
-        // n elements of T (same layout, checked in `plan`).
-        unsafe {
-            gpu.launch(
-                U::BACKWARD_KERNEL.of(self.x.dtype()),
-                launch::map(n, dx.dtype().size_in_bytes()),
-                &[ptr(self.x)?, ptr(self.dy)?, ptr(dx)?, Arg::count(n)],
             )
         }
     }
@@ -259,6 +208,21 @@ impl<B: Binary> Op for BinaryOp<'_, B> {
 
     fn finish(self, bufs: Buffers) -> Result<Tensor> {
         Ok(bufs.into_output())
+    }
+}
+
+/// The backward of the unary op `U` as a binary map: `dx = U::backward(x, dy)`, elementwise
+/// over the forward input `x` and the upstream `dy` (its kernel takes `x, dy, dx, n` as a
+/// binary op's takes `a, b, y, n`).
+pub(crate) struct Gradient<U>(std::marker::PhantomData<U>);
+
+impl<U: Unary> Binary for Gradient<U> {
+    const NAME: &'static str = U::BACKWARD_NAME;
+    #[cfg(feature = "cuda")]
+    const KERNEL: &'static crate::cuda::registry::Kernel = U::BACKWARD_KERNEL;
+    #[inline(always)]
+    fn apply(x: f32, dy: f32) -> f32 {
+        U::backward(x, dy)
     }
 }
 

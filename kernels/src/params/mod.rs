@@ -10,6 +10,8 @@
 mod geometry;
 mod optim;
 
+#[cfg(feature = "cuda")]
+pub(crate) use geometry::Window2d;
 pub use geometry::{
     Conv2dOptions, Conv2dParams, DIRECT_MAX_MACS, MatmulSpec, Pool2dOptions, Pool2dParams,
 };

@@ -739,10 +739,8 @@ fn typed<T: Element>(v: &[f32]) -> Vec<T> {
     v.iter().map(|&x| T::from_f32(x)).collect()
 }
 
-type Forward = fn(&Tensor) -> crate::error::Result<Tensor>;
-type Backward = fn(&Tensor, &Tensor) -> crate::error::Result<Tensor>;
-
-/// The activations forward and backward, `scale`, `mul`, `fill`, and the mixed-type
+/// The activations forward and backward (every unary map the registry lists, each through
+/// its op), `scale`, `mul`, `fill`, and the mixed-type
 /// in-place updates (`add_assign`, `axpy` into an f32 accumulator and into `T`), as the
 /// ops launch them, bit for bit against the host (one f32 expression, one rounding, the same
 /// `tanhf`), on inputs that include each piecewise definition's edges.
@@ -753,25 +751,14 @@ fn maps_of_dtype<T: Element>() -> bool {
     let dyv = values(n, 81, -2.0, 2.0);
     let (xt, dyt) = (tensor_of::<T>(&[n], &xv), tensor_of::<T>(&[n], &dyv));
     let size = T::DTYPE.size_in_bytes();
-    let cases: [(&str, Forward, Backward, Instance, Instance); 4] = [
-        ("relu", ops::relu, ops::relu_backward, RELU.of(T::DTYPE), RELU_BWD.of(T::DTYPE)),
-        ("gelu", ops::gelu, ops::gelu_backward, GELU.of(T::DTYPE), GELU_BWD.of(T::DTYPE)),
-        (
-            "hardswish",
-            ops::hardswish,
-            ops::hardswish_backward,
-            HARDSWISH.of(T::DTYPE),
-            HARDSWISH_BWD.of(T::DTYPE),
-        ),
-        (
-            "hardsigmoid",
-            ops::hardsigmoid,
-            ops::hardsigmoid_backward,
-            HARDSIGMOID.of(T::DTYPE),
-            HARDSIGMOID_BWD.of(T::DTYPE),
-        ),
-    ];
-    for (name, fwd, bwd, kernel, bwd_kernel) in cases {
+    assert_eq!(ops::UNARY_OPS.len(), UNARY.len(), "unary ops and registered unary maps");
+    for kernels in UNARY {
+        let name = kernels.forward.names[0];
+        let op = ops::UNARY_OPS.iter().find(|op| op.kernels.forward.names[0] == name);
+        let Some(op) = op else { panic!("{name}: a registered unary map without an op") };
+        let (fwd, bwd) = (op.forward, op.backward);
+        let (kernel, bwd_kernel) = (kernels.forward.of(T::DTYPE), kernels.backward.of(T::DTYPE));
+        let name = op.name;
         let (mut x, mut dy) = (typed::<T>(&xv), typed::<T>(&dyv));
         let mut y = vec![T::from_f32(f32::NAN); n];
         if !launch(kernel, launch::map(n, size), &[ptr(&mut x), ptr(&mut y), Arg::count(n)]) {

@@ -36,10 +36,8 @@ pub use crate::params::{
     AdamWConfig, Conv2dOptions, Conv2dParams, DIRECT_MAX_MACS, MatmulSpec, Pool2dOptions,
     Pool2dParams, SgdConfig,
 };
-pub use activation::{
-    gelu, gelu_backward, hardsigmoid, hardsigmoid_backward, hardswish, hardswish_backward, relu,
-    relu_backward,
-};
+// Every op an `unary_op!` entry declares (with the tests' `UNARY_OPS`, crate-private).
+pub use activation::*;
 #[cfg(all(test, feature = "cuda"))]
 pub(crate) use batch_norm::parts as batch_norm_parts;
 pub use batch_norm::{

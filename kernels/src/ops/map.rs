@@ -51,30 +51,31 @@ pub(crate) fn unary_backward<U: Unary>(x: &Tensor, dy: &Tensor) -> Result<Tensor
 
 impl<U: Unary> Op for UnaryForward<'_, U> {
     const NAME: &'static str = U::NAME;
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         Ok(Plan::one(self.x.shape(), self.x.dtype()))
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         fn go<T: Element, U: Unary>(x: &Tensor, y: &mut Tensor) -> Result<()> {
             map_into(x.as_slice::<T>()?, y.out_slice::<T>(U::NAME)?, |v| {
                 T::from_f32(U::forward(v.to_f32()))
             });
             Ok(())
         }
-        with_dtype!(self.x.dtype(), T => go::<T, U>(self.x, bufs.out(0)))
+        with_dtype!(self.x.dtype(), T => go::<T, U>(self.x, bufs.out()))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::{Arg, helpers::ptr, launch};
-        let y = bufs.out(0);
+        let y = bufs.out();
         let n = y.numel();
         // SAFETY: U::KERNELS.forward(const T* x, T* y, u64 n); x and y hold n elements of T.
         unsafe {
@@ -86,7 +87,7 @@ impl<U: Unary> Op for UnaryForward<'_, U> {
         }
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }
@@ -194,18 +195,19 @@ pub(crate) fn binary<B: Binary>(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 impl<B: Binary> Op for BinaryOp<'_, B> {
     const NAME: &'static str = B::NAME;
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.a.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         same_layout(B::NAME, self.a, self.b)?;
         Ok(Plan::one(self.a.shape(), self.a.dtype()))
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         fn go<T: Element, B: Binary>(a: &Tensor, b: &Tensor, y: &mut Tensor) -> Result<()> {
             let out = y.out_slice::<T>(B::NAME)?;
             zip_map_into(a.as_slice::<T>()?, b.as_slice::<T>()?, out, |x, y| {
@@ -213,13 +215,13 @@ impl<B: Binary> Op for BinaryOp<'_, B> {
             });
             Ok(())
         }
-        with_dtype!(self.a.dtype(), T => go::<T, B>(self.a, self.b, bufs.out(0)))
+        with_dtype!(self.a.dtype(), T => go::<T, B>(self.a, self.b, bufs.out()))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::{Arg, helpers::ptr, launch};
-        let y = bufs.out(0);
+        let y = bufs.out();
         let n = y.numel();
         // SAFETY: B::KERNEL(const T* a, const T* b, T* y, u64 n); all three hold n elements
         // of T (same layout, checked in `plan`).
@@ -232,7 +234,7 @@ impl<B: Binary> Op for BinaryOp<'_, B> {
         }
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }

@@ -62,7 +62,7 @@
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::ops::dispatch::{self, Buffers, Op, Plan};
+use crate::ops::dispatch::{self, Buffers, Op, OutputSpec, Plan};
 use crate::tensor::Tensor;
 
 /// An op written outside this crate.
@@ -247,7 +247,7 @@ impl<'a, O: CustomOp> Custom<'a, O> {
     #[cfg(feature = "cuda")]
     fn call<'g>(
         &self,
-        bufs: &mut Buffers,
+        bufs: &mut Buffers<Vec<Tensor>>,
         target: Target<'g>,
         source: &'static CudaSource,
     ) -> CudaCall<'g> {
@@ -269,23 +269,22 @@ impl<'a, O: CustomOp> Custom<'a, O> {
 
 impl<O: CustomOp> Op for Custom<'_, O> {
     const NAME: &'static str = O::NAME;
+    type Outs = Vec<Tensor>;
     type Output = Vec<Tensor>;
 
     fn device(&self) -> &Device {
         &self.device
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Vec<Tensor>>> {
         let custom = self.op.plan(self.inputs)?;
-        let mut plan = Plan::default();
-        for (shape, dtype, zeroed) in &custom.outputs {
-            if *zeroed {
-                plan.zeroed_output(shape, *dtype);
-            } else {
-                plan.output(shape, *dtype);
-            }
-            self.planned.push((shape.clone(), *dtype));
-        }
+        let specs = custom
+            .outputs
+            .iter()
+            .map(|(shape, dtype, zeroed)| OutputSpec::zeroed_if(*zeroed, shape, *dtype))
+            .collect();
+        self.planned = custom.outputs.into_iter().map(|(shape, dtype, _)| (shape, dtype)).collect();
+        let mut plan = Plan::new(specs);
         for &(bytes, zeroed) in &custom.workspaces {
             // A workspace of 0 bytes is not allocated; its address is 0.
             let index = if zeroed { plan.zeroed_workspace(bytes) } else { plan.workspace(bytes) };
@@ -294,7 +293,7 @@ impl<O: CustomOp> Op for Custom<'_, O> {
         Ok(plan)
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Vec<Tensor>>) -> Result<()> {
         match self.backend {
             Backend::Native => {
                 self.op.host(self.inputs, bufs.outputs_mut())?;
@@ -311,13 +310,13 @@ impl<O: CustomOp> Op for Custom<'_, O> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Vec<Tensor>>) -> Result<()> {
         let source = self.op.cuda_source().unwrap_or(&NO_SOURCE);
         self.op.cuda(self.inputs, &self.call(bufs, Target::Gpu(gpu.backend()), source))
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Vec<Tensor>> {
-        Ok(bufs.into_outputs().collect())
+    fn finish(self, bufs: Buffers<Vec<Tensor>>) -> Result<Vec<Tensor>> {
+        Ok(bufs.into_outputs())
     }
 }
 

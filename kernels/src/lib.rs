@@ -47,6 +47,7 @@ pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod ops;
+mod params;
 pub mod profile;
 mod storage;
 pub mod tensor;
@@ -55,7 +56,7 @@ pub mod transfer;
 pub use device::{DEVICE_ENV_VAR, Device, default_blas_workspace_size};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
-pub use ops::{
+pub use params::{
     AdamWConfig, Conv2dOptions, Conv2dParams, MatmulSpec, Pool2dOptions, Pool2dParams, SgdConfig,
 };
 pub use profile::OpTime;

@@ -84,6 +84,7 @@ pub fn gelu_backward<T: Element>(x: &[T], dy: &[T], dx: &mut [T]) -> Result<()> 
 mod tests {
     use super::*;
     use crate::cpu::elementwise::testing::*;
+    use crate::cpu::widen_f64;
     use half::{bf16, f16};
     use proptest::prelude::*;
     use proptest::test_runner::TestCaseError;
@@ -95,14 +96,14 @@ mod tests {
 
     fn check_forward<T: Element>(x: &[f32]) -> Result<(), TestCaseError> {
         let x = round::<T>(x);
-        let wx = widen(&x);
+        let wx = widen_f64(&x);
         let mut y = vec![T::default(); x.len()];
         relu(&x, &mut y).unwrap();
         let want: Vec<f64> = wx.iter().map(|v| v.max(0.0)).collect();
-        check_close(&widen(&y), &want, tol::<T>())?;
+        check_close(&widen_f64(&y), &want, tol::<T>())?;
         gelu(&x, &mut y).unwrap();
         let want: Vec<f64> = wx.iter().map(|&v| gelu_ref(v)).collect();
-        check_close(&widen(&y), &want, tol::<T>())
+        check_close(&widen_f64(&y), &want, tol::<T>())
     }
 
     fn weighted(y: &[f32], r: &[f32]) -> f64 {

@@ -5,11 +5,10 @@
 //! Layouts: `x: [batch, c_in, h, w]`, `weight: [c_out, c_in / groups, kh, kw]`,
 //! `bias: [c_out]`, `y: [batch, c_out, oh, ow]` with `(oh, ow) = params.output_hw()`.
 
-use super::check_len;
-use super::matmul::{widen, with_f32_out};
+use super::{check_len, widen_f32, with_f32_out};
 use crate::dtype::Element;
 use crate::error::Result;
-use crate::ops::{Conv2dParams, MatmulSpec};
+use crate::params::{Conv2dParams, MatmulSpec};
 use rayon::prelude::*;
 use std::ops::Range;
 
@@ -41,8 +40,8 @@ pub fn conv2d<T: Element>(
     if y.is_empty() {
         return Ok(());
     }
-    let (x, weight) = (widen(x), widen(weight));
-    let bias = bias.map(widen);
+    let (x, weight) = (widen_f32(x), widen_f32(weight));
+    let bias = bias.map(widen_f32);
     with_f32_out(y, |y| {
         if x.is_empty() {
             y.fill(0.0);
@@ -90,9 +89,9 @@ pub fn conv2d_backward<T: Element>(
     }
     // With no output element, or no input element, nothing flows back.
     let nothing = dy.is_empty() || x.is_empty();
-    let dy = widen(dy);
+    let dy = widen_f32(dy);
     if let Some(dx) = dx {
-        let weight = widen(weight);
+        let weight = widen_f32(weight);
         with_f32_out(dx, |dx| {
             if nothing {
                 dx.fill(0.0);
@@ -104,7 +103,7 @@ pub fn conv2d_backward<T: Element>(
         });
     }
     if let Some(dweight) = dweight {
-        let x = widen(x);
+        let x = widen_f32(x);
         with_f32_out(dweight, |dw| {
             if nothing {
                 dw.fill(0.0);
@@ -381,8 +380,9 @@ fn depthwise_backward_weight(p: &Conv2dParams, x: &[f32], dy: &[f32], dw: &mut [
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::elementwise::testing::{assert_close, round as cast, widen as to_f64};
-    use crate::ops::Conv2dOptions;
+    use crate::cpu::elementwise::testing::{assert_close, round as cast};
+    use crate::cpu::widen_f64;
+    use crate::params::Conv2dOptions;
     use half::{bf16, f16};
     use proptest::prelude::*;
 
@@ -476,10 +476,10 @@ mod tests {
 
     fn check_forward<T: Element>(p: &Conv2dParams, x: &[f32], w: &[f32], b: &[f32], tol: f64) {
         let (x, w, b) = (cast::<T>(x), cast::<T>(w), cast::<T>(b));
-        let want = reference(p, &to_f64(&x), &to_f64(&w), &to_f64(&b));
+        let want = reference(p, &widen_f64(&x), &widen_f64(&w), &widen_f64(&b));
         let mut y = vec![T::default(); p.output_len()];
         conv2d(p, &x, &w, Some(&b), &mut y).unwrap();
-        assert_close(&to_f64(&y), &want, tol, "y");
+        assert_close(&widen_f64(&y), &want, tol, "y");
     }
 
     /// Gradients by central differences of L = sum(conv2d(x, w) * r), checked on at most
@@ -556,15 +556,15 @@ mod tests {
             let mut general = vec![0.0f32; p.output_len()];
             depthwise_forward(&p, &x, &w, &mut direct);
             im2col_forward(&p, &x, &w, &mut general);
-            assert_close(&to_f64(&direct), &to_f64(&general), 1e-5, "y");
+            assert_close(&widen_f64(&direct), &widen_f64(&general), 1e-5, "y");
             let (mut dx1, mut dx2) = (vec![0.0f32; x.len()], vec![0.0f32; x.len()]);
             depthwise_backward_input(&p, &w, &r, &mut dx1);
             im2col_backward_input(&p, &w, &r, &mut dx2);
-            assert_close(&to_f64(&dx1), &to_f64(&dx2), 1e-5, "dx");
+            assert_close(&widen_f64(&dx1), &widen_f64(&dx2), 1e-5, "dx");
             let (mut dw1, mut dw2) = (vec![0.0f32; w.len()], vec![0.0f32; w.len()]);
             depthwise_backward_weight(&p, &x, &r, &mut dw1);
             im2col_backward_weight(&p, &x, &r, &mut dw2);
-            assert_close(&to_f64(&dw1), &to_f64(&dw2), 1e-5, "dw");
+            assert_close(&widen_f64(&dw1), &widen_f64(&dw2), 1e-5, "dw");
         }
 
         // Property: depthwise gradients equal central finite differences of sum(y * r).

@@ -269,11 +269,6 @@ pub(crate) mod testing {
         v.iter().map(|&x| T::from_f32(x)).collect()
     }
 
-    /// Widens `T` values to f64 (exact).
-    pub(crate) fn widen<T: Element>(v: &[T]) -> Vec<f64> {
-        v.iter().map(|x| f64::from(x.to_f32())).collect()
-    }
-
     /// Panics unless `|got - want| <= tol * max(1, |want|)` everywhere; fails on NaN:
     /// `!(err <= tol)` is true when either side is NaN.
     pub(crate) fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
@@ -355,55 +350,56 @@ pub(crate) mod testing {
 mod tests {
     use super::testing::*;
     use super::*;
+    use crate::cpu::widen_f64;
     use half::{bf16, f16};
     use proptest::prelude::*;
     use proptest::test_runner::TestCaseError;
 
     fn check_binary<T: Element>(a: &[f32], b: &[f32]) -> Result<(), TestCaseError> {
         let (a, b) = (round::<T>(a), round::<T>(b));
-        let (wa, wb) = (widen(&a), widen(&b));
+        let (wa, wb) = (widen_f64(&a), widen_f64(&b));
         let mut out = vec![T::default(); a.len()];
         add(&a, &b, &mut out).unwrap();
         let want: Vec<f64> = wa.iter().zip(&wb).map(|(x, y)| x + y).collect();
-        check_close(&widen(&out), &want, tol::<T>())?;
+        check_close(&widen_f64(&out), &want, tol::<T>())?;
         mul(&a, &b, &mut out).unwrap();
         let want: Vec<f64> = wa.iter().zip(&wb).map(|(x, y)| x * y).collect();
-        check_close(&widen(&out), &want, tol::<T>())?;
+        check_close(&widen_f64(&out), &want, tol::<T>())?;
         scale(&a, 0.37, &mut out).unwrap();
         let want: Vec<f64> = wa.iter().map(|x| f64::from(0.37f32) * x).collect();
-        check_close(&widen(&out), &want, tol::<T>())?;
+        check_close(&widen_f64(&out), &want, tol::<T>())?;
         let mut y = b.clone();
         axpy(-1.5, &a, &mut y).unwrap();
         let want: Vec<f64> = wa.iter().zip(&wb).map(|(x, y)| y - 1.5 * x).collect();
-        check_close(&widen(&y), &want, tol::<T>())?;
+        check_close(&widen_f64(&y), &want, tol::<T>())?;
         let mut acc = vec![0.25f32; a.len()];
         add_assign(&mut acc, &a).unwrap();
         let want: Vec<f64> = wa.iter().map(|x| x + 0.25).collect();
-        check_close(&widen(&acc), &want, 1e-5)
+        check_close(&widen_f64(&acc), &want, 1e-5)
     }
 
     fn check_bias<T: Element>(x: &[f32], b: &[f32]) -> Result<(), TestCaseError> {
         let (x, b) = (round::<T>(x), round::<T>(b));
-        let (wx, wb) = (widen(&x), widen(&b));
+        let (wx, wb) = (widen_f64(&x), widen_f64(&b));
         let d = b.len();
         let mut out = vec![T::default(); x.len()];
         bias_add(&x, &b, &mut out).unwrap();
         let want: Vec<f64> = wx.iter().enumerate().map(|(i, v)| v + wb[i % d]).collect();
-        check_close(&widen(&out), &want, tol::<T>())?;
+        check_close(&widen_f64(&out), &want, tol::<T>())?;
         let mut db = vec![T::default(); d];
         bias_add_backward(&x, &mut db).unwrap();
         let mut want = vec![0.0f64; d];
         for (i, v) in wx.iter().enumerate() {
             want[i % d] += v;
         }
-        check_close(&widen(&db), &want, tol::<T>())
+        check_close(&widen_f64(&db), &want, tol::<T>())
     }
 
     fn check_cast<S: Element, D: Element>(v: &[f32]) -> Result<(), TestCaseError> {
         let src = round::<S>(v);
         let mut dst = vec![D::default(); v.len()];
         cast(&src, &mut dst).unwrap();
-        check_close(&widen(&dst), &widen(&src), tol::<D>())
+        check_close(&widen_f64(&dst), &widen_f64(&src), tol::<D>())
     }
 
     proptest! {

@@ -4,8 +4,7 @@
 //! Layouts: `table: [vocab, dim]`, `ids: [tokens]`, `out: [tokens, dim]`, all row-major.
 //! Ids are checked before anything is written, so an error leaves the output untouched.
 
-use super::matmul::{widen, with_f32_out};
-use super::{check_len, rows_of};
+use super::{check_len, rows_of, widen_f32, with_f32_out};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use rayon::prelude::*;
@@ -71,7 +70,7 @@ pub fn embedding_backward<T: Element>(
     const OP: &str = "cpu::embedding_backward";
     let vocab = check_layout(OP, dtable.len(), dout.len(), ids.len(), dim)?;
     check_ids(OP, ids, vocab)?;
-    let dout = widen(dout);
+    let dout = widen_f32(dout);
     with_f32_out(dtable, |dtable| {
         dtable.fill(0.0);
         for (&id, g) in ids.iter().zip(dout.chunks_exact(dim)) {
@@ -86,7 +85,8 @@ pub fn embedding_backward<T: Element>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::elementwise::testing::{assert_close, widen as to_f64};
+    use crate::cpu::elementwise::testing::assert_close;
+    use crate::cpu::widen_f64;
     use half::bf16;
     use proptest::prelude::*;
 
@@ -113,12 +113,12 @@ mod tests {
             let want: Vec<f64> = ids.iter().flat_map(|&id| table[id as usize * dim..][..dim].iter().map(|&v| v as f64)).collect();
             let mut out = vec![f32::NAN; ids.len() * dim];
             embedding(&ids, &table, &mut out, dim).unwrap();
-            assert_close(&to_f64(&out), &want, 0.0, "out");
+            assert_close(&widen_f64(&out), &want, 0.0, "out");
             let table: Vec<bf16> = table.iter().map(|&v| bf16::from_f32(v)).collect();
-            let want = ids.iter().flat_map(|&id| to_f64(&table[id as usize * dim..][..dim])).collect::<Vec<_>>();
+            let want = ids.iter().flat_map(|&id| widen_f64(&table[id as usize * dim..][..dim])).collect::<Vec<_>>();
             let mut out = vec![bf16::NAN; ids.len() * dim];
             embedding(&ids, &table, &mut out, dim).unwrap();
-            assert_close(&to_f64(&out), &want, 0.0, "out bf16");
+            assert_close(&widen_f64(&out), &want, 0.0, "out bf16");
         }
 
         // Property: the backward equals central finite differences of
@@ -143,7 +143,7 @@ mod tests {
             }).collect();
             let mut dtable = vec![f32::NAN; table.len()];
             embedding_backward(&ids, &dout, &mut dtable, dim).unwrap();
-            assert_close(&to_f64(&dtable), &fd, 1e-2, "dtable");
+            assert_close(&widen_f64(&dtable), &fd, 1e-2, "dtable");
         }
     }
 

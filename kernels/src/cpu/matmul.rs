@@ -9,14 +9,12 @@
 //! flipped ([`matmul_backward`]); for the usual untransposed case that is
 //! `dA = alpha * dC * B^T` and `dB = alpha * A^T * dC`.
 
-use super::check_len;
+use super::{check_len, widen_f32, with_f32_out};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
-use crate::ops::MatmulSpec;
+use crate::params::MatmulSpec;
 use gemm::Parallelism;
 use rayon::prelude::*;
-use std::any::TypeId;
-use std::borrow::Cow;
 
 /// Below this many multiply-adds (`m * n * k`) a product runs on the calling thread:
 /// waking rayon's workers costs more than it saves.
@@ -30,7 +28,7 @@ const PARALLEL_MIN_FLOPS: usize = 1 << 18;
 /// or `C` matrices of different batches overlap; nothing is written then.
 pub fn matmul<T: Element>(spec: &MatmulSpec, a: &[T], b: &[T], c: &mut [T]) -> Result<()> {
     check_spec("cpu::matmul", spec, a.len(), b.len(), c.len())?;
-    let (a, b) = (widen(a), widen(b));
+    let (a, b) = (widen_f32(a), widen_f32(b));
     with_f32_out(c, |c| matmul_f32(spec, &a, &b, c));
     Ok(())
 }
@@ -68,9 +66,9 @@ pub fn matmul_backward<T: Element>(
         da.into_iter().chain(db).for_each(|g| g.fill(T::from_f32(0.0)));
         return Ok(());
     }
-    let dc = widen(dc);
+    let dc = widen_f32(dc);
     if let Some(da) = da {
-        let b = widen(b);
+        let b = widen_f32(b);
         // dA is [m, k] (or [k, m]): dA = dC * op(B)^T, or its transpose op(B) * dC^T.
         let grad = if s.trans_a {
             MatmulSpec::new(s.k, s.m, s.n).transpose(s.trans_b, true)
@@ -96,7 +94,7 @@ pub fn matmul_backward<T: Element>(
         });
     }
     if let Some(db) = db {
-        let a = widen(a);
+        let a = widen_f32(a);
         // dB is [k, n] (or [n, k]): dB = op(A)^T * dC, or its transpose dC^T * op(A).
         let grad = if s.trans_b {
             MatmulSpec::new(s.n, s.k, s.m).transpose(true, s.trans_a)
@@ -266,7 +264,7 @@ pub fn linear<T: Element>(
         check_len(OP, "bias", bias.len(), d_out)?;
     }
     let spec = MatmulSpec::new(rows, d_out, d_in).transpose(false, true);
-    let (x, w) = (widen(x), widen(w));
+    let (x, w) = (widen_f32(x), widen_f32(w));
     with_f32_out(y, |y| {
         matmul_f32(&spec, &x, &w, y);
         if let Some(bias) = bias.filter(|_| d_out > 0) {
@@ -324,14 +322,14 @@ pub fn linear_backward<T: Element>(
     if let Some(dbias) = &dbias {
         check_len(OP, "dbias", dbias.len(), d_out)?;
     }
-    let dy32 = widen(dy);
+    let dy32 = widen_f32(dy);
     if let Some(dx) = dx {
-        let w = widen(w);
+        let w = widen_f32(w);
         let spec = MatmulSpec::new(rows, d_in, d_out);
         with_f32_out(dx, |dx| matmul_f32(&spec, &dy32, &w, dx));
     }
     if let Some(dw) = dw {
-        let x = widen(x);
+        let x = widen_f32(x);
         let spec = MatmulSpec::new(d_out, d_in, rows).transpose(true, false);
         with_f32_out(dw, |dw| matmul_f32(&spec, &dy32, &x, dw));
     }
@@ -349,36 +347,11 @@ pub fn linear_backward<T: Element>(
     Ok(())
 }
 
-/// Views `x` as f32: borrowed when `T` is f32, widened into a new vector otherwise.
-pub(crate) fn widen<T: Element>(x: &[T]) -> Cow<'_, [f32]> {
-    if TypeId::of::<T>() == TypeId::of::<f32>() {
-        // SAFETY: T is f32 (same TypeId), so the slice already is a `[f32]` of that length.
-        Cow::Borrowed(unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<f32>(), x.len()) })
-    } else {
-        Cow::Owned(x.iter().map(|v| v.to_f32()).collect())
-    }
-}
-
-/// Runs `f` on `out` as f32: in place when `T` is f32, otherwise on a widened copy that is
-/// narrowed back afterwards (widening is exact, so untouched elements are kept).
-pub(crate) fn with_f32_out<T: Element, R>(out: &mut [T], f: impl FnOnce(&mut [f32]) -> R) -> R {
-    if TypeId::of::<T>() == TypeId::of::<f32>() {
-        // SAFETY: T is f32 (same TypeId); the exclusive borrow of `out` is handed on.
-        f(unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<f32>(), out.len()) })
-    } else {
-        let mut tmp: Vec<f32> = out.iter().map(|v| v.to_f32()).collect();
-        let r = f(&mut tmp);
-        for (o, v) in out.iter_mut().zip(tmp) {
-            *o = T::from_f32(v);
-        }
-        r
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::elementwise::testing::{assert_close, round as cast, widen as to_f64};
+    use crate::cpu::elementwise::testing::{assert_close, round as cast};
+    use crate::cpu::widen_f64;
     use half::{bf16, f16};
     use proptest::prelude::*;
 
@@ -434,10 +407,10 @@ mod tests {
 
     fn check_matmul<T: Element>(s: &MatmulSpec, a: &[f32], b: &[f32], c: &[f32], tol: f64) {
         let (a, b, mut c) = (cast::<T>(a), cast::<T>(b), cast::<T>(c));
-        let mut want = to_f64(&c);
-        reference(s, &to_f64(&a), &to_f64(&b), &mut want);
+        let mut want = widen_f64(&c);
+        reference(s, &widen_f64(&a), &widen_f64(&b), &mut want);
         matmul(s, &a, &b, &mut c).unwrap();
-        assert_close(&to_f64(&c), &want, tol, "C");
+        assert_close(&widen_f64(&c), &want, tol, "C");
     }
 
     proptest! {
@@ -469,8 +442,8 @@ mod tests {
             matmul_backward(&s, &a, &b, &r, Some(&mut da), Some(&mut db)).unwrap();
             let fd_a = finite_diff(&a, |a| loss(a, &b));
             let fd_b = finite_diff(&b, |b| loss(&a, b));
-            assert_close(&to_f64(&da), &fd_a, 1e-2, "dA");
-            assert_close(&to_f64(&db), &fd_b, 1e-2, "dB");
+            assert_close(&widen_f64(&da), &fd_a, 1e-2, "dA");
+            assert_close(&widen_f64(&db), &fd_b, 1e-2, "dB");
         }
 
         // Property: linear = x * w^T + bias against f64, in every dtype.
@@ -506,9 +479,9 @@ mod tests {
             let (mut dx, mut dw, mut db) =
                 (vec![0.0f32; x.len()], vec![0.0f32; w.len()], vec![0.0f32; d_out]);
             linear_backward(&x, &w, &r, Some(&mut dx), Some(&mut dw), Some(&mut db), d_in, d_out).unwrap();
-            assert_close(&to_f64(&dx), &finite_diff(&x, |x| loss(x, &w, &bias)), 1e-2, "dx");
-            assert_close(&to_f64(&dw), &finite_diff(&w, |w| loss(&x, w, &bias)), 1e-2, "dw");
-            assert_close(&to_f64(&db), &finite_diff(&bias, |b| loss(&x, &w, b)), 1e-2, "dbias");
+            assert_close(&widen_f64(&dx), &finite_diff(&x, |x| loss(x, &w, &bias)), 1e-2, "dx");
+            assert_close(&widen_f64(&dw), &finite_diff(&w, |w| loss(&x, w, &bias)), 1e-2, "dw");
+            assert_close(&widen_f64(&db), &finite_diff(&bias, |b| loss(&x, &w, b)), 1e-2, "dbias");
         }
     }
 
@@ -522,7 +495,7 @@ mod tests {
         tol: f64,
     ) {
         let (x, w, bias) = (cast::<T>(x), cast::<T>(w), cast::<T>(bias));
-        let (xf, wf, bf) = (to_f64(&x), to_f64(&w), to_f64(&bias));
+        let (xf, wf, bf) = (widen_f64(&x), widen_f64(&w), widen_f64(&bias));
         let mut want = vec![0.0f64; rows * d_out];
         for i in 0..rows {
             for o in 0..d_out {
@@ -532,7 +505,7 @@ mod tests {
         }
         let mut y = vec![T::default(); rows * d_out];
         linear(&x, &w, Some(&bias), &mut y, d_in, d_out).unwrap();
-        assert_close(&to_f64(&y), &want, tol, "y");
+        assert_close(&widen_f64(&y), &want, tol, "y");
     }
 
     /// Central differences `(L(x + h e_i) - L(x - h e_i)) / 2h` for every coordinate i.
@@ -585,7 +558,7 @@ mod tests {
         assert!(m * n * k >= PARALLEL_MIN_FLOPS);
         matmul(&spec, &a, &b, &mut c).unwrap();
         let mut want = vec![0.0f64; m * n];
-        reference(&spec, &to_f64(&a), &to_f64(&b), &mut want);
-        assert_close(&to_f64(&c), &want, 0.0, "C");
+        reference(&spec, &widen_f64(&a), &widen_f64(&b), &mut want);
+        assert_close(&widen_f64(&c), &want, 0.0, "C");
     }
 }

@@ -3,9 +3,9 @@
 //! Storage is in the element type `T`; arithmetic and accumulation are in f32. Every
 //! function checks that its slices have the lengths its layout needs and returns an
 //! [`Error::InvalidArgument`] otherwise (it writes nothing then); the geometry types it
-//! takes ([`MatmulSpec`](crate::ops::MatmulSpec), [`Conv2dParams`](crate::ops::Conv2dParams),
-//! [`Pool2dParams`](crate::ops::Pool2dParams)) and the optimizer configurations are the op
-//! layer's, checked where they are made.
+//! takes ([`MatmulSpec`](crate::MatmulSpec), [`Conv2dParams`](crate::Conv2dParams),
+//! [`Pool2dParams`](crate::Pool2dParams)) and the optimizer configurations come from the
+//! parameter module below this one, checked where the op layer makes them.
 
 pub mod activation;
 pub mod batch_norm;
@@ -23,7 +23,10 @@ pub mod reduce;
 pub mod scale_channels;
 pub mod softmax;
 
+use crate::dtype::Element;
 use crate::error::{Error, Result};
+use std::any::TypeId;
+use std::borrow::Cow;
 
 /// Checks that `what` has `want` elements.
 pub(crate) fn check_len(op: &'static str, what: &str, got: usize, want: usize) -> Result<()> {
@@ -47,4 +50,36 @@ pub(crate) fn rows_of(op: &'static str, what: &str, got: usize, d: usize) -> Res
             reason: format!("{what} has {got} elements, not whole rows of {d}"),
         }),
     }
+}
+
+/// Views `x` as f32: borrowed when `T` is f32, widened into a new vector otherwise.
+pub(crate) fn widen_f32<T: Element>(x: &[T]) -> Cow<'_, [f32]> {
+    if TypeId::of::<T>() == TypeId::of::<f32>() {
+        // SAFETY: T is f32 (same TypeId), so the slice already is a `[f32]` of that length.
+        Cow::Borrowed(unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<f32>(), x.len()) })
+    } else {
+        Cow::Owned(x.iter().map(|v| v.to_f32()).collect())
+    }
+}
+
+/// Runs `f` on `out` as f32: in place when `T` is f32, otherwise on a widened copy that is
+/// narrowed back afterwards (widening is exact, so untouched elements are kept).
+pub(crate) fn with_f32_out<T: Element, R>(out: &mut [T], f: impl FnOnce(&mut [f32]) -> R) -> R {
+    if TypeId::of::<T>() == TypeId::of::<f32>() {
+        // SAFETY: T is f32 (same TypeId); the exclusive borrow of `out` is handed on.
+        f(unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<f32>(), out.len()) })
+    } else {
+        let mut tmp: Vec<f32> = out.iter().map(|v| v.to_f32()).collect();
+        let r = f(&mut tmp);
+        for (o, v) in out.iter_mut().zip(tmp) {
+            *o = T::from_f32(v);
+        }
+        r
+    }
+}
+
+/// Widens `T` values to f64 (exact): the tests' references compute in f64.
+#[cfg(test)]
+pub(crate) fn widen_f64<T: Element>(v: &[T]) -> Vec<f64> {
+    v.iter().map(|x| f64::from(x.to_f32())).collect()
 }

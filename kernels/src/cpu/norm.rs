@@ -191,6 +191,7 @@ fn param_sums<T: Element>(
 mod tests {
     use super::*;
     use crate::cpu::elementwise::testing::*;
+    use crate::cpu::widen_f64;
     use half::{bf16, f16};
     use proptest::prelude::*;
     use proptest::test_runner::TestCaseError;
@@ -199,7 +200,7 @@ mod tests {
 
     fn check_forward<T: Element>(x: &[f32], g: &[f32], b: &[f32]) -> Result<(), TestCaseError> {
         let (x, g, b) = (round::<T>(x), round::<T>(g), round::<T>(b));
-        let (wx, wg, wb) = (widen(&x), widen(&g), widen(&b));
+        let (wx, wg, wb) = (widen_f64(&x), widen_f64(&g), widen_f64(&b));
         let d = g.len();
         let n = x.len() / d;
         let mut y = vec![T::default(); x.len()];
@@ -215,10 +216,9 @@ mod tests {
             want_mean.push(m);
             want_rstd.push(r);
         }
-        let widen32 = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
-        check_close(&widen32(&mean), &want_mean, 1e-5)?;
-        check_close(&widen32(&rstd), &want_rstd, 1e-4)?;
-        check_close(&widen(&y), &want, tol::<T>())
+        check_close(&widen_f64(&mean), &want_mean, 1e-5)?;
+        check_close(&widen_f64(&rstd), &want_rstd, 1e-4)?;
+        check_close(&widen_f64(&y), &want, tol::<T>())
     }
 
     proptest! {

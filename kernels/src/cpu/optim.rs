@@ -9,7 +9,7 @@ use super::check_len;
 use crate::Element;
 use crate::cpu::elementwise::{PAR_CHUNK, PAR_THRESHOLD};
 use crate::error::{Error, Result};
-use crate::ops::{AdamWConfig, SgdConfig};
+use crate::params::{AdamWConfig, SgdConfig};
 use rayon::prelude::*;
 
 /// Runs `f` over aligned elements of the f32 state slices and the gradient, in parallel
@@ -170,6 +170,7 @@ pub fn unscale_and_check_finite<'a, T: Element>(
 mod tests {
     use super::*;
     use crate::cpu::elementwise::testing::*;
+    use crate::cpu::widen_f64;
     use half::{bf16, f16};
     use proptest::prelude::*;
     use proptest::test_runner::TestCaseError;
@@ -236,7 +237,7 @@ mod tests {
         for (step, g) in grads.iter().enumerate() {
             let g = round::<T>(g);
             sgd_step(&mut p, &g, &mut buf, step == 0, cfg).unwrap();
-            sgd_ref(&mut want, &widen(&g), &mut want_buf, cfg);
+            sgd_ref(&mut want, &widen_f64(&g), &mut want_buf, cfg);
         }
         check_close(&f64s(&p), &want, 1e-5)
     }
@@ -254,7 +255,7 @@ mod tests {
         for (step, g) in grads.iter().enumerate() {
             let g = round::<T>(g);
             adamw_step(&mut p, &g, &mut m, &mut v, step as u32 + 1, cfg).unwrap();
-            adamw_ref(&mut want, &widen(&g), &mut wm, &mut wv, step as i32 + 1, cfg);
+            adamw_ref(&mut want, &widen_f64(&g), &mut wm, &mut wv, step as i32 + 1, cfg);
         }
         check_close(&f64s(&p), &want, 1e-5)?;
         check_close(&f64s(&m), &wm, 1e-5)?;

@@ -4,11 +4,10 @@
 //! Layouts: `x: [batch, channels, h, w]`, `y: [batch, channels, oh, ow]` with
 //! `(oh, ow) = params.output_hw()`. Every backward overwrites its `dx`.
 
-use super::matmul::{widen, with_f32_out};
-use super::{check_len, rows_of};
+use super::{check_len, rows_of, widen_f32, with_f32_out};
 use crate::dtype::Element;
 use crate::error::Result;
-use crate::ops::Pool2dParams;
+use crate::params::Pool2dParams;
 use rayon::prelude::*;
 use std::ops::Range;
 
@@ -47,7 +46,7 @@ pub fn max_pool2d<T: Element>(
     if y.is_empty() {
         return Ok(());
     }
-    let x = widen(x);
+    let x = widen_f32(x);
     with_f32_out(y, |y| {
         y.par_chunks_mut(oh * ow)
             .zip(argmax.par_chunks_mut(oh * ow))
@@ -97,7 +96,7 @@ pub fn max_pool2d_backward<T: Element>(
         return Err(crate::Error::IndexOutOfRange { op: OP, index: bad as usize, bound: plane });
     }
     let (oh, ow) = p.output_hw();
-    let dy = widen(dy);
+    let dy = widen_f32(dy);
     with_f32_out(dx, |dx| {
         dx.fill(0.0);
         if oh * ow == 0 {
@@ -143,7 +142,7 @@ pub fn avg_pool2d<T: Element>(
     if y.is_empty() {
         return Ok(());
     }
-    let x = widen(x);
+    let x = widen_f32(x);
     with_f32_out(y, |y| {
         y.par_chunks_mut(oh * ow).zip(x.par_chunks(p.h() * p.w())).for_each(|(y, x)| {
             for oy in 0..oh {
@@ -173,7 +172,7 @@ pub fn avg_pool2d_backward<T: Element>(
 ) -> Result<()> {
     check("cpu::avg_pool2d_backward", p, dx.len(), dy.len())?;
     let (oh, ow) = p.output_hw();
-    let dy = widen(dy);
+    let dy = widen_f32(dy);
     with_f32_out(dx, |dx| {
         dx.fill(0.0);
         if oh * ow == 0 {
@@ -254,9 +253,10 @@ pub fn global_avg_pool_backward_add<T: Element>(dy: &[T], acc: &mut [T], hw: usi
 mod tests {
     use super::*;
     use crate::cpu::elementwise::testing::{
-        assert_close, finite_diff_sum as finite_diff, round as cast, widen as to_f64,
+        assert_close, finite_diff_sum as finite_diff, round as cast,
     };
-    use crate::ops::Pool2dOptions;
+    use crate::cpu::widen_f64;
+    use crate::params::Pool2dOptions;
     use half::{bf16, f16};
     use proptest::prelude::*;
 
@@ -324,7 +324,7 @@ mod tests {
         let x = cast::<T>(x);
         let (mut y, mut arg) = (vec![T::default(); p.output_len()], vec![0u32; p.output_len()]);
         max_pool2d(p, &x, &mut y, &mut arg).unwrap();
-        assert_close(&to_f64(&y), &reference(p, &to_f64(&x), true, false), tol, "max");
+        assert_close(&widen_f64(&y), &reference(p, &widen_f64(&x), true, false), tol, "max");
         for (plane, (y, arg)) in y
             .chunks(y.len() / (p.batch() * p.channels()))
             .zip(arg.chunks(arg.len() / (p.batch() * p.channels())))
@@ -340,7 +340,12 @@ mod tests {
         }
         for include_pad in [false, true] {
             avg_pool2d(p, &x, &mut y, include_pad).unwrap();
-            assert_close(&to_f64(&y), &reference(p, &to_f64(&x), false, include_pad), tol, "avg");
+            assert_close(
+                &widen_f64(&y),
+                &reference(p, &widen_f64(&x), false, include_pad),
+                tol,
+                "avg",
+            );
         }
     }
 
@@ -366,7 +371,7 @@ mod tests {
             max_pool2d(&p, &x, &mut y, &mut arg).unwrap();
             let mut dx = vec![f32::NAN; x.len()];
             max_pool2d_backward(&p, &r, &arg, &mut dx).unwrap();
-            assert_close(&to_f64(&dx), &fd, 1e-2, "dx");
+            assert_close(&widen_f64(&dx), &fd, 1e-2, "dx");
         }
 
         // Property: average pool's gradient equals central finite differences of
@@ -376,7 +381,7 @@ mod tests {
             let fd = finite_diff(&x, &r, |x, y| avg_pool2d(&p, x, y, include_pad).unwrap());
             let mut dx = vec![f32::NAN; x.len()];
             avg_pool2d_backward(&p, &r, &mut dx, include_pad).unwrap();
-            assert_close(&to_f64(&dx), &fd, 1e-2, "dx");
+            assert_close(&widen_f64(&dx), &fd, 1e-2, "dx");
         }
 
         // Property: the global average pool is each plane's mean, and its gradient equals
@@ -391,16 +396,16 @@ mod tests {
             let mut y = vec![0.0f32; planes];
             global_avg_pool(x, &mut y, hw).unwrap();
             let want: Vec<f64> = x.chunks(hw).map(|c| c.iter().map(|&v| v as f64).sum::<f64>() / hw as f64).collect();
-            assert_close(&to_f64(&y), &want, 1e-5, "y");
+            assert_close(&widen_f64(&y), &want, 1e-5, "y");
             let mut yb = vec![bf16::ZERO; planes];
             let xb = cast::<bf16>(x);
             global_avg_pool(&xb, &mut yb, hw).unwrap();
             let want: Vec<f64> = xb.chunks(hw).map(|c| c.iter().map(|v| v.to_f64()).sum::<f64>() / hw as f64).collect();
-            assert_close(&to_f64(&yb), &want, 1e-2, "y bf16");
+            assert_close(&widen_f64(&yb), &want, 1e-2, "y bf16");
             let fd = finite_diff(x, r, |x, y| global_avg_pool(x, y, hw).unwrap());
             let mut dx = vec![f32::NAN; x.len()];
             global_avg_pool_backward(r, &mut dx, hw).unwrap();
-            assert_close(&to_f64(&dx), &fd, 1e-2, "dx");
+            assert_close(&widen_f64(&dx), &fd, 1e-2, "dx");
         }
     }
 

@@ -159,6 +159,7 @@ pub fn mean_last_dim_backward<T: Element>(dy: &[T], dx: &mut [T]) -> Result<()> 
 mod tests {
     use super::*;
     use crate::cpu::elementwise::testing::*;
+    use crate::cpu::widen_f64;
     use half::{bf16, f16};
     use proptest::prelude::*;
     use proptest::test_runner::TestCaseError;
@@ -184,7 +185,7 @@ mod tests {
 
     fn check_forward<T: Element>(x: &[f32], n: usize, d: usize) -> Result<(), TestCaseError> {
         let x = round::<T>(x);
-        let wx = widen(&x);
+        let wx = widen_f64(&x);
         let total: f64 = wx.iter().sum();
         let magnitude: f64 = wx.iter().map(|v| v.abs()).sum();
         check_reduction(&[f64::from(sum(&x))], &[total], &[magnitude], x.len(), tol::<f32>())?;
@@ -203,11 +204,11 @@ mod tests {
             (0..n).map(|i| wx[i * d..(i + 1) * d].iter().map(|v| v.abs()).sum()).collect();
         let mut out = vec![T::default(); n];
         sum_last_dim(&x, &mut out).unwrap();
-        check_reduction(&widen(&out), &row_sums, &row_mags, d, tol::<T>())?;
+        check_reduction(&widen_f64(&out), &row_sums, &row_mags, d, tol::<T>())?;
         mean_last_dim(&x, &mut out).unwrap();
         let row_means: Vec<f64> = row_sums.iter().map(|s| s / d as f64).collect();
         let mean_mags: Vec<f64> = row_mags.iter().map(|s| s / d as f64).collect();
-        check_reduction(&widen(&out), &row_means, &mean_mags, d, tol::<T>())
+        check_reduction(&widen_f64(&out), &row_means, &mean_mags, d, tol::<T>())
     }
 
     fn weighted(y: &[f32], r: &[f32]) -> f64 {

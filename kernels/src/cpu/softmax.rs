@@ -2,8 +2,7 @@
 //! forward and backward. Each row subtracts its maximum before `exp`, so large logits do
 //! not overflow; a row whose entries are all `-inf` has no defined softmax and gives NaN.
 
-use super::matmul::{widen, with_f32_out};
-use super::{check_len, rows_of};
+use super::{check_len, rows_of, widen_f32, with_f32_out};
 use crate::dtype::Element;
 use crate::error::Result;
 use rayon::prelude::*;
@@ -96,7 +95,7 @@ fn rowwise<T: Element>(
     if y.is_empty() {
         return;
     }
-    let x = widen(x);
+    let x = widen_f32(x);
     with_f32_out(y, |y| {
         y.par_chunks_mut(cols)
             .zip(x.par_chunks(cols))
@@ -131,7 +130,7 @@ fn rowwise_backward<T: Element>(
     if dx.is_empty() {
         return;
     }
-    let (y, dy) = (widen(y), widen(dy));
+    let (y, dy) = (widen_f32(y), widen_f32(dy));
     with_f32_out(dx, |dx| {
         dx.par_chunks_mut(cols)
             .zip(y.par_chunks(cols).zip(dy.par_chunks(cols)))
@@ -151,9 +150,8 @@ fn rowwise_backward<T: Element>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::elementwise::testing::{
-        assert_close, finite_diff_sum as finite_diff, widen as to_f64,
-    };
+    use crate::cpu::elementwise::testing::{assert_close, finite_diff_sum as finite_diff};
+    use crate::cpu::widen_f64;
     use half::{bf16, f16};
     use proptest::prelude::*;
 
@@ -175,12 +173,12 @@ mod tests {
         let mut y = vec![T::default(); x.len()];
         let want = if causal {
             causal_softmax(&x, &mut y, cols).unwrap();
-            reference(&to_f64(&x), cols, |r| r % cols + 1)
+            reference(&widen_f64(&x), cols, |r| r % cols + 1)
         } else {
             softmax(&x, &mut y, cols).unwrap();
-            reference(&to_f64(&x), cols, |_| cols)
+            reference(&widen_f64(&x), cols, |_| cols)
         };
-        assert_close(&to_f64(&y), &want, tol, "y");
+        assert_close(&widen_f64(&y), &want, tol, "y");
     }
 
     /// `(cols, x, r)` with `x` and `r` of `rows * cols` values in [-2, 2]; for the causal
@@ -222,7 +220,7 @@ mod tests {
             softmax(&x, &mut y, cols).unwrap();
             let mut dx = vec![f32::NAN; x.len()];
             softmax_backward(&y, &r, &mut dx, cols).unwrap();
-            assert_close(&to_f64(&dx), &fd, 1e-2, "dx");
+            assert_close(&widen_f64(&dx), &fd, 1e-2, "dx");
         }
 
         // Property: causal_softmax_backward equals central finite differences of
@@ -234,7 +232,7 @@ mod tests {
             causal_softmax(&x, &mut y, seq).unwrap();
             let mut dx = vec![f32::NAN; x.len()];
             causal_softmax_backward(&y, &r, &mut dx, seq).unwrap();
-            assert_close(&to_f64(&dx), &fd, 1e-2, "dx");
+            assert_close(&widen_f64(&dx), &fd, 1e-2, "dx");
         }
     }
 

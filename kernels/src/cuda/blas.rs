@@ -4,7 +4,7 @@
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::ops::MatmulSpec;
+use crate::params::MatmulSpec;
 use cudarc::cublas::{result, sys};
 use std::ffi::c_void;
 

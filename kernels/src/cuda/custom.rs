@@ -94,7 +94,8 @@ fn ptx_of(p: KernelParam) -> (&'static str, usize) {
     }
 }
 
-/// The parameters of every `.entry` in `ptx`, as `(type, bytes)` pairs (64-bit integers and
+/// The parameters of every `.entry` in `ptx`, as `(type, bytes)` pairs (also the NVRTC
+/// check's reading of this crate's modules) (64-bit integers and
 /// bit types as `u64`, 32-bit ones as `u32`, structs by value as `b8` with their size).
 pub(crate) fn ptx_entries(ptx: &str) -> Result<BTreeMap<String, Vec<(String, usize)>>, String> {
     let mut entries = BTreeMap::new();
@@ -118,7 +119,7 @@ pub(crate) fn ptx_entries(ptx: &str) -> Result<BTreeMap<String, Vec<(String, usi
 
 /// One PTX parameter declaration, e.g. `.param .u64 .ptr .align 4 f_param_0` or
 /// `.param .align 8 .b8 f_param_2[128]`, as `(type, bytes)`.
-pub(crate) fn ptx_param(decl: &str) -> Option<(String, usize)> {
+fn ptx_param(decl: &str) -> Option<(String, usize)> {
     let words: Vec<&str> = decl.split_whitespace().collect();
     let ty = words.iter().skip(1).find(|w| {
         matches!(**w, ".u64" | ".s64" | ".b64" | ".u32" | ".s32" | ".b32" | ".f32" | ".b8")

@@ -37,7 +37,7 @@ use crate::custom::{CudaKernel, CudaSource, Grid, KernelArg};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 #[cfg(test)]
-use crate::ops::MatmulSpec;
+use crate::params::MatmulSpec;
 #[cfg(test)]
 use cudarc::driver::LaunchConfig;
 #[cfg(test)]

@@ -7,9 +7,13 @@
 use super::emulate::{launch, ptr};
 use super::launch::{self, Arg, ConvGeom, PoolGeom};
 use super::registry::*;
+use crate::cpu::widen_f32;
 use crate::device::Device;
 use crate::dtype::{DType, Element};
-use crate::ops::{self, AdamWConfig, Conv2dOptions, Conv2dParams, Pool2dOptions, SgdConfig};
+use crate::ops;
+use crate::params::{
+    AdamWConfig, Conv2dOptions, Conv2dParams, Pool2dOptions, Pool2dParams, SgdConfig,
+};
 use crate::tensor::Tensor;
 use cudarc::driver::LaunchConfig;
 use half::{bf16, f16};
@@ -79,7 +83,7 @@ fn maps_of<T: Element>() -> bool {
             if !launch(ADD.of(T::DTYPE), launch::map(n, size), &args) {
                 return false;
             }
-            let got: Vec<f32> = y[offset..offset + n].iter().map(|v| v.to_f32()).collect();
+            let got = widen_f32(&y[offset..offset + n]);
             close(&format!("add {:?} n {n} offset {offset}", T::DTYPE), &got, &want, 0.0);
             let outside = [&y[..offset], &y[offset + n..]].concat();
             assert!(outside.iter().all(|v| v.to_f32() == 99.0), "add wrote outside its range");
@@ -89,7 +93,7 @@ fn maps_of<T: Element>() -> bool {
             let args = [ptr(&mut src), ptr(&mut out), Arg::count(n)];
             launch(CAST.of_pair(DType::F32, T::DTYPE), launch::map(n, 4), &args);
             let want: Vec<f32> = a.iter().map(|&v| T::from_f32(v).to_f32()).collect();
-            let got: Vec<f32> = out.iter().map(|v| v.to_f32()).collect();
+            let got = widen_f32(&out);
             close(&format!("cast f32 -> {:?}", T::DTYPE), &got, &want, 0.0);
         }
     }
@@ -389,7 +393,7 @@ fn pooling_windows_and_their_gradients_match_the_host() {
 /// A pooling backward's arguments as `ops/pool.rs` passes them: `head` (through the
 /// geometry and the divisor flag), then the input's width and height and the strides as
 /// dividers.
-fn pool_bwd_args(head: &[Arg], shape: &[usize], p: &crate::ops::Pool2dParams) -> Vec<Arg> {
+fn pool_bwd_args(head: &[Arg], shape: &[usize], p: &Pool2dParams) -> Vec<Arg> {
     let mut args = head.to_vec();
     let (sh, sw) = p.stride();
     args.extend([Arg::div(shape[3]), Arg::div(shape[2]), Arg::div(sh), Arg::div(sw)]);
@@ -735,14 +739,8 @@ fn typed<T: Element>(v: &[f32]) -> Vec<T> {
     v.iter().map(|&x| T::from_f32(x)).collect()
 }
 
-fn widen<T: Element>(v: &[T]) -> Vec<f32> {
-    v.iter().map(|x| x.to_f32()).collect()
-}
-
-type Forward = fn(&Tensor) -> crate::error::Result<Tensor>;
-type Backward = fn(&Tensor, &Tensor) -> crate::error::Result<Tensor>;
-
-/// The activations forward and backward, `scale`, `mul`, `fill`, and the mixed-type
+/// The activations forward and backward (every unary map the registry lists, each through
+/// its op), `scale`, `mul`, `fill`, and the mixed-type
 /// in-place updates (`add_assign`, `axpy` into an f32 accumulator and into `T`), as the
 /// ops launch them, bit for bit against the host (one f32 expression, one rounding, the same
 /// `tanhf`), on inputs that include each piecewise definition's edges.
@@ -753,48 +751,37 @@ fn maps_of_dtype<T: Element>() -> bool {
     let dyv = values(n, 81, -2.0, 2.0);
     let (xt, dyt) = (tensor_of::<T>(&[n], &xv), tensor_of::<T>(&[n], &dyv));
     let size = T::DTYPE.size_in_bytes();
-    let cases: [(&str, Forward, Backward, Instance, Instance); 4] = [
-        ("relu", ops::relu, ops::relu_backward, RELU.of(T::DTYPE), RELU_BWD.of(T::DTYPE)),
-        ("gelu", ops::gelu, ops::gelu_backward, GELU.of(T::DTYPE), GELU_BWD.of(T::DTYPE)),
-        (
-            "hardswish",
-            ops::hardswish,
-            ops::hardswish_backward,
-            HARDSWISH.of(T::DTYPE),
-            HARDSWISH_BWD.of(T::DTYPE),
-        ),
-        (
-            "hardsigmoid",
-            ops::hardsigmoid,
-            ops::hardsigmoid_backward,
-            HARDSIGMOID.of(T::DTYPE),
-            HARDSIGMOID_BWD.of(T::DTYPE),
-        ),
-    ];
-    for (name, fwd, bwd, kernel, bwd_kernel) in cases {
+    assert_eq!(ops::UNARY_OPS.len(), UNARY.len(), "unary ops and registered unary maps");
+    for kernels in UNARY {
+        let name = kernels.forward.names[0];
+        let op = ops::UNARY_OPS.iter().find(|op| op.kernels.forward.names[0] == name);
+        let Some(op) = op else { panic!("{name}: a registered unary map without an op") };
+        let (fwd, bwd) = (op.forward, op.backward);
+        let (kernel, bwd_kernel) = (kernels.forward.of(T::DTYPE), kernels.backward.of(T::DTYPE));
+        let name = op.name;
         let (mut x, mut dy) = (typed::<T>(&xv), typed::<T>(&dyv));
         let mut y = vec![T::from_f32(f32::NAN); n];
         if !launch(kernel, launch::map(n, size), &[ptr(&mut x), ptr(&mut y), Arg::count(n)]) {
             return false;
         }
         let what = format!("{name} {:?}", T::DTYPE);
-        close(&what, &widen(&y), &f32s(&fwd(&xt).unwrap()), 0.0);
+        close(&what, &widen_f32(&y), &f32s(&fwd(&xt).unwrap()), 0.0);
         let args = [ptr(&mut x), ptr(&mut dy), ptr(&mut y), Arg::count(n)];
         launch(bwd_kernel, launch::map(n, size), &args);
-        close(&format!("{what} backward"), &widen(&y), &f32s(&bwd(&xt, &dyt).unwrap()), 0.0);
+        close(&format!("{what} backward"), &widen_f32(&y), &f32s(&bwd(&xt, &dyt).unwrap()), 0.0);
     }
 
     let (mut x, mut dy) = (typed::<T>(&xv), typed::<T>(&dyv));
     let mut y = vec![T::from_f32(f32::NAN); n];
     let args = [ptr(&mut x), Arg::F32(-0.37), ptr(&mut y), Arg::count(n)];
     launch(SCALE.of(T::DTYPE), launch::map(n, size), &args);
-    close("scale", &widen(&y), &f32s(&ops::scale(&xt, -0.37).unwrap()), 0.0);
+    close("scale", &widen_f32(&y), &f32s(&ops::scale(&xt, -0.37).unwrap()), 0.0);
     let args = [ptr(&mut x), ptr(&mut dy), ptr(&mut y), Arg::count(n)];
     launch(MUL.of(T::DTYPE), launch::map(n, size), &args);
-    close("mul", &widen(&y), &f32s(&ops::mul(&xt, &dyt).unwrap()), 0.0);
+    close("mul", &widen_f32(&y), &f32s(&ops::mul(&xt, &dyt).unwrap()), 0.0);
     let args = [ptr(&mut y), Arg::F32(0.1), Arg::count(n)];
     launch(FILL.of(T::DTYPE), launch::map(n, size), &args);
-    close("fill", &widen(&y), &vec![T::from_f32(0.1).to_f32(); n], 0.0);
+    close("fill", &widen_f32(&y), &vec![T::from_f32(0.1).to_f32(); n], 0.0);
 
     // In-place updates of an accumulator of every dtype by x of T (the packs of the wider).
     let accv = values(n, 82, -3.0, 3.0);
@@ -829,7 +816,7 @@ fn with_typed(dtype: DType, v: &mut [f32], f: impl FnOnce(Arg)) -> Vec<f32> {
     fn run<T: Element>(v: &[f32], f: impl FnOnce(Arg)) -> Vec<f32> {
         let mut t = typed::<T>(v);
         f(ptr(&mut t));
-        widen(&t)
+        widen_f32(&t).into_owned()
     }
     match dtype {
         DType::F32 => run::<f32>(v, f),
@@ -932,7 +919,7 @@ fn updates_of_dtype<T: Element>() -> bool {
         let what = format!("unscale {:?} with {bad:?}", T::DTYPE);
         assert_eq!(flag[0] != 0, want_found, "{what}: the found-non-finite flag");
         assert_eq!(want_found, bad.is_some(), "{what}: the host's flag");
-        let (got, want) = (widen(&g), f32s(&g_t));
+        let (got, want) = (widen_f32(&g), f32s(&g_t));
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert!(g == w || (g.is_nan() && w.is_nan()), "{what}: index {i}: {g} vs {w}");
         }
@@ -1060,14 +1047,14 @@ fn rows_of_dtype<T: Element>() -> bool {
         (vec![T::from_f32(f32::NAN); planes * hw], vec![T::from_f32(f32::NAN); planes]);
     let args = [ptr(&mut x), ptr(&mut s), ptr(&mut dy), ptr(&mut dx), ptr(&mut ds), Arg::count(hw)];
     launch(SCALE_CHANNELS_BWD.of(dt), launch::per_row(planes), &args);
-    close(&format!("scale_channels_backward {dt:?} dx"), &widen(&dx), &f32s(&want.dx), 0.0);
+    close(&format!("scale_channels_backward {dt:?} dx"), &widen_f32(&dx), &f32s(&want.dx), 0.0);
     close_rounded(&format!("scale_channels_backward {dt:?} ds"), &ds, &want.ds);
 
     // Per-plane f32 sums (the first pass of a convolution's bias gradient), by definition.
     let mut sums = vec![f32::NAN; planes];
     let args = [ptr(&mut dy), ptr(&mut sums), Arg::count(hw)];
     launch(ROW_SUM_F32.of(dt), launch::per_row(planes), &args);
-    let want: Vec<f32> = widen(&dy)
+    let want: Vec<f32> = widen_f32(&dy)
         .chunks(hw)
         .map(|p| p.iter().map(|&v| f64::from(v)).sum::<f64>() as f32)
         .collect();
@@ -1116,7 +1103,7 @@ fn rows_of_dtype<T: Element>() -> bool {
             Arg::div(hw),
         ];
         launch(BN_APPLY.of(dt), launch::elementwise(planes * hw), &args);
-        close(&format!("batch_norm_eval {dt:?} params {pdt:?}"), &widen(&y), &f32s(&want), 0.0);
+        close(&format!("batch_norm_eval {dt:?} params {pdt:?}"), &widen_f32(&y), &f32s(&want), 0.0);
     }
     true
 }
@@ -1195,7 +1182,7 @@ fn windows_of_dtype<T: Element>() -> bool {
         close_rounded(&format!("direct conv dweight {dt:?} case {i}"), &dw, &grads.dweight);
 
         // im2col copies: exact in any dtype.
-        let want: Vec<f32> = im2col_reference(&p, &widen(&x), 0, p.batch(), 0);
+        let want: Vec<f32> = im2col_reference(&p, &widen_f32(&x), 0, p.batch(), 0);
         let mut col = vec![T::from_f32(f32::NAN); want.len()];
         let args = [
             ptr(&mut x),
@@ -1207,7 +1194,7 @@ fn windows_of_dtype<T: Element>() -> bool {
             Arg::U32(0),
         ];
         launch(IM2COL.of(dt), launch::per_plane(p.batch() * p.col_rows(), oh * ow), &args);
-        close(&format!("im2col {dt:?} case {i}"), &widen(&col), &want, 0.0);
+        close(&format!("im2col {dt:?} case {i}"), &widen_f32(&col), &want, 0.0);
     }
 
     let shape = [2, 3, 11, 10];
@@ -1223,7 +1210,7 @@ fn windows_of_dtype<T: Element>() -> bool {
     let (mut y, mut arg) = (vec![T::from_f32(f32::NAN); ny], vec![0u32; ny]);
     let args = [ptr(&mut x), ptr(&mut y), ptr(&mut arg), geom, Arg::div(ow), Arg::div(oh)];
     launch(MAX_POOL.of(dt), launch::elementwise(ny), &args);
-    close(&format!("max_pool {dt:?}"), &widen(&y), &f32s(&want), 0.0);
+    close(&format!("max_pool {dt:?}"), &widen_f32(&y), &f32s(&want), 0.0);
     assert_eq!(arg, want_arg.as_slice().unwrap(), "max_pool {dt:?} argmax");
     let dyv = values(ny, 125, -1.0, 1.0);
     let dy_t = tensor_of::<T>(want.shape(), &dyv);
@@ -1232,17 +1219,17 @@ fn windows_of_dtype<T: Element>() -> bool {
     let args = pool_bwd_args(&[ptr(&mut dy), ptr(&mut arg), ptr(&mut dx), geom], &shape, &p);
     launch(MAX_POOL_BWD.of(dt), launch::elementwise(660), &args);
     // Summed in f32 in the host's order and rounded once into T, as the host does.
-    close(&format!("max_pool_backward {dt:?}"), &widen(&dx), &f32s(&want), 0.0);
+    close(&format!("max_pool_backward {dt:?}"), &widen_f32(&dx), &f32s(&want), 0.0);
     let want = ops::avg_pool2d(&x_t, &opts, true).unwrap();
     let mut y = vec![T::from_f32(f32::NAN); ny];
     let args = [ptr(&mut x), ptr(&mut y), geom, Arg::U32(1), Arg::div(ow), Arg::div(oh)];
     launch(AVG_POOL.of(dt), launch::elementwise(ny), &args);
-    close(&format!("avg_pool {dt:?}"), &widen(&y), &f32s(&want), ulp::<T>());
+    close(&format!("avg_pool {dt:?}"), &widen_f32(&y), &f32s(&want), ulp::<T>());
     let want = ops::avg_pool2d_backward(&dy_t, &shape, &opts, true).unwrap();
     let mut dx = vec![T::from_f32(f32::NAN); 660];
     let args = pool_bwd_args(&[ptr(&mut dy), ptr(&mut dx), geom, Arg::U32(1)], &shape, &p);
     launch(AVG_POOL_BWD.of(dt), launch::elementwise(660), &args);
-    close(&format!("avg_pool_backward {dt:?}"), &widen(&dx), &f32s(&want), ulp::<T>());
+    close(&format!("avg_pool_backward {dt:?}"), &widen_f32(&dx), &f32s(&want), ulp::<T>());
     true
 }
 

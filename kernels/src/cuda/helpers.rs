@@ -112,7 +112,7 @@ pub(crate) fn row_sum(
 }
 
 /// `out[j] = sum over rows of x[row, j]` for `x` at `x_ptr` (`[rows, d]` of `dtype`), added
-/// in f32 in the workspace `ws` (of [`column_sum_workspace`](crate::ops) bytes) and rounded
+/// in f32 in the workspace `ws` (`column_sum_partials(rows) + 1` rows of `d` f32s) and rounded
 /// once into `out: [d]`: per chunk of rows, then over chunks in order, as the host adds.
 pub(crate) fn column_sums(
     gpu: &Gpu<'_>,

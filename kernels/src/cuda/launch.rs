@@ -137,27 +137,38 @@ pub(crate) struct ConvGeom {
 
 impl ConvGeom {
     /// The geometry of `p`.
-    pub(crate) fn of(p: &crate::ops::Conv2dParams) -> ConvGeom {
-        let (oh, ow) = p.output_hw();
+    pub(crate) fn of(p: &crate::params::Conv2dParams) -> ConvGeom {
+        let Plane { h, w, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow } = Plane::of(&p.window());
         let i = |v: usize| v as i64;
-        ConvGeom {
-            batch: i(p.batch()),
-            c_in: i(p.c_in()),
-            h: i(p.h()),
-            w: i(p.w()),
-            c_out: i(p.c_out()),
-            kh: i(p.kernel().0),
-            kw: i(p.kernel().1),
-            sh: i(p.stride().0),
-            sw: i(p.stride().1),
-            ph: i(p.padding().0),
-            pw: i(p.padding().1),
-            dh: i(p.dilation().0),
-            dw: i(p.dilation().1),
-            groups: i(p.groups()),
-            oh: i(oh),
-            ow: i(ow),
-        }
+        let (batch, c_in, c_out, groups) = (i(p.batch()), i(p.c_in()), i(p.c_out()), i(p.groups()));
+        ConvGeom { batch, c_in, h, w, c_out, kh, kw, sh, sw, ph, pw, dh, dw, groups, oh, ow }
+    }
+}
+
+/// The plane geometry of a window ([`Window2d`](crate::params::Window2d)) in the kernels'
+/// i64s: what [`ConvGeom`] and [`PoolGeom`] both hold.
+struct Plane {
+    h: i64,
+    w: i64,
+    kh: i64,
+    kw: i64,
+    sh: i64,
+    sw: i64,
+    ph: i64,
+    pw: i64,
+    dh: i64,
+    dw: i64,
+    oh: i64,
+    ow: i64,
+}
+
+impl Plane {
+    fn of(win: &crate::params::Window2d) -> Plane {
+        let pair = |(a, b): (usize, usize)| (a as i64, b as i64);
+        let ((h, w), (kh, kw)) = (pair(win.input), pair(win.kernel));
+        let ((sh, sw), (ph, pw)) = (pair(win.stride), pair(win.padding));
+        let ((dh, dw), (oh, ow)) = (pair(win.dilation), pair(win.output));
+        Plane { h, w, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow }
     }
 }
 
@@ -184,24 +195,11 @@ pub(crate) struct PoolGeom {
 }
 
 impl PoolGeom {
-    /// The geometry of `p`.
-    pub(crate) fn of(p: &crate::ops::Pool2dParams) -> PoolGeom {
-        let (oh, ow) = p.output_hw();
-        let i = |v: usize| v as i64;
-        PoolGeom {
-            batch: i(p.batch()),
-            channels: i(p.channels()),
-            h: i(p.h()),
-            w: i(p.w()),
-            kh: i(p.kernel().0),
-            kw: i(p.kernel().1),
-            sh: i(p.stride().0),
-            sw: i(p.stride().1),
-            ph: i(p.padding().0),
-            pw: i(p.padding().1),
-            oh: i(oh),
-            ow: i(ow),
-        }
+    /// The geometry of `p` (a dense window: the kernels read no dilation).
+    pub(crate) fn of(p: &crate::params::Pool2dParams) -> PoolGeom {
+        let Plane { h, w, kh, kw, sh, sw, ph, pw, oh, ow, .. } = Plane::of(&p.window());
+        let (batch, channels) = (p.batch() as i64, p.channels() as i64);
+        PoolGeom { batch, channels, h, w, kh, kw, sh, sw, ph, pw, oh, ow }
     }
 }
 

@@ -340,7 +340,7 @@ impl<'a> Gpu<'a> {
     /// must not overlap, and C must not alias A or B.
     pub(crate) unsafe fn gemm(
         &self,
-        spec: &crate::ops::MatmulSpec,
+        spec: &crate::params::MatmulSpec,
         a: u64,
         b: u64,
         c: u64,
@@ -387,7 +387,7 @@ pub(crate) trait Exec {
     /// As [`Gpu::gemm`].
     unsafe fn gemm(
         &self,
-        spec: &crate::ops::MatmulSpec,
+        spec: &crate::params::MatmulSpec,
         a: u64,
         b: u64,
         c: u64,
@@ -407,7 +407,7 @@ impl Exec for Gpu<'_> {
 
     unsafe fn gemm(
         &self,
-        spec: &crate::ops::MatmulSpec,
+        spec: &crate::params::MatmulSpec,
         a: u64,
         b: u64,
         c: u64,

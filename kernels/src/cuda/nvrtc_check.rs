@@ -10,8 +10,9 @@
 //! `skipped: no NVRTC (...)` and passes, unless `VRAM_REQUIRE_NVRTC=1` (set by CI) makes
 //! that a failure.
 
+use super::custom::ptx_entries;
 use super::loader::{compile_error, compile_options, full_source};
-use super::registry::{ALL, MODULES, Module, Param};
+use super::registry::{ALL, DEPTHWISE_BWD_WEIGHT, Kernel, MODULES, Module, Param};
 use cudarc::nvrtc::{compile_ptx_with_opts, result, sys};
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -45,52 +46,6 @@ fn nvrtc_present() -> bool {
     false
 }
 
-/// The parameters of every `.entry` in `ptx`, as `(type, bytes)` pairs.
-fn ptx_entries(ptx: &str) -> Result<BTreeMap<String, Vec<(String, usize)>>, String> {
-    let mut entries = BTreeMap::new();
-    let mut rest = ptx;
-    while let Some(at) = rest.find(".entry ") {
-        rest = &rest[at + ".entry ".len()..];
-        let open = rest.find('(').ok_or("an .entry without a parameter list")?;
-        let name = rest[..open].trim().to_string();
-        let close = rest.find(')').ok_or("an unterminated parameter list")?;
-        let params = rest[open + 1..close]
-            .split(',')
-            .map(str::trim)
-            .filter(|p| !p.is_empty())
-            .map(|p| ptx_param(p).ok_or_else(|| format!("{name}: cannot read parameter `{p}`")))
-            .collect::<Result<Vec<_>, _>>()?;
-        entries.insert(name, params);
-        rest = &rest[close..];
-    }
-    Ok(entries)
-}
-
-/// One PTX parameter declaration, e.g. `.param .u64 .ptr .align 4 f_param_0` or
-/// `.param .align 8 .b8 f_param_2[128]`, as `(type, bytes)`.
-fn ptx_param(decl: &str) -> Option<(String, usize)> {
-    let words: Vec<&str> = decl.split_whitespace().collect();
-    let ty = words.iter().skip(1).find(|w| {
-        matches!(**w, ".u64" | ".s64" | ".b64" | ".u32" | ".s32" | ".b32" | ".f32" | ".b8")
-    })?;
-    let ty = ty.trim_start_matches('.');
-    let bytes = match ty {
-        "b8" => {
-            let last = words.last()?;
-            let open = last.find('[')?;
-            last[open + 1..last.len() - 1].parse().ok()?
-        }
-        "u64" | "s64" | "b64" => 8,
-        _ => 4,
-    };
-    let ty = match ty {
-        "s64" | "b64" => "u64",
-        "s32" | "b32" => "u32",
-        other => other,
-    };
-    Some((ty.to_string(), bytes))
-}
-
 /// The differences between `module`'s PTX entries and the registry, one line each.
 fn registry_mismatches(
     module: &Module,
@@ -98,7 +53,7 @@ fn registry_mismatches(
 ) -> Vec<String> {
     let mut problems = Vec::new();
     let mut registered = 0;
-    for kernel in ALL.iter().filter(|k| std::ptr::eq(k.module, module)) {
+    for kernel in ALL.iter().filter(|k| k.module.name == module.name) {
         let want: Vec<(String, usize)> =
             kernel.params.iter().map(|p| Param::ptx(*p)).map(|(t, b)| (t.to_string(), b)).collect();
         for name in kernel.names {
@@ -115,7 +70,7 @@ fn registry_mismatches(
     }
     for name in entries.keys() {
         let known =
-            ALL.iter().any(|k| std::ptr::eq(k.module, module) && k.names.contains(&name.as_str()));
+            ALL.iter().any(|k| k.module.name == module.name && k.names.contains(&name.as_str()));
         if !known {
             problems
                 .push(format!("{name}: in the PTX but not in the registry (dead or unregistered)"));
@@ -256,27 +211,35 @@ fn kernel_bodies(name: &str) -> Vec<(String, String)> {
         .collect()
 }
 
-/// The plain maps of `elementwise.cu` (`map0`, `map1`, `map2` in `common.cuh`) and how many
-/// arrays each one reads or writes; the last three are named by a dtype pair.
-const MAPS: [(&str, usize); 15] = [
-    ("fill", 1),
-    ("scale", 2),
-    ("relu", 2),
-    ("relu_bwd", 3),
-    ("gelu", 2),
-    ("gelu_bwd", 3),
-    ("hardswish", 2),
-    ("hardswish_bwd", 3),
-    ("hardsigmoid", 2),
-    ("hardsigmoid_bwd", 3),
-    ("add", 3),
-    ("mul", 3),
-    ("cast", 2),
-    ("add_assign", 3),
-    ("axpy", 3),
-];
+/// Every registered instance of the kernels `which` selects, each with its PTX body
+/// (compute_90), module by module. An instance missing from the PTX is an error.
+fn registered_bodies(which: impl Fn(&Kernel) -> bool) -> Vec<(&'static Kernel, String, String)> {
+    let mut found = Vec::new();
+    for module in MODULES {
+        let kernels: Vec<&Kernel> =
+            ALL.iter().copied().filter(|k| k.module.name == module.name && which(k)).collect();
+        if kernels.is_empty() {
+            continue;
+        }
+        let bodies = kernel_bodies(module.name);
+        for kernel in kernels {
+            for name in kernel.names {
+                let body = bodies.iter().find(|(n, _)| n == name).map(|(_, b)| b.clone());
+                let body = body.unwrap_or_else(|| panic!("{name}: registered, not in the PTX"));
+                found.push((kernel, name.to_string(), body));
+            }
+        }
+    }
+    found
+}
 
-/// Every plain map moves whole packs: in the PTX, each array it reads or writes has one
+/// The number of registered instances of the kernels `which` selects.
+fn registered_instances(which: impl Fn(&Kernel) -> bool) -> usize {
+    ALL.iter().filter(|k| which(k)).map(|k| k.names.len()).sum()
+}
+
+/// Every plain map (a registry entry with [`Kernel::map`]: `map0`, `map1`, `map2` in
+/// `common.cuh`) moves whole packs: in the PTX, each array it reads or writes has one
 /// vector access (`ld.global.v2/v4`, `st.global.v2/v4`: 8 or 16 bytes) besides the scalar
 /// tail. A change that loses the packs' alignment would make the compiler fall back to
 /// 2- and 4-byte accesses, which on an H100 cannot keep its memory busy.
@@ -285,45 +248,27 @@ fn the_plain_maps_read_and_write_whole_packs() {
     if !nvrtc_present() {
         return;
     }
-    let dtypes = ["f32", "f16", "bf16"];
-    let mut checked = 0;
-    for (name, body) in kernel_bodies("elementwise") {
-        let (name, body) = (name.as_str(), body.as_str());
-        let arrays = MAPS.iter().find_map(|&(base, arrays)| {
-            let rest = name.strip_prefix(base)?.strip_prefix('_')?;
-            let named = dtypes.contains(&rest)
-                || rest
-                    .split_once('_')
-                    .is_some_and(|(a, b)| dtypes.contains(&a) && dtypes.contains(&b));
-            named.then_some(arrays)
-        });
-        let Some(arrays) = arrays else { continue };
+    let maps = registered_bodies(|k| k.map.is_some());
+    for (kernel, name, body) in &maps {
+        let arrays = kernel.map.unwrap_or_default();
         let vector = ["ld.global.v2", "ld.global.v4", "st.global.v2", "st.global.v4"]
             .iter()
             .map(|op| body.matches(op).count())
             .sum::<usize>();
         assert_eq!(vector, arrays, "{name}: {vector} vector accesses for {arrays} arrays");
-        checked += 1;
     }
-    // 12 maps in three dtypes, three over the nine dtype pairs.
-    assert_eq!(checked, 12 * 3 + 3 * 9, "plain maps found in elementwise.cu's PTX");
+    assert_eq!(maps.len(), registered_instances(|k| k.map.is_some()), "plain maps checked");
+    assert!(!maps.is_empty(), "no plain map registered");
 }
 
 /// The grid-stride kernels that split an element index into coordinates (bias and row
 /// broadcasts, batch norm's elementwise parts, pooling, the embedding's gather, permute,
-/// cross-entropy's gradient), by module. They divide with `Div` (`common.cuh`): a 64-bit `/` or `%` is a
-/// software routine on a GPU, dozens of instructions per element, more than the memory time
-/// of an elementwise kernel on an H100.
-const DIVIDING: [(&str, &[&str]); 5] = [
-    (
-        "elementwise",
-        &["bias_add", "bias_fill", "broadcast_rows", "broadcast_rows_add", "scale_channels"],
-    ),
-    ("conv", &["bias_planes"]),
-    ("softmax", &["ce_bwd", "bn_apply", "bn_bwd_dx"]),
-    ("pool", &["max_pool", "max_pool_bwd", "avg_pool", "avg_pool_bwd"]),
-    ("misc", &["embedding", "permute"]),
-];
+/// cross-entropy's gradient): every kernel that takes a [`Param::Div`]. They divide with
+/// `Div` (`common.cuh`): a 64-bit `/` or `%` is a software routine on a GPU, dozens of
+/// instructions per element, more than the memory time of an elementwise kernel on an H100.
+fn divides(kernel: &Kernel) -> bool {
+    kernel.params.contains(&Param::Div)
+}
 
 /// Those kernels' PTX has no 64-bit division or remainder, and the high multiply of `Div`.
 #[test]
@@ -331,21 +276,15 @@ fn indexed_kernels_divide_by_multiplying() {
     if !nvrtc_present() {
         return;
     }
-    let mut checked = 0;
-    for (module, bases) in DIVIDING {
-        for (name, body) in kernel_bodies(module) {
-            let Some((base, _)) = name.rsplit_once('_') else { continue };
-            if !bases.contains(&base) {
-                continue;
-            }
-            for op in ["div.u64", "rem.u64", "div.s64", "rem.s64"] {
-                assert!(!body.contains(op), "{name} has a 64-bit division ({op})");
-            }
-            assert!(body.contains("mul.hi.u64"), "{name} divides without Div");
-            checked += 1;
+    let dividing = registered_bodies(divides);
+    for (_, name, body) in &dividing {
+        for op in ["div.u64", "rem.u64", "div.s64", "rem.s64"] {
+            assert!(!body.contains(op), "{name} has a 64-bit division ({op})");
         }
+        assert!(body.contains("mul.hi.u64"), "{name} divides without Div");
     }
-    assert_eq!(checked, 15 * 3, "dividing kernels found in the PTX");
+    assert_eq!(dividing.len(), registered_instances(divides), "dividing kernels checked");
+    assert!(!dividing.is_empty(), "no dividing kernel registered");
 }
 
 /// No kernel adds with atomics: every sum is added by one thread, or one block, in a fixed
@@ -377,7 +316,7 @@ fn no_kernel_adds_with_atomics() {
             kernels += 1;
         }
     }
-    assert!(kernels > 100, "only {kernels} kernels found in the PTX");
+    assert_eq!(kernels, registered_instances(|_| true), "kernels found in the PTX");
 }
 
 /// The depthwise weight gradient keeps its 7 x 7 tap sums in registers: after unrolling,
@@ -389,13 +328,11 @@ fn the_depthwise_weight_gradient_keeps_its_taps_in_registers() {
     if !nvrtc_present() {
         return;
     }
-    let bodies = kernel_bodies("conv");
-    let mut checked = 0;
-    for (name, body) in bodies.iter().filter(|(n, _)| n.starts_with("depthwise_bwd_weight_")) {
+    let bodies = registered_bodies(|k| k.names == DEPTHWISE_BWD_WEIGHT.names);
+    for (_, name, body) in &bodies {
         for local in ["__local_depot", "ld.local", "st.local"] {
             assert!(!body.contains(local), "{name} uses local memory ({local})");
         }
-        checked += 1;
     }
-    assert_eq!(checked, 3, "depthwise weight gradient kernels found in the PTX");
+    assert_eq!(bodies.len(), DEPTHWISE_BWD_WEIGHT.names.len(), "depthwise weight gradients");
 }

@@ -41,7 +41,7 @@ pub(crate) const MISC: Module = Module { name: "misc", source: include_str!("ker
 
 /// Every module, in the order the NVRTC test compiles them.
 #[cfg(test)]
-pub(crate) const MODULES: [&Module; 6] = [&ELEMENTWISE, &REDUCE, &SOFTMAX, &CONV, &POOL, &MISC];
+pub(crate) const MODULES: &[&Module] = &[&ELEMENTWISE, &REDUCE, &SOFTMAX, &CONV, &POOL, &MISC];
 
 /// A kernel parameter's type as the `.cu` source declares it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -90,6 +90,22 @@ pub(crate) struct Kernel {
     pub(crate) names: &'static [&'static str],
     /// Its parameters, in order.
     pub(crate) params: &'static [Param],
+    /// For a plain map (`map0`/`map1`/`map2` in `common.cuh`, 16-byte packs per thread): the
+    /// arrays it reads or writes (an array both read and written counts twice), each of which
+    /// the NVRTC test expects to see moved in packs. `None` for every other kernel.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) map: Option<usize>,
+}
+
+/// The two kernels of a unary map (one `UNARY_OP` line of `elementwise.cu`, one
+/// `unary_op!` entry of `ops::map`): the forward `base_T(const T* x, T* y, u64 n)` and the
+/// backward `base_bwd_T(const T* x, const T* dy, T* dx, u64 n)`, both plain maps.
+#[derive(Debug)]
+pub(crate) struct UnaryKernels {
+    /// `y = f(x)`.
+    pub(crate) forward: Kernel,
+    /// `dx = f'(x) dy`.
+    pub(crate) backward: Kernel,
 }
 
 impl Kernel {
@@ -115,63 +131,112 @@ pub(crate) struct Instance {
     pub(crate) name: &'static str,
 }
 
-/// Declares kernels: `NAME = module "base" [instances] (params);` where instances is
-/// `dtypes` (`base_f32`, `base_f16`, `base_bf16`), `pairs` (`base_f32_f32`, ...) or `once`
-/// (`base`). Also collects them in `ALL`.
+/// Declares kernels: `NAME = module "base" [instances] (params) [map N];` where instances
+/// is `dtypes` (`base_f32`, `base_f16`, `base_bf16`), `pairs` (`base_f32_f32`, ...) or
+/// `once` (`base`), and `map N` marks a plain map of N array accesses ([`Kernel::map`]);
+/// `NAME = unary "base";` declares a unary map's forward and backward at once
+/// ([`UnaryKernels`], in `elementwise.cu`). Also collects every kernel in `ALL` and the
+/// unary maps in `UNARY`, so that the tests that walk them need no list of their own.
 macro_rules! kernels {
-    ($($(#[$doc:meta])* $id:ident = $module:ident $base:literal $inst:ident ($($p:ident),*);)*) => {
-        $(
-            $(#[$doc])*
-            pub(crate) const $id: Kernel = Kernel {
-                module: &$module,
-                names: &kernels!(@names $inst $base),
-                params: &[$(Param::$p),*],
-            };
-        )*
+    // Each entry is munched into three accumulators: the items, `ALL`'s elements and
+    // `UNARY`'s elements.
+    (@munch [$($items:tt)*] [$($all:tt)*] [$($unary:tt)*]) => {
+        $($items)*
         /// Every kernel the Rust side launches.
         #[cfg(test)]
-        pub(crate) const ALL: &[&Kernel] = &[$(&$id),*];
+        pub(crate) const ALL: &[&Kernel] = &[$($all)*];
+        /// Every unary map.
+        #[cfg(test)]
+        pub(crate) const UNARY: &[&UnaryKernels] = &[$($unary)*];
     };
-    (@names dtypes $b:literal) => {
+    (
+        @munch [$($items:tt)*] [$($all:tt)*] [$($unary:tt)*]
+        $(#[$doc:meta])* $id:ident = unary $base:literal; $($rest:tt)*
+    ) => {
+        kernels! {
+            @munch
+            [
+                $($items)*
+                $(#[$doc])*
+                pub(crate) const $id: UnaryKernels = UnaryKernels {
+                    forward: Kernel {
+                        module: &ELEMENTWISE,
+                        names: &kernels!(@names dtypes $base),
+                        params: &[Param::Ptr, Param::Ptr, Param::U64],
+                        map: Some(2),
+                    },
+                    backward: Kernel {
+                        module: &ELEMENTWISE,
+                        names: &kernels!(@names dtypes concat!($base, "_bwd")),
+                        params: &[Param::Ptr, Param::Ptr, Param::Ptr, Param::U64],
+                        map: Some(3),
+                    },
+                };
+            ]
+            [$($all)* &$id.forward, &$id.backward,]
+            [$($unary)* &$id,]
+            $($rest)*
+        }
+    };
+    (
+        @munch [$($items:tt)*] [$($all:tt)*] [$($unary:tt)*]
+        $(#[$doc:meta])* $id:ident = $module:ident $base:literal $inst:ident ($($p:ident),*)
+        $(map $arrays:literal)?; $($rest:tt)*
+    ) => {
+        kernels! {
+            @munch
+            [
+                $($items)*
+                $(#[$doc])*
+                pub(crate) const $id: Kernel = Kernel {
+                    module: &$module,
+                    names: &kernels!(@names $inst $base),
+                    params: &[$(Param::$p),*],
+                    map: kernels!(@map $($arrays)?),
+                };
+            ]
+            [$($all)* &$id,]
+            [$($unary)*]
+            $($rest)*
+        }
+    };
+    (@map) => { None };
+    (@map $arrays:literal) => { Some($arrays) };
+    (@names dtypes $b:expr) => {
         [concat!($b, "_f32"), concat!($b, "_f16"), concat!($b, "_bf16")]
     };
-    (@names pairs $b:literal) => {
+    (@names pairs $b:expr) => {
         [
             concat!($b, "_f32_f32"), concat!($b, "_f32_f16"), concat!($b, "_f32_bf16"),
             concat!($b, "_f16_f32"), concat!($b, "_f16_f16"), concat!($b, "_f16_bf16"),
             concat!($b, "_bf16_f32"), concat!($b, "_bf16_f16"), concat!($b, "_bf16_bf16"),
         ]
     };
-    (@names once $b:literal) => {
+    (@names once $b:expr) => {
         [$b]
+    };
+    ($($entries:tt)*) => {
+        kernels!(@munch [] [] [] $($entries)*);
     };
 }
 
 kernels! {
     /// `fill(T* y, float v, u64 n)`.
-    FILL = ELEMENTWISE "fill" dtypes (Ptr, F32, U64);
+    FILL = ELEMENTWISE "fill" dtypes (Ptr, F32, U64) map 1;
     /// `add(const T* a, const T* b, T* y, u64 n)`.
-    ADD = ELEMENTWISE "add" dtypes (Ptr, Ptr, Ptr, U64);
+    ADD = ELEMENTWISE "add" dtypes (Ptr, Ptr, Ptr, U64) map 3;
     /// `mul(const T* a, const T* b, T* y, u64 n)`.
-    MUL = ELEMENTWISE "mul" dtypes (Ptr, Ptr, Ptr, U64);
+    MUL = ELEMENTWISE "mul" dtypes (Ptr, Ptr, Ptr, U64) map 3;
     /// `scale(const T* x, float alpha, T* y, u64 n)`.
-    SCALE = ELEMENTWISE "scale" dtypes (Ptr, F32, Ptr, U64);
-    /// `relu(const T* x, T* y, u64 n)`.
-    RELU = ELEMENTWISE "relu" dtypes (Ptr, Ptr, U64);
-    /// `relu_bwd(const T* x, const T* dy, T* dx, u64 n)`.
-    RELU_BWD = ELEMENTWISE "relu_bwd" dtypes (Ptr, Ptr, Ptr, U64);
-    /// `gelu(const T* x, T* y, u64 n)`.
-    GELU = ELEMENTWISE "gelu" dtypes (Ptr, Ptr, U64);
-    /// `gelu_bwd(const T* x, const T* dy, T* dx, u64 n)`.
-    GELU_BWD = ELEMENTWISE "gelu_bwd" dtypes (Ptr, Ptr, Ptr, U64);
-    /// `hardswish(const T* x, T* y, u64 n)`.
-    HARDSWISH = ELEMENTWISE "hardswish" dtypes (Ptr, Ptr, U64);
-    /// `hardswish_bwd(const T* x, const T* dy, T* dx, u64 n)`.
-    HARDSWISH_BWD = ELEMENTWISE "hardswish_bwd" dtypes (Ptr, Ptr, Ptr, U64);
-    /// `hardsigmoid(const T* x, T* y, u64 n)`.
-    HARDSIGMOID = ELEMENTWISE "hardsigmoid" dtypes (Ptr, Ptr, U64);
-    /// `hardsigmoid_bwd(const T* x, const T* dy, T* dx, u64 n)`.
-    HARDSIGMOID_BWD = ELEMENTWISE "hardsigmoid_bwd" dtypes (Ptr, Ptr, Ptr, U64);
+    SCALE = ELEMENTWISE "scale" dtypes (Ptr, F32, Ptr, U64) map 2;
+    /// `relu` and `relu_bwd`.
+    RELU = unary "relu";
+    /// `gelu` and `gelu_bwd`.
+    GELU = unary "gelu";
+    /// `hardswish` and `hardswish_bwd`.
+    HARDSWISH = unary "hardswish";
+    /// `hardsigmoid` and `hardsigmoid_bwd`.
+    HARDSIGMOID = unary "hardsigmoid";
     /// `scale_channels(const T* x, const T* s, T* y, u64 n, Div hw)`.
     SCALE_CHANNELS = ELEMENTWISE "scale_channels" dtypes (Ptr, Ptr, Ptr, U64, Div);
     /// `scale_channels_bwd(const T* x, const T* s, const T* dy, T* dx, T* ds, u64 hw)`.
@@ -185,11 +250,11 @@ kernels! {
     /// `broadcast_rows_add(const T* dy, float f, T* acc, u64 n, Div d)`.
     BROADCAST_ROWS_ADD = ELEMENTWISE "broadcast_rows_add" dtypes (Ptr, F32, Ptr, U64, Div);
     /// `cast_S_D(const S* x, D* y, u64 n)`.
-    CAST = ELEMENTWISE "cast" pairs (Ptr, Ptr, U64);
+    CAST = ELEMENTWISE "cast" pairs (Ptr, Ptr, U64) map 2;
     /// `add_assign_A_X(A* acc, const X* x, u64 n)`.
-    ADD_ASSIGN = ELEMENTWISE "add_assign" pairs (Ptr, Ptr, U64);
+    ADD_ASSIGN = ELEMENTWISE "add_assign" pairs (Ptr, Ptr, U64) map 3;
     /// `axpy_Y_X(float alpha, const X* x, Y* y, u64 n)`.
-    AXPY = ELEMENTWISE "axpy" pairs (F32, Ptr, Ptr, U64);
+    AXPY = ELEMENTWISE "axpy" pairs (F32, Ptr, Ptr, U64) map 3;
 
     /// `sum_partial(const T* x, u64 n, float* partial)`.
     SUM_PARTIAL = REDUCE "sum_partial" dtypes (Ptr, U64, Ptr);

@@ -1,5 +1,6 @@
-//! ReLU and GELU (tanh approximation), forward and backward: elementwise maps
-//! ([`unary_op!`](super::map::unary_op)).
+//! The activations (ReLU, GELU with the tanh approximation, hard swish, hard sigmoid),
+//! forward and backward: elementwise maps, one [`unary_op!`](super::map::unary_op) entry
+//! each.
 
 use super::map::unary_op;
 use crate::cpu::activation as cpu;
@@ -13,37 +14,31 @@ unary_op! {
     /// `x > 0`, else 0 (the subgradient at 0 is 0, as in PyTorch). The forward output
     /// `relu(x)` gives the same result in place of `x` (it is `> 0` exactly where `x` is),
     /// which is what PyTorch's `relu` keeps for its backward.
-    relu_backward: Relu, RELU, RELU_BWD,
+    relu_backward: Relu, RELU,
     |x| cpu::relu_f32(x),
-    |x, dy| if x > 0.0 { dy } else { 0.0 },
-}
+    |x, dy| if x > 0.0 { dy } else { 0.0 };
 
-unary_op! {
     /// Hard swish, `x * relu6(x + 3) / 6` (PyTorch's `hardswish`, MobileNetV3's activation).
     hardswish,
     /// Gradient of [`hardswish`] from the forward input `x` and the upstream `dy`: 0 for
     /// `x <= -3`, `dy * (x / 3 + 1/2)` below 3, `dy` from 3 on (PyTorch's CUDA kernel).
-    hardswish_backward: Hardswish, HARDSWISH, HARDSWISH_BWD,
+    hardswish_backward: Hardswish, HARDSWISH,
     |x| x * (x + 3.0).clamp(0.0, 6.0) / 6.0,
-    |x, dy| if x <= -3.0 { 0.0 } else if x < 3.0 { dy * (x / 3.0 + 0.5) } else { dy },
-}
+    |x, dy| if x <= -3.0 { 0.0 } else if x < 3.0 { dy * (x / 3.0 + 0.5) } else { dy };
 
-unary_op! {
     /// Hard sigmoid, `relu6(x + 3) / 6` (PyTorch's `hardsigmoid`, squeeze-excitation's gate
     /// in MobileNetV3).
     hardsigmoid,
     /// Gradient of [`hardsigmoid`] from the forward input `x` and the upstream `dy`: `dy / 6`
     /// strictly between -3 and 3, else 0.
-    hardsigmoid_backward: Hardsigmoid, HARDSIGMOID, HARDSIGMOID_BWD,
+    hardsigmoid_backward: Hardsigmoid, HARDSIGMOID,
     |x| (x + 3.0).clamp(0.0, 6.0) / 6.0,
-    |x, dy| if x > -3.0 && x < 3.0 { dy / 6.0 } else { 0.0 },
-}
+    |x, dy| if x > -3.0 && x < 3.0 { dy / 6.0 } else { 0.0 };
 
-unary_op! {
     /// GELU, tanh approximation (PyTorch's `gelu(x, approximate='tanh')`).
     gelu,
     /// Gradient of [`gelu`] from the forward input `x` and the upstream `dy`.
-    gelu_backward: Gelu, GELU, GELU_BWD,
+    gelu_backward: Gelu, GELU,
     |x| cpu::gelu_f32(x),
-    |x, dy| dy * cpu::gelu_grad_f32(x),
+    |x, dy| dy * cpu::gelu_grad_f32(x);
 }

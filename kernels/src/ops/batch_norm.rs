@@ -10,7 +10,7 @@
 //! meets under autocast, where PyTorch runs batch norm on the 16-bit input with the f32
 //! module's parameters); arithmetic is in f32. The saved statistics are f32 `[c]`.
 
-use super::dispatch::{Buffers, Op, Plan, run};
+use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
 use super::{expect_dtype, expect_shape, invalid, same_device, same_layout};
 use crate::cpu::batch_norm as cpu;
 use crate::device::Device;
@@ -153,13 +153,15 @@ struct BatchNorm<'a, 'r> {
 
 impl Op for BatchNorm<'_, '_> {
     const NAME: &'static str = "batch_norm";
+    /// `y`, `mean` and `invstd`.
+    type Outs = [Tensor; 3];
     type Output = BatchNormOutput;
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         let mut per_channel = vec![self.gamma, self.beta];
         if let Some(r) = &self.running {
             if !(0.0..=1.0).contains(&r.momentum) {
@@ -185,16 +187,18 @@ impl Op for BatchNorm<'_, '_> {
             r.mean.make_unique()?;
             r.var.make_unique()?;
         }
-        let mut plan = Plan::one(self.x.shape(), self.x.dtype());
-        plan.output(&[c], DType::F32);
-        plan.output(&[c], DType::F32);
+        let mut plan = Plan::new([
+            OutputSpec::new(self.x.shape(), self.x.dtype()),
+            OutputSpec::new(&[c], DType::F32),
+            OutputSpec::new(&[c], DType::F32),
+        ]);
         self.part = plan.workspace(2 * c * parts(n, c, s) * 4);
         Ok(plan)
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         let (n, c, s) = self.dims;
-        let [y, mean, inv] = bufs.outputs_mut() else { unreachable!("planned") };
+        let [y, mean, inv] = bufs.outputs_mut();
         let (mean, inv) = (mean.out_slice::<f32>(Self::NAME)?, inv.out_slice::<f32>(Self::NAME)?);
         let mut var = vec![0.0f32; c];
         with_dtype!(self.x.dtype(), T => cpu::batch_norm_stats(self.x.as_slice::<T>()?, s, mean, &mut var))?;
@@ -228,7 +232,7 @@ impl Op for BatchNorm<'_, '_> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::helpers::{check_rows, ptr};
         use crate::cuda::registry::{BN_FINALIZE, BN_PARTIAL};
         use crate::cuda::{Arg, launch};
@@ -237,7 +241,7 @@ impl Op for BatchNorm<'_, '_> {
         let t = self.x.dtype();
         let pf32 = Arg::U32((self.gamma.dtype() == DType::F32) as u32);
         let part = bufs.ws(self.part)?;
-        let [y, mean, inv] = bufs.outputs_mut() else { unreachable!("planned") };
+        let [y, mean, inv] = bufs.outputs_mut();
         check_rows(Self::NAME, c)?;
         let (rm, rv, momentum) = match &self.running {
             Some(r) => (ptr(r.mean)?, ptr(r.var)?, r.momentum),
@@ -288,12 +292,9 @@ impl Op for BatchNorm<'_, '_> {
         apply(gpu, self.x, (mean, inv), (self.gamma, self.beta), y, (c, s))
     }
 
-    fn finish(self, bufs: Buffers) -> Result<BatchNormOutput> {
-        let mut out = bufs.into_outputs();
-        match (out.next(), out.next(), out.next()) {
-            (Some(y), Some(mean), Some(invstd)) => Ok(BatchNormOutput { y, mean, invstd }),
-            _ => unreachable!("the plan has y, mean and invstd"),
-        }
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<BatchNormOutput> {
+        let [y, mean, invstd] = bufs.into_outputs();
+        Ok(BatchNormOutput { y, mean, invstd })
     }
 }
 
@@ -367,13 +368,14 @@ struct BatchNormEval<'a> {
 
 impl Op for BatchNormEval<'_> {
     const NAME: &'static str = "batch_norm_eval";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         let per_channel = [self.gamma, self.beta, self.running_mean, self.running_var];
         let (_, c, s) = dims(Self::NAME, self.x, &per_channel, self.eps)?;
         self.s = s;
@@ -382,18 +384,18 @@ impl Op for BatchNormEval<'_> {
         Ok(plan)
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         let mean = self.running_mean.to_f32_vec()?;
         let inv: Vec<f32> =
             self.running_var.to_f32_vec()?.iter().map(|&v| invstd(v, self.eps)).collect();
         let (g, b) = (self.gamma.to_f32_vec()?, self.beta.to_f32_vec()?);
         with_dtype!(self.x.dtype(), T => cpu::batch_norm_apply(
-            self.x.as_slice::<T>()?, self.s, &mean, &inv, &g, &b, bufs.out(0).out_slice::<T>(Self::NAME)?,
+            self.x.as_slice::<T>()?, self.s, &mean, &inv, &g, &b, bufs.out().out_slice::<T>(Self::NAME)?,
         ))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::helpers::ptr;
         use crate::cuda::registry::BN_EVAL_STATS;
         use crate::cuda::{Arg, launch};
@@ -420,11 +422,11 @@ impl Op for BatchNormEval<'_> {
                 ],
             )?;
         }
-        let y = bufs.out(0);
+        let y = bufs.out();
         apply(gpu, self.x, (Arg::Ptr(mean), Arg::Ptr(inv)), (self.gamma, self.beta), y, (c, self.s))
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }
@@ -459,13 +461,15 @@ struct BatchNormBackward<'a> {
 
 impl Op for BatchNormBackward<'_> {
     const NAME: &'static str = "batch_norm_backward";
+    /// `dx`, `dgamma` and `dbeta`.
+    type Outs = [Tensor; 3];
     type Output = BatchNormGrads;
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         let (n, c, s) = dims(Self::NAME, self.x, &[self.gamma], 0.0)?;
         same_layout(Self::NAME, self.x, self.dy)?;
         for saved in [self.mean, self.invstd] {
@@ -474,18 +478,20 @@ impl Op for BatchNormBackward<'_> {
             expect_shape(Self::NAME, &[c], saved)?;
         }
         self.s = s;
-        let mut plan = Plan::one(self.x.shape(), self.x.dtype());
-        plan.output(&[c], self.gamma.dtype());
-        plan.output(&[c], self.gamma.dtype());
+        let mut plan = Plan::new([
+            OutputSpec::new(self.x.shape(), self.x.dtype()),
+            OutputSpec::new(&[c], self.gamma.dtype()),
+            OutputSpec::new(&[c], self.gamma.dtype()),
+        ]);
         self.sums = plan.workspace(2 * c * (1 + parts(n, c, s)) * 4);
         Ok(plan)
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         let c = self.gamma.numel();
         let (mut dg, mut db) = (vec![0.0f32; c], vec![0.0f32; c]);
         let g = self.gamma.to_f32_vec()?;
-        let [dx, dgamma, dbeta] = bufs.outputs_mut() else { unreachable!("planned") };
+        let [dx, dgamma, dbeta] = bufs.outputs_mut();
         with_dtype!(self.x.dtype(), T => cpu::batch_norm_backward(
             self.x.as_slice::<T>()?,
             self.dy.as_slice::<T>()?,
@@ -502,7 +508,7 @@ impl Op for BatchNormBackward<'_> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::helpers::{check_rows, from_f32, ptr};
         use crate::cuda::registry::{BN_BWD_DX, BN_BWD_FINALIZE, BN_BWD_PARTIAL};
         use crate::cuda::{Arg, launch};
@@ -543,7 +549,7 @@ impl Op for BatchNormBackward<'_> {
             )?;
         }
         let total = self.x.numel();
-        let [dx, dgamma, dbeta] = bufs.outputs_mut() else { unreachable!("planned") };
+        let [dx, dgamma, dbeta] = bufs.outputs_mut();
         // SAFETY: bn_bwd_dx_T(const T* x, const T* dy, const float* mean, const float* invstd,
         // const void* g, u32 pf32, const float* sums, T* dx, u64 total, Div c, Div s),
         // grid-stride over total elements.
@@ -570,12 +576,9 @@ impl Op for BatchNormBackward<'_> {
         from_f32(gpu, sums + 4 * c as u64, dbeta)
     }
 
-    fn finish(self, bufs: Buffers) -> Result<BatchNormGrads> {
-        let mut out = bufs.into_outputs();
-        match (out.next(), out.next(), out.next()) {
-            (Some(dx), Some(dgamma), Some(dbeta)) => Ok(BatchNormGrads { dx, dgamma, dbeta }),
-            _ => unreachable!("the plan has dx, dgamma and dbeta"),
-        }
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<BatchNormGrads> {
+        let [dx, dgamma, dbeta] = bufs.into_outputs();
+        Ok(BatchNormGrads { dx, dgamma, dbeta })
     }
 }
 

@@ -16,14 +16,15 @@
 //! falls back to a cuDNN algorithm with a smaller workspace; `Plan::chunked_workspace` in
 //! `dispatch`).
 
-use super::dispatch::{Buffers, Op, Plan, run};
-use super::params::{Conv2dOptions, Conv2dParams};
+use super::dispatch::{Buffers, Op, OutputSpec, Plan, Wanted, run};
 use super::{expect_rank, expect_shape, same_kind};
 use crate::cpu::conv as cpu;
 use crate::device::Device;
 use crate::dtype::{DType, with_dtype};
 use crate::error::Result;
+use crate::params::{Conv2dOptions, Conv2dParams};
 use crate::tensor::Tensor;
+use std::marker::PhantomData;
 
 /// Most bytes the forward's im2col buffer may take; the batch is processed in chunks of
 /// images that fit (at least one image per chunk).
@@ -105,13 +106,14 @@ struct Conv2d<'a> {
 
 impl Op for Conv2d<'_> {
     const NAME: &'static str = "conv2d";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         let p = &self.p;
         same_kind(Self::NAME, self.x, self.weight)?;
         if let Some(bias) = self.bias {
@@ -132,24 +134,24 @@ impl Op for Conv2d<'_> {
         Ok(plan)
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         with_dtype!(self.x.dtype(), T => cpu::conv2d(
             &self.p,
             self.x.as_slice::<T>()?,
             self.weight.as_slice::<T>()?,
             self.bias.map(|b| b.as_slice::<T>()).transpose()?,
-            bufs.out(0).out_slice::<T>(Self::NAME)?,
+            bufs.out().out_slice::<T>(Self::NAME)?,
         ))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         let col = (bufs.ws(self.col)?, bufs.chunks(self.col).unwrap_or(self.chunk));
         let f = cuda::Forward {
             x: self.x.cuda_ptr()?,
             w: self.weight.cuda_ptr()?,
             bias: self.bias.map(Tensor::cuda_ptr).transpose()?,
-            y: bufs.out(0).cuda_ptr()?,
+            y: bufs.out().cuda_ptr()?,
         };
         let (p, t) = (&self.p, self.x.dtype());
         if p.output_len() == 0 {
@@ -161,7 +163,7 @@ impl Op for Conv2d<'_> {
         }
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }
@@ -193,9 +195,8 @@ pub fn conv2d_backward(
 ) -> Result<Conv2dGrads> {
     let p = conv2d_params(x.shape(), weight.shape(), opts)?;
     let ws = BackwardWorkspaces::default();
-    let (dx, dweight, dbias) =
-        run(Conv2dBackward { p, x, weight, dy, input: true, with_bias, ws })?;
-    let dx = dx.expect("planned: dx");
+    let op = Conv2dBackward::<Tensor> { p, x, weight, dy, with_bias, ws, dx: PhantomData };
+    let (dx, dweight, dbias) = run(op)?;
     Ok(Conv2dGrads { dx, dweight, dbias })
 }
 
@@ -225,20 +226,21 @@ pub fn conv2d_backward_weight(
 ) -> Result<Conv2dWeightGrads> {
     let p = conv2d_params(x.shape(), weight.shape(), opts)?;
     let ws = BackwardWorkspaces::default();
-    let (_, dweight, dbias) =
-        run(Conv2dBackward { p, x, weight, dy, input: false, with_bias, ws })?;
+    let op = Conv2dBackward::<()> { p, x, weight, dy, with_bias, ws, dx: PhantomData };
+    let ((), dweight, dbias) = run(op)?;
     Ok(Conv2dWeightGrads { dweight, dbias })
 }
 
-struct Conv2dBackward<'a> {
+/// The backward of a convolution; `Dx` is the input gradient's type: [`Tensor`] when it is
+/// computed (the first output), `()` when not.
+struct Conv2dBackward<'a, Dx> {
     p: Conv2dParams,
     x: &'a Tensor,
     weight: &'a Tensor,
     dy: &'a Tensor,
-    /// Whether dx is computed (the first output).
-    input: bool,
     with_bias: bool,
     ws: BackwardWorkspaces,
+    dx: PhantomData<Dx>,
 }
 
 /// The workspaces of a convolution's backward on the GPU.
@@ -259,15 +261,17 @@ struct BackwardWorkspaces {
     dbias: Option<usize>,
 }
 
-impl Op for Conv2dBackward<'_> {
+impl<Dx: Wanted> Op for Conv2dBackward<'_, Dx> {
     const NAME: &'static str = "conv2d_backward";
-    type Output = (Option<Tensor>, Tensor, Option<Tensor>);
+    /// dx (when `Dx` is a tensor), dweight, and dbias when asked for.
+    type Outs = (Dx, Tensor, Option<Tensor>);
+    type Output = (Dx, Tensor, Option<Tensor>);
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         let p = &self.p;
         let (x, w, dy) = (self.x, self.weight, self.dy);
         same_kind(Self::NAME, x, w)?;
@@ -276,30 +280,17 @@ impl Op for Conv2dBackward<'_> {
         expect_shape(Self::NAME, &p.output_shape(), dy)?;
         // With no output element, or no input element, nothing flows to dx and dweight.
         let nothing = dy.numel() == 0 || x.numel() == 0;
-        let mut plan = Plan::default();
         let dtype = x.dtype();
-        if nothing {
-            if self.input {
-                plan.zeroed_output(x.shape(), dtype);
-            }
-            plan.zeroed_output(w.shape(), dtype);
-        } else {
-            if self.input {
-                plan.output(x.shape(), dtype);
-            }
-            plan.output(w.shape(), dtype);
-        }
-        if self.with_bias {
-            if dy.numel() == 0 {
-                plan.zeroed_output(&[p.c_out()], dtype);
-            } else {
-                plan.output(&[p.c_out()], dtype);
-            }
-        }
+        let mut plan = Plan::new((
+            Dx::plan(OutputSpec::zeroed_if(nothing, x.shape(), dtype)),
+            OutputSpec::zeroed_if(nothing, w.shape(), dtype),
+            // The bias gradient sums dy: zeros only when dy is empty.
+            self.with_bias.then(|| OutputSpec::zeroed_if(dy.numel() == 0, &[p.c_out()], dtype)),
+        ));
         if !nothing && depthwise_in_registers(p) {
             let taps = w.numel();
             self.ws.depthwise = [
-                plan.workspace(super::params::mul(
+                plan.workspace(crate::params::mul(
                     Self::NAME,
                     "the weight gradient",
                     p.batch(),
@@ -311,7 +302,7 @@ impl Op for Conv2dBackward<'_> {
         if !nothing && !p.is_direct() {
             // One buffer serves the f32 input-gradient columns, then the weight gradient's
             // operands (the input's columns and dy's channels, over a chunk of images).
-            let per_image = backward_cols_per_image(p, dtype, self.input);
+            let per_image = backward_cols_per_image(p, dtype, Dx::WANTED);
             self.ws.chunk = chunk_images(BACKWARD_COL_BUDGET, p, per_image);
             self.ws.cols = plan.chunked_workspace(per_image, self.ws.chunk);
             // An f32 weight gradient accumulates over the chunks in place (the first chunk's
@@ -332,42 +323,34 @@ impl Op for Conv2dBackward<'_> {
         Ok(plan)
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         if self.dy.numel() == 0 {
             return Ok(());
         }
-        let outs = bufs.outputs_mut();
-        let (dx, outs) = if self.input {
-            let (dx, rest) = outs.split_first_mut().expect("planned: dx");
-            (Some(dx), rest)
-        } else {
-            (None, outs)
-        };
-        let [dw, rest @ ..] = outs else { unreachable!("planned: dweight") };
+        let (dx, dw, dbias) = bufs.outputs_mut();
         with_dtype!(self.x.dtype(), T => cpu::conv2d_backward(
             &self.p,
             self.x.as_slice::<T>()?,
             self.weight.as_slice::<T>()?,
             self.dy.as_slice::<T>()?,
-            dx.map(|b| b.out_slice::<T>(Self::NAME)).transpose()?,
+            dx.get_mut().map(|b| b.out_slice::<T>(Self::NAME)).transpose()?,
             Some(dw.out_slice::<T>(Self::NAME)?),
-            rest.first_mut().map(|b| b.out_slice::<T>(Self::NAME)).transpose()?,
+            dbias.as_mut().map(|b| b.out_slice::<T>(Self::NAME)).transpose()?,
         ))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         let ws = self.ws;
         let (p, x, w, dy) = (&self.p, self.x, self.weight, self.dy);
-        // The outputs: dx when wanted, then dweight, then dbias when asked for.
-        let dweight = usize::from(self.input);
         if dy.numel() > 0 && x.numel() > 0 {
+            let (dx, dw, _) = bufs.outputs_mut();
             let b = cuda::Backward {
                 x: x.cuda_ptr()?,
                 w: w.cuda_ptr()?,
                 dy: dy.cuda_ptr()?,
-                dx: if self.input { Some(bufs.out(0).cuda_ptr()?) } else { None },
-                dw: bufs.out(dweight).cuda_ptr()?,
+                dx: dx.get_mut().map(|dx| dx.cuda_ptr()).transpose()?,
+                dw: dw.cuda_ptr()?,
             };
             let t = x.dtype();
             if p.is_direct() {
@@ -383,18 +366,18 @@ impl Op for Conv2dBackward<'_> {
                 cuda::backward_weight(gpu, p, t, &b, cols, bufs.ws(ws.dweight)?)?;
             }
         }
-        if self.with_bias && dy.numel() > 0 {
+        if dy.numel() > 0 {
+            // The bias gradient's workspaces (none without a bias), then the output.
             let sums = (bufs.ws(ws.plane_sums)?, bufs.ws(ws.dbias)?);
-            crate::cuda::helpers::channel_sums(gpu, dy, p.batch(), sums, bufs.out(dweight + 1))?;
+            if let (_, _, Some(dbias)) = bufs.outputs_mut() {
+                crate::cuda::helpers::channel_sums(gpu, dy, p.batch(), sums, dbias)?;
+            }
         }
         Ok(())
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Self::Output> {
-        let mut out = bufs.into_outputs();
-        let dx = if self.input { out.next() } else { None };
-        let Some(dweight) = out.next() else { unreachable!("the plan has dweight") };
-        Ok((dx, dweight, out.next()))
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Self::Output> {
+        Ok(bufs.into_outputs())
     }
 }
 
@@ -824,10 +807,11 @@ mod cuda {
                     typed(p.c_out(), seed + 2),
                     typed(yn, seed + 3),
                 );
-                let widen = |v: &[T]| v.iter().map(|e| e.to_f32()).collect::<Vec<f32>>();
-                let (xf, wf, dyf) = (widen(&x), widen(&w), widen(&dy));
+                use crate::cpu::widen_f32;
+                let (xf, wf, dyf) = (widen_f32(&x), widen_f32(&w), widen_f32(&dy));
                 let mut want_y = vec![0.0f32; yn];
-                crate::cpu::conv::conv2d(p, &xf, &wf, Some(&widen(&bias)), &mut want_y).unwrap();
+                crate::cpu::conv::conv2d(p, &xf, &wf, Some(&widen_f32(&bias)), &mut want_y)
+                    .unwrap();
                 let (mut want_dx, mut want_dw) = (vec![0.0f32; xn], vec![0.0f32; wn]);
                 let (dx, dw) = (Some(&mut want_dx[..]), Some(&mut want_dw[..]));
                 crate::cpu::conv::conv2d_backward(p, &xf, &wf, &dyf, dx, dw, None).unwrap();

@@ -1,7 +1,7 @@
 //! The ops behind [`Tensor`]'s constructors and conversions: fills, casts and copies,
 //! uploads of host data, copies between devices, and copy-on-write.
 
-use super::dispatch::{Buffers, Op, Plan, run};
+use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
 use crate::device::Device;
 use crate::dtype::{DType, Element, with_dtype};
 use crate::error::{Error, Result};
@@ -32,26 +32,27 @@ struct Full<'a> {
 
 impl Op for Full<'_> {
     const NAME: &'static str = "full";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.device
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         Ok(Plan::one(self.shape, self.dtype))
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
-        fill_into(bufs.out(0), self.value, Self::NAME)
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        fill_into(bufs.out(), self.value, Self::NAME)
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
-        fill_cuda(gpu, bufs.out(0), self.value)
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        fill_cuda(gpu, bufs.out(), self.value)
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }
@@ -64,27 +65,28 @@ struct Fill<'a> {
 
 impl Op for Fill<'_> {
     const NAME: &'static str = "fill";
+    type Outs = ();
     type Output = ();
 
     fn device(&self) -> &Device {
         self.t.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         self.t.make_unique()?;
-        Ok(Plan::default())
+        Ok(Plan::none())
     }
 
-    fn host(&mut self, _: &mut Buffers) -> Result<()> {
+    fn host(&mut self, _: &mut Buffers<Self::Outs>) -> Result<()> {
         fill_into(self.t, self.value, Self::NAME)
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, _: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, _: &mut Buffers<Self::Outs>) -> Result<()> {
         fill_cuda(gpu, self.t, self.value)
     }
 
-    fn finish(self, _: Buffers) -> Result<()> {
+    fn finish(self, _: Buffers<Self::Outs>) -> Result<()> {
         Ok(())
     }
 }
@@ -117,26 +119,27 @@ struct Cast<'a> {
 
 impl Op for Cast<'_> {
     const NAME: &'static str = "to_dtype";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         Ok(Plan::one(self.x.shape(), self.dtype))
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
-        cast_host(self.x, bufs.out(0), Self::NAME)
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        cast_host(self.x, bufs.out(), Self::NAME)
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
-        cast_cuda(gpu, self.x, bufs.out(0))
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        cast_cuda(gpu, self.x, bufs.out())
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }
@@ -149,13 +152,14 @@ struct CastInto<'a> {
 
 impl Op for CastInto<'_> {
     const NAME: &'static str = "copy_from";
+    type Outs = ();
     type Output = ();
 
     fn device(&self) -> &Device {
         self.dst.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         if self.src.shape() != self.dst.shape() {
             return Err(Error::ShapeMismatch {
                 op: Self::NAME,
@@ -167,19 +171,19 @@ impl Op for CastInto<'_> {
             return Err(Error::DeviceMismatch { op: Self::NAME });
         }
         self.dst.make_unique()?;
-        Ok(Plan::default())
+        Ok(Plan::none())
     }
 
-    fn host(&mut self, _: &mut Buffers) -> Result<()> {
+    fn host(&mut self, _: &mut Buffers<Self::Outs>) -> Result<()> {
         cast_host(self.src, self.dst, Self::NAME)
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, _: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, _: &mut Buffers<Self::Outs>) -> Result<()> {
         cast_cuda(gpu, self.src, self.dst)
     }
 
-    fn finish(self, _: Buffers) -> Result<()> {
+    fn finish(self, _: Buffers<Self::Outs>) -> Result<()> {
         Ok(())
     }
 }
@@ -200,23 +204,22 @@ enum Data<'a> {
 
 impl Op for Upload<'_> {
     const NAME: &'static str = "upload";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.device
     }
 
-    fn plan(&mut self) -> Result<Plan> {
-        let mut plan = Plan::default();
-        match self.data {
-            Data::Bytes(_, dtype) | Data::F32(_, dtype) => plan.output(self.shape, dtype),
-            Data::Indices(_) => plan.index_output(self.shape),
-        };
-        Ok(plan)
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
+        Ok(Plan::new(match self.data {
+            Data::Bytes(_, dtype) | Data::F32(_, dtype) => OutputSpec::new(self.shape, dtype),
+            Data::Indices(_) => OutputSpec::indices(self.shape),
+        }))
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
-        let out = bufs.out(0);
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        let out = bufs.out();
         match self.data {
             Data::Bytes(bytes, _) => out.out_bytes(Self::NAME)?.copy_from_slice(bytes),
             Data::Indices(ids) => out.out_u32(Self::NAME)?.copy_from_slice(ids),
@@ -228,9 +231,9 @@ impl Op for Upload<'_> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::storage::as_bytes;
-        let dst = bufs.out(0).cuda_ptr()?;
+        let dst = bufs.out().cuda_ptr()?;
         match self.data {
             Data::Bytes(bytes, _) => gpu.copy_to_device(dst, bytes),
             Data::Indices(ids) => gpu.copy_to_device(dst, as_bytes(ids)),
@@ -243,7 +246,7 @@ impl Op for Upload<'_> {
         }
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }
@@ -256,21 +259,22 @@ struct ToDevice<'a> {
 
 impl Op for ToDevice<'_> {
     const NAME: &'static str = "to_device";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.to
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         if self.x.device().is_virtual() && !self.to.is_virtual() {
             return Err(Error::NoValues { op: Self::NAME });
         }
         Ok(Plan::one(self.x.shape(), self.x.dtype()))
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
-        let out = bufs.out(0).out_bytes(Self::NAME)?;
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        let out = bufs.out().out_bytes(Self::NAME)?;
         #[cfg(feature = "cuda")]
         if let Some(from) = self.x.device().cuda_backend() {
             return from.copy_to_host(out, self.x.cuda_ptr()?);
@@ -280,8 +284,8 @@ impl Op for ToDevice<'_> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
-        let dst = bufs.out(0).cuda_ptr()?;
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        let dst = bufs.out().cuda_ptr()?;
         match self.x.device().cuda_backend() {
             None => gpu.copy_to_device(dst, self.x.storage().bytes(Self::NAME)?),
             Some(from) => {
@@ -293,7 +297,7 @@ impl Op for ToDevice<'_> {
         }
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }

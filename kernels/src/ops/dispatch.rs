@@ -27,20 +27,190 @@ use crate::error::Result;
 use crate::storage::Storage;
 use crate::tensor::{Tensor, checked_len};
 
-/// What an op allocates before it computes.
-#[derive(Debug, Default)]
-pub(crate) struct Plan {
-    outputs: Vec<Output>,
-    workspaces: Vec<Workspace>,
-    blas: bool,
-}
-
+/// One output of a [`Plan`]: its shape and element type, and whether it starts as zeros.
 #[derive(Debug)]
-struct Output {
+pub(crate) struct OutputSpec {
     shape: Vec<usize>,
     /// The element type; `None` for u32 indices.
     dtype: Option<DType>,
     zeroed: bool,
+}
+
+impl OutputSpec {
+    /// An output of `shape` and `dtype` that the backend overwrites entirely.
+    pub(crate) fn new(shape: &[usize], dtype: DType) -> OutputSpec {
+        OutputSpec { shape: shape.to_vec(), dtype: Some(dtype), zeroed: false }
+    }
+
+    /// An output that starts as zeros (0.0 in every dtype) when `zeroed`, the backend then
+    /// writing part of it or nothing; else as [`OutputSpec::new`].
+    pub(crate) fn zeroed_if(zeroed: bool, shape: &[usize], dtype: DType) -> OutputSpec {
+        OutputSpec { shape: shape.to_vec(), dtype: Some(dtype), zeroed }
+    }
+
+    /// An output of u32 indices (becomes an [`Indices`](crate::Indices)).
+    pub(crate) fn indices(shape: &[usize]) -> OutputSpec {
+        OutputSpec { shape: shape.to_vec(), dtype: None, zeroed: false }
+    }
+}
+
+/// The outputs of an op, in a shape its type fixes: no output (`()`), one [`Tensor`], an
+/// array of them, an optional one, or a tuple of these. A [`Plan`] holds an [`OutputSpec`]
+/// in the same shape ([`Outputs::Specs`]) and [`Buffers`] hands the tensors back in it, so
+/// an op destructures its outputs irrefutably: a missing one is a compile error.
+///
+/// [`run`] allocates them in order (left to right, an absent optional output skipped); when
+/// one fails, those already allocated are dropped first to last, as a `Vec` of them would be.
+pub(crate) trait Outputs: Sized {
+    /// The plan of these outputs: the same shape, holding an [`OutputSpec`] per tensor.
+    type Specs;
+
+    /// Allocates every output of `specs` in order with `alloc`; stops at the first error.
+    fn allocate(
+        specs: &Self::Specs,
+        alloc: &mut dyn FnMut(&OutputSpec) -> Result<Tensor>,
+    ) -> Result<Self>;
+}
+
+impl Outputs for () {
+    type Specs = ();
+
+    fn allocate(_: &(), _: &mut dyn FnMut(&OutputSpec) -> Result<Tensor>) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl Outputs for Tensor {
+    type Specs = OutputSpec;
+
+    fn allocate(
+        spec: &OutputSpec,
+        alloc: &mut dyn FnMut(&OutputSpec) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        alloc(spec)
+    }
+}
+
+impl<O: Outputs> Outputs for Option<O> {
+    type Specs = Option<O::Specs>;
+
+    fn allocate(
+        specs: &Option<O::Specs>,
+        alloc: &mut dyn FnMut(&OutputSpec) -> Result<Tensor>,
+    ) -> Result<Option<O>> {
+        specs.as_ref().map(|s| O::allocate(s, alloc)).transpose()
+    }
+}
+
+/// `next`, paired with what was allocated before it; on an error, `done` is dropped (its
+/// tensors first to last) before the error is returned.
+fn then<D, T>(done: D, next: Result<T>) -> Result<(D, T)> {
+    match next {
+        Ok(t) => Ok((done, t)),
+        Err(e) => {
+            drop(done);
+            Err(e)
+        }
+    }
+}
+
+impl<O: Outputs> Outputs for [O; 2] {
+    type Specs = [O::Specs; 2];
+
+    fn allocate(
+        [s0, s1]: &[O::Specs; 2],
+        alloc: &mut dyn FnMut(&OutputSpec) -> Result<Tensor>,
+    ) -> Result<[O; 2]> {
+        let a = O::allocate(s0, alloc)?;
+        let (a, b) = then(a, O::allocate(s1, alloc))?;
+        Ok([a, b])
+    }
+}
+
+impl<O: Outputs> Outputs for [O; 3] {
+    type Specs = [O::Specs; 3];
+
+    fn allocate(
+        [s0, s1, s2]: &[O::Specs; 3],
+        alloc: &mut dyn FnMut(&OutputSpec) -> Result<Tensor>,
+    ) -> Result<[O; 3]> {
+        let a = O::allocate(s0, alloc)?;
+        let (a, b) = then(a, O::allocate(s1, alloc))?;
+        let ((a, b), c) = then((a, b), O::allocate(s2, alloc))?;
+        Ok([a, b, c])
+    }
+}
+
+/// Outputs whose number is known at run time only (a [custom op](crate::custom)'s): a
+/// missing one is the op's business, as with any slice.
+impl Outputs for Vec<Tensor> {
+    type Specs = Vec<OutputSpec>;
+
+    fn allocate(
+        specs: &Vec<OutputSpec>,
+        alloc: &mut dyn FnMut(&OutputSpec) -> Result<Tensor>,
+    ) -> Result<Vec<Tensor>> {
+        // On an error the tensors allocated so far drop first to last, as the arrays' do.
+        specs.iter().map(alloc).collect()
+    }
+}
+
+impl<A: Outputs, B: Outputs, C: Outputs> Outputs for (A, B, C) {
+    type Specs = (A::Specs, B::Specs, C::Specs);
+
+    fn allocate(
+        (s0, s1, s2): &(A::Specs, B::Specs, C::Specs),
+        alloc: &mut dyn FnMut(&OutputSpec) -> Result<Tensor>,
+    ) -> Result<(A, B, C)> {
+        let a = A::allocate(s0, alloc)?;
+        let (a, b) = then(a, B::allocate(s1, alloc))?;
+        let ((a, b), c) = then((a, b), C::allocate(s2, alloc))?;
+        Ok((a, b, c))
+    }
+}
+
+/// An output its caller asks for or not, decided by type: [`Tensor`] (planned, computed,
+/// returned) or `()` (neither), for an op whose public functions differ in that output
+/// only (a convolution's backward with and without dx).
+pub(crate) trait Wanted: Outputs {
+    /// Whether the output is planned.
+    const WANTED: bool;
+
+    /// The plan of the output `spec` describes: `spec`, or nothing.
+    fn plan(spec: OutputSpec) -> Self::Specs;
+
+    /// The output, when planned.
+    fn get_mut(&mut self) -> Option<&mut Tensor>;
+}
+
+impl Wanted for Tensor {
+    const WANTED: bool = true;
+
+    fn plan(spec: OutputSpec) -> OutputSpec {
+        spec
+    }
+
+    fn get_mut(&mut self) -> Option<&mut Tensor> {
+        Some(self)
+    }
+}
+
+impl Wanted for () {
+    const WANTED: bool = false;
+
+    fn plan(_: OutputSpec) {}
+
+    fn get_mut(&mut self) -> Option<&mut Tensor> {
+        None
+    }
+}
+
+/// What an op allocates before it computes: its outputs (`O`), workspaces, and whether it
+/// needs the cuBLAS workspace.
+pub(crate) struct Plan<O: Outputs> {
+    outputs: O::Specs,
+    workspaces: Vec<Workspace>,
+    blas: bool,
 }
 
 #[derive(Debug)]
@@ -52,34 +222,24 @@ struct Workspace {
     zeroed: bool,
 }
 
-impl Plan {
+impl Plan<Tensor> {
     /// A plan with one output of `shape` and `dtype` that the backend overwrites entirely.
-    pub(crate) fn one(shape: &[usize], dtype: DType) -> Plan {
-        let mut plan = Plan::default();
-        plan.output(shape, dtype);
-        plan
+    pub(crate) fn one(shape: &[usize], dtype: DType) -> Plan<Tensor> {
+        Plan::new(OutputSpec::new(shape, dtype))
     }
+}
 
-    /// An output of `shape` and `dtype` that the backend overwrites entirely; returns its
-    /// index in [`Buffers::out`].
-    pub(crate) fn output(&mut self, shape: &[usize], dtype: DType) -> usize {
-        self.push_output(shape, Some(dtype), false)
+impl Plan<()> {
+    /// A plan with no output (an in-place op).
+    pub(crate) fn none() -> Plan<()> {
+        Plan::new(())
     }
+}
 
-    /// An output that starts as zeros (0.0 in every dtype); the backend may write part of
-    /// it, or nothing.
-    pub(crate) fn zeroed_output(&mut self, shape: &[usize], dtype: DType) -> usize {
-        self.push_output(shape, Some(dtype), true)
-    }
-
-    /// An output of u32 indices (becomes an [`Indices`](crate::Indices)).
-    pub(crate) fn index_output(&mut self, shape: &[usize]) -> usize {
-        self.push_output(shape, None, false)
-    }
-
-    fn push_output(&mut self, shape: &[usize], dtype: Option<DType>, zeroed: bool) -> usize {
-        self.outputs.push(Output { shape: shape.to_vec(), dtype, zeroed });
-        self.outputs.len() - 1
+impl<O: Outputs> Plan<O> {
+    /// A plan with the outputs `outputs`, no workspace and no cuBLAS product.
+    pub(crate) fn new(outputs: O::Specs) -> Plan<O> {
+        Plan { outputs, workspaces: Vec::new(), blas: false }
     }
 
     /// A scratch buffer of `bytes` for the CUDA backend; returns its index in
@@ -116,19 +276,14 @@ impl Plan {
     }
 }
 
-/// The buffers of a [`Plan`]: outputs in plan order, then workspaces.
-pub(crate) struct Buffers {
-    outputs: Vec<Tensor>,
+/// The buffers of a [`Plan`]: the outputs, in the plan's shape, then the workspaces.
+pub(crate) struct Buffers<O> {
+    outputs: O,
     /// Each workspace, and the number of chunks it holds.
     workspaces: Vec<(Storage, usize)>,
 }
 
-impl Buffers {
-    /// Output `i`.
-    pub(crate) fn out(&mut self, i: usize) -> &mut Tensor {
-        &mut self.outputs[i]
-    }
-
+impl<O> Buffers<O> {
     /// The device address of workspace `i` (an index from [`Plan::workspace`]); 0 for
     /// `None`, a workspace that was not needed.
     #[cfg(feature = "cuda")]
@@ -152,19 +307,26 @@ impl Buffers {
         self.workspaces.iter().map(|(s, _)| (s.address(), s.len())).collect()
     }
 
-    /// Every output, in plan order.
-    pub(crate) fn outputs_mut(&mut self) -> &mut [Tensor] {
+    /// The outputs, in the plan's shape.
+    pub(crate) fn outputs_mut(&mut self) -> &mut O {
         &mut self.outputs
     }
 
-    /// The outputs, in plan order.
-    pub(crate) fn into_outputs(self) -> std::vec::IntoIter<Tensor> {
-        self.outputs.into_iter()
+    /// The outputs, in the plan's shape.
+    pub(crate) fn into_outputs(self) -> O {
+        self.outputs
+    }
+}
+
+impl Buffers<Tensor> {
+    /// The only output.
+    pub(crate) fn out(&mut self) -> &mut Tensor {
+        &mut self.outputs
     }
 
     /// The only output.
     pub(crate) fn into_output(self) -> Tensor {
-        self.outputs.into_iter().next().expect("the plan has an output")
+        self.outputs
     }
 }
 
@@ -172,6 +334,9 @@ impl Buffers {
 pub(crate) trait Op: Sized {
     /// The name in errors.
     const NAME: &'static str;
+    /// The tensors it allocates, in plan order ([`Outputs`]: `()`, a [`Tensor`], an array,
+    /// an `Option`, a tuple).
+    type Outs: Outputs;
     /// What the caller gets.
     type Output;
 
@@ -180,17 +345,17 @@ pub(crate) trait Op: Sized {
 
     /// Checks the operands and says what to allocate; allocates nothing itself, except that
     /// in-place operands are made unique here (a copy-on-write copy is an op of its own).
-    fn plan(&mut self) -> Result<Plan>;
+    fn plan(&mut self) -> Result<Plan<Self::Outs>>;
 
     /// Computes on the host into the planned buffers.
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()>;
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()>;
 
     /// Queues the CUDA work into the planned buffers.
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()>;
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()>;
 
     /// The result, from the buffers (computed, or just allocated on a virtual device).
-    fn finish(self, bufs: Buffers) -> Result<Self::Output>;
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Self::Output>;
 }
 
 /// Runs `op`: plan, allocate, compute on the device's backend, release the workspaces,
@@ -208,8 +373,7 @@ pub(crate) fn run<O: Op>(mut op: O) -> Result<O::Output> {
         }
         None => None,
     };
-    let mut outputs = Vec::with_capacity(plan.outputs.len());
-    for out in &plan.outputs {
+    let outputs = O::Outs::allocate(&plan.outputs, &mut |out| {
         let elem = out.dtype.map_or(4, DType::size_in_bytes);
         let (_, bytes) = checked_len(O::NAME, &out.shape, elem)?;
         let storage = device.allocate(bytes)?;
@@ -219,8 +383,8 @@ pub(crate) fn run<O: Op>(mut op: O) -> Result<O::Output> {
         if out.zeroed {
             zero_output(&device, compute, &mut t)?;
         }
-        outputs.push(t);
-    }
+        Ok(t)
+    })?;
     let mut workspaces = Vec::with_capacity(plan.workspaces.len());
     for ws in &plan.workspaces {
         let (storage, chunks) = allocate_workspace(&device, ws)?;
@@ -292,4 +456,69 @@ fn zero_workspace(device: &Device, compute: Compute, ws: &Storage) -> Result<()>
         cu.zero(ws.cuda_ptr("workspace")?, ws.len())?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vram_alloc::TraceAction;
+
+    /// An op of four f32 outputs of `lens` elements, in nested shapes; computes nothing.
+    struct Nested {
+        device: Device,
+        lens: [usize; 4],
+    }
+
+    impl Op for Nested {
+        const NAME: &'static str = "nested";
+        type Outs = (Tensor, [Tensor; 2], Option<Tensor>);
+        type Output = ();
+
+        fn device(&self) -> &Device {
+            &self.device
+        }
+
+        fn plan(&mut self) -> Result<Plan<Self::Outs>> {
+            let spec = |n: usize| OutputSpec::new(&[n], DType::F32);
+            let [a, b, c, d] = self.lens;
+            Ok(Plan::new((spec(a), [spec(b), spec(c)], Some(spec(d)))))
+        }
+
+        fn host(&mut self, _: &mut Buffers<Self::Outs>) -> Result<()> {
+            Ok(())
+        }
+
+        #[cfg(feature = "cuda")]
+        fn cuda(&mut self, _: &crate::cuda::Gpu<'_>, _: &mut Buffers<Self::Outs>) -> Result<()> {
+            Ok(())
+        }
+
+        fn finish(self, _: Buffers<Self::Outs>) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    /// The requested bytes of `device`'s trace entries of `action`, in order.
+    fn requested(device: &Device, action: TraceAction) -> Vec<usize> {
+        device.trace().iter().filter(|e| e.action == action).map(|e| e.requested).collect()
+    }
+
+    #[test]
+    fn outputs_are_allocated_in_plan_order_and_freed_first_to_last() {
+        let device = Device::host(64 << 20);
+        device.record_history(Some(1000));
+        run(Nested { device: device.clone(), lens: [1000, 2000, 3000, 4000] }).unwrap();
+        let bytes = vec![4000, 8000, 12000, 16000];
+        assert_eq!(requested(&device, TraceAction::Alloc), bytes);
+        assert_eq!(requested(&device, TraceAction::FreeRequested), bytes);
+
+        // The last output does not fit: the others go back first to last, as a Vec would.
+        let device = Device::host(64 << 20);
+        device.record_history(Some(1000));
+        let err = run(Nested { device: device.clone(), lens: [1000, 2000, 3000, 1 << 40] });
+        assert!(err.unwrap_err().is_out_of_memory());
+        assert_eq!(requested(&device, TraceAction::Alloc), bytes[..3]);
+        assert_eq!(requested(&device, TraceAction::Oom).len(), 1);
+        assert_eq!(requested(&device, TraceAction::FreeRequested), bytes[..3]);
+    }
 }

@@ -35,26 +35,27 @@ struct Scale<'a> {
 
 impl Op for Scale<'_> {
     const NAME: &'static str = "scale";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         Ok(Plan::one(self.x.shape(), self.x.dtype()))
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         with_dtype!(self.x.dtype(), T => {
-            cpu::scale(self.x.as_slice::<T>()?, self.alpha, bufs.out(0).out_slice::<T>(Self::NAME)?)
+            cpu::scale(self.x.as_slice::<T>()?, self.alpha, bufs.out().out_slice::<T>(Self::NAME)?)
         })
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::{Arg, helpers::ptr, launch, registry::SCALE};
-        let y = bufs.out(0);
+        let y = bufs.out();
         let n = y.numel();
         // SAFETY: scale_T(const T* x, float alpha, T* y, u64 n); x and y hold n elements.
         unsafe {
@@ -66,7 +67,7 @@ impl Op for Scale<'_> {
         }
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }
@@ -113,19 +114,20 @@ struct Update<'a> {
 
 impl Op for Update<'_> {
     const NAME: &'static str = "add_assign";
+    type Outs = ();
     type Output = ();
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         check_update(self.op, self.y, self.x)?;
         self.y.make_unique()?;
-        Ok(Plan::default())
+        Ok(Plan::none())
     }
 
-    fn host(&mut self, _: &mut Buffers) -> Result<()> {
+    fn host(&mut self, _: &mut Buffers<Self::Outs>) -> Result<()> {
         let (x, y) = (self.x, &mut *self.y);
         with_dtype!(y.dtype(), Y => with_dtype!(x.dtype(), X => match self.alpha {
             None => cpu::add_assign(y.as_mut_slice::<Y>()?, x.as_slice::<X>()?),
@@ -134,7 +136,7 @@ impl Op for Update<'_> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, _: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, _: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::registry::{ADD_ASSIGN, AXPY};
         use crate::cuda::{Arg, helpers::ptr, launch};
         let (x, y) = (self.x, &*self.y);
@@ -161,7 +163,7 @@ impl Op for Update<'_> {
         }
     }
 
-    fn finish(self, _: Buffers) -> Result<()> {
+    fn finish(self, _: Buffers<Self::Outs>) -> Result<()> {
         Ok(())
     }
 }
@@ -183,31 +185,32 @@ struct BiasAdd<'a> {
 
 impl Op for BiasAdd<'_> {
     const NAME: &'static str = "bias_add";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         same_kind(Self::NAME, self.x, self.bias)?;
         let (_, d) = rows_cols(Self::NAME, self.x.shape())?;
         expect_shape(Self::NAME, &[d], self.bias)?;
         Ok(Plan::one(self.x.shape(), self.x.dtype()))
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         with_dtype!(self.x.dtype(), T => cpu::bias_add(
             self.x.as_slice::<T>()?,
             self.bias.as_slice::<T>()?,
-            bufs.out(0).out_slice::<T>(Self::NAME)?,
+            bufs.out().out_slice::<T>(Self::NAME)?,
         ))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::BIAS_ADD};
-        let y = bufs.out(0);
+        let y = bufs.out();
         let (n, d) = (y.numel(), self.bias.numel());
         if n == 0 {
             return Ok(());
@@ -223,7 +226,7 @@ impl Op for BiasAdd<'_> {
         }
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }
@@ -246,13 +249,14 @@ struct BiasAddBackward<'a> {
 
 impl Op for BiasAddBackward<'_> {
     const NAME: &'static str = "bias_add_backward";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.dy.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         let (rows, d) = rows_cols(Self::NAME, self.dy.shape())?;
         // The GPU sums columns in f32 (per chunk of rows, then over chunks) and rounds once.
         let mut plan = Plan::one(&[d], self.dy.dtype());
@@ -260,21 +264,21 @@ impl Op for BiasAddBackward<'_> {
         Ok(plan)
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         with_dtype!(self.dy.dtype(), T => {
-            cpu::bias_add_backward(self.dy.as_slice::<T>()?, bufs.out(0).out_slice::<T>(Self::NAME)?)
+            cpu::bias_add_backward(self.dy.as_slice::<T>()?, bufs.out().out_slice::<T>(Self::NAME)?)
         })
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         let (rows, _) = rows_cols(Self::NAME, self.dy.shape())?;
         let acc = bufs.ws(self.acc)?;
         let dy = self.dy.cuda_ptr()?;
-        crate::cuda::helpers::column_sums(gpu, dy, self.dy.dtype(), rows, acc, bufs.out(0))
+        crate::cuda::helpers::column_sums(gpu, dy, self.dy.dtype(), rows, acc, bufs.out())
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }

@@ -3,11 +3,12 @@
 //! workspace.
 
 use super::dispatch::{Buffers, Op, Plan, run};
-use super::{expect_rank, expect_shape, invalid, params::mul};
+use super::{expect_rank, expect_shape, invalid};
 use crate::cpu::embedding as cpu;
 use crate::device::Device;
 use crate::dtype::with_dtype;
 use crate::error::Result;
+use crate::params::mul;
 use crate::tensor::Tensor;
 
 /// Rows `ids` of `table: [vocab, dim]`, as `[ids.len(), dim]`.
@@ -30,13 +31,14 @@ struct Embedding<'a> {
 
 impl Op for Embedding<'_> {
     const NAME: &'static str = "embedding";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.table.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         expect_rank(Self::NAME, self.table, 2, "table [vocab, dim]")?;
         let (vocab, dim) = (self.table.shape()[0], self.table.shape()[1]);
         if dim == 0 {
@@ -49,21 +51,21 @@ impl Op for Embedding<'_> {
         Ok(plan)
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         let dim = self.table.shape()[1];
         with_dtype!(self.table.dtype(), T => cpu::embedding(
             self.ids,
             self.table.as_slice::<T>()?,
-            bufs.out(0).out_slice::<T>(Self::NAME)?,
+            bufs.out().out_slice::<T>(Self::NAME)?,
             dim,
         ))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::registry::EMBEDDING;
         use crate::cuda::{Arg, helpers::ptr, helpers::upload_u32, launch::elementwise as grid};
-        let out = bufs.out(0);
+        let out = bufs.out();
         let n = out.numel();
         if n == 0 {
             return Ok(());
@@ -71,7 +73,7 @@ impl Op for Embedding<'_> {
         let dim = self.table.shape()[1];
         let idx = bufs.ws(self.upload)?;
         upload_u32(gpu, self.ids, idx)?;
-        let out = bufs.out(0);
+        let out = bufs.out();
         // SAFETY: embedding_T(const u32* ids, const T* table, T* out, u64 n, Div dim); out
         // holds n = ids.len() * dim elements, every id is below the table's rows (checked in
         // `plan`).
@@ -84,7 +86,7 @@ impl Op for Embedding<'_> {
         }
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }
@@ -113,13 +115,14 @@ struct EmbeddingBackward<'a> {
 
 impl Op for EmbeddingBackward<'_> {
     const NAME: &'static str = "embedding_backward";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.dout.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         expect_rank(Self::NAME, self.dout, 2, "dout [tokens, dim]")?;
         let dim = self.dout.shape()[1];
         if dim == 0 {
@@ -136,18 +139,18 @@ impl Op for EmbeddingBackward<'_> {
         Ok(plan)
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         let dim = self.dout.shape()[1];
         with_dtype!(self.dout.dtype(), T => cpu::embedding_backward(
             self.ids,
             self.dout.as_slice::<T>()?,
-            bufs.out(0).out_slice::<T>(Self::NAME)?,
+            bufs.out().out_slice::<T>(Self::NAME)?,
             dim,
         ))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::registry::EMBEDDING_BWD;
         use crate::cuda::{Arg, helpers::ptr, helpers::upload_u32, launch::embedding_rows};
         let acc = bufs.ws(self.acc)?;
@@ -179,10 +182,10 @@ impl Op for EmbeddingBackward<'_> {
         if acc == 0 {
             return Ok(());
         }
-        crate::cuda::helpers::from_f32(gpu, acc, bufs.out(0))
+        crate::cuda::helpers::from_f32(gpu, acc, bufs.out())
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }

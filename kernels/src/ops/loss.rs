@@ -60,13 +60,14 @@ struct CrossEntropyOp<'a> {
 
 impl Op for CrossEntropyOp<'_> {
     const NAME: &'static str = "cross_entropy";
+    type Outs = Tensor;
     type Output = CrossEntropy;
 
     fn device(&self) -> &Device {
         self.logits.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         check(Self::NAME, self.logits, self.targets, self.ignore_index)?;
         let n = self.targets.len();
         let mut plan = Plan::one(&[n], DType::F32);
@@ -80,18 +81,18 @@ impl Op for CrossEntropyOp<'_> {
         Ok(plan)
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         self.loss = with_dtype!(self.logits.dtype(), T => cpu::cross_entropy(
             self.logits.as_slice::<T>()?,
             self.targets,
             self.ignore_index,
-            bufs.out(0).out_slice::<f32>(Self::NAME)?,
+            bufs.out().out_slice::<f32>(Self::NAME)?,
         ))?;
         Ok(())
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::helpers::{check_rows, ptr, sum, upload_u32};
         use crate::cuda::{Arg, launch, registry::CE_FWD};
         let (n, c) = (self.targets.len(), self.logits.shape()[1]);
@@ -117,7 +118,7 @@ impl Op for CrossEntropyOp<'_> {
                     Arg::count(c),
                     Arg::U32(ignore.unwrap_or(0)),
                     Arg::U32(ignore.is_some() as u32),
-                    ptr(bufs.out(0))?,
+                    ptr(bufs.out())?,
                     Arg::Ptr(losses),
                 ],
             )?;
@@ -128,7 +129,7 @@ impl Op for CrossEntropyOp<'_> {
         Ok(())
     }
 
-    fn finish(self, bufs: Buffers) -> Result<CrossEntropy> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<CrossEntropy> {
         Ok(CrossEntropy { loss: self.loss, lse: bufs.into_output() })
     }
 }
@@ -161,13 +162,14 @@ struct CrossEntropyBackward<'a> {
 
 impl Op for CrossEntropyBackward<'_> {
     const NAME: &'static str = "cross_entropy_backward";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.logits.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         check(Self::NAME, self.logits, self.targets, self.ignore_index)?;
         same_device(Self::NAME, self.logits, self.lse)?;
         expect_dtype(Self::NAME, DType::F32, self.lse)?;
@@ -179,19 +181,19 @@ impl Op for CrossEntropyBackward<'_> {
         Ok(plan)
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         with_dtype!(self.logits.dtype(), T => cpu::cross_entropy_backward(
             self.logits.as_slice::<T>()?,
             self.targets,
             self.ignore_index,
             self.lse.as_slice::<f32>()?,
             self.dloss,
-            bufs.out(0).out_slice::<T>(Self::NAME)?,
+            bufs.out().out_slice::<T>(Self::NAME)?,
         ))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::helpers::{ptr, upload_u32};
         use crate::cuda::{Arg, launch::elementwise as grid, registry::CE_BWD};
         let total = self.logits.numel();
@@ -219,14 +221,14 @@ impl Op for CrossEntropyBackward<'_> {
                     Arg::div(c),
                     Arg::U32(ignore.unwrap_or(0)),
                     Arg::U32(ignore.is_some() as u32),
-                    ptr(bufs.out(0))?,
+                    ptr(bufs.out())?,
                     Arg::count(total),
                 ],
             )
         }
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }

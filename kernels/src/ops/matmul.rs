@@ -2,13 +2,13 @@
 //! crate or cuBLAS (`cublasGemmEx` / `cublasGemmStridedBatchedEx`, f32 accumulation), which
 //! runs in the device's cuBLAS workspace.
 
-use super::dispatch::{Buffers, Op, Plan, run};
-use super::params::MatmulSpec;
+use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
 use super::{expect_rank, expect_shape, rows_cols, same_kind};
 use crate::cpu::matmul as cpu;
 use crate::device::Device;
 use crate::dtype::{DType, with_dtype};
 use crate::error::{Error, Result};
+use crate::params::MatmulSpec;
 use crate::tensor::Tensor;
 
 /// The product spec and output shape of `op(A) * op(B)` for stored shapes `a: [.., r, c]`
@@ -55,13 +55,14 @@ struct Matmul<'a> {
 
 impl Op for Matmul<'_> {
     const NAME: &'static str = "matmul";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.a.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         same_kind(Self::NAME, self.a, self.b)?;
         let mut plan = Plan::one(&self.shape, self.a.dtype());
         if multiplies(&self.spec) {
@@ -70,25 +71,25 @@ impl Op for Matmul<'_> {
         Ok(plan)
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         with_dtype!(self.a.dtype(), T => cpu::matmul(
             &self.spec,
             self.a.as_slice::<T>()?,
             self.b.as_slice::<T>()?,
-            bufs.out(0).out_slice::<T>(Self::NAME)?,
+            bufs.out().out_slice::<T>(Self::NAME)?,
         ))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         let t = self.a.dtype();
-        let (a, b, c) = (self.a.cuda_ptr()?, self.b.cuda_ptr()?, bufs.out(0).cuda_ptr()?);
+        let (a, b, c) = (self.a.cuda_ptr()?, self.b.cuda_ptr()?, bufs.out().cuda_ptr()?);
         // SAFETY: the spec was derived from the tensors' shapes, so a, b and c hold a_len(),
         // b_len() and c_len() elements of t; c is a fresh output and stride_c = m * n.
         unsafe { gpu.gemm(&self.spec, a, b, c, t, t) }
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }
@@ -122,26 +123,28 @@ struct MatmulBackward<'a> {
 
 impl Op for MatmulBackward<'_> {
     const NAME: &'static str = "matmul_backward";
+    /// `da` and `db`.
+    type Outs = [Tensor; 2];
     type Output = (Tensor, Tensor);
 
     fn device(&self) -> &Device {
         self.a.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         let (s, a, b, dc) = (self.spec, self.a, self.b, self.dc);
         same_kind(Self::NAME, a, b)?;
         same_kind(Self::NAME, a, dc)?;
         expect_shape(Self::NAME, &self.shape, dc)?;
-        let mut plan = Plan::default();
-        if dc.numel() == 0 {
-            // No product was formed, so nothing flows back.
-            plan.zeroed_output(a.shape(), a.dtype());
-            plan.zeroed_output(b.shape(), b.dtype());
+        // With no product formed, nothing flows back.
+        let zeroed = dc.numel() == 0;
+        let mut plan = Plan::new([
+            OutputSpec::zeroed_if(zeroed, a.shape(), a.dtype()),
+            OutputSpec::zeroed_if(zeroed, b.shape(), b.dtype()),
+        ]);
+        if zeroed {
             return Ok(plan);
         }
-        plan.output(a.shape(), a.dtype());
-        plan.output(b.shape(), b.dtype());
         // A broadcast operand's gradient sums the batches in f32, rounded once: in place for
         // f32 operands, in an f32 buffer for 16-bit ones.
         let f32_acc = s.batch > 1 && a.dtype() != DType::F32;
@@ -157,8 +160,8 @@ impl Op for MatmulBackward<'_> {
         Ok(plan)
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
-        let [da, db] = bufs.outputs_mut() else { unreachable!("planned") };
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        let [da, db] = bufs.outputs_mut();
         with_dtype!(self.a.dtype(), T => cpu::matmul_backward(
             &self.spec,
             self.a.as_slice::<T>()?,
@@ -170,13 +173,14 @@ impl Op for MatmulBackward<'_> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         if self.dc.numel() == 0 {
             return Ok(());
         }
         let s = self.spec;
         let (pa, pb, pc) = (self.a.cuda_ptr()?, self.b.cuda_ptr()?, self.dc.cuda_ptr()?);
         let acc = [bufs.ws(self.acc[0])?, bufs.ws(self.acc[1])?];
+        let [da, db] = bufs.outputs_mut();
         // dA = dC * op(B)^T, or its transpose op(B) * dC^T (the host's formulation).
         let grad = if s.trans_a {
             MatmulSpec::new(s.k, s.m, s.n).transpose(s.trans_b, true)
@@ -188,7 +192,7 @@ impl Op for MatmulBackward<'_> {
         } else {
             (pc, pb, s.stride_c, s.stride_b)
         };
-        let out = (bufs.out(0), s.stride_a, acc[0]);
+        let out = (da, s.stride_a, acc[0]);
         cuda::grad_batches(gpu, &s, grad.scaled(s.alpha, 0.0), operands, out)?;
         // dB = op(A)^T * dC, or its transpose dC^T * op(A).
         let grad = if s.trans_b {
@@ -201,16 +205,13 @@ impl Op for MatmulBackward<'_> {
         } else {
             (pa, pc, s.stride_a, s.stride_c)
         };
-        let out = (bufs.out(1), s.stride_b, acc[1]);
+        let out = (db, s.stride_b, acc[1]);
         cuda::grad_batches(gpu, &s, grad.scaled(s.alpha, 0.0), operands, out)
     }
 
-    fn finish(self, bufs: Buffers) -> Result<(Tensor, Tensor)> {
-        let mut out = bufs.into_outputs();
-        match (out.next(), out.next()) {
-            (Some(da), Some(db)) => Ok((da, db)),
-            _ => unreachable!("the plan has da and db"),
-        }
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<(Tensor, Tensor)> {
+        let [da, db] = bufs.into_outputs();
+        Ok((da, db))
     }
 }
 
@@ -256,13 +257,14 @@ struct Linear<'a> {
 
 impl Op for Linear<'_> {
     const NAME: &'static str = "linear";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         let (rows, d_in, d_out) = linear_dims(Self::NAME, self.x, self.w)?;
         self.dims = (rows, d_in, d_out);
         if let Some(bias) = self.bias {
@@ -276,22 +278,22 @@ impl Op for Linear<'_> {
         Ok(plan)
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         let (_, d_in, d_out) = self.dims;
         with_dtype!(self.x.dtype(), T => cpu::linear(
             self.x.as_slice::<T>()?,
             self.w.as_slice::<T>()?,
             self.bias.map(|b| b.as_slice::<T>()).transpose()?,
-            bufs.out(0).out_slice::<T>(Self::NAME)?,
+            bufs.out().out_slice::<T>(Self::NAME)?,
             d_in,
             d_out,
         ))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         let (rows, d_in, d_out) = self.dims;
-        let y = bufs.out(0);
+        let y = bufs.out();
         // The bias is broadcast into y first and the gemm adds the product to it (beta = 1),
         // so each output is rounded once.
         let beta = match self.bias {
@@ -307,7 +309,7 @@ impl Op for Linear<'_> {
         unsafe { gpu.gemm(&spec, self.x.cuda_ptr()?, self.w.cuda_ptr()?, y.cuda_ptr()?, t, t) }
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }
@@ -351,32 +353,32 @@ struct LinearBackward<'a> {
 
 impl Op for LinearBackward<'_> {
     const NAME: &'static str = "linear_backward";
+    /// `dx`, `dw` and, when asked for, `dbias`.
+    type Outs = (Tensor, Tensor, Option<Tensor>);
     type Output = LinearGrads;
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         let (x, w, dy) = (self.x, self.w, self.dy);
         let (rows, d_in, d_out) = linear_dims(Self::NAME, x, w)?;
         self.dims = (rows, d_in, d_out);
         same_kind(Self::NAME, x, dy)?;
         expect_shape(Self::NAME, &with_last(x.shape(), d_out), dy)?;
-        let mut plan = Plan::default();
         let dtype = x.dtype();
-        if dy.numel() == 0 {
-            plan.zeroed_output(x.shape(), dtype);
-            plan.zeroed_output(w.shape(), dtype);
-            if self.with_bias {
-                plan.zeroed_output(&[d_out], dtype);
-            }
+        // With no upstream element, nothing flows back.
+        let zeroed = dy.numel() == 0;
+        let mut plan = Plan::new((
+            OutputSpec::zeroed_if(zeroed, x.shape(), dtype),
+            OutputSpec::zeroed_if(zeroed, w.shape(), dtype),
+            self.with_bias.then(|| OutputSpec::zeroed_if(zeroed, &[d_out], dtype)),
+        ));
+        if zeroed {
             return Ok(plan);
         }
-        plan.output(x.shape(), dtype);
-        plan.output(w.shape(), dtype);
         if self.with_bias {
-            plan.output(&[d_out], dtype);
             self.acc =
                 plan.workspace(super::reduce::column_sum_workspace(Self::NAME, rows, d_out)?);
         }
@@ -386,52 +388,51 @@ impl Op for LinearBackward<'_> {
         Ok(plan)
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         if self.dy.numel() == 0 {
             return Ok(());
         }
         let (_, d_in, d_out) = self.dims;
-        let [dx, dw, rest @ ..] = bufs.outputs_mut() else { unreachable!("planned") };
+        let (dx, dw, dbias) = bufs.outputs_mut();
         with_dtype!(self.x.dtype(), T => cpu::linear_backward(
             self.x.as_slice::<T>()?,
             self.w.as_slice::<T>()?,
             self.dy.as_slice::<T>()?,
             Some(dx.out_slice::<T>(Self::NAME)?),
             Some(dw.out_slice::<T>(Self::NAME)?),
-            rest.first_mut().map(|d| d.out_slice::<T>(Self::NAME)).transpose()?,
+            dbias.as_mut().map(|d| d.out_slice::<T>(Self::NAME)).transpose()?,
             d_in,
             d_out,
         ))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         if self.dy.numel() == 0 {
             return Ok(());
         }
         let (rows, d_in, d_out) = self.dims;
         let t = self.x.dtype();
         let (px, pw, pdy) = (self.x.cuda_ptr()?, self.w.cuda_ptr()?, self.dy.cuda_ptr()?);
-        let dx = bufs.out(0).cuda_ptr()?;
+        // The bias gradient's workspace (0 without a bias), before the outputs are borrowed.
+        let acc = bufs.ws(self.acc)?;
+        let (dx, dw, dbias) = bufs.outputs_mut();
+        let dx = dx.cuda_ptr()?;
         // SAFETY: dy [rows, d_out] * w [d_out, d_in] -> dx [rows, d_in].
         unsafe { gpu.gemm(&MatmulSpec::new(rows, d_in, d_out), pdy, pw, dx, t, t)? };
         let spec = MatmulSpec::new(d_out, d_in, rows).transpose(true, false);
-        let dw = bufs.out(1).cuda_ptr()?;
+        let dw = dw.cuda_ptr()?;
         // SAFETY: dy^T ([rows, d_out] stored) * x [rows, d_in] -> dw [d_out, d_in].
         unsafe { gpu.gemm(&spec, pdy, px, dw, t, t)? };
-        if self.with_bias {
-            let acc = bufs.ws(self.acc)?;
-            crate::cuda::helpers::column_sums(gpu, pdy, t, rows, acc, bufs.out(2))?;
+        if let Some(dbias) = dbias {
+            crate::cuda::helpers::column_sums(gpu, pdy, t, rows, acc, dbias)?;
         }
         Ok(())
     }
 
-    fn finish(self, bufs: Buffers) -> Result<LinearGrads> {
-        let mut out = bufs.into_outputs();
-        let (Some(dx), Some(dw)) = (out.next(), out.next()) else {
-            unreachable!("the plan has dx and dw")
-        };
-        Ok(LinearGrads { dx, dw, dbias: out.next() })
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<LinearGrads> {
+        let (dx, dw, dbias) = bufs.into_outputs();
+        Ok(LinearGrads { dx, dw, dbias })
     }
 }
 

@@ -9,11 +9,12 @@
 //! whatever the storage dtype. Backward ops take what the forward saved and return fresh
 //! gradient tensors; the in-place ops (`add_assign`, `axpy`, optimizer steps, unscale) name
 //! it. The geometry and configuration types the ops take ([`MatmulSpec`],
-//! [`Conv2dParams`], [`Pool2dParams`], [`SgdConfig`], [`AdamWConfig`]) live here too.
+//! [`Conv2dParams`], [`Pool2dParams`], [`SgdConfig`], [`AdamWConfig`]) are re-exported here;
+//! they are defined below the ops, the CPU reference and the CUDA launches, which all read
+//! them.
 
 mod activation;
 mod batch_norm;
-mod config;
 mod conv;
 mod copy;
 pub(crate) mod dispatch;
@@ -24,7 +25,6 @@ pub(crate) mod map;
 mod matmul;
 mod norm;
 mod optim;
-mod params;
 mod permute;
 mod pool;
 mod random;
@@ -32,16 +32,17 @@ mod reduce;
 mod scale_channels;
 mod softmax;
 
-pub use activation::{
-    gelu, gelu_backward, hardsigmoid, hardsigmoid_backward, hardswish, hardswish_backward, relu,
-    relu_backward,
+pub use crate::params::{
+    AdamWConfig, Conv2dOptions, Conv2dParams, DIRECT_MAX_MACS, MatmulSpec, Pool2dOptions,
+    Pool2dParams, SgdConfig,
 };
+// Every op an `unary_op!` entry declares (with the tests' `UNARY_OPS`, crate-private).
+pub use activation::*;
 #[cfg(all(test, feature = "cuda"))]
 pub(crate) use batch_norm::parts as batch_norm_parts;
 pub use batch_norm::{
     BatchNormGrads, BatchNormOutput, RunningStats, batch_norm, batch_norm_backward, batch_norm_eval,
 };
-pub use config::{AdamWConfig, SgdConfig};
 pub use conv::{
     Conv2dGrads, Conv2dWeightGrads, conv2d, conv2d_backward, conv2d_backward_weight, conv2d_params,
 };
@@ -53,9 +54,6 @@ pub use norm::{LayerNormGrads, LayerNormOutput, layer_norm, layer_norm_backward}
 #[cfg(all(test, feature = "cuda"))]
 pub(crate) use optim::{adamw_scalars, sgd_scalars};
 pub use optim::{adamw_step, sgd_step, unscale_and_check_finite};
-pub use params::{
-    Conv2dOptions, Conv2dParams, DIRECT_MAX_MACS, MatmulSpec, Pool2dOptions, Pool2dParams,
-};
 pub use permute::{MAX_PERMUTE_RANK, permute, permute_backward};
 pub use pool::{
     avg_pool2d, avg_pool2d_backward, global_avg_pool, global_avg_pool_backward,

@@ -1,6 +1,6 @@
 //! Layer normalization over the last dimension, forward and backward.
 
-use super::dispatch::{Buffers, Op, Plan, run};
+use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
 use super::{expect_dtype, expect_shape, invalid, rows_cols, same_device, same_kind, same_layout};
 use crate::cpu::norm as cpu;
 use crate::device::Device;
@@ -63,24 +63,27 @@ struct LayerNorm<'a> {
 
 impl Op for LayerNorm<'_> {
     const NAME: &'static str = "layer_norm";
+    /// `y`, `mean` and `rstd`.
+    type Outs = [Tensor; 3];
     type Output = LayerNormOutput;
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         let (rows, d) = dims(Self::NAME, self.x, self.gamma)?;
         same_kind(Self::NAME, self.x, self.beta)?;
         expect_shape(Self::NAME, &[d], self.beta)?;
-        let mut plan = Plan::one(self.x.shape(), self.x.dtype());
-        plan.output(&[rows], DType::F32);
-        plan.output(&[rows], DType::F32);
-        Ok(plan)
+        Ok(Plan::new([
+            OutputSpec::new(self.x.shape(), self.x.dtype()),
+            OutputSpec::new(&[rows], DType::F32),
+            OutputSpec::new(&[rows], DType::F32),
+        ]))
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
-        let [y, mean, rstd] = bufs.outputs_mut() else { unreachable!("planned") };
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        let [y, mean, rstd] = bufs.outputs_mut();
         with_dtype!(self.x.dtype(), T => cpu::layer_norm(
             self.x.as_slice::<T>()?,
             self.gamma.as_slice::<T>()?,
@@ -93,10 +96,10 @@ impl Op for LayerNorm<'_> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::helpers::{check_rows, ptr};
         use crate::cuda::{Arg, launch, registry::LAYER_NORM};
-        let [y, mean, rstd] = bufs.outputs_mut() else { unreachable!("planned") };
+        let [y, mean, rstd] = bufs.outputs_mut();
         let rows = mean.numel();
         check_rows(Self::NAME, rows)?;
         // SAFETY: layer_norm_T(const T* x, const T* g, const T* b, float eps, T* y, float* m,
@@ -120,12 +123,9 @@ impl Op for LayerNorm<'_> {
         }
     }
 
-    fn finish(self, bufs: Buffers) -> Result<LayerNormOutput> {
-        let mut out = bufs.into_outputs();
-        match (out.next(), out.next(), out.next()) {
-            (Some(y), Some(mean), Some(rstd)) => Ok(LayerNormOutput { y, mean, rstd }),
-            _ => unreachable!("the plan has y, mean and rstd"),
-        }
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<LayerNormOutput> {
+        let [y, mean, rstd] = bufs.into_outputs();
+        Ok(LayerNormOutput { y, mean, rstd })
     }
 }
 
@@ -157,13 +157,15 @@ struct LayerNormBackward<'a> {
 
 impl Op for LayerNormBackward<'_> {
     const NAME: &'static str = "layer_norm_backward";
+    /// `dx`, `dgamma` and `dbeta`.
+    type Outs = [Tensor; 3];
     type Output = LayerNormGrads;
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         let (rows, d) = dims(Self::NAME, self.x, self.gamma)?;
         same_layout(Self::NAME, self.x, self.dy)?;
         for saved in [self.mean, self.rstd] {
@@ -171,17 +173,19 @@ impl Op for LayerNormBackward<'_> {
             expect_dtype(Self::NAME, DType::F32, saved)?;
             expect_shape(Self::NAME, &[rows], saved)?;
         }
-        let mut plan = Plan::one(self.x.shape(), self.x.dtype());
-        plan.output(&[d], self.x.dtype());
-        plan.output(&[d], self.x.dtype());
+        let mut plan = Plan::new([
+            OutputSpec::new(self.x.shape(), self.x.dtype()),
+            OutputSpec::new(&[d], self.x.dtype()),
+            OutputSpec::new(&[d], self.x.dtype()),
+        ]);
         // dgamma and dbeta: f32 column sums (per chunk of rows, then over chunks).
         let bytes = super::reduce::column_sum_workspace(Self::NAME, rows, d)?;
         self.acc = [plan.workspace(bytes), plan.workspace(bytes)];
         Ok(plan)
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
-        let [dx, dgamma, dbeta] = bufs.outputs_mut() else { unreachable!("planned") };
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        let [dx, dgamma, dbeta] = bufs.outputs_mut();
         with_dtype!(self.x.dtype(), T => cpu::layer_norm_backward(
             self.x.as_slice::<T>()?,
             self.gamma.as_slice::<T>()?,
@@ -195,14 +199,14 @@ impl Op for LayerNormBackward<'_> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::helpers::{
             check_rows, column_partials, finish_column_sums, from_f32, ptr,
         };
         use crate::cuda::registry::{LAYER_NORM_BWD, LAYER_NORM_PARAMS_BWD};
         use crate::cuda::{Arg, launch};
         let (dg, db) = (bufs.ws(self.acc[0])?, bufs.ws(self.acc[1])?);
-        let [dx, dgamma, dbeta] = bufs.outputs_mut() else { unreachable!("planned") };
+        let [dx, dgamma, dbeta] = bufs.outputs_mut();
         let rows = self.mean.numel();
         let d = self.gamma.numel();
         let t = self.x.dtype();
@@ -252,11 +256,8 @@ impl Op for LayerNormBackward<'_> {
         from_f32(gpu, db, dbeta)
     }
 
-    fn finish(self, bufs: Buffers) -> Result<LayerNormGrads> {
-        let mut out = bufs.into_outputs();
-        match (out.next(), out.next(), out.next()) {
-            (Some(dx), Some(dgamma), Some(dbeta)) => Ok(LayerNormGrads { dx, dgamma, dbeta }),
-            _ => unreachable!("the plan has dx, dgamma and dbeta"),
-        }
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<LayerNormGrads> {
+        let [dx, dgamma, dbeta] = bufs.into_outputs();
+        Ok(LayerNormGrads { dx, dgamma, dbeta })
     }
 }

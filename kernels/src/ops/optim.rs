@@ -1,13 +1,13 @@
 //! Fused optimizer steps on f32 parameters and state, and the fused gradient unscale with
 //! non-finite check of dynamic loss scaling. All update their tensors in place.
 
-use super::config::{AdamWConfig, SgdConfig};
 use super::dispatch::{Buffers, Op, Plan, run};
 use super::{expect_dtype, invalid, same_device};
 use crate::cpu::optim as cpu;
 use crate::device::Device;
 use crate::dtype::{DType, with_dtype};
 use crate::error::{Error, Result};
+use crate::params::{AdamWConfig, SgdConfig};
 use crate::tensor::Tensor;
 
 /// Checks an f32 state tensor (parameters, moments) against the gradient.
@@ -56,13 +56,14 @@ struct Sgd<'a> {
 
 impl Op for Sgd<'_> {
     const NAME: &'static str = "sgd_step";
+    type Outs = ();
     type Output = ();
 
     fn device(&self) -> &Device {
         self.grads.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         self.cfg.validate()?;
         check_state(Self::NAME, self.params, self.grads)?;
         if self.cfg.momentum == 0.0 {
@@ -78,10 +79,10 @@ impl Op for Sgd<'_> {
         if let Some(buf) = self.buf.as_deref_mut() {
             buf.make_unique()?;
         }
-        Ok(Plan::default())
+        Ok(Plan::none())
     }
 
-    fn host(&mut self, _: &mut Buffers) -> Result<()> {
+    fn host(&mut self, _: &mut Buffers<Self::Outs>) -> Result<()> {
         let mut empty: [f32; 0] = [];
         let buf = match self.buf.as_deref_mut() {
             Some(buf) => buf.as_mut_slice::<f32>()?,
@@ -95,7 +96,7 @@ impl Op for Sgd<'_> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, _: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, _: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::SGD};
         let n = self.params.numel();
         let buf = match self.buf.as_deref() {
@@ -115,7 +116,7 @@ impl Op for Sgd<'_> {
         }
     }
 
-    fn finish(self, _: Buffers) -> Result<()> {
+    fn finish(self, _: Buffers<Self::Outs>) -> Result<()> {
         Ok(())
     }
 }
@@ -175,13 +176,14 @@ struct AdamW<'a> {
 
 impl Op for AdamW<'_> {
     const NAME: &'static str = "adamw_step";
+    type Outs = ();
     type Output = ();
 
     fn device(&self) -> &Device {
         self.grads.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         self.cfg.validate()?;
         for state in [&*self.params, &*self.exp_avg, &*self.exp_avg_sq] {
             check_state(Self::NAME, state, self.grads)?;
@@ -192,10 +194,10 @@ impl Op for AdamW<'_> {
         for state in [&mut *self.params, &mut *self.exp_avg, &mut *self.exp_avg_sq] {
             state.make_unique()?;
         }
-        Ok(Plan::default())
+        Ok(Plan::none())
     }
 
-    fn host(&mut self, _: &mut Buffers) -> Result<()> {
+    fn host(&mut self, _: &mut Buffers<Self::Outs>) -> Result<()> {
         let (p, m, v) = (
             self.params.as_mut_slice::<f32>()?,
             self.exp_avg.as_mut_slice::<f32>()?,
@@ -208,7 +210,7 @@ impl Op for AdamW<'_> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, _: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, _: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::ADAMW};
         let n = self.params.numel();
         let [b1, b2, eps, step_size, bias2_sqrt, decay] = adamw_scalars(self.cfg, self.step);
@@ -236,7 +238,7 @@ impl Op for AdamW<'_> {
         }
     }
 
-    fn finish(self, _: Buffers) -> Result<()> {
+    fn finish(self, _: Buffers<Self::Outs>) -> Result<()> {
         Ok(())
     }
 }
@@ -267,13 +269,14 @@ struct Unscale<'a, 'g> {
 
 impl Op for Unscale<'_, '_> {
     const NAME: &'static str = "unscale_and_check_finite";
+    type Outs = ();
     type Output = bool;
 
     fn device(&self) -> &Device {
         &self.device
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         if let Some((first, rest)) = self.grads.split_first() {
             for g in rest {
                 same_device(Self::NAME, first, g)?;
@@ -282,12 +285,12 @@ impl Op for Unscale<'_, '_> {
         for g in self.grads.iter_mut() {
             g.make_unique()?;
         }
-        let mut plan = Plan::default();
+        let mut plan = Plan::none();
         self.flag = plan.zeroed_workspace(4);
         Ok(plan)
     }
 
-    fn host(&mut self, _: &mut Buffers) -> Result<()> {
+    fn host(&mut self, _: &mut Buffers<Self::Outs>) -> Result<()> {
         for g in self.grads.iter_mut() {
             self.found |= with_dtype!(g.dtype(), T => {
                 cpu::unscale_and_check_finite([g.as_mut_slice::<T>()?], self.inv_scale)
@@ -297,7 +300,7 @@ impl Op for Unscale<'_, '_> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::UNSCALE};
         let flag = bufs.ws(self.flag)?;
         for g in self.grads.iter() {
@@ -318,7 +321,7 @@ impl Op for Unscale<'_, '_> {
         Ok(())
     }
 
-    fn finish(self, _: Buffers) -> Result<bool> {
+    fn finish(self, _: Buffers<Self::Outs>) -> Result<bool> {
         Ok(self.found)
     }
 }

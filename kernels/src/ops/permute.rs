@@ -51,31 +51,32 @@ struct Permute<'a> {
 
 impl Op for Permute<'_> {
     const NAME: &'static str = "permute";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         cpu::check_perm(Self::NAME, self.x.shape(), self.perm)?;
         let shape: Vec<usize> = self.perm.iter().map(|&p| self.x.shape()[p]).collect();
         Ok(Plan::one(&shape, self.x.dtype()))
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         with_dtype!(self.x.dtype(), T => cpu::permute(
             self.x.as_slice::<T>()?,
             self.x.shape(),
             self.perm,
-            bufs.out(0).out_slice::<T>(Self::NAME)?,
+            bufs.out().out_slice::<T>(Self::NAME)?,
         ))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::PERMUTE};
-        let y = bufs.out(0);
+        let y = bufs.out();
         let n = y.numel();
         if n == 0 {
             return Ok(());
@@ -104,7 +105,7 @@ impl Op for Permute<'_> {
         }
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }

@@ -1,12 +1,12 @@
 //! 2-D max and average pooling (NCHW) and the global average pool, forward and backward.
 
-use super::dispatch::{Buffers, Op, Plan, run};
-use super::params::{Pool2dOptions, Pool2dParams};
+use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
 use super::{expect_rank, expect_shape, invalid};
 use crate::cpu::pool as cpu;
 use crate::device::Device;
 use crate::dtype::with_dtype;
 use crate::error::{Error, Result};
+use crate::params::{Pool2dOptions, Pool2dParams};
 use crate::tensor::{Indices, Tensor};
 
 /// The full geometry of pooling an input of shape `[batch, channels, h, w]`; the output is
@@ -37,21 +37,21 @@ struct MaxPool<'a> {
 
 impl Op for MaxPool<'_> {
     const NAME: &'static str = "max_pool2d";
+    /// `y` and the indices of the maxima.
+    type Outs = [Tensor; 2];
     type Output = (Tensor, Indices);
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         let shape = self.p.output_shape();
-        let mut plan = Plan::one(&shape, self.x.dtype());
-        plan.index_output(&shape);
-        Ok(plan)
+        Ok(Plan::new([OutputSpec::new(&shape, self.x.dtype()), OutputSpec::indices(&shape)]))
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
-        let [y, argmax] = bufs.outputs_mut() else { unreachable!("planned") };
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        let [y, argmax] = bufs.outputs_mut();
         with_dtype!(self.x.dtype(), T => cpu::max_pool2d(
             &self.p,
             self.x.as_slice::<T>()?,
@@ -61,9 +61,9 @@ impl Op for MaxPool<'_> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::MAX_POOL};
-        let [y, argmax] = bufs.outputs_mut() else { unreachable!("planned") };
+        let [y, argmax] = bufs.outputs_mut();
         let (oh, ow) = self.p.output_hw();
         // SAFETY: max_pool_T(const T* x, T* y, u32* arg, PoolGeom g, Div ow, Div oh); x, y
         // and arg have the geometry's shapes.
@@ -83,12 +83,9 @@ impl Op for MaxPool<'_> {
         }
     }
 
-    fn finish(self, bufs: Buffers) -> Result<(Tensor, Indices)> {
-        let mut out = bufs.into_outputs();
-        match (out.next(), out.next()) {
-            (Some(y), Some(argmax)) => Ok((y, Indices::from_tensor(argmax))),
-            _ => unreachable!("the plan has y and argmax"),
-        }
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<(Tensor, Indices)> {
+        let [y, argmax] = bufs.into_outputs();
+        Ok((y, Indices::from_tensor(argmax)))
     }
 }
 
@@ -132,13 +129,14 @@ struct MaxPoolBackward<'a> {
 
 impl Op for MaxPoolBackward<'_> {
     const NAME: &'static str = "max_pool2d_backward";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.dy.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         if self.argmax.device() != self.dy.device() {
             return Err(Error::DeviceMismatch { op: Self::NAME });
         }
@@ -154,20 +152,20 @@ impl Op for MaxPoolBackward<'_> {
         Ok(Plan::one(&[self.p.batch(), self.p.channels(), self.p.h(), self.p.w()], self.dy.dtype()))
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         with_dtype!(self.dy.dtype(), T => cpu::max_pool2d_backward(
             &self.p,
             self.dy.as_slice::<T>()?,
             self.argmax.as_slice()?,
-            bufs.out(0).out_slice::<T>(Self::NAME)?,
+            bufs.out().out_slice::<T>(Self::NAME)?,
         ))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::registry::MAX_POOL_BWD;
         use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid};
-        let dx = bufs.out(0);
+        let dx = bufs.out();
         let n = dx.numel();
         if n == 0 {
             return Ok(());
@@ -194,7 +192,7 @@ impl Op for MaxPoolBackward<'_> {
         }
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }
@@ -217,29 +215,30 @@ struct AvgPool<'a> {
 
 impl Op for AvgPool<'_> {
     const NAME: &'static str = "avg_pool2d";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         Ok(Plan::one(&self.p.output_shape(), self.x.dtype()))
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         with_dtype!(self.x.dtype(), T => cpu::avg_pool2d(
             &self.p,
             self.x.as_slice::<T>()?,
-            bufs.out(0).out_slice::<T>(Self::NAME)?,
+            bufs.out().out_slice::<T>(Self::NAME)?,
             self.count_include_pad,
         ))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::AVG_POOL};
-        let y = bufs.out(0);
+        let y = bufs.out();
         let (oh, ow) = self.p.output_hw();
         // SAFETY: avg_pool_T(const T* x, T* y, PoolGeom g, u32 include_pad, Div ow, Div oh);
         // shapes from the geometry.
@@ -259,7 +258,7 @@ impl Op for AvgPool<'_> {
         }
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }
@@ -288,42 +287,38 @@ struct AvgPoolBackward<'a> {
 
 impl Op for AvgPoolBackward<'_> {
     const NAME: &'static str = "avg_pool2d_backward";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.dy.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         let p = &self.p;
         let shape = [p.batch(), p.channels(), p.h(), p.w()];
-        let mut plan = Plan::default();
         // No window: nothing flows back.
-        if p.output_len() == 0 {
-            plan.zeroed_output(&shape, self.dy.dtype());
-        } else {
-            plan.output(&shape, self.dy.dtype());
-        }
-        Ok(plan)
+        let zeroed = p.output_len() == 0;
+        Ok(Plan::new(OutputSpec::zeroed_if(zeroed, &shape, self.dy.dtype())))
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         with_dtype!(self.dy.dtype(), T => cpu::avg_pool2d_backward(
             &self.p,
             self.dy.as_slice::<T>()?,
-            bufs.out(0).out_slice::<T>(Self::NAME)?,
+            bufs.out().out_slice::<T>(Self::NAME)?,
             self.count_include_pad,
         ))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::registry::AVG_POOL_BWD;
         use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid};
         if self.p.output_len() == 0 {
             return Ok(());
         }
-        let dx = bufs.out(0);
+        let dx = bufs.out();
         // SAFETY: avg_pool_bwd_T(const T* dy, T* dx, PoolGeom g, u32 include_pad, Div w, Div
         // h, Div sh, Div sw); shapes from the geometry.
         unsafe {
@@ -344,7 +339,7 @@ impl Op for AvgPoolBackward<'_> {
         }
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }
@@ -362,7 +357,7 @@ pub fn global_avg_pool(x: &Tensor) -> Result<Tensor> {
     if hw == 0 {
         return Err(invalid(OP, format!("cannot average an empty plane, x is {s:?}")));
     }
-    run(GlobalAvgPool { x: Some(x), dy: None, shape: s.to_vec(), hw })
+    run(GlobalAvgPool { input: x, backward: false, shape: s.to_vec(), hw })
 }
 
 /// Gradient of [`global_avg_pool`] for an input of `input_shape` (`[batch, channels, h, w]`)
@@ -387,11 +382,10 @@ pub fn global_avg_pool_backward(dy: &Tensor, input_shape: &[usize]) -> Result<Te
             format!("cannot average an empty plane, input is {input_shape:?}"),
         ));
     }
-    super::params::product(OP, "the input", input_shape)?;
-    run(GlobalAvgPool { x: None, dy: Some(dy), shape: input_shape.to_vec(), hw })
+    crate::params::product(OP, "the input", input_shape)?;
+    run(GlobalAvgPool { input: dy, backward: true, shape: input_shape.to_vec(), hw })
 }
 
-/// The global average pool (`x` given) or its gradient (`dy` given) over planes of `hw`.
 /// [`global_avg_pool_backward`] added into `acc` in place, without materializing it:
 /// `acc[b, c, i, j] += dy[b, c] / (h * w)`, computed in f32 with one rounding. Where a
 /// layer's input gradient is a sum of a path through the pooling and another path
@@ -431,18 +425,19 @@ struct PoolGradAdd<'a> {
 
 impl Op for PoolGradAdd<'_> {
     const NAME: &'static str = "global_avg_pool_backward_add";
+    type Outs = ();
     type Output = ();
 
     fn device(&self) -> &Device {
         self.dy.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         self.acc.make_unique()?;
-        Ok(Plan::default())
+        Ok(Plan::none())
     }
 
-    fn host(&mut self, _: &mut Buffers) -> Result<()> {
+    fn host(&mut self, _: &mut Buffers<Self::Outs>) -> Result<()> {
         let (dy, acc, hw) = (self.dy, &mut *self.acc, self.hw);
         with_dtype!(dy.dtype(), T => {
             cpu::global_avg_pool_backward_add(dy.as_slice::<T>()?, acc.as_mut_slice::<T>()?, hw)
@@ -450,7 +445,7 @@ impl Op for PoolGradAdd<'_> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, _: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, _: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::registry::BROADCAST_ROWS_ADD;
         use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid};
         let (dy, acc) = (self.dy, &*self.acc);
@@ -467,65 +462,60 @@ impl Op for PoolGradAdd<'_> {
         }
     }
 
-    fn finish(self, _: Buffers) -> Result<()> {
+    fn finish(self, _: Buffers<Self::Outs>) -> Result<()> {
         Ok(())
     }
 }
 
+/// The global average pool, or its gradient, over planes of `hw`.
 struct GlobalAvgPool<'a> {
-    x: Option<&'a Tensor>,
-    dy: Option<&'a Tensor>,
-    /// The input's shape.
+    /// `x` for the pool, `dy` for its gradient.
+    input: &'a Tensor,
+    /// Whether this is the gradient.
+    backward: bool,
+    /// The pool's input shape.
     shape: Vec<usize>,
     hw: usize,
 }
 
-impl GlobalAvgPool<'_> {
-    fn input(&self) -> &Tensor {
-        match (self.x, self.dy) {
-            (Some(t), _) | (None, Some(t)) => t,
-            (None, None) => unreachable!("made with x or dy"),
-        }
-    }
-}
-
 impl Op for GlobalAvgPool<'_> {
     const NAME: &'static str = "global_avg_pool";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
-        self.input().device()
+        self.input.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
-        let dtype = self.input().dtype();
-        Ok(match self.x {
-            Some(_) => Plan::one(&self.shape[..2], dtype),
-            None => Plan::one(&self.shape, dtype),
-        })
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
+        let dtype = self.input.dtype();
+        let shape = if self.backward { &self.shape[..] } else { &self.shape[..2] };
+        Ok(Plan::one(shape, dtype))
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
-        let (t, out, hw) = (self.input(), bufs.out(0), self.hw);
-        with_dtype!(t.dtype(), T => match self.x {
-            Some(_) => cpu::global_avg_pool(t.as_slice::<T>()?, out.out_slice::<T>(Self::NAME)?, hw),
-            None => cpu::global_avg_pool_backward(t.as_slice::<T>()?, out.out_slice::<T>(Self::NAME)?, hw),
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        let (t, out, hw) = (self.input, bufs.out(), self.hw);
+        with_dtype!(t.dtype(), T => if self.backward {
+            cpu::global_avg_pool_backward(t.as_slice::<T>()?, out.out_slice::<T>(Self::NAME)?, hw)
+        } else {
+            cpu::global_avg_pool(t.as_slice::<T>()?, out.out_slice::<T>(Self::NAME)?, hw)
         })
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::helpers::{broadcast_rows, row_sum};
-        let (t, out, factor) = (self.input(), bufs.out(0), 1.0 / self.hw as f32);
-        match self.x {
-            // Row means of [planes, hw].
-            Some(_) => row_sum(gpu, Self::NAME, t, out, factor),
+        let (t, out, factor) = (self.input, bufs.out(), 1.0 / self.hw as f32);
+        if self.backward {
             // dy / hw broadcast over each plane.
-            None => broadcast_rows(gpu, t, factor, out),
+            broadcast_rows(gpu, t, factor, out)
+        } else {
+            // Row means of [planes, hw].
+            row_sum(gpu, Self::NAME, t, out, factor)
         }
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }

@@ -41,22 +41,23 @@ struct Dropout<'a> {
 
 impl Op for Dropout<'_> {
     const NAME: &'static str = "dropout";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         let op = if self.backward { "dropout_backward" } else { Self::NAME };
         cpu::check_probability(op, self.p)?;
         Ok(Plan::one(self.x.shape(), self.x.dtype()))
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         let (p, seed, offset) = (self.p, self.seed, self.offset);
         with_dtype!(self.x.dtype(), T => {
-            let (x, y) = (self.x.as_slice::<T>()?, bufs.out(0).out_slice::<T>(Self::NAME)?);
+            let (x, y) = (self.x.as_slice::<T>()?, bufs.out().out_slice::<T>(Self::NAME)?);
             if self.backward {
                 cpu::dropout_backward(x, y, p, seed, offset)
             } else {
@@ -66,9 +67,9 @@ impl Op for Dropout<'_> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::DROPOUT};
-        let y = bufs.out(0);
+        let y = bufs.out();
         let n = y.numel();
         let scale = 1.0 / (1.0 - self.p);
         // SAFETY: dropout_T(const T* x, T* y, u64 n, float p, float scale, u64 seed, u64
@@ -90,7 +91,7 @@ impl Op for Dropout<'_> {
         }
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }

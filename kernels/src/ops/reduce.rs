@@ -30,8 +30,8 @@ pub(crate) fn sum_workspaces(n: usize) -> (usize, usize) {
 /// bit, and equal the host's). Every backend allocates it, so that memory figures agree.
 pub(crate) fn column_sum_workspace(op: &'static str, rows: usize, d: usize) -> Result<usize> {
     let partials = crate::cpu::elementwise::column_sum_partials(rows);
-    let floats = super::params::mul(op, "the column sums", partials + 1, d)?;
-    super::params::mul(op, "the column sums", floats, 4)
+    let floats = crate::params::mul(op, "the column sums", partials + 1, d)?;
+    crate::params::mul(op, "the column sums", floats, 4)
 }
 
 /// The sum of all elements, accumulated in f32 (pairwise on the host).
@@ -63,29 +63,30 @@ struct Sum<'a> {
 
 impl Op for Sum<'_> {
     const NAME: &'static str = "sum";
+    type Outs = ();
     type Output = f32;
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         if self.x.device().is_virtual() {
             return Err(Error::NoValues { op: Self::NAME });
         }
-        let mut plan = Plan::default();
+        let mut plan = Plan::none();
         let (partial, total) = sum_workspaces(self.x.numel());
         self.ws = [plan.workspace(partial), plan.workspace(total)];
         Ok(plan)
     }
 
-    fn host(&mut self, _: &mut Buffers) -> Result<()> {
+    fn host(&mut self, _: &mut Buffers<Self::Outs>) -> Result<()> {
         self.total = with_dtype!(self.x.dtype(), T => cpu::sum(self.x.as_slice::<T>()?));
         Ok(())
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         let n = self.x.numel();
         let blocks = sum_workspaces(n).0 / 4;
         let (partial, total) = (bufs.ws(self.ws[0])?, bufs.ws(self.ws[1])?);
@@ -100,7 +101,7 @@ impl Op for Sum<'_> {
         Ok(())
     }
 
-    fn finish(self, _: Buffers) -> Result<f32> {
+    fn finish(self, _: Buffers<Self::Outs>) -> Result<f32> {
         Ok(self.total)
     }
 }
@@ -121,7 +122,7 @@ pub fn sum_backward(dy: f32, device: &Device, shape: &[usize], dtype: DType) -> 
 ///
 /// Out of memory; [`Error::InvalidArgument`] if `shape` overflows.
 pub fn mean_backward(dy: f32, device: &Device, shape: &[usize], dtype: DType) -> Result<Tensor> {
-    let n = super::params::product("mean_backward", "the shape", shape)?;
+    let n = crate::params::product("mean_backward", "the shape", shape)?;
     Tensor::full(device, shape, dtype, dy / n as f32)
 }
 
@@ -151,32 +152,33 @@ struct RowReduce<'a> {
 
 impl Op for RowReduce<'_> {
     const NAME: &'static str = "sum_last_dim";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         rows_cols(Self::NAME, self.x.shape())?;
         Ok(Plan::one(&self.x.shape()[..self.x.rank() - 1], self.x.dtype()))
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         with_dtype!(self.x.dtype(), T => {
-            let (x, out) = (self.x.as_slice::<T>()?, bufs.out(0).out_slice::<T>(Self::NAME)?);
+            let (x, out) = (self.x.as_slice::<T>()?, bufs.out().out_slice::<T>(Self::NAME)?);
             if self.mean { cpu::mean_last_dim(x, out) } else { cpu::sum_last_dim(x, out) }
         })
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         let (_, d) = rows_cols(Self::NAME, self.x.shape())?;
         let scale = if self.mean { 1.0 / d as f32 } else { 1.0 };
-        crate::cuda::helpers::row_sum(gpu, Self::NAME, self.x, bufs.out(0), scale)
+        crate::cuda::helpers::row_sum(gpu, Self::NAME, self.x, bufs.out(), scale)
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }
@@ -208,21 +210,22 @@ struct RowBroadcast<'a> {
 
 impl Op for RowBroadcast<'_> {
     const NAME: &'static str = "sum_last_dim_backward";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.dy.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         let mut shape = self.dy.shape().to_vec();
         shape.push(self.d);
         Ok(Plan::one(&shape, self.dy.dtype()))
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         with_dtype!(self.dy.dtype(), T => {
-            let (dy, dx) = (self.dy.as_slice::<T>()?, bufs.out(0).out_slice::<T>(Self::NAME)?);
+            let (dy, dx) = (self.dy.as_slice::<T>()?, bufs.out().out_slice::<T>(Self::NAME)?);
             if self.mean {
                 cpu::mean_last_dim_backward(dy, dx)
             } else {
@@ -232,12 +235,12 @@ impl Op for RowBroadcast<'_> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         let factor = if self.mean { 1.0 / self.d as f32 } else { 1.0 };
-        crate::cuda::helpers::broadcast_rows(gpu, self.dy, factor, bufs.out(0))
+        crate::cuda::helpers::broadcast_rows(gpu, self.dy, factor, bufs.out())
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }

@@ -79,13 +79,14 @@ impl Softmax<'_> {
 
 impl Op for Softmax<'_> {
     const NAME: &'static str = "softmax";
+    type Outs = Tensor;
     type Output = Tensor;
 
     fn device(&self) -> &Device {
         self.x.device()
     }
 
-    fn plan(&mut self) -> Result<Plan> {
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         let op = self.name();
         if let Some(dy) = self.dy {
             same_layout(op, self.x, dy)?;
@@ -94,10 +95,10 @@ impl Op for Softmax<'_> {
         Ok(Plan::one(self.x.shape(), self.x.dtype()))
     }
 
-    fn host(&mut self, bufs: &mut Buffers) -> Result<()> {
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         let (cols, causal) = (self.cols, self.causal);
         with_dtype!(self.x.dtype(), T => {
-            let (x, out) = (self.x.as_slice::<T>()?, bufs.out(0).out_slice::<T>(Self::NAME)?);
+            let (x, out) = (self.x.as_slice::<T>()?, bufs.out().out_slice::<T>(Self::NAME)?);
             match (self.dy, causal) {
                 (None, false) => cpu::softmax(x, out, cols),
                 (None, true) => cpu::causal_softmax(x, out, cols),
@@ -108,11 +109,11 @@ impl Op for Softmax<'_> {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers) -> Result<()> {
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::helpers::{check_rows, ptr};
         use crate::cuda::registry::{SOFTMAX_BWD, SOFTMAX_FWD};
         use crate::cuda::{Arg, launch};
-        let out = bufs.out(0);
+        let out = bufs.out();
         if out.numel() == 0 {
             return Ok(());
         }
@@ -143,7 +144,7 @@ impl Op for Softmax<'_> {
         }
     }
 
-    fn finish(self, bufs: Buffers) -> Result<Tensor> {
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
     }
 }

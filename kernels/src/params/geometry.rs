@@ -128,7 +128,8 @@ impl MatmulSpec {
     }
 
     /// The spec and output shape of `op(A) * op(B)` for stored shapes `a: [.., r, c]` and
-    /// `b: [.., r, c]` (see [`crate::ops::matmul`] for the layouts and broadcasting rules).
+    /// `b: [.., r, c]`: equal batch dimensions pair up, and an operand of rank 2 is
+    /// broadcast to every batch of the other (the layouts of `ops::matmul`).
     ///
     /// # Errors
     ///
@@ -262,6 +263,40 @@ fn out_len(len: usize, k: usize, s: usize, p: usize, d: usize) -> Option<usize> 
     Some(padded.checked_sub(span).map_or(0, |r| r / s + 1))
 }
 
+/// A window moved over an input plane: the geometry a convolution and a pooling share, each
+/// size a (vertical, horizontal) pair. [`Conv2dParams::window`] and
+/// [`Pool2dParams::window`] give it (a pooling window is dense: dilation 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Window2d {
+    /// The input plane, (h, w).
+    pub(crate) input: (usize, usize),
+    /// Taps, (kh, kw).
+    pub(crate) kernel: (usize, usize),
+    /// Step between windows.
+    pub(crate) stride: (usize, usize),
+    /// Padding on each side.
+    pub(crate) padding: (usize, usize),
+    /// Spacing between taps.
+    pub(crate) dilation: (usize, usize),
+    /// The output plane, (oh, ow): one position per window.
+    pub(crate) output: (usize, usize),
+}
+
+impl Window2d {
+    /// The window and its output plane ([`out_len`] per dimension); `None` on overflow.
+    fn new(
+        input: (usize, usize),
+        kernel: (usize, usize),
+        stride: (usize, usize),
+        padding: (usize, usize),
+        dilation: (usize, usize),
+    ) -> Option<Window2d> {
+        let oh = out_len(input.0, kernel.0, stride.0, padding.0, dilation.0)?;
+        let ow = out_len(input.1, kernel.1, stride.1, padding.1, dilation.1)?;
+        Some(Window2d { input, kernel, stride, padding, dilation, output: (oh, ow) })
+    }
+}
+
 impl Conv2dParams {
     /// The geometry of convolving `x: [batch, c_in, h, w]` with
     /// `weight: [c_out, c_in / groups, kh, kw]` under `opts`.
@@ -299,7 +334,7 @@ impl Conv2dParams {
                 format!("kernel ({kh}, {kw}), stride {s:?} and dilation {d:?} must be positive"),
             ));
         }
-        let (Some(oh), Some(ow)) = (out_len(h, kh, s.0, p.0, d.0), out_len(w, kw, s.1, p.1, d.1))
+        let Some(Window2d { output: (oh, ow), .. }) = Window2d::new((h, w), (kh, kw), s, p, d)
         else {
             return Err(invalid(
                 OP,
@@ -383,6 +418,19 @@ impl Conv2dParams {
     /// when the dilated kernel does not fit in the padded input.
     pub fn output_hw(&self) -> (usize, usize) {
         self.out
+    }
+
+    /// The window over one input plane.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn window(&self) -> Window2d {
+        Window2d {
+            input: (self.h, self.w),
+            kernel: self.kernel,
+            stride: self.stride(),
+            padding: self.padding(),
+            dilation: self.dilation(),
+            output: self.out,
+        }
     }
 
     /// Elements of `x`.
@@ -501,8 +549,7 @@ impl Pool2dParams {
                 format!("the input plane of {x:?} is empty; a window needs an element to pool"),
             ));
         }
-        let (Some(oh), Some(ow)) = (out_len(h, k.0, s.0, p.0, 1), out_len(w, k.1, s.1, p.1, 1))
-        else {
+        let Some(Window2d { output: (oh, ow), .. }) = Window2d::new((h, w), k, s, p, (1, 1)) else {
             return Err(invalid(OP, format!("padding {p:?} overflows the input size {x:?}")));
         };
         product(OP, "the output", &[batch, channels, oh, ow])?;
@@ -549,6 +596,19 @@ impl Pool2dParams {
     /// not fit in the padded input.
     pub fn output_hw(&self) -> (usize, usize) {
         self.out
+    }
+
+    /// The window over one input plane (dense: dilation 1).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn window(&self) -> Window2d {
+        Window2d {
+            input: (self.h, self.w),
+            kernel: self.kernel(),
+            stride: self.stride(),
+            padding: self.padding(),
+            dilation: (1, 1),
+            output: self.out,
+        }
     }
 
     /// Elements of `x`.

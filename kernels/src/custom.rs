@@ -258,11 +258,7 @@ impl<'a, O: CustomOp> Custom<'a, O> {
             op: O::NAME,
             inputs: self.inputs.iter().map(|t| t.storage().address()).collect(),
             outputs: bufs.outputs_mut().iter().map(|t| t.storage().address()).collect(),
-            workspaces: self
-                .workspaces
-                .iter()
-                .map(|i| i.map_or((0, 0), |i| allocated[i]))
-                .collect(),
+            workspaces: self.workspaces.iter().map(|i| i.map_or(0, |i| allocated[i])).collect(),
         }
     }
 }
@@ -468,7 +464,7 @@ pub struct CudaCall<'a> {
     op: &'static str,
     inputs: Vec<u64>,
     outputs: Vec<u64>,
-    workspaces: Vec<(u64, usize)>,
+    workspaces: Vec<u64>,
 }
 
 /// Where a [`CudaCall`] launches.
@@ -487,24 +483,13 @@ enum Target<'a> {
 }
 
 impl CudaCall<'_> {
-    fn out_of_range(&self, what: &str, i: usize, n: usize) -> Error {
-        Error::InvalidArgument {
-            op: self.op,
-            reason: format!("{what} {i} does not exist: the op has {n}"),
-        }
-    }
-
     /// The device address of input `i`.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] when there is no input `i`.
     pub fn input(&self, i: usize) -> Result<KernelArg> {
-        let n = self.inputs.len();
-        self.inputs
-            .get(i)
-            .map(|&p| KernelArg::Ptr(p))
-            .ok_or_else(|| self.out_of_range("input", i, n))
+        self.pointer("input", &self.inputs, i)
     }
 
     /// The device address of output `i` (plan order).
@@ -513,11 +498,7 @@ impl CudaCall<'_> {
     ///
     /// [`Error::InvalidArgument`] when there is no output `i`.
     pub fn output(&self, i: usize) -> Result<KernelArg> {
-        let n = self.outputs.len();
-        self.outputs
-            .get(i)
-            .map(|&p| KernelArg::Ptr(p))
-            .ok_or_else(|| self.out_of_range("output", i, n))
+        self.pointer("output", &self.outputs, i)
     }
 
     /// The device address of workspace `i` (plan order; 0 for one of 0 bytes).
@@ -526,11 +507,15 @@ impl CudaCall<'_> {
     ///
     /// [`Error::InvalidArgument`] when there is no workspace `i`.
     pub fn workspace(&self, i: usize) -> Result<KernelArg> {
-        let n = self.workspaces.len();
-        self.workspaces
-            .get(i)
-            .map(|&(p, _)| KernelArg::Ptr(p))
-            .ok_or_else(|| self.out_of_range("workspace", i, n))
+        self.pointer("workspace", &self.workspaces, i)
+    }
+
+    /// Address `i` of `list` (the `what`s), or the error that names the op and the count.
+    fn pointer(&self, what: &str, list: &[u64], i: usize) -> Result<KernelArg> {
+        list.get(i).map(|&p| KernelArg::Ptr(p)).ok_or_else(|| Error::InvalidArgument {
+            op: self.op,
+            reason: format!("{what} {i} does not exist: the op has {}", list.len()),
+        })
     }
 
     /// Launches `kernel` of the op's [`CudaSource`] over `grid` with `args`; the source is

@@ -55,14 +55,27 @@ pub static SOURCE: CudaSource = {
 #[cfg(feature = "cuda")]
 const THREADS: u32 = 256;
 
-/// The kernel name's suffix for `dtype`.
+/// Launches `<base>_<dtype>` over the operands' elements with `pointers` and their count:
+/// both kernels take their operands' addresses (inputs, then outputs) and `n`.
 #[cfg(feature = "cuda")]
-fn suffix(dtype: DType) -> &'static str {
-    match dtype {
+fn launch(
+    call: &CudaCall<'_>,
+    inputs: &[&Tensor],
+    base: &str,
+    pointers: &[KernelArg],
+) -> Result<()> {
+    let n = inputs[0].numel();
+    let suffix = match inputs[0].dtype() {
         DType::F32 => "f32",
         DType::F16 => "f16",
         DType::BF16 => "bf16",
-    }
+    };
+    let mut args = pointers.to_vec();
+    args.push(KernelArg::count(n));
+    // SAFETY: every operand holds n elements of one dtype (checked and planned by the op),
+    // `pointers` are this call's inputs and outputs, and the kernels touch elements below n
+    // only, writing the outputs alone.
+    unsafe { call.launch(&format!("{base}_{suffix}"), Grid::for_elements(n, THREADS), &args) }
 }
 
 /// Checks that every operand has the first one's shape and dtype.
@@ -141,12 +154,7 @@ impl CustomOp for Swiglu {
 
     #[cfg(feature = "cuda")]
     fn cuda(&self, inputs: &[&Tensor], call: &CudaCall<'_>) -> Result<()> {
-        let n = inputs[0].numel();
-        let kernel = format!("swiglu_{}", suffix(inputs[0].dtype()));
-        let args = [call.input(0)?, call.input(1)?, call.output(0)?, KernelArg::count(n)];
-        // SAFETY: gate, up and y each hold n elements of the dtype (planned above), and the
-        // kernel touches elements below n only.
-        unsafe { call.launch(&kernel, Grid::for_elements(n, THREADS), &args) }
+        launch(call, inputs, "swiglu", &[call.input(0)?, call.input(1)?, call.output(0)?])
     }
 }
 
@@ -209,19 +217,8 @@ impl CustomOp for SwigluBackward {
 
     #[cfg(feature = "cuda")]
     fn cuda(&self, inputs: &[&Tensor], call: &CudaCall<'_>) -> Result<()> {
-        let n = inputs[0].numel();
-        let kernel = format!("swiglu_backward_{}", suffix(inputs[0].dtype()));
-        let args = [
-            call.input(0)?,
-            call.input(1)?,
-            call.input(2)?,
-            call.output(0)?,
-            call.output(1)?,
-            KernelArg::count(n),
-        ];
-        // SAFETY: every operand holds n elements of the dtype (checked and planned above);
-        // the kernel touches elements below n only and writes the outputs alone.
-        unsafe { call.launch(&kernel, Grid::for_elements(n, THREADS), &args) }
+        let (x, out) = (|i| call.input(i), |i| call.output(i));
+        launch(call, inputs, "swiglu_backward", &[x(0)?, x(1)?, x(2)?, out(0)?, out(1)?])
     }
 }
 

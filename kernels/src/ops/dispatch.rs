@@ -301,10 +301,10 @@ impl<O> Buffers<O> {
         i.map(|i| self.workspaces[i].1)
     }
 
-    /// Each workspace's address (a host pointer on the host) and bytes, in plan order.
+    /// Each workspace's address (a host pointer on the host), in plan order.
     #[cfg(feature = "cuda")]
-    pub(crate) fn workspace_addresses(&self) -> Vec<(u64, usize)> {
-        self.workspaces.iter().map(|(s, _)| (s.address(), s.len())).collect()
+    pub(crate) fn workspace_addresses(&self) -> Vec<u64> {
+        self.workspaces.iter().map(|(s, _)| s.address()).collect()
     }
 
     /// The outputs, in the plan's shape.

@@ -90,7 +90,7 @@ pub fn render(
         let _ = writeln!(s, "|---|---:|---:|---:|");
         for v in &r.variants {
             let step = v.timing().map_or("-".to_string(), |t| match t.ci95_ms {
-                Some(_) => format!("{:.3} +- {:.3} (n = {})", t.mean_ms, t.half_width(), t.samples),
+                Some(_) => format!("{} (n = {})", t.interval(3), t.samples),
                 None => format!("{:.3} (n = {})", t.mean_ms, t.samples),
             });
             let _ = writeln!(

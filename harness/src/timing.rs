@@ -9,8 +9,8 @@ use serde::{Deserialize, Serialize};
 pub struct Timing {
     /// Mean of the samples, in milliseconds.
     pub mean_ms: f64,
-    /// 95% confidence interval of the mean (Student t), in milliseconds; `None` with fewer
-    /// than two samples.
+    /// 95% confidence interval of the mean (Student t), in milliseconds, its lower bound
+    /// never below 0 (a time is not negative); `None` with fewer than two samples.
     pub ci95_ms: Option<[f64; 2]>,
     /// Number of samples.
     pub samples: usize,
@@ -27,14 +27,37 @@ impl Timing {
         let ci95_ms = (n >= 2).then(|| {
             let var = samples.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
             let half = t975(n - 1) * (var / n as f64).sqrt();
-            [mean - half, mean + half]
+            [(mean - half).max(0.0), mean + half]
         });
         Some(Timing { mean_ms: mean, ci95_ms, samples: n })
     }
 
-    /// Half the width of the interval (infinite without one).
+    /// How far the interval reaches above the mean (infinite without one); below the mean
+    /// it reaches as far, or to 0 ([`lower`](Self::lower)).
     pub fn half_width(&self) -> f64 {
-        self.ci95_ms.map_or(f64::INFINITY, |[lo, hi]| (hi - lo) / 2.0)
+        self.ci95_ms.map_or(f64::INFINITY, |[_, hi]| hi - self.mean_ms)
+    }
+
+    /// The interval's lower bound (0 without an interval).
+    pub fn lower(&self) -> f64 {
+        self.ci95_ms.map_or(0.0, |[lo, _]| lo)
+    }
+
+    /// The interval's upper bound (infinite without one).
+    pub fn upper(&self) -> f64 {
+        self.ci95_ms.map_or(f64::INFINITY, |[_, hi]| hi)
+    }
+
+    /// The mean and its interval with `digits` decimals, without the unit: `12.30 +- 0.40`,
+    /// or `34.00 (0.00 to 175.80)` where the interval was cut at 0.
+    pub fn interval(&self, digits: usize) -> String {
+        match self.ci95_ms {
+            Some([lo, hi]) if lo <= 0.0 && self.mean_ms - (hi - self.mean_ms) < 0.0 => {
+                format!("{:.digits$} ({lo:.digits$} to {hi:.digits$})", self.mean_ms)
+            }
+            Some(_) => format!("{:.digits$} +- {:.digits$}", self.mean_ms, self.half_width()),
+            None => format!("{:.digits$}", self.mean_ms),
+        }
     }
 
     /// Whether this time is above `other` with both intervals apart (a difference the
@@ -46,14 +69,9 @@ impl Timing {
         }
     }
 
-    /// `12.3 +- 0.4 ms (n = 10)`.
+    /// `12.30 +- 0.40 ms (n = 10)` (see [`interval`](Self::interval)).
     pub fn describe(&self) -> String {
-        match self.ci95_ms {
-            Some(_) => {
-                format!("{:.2} +- {:.2} ms (n = {})", self.mean_ms, self.half_width(), self.samples)
-            }
-            None => format!("{:.2} ms (n = {})", self.mean_ms, self.samples),
-        }
+        format!("{} ms (n = {})", self.interval(2), self.samples)
     }
 }
 
@@ -116,6 +134,21 @@ mod tests {
         let half = 2.365 * (32.0f64 / 7.0).sqrt() / 8f64.sqrt();
         assert!((hi - 5.0 - half).abs() < 1e-12 && (5.0 - lo - half).abs() < 1e-12);
         assert!((half - 1.7877).abs() < 1e-3, "{half}");
+        assert_eq!(t.describe(), "5.00 +- 1.79 ms (n = 8)");
+    }
+
+    /// A time's interval stops at 0: one slow first sample among fast ones (a kernel
+    /// compiled on first use) gives a wide interval whose lower end would be negative.
+    #[test]
+    fn the_interval_of_a_time_is_never_below_zero() {
+        let t = Timing::from_samples(&[100.0, 1.0, 1.0]).unwrap();
+        assert_eq!(t.mean_ms, 34.0);
+        let [lo, hi] = t.ci95_ms.unwrap();
+        assert_eq!(lo, 0.0);
+        assert!(hi > 150.0, "{hi}");
+        assert_eq!(t.lower(), 0.0);
+        assert_eq!(t.half_width(), hi - 34.0);
+        assert_eq!(t.describe(), format!("34.00 (0.00 to {hi:.2}) ms (n = 3)"));
     }
 
     #[test]

@@ -388,6 +388,14 @@ impl Device {
         self.blas_workspace().map(|_| ())
     }
 
+    /// The cuBLAS workspace's block as `(address, bytes)` once an op has allocated it (at the
+    /// first matrix product; `None` before, or with a size of 0), so that a reader of the
+    /// allocator's trace can tell it from the tensors: it lives as long as the device or its
+    /// size.
+    pub fn blas_workspace_block(&self) -> Option<(u64, usize)> {
+        self.blas().block.as_ref().map(|b| (b.address(), b.len()))
+    }
+
     /// The cuBLAS workspace as `(address, bytes)`, allocated on first use; `None` when its
     /// size is 0. Ops that run matrix products ask for it after allocating their outputs,
     /// where PyTorch's first cuBLAS call allocates its own.

@@ -196,12 +196,8 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         na(chen)
     } else {
         // The interval of the overhead must lie within 10-60%.
-        let lo = 100.0
-            * ((sqrt.2.mean_ms - sqrt.2.half_width()) / (plain.2.mean_ms + plain.2.half_width())
-                - 1.0);
-        let hi = 100.0
-            * ((sqrt.2.mean_ms + sqrt.2.half_width()) / (plain.2.mean_ms - plain.2.half_width())
-                - 1.0);
+        let lo = 100.0 * (sqrt.2.lower() / plain.2.upper() - 1.0);
+        let hi = 100.0 * (sqrt.2.upper() / plain.2.lower() - 1.0);
         let v = if sqrt.4 < plain.4 && lo >= 10.0 && hi <= 60.0 {
             Verdict::Holds
         } else if sqrt.4 < plain.4 {

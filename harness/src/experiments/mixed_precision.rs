@@ -54,8 +54,11 @@ pub(super) struct Measured {
     activations_and_temporaries_bytes: u64,
     state_bytes_per_parameter: f64,
     losses: Vec<f32>,
-    scaler_steps_skipped: u64,
-    final_loss_scale: f32,
+    /// Steps the loss scaler skipped; `None` (null) where no scaler ran on values: a recipe
+    /// without loss scaling, or a virtual-device row (no gradients to check).
+    scaler_steps_skipped: Option<u64>,
+    /// The loss scale after the last step; `None` (null) as for `scaler_steps_skipped`.
+    final_loss_scale: Option<f32>,
 }
 
 const SMALL: &str = "small (executed)";
@@ -87,8 +90,8 @@ struct Run {
     master: u64,
     grads: u64,
     optimizer: u64,
-    skipped: u64,
-    final_scale: f32,
+    /// `(steps skipped, final scale)` of an enabled loss scaler.
+    scaler: Option<(u64, f32)>,
 }
 
 /// Trains one model per precision, their steps interleaved (the first is a warm-up).
@@ -128,8 +131,10 @@ fn train(
                 master: state.master,
                 grads: state.grads,
                 optimizer: state.optimizer,
-                skipped: trainer.scaler().map_or(0, |s| s.counters().steps_skipped),
-                final_scale: trainer.scaler().map_or(1.0, |s| s.scale()),
+                scaler: trainer
+                    .scaler()
+                    .filter(|s| s.is_enabled())
+                    .map(|s| (s.counters().steps_skipped, s.scale())),
             })
         })
         .collect()
@@ -173,8 +178,8 @@ impl Split {
             state_bytes_per_parameter: self.state() as f64
                 / (self.weights / precision.dtype().size_in_bytes() as u64) as f64,
             losses: Vec::new(),
-            scaler_steps_skipped: 0,
-            final_loss_scale: 0.0,
+            scaler_steps_skipped: None,
+            final_loss_scale: None,
         }
     }
 
@@ -201,6 +206,8 @@ struct RealRun {
     split: Split,
     step_ms: Vec<f64>,
     losses: Vec<f32>,
+    /// `(steps skipped, final scale)` of the loss scaler, when one ran on computed values.
+    scaler: Option<(u64, f32)>,
 }
 
 /// `steps` AdamW steps of `batch` samples of `pm` in `precision` on `dev` (the planner's
@@ -257,6 +264,8 @@ fn real_run(
         },
         step_ms,
         losses,
+        scaler: (scaler.is_enabled() && !dev.is_virtual())
+            .then(|| (scaler.counters().steps_skipped, scaler.scale())),
     })
 }
 
@@ -315,8 +324,8 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             activations_and_temporaries_bytes: r.peak.saturating_sub(r.state()),
             state_bytes_per_parameter: r.state() as f64 / params as f64,
             losses: r.losses.clone(),
-            scaler_steps_skipped: r.skipped,
-            final_loss_scale: r.final_scale,
+            scaler_steps_skipped: r.scaler.map(|s| s.0),
+            final_loss_scale: r.scaler.map(|s| s.1),
         };
         sweep.push(&format!("{SMALL}: {name}"), r.peak, r.reserved, Some(r.step), measured);
     }
@@ -489,6 +498,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         let mut measured = r.split.measured(recipe_of(*p), *p, EXECUTED_BATCH);
         measured.part = EXECUTED;
         measured.losses = r.losses.clone();
+        (measured.scaler_steps_skipped, measured.final_loss_scale) = r.scaler.unzip();
         let step = Timing::from_samples(&r.step_ms);
         let name = format!("{EXECUTED}: gpt2-small, batch {EXECUTED_BATCH}, {}", p.label());
         sweep.push(&name, r.split.peak, r.split.reserved, step, measured);
@@ -516,14 +526,14 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         Backend::Cuda { .. } => {
             // 20%+ faster with the intervals: fp32's lower bound over the best 16-bit upper
             // bound, at real size where it ran (the small model's launches hide the math).
-            let upper = |t: &Timing| t.mean_ms + t.half_width();
+            let upper = |t: &Timing| t.upper();
             let (f32_step, sixteen): (Timing, Vec<Timing>) = match executed_steps.split_first() {
                 Some(((P::Fp32, t), rest)) if !rest.is_empty() => {
                     (*t, rest.iter().map(|(_, t)| *t).collect())
                 }
                 _ => (f32r.step, [fp16, bf16, ac_bf16, ac_fp16].iter().map(|r| r.step).collect()),
             };
-            let lower = f32_step.mean_ms - f32_step.half_width();
+            let lower = f32_step.lower();
             let fastest = sixteen.iter().map(upper).fold(f64::MAX, f64::min);
             let faster = lower / fastest - 1.0;
             let real_speed = if executed_steps.is_empty() {
@@ -588,28 +598,34 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         r.losses.iter().zip(&f32r.losses).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max)
     };
     let tolerance = 0.05 * f32r.losses[0];
+    let scaled = |r: &Run| match r.scaler {
+        Some((skipped, scale)) => format!("skipped {skipped} steps (final scale {scale})"),
+        None => "no scaler".into(),
+    };
     let worst = [fp16, bf16, ac_bf16, ac_fp16].iter().map(|r| diff(r)).fold(0f32, f32::max);
     sweep.claim(Claim {
         claim: "mixed precision trains like fp32 (loss curves agree within 5% of fp32's first loss)".into(),
         measured: format!(
-            "largest loss difference to fp32 over {steps} steps: full {:.4} fp16, {:.4} bf16; autocast {:.4} bf16, {:.4} fp16 (tolerance {tolerance:.4} = 5% of fp32's first loss {:.4}); scalers skipped {} steps full fp16 (final scale {}), {} fp16 autocast (final scale {})",
-            diff(fp16), diff(bf16), diff(ac_bf16), diff(ac_fp16), f32r.losses[0], fp16.skipped, fp16.final_scale, ac_fp16.skipped, ac_fp16.final_scale
+            "largest loss difference to fp32 over {steps} steps: full {:.4} fp16, {:.4} bf16; autocast {:.4} bf16, {:.4} fp16 (tolerance {tolerance:.4} = 5% of fp32's first loss {:.4}); loss scaler: full fp16 {}, fp16 autocast {}",
+            diff(fp16), diff(bf16), diff(ac_bf16), diff(ac_fp16), f32r.losses[0], scaled(fp16), scaled(ac_fp16)
         ),
         verdict: if worst < tolerance { Verdict::Holds } else { Verdict::Partly },
     });
     let inj = &runs[5].2;
     let finite = inj.losses.iter().all(|l| l.is_finite());
+    // The overflowing recipe has an enabled scaler; without one nothing was skipped.
+    let (inj_skipped, inj_scale) = inj.scaler.unwrap_or((0, f32::NAN));
     sweep.claim(Claim {
         claim: "the loss scaler skips overflowing f16 steps, backs off, and training goes on".into(),
         measured: format!(
             "scale starting at 2^28 (backoff 1/16): {} of {} steps skipped, final scale {}, losses {} (fp32 {}); all finite: {finite}",
-            inj.skipped,
+            inj_skipped,
             steps,
-            inj.final_scale,
+            inj_scale,
             inj.losses.iter().map(|l| format!("{l:.3}")).collect::<Vec<_>>().join(", "),
             f32r.losses.iter().map(|l| format!("{l:.3}")).collect::<Vec<_>>().join(", "),
         ),
-        verdict: if inj.skipped >= 1 && (inj.skipped as usize) < steps && finite && inj.final_scale < (1u64 << 28) as f32 {
+        verdict: if inj_skipped >= 1 && (inj_skipped as usize) < steps && finite && inj_scale < (1u64 << 28) as f32 {
             Verdict::Holds
         } else {
             Verdict::DoesNotHold
@@ -710,8 +726,19 @@ mod tests {
             assert!(r.step_ms.iter().all(|&t| t > 0.0), "{p:?}: {:?}", r.step_ms);
             assert_eq!(r.losses.len(), 3, "{p:?}");
             assert!(r.losses.iter().all(|l| l.is_finite() && *l > 0.0), "{p:?}: {:?}", r.losses);
+            // The loss scale is the scaler's (fp16 from 256, grown or backed off), never a
+            // placeholder; none without a scaler or without values.
+            match p {
+                P::Fp16 => {
+                    let (skipped, scale) = r.scaler.expect("fp16 scales the loss");
+                    assert!(skipped <= 3 && scale > 0.0 && scale.is_finite(), "{:?}", r.scaler);
+                    assert_eq!(scale, 256.0 / 2f32.powi(skipped as i32), "backoff 0.5 per skip");
+                }
+                _ => assert_eq!(r.scaler, None, "{p:?}"),
+            }
             let v = real_run(&Device::virtual_device(REAL_CAPACITY), &pm, p, 2, 3).unwrap();
             assert!(v.losses.is_empty(), "{p:?}");
+            assert_eq!(v.scaler, None, "{p:?}: nothing computed, nothing scaled");
             assert_eq!(
                 (r.split.peak, r.split.reserved),
                 (v.split.peak, v.split.reserved),

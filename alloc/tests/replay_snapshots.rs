@@ -639,3 +639,37 @@ fn a_replay_error_that_was_an_oom_stays_an_oom() {
         "the replay's own trace overflowed 10 entries; segment actions are incomplete"
     );
 }
+
+// ---- PyTorch 2.11 recordings from an H100 that diverged (issue 38) ---------------------
+
+/// What `cargo xtask replay FILE --strict [--recorded-conf C] [--capacity N]` checks: the
+/// replay under the recorded settings, at the recorded capacity, matches the recording.
+fn strict_check(
+    name: &str,
+    recorded_conf: Option<&str>,
+    capacity: Option<u64>,
+) -> vram_alloc::replay::WhatIf {
+    let mut rec = PyTorchSnapshot::load(fixture(name)).unwrap().recording(None).unwrap();
+    if let Some(c) = recorded_conf {
+        rec.config = c.to_string();
+    }
+    let capacity = capacity.map_or_else(|| rec.infer_capacity(), CapacityChoice::given);
+    let w = rec.what_if(rec.recorded_config().unwrap(), &[], capacity).unwrap();
+    assert!(w.reproduction.matches(), "{name}: {}", w.reproduction);
+    assert_eq!(w.baseline.error, None, "{name}");
+    assert_eq!(w.baseline.peak_reserved, w.recorded.peak_reserved, "{name}");
+    w
+}
+
+/// Expandable segments: the trace's `segment_map`/`segment_unmap` ranges start inside earlier
+/// mapped ranges, and the snapshot's segments are mapped runs; by address ranges, the trace
+/// starts from an empty cache (it was said to start after 2 segments, 480 MiB).
+#[test]
+fn soup_expandable_replays_step_for_step() {
+    let rec =
+        PyTorchSnapshot::load(fixture("soup_expandable.pickle")).unwrap().recording(None).unwrap();
+    assert!(rec.starts_empty(), "{:?} {:?}", rec.prior_segments, rec.prior_blocks);
+    let w = strict_check("soup_expandable.pickle", None, None);
+    assert_eq!(w.recorded.peak_reserved, 2_334_130_176);
+    assert_eq!((w.baseline.recorded_ooms, w.baseline.ooms_reproduced), (50, 50));
+}

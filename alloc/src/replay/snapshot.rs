@@ -506,13 +506,68 @@ struct Before {
     reserved: u64,
 }
 
-/// Whether an address lies in one of `ranges` (start -> end).
-fn covered(ranges: &BTreeMap<u64, u64>, addr: u64) -> bool {
-    ranges.range(..=addr).next_back().is_some_and(|(_, &end)| addr < end)
+/// Disjoint address ranges (start -> end), merged where they touch.
+#[derive(Default)]
+struct Ranges(BTreeMap<u64, u64>);
+
+impl Ranges {
+    /// The parts of `[start, end)` not in the set, in address order.
+    fn missing(&self, start: u64, end: u64) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        let mut at = start;
+        // The range that may cover `start`, then every range starting inside.
+        let first = self.0.range(..=start).next_back().map(|(&s, &e)| (s, e));
+        for (s, e) in first.into_iter().chain(self.0.range(start + 1..end).map(|(&s, &e)| (s, e))) {
+            if e <= at {
+                continue;
+            }
+            if s > at {
+                out.push((at, s.min(end)));
+            }
+            at = at.max(e);
+            if at >= end {
+                break;
+            }
+        }
+        if at < end {
+            out.push((at, end));
+        }
+        out
+    }
+
+    /// Adds `[start, end)`.
+    fn add(&mut self, mut start: u64, mut end: u64) {
+        if start >= end {
+            return;
+        }
+        if let Some((&s, &e)) = self.0.range(..=start).next_back()
+            && e >= start
+        {
+            start = s;
+            end = end.max(e);
+        }
+        let inside: Vec<u64> = self.0.range(start..=end).map(|(&s, _)| s).collect();
+        for s in inside {
+            if let Some(e) = self.0.remove(&s) {
+                end = end.max(e);
+            }
+        }
+        self.0.insert(start, end);
+    }
 }
 
 /// The blocks and segments that existed when the trace began, and the bytes then reserved,
 /// from the trace and the segments at its end.
+///
+/// Which memory was reserved before the trace is decided by address ranges, not by segment
+/// starts: every address the trace maps or allocates, or unmaps or frees, is *touched*; memory
+/// that a `segment_free`/`segment_unmap` gives back, or that a segment at the end holds, and
+/// that no earlier entry touched, was reserved before the trace began. This matters for
+/// expandable segments, whose entries and snapshot segments are ranges of one reserved
+/// address space: PyTorch's `map_block` and `unmap_block` record the mapped or unmapped
+/// range (`SEGMENT_MAP`/`SEGMENT_UNMAP`), which may start inside an earlier mapped range and
+/// end beyond it, and `DeviceCachingAllocator::snapshot` reports one segment per contiguous
+/// mapped run. A trace that starts with an empty cache touches everything it later releases.
 fn before_trace(entries: &[Event], segments: &[&SnapshotSegment]) -> Before {
     #[derive(PartialEq)]
     enum State {
@@ -522,8 +577,8 @@ fn before_trace(entries: &[Event], segments: &[&SnapshotSegment]) -> Before {
     let mut known: HashMap<u64, State> = HashMap::new();
     let mut blocks = Vec::new();
     let mut prior_segments = Vec::new();
-    // Address ranges the trace allocated or mapped (so far, then in all).
-    let mut grown: BTreeMap<u64, u64> = BTreeMap::new();
+    // Address ranges the trace mapped, allocated, unmapped or freed so far.
+    let mut touched = Ranges::default();
     let mut growth: i128 = 0;
     for e in entries {
         match e.action {
@@ -550,30 +605,23 @@ fn before_trace(entries: &[Event], segments: &[&SnapshotSegment]) -> Before {
             }
             a if a.grows() && e.size > 0 => {
                 growth += e.size as i128;
-                let end = e.addr.saturating_add(e.size);
-                let slot = grown.entry(e.addr).or_insert(end);
-                *slot = (*slot).max(end);
+                touched.add(e.addr, e.addr.saturating_add(e.size));
             }
             a if a.shrinks() && e.size > 0 => {
                 growth -= e.size as i128;
-                if !covered(&grown, e.addr) {
-                    prior_segments.push(PriorSegment {
-                        addr: e.addr,
-                        size: e.size,
-                        stream: e.stream,
-                    });
+                let end = e.addr.saturating_add(e.size);
+                for (s, t) in touched.missing(e.addr, end) {
+                    prior_segments.push(PriorSegment { addr: s, size: t - s, stream: e.stream });
                 }
+                touched.add(e.addr, end);
             }
             _ => {}
         }
     }
     for s in segments {
-        if !covered(&grown, s.address) && s.total_size > 0 {
-            prior_segments.push(PriorSegment {
-                addr: s.address,
-                size: s.total_size,
-                stream: s.stream,
-            });
+        let end = s.address.saturating_add(s.total_size);
+        for (a, t) in touched.missing(s.address, end) {
+            prior_segments.push(PriorSegment { addr: a, size: t - a, stream: s.stream });
         }
         for b in &s.blocks {
             let pending_free = match b.state.as_str() {
@@ -592,4 +640,23 @@ fn before_trace(entries: &[Event], segments: &[&SnapshotSegment]) -> Before {
     let reserved_now: i128 = segments.iter().map(|s| s.total_size as i128).sum();
     let reserved = (reserved_now - growth).clamp(0, u64::MAX as i128) as u64;
     Before { blocks, segments: prior_segments, reserved }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Ranges;
+
+    #[test]
+    fn ranges_merge_and_say_what_is_missing() {
+        let mut r = Ranges::default();
+        r.add(100, 300);
+        r.add(120, 140); // inside: the nearest start (120) does not cover 200
+        assert_eq!(r.missing(200, 250), vec![]);
+        assert_eq!(r.missing(50, 350), vec![(50, 100), (300, 350)]);
+        r.add(400, 500);
+        assert_eq!(r.missing(250, 450), vec![(300, 400)]);
+        r.add(300, 400);
+        assert_eq!(r.0.len(), 1, "touching ranges merge");
+        assert_eq!(r.missing(0, 600), vec![(0, 100), (500, 600)]);
+    }
 }

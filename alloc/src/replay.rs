@@ -55,10 +55,12 @@
 //! `segment_free`/`segment_unmap` entries is `torch.cuda.empty_cache()`, and the replay calls
 //! [`CachingAllocator::empty_cache`] there, unless an allocation needed it: the run is
 //! followed by an `oom`, or by a new segment that would not have fitted next to what was
-//! reserved (on the capacity replayed on, under a recorded memory fraction), or the recorded
-//! settings collect garbage. (PyTorch releases cached segments inside an allocation only
-//! after the device refused a new one, or to collect garbage, and always right before the
-//! new segment or the `oom`.) An `oom` entry replays the failed request: under settings
+//! reserved (on the capacity replayed on, under a recorded memory fraction), or garbage
+//! collection would have released it: the recorded settings collect garbage (a threshold
+//! and a memory fraction), reserved bytes were above the threshold's share of the cap, and
+//! the run frees only large-pool segments. (PyTorch releases cached segments inside an
+//! allocation only after the device refused a new one, or to collect garbage, and always
+//! right before the new segment or the `oom`.) An `oom` entry replays the failed request: under settings
 //! where it fits, it is an out-of-memory error avoided, and the block is freed again at once
 //! (the program never got it).
 //!

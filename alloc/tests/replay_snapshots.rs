@@ -673,3 +673,24 @@ fn soup_expandable_replays_step_for_step() {
     assert_eq!(w.recorded.peak_reserved, 2_334_130_176);
     assert_eq!((w.baseline.recorded_ooms, w.baseline.ooms_reproduced), (50, 50));
 }
+
+/// The device's total memory when the `soup_*` and `private_pools` fixtures were recorded
+/// (`torch.cuda.mem_get_info()[1]` on the H100 80GB).
+const H100_TOTAL: u64 = 85_017_493_504;
+
+/// Garbage collection with a memory fraction: reserved bytes never pass the threshold's
+/// share of the cap (0.6 x 5% of the device), so PyTorch's `garbage_collect_cached_blocks`
+/// releases nothing, and the release before entry 1670's new segment is the program's
+/// `empty_cache()` (it was taken for garbage collection and not replayed).
+#[test]
+fn soup_gc_fraction_replays_step_for_step() {
+    let w = strict_check(
+        "soup_gc_fraction.pickle",
+        Some("garbage_collection_threshold:0.6,per_process_memory_fraction:0.05"),
+        Some(H100_TOTAL),
+    );
+    assert_eq!(w.recorded.peak_reserved, 2_476_736_512);
+    assert_eq!((w.baseline.recorded_ooms, w.baseline.ooms_reproduced), (50, 50));
+    let empty_cache = w.recorded.calls.iter().find(|c| c.entry == 1669).expect("a call at 1669");
+    assert_eq!(empty_cache.kind, vram_alloc::replay::CallKind::EmptyCache);
+}

@@ -4,6 +4,7 @@ use super::engine::{ReplayReport, SegmentAction};
 use super::{Action, Event, Recording};
 use crate::config::AllocatorConfig;
 use crate::error::AllocError;
+use crate::policy::SMALL_BUFFER;
 use crate::util::human_bytes;
 use std::collections::BTreeSet;
 use std::fmt;
@@ -41,16 +42,27 @@ pub(crate) struct CallSites {
 
 /// Numbers the allocator calls of a trace and assigns its segment actions to them: the
 /// releases of an `empty_cache()` to it, every other segment action to the allocation it
-/// precedes. `reserved` holds the reserved bytes after each entry; a run of releases
-/// followed by a new segment belongs to that allocation if the segment would not have
-/// fitted under `limit` without them, or if garbage collection (`gc`) may have released
-/// them.
+/// precedes. `reserved` holds the reserved bytes after each entry.
+///
+/// The trace does not record `empty_cache()`; a run of releases is the allocator's own only
+/// where PyTorch's `DeviceCachingAllocator::malloc` releases cached segments itself:
+/// - after `alloc_block` failed (`release_available_cached_blocks`, then
+///   `release_cached_blocks`): the run is followed by an `oom`, or by a new segment that
+///   would not have fitted under `limit` (the device, or the memory fraction's cap:
+///   `alloc_block` refuses when `total_allocated_memory + size > allowed_memory_maximum`)
+///   next to what was reserved before the run;
+/// - garbage collection (`garbage_collect_cached_blocks`, on only with a memory fraction and
+///   a threshold: `gc_threshold` is `threshold * cap`): it releases nothing unless reserved
+///   bytes (`total_allocated_memory`) exceed the threshold, and it releases only unsplit
+///   blocks of the large pool, never a 2 MiB small-pool segment.
+///
+/// Every other run of releases is the program's `empty_cache()`.
 pub(crate) fn call_sites(
     entries: &[Event],
     reserved: &[u64],
     reserved_before: u64,
     limit: u64,
-    gc: bool,
+    gc_threshold: Option<u64>,
 ) -> CallSites {
     let n = entries.len();
     let mut sites = Vec::new();
@@ -65,9 +77,17 @@ pub(crate) fn call_sites(
                 end += 1;
             }
             let before = if i == 0 { reserved_before } else { reserved[i - 1] };
+            let run = &entries[i..end];
+            // Garbage collection frees whole segments (`release_block`, never an unmap) of the
+            // large pool: never a 2 MiB segment, which is a small-pool one (large-pool
+            // segments are 20 MiB, or 2 MiB multiples of at least 10 MiB).
+            let collectable = run
+                .iter()
+                .all(|e| e.action == Action::SegmentFree && e.size != SMALL_BUFFER as u64);
+            let collected = collectable && gc_threshold.is_some_and(|t| before > t);
             let inside_malloc = match entries.get(end) {
                 Some(e) if e.action == Action::Oom => true,
-                Some(e) if e.action.grows() => gc || before.saturating_add(e.size) > limit,
+                Some(e) if e.action.grows() => collected || before.saturating_add(e.size) > limit,
                 _ => false,
             };
             if !inside_malloc {
@@ -346,12 +366,18 @@ impl Recording {
     /// [module documentation](super) on `empty_cache()`).
     pub(crate) fn call_sites(&self, reserved: &[u64], capacity: u64) -> CallSites {
         let config = self.recorded_config().ok();
-        let limit = match config.as_ref().and_then(AllocatorConfig::memory_fraction) {
-            Some(f) => (f * capacity as f64) as u64,
-            None => capacity,
-        };
-        let gc = config.is_some_and(|c| c.garbage_collection_threshold().is_some());
-        call_sites(&self.entries, reserved, self.reserved_before, limit, gc)
+        let cap = config
+            .as_ref()
+            .and_then(AllocatorConfig::memory_fraction)
+            .map(|f| (f * capacity as f64) as u64);
+        let limit = cap.unwrap_or(capacity);
+        // As `State`: the threshold's share of the cap, garbage collection only with a cap.
+        let gc_threshold =
+            match (cap, config.as_ref().and_then(AllocatorConfig::garbage_collection_threshold)) {
+                (Some(cap), Some(t)) => Some((t * cap as f64) as u64),
+                _ => None,
+            };
+        call_sites(&self.entries, reserved, self.reserved_before, limit, gc_threshold)
     }
 
     /// The figures the trace itself gives: reserved bytes after each entry, counts, and the

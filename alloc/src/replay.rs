@@ -51,6 +51,14 @@
 //! as an out-of-memory retry does). Frees of addresses the trace never allocated are
 //! counted, never errors.
 //!
+//! Private pools (a CUDA graph's, a `torch.cuda.MemPool`'s): the snapshot's segments name
+//! their pool (`segment_pool_id`), and each `alloc` is given the pool of the segment that held
+//! its block (see [`Event::pool`]). A run of allocations to one private pool replays between
+//! [`CachingAllocator::begin_allocate_to_pool`] and
+//! [`CachingAllocator::end_allocate_to_pool`], so it uses that pool's blocks only, with
+//! PyTorch's rules while a capture is underway; pools are never released (graph resets
+//! and `MemPool` deletions are not recorded), so `empty_cache()` keeps their segments.
+//!
 //! Segment releases are replayed only where the program asked for them: a run of
 //! `segment_free`/`segment_unmap` entries is `torch.cuda.empty_cache()`, and the replay calls
 //! [`CachingAllocator::empty_cache`] there, unless an allocation needed it: the run is
@@ -88,6 +96,7 @@ pub use snapshot::{
     PyTorchSnapshot, RecordedSettings, SnapshotBlock, SnapshotError, SnapshotSegment,
 };
 
+use crate::block::MempoolId;
 use crate::caching::CachingAllocator;
 use crate::config::{AllocatorConfig, ConfigError};
 use crate::error::AllocError;
@@ -198,6 +207,12 @@ pub struct Event {
     /// The device's free bytes when an `oom` happened (0 otherwise).
     #[serde(default)]
     pub device_free: u64,
+    /// The memory pool of an `alloc` (and of an `oom` during a run of a private pool's
+    /// allocations): PyTorch's trace entries do not record it; the reader takes it from the
+    /// snapshot's segments (`segment_pool_id` of the segment that held the block). (0, 0)
+    /// for the default pools and for every other entry.
+    #[serde(default)]
+    pub pool: MempoolId,
 }
 
 /// A block that was live when the trace began (allocated before history was recorded).
@@ -211,6 +226,9 @@ pub struct PriorBlock {
     pub stream: u64,
     /// Whether it was already freed and waiting for other streams when the trace began.
     pub pending_free: bool,
+    /// Its memory pool ((0, 0) for the default pools).
+    #[serde(default)]
+    pub pool: MempoolId,
 }
 
 /// A segment that existed when the trace began.
@@ -222,6 +240,9 @@ pub struct PriorSegment {
     pub size: u64,
     /// Its stream.
     pub stream: u64,
+    /// Its memory pool ((0, 0) for the default pools).
+    #[serde(default)]
+    pub pool: MempoolId,
 }
 
 /// A trace with the context needed to replay it.

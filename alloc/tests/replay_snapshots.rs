@@ -9,8 +9,8 @@ use vram_alloc::replay::{
     ReplayError, SnapshotError,
 };
 use vram_alloc::{
-    AllocError, AllocatorConfig, CachingAllocator, DeviceMemory, MemInfo, OutOfMemoryError,
-    RawError, VirtualMemory,
+    AllocError, AllocatorConfig, CachingAllocator, DeviceMemory, MemInfo, MempoolId,
+    OutOfMemoryError, RawError, VirtualMemory,
 };
 
 const KIB: usize = 1 << 10;
@@ -693,4 +693,22 @@ fn soup_gc_fraction_replays_step_for_step() {
     assert_eq!((w.baseline.recorded_ooms, w.baseline.ooms_reproduced), (50, 50));
     let empty_cache = w.recorded.calls.iter().find(|c| c.entry == 1669).expect("a call at 1669");
     assert_eq!(empty_cache.kind, vram_alloc::replay::CallKind::EmptyCache);
+}
+
+/// A CUDA graph's private pool ((1, 0)) and a `torch.cuda.MemPool` ((0, 1)): each
+/// allocation replays in the pool the snapshot's segments give its block, so the capture's
+/// 1 MiB request at entry 48 gets a new 2 MiB segment of the graph's pool instead of the
+/// free room of a default-pool segment of the same stream.
+#[test]
+fn private_pools_replay_step_for_step() {
+    let rec =
+        PyTorchSnapshot::load(fixture("private_pools.pickle")).unwrap().recording(None).unwrap();
+    let pool_of = |i: usize| rec.entries[i].pool;
+    assert_eq!(pool_of(41), MempoolId::DEFAULT, "before the capture, on its stream");
+    assert_eq!(pool_of(48), MempoolId(1, 0), "the graph's pool");
+    assert_eq!(pool_of(52), MempoolId(0, 1), "the MemPool");
+    assert_eq!(pool_of(57), MempoolId::DEFAULT);
+    let w = strict_check("private_pools.pickle", None, None);
+    assert_eq!(w.recorded.peak_reserved, 144 << 20);
+    assert_eq!(w.recorded.streams.len(), 3);
 }

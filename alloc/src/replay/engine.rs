@@ -2,6 +2,7 @@
 
 use super::snapshot::parse_trace;
 use super::{Action, Recording};
+use crate::block::MempoolId;
 use crate::caching::{Allocation, CachingAllocator};
 use crate::error::AllocError;
 use crate::memory::{DeviceMemory, SimStreams, Stream};
@@ -168,6 +169,28 @@ impl<M: DeviceMemory> Live<'_, M> {
     }
 }
 
+/// Sends the next allocations to `pool`: the run of allocations to the private pool that is
+/// open (`open`) ends (`end_allocate_to_pool`) when one goes elsewhere, and a run to a
+/// private pool begins (`begin_allocate_to_pool`, every stream: within a run, every
+/// allocation went to that pool, as under `torch.cuda.use_mem_pool` or a graph capture).
+fn route<M: DeviceMemory>(
+    cache: &CachingAllocator<M>,
+    open: &mut Option<MempoolId>,
+    pool: MempoolId,
+) -> Result<(), AllocError> {
+    if *open == Some(pool) || (open.is_none() && !pool.is_private()) {
+        return Ok(());
+    }
+    if let Some(p) = open.take() {
+        cache.end_allocate_to_pool(p)?;
+    }
+    if pool.is_private() {
+        cache.begin_allocate_to_pool(pool, None)?;
+        *open = Some(pool);
+    }
+    Ok(())
+}
+
 /// Replays `rec` on `cache`; with `record`, turns the cache's history on to collect the
 /// segment actions (for a cache of the replay's own).
 pub(crate) fn run<M: DeviceMemory>(
@@ -198,7 +221,9 @@ pub(crate) fn run<M: DeviceMemory>(
     // The segments from before the trace, as cached free segments: allocated whole (a small
     // one as requests of the largest small size), then freed.
     let mut fillers = Vec::new();
+    let mut open: Option<MempoolId> = None;
     for seg in &rec.prior_segments {
+        route(cache, &mut open, seg.pool)?;
         let pieces: Vec<usize> = if seg.size as usize <= SMALL_BUFFER {
             vec![SMALL_SIZE; (seg.size as usize).div_ceil(SMALL_SIZE)]
         } else {
@@ -217,6 +242,7 @@ pub(crate) fn run<M: DeviceMemory>(
     let mut prior: Vec<_> = rec.prior_blocks.iter().collect();
     prior.sort_by_key(|b| (std::cmp::Reverse(b.size), b.addr));
     for b in prior {
+        route(cache, &mut open, b.pool)?;
         match cache.allocate_on(b.size as usize, Stream(b.stream)) {
             Ok(a) if b.pending_free => {
                 r.prior_blocks += 1;
@@ -260,6 +286,7 @@ pub(crate) fn run<M: DeviceMemory>(
                     }
                     st.failed.remove(&e.addr);
                     st.unmatched.remove(&e.addr);
+                    route(cache, &mut open, e.pool)?;
                     match cache.allocate_on(e.size as usize, Stream(e.stream)) {
                         Ok(a) => {
                             r.allocations += 1;
@@ -276,6 +303,7 @@ pub(crate) fn run<M: DeviceMemory>(
                 }
                 Action::Oom => {
                     malloc_calls.push(call);
+                    route(cache, &mut open, e.pool)?;
                     match cache.allocate_on(e.size as usize, Stream(e.stream)) {
                         Ok(a) => {
                             r.ooms_avoided += 1;
@@ -332,6 +360,8 @@ pub(crate) fn run<M: DeviceMemory>(
                     }
                 }
                 Action::SegmentFree | Action::SegmentUnmap if sites.empty_cache_start[i] => {
+                    // No capture is underway at an `empty_cache()` (PyTorch asserts it).
+                    route(cache, &mut open, MempoolId::DEFAULT)?;
                     let before = cache.memory_reserved();
                     cache.empty_cache();
                     let released = before.saturating_sub(cache.memory_reserved());
@@ -348,6 +378,7 @@ pub(crate) fn run<M: DeviceMemory>(
         });
     }
     drop(transient);
+    route(cache, &mut open, MempoolId::DEFAULT)?;
 
     if record {
         let trace = cache.trace();

@@ -6,6 +6,7 @@
 //! and more. Keys this reader does not need are ignored.
 
 use super::{Action, Event, PriorBlock, PriorSegment, Recording};
+use crate::block::MempoolId;
 use serde_pickle::{DeOptions, HashableValue, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -122,6 +123,9 @@ pub struct SnapshotSegment {
     pub segment_type: String,
     /// Whether it is (part of) an expandable segment.
     pub is_expandable: bool,
+    /// The memory pool that owns it (`segment_pool_id`; (0, 0) for the default pools, or
+    /// when the snapshot does not say).
+    pub pool: MempoolId,
     /// The blocks tiling it, by address.
     pub blocks: Vec<SnapshotBlock>,
 }
@@ -328,7 +332,7 @@ fn parse_event(v: &Value, device: usize, index: usize) -> Result<Event, Snapshot
         Some(v) => int_of(v).map_or(0, |t| t.clamp(0, u64::MAX as i128) as u64),
         None => 0,
     };
-    Ok(Event { action, addr, size, stream, time_us, device_free })
+    Ok(Event { action, addr, size, stream, time_us, device_free, pool: MempoolId::DEFAULT })
 }
 
 /// Reads a list of trace entries (a device trace, or vram's own `trace()` as a value).
@@ -363,6 +367,23 @@ fn parse_segment(v: &Value, i: usize) -> Result<SnapshotSegment, SnapshotError> 
         },
         segment_type: str_field(d, "segment_type"),
         is_expandable: matches!(get(d, "is_expandable"), Some(Value::Bool(true))),
+        pool: match get(d, "segment_pool_id") {
+            None | Some(Value::None) => MempoolId::DEFAULT,
+            Some(v) => {
+                let ppath = format!("{path}.segment_pool_id");
+                let pair = as_list(v, &ppath)?;
+                let part = |i: usize| -> Result<u64, SnapshotError> {
+                    match pair.get(i).and_then(int_of) {
+                        Some(x) if (0..=u64::MAX as i128).contains(&x) => Ok(x as u64),
+                        _ => Err(wrong(ppath.clone(), "a pair of non-negative ints", v)),
+                    }
+                };
+                if pair.len() != 2 {
+                    return Err(wrong(ppath, "a pair of non-negative ints", v));
+                }
+                MempoolId(part(0)?, part(1)?)
+            }
+        },
         blocks,
     })
 }
@@ -485,10 +506,11 @@ impl PyTorchSnapshot {
 
     /// The recording of `device`, even if its trace is empty.
     pub(crate) fn recording_of(&self, device: usize) -> Recording {
-        let entries = self.device_traces.get(device).cloned().unwrap_or_default();
+        let mut entries = self.device_traces.get(device).cloned().unwrap_or_default();
         let segments: Vec<&SnapshotSegment> =
             self.segments.iter().filter(|s| s.device == device).collect();
-        let before = before_trace(&entries, &segments);
+        let mut before = before_trace(&entries, &segments);
+        label_pools(&mut entries, &mut before, &segments);
         Recording {
             device_total: 0,
             config: self.settings.as_ref().map(RecordedSettings::to_conf).unwrap_or_default(),
@@ -600,6 +622,7 @@ fn before_trace(entries: &[Event], segments: &[&SnapshotSegment]) -> Before {
                         size: e.size,
                         stream: e.stream,
                         pending_free,
+                        pool: MempoolId::DEFAULT,
                     });
                 }
             }
@@ -611,7 +634,12 @@ fn before_trace(entries: &[Event], segments: &[&SnapshotSegment]) -> Before {
                 growth -= e.size as i128;
                 let end = e.addr.saturating_add(e.size);
                 for (s, t) in touched.missing(e.addr, end) {
-                    prior_segments.push(PriorSegment { addr: s, size: t - s, stream: e.stream });
+                    prior_segments.push(PriorSegment {
+                        addr: s,
+                        size: t - s,
+                        stream: e.stream,
+                        pool: MempoolId::DEFAULT,
+                    });
                 }
                 touched.add(e.addr, end);
             }
@@ -621,7 +649,12 @@ fn before_trace(entries: &[Event], segments: &[&SnapshotSegment]) -> Before {
     for s in segments {
         let end = s.address.saturating_add(s.total_size);
         for (a, t) in touched.missing(s.address, end) {
-            prior_segments.push(PriorSegment { addr: a, size: t - a, stream: s.stream });
+            prior_segments.push(PriorSegment {
+                addr: a,
+                size: t - a,
+                stream: s.stream,
+                pool: MempoolId::DEFAULT,
+            });
         }
         for b in &s.blocks {
             let pending_free = match b.state.as_str() {
@@ -631,7 +664,13 @@ fn before_trace(entries: &[Event], segments: &[&SnapshotSegment]) -> Before {
             };
             if !known.contains_key(&b.address) {
                 let size = if b.requested_size > 0 { b.requested_size } else { b.size };
-                blocks.push(PriorBlock { addr: b.address, size, stream: s.stream, pending_free });
+                blocks.push(PriorBlock {
+                    addr: b.address,
+                    size,
+                    stream: s.stream,
+                    pending_free,
+                    pool: MempoolId::DEFAULT,
+                });
             }
         }
     }
@@ -640,6 +679,85 @@ fn before_trace(entries: &[Event], segments: &[&SnapshotSegment]) -> Before {
     let reserved_now: i128 = segments.iter().map(|s| s.total_size as i128).sum();
     let reserved = (reserved_now - growth).clamp(0, u64::MAX as i128) as u64;
     Before { blocks, segments: prior_segments, reserved }
+}
+
+/// Gives each `alloc` the memory pool of the segment that held its block, and each `oom` the
+/// pool of the run of allocations it interrupted; likewise for the blocks and segments from
+/// before the trace. PyTorch's trace entries name no pool; its snapshot's segments do
+/// (`segment_pool_id`, from `DeviceCachingAllocator::snapshot`'s `owner_private_pool_id`).
+/// A segment that the trace creates has the pool of the snapshot's segment at its address
+/// if it is still there at the end (never freed afterwards); one freed before the end is
+/// taken to be the default pools' (the snapshot no longer says).
+fn label_pools(entries: &mut [Event], before: &mut Before, segments: &[&SnapshotSegment]) {
+    if segments.iter().all(|s| !s.pool.is_private()) {
+        return;
+    }
+    // The snapshot's segments by address: start -> (end, pool).
+    let at_end: BTreeMap<u64, (u64, MempoolId)> = segments
+        .iter()
+        .map(|s| (s.address, (s.address.saturating_add(s.total_size), s.pool)))
+        .collect();
+    let pool_at_end = |addr: u64| {
+        at_end
+            .range(..=addr)
+            .next_back()
+            .filter(|(_, (end, _))| addr < *end)
+            .map_or(MempoolId::DEFAULT, |(_, (_, p))| *p)
+    };
+    // The last release of each segment start: a segment created after it survives.
+    let mut last_release: HashMap<u64, usize> = HashMap::new();
+    for (i, e) in entries.iter().enumerate() {
+        if e.action.shrinks() {
+            last_release.insert(e.addr, i);
+        }
+    }
+    // Segments live so far: start -> (end, pool); a new one replaces those it overlays.
+    let mut live: BTreeMap<u64, (u64, MempoolId)> = BTreeMap::new();
+    for s in &before.segments {
+        live.insert(s.addr, (s.addr.saturating_add(s.size), pool_at_end(s.addr)));
+    }
+    let lookup = |live: &BTreeMap<u64, (u64, MempoolId)>, addr: u64| {
+        live.range(..=addr)
+            .rev()
+            .find(|(_, (end, _))| addr < *end)
+            .map(|(_, (_, p))| *p)
+            .unwrap_or_else(|| pool_at_end(addr))
+    };
+    let mut last_alloc: Option<(u64, MempoolId)> = None;
+    for (i, entry) in entries.iter_mut().enumerate() {
+        let e = *entry;
+        match e.action {
+            a if a.grows() && e.size > 0 => {
+                let end = e.addr.saturating_add(e.size);
+                let survives = last_release.get(&e.addr).is_none_or(|&r| r < i);
+                let pool = if survives { pool_at_end(e.addr) } else { MempoolId::DEFAULT };
+                let inside: Vec<u64> = live.range(e.addr..end).map(|(&s, _)| s).collect();
+                for s in inside {
+                    live.remove(&s);
+                }
+                live.insert(e.addr, (end, pool));
+            }
+            Action::Alloc => {
+                let pool = lookup(&live, e.addr);
+                entry.pool = pool;
+                last_alloc = Some((e.stream, pool));
+            }
+            Action::Oom => {
+                if let Some((stream, pool)) = last_alloc
+                    && stream == e.stream
+                {
+                    entry.pool = pool;
+                }
+            }
+            _ => {}
+        }
+    }
+    for s in &mut before.segments {
+        s.pool = pool_at_end(s.addr);
+    }
+    for b in &mut before.blocks {
+        b.pool = pool_at_end(b.addr);
+    }
 }
 
 #[cfg(test)]

@@ -85,6 +85,7 @@
 
 mod analysis;
 mod engine;
+mod scan;
 mod snapshot;
 
 pub use analysis::{

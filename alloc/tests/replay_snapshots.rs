@@ -478,6 +478,79 @@ fn bad_files_say_what_is_wrong() {
     assert!(err.to_string().contains("(oom) has no `device_free`"), "{err}");
 }
 
+/// The reader's limits: serde-pickle would take 4 GB of memory for a 1 MB file of nested
+/// MARKs, and recurse once per level of nested containers; the first pass refuses both
+/// before serde-pickle runs, in well under a second.
+#[test]
+fn hostile_pickles_are_refused_with_bounded_memory() {
+    let start = std::time::Instant::now();
+    let mut marks = b"\x80\x04".to_vec();
+    marks.extend(std::iter::repeat_n(b'(', 1 << 20));
+    marks.push(b'.');
+    let err = PyTorchSnapshot::from_pickle(&marks).unwrap_err();
+    assert!(matches!(err, SnapshotError::Limit(_)), "{err}");
+    assert!(err.to_string().contains("more than 64 MARKs"), "{err}");
+
+    // Lists in lists, 500,000 deep, in 1 MB.
+    let mut deep = b"\x80\x04".to_vec();
+    deep.extend(std::iter::repeat_n(b']', 500_000));
+    deep.extend(std::iter::repeat_n(b'a', 499_999));
+    deep.push(b'.');
+    let err = PyTorchSnapshot::from_pickle(&deep).unwrap_err();
+    assert!(err.to_string().contains("nest deeper than 64 levels"), "{err}");
+
+    // Nesting hidden behind the memo: lists made while empty, linked, then filled.
+    let mut hidden = b"\x80\x04]\x94]\x94".to_vec(); // memo 0 and 1: two empty lists
+    hidden.extend(b"h\x01h\x00a0"); // list 0 into list 1, through the memo
+    hidden.extend(b".");
+    let err = PyTorchSnapshot::from_pickle(&hidden).unwrap_err();
+    assert!(err.to_string().contains("changes after it was shared"), "{err}");
+    assert!(start.elapsed() < std::time::Duration::from_secs(5));
+
+    // A snapshot nested as PyTorch nests it passes.
+    let fine = snapshot_with(vec![entry("alloc", 4096, 512)]);
+    assert!(read(&fine).is_ok());
+}
+
+#[test]
+fn a_truncated_file_says_truncated_and_a_huge_file_is_refused_unread() {
+    let whole = std::fs::read(fixture("h100_gpt_default.pickle")).unwrap();
+    for cut in [1, whole.len() / 2, whole.len() - 1] {
+        let err = PyTorchSnapshot::from_pickle(&whole[..cut]).unwrap_err();
+        assert!(matches!(err, SnapshotError::Truncated { .. }), "{cut}: {err}");
+        assert!(err.to_string().contains("truncated"), "{err}");
+        assert!(!err.to_string().contains("offset"), "{err}");
+    }
+    // A sparse 5 GiB file: refused from its size alone.
+    let path = std::env::temp_dir().join(format!("vram-huge-{}.pickle", std::process::id()));
+    let f = std::fs::File::create(&path).unwrap();
+    f.set_len(5 << 30).unwrap();
+    let err = PyTorchSnapshot::load(&path).unwrap_err();
+    std::fs::remove_file(&path).ok();
+    assert!(matches!(err, SnapshotError::TooBig { .. }), "{err}");
+    assert!(err.to_string().contains("5368709120 bytes"), "{err}");
+}
+
+/// `size` 10**30 (Python writes it as LONG1 with 13 bytes): too large, not "an int,
+/// expected an int".
+#[test]
+fn an_int_past_64_bits_is_too_large_not_of_the_wrong_type() {
+    const MARKER: i64 = 0x0102_0304_0506_0708;
+    let bytes = snapshot_with(vec![entry("alloc", 4096, MARKER)]);
+    let mut old = vec![0x8a, 8];
+    old.extend(MARKER.to_le_bytes());
+    let at = bytes.windows(old.len()).position(|w| w == old).expect("LONG1 of the marker");
+    let mut new = vec![0x8a, 13];
+    new.extend(&10u128.pow(30).to_le_bytes()[..13]);
+    let patched = [&bytes[..at], &new[..], &bytes[at + old.len()..]].concat();
+    let err = read(&patched).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "`device_traces[0][0].size` is 1000000000000000000000000000000, too large: sizes, \
+         addresses and streams fit in 64 bits"
+    );
+}
+
 #[test]
 fn frees_of_addresses_never_allocated_are_counted_not_errors() {
     let trace = vec![

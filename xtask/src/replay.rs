@@ -66,6 +66,7 @@ pub fn run(args: ReplayArgs) -> Result<ExitCode, String> {
     if let Some(c) = &args.recorded_conf {
         parse_conf("--recorded-conf", c)?;
     }
+    check_out_dir(&args.out)?;
     let shown = args.snapshot.display();
     let snapshot = PyTorchSnapshot::load(&args.snapshot).map_err(|e| match e {
         SnapshotError::Io { .. } => e.to_string(),
@@ -139,7 +140,6 @@ pub fn run(args: ReplayArgs) -> Result<ExitCode, String> {
     print!("{}", what_if.table());
     println!();
 
-    std::fs::create_dir_all(&args.out).map_err(|e| format!("--out {}: {e}", args.out.display()))?;
     let stem = args.snapshot.file_stem().and_then(|s| s.to_str()).unwrap_or("snapshot");
     let svg_path = args.out.join(format!("{stem}.svg"));
     let title = format!(
@@ -155,6 +155,17 @@ pub fn run(args: ReplayArgs) -> Result<ExitCode, String> {
         return Ok(ExitCode::from(1));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Makes sure the output folder exists and takes files, before any work (so that a long
+/// replay does not end in an error about where to write).
+fn check_out_dir(out: &std::path::Path) -> Result<(), String> {
+    let shown = out.display();
+    std::fs::create_dir_all(out).map_err(|e| format!("--out {shown}: {e}"))?;
+    let probe = out.join(format!(".vram-replay-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"").map_err(|e| format!("--out {shown} does not take files: {e}"))?;
+    std::fs::remove_file(&probe).ok();
+    Ok(())
 }
 
 const COLOURS: [RGBColor; 6] = [
@@ -324,6 +335,32 @@ mod tests {
 
         let e = run(args(fixture("make_snapshots.py"), "errors")).unwrap_err();
         assert!(e.contains("make_snapshots.py: not a pickle"), "{e}");
+
+        // The output folder is checked before the snapshot is read: a file in its way.
+        let blocker =
+            std::env::temp_dir().join(format!("vram-xtask-blocker-{}", std::process::id()));
+        std::fs::write(&blocker, b"").unwrap();
+        let mut a = args(fixture("missing.pickle"), "errors");
+        a.out = blocker.join("svg");
+        let e = run(a).unwrap_err();
+        std::fs::remove_file(&blocker).ok();
+        assert!(e.starts_with("--out ") && !e.contains("missing.pickle"), "{e}");
+
+        // Hostile or damaged snapshots: refused with a message (status 2), not read.
+        let dir = std::env::temp_dir().join(format!("vram-xtask-bad-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let marks = dir.join("marks.pickle");
+        let mut bytes = b"\x80\x04".to_vec();
+        bytes.extend(std::iter::repeat_n(b'(', 1 << 20));
+        std::fs::write(&marks, &bytes).unwrap();
+        let e = run(args(marks, "errors")).unwrap_err();
+        assert!(e.contains("marks.pickle: refused: more than 64 MARKs"), "{e}");
+        let cut = dir.join("cut.pickle");
+        let whole = std::fs::read(fixture("training.pickle")).unwrap();
+        std::fs::write(&cut, &whole[..whole.len() / 3]).unwrap();
+        let e = run(args(cut, "errors")).unwrap_err();
+        assert!(e.contains("cut.pickle: the file is truncated"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
 
         let mut a = args(fixture("training.pickle"), "errors");
         a.device = Some(1);

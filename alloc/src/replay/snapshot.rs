@@ -5,7 +5,7 @@
 //! for `oom` `device_free`, `size`, `stream`, `time_us`, `frames`), `allocator_settings`
 //! and more. Keys this reader does not need are ignored.
 
-use super::{Action, Event, PriorBlock, PriorSegment, Recording};
+use super::{Action, Event, PriorBlock, PriorSegment, Recording, scan};
 use crate::block::MempoolId;
 use serde_pickle::{DeOptions, HashableValue, Value};
 use std::collections::{BTreeMap, HashMap};
@@ -25,6 +25,41 @@ pub enum SnapshotError {
     /// The bytes are not a pickle.
     #[error("not a pickle ({0}); expected a file written by torch.cuda.memory._dump_snapshot()")]
     NotAPickle(String),
+    /// The file ends before the pickle does.
+    #[error(
+        "the file is truncated: its {bytes} bytes end before the pickle does (was          _dump_snapshot interrupted, or the copy cut short?)"
+    )]
+    Truncated {
+        /// The file's size.
+        bytes: u64,
+    },
+    /// The pickle is built in a way that would take unbounded memory or recursion to read,
+    /// which no memory snapshot needs (see the limits in the message).
+    #[error("refused: {0}")]
+    Limit(String),
+    /// The file is larger than the reader accepts.
+    #[error(
+        "{path} has {bytes} bytes; the reader accepts snapshots of up to {limit} bytes          (record fewer entries: _record_memory_history(max_entries=...))"
+    )]
+    TooBig {
+        /// The file.
+        path: String,
+        /// Its size.
+        bytes: u64,
+        /// The most accepted.
+        limit: u64,
+    },
+    /// An integer does not fit in 64 bits.
+    #[error(
+        "`{path}` is {value}, too {}: sizes, addresses and streams fit in 64 bits",
+        if .value.starts_with('-') { "small" } else { "large" }
+    )]
+    TooLarge {
+        /// Where, e.g. `device_traces[0][12].size`.
+        path: String,
+        /// The value, in decimal.
+        value: String,
+    },
     /// The pickle holds something other than a dict.
     #[error(
         "the pickle holds {0}, not a dict; expected the dict torch.cuda.memory._snapshot() returns"
@@ -238,7 +273,13 @@ fn int_of(v: &Value) -> Option<i128> {
 }
 
 fn wrong(path: impl Into<String>, expected: &'static str, found: &Value) -> SnapshotError {
-    SnapshotError::WrongType { path: path.into(), expected, found: describe(found) }
+    match found {
+        // A big int (past 64 bits) is out of range, not of the wrong type.
+        Value::Int(i) if expected.contains("int") => {
+            SnapshotError::TooLarge { path: path.into(), value: i.to_string() }
+        }
+        _ => SnapshotError::WrongType { path: path.into(), expected, found: describe(found) },
+    }
 }
 
 fn as_list<'a>(v: &'a Value, path: &str) -> Result<&'a [Value], SnapshotError> {
@@ -429,13 +470,25 @@ impl PyTorchSnapshot {
     /// Reads a snapshot file.
     pub fn load(path: impl AsRef<Path>) -> Result<PyTorchSnapshot, SnapshotError> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path)
-            .map_err(|source| SnapshotError::Io { path: path.display().to_string(), source })?;
+        let io = |source| SnapshotError::Io { path: path.display().to_string(), source };
+        let bytes = std::fs::metadata(path).map_err(io)?.len();
+        if bytes > scan::MAX_FILE_BYTES {
+            return Err(SnapshotError::TooBig {
+                path: path.display().to_string(),
+                bytes,
+                limit: scan::MAX_FILE_BYTES,
+            });
+        }
+        let bytes = std::fs::read(path).map_err(io)?;
         PyTorchSnapshot::from_pickle(&bytes)
     }
 
-    /// Reads a snapshot from the bytes of its pickle.
+    /// Reads a snapshot from the bytes of its pickle. The pickle is checked first: at most
+    /// 64 `MARK`s open at once and containers nested at most 64 deep (a snapshot needs 7 of
+    /// each), no container changed after it was shared, no persistent ids or out-of-band
+    /// buffers; a file that ends early is [`SnapshotError::Truncated`].
     pub fn from_pickle(bytes: &[u8]) -> Result<PyTorchSnapshot, SnapshotError> {
+        scan::check(bytes)?;
         // serde-pickle counts the references to a memoized object, and a shared container
         // (PyTorch deduplicates `frames`: one list or frame dict serves many entries) makes
         // it resolve the objects inside more often than counted, then fail with "recursive

@@ -89,8 +89,8 @@ mod scan;
 mod snapshot;
 
 pub use analysis::{
-    CallKind, CallSite, CapacityChoice, CapacitySource, DEFAULT_CAPACITY, Divergence,
-    RecordedFigures, Reproduction, WhatIf,
+    Analysis, CallKind, CallSite, CapacityChoice, CapacitySource, DEFAULT_CAPACITY, Divergence,
+    OomVerdict, Origin, RecordedFigures, Reproduction, Row, TABLE_LEGEND, WhatIf, signed_bytes,
 };
 pub use engine::{ReplayError, ReplayReport, Sample, SegmentAction};
 pub use snapshot::{
@@ -246,6 +246,39 @@ pub struct PriorSegment {
     pub pool: MempoolId,
 }
 
+/// The resolution of [`Recording::smallest_capacity`]: 2 MiB, the unit of every segment
+/// and mapping (a capacity between two multiples fits what the lower one fits).
+pub const FIT_STEP: u64 = 2 << 20;
+
+/// The largest device [`Recording::smallest_capacity`] tries: 256 TiB.
+pub const FIT_LIMIT: u64 = 1 << 48;
+
+/// The smallest device that runs a trace without an out-of-memory error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Fit {
+    /// Bytes (a multiple of [`FIT_STEP`]; one step less fails).
+    Bytes(u64),
+    /// Not even this many bytes are enough.
+    Beyond(u64),
+}
+
+/// What a replay runs: allocator settings, and optionally an `empty_cache()` call the
+/// program did not make.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Scenario {
+    /// The settings.
+    pub config: AllocatorConfig,
+    /// Call `empty_cache()` before this trace entry.
+    pub empty_cache_before: Option<usize>,
+}
+
+impl Scenario {
+    /// Just settings.
+    pub fn settings(config: AllocatorConfig) -> Scenario {
+        Scenario { config, empty_cache_before: None }
+    }
+}
+
 /// A trace with the context needed to replay it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Recording {
@@ -344,7 +377,7 @@ impl Recording {
     /// `free_completed`. Peak statistics are reset where the trace starts (after the blocks
     /// from before it). Allocations still live at the end are freed when this returns.
     pub fn replay<M: DeviceMemory>(&self, cache: &CachingAllocator<M>) -> ReplayReport {
-        engine::run(self, cache, None, false, 0)
+        engine::run(self, cache, None, engine::Options::default())
             .unwrap_or_else(|e| ReplayReport { error: Some(e.into()), ..ReplayReport::default() })
     }
 
@@ -359,6 +392,28 @@ impl Recording {
         config: AllocatorConfig,
         capacity: u64,
     ) -> Result<ReplayReport, AllocError> {
+        self.replay_scenario(&Scenario::settings(config), capacity, capacity)
+    }
+
+    /// Replays the trace as [`Recording::replay_with`] does, under `scenario`, on a device of
+    /// `capacity` bytes; the trace is read as recorded on a device of `recorded_capacity`
+    /// (which decides which releases were the program's `empty_cache()`).
+    pub fn replay_scenario(
+        &self,
+        scenario: &Scenario,
+        capacity: u64,
+        recorded_capacity: u64,
+    ) -> Result<ReplayReport, AllocError> {
+        self.replay_on_virtual(scenario, capacity, recorded_capacity, true)
+    }
+
+    fn replay_on_virtual(
+        &self,
+        scenario: &Scenario,
+        capacity: u64,
+        recorded_capacity: u64,
+        full: bool,
+    ) -> Result<ReplayReport, AllocError> {
         let segments: Vec<(usize, u64)> = self
             .entries
             .iter()
@@ -366,7 +421,49 @@ impl Recording {
             .map(|e| (e.size as usize, e.addr))
             .collect();
         let memory = VirtualMemory::with_addresses(capacity, &segments);
-        let cache = CachingAllocator::with_config(memory, config)?;
-        engine::run(self, &cache, Some(cache.memory().streams()), true, capacity)
+        let cache = CachingAllocator::with_config(memory, scenario.config.clone())?;
+        let opts = engine::Options {
+            record: full,
+            capacity,
+            recorded_capacity,
+            empty_cache_before: scenario.empty_cache_before,
+            no_timeline: !full,
+        };
+        engine::run(self, &cache, Some(cache.memory().streams()), opts)
+    }
+
+    /// The smallest device on which `scenario` replays the whole trace without an
+    /// out-of-memory error, to [`FIT_STEP`] (segments and mappings are whole multiples of
+    /// it), searched by doubling from `start` and then bisection; the trace is read as
+    /// recorded on `recorded_capacity`. [`Fit::Beyond`] when even [`FIT_LIMIT`] is not
+    /// enough (a request of an exabyte always fails).
+    pub fn smallest_capacity(
+        &self,
+        scenario: &Scenario,
+        recorded_capacity: u64,
+        start: u64,
+    ) -> Result<Fit, AllocError> {
+        let fits = |cap: u64| -> Result<bool, AllocError> {
+            Ok(self.replay_on_virtual(scenario, cap, recorded_capacity, false)?.ran_without_oom())
+        };
+        let mut hi = start.max(FIT_STEP).next_multiple_of(FIT_STEP);
+        let mut lo = 0;
+        while !fits(hi)? {
+            lo = hi;
+            if hi >= FIT_LIMIT {
+                return Ok(Fit::Beyond(FIT_LIMIT));
+            }
+            hi = hi.saturating_mul(2).min(FIT_LIMIT);
+        }
+        while hi - lo > FIT_STEP {
+            let mid = (lo + (hi - lo) / 2) / FIT_STEP * FIT_STEP;
+            let mid = if mid <= lo { lo + FIT_STEP } else { mid };
+            if fits(mid)? {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        Ok(Fit::Bytes(hi))
     }
 }

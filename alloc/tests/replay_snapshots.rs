@@ -785,3 +785,115 @@ fn private_pools_replay_step_for_step() {
     assert_eq!(w.recorded.peak_reserved, 144 << 20);
     assert_eq!(w.recorded.streams.len(), 3);
 }
+
+// ---- what the replay tells a user (issue 38) -------------------------------------------
+
+fn gpt_default() -> Recording {
+    PyTorchSnapshot::load(fixture("h100_gpt_default.pickle")).unwrap().recording(None).unwrap()
+}
+
+fn analysis(
+    rec: &Recording,
+    settings: &[&str],
+    capacity: Option<u64>,
+) -> vram_alloc::replay::Analysis {
+    vram_alloc::replay::Analysis {
+        recorded: rec.recorded_config().unwrap(),
+        settings: settings
+            .iter()
+            .map(|c| vram_alloc::replay::Scenario::settings(conf(c)))
+            .collect(),
+        recorded_capacity: rec.infer_capacity(),
+        capacity: capacity.map(CapacityChoice::given),
+        suggest: true,
+        fits: true,
+    }
+}
+
+/// `garbage_collection_threshold` without a memory fraction does nothing in PyTorch: the
+/// row says so instead of repeating the recorded settings' figures.
+#[test]
+fn a_setting_that_does_nothing_says_so() {
+    let rec = gpt_default();
+    let w = rec
+        .analyse(&analysis(
+            &rec,
+            &["garbage_collection_threshold:0.6", "expandable_segments:True"],
+            None,
+        ))
+        .unwrap();
+    let why = w.rows[1].no_effect.as_deref().expect("no effect");
+    assert!(why.contains("without a memory fraction") && why.contains("defaults"), "{why}");
+    assert!(w.rows[2].no_effect.is_none());
+    let table = w.table();
+    let line = table.lines().find(|l| l.starts_with("garbage_collection_threshold:0.6")).unwrap();
+    assert!(line.contains("(no effect: garbage_collection_threshold has no effect"), "{table}");
+    assert!(!line.contains("GiB"), "no figures on a row that changes nothing: {line}");
+    // With a fraction it does something, and is replayed.
+    let with = conf("garbage_collection_threshold:0.6,per_process_memory_fraction:0.5");
+    assert!(with.inert().is_empty());
+    assert!(
+        vram_alloc::replay::TABLE_LEGEND
+            .contains("frag. at peak   (reserved - allocated) / reserved")
+    );
+}
+
+/// Growing requests, each segment then pinned by a small live block: the default pools
+/// cannot give the freed part of a pinned segment back, expandable segments unmap its whole
+/// pages. Recorded by vram on 80 GiB (no OOM there).
+fn pinned_fragmentation() -> Recording {
+    let cache = CachingAllocator::new(VirtualMemory::new(80 * GIB));
+    cache.record_history(Some(1 << 20));
+    let mut pins = Vec::new();
+    for i in 0..20 {
+        let a = cache.allocate((30 + 2 * i) * MIB + 4096).unwrap();
+        pins.push(cache.allocate(3 * MIB / 2).unwrap());
+        drop(a);
+    }
+    drop(pins);
+    Recording::capture(&cache)
+}
+
+/// A device smaller than the recording needed is a what-if: the check still runs on the
+/// recorded device and matches; the rows run on the smaller one, with new OOMs, the saving
+/// against the recording and the smallest device each runs on; the OOM answer says which
+/// settings avoid the OOMs there, and by how many bytes.
+#[test]
+fn a_smaller_device_is_a_what_if_and_the_oom_answer_gives_margins() {
+    let rec = pinned_fragmentation();
+    let recorded_peak = rec.figures(rec.infer_capacity().bytes).peak_reserved;
+    let small = 512 << 20;
+    assert!(recorded_peak > small);
+    let w = rec.analyse(&analysis(&rec, &[], Some(small))).unwrap();
+    assert!(w.reproduction.matches(), "{}", w.reproduction);
+    assert_eq!(w.check.as_ref().unwrap().peak_reserved, recorded_peak);
+    assert!(w.baseline.new_ooms() > 0, "the recorded settings run out of memory there");
+    assert!(w.has_oom());
+    // The suggestions: expandable segments, four split limits, an empty_cache().
+    let labels = w.labels();
+    assert!(labels.iter().any(|l| l == "* recorded + expandable_segments:True"), "{labels:?}");
+    assert!(labels.iter().any(|l| l == "* recorded + max_split_size_mb:256"), "{labels:?}");
+    assert!(labels.iter().any(|l| l.contains("empty_cache() at entry")), "{labels:?}");
+    let answer = w.oom_answer().unwrap();
+    let exp = answer.iter().find(|v| v.label == "* recorded + expandable_segments:True").unwrap();
+    assert!(exp.avoided, "{answer:?}\n{}", w.table());
+    let fits = match exp.fits_in {
+        Some(vram_alloc::replay::Fit::Bytes(b)) => b,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(exp.margin, Some(small as i128 - fits as i128));
+    assert!(exp.margin.unwrap() > 0);
+    let base = answer.iter().find(|v| v.label.ends_with("(recorded settings)")).unwrap();
+    assert!(!base.avoided && base.margin.unwrap() < 0, "{base:?}");
+    assert!(answer[0].avoided, "avoiding rows first: {answer:?}");
+    // The smallest device is exact to 2 MiB: 2 MiB less fails.
+    let s = vram_alloc::replay::Scenario::settings(conf("expandable_segments:True"));
+    let cap = rec.infer_capacity().bytes;
+    assert!(rec.replay_scenario(&s, fits, cap).unwrap().ran_without_oom());
+    assert!(!rec.replay_scenario(&s, fits - (2 << 20), cap).unwrap().ran_without_oom());
+    // The saving against the recording, in the table.
+    let table = w.table();
+    assert!(table.contains("saving") && table.contains("fits in"), "{table}");
+    let exp_row = w.reports().find(|r| r.label() == "expandable_segments:True").unwrap();
+    assert!(exp_row.peak_reserved < recorded_peak);
+}

@@ -897,3 +897,46 @@ fn a_smaller_device_is_a_what_if_and_the_oom_answer_gives_margins() {
     let exp_row = w.reports().find(|r| r.label() == "expandable_segments:True").unwrap();
     assert!(exp_row.peak_reserved < recorded_peak);
 }
+
+/// vram's own snapshots write each segment's pool (`segment_pool_id`), so a capture with a
+/// graph's private pool and a MemPool replays in those pools, step for step.
+#[test]
+fn vram_snapshots_write_private_pools_and_replay_them() {
+    let cache = CachingAllocator::new(VirtualMemory::new(4 * GIB));
+    cache.record_history(Some(1 << 20));
+    let weights = cache.allocate(4 * MIB).unwrap();
+    let small = cache.allocate(8 * KIB).unwrap();
+    let capture = Stream(0x55f0_0000_3000);
+    let graph = MempoolId(1, 0);
+    cache.begin_allocate_to_pool(graph, Some(capture)).unwrap();
+    let act = cache.allocate_on(MIB, capture).unwrap(); // a small segment of the graph's pool
+    let out = cache.allocate_on(2 * MIB, capture).unwrap();
+    drop(act);
+    cache.end_allocate_to_pool(graph).unwrap();
+    let mem_pool = MempoolId(0, 1);
+    cache.begin_allocate_to_pool(mem_pool, None).unwrap();
+    let pooled = cache.allocate(30 * MIB).unwrap();
+    cache.end_allocate_to_pool(mem_pool).unwrap();
+    drop(pooled);
+    // The default pool: not the MemPool's free 30 MiB block (a segment of its own).
+    let after = cache.allocate(20 * MIB).unwrap();
+    cache.empty_cache(); // the pools are in use: their segments stay
+    let snap = cache.snapshot();
+    let pools: std::collections::BTreeSet<(i64, i64)> =
+        snap.segments.iter().map(|s| s.segment_pool_id).collect();
+    assert_eq!(pools, [(0, 0), (0, 1), (1, 0)].into_iter().collect());
+    let rec = Recording::capture(&cache);
+    let pooled_alloc =
+        rec.entries.iter().find(|e| e.action == Action::Alloc && e.size == 30 * MIB as u64);
+    assert_eq!(pooled_alloc.unwrap().pool, mem_pool);
+    let report = rec.replay_with(AllocatorConfig::default(), 4 * GIB).unwrap();
+    assert!(rec.check(&report).matches(), "{}", rec.check(&report));
+    // Without the pools, the replay would differ: the 20 MiB would take the MemPool's block.
+    let mut flat = rec.clone();
+    for e in &mut flat.entries {
+        e.pool = MempoolId::DEFAULT;
+    }
+    let report = flat.replay_with(AllocatorConfig::default(), 4 * GIB).unwrap();
+    assert!(!flat.check(&report).matches());
+    drop((weights, small, out, after));
+}

@@ -557,7 +557,9 @@ pub fn timeline_svg(
     let (scale, unit) =
         if top >= 2 << 30 { ((1u64 << 30) as f64, "GiB") } else { ((1u64 << 20) as f64, "MiB") };
     let n = entries.len().max(2);
-    let (width, height, legend_width) = (1400u32, 640u32, 420u32);
+    // Tall enough for every legend line (at most three a row, and four more).
+    let lines = 4 + 3 * w.rows.len() as u32;
+    let (width, height, legend_width) = (1400u32, 640u32.max(60 + 20 * lines), 420u32);
     let mut legend: Vec<(Sample, String)> = Vec::new();
     let mut svg = String::new();
     {

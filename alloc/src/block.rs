@@ -58,6 +58,7 @@ pub(crate) struct Arena {
 }
 
 impl Arena {
+    #[inline]
     pub fn insert(&mut self, block: Block) -> BlockId {
         match self.vacant.pop() {
             Some(id) => {
@@ -72,6 +73,7 @@ impl Arena {
     }
 
     /// Marks `id` vacant; the slot is overwritten by a later insert.
+    #[inline]
     pub fn remove(&mut self, id: BlockId) {
         self.vacant.push(id);
     }

@@ -42,9 +42,12 @@ pub(crate) struct State<M: DeviceMemory> {
     /// Reserved memory may not exceed this (from the memory fraction).
     pub cap: Option<u64>,
     pub arena: Arena,
-    /// The pools of free blocks by [`PoolRef::index`]: the default small and large pools
-    /// (PyTorch's `small_blocks`, `large_blocks`), then two for each private pool slot.
-    pub pools: Vec<Pool>,
+    /// The default pools of free blocks (PyTorch's `small_blocks`, `large_blocks`).
+    pub small: Pool,
+    pub large: Pool,
+    /// The private pools' pools of free blocks, two per slot (small, large), by
+    /// [`PoolRef::index`] less 2.
+    pub private_pools: Vec<Pool>,
     /// Private pools by slot (PyTorch's `graph_pools`); `None` once deleted.
     pub private: Vec<Option<PrivatePool>>,
     /// The pools being allocated to (PyTorch's `captures_underway`): the private pool's slot
@@ -84,7 +87,9 @@ impl<M: DeviceMemory> State<M> {
             config,
             cap,
             arena: Arena::default(),
-            pools: vec![Pool::default(), Pool::default()],
+            small: Pool::default(),
+            large: Pool::default(),
+            private_pools: Vec::new(),
             private: Vec::new(),
             captures: Vec::new(),
             deferred_events: Vec::new(),
@@ -99,12 +104,20 @@ impl<M: DeviceMemory> State<M> {
 
     #[inline]
     pub fn pool(&self, pool: PoolRef) -> &Pool {
-        &self.pools[pool.index()]
+        match pool.index() {
+            0 => &self.small,
+            1 => &self.large,
+            i => &self.private_pools[i - 2],
+        }
     }
 
     #[inline]
     pub fn pool_mut(&mut self, pool: PoolRef) -> &mut Pool {
-        &mut self.pools[pool.index()]
+        match pool.index() {
+            0 => &mut self.small,
+            1 => &mut self.large,
+            i => &mut self.private_pools[i - 2],
+        }
     }
 
     /// `get_pool`: the pool for a rounded size requested on `stream`: a private pool's when
@@ -691,8 +704,8 @@ impl<M: DeviceMemory> State<M> {
             }
             None => {
                 self.private.push(Some(PrivatePool { id, use_count: 1, malloc_count: 0 }));
-                self.pools.push(Pool::default());
-                self.pools.push(Pool::default());
+                self.private_pools.push(Pool::default());
+                self.private_pools.push(Pool::default());
                 self.private.len() - 1
             }
         };

@@ -1,9 +1,13 @@
-//! Allocator speed: a cached malloc+free pair, the raw backend's pair for comparison, and
-//! RMM's random-allocations pattern (which also reports fragmentation with and without
-//! expandable segments).
+//! Allocator speed: a cached malloc+free pair, the same pair in a naive best-fit cache and
+//! the raw backend's pair for comparison (the ratio of the cached pair to the naive one,
+//! measured in the same run, is printed), and RMM's random-allocations pattern (which also
+//! reports fragmentation with and without expandable segments).
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use std::collections::{BTreeMap, BTreeSet};
 use std::hint::black_box;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 use vram_alloc::{AllocatorConfig, CachingAllocator, DeviceMemory, HostMemory, VirtualMemory};
 
 const SIZES: [(usize, &str); 4] =
@@ -24,6 +28,121 @@ fn cached_pair(c: &mut Criterion) {
         );
     }
     group.finish();
+}
+
+/// A naive best-fit cache, as one first writes it: one lock; free blocks in a sorted set by
+/// (size, address); every block in an address-ordered map; the remainder split off on
+/// allocation and free neighbours of the same segment merged on free; 2 MiB segments at
+/// least, never given back. No streams, statistics or PyTorch rules: the floor a caching
+/// allocator's bookkeeping is measured against.
+struct NaiveCache {
+    mem: HostMemory,
+    state: Mutex<NaiveState>,
+}
+
+#[derive(Default)]
+struct NaiveState {
+    free: BTreeSet<(usize, u64)>,
+    /// address -> (size, free, segment base)
+    blocks: BTreeMap<u64, (usize, bool, u64)>,
+}
+
+impl NaiveCache {
+    fn new(mem: HostMemory) -> Self {
+        NaiveCache { mem, state: Mutex::new(NaiveState::default()) }
+    }
+
+    fn allocate(&self, size: usize) -> u64 {
+        let size = size.max(1).next_multiple_of(512);
+        let mut s = self.state.lock().unwrap();
+        let found = s.free.range((size, 0)..).next().copied();
+        let (bsize, addr, seg) = match found {
+            Some((bsize, addr)) => {
+                s.free.remove(&(bsize, addr));
+                (bsize, addr, s.blocks[&addr].2)
+            }
+            None => {
+                let bsize = size.max(2 << 20);
+                let addr = self.mem.allocate(bsize).expect("host memory");
+                (bsize, addr, addr)
+            }
+        };
+        if bsize > size {
+            s.free.insert((bsize - size, addr + size as u64));
+            s.blocks.insert(addr + size as u64, (bsize - size, true, seg));
+        }
+        s.blocks.insert(addr, (size, false, seg));
+        addr
+    }
+
+    fn free(&self, addr: u64) {
+        let mut s = self.state.lock().unwrap();
+        let (mut size, _, seg) = s.blocks[&addr];
+        let mut start = addr;
+        let next = addr + size as u64;
+        if let Some(&(nsize, true, nseg)) = s.blocks.get(&next)
+            && nseg == seg
+        {
+            s.free.remove(&(nsize, next));
+            s.blocks.remove(&next);
+            size += nsize;
+        }
+        if let Some((&paddr, &(psize, true, pseg))) = s.blocks.range(..addr).next_back()
+            && pseg == seg
+            && paddr + psize as u64 == addr
+        {
+            s.free.remove(&(psize, paddr));
+            s.blocks.remove(&addr);
+            start = paddr;
+            size += psize;
+        }
+        s.blocks.insert(start, (size, true, seg));
+        s.free.insert((size, start));
+    }
+}
+
+fn naive_pair(c: &mut Criterion) {
+    let mut group = c.benchmark_group("naive_pair");
+    for (size, label) in SIZES {
+        let cache = NaiveCache::new(HostMemory::new(1 << 30));
+        cache.free(cache.allocate(size));
+        group.bench_function(BenchmarkId::from_parameter(label), |b| {
+            b.iter(|| cache.free(black_box(cache.allocate(black_box(size)))))
+        });
+    }
+    group.finish();
+}
+
+/// The cached pair's time over the naive cache's, measured here in alternating rounds (the
+/// best of each), for each size: the figure the allocator's speed goal is stated in.
+fn ratio_to_naive(_: &mut Criterion) {
+    const PAIRS: u32 = 200_000;
+    for (size, label) in SIZES {
+        let cache = CachingAllocator::new(HostMemory::new(1 << 30));
+        drop(cache.allocate(size).unwrap());
+        let naive = NaiveCache::new(HostMemory::new(1 << 30));
+        naive.free(naive.allocate(size));
+        let (mut ours, mut theirs) = (Duration::MAX, Duration::MAX);
+        for _ in 0..15 {
+            let t = Instant::now();
+            for _ in 0..PAIRS {
+                drop(black_box(cache.allocate(black_box(size)).unwrap()));
+            }
+            ours = ours.min(t.elapsed());
+            let t = Instant::now();
+            for _ in 0..PAIRS {
+                naive.free(black_box(naive.allocate(black_box(size))));
+            }
+            theirs = theirs.min(t.elapsed());
+        }
+        let per = |d: Duration| d.as_secs_f64() * 1e9 / PAIRS as f64;
+        eprintln!(
+            "cached_pair/{label}: {:.1} ns, naive best-fit cache {:.1} ns: ratio {:.2}x",
+            per(ours),
+            per(theirs),
+            per(ours) / per(theirs)
+        );
+    }
 }
 
 fn raw_pair(c: &mut Criterion) {
@@ -107,5 +226,5 @@ fn random_mix(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, cached_pair, raw_pair, random_mix);
+criterion_group!(benches, cached_pair, naive_pair, ratio_to_naive, raw_pair, random_mix);
 criterion_main!(benches);

@@ -2,7 +2,7 @@
 
 use crate::index::FreeIndex;
 use crate::memory::{DevicePtr, Stream};
-use crate::policy::PoolKind;
+use crate::policy::PoolRef;
 use std::collections::BTreeMap;
 
 /// Index of a block in the arena.
@@ -30,7 +30,7 @@ pub(crate) struct Block {
     /// Bytes the caller asked for (allocated blocks only).
     pub requested: usize,
     pub stream: Stream,
-    pub pool: PoolKind,
+    pub pool: PoolRef,
     pub prev: Option<BlockId>,
     pub next: Option<BlockId>,
     pub state: BlockState,
@@ -58,6 +58,7 @@ pub(crate) struct Arena {
 }
 
 impl Arena {
+    #[inline]
     pub fn insert(&mut self, block: Block) -> BlockId {
         match self.vacant.pop() {
             Some(id) => {
@@ -72,6 +73,7 @@ impl Arena {
     }
 
     /// Marks `id` vacant; the slot is overwritten by a later insert.
+    #[inline]
     pub fn remove(&mut self, id: BlockId) {
         self.vacant.push(id);
     }
@@ -109,8 +111,53 @@ pub(crate) struct Segment {
     /// Bytes with memory behind them (equal to `size` unless expandable).
     pub mapped: usize,
     pub stream: Stream,
-    pub pool: PoolKind,
+    pub pool: PoolRef,
     pub expandable: bool,
     /// The lowest block; merging always keeps the lower block, so this never changes.
     pub head: BlockId,
+}
+
+/// A private memory pool's id: PyTorch's `MempoolId_t`, a pair of integers. A CUDA graph's
+/// own pool is `(capture id, 0)`; `torch.cuda.MemPool` and `graph_pool_handle()` make
+/// `(0, n)`; `(0, 0)` stands for the default pools in snapshots (`segment_pool_id`).
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+pub struct MempoolId(pub u64, pub u64);
+
+impl MempoolId {
+    /// The default pools' id, (0, 0).
+    pub const DEFAULT: MempoolId = MempoolId(0, 0);
+
+    /// Whether this is a private pool's id (not (0, 0)).
+    pub fn is_private(self) -> bool {
+        self != MempoolId::DEFAULT
+    }
+}
+
+impl std::fmt::Display for MempoolId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "({}, {})", self.0, self.1)
+    }
+}
+
+/// A private pool (PyTorch's `PrivatePool`): its blocks are in two pools of their own
+/// (`State::pools`), never mixed with the default pools'.
+#[derive(Debug)]
+pub(crate) struct PrivatePool {
+    pub id: MempoolId,
+    /// Captures and pools that use it (`use_count`); at 0 it is freeable.
+    pub use_count: u32,
+    /// Its segments not given back (`cudaMalloc_count`).
+    pub malloc_count: u32,
 }

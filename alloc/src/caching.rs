@@ -1,6 +1,6 @@
 //! The public face of the cache: [`CachingAllocator`] and its RAII [`Allocation`] handles.
 
-use crate::block::BlockId;
+use crate::block::{BlockId, MempoolId};
 use crate::config::{AllocatorConfig, ConfigError};
 use crate::error::AllocError;
 use crate::memory::{DeviceMemory, DevicePtr, MemInfo, Stream};
@@ -32,7 +32,7 @@ impl<M: DeviceMemory> Drop for Inner<M> {
     /// leave its `cuMemAlloc` segments allocated until the process exits.
     fn drop(&mut self) {
         let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
-        state.release_cached_blocks(&self.mem);
+        state.release_everything(&self.mem);
     }
 }
 
@@ -112,9 +112,65 @@ impl<M: DeviceMemory> CachingAllocator<M> {
 
     /// Returns every cached block that spans a whole segment (and every free page of
     /// expandable segments) to the device, after waiting for pending cross-stream frees.
-    /// Live allocations are untouched.
+    /// Live allocations are untouched, and so are the cached blocks of private pools still
+    /// in use (see [`release_pool`](Self::release_pool)). While allocations go to a private
+    /// pool ([`begin_allocate_to_pool`](Self::begin_allocate_to_pool)) it releases nothing:
+    /// PyTorch refuses to synchronize during a capture.
     pub fn empty_cache(&self) {
-        self.state().release_cached_blocks(&self.inner.mem);
+        let mut state = self.state();
+        if state.captures.is_empty() {
+            state.release_cached_blocks(&self.inner.mem);
+        }
+    }
+
+    /// Sends allocations on `stream` (`None`: on every stream) to the private pool `pool`
+    /// until [`end_allocate_to_pool`](Self::end_allocate_to_pool), as a CUDA graph capture
+    /// (`torch.cuda.graph`) or `torch.cuda.use_mem_pool` does (PyTorch's
+    /// `beginAllocateToPool`). The pool is created with one user, or gains one if it exists.
+    ///
+    /// A private pool's blocks serve only its own allocations, and its cached segments stay
+    /// out of [`empty_cache`](Self::empty_cache) until every user has called
+    /// [`release_pool`](Self::release_pool). While allocations go to a pool, an allocation
+    /// that finds no room fails without releasing the cache, and frees used on other streams
+    /// wait until no pool is being allocated to.
+    ///
+    /// ```
+    /// use vram_alloc::{CachingAllocator, MempoolId, VirtualMemory};
+    ///
+    /// let cache = CachingAllocator::new(VirtualMemory::new(1 << 30));
+    /// let pool = MempoolId(0, 1);
+    /// cache.begin_allocate_to_pool(pool, None)?;
+    /// let a = cache.allocate(4 << 20)?;        // a 20 MiB segment of the pool
+    /// cache.end_allocate_to_pool(pool)?;
+    /// drop(a);
+    /// let b = cache.allocate(4 << 20)?;        // not from the pool's cached block
+    /// assert_eq!(cache.memory_reserved(), 40 << 20);
+    /// drop(b);
+    /// cache.empty_cache();                     // the pool is in use: its segment stays
+    /// assert_eq!(cache.memory_reserved(), 20 << 20);
+    /// cache.release_pool(pool)?;
+    /// cache.empty_cache();
+    /// assert_eq!(cache.memory_reserved(), 0);
+    /// # Ok::<(), vram_alloc::AllocError>(())
+    /// ```
+    pub fn begin_allocate_to_pool(
+        &self,
+        pool: MempoolId,
+        stream: Option<Stream>,
+    ) -> Result<(), AllocError> {
+        self.state().begin_allocate_to_pool(pool, stream)
+    }
+
+    /// Stops sending allocations to `pool` (PyTorch's `endAllocateToPool`).
+    pub fn end_allocate_to_pool(&self, pool: MempoolId) -> Result<(), AllocError> {
+        self.state().end_allocate_to_pool(pool)
+    }
+
+    /// One user of `pool` is done with it (a graph was reset, a `MemPool` deleted: PyTorch's
+    /// `releasePool`); when none is left, [`empty_cache`](Self::empty_cache) gives its
+    /// cached segments back, and deletes it once it has none.
+    pub fn release_pool(&self, pool: MempoolId) -> Result<(), AllocError> {
+        self.state().release_pool(pool)
     }
 
     /// Caps reserved memory at `fraction` of the device's total (`[0, 1]`); allocations that

@@ -492,6 +492,93 @@ impl AllocatorConfig {
         self.memory_fraction
     }
 
+    /// These settings with the keys `text` gives (PyTorch's syntax) set to its values, the
+    /// others kept: a change tried on top of recorded settings.
+    ///
+    /// ```
+    /// use vram_alloc::AllocatorConfig;
+    ///
+    /// let recorded = AllocatorConfig::parse("garbage_collection_threshold:0.6,max_split_size_mb:64")?;
+    /// let tried = recorded.with_overrides("max_split_size_mb:256,expandable_segments:True")?;
+    /// assert_eq!(
+    ///     tried.to_string(),
+    ///     "max_split_size_mb:256,garbage_collection_threshold:0.6,expandable_segments:True"
+    /// );
+    /// # Ok::<(), vram_alloc::ConfigError>(())
+    /// ```
+    pub fn with_overrides(&self, text: &str) -> Result<Self, ConfigError> {
+        Self::parse(text)?;
+        let over: String = text.chars().filter(|&c| !is_c_space(c)).collect();
+        let over_tokens = tokenize(&over);
+        let over_keys: Vec<Key> =
+            parse_items(&over_tokens)?.iter().filter_map(|(n, _)| lookup(n)).collect();
+        let mine = self.to_string();
+        let mine_tokens = tokenize(&mine);
+        let mut parts: Vec<String> = parse_items(&mine_tokens)?
+            .iter()
+            .filter(|(n, _)| lookup(n).is_none_or(|k| !over_keys.contains(&k)))
+            .map(|(n, v)| format!("{n}:{v}"))
+            .collect();
+        if !over.is_empty() {
+            parts.push(over);
+        }
+        Self::parse(&parts.join(","))
+    }
+
+    /// Settings given that change nothing in PyTorch itself (not only in vram), each with
+    /// why: `garbage_collection_threshold` without a memory fraction (`malloc` calls
+    /// `garbage_collect_cached_blocks` only when `set_fraction`), `max_non_split_rounding_mb`
+    /// without `max_split_size_mb` (`get_free_block` applies it only to requests of at least
+    /// `max_split_size`, unlimited by default).
+    pub fn inert(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.garbage_collection_threshold.is_some() && self.memory_fraction.is_none() {
+            out.push(
+                "garbage_collection_threshold has no effect without a memory fraction: \
+                 PyTorch's malloc collects garbage only when one is set \
+                 (torch.cuda.set_per_process_memory_fraction, or per_process_memory_fraction)"
+                    .to_string(),
+            );
+        }
+        if self.max_non_split_rounding_size.is_some() && self.max_split_size.is_none() {
+            out.push(
+                "max_non_split_rounding_mb has no effect without max_split_size_mb: \
+                 get_free_block applies it only to requests of at least max_split_size"
+                    .to_string(),
+            );
+        }
+        out
+    }
+
+    /// These settings without the ones [`inert`](Self::inert) lists: what actually
+    /// decides the allocator's behaviour.
+    pub fn effective(&self) -> Self {
+        let mut c = self.clone();
+        if c.memory_fraction.is_none() {
+            c.garbage_collection_threshold = None;
+        }
+        if c.max_split_size.is_none() {
+            c.max_non_split_rounding_size = None;
+        }
+        c.compat = Compat::default();
+        c
+    }
+
+    /// `roundup_power2_divisions` twice as fine in every interval that rounds (a smaller
+    /// round-up); `None` when nothing rounds or the divisions cannot double.
+    pub fn finer_roundup(&self) -> Option<Self> {
+        if !self.rounds_to_power2_divisions() {
+            return None;
+        }
+        let mut c = self.clone();
+        for d in &mut c.roundup_power2_divisions {
+            if *d > 1 {
+                *d = d.checked_mul(2).filter(|&x| x <= MAX_DIVISIONS)?;
+            }
+        }
+        Some(c)
+    }
+
     /// One line per key that was accepted (for compatibility with PyTorch's syntax) but has no
     /// effect in vram, saying why. Empty when every given key is applied.
     pub fn notes(&self) -> Vec<String> {

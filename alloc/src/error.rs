@@ -19,6 +19,10 @@ pub enum AllocError {
     /// The backend cannot do what the configuration asks.
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// A private pool was used in a way PyTorch refuses (allocating to it twice at once,
+    /// ending or releasing a pool not in use).
+    #[error("private pool: {0}")]
+    Pool(String),
 }
 
 impl AllocError {

@@ -14,13 +14,13 @@
 use crate::block::{Block, BlockId, BlockState, Segment};
 use crate::error::AllocError;
 use crate::memory::{DeviceMemory, RawError, Stream};
-use crate::policy::{LARGE_BUFFER, PoolKind, SMALL_BUFFER};
+use crate::policy::{LARGE_BUFFER, PoolKind, PoolRef, SMALL_BUFFER};
 use crate::state::State;
 use crate::trace::TraceAction;
 
 /// Mapping granularity of an expandable segment of `pool` (PyTorch's `segment_size_`).
-pub(crate) fn page_size(pool: PoolKind) -> usize {
-    match pool {
+pub(crate) fn page_size(pool: PoolRef) -> usize {
+    match pool.kind() {
         PoolKind::Small => SMALL_BUFFER,
         PoolKind::Large => LARGE_BUFFER,
     }
@@ -32,7 +32,7 @@ impl<M: DeviceMemory> State<M> {
     pub(crate) fn try_allocate_expandable_block(
         &mut self,
         mem: &M,
-        pool: PoolKind,
+        pool: PoolRef,
         stream: Stream,
         size: usize,
     ) -> Result<Option<BlockId>, AllocError> {
@@ -65,7 +65,7 @@ impl<M: DeviceMemory> State<M> {
     fn find_expandable_block(
         &mut self,
         mem: &M,
-        pool: PoolKind,
+        pool: PoolRef,
         stream: Stream,
         size: usize,
     ) -> Result<Option<BlockId>, AllocError> {
@@ -99,7 +99,7 @@ impl<M: DeviceMemory> State<M> {
     fn reserve_segment(
         &mut self,
         mem: &M,
-        pool: PoolKind,
+        pool: PoolRef,
         stream: Stream,
     ) -> Result<Option<BlockId>, AllocError> {
         let page = page_size(pool) as u64;
@@ -241,6 +241,7 @@ impl<M: DeviceMemory> State<M> {
         // with no pending events, so no work uses it.
         unsafe { mem.unmap(lo, bytes) };
         self.stats.reserved_bytes.decrease(pool, bytes as u64);
+        self.count_private_malloc(pool, false);
         self.stats.num_device_free += 1;
         self.segments.get_mut(&segment).expect("block's segment exists").mapped -= bytes;
         self.trace.record(TraceAction::SegmentUnmap, lo, bytes, stream);

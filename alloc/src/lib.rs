@@ -51,6 +51,7 @@ mod util;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+pub use block::MempoolId;
 pub use caching::{Allocation, CachingAllocator, StatsScope};
 pub use config::{AllocatorConfig, ConfigError, ENV_VAR};
 pub use error::{AllocError, OutOfMemoryError};

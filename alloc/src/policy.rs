@@ -41,6 +41,52 @@ impl PoolKind {
     }
 }
 
+/// One pool of free blocks: the default small or large pool, or the small or large pool of
+/// a private pool (PyTorch's `BlockPool`, owned by the allocator or by a `PrivatePool`).
+/// Index 0 and 1 are the default small and large pools; private pool slot `k` has `2 + 2k`
+/// and `3 + 2k`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct PoolRef(u32);
+
+impl PoolRef {
+    /// The default small pool.
+    pub const SMALL: PoolRef = PoolRef(0);
+    /// The default large pool.
+    pub const LARGE: PoolRef = PoolRef(1);
+
+    /// The `kind` pool of the private pool in `slot` (`None` for the default pools).
+    #[inline]
+    pub fn new(slot: Option<usize>, kind: PoolKind) -> PoolRef {
+        let base = slot.map_or(0, |k| 2 + 2 * k as u32);
+        PoolRef(base + (kind == PoolKind::Large) as u32)
+    }
+
+    /// Small or large.
+    #[inline]
+    pub fn kind(self) -> PoolKind {
+        if self.0 & 1 == 0 { PoolKind::Small } else { PoolKind::Large }
+    }
+
+    /// Where the pool is in the allocator's list of pools.
+    #[inline]
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+
+    /// The private pool's slot, `None` for the default pools.
+    #[inline]
+    pub fn private_slot(self) -> Option<usize> {
+        (self.0 >= 2).then(|| (self.0 as usize - 2) / 2)
+    }
+}
+
+impl From<PoolRef> for PoolKind {
+    #[inline]
+    fn from(p: PoolRef) -> PoolKind {
+        p.kind()
+    }
+}
+
 /// Rounds a request: at least 512 B, a multiple of 512 B, or to a power-of-two division when
 /// `roundup_power2_divisions` applies. `None` when the result would overflow. `power2` is
 /// `config.rounds_to_power2_divisions()`, which the cache computes once.

@@ -51,14 +51,24 @@
 //! as an out-of-memory retry does). Frees of addresses the trace never allocated are
 //! counted, never errors.
 //!
+//! Private pools (a CUDA graph's, a `torch.cuda.MemPool`'s): the snapshot's segments name
+//! their pool (`segment_pool_id`), and each `alloc` is given the pool of the segment that held
+//! its block (see [`Event::pool`]). A run of allocations to one private pool replays between
+//! [`CachingAllocator::begin_allocate_to_pool`] and
+//! [`CachingAllocator::end_allocate_to_pool`], so it uses that pool's blocks only, with
+//! PyTorch's rules while a capture is underway; pools are never released (graph resets
+//! and `MemPool` deletions are not recorded), so `empty_cache()` keeps their segments.
+//!
 //! Segment releases are replayed only where the program asked for them: a run of
 //! `segment_free`/`segment_unmap` entries is `torch.cuda.empty_cache()`, and the replay calls
 //! [`CachingAllocator::empty_cache`] there, unless an allocation needed it: the run is
 //! followed by an `oom`, or by a new segment that would not have fitted next to what was
-//! reserved (on the capacity replayed on, under a recorded memory fraction), or the recorded
-//! settings collect garbage. (PyTorch releases cached segments inside an allocation only
-//! after the device refused a new one, or to collect garbage, and always right before the
-//! new segment or the `oom`.) An `oom` entry replays the failed request: under settings
+//! reserved (on the capacity replayed on, under a recorded memory fraction), or garbage
+//! collection would have released it: the recorded settings collect garbage (a threshold
+//! and a memory fraction), reserved bytes were above the threshold's share of the cap, and
+//! the run frees only large-pool segments. (PyTorch releases cached segments inside an
+//! allocation only after the device refused a new one, or to collect garbage, and always
+//! right before the new segment or the `oom`.) An `oom` entry replays the failed request: under settings
 //! where it fits, it is an out-of-memory error avoided, and the block is freed again at once
 //! (the program never got it).
 //!
@@ -75,17 +85,19 @@
 
 mod analysis;
 mod engine;
+mod scan;
 mod snapshot;
 
 pub use analysis::{
-    CallKind, CallSite, CapacityChoice, CapacitySource, DEFAULT_CAPACITY, Divergence,
-    RecordedFigures, Reproduction, WhatIf,
+    Analysis, CallKind, CallSite, CapacityChoice, CapacitySource, DEFAULT_CAPACITY, Divergence,
+    OomVerdict, Origin, RecordedFigures, Reproduction, Row, TABLE_LEGEND, WhatIf, signed_bytes,
 };
 pub use engine::{ReplayError, ReplayReport, Sample, SegmentAction};
 pub use snapshot::{
     PyTorchSnapshot, RecordedSettings, SnapshotBlock, SnapshotError, SnapshotSegment,
 };
 
+use crate::block::MempoolId;
 use crate::caching::CachingAllocator;
 use crate::config::{AllocatorConfig, ConfigError};
 use crate::error::AllocError;
@@ -196,6 +208,12 @@ pub struct Event {
     /// The device's free bytes when an `oom` happened (0 otherwise).
     #[serde(default)]
     pub device_free: u64,
+    /// The memory pool of an `alloc` (and of an `oom` during a run of a private pool's
+    /// allocations): PyTorch's trace entries do not record it; the reader takes it from the
+    /// snapshot's segments (`segment_pool_id` of the segment that held the block). (0, 0)
+    /// for the default pools and for every other entry.
+    #[serde(default)]
+    pub pool: MempoolId,
 }
 
 /// A block that was live when the trace began (allocated before history was recorded).
@@ -209,6 +227,9 @@ pub struct PriorBlock {
     pub stream: u64,
     /// Whether it was already freed and waiting for other streams when the trace began.
     pub pending_free: bool,
+    /// Its memory pool ((0, 0) for the default pools).
+    #[serde(default)]
+    pub pool: MempoolId,
 }
 
 /// A segment that existed when the trace began.
@@ -220,6 +241,42 @@ pub struct PriorSegment {
     pub size: u64,
     /// Its stream.
     pub stream: u64,
+    /// Its memory pool ((0, 0) for the default pools).
+    #[serde(default)]
+    pub pool: MempoolId,
+}
+
+/// The resolution of [`Recording::smallest_capacity`]: 2 MiB, the unit of every segment
+/// and mapping (a capacity between two multiples fits what the lower one fits).
+pub const FIT_STEP: u64 = 2 << 20;
+
+/// The largest device [`Recording::smallest_capacity`] tries: 256 TiB.
+pub const FIT_LIMIT: u64 = 1 << 48;
+
+/// The smallest device that runs a trace without an out-of-memory error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Fit {
+    /// Bytes (a multiple of [`FIT_STEP`]; one step less fails).
+    Bytes(u64),
+    /// Not even this many bytes are enough.
+    Beyond(u64),
+}
+
+/// What a replay runs: allocator settings, and optionally an `empty_cache()` call the
+/// program did not make.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Scenario {
+    /// The settings.
+    pub config: AllocatorConfig,
+    /// Call `empty_cache()` before this trace entry.
+    pub empty_cache_before: Option<usize>,
+}
+
+impl Scenario {
+    /// Just settings.
+    pub fn settings(config: AllocatorConfig) -> Scenario {
+        Scenario { config, empty_cache_before: None }
+    }
 }
 
 /// A trace with the context needed to replay it.
@@ -320,7 +377,7 @@ impl Recording {
     /// `free_completed`. Peak statistics are reset where the trace starts (after the blocks
     /// from before it). Allocations still live at the end are freed when this returns.
     pub fn replay<M: DeviceMemory>(&self, cache: &CachingAllocator<M>) -> ReplayReport {
-        engine::run(self, cache, None, false, 0)
+        engine::run(self, cache, None, engine::Options::default())
             .unwrap_or_else(|e| ReplayReport { error: Some(e.into()), ..ReplayReport::default() })
     }
 
@@ -335,6 +392,28 @@ impl Recording {
         config: AllocatorConfig,
         capacity: u64,
     ) -> Result<ReplayReport, AllocError> {
+        self.replay_scenario(&Scenario::settings(config), capacity, capacity)
+    }
+
+    /// Replays the trace as [`Recording::replay_with`] does, under `scenario`, on a device of
+    /// `capacity` bytes; the trace is read as recorded on a device of `recorded_capacity`
+    /// (which decides which releases were the program's `empty_cache()`).
+    pub fn replay_scenario(
+        &self,
+        scenario: &Scenario,
+        capacity: u64,
+        recorded_capacity: u64,
+    ) -> Result<ReplayReport, AllocError> {
+        self.replay_on_virtual(scenario, capacity, recorded_capacity, true)
+    }
+
+    fn replay_on_virtual(
+        &self,
+        scenario: &Scenario,
+        capacity: u64,
+        recorded_capacity: u64,
+        full: bool,
+    ) -> Result<ReplayReport, AllocError> {
         let segments: Vec<(usize, u64)> = self
             .entries
             .iter()
@@ -342,7 +421,49 @@ impl Recording {
             .map(|e| (e.size as usize, e.addr))
             .collect();
         let memory = VirtualMemory::with_addresses(capacity, &segments);
-        let cache = CachingAllocator::with_config(memory, config)?;
-        engine::run(self, &cache, Some(cache.memory().streams()), true, capacity)
+        let cache = CachingAllocator::with_config(memory, scenario.config.clone())?;
+        let opts = engine::Options {
+            record: full,
+            capacity,
+            recorded_capacity,
+            empty_cache_before: scenario.empty_cache_before,
+            no_timeline: !full,
+        };
+        engine::run(self, &cache, Some(cache.memory().streams()), opts)
+    }
+
+    /// The smallest device on which `scenario` replays the whole trace without an
+    /// out-of-memory error, to [`FIT_STEP`] (segments and mappings are whole multiples of
+    /// it), searched by doubling from `start` and then bisection; the trace is read as
+    /// recorded on `recorded_capacity`. [`Fit::Beyond`] when even [`FIT_LIMIT`] is not
+    /// enough (a request of an exabyte always fails).
+    pub fn smallest_capacity(
+        &self,
+        scenario: &Scenario,
+        recorded_capacity: u64,
+        start: u64,
+    ) -> Result<Fit, AllocError> {
+        let fits = |cap: u64| -> Result<bool, AllocError> {
+            Ok(self.replay_on_virtual(scenario, cap, recorded_capacity, false)?.ran_without_oom())
+        };
+        let mut hi = start.max(FIT_STEP).next_multiple_of(FIT_STEP);
+        let mut lo = 0;
+        while !fits(hi)? {
+            lo = hi;
+            if hi >= FIT_LIMIT {
+                return Ok(Fit::Beyond(FIT_LIMIT));
+            }
+            hi = hi.saturating_mul(2).min(FIT_LIMIT);
+        }
+        while hi - lo > FIT_STEP {
+            let mid = (lo + (hi - lo) / 2) / FIT_STEP * FIT_STEP;
+            let mid = if mid <= lo { lo + FIT_STEP } else { mid };
+            if fits(mid)? {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        Ok(Fit::Bytes(hi))
     }
 }

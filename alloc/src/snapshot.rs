@@ -78,8 +78,8 @@ pub struct SegmentInfo {
     pub stream: u64,
     /// `"small"` or `"large"`.
     pub segment_type: String,
-    /// The memory pool that owns the segment; `(0, 0)` is the default pool (vram has no
-    /// private pools).
+    /// The memory pool that owns the segment: `(0, 0)` for the default pools, else the
+    /// private pool's id ([`crate::MempoolId`]).
     pub segment_pool_id: (i64, i64),
     /// Whether the segment is part of an expandable segment.
     pub is_expandable: bool,
@@ -244,8 +244,11 @@ impl Snapshot {
                     active_size: 0,
                     requested_size: 0,
                     stream: seg.stream.0,
-                    segment_type: seg.pool.name().to_string(),
-                    segment_pool_id: (0, 0),
+                    segment_type: seg.pool.kind().name().to_string(),
+                    segment_pool_id: {
+                        let id = state.mempool_id(seg.pool);
+                        (id.0 as i64, id.1 as i64)
+                    },
                     is_expandable: seg.expandable,
                     frames: Vec::new(),
                     blocks: Vec::new(),

@@ -6,12 +6,12 @@
 //! for the same sequence of requests. All methods run under the allocator's lock and take
 //! the raw memory as an argument.
 
-use crate::block::{Arena, Block, BlockId, BlockState, Pool, Segment};
+use crate::block::{Arena, Block, BlockId, BlockState, MempoolId, Pool, PrivatePool, Segment};
 use crate::config::AllocatorConfig;
 use crate::error::{AllocError, OutOfMemoryError};
 use crate::index::FreeKey;
 use crate::memory::{DeviceMemory, DevicePtr, RawError, Stream};
-use crate::policy::{self, PoolKind};
+use crate::policy::{self, PoolKind, PoolRef};
 use crate::stats::MemoryStats;
 use crate::trace::{Trace, TraceAction};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -42,8 +42,21 @@ pub(crate) struct State<M: DeviceMemory> {
     /// Reserved memory may not exceed this (from the memory fraction).
     pub cap: Option<u64>,
     pub arena: Arena,
+    /// The default pools of free blocks (PyTorch's `small_blocks`, `large_blocks`).
     pub small: Pool,
     pub large: Pool,
+    /// The private pools' pools of free blocks, two per slot (small, large), by
+    /// [`PoolRef::index`] less 2.
+    pub private_pools: Vec<Pool>,
+    /// Private pools by slot (PyTorch's `graph_pools`); `None` once deleted.
+    pub private: Vec<Option<PrivatePool>>,
+    /// The pools being allocated to (PyTorch's `captures_underway`): the private pool's slot
+    /// and the stream whose allocations go there (`None`: every stream, as
+    /// `torch.cuda.use_mem_pool` routes a thread's allocations).
+    pub captures: Vec<(usize, Option<Stream>)>,
+    /// Freed blocks used on other streams while a capture was underway, whose events wait
+    /// until none is (PyTorch's `needs_events_deferred_until_no_capture`).
+    deferred_events: Vec<BlockId>,
     /// Segments by base address.
     pub segments: BTreeMap<DevicePtr, Segment>,
     pub stats: MemoryStats,
@@ -76,6 +89,10 @@ impl<M: DeviceMemory> State<M> {
             arena: Arena::default(),
             small: Pool::default(),
             large: Pool::default(),
+            private_pools: Vec::new(),
+            private: Vec::new(),
+            captures: Vec::new(),
+            deferred_events: Vec::new(),
             segments: BTreeMap::new(),
             stats,
             stream_uses: HashMap::new(),
@@ -86,19 +103,35 @@ impl<M: DeviceMemory> State<M> {
     }
 
     #[inline]
-    pub fn pool(&self, kind: PoolKind) -> &Pool {
-        match kind {
-            PoolKind::Small => &self.small,
-            PoolKind::Large => &self.large,
+    pub fn pool(&self, pool: PoolRef) -> &Pool {
+        match pool.index() {
+            0 => &self.small,
+            1 => &self.large,
+            i => &self.private_pools[i - 2],
         }
     }
 
     #[inline]
-    pub fn pool_mut(&mut self, kind: PoolKind) -> &mut Pool {
-        match kind {
-            PoolKind::Small => &mut self.small,
-            PoolKind::Large => &mut self.large,
+    pub fn pool_mut(&mut self, pool: PoolRef) -> &mut Pool {
+        match pool.index() {
+            0 => &mut self.small,
+            1 => &mut self.large,
+            i => &mut self.private_pools[i - 2],
         }
+    }
+
+    /// `get_pool`: the pool for a rounded size requested on `stream`: a private pool's when
+    /// a capture (or `use_mem_pool`) is allocating to it for that stream, else the default.
+    #[inline(always)]
+    fn get_pool(&self, size: usize, stream: Stream) -> PoolRef {
+        let kind = PoolKind::for_size(size);
+        if !self.captures.is_empty()
+            && let Some(&(slot, _)) =
+                self.captures.iter().find(|(_, filter)| filter.is_none_or(|s| s == stream))
+        {
+            return PoolRef::new(Some(slot), kind);
+        }
+        PoolRef::new(None, kind)
     }
 
     /// PyTorch's `set_fraction && garbage_collection_threshold() > 0`: garbage collection and
@@ -123,12 +156,16 @@ impl<M: DeviceMemory> State<M> {
         if requested >= ONE_EXA_BYTE {
             return Err(self.too_large(mem, requested));
         }
-        if !self.pending.is_empty() {
+        // No event queries while a capture is underway (they are illegal in capture): the
+        // frees wait until none is.
+        if (!self.pending.is_empty() || !self.deferred_events.is_empty())
+            && self.captures.is_empty()
+        {
             self.process_events(mem);
         }
         let size = policy::round_size_with(requested, &self.config, self.power2_rounding)
             .ok_or_else(|| self.too_large(mem, requested))?;
-        let pool = PoolKind::for_size(size);
+        let pool = self.get_pool(size, stream);
         if let Some((key, id, pos)) = self.get_free_block(pool, stream, size) {
             self.hand_out(id, size, requested, Some((key, pos)));
             return Ok(id);
@@ -147,13 +184,15 @@ impl<M: DeviceMemory> State<M> {
         };
         let id = match found {
             Some(id) => id,
-            None => {
+            // Releasing the whole cache synchronizes, which a capture forbids.
+            None if self.captures.is_empty() => {
                 self.release_cached_blocks(mem);
                 match self.alloc_block(mem, pool, stream, size, alloc_size, true)? {
                     Some(id) => id,
                     None => return Err(self.out_of_memory(mem, requested, size, stream)),
                 }
             }
+            None => return Err(self.out_of_memory(mem, requested, size, stream)),
         };
         self.hand_out(id, size, requested, None);
         Ok(id)
@@ -165,7 +204,7 @@ impl<M: DeviceMemory> State<M> {
     #[inline(always)]
     fn get_free_block(
         &mut self,
-        pool: PoolKind,
+        pool: PoolRef,
         stream: Stream,
         size: usize,
     ) -> Option<(FreeKey, BlockId, usize)> {
@@ -196,7 +235,7 @@ impl<M: DeviceMemory> State<M> {
     #[cold]
     fn expandable_fit(
         &self,
-        pool: PoolKind,
+        pool: PoolRef,
         stream: Stream,
         mut pos: usize,
     ) -> Option<(FreeKey, BlockId, usize)> {
@@ -239,7 +278,7 @@ impl<M: DeviceMemory> State<M> {
     fn alloc_block(
         &mut self,
         mem: &M,
-        pool: PoolKind,
+        pool: PoolRef,
         stream: Stream,
         size: usize,
         alloc_size: usize,
@@ -254,13 +293,18 @@ impl<M: DeviceMemory> State<M> {
             return Ok(None);
         }
         if self.expandable {
-            return self.try_allocate_expandable_block(mem, pool, stream, size);
+            let found = self.try_allocate_expandable_block(mem, pool, stream, size)?;
+            if found.is_some() {
+                self.count_private_malloc(pool, true);
+            }
+            return Ok(found);
         }
         let ptr = match mem.allocate(alloc_size) {
             Ok(ptr) => ptr,
             Err(RawError::OutOfMemory { .. }) => return Ok(None),
             Err(e) => return Err(AllocError::Device(e.to_string())),
         };
+        self.count_private_malloc(pool, true);
         self.stats.num_device_alloc += 1;
         self.stats.segment.increase(pool, 1);
         self.stats.reserved_bytes.increase(pool, alloc_size as u64);
@@ -290,9 +334,9 @@ impl<M: DeviceMemory> State<M> {
     /// `should_split`: whether the rest of a block after `size` bytes becomes a block of its
     /// own.
     #[inline]
-    fn should_split(&self, pool: PoolKind, block_size: usize, size: usize) -> bool {
+    fn should_split(&self, pool: PoolRef, block_size: usize, size: usize) -> bool {
         let remaining = block_size - size;
-        if pool == PoolKind::Small || self.expandable {
+        if pool.kind() == PoolKind::Small || self.expandable {
             remaining >= policy::MIN_BLOCK_SIZE
         } else {
             size < self.max_split && remaining > policy::SMALL_SIZE
@@ -395,29 +439,52 @@ impl<M: DeviceMemory> State<M> {
         if size as usize >= max_split {
             self.stats.oversize_allocations.decrease(1);
         }
-        if !self.stream_uses.is_empty()
-            && let Some(uses) = self.stream_uses.remove(&id)
-        {
-            // `insert_events`: one event per other stream; the block waits for all of them.
-            let mut events = 0;
-            for other in uses {
-                match mem.record_event(other) {
-                    Ok(e) => {
-                        self.pending.push_back((e, id));
-                        events += 1;
-                    }
-                    // Without an event the block cannot be tracked: wait for the work now.
-                    Err(_) => mem.synchronize_all(),
-                }
+        if !self.stream_uses.is_empty() && self.stream_uses.contains_key(&id) {
+            if !self.captures.is_empty() {
+                // No events may be recorded for a capture's queries: they wait until no
+                // capture is underway (`needs_events_deferred_until_no_capture`).
+                self.arena[id].state = BlockState::PendingFree;
+                self.deferred_events.push(id);
+                return;
             }
-            if events > 0 {
-                let b = &mut self.arena[id];
-                b.pending_events = events;
-                b.state = BlockState::PendingFree;
+            if self.insert_events(mem, id) > 0 {
                 return;
             }
         }
         self.free_block(id);
+    }
+
+    /// `insert_events`: one event per other stream that used block `id`; the block waits for
+    /// all of them (pending free). Returns how many were recorded.
+    fn insert_events(&mut self, mem: &M, id: BlockId) -> u32 {
+        let uses = self.stream_uses.remove(&id).unwrap_or_default();
+        let mut events = 0;
+        for other in uses {
+            match mem.record_event(other) {
+                Ok(e) => {
+                    self.pending.push_back((e, id));
+                    events += 1;
+                }
+                // Without an event the block cannot be tracked: wait for the work now.
+                Err(_) => mem.synchronize_all(),
+            }
+        }
+        if events > 0 {
+            let b = &mut self.arena[id];
+            b.pending_events = events;
+            b.state = BlockState::PendingFree;
+        }
+        events
+    }
+
+    /// `insert_events_deferred_until_no_capture`: the events of blocks freed during a
+    /// capture, now that none is underway; blocks with none left are freed.
+    fn insert_events_deferred_until_no_capture(&mut self, mem: &M) {
+        for id in std::mem::take(&mut self.deferred_events) {
+            if self.insert_events(mem, id) == 0 {
+                self.free_block(id);
+            }
+        }
     }
 
     /// `free_block`: returns a block to its pool, merging it with free neighbours, and ends
@@ -498,6 +565,9 @@ impl<M: DeviceMemory> State<M> {
 
     /// `process_events`: frees blocks whose pending events have completed.
     fn process_events(&mut self, mem: &M) {
+        if !self.deferred_events.is_empty() {
+            self.insert_events_deferred_until_no_capture(mem);
+        }
         let mut i = 0;
         while i < self.pending.len() {
             if mem.event_completed(&self.pending[i].0) {
@@ -522,6 +592,9 @@ impl<M: DeviceMemory> State<M> {
     /// waiting on them.
     fn synchronize_and_free_events(&mut self, mem: &M) {
         self.stats.num_sync_all_streams += 1;
+        if !self.deferred_events.is_empty() {
+            self.insert_events_deferred_until_no_capture(mem);
+        }
         while let Some((event, id)) = self.pending.pop_front() {
             mem.synchronize_event(&event);
             mem.destroy_event(event);
@@ -545,16 +618,126 @@ impl<M: DeviceMemory> State<M> {
 
     /// `release_cached_blocks` (`empty_cache`): waits for pending frees, then returns every
     /// unsplit cached block of the large pool and then of the small pool to the device, and
-    /// unmaps the free pages of expandable segments.
+    /// unmaps the free pages of expandable segments; then does the same for the private
+    /// pools no longer in use (`graph_pools_freeable`: released by every capture and
+    /// `MemPool` that used them), small then large, deleting those left with no segment.
+    /// Private pools in use keep their cached blocks.
     pub fn release_cached_blocks(&mut self, mem: &M) {
         self.synchronize_and_free_events(mem);
-        self.release_blocks(mem, PoolKind::Large);
-        self.release_blocks(mem, PoolKind::Small);
+        self.release_blocks(mem, PoolRef::LARGE);
+        self.release_blocks(mem, PoolRef::SMALL);
+        for slot in 0..self.private.len() {
+            if self.private[slot].as_ref().is_none_or(|p| p.use_count != 0) {
+                continue;
+            }
+            self.release_blocks(mem, PoolRef::new(Some(slot), PoolKind::Small));
+            self.release_blocks(mem, PoolRef::new(Some(slot), PoolKind::Large));
+            if self.private[slot].as_ref().is_some_and(|p| p.malloc_count == 0) {
+                self.private[slot] = None;
+            }
+        }
+    }
+
+    /// Gives every cached segment back, private pools' included (the allocator is going
+    /// away: no capture or pool can use them any more).
+    pub fn release_everything(&mut self, mem: &M) {
+        self.captures.clear();
+        for p in self.private.iter_mut().flatten() {
+            p.use_count = 0;
+        }
+        self.release_cached_blocks(mem);
+    }
+
+    /// Counts a segment obtained (`true`) or given back for a private pool (PyTorch's
+    /// `cudaMalloc_count`, which decides when an unused private pool can be deleted).
+    #[inline]
+    pub(crate) fn count_private_malloc(&mut self, pool: PoolRef, obtained: bool) {
+        if let Some(slot) = pool.private_slot()
+            && let Some(p) = self.private.get_mut(slot).and_then(Option::as_mut)
+        {
+            p.malloc_count = if obtained {
+                p.malloc_count.saturating_add(1)
+            } else {
+                p.malloc_count.saturating_sub(1)
+            };
+        }
+    }
+
+    // ---- private pools ------------------------------------------------------------------
+
+    /// The slot of the live private pool `id`.
+    fn private_slot(&self, id: MempoolId) -> Option<usize> {
+        self.private.iter().position(|p| p.as_ref().is_some_and(|p| p.id == id))
+    }
+
+    /// The id of the pool `pool` belongs to ((0, 0) for the default pools).
+    pub fn mempool_id(&self, pool: PoolRef) -> MempoolId {
+        pool.private_slot()
+            .and_then(|slot| self.private.get(slot).and_then(Option::as_ref))
+            .map_or(MempoolId::DEFAULT, |p| p.id)
+    }
+
+    /// `beginAllocateToPool`: allocations on `stream` (`None`: on every stream) go to the
+    /// private pool `id` until [`Self::end_allocate_to_pool`]; the pool is created, or, if it
+    /// exists, gains a user (`use_count`).
+    pub fn begin_allocate_to_pool(
+        &mut self,
+        id: MempoolId,
+        stream: Option<Stream>,
+    ) -> Result<(), AllocError> {
+        if id == MempoolId::DEFAULT {
+            return Err(AllocError::Pool(format!("{id} is the default pool, not a private one")));
+        }
+        let slot = match self.private_slot(id) {
+            Some(slot) => {
+                if self.captures.iter().any(|&(s, _)| s == slot) {
+                    return Err(AllocError::Pool(format!("already allocating to pool {id}")));
+                }
+                let p = self.private[slot].as_mut().expect("live slot");
+                if p.use_count == 0 {
+                    return Err(AllocError::Pool(format!(
+                        "pool {id} was released by every user; it cannot be used again"
+                    )));
+                }
+                p.use_count += 1;
+                slot
+            }
+            None => {
+                self.private.push(Some(PrivatePool { id, use_count: 1, malloc_count: 0 }));
+                self.private_pools.push(Pool::default());
+                self.private_pools.push(Pool::default());
+                self.private.len() - 1
+            }
+        };
+        self.captures.push((slot, stream));
+        Ok(())
+    }
+
+    /// `endAllocateToPool`: allocations stop going to pool `id`.
+    pub fn end_allocate_to_pool(&mut self, id: MempoolId) -> Result<(), AllocError> {
+        let at = self
+            .private_slot(id)
+            .and_then(|slot| self.captures.iter().position(|&(s, _)| s == slot))
+            .ok_or_else(|| AllocError::Pool(format!("not allocating to pool {id}")))?;
+        self.captures.remove(at);
+        Ok(())
+    }
+
+    /// `releasePool`: one user of pool `id` (a graph, a `MemPool`) is gone; when none is
+    /// left, `empty_cache` may give its cached segments back (`graph_pools_freeable`).
+    pub fn release_pool(&mut self, id: MempoolId) -> Result<(), AllocError> {
+        let p = self
+            .private_slot(id)
+            .and_then(|slot| self.private[slot].as_mut())
+            .filter(|p| p.use_count > 0)
+            .ok_or_else(|| AllocError::Pool(format!("no pool {id} in use")))?;
+        p.use_count -= 1;
+        Ok(())
     }
 
     /// `release_blocks`: in best-fit order, releases unsplit blocks; then unmaps the free
     /// blocks of expandable segments and gives back segments left with nothing mapped.
-    fn release_blocks(&mut self, mem: &M, pool: PoolKind) {
+    fn release_blocks(&mut self, mem: &M, pool: PoolRef) {
         let blocks: Vec<BlockId> = self.pool(pool).free.values().collect();
         let mut to_unmap = Vec::new();
         for id in blocks {
@@ -582,7 +765,7 @@ impl<M: DeviceMemory> State<M> {
     fn release_available_cached_blocks(
         &mut self,
         mem: &M,
-        pool: PoolKind,
+        pool: PoolRef,
         stream: Stream,
         size: usize,
     ) -> bool {
@@ -631,6 +814,7 @@ impl<M: DeviceMemory> State<M> {
         self.pool_mut(pool).free.remove(&(stream, size, ptr));
         self.arena.remove(id);
         self.segments.remove(&ptr);
+        self.count_private_malloc(pool, false);
         // SAFETY: the segment came from `mem.allocate(size)` at `ptr`, and its only block is
         // free with no pending events, so nothing uses the memory.
         unsafe { mem.deallocate(ptr, size) };
@@ -656,14 +840,15 @@ impl<M: DeviceMemory> State<M> {
             return;
         }
         let target = reserved - gc_threshold;
-        let now = self.large.gc_calls;
+        let large = PoolRef::LARGE;
+        let now = self.pool(large).gc_calls;
         let age = |b: &Block| now - b.gc_base;
         let freeable = |s: &Self, id: BlockId| {
             let b = &s.arena[id];
             !b.is_split() && !b.expandable
         };
         let (mut total_age, mut count) = (0u64, 0u64);
-        for id in self.large.free.values() {
+        for id in self.pool(large).free.values() {
             if freeable(self, id) {
                 total_age += age(&self.arena[id]);
                 count += 1;
@@ -674,7 +859,7 @@ impl<M: DeviceMemory> State<M> {
         while reclaimed < target && block_freed && count > 0 {
             let age_threshold = total_age as f64 / count as f64;
             block_freed = false;
-            let blocks: Vec<BlockId> = self.large.free.values().collect();
+            let blocks: Vec<BlockId> = self.pool(large).free.values().collect();
             for id in blocks {
                 if freeable(self, id) && age(&self.arena[id]) as f64 >= age_threshold {
                     block_freed = true;

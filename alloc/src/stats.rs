@@ -52,21 +52,22 @@ pub struct StatArray {
 
 impl StatArray {
     #[inline]
-    pub(crate) fn increase(&mut self, pool: PoolKind, n: u64) {
+    pub(crate) fn increase(&mut self, pool: impl Into<PoolKind>, n: u64) {
         self.all.increase(n);
-        self.pool_mut(pool).increase(n);
+        self.pool_mut(pool.into()).increase(n);
     }
 
     #[inline]
-    pub(crate) fn decrease(&mut self, pool: PoolKind, n: u64) {
+    pub(crate) fn decrease(&mut self, pool: impl Into<PoolKind>, n: u64) {
         self.all.decrease(n);
-        self.pool_mut(pool).decrease(n);
+        self.pool_mut(pool.into()).decrease(n);
     }
 
     /// One net change, up or down (PyTorch's `free_block` applies the inactive-split change
     /// this way); none when `delta` is 0.
     #[inline]
-    pub(crate) fn apply(&mut self, pool: PoolKind, delta: i64) {
+    pub(crate) fn apply(&mut self, pool: impl Into<PoolKind>, delta: i64) {
+        let pool = pool.into();
         if delta > 0 {
             self.increase(pool, delta.unsigned_abs());
         } else if delta < 0 {

@@ -432,3 +432,43 @@ proptest! {
         prop_assert_eq!(c.roundup_power2_divisions(MB << k), 1 << k);
     }
 }
+
+/// `--conf` in `cargo xtask replay` adds to the recorded settings: the keys given replace
+/// the recorded values, the others stay.
+#[test]
+fn overrides_replace_the_keys_given_and_keep_the_others() {
+    let recorded = AllocatorConfig::parse(
+        "garbage_collection_threshold:0.6,per_process_memory_fraction:0.05,roundup_power2_divisions:[256:1,>:4]",
+    )
+    .unwrap();
+    let tried = recorded
+        .with_overrides("garbage_collection_threshold:0.8, expandable_segments:True")
+        .unwrap();
+    assert_eq!(tried.garbage_collection_threshold(), Some(0.8));
+    assert_eq!(tried.memory_fraction(), Some(0.05));
+    assert!(tried.expandable_segments());
+    assert_eq!(tried.roundup_power2_divisions(1 << 30), 4);
+    assert_eq!(recorded.with_overrides("").unwrap(), recorded);
+    assert!(recorded.with_overrides("colour:blue").is_err());
+    assert!(recorded.with_overrides("expandable_segments:True,expandable_segments:False").is_err());
+}
+
+/// Settings PyTorch ignores: garbage collection without a memory fraction, the non-split
+/// rounding without a split limit.
+#[test]
+fn settings_that_do_nothing_in_pytorch_are_named() {
+    let gc = AllocatorConfig::parse("garbage_collection_threshold:0.6").unwrap();
+    assert_eq!(gc.inert().len(), 1);
+    assert!(gc.inert()[0].contains("set_per_process_memory_fraction"), "{:?}", gc.inert());
+    assert_eq!(gc.effective(), AllocatorConfig::default());
+    let gc_fraction =
+        AllocatorConfig::parse("garbage_collection_threshold:0.6,per_process_memory_fraction:0.5")
+            .unwrap();
+    assert!(gc_fraction.inert().is_empty());
+    assert_eq!(gc_fraction.effective(), gc_fraction);
+    let rounding = AllocatorConfig::parse("max_non_split_rounding_mb:64").unwrap();
+    assert!(rounding.inert()[0].contains("max_split_size_mb"), "{:?}", rounding.inert());
+    assert!(AllocatorConfig::default().finer_roundup().is_none());
+    let four = AllocatorConfig::parse("roundup_power2_divisions:4").unwrap();
+    assert_eq!(four.finer_roundup().unwrap().roundup_power2_divisions(1 << 30), 8);
+}

@@ -292,3 +292,114 @@ fn statistics_never_wrap_on_a_16_eib_device() {
     assert_eq!((s.reserved_bytes.all.current, s.allocated_bytes.all.current), (0, 0));
     assert_eq!(s.allocated_bytes.all.allocated, s.allocated_bytes.all.freed);
 }
+
+// ---- private pools (CUDA graphs, torch.cuda.MemPool) -------------------------------------
+
+use vram_alloc::{AllocError, MempoolId};
+
+const GRAPH: MempoolId = MempoolId(1, 0);
+const MEMPOOL: MempoolId = MempoolId(0, 1);
+
+/// `get_pool`: while allocating to a private pool (`beginAllocateToPool`), requests on the
+/// filtered stream use the pool's own blocks, never the default pools' (and the default
+/// pools never use its blocks); other streams keep the default pools.
+#[test]
+fn a_private_pool_keeps_its_blocks_to_itself() {
+    let c = virt_with(GIB, "");
+    let default = c.allocate(512).unwrap(); // a 2 MiB default small segment, mostly free
+    c.begin_allocate_to_pool(GRAPH, Some(Stream(0))).unwrap();
+    let in_pool = c.allocate(512).unwrap();
+    assert_eq!(c.memory_reserved() as usize, 4 * MIB, "a small segment of the pool's own");
+    let other_stream = c.allocate_on(512, Stream(7)).unwrap();
+    assert_eq!(c.memory_reserved() as usize, 6 * MIB, "stream 7 is not captured");
+    c.end_allocate_to_pool(GRAPH).unwrap();
+    drop(in_pool);
+    let after = c.allocate(1 << 20).unwrap();
+    assert_eq!(c.memory_reserved() as usize, 6 * MIB, "the default segment serves it");
+    let snap = c.snapshot();
+    let pools: Vec<(i64, i64)> = snap.segments.iter().map(|s| s.segment_pool_id).collect();
+    assert_eq!(pools.iter().filter(|&&p| p == (1, 0)).count(), 1, "{pools:?}");
+    assert_eq!(pools.iter().filter(|&&p| p == (0, 0)).count(), 2, "{pools:?}");
+    drop((default, other_stream, after));
+}
+
+/// `release_cached_blocks`: a private pool in use keeps its cached segments through
+/// `empty_cache`; once every user released it (`releasePool`, `graph_pools_freeable`), they
+/// go, and the pool is deleted when it has none left (a new capture makes a fresh one).
+#[test]
+fn empty_cache_spares_private_pools_until_they_are_released() {
+    let c = virt_with(GIB, "");
+    c.begin_allocate_to_pool(MEMPOOL, None).unwrap();
+    let a = c.allocate_on(30 * MIB, Stream(3)).unwrap();
+    c.end_allocate_to_pool(MEMPOOL).unwrap();
+    c.begin_allocate_to_pool(MEMPOOL, None).unwrap(); // a second user of the same pool
+    c.end_allocate_to_pool(MEMPOOL).unwrap();
+    drop(a);
+    c.empty_cache();
+    assert_eq!(c.memory_reserved() as usize, 30 * MIB);
+    c.release_pool(MEMPOOL).unwrap();
+    c.empty_cache();
+    assert_eq!(c.memory_reserved() as usize, 30 * MIB, "one user left");
+    c.release_pool(MEMPOOL).unwrap();
+    c.empty_cache();
+    assert_eq!(c.memory_reserved(), 0);
+    assert!(c.release_pool(MEMPOOL).is_err(), "deleted");
+    c.begin_allocate_to_pool(MEMPOOL, None).unwrap();
+    c.end_allocate_to_pool(MEMPOOL).unwrap();
+}
+
+/// `malloc`: while a capture is underway, an allocation that does not fit fails without
+/// `release_cached_blocks` (it synchronizes), so no retry is counted and the default pools'
+/// cached segments stay.
+#[test]
+fn an_oom_during_a_capture_releases_nothing() {
+    let c = virt_with(64 << 20, "");
+    drop(c.allocate(40 * MIB).unwrap());
+    c.begin_allocate_to_pool(GRAPH, None).unwrap();
+    let err = c.allocate(40 * MIB).unwrap_err();
+    assert!(err.is_out_of_memory(), "{err}");
+    let s = c.memory_stats();
+    assert_eq!((s.num_alloc_retries, s.num_device_free, s.num_ooms), (0, 0, 1));
+    assert_eq!(c.memory_reserved() as usize, 40 * MIB);
+    c.empty_cache(); // refused during a capture
+    assert_eq!(c.memory_reserved() as usize, 40 * MIB);
+    c.end_allocate_to_pool(GRAPH).unwrap();
+    let ok = c.allocate(40 * MIB).unwrap();
+    assert_eq!(c.memory_stats().num_alloc_retries, 0, "the cached block fits");
+    drop(ok);
+}
+
+/// `free` during a capture: a block used on another stream gets its events only once no
+/// capture is underway (`needs_events_deferred_until_no_capture`, processed by the next
+/// `malloc`'s `process_events` outside a capture).
+#[test]
+fn frees_used_on_other_streams_wait_for_the_capture_to_end() {
+    let c = virt_with(GIB, "");
+    let a = c.allocate(12 * MIB).unwrap(); // a 12 MiB segment of its own
+    a.record_stream(Stream(9));
+    c.begin_allocate_to_pool(GRAPH, Some(Stream(5))).unwrap();
+    drop(a);
+    assert_eq!(c.memory_allocated(), 0);
+    let b = c.allocate(12 * MIB).unwrap(); // default pool: the block is not back yet
+    assert_eq!(c.memory_reserved() as usize, 24 * MIB);
+    c.end_allocate_to_pool(GRAPH).unwrap();
+    drop(b);
+    // The deferred events are recorded now; stream 9 is idle, so the block comes back.
+    let d = c.allocate(12 * MIB).unwrap();
+    let e = c.allocate(12 * MIB).unwrap();
+    assert_eq!(c.memory_reserved() as usize, 24 * MIB);
+    drop((d, e));
+}
+
+/// What PyTorch refuses: allocating to a pool twice at once, ending or releasing a pool not
+/// in use, the default pools as a private one.
+#[test]
+fn private_pool_misuse_is_an_error() {
+    let c = virt_with(GIB, "");
+    assert!(matches!(c.begin_allocate_to_pool(MempoolId::DEFAULT, None), Err(AllocError::Pool(_))));
+    assert!(matches!(c.end_allocate_to_pool(GRAPH), Err(AllocError::Pool(_))));
+    assert!(matches!(c.release_pool(GRAPH), Err(AllocError::Pool(_))));
+    c.begin_allocate_to_pool(GRAPH, None).unwrap();
+    let e = c.begin_allocate_to_pool(GRAPH, None).unwrap_err();
+    assert!(e.to_string().contains("already allocating to pool (1, 0)"), "{e}");
+}

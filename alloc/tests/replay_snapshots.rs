@@ -9,8 +9,8 @@ use vram_alloc::replay::{
     ReplayError, SnapshotError,
 };
 use vram_alloc::{
-    AllocError, AllocatorConfig, CachingAllocator, DeviceMemory, MemInfo, OutOfMemoryError,
-    RawError, VirtualMemory,
+    AllocError, AllocatorConfig, CachingAllocator, DeviceMemory, MemInfo, MempoolId,
+    OutOfMemoryError, RawError, VirtualMemory,
 };
 
 const KIB: usize = 1 << 10;
@@ -478,6 +478,79 @@ fn bad_files_say_what_is_wrong() {
     assert!(err.to_string().contains("(oom) has no `device_free`"), "{err}");
 }
 
+/// The reader's limits: serde-pickle would take 4 GB of memory for a 1 MB file of nested
+/// MARKs, and recurse once per level of nested containers; the first pass refuses both
+/// before serde-pickle runs, in well under a second.
+#[test]
+fn hostile_pickles_are_refused_with_bounded_memory() {
+    let start = std::time::Instant::now();
+    let mut marks = b"\x80\x04".to_vec();
+    marks.extend(std::iter::repeat_n(b'(', 1 << 20));
+    marks.push(b'.');
+    let err = PyTorchSnapshot::from_pickle(&marks).unwrap_err();
+    assert!(matches!(err, SnapshotError::Limit(_)), "{err}");
+    assert!(err.to_string().contains("more than 64 MARKs"), "{err}");
+
+    // Lists in lists, 500,000 deep, in 1 MB.
+    let mut deep = b"\x80\x04".to_vec();
+    deep.extend(std::iter::repeat_n(b']', 500_000));
+    deep.extend(std::iter::repeat_n(b'a', 499_999));
+    deep.push(b'.');
+    let err = PyTorchSnapshot::from_pickle(&deep).unwrap_err();
+    assert!(err.to_string().contains("nest deeper than 64 levels"), "{err}");
+
+    // Nesting hidden behind the memo: lists made while empty, linked, then filled.
+    let mut hidden = b"\x80\x04]\x94]\x94".to_vec(); // memo 0 and 1: two empty lists
+    hidden.extend(b"h\x01h\x00a0"); // list 0 into list 1, through the memo
+    hidden.extend(b".");
+    let err = PyTorchSnapshot::from_pickle(&hidden).unwrap_err();
+    assert!(err.to_string().contains("changes after it was shared"), "{err}");
+    assert!(start.elapsed() < std::time::Duration::from_secs(5));
+
+    // A snapshot nested as PyTorch nests it passes.
+    let fine = snapshot_with(vec![entry("alloc", 4096, 512)]);
+    assert!(read(&fine).is_ok());
+}
+
+#[test]
+fn a_truncated_file_says_truncated_and_a_huge_file_is_refused_unread() {
+    let whole = std::fs::read(fixture("h100_gpt_default.pickle")).unwrap();
+    for cut in [1, whole.len() / 2, whole.len() - 1] {
+        let err = PyTorchSnapshot::from_pickle(&whole[..cut]).unwrap_err();
+        assert!(matches!(err, SnapshotError::Truncated { .. }), "{cut}: {err}");
+        assert!(err.to_string().contains("truncated"), "{err}");
+        assert!(!err.to_string().contains("offset"), "{err}");
+    }
+    // A sparse 5 GiB file: refused from its size alone.
+    let path = std::env::temp_dir().join(format!("vram-huge-{}.pickle", std::process::id()));
+    let f = std::fs::File::create(&path).unwrap();
+    f.set_len(5 << 30).unwrap();
+    let err = PyTorchSnapshot::load(&path).unwrap_err();
+    std::fs::remove_file(&path).ok();
+    assert!(matches!(err, SnapshotError::TooBig { .. }), "{err}");
+    assert!(err.to_string().contains("5368709120 bytes"), "{err}");
+}
+
+/// `size` 10**30 (Python writes it as LONG1 with 13 bytes): too large, not "an int,
+/// expected an int".
+#[test]
+fn an_int_past_64_bits_is_too_large_not_of_the_wrong_type() {
+    const MARKER: i64 = 0x0102_0304_0506_0708;
+    let bytes = snapshot_with(vec![entry("alloc", 4096, MARKER)]);
+    let mut old = vec![0x8a, 8];
+    old.extend(MARKER.to_le_bytes());
+    let at = bytes.windows(old.len()).position(|w| w == old).expect("LONG1 of the marker");
+    let mut new = vec![0x8a, 13];
+    new.extend(&10u128.pow(30).to_le_bytes()[..13]);
+    let patched = [&bytes[..at], &new[..], &bytes[at + old.len()..]].concat();
+    let err = read(&patched).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "`device_traces[0][0].size` is 1000000000000000000000000000000, too large: sizes, \
+         addresses and streams fit in 64 bits"
+    );
+}
+
 #[test]
 fn frees_of_addresses_never_allocated_are_counted_not_errors() {
     let trace = vec![
@@ -638,4 +711,232 @@ fn a_replay_error_that_was_an_oom_stays_an_oom() {
         ReplayError::TraceOverflow { limit: 10 }.to_string(),
         "the replay's own trace overflowed 10 entries; segment actions are incomplete"
     );
+}
+
+// ---- PyTorch 2.11 recordings from an H100 that diverged (issue 38) ---------------------
+
+/// What `cargo xtask replay FILE --strict [--recorded-conf C] [--capacity N]` checks: the
+/// replay under the recorded settings, at the recorded capacity, matches the recording.
+fn strict_check(
+    name: &str,
+    recorded_conf: Option<&str>,
+    capacity: Option<u64>,
+) -> vram_alloc::replay::WhatIf {
+    let mut rec = PyTorchSnapshot::load(fixture(name)).unwrap().recording(None).unwrap();
+    if let Some(c) = recorded_conf {
+        rec.config = c.to_string();
+    }
+    let capacity = capacity.map_or_else(|| rec.infer_capacity(), CapacityChoice::given);
+    let w = rec.what_if(rec.recorded_config().unwrap(), &[], capacity).unwrap();
+    assert!(w.reproduction.matches(), "{name}: {}", w.reproduction);
+    assert_eq!(w.baseline.error, None, "{name}");
+    assert_eq!(w.baseline.peak_reserved, w.recorded.peak_reserved, "{name}");
+    w
+}
+
+/// Expandable segments: the trace's `segment_map`/`segment_unmap` ranges start inside earlier
+/// mapped ranges, and the snapshot's segments are mapped runs; by address ranges, the trace
+/// starts from an empty cache (it was said to start after 2 segments, 480 MiB).
+#[test]
+fn soup_expandable_replays_step_for_step() {
+    let rec =
+        PyTorchSnapshot::load(fixture("soup_expandable.pickle")).unwrap().recording(None).unwrap();
+    assert!(rec.starts_empty(), "{:?} {:?}", rec.prior_segments, rec.prior_blocks);
+    let w = strict_check("soup_expandable.pickle", None, None);
+    assert_eq!(w.recorded.peak_reserved, 2_334_130_176);
+    assert_eq!((w.baseline.recorded_ooms, w.baseline.ooms_reproduced), (50, 50));
+}
+
+/// The device's total memory when the `soup_*` and `private_pools` fixtures were recorded
+/// (`torch.cuda.mem_get_info()[1]` on the H100 80GB).
+const H100_TOTAL: u64 = 85_017_493_504;
+
+/// Garbage collection with a memory fraction: reserved bytes never pass the threshold's
+/// share of the cap (0.6 x 5% of the device), so PyTorch's `garbage_collect_cached_blocks`
+/// releases nothing, and the release before entry 1670's new segment is the program's
+/// `empty_cache()` (it was taken for garbage collection and not replayed).
+#[test]
+fn soup_gc_fraction_replays_step_for_step() {
+    let w = strict_check(
+        "soup_gc_fraction.pickle",
+        Some("garbage_collection_threshold:0.6,per_process_memory_fraction:0.05"),
+        Some(H100_TOTAL),
+    );
+    assert_eq!(w.recorded.peak_reserved, 2_476_736_512);
+    assert_eq!((w.baseline.recorded_ooms, w.baseline.ooms_reproduced), (50, 50));
+    let empty_cache = w.recorded.calls.iter().find(|c| c.entry == 1669).expect("a call at 1669");
+    assert_eq!(empty_cache.kind, vram_alloc::replay::CallKind::EmptyCache);
+}
+
+/// A CUDA graph's private pool ((1, 0)) and a `torch.cuda.MemPool` ((0, 1)): each
+/// allocation replays in the pool the snapshot's segments give its block, so the capture's
+/// 1 MiB request at entry 48 gets a new 2 MiB segment of the graph's pool instead of the
+/// free room of a default-pool segment of the same stream.
+#[test]
+fn private_pools_replay_step_for_step() {
+    let rec =
+        PyTorchSnapshot::load(fixture("private_pools.pickle")).unwrap().recording(None).unwrap();
+    let pool_of = |i: usize| rec.entries[i].pool;
+    assert_eq!(pool_of(41), MempoolId::DEFAULT, "before the capture, on its stream");
+    assert_eq!(pool_of(48), MempoolId(1, 0), "the graph's pool");
+    assert_eq!(pool_of(52), MempoolId(0, 1), "the MemPool");
+    assert_eq!(pool_of(57), MempoolId::DEFAULT);
+    let w = strict_check("private_pools.pickle", None, None);
+    assert_eq!(w.recorded.peak_reserved, 144 << 20);
+    assert_eq!(w.recorded.streams.len(), 3);
+}
+
+// ---- what the replay tells a user (issue 38) -------------------------------------------
+
+fn gpt_default() -> Recording {
+    PyTorchSnapshot::load(fixture("h100_gpt_default.pickle")).unwrap().recording(None).unwrap()
+}
+
+fn analysis(
+    rec: &Recording,
+    settings: &[&str],
+    capacity: Option<u64>,
+) -> vram_alloc::replay::Analysis {
+    vram_alloc::replay::Analysis {
+        recorded: rec.recorded_config().unwrap(),
+        settings: settings
+            .iter()
+            .map(|c| vram_alloc::replay::Scenario::settings(conf(c)))
+            .collect(),
+        recorded_capacity: rec.infer_capacity(),
+        capacity: capacity.map(CapacityChoice::given),
+        suggest: true,
+        fits: true,
+    }
+}
+
+/// `garbage_collection_threshold` without a memory fraction does nothing in PyTorch: the
+/// row says so instead of repeating the recorded settings' figures.
+#[test]
+fn a_setting_that_does_nothing_says_so() {
+    let rec = gpt_default();
+    let w = rec
+        .analyse(&analysis(
+            &rec,
+            &["garbage_collection_threshold:0.6", "expandable_segments:True"],
+            None,
+        ))
+        .unwrap();
+    let why = w.rows[1].no_effect.as_deref().expect("no effect");
+    assert!(why.contains("without a memory fraction") && why.contains("defaults"), "{why}");
+    assert!(w.rows[2].no_effect.is_none());
+    let table = w.table();
+    let line = table.lines().find(|l| l.starts_with("garbage_collection_threshold:0.6")).unwrap();
+    assert!(line.contains("(no effect: garbage_collection_threshold has no effect"), "{table}");
+    assert!(!line.contains("GiB"), "no figures on a row that changes nothing: {line}");
+    // With a fraction it does something, and is replayed.
+    let with = conf("garbage_collection_threshold:0.6,per_process_memory_fraction:0.5");
+    assert!(with.inert().is_empty());
+    assert!(
+        vram_alloc::replay::TABLE_LEGEND
+            .contains("frag. at peak   (reserved - allocated) / reserved")
+    );
+}
+
+/// Growing requests, each segment then pinned by a small live block: the default pools
+/// cannot give the freed part of a pinned segment back, expandable segments unmap its whole
+/// pages. Recorded by vram on 80 GiB (no OOM there).
+fn pinned_fragmentation() -> Recording {
+    let cache = CachingAllocator::new(VirtualMemory::new(80 * GIB));
+    cache.record_history(Some(1 << 20));
+    let mut pins = Vec::new();
+    for i in 0..20 {
+        let a = cache.allocate((30 + 2 * i) * MIB + 4096).unwrap();
+        pins.push(cache.allocate(3 * MIB / 2).unwrap());
+        drop(a);
+    }
+    drop(pins);
+    Recording::capture(&cache)
+}
+
+/// A device smaller than the recording needed is a what-if: the check still runs on the
+/// recorded device and matches; the rows run on the smaller one, with new OOMs, the saving
+/// against the recording and the smallest device each runs on; the OOM answer says which
+/// settings avoid the OOMs there, and by how many bytes.
+#[test]
+fn a_smaller_device_is_a_what_if_and_the_oom_answer_gives_margins() {
+    let rec = pinned_fragmentation();
+    let recorded_peak = rec.figures(rec.infer_capacity().bytes).peak_reserved;
+    let small = 512 << 20;
+    assert!(recorded_peak > small);
+    let w = rec.analyse(&analysis(&rec, &[], Some(small))).unwrap();
+    assert!(w.reproduction.matches(), "{}", w.reproduction);
+    assert_eq!(w.check.as_ref().unwrap().peak_reserved, recorded_peak);
+    assert!(w.baseline.new_ooms() > 0, "the recorded settings run out of memory there");
+    assert!(w.has_oom());
+    // The suggestions: expandable segments, four split limits, an empty_cache().
+    let labels = w.labels();
+    assert!(labels.iter().any(|l| l == "* recorded + expandable_segments:True"), "{labels:?}");
+    assert!(labels.iter().any(|l| l == "* recorded + max_split_size_mb:256"), "{labels:?}");
+    assert!(labels.iter().any(|l| l.contains("empty_cache() at entry")), "{labels:?}");
+    let answer = w.oom_answer().unwrap();
+    let exp = answer.iter().find(|v| v.label == "* recorded + expandable_segments:True").unwrap();
+    assert!(exp.avoided, "{answer:?}\n{}", w.table());
+    let fits = match exp.fits_in {
+        Some(vram_alloc::replay::Fit::Bytes(b)) => b,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(exp.margin, Some(small as i128 - fits as i128));
+    assert!(exp.margin.unwrap() > 0);
+    let base = answer.iter().find(|v| v.label.ends_with("(recorded settings)")).unwrap();
+    assert!(!base.avoided && base.margin.unwrap() < 0, "{base:?}");
+    assert!(answer[0].avoided, "avoiding rows first: {answer:?}");
+    // The smallest device is exact to 2 MiB: 2 MiB less fails.
+    let s = vram_alloc::replay::Scenario::settings(conf("expandable_segments:True"));
+    let cap = rec.infer_capacity().bytes;
+    assert!(rec.replay_scenario(&s, fits, cap).unwrap().ran_without_oom());
+    assert!(!rec.replay_scenario(&s, fits - (2 << 20), cap).unwrap().ran_without_oom());
+    // The saving against the recording, in the table.
+    let table = w.table();
+    assert!(table.contains("saving") && table.contains("fits in"), "{table}");
+    let exp_row = w.reports().find(|r| r.label() == "expandable_segments:True").unwrap();
+    assert!(exp_row.peak_reserved < recorded_peak);
+}
+
+/// vram's own snapshots write each segment's pool (`segment_pool_id`), so a capture with a
+/// graph's private pool and a MemPool replays in those pools, step for step.
+#[test]
+fn vram_snapshots_write_private_pools_and_replay_them() {
+    let cache = CachingAllocator::new(VirtualMemory::new(4 * GIB));
+    cache.record_history(Some(1 << 20));
+    let weights = cache.allocate(4 * MIB).unwrap();
+    let small = cache.allocate(8 * KIB).unwrap();
+    let capture = Stream(0x55f0_0000_3000);
+    let graph = MempoolId(1, 0);
+    cache.begin_allocate_to_pool(graph, Some(capture)).unwrap();
+    let act = cache.allocate_on(MIB, capture).unwrap(); // a small segment of the graph's pool
+    let out = cache.allocate_on(2 * MIB, capture).unwrap();
+    drop(act);
+    cache.end_allocate_to_pool(graph).unwrap();
+    let mem_pool = MempoolId(0, 1);
+    cache.begin_allocate_to_pool(mem_pool, None).unwrap();
+    let pooled = cache.allocate(30 * MIB).unwrap();
+    cache.end_allocate_to_pool(mem_pool).unwrap();
+    drop(pooled);
+    // The default pool: not the MemPool's free 30 MiB block (a segment of its own).
+    let after = cache.allocate(20 * MIB).unwrap();
+    cache.empty_cache(); // the pools are in use: their segments stay
+    let snap = cache.snapshot();
+    let pools: std::collections::BTreeSet<(i64, i64)> =
+        snap.segments.iter().map(|s| s.segment_pool_id).collect();
+    assert_eq!(pools, [(0, 0), (0, 1), (1, 0)].into_iter().collect());
+    let rec = Recording::capture(&cache);
+    let pooled_alloc =
+        rec.entries.iter().find(|e| e.action == Action::Alloc && e.size == 30 * MIB as u64);
+    assert_eq!(pooled_alloc.unwrap().pool, mem_pool);
+    let report = rec.replay_with(AllocatorConfig::default(), 4 * GIB).unwrap();
+    assert!(rec.check(&report).matches(), "{}", rec.check(&report));
+    // Without the pools, the replay would differ: the 20 MiB would take the MemPool's block.
+    let mut flat = rec.clone();
+    for e in &mut flat.entries {
+        e.pool = MempoolId::DEFAULT;
+    }
+    let report = flat.replay_with(AllocatorConfig::default(), 4 * GIB).unwrap();
+    assert!(!flat.check(&report).matches());
+    drop((weights, small, out, after));
 }

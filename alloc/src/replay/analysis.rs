@@ -1,10 +1,12 @@
 //! What a recording says by itself, whether a replay reproduces it, and what-if tables.
 
 use super::engine::{ReplayReport, SegmentAction};
-use super::{Action, Event, Recording};
+use super::{Action, Event, Fit, Recording, Scenario};
 use crate::config::AllocatorConfig;
 use crate::error::AllocError;
+use crate::policy::SMALL_BUFFER;
 use crate::util::human_bytes;
+use serde::Serialize;
 use std::collections::BTreeSet;
 use std::fmt;
 
@@ -41,16 +43,27 @@ pub(crate) struct CallSites {
 
 /// Numbers the allocator calls of a trace and assigns its segment actions to them: the
 /// releases of an `empty_cache()` to it, every other segment action to the allocation it
-/// precedes. `reserved` holds the reserved bytes after each entry; a run of releases
-/// followed by a new segment belongs to that allocation if the segment would not have
-/// fitted under `limit` without them, or if garbage collection (`gc`) may have released
-/// them.
+/// precedes. `reserved` holds the reserved bytes after each entry.
+///
+/// The trace does not record `empty_cache()`; a run of releases is the allocator's own only
+/// where PyTorch's `DeviceCachingAllocator::malloc` releases cached segments itself:
+/// - after `alloc_block` failed (`release_available_cached_blocks`, then
+///   `release_cached_blocks`): the run is followed by an `oom`, or by a new segment that
+///   would not have fitted under `limit` (the device, or the memory fraction's cap:
+///   `alloc_block` refuses when `total_allocated_memory + size > allowed_memory_maximum`)
+///   next to what was reserved before the run;
+/// - garbage collection (`garbage_collect_cached_blocks`, on only with a memory fraction and
+///   a threshold: `gc_threshold` is `threshold * cap`): it releases nothing unless reserved
+///   bytes (`total_allocated_memory`) exceed the threshold, and it releases only unsplit
+///   blocks of the large pool, never a 2 MiB small-pool segment.
+///
+/// Every other run of releases is the program's `empty_cache()`.
 pub(crate) fn call_sites(
     entries: &[Event],
     reserved: &[u64],
     reserved_before: u64,
     limit: u64,
-    gc: bool,
+    gc_threshold: Option<u64>,
 ) -> CallSites {
     let n = entries.len();
     let mut sites = Vec::new();
@@ -65,9 +78,17 @@ pub(crate) fn call_sites(
                 end += 1;
             }
             let before = if i == 0 { reserved_before } else { reserved[i - 1] };
+            let run = &entries[i..end];
+            // Garbage collection frees whole segments (`release_block`, never an unmap) of the
+            // large pool: never a 2 MiB segment, which is a small-pool one (large-pool
+            // segments are 20 MiB, or 2 MiB multiples of at least 10 MiB).
+            let collectable = run
+                .iter()
+                .all(|e| e.action == Action::SegmentFree && e.size != SMALL_BUFFER as u64);
+            let collected = collectable && gc_threshold.is_some_and(|t| before > t);
             let inside_malloc = match entries.get(end) {
                 Some(e) if e.action == Action::Oom => true,
-                Some(e) if e.action.grows() => gc || before.saturating_add(e.size) > limit,
+                Some(e) if e.action.grows() => collected || before.saturating_add(e.size) > limit,
                 _ => false,
             };
             if !inside_malloc {
@@ -346,12 +367,18 @@ impl Recording {
     /// [module documentation](super) on `empty_cache()`).
     pub(crate) fn call_sites(&self, reserved: &[u64], capacity: u64) -> CallSites {
         let config = self.recorded_config().ok();
-        let limit = match config.as_ref().and_then(AllocatorConfig::memory_fraction) {
-            Some(f) => (f * capacity as f64) as u64,
-            None => capacity,
-        };
-        let gc = config.is_some_and(|c| c.garbage_collection_threshold().is_some());
-        call_sites(&self.entries, reserved, self.reserved_before, limit, gc)
+        let cap = config
+            .as_ref()
+            .and_then(AllocatorConfig::memory_fraction)
+            .map(|f| (f * capacity as f64) as u64);
+        let limit = cap.unwrap_or(capacity);
+        // As `State`: the threshold's share of the cap, garbage collection only with a cap.
+        let gc_threshold =
+            match (cap, config.as_ref().and_then(AllocatorConfig::garbage_collection_threshold)) {
+                (Some(cap), Some(t)) => Some((t * cap as f64) as u64),
+                _ => None,
+            };
+        call_sites(&self.entries, reserved, self.reserved_before, limit, gc_threshold)
     }
 
     /// The figures the trace itself gives: reserved bytes after each entry, counts, and the
@@ -512,37 +539,262 @@ impl Recording {
 
     /// Replays the trace under the recorded settings (`baseline`) and under each of
     /// `settings`, on virtual memory of `capacity`, and checks the baseline against the
-    /// recording.
+    /// recording (a shorthand for [`Recording::analyse`] with the recorded device replayed
+    /// on, no suggestions and no search for the smallest device).
     pub fn what_if(
         &self,
         baseline: AllocatorConfig,
         settings: &[AllocatorConfig],
         capacity: CapacityChoice,
     ) -> Result<WhatIf, AllocError> {
-        let base = self.replay_with(baseline, capacity.bytes)?;
-        let reproduction = self.check(&base);
-        let variants = settings
-            .iter()
-            .map(|c| self.replay_with(c.clone(), capacity.bytes))
-            .collect::<Result<Vec<_>, _>>()?;
-        let recorded = self.figures(capacity.bytes);
-        Ok(WhatIf { capacity, recorded, baseline: base, reproduction, variants })
+        self.analyse(&Analysis {
+            recorded: baseline,
+            settings: settings.iter().cloned().map(Scenario::settings).collect(),
+            recorded_capacity: capacity,
+            capacity: None,
+            suggest: false,
+            fits: false,
+        })
+    }
+
+    /// The replay's answer: the recorded settings replayed on the recorded device and
+    /// checked against the recording; then the recorded settings and each scenario asked
+    /// for replayed on the device of [`Analysis::capacity`] (a what-if: a smaller device
+    /// is no divergence); with [`Analysis::suggest`], when the replay there runs out of
+    /// memory, the changes [`Recording::suggestions`] gives; with [`Analysis::fits`], the
+    /// smallest device each row runs on without an out-of-memory error.
+    pub fn analyse(&self, a: &Analysis) -> Result<WhatIf, AllocError> {
+        let recorded_cap = a.recorded_capacity.bytes;
+        let capacity = a.capacity.unwrap_or(a.recorded_capacity);
+        let check = self.replay_scenario(
+            &Scenario::settings(a.recorded.clone()),
+            recorded_cap,
+            recorded_cap,
+        )?;
+        let reproduction = self.check(&check);
+        let base_scenario = Scenario::settings(a.recorded.clone());
+        let baseline = if capacity.bytes == recorded_cap {
+            check.clone()
+        } else {
+            self.replay_scenario(&base_scenario, capacity.bytes, recorded_cap)?
+        };
+        let mut scenarios: Vec<(Scenario, Origin, Option<String>)> =
+            vec![(base_scenario, Origin::Recorded, None)];
+        scenarios.extend(a.settings.iter().cloned().map(|s| (s, Origin::Given, None)));
+        if a.suggest && !baseline.ran_without_oom() {
+            let taken: Vec<Scenario> = scenarios.iter().map(|(s, _, _)| s.clone()).collect();
+            for (s, change) in self.suggestions(&a.recorded, &baseline, &taken) {
+                scenarios.push((s, Origin::Suggested, Some(change)));
+            }
+        }
+        let mut reports = vec![baseline];
+        let mut rows = vec![Row {
+            origin: Origin::Recorded,
+            change: None,
+            no_effect: None,
+            inert: a.recorded.inert(),
+            fit: None,
+        }];
+        for (i, (s, origin, change)) in scenarios.iter().enumerate().skip(1) {
+            let same = scenarios[..i].iter().position(|(t, _, _)| {
+                t.empty_cache_before == s.empty_cache_before
+                    && t.config.effective() == s.config.effective()
+            });
+            let inert = s.config.inert();
+            let report = match same {
+                // The same figures as that row: not replayed again.
+                Some(j) => ReplayReport {
+                    config: s.config.to_string(),
+                    empty_cache_before: s.empty_cache_before,
+                    ..reports[j].clone()
+                },
+                None => self.replay_scenario(s, capacity.bytes, recorded_cap)?,
+            };
+            let no_effect = same.map(|j| {
+                let why = if inert.is_empty() {
+                    "the same settings".to_string()
+                } else {
+                    inert.join("; ")
+                };
+                format!("{why}; the same as {}", reports[j].label())
+            });
+            reports.push(report);
+            rows.push(Row { origin: *origin, change: change.clone(), no_effect, inert, fit: None });
+        }
+        if a.fits {
+            for (i, (s, _, _)) in scenarios.iter().enumerate() {
+                let fit = match rows[i].no_effect {
+                    Some(_) => None,
+                    None => Some(self.smallest_capacity(s, recorded_cap, capacity.bytes)?),
+                };
+                rows[i].fit = fit;
+            }
+            // Rows with no effect share their twin's device.
+            for i in 0..rows.len() {
+                if rows[i].fit.is_none() {
+                    let s = &scenarios[i].0;
+                    rows[i].fit = scenarios[..i]
+                        .iter()
+                        .position(|(t, _, _)| {
+                            t.empty_cache_before == s.empty_cache_before
+                                && t.config.effective() == s.config.effective()
+                        })
+                        .and_then(|j| rows[j].fit);
+                }
+            }
+        }
+        let recorded = self.figures(recorded_cap);
+        let mut reports = reports.into_iter();
+        let baseline = reports.next().expect("the recorded settings' row");
+        Ok(WhatIf {
+            capacity,
+            recorded_capacity: a.recorded_capacity,
+            recorded,
+            check: (capacity.bytes != recorded_cap).then_some(check),
+            baseline,
+            reproduction,
+            variants: reports.collect(),
+            rows,
+        })
+    }
+
+    /// Changes worth trying when `baseline` (the recorded settings, replayed) runs out of
+    /// memory, each on top of the recorded settings and none already in `taken`:
+    /// expandable segments; `max_split_size_mb` of 64, 128, 256 and 512; a round-up twice as
+    /// fine (when the recorded settings round); and an `empty_cache()` at the start of the
+    /// climb to the first out-of-memory error (after the last entry before it where
+    /// allocated bytes were as low as they would be until then).
+    pub fn suggestions(
+        &self,
+        recorded: &AllocatorConfig,
+        baseline: &ReplayReport,
+        taken: &[Scenario],
+    ) -> Vec<(Scenario, String)> {
+        let mut out: Vec<(Scenario, String)> = Vec::new();
+        let mut add = |s: Scenario, change: String| {
+            let seen = |t: &Scenario| {
+                t.empty_cache_before == s.empty_cache_before
+                    && t.config.effective() == s.config.effective()
+            };
+            if !taken.iter().any(seen) && !out.iter().any(|(t, _)| seen(t)) {
+                out.push((s, change));
+            }
+        };
+        if !recorded.expandable_segments() {
+            let c = recorded.clone().with_expandable_segments(true);
+            add(Scenario::settings(c), "expandable_segments:True".into());
+        }
+        for mb in [64, 128, 256, 512] {
+            if let Ok(c) = recorded.clone().with_max_split_size(Some(mb << 20)) {
+                add(Scenario::settings(c), format!("max_split_size_mb:{mb}"));
+            }
+        }
+        if let Some(c) = recorded.finer_roundup() {
+            let change = format!("a finer round-up ({c})");
+            add(Scenario::settings(c), change);
+        }
+        if let Some(at) = self.climb_start(baseline) {
+            add(
+                Scenario { config: recorded.clone(), empty_cache_before: Some(at) },
+                format!("empty_cache() at entry {at}"),
+            );
+        }
+        out
+    }
+
+    /// Where the step that runs out of memory starts: the last entry before the first
+    /// failed allocation of `report` at which allocated bytes were at their low (the
+    /// lowest of the half of the trace before the failure, within 1% of its highest), as
+    /// between the steps of a training loop. Returns the entry after it (an
+    /// `empty_cache()` there gives back what the step before left cached); `None` without
+    /// a failure or a timeline.
+    pub fn climb_start(&self, report: &ReplayReport) -> Option<usize> {
+        let failed = *report.failed_entries.first()?;
+        let t = report.timeline.get(..failed).filter(|t| !t.is_empty())?;
+        let half = &t[t.len() / 2..];
+        let low = half.iter().map(|s| s.allocated).min()?;
+        let high = half.iter().map(|s| s.allocated).max()?;
+        let at = t.iter().rposition(|s| s.allocated <= low.saturating_add(high / 100))?;
+        Some(at + 1)
+    }
+}
+
+/// What [`Recording::analyse`] replays.
+#[derive(Clone, Debug)]
+pub struct Analysis {
+    /// The settings the trace was recorded with.
+    pub recorded: AllocatorConfig,
+    /// The scenarios asked for.
+    pub settings: Vec<Scenario>,
+    /// The device the trace was recorded on: where the recorded settings are checked.
+    pub recorded_capacity: CapacityChoice,
+    /// The device to replay on (`None`: the recorded one).
+    pub capacity: Option<CapacityChoice>,
+    /// Add [`Recording::suggestions`] when the recorded settings run out of memory there.
+    pub suggest: bool,
+    /// Search each row's smallest device ([`Recording::smallest_capacity`]).
+    pub fits: bool,
+}
+
+/// Where a row of a [`WhatIf`] comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Origin {
+    /// The recorded settings.
+    Recorded,
+    /// Asked for.
+    Given,
+    /// Added by the replay to answer an out-of-memory error.
+    Suggested,
+}
+
+/// What a [`WhatIf`] says about one row beyond its replay.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    /// Where the row comes from.
+    pub origin: Origin,
+    /// For a suggested row, what it changes on top of the recorded settings.
+    pub change: Option<String>,
+    /// Why the row changes nothing (its settings do nothing, or repeat an earlier row's):
+    /// its figures are that row's.
+    pub no_effect: Option<String>,
+    /// Settings of the row that have no effect in PyTorch ([`AllocatorConfig::inert`]).
+    pub inert: Vec<String>,
+    /// The smallest device that runs the row without an out-of-memory error, if searched.
+    pub fit: Option<Fit>,
+}
+
+impl Row {
+    /// The device it runs on without an out-of-memory error, in bytes (`None` beyond the
+    /// search, or not searched).
+    pub fn fits_in(&self) -> Option<u64> {
+        match self.fit {
+            Some(Fit::Bytes(b)) => Some(b),
+            _ => None,
+        }
     }
 }
 
 /// A recording replayed under its own settings and others.
 #[derive(Clone, Debug, PartialEq)]
 pub struct WhatIf {
-    /// The capacity replayed on.
+    /// The device replayed on.
     pub capacity: CapacityChoice,
+    /// The device the trace was recorded on, where the recorded settings were checked.
+    pub recorded_capacity: CapacityChoice,
     /// The recording's own figures.
     pub recorded: RecordedFigures,
-    /// The replay under the recorded settings.
+    /// The replay under the recorded settings on the recorded device, when the rows were
+    /// replayed on another one (else it is [`WhatIf::baseline`]).
+    pub check: Option<ReplayReport>,
+    /// The replay under the recorded settings on [`WhatIf::capacity`].
     pub baseline: ReplayReport,
-    /// Whether the baseline reproduces the recording.
+    /// Whether the recorded settings reproduce the recording on the recorded device.
     pub reproduction: Reproduction,
-    /// The replays under the other settings, in the order asked.
+    /// The replays under the other settings, in the order asked, then the suggested ones.
     pub variants: Vec<ReplayReport>,
+    /// One per report ([`WhatIf::reports`] order).
+    pub rows: Vec<Row>,
 }
 
 fn ooms_cell(r: &ReplayReport) -> String {
@@ -568,55 +820,112 @@ fn ooms_cell(r: &ReplayReport) -> String {
     s
 }
 
+/// `+1.20 GiB` / `-300.00 MiB`.
+pub fn signed_bytes(delta: i128) -> String {
+    let sign = if delta < 0 { "-" } else { "+" };
+    format!("{sign}{}", human_bytes(delta.unsigned_abs().min(u64::MAX as u128) as u64))
+}
+
+/// The legend printed under [`WhatIf::table`].
+pub const TABLE_LEGEND: &str = "\
+peak reserved   the most memory the cache held from the device (torch.cuda.max_memory_reserved)
+saving          the recorded peak reserved less this row's (negative: more memory)
+peak allocated  the most memory live tensors held (torch.cuda.max_memory_allocated)
+frag. at peak   (reserved - allocated) / reserved, at the entry where reserved bytes peak: the
+                share of the cache's memory no live tensor used then (free blocks PyTorch keeps
+                for reuse; a high figure is fragmentation or cached memory, not an error)
+OOMs            the recorded out-of-memory errors that still happen (or are avoided), and new ones
+fits in         the smallest device on which the row runs the whole trace without an OOM (by
+                bisection: it runs, 2 MiB less does not); `*` marks rows the replay added to
+                answer an OOM";
+
 impl WhatIf {
     /// The baseline, then the variants.
     pub fn reports(&self) -> impl Iterator<Item = &ReplayReport> {
         std::iter::once(&self.baseline).chain(&self.variants)
     }
 
+    /// The rows' labels, as the table shows them.
+    pub fn labels(&self) -> Vec<String> {
+        self.reports()
+            .zip(&self.rows)
+            .map(|(r, row)| match row.origin {
+                Origin::Recorded => format!("{} (recorded settings)", r.label()),
+                Origin::Given => r.label(),
+                Origin::Suggested => match &row.change {
+                    Some(change) => format!("* recorded + {change}"),
+                    None => format!("* {}", r.label()),
+                },
+            })
+            .collect()
+    }
+
     /// A table: one row for the recording's own figures, one per replay, with peak
-    /// reserved, peak allocated, fragmentation at peak reserved, device allocations and
-    /// frees, and out-of-memory errors (recorded ones that still happen or are avoided, and
-    /// new ones).
+    /// reserved, the saving against the recording, peak allocated, fragmentation at peak
+    /// reserved, device allocations and frees, out-of-memory errors (recorded ones that
+    /// still happen or are avoided, and new ones) and, when searched, the smallest device
+    /// without one. A row whose settings change nothing says so instead of repeating
+    /// figures. [`TABLE_LEGEND`] explains the columns.
     pub fn table(&self) -> String {
         let header = [
             "setting",
             "peak reserved",
+            "saving",
             "peak allocated",
             "frag. at peak",
             "device allocs",
             "device frees",
+            "fits in",
             "OOMs",
         ];
-        let mut rows: Vec<[String; 7]> = vec![header.map(String::from)];
+        const N: usize = 9;
+        let mut rows: Vec<[String; N]> = vec![header.map(String::from)];
+        let mut notes: Vec<(usize, String)> = Vec::new();
         let rec = &self.recorded;
+        let fits = self.rows.iter().any(|r| r.fit.is_some());
         rows.push([
             "recorded trace".into(),
             human_bytes(rec.peak_reserved),
             "-".into(),
             "-".into(),
+            "-".into(),
             rec.device_allocs.to_string(),
             rec.device_frees.to_string(),
+            "-".into(),
             rec.ooms.to_string(),
         ]);
-        for (i, r) in self.reports().enumerate() {
-            let label = if i == 0 {
-                format!("{} (recorded settings)", r.label())
-            } else {
-                r.label().to_string()
+        for ((r, row), label) in self.reports().zip(&self.rows).zip(self.labels()) {
+            if let Some(why) = &row.no_effect {
+                notes.push((rows.len(), format!("no effect: {why}")));
+                let mut cells: [String; N] = Default::default();
+                cells[0] = label;
+                rows.push(cells);
+                continue;
+            }
+            let fit = match row.fit {
+                Some(Fit::Bytes(b)) => human_bytes(b),
+                Some(Fit::Beyond(b)) => format!("> {}", human_bytes(b)),
+                None => "-".into(),
             };
             rows.push([
                 label,
                 human_bytes(r.peak_reserved),
+                signed_bytes(rec.peak_reserved as i128 - r.peak_reserved as i128),
                 human_bytes(r.peak_allocated),
                 format!("{:.1}%", 100.0 * r.fragmentation_at_peak),
                 r.device_allocs.to_string(),
                 r.device_frees.to_string(),
+                fit,
                 ooms_cell(r),
             ]);
         }
-        let mut widths = [0usize; 7];
-        for row in &rows {
+        let shown: Vec<usize> = (0..N).filter(|&k| fits || k != 7).collect();
+        let mut widths = [0usize; N];
+        for (i, row) in rows.iter().enumerate() {
+            if notes.iter().any(|(n, _)| *n == i) {
+                widths[0] = widths[0].max(row[0].chars().count());
+                continue;
+            }
             for (w, cell) in widths.iter_mut().zip(row) {
                 *w = (*w).max(cell.chars().count());
             }
@@ -624,23 +933,74 @@ impl WhatIf {
         let mut out = String::new();
         for (n, row) in rows.iter().enumerate() {
             let mut line = String::new();
-            for (k, (cell, w)) in row.iter().zip(widths).enumerate() {
+            for &k in &shown {
+                let (cell, w) = (&row[k], widths[k]);
                 if k == 0 {
                     line.push_str(&format!("{cell:<w$}"));
-                } else if k == 6 {
+                } else if k == N - 1 {
                     line.push_str(&format!("  {cell}"));
                 } else {
                     line.push_str(&format!("  {cell:>w$}"));
                 }
             }
+            if let Some((_, note)) = notes.iter().find(|(i, _)| *i == n) {
+                line = format!("{:<w$}  ({note})", row[0], w = widths[0]);
+            }
             out.push_str(line.trim_end());
             out.push('\n');
             if n == 0 {
-                let total: usize = widths.iter().sum::<usize>() + 2 * 6;
+                let total: usize =
+                    shown.iter().map(|&k| widths[k]).sum::<usize>() + 2 * (shown.len() - 1);
                 out.push_str(&"-".repeat(total));
                 out.push('\n');
             }
         }
         out
     }
+
+    /// Whether the recording, replayed on [`WhatIf::capacity`] under the recorded settings,
+    /// runs out of memory (recorded errors or new ones).
+    pub fn has_oom(&self) -> bool {
+        !self.baseline.ran_without_oom()
+    }
+
+    /// For a replay that runs out of memory: which rows run without one on
+    /// [`WhatIf::capacity`], and each row's margin there (the capacity less the smallest
+    /// device it runs on: negative, the bytes missing), best first; `None` when nothing runs
+    /// out of memory.
+    pub fn oom_answer(&self) -> Option<Vec<OomVerdict>> {
+        if !self.has_oom() {
+            return None;
+        }
+        let mut out: Vec<OomVerdict> = self
+            .reports()
+            .zip(&self.rows)
+            .zip(self.labels())
+            .filter(|((_, row), _)| row.no_effect.is_none())
+            .map(|((r, row), label)| OomVerdict {
+                label,
+                avoided: r.ran_without_oom(),
+                failures: r.failed_entries.len(),
+                margin: row.fits_in().map(|b| self.capacity.bytes as i128 - b as i128),
+                fits_in: row.fit,
+            })
+            .collect();
+        out.sort_by_key(|v| (!v.avoided, std::cmp::Reverse(v.margin.unwrap_or(i128::MIN))));
+        Some(out)
+    }
+}
+
+/// One row's answer to "would it have avoided the out-of-memory error?".
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct OomVerdict {
+    /// The row, as the table labels it.
+    pub label: String,
+    /// Whether it runs the whole trace without an out-of-memory error on the device.
+    pub avoided: bool,
+    /// How many allocations fail.
+    pub failures: usize,
+    /// Capacity less the smallest device that runs it (bytes; negative: missing).
+    pub margin: Option<i128>,
+    /// The smallest device that runs it.
+    pub fits_in: Option<Fit>,
 }

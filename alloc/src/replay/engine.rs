@@ -2,6 +2,7 @@
 
 use super::snapshot::parse_trace;
 use super::{Action, Recording};
+use crate::block::MempoolId;
 use crate::caching::{Allocation, CachingAllocator};
 use crate::error::AllocError;
 use crate::memory::{DeviceMemory, SimStreams, Stream};
@@ -85,6 +86,10 @@ pub struct ReplayReport {
     pub segment_actions: Vec<SegmentAction>,
     /// The calls that failed with out-of-memory, in order.
     pub failed_calls: Vec<usize>,
+    /// The trace entries (`alloc` or `oom`) whose allocation failed, in order.
+    pub failed_entries: Vec<usize>,
+    /// Where the replay called `empty_cache()` of its own (a what-if): before this entry.
+    pub empty_cache_before: Option<usize>,
     /// What stopped the replay early or left the report incomplete, if anything did (a
     /// device error, the replay's own trace overflowing).
     pub error: Option<ReplayError>,
@@ -121,9 +126,19 @@ impl ReplayError {
 }
 
 impl ReplayReport {
-    /// The settings, for people: `defaults` when empty.
-    pub fn label(&self) -> &str {
-        if self.config.is_empty() { "defaults" } else { &self.config }
+    /// The settings, for people: `defaults` when empty, and the `empty_cache()` the replay
+    /// added, if any.
+    pub fn label(&self) -> String {
+        let config = if self.config.is_empty() { "defaults" } else { &self.config };
+        match self.empty_cache_before {
+            Some(e) => format!("{config} + empty_cache() at entry {e}"),
+            None => config.to_string(),
+        }
+    }
+
+    /// Whether every allocation of the trace succeeded (recorded OOMs included).
+    pub fn ran_without_oom(&self) -> bool {
+        self.failed_calls.is_empty() && self.error.is_none()
     }
 
     /// Out-of-memory errors that the recording did not have.
@@ -168,24 +183,65 @@ impl<M: DeviceMemory> Live<'_, M> {
     }
 }
 
-/// Replays `rec` on `cache`; with `record`, turns the cache's history on to collect the
-/// segment actions (for a cache of the replay's own).
+/// Sends the next allocations to `pool`: the run of allocations to the private pool that is
+/// open (`open`) ends (`end_allocate_to_pool`) when one goes elsewhere, and a run to a
+/// private pool begins (`begin_allocate_to_pool`, every stream: within a run, every
+/// allocation went to that pool, as under `torch.cuda.use_mem_pool` or a graph capture).
+fn route<M: DeviceMemory>(
+    cache: &CachingAllocator<M>,
+    open: &mut Option<MempoolId>,
+    pool: MempoolId,
+) -> Result<(), AllocError> {
+    if *open == Some(pool) || (open.is_none() && !pool.is_private()) {
+        return Ok(());
+    }
+    if let Some(p) = open.take() {
+        cache.end_allocate_to_pool(p)?;
+    }
+    if pool.is_private() {
+        cache.begin_allocate_to_pool(pool, None)?;
+        *open = Some(pool);
+    }
+    Ok(())
+}
+
+/// How [`run`] replays.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Options {
+    /// Turn the cache's history on to collect the segment actions (for a cache of the
+    /// replay's own).
+    pub record: bool,
+    /// The capacity of the device replayed on (0: the cache's memory's).
+    pub capacity: u64,
+    /// The capacity of the recorded device, which decides which releases were the
+    /// program's `empty_cache()` (0: `capacity`).
+    pub recorded_capacity: u64,
+    /// Call `empty_cache()` before this entry (a what-if).
+    pub empty_cache_before: Option<usize>,
+    /// Leave out the timeline (when only the outcome counts).
+    pub no_timeline: bool,
+}
+
+/// Replays `rec` on `cache`.
 pub(crate) fn run<M: DeviceMemory>(
     rec: &Recording,
     cache: &CachingAllocator<M>,
     streams: Option<&SimStreams>,
-    record: bool,
-    capacity: u64,
+    opts: Options,
 ) -> Result<ReplayReport, AllocError> {
     let entries = &rec.entries;
+    let record = opts.record;
     let mut r = ReplayReport {
         config: cache.config().to_string(),
-        capacity: if capacity > 0 { capacity } else { cache.mem_info().total },
+        capacity: if opts.capacity > 0 { opts.capacity } else { cache.mem_info().total },
         recorded_ooms: entries.iter().filter(|e| e.action == Action::Oom).count(),
         recorded_segments: record,
-        timeline: Vec::with_capacity(entries.len()),
+        timeline: Vec::with_capacity(if opts.no_timeline { 0 } else { entries.len() }),
+        empty_cache_before: opts.empty_cache_before,
         ..ReplayReport::default()
     };
+    let recorded_capacity =
+        if opts.recorded_capacity > 0 { opts.recorded_capacity } else { r.capacity };
     let mut st = Live {
         streams,
         live: HashMap::new(),
@@ -198,7 +254,9 @@ pub(crate) fn run<M: DeviceMemory>(
     // The segments from before the trace, as cached free segments: allocated whole (a small
     // one as requests of the largest small size), then freed.
     let mut fillers = Vec::new();
+    let mut open: Option<MempoolId> = None;
     for seg in &rec.prior_segments {
+        route(cache, &mut open, seg.pool)?;
         let pieces: Vec<usize> = if seg.size as usize <= SMALL_BUFFER {
             vec![SMALL_SIZE; (seg.size as usize).div_ceil(SMALL_SIZE)]
         } else {
@@ -217,6 +275,7 @@ pub(crate) fn run<M: DeviceMemory>(
     let mut prior: Vec<_> = rec.prior_blocks.iter().collect();
     prior.sort_by_key(|b| (std::cmp::Reverse(b.size), b.addr));
     for b in prior {
+        route(cache, &mut open, b.pool)?;
         match cache.allocate_on(b.size as usize, Stream(b.stream)) {
             Ok(a) if b.pending_free => {
                 r.prior_blocks += 1;
@@ -234,7 +293,7 @@ pub(crate) fn run<M: DeviceMemory>(
     cache.reset_peak_stats();
     r.reserved_at_start = cache.memory_reserved();
     let stats_before = cache.memory_stats();
-    let sites = rec.call_sites(&rec.reserved_series(), r.capacity);
+    let sites = rec.call_sites(&rec.reserved_series(), recorded_capacity);
     let max_trace = entries.len().saturating_mul(8).saturating_add(1 << 16);
     if record {
         cache.record_history(Some(max_trace));
@@ -247,6 +306,10 @@ pub(crate) fn run<M: DeviceMemory>(
     let mut transient: Option<Allocation<M>> = None;
     for (i, e) in entries.iter().enumerate() {
         drop(transient.take());
+        if opts.empty_cache_before == Some(i) {
+            route(cache, &mut open, MempoolId::DEFAULT)?;
+            cache.empty_cache();
+        }
         if skip_next {
             // The `free_completed` right after a `free_requested`: already freed.
             skip_next = false;
@@ -260,6 +323,7 @@ pub(crate) fn run<M: DeviceMemory>(
                     }
                     st.failed.remove(&e.addr);
                     st.unmatched.remove(&e.addr);
+                    route(cache, &mut open, e.pool)?;
                     match cache.allocate_on(e.size as usize, Stream(e.stream)) {
                         Ok(a) => {
                             r.allocations += 1;
@@ -268,6 +332,7 @@ pub(crate) fn run<M: DeviceMemory>(
                         Err(err) if err.is_out_of_memory() => {
                             r.failed_allocations += 1;
                             r.failed_calls.push(call);
+                            r.failed_entries.push(i);
                             st.failed.insert(e.addr);
                         }
                         Err(err) => return Err(err),
@@ -276,6 +341,7 @@ pub(crate) fn run<M: DeviceMemory>(
                 }
                 Action::Oom => {
                     malloc_calls.push(call);
+                    route(cache, &mut open, e.pool)?;
                     match cache.allocate_on(e.size as usize, Stream(e.stream)) {
                         Ok(a) => {
                             r.ooms_avoided += 1;
@@ -284,6 +350,7 @@ pub(crate) fn run<M: DeviceMemory>(
                         Err(err) if err.is_out_of_memory() => {
                             r.ooms_reproduced += 1;
                             r.failed_calls.push(call);
+                            r.failed_entries.push(i);
                         }
                         Err(err) => return Err(err),
                     }
@@ -332,6 +399,8 @@ pub(crate) fn run<M: DeviceMemory>(
                     }
                 }
                 Action::SegmentFree | Action::SegmentUnmap if sites.empty_cache_start[i] => {
+                    // No capture is underway at an `empty_cache()` (PyTorch asserts it).
+                    route(cache, &mut open, MempoolId::DEFAULT)?;
                     let before = cache.memory_reserved();
                     cache.empty_cache();
                     let released = before.saturating_sub(cache.memory_reserved());
@@ -342,12 +411,15 @@ pub(crate) fn run<M: DeviceMemory>(
                 _ => {}
             }
         }
-        r.timeline.push(Sample {
-            reserved: cache.memory_reserved(),
-            allocated: cache.memory_allocated(),
-        });
+        if !opts.no_timeline {
+            r.timeline.push(Sample {
+                reserved: cache.memory_reserved(),
+                allocated: cache.memory_allocated(),
+            });
+        }
     }
     drop(transient);
+    route(cache, &mut open, MempoolId::DEFAULT)?;
 
     if record {
         let trace = cache.trace();

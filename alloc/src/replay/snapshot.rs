@@ -5,7 +5,8 @@
 //! for `oom` `device_free`, `size`, `stream`, `time_us`, `frames`), `allocator_settings`
 //! and more. Keys this reader does not need are ignored.
 
-use super::{Action, Event, PriorBlock, PriorSegment, Recording};
+use super::{Action, Event, PriorBlock, PriorSegment, Recording, scan};
+use crate::block::MempoolId;
 use serde_pickle::{DeOptions, HashableValue, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -24,6 +25,41 @@ pub enum SnapshotError {
     /// The bytes are not a pickle.
     #[error("not a pickle ({0}); expected a file written by torch.cuda.memory._dump_snapshot()")]
     NotAPickle(String),
+    /// The file ends before the pickle does.
+    #[error(
+        "the file is truncated: its {bytes} bytes end before the pickle does (was          _dump_snapshot interrupted, or the copy cut short?)"
+    )]
+    Truncated {
+        /// The file's size.
+        bytes: u64,
+    },
+    /// The pickle is built in a way that would take unbounded memory or recursion to read,
+    /// which no memory snapshot needs (see the limits in the message).
+    #[error("refused: {0}")]
+    Limit(String),
+    /// The file is larger than the reader accepts.
+    #[error(
+        "{path} has {bytes} bytes; the reader accepts snapshots of up to {limit} bytes          (record fewer entries: _record_memory_history(max_entries=...))"
+    )]
+    TooBig {
+        /// The file.
+        path: String,
+        /// Its size.
+        bytes: u64,
+        /// The most accepted.
+        limit: u64,
+    },
+    /// An integer does not fit in 64 bits.
+    #[error(
+        "`{path}` is {value}, too {}: sizes, addresses and streams fit in 64 bits",
+        if .value.starts_with('-') { "small" } else { "large" }
+    )]
+    TooLarge {
+        /// Where, e.g. `device_traces[0][12].size`.
+        path: String,
+        /// The value, in decimal.
+        value: String,
+    },
     /// The pickle holds something other than a dict.
     #[error(
         "the pickle holds {0}, not a dict; expected the dict torch.cuda.memory._snapshot() returns"
@@ -122,6 +158,9 @@ pub struct SnapshotSegment {
     pub segment_type: String,
     /// Whether it is (part of) an expandable segment.
     pub is_expandable: bool,
+    /// The memory pool that owns it (`segment_pool_id`; (0, 0) for the default pools, or
+    /// when the snapshot does not say).
+    pub pool: MempoolId,
     /// The blocks tiling it, by address.
     pub blocks: Vec<SnapshotBlock>,
 }
@@ -234,7 +273,13 @@ fn int_of(v: &Value) -> Option<i128> {
 }
 
 fn wrong(path: impl Into<String>, expected: &'static str, found: &Value) -> SnapshotError {
-    SnapshotError::WrongType { path: path.into(), expected, found: describe(found) }
+    match found {
+        // A big int (past 64 bits) is out of range, not of the wrong type.
+        Value::Int(i) if expected.contains("int") => {
+            SnapshotError::TooLarge { path: path.into(), value: i.to_string() }
+        }
+        _ => SnapshotError::WrongType { path: path.into(), expected, found: describe(found) },
+    }
 }
 
 fn as_list<'a>(v: &'a Value, path: &str) -> Result<&'a [Value], SnapshotError> {
@@ -328,7 +373,7 @@ fn parse_event(v: &Value, device: usize, index: usize) -> Result<Event, Snapshot
         Some(v) => int_of(v).map_or(0, |t| t.clamp(0, u64::MAX as i128) as u64),
         None => 0,
     };
-    Ok(Event { action, addr, size, stream, time_us, device_free })
+    Ok(Event { action, addr, size, stream, time_us, device_free, pool: MempoolId::DEFAULT })
 }
 
 /// Reads a list of trace entries (a device trace, or vram's own `trace()` as a value).
@@ -363,6 +408,23 @@ fn parse_segment(v: &Value, i: usize) -> Result<SnapshotSegment, SnapshotError> 
         },
         segment_type: str_field(d, "segment_type"),
         is_expandable: matches!(get(d, "is_expandable"), Some(Value::Bool(true))),
+        pool: match get(d, "segment_pool_id") {
+            None | Some(Value::None) => MempoolId::DEFAULT,
+            Some(v) => {
+                let ppath = format!("{path}.segment_pool_id");
+                let pair = as_list(v, &ppath)?;
+                let part = |i: usize| -> Result<u64, SnapshotError> {
+                    match pair.get(i).and_then(int_of) {
+                        Some(x) if (0..=u64::MAX as i128).contains(&x) => Ok(x as u64),
+                        _ => Err(wrong(ppath.clone(), "a pair of non-negative ints", v)),
+                    }
+                };
+                if pair.len() != 2 {
+                    return Err(wrong(ppath, "a pair of non-negative ints", v));
+                }
+                MempoolId(part(0)?, part(1)?)
+            }
+        },
         blocks,
     })
 }
@@ -408,13 +470,25 @@ impl PyTorchSnapshot {
     /// Reads a snapshot file.
     pub fn load(path: impl AsRef<Path>) -> Result<PyTorchSnapshot, SnapshotError> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path)
-            .map_err(|source| SnapshotError::Io { path: path.display().to_string(), source })?;
+        let io = |source| SnapshotError::Io { path: path.display().to_string(), source };
+        let bytes = std::fs::metadata(path).map_err(io)?.len();
+        if bytes > scan::MAX_FILE_BYTES {
+            return Err(SnapshotError::TooBig {
+                path: path.display().to_string(),
+                bytes,
+                limit: scan::MAX_FILE_BYTES,
+            });
+        }
+        let bytes = std::fs::read(path).map_err(io)?;
         PyTorchSnapshot::from_pickle(&bytes)
     }
 
-    /// Reads a snapshot from the bytes of its pickle.
+    /// Reads a snapshot from the bytes of its pickle. The pickle is checked first: at most
+    /// 64 `MARK`s open at once and containers nested at most 64 deep (a snapshot needs 7 of
+    /// each), no container changed after it was shared, no persistent ids or out-of-band
+    /// buffers; a file that ends early is [`SnapshotError::Truncated`].
     pub fn from_pickle(bytes: &[u8]) -> Result<PyTorchSnapshot, SnapshotError> {
+        scan::check(bytes)?;
         // serde-pickle counts the references to a memoized object, and a shared container
         // (PyTorch deduplicates `frames`: one list or frame dict serves many entries) makes
         // it resolve the objects inside more often than counted, then fail with "recursive
@@ -485,10 +559,11 @@ impl PyTorchSnapshot {
 
     /// The recording of `device`, even if its trace is empty.
     pub(crate) fn recording_of(&self, device: usize) -> Recording {
-        let entries = self.device_traces.get(device).cloned().unwrap_or_default();
+        let mut entries = self.device_traces.get(device).cloned().unwrap_or_default();
         let segments: Vec<&SnapshotSegment> =
             self.segments.iter().filter(|s| s.device == device).collect();
-        let before = before_trace(&entries, &segments);
+        let mut before = before_trace(&entries, &segments);
+        label_pools(&mut entries, &mut before, &segments);
         Recording {
             device_total: 0,
             config: self.settings.as_ref().map(RecordedSettings::to_conf).unwrap_or_default(),
@@ -506,13 +581,68 @@ struct Before {
     reserved: u64,
 }
 
-/// Whether an address lies in one of `ranges` (start -> end).
-fn covered(ranges: &BTreeMap<u64, u64>, addr: u64) -> bool {
-    ranges.range(..=addr).next_back().is_some_and(|(_, &end)| addr < end)
+/// Disjoint address ranges (start -> end), merged where they touch.
+#[derive(Default)]
+struct Ranges(BTreeMap<u64, u64>);
+
+impl Ranges {
+    /// The parts of `[start, end)` not in the set, in address order.
+    fn missing(&self, start: u64, end: u64) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        let mut at = start;
+        // The range that may cover `start`, then every range starting inside.
+        let first = self.0.range(..=start).next_back().map(|(&s, &e)| (s, e));
+        for (s, e) in first.into_iter().chain(self.0.range(start + 1..end).map(|(&s, &e)| (s, e))) {
+            if e <= at {
+                continue;
+            }
+            if s > at {
+                out.push((at, s.min(end)));
+            }
+            at = at.max(e);
+            if at >= end {
+                break;
+            }
+        }
+        if at < end {
+            out.push((at, end));
+        }
+        out
+    }
+
+    /// Adds `[start, end)`.
+    fn add(&mut self, mut start: u64, mut end: u64) {
+        if start >= end {
+            return;
+        }
+        if let Some((&s, &e)) = self.0.range(..=start).next_back()
+            && e >= start
+        {
+            start = s;
+            end = end.max(e);
+        }
+        let inside: Vec<u64> = self.0.range(start..=end).map(|(&s, _)| s).collect();
+        for s in inside {
+            if let Some(e) = self.0.remove(&s) {
+                end = end.max(e);
+            }
+        }
+        self.0.insert(start, end);
+    }
 }
 
 /// The blocks and segments that existed when the trace began, and the bytes then reserved,
 /// from the trace and the segments at its end.
+///
+/// Which memory was reserved before the trace is decided by address ranges, not by segment
+/// starts: every address the trace maps or allocates, or unmaps or frees, is *touched*; memory
+/// that a `segment_free`/`segment_unmap` gives back, or that a segment at the end holds, and
+/// that no earlier entry touched, was reserved before the trace began. This matters for
+/// expandable segments, whose entries and snapshot segments are ranges of one reserved
+/// address space: PyTorch's `map_block` and `unmap_block` record the mapped or unmapped
+/// range (`SEGMENT_MAP`/`SEGMENT_UNMAP`), which may start inside an earlier mapped range and
+/// end beyond it, and `DeviceCachingAllocator::snapshot` reports one segment per contiguous
+/// mapped run. A trace that starts with an empty cache touches everything it later releases.
 fn before_trace(entries: &[Event], segments: &[&SnapshotSegment]) -> Before {
     #[derive(PartialEq)]
     enum State {
@@ -522,8 +652,8 @@ fn before_trace(entries: &[Event], segments: &[&SnapshotSegment]) -> Before {
     let mut known: HashMap<u64, State> = HashMap::new();
     let mut blocks = Vec::new();
     let mut prior_segments = Vec::new();
-    // Address ranges the trace allocated or mapped (so far, then in all).
-    let mut grown: BTreeMap<u64, u64> = BTreeMap::new();
+    // Address ranges the trace mapped, allocated, unmapped or freed so far.
+    let mut touched = Ranges::default();
     let mut growth: i128 = 0;
     for e in entries {
         match e.action {
@@ -545,34 +675,38 @@ fn before_trace(entries: &[Event], segments: &[&SnapshotSegment]) -> Before {
                         size: e.size,
                         stream: e.stream,
                         pending_free,
+                        pool: MempoolId::DEFAULT,
                     });
                 }
             }
             a if a.grows() && e.size > 0 => {
                 growth += e.size as i128;
-                let end = e.addr.saturating_add(e.size);
-                let slot = grown.entry(e.addr).or_insert(end);
-                *slot = (*slot).max(end);
+                touched.add(e.addr, e.addr.saturating_add(e.size));
             }
             a if a.shrinks() && e.size > 0 => {
                 growth -= e.size as i128;
-                if !covered(&grown, e.addr) {
+                let end = e.addr.saturating_add(e.size);
+                for (s, t) in touched.missing(e.addr, end) {
                     prior_segments.push(PriorSegment {
-                        addr: e.addr,
-                        size: e.size,
+                        addr: s,
+                        size: t - s,
                         stream: e.stream,
+                        pool: MempoolId::DEFAULT,
                     });
                 }
+                touched.add(e.addr, end);
             }
             _ => {}
         }
     }
     for s in segments {
-        if !covered(&grown, s.address) && s.total_size > 0 {
+        let end = s.address.saturating_add(s.total_size);
+        for (a, t) in touched.missing(s.address, end) {
             prior_segments.push(PriorSegment {
-                addr: s.address,
-                size: s.total_size,
+                addr: a,
+                size: t - a,
                 stream: s.stream,
+                pool: MempoolId::DEFAULT,
             });
         }
         for b in &s.blocks {
@@ -583,7 +717,13 @@ fn before_trace(entries: &[Event], segments: &[&SnapshotSegment]) -> Before {
             };
             if !known.contains_key(&b.address) {
                 let size = if b.requested_size > 0 { b.requested_size } else { b.size };
-                blocks.push(PriorBlock { addr: b.address, size, stream: s.stream, pending_free });
+                blocks.push(PriorBlock {
+                    addr: b.address,
+                    size,
+                    stream: s.stream,
+                    pending_free,
+                    pool: MempoolId::DEFAULT,
+                });
             }
         }
     }
@@ -592,4 +732,102 @@ fn before_trace(entries: &[Event], segments: &[&SnapshotSegment]) -> Before {
     let reserved_now: i128 = segments.iter().map(|s| s.total_size as i128).sum();
     let reserved = (reserved_now - growth).clamp(0, u64::MAX as i128) as u64;
     Before { blocks, segments: prior_segments, reserved }
+}
+
+/// Gives each `alloc` the memory pool of the segment that held its block, and each `oom` the
+/// pool of the run of allocations it interrupted; likewise for the blocks and segments from
+/// before the trace. PyTorch's trace entries name no pool; its snapshot's segments do
+/// (`segment_pool_id`, from `DeviceCachingAllocator::snapshot`'s `owner_private_pool_id`).
+/// A segment that the trace creates has the pool of the snapshot's segment at its address
+/// if it is still there at the end (never freed afterwards); one freed before the end is
+/// taken to be the default pools' (the snapshot no longer says).
+fn label_pools(entries: &mut [Event], before: &mut Before, segments: &[&SnapshotSegment]) {
+    if segments.iter().all(|s| !s.pool.is_private()) {
+        return;
+    }
+    // The snapshot's segments by address: start -> (end, pool).
+    let at_end: BTreeMap<u64, (u64, MempoolId)> = segments
+        .iter()
+        .map(|s| (s.address, (s.address.saturating_add(s.total_size), s.pool)))
+        .collect();
+    let pool_at_end = |addr: u64| {
+        at_end
+            .range(..=addr)
+            .next_back()
+            .filter(|(_, (end, _))| addr < *end)
+            .map_or(MempoolId::DEFAULT, |(_, (_, p))| *p)
+    };
+    // The last release of each segment start: a segment created after it survives.
+    let mut last_release: HashMap<u64, usize> = HashMap::new();
+    for (i, e) in entries.iter().enumerate() {
+        if e.action.shrinks() {
+            last_release.insert(e.addr, i);
+        }
+    }
+    // Segments live so far: start -> (end, pool); a new one replaces those it overlays.
+    let mut live: BTreeMap<u64, (u64, MempoolId)> = BTreeMap::new();
+    for s in &before.segments {
+        live.insert(s.addr, (s.addr.saturating_add(s.size), pool_at_end(s.addr)));
+    }
+    let lookup = |live: &BTreeMap<u64, (u64, MempoolId)>, addr: u64| {
+        live.range(..=addr)
+            .rev()
+            .find(|(_, (end, _))| addr < *end)
+            .map(|(_, (_, p))| *p)
+            .unwrap_or_else(|| pool_at_end(addr))
+    };
+    let mut last_alloc: Option<(u64, MempoolId)> = None;
+    for (i, entry) in entries.iter_mut().enumerate() {
+        let e = *entry;
+        match e.action {
+            a if a.grows() && e.size > 0 => {
+                let end = e.addr.saturating_add(e.size);
+                let survives = last_release.get(&e.addr).is_none_or(|&r| r < i);
+                let pool = if survives { pool_at_end(e.addr) } else { MempoolId::DEFAULT };
+                let inside: Vec<u64> = live.range(e.addr..end).map(|(&s, _)| s).collect();
+                for s in inside {
+                    live.remove(&s);
+                }
+                live.insert(e.addr, (end, pool));
+            }
+            Action::Alloc => {
+                let pool = lookup(&live, e.addr);
+                entry.pool = pool;
+                last_alloc = Some((e.stream, pool));
+            }
+            Action::Oom => {
+                if let Some((stream, pool)) = last_alloc
+                    && stream == e.stream
+                {
+                    entry.pool = pool;
+                }
+            }
+            _ => {}
+        }
+    }
+    for s in &mut before.segments {
+        s.pool = pool_at_end(s.addr);
+    }
+    for b in &mut before.blocks {
+        b.pool = pool_at_end(b.addr);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Ranges;
+
+    #[test]
+    fn ranges_merge_and_say_what_is_missing() {
+        let mut r = Ranges::default();
+        r.add(100, 300);
+        r.add(120, 140); // inside: the nearest start (120) does not cover 200
+        assert_eq!(r.missing(200, 250), vec![]);
+        assert_eq!(r.missing(50, 350), vec![(50, 100), (300, 350)]);
+        r.add(400, 500);
+        assert_eq!(r.missing(250, 450), vec![(300, 400)]);
+        r.add(300, 400);
+        assert_eq!(r.0.len(), 1, "touching ranges merge");
+        assert_eq!(r.missing(0, 600), vec![(0, 100), (500, 600)]);
+    }
 }

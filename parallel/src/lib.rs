@@ -35,18 +35,25 @@ mod collective;
 mod comm;
 mod error;
 mod in_process;
+pub mod launch;
+mod metered;
 #[cfg(feature = "cuda")]
 mod nccl;
+mod process_group;
 mod replica;
 mod shard;
+mod tcp;
 mod trainer;
 
 pub use bucket::{BucketPlan, DEFAULT_BUCKET_CAP_BYTES};
 pub use collective::{Collective, HostCollective, VirtualCollective};
-pub use comm::{CommError, Communicator, ReduceOp};
+pub use comm::{CommError, Communicator, ReduceOp, Traffic};
 pub use error::DistError;
 pub use in_process::{InProcessComm, InProcessGroup};
+pub use metered::{Metered, ring_bytes_per_param};
 #[cfg(feature = "cuda")]
 pub use nccl::NcclCollective;
+pub use process_group::{DEFAULT_TIMEOUT, ProcessGroupConfig, TIMEOUT_VAR};
 pub use replica::{GroupHooks, NoHooks, Pass, Replica};
-pub use trainer::{DpConfig, RankReport, RankTrainer, Strategy, train};
+pub use tcp::TcpComm;
+pub use trainer::{DpConfig, RankReport, RankTrainer, Strategy, train, train_rank};

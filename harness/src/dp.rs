@@ -323,6 +323,21 @@ pub fn measure(
     steps: usize,
     seed: u64,
 ) -> Result<DpRun, DistError> {
+    let batches: Vec<DpBatch> =
+        (0..steps).map(|i| DpBatch::new(data, seed, i as u64, samples)).collect();
+    measure_batches(arch, dtype, config, n, kind, &batches, seed)
+}
+
+/// [`measure`] on the global batches `batches`.
+pub(crate) fn measure_batches(
+    arch: &Arch,
+    dtype: DType,
+    config: DpConfig,
+    n: usize,
+    kind: DeviceKind,
+    batches: &[DpBatch],
+    seed: u64,
+) -> Result<DpRun, DistError> {
     let groups = InProcessGroup::connect(n, Duration::from_secs(600))?;
     let mut replicas = Vec::with_capacity(n);
     let mut comms: Vec<Box<dyn Collective>> = Vec::with_capacity(n);
@@ -339,9 +354,7 @@ pub fn measure(
     }
     let params = replicas.first_mut().map_or(0, DpModel::param_count);
     let workspace_bytes = replicas.first().map_or(0, |r| r.device().blas_workspace_size() as u64);
-    let batches: Vec<DpBatch> =
-        (0..steps).map(|i| DpBatch::new(data, seed, i as u64, samples)).collect();
-    let out = vram_parallel::train(replicas, comms, config, &batches, |_| Ok(()));
+    let out = vram_parallel::train(replicas, comms, config, batches, |_| Ok(()));
     let mut ranks = Vec::with_capacity(n);
     let mut first_abort = None;
     for r in out {

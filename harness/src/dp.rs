@@ -394,6 +394,9 @@ pub fn analytic_state_bytes(config: &DpConfig, dtype: DType, params: u64, n: usi
     }
 }
 
+/// One rank's report and every parameter's final value (f32).
+pub type RankResult = (RankReport, Vec<Vec<f32>>);
+
 /// A data-parallel training run of a reference model on host devices, to run as one rank of
 /// a multi-process job ([`train_process`](Self::train_process)) or with all its ranks on
 /// threads of this process ([`train_threads`](Self::train_threads)). Both reduce in rank
@@ -435,10 +438,7 @@ impl DpJob {
     /// # Errors
     ///
     /// This rank's error, or another rank's (named).
-    pub fn train_process(
-        &self,
-        comm: Box<dyn Collective>,
-    ) -> Result<(RankReport, Vec<Vec<f32>>), DistError> {
+    pub fn train_process(&self, comm: Box<dyn Collective>) -> Result<RankResult, DistError> {
         let replica =
             self.replica().inspect_err(|e| comm.abort(&format!("rank {}: {e}", comm.rank())))?;
         vram_parallel::train_rank(replica, comm, self.config, &self.batches(), |t| t.full_params())
@@ -450,7 +450,7 @@ impl DpJob {
     /// # Errors
     ///
     /// The first rank's error.
-    pub fn train_threads(&self, n: usize) -> Result<Vec<(RankReport, Vec<Vec<f32>>)>, DistError> {
+    pub fn train_threads(&self, n: usize) -> Result<Vec<RankResult>, DistError> {
         let comms: Vec<Box<dyn Collective>> = InProcessGroup::connect(n, Duration::from_secs(600))?
             .into_iter()
             .map(|c| Box::new(HostCollective::new(c)) as Box<dyn Collective>)

@@ -245,13 +245,13 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     }
 
     let peak_at = |s: Strategy, n: usize| find(&virt, s, n).map_or(0, |r| r.max_peak_allocated());
-    sweep.reading(format!(
+    let peaks_reading = format!(
         "GPT-2 medium, largest per-device peak on 1 -> 8 devices: DDP {} -> {} (its 16 B/param of states stay on every device; only activations spread), ZeRO-3 {} -> {} (states sharded too); nn.DataParallel keeps device 0 the fullest",
         human_bytes(peak_at(Strategy::Ddp, 1)),
         human_bytes(peak_at(Strategy::Ddp, 8)),
         human_bytes(peak_at(Strategy::Zero3, 1)),
         human_bytes(peak_at(Strategy::Zero3, 8)),
-    ));
+    );
 
     // Per process (one per GPU) and what the collectives move per step.
     let mut memory = Vec::new();
@@ -283,7 +283,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         traffic.push(format!("{} {}", s.name(), per.join(" / ")));
     }
     sweep.reading(format!(
-        "one process per GPU: per-process model states / peak allocated, GPT-2 medium bf16, N = 1, 2, 4, 8 processes: {}",
+        "{peaks_reading}. One process per GPU: per-process model states / peak allocated, GPT-2 medium bf16, N = 1, 2, 4, 8 processes: {}",
         memory.join("; ")
     ));
     sweep.claim(Claim {

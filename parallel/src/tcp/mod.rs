@@ -67,7 +67,12 @@ impl Call {
     }
 }
 
-/// One process's rank of a TCP group (see the [module](self) docs).
+/// One process's rank of a TCP group. The ranks form a star around rank 0: in each
+/// collective every other rank sends its values to rank 0, which reduces them in rank order
+/// from zero (the in-process group's bits) and answers each rank. A rank whose process dies
+/// (its connection closes) or that stays silent past the timeout fails the collective on
+/// every rank with an error naming it. Values travel as f32; [`Communicator::traffic`]
+/// counts the bytes on this rank's connections.
 ///
 /// ```no_run
 /// use vram_parallel::{Communicator, ProcessGroupConfig, ReduceOp, TcpComm};

@@ -8,9 +8,10 @@
 //! cargo xtask launch --nproc 4 -- target/release/examples/zero2_gpt [--steps 5] [--samples 8]
 //! ```
 //!
-//! Any launcher that sets torchrun's variables works (`torchrun --nproc-per-node 4
-//! --no-python target/release/examples/zero2_gpt` too). Exit status 1 if the check fails or
-//! a rank fails (every rank then says which).
+//! Any launcher that sets torchrun's variables and leaves `MASTER_PORT` free for rank 0 to
+//! listen on should work (only `cargo xtask launch` has been tried: torchrun itself may hold
+//! its own store on that port). Exit status 1 if the check fails or a rank fails (every rank
+//! then says which).
 
 use std::process::ExitCode;
 

@@ -1,6 +1,10 @@
 //! Data parallelism for the reference models: [`DpModel`], the reference MLP and GPT as a
 //! [`vram_parallel::Replica`] (one parameter group per layer, the GPT's embeddings a group of
-//! their own), and [`measure`], one data-parallel run over N host or virtual devices.
+//! their own); [`measure`], one data-parallel run over N host or virtual devices (its
+//! collectives [`Metered`]: bytes a ring moves per step); and [`DpJob`], a training run as
+//! one rank of a multi-process job ([`DpJob::train_process`], e.g. over
+//! [`vram_parallel::TcpComm`]) or as all its ranks on threads of one process
+//! ([`DpJob::train_threads`]), the two giving the same bits.
 //!
 //! `DpModel` is built from the same layers in the same order with the same random draws as
 //! [`Model`], so one step of it on one device equals one step of the
@@ -15,8 +19,8 @@ use crate::models::{Arch, Model};
 use vram_accum::{BoxedLayer, ForwardCtx, Mode, Param, SavedBox};
 use vram_kernels::{DType, Device, Tensor, ops};
 use vram_parallel::{
-    Collective, DistError, DpConfig, GroupHooks, HostCollective, InProcessGroup, Pass, RankReport,
-    Replica, VirtualCollective,
+    Collective, DistError, DpConfig, GroupHooks, HostCollective, InProcessGroup, Metered, Pass,
+    RankReport, Replica, VirtualCollective,
 };
 
 /// A reference model (MLP or GPT) as a data-parallel replica.
@@ -267,6 +271,15 @@ impl DpRun {
         max.saturating_sub(self.workspace_bytes)
     }
 
+    /// Bytes per parameter per step that each rank's collectives send (and receive) as a
+    /// ring moves them, in the model's dtype: counted by [`Metered`] over the steps (the
+    /// setup's broadcast of the weights left out); the largest over the ranks.
+    pub fn bytes_per_param_per_step(&self) -> f64 {
+        let steps = self.ranks.first().map_or(0, |r| r.step_times.len()).max(1) as f64;
+        let sent = self.ranks.iter().filter_map(|r| r.step_traffic).map(|t| t.sent).max();
+        sent.unwrap_or(0) as f64 / steps / self.params.max(1) as f64
+    }
+
     /// The largest per-device peak of reserved bytes.
     pub fn max_peak_reserved(&self) -> u64 {
         self.ranks.iter().map(|r| r.peak_reserved).max().unwrap_or(0)
@@ -310,6 +323,21 @@ pub fn measure(
     steps: usize,
     seed: u64,
 ) -> Result<DpRun, DistError> {
+    let batches: Vec<DpBatch> =
+        (0..steps).map(|i| DpBatch::new(data, seed, i as u64, samples)).collect();
+    measure_batches(arch, dtype, config, n, kind, &batches, seed)
+}
+
+/// [`measure`] on the global batches `batches`.
+pub(crate) fn measure_batches(
+    arch: &Arch,
+    dtype: DType,
+    config: DpConfig,
+    n: usize,
+    kind: DeviceKind,
+    batches: &[DpBatch],
+    seed: u64,
+) -> Result<DpRun, DistError> {
     let groups = InProcessGroup::connect(n, Duration::from_secs(600))?;
     let mut replicas = Vec::with_capacity(n);
     let mut comms: Vec<Box<dyn Collective>> = Vec::with_capacity(n);
@@ -320,15 +348,13 @@ pub fn measure(
         };
         replicas.push(DpModel::new(&device, arch, seed, dtype)?);
         comms.push(match kind {
-            DeviceKind::Host(_) => Box::new(HostCollective::new(comm)),
-            DeviceKind::Virtual(_) => Box::new(VirtualCollective::new(comm)),
+            DeviceKind::Host(_) => Box::new(Metered::new(HostCollective::new(comm))),
+            DeviceKind::Virtual(_) => Box::new(Metered::new(VirtualCollective::new(comm))),
         });
     }
     let params = replicas.first_mut().map_or(0, DpModel::param_count);
     let workspace_bytes = replicas.first().map_or(0, |r| r.device().blas_workspace_size() as u64);
-    let batches: Vec<DpBatch> =
-        (0..steps).map(|i| DpBatch::new(data, seed, i as u64, samples)).collect();
-    let out = vram_parallel::train(replicas, comms, config, &batches, |_| Ok(()));
+    let out = vram_parallel::train(replicas, comms, config, batches, |_| Ok(()));
     let mut ranks = Vec::with_capacity(n);
     let mut first_abort = None;
     for r in out {
@@ -365,5 +391,73 @@ pub fn analytic_state_bytes(config: &DpConfig, dtype: DType, params: u64, n: usi
         S::Zero2 => Some(w * p + (w + 12.0) * p / n),
         S::Zero3 => Some((2.0 * w + adam) * p / n),
         S::DataParallel => None,
+    }
+}
+
+/// One rank's report and every parameter's final value (f32).
+pub type RankResult = (RankReport, Vec<Vec<f32>>);
+
+/// A data-parallel training run of a reference model on host devices, to run as one rank of
+/// a multi-process job ([`train_process`](Self::train_process)) or with all its ranks on
+/// threads of this process ([`train_threads`](Self::train_threads)). Both reduce in rank
+/// order, so they give the same weights bit for bit.
+#[derive(Clone, Debug)]
+pub struct DpJob {
+    /// The model (an MLP, or a GPT with an untied head).
+    pub arch: Arch,
+    /// Its data.
+    pub data: Dataset,
+    /// Weights' dtype.
+    pub dtype: DType,
+    /// Strategy and AdamW.
+    pub config: DpConfig,
+    /// Samples per global batch (split over the ranks).
+    pub samples: usize,
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Seed of the weights and the data.
+    pub seed: u64,
+    /// Each rank's host device capacity.
+    pub device_memory: u64,
+}
+
+impl DpJob {
+    fn batches(&self) -> Vec<DpBatch> {
+        (0..self.steps)
+            .map(|i| DpBatch::new(&self.data, self.seed, i as u64, self.samples))
+            .collect()
+    }
+
+    fn replica(&self) -> Result<DpModel, DistError> {
+        DpModel::new(&Device::host(self.device_memory), &self.arch, self.seed, self.dtype)
+    }
+
+    /// Trains this process's rank with `comm` (a [`HostCollective`] over
+    /// [`vram_parallel::TcpComm`]): its report and every parameter's final value.
+    ///
+    /// # Errors
+    ///
+    /// This rank's error, or another rank's (named).
+    pub fn train_process(&self, comm: Box<dyn Collective>) -> Result<RankResult, DistError> {
+        let replica =
+            self.replica().inspect_err(|e| comm.abort(&format!("rank {}: {e}", comm.rank())))?;
+        vram_parallel::train_rank(replica, comm, self.config, &self.batches(), |t| t.full_params())
+    }
+
+    /// Trains all `n` ranks on threads of this process (the in-process group): each rank's
+    /// report and final parameters.
+    ///
+    /// # Errors
+    ///
+    /// The first rank's error.
+    pub fn train_threads(&self, n: usize) -> Result<Vec<RankResult>, DistError> {
+        let comms: Vec<Box<dyn Collective>> = InProcessGroup::connect(n, Duration::from_secs(600))?
+            .into_iter()
+            .map(|c| Box::new(HostCollective::new(c)) as Box<dyn Collective>)
+            .collect();
+        let replicas = (0..n).map(|_| self.replica()).collect::<Result<Vec<_>, _>>()?;
+        vram_parallel::train(replicas, comms, self.config, &self.batches(), |t| t.full_params())
+            .into_iter()
+            .collect()
     }
 }

@@ -9,8 +9,11 @@ use vram_amp::{AdamW, Optimizer};
 use vram_harness::data::Dataset;
 use vram_harness::dp::{DeviceKind, DpBatch, DpModel, analytic_state_bytes, measure};
 use vram_harness::models::{Arch, Model};
+use vram_harness::plan;
 use vram_kernels::{AdamWConfig, DType, Device};
-use vram_parallel::{Collective, DpConfig, HostCollective, InProcessGroup, Strategy, train};
+use vram_parallel::{
+    Collective, DpConfig, HostCollective, InProcessGroup, Strategy, ring_bytes_per_param, train,
+};
 
 /// AdamW with eps 1e-3: the attention's key bias has a gradient that is zero in exact
 /// arithmetic (softmax ignores a constant per row), so it is rounding noise whose sign
@@ -131,4 +134,32 @@ fn zero3_on_virtual_devices_holds_the_analytic_share_of_a_real_size_gpt() {
     let want = analytic_state_bytes(&config, DType::BF16, run.params, 4).unwrap();
     let got = run.max_state_bytes() as f64;
     assert!((got - want).abs() / want < 0.001, "{got} vs {want}");
+    // And its collectives move 3 (N-1)/N bytes per 2-byte parameter per step, counted on
+    // the calls (a few shards padded to N).
+    let moved = run.bytes_per_param_per_step();
+    let ring = ring_bytes_per_param(Strategy::Zero3, 4, 2).unwrap();
+    assert!((moved - ring).abs() / ring < 0.001, "{moved} vs {ring}");
+}
+
+#[test]
+fn plan_nproc_reports_per_process_memory_and_bytes_per_step_for_ddp_and_zero() {
+    let model = plan::model_from_args("gpt", &plan::ModelOverrides::default()).unwrap();
+    let mut req = plan::PlanRequest::new(model, 8, 1 << 30);
+    req.reserve = 0;
+    req.precision = plan::PrecisionChoice::Only(plan::Precision::Bf16);
+    let d = plan::data_parallel(&req, 4).unwrap();
+    assert_eq!((d.nproc, d.per_process_batch), (4, 2));
+    let row = |s: &str| d.rows.iter().find(|r| r.strategy == s).unwrap();
+    for r in &d.rows {
+        let a = r.analytic_bytes_per_param_per_step.unwrap();
+        assert!((r.bytes_per_param_per_step - a).abs() / a < 0.01, "{}: {r:?}", r.strategy);
+        let m = r.analytic_model_states.unwrap() as f64;
+        assert!((r.model_states as f64 - m).abs() / m < 0.01, "{}: {r:?}", r.strategy);
+        assert!(r.fits);
+    }
+    assert!(row("zero-3").model_states < row("zero-2").model_states);
+    assert!(row("zero-2").model_states < row("zero-1").model_states);
+    assert!(row("zero-1").model_states < row("ddp").model_states);
+    assert!(row("zero-3").bytes_per_param_per_step > 1.4 * row("ddp").bytes_per_param_per_step);
+    assert!(plan::data_parallel(&req, 3).is_err(), "8 samples do not split over 3");
 }

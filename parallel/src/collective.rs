@@ -7,7 +7,7 @@
 //! device's caching allocator, as PyTorch allocates the tensors it hands to NCCL. So host,
 //! virtual and CUDA devices show the same memory figures for the same training step.
 
-use crate::comm::{CommError, Communicator, ReduceOp};
+use crate::comm::{CommError, Communicator, ReduceOp, Traffic};
 use crate::error::DistError;
 use vram_kernels::half::{bf16, f16};
 use vram_kernels::{DType, Tensor};
@@ -66,6 +66,11 @@ pub trait Collective: Send {
     /// Aborts the group: every pending and later collective of every rank fails with
     /// [`CommError::Aborted`]. A rank calls it when it fails (out of memory).
     fn abort(&self, reason: &str);
+    /// What this rank's collectives moved so far, where the backend counts it (the TCP
+    /// transport on the wire, [`Metered`](crate::Metered) as a ring would); `None` elsewhere.
+    fn traffic(&self) -> Option<Traffic> {
+        None
+    }
 }
 
 fn mismatch(op: &'static str, rank: usize, got: usize, expected: usize) -> DistError {
@@ -100,7 +105,8 @@ pub(crate) fn check_copy(
 }
 
 /// Collectives for host devices: values go through a host [`Communicator`] (the
-/// in-process group: one thread per rank), results are written into the device tensors.
+/// in-process group, one thread per rank, or [`TcpComm`](crate::TcpComm), one process per
+/// rank), results are written into the device tensors.
 /// Tensors of any dtype; reductions run in f32 and round once into the dtype.
 #[derive(Debug)]
 pub struct HostCollective<C> {
@@ -245,6 +251,10 @@ impl<C: Communicator> Collective for HostCollective<C> {
 
     fn abort(&self, reason: &str) {
         self.comm.abort(reason);
+    }
+
+    fn traffic(&self) -> Option<Traffic> {
+        self.comm.traffic()
     }
 }
 

@@ -23,6 +23,16 @@ pub enum DistError {
     /// split evenly, devices of different kinds, no ranks).
     #[error("data parallel: {0}")]
     Invalid(String),
+    /// Processes of a local job failed (see [`launch`](crate::launch)); the launcher
+    /// stopped the others.
+    #[error("{}; the other ranks were stopped", failed.iter().map(|(r, s)| format!("rank {r} failed ({s})")).collect::<Vec<_>>().join(", "))]
+    RankFailed {
+        /// The rank(s) found failed at the same check, with how they ended.
+        failed: Vec<(usize, String)>,
+    },
+    /// A local job could not be started or ran too long.
+    #[error("launch: {0}")]
+    Launch(String),
 }
 
 impl DistError {

@@ -7,7 +7,7 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::comm::{CommError, Communicator, ReduceOp};
+use crate::comm::{CommError, Communicator, ReduceOp, reduce_in_rank_order};
 
 #[derive(Debug)]
 struct State {
@@ -151,16 +151,8 @@ impl Drop for InProcessComm {
 }
 
 fn reduce(all: &[Vec<f32>], range: std::ops::Range<usize>, op: ReduceOp, out: &mut [f32]) {
-    out.fill(0.0);
-    for v in all {
-        for (o, x) in out.iter_mut().zip(&v[range.clone()]) {
-            *o += x;
-        }
-    }
-    if op == ReduceOp::Average {
-        let n = all.len() as f32;
-        out.iter_mut().for_each(|o| *o /= n);
-    }
+    let all: Vec<&[f32]> = all.iter().map(Vec::as_slice).collect();
+    reduce_in_rank_order(&all, range, op, out);
 }
 
 impl Communicator for InProcessComm {

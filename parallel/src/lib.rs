@@ -4,11 +4,17 @@
 //! device 0).
 //!
 //! Communication is behind [`Collective`] (tensors) with three backends:
-//! [`HostCollective`] for host devices (values through an in-process [`Communicator`], one
-//! thread per rank), [`VirtualCollective`] for virtual devices (moves no values; every
-//! buffer a real collective needs is still allocated, so memory figures hold at real
-//! sizes), and `NcclCollective` for CUDA devices (feature `cuda`). A failed rank (out of
-//! memory) aborts the group: every rank gets an error naming it, none hangs.
+//! [`HostCollective`] for host devices (values through a [`Communicator`]: the in-process
+//! [`InProcessGroup`], one thread per rank, or [`TcpComm`], one process per rank),
+//! [`VirtualCollective`] for virtual devices (moves no values; every buffer a real
+//! collective needs is still allocated, so memory figures hold at real sizes), and
+//! `NcclCollective` for CUDA devices (feature `cuda`; one process or, by rendezvous, one
+//! process per GPU). A failed rank (out of memory, a dead process) aborts the group: every
+//! rank gets an error naming it, none hangs.
+//!
+//! Multi-process jobs follow torchrun's conventions ([`ProcessGroupConfig::from_env`]);
+//! [`launch`] starts one on this machine (`cargo xtask launch`), and each process runs its
+//! rank with [`train_rank`].
 //!
 //! ```
 //! use std::time::Duration;
@@ -35,18 +41,25 @@ mod collective;
 mod comm;
 mod error;
 mod in_process;
+pub mod launch;
+mod metered;
 #[cfg(feature = "cuda")]
 mod nccl;
+mod process_group;
 mod replica;
 mod shard;
+mod tcp;
 mod trainer;
 
 pub use bucket::{BucketPlan, DEFAULT_BUCKET_CAP_BYTES};
 pub use collective::{Collective, HostCollective, VirtualCollective};
-pub use comm::{CommError, Communicator, ReduceOp};
+pub use comm::{CommError, Communicator, ReduceOp, Traffic};
 pub use error::DistError;
 pub use in_process::{InProcessComm, InProcessGroup};
+pub use metered::{Metered, ring_bytes_per_param};
 #[cfg(feature = "cuda")]
 pub use nccl::NcclCollective;
+pub use process_group::{DEFAULT_TIMEOUT, ProcessGroupConfig, TIMEOUT_VAR};
 pub use replica::{GroupHooks, NoHooks, Pass, Replica};
-pub use trainer::{DpConfig, RankReport, RankTrainer, Strategy, train};
+pub use tcp::TcpComm;
+pub use trainer::{DpConfig, RankReport, RankTrainer, Strategy, train, train_rank};

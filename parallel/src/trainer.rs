@@ -115,6 +115,9 @@ pub struct RankReport {
     pub state_requested_bytes: u64,
     /// Wall time of each step.
     pub step_times: Vec<Duration>,
+    /// What this rank's collectives moved over the steps (not the setup's broadcast of the
+    /// weights, nor `finish`), where the backend counts it ([`Collective::traffic`]).
+    pub step_traffic: Option<crate::Traffic>,
 }
 
 /// One rank of a data-parallel run: its replica, its collectives and its share of the
@@ -593,7 +596,7 @@ where
             .zip(comms)
             .map(|(replica, comm)| {
                 let finish = &finish;
-                scope.spawn(move || run_rank(replica, comm, config, batches, finish))
+                scope.spawn(move || train_rank(replica, comm, config, batches, |t| finish(t)))
             })
             .collect();
         handles
@@ -606,12 +609,23 @@ where
     })
 }
 
-fn run_rank<R: Replica, T>(
+/// One rank of a data-parallel run, on this thread: what [`train`] runs on each of its
+/// threads, and what each process of a multi-process job runs with its
+/// [`TcpComm`](crate::TcpComm) or NCCL collectives. Sets up the [`RankTrainer`], trains on
+/// every batch of `batches` (global batches), then lets `finish` read the trainer (e.g.
+/// [`RankTrainer::full_params`], a collective).
+///
+/// # Errors
+///
+/// This rank's own error (after aborting the group with it, so no other rank waits), or the
+/// error of another rank that failed ([`CommError::Aborted`](crate::CommError::Aborted),
+/// or a lost or silent rank named by the TCP backend).
+pub fn train_rank<R: Replica, T>(
     replica: R,
     comm: Box<dyn Collective>,
     config: DpConfig,
     batches: &[R::Batch],
-    finish: &(dyn Fn(&mut RankTrainer<R>) -> Result<T, DistError> + Sync),
+    finish: impl FnOnce(&mut RankTrainer<R>) -> Result<T, DistError>,
 ) -> Result<(RankReport, T), DistError> {
     let rank = comm.rank();
     let fail = |comm: &dyn Collective, e: DistError| {
@@ -623,6 +637,7 @@ fn run_rank<R: Replica, T>(
     let mut trainer = RankTrainer::new(replica, comm, config)?;
     let device = trainer.replica.device().clone();
     device.reset_peak_stats();
+    let traffic_before = trainer.comm.traffic();
     let mut times = Vec::with_capacity(batches.len());
     let (mut state_bytes, mut state_requested_bytes) = (0, 0);
     for batch in batches {
@@ -641,6 +656,7 @@ fn run_rank<R: Replica, T>(
         state_bytes,
         state_requested_bytes,
         step_times: times,
+        step_traffic: trainer.comm.traffic().map(|t| t.since(traffic_before.unwrap_or_default())),
     };
     let extra = finish(&mut trainer).map_err(|e| fail(&*trainer.comm, e))?;
     Ok((report, extra))

@@ -9,8 +9,8 @@ use std::time::Duration;
 use common::{Mlp, Rows, rows, single_device};
 use vram_kernels::{AdamWConfig, DType, Device};
 use vram_parallel::{
-    Collective, CommError, DistError, DpConfig, HostCollective, InProcessGroup, RankReport,
-    Strategy, VirtualCollective, train,
+    Collective, CommError, DistError, DpConfig, HostCollective, InProcessGroup, Metered,
+    RankReport, Strategy, VirtualCollective, ring_bytes_per_param, train,
 };
 
 const T: Duration = Duration::from_secs(30);
@@ -243,4 +243,32 @@ fn a_batch_that_does_not_split_evenly_is_refused_on_every_rank() {
         let e = o.unwrap_err();
         assert!(e.to_string().contains("do not split") || matches!(e, DistError::Comm(_)), "{e}");
     }
+}
+
+#[test]
+fn metered_collectives_move_the_ring_bytes_per_parameter_per_step_of_each_strategy() {
+    // Every parameter divides by 4 ranks: no shard padding, so the counts are exact.
+    let dims = [8, 12, 4];
+    let n = 4;
+    let batches: Vec<Rows> = (0..3).map(|s| rows(s, 16, 8, 4)).collect();
+    let p = Mlp::new(&Device::host(16 << 20), &dims, DType::F32).param_count() as u64;
+    for dtype in [DType::F32, DType::BF16] {
+        let bytes = dtype.size_in_bytes();
+        for strategy in [Strategy::Ddp, Strategy::Zero1, Strategy::Zero2, Strategy::Zero3] {
+            let comms: Vec<Box<dyn Collective>> = InProcessGroup::connect(n, T)
+                .unwrap()
+                .into_iter()
+                .map(|c| Box::new(Metered::new(HostCollective::new(c))) as Box<dyn Collective>)
+                .collect();
+            let replicas =
+                (0..n).map(|_| Mlp::new(&Device::host(16 << 20), &dims, dtype)).collect();
+            let want = ring_bytes_per_param(strategy, n, bytes).unwrap() * (p * 3) as f64;
+            for r in train(replicas, comms, DpConfig::new(strategy), &batches, |_| Ok(())) {
+                let t = r.unwrap().0.step_traffic.unwrap();
+                assert_eq!(t.sent as f64, want, "{} {dtype}", strategy.name());
+            }
+        }
+    }
+    // ZeRO-3 moves 1.5 times DDP's bytes; ZeRO-1 and 2 the same as DDP.
+    assert_eq!(ring_bytes_per_param(Strategy::Zero3, 8, 2), Some(1.5 * 2.0 * 2.0 * 7.0 / 8.0));
 }

@@ -1,7 +1,9 @@
 //! `cargo xtask`: the project's tasks. `cargo xtask bench` runs every experiment and writes
 //! the report of claims against measurements; `cargo xtask replay` replays a PyTorch memory
-//! snapshot through vram's allocator under the recorded settings and others.
+//! snapshot through vram's allocator under the recorded settings and others; `cargo xtask
+//! launch` starts N local processes of a command with torchrun's variables.
 
+mod launch;
 mod plan;
 mod replay;
 mod twin;
@@ -36,6 +38,14 @@ enum Command {
     /// Train the reference models in vram and in PyTorch (xtask/twin/torch_twin.py) from the
     /// same weights on the same batch: peaks, step times and every step's loss side by side.
     Twin(twin::TwinArgs),
+    /// Start N local processes of a command as the ranks of one job, as `torchrun
+    /// --standalone --nproc-per-node N` does.
+    ///
+    /// Each process gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
+    /// MASTER_PORT (a free port unless given); vram_parallel's ProcessGroupConfig::from_env
+    /// reads them. When one process fails, the others are killed and the launcher exits
+    /// with status 1 naming the rank.
+    Launch(launch::LaunchArgs),
 }
 
 /// `--quick`'s help, with the number of experiments the registry holds.
@@ -222,6 +232,7 @@ fn main() -> ExitCode {
         Command::Replay(args) => replay::run(args),
         Command::Plan(args) => plan::run(*args),
         Command::Twin(args) => twin::run(args),
+        Command::Launch(args) => launch::run(args),
     };
     result.unwrap_or_else(|message| {
         eprintln!("error: {message}");

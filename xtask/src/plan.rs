@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use vram_harness::human_bytes;
 use vram_harness::models::Arch;
 use vram_harness::plan::{
-    self, ALLOCATOR_SETTINGS, ModelOverrides, OptimizerKind, PLAN_KINDS, PlanError, PlanProgress,
-    PlanReport, PlanRequest, Precision, PrecisionChoice, Row,
+    self, ALLOCATOR_SETTINGS, DpPlan, ModelOverrides, OptimizerKind, PLAN_KINDS, PlanError,
+    PlanProgress, PlanReport, PlanRequest, Precision, PrecisionChoice, Row,
 };
 
 /// `--model`'s help: the zoo's presets, real-size then small, and their aliases.
@@ -116,6 +116,11 @@ pub struct PlanArgs {
     /// Output classes (classifiers).
     #[arg(long)]
     classes: Option<usize>,
+    /// Also report data parallel training over N processes (one GPU each): per-process
+    /// memory of DDP and ZeRO-1/2/3 and the bytes their collectives move per step, measured
+    /// on N virtual devices.
+    #[arg(long, value_name = "N")]
+    nproc: Option<usize>,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -241,6 +246,17 @@ pub fn run(args: PlanArgs) -> Result<ExitCode, String> {
             return Ok(ExitCode::FAILURE);
         }
     };
+    let data_parallel = match args.nproc {
+        None => None,
+        Some(n) => match plan::data_parallel(&req, n) {
+            Ok(d) => Some(d),
+            Err(e) if e.is_bad_input() => return Err(e.to_string()),
+            Err(e) => {
+                eprintln!("error: --nproc: {e}");
+                return Ok(ExitCode::FAILURE);
+            }
+        },
+    };
     let verification = if args.verify {
         match plan::verify(&req, &report) {
             Ok(v) => Some(v),
@@ -253,10 +269,15 @@ pub fn run(args: PlanArgs) -> Result<ExitCode, String> {
         None
     };
     if args.json {
-        let json = serde_json::json!({ "plan": report, "verify": verification });
+        let json = serde_json::json!({
+            "plan": report, "verify": verification, "data_parallel": data_parallel
+        });
         println!("{}", serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?);
     } else {
         print!("{}", render(&report));
+        if let Some(d) = &data_parallel {
+            print!("{}", render_dp(d, report.usable));
+        }
         if let Some(v) = &verification {
             println!(
                 "\nverify on {}: {} ({}), {} x {} samples\n  predicted peak allocated {} reserved {}\n  measured  peak allocated {} reserved {}\n  {} ({:.1} s)",
@@ -310,6 +331,44 @@ fn line(r: &Row) -> String {
         r.max_micro,
         r.schedule
     )
+}
+
+/// The `--nproc` section as text.
+fn render_dp(d: &DpPlan, usable: u64) -> String {
+    let mut out = format!(
+        "\ndata parallel over {} processes (one GPU each), {}, {} parameters, {} samples per \
+         process:\n{:<8} {:>12} {:>12} {:>16} {:>10} {:>22} {:>12}\n",
+        d.nproc,
+        d.precision.label(),
+        d.params,
+        d.per_process_batch,
+        "strategy",
+        "peak alloc",
+        "reserved",
+        "model states",
+        "(analytic)",
+        "sent/step (B/param)",
+        "(analytic)"
+    );
+    for r in &d.rows {
+        out += &format!(
+            "{:<8} {:>12} {:>12} {:>16} {:>10} {:>12} ({:>7.3}) {:>12}{}\n",
+            r.strategy,
+            human_bytes(r.peak_allocated),
+            human_bytes(r.peak_reserved),
+            human_bytes(r.model_states),
+            r.analytic_model_states.map_or("-".into(), human_bytes),
+            human_bytes(r.bytes_per_step),
+            r.bytes_per_param_per_step,
+            r.analytic_bytes_per_param_per_step.map_or("-".into(), |a| format!("{a:.3}")),
+            if r.fits { "" } else { "   does not fit" }
+        );
+    }
+    out += &format!("  (fits: peak reserved within the usable {})\n", human_bytes(usable));
+    for n in &d.notes {
+        out += &format!("  - {n}\n");
+    }
+    out
 }
 
 /// The report as text.
@@ -474,5 +533,19 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(code, ExitCode::SUCCESS);
+    }
+
+    #[test]
+    fn nproc_reports_data_parallel_and_refuses_a_batch_that_does_not_split() {
+        let base =
+            ["--model", "gpt", "--device-memory", "64MiB", "--reserve", "0", "--precision", "fp32"];
+        let with = |extra: &[&str]| {
+            let mut v = base.to_vec();
+            v.extend(extra);
+            outcome(&v)
+        };
+        assert_eq!(with(&["--batch", "4", "--nproc", "2"]).unwrap(), ExitCode::SUCCESS);
+        let e = with(&["--batch", "5", "--nproc", "2"]).unwrap_err();
+        assert!(e.contains("split evenly over --nproc 2"), "{e}");
     }
 }

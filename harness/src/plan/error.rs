@@ -2,7 +2,8 @@
 
 use vram_alloc::human_bytes;
 
-/// A planning error. Every variant but [`PlanError::Run`] is bad input (`cargo xtask plan`
+/// A planning error. Every variant but [`PlanError::Run`] and [`PlanError::DataParallel`]
+/// is bad input (`cargo xtask plan`
 /// exits with status 2 on them).
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
@@ -72,12 +73,15 @@ pub enum PlanError {
         /// The error.
         source: Box<vram_accum::Error>,
     },
+    /// A data-parallel run (`--nproc`) failed.
+    #[error("data parallel run: {0}")]
+    DataParallel(#[source] vram_parallel::DistError),
 }
 
 impl PlanError {
     /// Whether the error is the user's input (exit status 2) rather than a failure.
     pub fn is_bad_input(&self) -> bool {
-        !matches!(self, PlanError::Run { .. })
+        !matches!(self, PlanError::Run { .. } | PlanError::DataParallel(_))
     }
 
     /// Whether the error is an out-of-memory error (a step or a device that ran out), seen
@@ -86,6 +90,7 @@ impl PlanError {
         match self {
             PlanError::Run { source, .. } => source.is_out_of_memory(),
             PlanError::Device(e) => e.is_out_of_memory(),
+            PlanError::DataParallel(e) => e.is_out_of_memory(),
             _ => false,
         }
     }

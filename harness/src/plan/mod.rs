@@ -29,11 +29,13 @@
 //! # Ok::<(), vram_harness::plan::PlanError>(())
 //! ```
 
+mod dp;
 mod error;
 mod model;
 mod run;
 mod search;
 
+pub use dp::{DpPlan, DpRow, data_parallel};
 pub use error::PlanError;
 pub use model::{
     ModelOverrides, PlanModel, SampleInput, model_from_args, model_from_file, model_from_spec,

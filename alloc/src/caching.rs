@@ -194,27 +194,27 @@ impl<M: DeviceMemory> CachingAllocator<M> {
 
     /// A copy of every statistic.
     pub fn memory_stats(&self) -> MemoryStats {
-        self.state().stats.clone()
+        self.state().stats.stats()
     }
 
     /// Bytes in live allocations (`torch.cuda.memory_allocated`).
     pub fn memory_allocated(&self) -> u64 {
-        self.state().stats.allocated_bytes.all.current as u64
+        self.state().stats.allocated_bytes.current() as u64
     }
 
     /// Bytes held in segments (`torch.cuda.memory_reserved`).
     pub fn memory_reserved(&self) -> u64 {
-        self.state().stats.reserved_bytes.all.current as u64
+        self.state().stats.reserved_bytes.current() as u64
     }
 
     /// Peak of allocated bytes since the last reset (`torch.cuda.max_memory_allocated`).
     pub fn max_memory_allocated(&self) -> u64 {
-        self.state().stats.allocated_bytes.all.peak as u64
+        self.state().stats.allocated_bytes.peak() as u64
     }
 
     /// Peak of reserved bytes since the last reset (`torch.cuda.max_memory_reserved`).
     pub fn max_memory_reserved(&self) -> u64 {
-        self.state().stats.reserved_bytes.all.peak as u64
+        self.state().stats.reserved_bytes.peak() as u64
     }
 
     /// Sets peaks to current values (`torch.cuda.reset_peak_memory_stats`).

@@ -12,7 +12,7 @@ use crate::error::{AllocError, OutOfMemoryError};
 use crate::index::FreeKey;
 use crate::memory::{DeviceMemory, DevicePtr, RawError, Stream};
 use crate::policy::{self, PoolKind, PoolRef};
-use crate::stats::MemoryStats;
+use crate::stats::{Counters, MemoryStats};
 use crate::trace::{Trace, TraceAction};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
@@ -59,7 +59,8 @@ pub(crate) struct State<M: DeviceMemory> {
     deferred_events: Vec<BlockId>,
     /// Segments by base address.
     pub segments: BTreeMap<DevicePtr, Segment>,
-    pub stats: MemoryStats,
+    /// The statistics (reported as [`MemoryStats`] by [`Counters::stats`]).
+    pub stats: Counters,
     /// Other streams that used allocated blocks (from `record_stream`), kept apart from the
     /// blocks because it is rare: the hot path only checks that this is empty.
     stream_uses: HashMap<BlockId, Vec<Stream>>,
@@ -72,9 +73,9 @@ pub(crate) struct State<M: DeviceMemory> {
 
 impl<M: DeviceMemory> State<M> {
     pub fn new(config: AllocatorConfig, total: u64) -> Self {
-        let stats = MemoryStats {
+        let stats = Counters {
             max_split_size: config.max_split_size().try_into().unwrap_or(-1),
-            ..MemoryStats::default()
+            ..Counters::default()
         };
         let cap = config.memory_fraction().map(|f| cap_bytes(f, total));
         State {
@@ -288,8 +289,7 @@ impl<M: DeviceMemory> State<M> {
             self.stats.num_alloc_retries += 1;
         }
         let limit = self.cap.map_or(MAX_RESERVED, |cap| cap.min(MAX_RESERVED));
-        if (self.stats.reserved_bytes.all.current as u64).saturating_add(alloc_size as u64) > limit
-        {
+        if (self.stats.reserved_bytes.current() as u64).saturating_add(alloc_size as u64) > limit {
             return Ok(None);
         }
         if self.expandable {
@@ -835,7 +835,7 @@ impl<M: DeviceMemory> State<M> {
             return;
         };
         let gc_threshold = (threshold * cap as f64) as u64;
-        let reserved = self.stats.reserved_bytes.all.current as u64;
+        let reserved = self.stats.reserved_bytes.current() as u64;
         if reserved <= gc_threshold {
             return;
         }
@@ -876,7 +876,7 @@ impl<M: DeviceMemory> State<M> {
 
     /// Opens a statistics scope; returns its depth.
     pub fn begin_scope(&mut self) -> usize {
-        self.scopes.push(self.stats.clone());
+        self.scopes.push(self.stats.stats());
         self.stats.reset_peak();
         self.scopes.len() - 1
     }
@@ -884,8 +884,8 @@ impl<M: DeviceMemory> State<M> {
     /// The statistics of the scope at `depth` so far.
     pub fn scope_stats(&self, depth: usize) -> MemoryStats {
         match self.scopes.get(depth) {
-            Some(outer) => self.stats.since(outer),
-            None => self.stats.clone(),
+            Some(outer) => self.stats.stats().since(outer),
+            None => self.stats.stats(),
         }
     }
 
@@ -895,11 +895,11 @@ impl<M: DeviceMemory> State<M> {
         let mut result = None;
         while self.scopes.len() > depth {
             let outer = self.scopes.pop().expect("length checked");
-            let inner = self.stats.since(&outer);
+            let inner = self.stats.stats().since(&outer);
             self.stats.restore_peaks(&outer);
             result = Some(inner);
         }
-        result.unwrap_or_else(|| self.stats.clone())
+        result.unwrap_or_else(|| self.stats.stats())
     }
 
     pub fn set_memory_fraction(&mut self, fraction: f64, total: u64) {
@@ -935,8 +935,8 @@ impl<M: DeviceMemory> State<M> {
             device: mem.name(),
             device_total: info.total,
             device_free: info.free,
-            allocated: self.stats.allocated_bytes.all.current as u64,
-            reserved: self.stats.reserved_bytes.all.current as u64,
+            allocated: self.stats.allocated_bytes.current() as u64,
+            reserved: self.stats.reserved_bytes.current() as u64,
             cap: self.cap,
             expandable_segments: self.expandable,
         }))

@@ -18,27 +18,6 @@ pub struct Stat {
     pub freed: u64,
 }
 
-impl Stat {
-    /// Adds `n`. `current` never passes `i64::MAX`: requests are under 1 EiB and the cache
-    /// keeps reserved memory (which bounds every current value) under
-    /// `MAX_RESERVED` (in `state.rs`); the totals saturate instead of wrapping.
-    #[inline]
-    pub(crate) fn increase(&mut self, n: u64) {
-        self.current += n as i64;
-        self.allocated = self.allocated.saturating_add(n);
-        if self.current > self.peak {
-            self.peak = self.current;
-        }
-    }
-
-    /// Removes `n` (never more than `current`); the total saturates instead of wrapping.
-    #[inline]
-    pub(crate) fn decrease(&mut self, n: u64) {
-        self.current -= n as i64;
-        self.freed = self.freed.saturating_add(n);
-    }
-}
-
 /// A statistic for all pools and for each pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct StatArray {
@@ -51,38 +30,6 @@ pub struct StatArray {
 }
 
 impl StatArray {
-    #[inline]
-    pub(crate) fn increase(&mut self, pool: impl Into<PoolKind>, n: u64) {
-        self.all.increase(n);
-        self.pool_mut(pool.into()).increase(n);
-    }
-
-    #[inline]
-    pub(crate) fn decrease(&mut self, pool: impl Into<PoolKind>, n: u64) {
-        self.all.decrease(n);
-        self.pool_mut(pool.into()).decrease(n);
-    }
-
-    /// One net change, up or down (PyTorch's `free_block` applies the inactive-split change
-    /// this way); none when `delta` is 0.
-    #[inline]
-    pub(crate) fn apply(&mut self, pool: impl Into<PoolKind>, delta: i64) {
-        let pool = pool.into();
-        if delta > 0 {
-            self.increase(pool, delta.unsigned_abs());
-        } else if delta < 0 {
-            self.decrease(pool, delta.unsigned_abs());
-        }
-    }
-
-    #[inline]
-    fn pool_mut(&mut self, pool: PoolKind) -> &mut Stat {
-        match pool {
-            PoolKind::Small => &mut self.small_pool,
-            PoolKind::Large => &mut self.large_pool,
-        }
-    }
-
     fn each(&mut self, f: impl Fn(&mut Stat)) {
         f(&mut self.all);
         f(&mut self.small_pool);
@@ -230,12 +177,6 @@ impl MemoryStats {
         s
     }
 
-    /// Ends a scope: every peak becomes the larger of the enclosing scope's peak before the
-    /// scope (`outer`) and the peak reached inside it, as if the scope had never reset it.
-    pub(crate) fn restore_peaks(&mut self, outer: &MemoryStats) {
-        self.zip_stats(outer, |mine, before| mine.peak = mine.peak.max(before.peak));
-    }
-
     /// Zeroes the `allocated`/`freed` totals and the event counters
     /// (`torch.cuda.reset_accumulated_memory_stats`).
     pub fn reset_accumulated(&mut self) {
@@ -257,17 +198,259 @@ impl MemoryStats {
     }
 }
 
+/// One statistic as the cache keeps it between reads: the hot path only adds to `current`
+/// and `added` and checks the peak, or takes from `current`; [`Tally::stat`] makes the
+/// [`Stat`] PyTorch reports. What was removed since the last reset of totals is
+/// `added - (current - base)`, so a decrease is one subtraction; `added` is exact (a `u128`
+/// cannot overflow), and the reported totals saturate at `u64::MAX` as before.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Tally {
+    current: i64,
+    peak: i64,
+    /// Everything added since the last [`Tally::reset_accumulated`].
+    added: u128,
+    /// `current` at the last [`Tally::reset_accumulated`].
+    base: i64,
+}
+
+impl Tally {
+    /// Adds `n`. `current` never passes `i64::MAX`: requests are under 1 EiB and the cache
+    /// keeps reserved memory (which bounds every current value) under `MAX_RESERVED` (in
+    /// `state.rs`).
+    #[inline(always)]
+    pub(crate) fn increase(&mut self, n: u64) {
+        self.current += n as i64;
+        self.added += n as u128;
+        if self.current > self.peak {
+            self.peak = self.current;
+        }
+    }
+
+    /// Removes `n` (never more than `current`).
+    #[inline(always)]
+    pub(crate) fn decrease(&mut self, n: u64) {
+        self.current -= n as i64;
+    }
+
+    /// The total removed since the last reset of totals, exact.
+    fn removed(&self) -> u128 {
+        (self.added as i128 + self.base as i128 - self.current as i128) as u128
+    }
+
+    /// The statistic as reported: totals saturate instead of wrapping.
+    fn stat(&self) -> Stat {
+        Stat {
+            current: self.current,
+            peak: self.peak,
+            allocated: saturate(self.added),
+            freed: saturate(self.removed()),
+        }
+    }
+
+    fn reset_peak(&mut self) {
+        self.peak = self.current;
+    }
+
+    fn reset_accumulated(&mut self) {
+        self.added = 0;
+        self.base = self.current;
+    }
+}
+
+fn saturate(n: u128) -> u64 {
+    n.try_into().unwrap_or(u64::MAX)
+}
+
+/// A statistic for each pool as the cache keeps it: the two pools' [`Tally`]s and the peak
+/// of their sum; the `all` statistic is made from them when read (its totals are the pools'
+/// totals added up, exactly as if kept apart, since every change goes to both).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct TallyArray {
+    /// Small, large (by [`PoolKind`] as an index).
+    pools: [Tally; 2],
+    /// The peak of both pools together.
+    all_peak: i64,
+}
+
+impl TallyArray {
+    #[inline(always)]
+    pub(crate) fn increase(&mut self, pool: impl Into<PoolKind>, n: u64) {
+        self.pools[pool.into() as usize].increase(n);
+        let all = self.current();
+        if all > self.all_peak {
+            self.all_peak = all;
+        }
+    }
+
+    #[inline(always)]
+    pub(crate) fn decrease(&mut self, pool: impl Into<PoolKind>, n: u64) {
+        self.pools[pool.into() as usize].decrease(n);
+    }
+
+    /// One net change, up or down (PyTorch's `free_block` applies the inactive-split change
+    /// this way); none when `delta` is 0.
+    #[inline(always)]
+    pub(crate) fn apply(&mut self, pool: impl Into<PoolKind>, delta: i64) {
+        let pool = pool.into();
+        if delta > 0 {
+            self.increase(pool, delta.unsigned_abs());
+        } else if delta < 0 {
+            self.decrease(pool, delta.unsigned_abs());
+        }
+    }
+
+    /// Both pools' current value (`all.current`).
+    #[inline]
+    pub(crate) fn current(&self) -> i64 {
+        self.pools[0].current + self.pools[1].current
+    }
+
+    /// The peak of both pools together (`all.peak`).
+    pub(crate) fn peak(&self) -> i64 {
+        self.all_peak
+    }
+
+    fn stats(&self) -> StatArray {
+        let [small, large] = &self.pools;
+        StatArray {
+            all: Stat {
+                current: self.current(),
+                peak: self.all_peak,
+                allocated: saturate(small.added + large.added),
+                freed: saturate(small.removed() + large.removed()),
+            },
+            small_pool: small.stat(),
+            large_pool: large.stat(),
+        }
+    }
+
+    fn reset_peak(&mut self) {
+        self.pools.iter_mut().for_each(Tally::reset_peak);
+        self.all_peak = self.current();
+    }
+
+    fn reset_accumulated(&mut self) {
+        self.pools.iter_mut().for_each(Tally::reset_accumulated);
+    }
+
+    fn restore_peaks(&mut self, outer: &StatArray) {
+        let [small, large] = &mut self.pools;
+        small.peak = small.peak.max(outer.small_pool.peak);
+        large.peak = large.peak.max(outer.large_pool.peak);
+        self.all_peak = self.all_peak.max(outer.all.peak);
+    }
+}
+
+/// The statistics as the cache keeps them (see [`Tally`]); [`Counters::stats`] reports them
+/// as [`MemoryStats`].
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Counters {
+    pub allocation: TallyArray,
+    pub segment: TallyArray,
+    pub active: TallyArray,
+    pub inactive_split: TallyArray,
+    pub allocated_bytes: TallyArray,
+    pub reserved_bytes: TallyArray,
+    pub active_bytes: TallyArray,
+    pub inactive_split_bytes: TallyArray,
+    pub requested_bytes: TallyArray,
+    pub num_alloc_retries: u64,
+    pub num_ooms: u64,
+    pub num_sync_all_streams: u64,
+    pub num_device_alloc: u64,
+    pub num_device_free: u64,
+    pub oversize_allocations: Tally,
+    pub oversize_segments: Tally,
+    pub max_split_size: i64,
+}
+
+impl Counters {
+    fn arrays_mut(&mut self) -> [&mut TallyArray; 9] {
+        [
+            &mut self.allocation,
+            &mut self.segment,
+            &mut self.active,
+            &mut self.inactive_split,
+            &mut self.allocated_bytes,
+            &mut self.reserved_bytes,
+            &mut self.active_bytes,
+            &mut self.inactive_split_bytes,
+            &mut self.requested_bytes,
+        ]
+    }
+
+    /// Every statistic, as `torch.cuda.memory_stats()` reports them.
+    pub(crate) fn stats(&self) -> MemoryStats {
+        MemoryStats {
+            allocation: self.allocation.stats(),
+            segment: self.segment.stats(),
+            active: self.active.stats(),
+            inactive_split: self.inactive_split.stats(),
+            allocated_bytes: self.allocated_bytes.stats(),
+            reserved_bytes: self.reserved_bytes.stats(),
+            active_bytes: self.active_bytes.stats(),
+            inactive_split_bytes: self.inactive_split_bytes.stats(),
+            requested_bytes: self.requested_bytes.stats(),
+            num_alloc_retries: self.num_alloc_retries,
+            num_ooms: self.num_ooms,
+            num_sync_all_streams: self.num_sync_all_streams,
+            num_device_alloc: self.num_device_alloc,
+            num_device_free: self.num_device_free,
+            oversize_allocations: self.oversize_allocations.stat(),
+            oversize_segments: self.oversize_segments.stat(),
+            max_split_size: self.max_split_size,
+        }
+    }
+
+    /// Sets every peak to its current value (`torch.cuda.reset_peak_memory_stats`).
+    pub(crate) fn reset_peak(&mut self) {
+        for a in self.arrays_mut() {
+            a.reset_peak();
+        }
+        self.oversize_allocations.reset_peak();
+        self.oversize_segments.reset_peak();
+    }
+
+    /// Zeroes the totals and the event counters
+    /// (`torch.cuda.reset_accumulated_memory_stats`).
+    pub(crate) fn reset_accumulated(&mut self) {
+        for a in self.arrays_mut() {
+            a.reset_accumulated();
+        }
+        self.oversize_allocations.reset_accumulated();
+        self.oversize_segments.reset_accumulated();
+        self.num_alloc_retries = 0;
+        self.num_ooms = 0;
+        self.num_sync_all_streams = 0;
+        self.num_device_alloc = 0;
+        self.num_device_free = 0;
+    }
+
+    /// Ends a scope: every peak becomes the larger of the enclosing scope's peak before the
+    /// scope (`outer`) and the peak reached inside it, as if the scope had never reset it.
+    pub(crate) fn restore_peaks(&mut self, outer: &MemoryStats) {
+        let theirs = outer.arrays().map(|(_, a)| a);
+        for (mine, theirs) in self.arrays_mut().into_iter().zip(theirs) {
+            mine.restore_peaks(theirs);
+        }
+        let o = &mut self.oversize_allocations;
+        o.peak = o.peak.max(outer.oversize_allocations.peak);
+        let o = &mut self.oversize_segments;
+        o.peak = o.peak.max(outer.oversize_segments.peak);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn keys_use_pytorch_names() {
-        let mut s = MemoryStats::default();
-        s.allocated_bytes.increase(PoolKind::Small, 512);
-        s.allocated_bytes.decrease(PoolKind::Small, 512);
-        s.allocated_bytes.increase(PoolKind::Large, 2048);
-        let m = s.to_map();
+        let mut c = Counters::default();
+        c.allocated_bytes.increase(PoolKind::Small, 512);
+        c.allocated_bytes.decrease(PoolKind::Small, 512);
+        c.allocated_bytes.increase(PoolKind::Large, 2048);
+        let m = c.stats().to_map();
         assert_eq!(m["allocated_bytes.all.current"], 2048);
         assert_eq!(m["allocated_bytes.all.peak"], 2048);
         assert_eq!(m["allocated_bytes.all.allocated"], 2560);
@@ -292,17 +475,45 @@ mod tests {
 
     #[test]
     fn reset_peak_and_accumulated() {
-        let mut s = MemoryStats::default();
-        s.reserved_bytes.increase(PoolKind::Large, 100);
-        s.reserved_bytes.decrease(PoolKind::Large, 60);
-        s.num_ooms = 3;
-        s.reset_peak();
-        assert_eq!(s.reserved_bytes.all.peak, 40);
-        s.reset_accumulated();
+        let mut c = Counters::default();
+        c.reserved_bytes.increase(PoolKind::Large, 100);
+        c.reserved_bytes.decrease(PoolKind::Large, 60);
+        c.num_ooms = 3;
+        c.reset_peak();
+        assert_eq!(c.stats().reserved_bytes.all.peak, 40);
+        c.reset_accumulated();
+        let s = c.stats();
         assert_eq!(
             (s.reserved_bytes.all.allocated, s.reserved_bytes.all.freed, s.num_ooms),
             (0, 0, 0)
         );
         assert_eq!(s.reserved_bytes.all.current, 40);
+        // What is removed after a reset counts from the value at the reset.
+        c.reserved_bytes.decrease(PoolKind::Large, 30);
+        c.reserved_bytes.increase(PoolKind::Small, 5);
+        let s = c.stats().reserved_bytes;
+        assert_eq!((s.all.current, s.all.allocated, s.all.freed), (15, 5, 30));
+        assert_eq!((s.large_pool.freed, s.small_pool.allocated, s.all.peak), (30, 5, 40));
+
+        let mut s = c.stats();
+        s.reset_peak();
+        assert_eq!(s.reserved_bytes.all.peak, 15);
+        s.reset_accumulated();
+        assert_eq!((s.reserved_bytes.all.allocated, s.reserved_bytes.all.freed), (0, 0));
+    }
+
+    #[test]
+    fn totals_saturate_instead_of_wrapping() {
+        let mut c = Counters::default();
+        let big = 1u64 << 62;
+        for _ in 0..5 {
+            c.allocated_bytes.increase(PoolKind::Large, big);
+            c.allocated_bytes.decrease(PoolKind::Large, big);
+        }
+        c.allocated_bytes.increase(PoolKind::Small, 7);
+        let s = c.stats().allocated_bytes;
+        assert_eq!((s.all.allocated, s.all.freed, s.all.current), (u64::MAX, u64::MAX, 7));
+        assert_eq!((s.large_pool.allocated, s.large_pool.freed), (u64::MAX, u64::MAX));
+        assert_eq!((s.small_pool.allocated, s.small_pool.freed), (7, 0));
     }
 }

@@ -80,16 +80,23 @@ impl FreeIndex {
     }
 
     /// Replaces the entry at position `i` by `new` (for block `id`), in place when the order
-    /// allows.
-    #[inline]
+    /// allows (the hot path: two comparisons, inlined); else [`Self::move_to`].
+    #[inline(always)]
     pub fn replace_at(&mut self, i: usize, new: FreeKey, id: BlockId) {
         let after_prev = i == 0 || self.entries[i - 1].0 < new;
         let before_next = i + 1 == self.entries.len() || new < self.entries[i + 1].0;
         if after_prev && before_next {
             self.entries[i] = (new, id);
-            return;
+        } else {
+            self.move_to(i, new, id);
         }
-        // Move the entry to its new place, shifting only what lies between.
+    }
+
+    /// Moves the entry at position `i` to the place of `new` (for block `id`), shifting only
+    /// what lies between.
+    #[cold]
+    #[inline(never)]
+    fn move_to(&mut self, i: usize, new: FreeKey, id: BlockId) {
         let j = match self.entries.binary_search_by(|(k, _)| k.cmp(&new)) {
             Ok(j) | Err(j) => j,
         };

@@ -171,6 +171,21 @@ impl<M: DeviceMemory> State<M> {
             self.hand_out(id, size, requested, Some((key, pos)));
             return Ok(id);
         }
+        self.malloc_new_block(mem, requested, size, pool, stream)
+    }
+
+    /// The rest of [`Self::malloc`] when no cached block fits: garbage collection (when on),
+    /// a new segment, releasing cached blocks and retrying as PyTorch does when the device
+    /// is full. Kept out of line so that the cached path stays small.
+    #[inline(never)]
+    fn malloc_new_block(
+        &mut self,
+        mem: &M,
+        requested: usize,
+        size: usize,
+        pool: PoolRef,
+        stream: Stream,
+    ) -> Result<BlockId, AllocError> {
         if self.gc_enabled() {
             self.garbage_collect_cached_blocks(mem);
         }

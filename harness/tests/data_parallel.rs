@@ -141,6 +141,27 @@ fn zero3_on_virtual_devices_holds_the_analytic_share_of_a_real_size_gpt() {
     assert!((moved - ring).abs() / ring < 0.001, "{moved} vs {ring}");
 }
 
+/// DDP in bf16 with its kept gradient buckets holds 18 bytes per parameter on every device
+/// (2 + 2 bf16 weights and gradients, 12 of f32 master and AdamW moments, 2 of buckets), as
+/// measured on virtual devices and as the analytic layout says; without buckets, 16.
+#[test]
+fn ddp_in_bf16_holds_18_bytes_per_parameter_with_its_buckets() {
+    let arch =
+        Arch::Gpt { vocab: 1000, d: 256, layers: 2, heads: 4, seq: 64, dropout: 0.0, tied: false };
+    let data = Dataset::Sequences { vocab: 1000, seq: 64 };
+    let config = DpConfig::new(Strategy::Ddp);
+    assert!(config.keep_buckets, "the default keeps DDP's buckets");
+    let run = measure(&arch, &data, DType::BF16, config, 2, DeviceKind::Virtual(8 << 30), 4, 2, 0)
+        .unwrap();
+    let per_param = run.max_state_bytes() as f64 / run.params as f64;
+    assert!((per_param - 18.0).abs() < 0.01, "{per_param} B/param");
+    let analytic = analytic_state_bytes(&config, DType::BF16, run.params, 2).unwrap();
+    assert_eq!(analytic / run.params as f64, 18.0);
+    let no_buckets = DpConfig { keep_buckets: false, ..config };
+    let without = analytic_state_bytes(&no_buckets, DType::BF16, run.params, 2).unwrap();
+    assert_eq!(without / run.params as f64, 16.0);
+}
+
 #[test]
 fn plan_nproc_reports_per_process_memory_and_bytes_per_step_for_ddp_and_zero() {
     let model = plan::model_from_args("gpt", &plan::ModelOverrides::default()).unwrap();

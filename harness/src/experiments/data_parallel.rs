@@ -245,8 +245,12 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     }
 
     let peak_at = |s: Strategy, n: usize| find(&virt, s, n).map_or(0, |r| r.max_peak_allocated());
+    // DDP's states per parameter as measured: bf16 weights and gradients (2 + 2), f32 master
+    // weights and AdamW moments (12), and the gradient buckets DDP keeps between steps (2).
+    let ddp_per_param = find(&virt, Strategy::Ddp, 1)
+        .map_or(f64::NAN, |r| r.max_state_bytes() as f64 / r.params.max(1) as f64);
     let peaks_reading = format!(
-        "GPT-2 medium, largest per-device peak on 1 -> 8 devices: DDP {} -> {} (its 16 B/param of states stay on every device; only activations spread), ZeRO-3 {} -> {} (states sharded too); nn.DataParallel keeps device 0 the fullest",
+        "GPT-2 medium, largest per-device peak on 1 -> 8 devices: DDP {} -> {} (its {ddp_per_param:.1} B/param of states (bf16 weights and gradients, f32 master weights and AdamW moments, the gradient buckets it keeps) stay on every device; only activations spread), ZeRO-3 {} -> {} (states sharded too); nn.DataParallel keeps device 0 the fullest",
         human_bytes(peak_at(Strategy::Ddp, 1)),
         human_bytes(peak_at(Strategy::Ddp, 8)),
         human_bytes(peak_at(Strategy::Zero3, 1)),

@@ -43,10 +43,6 @@ impl<C: Collective> Metered<C> {
     }
 }
 
-fn bytes(t: &Tensor) -> usize {
-    t.numel() * t.dtype().size_in_bytes()
-}
-
 impl<C: Collective> Collective for Metered<C> {
     fn rank(&self) -> usize {
         self.inner.rank()
@@ -59,7 +55,7 @@ impl<C: Collective> Collective for Metered<C> {
     fn all_reduce(&self, t: &mut Tensor, op: ReduceOp) -> Result<(), DistError> {
         self.inner.all_reduce(t, op)?;
         let n = self.n();
-        self.add(2 * (n - 1) * n, bytes(t));
+        self.add(2 * (n - 1) * n, t.size_in_bytes());
         Ok(())
     }
 
@@ -71,28 +67,28 @@ impl<C: Collective> Collective for Metered<C> {
     ) -> Result<(), DistError> {
         self.inner.reduce_scatter(input, output, op)?;
         let n = self.n();
-        self.add((n - 1) * n, bytes(input));
+        self.add((n - 1) * n, input.size_in_bytes());
         Ok(())
     }
 
     fn all_gather(&self, input: &Tensor, output: &mut Tensor) -> Result<(), DistError> {
         self.inner.all_gather(input, output)?;
         let n = self.n();
-        self.add((n - 1) * n, bytes(output));
+        self.add((n - 1) * n, output.size_in_bytes());
         Ok(())
     }
 
     fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<(), DistError> {
         self.inner.broadcast(t, root)?;
         let n = self.n();
-        self.add((n - 1) * n, bytes(t));
+        self.add((n - 1) * n, t.size_in_bytes());
         Ok(())
     }
 
     fn reduce(&self, t: &mut Tensor, root: usize) -> Result<(), DistError> {
         self.inner.reduce(t, root)?;
         let n = self.n();
-        self.add((n - 1) * n, bytes(t));
+        self.add((n - 1) * n, t.size_in_bytes());
         Ok(())
     }
 
@@ -103,7 +99,7 @@ impl<C: Collective> Collective for Metered<C> {
         root: usize,
     ) -> Result<(), DistError> {
         self.inner.gather(input, output, root)?;
-        self.add(self.n() - 1, bytes(input) * self.inner.world_size());
+        self.add(self.n() - 1, input.size_in_bytes() * self.inner.world_size());
         Ok(())
     }
 
@@ -114,7 +110,7 @@ impl<C: Collective> Collective for Metered<C> {
         root: usize,
     ) -> Result<(), DistError> {
         self.inner.scatter(input, output, root)?;
-        self.add(self.n() - 1, bytes(output) * self.inner.world_size());
+        self.add(self.n() - 1, output.size_in_bytes() * self.inner.world_size());
         Ok(())
     }
 

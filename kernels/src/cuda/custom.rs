@@ -3,11 +3,12 @@
 //! declared parameters (no GPU needed).
 
 use super::CudaBackend;
+use super::launch::Arg;
 use super::loader::{compile_error, compile_options, full_source};
 use super::registry::Module;
 use crate::custom::{CudaKernel, CudaSource, Grid, KernelArg, KernelParam};
 use crate::error::{Error, Result};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use cudarc::nvrtc::compile_ptx_with_opts;
 use std::collections::BTreeMap;
 
@@ -27,28 +28,16 @@ impl CudaBackend {
     ) -> Result<()> {
         self.bind()?;
         let func = self.kernels.custom_function(&self.ctx, source, kernel.name)?;
-        let mut builder = self.stream.launch_builder(&func);
-        for arg in args {
-            match arg {
-                KernelArg::Ptr(v) | KernelArg::U64(v) => builder.arg(v),
-                KernelArg::I64(v) => builder.arg(v),
-                KernelArg::U32(v) => builder.arg(v),
-                KernelArg::F32(v) => builder.arg(v),
-            };
-        }
         let cfg = LaunchConfig {
             grid_dim: (grid.blocks.0, grid.blocks.1, 1),
             block_dim: (grid.threads, 1, 1),
             shared_mem_bytes: 0,
         };
+        let args: Vec<Arg> = args.iter().map(|&a| a.into()).collect();
         // SAFETY: the arguments match the kernel's declared parameters (checked by the
-        // caller; `check_with_nvrtc` checks the declaration against the PTX) and live in
-        // `args`, which outlives the launch call; the pointers are the caller's contract.
-        unsafe { builder.launch(cfg) }.map_err(|e| Error::Device {
-            op: "kernel launch",
-            reason: format!("{} (of {}): {e:?}", kernel.name, source.name),
-        })?;
-        Ok(())
+        // caller; `check_with_nvrtc` checks the declaration against the PTX); the pointers
+        // are the caller's contract.
+        unsafe { self.launch_function(&func, cfg, &args, kernel.name) }
     }
 }
 

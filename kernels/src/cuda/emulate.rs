@@ -347,16 +347,7 @@ pub(crate) unsafe fn launch_custom(
     grid: Grid,
     args: &[KernelArg],
 ) -> Result<()> {
-    let args: Vec<Arg> = args
-        .iter()
-        .map(|a| match *a {
-            KernelArg::Ptr(v) => Arg::Ptr(v),
-            KernelArg::U64(v) => Arg::U64(v),
-            KernelArg::I64(v) => Arg::I64(v),
-            KernelArg::U32(v) => Arg::U32(v),
-            KernelArg::F32(v) => Arg::F32(v),
-        })
-        .collect();
+    let args: Vec<Arg> = args.iter().map(|&a| a.into()).collect();
     let mut libs = libraries();
     let Some(library) = custom_library(&mut libs, source)? else {
         return Err(Error::Device { op: "emulate", reason: "no C++ compiler".into() });

@@ -297,6 +297,20 @@ impl Arg {
     }
 }
 
+/// A custom op's argument ([`crate::custom`]) as the launch code passes it.
+impl From<crate::custom::KernelArg> for Arg {
+    fn from(a: crate::custom::KernelArg) -> Arg {
+        use crate::custom::KernelArg as K;
+        match a {
+            K::Ptr(v) => Arg::Ptr(v),
+            K::U64(v) => Arg::U64(v),
+            K::I64(v) => Arg::I64(v),
+            K::U32(v) => Arg::U32(v),
+            K::F32(v) => Arg::F32(v),
+        }
+    }
+}
+
 /// Checks that `args` match `kernel`'s registered parameters in number and type.
 pub(crate) fn check_args(kernel: Instance, args: &[Arg]) -> Result<()> {
     let params = kernel.kernel.params;

@@ -287,7 +287,26 @@ impl CudaBackend {
             return Ok(());
         }
         let func = self.kernels.function(&self.ctx, kernel)?;
-        let mut builder = self.stream.launch_builder(&func);
+        // SAFETY: the arguments match the kernel's parameters (checked above against the
+        // registry, which the NVRTC test checks against the compiled PTX); the pointers are
+        // the caller's contract.
+        unsafe { self.launch_function(&func, cfg, args, kernel.name) }
+    }
+
+    /// Launches the loaded `func` (named `name` in errors) with `args` on the device's stream.
+    ///
+    /// # Safety
+    ///
+    /// `args` match `func`'s parameters in number and type, and every pointer among them is
+    /// a live allocation of this device holding what the kernel addresses.
+    unsafe fn launch_function(
+        &self,
+        func: &cudarc::driver::CudaFunction,
+        cfg: LaunchConfig,
+        args: &[Arg],
+        name: &str,
+    ) -> Result<()> {
+        let mut builder = self.stream.launch_builder(func);
         for arg in args {
             match arg {
                 Arg::Ptr(v) | Arg::U64(v) => builder.arg(v),
@@ -299,14 +318,9 @@ impl CudaBackend {
                 Arg::Div(v) => builder.arg(v),
             };
         }
-        // SAFETY: the arguments match the kernel's parameters (checked above against the
-        // registry, which the NVRTC test checks against the compiled PTX) and live in `args`,
-        // which outlives the launch call that reads them; the pointers are the caller's
-        // contract.
-        unsafe { builder.launch(cfg) }.map_err(|e| Error::Device {
-            op: "kernel launch",
-            reason: format!("{}: {e:?}", kernel.name),
-        })?;
+        // SAFETY: the caller's contract; `args` outlives the launch call that reads them.
+        unsafe { builder.launch(cfg) }
+            .map_err(|e| Error::Device { op: "kernel launch", reason: format!("{name}: {e:?}") })?;
         Ok(())
     }
 }

@@ -251,6 +251,23 @@ impl TcpComm {
         }
     }
 
+    /// Rank 0: every rank's `mine.len()` values for `call` (its own first) reduced with `op`
+    /// in rank order, as the in-process group reduces them.
+    fn hub_reduce(
+        &self,
+        peers: &[TcpStream],
+        call: Call,
+        mine: &[f32],
+        op: ReduceOp,
+    ) -> Result<Vec<f32>, CommError> {
+        let all = self.hub_gather(peers, call, |_| mine.len())?;
+        let mut views: Vec<&[f32]> = vec![mine];
+        views.extend(all[1..].iter().map(Vec::as_slice));
+        let mut out = vec![0.0; mine.len()];
+        reduce_in_rank_order(&views, 0..mine.len(), op, &mut out);
+        Ok(out)
+    }
+
     /// Rank 0: reads every other rank's values for `call` in rank order (`len(r)` values
     /// from rank `r`); index 0 of the result is empty.
     fn hub_gather(
@@ -379,11 +396,7 @@ impl Communicator for TcpComm {
                 self.spoke_round(hub, call, &mine, buf)
             }
             Links::Hub(peers) => {
-                let all = self.hub_gather(peers, call, |_| buf.len())?;
-                let mut views: Vec<&[f32]> = vec![buf];
-                views.extend(all[1..].iter().map(Vec::as_slice));
-                let mut out = vec![0.0; buf.len()];
-                reduce_in_rank_order(&views, 0..buf.len(), op, &mut out);
+                let out = self.hub_reduce(peers, call, buf, op)?;
                 for r in 1..self.world_size {
                     self.hub_answer(peers, r, call, &out)?;
                 }
@@ -405,11 +418,7 @@ impl Communicator for TcpComm {
         match &self.links {
             Links::Spoke(hub) => self.spoke_round(hub, call, input, output),
             Links::Hub(peers) => {
-                let all = self.hub_gather(peers, call, |_| input.len())?;
-                let mut views: Vec<&[f32]> = vec![input];
-                views.extend(all[1..].iter().map(Vec::as_slice));
-                let mut full = vec![0.0; input.len()];
-                reduce_in_rank_order(&views, 0..input.len(), op, &mut full);
+                let full = self.hub_reduce(peers, call, input, op)?;
                 for r in 1..self.world_size {
                     self.hub_answer(peers, r, call, &full[r * k..(r + 1) * k])?;
                 }

@@ -300,6 +300,27 @@ fn pooling_normalization_and_losses_allocate_alike_on_every_device() {
 }
 
 #[test]
+fn llama_ops_allocate_alike_on_every_device() {
+    same_trace("rms norm, rotary embeddings and SiLU, forward and backward", |d| {
+        let (x, w) = (t(d, &[70, 130], 1, DType::BF16), t(d, &[130], 2, DType::BF16));
+        let dy = t(d, &[70, 130], 3, DType::BF16);
+        let q = t(d, &[2, 5, 3, 8], 4, DType::F16);
+        let (cos, sin) = ops::rope_tables(5, 8, 10_000.0, ops::RopeScaling::Default);
+        let cos = Tensor::from_f32_slice(d, &[5, 4], &cos, DType::F32).unwrap();
+        let sin = Tensor::from_f32_slice(d, &[5, 4], &sin, DType::F32).unwrap();
+        traced(d, || {
+            let out = ops::rms_norm(&x, &w, 1e-5)?;
+            let g = ops::rms_norm_backward(&x, &w, &out.rstd, &dy)?;
+            let r = ops::rope(&q, &cos, &sin)?;
+            let dr = ops::rope_backward(&r, &cos, &sin)?;
+            let s = ops::silu(&x)?;
+            let ds = ops::silu_backward(&x, &dy)?;
+            Ok((out, g, r, dr, s, ds))
+        })
+    });
+}
+
+#[test]
 fn optimizer_steps_and_unscale_allocate_alike_on_every_device() {
     same_trace("sgd, adamw, unscale on shared tensors", |d| {
         let mut p = t(d, &[3000], 1, DType::F32);

@@ -12,6 +12,7 @@ pub mod batch_norm;
 pub mod conv;
 pub mod elementwise;
 pub mod embedding;
+pub mod llama;
 pub mod loss;
 pub mod matmul;
 pub mod norm;

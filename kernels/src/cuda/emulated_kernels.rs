@@ -1239,3 +1239,108 @@ fn convolution_and_pooling_kernels_match_the_host_in_16_bits() {
         assert!(windows_of_dtype::<bf16>());
     }
 }
+
+/// RMS norm forward and backward (the row kernels and the weight's column sums, over one
+/// chunk and several) and rotary embeddings forward and backward, in `T`, as the ops launch
+/// them, against the host's ops on tensors of `T`.
+fn llama_of_dtype<T: Element>() -> bool {
+    let dt = T::DTYPE;
+    let tol = match dt {
+        DType::F32 => 1e-5,
+        DType::F16 => 2.0 / 1024.0,
+        DType::BF16 => 2.0 / 128.0,
+    };
+    let d = 300;
+    for rows in [5usize, 70, 200] {
+        let (xv, wv, dyv) = (
+            values(rows * d, 120, -3.0, 3.0),
+            values(d, 121, 0.5, 2.0),
+            values(rows * d, 122, -1.0, 1.0),
+        );
+        let (x_t, w_t, dy_t) = (
+            tensor_of::<T>(&[rows, d], &xv),
+            tensor_of::<T>(&[d], &wv),
+            tensor_of::<T>(&[rows, d], &dyv),
+        );
+        let want = ops::rms_norm(&x_t, &w_t, 1e-5).unwrap();
+        let (mut x, mut w, mut dy) = (typed::<T>(&xv), typed::<T>(&wv), typed::<T>(&dyv));
+        let (mut y, mut r) = (vec![T::from_f32(f32::NAN); rows * d], vec![f32::NAN; rows]);
+        let args =
+            [ptr(&mut x), ptr(&mut w), Arg::F32(1e-5), ptr(&mut y), ptr(&mut r), Arg::count(d)];
+        if !launch(RMS_NORM.of(dt), launch::per_row(rows), &args) {
+            return false;
+        }
+        close(&format!("rms_norm {dt:?} y"), &widen_f32(&y), &f32s(&want.y), tol);
+        close(&format!("rms_norm {dt:?} rstd"), &r, &f32s(&want.rstd), 1e-5);
+        let grads = ops::rms_norm_backward(&x_t, &w_t, &want.rstd, &dy_t).unwrap();
+        let mut r = f32s(&want.rstd);
+        let mut dx = vec![T::from_f32(f32::NAN); rows * d];
+        let args =
+            [ptr(&mut x), ptr(&mut w), ptr(&mut r), ptr(&mut dy), ptr(&mut dx), Arg::count(d)];
+        launch(RMS_NORM_BWD.of(dt), launch::per_row(rows), &args);
+        close(&format!("rms_norm_backward {dt:?} dx"), &widen_f32(&dx), &f32s(&grads.dx), tol);
+        let (cfg, chunk) = launch::columns(rows, d);
+        let chunks = rows.div_ceil(chunk);
+        let mut dw = vec![f32::NAN; chunks * d];
+        let args = [
+            ptr(&mut x),
+            ptr(&mut r),
+            ptr(&mut dy),
+            ptr(&mut dw),
+            Arg::count(rows),
+            Arg::count(d),
+            Arg::count(chunk),
+        ];
+        launch(RMS_NORM_WEIGHT_BWD.of(dt), cfg, &args);
+        let dw = if chunks > 1 { finish_columns(&mut dw, d) } else { dw };
+        let dw: Vec<f32> = dw.iter().map(|&v| T::from_f32(v).to_f32()).collect();
+        close(
+            &format!("rms_norm_backward {dt:?} dweight, {rows} rows"),
+            &dw,
+            &f32s(&grads.dweight),
+            tol,
+        );
+    }
+
+    // Rotary embeddings: [b, s, h, dh] with llama3-scaled tables, forward and backward.
+    let (b, s, h, dh) = (2, 9, 3, 16);
+    let n = b * s * h * dh;
+    let scaling = ops::RopeScaling::Llama3 {
+        factor: 32.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192.0,
+    };
+    let (cv, sv) = ops::rope_tables(s, dh, 500_000.0, scaling);
+    let xv = values(n, 123, -2.0, 2.0);
+    let x_t = tensor_of::<T>(&[b, s, h, dh], &xv);
+    let (cos_t, sin_t) = (tensor(&[s, dh / 2], &cv), tensor(&[s, dh / 2], &sv));
+    for (sign, want) in [
+        (1.0f32, ops::rope(&x_t, &cos_t, &sin_t).unwrap()),
+        (-1.0, ops::rope_backward(&x_t, &cos_t, &sin_t).unwrap()),
+    ] {
+        let (mut x, mut c, mut sn) = (typed::<T>(&xv), cv.clone(), sv.clone());
+        let mut y = vec![T::from_f32(f32::NAN); n];
+        let args = [
+            ptr(&mut x),
+            ptr(&mut c),
+            ptr(&mut sn),
+            ptr(&mut y),
+            Arg::F32(sign),
+            Arg::count(n / 2),
+            Arg::div(dh / 2),
+            Arg::div(h),
+            Arg::div(s),
+        ];
+        launch(ROPE.of(dt), launch::elementwise(n / 2), &args);
+        close(&format!("rope {dt:?} sign {sign}"), &widen_f32(&y), &f32s(&want), 0.0);
+    }
+    true
+}
+
+#[test]
+fn llama_kernels_match_the_host() {
+    if llama_of_dtype::<f32>() {
+        assert!(llama_of_dtype::<f16>() && llama_of_dtype::<bf16>());
+    }
+}

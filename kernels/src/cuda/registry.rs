@@ -39,9 +39,13 @@ pub(crate) const POOL: Module = Module { name: "pool", source: include_str!("ker
 /// Embedding, dropout, optimizers, unscale, axis permutation.
 pub(crate) const MISC: Module = Module { name: "misc", source: include_str!("kernels/misc.cu") };
 
+/// RMS norm and rotary embeddings (the Llama family's).
+pub(crate) const LLAMA: Module = Module { name: "llama", source: include_str!("kernels/llama.cu") };
+
 /// Every module, in the order the NVRTC test compiles them.
 #[cfg(test)]
-pub(crate) const MODULES: &[&Module] = &[&ELEMENTWISE, &REDUCE, &SOFTMAX, &CONV, &POOL, &MISC];
+pub(crate) const MODULES: &[&Module] =
+    &[&ELEMENTWISE, &REDUCE, &SOFTMAX, &CONV, &POOL, &MISC, &LLAMA];
 
 /// A kernel parameter's type as the `.cu` source declares it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -237,6 +241,8 @@ kernels! {
     HARDSWISH = unary "hardswish";
     /// `hardsigmoid` and `hardsigmoid_bwd`.
     HARDSIGMOID = unary "hardsigmoid";
+    /// `silu` and `silu_bwd`.
+    SILU = unary "silu";
     /// `scale_channels(const T* x, const T* s, T* y, u64 n, Div hw)`.
     SCALE_CHANNELS = ELEMENTWISE "scale_channels" dtypes (Ptr, Ptr, Ptr, U64, Div);
     /// `scale_channels_bwd(const T* x, const T* s, const T* dy, T* dx, T* ds, u64 hw)`.
@@ -351,4 +357,15 @@ kernels! {
     PERMUTE = MISC "permute" dtypes (Ptr, Ptr, U64, Div, Div, Div, U64, U64, U64, U64);
     /// `unscale(T* g, float inv, u64 n, u32* flag)`.
     UNSCALE = MISC "unscale" dtypes (Ptr, F32, U64, Ptr);
+
+    /// `rms_norm(const T* x, const T* w, float eps, T* y, float* r, u64 d)`.
+    RMS_NORM = LLAMA "rms_norm" dtypes (Ptr, Ptr, F32, Ptr, Ptr, U64);
+    /// `rms_norm_bwd(const T* x, const T* w, const float* r, const T* dy, T* dx, u64 d)`.
+    RMS_NORM_BWD = LLAMA "rms_norm_bwd" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U64);
+    /// `rms_norm_weight_bwd(const T* x, const float* r, const T* dy, float* dw, u64 rows,
+    /// u64 d, u64 chunk)`.
+    RMS_NORM_WEIGHT_BWD = LLAMA "rms_norm_weight_bwd" dtypes (Ptr, Ptr, Ptr, Ptr, U64, U64, U64);
+    /// `rope(const T* x, const float* cos, const float* sin, T* y, float sign, u64 pairs,
+    /// Div half, Div heads, Div seq)`.
+    ROPE = LLAMA "rope" dtypes (Ptr, Ptr, Ptr, Ptr, F32, U64, Div, Div, Div);
 }

@@ -1,4 +1,4 @@
-//! The activations (ReLU, GELU with the tanh approximation, hard swish, hard sigmoid),
+//! The activations (ReLU, GELU with the tanh approximation, hard swish, hard sigmoid, SiLU),
 //! forward and backward: elementwise maps, one [`unary_op!`](super::map::unary_op) entry
 //! each.
 
@@ -41,4 +41,12 @@ unary_op! {
     gelu_backward: Gelu, GELU,
     |x| cpu::gelu_f32(x),
     |x, dy| dy * cpu::gelu_grad_f32(x);
+
+    /// SiLU, `x * sigmoid(x)` (PyTorch's `silu`; the gate of Llama's MLP).
+    silu,
+    /// Gradient of [`silu`] from the forward input `x` and the upstream `dy`:
+    /// `dy * s * (1 + x * (1 - s))` with `s = sigmoid(x)`.
+    silu_backward: Silu, SILU,
+    |x| x / (1.0 + (-x).exp()),
+    |x, dy| dy * (1.0 / (1.0 + (-x).exp()) * (1.0 + x * (1.0 - 1.0 / (1.0 + (-x).exp()))));
 }

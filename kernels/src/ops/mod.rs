@@ -20,6 +20,7 @@ mod copy;
 pub(crate) mod dispatch;
 mod elementwise;
 mod embedding;
+mod llama;
 mod loss;
 pub(crate) mod map;
 mod matmul;
@@ -48,6 +49,10 @@ pub use conv::{
 };
 pub use elementwise::{add, add_assign, axpy, bias_add, bias_add_backward, mul, scale};
 pub use embedding::{embedding, embedding_backward};
+pub use llama::{
+    RmsNormGrads, RmsNormOutput, RopeScaling, rms_norm, rms_norm_backward, rope, rope_backward,
+    rope_inv_freq, rope_tables,
+};
 pub use loss::{CrossEntropy, cross_entropy, cross_entropy_backward};
 pub use matmul::{LinearGrads, linear, linear_backward, matmul, matmul_backward, matmul_spec};
 pub use norm::{LayerNormGrads, LayerNormOutput, layer_norm, layer_norm_backward};

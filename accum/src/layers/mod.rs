@@ -7,7 +7,9 @@
 //!   [`ResidualBlock`] and [`Bottleneck`], MobileNet's [`InvertedResidual`], and a
 //!   pooled [`ClassifierHead`]; every convolution optionally batch-normed;
 //! - transformer ([`transformer`]): a multi-head [`TransformerBlock`] (causal for GPT,
-//!   not for ViT), ViT's [`PatchEmbed`] and a token mean pool, [`TokenMeanPool`].
+//!   not for ViT), ViT's [`PatchEmbed`] and a token mean pool, [`TokenMeanPool`];
+//! - Llama family ([`llama`]): [`RmsNorm`] and the grouped-query [`LlamaBlock`] with
+//!   rotary embeddings and the SiLU-gated MLP.
 //!
 //! Layers with several settings are built from a config
 //! (`LinearConfig::new(16, 32).with_seed(7).init(&dev)`), whose optional settings have
@@ -25,12 +27,16 @@
 //! the layer's is the only one alive, as in PyTorch's autograd graph.
 
 pub mod conv;
+pub mod llama;
 pub mod transformer;
 
 pub use conv::{
     BATCH_NORM_EPS, BATCH_NORM_MOMENTUM, Bottleneck, BottleneckConfig, ClassifierHead,
     ClassifierHeadConfig, Conv2d, Conv2dConfig, InvertedResidual, InvertedResidualConfig,
     MaxPool2d, ResidualBlock, ResidualBlockConfig,
+};
+pub use llama::{
+    LlamaBlock, LlamaBlockConfig, LlamaSaved, RmsNorm, RmsNormConfig, RmsSaved, RopeTables,
 };
 pub use transformer::{
     PatchEmbed, PatchEmbedConfig, TokenMeanPool, TransformerBlock, TransformerBlockConfig,

@@ -55,6 +55,12 @@ impl DpModel {
         seed: u64,
         dtype: DType,
     ) -> Result<DpModel, DistError> {
+        if let Arch::Llama(l) = arch {
+            return Err(DistError::Invalid(format!(
+                "{} (Llama family) is not supported by the data-parallel model yet",
+                l.name
+            )));
+        }
         if matches!(arch, Arch::Gpt { tied: true, .. }) {
             return Err(DistError::Invalid(
                 "a GPT whose LM head is tied to the token embedding is not supported here: \

@@ -330,6 +330,30 @@ pub fn arch_json(arch: &Arch, dropout: f32) -> Result<Value, TwinError> {
             "kind": "vit", "side": side, "patch": patch, "d": d, "layers": layers,
             "heads": heads, "classes": classes, "dropout": dropout,
         }),
+        Arch::Llama(l) => {
+            let scaling = match l.rope_scaling {
+                vram_kernels::ops::RopeScaling::Default => json!(null),
+                vram_kernels::ops::RopeScaling::Linear { factor } => {
+                    json!({"rope_type": "linear", "factor": factor})
+                }
+                vram_kernels::ops::RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position_embeddings,
+                } => json!({
+                    "rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
+                    "high_freq_factor": high_freq_factor,
+                    "original_max_position_embeddings": original_max_position_embeddings,
+                }),
+            };
+            json!({
+                "kind": "llama", "vocab": l.vocab, "d": l.d, "layers": l.layers,
+                "heads": l.heads, "kv_heads": l.kv_heads, "head_dim": l.head_dim,
+                "hidden": l.hidden, "seq": l.seq, "eps": l.eps, "rope_theta": l.rope_theta,
+                "rope_scaling": scaling, "qkv_bias": l.qkv_bias, "tied": l.tied,
+            })
+        }
         Arch::Custom(spec) => {
             return Err(TwinError::Model(format!(
                 "model `{}` is user-described; the twin builds the zoo's presets only",

@@ -75,8 +75,8 @@ fn search_help() -> String {
 pub struct PlanArgs {
     #[arg(
         long,
-        required_unless_present = "model_file",
-        conflicts_with = "model_file",
+        required_unless_present_any = ["model_file", "hf_config"],
+        conflicts_with_all = ["model_file", "hf_config"],
         help = model_help(),
         long_help = model_long_help()
     )]
@@ -84,6 +84,9 @@ pub struct PlanArgs {
     /// A model described in a TOML or JSON file of layer specs (see models/example.toml).
     #[arg(long, value_name = "FILE")]
     model_file: Option<PathBuf>,
+    /// A Hugging Face config.json (model_type gpt2, llama, mistral or qwen2; see models/hf/).
+    #[arg(long, value_name = "FILE", conflicts_with = "model_file")]
+    hf_config: Option<PathBuf>,
     /// Global batch: samples per optimizer step.
     #[arg(long)]
     batch: usize,
@@ -189,8 +192,9 @@ fn request(args: &PlanArgs) -> Result<PlanRequest, PlanError> {
         vocab: args.vocab,
         classes: args.classes,
     };
-    let model = match (&args.model, &args.model_file) {
-        (_, Some(path)) => {
+    let model = match (&args.model, &args.model_file, &args.hf_config) {
+        (_, _, Some(path)) => plan::model_from_hf(path, &overrides)?,
+        (_, Some(path), None) => {
             if overrides != ModelOverrides::default() {
                 return Err(PlanError::InvalidArgument {
                     what: "size override",
@@ -199,11 +203,11 @@ fn request(args: &PlanArgs) -> Result<PlanRequest, PlanError> {
             }
             plan::model_from_file(path)?
         }
-        (Some(name), None) => plan::model_from_args(name, &overrides)?,
-        (None, None) => {
+        (Some(name), None, None) => plan::model_from_args(name, &overrides)?,
+        (None, None, None) => {
             return Err(PlanError::InvalidArgument {
                 what: "model",
-                reason: "give --model NAME or --model-file FILE".into(),
+                reason: "give --model NAME, --model-file FILE or --hf-config FILE".into(),
             });
         }
     };

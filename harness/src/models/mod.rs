@@ -9,17 +9,19 @@
 //! 16-bit weight casts is cleared when the loss is computed. The embedding lookups are not
 //! autocast ops (f32 out), the LM head is a linear (16-bit), the cross-entropy runs in f32.
 
+pub mod hf;
 pub mod spec;
 pub mod zoo;
 
-pub use zoo::{Arch, Preset, ZooError};
+pub use hf::{HfError, HfModel};
+pub use zoo::{Arch, LlamaArch, Preset, ZooError};
 
 use crate::data::{Batch, Input};
 use vram_accum::autocast::{AutocastPolicy, OpKind, accumulate_grad_cast, cast_into};
 use vram_accum::layers::{
     Act, BottleneckConfig, ClassifierHeadConfig, Conv2dConfig, Init, InvertedResidualConfig,
-    LayerNormConfig, LinearConfig, MaxPool2d, PatchEmbedConfig, ResidualBlockConfig, TokenMeanPool,
-    TransformerBlockConfig, init_weight, prefix_param_names, sub_seed,
+    LayerNormConfig, LinearConfig, MaxPool2d, PatchEmbedConfig, ResidualBlockConfig, RmsNormConfig,
+    RopeTables, TokenMeanPool, TransformerBlockConfig, init_weight, prefix_param_names, sub_seed,
 };
 use vram_accum::{
     Autocast, BoxedLayer, Chain, ChainProfile, Error, ForwardCtx, Layer, Mode, Param, Params,
@@ -30,7 +32,8 @@ use zoo::{MOBILENETV3_LARGE, make_divisible};
 
 struct Embed {
     tok: Param,
-    pos: Param,
+    /// GPT's learned positions; `None` for Llama (rotary embeddings in the blocks).
+    pos: Option<Param>,
     seq: usize,
     /// The LM head is `tok` (GPT-2): logits are `h tok^T`, outside the chain.
     tied: bool,
@@ -252,7 +255,7 @@ impl Model {
                 };
                 embed = Some(Embed {
                     tok: Param::new("wte", table(*vocab, 0)?),
-                    pos: Param::new("wpe", table(*seq, 1 << 32)?),
+                    pos: Some(Param::new("wpe", table(*seq, 1 << 32)?)),
                     seq: *seq,
                     tied: *tied,
                 });
@@ -323,6 +326,37 @@ impl Model {
                 b.head_with(6 * last, Some(ch(1280)), Act::Hardswish, *classes)?;
             }
             Arch::Custom(spec) => embed = spec::build(&mut b, spec)?,
+            Arch::Llama(l) => {
+                let std = Init::Normal { std: 0.02 };
+                let tok = init_weight(device, &[l.vocab, l.d], std, 1, dtype, sub_seed(seed, 0))?;
+                embed = Some(Embed {
+                    tok: Param::new("embed_tokens.weight", tok),
+                    pos: None,
+                    seq: l.seq,
+                    tied: l.tied,
+                });
+                let cfg = l.block().with_dtype(dtype);
+                // One pair of rotary tables for every block, as HF computes one per forward.
+                let tables =
+                    RopeTables::new(device, l.seq, l.head_dim, l.rope_theta, l.rope_scaling)?;
+                for i in 0..l.layers {
+                    let block =
+                        cfg.clone().with_seed(b.seed()).init_with_tables(device, &tables)?;
+                    b.push(&format!("layers.{i}"), block);
+                }
+                let norm =
+                    RmsNormConfig::new(l.d).with_eps(l.eps).with_dtype(dtype).init(device)?;
+                b.push("norm", norm);
+                if !l.tied {
+                    let head = LinearConfig::new(l.d, l.vocab)
+                        .with_bias(false)
+                        .with_init(std)
+                        .with_dtype(dtype)
+                        .with_seed(b.seed())
+                        .init(device)?;
+                    b.push("lm_head", head);
+                }
+            }
             Arch::Vit { side, patch, d, layers, heads, classes, dropout } => {
                 let cfg = PatchEmbedConfig::new(3, *d, *patch, *side)
                     .with_dtype(dtype)
@@ -417,10 +451,13 @@ impl Model {
     /// The model taken apart: the token and position embeddings with the sequence length
     /// (GPT), whether the LM head is tied to the token embedding (applied after the chain),
     /// and the chain's layers.
+    ///
+    /// A Llama model's token embedding has no position table to pair with: it is left out
+    /// (the data-parallel model, the only user, refuses Llama before taking one apart).
     pub fn into_parts(self) -> ModelParts {
         let (embed, tied) = match self.embed {
-            Some(e) => (Some(([e.tok, e.pos], e.seq)), e.tied),
-            None => (None, false),
+            Some(Embed { tok, pos: Some(pos), seq, tied }) => (Some(([tok, pos], seq)), tied),
+            _ => (None, false),
         };
         ModelParts { embed, tied, layers: self.chain.into_layers() }
     }
@@ -437,15 +474,19 @@ impl Model {
 
     /// Every parameter (a tied LM head is the token embedding, counted once).
     pub fn params(&self) -> Vec<&Param> {
-        let mut p: Vec<&Param> = self.embed.iter().flat_map(|e| [&e.tok, &e.pos]).collect();
+        let mut p: Vec<&Param> =
+            self.embed.iter().flat_map(|e| std::iter::once(&e.tok).chain(&e.pos)).collect();
         p.extend(self.chain.params());
         p
     }
 
     /// Every parameter, mutably.
     pub fn params_mut(&mut self) -> Vec<&mut Param> {
-        let mut p: Vec<&mut Param> =
-            self.embed.iter_mut().flat_map(|e| [&mut e.tok, &mut e.pos]).collect();
+        let mut p: Vec<&mut Param> = self
+            .embed
+            .iter_mut()
+            .flat_map(|e| std::iter::once(&mut e.tok).chain(e.pos.as_mut()))
+            .collect();
         p.extend(self.chain.params_mut());
         p
     }
@@ -479,9 +520,10 @@ impl Model {
                  device",
             )),
             (Input::Tokens(ids), Some(e)) => {
-                let positions: Vec<u32> = (0..ids.len()).map(|i| (i % e.seq) as u32).collect();
                 let tok = ops::embedding(&e.tok.value, ids)?;
-                let pos = ops::embedding(&e.pos.value, &positions)?;
+                let Some(pos) = &e.pos else { return Ok(tok) };
+                let positions: Vec<u32> = (0..ids.len()).map(|i| (i % e.seq) as u32).collect();
+                let pos = ops::embedding(&pos.value, &positions)?;
                 Ok(ops::add(&tok, &pos)?)
             }
             _ => Err(invalid("the batch does not match the model's input kind")),
@@ -490,9 +532,11 @@ impl Model {
 
     fn embed_backward(&mut self, batch: &Batch, dx: &Tensor) -> Result<()> {
         if let (Input::Tokens(ids), Some(e)) = (&batch.input, &mut self.embed) {
-            let positions: Vec<u32> = (0..ids.len()).map(|i| (i % e.seq) as u32).collect();
             e.tok.accumulate_grad(ops::embedding_backward(ids, dx, e.tok.value.shape()[0])?)?;
-            e.pos.accumulate_grad(ops::embedding_backward(&positions, dx, e.seq)?)?;
+            if let Some(pos) = &mut e.pos {
+                let positions: Vec<u32> = (0..ids.len()).map(|i| (i % e.seq) as u32).collect();
+                pos.accumulate_grad(ops::embedding_backward(&positions, dx, e.seq)?)?;
+            }
         }
         Ok(())
     }

@@ -518,7 +518,7 @@ pub(super) fn build(b: &mut Builder<'_>, spec: &ModelSpec) -> Result<Option<Embe
             };
             Some(Embed {
                 tok: Param::new("wte", table(vocab, 0)?),
-                pos: Param::new("wpe", table(seq, 1 << 32)?),
+                pos: Some(Param::new("wpe", table(seq, 1 << 32)?)),
                 seq,
                 tied: false,
             })

@@ -109,6 +109,71 @@ pub enum Arch {
     },
     /// A user-described model ([`ModelSpec`], read from a TOML or JSON file).
     Custom(ModelSpec),
+    /// The Llama family (Llama, Mistral, Qwen2, TinyLlama), usually read from a Hugging Face
+    /// `config.json` ([`super::hf`]).
+    Llama(LlamaArch),
+}
+
+/// A Llama-family decoder: token embedding (no position table: rotary embeddings in every
+/// block), [`LlamaBlock`](vram_accum::layers::LlamaBlock)s, a final RMS norm and the LM head
+/// (tied to the embedding or not). HF's `LlamaConfig` names in the comments.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaArch {
+    /// Name for reports (the config's model, e.g. `llama-3.2-1b`).
+    pub name: String,
+    /// `vocab_size`.
+    pub vocab: usize,
+    /// `hidden_size`.
+    pub d: usize,
+    /// `num_hidden_layers`.
+    pub layers: usize,
+    /// `num_attention_heads`.
+    pub heads: usize,
+    /// `num_key_value_heads`.
+    pub kv_heads: usize,
+    /// `head_dim` (`hidden_size / num_attention_heads` unless given).
+    pub head_dim: usize,
+    /// `intermediate_size`.
+    pub hidden: usize,
+    /// Tokens per sequence of a run (at most `max_positions`).
+    pub seq: usize,
+    /// `max_position_embeddings`.
+    pub max_positions: usize,
+    /// `rms_norm_eps`.
+    pub eps: f32,
+    /// `rope_theta`.
+    pub rope_theta: f32,
+    /// `rope_scaling`.
+    pub rope_scaling: vram_kernels::ops::RopeScaling,
+    /// Biases on q, k, v (`attention_bias`; Qwen2 always).
+    pub qkv_bias: bool,
+    /// `tie_word_embeddings`.
+    pub tied: bool,
+}
+
+impl LlamaArch {
+    /// The block configuration (without dtype and seed).
+    pub fn block(&self) -> vram_accum::layers::LlamaBlockConfig {
+        vram_accum::layers::LlamaBlockConfig::new(
+            self.d,
+            self.heads,
+            self.kv_heads,
+            self.hidden,
+            self.seq,
+        )
+        .with_head_dim(self.head_dim)
+        .with_eps(self.eps)
+        .with_rope(self.rope_theta, self.rope_scaling)
+        .with_qkv_bias(self.qkv_bias)
+    }
+
+    /// Parameters, as Hugging Face counts them (`model.num_parameters()`: a tied head once):
+    /// `vocab d` of embedding, the blocks, `d` of the final norm, `vocab d` of an untied head.
+    pub fn param_count(&self) -> u64 {
+        let (v, d) = (self.vocab as u64, self.d as u64);
+        let head = if self.tied { 0 } else { v * d };
+        v * d + self.layers as u64 * self.block().param_count() + d + head
+    }
 }
 
 /// A named architecture of the zoo: one entry of [`Arch::presets`], the only list of them
@@ -302,6 +367,7 @@ impl Arch {
             Arch::BottleneckResNet { .. } => "resnet-bottleneck",
             Arch::MobileNetV3 { .. } => "mobilenetv3-like",
             Arch::Vit { .. } => "vit",
+            Arch::Llama(l) => &l.name,
         }
     }
 
@@ -317,6 +383,7 @@ impl Arch {
                 Dataset::Stripes { side: 32, classes }
             }
             Arch::Gpt { vocab, seq, .. } => Dataset::Sequences { vocab, seq },
+            Arch::Llama(ref l) => Dataset::Sequences { vocab: l.vocab, seq: l.seq },
             Arch::BottleneckResNet { side, classes, .. }
             | Arch::MobileNetV3 { side, classes, .. }
             | Arch::Vit { side, classes, .. } => Dataset::Stripes { side, classes },
@@ -346,6 +413,7 @@ impl Arch {
             Arch::Gpt { vocab, d, layers, heads, dropout, tied, .. } => {
                 Ok(Arch::Gpt { vocab, d, layers, heads, seq, dropout, tied })
             }
+            Arch::Llama(l) => Ok(Arch::Llama(LlamaArch { seq, ..l })),
             other => Err(other.not_applicable("seq")),
         }
     }
@@ -395,7 +463,9 @@ impl Arch {
             | Arch::BottleneckResNet { classes, .. }
             | Arch::MobileNetV3 { classes, .. }
             | Arch::Vit { classes, .. } => *classes = n,
-            Arch::Gpt { .. } | Arch::Custom(_) => return Err(self.not_applicable("classes")),
+            Arch::Gpt { .. } | Arch::Custom(_) | Arch::Llama(_) => {
+                return Err(self.not_applicable("classes"));
+            }
         }
         Ok(self)
     }
@@ -440,7 +510,7 @@ impl Arch {
                 }
                 *d = *heads * head;
             }
-            Arch::Custom(_) => return Err(self.not_applicable("width")),
+            Arch::Custom(_) | Arch::Llama(_) => return Err(self.not_applicable("width")),
         }
         Ok(self)
     }
@@ -458,7 +528,9 @@ impl Arch {
         }
         let scale = |n: usize| (n as f32 * mult).round() as usize;
         match &mut self {
-            Arch::Gpt { layers, .. } | Arch::Vit { layers, .. } => {
+            Arch::Gpt { layers, .. }
+            | Arch::Vit { layers, .. }
+            | Arch::Llama(LlamaArch { layers, .. }) => {
                 *layers = scale(*layers);
                 if *layers == 0 {
                     return Err(self.bad("depth", format!("multiplier {mult} leaves no block")));

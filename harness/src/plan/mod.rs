@@ -38,7 +38,8 @@ mod search;
 pub use dp::{DpPlan, DpRow, data_parallel};
 pub use error::PlanError;
 pub use model::{
-    ModelOverrides, PlanModel, SampleInput, model_from_args, model_from_file, model_from_spec,
+    ModelOverrides, PlanModel, SampleInput, model_from_args, model_from_file, model_from_hf,
+    model_from_spec,
 };
 pub(crate) use run::UNLIMITED;
 pub(crate) use search::param_count;

@@ -85,10 +85,62 @@ pub fn model_from_args(name: &str, o: &ModelOverrides) -> Result<PlanModel, Plan
     }
     let key = name.trim().to_ascii_lowercase();
     // A lookup fails only for an unknown name.
-    let mut arch = Arch::preset(&key).map_err(|_| PlanError::UnknownModel {
+    let arch = Arch::preset(&key).map_err(|_| PlanError::UnknownModel {
         name: name.to_string(),
         known: Arch::preset_names().join(", "),
     })?;
+    model_from_arch(&key, arch, o)
+}
+
+/// The model a Hugging Face `config.json` describes ([`crate::models::hf`]: `gpt2`,
+/// `llama`, `mistral`, `qwen2`), with `overrides` applied as to a preset (`--seq`,
+/// `--depth`, `--vocab`; a Llama's width is the config's). Its notes say which keys of the
+/// file were not read and the parameter count, Hugging Face's.
+///
+/// # Errors
+///
+/// [`PlanError::ModelFile`] naming the file and the key for a config that cannot be used
+/// (an unknown `model_type` lists the known ones); as [`model_from_args`] for overrides.
+pub fn model_from_hf(path: &std::path::Path, o: &ModelOverrides) -> Result<PlanModel, PlanError> {
+    let hf = crate::models::HfModel::from_path(path)
+        .map_err(|e| crate::models::spec::SpecError { reason: e.to_string() })?;
+    let name = hf.arch.name().to_string();
+    let mut m = model_from_arch(&name, hf.arch.clone(), o)?;
+    let params = match &m.arch {
+        Arch::Llama(l) => l.param_count(),
+        _ => crate::models::HfModel { arch: m.arch.clone(), ..hf.clone() }.param_count(),
+    };
+    let mut notes = vec![format!(
+        "from {} (model_type {}): {params} parameters, Hugging Face's count",
+        path.display(),
+        hf.model_type
+    )];
+    // The default sequence length's note is moot once --seq is given.
+    let seq_given = o.seq.is_some();
+    notes.extend(
+        hf.notes.iter().filter(|n| !(seq_given && n.starts_with("sequence length"))).cloned(),
+    );
+    notes.push(hf.ignored_line());
+    notes.append(&mut m.notes);
+    m.notes = notes;
+    Ok(m)
+}
+
+/// `arch` (named `key`) with `o` applied: [`model_from_args`] after its lookup.
+fn model_from_arch(key: &str, mut arch: Arch, o: &ModelOverrides) -> Result<PlanModel, PlanError> {
+    let name = key;
+    for (what, v) in [
+        ("seq", o.seq),
+        ("side", o.side),
+        ("width", o.width),
+        ("depth", o.depth),
+        ("vocab", o.vocab),
+        ("classes", o.classes),
+    ] {
+        if v == Some(0) {
+            return Err(invalid("size override", format!("--{what} must be at least 1")));
+        }
+    }
     let unused = |what: &str, given: Option<usize>| -> Result<(), PlanError> {
         match given {
             Some(_) => Err(invalid("size override", format!("model `{name}` has no --{what}"))),
@@ -179,6 +231,14 @@ pub fn model_from_args(name: &str, o: &ModelOverrides) -> Result<PlanModel, Plan
         Arch::Custom(_) => {
             return Err(invalid("model", "a model file is read by model_from_file".to_string()));
         }
+        Arch::Llama(l) => {
+            unused("side", o.side)?;
+            unused("classes", o.classes)?;
+            unused("width", o.width)?;
+            l.layers = o.depth.unwrap_or(l.layers);
+            l.seq = o.seq.unwrap_or(l.seq);
+            l.vocab = o.vocab.unwrap_or(l.vocab);
+        }
     }
     let (input, classes) = match arch.dataset() {
         Dataset::Sequences { vocab, seq } => (SampleInput::Tokens { seq, vocab }, vocab),
@@ -227,7 +287,26 @@ pub fn model_from_args(name: &str, o: &ModelOverrides) -> Result<PlanModel, Plan
         }
         Arch::Mlp { dims, classes } => format!("dims {dims:?}, {classes} classes"),
         Arch::Custom(_) => String::new(),
+        Arch::Llama(l) => format!(
+            "d {}, {} layers, {} heads ({} key/value), mlp {}, seq {}, vocab {}{}",
+            l.d,
+            l.layers,
+            l.heads,
+            l.kv_heads,
+            l.hidden,
+            l.seq,
+            l.vocab,
+            if l.tied { ", tied head" } else { "" }
+        ),
     };
+    if let Arch::Llama(_) = arch {
+        notes.push(
+            "Llama: grouped-query attention in the explicit form (keys and values repeated to \
+             the query heads as HF's repeat_kv, the [b, heads, seq, seq] scores materialised: \
+             HF's eager attention, not SDPA/flash)"
+                .into(),
+        );
+    }
     Ok(PlanModel { name: format!("{key} ({size})"), arch, input, classes, notes })
 }
 
@@ -355,6 +434,18 @@ impl PlanModel {
                 }
                 v
             }
+            Arch::Llama(l) => {
+                let (s, d, dh) = (f(l.seq), f(l.d), f(l.head_dim));
+                let qkvo = 2.0 * s * d * dh * f(2 * l.heads + 2 * l.kv_heads);
+                let attn = 4.0 * s * s * dh * f(l.heads);
+                let mlp = 6.0 * s * d * f(l.hidden);
+                let mut v = vec![qkvo + attn + mlp; l.layers];
+                v.push(0.0); // norm
+                if !l.tied {
+                    v.push(2.0 * s * d * f(l.vocab));
+                }
+                v
+            }
             Arch::BottleneckResNet { side, width, blocks, classes } => {
                 // conv1 7x7/2, max pool 3x3/2, bottlenecks (stride on the 3x3), head.
                 let out = |s: usize, k: usize, st: usize| (s + 2 * (k / 2) - k) / st + 1;
@@ -439,6 +530,7 @@ impl PlanModel {
     pub fn outside_chain_flops(&self) -> f64 {
         match self.arch {
             Arch::Gpt { vocab, d, seq, tied: true, .. } => 2.0 * (seq * d) as f64 * vocab as f64,
+            Arch::Llama(ref l) if l.tied => 2.0 * (l.seq * l.d) as f64 * l.vocab as f64,
             _ => 0.0,
         }
     }
@@ -455,6 +547,14 @@ impl PlanModel {
                 *heads = (*heads).min(4);
                 m.input = SampleInput::Tokens { seq: *seq, vocab: *vocab };
                 m.classes = *vocab;
+            }
+            Arch::Llama(l) => {
+                // Width 64 in heads of 16, the config's grouping kept where it fits.
+                let group = (l.heads / l.kv_heads).clamp(1, 4);
+                (l.vocab, l.d, l.layers, l.seq) = (l.vocab.min(512), 64, l.layers.min(4), 32);
+                (l.heads, l.kv_heads, l.head_dim, l.hidden) = (4, 4 / group, 16, 128);
+                m.input = SampleInput::Tokens { seq: l.seq, vocab: l.vocab };
+                m.classes = l.vocab;
             }
             Arch::Vit { side, patch, d, layers, heads, classes, .. } => {
                 (*side, *patch, *d, *layers) = (16, 4, 64, (*layers).min(2));

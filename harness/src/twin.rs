@@ -408,17 +408,35 @@ pub fn run_vram(
     dir: &Path,
 ) -> Result<VramRun, TwinError> {
     settings.validate()?;
+    let arch = Arch::preset(name)?;
+    run_vram_arch(device, name, arch, settings, dir)
+}
+
+/// [`run_vram`] for an architecture given whole (a Hugging Face config's,
+/// [`crate::models::HfModel`]), named `name` in the export.
+///
+/// # Errors
+///
+/// As [`run_vram`].
+pub fn run_vram_arch(
+    device: &Device,
+    name: &str,
+    arch: Arch,
+    settings: &TwinSettings,
+    dir: &Path,
+) -> Result<VramRun, TwinError> {
+    settings.validate()?;
     if device.is_virtual() {
         return Err(TwinError::InvalidArgument {
             what: "device",
             reason: "a virtual device keeps no values to export; use the host or CUDA".into(),
         });
     }
-    let arch = Arch::preset(name)?;
     let arch = with_dropout(arch, settings.dropout);
     let arch_value = arch_json(&arch, settings.dropout)?;
-    let seq = match arch {
-        Arch::Gpt { seq, .. } => Some(seq),
+    let seq = match &arch {
+        Arch::Gpt { seq, .. } => Some(*seq),
+        Arch::Llama(l) => Some(l.seq),
         _ => None,
     };
     let fail = |source: Box<dyn std::error::Error + Send + Sync>| TwinError::Run {

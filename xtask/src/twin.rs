@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
-use vram_harness::models::Arch;
+use vram_harness::models::{Arch, HfModel};
 use vram_harness::twin::{self, TwinSettings};
 use vram_kernels::Device;
 
@@ -69,6 +69,14 @@ failed on either side, 2 for bad arguments.")]
 pub struct TwinArgs {
     #[arg(long, value_name = "NAME,...", help = models_help())]
     models: Option<String>,
+    /// A Hugging Face config.json (model_type gpt2, llama, mistral or qwen2; see models/hf/),
+    /// run instead of the default models (besides --models when given); batch 1 unless
+    /// --batch.
+    #[arg(long, value_name = "FILE")]
+    hf_config: Option<PathBuf>,
+    /// Sequence length of the --hf-config model (default: the config's, at most 4096).
+    #[arg(long, value_name = "N", requires = "hf_config")]
+    seq: Option<usize>,
     #[arg(long, value_name = "N", help = batch_help())]
     batch: Option<usize>,
     /// AdamW steps per model (at least 2).
@@ -117,8 +125,36 @@ fn script(args: &TwinArgs) -> PathBuf {
 }
 
 /// The models and their batches.
-fn models(args: &TwinArgs, cuda: bool) -> Result<Vec<(String, usize)>, String> {
-    let mut list: Vec<(String, usize)> = match &args.models {
+/// The models to run: name, batch, and the architecture of a `--hf-config` model (the
+/// presets are looked up by name).
+type ModelList = Vec<(String, usize, Option<Arch>)>;
+
+fn models(args: &TwinArgs, cuda: bool) -> Result<ModelList, String> {
+    let hf = match &args.hf_config {
+        Some(path) => {
+            let m = HfModel::from_path(path).map_err(|e| format!("--hf-config: {e}"))?;
+            let arch = match args.seq {
+                Some(seq) => m.arch.with_seq(seq).map_err(|e| format!("--seq: {e}"))?,
+                None => m.arch,
+            };
+            Some((arch.name().to_string(), 1, Some(arch)))
+        }
+        None => None,
+    };
+    let named: Vec<(String, usize)> = match (&args.models, &hf) {
+        (None, Some(_)) => Vec::new(),
+        _ => preset_models(args, cuda)?,
+    };
+    let mut list: ModelList = named.into_iter().map(|(n, b)| (n, b, None)).collect();
+    list.extend(hf);
+    if let Some(b) = args.batch {
+        list.iter_mut().for_each(|(_, batch, _)| *batch = b);
+    }
+    Ok(list)
+}
+
+fn preset_models(args: &TwinArgs, cuda: bool) -> Result<Vec<(String, usize)>, String> {
+    let list: Vec<(String, usize)> = match &args.models {
         Some(text) => {
             let mut list = Vec::new();
             for name in text.split(',').map(str::trim) {
@@ -137,9 +173,6 @@ fn models(args: &TwinArgs, cuda: bool) -> Result<Vec<(String, usize)>, String> {
             default_models(cuda).into_iter().map(|n| (n.to_string(), default_batch(n))).collect()
         }
     };
-    if let Some(b) = args.batch {
-        list.iter_mut().for_each(|(_, batch)| *batch = b);
-    }
     Ok(list)
 }
 
@@ -179,13 +212,17 @@ pub fn run(args: TwinArgs) -> Result<ExitCode, String> {
 
     let mut failed = false;
     let mut rows = Vec::new();
-    for (name, batch) in &models {
+    for (name, batch, arch) in &models {
         let dir = args.out.join(name);
         let settings = TwinSettings { batch: *batch, ..common.clone() };
         let vram = {
             let device = if cuda { Device::cuda(0) } else { Ok(Device::host(capacity)) };
             device.map_err(|e| e.to_string()).and_then(|device| {
-                twin::run_vram(&device, name, &settings, &dir).map_err(|e| e.to_string())
+                match arch {
+                    Some(arch) => twin::run_vram_arch(&device, name, arch.clone(), &settings, &dir),
+                    None => twin::run_vram(&device, name, &settings, &dir),
+                }
+                .map_err(|e| e.to_string())
             })
         };
         let vram = match vram {

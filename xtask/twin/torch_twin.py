@@ -14,7 +14,10 @@ with batch norm where vram's model has it and the activation after it (in place,
 torchvision's layers), pre-norm transformer blocks with separate q, k, v
 projections (GPT-2 layout, biases), GELU with the tanh approximation, LayerNorm eps 1e-5,
 explicit attention `softmax(q k^T / sqrt(dh) + causal mask) v` (or, with --sdpa,
-F.scaled_dot_product_attention, for an informational comparison).
+F.scaled_dot_product_attention, for an informational comparison). The Llama family
+(`--hf-config`) is written from Hugging Face's modeling_llama.py: RMSNorm with the variance
+in f32, rotary embeddings by rotate_half, grouped-query attention by repeat_kv, the
+SiLU-gated MLP.
 
 Exit status: 0 on success, 2 for bad input (missing file, unknown model kind, a shape that
 does not match), 3 when PyTorch is not installed, 1 when the run itself failed (out of
@@ -516,6 +519,209 @@ class GPT(nn.Module):
         return out
 
 
+# ---------------------------------------------------------------------------------------
+# The Llama family (Llama, Mistral, Qwen2, TinyLlama), written from Hugging Face's
+# modeling_llama.py (LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half, apply_rotary_pos_emb,
+# repeat_kv, eager_attention_forward, LlamaMLP, LlamaDecoderLayer) and modeling_rope_utils.py
+# (the default, linear and llama3 inverse frequencies), with vram's parameter names
+# (accum/src/layers/llama.rs, the Arch::Llama branch of harness/src/models/mod.rs).
+# ---------------------------------------------------------------------------------------
+
+
+class LlamaRMSNorm(nn.Module):
+    """HF's LlamaRMSNorm: the variance in f32, x * rsqrt(mean(x^2) + eps), cast back to the
+    input's dtype, then times the weight."""
+
+    def __init__(self, d, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(head_dim, theta, scaling):
+    """HF's _compute_default_rope_parameters, _compute_linear_scaling_rope_parameters and
+    _compute_llama3_parameters: the head_dim / 2 inverse frequencies."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling["low_freq_factor"])
+        high_freq_factor = float(scaling["high_freq_factor"])
+        old_context_len = float(scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # wavelen < high_freq_wavelen: kept; wavelen > low_freq_wavelen: divided by factor.
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        # Between the two: interpolated smoothly.
+        smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+        is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+    raise BadInput(f"twin.json arch: rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+def rotate_half(x):
+    """HF's rotate_half: the first half of the features against the second."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    """HF's apply_rotary_pos_emb on [b, heads, s, dh] with cos, sin of [s, dh]."""
+    cos = cos.unsqueeze(0).unsqueeze(0)
+    sin = sin.unsqueeze(0).unsqueeze(0)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+
+
+def repeat_kv(hidden_states, n_rep):
+    """HF's repeat_kv: [b, kv_heads, s, dh] -> [b, kv_heads * n_rep, s, dh]."""
+    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
+    if n_rep == 1:
+        return hidden_states
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
+
+
+class LlamaAttention(nn.Module):
+    """HF's LlamaAttention with the eager attention (softmax in f32), or SDPA."""
+
+    def __init__(self, d, heads, kv_heads, head_dim, qkv_bias, sdpa):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(d, heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(heads * head_dim, d, bias=False)
+        self.scaling = head_dim ** -0.5
+        self.sdpa = sdpa
+
+    def forward(self, x, cos, sin, future):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        n_rep = self.heads // self.kv_heads
+        k = repeat_kv(k, n_rep)
+        v = repeat_kv(v, n_rep)
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = torch.matmul(q, k.transpose(2, 3)) * self.scaling
+            att = att.masked_fill(future[:s, :s], float("-inf"))
+            att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
+            y = torch.matmul(att, v)
+        y = y.transpose(1, 2).reshape(b, s, -1)
+        return self.o_proj(y)
+
+    def vram_params(self, prefix):
+        out = []
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out += linear_params(f"{prefix}{name}.", getattr(self, name))
+        return out
+
+
+class LlamaMLP(nn.Module):
+    """HF's LlamaMLP: down_proj(silu(gate_proj(x)) * up_proj(x)), no biases."""
+
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, hidden, bias=False)
+        self.up_proj = nn.Linear(d, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def vram_params(self, prefix):
+        out = []
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            out += linear_params(f"{prefix}{name}.", getattr(self, name))
+        return out
+
+
+class LlamaDecoderLayer(nn.Module):
+    """HF's LlamaDecoderLayer: x2 = x + attn(norm(x)), y = x2 + mlp(norm(x2))."""
+
+    def __init__(self, d, heads, kv_heads, head_dim, hidden, eps, qkv_bias, sdpa):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(d, eps)
+        self.self_attn = LlamaAttention(d, heads, kv_heads, head_dim, qkv_bias, sdpa)
+        self.post_attention_layernorm = LlamaRMSNorm(d, eps)
+        self.mlp = LlamaMLP(d, hidden)
+
+    def forward(self, x, cos, sin, future):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, future)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def vram_params(self, prefix):
+        return ([(f"{prefix}input_layernorm.weight", self.input_layernorm.weight)]
+                + self.self_attn.vram_params(f"{prefix}self_attn.")
+                + [(f"{prefix}post_attention_layernorm.weight", self.post_attention_layernorm.weight)]
+                + self.mlp.vram_params(f"{prefix}mlp."))
+
+
+class Llama(nn.Module):
+    """HF's LlamaForCausalLM: token embedding, decoder layers sharing one (cos, sin) table
+    (HF's LlamaRotaryEmbedding: emb = cat(freqs, freqs), in f32, cast to the activations'
+    dtype), a final RMS norm and the LM head (tied: logits = h embed_tokens^T)."""
+
+    def __init__(self, vocab, d, layers, heads, kv_heads, head_dim, hidden, seq, eps, theta,
+                 scaling, qkv_bias, tied, sdpa):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(d, heads, kv_heads, head_dim, hidden, eps, qkv_bias, sdpa)
+            for _ in range(layers))
+        self.norm = LlamaRMSNorm(d, eps)
+        self.lm_head = None if tied else nn.Linear(d, vocab, bias=False)
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        positions = torch.arange(seq, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+        future = None if sdpa else torch.ones(seq, seq, dtype=torch.bool).triu(diagonal=1)
+        self.register_buffer("future", future, persistent=False)
+
+    def forward(self, ids):
+        b, s = ids.shape
+        x = self.embed_tokens(ids)
+        cos = self.cos[:s].to(x.dtype)
+        sin = self.sin[:s].to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, self.future)
+        x = self.norm(x)
+        logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
+        return logits.view(b * s, -1)
+
+    def vram_params(self):
+        out = [("embed_tokens.weight", self.embed_tokens.weight)]
+        for i, layer in enumerate(self.layers):
+            out += layer.vram_params(f"layers.{i}.")
+        out.append(("norm.weight", self.norm.weight))
+        if self.lm_head is not None:
+            out += linear_params("lm_head.", self.lm_head)
+        return out
+
+
 class PatchEmbed(nn.Module):
     """ViT's patches: a patch x patch convolution of stride patch (with bias), the tokens as
     rows, plus a learned position per token (no class token)."""
@@ -658,9 +864,32 @@ def build_model(arch, sdpa):
             raise BadInput(f"{where}: side {side} is not whole {patch} px patches")
         model = ViT(side, patch, d, layers, heads, classes, dropout_of(arch), sdpa)
         return model, classes, ("dense", [3, side, side])
+    if kind == "llama":
+        vocab = positive_int(arch, "vocab", where)
+        d = positive_int(arch, "d", where)
+        layers = positive_int(arch, "layers", where)
+        heads = positive_int(arch, "heads", where)
+        kv_heads = positive_int(arch, "kv_heads", where)
+        head_dim = positive_int(arch, "head_dim", where)
+        hidden = positive_int(arch, "hidden", where)
+        seq = positive_int(arch, "seq", where)
+        if heads % kv_heads:
+            raise BadInput(f"{where}: {heads} heads are not whole groups of {kv_heads} key/value heads")
+        if head_dim % 2:
+            raise BadInput(f"{where}: head_dim {head_dim} is odd")
+        eps = float(field(arch, "eps", (int, float), where))
+        theta = float(field(arch, "rope_theta", (int, float), where))
+        scaling = arch.get("rope_scaling")
+        if scaling is not None and not isinstance(scaling, dict):
+            raise BadInput(f"{where}: `rope_scaling` is {scaling!r}, not an object or null")
+        qkv_bias = field(arch, "qkv_bias", bool, where)
+        tied = field(arch, "tied", bool, where)
+        model = Llama(vocab, d, layers, heads, kv_heads, head_dim, hidden, seq, eps, theta,
+                      scaling, qkv_bias, tied, sdpa)
+        return model, vocab, ("tokens", seq)
     raise BadInput(
         f"{where}: unknown kind `{kind}` (known: mlp, resnet, mobilenet, gpt, "
-        "bottleneck_resnet, mobilenetv3, vit)")
+        "bottleneck_resnet, mobilenetv3, vit, llama)")
 
 
 def read_binary(directory, name, dtype, count, what):

@@ -522,6 +522,50 @@ mod tests {
     }
 
     #[test]
+    fn hf_configs_plan_and_bad_ones_name_the_key() {
+        let dir = std::env::temp_dir().join(format!("vram-plan-hf-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let write = |name: &str, text: &str| {
+            let path = dir.join(name);
+            std::fs::write(&path, text).unwrap();
+            path.to_str().unwrap().to_string()
+        };
+        let missing = write("missing.json", r#"{"model_type": "llama", "hidden_size": 64}"#);
+        let unknown = write("unknown.json", r#"{"model_type": "bert"}"#);
+        for (file, needle) in
+            [(&missing, "missing key `intermediate_size`"), (&unknown, "unknown model_type `bert`")]
+        {
+            let argv = ["--hf-config", file, "--batch", "8", "--device-memory", "8GiB"];
+            let e = outcome(&argv).expect_err("bad config");
+            assert!(e.contains(needle) && e.contains(file.as_str()), "{e}");
+        }
+        // A tiny Qwen2-like model (grouped queries, q/k/v biases, tied head) plans on the
+        // virtual device and its reduced twin verifies on the host.
+        let tiny = write(
+            "tiny.json",
+            r#"{"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "vocab_size": 128, "max_position_embeddings": 64, "tie_word_embeddings": true}"#,
+        );
+        let argv = [
+            "--hf-config",
+            &tiny,
+            "--seq",
+            "16",
+            "--batch",
+            "4",
+            "--device-memory",
+            "64MiB",
+            "--reserve",
+            "0",
+            "--verify",
+            "--json",
+        ];
+        assert_eq!(outcome(&argv).unwrap(), ExitCode::SUCCESS);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn a_small_plan_runs_and_verifies_on_the_host() {
         let code = outcome(&[
             "--model",

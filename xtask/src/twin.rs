@@ -133,6 +133,16 @@ fn models(args: &TwinArgs, cuda: bool) -> Result<ModelList, String> {
     let hf = match &args.hf_config {
         Some(path) => {
             let m = HfModel::from_path(path).map_err(|e| format!("--hf-config: {e}"))?;
+            eprintln!(
+                "{}: model_type {}, {} parameters (Hugging Face's count); {}",
+                path.display(),
+                m.model_type,
+                m.param_count(),
+                m.ignored_line()
+            );
+            for note in &m.notes {
+                eprintln!("  note: {note}");
+            }
             let arch = match args.seq {
                 Some(seq) => m.arch.with_seq(seq).map_err(|e| format!("--seq: {e}"))?,
                 None => m.arch,

@@ -911,6 +911,39 @@ mod tests {
     }
 
     #[test]
+    fn llama_block_under_bf16_autocast_follows_the_f32_block() {
+        let dev = Device::host(1 << 28);
+        let (rows, d) = (2 * 6, 32);
+        let cfg = LlamaBlockConfig::new(d, 4, 2, 48, 6).with_init(0.1).with_seed(9);
+        let x = Tensor::from_f32_slice(&dev, &[rows, d], &vals(rows * d, 3), DType::F32).unwrap();
+        let run = |autocast: bool| {
+            let mut block = cfg.init(&dev).unwrap();
+            let mut ctx = ForwardCtx::new(Mode::Train, 0);
+            if autocast {
+                ctx = ctx.with_autocast(DType::BF16).unwrap();
+            }
+            let (y, s) = block.forward(&x, &mut ctx).unwrap();
+            // The residual stream stays f32 (f32 + bf16 promotes), as in PyTorch.
+            assert_eq!(y.dtype(), DType::F32);
+            let dx = block.backward(s.unwrap(), y.clone(), true).unwrap().unwrap();
+            assert_eq!(dx.dtype(), DType::F32);
+            let g = block.params()[2].grad.as_ref().unwrap().to_f32_vec().unwrap();
+            (y.to_f32_vec().unwrap(), dx.to_f32_vec().unwrap(), g)
+        };
+        let (full, low) = (run(false), run(true));
+        for (what, a, b, tol) in [
+            ("y", &full.0, &low.0, 0.05),
+            ("dx", &full.1, &low.1, 0.1),
+            ("dq", &full.2, &low.2, 0.1),
+        ] {
+            let scale = a.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            for (i, (p, q)) in a.iter().zip(b).enumerate() {
+                assert!((p - q).abs() <= tol * scale, "{what}[{i}]: f32 {p}, bf16 {q}");
+            }
+        }
+    }
+
+    #[test]
     fn bad_block_settings_are_named() {
         let dev = Device::host(1 << 26);
         let err = LlamaBlockConfig::new(16, 4, 3, 8, 4).init(&dev).unwrap_err().to_string();

@@ -322,6 +322,50 @@ fn softmax_cross_entropy_and_layer_norm_match_host() {
     }
 }
 
+#[test]
+fn rms_norm_rotary_embeddings_and_silu_match_host() {
+    let Some(gpu) = gpu() else { return };
+    let (s, dh) = (9, 64);
+    let scaling = ops::RopeScaling::Llama3 {
+        factor: 32.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192.0,
+    };
+    let (cv, sv) = ops::rope_tables(s, dh, 500_000.0, scaling);
+    let table = |v: &[f32]| Tensor::from_f32_slice(&host(), &[s, dh / 2], v, DType::F32).unwrap();
+    let (hc, hs) = (table(&cv), table(&sv));
+    let (gc, gs) = (hc.to_device(&gpu).unwrap(), hs.to_device(&gpu).unwrap());
+    for dtype in DTYPES {
+        let t = tol(dtype, false);
+        let (hx, gx) = pair(&gpu, &[70, 300], dtype, 40);
+        let (hw, gw) = pair(&gpu, &[300], dtype, 41);
+        let (hdy, gdy) = pair(&gpu, &[70, 300], dtype, 42);
+        let (hn, gn) =
+            (ops::rms_norm(&hx, &hw, 1e-5).unwrap(), ops::rms_norm(&gx, &gw, 1e-5).unwrap());
+        close("rms_norm", &gn.y, &hn.y, t);
+        close("rms_norm rstd", &gn.rstd, &hn.rstd, 1e-5);
+        let hg = ops::rms_norm_backward(&hx, &hw, &hn.rstd, &hdy).unwrap();
+        let gg = ops::rms_norm_backward(&gx, &gw, &gn.rstd, &gdy).unwrap();
+        close("rms_norm dx", &gg.dx, &hg.dx, t);
+        close_sum("rms_norm dweight", &gg.dweight, &hg.dweight, t);
+
+        let (hq, gq) = pair(&gpu, &[2, s, 3, dh], dtype, 43);
+        let (hr, gr) = (ops::rope(&hq, &hc, &hs).unwrap(), ops::rope(&gq, &gc, &gs).unwrap());
+        close("rope", &gr, &hr, t);
+        let (hb, gb) = (
+            ops::rope_backward(&hq, &hc, &hs).unwrap(),
+            ops::rope_backward(&gq, &gc, &gs).unwrap(),
+        );
+        close("rope_backward", &gb, &hb, t);
+
+        close("silu", &ops::silu(&gx).unwrap(), &ops::silu(&hx).unwrap(), t);
+        let (hd, gd) =
+            (ops::silu_backward(&hx, &hdy).unwrap(), ops::silu_backward(&gx, &gdy).unwrap());
+        close("silu_backward", &gd, &hd, t);
+    }
+}
+
 /// Batch norm in training (running statistics updated on both) and evaluation, and its
 /// backward, for parameters in the input's dtype and in f32 (the autocast case), on images
 /// and on `[n, c]`.

@@ -147,7 +147,7 @@ fn models(args: &TwinArgs, cuda: bool) -> Result<ModelList, String> {
                 Some(seq) => m.arch.with_seq(seq).map_err(|e| format!("--seq: {e}"))?,
                 None => m.arch,
             };
-            Some((arch.name().to_string(), 1, Some(arch)))
+            Some((m.name, 1, Some(arch)))
         }
         None => None,
     };

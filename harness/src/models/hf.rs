@@ -87,6 +87,8 @@ pub enum HfError {
 /// A model read from a Hugging Face `config.json`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HfModel {
+    /// The model's name: the file's stem (its folder's name for a `config.json`).
+    pub name: String,
     /// The config's `model_type`.
     pub model_type: String,
     /// The architecture (sequence length [`DEFAULT_SEQ`] or the config's maximum, whichever
@@ -233,7 +235,13 @@ impl HfModel {
                 });
             }
         };
-        Ok(HfModel { model_type: model_type.into(), arch, ignored: r.ignored(), notes })
+        Ok(HfModel {
+            name: name.into(),
+            model_type: model_type.into(),
+            arch,
+            ignored: r.ignored(),
+            notes,
+        })
     }
 
     /// Parameters as Hugging Face counts them (a tied head once).
@@ -479,6 +487,7 @@ mod tests {
             assert!(bytes >= 2 * want && bytes < 2 * want + (64 << 20), "{file}: {bytes} B");
         }
         let gpt = HfModel::from_path(&shipped("gpt2.json")).unwrap();
+        assert_eq!(gpt.name, "gpt2");
         assert!(matches!(gpt.arch, Arch::Gpt { d: 768, layers: 12, seq: 1024, tied: true, .. }));
         let qwen = HfModel::from_path(&shipped("qwen2.5-0.5b.json")).unwrap();
         let Arch::Llama(l) = &qwen.arch else { panic!("qwen2 is a Llama") };

@@ -104,8 +104,7 @@ pub fn model_from_args(name: &str, o: &ModelOverrides) -> Result<PlanModel, Plan
 pub fn model_from_hf(path: &std::path::Path, o: &ModelOverrides) -> Result<PlanModel, PlanError> {
     let hf = crate::models::HfModel::from_path(path)
         .map_err(|e| crate::models::spec::SpecError { reason: e.to_string() })?;
-    let name = hf.arch.name().to_string();
-    let mut m = model_from_arch(&name, hf.arch.clone(), o)?;
+    let mut m = model_from_arch(&hf.name, hf.arch.clone(), o)?;
     let params = match &m.arch {
         Arch::Llama(l) => l.param_count(),
         _ => crate::models::HfModel { arch: m.arch.clone(), ..hf.clone() }.param_count(),

@@ -2,7 +2,9 @@
 //! and a MobileNet-like CNN, a small GPT) and real-size presets for the virtual device
 //! (GPT-2 small and medium, ResNet-50, a MobileNetV3-like, a ViT-B/16-like; see [`zoo`]).
 //! Each is a [`Chain`] of vram-accum layers ([`vram_accum::layers`]) with a cross-entropy
-//! loss; GPT has a token + position embedding in front and, tied, its LM head after.
+//! loss; GPT has a token + position embedding in front and, tied, its LM head after. The
+//! Llama family ([`Arch::Llama`], read from a Hugging Face `config.json` by [`hf`]) has a
+//! token embedding only (rotary embeddings in its blocks) and the same tied or untied head.
 //!
 //! A model built in f32 can train under autocast ([`Model::set_autocast`]): PyTorch's
 //! `torch.autocast` recipe, every forward (and the loss) in an autocast region whose cache of

@@ -77,7 +77,7 @@ fn check_rows(op: &'static str, x: usize, d: usize) -> Result<usize> {
 /// `dy`: per row, with `g = dy * weight` and `xhat = x * rstd`,
 /// `dx = rstd * (g - xhat * mean(g * xhat))`; `dweight = sum over rows of dy * xhat` (xhat
 /// rounded to `T` as the forward multiplied it), in f32 in the order of every column sum
-/// ([`COLUMN_SUM_ROWS`] rows at a time, then the chunks in order), which the GPU follows.
+/// (`COLUMN_SUM_ROWS` rows at a time, then the chunks in order), which the GPU follows.
 ///
 /// # Errors
 ///

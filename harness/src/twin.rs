@@ -331,6 +331,8 @@ pub fn arch_json(arch: &Arch, dropout: f32) -> Result<Value, TwinError> {
             "heads": heads, "classes": classes, "dropout": dropout,
         }),
         Arch::Llama(l) => {
+            // The f32 settings as the config wrote them (1e-6, not 9.99999997e-7).
+            let dec = |x: f32| x.to_string().parse::<f64>().unwrap_or(f64::from(x));
             let scaling = match l.rope_scaling {
                 vram_kernels::ops::RopeScaling::Default => json!(null),
                 vram_kernels::ops::RopeScaling::Linear { factor } => {
@@ -350,7 +352,8 @@ pub fn arch_json(arch: &Arch, dropout: f32) -> Result<Value, TwinError> {
             json!({
                 "kind": "llama", "vocab": l.vocab, "d": l.d, "layers": l.layers,
                 "heads": l.heads, "kv_heads": l.kv_heads, "head_dim": l.head_dim,
-                "hidden": l.hidden, "seq": l.seq, "eps": l.eps, "rope_theta": l.rope_theta,
+                "hidden": l.hidden, "seq": l.seq, "eps": dec(l.eps),
+                "rope_theta": dec(l.rope_theta),
                 "rope_scaling": scaling, "qkv_bias": l.qkv_bias, "tied": l.tied,
             })
         }

@@ -372,25 +372,27 @@ fn real_depth(arch: &Arch, plan: &CheckpointPlan, seed: u64) -> Result<RealDepth
 /// Peak memory against the time overhead of each plan.
 fn plot(sweep: &Sweep<Measured>) -> Option<String> {
     let base = sweep.variants().first()?.0.step_ms?;
-    let pts: Vec<(String, f64, f64)> = sweep
+    let overhead = |t: f64| 100.0 * (t / base - 1.0);
+    type Point = (String, f64, f64);
+    let (pts, intervals): (Vec<Point>, Vec<Option<(f64, f64)>>) = sweep
         .variants()
         .iter()
         .filter_map(|(v, _)| {
-            Some((
-                v.name.clone(),
-                100.0 * (v.step_ms? / base - 1.0),
-                v.peak_allocated_bytes as f64 / MIB,
-            ))
+            let point = (v.name.clone(), overhead(v.step_ms?), v.peak_allocated_bytes as f64 / MIB);
+            // The step's 95% interval, relative to the baseline's mean (the baseline's own
+            // spread shows as its bar around 0).
+            Some((point, v.step_ms_ci95.map(|[lo, hi]| (overhead(lo), overhead(hi)))))
         })
-        .collect();
+        .unzip();
     scatter(
         if sweep.backend == "cpu" {
             "Checkpointing: peak memory vs time overhead (host timings)"
         } else {
             "Checkpointing: peak memory vs time overhead"
         },
-        "time overhead vs no checkpointing (%)",
+        "time overhead vs no checkpointing (%, bars: 95% interval of the mean step)",
         "peak allocated (MiB)",
         &pts,
+        &intervals,
     )
 }

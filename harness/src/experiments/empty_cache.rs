@@ -215,9 +215,12 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
         every_n.iter().map(|&k| k as f64).collect(),
     )];
     let (title, y) = if host {
-        ("Device allocations per step (cudaMalloc calls on a GPU)", "device allocations")
+        (
+            "Device allocations per step (cudaMalloc calls on a GPU)",
+            "device allocations (count per step)",
+        )
     } else {
-        ("Step time per step", "ms")
+        ("Step time per step", "step time (ms)")
     };
-    lines_with_marks(title, "timed step", y, &series, true, &marks)
+    lines_with_marks(title, "timed step (index)", y, &series, true, &marks)
 }

@@ -333,8 +333,8 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
         .collect();
     lines_with_marks(
         "Fragmentation (1 - allocated / reserved) per step",
-        "step",
-        "%",
+        "training step (index)",
+        "fragmentation: 1 - allocated / reserved (%)",
         &series,
         false,
         &marks,

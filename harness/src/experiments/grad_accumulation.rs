@@ -9,7 +9,7 @@ use super::common::{
 use super::{Experiment, Sweep};
 use crate::models::Model;
 use crate::plan::{ModelOverrides, PlanKind, Precision};
-use crate::plots::lines;
+use crate::plots::{Mark, lines_with_marks};
 use crate::techniques::Technique;
 use crate::timing::{Timing, interleaved};
 use crate::trainer::{Hooks, TrainConfig, Trainer};
@@ -197,11 +197,15 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
             None => series.push((name, vec![(m.k as f64, y)])),
         }
     }
-    lines(
+    let top = series.iter().flat_map(|s| s.1.iter().map(|p| p.1)).fold(0.0, f64::max);
+    let cards: Vec<Mark> =
+        crate::plots::cards_near(top).into_iter().map(|(n, g)| Mark::Capacity(n, g)).collect();
+    lines_with_marks(
         "Real size (virtual device): peak vs micro-batches k at a fixed effective batch",
         "k (micro-batches per optimizer step)",
         "peak allocated (GiB)",
         &series,
         true,
+        &cards,
     )
 }

@@ -680,7 +680,7 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
         &format!(
             "GPT-2 small, batch {shown}, 1024 tokens (virtual device): where peak memory goes"
         ),
-        "GiB",
+        "peak allocated (GiB)",
         "GiB",
         &parts,
         &bars,

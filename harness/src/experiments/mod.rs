@@ -3,6 +3,7 @@
 mod batch_size;
 mod checkpointing;
 mod common;
+pub(crate) use common::fit_line;
 mod data_parallel;
 mod empty_cache;
 mod fragmentation;

@@ -44,8 +44,15 @@ pub(super) struct Measured {
     /// Allocated and reserved bytes, each point the maximum of its window of events.
     timeline_allocated_reserved: Vec<[i64; 2]>,
     timeline_events_per_point: usize,
+    /// When each timeline point's last event happened, in ms since the run's first event
+    /// (the trace's `time_us`).
+    timeline_ms: Vec<f64>,
     step_starts_event_index: Vec<usize>,
+    /// When each step started, in ms since the run's first event.
+    step_starts_ms: Vec<f64>,
     peak_event_index: usize,
+    /// When the peak happened, in ms since the run's first event.
+    peak_ms: f64,
     /// The phase the trace puts the peak in, and the one `max_memory_allocated` does.
     peak_phase_from_trace: String,
     peak_phase_from_counter: String,
@@ -185,6 +192,18 @@ fn measure(
         });
 
     let window = series.len().div_ceil(POINTS).max(1);
+    let t0 = trace.first().map_or(0, |e| e.time_us);
+    let ms_at = |i: usize| {
+        trace
+            .get(i.min(trace.len().saturating_sub(1)))
+            .map_or(0.0, |e| e.time_us.saturating_sub(t0) as f64 / 1e3)
+    };
+    let timeline_ms: Vec<f64> = (0..series.len())
+        .step_by(window)
+        .map(|i| ms_at((i + window - 1).min(series.len() - 1)))
+        .collect();
+    let step_starts_ms: Vec<f64> = step_starts.iter().map(|&i| ms_at(i)).collect();
+    let peak_ms = ms_at(peak_index);
     let timeline: Vec<[i64; 2]> = series
         .chunks(window)
         .map(|c| {
@@ -206,8 +225,11 @@ fn measure(
     let measured = Measured {
         timeline_allocated_reserved: timeline,
         timeline_events_per_point: window,
+        timeline_ms,
         step_starts_event_index: step_starts,
+        step_starts_ms,
         peak_event_index: peak_index,
+        peak_ms,
         peak_phase_from_trace: from_trace.clone(),
         peak_phase_from_counter: from_counter.clone(),
         live_at_peak_by_phase: by_phase.clone(),
@@ -246,32 +268,28 @@ fn measure(
 /// Allocated and reserved memory over the run's allocator events, with the step boundaries
 /// and the peak.
 fn plot(sweep: &Sweep<Measured>) -> Option<String> {
-    let (_, m) = sweep.variants().first()?;
-    let per = m.timeline_events_per_point as f64;
+    let (v, m) = sweep.variants().first()?;
     let at = |i: usize| -> Vec<(f64, f64)> {
-        m.timeline_allocated_reserved
+        m.timeline_ms
             .iter()
-            .enumerate()
-            .map(|(n, p)| (n as f64 * per, p[i] as f64 / MIB))
+            .zip(&m.timeline_allocated_reserved)
+            .map(|(&t, p)| (t, p[i] as f64 / MIB))
             .collect()
     };
-    let series = vec![("allocated".to_string(), at(0)), ("reserved".to_string(), at(1))];
-    let peak = sweep.variants().first()?.0.peak_allocated_bytes as f64 / MIB;
-    let marks = [
-        Mark::Vertical(
-            "step starts".into(),
-            m.step_starts_event_index.iter().map(|&i| i as f64).collect(),
-        ),
-        Mark::Crosses(
-            format!("peak: {}", m.peak_phase_from_trace),
-            vec![(m.peak_event_index as f64, peak)],
-            None,
-        ),
+    let series = vec![
+        ("allocated (max over each point's events)".to_string(), at(0)),
+        ("reserved".to_string(), at(1)),
     ];
+    let peak = v.peak_allocated_bytes as f64 / MIB;
+    let marks = [
+        Mark::Vertical("step starts".into(), m.step_starts_ms.clone()),
+        Mark::Crosses(format!("peak: {}", m.peak_phase_from_trace), vec![(m.peak_ms, peak)], None),
+    ];
+    let host = if sweep.backend == "cpu" { " (host timings)" } else { "" };
     lines_with_marks(
-        "Memory timeline of a training run",
-        "allocator event",
-        "MiB",
+        &format!("Memory timeline of a training run{host}"),
+        "time since the first allocation (ms)",
+        "memory (MiB)",
         &series,
         false,
         &marks,

@@ -20,6 +20,7 @@ mod copy;
 pub(crate) mod dispatch;
 mod elementwise;
 mod embedding;
+mod linear_cross_entropy;
 mod loss;
 pub(crate) mod map;
 mod matmul;
@@ -48,6 +49,10 @@ pub use conv::{
 };
 pub use elementwise::{add, add_assign, axpy, bias_add, bias_add_backward, mul, scale};
 pub use embedding::{embedding, embedding_backward};
+pub use linear_cross_entropy::{
+    LinearCrossEntropy, LinearCrossEntropyParams, LossChunk, chunk_bytes_per_row,
+    linear_cross_entropy,
+};
 pub use loss::{CrossEntropy, cross_entropy, cross_entropy_backward};
 pub use matmul::{LinearGrads, linear, linear_backward, matmul, matmul_backward, matmul_spec};
 pub use norm::{LayerNormGrads, LayerNormOutput, layer_norm, layer_norm_backward};

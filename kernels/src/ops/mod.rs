@@ -12,6 +12,11 @@
 //! [`Conv2dParams`], [`Pool2dParams`], [`SgdConfig`], [`AdamWConfig`]) are re-exported here;
 //! they are defined below the ops, the CPU reference and the CUDA launches, which all read
 //! them.
+//!
+//! One op is two fused: [`linear_cross_entropy`], a language model's head and loss, computes
+//! the logits in chunks of rows and the gradients of its input and weight with the loss, so
+//! that the `[tokens, vocab]` logits never exist whole (its module docs give the design, the
+//! chunk rule and the memory).
 
 mod activation;
 mod batch_norm;

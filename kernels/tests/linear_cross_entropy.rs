@@ -330,3 +330,71 @@ fn gpt2_small_head_peak_is_far_below_the_plain_path() {
     }
     let _ = writeln!(std::io::stderr(), "{report}");
 }
+
+/// On a GPU (skipped without one): the CUDA path against the host's, every dtype, several
+/// chunkings, ignored rows and a loss scale; and GPT-2 small's head at 8192 tokens, whose
+/// peak equals the virtual device's to the byte.
+#[test]
+fn cuda_matches_the_host() {
+    let gpu = match Device::cuda(0) {
+        Ok(gpu) => gpu,
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({e})");
+            return;
+        }
+    };
+    let host = Device::host(1 << 30);
+    let (n, d, v) = (300, 64, 5003);
+    let targets: Vec<u32> =
+        (0..n).map(|i| if i % 11 == 4 { 7 } else { (i * 7919 % v) as u32 }).collect();
+    for (dtype, tol) in [(DType::F32, 1e-4f32), (DType::BF16, 2e-2), (DType::F16, 4e-3)] {
+        for chunk in [LossChunk::Auto, LossChunk::Rows(1), LossChunk::Rows(37), LossChunk::Rows(n)]
+        {
+            let p =
+                LinearCrossEntropyParams::default().chunk(chunk).ignore_index(Some(7)).dloss(256.0);
+            let run = |dev: &Device| {
+                let h = Tensor::from_f32_slice(dev, &[n, d], &values(n * d, 1), dtype).unwrap();
+                let w = Tensor::from_f32_slice(dev, &[v, d], &values(v * d, 2), dtype).unwrap();
+                let out = ops::linear_cross_entropy(&h, &w, &targets, &p).unwrap();
+                (
+                    out.loss,
+                    out.grad_hidden.to_f32_vec().unwrap(),
+                    out.grad_weight.to_f32_vec().unwrap(),
+                )
+            };
+            let (want, got) = (run(&host), run(&gpu));
+            let what = format!("{dtype:?} {chunk:?}");
+            assert!(
+                (got.0 - want.0).abs() <= 1e-4 * want.0.abs(),
+                "{what}: loss {} against {}",
+                got.0,
+                want.0
+            );
+            for (name, g, w) in [("grad_hidden", &got.1, &want.1), ("grad_weight", &got.2, &want.2)]
+            {
+                let max = w.iter().fold(1e-12f32, |m, x| m.max(x.abs()));
+                for (i, (a, b)) in g.iter().zip(w).enumerate() {
+                    assert!((a - b).abs() <= tol * max, "{what} {name}[{i}]: {a} against {b}");
+                }
+            }
+        }
+    }
+    let (n, d, v) = (8192usize, 768usize, 50257usize);
+    let targets: Vec<u32> = (0..n).map(|i| (i * 7919 % v) as u32).collect();
+    let virt = Device::virtual_device(80 << 30);
+    virt.set_blas_workspace_size(gpu.blas_workspace_size());
+    let peak = |dev: &Device| {
+        let h = Tensor::zeros(dev, &[n, d], DType::BF16).unwrap();
+        let w = Tensor::zeros(dev, &[v, d], DType::BF16).unwrap();
+        let p = LinearCrossEntropyParams::default();
+        let start = std::time::Instant::now();
+        let bytes = peak_of(dev, || ops::linear_cross_entropy(&h, &w, &targets, &p).unwrap());
+        (bytes, start.elapsed())
+    };
+    // The GPU made its cuBLAS workspace above; the virtual device makes it on a first run.
+    peak(&virt);
+    let ((want, _), (got, time)) = (peak(&virt), peak(&gpu));
+    let _ =
+        writeln!(std::io::stderr(), "GPT-2 small head on {}: peak {got} B, {time:?}", gpu.name());
+    assert_eq!(got, want, "the GPU's peak against the virtual device's");
+}

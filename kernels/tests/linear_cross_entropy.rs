@@ -84,7 +84,7 @@ fn case() -> impl Strategy<Value = (usize, usize, usize, Vec<u32>, usize, f32)> 
 const IGNORE: u32 = 1_000_000;
 
 fn check(
-    dtype: DType,
+    (dtype, gw_dtype): (DType, DType),
     (n, d, v): (usize, usize, usize),
     targets: &[u32],
     chunk: usize,
@@ -97,12 +97,13 @@ fn check(
     let params = LinearCrossEntropyParams::default()
         .ignore_index(Some(IGNORE))
         .dloss(dloss)
-        .chunk(LossChunk::Rows(chunk));
+        .chunk(LossChunk::Rows(chunk))
+        .grad_weight_dtype(gw_dtype);
     let fused = ops::linear_cross_entropy(&h, &w, targets, &params).unwrap();
     prop_assert_eq!(fused.grad_hidden.shape(), h.shape());
     prop_assert_eq!(fused.grad_weight.shape(), w.shape());
     prop_assert_eq!(fused.grad_hidden.dtype(), dtype);
-    prop_assert_eq!(fused.grad_weight.dtype(), dtype);
+    prop_assert_eq!(fused.grad_weight.dtype(), gw_dtype);
     let (loss, dx, dw) = plain(&h, &w, targets, Some(IGNORE), dloss);
     if targets.iter().all(|&t| t == IGNORE) {
         prop_assert!(loss.is_nan() && fused.loss.is_nan());
@@ -126,9 +127,12 @@ proptest! {
     // operands in f32).
     #[test]
     fn fused_matches_plain_in_every_chunking((n, d, v, t, chunk, dloss) in case()) {
-        check(DType::F32, (n, d, v), &t, chunk, dloss, 1e-5)?;
-        check(DType::BF16, (n, d, v), &t, chunk, dloss, 3e-2)?;
-        check(DType::F16, (n, d, v), &t, chunk, dloss, 4e-3)?;
+        check((DType::F32, DType::F32), (n, d, v), &t, chunk, dloss, 1e-5)?;
+        check((DType::BF16, DType::BF16), (n, d, v), &t, chunk, dloss, 3e-2)?;
+        check((DType::F16, DType::F16), (n, d, v), &t, chunk, dloss, 4e-3)?;
+        // The weight's gradient in f32 from 16-bit operands: the accumulator, not rounded.
+        check((DType::BF16, DType::F32), (n, d, v), &t, chunk, dloss, 3e-2)?;
+        check((DType::F16, DType::F32), (n, d, v), &t, chunk, dloss, 4e-3)?;
     }
 }
 
@@ -250,21 +254,31 @@ fn traced<T>(d: &Device, f: impl FnOnce() -> Result<T>) -> Vec<Entry> {
 
 #[test]
 fn every_device_allocates_alike() {
-    for dtype in [DType::F32, DType::BF16] {
+    for (dtype, gw_dtype) in
+        [(DType::F32, DType::F32), (DType::BF16, DType::BF16), (DType::BF16, DType::F32)]
+    {
         for chunk in [LossChunk::Auto, LossChunk::Rows(7), LossChunk::Rows(1000)] {
             let (n, d, v) = (300, 24, 1001);
             let targets: Vec<u32> = (0..n).map(|i| (i * 13 % v) as u32).collect();
             let case = |dev: &Device| {
                 let h = Tensor::from_f32_slice(dev, &[n, d], &values(n * d, 1), dtype).unwrap();
                 let w = Tensor::from_f32_slice(dev, &[v, d], &values(v * d, 2), dtype).unwrap();
-                let p = LinearCrossEntropyParams::default().chunk(chunk).ignore_index(Some(3));
+                let p = LinearCrossEntropyParams::default()
+                    .chunk(chunk)
+                    .ignore_index(Some(3))
+                    .grad_weight_dtype(gw_dtype);
                 traced(dev, || ops::linear_cross_entropy(&h, &w, &targets, &p))
             };
             let devices = devices();
             let want = case(&devices[0]);
             assert!(!want.is_empty());
             for dev in &devices[1..] {
-                assert_eq!(case(dev), want, "{dtype:?} {chunk:?}: {} against the host", dev.name());
+                assert_eq!(
+                    case(dev),
+                    want,
+                    "{dtype:?} {gw_dtype:?} {chunk:?}: {} against the host",
+                    dev.name()
+                );
             }
         }
     }
@@ -285,14 +299,15 @@ fn peak_of<T>(dev: &Device, f: impl FnOnce() -> T) -> u64 {
 
 /// GPT-2 small's head at 8 x 1024 tokens, on a virtual device: the plain path holds the
 /// whole logits and their gradient (3.07 GiB in f32); the fused op holds the gradients of
-/// hidden and weight, the f32 weight-gradient accumulator for 16-bit inputs, one chunk and
-/// per-row vectors.
+/// hidden and weight, the f32 weight-gradient accumulator for a 16-bit gradient, one chunk
+/// and per-row vectors.
 #[test]
 fn gpt2_small_head_peak_is_far_below_the_plain_path() {
     let (n, d, v) = (8192usize, 768usize, 50257usize);
     let targets: Vec<u32> = (0..n).map(|i| (i * 7919 % v) as u32).collect();
     let mut report = String::new();
-    for dtype in [DType::F32, DType::BF16] {
+    let configs = [(DType::F32, DType::F32), (DType::BF16, DType::BF16), (DType::BF16, DType::F32)];
+    for (dtype, gw_dtype) in configs {
         let dev = Device::virtual_device(80 << 30);
         let h = Tensor::zeros(&dev, &[n, d], dtype).unwrap();
         let w = Tensor::zeros(&dev, &[v, d], dtype).unwrap();
@@ -306,24 +321,25 @@ fn gpt2_small_head_peak_is_far_below_the_plain_path() {
             let dl = into_dtype(dl, dtype);
             ops::linear_backward(&h, &w, &dl, false).unwrap()
         });
-        let p = LinearCrossEntropyParams::default();
+        let what = format!("{dtype:?} (weight gradient {gw_dtype:?})");
+        let p = LinearCrossEntropyParams::default().grad_weight_dtype(gw_dtype);
         let fused = peak_of(&dev, || ops::linear_cross_entropy(&h, &w, &targets, &p).unwrap());
-        let size = dtype.size_in_bytes() as u64;
-        let (hidden, weight) = ((n * d) as u64 * size, (v * d) as u64 * size);
-        let acc = if dtype == DType::F32 { 0 } else { (v * d * 4) as u64 };
+        let hidden = (n * d * dtype.size_in_bytes()) as u64;
+        let weight = (v * d * gw_dtype.size_in_bytes()) as u64;
+        let acc = if gw_dtype == DType::F32 { 0 } else { (v * d * 4) as u64 };
         let rows = p.chunk_rows(n, v, d, dtype);
         assert_eq!(rows, 128);
         let chunk = (rows * ops::chunk_bytes_per_row(v, dtype)) as u64;
         // Per-row targets, lse and losses, the sum's partials, block rounding.
         let slack = 4 << 20;
         let bound = hidden + weight + acc + chunk + slack;
-        assert!(fused <= bound, "{dtype:?}: fused peak {fused} above {bound}");
-        assert!(fused >= hidden + weight + acc + chunk, "{dtype:?}: fused peak {fused}");
+        assert!(fused <= bound, "{what}: fused peak {fused} above {bound}");
+        assert!(fused >= hidden + weight + acc + chunk, "{what}: fused peak {fused}");
         let logits = (n * v * 4) as u64;
-        assert!(plain >= 2 * logits, "{dtype:?}: plain peak {plain}");
-        assert!(fused * 8 < plain, "{dtype:?}: fused {fused} against plain {plain}");
+        assert!(plain >= 2 * logits, "{what}: plain peak {plain}");
+        assert!(fused * 8 < plain, "{what}: fused {fused} against plain {plain}");
         report += &format!(
-            "{dtype:?}: plain {plain} B ({:.2} GiB), fused {fused} B ({:.1} MiB), chunk {rows} rows\n",
+            "{what}: plain {plain} B ({:.2} GiB), fused {fused} B ({:.1} MiB), chunk {rows} rows\n",
             plain as f64 / f64::from(1 << 30),
             fused as f64 / f64::from(1 << 20)
         );

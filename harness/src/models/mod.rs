@@ -633,7 +633,8 @@ impl Model {
     /// path casts them (16-bit under autocast, the weight through the cast cache), then the
     /// logits, the f32 loss and the gradients of the head's input and weight chunk by chunk
     /// ([`ops::linear_cross_entropy`], for the upstream gradient `scale`); the weight's
-    /// gradient goes into the token embedding's, the input's back up the chain.
+    /// gradient (in the embedding's dtype) goes into the token embedding's, the input's back
+    /// up the chain.
     fn fused_loss_backward(
         &mut self,
         out: Tensor,
@@ -650,7 +651,12 @@ impl Model {
         // The autocast region ends with the loss, as in the plain path.
         self.cast_bytes = ctx.autocast().map_or(0, Autocast::cached_bytes);
         ctx.clear_autocast_cache();
-        let params = ops::LinearCrossEntropyParams::default().dloss(scale);
+        // The weight's gradient in the parameter's dtype: under autocast the f32 accumulator
+        // itself, neither rounded to 16 bits nor cast back (the plain path's `to(dtype)`
+        // backward).
+        let params = ops::LinearCrossEntropyParams::default()
+            .dloss(scale)
+            .grad_weight_dtype(e.tok.value.dtype());
         let lce = ops::linear_cross_entropy(&x, &w, targets, &params)?;
         drop((x, w));
         let e = self.embed.as_mut().ok_or_else(no_embed)?;

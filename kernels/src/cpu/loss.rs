@@ -176,13 +176,14 @@ fn grad_rows<T: Element, D: Element>(
 /// of `logits = hidden * weight^T` against `targets`, with its gradients for the upstream
 /// gradient `dloss`, over chunks of `chunk_rows` rows so that no more than one chunk's logits
 /// exist at a time. `hidden: [n, d]`, `weight: [vocab, d]`, `n = targets.len()`;
-/// `grad_hidden` (`[n, d]`) and `grad_weight` (`[vocab, d]`) are overwritten.
+/// `grad_hidden` (`[n, d]`) and `grad_weight` (`[vocab, d]`, in its own element type `G`)
+/// are overwritten.
 ///
 /// Per chunk: the logits in f32 (the product of the `T` operands accumulated in f32, not
 /// rounded to `T`), each row's log-sum-exp and loss as [`cross_entropy`] computes them, the
 /// logits' gradient `dloss / count * (softmax - onehot)` rounded to `T` (the dtype the
 /// products take), then `grad_hidden[chunk] = dlogits * weight` and `grad_weight +=
-/// dlogits^T * hidden[chunk]` in f32, rounded to `T` once at the end. `count` is the number
+/// dlogits^T * hidden[chunk]` in f32, rounded to `G` once at the end. `count` is the number
 /// of rows not ignored over all rows, so the loss and gradients are the unchunked ones: the
 /// loss is the f32 sum of the per-row losses in row order over `count`, as
 /// [`cross_entropy`]'s. Returns the loss: NaN when every row is ignored (the gradients are
@@ -193,7 +194,7 @@ fn grad_rows<T: Element, D: Element>(
 /// [`Error::IndexOutOfRange`] for a target not below `vocab` and not ignored;
 /// [`Error::InvalidArgument`] if a slice does not fit the layout. Nothing is written then.
 #[allow(clippy::too_many_arguments)]
-pub fn linear_cross_entropy<T: Element>(
+pub fn linear_cross_entropy<T: Element, G: Element>(
     hidden: &[T],
     weight: &[T],
     targets: &[u32],
@@ -202,7 +203,7 @@ pub fn linear_cross_entropy<T: Element>(
     (vocab, d): (usize, usize),
     chunk_rows: usize,
     grad_hidden: &mut [T],
-    grad_weight: &mut [T],
+    grad_weight: &mut [G],
 ) -> Result<f32> {
     const OP: &str = "cpu::linear_cross_entropy";
     let n = targets.len();
@@ -213,7 +214,7 @@ pub fn linear_cross_entropy<T: Element>(
     validate(OP, targets, vocab, ignore_index)?;
     if n == 0 || vocab == 0 {
         grad_hidden.fill(T::from_f32(0.0));
-        grad_weight.fill(T::from_f32(0.0));
+        grad_weight.fill(G::from_f32(0.0));
         return Ok(f32::NAN);
     }
     let chunk = chunk_rows.clamp(1, n);
@@ -247,7 +248,7 @@ pub fn linear_cross_entropy<T: Element>(
         matmul_f32(&spec, dx, h, &mut gw);
     }
     for (o, v) in grad_weight.iter_mut().zip(gw) {
-        *o = T::from_f32(v);
+        *o = G::from_f32(v);
     }
     Ok(reduce::sum(&losses) / count as f32)
 }

@@ -21,8 +21,8 @@
 //! This op takes Liger's design. A language model's loss is its last op and its backward
 //! runs at once, so gradients computed in the forward cost no memory that the backward would
 //! not hold anyway, and the head's products are a large share of a GPT's work (GPT-2 small:
-//! 2 * 768 * 50257 multiply-adds per token and product, against about 2 * 85M for the whole
-//! body), so saving one of four matters. Unlike Liger, the upstream gradient of the loss
+//! 768 x 50257 = 38.6M multiply-adds per token and product, against about 85M for the body's
+//! whole forward), so saving one of four matters. Unlike Liger, the upstream gradient of the loss
 //! (`dloss`: 1, the loss scale under f16, an accumulation factor) is a parameter of the
 //! forward ([`LinearCrossEntropyParams::dloss`]), so that the gradients are scaled before
 //! they are rounded to 16 bits (an f16 gradient computed unscaled and scaled afterwards
@@ -62,6 +62,11 @@
 //! accumulator of the weight gradient when that gradient is 16-bit (`4 vocab d` bytes; an
 //! f32 gradient accumulates in the output itself), and the chunk buffer. Every backend
 //! allocates exactly these, so the host's and a virtual device's figures are a GPU's.
+//!
+//! GPT-2 small's head at 8192 tokens on a virtual device (`tests/linear_cross_entropy.rs`,
+//! peak above the operands): the plain `linear` + `cross_entropy` + backward, 3.10 GiB in f32
+//! and in bf16 (the logits and their gradient in f32); fused, 195.9 MiB in f32, 269.8 MiB in
+//! bf16, 196.1 MiB in bf16 with an f32 weight gradient.
 //!
 //! Under autocast the weight is a 16-bit copy of an f32 parameter (a tied head's token
 //! embedding), whose gradient goes back to f32: asking for it in f32

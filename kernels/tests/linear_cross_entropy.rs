@@ -188,6 +188,12 @@ fn bad_operands_are_errors_and_allocate_nothing() {
     let ok = ops::linear_cross_entropy(&h, &w, &[0, 1, 10, 2], &p.ignore_index(Some(10)));
     assert!(ok.unwrap().loss.is_finite());
     assert_eq!(dev.memory_allocated(), held);
+    // No rows: a NaN loss (the mean of nothing) and zero gradients.
+    let empty = Tensor::zeros(&dev, &[0, 8], DType::F32).unwrap();
+    let out = ops::linear_cross_entropy(&empty, &w, &[], &p).unwrap();
+    assert!(out.loss.is_nan());
+    assert_eq!(out.grad_hidden.shape(), &[0, 8]);
+    assert!(out.grad_weight.to_f32_vec().unwrap().iter().all(|&g| g == 0.0));
 }
 
 #[test]

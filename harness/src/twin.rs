@@ -449,6 +449,9 @@ pub fn run_vram(
     let batch = arch.dataset().batch(settings.seed, 0, settings.batch);
     let mut model = Model::new(device, arch.clone(), settings.seed, DType::F32)
         .map_err(|e| fail(Box::new(e)))?;
+    // The PyTorch twin computes a tied head's whole logits (`F.cross_entropy(h @ wte.T, y)`):
+    // so does vram here, so that the two sides run the same computation.
+    model.set_fused_loss(false);
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     // A PyTorch side from an earlier run would be compared with this one's.
     for file in std::iter::once("torch.json".to_string())
@@ -488,6 +491,7 @@ pub fn run_vram(
     let predicted = Model::new(&virt, arch, settings.seed, DType::F32)
         .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
         .and_then(|mut m| {
+            m.set_fused_loss(false);
             train(&virt, &mut m, &batch, &TwinSettings { profile: false, ..settings.clone() })
         })
         .map_err(|source| TwinError::Run {

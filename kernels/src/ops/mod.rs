@@ -12,6 +12,11 @@
 //! [`Conv2dParams`], [`Pool2dParams`], [`SgdConfig`], [`AdamWConfig`]) are re-exported here;
 //! they are defined below the ops, the CPU reference and the CUDA launches, which all read
 //! them.
+//!
+//! One op is two fused: [`linear_cross_entropy`], a language model's head and loss, computes
+//! the logits in chunks of rows and the gradients of its input and weight with the loss, so
+//! that the `[tokens, vocab]` logits never exist whole (its module docs give the design, the
+//! chunk rule and the memory).
 
 mod activation;
 mod batch_norm;
@@ -20,6 +25,7 @@ mod copy;
 pub(crate) mod dispatch;
 mod elementwise;
 mod embedding;
+mod linear_cross_entropy;
 mod loss;
 pub(crate) mod map;
 mod matmul;
@@ -48,6 +54,10 @@ pub use conv::{
 };
 pub use elementwise::{add, add_assign, axpy, bias_add, bias_add_backward, mul, scale};
 pub use embedding::{embedding, embedding_backward};
+pub use linear_cross_entropy::{
+    LinearCrossEntropy, LinearCrossEntropyParams, LossChunk, chunk_bytes_per_row,
+    linear_cross_entropy,
+};
 pub use loss::{CrossEntropy, cross_entropy, cross_entropy_backward};
 pub use matmul::{LinearGrads, linear, linear_backward, matmul, matmul_backward, matmul_spec};
 pub use norm::{LayerNormGrads, LayerNormOutput, layer_norm, layer_norm_backward};

@@ -33,9 +33,9 @@ pub struct ModelAdvice {
     /// 4, moments 8), in full bf16 (2 + 2, f32 masters 4, moments 8) and under bf16 autocast
     /// (4 + 4 + 8, plus 2 bytes of 16-bit weight copies while a step runs).
     pub state_bytes: u64,
-    /// Measured fixed part (fp32, AdamW): the peak's intercept at zero samples.
+    /// Measured fixed part (fp32, AdamW): the [`Footprint`]'s intercept at zero samples.
     pub fixed_bytes: u64,
-    /// Measured per-sample part (fp32, AdamW): the peak's slope.
+    /// Measured per-sample part (fp32, AdamW): the [`Footprint`]'s slope.
     pub per_sample_bytes: u64,
     /// Share of the peak at one sample that is fixed.
     pub fixed_share_at_one: f64,
@@ -200,14 +200,59 @@ fn peak(model: &PlanModel, c: &Candidate) -> Result<(u64, u64), PlanError> {
     })
 }
 
+/// The batches a [`Footprint`] is fitted over, for every model.
+pub const FOOTPRINT_BATCHES: &[usize] = &[1, 2, 4, 8, 16];
+
+/// A model's peak training memory (fp32, AdamW, no checkpointing, default allocator, two
+/// optimizer steps on the virtual device) as a line in the batch: `fixed + per_sample x
+/// batch`, the least-squares line through the peaks allocated at [`FOOTPRINT_BATCHES`]. The
+/// one computation of these figures: the advice table, `batch-size` and `lighter-model`
+/// all quote it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Footprint {
+    /// The line's intercept: what the step holds whatever the batch (weights, gradients,
+    /// AdamW's moments, workspaces), in bytes.
+    pub fixed: u64,
+    /// The line's slope: bytes per sample (activations and what scales with them).
+    pub per_sample: u64,
+    /// How well the line fits the measured peaks (1 = exactly).
+    pub r2: f64,
+}
+
+/// The [`Footprint`] of `model`, measured once per architecture and process (every caller
+/// gets the same figures).
+///
+/// # Errors
+///
+/// A model that cannot be built or run on the virtual device.
+pub fn footprint(model: &PlanModel) -> Result<Footprint, PlanError> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static MEASURED: OnceLock<Mutex<HashMap<String, Footprint>>> = OnceLock::new();
+    let key = format!("{:?}", model.arch);
+    let memo = MEASURED.get_or_init(Default::default);
+    if let Some(f) = memo.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        return Ok(*f);
+    }
+    let base = &TECHNIQUES[0];
+    let mut ys = Vec::new();
+    for &b in FOOTPRINT_BATCHES {
+        ys.push(peak(model, &candidate(base, b, 1))?.0 as f64);
+    }
+    let xs: Vec<f64> = FOOTPRINT_BATCHES.iter().map(|&b| b as f64).collect();
+    let (a, slope, r2) = crate::experiments::fit_line(&xs, &ys);
+    let f = Footprint {
+        fixed: a.max(0.0).round() as u64,
+        per_sample: slope.max(0.0).round() as u64,
+        r2,
+    };
+    memo.lock().unwrap_or_else(|e| e.into_inner()).insert(key, f);
+    Ok(f)
+}
+
 fn one_model(name: &str, batch: usize) -> Result<ModelAdvice, PlanError> {
     let model = plan::model_from_args(name, &ModelOverrides::default())?;
-    let base = &TECHNIQUES[0];
-    // Fixed + per sample from the peaks at 1 and 2 samples: the line through them.
-    let (p1, _) = peak(&model, &candidate(base, 1, 1))?;
-    let (p2, _) = peak(&model, &candidate(base, 2, 1))?;
-    let per_sample = p2.saturating_sub(p1);
-    let fixed = p1.saturating_sub(per_sample);
+    let Footprint { fixed, per_sample, .. } = footprint(&model)?;
     let (params, _) = plan::param_count(&model)?;
     let mut rows = Vec::new();
     let mut baseline = None;
@@ -330,4 +375,33 @@ pub fn markdown(a: &Advice) -> String {
         }
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fixed_part_is_one_figure_whoever_asks() {
+        let model = plan::model_from_args("resnet50", &ModelOverrides::default()).unwrap();
+        let fp = footprint(&model).unwrap();
+        // The advice table quotes the same line.
+        let advice = one_model("resnet50", 64).unwrap();
+        assert_eq!((advice.fixed_bytes, advice.per_sample_bytes), (fp.fixed, fp.per_sample));
+        // The line is the least-squares one through the peaks at FOOTPRINT_BATCHES: each
+        // measured peak lies near it (the allocator's rounding aside).
+        for &b in FOOTPRINT_BATCHES {
+            let (p, _) = peak(&model, &candidate(&TECHNIQUES[0], b, 1)).unwrap();
+            let line = fp.fixed + fp.per_sample * b as u64;
+            let off = (p as f64 - line as f64).abs() / p as f64;
+            assert!(off < 0.05, "batch {b}: peak {p}, line {line}");
+        }
+        assert!(fp.r2 > 0.99, "{fp:?}");
+        // Weights, gradients and AdamW's two moments (16 B per parameter) are all there
+        // at the peak, whatever the batch: the intercept is at least those.
+        let (params, _) = plan::param_count(&model).unwrap();
+        let states = 16 * params;
+        eprintln!("resnet50: {fp:?}, states {states}");
+        assert!(fp.fixed >= states, "{fp:?} vs states {states}");
+    }
 }

@@ -33,83 +33,157 @@ fn bounds(series: &[Series], from_zero: bool) -> Option<(f64, f64, f64)> {
         return None;
     }
     let x0 = if from_zero { x0.min(0.0) } else { x0 };
-    Some((x0, if x1 > x0 { x1 } else { x0 + 1.0 }, if y1 > 0.0 { y1 * 1.3 } else { 1.0 }))
+    Some((x0, if x1 > x0 { x1 } else { x0 + 1.0 }, if y1 > 0.0 { y1 * 1.15 } else { 1.0 }))
 }
 
-/// The chart corner with the fewest of `points` under where a legend box would sit (the
-/// outer 45% of the width by the outer 22% of the height; line charts leave about 7% of the
-/// height per legend entry free above their data), so that the legend hides no data.
-fn free_corner(points: &[(f64, f64)], x: &Range<f64>, y: &Range<f64>) -> SeriesLabelPosition {
-    let (w, h) =
-        ((x.end - x.start).max(f64::MIN_POSITIVE), (y.end - y.start).max(f64::MIN_POSITIVE));
-    let count = |left: bool, top: bool| {
-        points
-            .iter()
-            .filter(|&&(px, py)| {
-                let (u, v) = ((px - x.start) / w, (py - y.start) / h);
-                (if left { u <= 0.45 } else { u >= 0.55 })
-                    && (if top { v >= 0.6 } else { v <= 0.4 })
-            })
-            .count()
-    };
-    [
-        (SeriesLabelPosition::UpperRight, count(false, true)),
-        (SeriesLabelPosition::UpperLeft, count(true, true)),
-        (SeriesLabelPosition::LowerRight, count(false, false)),
-        (SeriesLabelPosition::LowerLeft, count(true, false)),
-    ]
-    .into_iter()
-    .min_by_key(|&(_, n)| n)
-    .map_or(SeriesLabelPosition::UpperRight, |(p, _)| p)
+/// Common cards' memory in GiB, for capacity lines on real-size memory plots.
+const CARDS: &[(&str, f64)] = &[
+    ("16 GiB card (V100, T4)", 16.0),
+    ("24 GiB card (RTX 4090, A10)", 24.0),
+    ("40 GiB card (A100 40GB)", 40.0),
+    ("80 GiB card (A100, H100)", 80.0),
+];
+
+/// The capacity lines worth drawing on a plot whose largest value is `max_gib`: the cards
+/// the data pass and the next larger one within reach (at most 4x the data's top), the two
+/// nearest the data at most; none for data far below every card.
+pub(crate) fn cards_near(max_gib: f64) -> Vec<(String, f64)> {
+    let passed = CARDS.iter().filter(|c| c.1 <= max_gib);
+    let next = CARDS.iter().find(|c| c.1 > max_gib && c.1 <= 4.0 * max_gib);
+    let mut out: Vec<(String, f64)> =
+        passed.chain(next).map(|(n, g)| (n.to_string(), *g)).collect();
+    if out.len() > 2 {
+        out.drain(..out.len() - 2);
+    }
+    out
 }
 
-/// Points filling bar slot `i` (x in `i + 0.1 .. i + 0.9`) from 0 up to its top, with room
-/// for the value written above it: what a legend must not cover.
-fn bar_tops(tops: impl Iterator<Item = f64>) -> Vec<(f64, f64)> {
-    tops.enumerate()
-        .flat_map(|(i, t)| {
-            (1..10).flat_map(move |k| {
-                (0..=12).map(move |j| (i as f64 + k as f64 / 10.0, t * 1.1 * j as f64 / 12.0))
-            })
-        })
-        .collect()
+/// Width of the panel right of the plot that holds the legend, in pixels: the legend never
+/// covers data.
+const LEGEND_WIDTH: u32 = 390;
+
+/// How an entry of the legend shows its series.
+#[derive(Clone, Copy)]
+enum Sample {
+    /// A solid line of this width.
+    Line(RGBColor, u32),
+    /// A dashed line of this width.
+    Dashed(RGBColor, u32),
+    /// A filled circle.
+    Dot(RGBColor),
+    /// A cross.
+    Cross(RGBColor),
+    /// A filled square (a bar's colour).
+    Square(RGBColor),
 }
 
-/// Draws a titled cartesian chart over `x` and `y` into an SVG string; `body` draws in it,
-/// then the series legend, when `legend` gives the data points, in the corner with the
-/// fewest of them.
+/// The legend's entries, in the order drawn.
+type Legend = Vec<(Sample, String)>;
+
+/// Draws `entries` into `area` from the top: each sample, then its text, wrapped at about
+/// 54 characters.
+fn draw_legend(
+    area: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
+    entries: &Legend,
+) -> Option<()> {
+    let font = ("sans-serif", 12).into_font();
+    let mut y = 44i32;
+    for (sample, text) in entries {
+        let (x0, x1) = (8i32, 30i32);
+        match *sample {
+            Sample::Line(c, w) => {
+                area.draw(&PathElement::new(vec![(x0, y), (x1, y)], c.stroke_width(w))).ok()?
+            }
+            Sample::Dashed(c, w) => {
+                for k in (x0..x1).step_by(7) {
+                    let seg = vec![(k, y), ((k + 4).min(x1), y)];
+                    area.draw(&PathElement::new(seg, c.stroke_width(w))).ok()?;
+                }
+            }
+            Sample::Dot(c) => area.draw(&Circle::new((19, y), 5, c.filled())).ok()?,
+            Sample::Cross(c) => area.draw(&Cross::new((19, y), 6, c.stroke_width(2))).ok()?,
+            Sample::Square(c) => {
+                area.draw(&Rectangle::new([(13, y - 6), (25, y + 6)], c.filled())).ok()?
+            }
+        }
+        for (i, line) in wrap(text, 54).iter().enumerate() {
+            let at = (38, y - 7 + 15 * i as i32);
+            area.draw(&Text::new(line.clone(), at, font.clone())).ok()?;
+        }
+        y += 15 * wrap(text, 54).len() as i32 + 8;
+    }
+    Some(())
+}
+
+/// `text` in lines of at most `width` characters, broken at spaces.
+fn wrap(text: &str, width: usize) -> Vec<String> {
+    let mut lines = vec![String::new()];
+    for word in text.split(' ') {
+        let last = lines.last_mut().expect("one line at least");
+        if !last.is_empty() && last.chars().count() + 1 + word.chars().count() > width {
+            lines.push(word.to_string());
+        } else {
+            if !last.is_empty() {
+                last.push(' ');
+            }
+            last.push_str(word);
+        }
+    }
+    lines
+}
+
+/// Draws a titled cartesian chart over `x` and `y` into an SVG string; `body` draws in it
+/// and lists its series in the legend, drawn in a panel right of the plot (never over the
+/// data).
 fn chart(
     title: &str,
     x: Range<f64>,
     y: Range<f64>,
-    legend: Option<&[(f64, f64)]>,
-    body: impl FnOnce(&mut Chart<'_, '_>) -> Option<()>,
+    body: impl FnOnce(&mut Chart<'_, '_>, &mut Legend) -> Option<()>,
 ) -> Option<String> {
-    let corner = legend.map(|pts| free_corner(pts, &x, &y));
     let mut svg = String::new();
     {
-        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        let root =
+            SVGBackend::with_string(&mut svg, (SIZE.0 + LEGEND_WIDTH, SIZE.1)).into_drawing_area();
         root.fill(&WHITE).ok()?;
-        let mut chart = ChartBuilder::on(&root)
+        let (plot, side) = root.split_horizontally(SIZE.0);
+        let mut chart = ChartBuilder::on(&plot)
             .caption(title, ("sans-serif", 20))
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(60)
             .build_cartesian_2d(x, y)
             .ok()?;
-        body(&mut chart)?;
-        if let Some(corner) = corner {
-            chart
-                .configure_series_labels()
-                .position(corner)
-                .background_style(WHITE.mix(0.8))
-                .border_style(BLACK)
-                .draw()
-                .ok()?;
-        }
+        let mut legend = Legend::new();
+        body(&mut chart, &mut legend)?;
+        draw_legend(&side, &legend)?;
         root.present().ok()?;
     }
     Some(svg)
+}
+
+/// A dashed horizontal line at `at` across the chart, labelled in the legend: the capacity
+/// of a card, where the data approach or pass it.
+fn capacity_line(
+    chart: &mut Chart<'_, '_>,
+    legend: &mut Legend,
+    x: &Range<f64>,
+    (name, at): &(String, f64),
+) -> Option<()> {
+    // One colour per card, in the order drawn, so that two lines are told apart.
+    const CAPACITY: [RGBColor; 2] = [RGBColor(200, 0, 0), RGBColor(120, 0, 150)];
+    let drawn = legend.iter().filter(|(s, _)| matches!(s, Sample::Dashed(_, 2))).count();
+    let red = CAPACITY[drawn % CAPACITY.len()];
+    chart
+        .draw_series(DashedLineSeries::new(
+            [(x.start, *at), (x.end, *at)],
+            8,
+            5,
+            red.stroke_width(2),
+        ))
+        .ok()?;
+    legend.push((Sample::Dashed(red, 2), name.clone()));
+    Some(())
 }
 
 type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
@@ -131,6 +205,20 @@ pub(crate) enum Mark {
     /// Crosses at these points (e.g. out-of-memory errors), in the colour of series `i` when
     /// given, red otherwise.
     Crosses(String, Vec<(f64, f64)>, Option<usize>),
+    /// A card's capacity: a dashed red horizontal line at this y.
+    Capacity(String, f64),
+}
+
+/// The y range a set of marks needs (capacities and error bars must be in the chart).
+fn marks_top(marks: &[Mark]) -> f64 {
+    marks
+        .iter()
+        .map(|m| match m {
+            Mark::Capacity(_, y) => *y * 1.08,
+            Mark::Crosses(_, c, _) => c.iter().map(|p| p.1 * 1.1).fold(0.0, f64::max),
+            Mark::Vertical(..) => 0.0,
+        })
+        .fold(0.0, f64::max)
 }
 
 /// [`lines`] with `marks` drawn over the series.
@@ -143,26 +231,13 @@ pub(crate) fn lines_with_marks(
     marks: &[Mark],
 ) -> Option<String> {
     let (x0, x1, y1) = bounds(series, true)?;
-    // Room above the data for the legend: about 7% of the height per entry.
-    let entries = (series.len() + marks.len()) as f64;
-    let y1 = (y1 / 1.3) / (1.0 - 0.07 * entries - 0.04).max(0.3);
-    let mut pts: Vec<(f64, f64)> = series.iter().flat_map(|(_, p)| p.iter().copied()).collect();
-    for m in marks {
-        if let Mark::Crosses(_, c, _) = m {
-            pts.extend(c.iter().copied());
-        }
-    }
-    chart(title, x0..x1, 0f64..y1, Some(&pts), |chart| {
+    let y1 = y1.max(marks_top(marks));
+    chart(title, x0..x1, 0f64..y1, |chart, legend| {
         chart.configure_mesh().x_desc(x).y_desc(y).draw().ok()?;
         for (i, (name, pts)) in series.iter().enumerate() {
             let c = COLOURS[i % COLOURS.len()];
-            chart
-                .draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(2)))
-                .ok()?
-                .label(name.as_str())
-                .legend(move |(a, b)| {
-                    PathElement::new(vec![(a, b), (a + 20, b)], c.stroke_width(2))
-                });
+            chart.draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(2))).ok()?;
+            legend.push((Sample::Line(c, 2), name.clone()));
             if points {
                 chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled()))).ok()?;
             }
@@ -171,9 +246,8 @@ pub(crate) fn lines_with_marks(
             match m {
                 Mark::Vertical(name, xs) => {
                     let grey = RGBColor(110, 110, 110);
-                    let mut first = true;
                     for &vx in xs {
-                        let drawn = chart
+                        chart
                             .draw_series(DashedLineSeries::new(
                                 [(vx, 0.0), (vx, y1)],
                                 5,
@@ -181,20 +255,20 @@ pub(crate) fn lines_with_marks(
                                 grey.stroke_width(1),
                             ))
                             .ok()?;
-                        if std::mem::take(&mut first) {
-                            drawn.label(name.as_str()).legend(move |(a, b)| {
-                                PathElement::new(vec![(a, b), (a + 20, b)], grey.stroke_width(1))
-                            });
-                        }
+                    }
+                    if !xs.is_empty() {
+                        legend.push((Sample::Dashed(grey, 1), name.clone()));
                     }
                 }
                 Mark::Crosses(name, at, colour) => {
                     let red = colour.map_or(RGBColor(200, 0, 0), |i| COLOURS[i % COLOURS.len()]);
                     chart
                         .draw_series(at.iter().map(|&p| Cross::new(p, 6, red.stroke_width(2))))
-                        .ok()?
-                        .label(name.as_str())
-                        .legend(move |(a, b)| Cross::new((a + 10, b), 6, red.stroke_width(2)));
+                        .ok()?;
+                    legend.push((Sample::Cross(red), name.clone()));
+                }
+                Mark::Capacity(name, at) => {
+                    capacity_line(chart, legend, &(x0..x1), &(name.clone(), *at))?
                 }
             }
         }
@@ -206,23 +280,46 @@ pub(crate) fn lines_with_marks(
 /// fewest points) and, where the name fits without touching an earlier one, beside the
 /// point in the point's colour: close points keep their names apart in the legend instead of
 /// having them pushed away from the points they name.
-pub(crate) fn scatter(title: &str, x: &str, y: &str, pts: &[(String, f64, f64)]) -> Option<String> {
-    let series = vec![(String::new(), pts.iter().map(|p| (p.1, p.2)).collect())];
+/// With a horizontal error bar per point where `x_intervals` has one (the same order as
+/// `pts`; `None` for a point without an interval): an x that is a mean with its confidence
+/// interval.
+pub(crate) fn scatter(
+    title: &str,
+    x: &str,
+    y: &str,
+    pts: &[(String, f64, f64)],
+    x_intervals: &[Option<(f64, f64)>],
+) -> Option<String> {
+    let mut extent: Vec<(f64, f64)> = pts.iter().map(|p| (p.1, p.2)).collect();
+    for (p, i) in pts.iter().zip(x_intervals) {
+        if let Some((lo, hi)) = i {
+            extent.extend([(*lo, p.2), (*hi, p.2)]);
+        }
+    }
+    let series = vec![(String::new(), extent)];
     let (x0, x1, y1) = bounds(&series, true)?;
+    let x1 = x1.max(x0 + 1e-9);
     let pad = (x1 - x0) * 0.15;
-    let points: Vec<(f64, f64)> = pts.iter().map(|p| (p.1, p.2)).collect();
-    chart(title, (x0 - pad)..(x1 + pad), 0f64..y1, Some(&points), |chart| {
+    chart(title, (x0 - pad)..(x1 + pad), 0f64..y1, |chart, legend| {
         chart.configure_mesh().x_desc(x).y_desc(y).draw().ok()?;
         let (w, h) = (x1 - x0 + 2.0 * pad, y1);
         let mut named: Vec<(f64, f64)> = Vec::new();
         for (i, (name, px, py)) in pts.iter().enumerate() {
             let c = COLOURS[i % COLOURS.len()];
+            if let Some(Some((lo, hi))) = x_intervals.get(i) {
+                let cap = h * 0.012;
+                let lines = [
+                    vec![(*lo, *py), (*hi, *py)],
+                    vec![(*lo, py - cap), (*lo, py + cap)],
+                    vec![(*hi, py - cap), (*hi, py + cap)],
+                ];
+                chart
+                    .draw_series(lines.into_iter().map(|l| PathElement::new(l, c.stroke_width(1))))
+                    .ok()?;
+            }
             let label = name.split(" (").next().unwrap_or(name).to_string();
-            chart
-                .draw_series(std::iter::once(Circle::new((*px, *py), 5, c.filled())))
-                .ok()?
-                .label(label.as_str())
-                .legend(move |(a, b)| Circle::new((a + 10, b), 5, c.filled()));
+            chart.draw_series(std::iter::once(Circle::new((*px, *py), 5, c.filled()))).ok()?;
+            legend.push((Sample::Dot(c), name.clone()));
             // A name is about 12% of the width wide and 5% of the height tall.
             let clear = named
                 .iter()
@@ -243,35 +340,33 @@ pub(crate) fn scatter(title: &str, x: &str, y: &str, pts: &[(String, f64, f64)])
 pub(crate) type FittedSeries = (String, Vec<(f64, f64)>, String, Vec<(f64, f64)>);
 
 /// Measured points (markers joined by nothing) with each series' fitted curve dashed, both
-/// in the legend.
+/// in the legend, and cards' capacities as dashed red lines.
 pub(crate) fn measured_and_fit(
     title: &str,
     x: &str,
     y: &str,
     series: &[FittedSeries],
+    capacities: &[(String, f64)],
 ) -> Option<String> {
     let all: Vec<Series> = series
         .iter()
         .flat_map(|(n, p, f, c)| [(n.clone(), p.clone()), (f.clone(), c.clone())])
         .collect();
     let (x0, x1, y1) = bounds(&all, true)?;
-    let pts: Vec<(f64, f64)> = all.iter().flat_map(|(_, p)| p.iter().copied()).collect();
-    chart(title, x0..x1, 0f64..y1, Some(&pts), |chart| {
+    let y1 = capacities.iter().map(|c| c.1 * 1.08).fold(y1, f64::max);
+    chart(title, x0..x1, 0f64..y1, |chart, legend| {
         chart.configure_mesh().x_desc(x).y_desc(y).draw().ok()?;
+        for c in capacities {
+            capacity_line(chart, legend, &(x0..x1), c)?;
+        }
         for (i, (name, pts, fit_name, fit)) in series.iter().enumerate() {
             let c = COLOURS[i % COLOURS.len()];
-            chart
-                .draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled())))
-                .ok()?
-                .label(name.as_str())
-                .legend(move |(a, b)| Circle::new((a + 10, b), 4, c.filled()));
+            chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled()))).ok()?;
+            legend.push((Sample::Dot(c), name.clone()));
             chart
                 .draw_series(DashedLineSeries::new(fit.iter().copied(), 6, 4, c.stroke_width(1)))
-                .ok()?
-                .label(fit_name.as_str())
-                .legend(move |(a, b)| {
-                    PathElement::new(vec![(a, b), (a + 20, b)], c.stroke_width(1))
-                });
+                .ok()?;
+            legend.push((Sample::Dashed(c, 1), fit_name.clone()));
         }
         Some(())
     })
@@ -307,8 +402,7 @@ pub(crate) fn stacked_with_totals(
 ) -> Option<String> {
     let top = bars.iter().map(|(_, v)| v.iter().sum::<f64>()).fold(0f64, f64::max) * 1.3;
     let n = bars.len() as f64;
-    let pts = bar_tops(bars.iter().map(|(_, v)| v.iter().sum::<f64>()));
-    chart(title, 0f64..n, 0f64..top.max(1.0), Some(&pts), |chart| {
+    chart(title, 0f64..n, 0f64..top.max(1.0), |chart, legend| {
         bar_axes(chart, bars.iter().map(|(l, _)| l.clone()).collect(), y)?;
         for (k, part) in parts.iter().enumerate() {
             let c = COLOURS[k % COLOURS.len()];
@@ -319,11 +413,8 @@ pub(crate) fn stacked_with_totals(
                     c.filled(),
                 )
             });
-            chart
-                .draw_series(rects)
-                .ok()?
-                .label(*part)
-                .legend(move |(a, b)| Rectangle::new([(a, b - 5), (a + 12, b + 5)], c.filled()));
+            chart.draw_series(rects).ok()?;
+            legend.push((Sample::Square(c), part.to_string()));
         }
         let totals = bars.iter().enumerate().map(|(i, (_, v))| {
             let total: f64 = v.iter().sum();
@@ -351,8 +442,7 @@ pub(crate) fn grouped_bars(
     let top = groups.iter().flat_map(|(_, v)| v.iter().copied()).fold(0f64, f64::max) * 1.25;
     let n = groups.len() as f64;
     let per = series.len().max(1) as f64;
-    let pts = bar_tops(groups.iter().map(|(_, v)| v.iter().copied().fold(0f64, f64::max)));
-    chart(title, 0f64..n, 0f64..top.max(1.0), Some(&pts), |chart| {
+    chart(title, 0f64..n, 0f64..top.max(1.0), |chart, legend| {
         bar_axes(chart, groups.iter().map(|(l, _)| l.clone()).collect(), y)?;
         let width = 0.8 / per;
         for (k, name) in series.iter().enumerate() {
@@ -363,11 +453,8 @@ pub(crate) fn grouped_bars(
                     Rectangle::new([(left(i), 0.0), (left(i) + width * 0.9, h)], c.filled())
                 })
             });
-            chart
-                .draw_series(rects)
-                .ok()?
-                .label(*name)
-                .legend(move |(a, b)| Rectangle::new([(a, b - 5), (a + 12, b + 5)], c.filled()));
+            chart.draw_series(rects).ok()?;
+            legend.push((Sample::Square(c), name.to_string()));
             let texts = groups.iter().enumerate().filter_map(|(i, (_, v))| {
                 v.get(k).map(|&h| {
                     let text = if h >= 100.0 { format!("{h:.0}") } else { format!("{h:.1}") };

@@ -70,6 +70,32 @@ pub fn render(
         "\nOut of scope (host-level, not GPU memory): dropping the OS page cache, adding swap.\n"
     );
 
+    let checks: Vec<(&str, &crate::results::Check)> = outcomes
+        .iter()
+        .filter_map(|(t, o, _)| match o {
+            Outcome::Done { result, .. } => Some((t.id, result)),
+            Outcome::Failed(_) => None,
+        })
+        .flat_map(|(id, r)| r.checks.iter().map(move |c| (id, c)))
+        .collect();
+    if !checks.is_empty() {
+        let _ = writeln!(
+            s,
+            "## Consistency checks\n\nAgreements vram's design makes hold (a prediction \
+             against the computation it predicts, a counter against the trace that feeds it, \
+             a result against a path built to give the same bits). They catch bugs in vram; \
+             they test none of the posts' claims, so they are not verdicts.\n"
+        );
+        let _ = writeln!(s, "| technique | check | measured | agrees |");
+        let _ = writeln!(s, "|---|---|---|---|");
+        for (id, c) in checks {
+            let agrees = if c.passed { "yes" } else { "**no: a bug**" };
+            let _ =
+                writeln!(s, "| `{id}` | {} | {} | {agrees} |", cell(&c.check), cell(&c.measured));
+        }
+        let _ = writeln!(s);
+    }
+
     for (t, outcome, elapsed) in outcomes {
         let Outcome::Done { result: r, plot } = outcome else { continue };
         let _ = writeln!(s, "## `{}`: {}\n", t.id, t.name);

@@ -18,6 +18,11 @@ pub struct ExperimentResult {
     pub variants: Vec<Variant>,
     /// Every claim with the verdict computed from the measurements.
     pub claims: Vec<Claim>,
+    /// Consistency checks: agreements that vram's design makes hold (a prediction against
+    /// the same computation, a counter against the trace that feeds it); they find bugs, they
+    /// test no claim, and the report keeps them out of the verdicts.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub checks: Vec<Check>,
     /// One line: what the measurements mean for a user.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reading: Option<String>,
@@ -85,6 +90,18 @@ impl Verdict {
             Verdict::NotApplicable => "not applicable",
         }
     }
+}
+
+/// A consistency check: what must agree by vram's design, what was measured, and whether it
+/// agreed (a failure is a bug in vram, not a finding about a technique).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Check {
+    /// What must agree, and why it does by design.
+    pub check: String,
+    /// The measured figure(s), in words.
+    pub measured: String,
+    /// Whether it agreed.
+    pub passed: bool,
 }
 
 /// A claim, what was measured, and the verdict.

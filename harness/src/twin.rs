@@ -158,12 +158,49 @@ pub struct TwinSettings {
     /// One more step on each side after the measured ones, profiled: vram's time per op
     /// ([`Device::start_op_profile`]), PyTorch's under `torch.profiler`. Off by default.
     pub profile: bool,
+    /// vram's bf16 autocast recipe too (f32 weights, 16-bit matmuls, as `torch.autocast`):
+    /// the same steps on a fresh model, measured for memory and time only
+    /// ([`VramRun::autocast_bf16`]); what PyTorch's `bf16-autocast` and `compile` recipes are
+    /// compared with. Off by default.
+    pub autocast_bf16: bool,
 }
 
 impl Default for TwinSettings {
     fn default() -> Self {
-        TwinSettings { batch: 8, steps: 5, dropout: 0.0, seed: 1, lr: 1e-3, profile: false }
+        TwinSettings {
+            batch: 8,
+            steps: 5,
+            dropout: 0.0,
+            seed: 1,
+            lr: 1e-3,
+            profile: false,
+            autocast_bf16: false,
+        }
     }
+}
+
+/// PyTorch's recipes beside the matching run, as `torch_twin.py --recipe` names them, in the
+/// order TWIN.md lists them: f32 with PyTorch's defaults (TF32 as shipped, SDPA), bf16
+/// autocast with SDPA, fused AdamW and channels_last, and the same under `torch.compile`.
+pub const TORCH_RECIPES: &[&str] = &["defaults", "bf16-autocast", "compile"];
+
+/// Which of vram's runs a PyTorch recipe is compared with: f32 for `defaults`, bf16
+/// autocast for the others.
+fn recipe_is_autocast(recipe: &str) -> bool {
+    recipe != "defaults"
+}
+
+/// A run measured for memory and time only (a recipe beside the twin's matching run).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RecipeRun {
+    /// Loss before each step's update.
+    pub losses: Vec<f32>,
+    /// Each step's time in milliseconds.
+    pub step_ms: Vec<f64>,
+    /// `max_memory_allocated` over the steps.
+    pub peak_allocated: u64,
+    /// `max_memory_reserved` over the steps.
+    pub peak_reserved: u64,
 }
 
 /// One profiled step (`"profile"` in `twin.json["vram"]` and in `torch.json`).
@@ -262,6 +299,9 @@ pub struct VramRun {
     /// One more step, profiled per op (with [`TwinSettings::profile`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub profile: Option<StepProfile>,
+    /// vram's bf16 autocast recipe (with [`TwinSettings::autocast_bf16`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autocast_bf16: Option<RecipeRun>,
 }
 
 /// What PyTorch measured (`torch.json`, written by `xtask/twin/torch_twin.py`).
@@ -297,6 +337,10 @@ pub struct TorchRun {
     /// One more step under `torch.profiler` (with [`TwinSettings::profile`]).
     #[serde(default)]
     pub profile: Option<StepProfile>,
+    /// The recipe (`torch_twin.py --recipe`): `match` (vram's math, `torch.json`) or one of
+    /// [`TORCH_RECIPES`] (`torch-<recipe>.json`). Absent in files of older scripts: `match`.
+    #[serde(default)]
+    pub recipe: Option<String>,
 }
 
 /// The architecture as the twin script reads it; GPT and ViT with `dropout`.
@@ -450,11 +494,18 @@ pub fn run_vram_arch(
     let batch = arch.dataset().batch(settings.seed, 0, settings.batch);
     let mut model = Model::new(device, arch.clone(), settings.seed, DType::F32)
         .map_err(|e| fail(Box::new(e)))?;
+    // The PyTorch twin computes a tied head's whole logits (`F.cross_entropy(h @ wte.T, y)`):
+    // so does vram here, so that the two sides run the same computation.
+    model.set_fused_loss(false);
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     // A PyTorch side from an earlier run would be compared with this one's.
-    let stale = dir.join("torch.json");
-    if stale.exists() {
-        std::fs::remove_file(&stale).map_err(io(&stale))?;
+    for file in std::iter::once("torch.json".to_string())
+        .chain(TORCH_RECIPES.iter().map(|r| format!("torch-{r}.json")))
+    {
+        let stale = dir.join(file);
+        if stale.exists() {
+            std::fs::remove_file(&stale).map_err(io(&stale))?;
+        }
     }
     let (params, input) = export(&model, &batch, seq, dir).map_err(|e| match e {
         Exported::Io(e) => e,
@@ -463,6 +514,21 @@ pub fn run_vram_arch(
 
     let measured = train(device, &mut model, &batch, settings).map_err(fail)?;
     drop(model);
+    let autocast_bf16 = if settings.autocast_bf16 {
+        let quiet = TwinSettings { profile: false, ..settings.clone() };
+        let run = Model::new(device, arch.clone(), settings.seed, DType::F32)
+            .and_then(|mut m| m.set_autocast(Some(DType::BF16)).map(|()| m))
+            .map_err(|e| fail(Box::new(e)))
+            .and_then(|mut m| train(device, &mut m, &batch, &quiet).map_err(fail))?;
+        Some(RecipeRun {
+            losses: run.losses,
+            step_ms: run.step_ms,
+            peak_allocated: run.peak_allocated,
+            peak_reserved: run.peak_reserved,
+        })
+    } else {
+        None
+    };
     // The same run on a virtual device of the same capacity and cuBLAS workspace: the
     // prediction `cargo xtask plan` would make, which must equal the measurement to the byte.
     let virt = Device::virtual_device(device.mem_info().total);
@@ -470,6 +536,7 @@ pub fn run_vram_arch(
     let predicted = Model::new(&virt, arch, settings.seed, DType::F32)
         .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
         .and_then(|mut m| {
+            m.set_fused_loss(false);
             train(&virt, &mut m, &batch, &TwinSettings { profile: false, ..settings.clone() })
         })
         .map_err(|source| TwinError::Run {
@@ -493,6 +560,7 @@ pub fn run_vram_arch(
         kept_for_backward: Some(measured.kept_for_backward),
         tracked_peak: Some(measured.tracked_peak),
         profile: measured.profile,
+        autocast_bf16,
     };
     let targets = json!({"shape": [batch.targets.len()], "file": "targets.u32"});
     let twin = json!({
@@ -659,6 +727,8 @@ pub struct Comparison {
     pub vram: VramRun,
     /// PyTorch's run, or why there is none.
     pub torch: Result<TorchRun, String>,
+    /// PyTorch's recipes that ran (`torch-<recipe>.json`), in [`TORCH_RECIPES`]' order.
+    pub recipes: Vec<TorchRun>,
 }
 
 impl Comparison {
@@ -726,7 +796,16 @@ pub fn compare(dir: &Path) -> Result<Comparison, TwinError> {
             .map_err(|e| format!("{} is malformed: {e}", torch_path.display())),
         Err(e) => Err(format!("no PyTorch run ({}: {e})", torch_path.display())),
     };
-    Ok(Comparison { model, batch: batch as usize, vram, torch })
+    let mut recipes = Vec::new();
+    for recipe in TORCH_RECIPES {
+        let path = dir.join(format!("torch-{recipe}.json"));
+        let Ok(text) = std::fs::read_to_string(&path) else { continue };
+        let mut run: TorchRun = serde_json::from_str(&text)
+            .map_err(|e| TwinError::Io { path: path.clone(), reason: format!("malformed: {e}") })?;
+        run.recipe.get_or_insert_with(|| recipe.to_string());
+        recipes.push(run);
+    }
+    Ok(Comparison { model, batch: batch as usize, vram, torch, recipes })
 }
 
 fn ratio(r: Option<f64>) -> String {
@@ -773,6 +852,63 @@ fn bytes_table(
     }
     let held = both.iter().filter(|(_, x)| *x <= 1.0).count();
     let _ = writeln!(s, "\n{verdict} for {held} of {} models.", both.len());
+}
+
+/// TWIN.md's "against PyTorch as its users run it": per model and PyTorch recipe that ran,
+/// PyTorch's peaks and step beside vram's run of the same precision (f32 for `defaults`,
+/// bf16 autocast for the others), and the ratios. Nothing when no recipe ran.
+fn recipes(s: &mut String, rows: &[Comparison]) {
+    if rows.iter().all(|r| r.recipes.is_empty()) {
+        return;
+    }
+    s.push_str(
+        "\n## Against PyTorch as its users run it\n\n\
+         PyTorch's recipes (`torch_twin.py --recipe`): `defaults` is f32 with the TF32 switches \
+         as PyTorch ships them and `F.scaled_dot_product_attention`; `bf16-autocast` adds \
+         `torch.autocast(bfloat16)`, `AdamW(fused=True)` and channels_last for CNNs; `compile` \
+         adds `torch.compile` (its compiling steps are warm-ups, outside the timed steps and \
+         the peaks), a reference row. vram's side: its f32 run for `defaults`, its bf16 \
+         autocast run (f32 weights, 16-bit matmuls) for the others. Ratios are vram over \
+         PyTorch: below 1 is vram using less.\n\n\
+         | model | PyTorch recipe | PyTorch peak allocated | PyTorch peak reserved | PyTorch \
+         step | vram run | vram peak allocated | vram step | allocated ratio | time ratio |\n\
+         |---|---|---:|---:|---:|---|---:|---:|---:|---:|\n",
+    );
+    for r in rows {
+        for t in &r.recipes {
+            let recipe = t.recipe.as_deref().unwrap_or("?");
+            let (label, alloc, steps) = if recipe_is_autocast(recipe) {
+                match &r.vram.autocast_bf16 {
+                    Some(a) => ("bf16 autocast", Some(a.peak_allocated), Some(&a.step_ms)),
+                    None => ("bf16 autocast (not run)", None, None),
+                }
+            } else {
+                ("f32", Some(r.vram.peak_allocated), Some(&r.vram.step_ms))
+            };
+            let vram_step = steps.and_then(|v| steady_median(v));
+            let torch_step = steady_median(&t.step_ms);
+            let same_device = t.backend == r.vram.backend;
+            let alloc_ratio = (same_device && r.vram.backend == "cuda")
+                .then(|| bytes_ratio((alloc, t.peak_allocated)))
+                .flatten();
+            let time_ratio = match (vram_step, torch_step) {
+                (Some(v), Some(t)) if same_device && t > 0.0 => Some(v / t),
+                _ => None,
+            };
+            let _ = writeln!(
+                s,
+                "| {} | {recipe} | {} | {} | {} | {label} | {} | {} | {} | {} |",
+                r.model,
+                bytes(t.peak_allocated),
+                bytes(t.peak_reserved),
+                ms(torch_step),
+                bytes(alloc),
+                ms(vram_step),
+                ratio(alloc_ratio),
+                ratio(time_ratio),
+            );
+        }
+    }
 }
 
 /// The twin's report (Markdown): one row per model with both sides' peaks, step times and
@@ -864,6 +1000,7 @@ pub fn report(rows: &[Comparison], settings: &TwinSettings) -> String {
             held.join(", ")
         );
     }
+    recipes(&mut s, rows);
     bytes_table(
         &mut s,
         rows,

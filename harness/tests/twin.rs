@@ -254,9 +254,65 @@ fn a_profiled_step_says_where_the_time_goes() {
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("twin.json")).unwrap()).unwrap();
     assert_eq!(json["profile"], true, "the PyTorch side is asked to profile too");
-    let row = Comparison { model: "gpt".into(), batch: 2, vram: run, torch: Err("not run".into()) };
+    let row = Comparison {
+        model: "gpt".into(),
+        batch: 2,
+        vram: run,
+        torch: Err("not run".into()),
+        recipes: Vec::new(),
+    };
     let report = twin::report(&[row], &settings);
     assert!(report.contains("## Where the time goes"), "{report}");
     assert!(report.contains("| linear_backward |") && report.contains("PyTorch: no profile"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn pytorch_recipes_sit_beside_vrams_run_of_the_same_precision() {
+    let dir = scratch("recipes");
+    let settings =
+        TwinSettings { batch: 2, steps: 3, autocast_bf16: true, ..TwinSettings::default() };
+    let run = twin::run_vram(&Device::host(256 << 20), "gpt", &settings, &dir).unwrap();
+    let auto = run.autocast_bf16.clone().expect("the autocast recipe ran");
+    assert_eq!(auto.losses.len(), 3);
+    assert!(auto.losses.iter().all(|l| l.is_finite()), "{:?}", auto.losses);
+    // Same weights and batch: the first loss agrees with f32's to bf16's rounding.
+    assert!((auto.losses[0] - run.losses[0]).abs() < 0.05, "{:?} {:?}", auto.losses, run.losses);
+    assert_ne!(auto.losses, run.losses, "the 16-bit matmuls change the numbers");
+    // PyTorch's recipe files, as the script writes them (figures made up for the test).
+    let torch = |recipe: &str, peak: u64, ms: f64| {
+        serde_json::json!({
+            "torch": "2.11", "device": "cpu", "backend": "cpu", "recipe": recipe,
+            "param_count": run.param_count, "losses": [1.0, 1.0, 1.0],
+            "step_ms": [9.0, ms, ms], "peak_allocated": peak, "peak_reserved": peak,
+        })
+        .to_string()
+    };
+    std::fs::write(dir.join("torch-bf16-autocast.json"), torch("bf16-autocast", 1000, 4.0))
+        .unwrap();
+    std::fs::write(dir.join("torch-defaults.json"), torch("defaults", 2000, 8.0)).unwrap();
+    let row = twin::compare(&dir).unwrap();
+    let names: Vec<_> = row.recipes.iter().map(|r| r.recipe.clone().unwrap()).collect();
+    assert_eq!(names, ["defaults", "bf16-autocast"], "in TORCH_RECIPES' order");
+    let report = twin::report(&[row], &settings);
+    assert!(report.contains("## Against PyTorch as its users run it"), "{report}");
+    let line = |recipe: &str| {
+        report
+            .lines()
+            .find(|l| l.starts_with(&format!("| gpt | {recipe} |")))
+            .unwrap_or_else(|| panic!("no {recipe} row: {report}"))
+            .to_string()
+    };
+    assert!(line("defaults").contains("| f32 |"), "{}", line("defaults"));
+    assert!(line("bf16-autocast").contains("| bf16 autocast |"), "{}", line("bf16-autocast"));
+    // Host runs: no allocated ratio (PyTorch's CPU figures are not its caching allocator's).
+    assert!(line("defaults").contains("| - |"), "{}", line("defaults"));
+    // A rerun removes stale recipe files, so an old PyTorch run is never compared.
+    twin::run_vram(&Device::host(256 << 20), "gpt", &settings, &dir).unwrap();
+    assert!(twin::compare(&dir).unwrap().recipes.is_empty());
+    // A malformed recipe file is an error naming it.
+    std::fs::write(dir.join("torch-compile.json"), "{").unwrap();
+    let err = twin::compare(&dir).unwrap_err().to_string();
+    assert!(err.contains("torch-compile.json"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

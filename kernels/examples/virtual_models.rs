@@ -3,7 +3,8 @@
 //!
 //! - GPT-2 small: 124,439,808 parameters (12 layers, width 768, 12 heads, 50257 tokens,
 //!   the LM head tied to the token embedding), sequence 1024, batch 8, dropout 0.1, f32,
-//!   AdamW.
+//!   AdamW; once with the plain head and loss (the whole logits), once with them fused
+//!   (`ops::linear_cross_entropy`, the logits in chunks of rows).
 //! - ResNet-50: 25,503,912 parameters (bottleneck stages 3-4-6-3, torchvision's layout
 //!   without batch norm: this example keeps to convolutions), 224 px, batch 64, f32, AdamW.
 //!
@@ -86,10 +87,21 @@ struct GptConfig {
     layers: usize,
     batch: usize,
     dropout: f32,
+    /// The tied head and its loss through `ops::linear_cross_entropy` (the logits in chunks
+    /// of rows) instead of `linear` + `cross_entropy` (the whole `[tokens, vocab]` logits).
+    fused_loss: bool,
 }
 
-const GPT2_SMALL: GptConfig =
-    GptConfig { vocab: 50257, seq: 1024, d: 768, heads: 12, layers: 12, batch: 8, dropout: 0.1 };
+const GPT2_SMALL: GptConfig = GptConfig {
+    vocab: 50257,
+    seq: 1024,
+    d: 768,
+    heads: 12,
+    layers: 12,
+    batch: 8,
+    dropout: 0.1,
+    fused_loss: false,
+};
 
 /// A linear layer's weight and bias.
 #[derive(Clone, Copy)]
@@ -317,13 +329,20 @@ impl Gpt {
             x = y;
         }
         let lnf = self.ln_f.forward(&self.params, &x)?;
-        let logits = ops::linear(&lnf.y, self.params.value(self.wte), None)?;
-        let ce = ops::cross_entropy(&logits, targets, None)?;
-        let dlogits = ops::cross_entropy_backward(&logits, targets, None, &ce.lse, 1.0)?;
-        drop((logits, ce.lse));
-        let head = Linear { w: self.wte, b: None };
-        let dlnf = head.backward(&mut self.params, &lnf.y, &dlogits)?;
-        drop(dlogits);
+        let (loss, dlnf) = if c.fused_loss {
+            let wte = self.params.value(self.wte);
+            let params = ops::LinearCrossEntropyParams::default();
+            let lce = ops::linear_cross_entropy(&lnf.y, wte, targets, &params)?;
+            self.params.accumulate(self.wte, lce.grad_weight)?;
+            (lce.loss, lce.grad_hidden)
+        } else {
+            let logits = ops::linear(&lnf.y, self.params.value(self.wte), None)?;
+            let ce = ops::cross_entropy(&logits, targets, None)?;
+            let dlogits = ops::cross_entropy_backward(&logits, targets, None, &ce.lse, 1.0)?;
+            drop((logits, ce.lse));
+            let head = Linear { w: self.wte, b: None };
+            (ce.loss, head.backward(&mut self.params, &lnf.y, &dlogits)?)
+        };
         let mut dx = self.ln_f.backward(&mut self.params, &x, &lnf, &dlnf)?;
         drop((dlnf, lnf, x));
         for i in (0..c.layers).rev() {
@@ -337,7 +356,7 @@ impl Gpt {
         self.params.accumulate(self.wpe, dwpe)?;
         drop(dx);
         self.params.adamw(step, &AdamWConfig { lr: 6e-4, ..AdamWConfig::default() })?;
-        Ok(ce.loss)
+        Ok(loss)
     }
 
     fn batch(&self) -> (Vec<u32>, Vec<u32>) {
@@ -587,15 +606,29 @@ fn gib(bytes: u64) -> String {
 
 fn main() -> Result<()> {
     // The same program on the host and on a virtual device allocates the same way.
-    let small_gpt =
-        GptConfig { vocab: 97, seq: 16, d: 32, heads: 4, layers: 2, batch: 2, dropout: 0.1 };
+    let small_gpt = GptConfig {
+        vocab: 97,
+        seq: 16,
+        d: 32,
+        heads: 4,
+        layers: 2,
+        batch: 2,
+        dropout: 0.1,
+        fused_loss: false,
+    };
+    let small_fused = GptConfig { fused_loss: true, ..small_gpt };
     let small_resnet =
         ResNetConfig { side: 32, batch: 2, blocks: [1, 1, 1, 1], width: 4, classes: 10 };
-    for (name, is_gpt) in [("gpt-2 (small config)", true), ("resnet-50 (small config)", false)] {
+    for (name, model) in [
+        ("gpt-2 (small config)", Some(small_gpt)),
+        ("gpt-2 (small config, fused LM loss)", Some(small_fused)),
+        ("resnet-50 (small config)", None),
+    ] {
         let (host, virt) = (Device::host(8 << 30), Device::virtual_device(8 << 30));
         host.set_blas_workspace_size(virt.blas_workspace_size());
-        let run = |d: &Device| {
-            if is_gpt { run_gpt(d, small_gpt, 2) } else { run_resnet(d, small_resnet, 2) }
+        let run = |d: &Device| match model {
+            Some(gpt) => run_gpt(d, gpt, 2),
+            None => run_resnet(d, small_resnet, 2),
         };
         let (h, v) = (trace_of(&host, run)?, trace_of(&virt, run)?);
         assert_eq!(h, v, "{name}: the virtual device's trace differs from the host's");
@@ -606,13 +639,18 @@ fn main() -> Result<()> {
     println!("| model | parameters | peak allocated | peak reserved | step 1 | step 2 | step 3 |");
     println!("|---|---|---|---|---|---|---|");
     let mut totals = Vec::new();
-    for (name, is_gpt) in [
-        ("GPT-2 small, seq 1024, batch 8, AdamW, f32", true),
-        ("ResNet-50, 224 px, batch 64, AdamW, f32", false),
+    let gpt2_fused = GptConfig { fused_loss: true, ..GPT2_SMALL };
+    for (name, model) in [
+        ("GPT-2 small, seq 1024, batch 8, AdamW, f32", Some(GPT2_SMALL)),
+        ("GPT-2 small, fused LM head + loss (`linear_cross_entropy`)", Some(gpt2_fused)),
+        ("ResNet-50, 224 px, batch 64, AdamW, f32", None),
     ] {
         let dev = Device::virtual_device(80 << 30);
         let total = Instant::now();
-        let r = if is_gpt { run_gpt(&dev, GPT2_SMALL, 3)? } else { run_resnet(&dev, RESNET50, 3)? };
+        let r = match model {
+            Some(gpt) => run_gpt(&dev, gpt, 3)?,
+            None => run_resnet(&dev, RESNET50, 3)?,
+        };
         let ms: Vec<String> = r.steps.iter().map(|s| format!("{:.0} ms", s * 1e3)).collect();
         println!(
             "| {name} | {} | {} ({} B) | {} ({} B) | {} |",

@@ -277,6 +277,12 @@ fn pooling_normalization_and_losses_allocate_alike_on_every_device() {
             Ok((ce.lse, dl))
         })
     });
+    same_trace("fused linear cross-entropy", |d| {
+        let (h, w) = (t(d, &[300, 24], 1, DType::BF16), t(d, &[1001, 24], 2, DType::BF16));
+        let targets: Vec<u32> = (0..300).map(|i| (i * 13 % 1001) as u32).collect();
+        let p = ops::LinearCrossEntropyParams::default().ignore_index(Some(3));
+        traced(d, || ops::linear_cross_entropy(&h, &w, &targets, &p))
+    });
     same_trace("embedding and backward", |d| {
         let table = t(d, &[50, 16], 1, DType::F32);
         let ids: Vec<u32> = (0..40).map(|i| (i * 13 % 50) as u32).collect();

@@ -111,6 +111,37 @@ pub struct TwinArgs {
     /// add "where the time goes" to TWIN.md.
     #[arg(long)]
     profile: bool,
+    /// PyTorch's recipes as users run them, beside the matching run, comma-separated:
+    /// `defaults` (f32, TF32 as shipped, SDPA), `bf16-autocast` (with fused AdamW and
+    /// channels_last), `compile` (bf16-autocast under torch.compile), or `none`; vram runs
+    /// its bf16 autocast recipe too when one of the last two is asked. Default: all three
+    /// on CUDA, none on the host (PyTorch's CPU build has no peaks to compare).
+    #[arg(long, value_name = "LIST")]
+    recipes: Option<String>,
+}
+
+/// The PyTorch recipes to run besides the matching one.
+fn recipes(args: &TwinArgs, cuda: bool) -> Result<Vec<&'static str>, String> {
+    let Some(text) = &args.recipes else {
+        return Ok(if cuda { twin::TORCH_RECIPES.to_vec() } else { Vec::new() });
+    };
+    if text.trim() == "none" {
+        return Ok(Vec::new());
+    }
+    let mut list = Vec::new();
+    for name in text.split(',').map(str::trim) {
+        let Some(r) = twin::TORCH_RECIPES.iter().find(|r| **r == name) else {
+            return Err(format!(
+                "--recipes: unknown recipe `{name}` (known: {}, or none)",
+                twin::TORCH_RECIPES.join(", ")
+            ));
+        };
+        if list.contains(r) {
+            return Err(format!("--recipes: `{name}` is given twice"));
+        }
+        list.push(*r);
+    }
+    Ok(list)
 }
 
 fn script(args: &TwinArgs) -> PathBuf {
@@ -214,6 +245,8 @@ pub fn run(args: TwinArgs) -> Result<ExitCode, String> {
         },
     };
     let models = models(&args, cuda)?;
+    let recipes = recipes(&args, cuda)?;
+    let common = TwinSettings { autocast_bf16: recipes.iter().any(|r| *r != "defaults"), ..common };
     let script = script(&args);
     if !args.no_torch && !script.exists() {
         return Err(format!("the twin script {} does not exist (--script)", script.display()));
@@ -250,21 +283,24 @@ pub fn run(args: TwinArgs) -> Result<ExitCode, String> {
         );
         if !args.no_torch {
             let device = if cuda { "cuda" } else { "cpu" };
-            let status = Command::new(&args.python)
-                .arg(&script)
-                .arg(&dir)
-                .args(["--device", device])
-                .status();
-            match status {
-                Ok(s) if s.success() => {}
-                Ok(s) if s.code() == Some(3) => {} // PyTorch absent: said on stderr
-                Ok(s) => {
-                    eprintln!("{name}: the PyTorch twin failed ({s})");
-                    failed = true;
-                }
-                Err(e) => {
-                    eprintln!("{name}: cannot start {}: {e}", args.python.display());
-                    failed = true;
+            for recipe in std::iter::once("match").chain(recipes.iter().copied()) {
+                let status = Command::new(&args.python)
+                    .arg(&script)
+                    .arg(&dir)
+                    .args(["--device", device, "--recipe", recipe])
+                    .status();
+                match status {
+                    Ok(s) if s.success() => {}
+                    Ok(s) if s.code() == Some(3) => break, // PyTorch absent: said on stderr
+                    Ok(s) => {
+                        eprintln!("{name}: the PyTorch twin failed ({s}, recipe {recipe})");
+                        failed = true;
+                    }
+                    Err(e) => {
+                        eprintln!("{name}: cannot start {}: {e}", args.python.display());
+                        failed = true;
+                        break;
+                    }
                 }
             }
         }
@@ -307,5 +343,28 @@ mod tests {
             }
         }
         assert_eq!((default_batch("gpt2-medium"), default_batch("mlp")), (4, DEFAULT_BATCH));
+    }
+
+    #[test]
+    fn recipes_default_by_device_and_refuse_unknown_names() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            twin: TwinArgs,
+        }
+        let args = |extra: &[&str]| {
+            Cli::try_parse_from(std::iter::once("twin").chain(extra.iter().copied()))
+                .expect("parses")
+                .twin
+        };
+        assert_eq!(recipes(&args(&[]), true).unwrap(), twin::TORCH_RECIPES);
+        assert!(recipes(&args(&[]), false).unwrap().is_empty());
+        assert!(recipes(&args(&["--recipes", "none"]), true).unwrap().is_empty());
+        assert_eq!(recipes(&args(&["--recipes", "compile"]), false).unwrap(), ["compile"]);
+        let err = recipes(&args(&["--recipes", "defaults,jit"]), true).unwrap_err();
+        assert!(err.contains("unknown recipe `jit`") && err.contains("bf16-autocast"), "{err}");
+        let err = recipes(&args(&["--recipes", "compile,compile"]), true).unwrap_err();
+        assert!(err.contains("twice"), "{err}");
     }
 }

@@ -2,6 +2,7 @@
 """The PyTorch twin of vram's reference models (`cargo xtask twin`).
 
     python3 xtask/twin/torch_twin.py DIR [--device auto|cuda|cpu] [--sdpa]
+                                         [--recipe match|defaults|bf16-autocast|compile]
 
 Reads the export vram wrote into DIR (twin.json, weights.f32, input.*, targets.u32), builds
 the same model in PyTorch (same layers, same parameter shapes, vram's initial weights),
@@ -13,11 +14,21 @@ The models follow vram's layers (harness/src/models/mod.rs, accum/src/layers/): 
 with batch norm where vram's model has it and the activation after it (in place, as
 torchvision's layers), pre-norm transformer blocks with separate q, k, v
 projections (GPT-2 layout, biases), GELU with the tanh approximation, LayerNorm eps 1e-5,
-explicit attention `softmax(q k^T / sqrt(dh) + causal mask) v` (or, with --sdpa,
-F.scaled_dot_product_attention, for an informational comparison). The Llama family
-(`--hf-config`) is written from Hugging Face's modeling_llama.py: RMSNorm with the variance
-in f32, rotary embeddings by rotate_half, grouped-query attention by repeat_kv, the
-SiLU-gated MLP.
+and the attention vram used: twin.json's arch says `"attention": "fused"` (vram's
+FlashAttention-style op, whose PyTorch counterpart is F.scaled_dot_product_attention) or
+`"explicit"` (`softmax(q k^T / sqrt(dh) + causal mask) v`); --sdpa forces SDPA.
+
+Recipes (--recipe): `match` (the default) runs vram's math (f32, TF32 off, vram's attention
+form) so that the losses compare step for step, and writes DIR/torch.json. The others run
+PyTorch as its users do and write DIR/torch-<recipe>.json, compared on memory and time only:
+`defaults` (f32 with PyTorch's shipped TF32 switches, SDPA, AdamW's default foreach),
+`bf16-autocast` (torch.autocast bf16, SDPA, AdamW(fused=True) on CUDA, channels_last for
+CNNs) and `compile` (`bf16-autocast` plus torch.compile; its compiling steps are warm-up
+steps, outside the timed steps and the peaks).
+
+The Llama family (`--hf-config`) is written from Hugging Face's modeling_llama.py: RMSNorm
+with the variance in f32, rotary embeddings by rotate_half, grouped-query attention by
+repeat_kv, the SiLU-gated MLP; its attention is explicit (vram's Llama block is) unless SDPA.
 
 Exit status: 0 on success, 2 for bad input (missing file, unknown model kind, a shape that
 does not match), 3 when PyTorch is not installed, 1 when the run itself failed (out of
@@ -34,6 +45,18 @@ import sys
 import time
 
 FORMAT = 1
+
+# --recipe: what each sets. `match` is vram's math; the rest are PyTorch as users run it.
+RECIPES = {
+    "match": dict(tf32="off", sdpa=None, autocast=False, fused_adamw=False, channels_last=False,
+                  compile=False, warmup=0),
+    "defaults": dict(tf32="shipped", sdpa=True, autocast=False, fused_adamw=False,
+                     channels_last=False, compile=False, warmup=0),
+    "bf16-autocast": dict(tf32="shipped", sdpa=True, autocast=True, fused_adamw=True,
+                          channels_last=True, compile=False, warmup=0),
+    "compile": dict(tf32="shipped", sdpa=True, autocast=True, fused_adamw=True,
+                    channels_last=True, compile=True, warmup=2),
+}
 
 
 class BadInput(Exception):
@@ -1097,12 +1120,17 @@ def saved_for_backward(model, x, y):
 TRACKED_STEPS = 2
 
 
-def train_step(model, opt, x, y):
+def train_step(model, opt, x, y, autocast=None):
     """One step as the twin measures it: forward, cross-entropy, backward, AdamW step,
     gradients set to None; returns the loss. No reference to the logits is kept: autograd
     alone decides how long they live (cross-entropy's backward needs its log-softmax, not
-    the logits)."""
-    loss = F.cross_entropy(model(x), y)
+    the logits). `autocast`: the device type to run forward and loss under
+    torch.autocast(dtype=torch.bfloat16), as users write it (backward outside)."""
+    if autocast is not None:
+        with torch.autocast(device_type=autocast, dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+    else:
+        loss = F.cross_entropy(model(x), y)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -1200,29 +1228,43 @@ def run(args):
     cuda = device.type == "cuda"
     notes = []
 
+    recipe = RECIPES[args.recipe]
+    notes.append(f"recipe: {args.recipe}")
     if cuda:
-        # vram computes f32 in f32: no TF32 in matmuls or convolutions.
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        notes.append("TF32 off (torch.backends.cuda.matmul.allow_tf32 = False, "
-                     "torch.backends.cudnn.allow_tf32 = False): vram computes f32 in f32")
+        if recipe["tf32"] == "off":
+            # vram computes f32 in f32: no TF32 in matmuls or convolutions.
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+            notes.append("TF32 off (torch.backends.cuda.matmul.allow_tf32 = False, "
+                         "torch.backends.cudnn.allow_tf32 = False): vram computes f32 in f32")
+        else:
+            notes.append("TF32 as PyTorch ships it: torch.backends.cuda.matmul.allow_tf32 = "
+                         f"{torch.backends.cuda.matmul.allow_tf32}, "
+                         f"torch.backends.cudnn.allow_tf32 = {torch.backends.cudnn.allow_tf32}")
         notes.append(f"cuDNN {torch.backends.cudnn.version()}, benchmark "
                      f"{torch.backends.cudnn.benchmark}")
     else:
         notes.append(f"CPU, {torch.get_num_threads()} threads")
 
+    # vram's attention form (twin.json's arch), unless --sdpa or the recipe says SDPA.
+    attention = arch.get("attention", "explicit")
+    if attention not in ("fused", "explicit"):
+        raise BadInput(f"twin.json arch: attention `{attention}` (known: fused, explicit)")
+    sdpa = (args.sdpa or attention == "fused") if recipe["sdpa"] is None else recipe["sdpa"]
+
     # The model on the CPU (PyTorch's default init, then overwritten by vram's weights).
-    model, classes, expect = build_model(arch, args.sdpa)
+    model, classes, expect = build_model(arch, sdpa)
     notes += load_weights(directory, spec, model)
     x, y = load_batch(directory, spec, classes, expect)
     p = dropout_of(arch)
-    if arch.get("kind") in ("gpt", "vit"):
-        notes.append("attention: F.scaled_dot_product_attention" if args.sdpa else
-                     "attention: explicit softmax(q k^T * scale + mask) @ v (vram's math)")
+    if arch.get("kind") in ("gpt", "vit", "llama"):
+        notes.append(f"vram's attention: {attention}; here: "
+                     + ("F.scaled_dot_product_attention" if sdpa else
+                        "explicit softmax(q k^T * scale + mask) @ v (vram's explicit math)"))
     if p > 0:
         notes.append(f"dropout {p:g}: PyTorch draws other masks than vram, so the losses differ")
     if arch.get("kind") == "gpt":
-        if not args.sdpa:
+        if not sdpa:
             seq = arch.get("seq")
             notes.append(f"causal mask: one [{seq}, {seq}] bool buffer shared by the blocks "
                          "(in weights_bytes), applied with masked_fill(-inf)")
@@ -1233,67 +1275,95 @@ def run(args):
     model.to(device)
     x = x.to(device)
     y = y.to(device)
+    if recipe["channels_last"] and x.dim() == 4:
+        model.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+        notes.append("channels_last: model and input (torch.channels_last)")
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), **opt_cfg)
-    notes.append("AdamW with foreach=None, PyTorch's default choice (the foreach "
+    fused = recipe["fused_adamw"] and cuda
+    opt = torch.optim.AdamW(model.parameters(), **opt_cfg, **({"fused": True} if fused else {}))
+    notes.append("AdamW(fused=True): one multi-tensor kernel over every parameter" if fused else
+                 "AdamW with foreach=None, PyTorch's default choice (the foreach "
                  "implementation when every parameter is on CUDA); its state is created at "
                  "the first step")
+    autocast = device.type if recipe["autocast"] else None
+    if autocast:
+        notes.append("torch.autocast(bfloat16) around forward and loss; backward outside")
+    step_model = model
+    if recipe["compile"]:
+        step_model = torch.compile(model)
+        notes.append(f"torch.compile (default mode); {recipe['warmup']} warm-up steps "
+                     "(compilation) before the timed steps, outside the peaks")
     notes.append("step = forward, cross-entropy, backward, opt.step(), "
                  "opt.zero_grad(set_to_none=True), loss.item(), timed between two "
                  "device synchronizations")
 
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    warmup_losses = [train_step(step_model, opt, x, y, autocast) for _ in range(recipe["warmup"])]
     weights_bytes = None
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         weights_bytes = torch.cuda.memory_allocated()
 
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
     losses, step_ms = [], []
     for _ in range(steps):
         sync()
         start = time.perf_counter()
-        value = train_step(model, opt, x, y)
+        value = train_step(step_model, opt, x, y, autocast)
         sync()
         step_ms.append((time.perf_counter() - start) * 1e3)
         losses.append(value)
 
     peak_allocated = torch.cuda.max_memory_allocated() if cuda else None
     peak_reserved = torch.cuda.max_memory_reserved() if cuda else None
-    tracked = None if cuda else tracked_peak(model, opt, x, y)
+    match = args.recipe == "match"
+    # The tensor-level figures compare vram's math with PyTorch's: the matching recipe only.
+    tracked = None if cuda or not match else tracked_peak(model, opt, x, y)
     if tracked is not None:
         notes.append(f"tracked peak: MemTracker over {TRACKED_STEPS} more steps (storages at the "
                      "dispatcher, unrounded; kernels' internal workspaces unseen), AdamW's "
                      "for-loop implementation (PyTorch's default on the CPU)")
     profile = None
-    if spec.get("profile") is True:
+    if spec.get("profile") is True and match:
         profile = profiled_step(model, opt, x, y, cuda)
         notes.append(f"profile: one more step under torch.profiler, ops by {profile['time']}")
-    saved = saved_for_backward(model, x, y)
-    notes.append("saved for backward: the distinct storages autograd saved in one more "
-                 "forward after the steps (saved_tensors_hooks), their requested bytes, "
-                 "without parameters, buffers and targets")
+    saved = None
+    if match:
+        saved = saved_for_backward(model, x, y)
+        notes.append("saved for backward: the distinct storages autograd saved in one more "
+                     "forward after the steps (saved_tensors_hooks), their requested bytes, "
+                     "without parameters, buffers and targets")
+    tf32 = bool(cuda and torch.backends.cuda.matmul.allow_tf32)
     result = {
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "backend": "cuda" if cuda else "cpu",
+        "recipe": args.recipe,
         "param_count": param_count,
         "losses": losses,
+        "warmup_losses": warmup_losses,
         "step_ms": step_ms,
         "peak_allocated": peak_allocated,
         "peak_reserved": peak_reserved,
         "weights_bytes": weights_bytes,
         "saved_for_backward": saved,
         "tracked_peak": tracked,
-        "tf32": False,
+        "tf32": tf32,
+        "cudnn_tf32": bool(cuda and torch.backends.cudnn.allow_tf32),
+        "sdpa": sdpa,
+        "autocast": "bf16" if autocast else None,
+        "fused_adamw": fused,
+        "channels_last": bool(recipe["channels_last"] and x.dim() == 4),
+        "compiled": recipe["compile"],
         "notes": notes,
     }
     if profile is not None:
         result["profile"] = profile
-    out = os.path.join(directory, "torch.json")
+    out = os.path.join(directory, "torch.json" if match else f"torch-{args.recipe}.json")
     try:
         with open(out, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
@@ -1302,14 +1372,14 @@ def run(args):
         raise BadInput(f"cannot write {out}: {e}") from None
 
     vram = spec.get("vram") if isinstance(spec.get("vram"), dict) else {}
-    diff = loss_difference(losses, vram.get("losses"))
+    diff = loss_difference(losses, vram.get("losses")) if match else None
     median = statistics.median(step_ms[1:] if len(step_ms) > 1 else step_ms)
     peak = f"{peak_allocated / 2**20:.2f} MiB" if peak_allocated is not None else "n/a (cpu)"
     shown = ", ".join(f"{v:.6g}" for v in losses)
-    line = (f"{spec.get('model', arch.get('kind'))}: {param_count} params on "
+    line = (f"{spec.get('model', arch.get('kind'))} [{args.recipe}]: {param_count} params on "
             f"{result['device']}, losses [{shown}], peak allocated {peak}, "
-            f"saved for backward {saved / 2**20:.2f} MiB, "
-            f"median step {median:.1f} ms")
+            + (f"saved for backward {saved / 2**20:.2f} MiB, " if saved is not None else "")
+            + f"median step {median:.1f} ms")
     if diff is not None:
         line += f", largest loss difference vs vram {diff:.3g}"
     print(line)
@@ -1322,8 +1392,11 @@ def main():
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                         help="where to run (auto: CUDA if available)")
     parser.add_argument("--sdpa", action="store_true",
-                        help="attention by F.scaled_dot_product_attention instead of vram's "
-                             "explicit softmax (informational)")
+                        help="attention by F.scaled_dot_product_attention even where vram's "
+                             "was explicit (informational)")
+    parser.add_argument("--recipe", choices=list(RECIPES), default="match",
+                        help="match: vram's math, losses compared (torch.json); the others: "
+                             "PyTorch as users run it, written to torch-<recipe>.json")
     args = parser.parse_args()
     try:
         run(args)

@@ -8,6 +8,9 @@ use super::common::{
 };
 use super::{Experiment, Sweep};
 use crate::plan::{ModelOverrides, PlanKind, Precision};
+
+/// The batches the fixed and per-sample parts are fitted over, as the claims quote them.
+const FOOTPRINT: &str = "1-16";
 use crate::plots::{FittedSeries, measured_and_fit};
 use crate::techniques::Technique;
 use crate::{Claim, Context, ExperimentError, Verdict, human_bytes};
@@ -40,6 +43,12 @@ pub(super) struct Measured {
     grads_bytes: Option<u64>,
     optimizer_state_bytes: Option<u64>,
     activation_bytes_estimate: Option<u64>,
+    /// Real size: the model's fixed part ([`crate::advice::footprint`], the advice table's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fixed_bytes: Option<u64>,
+    /// Real size: the model's per-sample part (the same footprint).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    per_sample_bytes: Option<u64>,
 }
 
 const SMALL: &str = "small (executed)";
@@ -86,6 +95,8 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             grads_bytes: Some(m.grad_bytes),
             optimizer_state_bytes: Some(m.optimizer_bytes),
             activation_bytes_estimate: Some(m.peak_allocated.saturating_sub(fixed_analytic)),
+            fixed_bytes: None,
+            per_sample_bytes: None,
         };
         sweep.push(
             &format!("{SMALL}: batch {b}"),
@@ -106,6 +117,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let mut real = Vec::new();
     for (name, batches) in real_sweeps(ctx.quick) {
         let model = real_model(name, &ModelOverrides::default())?;
+        let fp = crate::advice::footprint(&model)?;
         let mut pts = Vec::new();
         for &b in &batches {
             let (alloc, reserved) = real_peak(&model, Precision::Fp32, PlanKind::None, b, 1)?;
@@ -119,14 +131,17 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
                 grads_bytes: None,
                 optimizer_state_bytes: None,
                 activation_bytes_estimate: None,
+                fixed_bytes: Some(fp.fixed),
+                per_sample_bytes: Some(fp.per_sample),
             };
             sweep.push(&format!("{REAL}: {name}, batch {b}"), alloc, reserved, None, measured);
             pts.push((b, alloc));
         }
         let xs: Vec<f64> = pts.iter().map(|&(b, _)| b as f64).collect();
         let ys: Vec<f64> = pts.iter().map(|&(_, p)| p as f64).collect();
-        let (a, slope, r2) = fit_line(&xs, &ys);
-        real.push((name, model.name.clone(), pts, a, slope, r2));
+        // Linearity over this sweep; the fixed and per-sample figures are the footprint's.
+        let (_, _, r2) = fit_line(&xs, &ys);
+        real.push((name, model.name.clone(), pts, fp.fixed as f64, fp.per_sample as f64, r2));
     }
     let all_linear =
         real.iter().all(|r| r.5 > 0.99 && increasing(&r.2.iter().map(|p| p.1).collect::<Vec<_>>()));
@@ -134,7 +149,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         .iter()
         .map(|(name, _, pts, a, b, r2)| {
             format!(
-                "{name}: {} over batches {:?}, fit {} + {} x batch (r^2 {r2:.4})",
+                "{name}: {} over batches {:?}, linear to r^2 {r2:.4}; fixed part {} + {} x batch (the line through batches {FOOTPRINT}, as in the advice table)",
                 bytes_list(&pts.iter().map(|p| p.1).collect::<Vec<_>>()),
                 pts.iter().map(|p| p.0).collect::<Vec<_>>(),
                 human_bytes(a.max(0.0) as u64),
@@ -176,7 +191,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "32 -> 8 often relieves memory pressure noticeably".into(),
         measured: format!(
-            "{} (the fixed part does not shrink; small run's fixed part {}; {REAL_SIZE_CAVEAT})",
+            "{} (the fixed part does not shrink; the small run's weights + gradients + AdamW state: {}; {REAL_SIZE_CAVEAT})",
             savings
                 .iter()
                 .map(|s| format!(
@@ -258,28 +273,31 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
         }
     }
     for model in models {
-        let pts: Vec<(f64, f64)> = sweep
-            .variants()
+        let rows: Vec<_> =
+            sweep.variants().iter().filter(|(_, m)| m.part == REAL && m.model == model).collect();
+        let pts: Vec<(f64, f64)> = rows
             .iter()
-            .filter(|(_, m)| m.part == REAL && m.model == model)
             .map(|(v, m)| (m.batch_size as f64, v.peak_allocated_bytes as f64 / GIB))
             .collect();
-        let (xs, ys): (Vec<f64>, Vec<f64>) = pts.iter().copied().unzip();
-        let (a, b, r2) = fit_line(&xs, &ys);
-        let top = xs.iter().copied().fold(0.0, f64::max);
+        let top = pts.iter().map(|p| p.0).fold(0.0, f64::max);
+        let (a, b) = rows.first().map_or((0.0, 0.0), |(_, m)| {
+            (m.fixed_bytes.unwrap_or(0) as f64 / GIB, m.per_sample_bytes.unwrap_or(0) as f64 / GIB)
+        });
         let short = model.split(" (").next().unwrap_or(model).to_string();
         series.push((
             short,
             pts,
-            format!("fit {a:.1} + {b:.2} x batch GiB (r^2 {r2:.3})"),
+            format!("fixed {a:.2} + {b:.3} x batch GiB (line through batches {FOOTPRINT})"),
             vec![(0.0, a), (top, a + b * top)],
         ));
     }
+    let top = series.iter().flat_map(|s| s.1.iter().map(|p| p.1)).fold(0.0, f64::max);
     measured_and_fit(
         "Real size (virtual device): peak vs batch, fp32 + AdamW",
-        "batch size",
+        "batch size (samples)",
         "peak allocated (GiB)",
         &series,
+        &crate::plots::cards_near(top),
     )
 }
 

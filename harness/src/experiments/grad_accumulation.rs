@@ -9,7 +9,7 @@ use super::common::{
 use super::{Experiment, Sweep};
 use crate::models::Model;
 use crate::plan::{ModelOverrides, PlanKind, Precision};
-use crate::plots::lines;
+use crate::plots::{Mark, lines_with_marks};
 use crate::techniques::Technique;
 use crate::timing::{Timing, interleaved};
 use crate::trainer::{Hooks, TrainConfig, Trainer};
@@ -158,12 +158,20 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         },
     });
     let worst = rows.iter().map(|r| r.3).fold(0.0, f64::max);
+    // Equal up to f32 rounding: summing the batch's n per-sample terms in another order
+    // moves the result by at most about (n - 1) u times the sum of their sizes (Higham's
+    // bound for recursive summation, u = 2^-24); with terms up to a few times the sum's
+    // largest entry, 4 n eps relative to it. A real difference (a missing 1/k, batch
+    // statistics per micro-batch) is orders of magnitude above.
+    let tolerance = 4.0 * batch as f64 * f64::from(f32::EPSILON);
     sweep.claim(Claim {
         claim: "accumulated gradients equal the full-batch gradients".into(),
-        measured: format!("largest relative difference over k = 2, 4, 8: {worst:.2e} (f32)"),
-        verdict: if worst <= 1e-5 {
+        measured: format!(
+            "largest difference over k = 2, 4, 8, relative to the largest gradient entry: {worst:.2e} (f32), against f32's rounding bound for {batch} terms summed in another order, 4 n eps = {tolerance:.1e}"
+        ),
+        verdict: if worst <= tolerance {
             Verdict::Holds
-        } else if worst <= 1e-3 {
+        } else if worst <= 100.0 * tolerance {
             Verdict::Partly
         } else {
             Verdict::DoesNotHold
@@ -197,11 +205,15 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
             None => series.push((name, vec![(m.k as f64, y)])),
         }
     }
-    lines(
+    let top = series.iter().flat_map(|s| s.1.iter().map(|p| p.1)).fold(0.0, f64::max);
+    let cards: Vec<Mark> =
+        crate::plots::cards_near(top).into_iter().map(|(n, g)| Mark::Capacity(n, g)).collect();
+    lines_with_marks(
         "Real size (virtual device): peak vs micro-batches k at a fixed effective batch",
         "k (micro-batches per optimizer step)",
         "peak allocated (GiB)",
         &series,
         true,
+        &cards,
     )
 }

@@ -153,10 +153,12 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
             ))
         })
         .collect();
+    let top = series.iter().flat_map(|s| s.1.iter().map(|p| p.1)).fold(0.0, f64::max);
     measured_and_fit(
         "Real size (virtual device): peak vs input side, side^2 fit (fp32 + AdamW)",
         "image side (pixels)",
         "peak allocated (GiB)",
         &series,
+        &crate::plots::cards_near(top),
     )
 }

@@ -2,7 +2,7 @@
 //! depth and widths on the same input.
 
 use super::common::{
-    REAL_SIZE_CAVEAT, cnn, cnn_side, device, fit_line, real_model, real_params, real_peak, stripes,
+    REAL_SIZE_CAVEAT, cnn, cnn_side, device, real_model, real_params, real_peak, stripes,
     timed_steps, train_interleaved,
 };
 use super::{Experiment, Sweep};
@@ -52,7 +52,8 @@ const REAL_MODELS: &[(&str, &str, Option<usize>)] = &[
     ("MobileNetV3-like", "mobilenetv3-like", None),
     ("ResNet-50 x0.5 width", "resnet50", Some(32)),
 ];
-/// Batches the fixed and per-sample parts are fitted over; the comparison is at the last.
+/// Batches measured at real size; the comparison is at the last. The fixed and per-sample
+/// parts are each model's [`crate::advice::footprint`].
 const REAL_BATCHES: &[usize] = &[16, 32, 64];
 
 fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
@@ -101,10 +102,9 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         for &b in REAL_BATCHES {
             pts.push(real_peak(&model, Precision::Fp32, PlanKind::None, b, 1)?);
         }
-        let xs: Vec<f64> = REAL_BATCHES.iter().map(|&b| b as f64).collect();
-        let ys: Vec<f64> = pts.iter().map(|p| p.0 as f64).collect();
-        let (a, slope, _) = fit_line(&xs, &ys);
-        let (fixed, per) = (a.max(0.0) as u64, slope.max(0.0) as u64);
+        // The fixed and per-sample parts as the advice table and batch-size give them.
+        let fp = crate::advice::footprint(&model)?;
+        let (fixed, per) = (fp.fixed, fp.per_sample);
         let b = REAL_BATCHES[REAL_BATCHES.len() - 1];
         let (alloc, reserved) = pts[pts.len() - 1];
         let measured = Measured {
@@ -212,10 +212,10 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
     let b = sweep.variants().iter().find(|(_, m)| m.part == REAL).map(|(_, m)| m.batch_size)?;
     stacked_with_totals(
         &format!("Real size (virtual device): peak at batch {b}, 224 px, fp32 + AdamW"),
-        "GiB",
+        "peak allocated (GiB)",
         "GiB",
         &[
-            "fixed (fitted intercept: weights, grads, AdamW state)",
+            "fixed (intercept of the line through batches 1-16: weights, grads, AdamW state)",
             "activations (per sample x batch)",
         ],
         &bars,

@@ -465,8 +465,8 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
     let marks = [Mark::Crosses("fails on the device".into(), failed, None)];
     lines_with_marks(
         "Memory each batch takes with room, and where it fails (fresh device, 2 steps)",
-        "batch size",
-        "MiB",
+        "batch size (samples)",
+        "memory (MiB)",
         &series,
         false,
         &marks,

@@ -650,7 +650,13 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
         "activations + temporaries",
     ];
     let real: Vec<_> = sweep.variants().iter().filter(|(_, m)| m.part == REAL).collect();
-    let shown = if real.iter().any(|(_, m)| m.batch_size == PLOT_BATCH) {
+    // On a GPU the real-size recipes also ran there: show that batch, with each recipe's
+    // measured step time under its bar.
+    let executed: Vec<_> = sweep.variants().iter().filter(|(_, m)| m.part == EXECUTED).collect();
+    let shown = if !executed.is_empty() && real.iter().any(|(_, m)| m.batch_size == EXECUTED_BATCH)
+    {
+        EXECUTED_BATCH
+    } else if real.iter().any(|(_, m)| m.batch_size == PLOT_BATCH) {
         PLOT_BATCH
     } else {
         real.iter().map(|(_, m)| m.batch_size).min()?
@@ -669,18 +675,27 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
                 m.activations_and_temporaries_bytes,
             ];
             let label = v.name.rsplit(", ").next().unwrap_or(&v.name);
-            let label = match m.recipe {
+            let mut label = match m.recipe {
                 FULL => format!("{label} (full)"),
                 _ => label.to_string(),
             };
+            let precision = v.name.rsplit(", ").next().unwrap_or(&v.name);
+            let ran = executed.iter().find(|(e, _)| e.name.rsplit(", ").next() == Some(precision));
+            if let Some(ms) = ran.and_then(|(e, _)| e.step_ms) {
+                label.push_str(&format!(": {ms:.1} ms/step"));
+            }
             (label, bytes.iter().map(|&b| b as f64 / gib).collect())
         })
         .collect();
     stacked_with_totals(
-        &format!(
-            "GPT-2 small, batch {shown}, 1024 tokens (virtual device): where peak memory goes"
-        ),
-        "GiB",
+        &if executed.is_empty() {
+            format!(
+                "GPT-2 small, batch {shown}, 1024 tokens (virtual device): where peak memory goes"
+            )
+        } else {
+            format!("GPT-2 small, b{shown}, 1024 tokens: peak (virtual), step time (GPU)")
+        },
+        "peak allocated (GiB)",
         "GiB",
         &parts,
         &bars,

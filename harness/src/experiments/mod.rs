@@ -3,6 +3,7 @@
 mod batch_size;
 mod checkpointing;
 mod common;
+pub(crate) use common::fit_line;
 mod data_parallel;
 mod empty_cache;
 mod fragmentation;
@@ -19,6 +20,7 @@ mod not_here;
 mod oom_recovery;
 mod release_references;
 
+use crate::results::Check;
 use crate::techniques::Technique;
 use crate::{Backend, Claim, Context, ExperimentError, ExperimentResult, Timing, Variant};
 use serde::Serialize;
@@ -113,6 +115,7 @@ pub(crate) struct Sweep<X> {
     config: Value,
     variants: Vec<(Variant, X)>,
     claims: Vec<Claim>,
+    checks: Vec<Check>,
     reading: Option<String>,
 }
 
@@ -131,6 +134,7 @@ impl<X: Serialize> Sweep<X> {
             config,
             variants: Vec::new(),
             claims: Vec::new(),
+            checks: Vec::new(),
             reading: None,
         }
     }
@@ -165,6 +169,12 @@ impl<X: Serialize> Sweep<X> {
         self.claims.push(c);
     }
 
+    /// A consistency check (see [`Check`]): an agreement the design makes hold, reported
+    /// apart from the verdicts.
+    pub fn check(&mut self, check: impl Into<String>, measured: impl Into<String>, passed: bool) {
+        self.checks.push(Check { check: check.into(), measured: measured.into(), passed });
+    }
+
     /// One line for the report: what the measurements mean for a user.
     pub fn reading(&mut self, text: impl Into<String>) {
         self.reading = Some(text.into());
@@ -194,6 +204,7 @@ impl<X: Serialize> Sweep<X> {
             config: self.config,
             variants,
             claims: self.claims,
+            checks: self.checks,
             reading: self.reading,
         })
     }

@@ -290,8 +290,8 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
         .collect::<Option<_>>()?;
     lines(
         "Leak growth: allocated memory after each iteration",
-        "iteration",
-        "MiB more than after the first",
+        "iteration (index)",
+        "allocated, more than after the first (MiB)",
         &series,
         true,
     )

@@ -4,12 +4,15 @@
 //! log-sum-exp `lse` is `[n]` in f32. Rows whose target equals the ignore index contribute
 //! neither to the loss nor to the count it is averaged over, and get a zero gradient.
 
-use super::check_len;
+use super::matmul::matmul_f32;
+use super::{check_len, widen_f32};
 use crate::Element;
 use crate::cpu::elementwise::PAR_THRESHOLD;
 use crate::cpu::reduce;
 use crate::error::{Error, Result};
+use crate::params::MatmulSpec;
 use rayon::prelude::*;
+use std::any::TypeId;
 
 /// Checks every target: each must be below `classes` or equal the ignore index. The first
 /// that is not is an [`Error::IndexOutOfRange`] of `op`.
@@ -66,17 +69,41 @@ pub fn cross_entropy<T: Element>(
         // validate() guarantees every row is ignored here.
         return Ok(f32::NAN);
     }
-    let row_loss = |(row, (&t, l)): (&[T], (&u32, &mut f32))| {
+    let mut losses = vec![0.0f32; n];
+    row_losses(logits, c, targets, ignore_index, lse, &mut losses);
+    Ok(reduce::sum(&losses) / counted(targets, ignore_index) as f32)
+}
+
+/// The rows whose target is not `ignore`: what the mean loss divides by.
+pub(crate) fn counted(targets: &[u32], ignore: Option<u32>) -> usize {
+    targets.iter().filter(|&&t| Some(t) != ignore).count()
+}
+
+/// Per-row log-sum-exp (`lse`) and loss (`losses`, 0 for an ignored row) of `logits: [n, c]`
+/// for `n = targets.len()` validated targets and `c > 0`.
+fn row_losses<T: Element>(
+    logits: &[T],
+    c: usize,
+    targets: &[u32],
+    ignore_index: Option<u32>,
+    lse: &mut [f32],
+    losses: &mut [f32],
+) {
+    let row_loss = |(row, ((&t, l), loss)): (&[T], ((&u32, &mut f32), &mut f32))| {
         *l = log_sum_exp(row);
-        if Some(t) == ignore_index { 0.0 } else { *l - row[t as usize].to_f32() }
+        *loss = if Some(t) == ignore_index { 0.0 } else { *l - row[t as usize].to_f32() };
     };
-    let losses: Vec<f32> = if logits.len() >= PAR_THRESHOLD {
-        logits.par_chunks(c).zip(targets.par_iter().zip(lse.par_iter_mut())).map(row_loss).collect()
+    if logits.len() >= PAR_THRESHOLD {
+        logits
+            .par_chunks(c)
+            .zip(targets.par_iter().zip(lse.par_iter_mut()).zip(losses.par_iter_mut()))
+            .for_each(row_loss);
     } else {
-        logits.chunks(c).zip(targets.iter().zip(lse.iter_mut())).map(row_loss).collect()
-    };
-    let count = targets.iter().filter(|&&t| Some(t) != ignore_index).count();
-    Ok(reduce::sum(&losses) / count as f32)
+        logits
+            .chunks(c)
+            .zip(targets.iter().zip(lse.iter_mut()).zip(losses.iter_mut()))
+            .for_each(row_loss);
+    }
 }
 
 /// Backward of [`cross_entropy`]: `dlogits[i, j] = dloss / count * (softmax(x_i)[j] - [j ==
@@ -103,17 +130,31 @@ pub fn cross_entropy_backward<T: Element>(
     if c == 0 {
         return Ok(());
     }
-    let count = targets.iter().filter(|&&t| Some(t) != ignore_index).count();
-    let g = dloss / count as f32;
-    let row = |d: &mut [T], x: &[T], t: u32, l: f32| {
+    let g = dloss / counted(targets, ignore_index) as f32;
+    grad_rows(logits, c, targets, ignore_index, lse, g, dlogits);
+    Ok(())
+}
+
+/// `dlogits[i, j] = g * (softmax(x_i)[j] - [j == t_i])` (0 for ignored rows) from `logits:
+/// [n, c]` (`c > 0`) and their log-sum-exp, targets validated.
+fn grad_rows<T: Element, D: Element>(
+    logits: &[T],
+    c: usize,
+    targets: &[u32],
+    ignore_index: Option<u32>,
+    lse: &[f32],
+    g: f32,
+    dlogits: &mut [D],
+) {
+    let row = |d: &mut [D], x: &[T], t: u32, l: f32| {
         if Some(t) == ignore_index {
-            d.fill(T::from_f32(0.0));
+            d.fill(D::from_f32(0.0));
             return;
         }
         for (j, (o, &v)) in d.iter_mut().zip(x).enumerate() {
             let p = (v.to_f32() - l).exp();
             let onehot = if j == t as usize { 1.0 } else { 0.0 };
-            *o = T::from_f32(g * (p - onehot));
+            *o = D::from_f32(g * (p - onehot));
         }
     };
     if logits.len() >= PAR_THRESHOLD {
@@ -129,7 +170,87 @@ pub fn cross_entropy_backward<T: Element>(
             .zip(targets.iter().zip(lse.iter()))
             .for_each(|((d, x), (&t, &l))| row(d, x, t, l));
     }
-    Ok(())
+}
+
+/// The LM head and its cross-entropy fused (see `ops::linear_cross_entropy`): the mean loss
+/// of `logits = hidden * weight^T` against `targets`, with its gradients for the upstream
+/// gradient `dloss`, over chunks of `chunk_rows` rows so that no more than one chunk's logits
+/// exist at a time. `hidden: [n, d]`, `weight: [vocab, d]`, `n = targets.len()`;
+/// `grad_hidden` (`[n, d]`) and `grad_weight` (`[vocab, d]`, in its own element type `G`)
+/// are overwritten.
+///
+/// Per chunk: the logits in f32 (the product of the `T` operands accumulated in f32, not
+/// rounded to `T`), each row's log-sum-exp and loss as [`cross_entropy`] computes them, the
+/// logits' gradient `dloss / count * (softmax - onehot)` rounded to `T` (the dtype the
+/// products take), then `grad_hidden[chunk] = dlogits * weight` and `grad_weight +=
+/// dlogits^T * hidden[chunk]` in f32, rounded to `G` once at the end. `count` is the number
+/// of rows not ignored over all rows, so the loss and gradients are the unchunked ones: the
+/// loss is the f32 sum of the per-row losses in row order over `count`, as
+/// [`cross_entropy`]'s. Returns the loss: NaN when every row is ignored (the gradients are
+/// then 0) or `n == 0`.
+///
+/// # Errors
+///
+/// [`Error::IndexOutOfRange`] for a target not below `vocab` and not ignored;
+/// [`Error::InvalidArgument`] if a slice does not fit the layout. Nothing is written then.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_cross_entropy<T: Element, G: Element>(
+    hidden: &[T],
+    weight: &[T],
+    targets: &[u32],
+    ignore_index: Option<u32>,
+    dloss: f32,
+    (vocab, d): (usize, usize),
+    chunk_rows: usize,
+    grad_hidden: &mut [T],
+    grad_weight: &mut [G],
+) -> Result<f32> {
+    const OP: &str = "cpu::linear_cross_entropy";
+    let n = targets.len();
+    check_len(OP, "hidden", hidden.len(), n * d)?;
+    check_len(OP, "weight", weight.len(), vocab * d)?;
+    check_len(OP, "grad_hidden", grad_hidden.len(), n * d)?;
+    check_len(OP, "grad_weight", grad_weight.len(), vocab * d)?;
+    validate(OP, targets, vocab, ignore_index)?;
+    if n == 0 || vocab == 0 {
+        grad_hidden.fill(T::from_f32(0.0));
+        grad_weight.fill(G::from_f32(0.0));
+        return Ok(f32::NAN);
+    }
+    let chunk = chunk_rows.clamp(1, n);
+    let count = counted(targets, ignore_index);
+    let g = dloss / count as f32;
+    let (h, w) = (widen_f32(hidden), widen_f32(weight));
+    let rounds = TypeId::of::<T>() != TypeId::of::<f32>();
+    let (mut lse, mut losses) = (vec![0.0f32; n], vec![0.0f32; n]);
+    let mut logits = vec![0.0f32; chunk * vocab];
+    let mut dlogits = vec![0.0f32; chunk * vocab];
+    let mut gh = vec![0.0f32; chunk * d];
+    let mut gw = vec![0.0f32; vocab * d];
+    for (i, r0) in (0..n).step_by(chunk).enumerate() {
+        let rows = chunk.min(n - r0);
+        let (h, t) = (&h[r0 * d..(r0 + rows) * d], &targets[r0..r0 + rows]);
+        let (x, dx) = (&mut logits[..rows * vocab], &mut dlogits[..rows * vocab]);
+        matmul_f32(&MatmulSpec::new(rows, vocab, d).transpose(false, true), h, &w, x);
+        let (l, loss) = (&mut lse[r0..r0 + rows], &mut losses[r0..r0 + rows]);
+        row_losses(x, vocab, t, ignore_index, l, loss);
+        grad_rows(x, vocab, t, ignore_index, l, g, dx);
+        if rounds {
+            dx.iter_mut().for_each(|v| *v = T::from_f32(*v).to_f32());
+        }
+        let gh = &mut gh[..rows * d];
+        matmul_f32(&MatmulSpec::new(rows, d, vocab), dx, &w, gh);
+        for (o, v) in grad_hidden[r0 * d..(r0 + rows) * d].iter_mut().zip(gh.iter()) {
+            *o = T::from_f32(*v);
+        }
+        let beta = if i == 0 { 0.0 } else { 1.0 };
+        let spec = MatmulSpec::new(vocab, d, rows).transpose(true, false).scaled(1.0, beta);
+        matmul_f32(&spec, dx, h, &mut gw);
+    }
+    for (o, v) in grad_weight.iter_mut().zip(gw) {
+        *o = G::from_f32(v);
+    }
+    Ok(reduce::sum(&losses) / count as f32)
 }
 
 #[cfg(test)]

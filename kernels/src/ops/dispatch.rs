@@ -296,7 +296,6 @@ impl<O> Buffers<O> {
 
     /// The chunks workspace `i` holds (fewer than planned when memory ran short); `None`
     /// for a workspace that was not needed.
-    #[cfg(feature = "cuda")]
     pub(crate) fn chunks(&self, i: Option<usize>) -> Option<usize> {
         i.map(|i| self.workspaces[i].1)
     }

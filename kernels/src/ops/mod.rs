@@ -12,6 +12,11 @@
 //! [`Conv2dParams`], [`Pool2dParams`], [`SgdConfig`], [`AdamWConfig`]) are re-exported here;
 //! they are defined below the ops, the CPU reference and the CUDA launches, which all read
 //! them.
+//!
+//! One op is two fused: [`linear_cross_entropy`], a language model's head and loss, computes
+//! the logits in chunks of rows and the gradients of its input and weight with the loss, so
+//! that the `[tokens, vocab]` logits never exist whole (its module docs give the design, the
+//! chunk rule and the memory).
 
 mod activation;
 mod batch_norm;
@@ -20,6 +25,7 @@ mod copy;
 pub(crate) mod dispatch;
 mod elementwise;
 mod embedding;
+mod linear_cross_entropy;
 mod llama;
 mod loss;
 pub(crate) mod map;
@@ -49,6 +55,10 @@ pub use conv::{
 };
 pub use elementwise::{add, add_assign, axpy, bias_add, bias_add_backward, mul, scale};
 pub use embedding::{embedding, embedding_backward};
+pub use linear_cross_entropy::{
+    LinearCrossEntropy, LinearCrossEntropyParams, LossChunk, chunk_bytes_per_row,
+    linear_cross_entropy,
+};
 pub use llama::{
     RmsNormGrads, RmsNormOutput, RopeScaling, rms_norm, rms_norm_backward, rope, rope_backward,
     rope_inv_freq, rope_tables,

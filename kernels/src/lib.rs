@@ -57,7 +57,8 @@ pub use device::{DEVICE_ENV_VAR, Device, default_blas_workspace_size};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use params::{
-    AdamWConfig, Conv2dOptions, Conv2dParams, MatmulSpec, Pool2dOptions, Pool2dParams, SgdConfig,
+    AdamWConfig, AttentionDims, AttentionParams, Conv2dOptions, Conv2dParams, MatmulSpec,
+    Pool2dOptions, Pool2dParams, SgdConfig,
 };
 pub use profile::OpTime;
 pub use tensor::{Indices, Tensor};

@@ -39,9 +39,14 @@ pub(crate) const POOL: Module = Module { name: "pool", source: include_str!("ker
 /// Embedding, dropout, optimizers, unscale, axis permutation.
 pub(crate) const MISC: Module = Module { name: "misc", source: include_str!("kernels/misc.cu") };
 
+/// Fused scaled dot-product attention, forward and backward.
+pub(crate) const ATTENTION: Module =
+    Module { name: "attention", source: include_str!("kernels/attention.cu") };
+
 /// Every module, in the order the NVRTC test compiles them.
 #[cfg(test)]
-pub(crate) const MODULES: &[&Module] = &[&ELEMENTWISE, &REDUCE, &SOFTMAX, &CONV, &POOL, &MISC];
+pub(crate) const MODULES: &[&Module] =
+    &[&ELEMENTWISE, &REDUCE, &SOFTMAX, &CONV, &POOL, &MISC, &ATTENTION];
 
 /// A kernel parameter's type as the `.cu` source declares it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -351,4 +356,21 @@ kernels! {
     PERMUTE = MISC "permute" dtypes (Ptr, Ptr, U64, Div, Div, Div, U64, U64, U64, U64);
     /// `unscale(T* g, float inv, u64 n, u32* flag)`.
     UNSCALE = MISC "unscale" dtypes (Ptr, F32, U64, Ptr);
+
+    /// `attention_fwd(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq, u64 d,
+    /// float scale, u32 causal, float p, u64 seed, u64 offset)`, grid (query tiles, heads).
+    ATTENTION_FWD = ATTENTION "attention_fwd" dtypes
+        (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+    /// `attention_bwd_dot(const T* o, const T* dout, float* dsum, u64 rows, u64 d)`.
+    ATTENTION_BWD_DOT = ATTENTION "attention_bwd_dot" dtypes (Ptr, Ptr, Ptr, U64, U64);
+    /// `attention_bwd_dkdv(const T* q, const T* k, const T* v, const T* dout, const float*
+    /// lse, const float* dsum, T* dk, T* dv, u64 seq, u64 d, float scale, u32 causal, float p,
+    /// u64 seed, u64 offset)`, grid (key tiles, heads).
+    ATTENTION_BWD_DKDV = ATTENTION "attention_bwd_dkdv" dtypes
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+    /// `attention_bwd_dq(const T* q, const T* k, const T* v, const T* dout, const float* lse,
+    /// const float* dsum, T* dq, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed,
+    /// u64 offset)`, grid (query tiles, heads).
+    ATTENTION_BWD_DQ = ATTENTION "attention_bwd_dq" dtypes
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
 }

@@ -14,6 +14,7 @@
 //! them.
 
 mod activation;
+mod attention;
 mod batch_norm;
 mod conv;
 mod copy;
@@ -33,11 +34,12 @@ mod scale_channels;
 mod softmax;
 
 pub use crate::params::{
-    AdamWConfig, Conv2dOptions, Conv2dParams, DIRECT_MAX_MACS, MatmulSpec, Pool2dOptions,
-    Pool2dParams, SgdConfig,
+    AdamWConfig, AttentionDims, AttentionParams, Conv2dOptions, Conv2dParams, DIRECT_MAX_MACS,
+    MatmulSpec, Pool2dOptions, Pool2dParams, SgdConfig,
 };
 // Every op an `unary_op!` entry declares (with the tests' `UNARY_OPS`, crate-private).
 pub use activation::*;
+pub use attention::{AttentionGrads, AttentionOutput, attention, attention_backward};
 #[cfg(all(test, feature = "cuda"))]
 pub(crate) use batch_norm::parts as batch_norm_parts;
 pub use batch_norm::{

@@ -1,0 +1,288 @@
+// Fused scaled dot-product attention (FlashAttention-2's split of the work, Dao 2023): no
+// seq x seq buffer. The forward runs one block per tile of ATT_BQ query rows of one head
+// (grid (query tiles, heads)), visiting the keys in tiles of ATT_BK with the online softmax
+// and saving the output and each row's logsumexp. The backward recomputes the
+// probabilities from the logsumexp, tile by tile: `attention_bwd_dot` computes
+// D_i = dO_i . O_i, `attention_bwd_dkdv` one block per key tile (dK, dV over every query
+// tile), `attention_bwd_dq` one block per query tile (dQ over every key tile), so each
+// gradient element has one writer and no atomics are needed (FlashAttention-2 adds dQ with
+// atomics instead).
+//
+// Tiles are held in shared memory as f32 and multiplied with f32 FMAs on every dtype; the
+// thread that owns column c (threadIdx.x) of the head dimension keeps that column of the
+// block's accumulator in registers. Head dims up to ATT_DMAX; any sequence length (rows and
+// keys past the end are masked). Dropout draws the probability (h, i, j) from element
+// offset + (h * seq + i) * seq + j of the stream `seed`, as ops::dropout on the explicit
+// probabilities [heads, seq, seq] would.
+
+#define ATT_BQ 16
+#define ATT_BK 16
+#define ATT_DMAX 128
+#define ATT_THREADS 128
+// Row stride of the shared tiles: one float of padding so that threads reading the same
+// column of different rows hit different banks.
+#define ATT_LD (ATT_DMAX + 1)
+
+// The factor on probability (h, i, j): 1 / (1 - p) when dropout keeps it, else 0; 1
+// without dropout.
+__device__ __forceinline__ float att_drop(float p, u64 seed, u64 offset, u64 seq, u64 h, u64 i,
+                                          u64 j) {
+    if (p <= 0.0f) return 1.0f;
+    const float u = philox_uniform(seed, offset + (h * seq + i) * seq + j);
+    return u >= p ? 1.0f / (1.0f - p) : 0.0f;
+}
+
+// Copies rows [r0, r0 + ATT_BQ) (or ATT_BK) of a head's [seq, d] matrix into `tile` as f32,
+// zeros past the end; thread c copies column c.
+template <typename T, int ROWS>
+__device__ __forceinline__ void att_load(float* tile, const T* m, u64 r0, u64 seq, u64 d) {
+    const u32 c = threadIdx.x;
+    if (c >= d) return;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        tile[r * ATT_LD + c] = r0 + r < seq ? to_f32(m[(r0 + r) * d + c]) : 0.0f;
+    }
+}
+
+__device__ __forceinline__ float att_dot(const float* a, const float* b, u64 d) {
+    float s = 0.0f;
+    for (u32 c = 0; c < d; ++c) s += a[c] * b[c];
+    return s;
+}
+
+template <typename T>
+__device__ void attention_fwd_impl(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq,
+                                   u64 d, float scale, u32 causal, float p, u64 seed,
+                                   u64 offset) {
+    __shared__ float qs[ATT_BQ * ATT_LD];
+    __shared__ float ks[ATT_BK * ATT_LD];
+    __shared__ float vs[ATT_BK * ATT_LD];
+    __shared__ float ss[ATT_BQ * ATT_BK];
+    __shared__ float row_m[ATT_BQ], row_l[ATT_BQ], row_alpha[ATT_BQ];
+    const u64 h = blockIdx.y;
+    const u64 i0 = (u64)blockIdx.x * ATT_BQ;
+    const u32 t = threadIdx.x;
+    q += h * seq * d;
+    k += h * seq * d;
+    v += h * seq * d;
+    o += h * seq * d;
+    att_load<T, ATT_BQ>(qs, q, i0, seq, d);
+    if (t < ATT_BQ) {
+        row_m[t] = neg_inf();
+        row_l[t] = 0.0f;
+    }
+    float acc[ATT_BQ];
+#pragma unroll
+    for (int r = 0; r < ATT_BQ; ++r) acc[r] = 0.0f;
+    const u64 last = i0 + ATT_BQ < seq ? i0 + ATT_BQ : seq;
+    const u64 kend = causal ? last : seq;
+    for (u64 j0 = 0; j0 < kend; j0 += ATT_BK) {
+        __syncthreads();
+        att_load<T, ATT_BK>(ks, k, j0, seq, d);
+        att_load<T, ATT_BK>(vs, v, j0, seq, d);
+        __syncthreads();
+        for (u32 e = t; e < ATT_BQ * ATT_BK; e += ATT_THREADS) {
+            const u32 r = e / ATT_BK, jj = e % ATT_BK;
+            const u64 i = i0 + r, j = j0 + jj;
+            const bool valid = i < seq && j < seq && !(causal && j > i);
+            ss[e] = valid ? scale * att_dot(qs + r * ATT_LD, ks + jj * ATT_LD, d) : neg_inf();
+        }
+        __syncthreads();
+        if (t < ATT_BQ) {
+            const u32 r = t;
+            float bm = neg_inf();
+            for (u32 jj = 0; jj < ATT_BK; ++jj) bm = fmaxf(bm, ss[r * ATT_BK + jj]);
+            const float m_old = row_m[r];
+            const float m_new = fmaxf(m_old, bm);
+            // A row with no visible key yet (past the end) keeps m = -inf and adds nothing.
+            const bool none = m_new == neg_inf();
+            const float alpha = none ? 1.0f : expf(m_old - m_new);
+            float l = row_l[r] * alpha;
+            for (u32 jj = 0; jj < ATT_BK; ++jj) {
+                const float s = ss[r * ATT_BK + jj];
+                const float e = none || s == neg_inf() ? 0.0f : expf(s - m_new);
+                l += e;
+                ss[r * ATT_BK + jj] =
+                    e == 0.0f ? 0.0f : e * att_drop(p, seed, offset, seq, h, i0 + r, j0 + jj);
+            }
+            row_m[r] = m_new;
+            row_l[r] = l;
+            row_alpha[r] = alpha;
+        }
+        __syncthreads();
+        if (t < d) {
+#pragma unroll
+            for (int r = 0; r < ATT_BQ; ++r) {
+                float a = acc[r] * row_alpha[r];
+                for (u32 jj = 0; jj < ATT_BK; ++jj) a += ss[r * ATT_BK + jj] * vs[jj * ATT_LD + t];
+                acc[r] = a;
+            }
+        }
+    }
+    __syncthreads();
+    if (t < d) {
+#pragma unroll
+        for (int r = 0; r < ATT_BQ; ++r) {
+            if (i0 + r < seq) o[(i0 + r) * d + t] = from_f32<T>(acc[r] / row_l[r]);
+        }
+    }
+    if (t < ATT_BQ && i0 + t < seq) lse[h * seq + i0 + t] = row_m[t] + logf(row_l[t]);
+}
+
+// dsum[r] = dout[r] . o[r] for each of `rows` rows of d.
+template <typename T>
+__device__ void attention_bwd_dot_impl(const T* o, const T* dout, float* dsum, u64 rows, u64 d) {
+    FOR_EACH(r, rows) {
+        float s = 0.0f;
+        for (u64 c = 0; c < d; ++c) s += to_f32(dout[r * d + c]) * to_f32(o[r * d + c]);
+        dsum[r] = s;
+    }
+}
+
+// For the query tile in qs/dos (rows i0..) and the key tile in ks/vs (keys j0..): the
+// dropped probabilities P~ into pt and dS / scale into dst, [ATT_BQ][ATT_BK] each (0 where
+// masked).
+__device__ __forceinline__ void att_grad_tile(const float* qs, const float* dos, const float* ks,
+                                              const float* vs, const float* lse_s,
+                                              const float* dsum_s, float* pt, float* dst,
+                                              u64 i0, u64 j0, u64 h, u64 seq, u64 d, float scale,
+                                              u32 causal, float p, u64 seed, u64 offset) {
+    for (u32 e = threadIdx.x; e < ATT_BQ * ATT_BK; e += ATT_THREADS) {
+        const u32 r = e / ATT_BK, jj = e % ATT_BK;
+        const u64 i = i0 + r, j = j0 + jj;
+        float pd = 0.0f, ds = 0.0f;
+        if (i < seq && j < seq && !(causal && j > i)) {
+            const float pr =
+                expf(scale * att_dot(qs + r * ATT_LD, ks + jj * ATT_LD, d) - lse_s[r]);
+            const float f = att_drop(p, seed, offset, seq, h, i, j);
+            const float dp = f == 0.0f ? 0.0f : f * att_dot(dos + r * ATT_LD, vs + jj * ATT_LD, d);
+            pd = pr * f;
+            ds = pr * (dp - dsum_s[r]);
+        }
+        pt[e] = pd;
+        dst[e] = ds;
+    }
+}
+
+// Loads lse and D of query rows i0.. into shared memory (0 past the end).
+__device__ __forceinline__ void att_load_rows(float* lse_s, float* dsum_s, const float* lse,
+                                              const float* dsum, u64 i0, u64 seq) {
+    const u32 t = threadIdx.x;
+    if (t < ATT_BQ) {
+        lse_s[t] = i0 + t < seq ? lse[i0 + t] : 0.0f;
+        dsum_s[t] = i0 + t < seq ? dsum[i0 + t] : 0.0f;
+    }
+}
+
+// One block per key tile: dK = scale * dS^T Q, dV = P~^T dO over the query tiles that see
+// the keys (from the key tile's diagonal on when causal).
+template <typename T>
+__device__ void attention_bwd_dkdv_impl(const T* q, const T* k, const T* v, const T* dout,
+                                        const float* lse, const float* dsum, T* dk, T* dv,
+                                        u64 seq, u64 d, float scale, u32 causal, float p,
+                                        u64 seed, u64 offset) {
+    __shared__ float qs[ATT_BQ * ATT_LD];
+    __shared__ float dos[ATT_BQ * ATT_LD];
+    __shared__ float ks[ATT_BK * ATT_LD];
+    __shared__ float vs[ATT_BK * ATT_LD];
+    __shared__ float pt[ATT_BQ * ATT_BK];
+    __shared__ float dst[ATT_BQ * ATT_BK];
+    __shared__ float lse_s[ATT_BQ], dsum_s[ATT_BQ];
+    const u64 h = blockIdx.y;
+    const u64 j0 = (u64)blockIdx.x * ATT_BK;
+    const u32 t = threadIdx.x;
+    const u64 head = h * seq * d;
+    att_load<T, ATT_BK>(ks, k + head, j0, seq, d);
+    att_load<T, ATT_BK>(vs, v + head, j0, seq, d);
+    float gk[ATT_BK], gv[ATT_BK];
+#pragma unroll
+    for (int j = 0; j < ATT_BK; ++j) gk[j] = gv[j] = 0.0f;
+    const u64 first = causal ? j0 / ATT_BQ * ATT_BQ : 0;
+    for (u64 i0 = first; i0 < seq; i0 += ATT_BQ) {
+        __syncthreads();
+        att_load<T, ATT_BQ>(qs, q + head, i0, seq, d);
+        att_load<T, ATT_BQ>(dos, dout + head, i0, seq, d);
+        att_load_rows(lse_s, dsum_s, lse + h * seq, dsum + h * seq, i0, seq);
+        __syncthreads();
+        att_grad_tile(qs, dos, ks, vs, lse_s, dsum_s, pt, dst, i0, j0, h, seq, d, scale, causal,
+                      p, seed, offset);
+        __syncthreads();
+        if (t < d) {
+#pragma unroll
+            for (int j = 0; j < ATT_BK; ++j) {
+                float a = gk[j], b = gv[j];
+                for (u32 r = 0; r < ATT_BQ; ++r) {
+                    a += dst[r * ATT_BK + j] * qs[r * ATT_LD + t];
+                    b += pt[r * ATT_BK + j] * dos[r * ATT_LD + t];
+                }
+                gk[j] = a;
+                gv[j] = b;
+            }
+        }
+    }
+    if (t < d) {
+#pragma unroll
+        for (int j = 0; j < ATT_BK; ++j) {
+            if (j0 + j < seq) {
+                dk[head + (j0 + j) * d + t] = from_f32<T>(scale * gk[j]);
+                dv[head + (j0 + j) * d + t] = from_f32<T>(gv[j]);
+            }
+        }
+    }
+}
+
+// One block per query tile: dQ = scale * dS K over the key tiles the queries see.
+template <typename T>
+__device__ void attention_bwd_dq_impl(const T* q, const T* k, const T* v, const T* dout,
+                                      const float* lse, const float* dsum, T* dq, u64 seq, u64 d,
+                                      float scale, u32 causal, float p, u64 seed, u64 offset) {
+    __shared__ float qs[ATT_BQ * ATT_LD];
+    __shared__ float dos[ATT_BQ * ATT_LD];
+    __shared__ float ks[ATT_BK * ATT_LD];
+    __shared__ float vs[ATT_BK * ATT_LD];
+    __shared__ float pt[ATT_BQ * ATT_BK];
+    __shared__ float dst[ATT_BQ * ATT_BK];
+    __shared__ float lse_s[ATT_BQ], dsum_s[ATT_BQ];
+    const u64 h = blockIdx.y;
+    const u64 i0 = (u64)blockIdx.x * ATT_BQ;
+    const u32 t = threadIdx.x;
+    const u64 head = h * seq * d;
+    att_load<T, ATT_BQ>(qs, q + head, i0, seq, d);
+    att_load<T, ATT_BQ>(dos, dout + head, i0, seq, d);
+    att_load_rows(lse_s, dsum_s, lse + h * seq, dsum + h * seq, i0, seq);
+    float g[ATT_BQ];
+#pragma unroll
+    for (int r = 0; r < ATT_BQ; ++r) g[r] = 0.0f;
+    const u64 last = i0 + ATT_BQ < seq ? i0 + ATT_BQ : seq;
+    const u64 kend = causal ? last : seq;
+    for (u64 j0 = 0; j0 < kend; j0 += ATT_BK) {
+        __syncthreads();
+        att_load<T, ATT_BK>(ks, k + head, j0, seq, d);
+        att_load<T, ATT_BK>(vs, v + head, j0, seq, d);
+        __syncthreads();
+        att_grad_tile(qs, dos, ks, vs, lse_s, dsum_s, pt, dst, i0, j0, h, seq, d, scale, causal,
+                      p, seed, offset);
+        __syncthreads();
+        if (t < d) {
+#pragma unroll
+            for (int r = 0; r < ATT_BQ; ++r) {
+                float a = g[r];
+                for (u32 j = 0; j < ATT_BK; ++j) a += dst[r * ATT_BK + j] * ks[j * ATT_LD + t];
+                g[r] = a;
+            }
+        }
+    }
+    if (t < d) {
+#pragma unroll
+        for (int r = 0; r < ATT_BQ; ++r) {
+            if (i0 + r < seq) dq[head + (i0 + r) * d + t] = from_f32<T>(scale * g[r]);
+        }
+    }
+}
+
+#define ATTENTION(T, S) \
+    extern "C" __global__ void attention_fwd_##S(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_impl<T>(q, k, v, o, lse, seq, d, scale, causal, p, seed, offset); } \
+    extern "C" __global__ void attention_bwd_dot_##S(const T* o, const T* dout, float* dsum, u64 rows, u64 d) { attention_bwd_dot_impl<T>(o, dout, dsum, rows, d); } \
+    extern "C" __global__ void attention_bwd_dkdv_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dk, T* dv, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dkdv_impl<T>(q, k, v, dout, lse, dsum, dk, dv, seq, d, scale, causal, p, seed, offset); } \
+    extern "C" __global__ void attention_bwd_dq_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dq, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dq_impl<T>(q, k, v, dout, lse, dsum, dq, seq, d, scale, causal, p, seed, offset); }
+FOR_DTYPES(ATTENTION)

@@ -366,3 +366,103 @@ mod launches {
         unsafe { exec.launch(ATTENTION_BWD_DQ.of(dtype), cfg, &args) }
     }
 }
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::launches;
+    use crate::cpu::attention as cpu;
+    use crate::cuda::emulate::Emulator;
+    use crate::cuda::emulated_kernels::values;
+    use crate::cuda::registry::ATTENTION_FWD;
+    use crate::dtype::{DType, Element};
+    use crate::params::{AttentionDims, AttentionParams};
+    use half::{bf16, f16};
+
+    fn addr<T>(v: &mut [T]) -> u64 {
+        v.as_mut_ptr() as u64
+    }
+
+    /// `got` within `ulps` units of the dtype's last place of `want` (relative), with a floor
+    /// of the largest `|want|`, at least 1: both sides sum in f32 in different orders and
+    /// round once to `T`.
+    fn close<T: Element>(what: &str, got: &[T], want: &[T], ulps: f32) {
+        let eps = match T::DTYPE {
+            DType::F32 => 1e-6,
+            DType::F16 => 1.0 / 1024.0,
+            DType::BF16 => 1.0 / 128.0,
+        };
+        let floor = want.iter().fold(1.0f32, |m, w| m.max(w.to_f32().abs()));
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            let (g, w) = (g.to_f32(), w.to_f32());
+            let ok = (g - w).abs() <= ulps * eps * (w.abs() + floor);
+            assert!(ok, "{what}[{i}]: emulated {g}, host {w}");
+        }
+    }
+
+    /// The CUDA forward and backward (`launches`, every kernel emulated) against the host
+    /// reference on `[heads, seq, dim]` inputs of `T`.
+    fn case<T: Element>(e: &Emulator, heads: usize, seq: usize, dim: usize, p: AttentionParams) {
+        let dims = AttentionDims { heads, seq, dim };
+        let n = dims.len();
+        let input =
+            |s: u64| -> Vec<T> { values(n, s, -2.0, 2.0).into_iter().map(T::from_f32).collect() };
+        let (mut q, mut k, mut v, mut dout) = (input(1), input(2), input(3), input(4));
+        let (mut out, mut lse) = (vec![T::from_f32(0.0); n], vec![0.0f32; dims.rows()]);
+        cpu::attention(&q, &k, &v, &mut out, &mut lse, dims, &p).unwrap();
+        let mut want = [0, 1, 2].map(|_| vec![T::from_f32(0.0); n]);
+        {
+            let saved = cpu::AttentionSaved { q: &q, k: &k, v: &v, out: &out, lse: &lse };
+            let [a, b, c] = &mut want;
+            cpu::attention_backward(saved, &dout, [a, b, c], dims, &p).unwrap();
+        }
+        let (mut e_out, mut e_lse) = (vec![T::from_f32(9.0); n], vec![9.0f32; dims.rows()]);
+        let io = [addr(&mut q), addr(&mut k), addr(&mut v), addr(&mut e_out), addr(&mut e_lse)];
+        launches::forward(e, T::DTYPE, dims, &p, io).unwrap();
+        let what = format!("{:?} heads {heads} seq {seq} dim {dim} {p:?}", T::DTYPE);
+        close(&format!("out {what}"), &e_out, &out, 2.0);
+        close(&format!("lse {what}"), &e_lse, &lse, 2.0);
+        // The backward reads the host's output, so that both sides start from the same.
+        let mut dsum = vec![0.0f32; dims.rows()];
+        let mut got = [0, 1, 2].map(|_| vec![T::from_f32(9.0); n]);
+        let inputs = [
+            addr(&mut q),
+            addr(&mut k),
+            addr(&mut v),
+            addr(&mut out),
+            addr(&mut lse),
+            addr(&mut dout),
+            addr(&mut dsum),
+        ];
+        let [a, b, c] = &mut got;
+        launches::backward(e, T::DTYPE, dims, &p, inputs, [addr(a), addr(b), addr(c)]).unwrap();
+        for (name, (g, w)) in ["dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+            close(&format!("{name} {what}"), g, w, 4.0);
+        }
+    }
+
+    // The kernels compute what the host computes: every query and key tile (sequences of 1,
+    // of a tile and a part, of two tiles and a part), head dims 64 and 128 and one below a
+    // warp, causal or not, with dropout drawing the host's mask, in every dtype.
+    #[test]
+    fn emulated_kernels_match_the_host_reference() {
+        let Some(e) = Emulator::new(ATTENTION_FWD.of(DType::F32)) else { return };
+        for (seq, dim) in [(1, 64), (19, 64), (33, 128), (21, 24)] {
+            for causal in [false, true] {
+                for drop in [0.0, 0.25] {
+                    let p = AttentionParams::new(causal).with_dropout(drop, 11, 1 << 33);
+                    case::<f32>(&e, 2, seq, dim, p);
+                    case::<bf16>(&e, 1, seq, dim, p);
+                    case::<f16>(&e, 1, seq, dim, p);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn heads_wider_than_the_kernels_are_refused_on_cuda() {
+        let Some(e) = Emulator::new(ATTENTION_FWD.of(DType::F32)) else { return };
+        let dims = AttentionDims { heads: 1, seq: 4, dim: launches::MAX_DIM + 1 };
+        let err = launches::forward(&e, DType::F32, dims, &AttentionParams::new(true), [0; 5]);
+        assert!(err.is_err());
+    }
+}

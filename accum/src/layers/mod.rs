@@ -33,7 +33,8 @@ pub use conv::{
     MaxPool2d, ResidualBlock, ResidualBlockConfig,
 };
 pub use transformer::{
-    PatchEmbed, PatchEmbedConfig, TokenMeanPool, TransformerBlock, TransformerBlockConfig,
+    Attention, BlockSaved, PatchEmbed, PatchEmbedConfig, TokenMeanPool, TransformerBlock,
+    TransformerBlockConfig,
 };
 
 use crate::autocast::{OpKind, accumulate_grad_cast, cast, cast_into};

@@ -249,6 +249,7 @@ impl Op for Backward<'_> {
 mod launches {
     use crate::cuda::registry::{
         ATTENTION_BWD_DKDV, ATTENTION_BWD_DOT, ATTENTION_BWD_DQ, ATTENTION_FWD,
+        ATTENTION_FWD_MMA_BF16, ATTENTION_FWD_MMA_F16, Instance,
     };
     use crate::cuda::{Arg, Exec, launch};
     use crate::dtype::DType;
@@ -258,6 +259,8 @@ mod launches {
 
     /// Rows of a query tile and of a key tile (`ATT_BQ`, `ATT_BK` in `attention.cu`).
     const TILE: usize = 16;
+    /// Query rows of a tensor-core forward block (`ATT_MQ`).
+    const MMA_TILE: usize = 64;
     /// The widest head the kernels take (`ATT_DMAX`).
     pub(super) const MAX_DIM: usize = 128;
     /// Threads per block (`ATT_THREADS`).
@@ -265,7 +268,24 @@ mod launches {
     /// The largest grid.y (heads).
     const MAX_HEADS: usize = 65535;
 
+    /// The tensor-core forward for `dtype` and heads of `dim`, where there is one: 16-bit
+    /// inputs, head dims a multiple of 16 (the f32 path and other widths run on f32 FMAs).
+    pub(super) fn tensor_core_forward(dtype: DType, dim: usize) -> Option<Instance> {
+        if !dim.is_multiple_of(16) || dim > MAX_DIM {
+            return None;
+        }
+        match dtype {
+            DType::F16 => Some(ATTENTION_FWD_MMA_F16.of(dtype)),
+            DType::BF16 => Some(ATTENTION_FWD_MMA_BF16.of(dtype)),
+            DType::F32 => None,
+        }
+    }
+
     fn tiles(dims: &AttentionDims, op: &'static str) -> Result<LaunchConfig> {
+        tiles_of(dims, op, TILE)
+    }
+
+    fn tiles_of(dims: &AttentionDims, op: &'static str, tile: usize) -> Result<LaunchConfig> {
         let refuse = |reason: String| Err(Error::InvalidArgument { op, reason });
         if dims.dim > MAX_DIM {
             return refuse(format!(
@@ -273,14 +293,14 @@ mod launches {
                 dims.dim
             ));
         }
-        if dims.heads > MAX_HEADS || !launch::fits_grid(dims.seq.div_ceil(TILE)) {
+        if dims.heads > MAX_HEADS || !launch::fits_grid(dims.seq.div_ceil(tile)) {
             return refuse(format!(
                 "{} heads of {} tokens exceed a CUDA grid",
                 dims.heads, dims.seq
             ));
         }
         Ok(LaunchConfig {
-            grid_dim: (dims.seq.div_ceil(TILE) as u32, dims.heads as u32, 1),
+            grid_dim: (dims.seq.div_ceil(tile) as u32, dims.heads as u32, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         })
@@ -310,13 +330,17 @@ mod launches {
         if dims.is_empty() {
             return Ok(());
         }
-        let cfg = tiles(&dims, "attention")?;
+        let (kernel, cfg) = match tensor_core_forward(dtype, dims.dim) {
+            Some(kernel) => (kernel, tiles_of(&dims, "attention", MMA_TILE)?),
+            None => (ATTENTION_FWD.of(dtype), tiles(&dims, "attention")?),
+        };
         let mut args = vec![Arg::Ptr(q), Arg::Ptr(k), Arg::Ptr(v), Arg::Ptr(o), Arg::Ptr(lse)];
         args.extend(tail(&dims, p));
-        // SAFETY: attention_fwd_T(q, k, v, o, lse, seq, d, ...): q, k, v and o hold
-        // heads * seq * d elements of `dtype`, lse heads * seq f32 (the op's plan); the grid
-        // covers the query tiles of every head.
-        unsafe { exec.launch(ATTENTION_FWD.of(dtype), cfg, &args) }
+        // SAFETY: attention_fwd_T and attention_fwd_mma_T(q, k, v, o, lse, seq, d, ...): q,
+        // k, v and o hold heads * seq * d elements of `dtype`, lse heads * seq f32 (the op's
+        // plan); the grid covers the kernel's query tiles of every head; the tensor-core
+        // kernel gets only head dims it takes (a multiple of 16, at most 128).
+        unsafe { exec.launch(kernel, cfg, &args) }
     }
 
     /// The backward from `[q, k, v, out, lse, dout, dsum]` (`dsum`: a workspace of
@@ -446,7 +470,7 @@ mod tests {
     #[test]
     fn emulated_kernels_match_the_host_reference() {
         let Some(e) = Emulator::new(ATTENTION_FWD.of(DType::F32)) else { return };
-        for (seq, dim) in [(1, 64), (19, 64), (33, 128), (21, 24)] {
+        for (seq, dim) in [(1, 64), (19, 64), (33, 128), (21, 24), (70, 32)] {
             for causal in [false, true] {
                 for drop in [0.0, 0.25] {
                     let p = AttentionParams::new(causal).with_dropout(drop, 11, 1 << 33);
@@ -456,6 +480,14 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn sixteen_bit_heads_of_multiples_of_16_run_on_tensor_cores() {
+        assert!(launches::tensor_core_forward(DType::BF16, 64).is_some());
+        assert!(launches::tensor_core_forward(DType::F16, 128).is_some());
+        assert!(launches::tensor_core_forward(DType::BF16, 24).is_none());
+        assert!(launches::tensor_core_forward(DType::F32, 64).is_none());
     }
 
     #[test]

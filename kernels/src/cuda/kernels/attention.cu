@@ -280,6 +280,218 @@ __device__ void attention_bwd_dq_impl(const T* q, const T* k, const T* v, const 
     }
 }
 
+// ---- The 16-bit forward on tensor cores ----------------------------------------------
+//
+// FlashAttention-2's forward: a block of 4 warps takes ATT_MQ = 64 query rows, 16 per warp,
+// and visits the keys in tiles of ATT_MK = 64 staged in shared memory. Each warp computes
+// its S = Q K^T (16 x 64) with mma.sync m16n8k16 (16-bit in, f32 accumulate), keeps its
+// rows' online softmax in registers (a row's 64 scores live on the 4 lanes of a quad,
+// reduced with shuffles), turns P into 16-bit A fragments in registers (the C layout of two
+// 16x8 tiles is the A layout of one 16x16) and accumulates O += P V with mma.sync again.
+// Q stays in registers as A fragments for the whole block. Head dims: multiples of 16 up to
+// ATT_DMAX; any sequence length (rows and keys past the end are zeros, masked).
+
+#define ATT_MQ 64
+#define ATT_MK 64
+// Row stride (in 16-bit elements) of the shared K and V tiles: even (pairs are read as one
+// u32), padded by 8.
+#define ATT_MLD (ATT_DMAX + 8)
+
+template <typename T> struct att_is_bf16 { static constexpr bool value = false; };
+template <> struct att_is_bf16<bf16_t> { static constexpr bool value = true; };
+
+// d += a b for one m16n8k16 tile (fragments in PTX's layout, see emulate.rs's shim).
+template <typename T>
+__device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) {
+#ifndef VRAM_HOST_EMULATION
+    if (att_is_bf16<T>::value) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+#else
+    emu_mma_16816(d, a, b, att_is_bf16<T>::value);
+#endif
+}
+
+// Two 16-bit values as one fragment register, `lo` in the low half.
+__device__ __forceinline__ u32 att_pack(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
+
+template <typename T> __device__ __forceinline__ u32 att_pack_f32(float lo, float hi) {
+    return att_pack(from_f32<T>(lo).bits, from_f32<T>(hi).bits);
+}
+
+// Rows [r0, r0 + ATT_MK) of a head's [seq, d] matrix into `tile` (16-bit bits, stride
+// ATT_MLD), zeros past the end; pairs of elements per thread.
+template <typename T>
+__device__ __forceinline__ void att_load16(u16* tile, const T* m, u64 r0, u64 seq, u32 d) {
+    const u32 pairs = d / 2;
+    for (u32 e = threadIdx.x; e < ATT_MK * pairs; e += ATT_THREADS) {
+        const u32 r = e / pairs, c = 2 * (e - r * pairs);
+        u32 w = 0;
+        if (r0 + r < seq) w = att_pack(m[(r0 + r) * d + c].bits, m[(r0 + r) * d + c + 1].bits);
+        *reinterpret_cast<u32*>(tile + r * ATT_MLD + c) = w;
+    }
+}
+
+__device__ __forceinline__ u32 att_pair(const u16* tile, u32 r, u32 c) {
+    return *reinterpret_cast<const u32*>(tile + r * ATT_MLD + c);
+}
+
+template <typename T>
+__device__ void attention_fwd_mma_impl(const T* q, const T* k, const T* v, T* o, float* lse,
+                                       u64 seq, u64 d64, float scale, u32 causal, float pdrop,
+                                       u64 seed, u64 offset) {
+    __shared__ u32 ks_words[ATT_MK * ATT_MLD / 2];
+    __shared__ u32 vs_words[ATT_MK * ATT_MLD / 2];
+    u16* ks = reinterpret_cast<u16*>(ks_words);
+    u16* vs = reinterpret_cast<u16*>(vs_words);
+    const u32 d = (u32)d64;
+    const u64 h = blockIdx.y;
+    const u64 i0 = (u64)blockIdx.x * ATT_MQ;
+    const u32 lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    const u32 g = lane / 4, tg = lane % 4;
+    const u32 nk = d / 16;  // k chunks of the head dim
+    const u32 nd = d / 8;   // n tiles of the output
+    q += h * seq * d;
+    k += h * seq * d;
+    v += h * seq * d;
+    o += h * seq * d;
+    // Q's A fragments, through the K buffer.
+    att_load16<T>(ks, q, i0, seq, d);
+    __syncthreads();
+    u32 qa[ATT_DMAX / 16][4];
+    const u32 qr = w * 16 + g;
+#pragma unroll
+    for (u32 kc = 0; kc < ATT_DMAX / 16; ++kc) {
+        if (kc < nk) {
+            qa[kc][0] = att_pair(ks, qr, kc * 16 + 2 * tg);
+            qa[kc][1] = att_pair(ks, qr + 8, kc * 16 + 2 * tg);
+            qa[kc][2] = att_pair(ks, qr, kc * 16 + 2 * tg + 8);
+            qa[kc][3] = att_pair(ks, qr + 8, kc * 16 + 2 * tg + 8);
+        }
+    }
+    float oacc[ATT_DMAX / 8][4];
+#pragma unroll
+    for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) oacc[dt][0] = oacc[dt][1] = oacc[dt][2] = oacc[dt][3] = 0.0f;
+    // This lane's two rows (g and g + 8 of the warp's 16): running max and partial sum.
+    const u64 row[2] = {i0 + qr, i0 + qr + 8};
+    float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.0f, 0.0f};
+    const u64 last = i0 + ATT_MQ < seq ? i0 + ATT_MQ : seq;
+    const u64 kend = causal ? last : seq;
+    for (u64 j0 = 0; j0 < kend; j0 += ATT_MK) {
+        __syncthreads();
+        att_load16<T>(ks, k, j0, seq, d);
+        att_load16<T>(vs, v, j0, seq, d);
+        __syncthreads();
+        float s[ATT_MK / 8][4];
+#pragma unroll
+        for (u32 nt = 0; nt < ATT_MK / 8; ++nt) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+            for (u32 kc = 0; kc < ATT_DMAX / 16; ++kc) {
+                if (kc < nk) {
+                    const u32 b[2] = {att_pair(ks, nt * 8 + g, kc * 16 + 2 * tg),
+                                      att_pair(ks, nt * 8 + g, kc * 16 + 2 * tg + 8)};
+                    mma_16816<T>(s[nt], qa[kc], b);
+                }
+            }
+        }
+        // Scale, mask, and each row's maximum over the quad.
+        float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (u32 nt = 0; nt < ATT_MK / 8; ++nt) {
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) {
+                const u64 r = row[i / 2], j = j0 + nt * 8 + 2 * tg + i % 2;
+                const bool valid = r < seq && j < seq && !(causal && j > r);
+                s[nt][i] = valid ? s[nt][i] * scale : neg_inf();
+                mx[i / 2] = fmaxf(mx[i / 2], s[nt][i]);
+            }
+        }
+        float alpha[2];
+#pragma unroll
+        for (u32 x = 0; x < 2; ++x) {
+            mx[x] = fmaxf(mx[x], __shfl_xor_sync(0xffffffffu, mx[x], 1));
+            mx[x] = fmaxf(mx[x], __shfl_xor_sync(0xffffffffu, mx[x], 2));
+            const float m_new = fmaxf(m[x], mx[x]);
+            alpha[x] = m_new == neg_inf() ? 1.0f : expf(m[x] - m_new);
+            m[x] = m_new;
+            l[x] *= alpha[x];
+        }
+        // P (undropped into l, dropped into the A fragments).
+#pragma unroll
+        for (u32 nt = 0; nt < ATT_MK / 8; ++nt) {
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) {
+                const u32 x = i / 2;
+                const float e = s[nt][i] == neg_inf() ? 0.0f : expf(s[nt][i] - m[x]);
+                l[x] += e;
+                s[nt][i] = e == 0.0f ? 0.0f
+                                     : e * att_drop(pdrop, seed, offset, seq, h, row[x],
+                                                    j0 + nt * 8 + 2 * tg + i % 2);
+            }
+        }
+#pragma unroll
+        for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+            oacc[dt][0] *= alpha[0];
+            oacc[dt][1] *= alpha[0];
+            oacc[dt][2] *= alpha[1];
+            oacc[dt][3] *= alpha[1];
+        }
+#pragma unroll
+        for (u32 kc = 0; kc < ATT_MK / 16; ++kc) {
+            const u32 pa[4] = {att_pack_f32<T>(s[2 * kc][0], s[2 * kc][1]),
+                               att_pack_f32<T>(s[2 * kc][2], s[2 * kc][3]),
+                               att_pack_f32<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                               att_pack_f32<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+            const u32 key = kc * 16 + 2 * tg;
+#pragma unroll
+            for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+                if (dt < nd) {
+                    const u32 col = dt * 8 + g;
+                    const u32 b[2] = {
+                        att_pack(vs[key * ATT_MLD + col], vs[(key + 1) * ATT_MLD + col]),
+                        att_pack(vs[(key + 8) * ATT_MLD + col], vs[(key + 9) * ATT_MLD + col])};
+                    mma_16816<T>(oacc[dt], pa, b);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (u32 x = 0; x < 2; ++x) {
+        l[x] += __shfl_xor_sync(0xffffffffu, l[x], 1);
+        l[x] += __shfl_xor_sync(0xffffffffu, l[x], 2);
+    }
+#pragma unroll
+    for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+        if (dt < nd) {
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) {
+                const u32 x = i / 2;
+                if (row[x] < seq) o[row[x] * d + dt * 8 + 2 * tg + i % 2] = from_f32<T>(oacc[dt][i] / l[x]);
+            }
+        }
+    }
+    if (tg == 0) {
+#pragma unroll
+        for (u32 x = 0; x < 2; ++x) {
+            if (row[x] < seq) lse[h * seq + row[x]] = m[x] + logf(l[x]);
+        }
+    }
+}
+
+extern "C" __global__ void attention_fwd_mma_f16(const half_t* q, const half_t* k, const half_t* v, half_t* o, float* lse, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_mma_impl<half_t>(q, k, v, o, lse, seq, d, scale, causal, p, seed, offset); }
+extern "C" __global__ void attention_fwd_mma_bf16(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_mma_impl<bf16_t>(q, k, v, o, lse, seq, d, scale, causal, p, seed, offset); }
+
 #define ATTENTION(T, S) \
     extern "C" __global__ void attention_fwd_##S(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_impl<T>(q, k, v, o, lse, seq, d, scale, causal, p, seed, offset); } \
     extern "C" __global__ void attention_bwd_dot_##S(const T* o, const T* dout, float* dsum, u64 rows, u64 d) { attention_bwd_dot_impl<T>(o, dout, dsum, rows, d); } \

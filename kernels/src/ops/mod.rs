@@ -8,8 +8,10 @@
 //! the cuBLAS workspace), so the memory statistics of all three agree. Arithmetic is in f32
 //! whatever the storage dtype. Backward ops take what the forward saved and return fresh
 //! gradient tensors; the in-place ops (`add_assign`, `axpy`, optimizer steps, unscale) name
-//! it. The geometry and configuration types the ops take ([`MatmulSpec`],
-//! [`Conv2dParams`], [`Pool2dParams`], [`SgdConfig`], [`AdamWConfig`]) are re-exported here;
+//! it. Fused attention ([`attention`], [`attention_backward`]) saves its output and row
+//! logsumexps and recomputes the probabilities backward, as FlashAttention-2 does. The
+//! geometry and configuration types the ops take ([`MatmulSpec`], [`Conv2dParams`],
+//! [`Pool2dParams`], [`SgdConfig`], [`AdamWConfig`], [`AttentionParams`]) are re-exported here;
 //! they are defined below the ops, the CPU reference and the CUDA launches, which all read
 //! them.
 

@@ -64,7 +64,8 @@ pub fn attention(
     v: &Tensor,
     params: &AttentionParams,
 ) -> Result<AttentionOutput> {
-    run(Forward { q, k, v, params: *params, dims: None })
+    let dims = dims_of("attention", q, k, v)?;
+    run(Forward { q, k, v, params: *params, dims })
 }
 
 /// Gradients of [`attention`] with respect to `q`, `k` and `v`, from its inputs, what it
@@ -82,7 +83,8 @@ pub fn attention_backward(
     dout: &Tensor,
     params: &AttentionParams,
 ) -> Result<AttentionGrads> {
-    run(Backward { q, k, v, fwd, dout, params: *params, dims: None, dsum: None })
+    let dims = dims_of("attention_backward", q, k, v)?;
+    run(Backward { q, k, v, fwd, dout, params: *params, dims, dsum: None })
 }
 
 /// Checks q, k and v and returns the sizes of the call.
@@ -109,13 +111,8 @@ struct Forward<'a> {
     k: &'a Tensor,
     v: &'a Tensor,
     params: AttentionParams,
-    dims: Option<AttentionDims>,
-}
-
-impl Forward<'_> {
-    fn dims(&self) -> AttentionDims {
-        self.dims.expect("planned")
-    }
+    /// The sizes, from the checked operands.
+    dims: AttentionDims,
 }
 
 impl Op for Forward<'_> {
@@ -129,7 +126,6 @@ impl Op for Forward<'_> {
 
     fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         self.params.validate(Self::NAME)?;
-        self.dims = Some(dims_of(Self::NAME, self.q, self.k, self.v)?);
         Ok(Plan::new([
             OutputSpec::new(self.q.shape(), self.q.dtype()),
             OutputSpec::new(&lse_shape(self.q), DType::F32),
@@ -137,7 +133,7 @@ impl Op for Forward<'_> {
     }
 
     fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
-        let dims = self.dims();
+        let dims = self.dims;
         let [out, lse] = bufs.outputs_mut();
         let lse = lse.out_slice::<f32>(Self::NAME)?;
         with_dtype!(self.q.dtype(), T => {
@@ -152,7 +148,7 @@ impl Op for Forward<'_> {
         let [out, lse] = bufs.outputs_mut();
         let ptrs = [self.q.cuda_ptr()?, self.k.cuda_ptr()?, self.v.cuda_ptr()?];
         let io = [ptrs[0], ptrs[1], ptrs[2], out.cuda_ptr()?, lse.cuda_ptr()?];
-        launches::forward(gpu, self.q.dtype(), self.dims(), &self.params, io)
+        launches::forward(gpu, self.q.dtype(), self.dims, &self.params, io)
     }
 
     fn finish(self, bufs: Buffers<Self::Outs>) -> Result<AttentionOutput> {
@@ -168,7 +164,8 @@ struct Backward<'a> {
     fwd: &'a AttentionOutput,
     dout: &'a Tensor,
     params: AttentionParams,
-    dims: Option<AttentionDims>,
+    /// The sizes, from the checked operands.
+    dims: AttentionDims,
     /// The workspace of `D = rowsum(dO * O)`.
     dsum: Option<usize>,
 }
@@ -185,21 +182,19 @@ impl Op for Backward<'_> {
     fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         const OP: &str = "attention_backward";
         self.params.validate(OP)?;
-        let dims = dims_of(OP, self.q, self.k, self.v)?;
         same_layout(OP, self.q, &self.fwd.out)?;
         same_layout(OP, self.q, self.dout)?;
         expect_shape(OP, &lse_shape(self.q), &self.fwd.lse)?;
         super::expect_dtype(OP, DType::F32, &self.fwd.lse)?;
         super::same_device(OP, self.q, &self.fwd.lse)?;
-        self.dims = Some(dims);
         let spec = || OutputSpec::new(self.q.shape(), self.q.dtype());
         let mut plan = Plan::new([spec(), spec(), spec()]);
-        self.dsum = plan.workspace(dims.rows() * std::mem::size_of::<f32>());
+        self.dsum = plan.workspace(self.dims.rows() * std::mem::size_of::<f32>());
         Ok(plan)
     }
 
     fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
-        let dims = self.dims.expect("planned");
+        let dims = self.dims;
         let [dq, dk, dv] = bufs.outputs_mut();
         let lse = self.fwd.lse.as_slice::<f32>()?;
         with_dtype!(self.q.dtype(), T => {
@@ -233,7 +228,7 @@ impl Op for Backward<'_> {
             dsum,
         ];
         let grads = [dq.cuda_ptr()?, dk.cuda_ptr()?, dv.cuda_ptr()?];
-        let dims = self.dims.expect("planned");
+        let dims = self.dims;
         launches::backward(gpu, self.q.dtype(), dims, &self.params, inputs, grads)
     }
 

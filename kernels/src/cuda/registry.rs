@@ -368,6 +368,20 @@ kernels! {
     /// The same in bf16.
     ATTENTION_FWD_MMA_BF16 = ATTENTION "attention_fwd_mma_bf16" once
         (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+    /// `attention_bwd_dkdv_mma_f16(...)`: `attention_bwd_dkdv`'s parameters, on tensor
+    /// cores, grid (64-key tiles, heads); head dims a multiple of 16.
+    ATTENTION_BWD_DKDV_MMA_F16 = ATTENTION "attention_bwd_dkdv_mma_f16" once
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+    /// The same in bf16.
+    ATTENTION_BWD_DKDV_MMA_BF16 = ATTENTION "attention_bwd_dkdv_mma_bf16" once
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+    /// `attention_bwd_dq_mma_f16(...)`: `attention_bwd_dq`'s parameters, on tensor cores,
+    /// grid (64-row query tiles, heads); head dims a multiple of 16.
+    ATTENTION_BWD_DQ_MMA_F16 = ATTENTION "attention_bwd_dq_mma_f16" once
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+    /// The same in bf16.
+    ATTENTION_BWD_DQ_MMA_BF16 = ATTENTION "attention_bwd_dq_mma_bf16" once
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
     /// `attention_bwd_dot(const T* o, const T* dout, float* dsum, u64 rows, u64 d)`.
     ATTENTION_BWD_DOT = ATTENTION "attention_bwd_dot" dtypes (Ptr, Ptr, Ptr, U64, U64);
     /// `attention_bwd_dkdv(const T* q, const T* k, const T* v, const T* dout, const float*

@@ -18,7 +18,12 @@
 //! offset)` drops on the explicit `[.., seq, seq]` probabilities (see [`AttentionParams`]).
 //!
 //! On a GPU the kernels (`cuda/kernels/attention.cu`) take head dims up to 128 and any
-//! sequence length; the host takes any head dim.
+//! sequence length; f16 and bf16 with head dims a multiple of 16 (64, 128, ...) run forward
+//! and backward on tensor cores (`mma.sync`, f32 accumulate; the probabilities and their
+//! gradients rounded to 16 bits as operands, as FlashAttention does), f32 and other widths
+//! on f32 FMAs. The backward splits the work as FlashAttention-2 does, one block per key
+//! tile for dK and dV and one per query tile for dQ, without its atomics. The host takes
+//! any head dim.
 
 use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
 use super::{expect_shape, invalid, same_layout};
@@ -243,8 +248,9 @@ impl Op for Backward<'_> {
 #[cfg(feature = "cuda")]
 mod launches {
     use crate::cuda::registry::{
-        ATTENTION_BWD_DKDV, ATTENTION_BWD_DOT, ATTENTION_BWD_DQ, ATTENTION_FWD,
-        ATTENTION_FWD_MMA_BF16, ATTENTION_FWD_MMA_F16, Instance,
+        ATTENTION_BWD_DKDV, ATTENTION_BWD_DKDV_MMA_BF16, ATTENTION_BWD_DKDV_MMA_F16,
+        ATTENTION_BWD_DOT, ATTENTION_BWD_DQ, ATTENTION_BWD_DQ_MMA_BF16, ATTENTION_BWD_DQ_MMA_F16,
+        ATTENTION_FWD, ATTENTION_FWD_MMA_BF16, ATTENTION_FWD_MMA_F16, Instance,
     };
     use crate::cuda::{Arg, Exec, launch};
     use crate::dtype::DType;
@@ -263,15 +269,24 @@ mod launches {
     /// The largest grid.y (heads).
     const MAX_HEADS: usize = 65535;
 
-    /// The tensor-core forward for `dtype` and heads of `dim`, where there is one: 16-bit
-    /// inputs, head dims a multiple of 16 (the f32 path and other widths run on f32 FMAs).
-    pub(super) fn tensor_core_forward(dtype: DType, dim: usize) -> Option<Instance> {
+    /// The tensor-core kernels (forward, dK/dV, dQ) for `dtype` and heads of `dim`, where
+    /// there are: 16-bit inputs, head dims a multiple of 16 (the f32 path and other widths
+    /// run on f32 FMAs).
+    pub(super) fn tensor_cores(dtype: DType, dim: usize) -> Option<[Instance; 3]> {
         if !dim.is_multiple_of(16) || dim > MAX_DIM {
             return None;
         }
         match dtype {
-            DType::F16 => Some(ATTENTION_FWD_MMA_F16.of(dtype)),
-            DType::BF16 => Some(ATTENTION_FWD_MMA_BF16.of(dtype)),
+            DType::F16 => Some([
+                ATTENTION_FWD_MMA_F16.of(dtype),
+                ATTENTION_BWD_DKDV_MMA_F16.of(dtype),
+                ATTENTION_BWD_DQ_MMA_F16.of(dtype),
+            ]),
+            DType::BF16 => Some([
+                ATTENTION_FWD_MMA_BF16.of(dtype),
+                ATTENTION_BWD_DKDV_MMA_BF16.of(dtype),
+                ATTENTION_BWD_DQ_MMA_BF16.of(dtype),
+            ]),
             DType::F32 => None,
         }
     }
@@ -325,8 +340,8 @@ mod launches {
         if dims.is_empty() {
             return Ok(());
         }
-        let (kernel, cfg) = match tensor_core_forward(dtype, dims.dim) {
-            Some(kernel) => (kernel, tiles_of(&dims, "attention", MMA_TILE)?),
+        let (kernel, cfg) = match tensor_cores(dtype, dims.dim) {
+            Some([kernel, ..]) => (kernel, tiles_of(&dims, "attention", MMA_TILE)?),
             None => (ATTENTION_FWD.of(dtype), tiles(&dims, "attention")?),
         };
         let mut args = vec![Arg::Ptr(q), Arg::Ptr(k), Arg::Ptr(v), Arg::Ptr(o), Arg::Ptr(lse)];
@@ -351,7 +366,11 @@ mod launches {
         if dims.is_empty() {
             return Ok(());
         }
-        let cfg = tiles(&dims, "attention_backward")?;
+        const OP: &str = "attention_backward";
+        let (dkdv, dq_kernel, cfg) = match tensor_cores(dtype, dims.dim) {
+            Some([_, dkdv, dq]) => (dkdv, dq, tiles_of(&dims, OP, MMA_TILE)?),
+            None => (ATTENTION_BWD_DKDV.of(dtype), ATTENTION_BWD_DQ.of(dtype), tiles(&dims, OP)?),
+        };
         let rows = dims.rows();
         // SAFETY: attention_bwd_dot_T(o, dout, dsum, rows, d): o and dout hold rows * d
         // elements, dsum rows f32.
@@ -373,16 +392,17 @@ mod launches {
         let mut args = head.to_vec();
         args.extend([Arg::Ptr(dk), Arg::Ptr(dv)]);
         args.extend(tail(&dims, p));
-        // SAFETY: attention_bwd_dkdv_T(q, k, v, dout, lse, dsum, dk, dv, seq, d, ...): every
-        // [heads, seq, d] array holds heads * seq * d elements of `dtype`, lse and dsum
-        // heads * seq f32; the grid covers the key tiles of every head (key tiles are as
-        // long as query tiles).
-        unsafe { exec.launch(ATTENTION_BWD_DKDV.of(dtype), cfg, &args)? };
+        // SAFETY: attention_bwd_dkdv[_mma]_T(q, k, v, dout, lse, dsum, dk, dv, seq, d, ...):
+        // every [heads, seq, d] array holds heads * seq * d elements of `dtype`, lse and
+        // dsum heads * seq f32; the grid covers the key tiles of every head (key tiles are
+        // as long as query tiles); the tensor-core kernels get only head dims they take.
+        unsafe { exec.launch(dkdv, cfg, &args)? };
         let mut args = head.to_vec();
         args.push(Arg::Ptr(dq));
         args.extend(tail(&dims, p));
-        // SAFETY: attention_bwd_dq_T(q, k, v, dout, lse, dsum, dq, seq, d, ...): as above.
-        unsafe { exec.launch(ATTENTION_BWD_DQ.of(dtype), cfg, &args) }
+        // SAFETY: attention_bwd_dq[_mma]_T(q, k, v, dout, lse, dsum, dq, seq, d, ...): as
+        // above.
+        unsafe { exec.launch(dq_kernel, cfg, &args) }
     }
 }
 
@@ -479,10 +499,10 @@ mod tests {
 
     #[test]
     fn sixteen_bit_heads_of_multiples_of_16_run_on_tensor_cores() {
-        assert!(launches::tensor_core_forward(DType::BF16, 64).is_some());
-        assert!(launches::tensor_core_forward(DType::F16, 128).is_some());
-        assert!(launches::tensor_core_forward(DType::BF16, 24).is_none());
-        assert!(launches::tensor_core_forward(DType::F32, 64).is_none());
+        assert!(launches::tensor_cores(DType::BF16, 64).is_some());
+        assert!(launches::tensor_cores(DType::F16, 128).is_some());
+        assert!(launches::tensor_cores(DType::BF16, 24).is_none());
+        assert!(launches::tensor_cores(DType::F32, 64).is_none());
     }
 
     #[test]

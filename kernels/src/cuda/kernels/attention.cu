@@ -8,9 +8,12 @@
 // gradient element has one writer and no atomics are needed (FlashAttention-2 adds dQ with
 // atomics instead).
 //
-// Tiles are held in shared memory as f32 and multiplied with f32 FMAs on every dtype; the
-// thread that owns column c (threadIdx.x) of the head dimension keeps that column of the
-// block's accumulator in registers. Head dims up to ATT_DMAX; any sequence length (rows and
+// Two paths. f16 and bf16 with head dims a multiple of 16 run on tensor cores (`_mma`
+// kernels below: mma.sync m16n8k16, 16-bit in, f32 accumulate, 64-row tiles, 16 rows a
+// warp). Everything else (f32, other head dims) runs the kernels here: tiles of 16 rows
+// held in shared memory as f32 and multiplied with f32 FMAs; the thread that owns column c
+// (threadIdx.x) of the head dimension keeps that column of the block's accumulator in
+// registers. Head dims up to ATT_DMAX; any sequence length (rows and
 // keys past the end are masked). Dropout draws the probability (h, i, j) from element
 // offset + (h * seq + i) * seq + j of the stream `seed`, as ops::dropout on the explicit
 // probabilities [heads, seq, seq] would.
@@ -346,6 +349,224 @@ __device__ __forceinline__ u32 att_pair(const u16* tile, u32 r, u32 c) {
     return *reinterpret_cast<const u32*>(tile + r * ATT_MLD + c);
 }
 
+// A warp's A fragments of rows [r, r + 16) of `tile` (r = warp * 16), nk chunks of 16
+// columns.
+__device__ __forceinline__ void att_frags(u32 (*a)[4], const u16* tile, u32 r, u32 nk) {
+    const u32 lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
+#pragma unroll
+    for (u32 kc = 0; kc < ATT_DMAX / 16; ++kc) {
+        if (kc < nk) {
+            a[kc][0] = att_pair(tile, r + g, kc * 16 + 2 * tg);
+            a[kc][1] = att_pair(tile, r + g + 8, kc * 16 + 2 * tg);
+            a[kc][2] = att_pair(tile, r + g, kc * 16 + 2 * tg + 8);
+            a[kc][3] = att_pair(tile, r + g + 8, kc * 16 + 2 * tg + 8);
+        }
+    }
+}
+
+// s (16 x ATT_MK, C fragments) = A (16 x d, fragments a) times the transpose of the
+// ATT_MK rows of `tile` (ATT_MK x d): each output column is one row of the tile.
+template <typename T>
+__device__ __forceinline__ void att_mma_rows(float (*s)[4], const u32 (*a)[4], const u16* tile,
+                                             u32 nk) {
+    const u32 lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
+#pragma unroll
+    for (u32 nt = 0; nt < ATT_MK / 8; ++nt) {
+        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+        for (u32 kc = 0; kc < ATT_DMAX / 16; ++kc) {
+            if (kc < nk) {
+                const u32 b[2] = {att_pair(tile, nt * 8 + g, kc * 16 + 2 * tg),
+                                  att_pair(tile, nt * 8 + g, kc * 16 + 2 * tg + 8)};
+                mma_16816<T>(s[nt], a[kc], b);
+            }
+        }
+    }
+}
+
+// acc (16 x d, C fragments, nd tiles of 8 columns) += c (16 x ATT_MK, C fragments, rounded
+// to T as A fragments) times `tile` (ATT_MK x d).
+template <typename T>
+__device__ __forceinline__ void att_mma_acc(float (*acc)[4], const float (*c)[4], const u16* tile,
+                                            u32 nd) {
+    const u32 lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
+#pragma unroll
+    for (u32 kc = 0; kc < ATT_MK / 16; ++kc) {
+        const u32 pa[4] = {att_pack_f32<T>(c[2 * kc][0], c[2 * kc][1]),
+                           att_pack_f32<T>(c[2 * kc][2], c[2 * kc][3]),
+                           att_pack_f32<T>(c[2 * kc + 1][0], c[2 * kc + 1][1]),
+                           att_pack_f32<T>(c[2 * kc + 1][2], c[2 * kc + 1][3])};
+        const u32 key = kc * 16 + 2 * tg;
+#pragma unroll
+        for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+            if (dt < nd) {
+                const u32 col = dt * 8 + g;
+                const u32 b[2] = {
+                    att_pack(tile[key * ATT_MLD + col], tile[(key + 1) * ATT_MLD + col]),
+                    att_pack(tile[(key + 8) * ATT_MLD + col], tile[(key + 9) * ATT_MLD + col])};
+                mma_16816<T>(acc[dt], pa, b);
+            }
+        }
+    }
+}
+
+// The backward on tensor cores, FlashAttention-2's split without its atomics: a block of
+// 4 warps per 64 keys (16 a warp) accumulates dK = scale dS^T Q and dV = P~^T dO over the
+// query tiles in registers, computing S^T = K Q^T and dP^T = V dO^T with K and V as
+// register fragments; a block per 64 queries accumulates dQ = scale dS K, computing
+// S = Q K^T and dP = dO V^T with Q and dO as register fragments. P~ and dS are rounded to
+// T as mma operands, as FlashAttention does.
+template <typename T>
+__device__ void attention_bwd_dkdv_mma_impl(const T* q, const T* k, const T* v, const T* dout,
+                                            const float* lse, const float* dsum, T* dk, T* dv,
+                                            u64 seq, u64 d64, float scale, u32 causal,
+                                            float pdrop, u64 seed, u64 offset) {
+    __shared__ u32 qs_words[ATT_MK * ATT_MLD / 2];
+    __shared__ u32 dos_words[ATT_MK * ATT_MLD / 2];
+    __shared__ float lse_s[ATT_MK], dsum_s[ATT_MK];
+    u16* qs = reinterpret_cast<u16*>(qs_words);
+    u16* dos = reinterpret_cast<u16*>(dos_words);
+    const u32 d = (u32)d64;
+    const u64 h = blockIdx.y;
+    const u64 j0 = (u64)blockIdx.x * ATT_MK;
+    const u32 lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    const u32 g = lane / 4, tg = lane % 4;
+    const u32 nk = d / 16, nd = d / 8;
+    const u64 head = h * seq * d;
+    u32 ka[ATT_DMAX / 16][4], va[ATT_DMAX / 16][4];
+    att_load16<T>(qs, k + head, j0, seq, d);
+    att_load16<T>(dos, v + head, j0, seq, d);
+    __syncthreads();
+    att_frags(ka, qs, w * 16, nk);
+    att_frags(va, dos, w * 16, nk);
+    float gk[ATT_DMAX / 8][4], gv[ATT_DMAX / 8][4];
+#pragma unroll
+    for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+#pragma unroll
+        for (u32 i = 0; i < 4; ++i) gk[dt][i] = gv[dt][i] = 0.0f;
+    }
+    const u64 key[2] = {j0 + w * 16 + g, j0 + w * 16 + g + 8};
+    const u64 first = causal ? j0 : 0;
+    for (u64 i0 = first; i0 < seq; i0 += ATT_MQ) {
+        __syncthreads();
+        att_load16<T>(qs, q + head, i0, seq, d);
+        att_load16<T>(dos, dout + head, i0, seq, d);
+        if (threadIdx.x < ATT_MQ) {
+            const u64 r = i0 + threadIdx.x;
+            lse_s[threadIdx.x] = r < seq ? lse[h * seq + r] : 0.0f;
+            dsum_s[threadIdx.x] = r < seq ? dsum[h * seq + r] : 0.0f;
+        }
+        __syncthreads();
+        float st[ATT_MK / 8][4], dpt[ATT_MK / 8][4];
+        att_mma_rows<T>(st, ka, qs, nk);
+        att_mma_rows<T>(dpt, va, dos, nk);
+#pragma unroll
+        for (u32 nt = 0; nt < ATT_MK / 8; ++nt) {
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) {
+                const u32 c = nt * 8 + 2 * tg + i % 2;
+                const u64 kj = key[i / 2], qi = i0 + c;
+                float pd = 0.0f, ds = 0.0f;
+                if (kj < seq && qi < seq && !(causal && kj > qi)) {
+                    const float pr = expf(st[nt][i] * scale - lse_s[c]);
+                    const float f = att_drop(pdrop, seed, offset, seq, h, qi, kj);
+                    pd = pr * f;
+                    ds = pr * (f * dpt[nt][i] - dsum_s[c]);
+                }
+                st[nt][i] = pd;
+                dpt[nt][i] = ds;
+            }
+        }
+        att_mma_acc<T>(gv, st, dos, nd);
+        att_mma_acc<T>(gk, dpt, qs, nd);
+    }
+#pragma unroll
+    for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+        if (dt < nd) {
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) {
+                const u64 kj = key[i / 2];
+                if (kj < seq) {
+                    const u64 at = head + kj * d + dt * 8 + 2 * tg + i % 2;
+                    dk[at] = from_f32<T>(scale * gk[dt][i]);
+                    dv[at] = from_f32<T>(gv[dt][i]);
+                }
+            }
+        }
+    }
+}
+
+template <typename T>
+__device__ void attention_bwd_dq_mma_impl(const T* q, const T* k, const T* v, const T* dout,
+                                          const float* lse, const float* dsum, T* dq, u64 seq,
+                                          u64 d64, float scale, u32 causal, float pdrop, u64 seed,
+                                          u64 offset) {
+    __shared__ u32 ks_words[ATT_MK * ATT_MLD / 2];
+    __shared__ u32 vs_words[ATT_MK * ATT_MLD / 2];
+    u16* ks = reinterpret_cast<u16*>(ks_words);
+    u16* vs = reinterpret_cast<u16*>(vs_words);
+    const u32 d = (u32)d64;
+    const u64 h = blockIdx.y;
+    const u64 i0 = (u64)blockIdx.x * ATT_MQ;
+    const u32 lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    const u32 g = lane / 4, tg = lane % 4;
+    const u32 nk = d / 16, nd = d / 8;
+    const u64 head = h * seq * d;
+    u32 qa[ATT_DMAX / 16][4], da[ATT_DMAX / 16][4];
+    att_load16<T>(ks, q + head, i0, seq, d);
+    att_load16<T>(vs, dout + head, i0, seq, d);
+    __syncthreads();
+    att_frags(qa, ks, w * 16, nk);
+    att_frags(da, vs, w * 16, nk);
+    const u64 row[2] = {i0 + w * 16 + g, i0 + w * 16 + g + 8};
+    float lse_r[2], dsum_r[2];
+#pragma unroll
+    for (u32 x = 0; x < 2; ++x) {
+        lse_r[x] = row[x] < seq ? lse[h * seq + row[x]] : 0.0f;
+        dsum_r[x] = row[x] < seq ? dsum[h * seq + row[x]] : 0.0f;
+    }
+    float gq[ATT_DMAX / 8][4];
+#pragma unroll
+    for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) gq[dt][0] = gq[dt][1] = gq[dt][2] = gq[dt][3] = 0.0f;
+    const u64 last = i0 + ATT_MQ < seq ? i0 + ATT_MQ : seq;
+    const u64 kend = causal ? last : seq;
+    for (u64 j0 = 0; j0 < kend; j0 += ATT_MK) {
+        __syncthreads();
+        att_load16<T>(ks, k + head, j0, seq, d);
+        att_load16<T>(vs, v + head, j0, seq, d);
+        __syncthreads();
+        float s[ATT_MK / 8][4], dp[ATT_MK / 8][4];
+        att_mma_rows<T>(s, qa, ks, nk);
+        att_mma_rows<T>(dp, da, vs, nk);
+#pragma unroll
+        for (u32 nt = 0; nt < ATT_MK / 8; ++nt) {
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) {
+                const u32 x = i / 2;
+                const u64 qi = row[x], kj = j0 + nt * 8 + 2 * tg + i % 2;
+                float ds = 0.0f;
+                if (qi < seq && kj < seq && !(causal && kj > qi)) {
+                    const float pr = expf(s[nt][i] * scale - lse_r[x]);
+                    const float f = att_drop(pdrop, seed, offset, seq, h, qi, kj);
+                    ds = pr * (f * dp[nt][i] - dsum_r[x]);
+                }
+                s[nt][i] = ds;
+            }
+        }
+        att_mma_acc<T>(gq, s, ks, nd);
+    }
+#pragma unroll
+    for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+        if (dt < nd) {
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) {
+                const u64 qi = row[i / 2];
+                if (qi < seq) dq[head + qi * d + dt * 8 + 2 * tg + i % 2] = from_f32<T>(scale * gq[dt][i]);
+            }
+        }
+    }
+}
+
 template <typename T>
 __device__ void attention_fwd_mma_impl(const T* q, const T* k, const T* v, T* o, float* lse,
                                        u64 seq, u64 d64, float scale, u32 causal, float pdrop,
@@ -491,6 +712,12 @@ __device__ void attention_fwd_mma_impl(const T* q, const T* k, const T* v, T* o,
 
 extern "C" __global__ void attention_fwd_mma_f16(const half_t* q, const half_t* k, const half_t* v, half_t* o, float* lse, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_mma_impl<half_t>(q, k, v, o, lse, seq, d, scale, causal, p, seed, offset); }
 extern "C" __global__ void attention_fwd_mma_bf16(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_mma_impl<bf16_t>(q, k, v, o, lse, seq, d, scale, causal, p, seed, offset); }
+
+#define ATTENTION_BWD_MMA(T, S) \
+    extern "C" __global__ void attention_bwd_dkdv_mma_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dk, T* dv, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dkdv_mma_impl<T>(q, k, v, dout, lse, dsum, dk, dv, seq, d, scale, causal, p, seed, offset); } \
+    extern "C" __global__ void attention_bwd_dq_mma_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dq, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dq_mma_impl<T>(q, k, v, dout, lse, dsum, dq, seq, d, scale, causal, p, seed, offset); }
+ATTENTION_BWD_MMA(half_t, f16)
+ATTENTION_BWD_MMA(bf16_t, bf16)
 
 #define ATTENTION(T, S) \
     extern "C" __global__ void attention_fwd_##S(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_impl<T>(q, k, v, o, lse, seq, d, scale, causal, p, seed, offset); } \

@@ -35,16 +35,16 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// The dropout of one call: which probabilities survive and the factor on those that do.
 #[derive(Clone, Copy)]
-struct Drop {
+struct Dropping {
     p: f32,
     seed: u64,
     offset: u64,
     keep_scale: f32,
 }
 
-impl Drop {
-    fn of(params: &AttentionParams) -> Option<Drop> {
-        (params.dropout > 0.0).then(|| Drop {
+impl Dropping {
+    fn of(params: &AttentionParams) -> Option<Dropping> {
+        (params.dropout > 0.0).then(|| Dropping {
             p: params.dropout,
             seed: params.seed,
             offset: params.offset,
@@ -53,7 +53,7 @@ impl Drop {
     }
 
     /// The factor on probability `(h, i, j)`: `1 / (1 - p)` when kept, else 0.
-    fn factor(drop: Option<Drop>, dims: &AttentionDims, h: usize, i: usize, j: usize) -> f32 {
+    fn factor(drop: Option<Dropping>, dims: &AttentionDims, h: usize, i: usize, j: usize) -> f32 {
         match drop {
             None => 1.0,
             Some(d) => {
@@ -75,6 +75,12 @@ fn check(
     tensors: &[(&str, usize)],
     lse: usize,
 ) -> Result<()> {
+    if dims.dim == 0 && dims.rows() > 0 {
+        return Err(crate::error::Error::InvalidArgument {
+            op,
+            reason: format!("head dim 0 with {} rows", dims.rows()),
+        });
+    }
     for &(what, len) in tensors {
         check_len(op, what, len, dims.len())?;
     }
@@ -108,7 +114,7 @@ pub fn attention<T: Element>(
     let (q, k, v) = (widen_f32(q), widen_f32(k), widen_f32(v));
     let AttentionDims { seq, dim, .. } = dims;
     let scale = params.scale_for(dim);
-    let drop = Drop::of(params);
+    let drop = Dropping::of(params);
     out.par_chunks_mut(dim)
         .zip(lse.par_iter_mut())
         .enumerate()
@@ -137,7 +143,7 @@ pub fn attention<T: Element>(
                 for j in j0..j1 {
                     let e = (scores[j - j0] - m_new).exp();
                     l += e;
-                    let w = e * Drop::factor(drop, &dims, h, i, j);
+                    let w = e * Dropping::factor(drop, &dims, h, i, j);
                     if w != 0.0 {
                         let vj = &v[head + j * dim..head + (j + 1) * dim];
                         acc.iter_mut().zip(vj).for_each(|(a, &x)| *a += w * x);
@@ -204,7 +210,7 @@ pub fn attention_backward<T: Element>(
     let lse = saved.lse;
     let AttentionDims { seq, dim, .. } = dims;
     let scale = params.scale_for(dim);
-    let drop = Drop::of(params);
+    let drop = Dropping::of(params);
     let causal = params.causal;
     fn row_of(t: &[f32], r: usize, dim: usize) -> &[f32] {
         &t[r * dim..(r + 1) * dim]
@@ -216,7 +222,7 @@ pub fn attention_backward<T: Element>(
     let grad = |h: usize, i: usize, j: usize| -> (f32, f32) {
         let (qr, kr) = (h * seq + i, h * seq + j);
         let p = (scale * dot(row(&q, qr), row(&k, kr)) - lse[qr]).exp();
-        let f = Drop::factor(drop, &dims, h, i, j);
+        let f = Dropping::factor(drop, &dims, h, i, j);
         let dp = if f == 0.0 { 0.0 } else { f * dot(row(&d_o, qr), row(&v, kr)) };
         (p * f, p * (dp - dsum[qr]))
     };

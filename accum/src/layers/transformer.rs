@@ -236,6 +236,16 @@ enum AttentionSaved {
     },
 }
 
+/// What attention gives the block: the per-head output, the per-head queries, keys and
+/// values as attended (kept for backward) and what else the backward needs.
+struct Attended {
+    out: Tensor,
+    qh: Tensor,
+    kh: Tensor,
+    vh: Tensor,
+    saved: AttentionSaved,
+}
+
 /// What a [`TransformerBlock`] keeps for backward.
 #[derive(Debug)]
 pub struct BlockSaved {
@@ -363,33 +373,31 @@ impl TransformerBlock {
     /// Fused attention of the per-head `qh`, `kh`, `vh` (under autocast in the products'
     /// low dtype, as PyTorch's autocast runs `scaled_dot_product_attention`): the per-head
     /// output, the inputs as attended, and what the backward needs.
-    #[allow(clippy::type_complexity)]
     fn attend_fused(
         &self,
         qh: Tensor,
         kh: Tensor,
         vh: Tensor,
         ctx: &mut ForwardCtx,
-    ) -> Result<(Tensor, Tensor, Tensor, Tensor, AttentionSaved)> {
+    ) -> Result<Attended> {
         let dt = qh.dtype();
         let mm = ctx.op_dtype(OpKind::Matmul, &[dt]).unwrap_or(dt);
         let (qh, kh, vh) = (cast_into(qh, mm)?, cast_into(kh, mm)?, cast_into(vh, mm)?);
         let params = self.attention_params(qh.shape()[0], ctx)?;
         let fwd = ops::attention(&qh, &kh, &vh, &params)?;
         let out = fwd.out.clone();
-        Ok((out, qh, kh, vh, AttentionSaved::Fused { fwd, params }))
+        Ok(Attended { out, qh, kh, vh, saved: AttentionSaved::Fused { fwd, params } })
     }
 
     /// The explicit composition: `q k^T`, scale, softmax (f32 under autocast), dropout,
     /// `p v`.
-    #[allow(clippy::type_complexity)]
     fn attend_explicit(
         &self,
         qh: Tensor,
         kh: Tensor,
         vh: Tensor,
         ctx: &mut ForwardCtx,
-    ) -> Result<(Tensor, Tensor, Tensor, Tensor, AttentionSaved)> {
+    ) -> Result<Attended> {
         let dt = qh.dtype();
         let mm = ctx.op_dtype(OpKind::Matmul, &[dt]).unwrap_or(dt);
         let (qh, kh) = (cast_into(qh, mm)?, cast_into(kh, mm)?);
@@ -405,7 +413,8 @@ impl TransformerBlock {
         let pv = pv.unwrap_or(dropped.dtype());
         let (pv_lhs, vh) = (cast_into(dropped, pv)?, cast_into(vh, pv)?);
         let ctx_h = ops::matmul(&pv_lhs, &vh, false, false)?;
-        Ok((ctx_h, qh, kh, vh, AttentionSaved::Explicit { probs, pv_lhs, drop_p }))
+        let saved = AttentionSaved::Explicit { probs, pv_lhs, drop_p };
+        Ok(Attended { out: ctx_h, qh, kh, vh, saved })
     }
 
     /// The gradients of the per-head queries, keys and values from the per-head output's
@@ -485,7 +494,7 @@ impl Layer for TransformerBlock {
         let qkv_dtype = q.dtype();
         let (qh, kh, vh) =
             (self.split_heads(q, b)?, self.split_heads(k, b)?, self.split_heads(v, b)?);
-        let (ctx_h, qh, kh, vh, attn_saved) = match self.attention {
+        let Attended { out: ctx_h, qh, kh, vh, saved: attn_saved } = match self.attention {
             Attention::Fused => self.attend_fused(qh, kh, vh, ctx)?,
             Attention::Explicit => self.attend_explicit(qh, kh, vh, ctx)?,
         };

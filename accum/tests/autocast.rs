@@ -4,7 +4,7 @@
 //! backward, and the refusal of layers without autocast rules.
 
 use vram_accum::layers::{
-    Act, Activation, BottleneckConfig, ClassifierHeadConfig, Conv2dConfig, Dropout,
+    Act, Activation, Attention, BottleneckConfig, ClassifierHeadConfig, Conv2dConfig, Dropout,
     InvertedResidualConfig, LayerNormConfig, LinearConfig, ResidualBlockConfig, ResidualMlpConfig,
     TransformerBlockConfig,
 };
@@ -161,11 +161,29 @@ fn each_layer_under_autocast_matches_f32_and_has_pytorchs_dtypes() {
         };
         compare("TransformerBlock", make, &xb, low, 8.0, |y, s| {
             assert_eq!(y.dtype(), DType::F32, "residual stream");
-            let (probs, pv) = s.attention_probs();
-            assert_eq!((probs.dtype(), pv.dtype()), (DType::F32, low), "probabilities");
+            // Fused attention (the default) runs in 16 bits, as autocast runs SDPA; its
+            // logsumexp is f32.
+            assert!(s.attention_probs().is_none(), "fused attention saves no probabilities");
+            let (out, lse) = s.attention_output_and_lse().unwrap();
+            assert_eq!((out.dtype(), lse.dtype()), (low, DType::F32), "attention output");
             assert_eq!(s.queries().dtype(), low);
             let (ln_in, q_in) = s.ln1_and_q_inputs();
             assert_eq!((ln_in.dtype(), q_in.dtype()), (DType::F32, low));
+        });
+        let make_explicit = || {
+            TransformerBlockConfig::new(d, 2, seq)
+                .with_dropout(0.1)
+                .with_seed(7)
+                .with_attention(Attention::Explicit)
+                .init(&dev)
+                .unwrap()
+        };
+        compare("TransformerBlock (explicit)", make_explicit, &xb, low, 8.0, |y, s| {
+            assert_eq!(y.dtype(), DType::F32, "residual stream");
+            let (probs, pv) = s.attention_probs().unwrap();
+            assert_eq!((probs.dtype(), pv.dtype()), (DType::F32, low), "probabilities");
+            assert!(s.attention_output_and_lse().is_none());
+            assert_eq!(s.queries().dtype(), low);
         });
     }
 }

@@ -3,7 +3,7 @@
 //! coordinates, for a loss `L = sum(y * r)` with fixed random `r` (so `dL/dy = r`).
 
 use vram_accum::layers::{
-    Act, BottleneckConfig, ClassifierHeadConfig, Conv2dConfig, InvertedResidualConfig,
+    Act, Attention, BottleneckConfig, ClassifierHeadConfig, Conv2dConfig, InvertedResidualConfig,
     LinearConfig, PatchEmbedConfig, ResidualBlockConfig, TokenMeanPool, TransformerBlockConfig,
 };
 use vram_accum::{BoxedLayer, ForwardCtx, Mode};
@@ -100,21 +100,24 @@ fn check(name: &str, mut layer: BoxedLayer, dev: &Device, shape: &[usize]) {
 #[test]
 fn multi_head_attention_blocks_match_finite_differences() {
     let dev = Device::host(64 << 20);
-    for causal in [true, false] {
-        // 2 sequences of 5 tokens, width 8, 2 heads of 4; a larger init so that attention
-        // is not uniform and the MLP is not linear.
-        let block = TransformerBlockConfig::new(8, 2, 5)
-            .with_causal(causal)
-            .with_init(0.3, 1)
-            .with_seed(4)
-            .init(&dev)
-            .unwrap();
-        check(
-            &format!("TransformerBlock(causal={causal})"),
-            BoxedLayer::new(block),
-            &dev,
-            &[10, 8],
-        );
+    for attention in [Attention::Fused, Attention::Explicit] {
+        for causal in [true, false] {
+            // 2 sequences of 5 tokens, width 8, 2 heads of 4; a larger init so that
+            // attention is not uniform and the MLP is not linear.
+            let block = TransformerBlockConfig::new(8, 2, 5)
+                .with_causal(causal)
+                .with_attention(attention)
+                .with_init(0.3, 1)
+                .with_seed(4)
+                .init(&dev)
+                .unwrap();
+            check(
+                &format!("TransformerBlock(causal={causal}, {attention:?})"),
+                BoxedLayer::new(block),
+                &dev,
+                &[10, 8],
+            );
+        }
     }
 }
 
@@ -221,4 +224,57 @@ fn vit_patch_embedding_and_token_pool_match_finite_differences() {
         vram_accum::Layer::forward(&mut p.unwrap(), &wrong, &mut ForwardCtx::new(Mode::Train, 0));
     assert!(e.unwrap_err().to_string().contains("9 patches"));
     let _ = ops::relu; // the ops crate is the layers' only dependency
+}
+
+/// A training forward and backward of a block with `attention`: the output, the input's
+/// gradient and every parameter's gradient, and the bytes its saved state holds.
+fn block_run(attention: Attention, causal: bool, seq: usize) -> (Vec<Vec<f32>>, u64) {
+    let dev = Device::host(1 << 30);
+    let mut block = TransformerBlockConfig::new(16, 2, seq)
+        .with_causal(causal)
+        .with_dropout(0.2)
+        .with_attention(attention)
+        .with_init(0.3, 1)
+        .with_seed(5)
+        .init(&dev)
+        .unwrap();
+    let x = Tensor::from_f32_slice(&dev, &[2 * seq, 16], &values(32 * seq, 1, 1.0), DType::F32)
+        .unwrap();
+    let r = Tensor::from_f32_slice(&dev, &[2 * seq, 16], &values(32 * seq, 2, 1.0), DType::F32)
+        .unwrap();
+    let before = dev.memory_allocated();
+    let mut ctx = ForwardCtx::new(Mode::Train, 9);
+    let (y, saved) = vram_accum::Layer::forward(&mut block, &x, &mut ctx).unwrap();
+    let saved_bytes = dev.memory_allocated() - before - y.size_in_bytes() as u64;
+    let dx = vram_accum::Layer::backward(&mut block, saved.unwrap(), r, true).unwrap().unwrap();
+    let mut out = vec![y.to_f32_vec().unwrap(), dx.to_f32_vec().unwrap()];
+    for p in vram_accum::Layer::params(&block) {
+        out.push(p.grad.as_ref().unwrap().to_f32_vec().unwrap());
+    }
+    (out, saved_bytes)
+}
+
+// Fused attention is a drop-in for the explicit form: with dropout on the probabilities and
+// both residual branches (the same seed gives the same masks, and the fused op takes the
+// same offsets, so the branches' masks agree too), the block's output, input gradient and
+// every parameter gradient agree to f32 rounding, causal or not, and the fused block saves
+// less (no [b * heads, seq, seq] probabilities).
+#[test]
+fn fused_attention_blocks_equal_explicit_ones_and_save_less() {
+    for causal in [true, false] {
+        let (fused, fused_bytes) = block_run(Attention::Fused, causal, 19);
+        let (explicit, explicit_bytes) = block_run(Attention::Explicit, causal, 19);
+        for (i, (f, e)) in fused.iter().zip(&explicit).enumerate() {
+            // A floor of 0.1: the key bias's gradient is 0 up to rounding (softmax ignores
+            // a constant added to a row's scores), so both sides are noise there.
+            let scale = e.iter().fold(0.1f32, |m, v| m.max(v.abs()));
+            for (a, b) in f.iter().zip(e) {
+                assert!((a - b).abs() <= 1e-4 * scale, "tensor {i}: fused {a}, explicit {b}");
+            }
+        }
+        // Probabilities and their dropped copy: 2 [4, 19, 19] f32 tensors, in 512-byte blocks;
+        // fused keeps the [4, 19, 8] output and the [4, 19] logsumexp instead.
+        assert!(explicit_bytes >= fused_bytes + 2 * 4 * 19 * 19 * 4 - 2 * 4 * 19 * 9 * 4);
+        assert!(fused_bytes < explicit_bytes, "{fused_bytes} vs {explicit_bytes}");
+    }
 }

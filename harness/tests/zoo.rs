@@ -95,14 +95,15 @@ fn presets_are_listed_and_resized_with_clear_errors() {
 /// backward (f32), from the shapes: what each layer saves, shared tensors counted once.
 fn saved_activations(arch: &Arch, b: u64) -> u64 {
     match *arch {
-        Arch::Gpt { d, layers, heads, seq, dropout, .. } => {
+        Arch::Gpt { d, layers, heads, seq, .. } => {
             let (d, l, h, s) = (d as u64, layers as u64, heads as u64, seq as u64);
             let n = b * s;
-            let probs = if dropout > 0.0 { 2 } else { 1 } * b * h * s * s;
-            // Per block: input, ln_1 output, q, k, v per head, attention output, x2,
-            // ln_2 output, MLP pre-activation and activation (4d each), the probabilities
-            // (and the dropped ones), the norms' statistics.
-            let block = n * d * (1 + 1 + 3 + 1 + 1 + 1 + 4 + 4) + probs + 4 * n;
+            // Per block: input, ln_1 output, q, k, v per head, the fused attention's
+            // per-head output and its row logsumexps (f32; the blocks attend with
+            // `ops::attention`, which keeps no [b * h, s, s] probabilities), the attention
+            // output as the projection's input, x2, ln_2 output, MLP pre-activation and
+            // activation (4d each), the norms' statistics.
+            let block = n * d * (1 + 1 + 3 + 1 + 1 + 1 + 1 + 4 + 4) + b * h * s + 4 * n;
             // ln_f's input and output (the head's input), its statistics.
             l * block + 2 * n * d + 2 * n
         }

@@ -8,6 +8,9 @@
 //! outputs from the input's device and compute there: on the host with the CPU reference
 //! ([`cpu`]), on a CUDA device ([`Device::cuda`], feature `cuda`, on by default) with NVRTC-
 //! compiled kernels and cuBLAS. Storage is in the tensor's dtype, arithmetic in f32, on both.
+//! Among the ops: fused scaled dot-product attention ([`ops::attention`], FlashAttention-2's
+//! algorithm: saves the output and each row's logsumexp, never a `seq x seq` buffer; its
+//! 16-bit forward and backward run on tensor cores).
 //! The CUDA libraries are loaded at run time, so a CUDA build runs on a machine without a
 //! GPU: [`Device::auto`] then picks the host.
 //!
@@ -57,7 +60,8 @@ pub use device::{DEVICE_ENV_VAR, Device, default_blas_workspace_size};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use params::{
-    AdamWConfig, Conv2dOptions, Conv2dParams, MatmulSpec, Pool2dOptions, Pool2dParams, SgdConfig,
+    AdamWConfig, AttentionDims, AttentionParams, Conv2dOptions, Conv2dParams, MatmulSpec,
+    Pool2dOptions, Pool2dParams, SgdConfig,
 };
 pub use profile::OpTime;
 pub use tensor::{Indices, Tensor};

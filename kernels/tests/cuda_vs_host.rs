@@ -909,3 +909,34 @@ fn gradients_repeat_bit_for_bit() {
         }
     }
 }
+
+#[test]
+fn fused_attention_matches_host() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in DTYPES {
+        // Head dims on tensor cores (64, 128 in 16 bits) and on the FMA path (24; f32);
+        // sequences of one token, of partial tiles and of several tiles.
+        for (heads, seq, dim) in [(3, 1, 64), (2, 100, 64), (2, 300, 128), (3, 77, 24)] {
+            for causal in [false, true] {
+                for drop in [0.0, 0.2] {
+                    let p = ops::AttentionParams::new(causal).with_dropout(drop, 5, 1 << 20);
+                    let shape = [heads, seq, dim];
+                    let what = format!("attention {dtype:?} {shape:?} {p:?}");
+                    let [(hq, gq), (hk, gk), (hv, gv), (hd, gd)] =
+                        [1, 2, 3, 4].map(|s| pair(&gpu, &shape, dtype, s));
+                    let hf = ops::attention(&hq, &hk, &hv, &p).unwrap();
+                    let gf = ops::attention(&gq, &gk, &gv, &p).unwrap();
+                    close_sum(&format!("{what} out"), &gf.out, &hf.out, tol(dtype, true));
+                    close_sum(&format!("{what} lse"), &gf.lse, &hf.lse, tol(DType::F32, true));
+                    let hg = ops::attention_backward(&hq, &hk, &hv, &hf, &hd, &p).unwrap();
+                    let gg = ops::attention_backward(&gq, &gk, &gv, &gf, &gd, &p).unwrap();
+                    for (name, g, h) in
+                        [("dq", &gg.dq, &hg.dq), ("dk", &gg.dk, &hg.dk), ("dv", &gg.dv, &hg.dv)]
+                    {
+                        close_sum(&format!("{what} {name}"), g, h, tol(dtype, true));
+                    }
+                }
+            }
+        }
+    }
+}

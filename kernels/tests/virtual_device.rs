@@ -466,3 +466,19 @@ fn small_convolutions_run_direct_and_allocate_only_their_outputs() {
         trace
     });
 }
+
+#[test]
+fn fused_attention_allocates_alike_on_every_device() {
+    for dtype in [DType::F32, DType::BF16] {
+        same_trace("attention", |d| {
+            let shape = [2, 37, 64];
+            let [q, k, v, dout] = [1, 2, 3, 4].map(|s| t(d, &shape, s, dtype));
+            let p = ops::AttentionParams::new(true).with_dropout(0.1, 1, 0);
+            traced(d, || {
+                let fwd = ops::attention(&q, &k, &v, &p)?;
+                let grads = ops::attention_backward(&q, &k, &v, &fwd, &dout, &p)?;
+                Ok((fwd, grads))
+            })
+        });
+    }
+}

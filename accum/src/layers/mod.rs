@@ -39,7 +39,8 @@ pub use llama::{
     LlamaBlock, LlamaBlockConfig, LlamaSaved, RmsNorm, RmsNormConfig, RmsSaved, RopeTables,
 };
 pub use transformer::{
-    PatchEmbed, PatchEmbedConfig, TokenMeanPool, TransformerBlock, TransformerBlockConfig,
+    Attention, BlockSaved, PatchEmbed, PatchEmbedConfig, TokenMeanPool, TransformerBlock,
+    TransformerBlockConfig,
 };
 
 use crate::autocast::{OpKind, accumulate_grad_cast, cast, cast_into};

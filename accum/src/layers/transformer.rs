@@ -52,11 +52,28 @@ pub struct TransformerBlockConfig {
     pub dtype: DType,
     /// Seed of the weight initialization (default 0).
     pub seed: u64,
+    /// How attention is computed (default [`Attention::Fused`]).
+    pub attention: Attention,
+}
+
+/// How a [`TransformerBlock`] computes its attention. Both give the same values and the
+/// same gradients (up to f32 rounding; dropout drops the same probabilities) and draw the
+/// same dropout offsets, so the rest of the model sees no difference but memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Attention {
+    /// [`ops::attention`]: saves the output and each row's logsumexp, nothing of size
+    /// `seq x seq` (PyTorch's `F.scaled_dot_product_attention` on its flash backend).
+    #[default]
+    Fused,
+    /// The composition PyTorch's eager attention runs (`q k^T`, softmax, dropout, `p v`):
+    /// saves the `[b * heads, seq, seq]` probabilities (and their dropped copy). Kept for
+    /// comparison.
+    Explicit,
 }
 
 impl TransformerBlockConfig {
     /// A causal block of width `d` with `heads` heads for sequences of `seq` tokens; MLP
-    /// ratio 4, no dropout, GPT-2's initialization, f32, seed 0.
+    /// ratio 4, no dropout, GPT-2's initialization, f32, seed 0, fused attention.
     pub fn new(d: usize, heads: usize, seq: usize) -> Self {
         TransformerBlockConfig {
             d,
@@ -69,7 +86,13 @@ impl TransformerBlockConfig {
             depth: 1,
             dtype: DType::F32,
             seed: 0,
+            attention: Attention::Fused,
         }
+    }
+
+    /// The same with attention computed as `attention` says.
+    pub fn with_attention(self, attention: Attention) -> Self {
+        TransformerBlockConfig { attention, ..self }
     }
 
     /// The same, causal or not.
@@ -160,6 +183,7 @@ impl TransformerBlockConfig {
             seq: self.seq,
             causal: self.causal,
             p: self.dropout,
+            attention: self.attention,
         })
     }
 }
@@ -169,11 +193,13 @@ impl TransformerBlockConfig {
 /// scaled dot-product attention (heads of width `d / heads`, causal or not, dropout on the
 /// probabilities) and a GELU MLP. Built from a [`TransformerBlockConfig`].
 ///
-/// Per block, training keeps what PyTorch's eager attention keeps: the normalized inputs,
-/// the per-head queries, keys and values (`[b * heads, seq, d / heads]`, copies made by the
-/// head permutation), the attention probabilities and, with dropout, the dropped
-/// probabilities (`[b * heads, seq, seq]` each), the attention output, the MLP's
-/// pre-activation and activation. Dropout masks are regenerated, not kept.
+/// Per block, training keeps the normalized inputs, the per-head queries, keys and values
+/// (`[b * heads, seq, d / heads]`, copies made by the head permutation), what attention
+/// saves, the attention output, the MLP's pre-activation and activation. Attention saves,
+/// by default ([`Attention::Fused`], PyTorch's `scaled_dot_product_attention`), its
+/// per-head output and each row's logsumexp; with [`Attention::Explicit`] (PyTorch's eager
+/// attention) the probabilities and, with dropout, the dropped probabilities
+/// (`[b * heads, seq, seq]` each). Dropout masks are regenerated, not kept.
 #[derive(Debug)]
 pub struct TransformerBlock {
     ln1: LayerNorm,
@@ -188,6 +214,36 @@ pub struct TransformerBlock {
     seq: usize,
     causal: bool,
     p: f32,
+    attention: Attention,
+}
+
+/// What attention keeps for backward, besides the per-head queries, keys and values.
+#[derive(Debug)]
+enum AttentionSaved {
+    Fused {
+        /// The per-head output and logsumexp.
+        fwd: ops::AttentionOutput,
+        /// The settings, with the dropout stream's seed and offset.
+        params: ops::AttentionParams,
+    },
+    Explicit {
+        probs: Tensor,
+        /// The left operand of `p @ v` as multiplied: the (dropped) probabilities, or under
+        /// autocast their 16-bit copy.
+        pv_lhs: Tensor,
+        /// Dropout on the probabilities.
+        drop_p: Option<DropoutSaved>,
+    },
+}
+
+/// What attention gives the block: the per-head output, the per-head queries, keys and
+/// values as attended (kept for backward) and what else the backward needs.
+struct Attended {
+    out: Tensor,
+    qh: Tensor,
+    kh: Tensor,
+    vh: Tensor,
+    saved: AttentionSaved,
 }
 
 /// What a [`TransformerBlock`] keeps for backward.
@@ -202,12 +258,7 @@ pub struct BlockSaved {
     vh: Tensor,
     /// The dtype of the q/k/v projections' outputs (their gradients go back in it).
     qkv_dtype: DType,
-    probs: Tensor,
-    /// The left operand of `p @ v` as multiplied: the (dropped) probabilities, or under
-    /// autocast their 16-bit copy.
-    pv_lhs: Tensor,
-    /// Dropout on the probabilities.
-    drop_p: Option<DropoutSaved>,
+    attn: AttentionSaved,
     sproj: AffineSaved,
     drop1: Option<DropoutSaved>,
     /// The dtype of the attention branch before the residual addition.
@@ -221,10 +272,23 @@ pub struct BlockSaved {
 }
 
 impl BlockSaved {
-    /// The attention probabilities softmax saved (f32 under autocast) and the operand
-    /// `p @ v` saved (under autocast, the low-precision copy).
-    pub fn attention_probs(&self) -> (&Tensor, &Tensor) {
-        (&self.probs, &self.pv_lhs)
+    /// With [`Attention::Explicit`], the attention probabilities softmax saved (f32 under
+    /// autocast) and the operand `p @ v` saved (under autocast, the low-precision copy);
+    /// `None` with fused attention, which saves no probabilities.
+    pub fn attention_probs(&self) -> Option<(&Tensor, &Tensor)> {
+        match &self.attn {
+            AttentionSaved::Explicit { probs, pv_lhs, .. } => Some((probs, pv_lhs)),
+            AttentionSaved::Fused { .. } => None,
+        }
+    }
+
+    /// With [`Attention::Fused`], the per-head attention output and each row's logsumexp
+    /// (`[b * heads, seq]`, f32) the op saved; `None` with explicit attention.
+    pub fn attention_output_and_lse(&self) -> Option<(&Tensor, &Tensor)> {
+        match &self.attn {
+            AttentionSaved::Fused { fwd, .. } => Some((&fwd.out, &fwd.lse)),
+            AttentionSaved::Explicit { .. } => None,
+        }
     }
 
     /// The per-head queries as the score product saved them.
@@ -294,6 +358,108 @@ impl TransformerBlock {
         }
     }
 
+    /// The settings of fused attention in this forward: the block's masking and, when
+    /// training with dropout, the next `b * heads * seq * seq` offsets of the stream (what
+    /// the explicit form's dropout on the probabilities takes).
+    fn attention_params(&self, heads: usize, ctx: &mut ForwardCtx) -> Result<ops::AttentionParams> {
+        let params = ops::AttentionParams::new(self.causal);
+        if !(ctx.training() && self.p > 0.0) {
+            return Ok(params);
+        }
+        let offset = ctx.take_offsets((heads * self.seq * self.seq) as u64)?;
+        Ok(params.with_dropout(self.p, ctx.seed, offset))
+    }
+
+    /// Fused attention of the per-head `qh`, `kh`, `vh` (under autocast in the products'
+    /// low dtype, as PyTorch's autocast runs `scaled_dot_product_attention`): the per-head
+    /// output, the inputs as attended, and what the backward needs.
+    fn attend_fused(
+        &self,
+        qh: Tensor,
+        kh: Tensor,
+        vh: Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<Attended> {
+        let dt = qh.dtype();
+        let mm = ctx.op_dtype(OpKind::Matmul, &[dt]).unwrap_or(dt);
+        let (qh, kh, vh) = (cast_into(qh, mm)?, cast_into(kh, mm)?, cast_into(vh, mm)?);
+        let params = self.attention_params(qh.shape()[0], ctx)?;
+        let fwd = ops::attention(&qh, &kh, &vh, &params)?;
+        let out = fwd.out.clone();
+        Ok(Attended { out, qh, kh, vh, saved: AttentionSaved::Fused { fwd, params } })
+    }
+
+    /// The explicit composition: `q k^T`, scale, softmax (f32 under autocast), dropout,
+    /// `p v`.
+    fn attend_explicit(
+        &self,
+        qh: Tensor,
+        kh: Tensor,
+        vh: Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<Attended> {
+        let dt = qh.dtype();
+        let mm = ctx.op_dtype(OpKind::Matmul, &[dt]).unwrap_or(dt);
+        let (qh, kh) = (cast_into(qh, mm)?, cast_into(kh, mm)?);
+        let scale = self.head_scale(qh.shape()[2]);
+        let scores = ops::scale(&ops::matmul(&qh, &kh, false, true)?, scale)?;
+        let sm = ctx.op_dtype(OpKind::Softmax, &[scores.dtype()]).unwrap_or(scores.dtype());
+        let scores = cast_into(scores, sm)?;
+        let probs =
+            if self.causal { ops::causal_softmax(&scores)? } else { ops::softmax(&scores)? };
+        drop(scores);
+        let (dropped, drop_p) = self.dropout(probs.clone(), ctx)?;
+        let pv = ctx.op_dtype(OpKind::Matmul, &[dropped.dtype(), vh.dtype()]);
+        let pv = pv.unwrap_or(dropped.dtype());
+        let (pv_lhs, vh) = (cast_into(dropped, pv)?, cast_into(vh, pv)?);
+        let ctx_h = ops::matmul(&pv_lhs, &vh, false, false)?;
+        let saved = AttentionSaved::Explicit { probs, pv_lhs, drop_p };
+        Ok(Attended { out: ctx_h, qh, kh, vh, saved })
+    }
+
+    /// The gradients of the per-head queries, keys and values from the per-head output's
+    /// `dctx`.
+    fn attend_backward(
+        &self,
+        saved: AttentionSaved,
+        qh: Tensor,
+        kh: Tensor,
+        vh: Tensor,
+        dctx: Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        match saved {
+            AttentionSaved::Fused { fwd, params } => {
+                let dctx = cast_into(dctx, qh.dtype())?;
+                let g = ops::attention_backward(&qh, &kh, &vh, &fwd, &dctx, &params)?;
+                Ok((g.dq, g.dk, g.dv))
+            }
+            AttentionSaved::Explicit { probs, pv_lhs, drop_p } => {
+                let dctx = cast_into(dctx, pv_lhs.dtype())?;
+                let (dlhs, dvh) = ops::matmul_backward(&pv_lhs, &vh, &dctx, false, false)?;
+                drop((dctx, pv_lhs, vh));
+                // The backward of the cast to `p @ v`'s dtype, then of dropout and softmax
+                // (f32). Each `[b, heads, s, s]` gradient is dropped as soon as the next one
+                // exists, as autograd frees them: no two of them outlive the op that reads
+                // them.
+                let ddropped = cast_into(dlhs, probs.dtype())?;
+                let undropped = self.dropout_backward(drop_p.as_ref(), &ddropped)?;
+                let dprobs = undropped.as_ref().unwrap_or(&ddropped);
+                let dscores = if self.causal {
+                    ops::causal_softmax_backward(&probs, dprobs)?
+                } else {
+                    ops::softmax_backward(&probs, dprobs)?
+                };
+                drop((undropped, ddropped, probs));
+                let dscores = cast_into(dscores, qh.dtype())?;
+                let scaled = ops::scale(&dscores, self.head_scale(qh.shape()[2]))?;
+                drop(dscores);
+                let (dqh, dkh) = ops::matmul_backward(&qh, &kh, &scaled, false, true)?;
+                drop((scaled, qh, kh));
+                Ok((dqh, dkh, dvh))
+            }
+        }
+    }
+
     fn head_scale(&self, dh: usize) -> f32 {
         1.0 / (dh as f32).sqrt()
     }
@@ -328,20 +494,10 @@ impl Layer for TransformerBlock {
         let qkv_dtype = q.dtype();
         let (qh, kh, vh) =
             (self.split_heads(q, b)?, self.split_heads(k, b)?, self.split_heads(v, b)?);
-        let mm = ctx.op_dtype(OpKind::Matmul, &[qkv_dtype]).unwrap_or(qkv_dtype);
-        let (qh, kh) = (cast_into(qh, mm)?, cast_into(kh, mm)?);
-        let scale = self.head_scale(qh.shape()[2]);
-        let scores = ops::scale(&ops::matmul(&qh, &kh, false, true)?, scale)?;
-        let sm = ctx.op_dtype(OpKind::Softmax, &[scores.dtype()]).unwrap_or(scores.dtype());
-        let scores = cast_into(scores, sm)?;
-        let probs =
-            if self.causal { ops::causal_softmax(&scores)? } else { ops::softmax(&scores)? };
-        drop(scores);
-        let (dropped, drop_p) = self.dropout(probs.clone(), ctx)?;
-        let pv = ctx.op_dtype(OpKind::Matmul, &[dropped.dtype(), vh.dtype()]);
-        let pv = pv.unwrap_or(dropped.dtype());
-        let (pv_lhs, vh) = (cast_into(dropped, pv)?, cast_into(vh, pv)?);
-        let ctx_h = ops::matmul(&pv_lhs, &vh, false, false)?;
+        let Attended { out: ctx_h, qh, kh, vh, saved: attn_saved } = match self.attention {
+            Attention::Fused => self.attend_fused(qh, kh, vh, ctx)?,
+            Attention::Explicit => self.attend_explicit(qh, kh, vh, ctx)?,
+        };
         let attn = self.merge_heads(ctx_h, b)?;
         let (o, sproj) = self.proj.forward(&attn, ctx)?;
         drop(attn);
@@ -369,9 +525,7 @@ impl Layer for TransformerBlock {
             kh,
             vh,
             qkv_dtype,
-            probs,
-            pv_lhs,
-            drop_p,
+            attn: attn_saved,
             sproj: saved(sproj, WHAT)?,
             drop1,
             branch1,
@@ -403,26 +557,7 @@ impl Layer for TransformerBlock {
         let dbranch = self.dropout_backward(s.drop1.as_ref(), &dbranch)?.unwrap_or(dbranch);
         let dattn = dx_of(self.proj.backward(s.sproj, dbranch, true)?, WHAT)?;
         let dctx = self.split_heads(dattn, b)?;
-        let dctx = cast_into(dctx, s.pv_lhs.dtype())?;
-        let (dlhs, dvh) = ops::matmul_backward(&s.pv_lhs, &s.vh, &dctx, false, false)?;
-        drop((dctx, s.pv_lhs, s.vh));
-        // The backward of the cast to `p @ v`'s dtype, then of dropout and softmax (f32).
-        // Each `[b, heads, s, s]` gradient is dropped as soon as the next one exists, as
-        // autograd frees them: no two of them outlive the op that reads them.
-        let ddropped = cast_into(dlhs, s.probs.dtype())?;
-        let undropped = self.dropout_backward(s.drop_p.as_ref(), &ddropped)?;
-        let dprobs = undropped.as_ref().unwrap_or(&ddropped);
-        let dscores = if self.causal {
-            ops::causal_softmax_backward(&s.probs, dprobs)?
-        } else {
-            ops::softmax_backward(&s.probs, dprobs)?
-        };
-        drop((undropped, ddropped, s.probs));
-        let dscores = cast_into(dscores, s.qh.dtype())?;
-        let scaled = ops::scale(&dscores, self.head_scale(s.qh.shape()[2]))?;
-        drop(dscores);
-        let (dqh, dkh) = ops::matmul_backward(&s.qh, &s.kh, &scaled, false, true)?;
-        drop((scaled, s.qh, s.kh));
+        let (dqh, dkh, dvh) = self.attend_backward(s.attn, s.qh, s.kh, s.vh, dctx)?;
         let qkv = s.qkv_dtype;
         let dq = cast_into(self.merge_heads(dqh, b)?, qkv)?;
         let mut dh1 = dx_of(self.q.backward(s.sq, dq, true)?, WHAT)?;

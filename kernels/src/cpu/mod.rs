@@ -8,6 +8,7 @@
 //! parameter module below this one, checked where the op layer makes them.
 
 pub mod activation;
+pub mod attention;
 pub mod batch_norm;
 pub mod conv;
 pub mod elementwise;

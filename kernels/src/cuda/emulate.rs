@@ -5,7 +5,8 @@
 //!
 //! The shim runs one block at a time, each of its threads an OS thread: `__syncthreads` is a
 //! barrier of the block, `__shfl_xor_sync` an exchange through memory between two barriers
-//! of the warp, `__shared__` a static (one block at a time); there is no `atomicAdd` (no
+//! of the warp, a tensor-core `mma.sync` (m16n8k16, 16-bit in, f32 accumulate: `mma_16816`
+//! in `attention.cu`) a gather of the warp's fragments the same way, `__shared__` a static (one block at a time); there is no `atomicAdd` (no
 //! kernel adds with atomics: `nvrtc_check` keeps it so). It is faithful for kernels that
 //! follow CUDA's rules (barriers reached by the whole block, shuffles by whole warps) and
 //! finds what NVRTC's type checks cannot: wrong indices, elements missed or written twice,
@@ -80,6 +81,41 @@ inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     const float r = emu_exchange[t ^ (unsigned)lane_mask];
     warp.arrive_and_wait();
     return r;
+}
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: d += A (16x16) B (16x8), each lane
+// holding its fragments in PTX's layout (A: a[r] = rows g, g + 8 for r = 0, 1, 2, 3 by
+// r % 2, columns 2 t + 8 (r / 2) and the next; B: b[r] = rows 2 t + 8 r and the next,
+// column g; C and D: rows g, g + 8, columns 2 t and 2 t + 1; g = lane / 4, t = lane % 4,
+// the lower-indexed element in the low half). Gathered through memory between two
+// barriers of the warp, as __shfl_xor_sync; products summed in f32 in k order.
+static unsigned emu_mma_a[1024][4], emu_mma_b[1024][2];
+inline float emu_16bit(unsigned short h, bool bf16) {
+    return bf16 ? __builtin_bit_cast(float, (unsigned)h << 16)
+                : (float)__builtin_bit_cast(_Float16, h);
+}
+inline void emu_mma_16816(float* d, const unsigned* a, const unsigned* b, bool bf16) {
+    const unsigned t = threadIdx.x, w0 = t & ~31u, lane = t & 31u;
+    std::barrier<>& warp = *emu_warps[t / 32];
+    for (int i = 0; i < 4; ++i) emu_mma_a[t][i] = a[i];
+    emu_mma_b[t][0] = b[0];
+    emu_mma_b[t][1] = b[1];
+    warp.arrive_and_wait();
+    auto A = [&](unsigned r, unsigned c) {
+        const unsigned word = emu_mma_a[w0 + (r % 8) * 4 + (c % 8) / 2][r / 8 + 2 * (c / 8)];
+        return emu_16bit((unsigned short)(word >> (16 * (c % 2))), bf16);
+    };
+    auto B = [&](unsigned k, unsigned n) {
+        const unsigned word = emu_mma_b[w0 + n * 4 + (k % 8) / 2][k / 8];
+        return emu_16bit((unsigned short)(word >> (16 * (k % 2))), bf16);
+    };
+    const unsigned g = lane / 4, tg = lane % 4;
+    for (unsigned i = 0; i < 4; ++i) {
+        const unsigned r = g + 8 * (i / 2), n = 2 * tg + i % 2;
+        float s = 0.0f;
+        for (unsigned k = 0; k < 16; ++k) s += A(r, k) * B(k, n);
+        d[i] += s;
+    }
+    warp.arrive_and_wait();
 }
 inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
     return (unsigned long long)(((unsigned __int128)a * b) >> 64);

@@ -12,7 +12,11 @@
 
 use super::custom::ptx_entries;
 use super::loader::{compile_error, compile_options, full_source};
-use super::registry::{ALL, DEPTHWISE_BWD_WEIGHT, Kernel, MODULES, Module, Param};
+use super::registry::{
+    ALL, ATTENTION_BWD_DKDV_MMA_BF16, ATTENTION_BWD_DKDV_MMA_F16, ATTENTION_BWD_DQ_MMA_BF16,
+    ATTENTION_BWD_DQ_MMA_F16, ATTENTION_FWD_MMA_BF16, ATTENTION_FWD_MMA_F16, DEPTHWISE_BWD_WEIGHT,
+    Kernel, MODULES, Module, Param,
+};
 use cudarc::nvrtc::{compile_ptx_with_opts, result, sys};
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -335,4 +339,33 @@ fn the_depthwise_weight_gradient_keeps_its_taps_in_registers() {
         }
     }
     assert_eq!(bodies.len(), DEPTHWISE_BWD_WEIGHT.names.len(), "depthwise weight gradients");
+}
+
+/// The 16-bit attention kernels (forward, dK/dV, dQ) multiply on tensor cores (`mma.sync`
+/// m16n8k16, 16-bit in, f32 accumulate) in their own dtype; their fragments and
+/// accumulators stay in registers (no local-memory frame in the PTX: every index into them
+/// is a constant after unrolling).
+#[test]
+fn the_16_bit_attention_kernels_run_on_tensor_cores_from_registers() {
+    if !nvrtc_present() {
+        return;
+    }
+    let tensor_core = [
+        &ATTENTION_FWD_MMA_F16,
+        &ATTENTION_FWD_MMA_BF16,
+        &ATTENTION_BWD_DKDV_MMA_F16,
+        &ATTENTION_BWD_DKDV_MMA_BF16,
+        &ATTENTION_BWD_DQ_MMA_F16,
+        &ATTENTION_BWD_DQ_MMA_BF16,
+    ];
+    let bodies = registered_bodies(|k| tensor_core.iter().any(|t| t.names == k.names));
+    assert_eq!(bodies.len(), tensor_core.len(), "the f16 and bf16 tensor-core kernels");
+    for (_, name, body) in &bodies {
+        let dtype = if name.ends_with("bf16") { "bf16" } else { "f16" };
+        let mma = format!("mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32");
+        assert!(body.contains(&mma), "{name} has no {mma}");
+        for local in ["__local_depot", "ld.local", "st.local"] {
+            assert!(!body.contains(local), "{name} uses local memory ({local})");
+        }
+    }
 }

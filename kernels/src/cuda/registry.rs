@@ -42,10 +42,14 @@ pub(crate) const MISC: Module = Module { name: "misc", source: include_str!("ker
 /// RMS norm and rotary embeddings (the Llama family's).
 pub(crate) const LLAMA: Module = Module { name: "llama", source: include_str!("kernels/llama.cu") };
 
+/// Fused scaled dot-product attention, forward and backward.
+pub(crate) const ATTENTION: Module =
+    Module { name: "attention", source: include_str!("kernels/attention.cu") };
+
 /// Every module, in the order the NVRTC test compiles them.
 #[cfg(test)]
 pub(crate) const MODULES: &[&Module] =
-    &[&ELEMENTWISE, &REDUCE, &SOFTMAX, &CONV, &POOL, &MISC, &LLAMA];
+    &[&ELEMENTWISE, &REDUCE, &SOFTMAX, &CONV, &POOL, &MISC, &LLAMA, &ATTENTION];
 
 /// A kernel parameter's type as the `.cu` source declares it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -368,4 +372,42 @@ kernels! {
     /// `rope(const T* x, const float* cos, const float* sin, T* y, float sign, u64 pairs,
     /// Div half, Div heads, Div seq)`.
     ROPE = LLAMA "rope" dtypes (Ptr, Ptr, Ptr, Ptr, F32, U64, Div, Div, Div);
+
+    /// `attention_fwd(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq, u64 d,
+    /// float scale, u32 causal, float p, u64 seed, u64 offset)`, grid (query tiles, heads).
+    ATTENTION_FWD = ATTENTION "attention_fwd" dtypes
+        (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+    /// `attention_fwd_mma_f16(...)`: `attention_fwd`'s parameters, on tensor cores, grid
+    /// (64-row query tiles, heads); head dims a multiple of 16.
+    ATTENTION_FWD_MMA_F16 = ATTENTION "attention_fwd_mma_f16" once
+        (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+    /// The same in bf16.
+    ATTENTION_FWD_MMA_BF16 = ATTENTION "attention_fwd_mma_bf16" once
+        (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+    /// `attention_bwd_dkdv_mma_f16(...)`: `attention_bwd_dkdv`'s parameters, on tensor
+    /// cores, grid (64-key tiles, heads); head dims a multiple of 16.
+    ATTENTION_BWD_DKDV_MMA_F16 = ATTENTION "attention_bwd_dkdv_mma_f16" once
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+    /// The same in bf16.
+    ATTENTION_BWD_DKDV_MMA_BF16 = ATTENTION "attention_bwd_dkdv_mma_bf16" once
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+    /// `attention_bwd_dq_mma_f16(...)`: `attention_bwd_dq`'s parameters, on tensor cores,
+    /// grid (64-row query tiles, heads); head dims a multiple of 16.
+    ATTENTION_BWD_DQ_MMA_F16 = ATTENTION "attention_bwd_dq_mma_f16" once
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+    /// The same in bf16.
+    ATTENTION_BWD_DQ_MMA_BF16 = ATTENTION "attention_bwd_dq_mma_bf16" once
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+    /// `attention_bwd_dot(const T* o, const T* dout, float* dsum, u64 rows, u64 d)`.
+    ATTENTION_BWD_DOT = ATTENTION "attention_bwd_dot" dtypes (Ptr, Ptr, Ptr, U64, U64);
+    /// `attention_bwd_dkdv(const T* q, const T* k, const T* v, const T* dout, const float*
+    /// lse, const float* dsum, T* dk, T* dv, u64 seq, u64 d, float scale, u32 causal, float p,
+    /// u64 seed, u64 offset)`, grid (key tiles, heads).
+    ATTENTION_BWD_DKDV = ATTENTION "attention_bwd_dkdv" dtypes
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+    /// `attention_bwd_dq(const T* q, const T* k, const T* v, const T* dout, const float* lse,
+    /// const float* dsum, T* dq, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed,
+    /// u64 offset)`, grid (query tiles, heads).
+    ATTENTION_BWD_DQ = ATTENTION "attention_bwd_dq" dtypes
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
 }

@@ -8,8 +8,10 @@
 //! the cuBLAS workspace), so the memory statistics of all three agree. Arithmetic is in f32
 //! whatever the storage dtype. Backward ops take what the forward saved and return fresh
 //! gradient tensors; the in-place ops (`add_assign`, `axpy`, optimizer steps, unscale) name
-//! it. The geometry and configuration types the ops take ([`MatmulSpec`],
-//! [`Conv2dParams`], [`Pool2dParams`], [`SgdConfig`], [`AdamWConfig`]) are re-exported here;
+//! it. Fused attention ([`attention`], [`attention_backward`]) saves its output and row
+//! logsumexps and recomputes the probabilities backward, as FlashAttention-2 does. The
+//! geometry and configuration types the ops take ([`MatmulSpec`], [`Conv2dParams`],
+//! [`Pool2dParams`], [`SgdConfig`], [`AdamWConfig`], [`AttentionParams`]) are re-exported here;
 //! they are defined below the ops, the CPU reference and the CUDA launches, which all read
 //! them.
 //!
@@ -19,6 +21,7 @@
 //! chunk rule and the memory).
 
 mod activation;
+mod attention;
 mod batch_norm;
 mod conv;
 mod copy;
@@ -40,11 +43,12 @@ mod scale_channels;
 mod softmax;
 
 pub use crate::params::{
-    AdamWConfig, Conv2dOptions, Conv2dParams, DIRECT_MAX_MACS, MatmulSpec, Pool2dOptions,
-    Pool2dParams, SgdConfig,
+    AdamWConfig, AttentionDims, AttentionParams, Conv2dOptions, Conv2dParams, DIRECT_MAX_MACS,
+    MatmulSpec, Pool2dOptions, Pool2dParams, SgdConfig,
 };
 // Every op an `unary_op!` entry declares (with the tests' `UNARY_OPS`, crate-private).
 pub use activation::*;
+pub use attention::{AttentionGrads, AttentionOutput, attention, attention_backward};
 #[cfg(all(test, feature = "cuda"))]
 pub(crate) use batch_norm::parts as batch_norm_parts;
 pub use batch_norm::{

@@ -65,6 +65,34 @@ __device__ __forceinline__ bool is_finite(float v) {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+// Philox4x32-10 (Random123): the same rounds as kernels/src/cpu/random.rs; dropout's and
+// attention's masks draw from it.
+__device__ __forceinline__ u32 philox_word(u64 counter, u64 seed, u32 word) {
+    u32 c0 = (u32)counter, c1 = (u32)(counter >> 32), c2 = 0u, c3 = 0u;
+    u32 k0 = (u32)seed, k1 = (u32)(seed >> 32);
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const u32 hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        const u32 hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        const u32 n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+        c0 = n0;
+        c1 = lo1;
+        c2 = n2;
+        c3 = lo0;
+    }
+    return word == 0 ? c0 : word == 1 ? c1 : word == 2 ? c2 : c3;
+}
+
+// The uniform in [0, 1) of element `index` of the stream `seed` (cpu::random::uniform_at):
+// word index % 4 of philox(index / 4), its top 24 bits over 2^24.
+__device__ __forceinline__ float philox_uniform(u64 seed, u64 index) {
+    const u32 r = philox_word(index >> 2, seed, (u32)(index & 3u));
+    return (float)(r >> 8) * (1.0f / 16777216.0f);
+}
+
 // Division of element indices by a divisor fixed for the launch, with the magic number the
 // host computed (`launch::Div`: Granlund and Montgomery's figure 4.1 for 64 bits, exact for
 // every u64): a high multiply, a subtraction, two shifts and an add, where `/` on a u64 is a

@@ -26,26 +26,6 @@ __device__ void embedding_bwd_impl(const u32* ids, const T* dout, float* acc, u6
     }
 }
 
-// Philox4x32-10 (Random123): the same rounds as kernels/src/cpu/random.rs.
-__device__ __forceinline__ u32 philox_word(u64 counter, u64 seed, u32 word) {
-    u32 c0 = (u32)counter, c1 = (u32)(counter >> 32), c2 = 0u, c3 = 0u;
-    u32 k0 = (u32)seed, k1 = (u32)(seed >> 32);
-    for (int round = 0; round < 10; ++round) {
-        if (round > 0) {
-            k0 += 0x9E3779B9u;
-            k1 += 0xBB67AE85u;
-        }
-        const u32 hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
-        const u32 hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
-        const u32 n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
-        c0 = n0;
-        c1 = lo1;
-        c2 = n2;
-        c3 = lo0;
-    }
-    return word == 0 ? c0 : word == 1 ? c1 : word == 2 ? c2 : c3;
-}
-
 // Element i uses word (offset + i) % 4 of philox(counter = (offset + i) / 4, key = seed)
 // and is kept iff its uniform (top 24 bits / 2^24) is >= p; kept values are scaled.
 template <typename T>

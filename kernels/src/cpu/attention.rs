@@ -1,0 +1,258 @@
+//! Scaled dot-product attention without a `seq x seq` buffer: FlashAttention's algorithm
+//! on the host (Dao et al. 2022; FlashAttention-2, Dao 2023).
+//!
+//! The forward visits a query's keys in blocks of [`KEY_BLOCK`] with the online softmax: a
+//! running maximum `m` and sum `l` of `exp(s - m)`, the output accumulator rescaled by
+//! `exp(m_old - m_new)` whenever the maximum grows. It keeps the output and each row's
+//! logsumexp `m + ln l`. The backward recomputes each probability from the logsumexp,
+//! `p = exp(s - lse)`, and uses `D_i = dO_i . O_i` (= `sum_j p_ij dP_ij`, dropout
+//! included) for the softmax's gradient `dS = P (dP - D)`: key rows' `dK`, `dV` in one pass,
+//! query rows' `dQ` in another, so every output has a single writer (no atomics, the same
+//! split as the CUDA kernels). Scratch memory is a block of scores per row and f32 copies of
+//! the inputs: linear in the sequence length.
+//!
+//! Dropout masks the probabilities `P V` multiplies (the normalizer `l` sums the undropped
+//! ones), drawing element `(h, i, j)` of a `[heads, seq, seq]` tensor from the stream
+//! `(seed, offset)` exactly as [`dropout`](super::random::dropout) would
+//! ([`AttentionParams`]).
+
+use super::{check_len, widen_f32};
+use crate::cpu::random::uniform_at;
+use crate::dtype::Element;
+use crate::error::Result;
+use crate::params::{AttentionDims, AttentionParams};
+use rayon::prelude::*;
+
+/// Keys per block of the forward's online softmax.
+pub const KEY_BLOCK: usize = 64;
+
+/// Rows handed to one rayon task at least.
+const MIN_ROWS_PER_TASK: usize = 8;
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// The dropout of one call: which probabilities survive and the factor on those that do.
+#[derive(Clone, Copy)]
+struct Dropping {
+    p: f32,
+    seed: u64,
+    offset: u64,
+    keep_scale: f32,
+}
+
+impl Dropping {
+    fn of(params: &AttentionParams) -> Option<Dropping> {
+        (params.dropout > 0.0).then(|| Dropping {
+            p: params.dropout,
+            seed: params.seed,
+            offset: params.offset,
+            keep_scale: 1.0 / (1.0 - params.dropout),
+        })
+    }
+
+    /// The factor on probability `(h, i, j)`: `1 / (1 - p)` when kept, else 0.
+    fn factor(drop: Option<Dropping>, dims: &AttentionDims, h: usize, i: usize, j: usize) -> f32 {
+        match drop {
+            None => 1.0,
+            Some(d) => {
+                let u = uniform_at(d.seed, d.offset.wrapping_add(dims.prob_index(h, i, j)));
+                if u >= d.p { d.keep_scale } else { 0.0 }
+            }
+        }
+    }
+}
+
+/// The keys query `i` sees: `0..=i` when causal, else all.
+fn key_end(causal: bool, i: usize, seq: usize) -> usize {
+    if causal { (i + 1).min(seq) } else { seq }
+}
+
+fn check(
+    op: &'static str,
+    dims: &AttentionDims,
+    tensors: &[(&str, usize)],
+    lse: usize,
+) -> Result<()> {
+    if dims.dim == 0 && dims.rows() > 0 {
+        return Err(crate::error::Error::InvalidArgument {
+            op,
+            reason: format!("head dim 0 with {} rows", dims.rows()),
+        });
+    }
+    for &(what, len) in tensors {
+        check_len(op, what, len, dims.len())?;
+    }
+    check_len(op, "the logsumexp", lse, dims.rows())
+}
+
+/// Attention forward: `out = dropout(softmax(scale * q k^T [+ causal mask])) v` for each of
+/// `dims.heads` heads, and `lse[h, i]` the logsumexp of row `i`'s scaled scores (f32). q, k,
+/// v and out are `[heads, seq, dim]`.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for lengths that do not match
+/// `dims`, or invalid `params`.
+pub fn attention<T: Element>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    out: &mut [T],
+    lse: &mut [f32],
+    dims: AttentionDims,
+    params: &AttentionParams,
+) -> Result<()> {
+    const OP: &str = "cpu::attention";
+    params.validate(OP)?;
+    let lens = [("q", q.len()), ("k", k.len()), ("v", v.len()), ("the output", out.len())];
+    check(OP, &dims, &lens, lse.len())?;
+    if dims.is_empty() {
+        return Ok(());
+    }
+    let (q, k, v) = (widen_f32(q), widen_f32(k), widen_f32(v));
+    let AttentionDims { seq, dim, .. } = dims;
+    let scale = params.scale_for(dim);
+    let drop = Dropping::of(params);
+    out.par_chunks_mut(dim)
+        .zip(lse.par_iter_mut())
+        .enumerate()
+        .with_min_len(MIN_ROWS_PER_TASK)
+        .for_each(|(row, (o, lse))| {
+            let (h, i) = (row / seq, row % seq);
+            let head = h * seq * dim;
+            let qi = &q[row * dim..(row + 1) * dim];
+            let mut acc = vec![0.0f32; dim];
+            let mut scores = [0.0f32; KEY_BLOCK];
+            let (mut m, mut l) = (f32::NEG_INFINITY, 0.0f32);
+            let end = key_end(params.causal, i, seq);
+            for j0 in (0..end).step_by(KEY_BLOCK) {
+                let j1 = (j0 + KEY_BLOCK).min(end);
+                let mut block_max = f32::NEG_INFINITY;
+                for j in j0..j1 {
+                    let kj = &k[head + j * dim..head + (j + 1) * dim];
+                    let s = scale * dot(qi, kj);
+                    scores[j - j0] = s;
+                    block_max = block_max.max(s);
+                }
+                let m_new = m.max(block_max);
+                let alpha = (m - m_new).exp();
+                l *= alpha;
+                acc.iter_mut().for_each(|a| *a *= alpha);
+                for j in j0..j1 {
+                    let e = (scores[j - j0] - m_new).exp();
+                    l += e;
+                    let w = e * Dropping::factor(drop, &dims, h, i, j);
+                    if w != 0.0 {
+                        let vj = &v[head + j * dim..head + (j + 1) * dim];
+                        acc.iter_mut().zip(vj).for_each(|(a, &x)| *a += w * x);
+                    }
+                }
+                m = m_new;
+            }
+            for (o, a) in o.iter_mut().zip(&acc) {
+                *o = T::from_f32(a / l);
+            }
+            *lse = m + l.ln();
+        });
+    Ok(())
+}
+
+/// The tensors an attention backward reads.
+#[derive(Clone, Copy)]
+pub struct AttentionSaved<'a, T> {
+    /// The queries.
+    pub q: &'a [T],
+    /// The keys.
+    pub k: &'a [T],
+    /// The values.
+    pub v: &'a [T],
+    /// The forward's output.
+    pub out: &'a [T],
+    /// The forward's logsumexp per row.
+    pub lse: &'a [f32],
+}
+
+/// Attention backward: the gradients of q, k and v from the forward's inputs, output and
+/// logsumexp ([`AttentionSaved`]) and the output's gradient `dout`, with the forward's
+/// `params`. Recomputes the probabilities; allocates only per-row scratch and f32 copies.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for lengths that do not match
+/// `dims`, or invalid `params`.
+pub fn attention_backward<T: Element>(
+    saved: AttentionSaved<'_, T>,
+    dout: &[T],
+    [dq, dk, dv]: [&mut [T]; 3],
+    dims: AttentionDims,
+    params: &AttentionParams,
+) -> Result<()> {
+    const OP: &str = "cpu::attention_backward";
+    params.validate(OP)?;
+    let lens = [
+        ("q", saved.q.len()),
+        ("k", saved.k.len()),
+        ("v", saved.v.len()),
+        ("the output", saved.out.len()),
+        ("the output's gradient", dout.len()),
+        ("dq", dq.len()),
+        ("dk", dk.len()),
+        ("dv", dv.len()),
+    ];
+    check(OP, &dims, &lens, saved.lse.len())?;
+    if dims.is_empty() {
+        return Ok(());
+    }
+    let (q, k, v) = (widen_f32(saved.q), widen_f32(saved.k), widen_f32(saved.v));
+    let (o, d_o) = (widen_f32(saved.out), widen_f32(dout));
+    let lse = saved.lse;
+    let AttentionDims { seq, dim, .. } = dims;
+    let scale = params.scale_for(dim);
+    let drop = Dropping::of(params);
+    let causal = params.causal;
+    fn row_of(t: &[f32], r: usize, dim: usize) -> &[f32] {
+        &t[r * dim..(r + 1) * dim]
+    }
+    let row = |t, r| row_of(t, r, dim);
+    // D_i = dO_i . O_i.
+    let dsum: Vec<f32> = (0..dims.rows()).map(|r| dot(row(&d_o, r), row(&o, r))).collect();
+    // (P_ij, dS_ij / scale) for query row `qr`, key row `kr` of head `h`.
+    let grad = |h: usize, i: usize, j: usize| -> (f32, f32) {
+        let (qr, kr) = (h * seq + i, h * seq + j);
+        let p = (scale * dot(row(&q, qr), row(&k, kr)) - lse[qr]).exp();
+        let f = Dropping::factor(drop, &dims, h, i, j);
+        let dp = if f == 0.0 { 0.0 } else { f * dot(row(&d_o, qr), row(&v, kr)) };
+        (p * f, p * (dp - dsum[qr]))
+    };
+    // Key rows: dK_j = scale * sum_i dS_ij q_i, dV_j = sum_i P~_ij dO_i.
+    dk.par_chunks_mut(dim)
+        .zip(dv.par_chunks_mut(dim))
+        .enumerate()
+        .with_min_len(MIN_ROWS_PER_TASK)
+        .for_each(|(kr, (dk_j, dv_j))| {
+            let (h, j) = (kr / seq, kr % seq);
+            let (mut gk, mut gv) = (vec![0.0f32; dim], vec![0.0f32; dim]);
+            let first = if causal { j } else { 0 };
+            for i in first..seq {
+                let (pd, ds) = grad(h, i, j);
+                let qr = h * seq + i;
+                gv.iter_mut().zip(row(&d_o, qr)).for_each(|(g, &x)| *g += pd * x);
+                gk.iter_mut().zip(row(&q, qr)).for_each(|(g, &x)| *g += ds * x);
+            }
+            dk_j.iter_mut().zip(&gk).for_each(|(d, &g)| *d = T::from_f32(scale * g));
+            dv_j.iter_mut().zip(&gv).for_each(|(d, &g)| *d = T::from_f32(g));
+        });
+    // Query rows: dQ_i = scale * sum_j dS_ij k_j.
+    dq.par_chunks_mut(dim).enumerate().with_min_len(MIN_ROWS_PER_TASK).for_each(|(qr, dq_i)| {
+        let (h, i) = (qr / seq, qr % seq);
+        let mut g = vec![0.0f32; dim];
+        for j in 0..key_end(causal, i, seq) {
+            let (_, ds) = grad(h, i, j);
+            g.iter_mut().zip(row(&k, h * seq + j)).for_each(|(g, &x)| *g += ds * x);
+        }
+        dq_i.iter_mut().zip(&g).for_each(|(d, &g)| *d = T::from_f32(scale * g));
+    });
+    Ok(())
+}

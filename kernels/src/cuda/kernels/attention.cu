@@ -1,0 +1,727 @@
+// Fused scaled dot-product attention (FlashAttention-2's split of the work, Dao 2023): no
+// seq x seq buffer. The forward runs one block per tile of ATT_BQ query rows of one head
+// (grid (query tiles, heads)), visiting the keys in tiles of ATT_BK with the online softmax
+// and saving the output and each row's logsumexp. The backward recomputes the
+// probabilities from the logsumexp, tile by tile: `attention_bwd_dot` computes
+// D_i = dO_i . O_i, `attention_bwd_dkdv` one block per key tile (dK, dV over every query
+// tile), `attention_bwd_dq` one block per query tile (dQ over every key tile), so each
+// gradient element has one writer and no atomics are needed (FlashAttention-2 adds dQ with
+// atomics instead).
+//
+// Two paths. f16 and bf16 with head dims a multiple of 16 run on tensor cores (`_mma`
+// kernels below: mma.sync m16n8k16, 16-bit in, f32 accumulate, 64-row tiles, 16 rows a
+// warp). Everything else (f32, other head dims) runs the kernels here: tiles of 16 rows
+// held in shared memory as f32 and multiplied with f32 FMAs; the thread that owns column c
+// (threadIdx.x) of the head dimension keeps that column of the block's accumulator in
+// registers. Head dims up to ATT_DMAX; any sequence length (rows and
+// keys past the end are masked). Dropout draws the probability (h, i, j) from element
+// offset + (h * seq + i) * seq + j of the stream `seed`, as ops::dropout on the explicit
+// probabilities [heads, seq, seq] would.
+
+#define ATT_BQ 16
+#define ATT_BK 16
+#define ATT_DMAX 128
+#define ATT_THREADS 128
+// Row stride of the shared tiles: one float of padding so that threads reading the same
+// column of different rows hit different banks.
+#define ATT_LD (ATT_DMAX + 1)
+
+// The factor on probability (h, i, j): 1 / (1 - p) when dropout keeps it, else 0; 1
+// without dropout.
+__device__ __forceinline__ float att_drop(float p, u64 seed, u64 offset, u64 seq, u64 h, u64 i,
+                                          u64 j) {
+    if (p <= 0.0f) return 1.0f;
+    const float u = philox_uniform(seed, offset + (h * seq + i) * seq + j);
+    return u >= p ? 1.0f / (1.0f - p) : 0.0f;
+}
+
+// Copies rows [r0, r0 + ATT_BQ) (or ATT_BK) of a head's [seq, d] matrix into `tile` as f32,
+// zeros past the end; thread c copies column c.
+template <typename T, int ROWS>
+__device__ __forceinline__ void att_load(float* tile, const T* m, u64 r0, u64 seq, u64 d) {
+    const u32 c = threadIdx.x;
+    if (c >= d) return;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        tile[r * ATT_LD + c] = r0 + r < seq ? to_f32(m[(r0 + r) * d + c]) : 0.0f;
+    }
+}
+
+__device__ __forceinline__ float att_dot(const float* a, const float* b, u64 d) {
+    float s = 0.0f;
+    for (u32 c = 0; c < d; ++c) s += a[c] * b[c];
+    return s;
+}
+
+template <typename T>
+__device__ void attention_fwd_impl(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq,
+                                   u64 d, float scale, u32 causal, float p, u64 seed,
+                                   u64 offset) {
+    __shared__ float qs[ATT_BQ * ATT_LD];
+    __shared__ float ks[ATT_BK * ATT_LD];
+    __shared__ float vs[ATT_BK * ATT_LD];
+    __shared__ float ss[ATT_BQ * ATT_BK];
+    __shared__ float row_m[ATT_BQ], row_l[ATT_BQ], row_alpha[ATT_BQ];
+    const u64 h = blockIdx.y;
+    const u64 i0 = (u64)blockIdx.x * ATT_BQ;
+    const u32 t = threadIdx.x;
+    q += h * seq * d;
+    k += h * seq * d;
+    v += h * seq * d;
+    o += h * seq * d;
+    att_load<T, ATT_BQ>(qs, q, i0, seq, d);
+    if (t < ATT_BQ) {
+        row_m[t] = neg_inf();
+        row_l[t] = 0.0f;
+    }
+    float acc[ATT_BQ];
+#pragma unroll
+    for (int r = 0; r < ATT_BQ; ++r) acc[r] = 0.0f;
+    const u64 last = i0 + ATT_BQ < seq ? i0 + ATT_BQ : seq;
+    const u64 kend = causal ? last : seq;
+    for (u64 j0 = 0; j0 < kend; j0 += ATT_BK) {
+        __syncthreads();
+        att_load<T, ATT_BK>(ks, k, j0, seq, d);
+        att_load<T, ATT_BK>(vs, v, j0, seq, d);
+        __syncthreads();
+        for (u32 e = t; e < ATT_BQ * ATT_BK; e += ATT_THREADS) {
+            const u32 r = e / ATT_BK, jj = e % ATT_BK;
+            const u64 i = i0 + r, j = j0 + jj;
+            const bool valid = i < seq && j < seq && !(causal && j > i);
+            ss[e] = valid ? scale * att_dot(qs + r * ATT_LD, ks + jj * ATT_LD, d) : neg_inf();
+        }
+        __syncthreads();
+        if (t < ATT_BQ) {
+            const u32 r = t;
+            float bm = neg_inf();
+            for (u32 jj = 0; jj < ATT_BK; ++jj) bm = fmaxf(bm, ss[r * ATT_BK + jj]);
+            const float m_old = row_m[r];
+            const float m_new = fmaxf(m_old, bm);
+            // A row with no visible key yet (past the end) keeps m = -inf and adds nothing.
+            const bool none = m_new == neg_inf();
+            const float alpha = none ? 1.0f : expf(m_old - m_new);
+            float l = row_l[r] * alpha;
+            for (u32 jj = 0; jj < ATT_BK; ++jj) {
+                const float s = ss[r * ATT_BK + jj];
+                const float e = none || s == neg_inf() ? 0.0f : expf(s - m_new);
+                l += e;
+                ss[r * ATT_BK + jj] =
+                    e == 0.0f ? 0.0f : e * att_drop(p, seed, offset, seq, h, i0 + r, j0 + jj);
+            }
+            row_m[r] = m_new;
+            row_l[r] = l;
+            row_alpha[r] = alpha;
+        }
+        __syncthreads();
+        if (t < d) {
+#pragma unroll
+            for (int r = 0; r < ATT_BQ; ++r) {
+                float a = acc[r] * row_alpha[r];
+                for (u32 jj = 0; jj < ATT_BK; ++jj) a += ss[r * ATT_BK + jj] * vs[jj * ATT_LD + t];
+                acc[r] = a;
+            }
+        }
+    }
+    __syncthreads();
+    if (t < d) {
+#pragma unroll
+        for (int r = 0; r < ATT_BQ; ++r) {
+            if (i0 + r < seq) o[(i0 + r) * d + t] = from_f32<T>(acc[r] / row_l[r]);
+        }
+    }
+    if (t < ATT_BQ && i0 + t < seq) lse[h * seq + i0 + t] = row_m[t] + logf(row_l[t]);
+}
+
+// dsum[r] = dout[r] . o[r] for each of `rows` rows of d.
+template <typename T>
+__device__ void attention_bwd_dot_impl(const T* o, const T* dout, float* dsum, u64 rows, u64 d) {
+    FOR_EACH(r, rows) {
+        float s = 0.0f;
+        for (u64 c = 0; c < d; ++c) s += to_f32(dout[r * d + c]) * to_f32(o[r * d + c]);
+        dsum[r] = s;
+    }
+}
+
+// For the query tile in qs/dos (rows i0..) and the key tile in ks/vs (keys j0..): the
+// dropped probabilities P~ into pt and dS / scale into dst, [ATT_BQ][ATT_BK] each (0 where
+// masked).
+__device__ __forceinline__ void att_grad_tile(const float* qs, const float* dos, const float* ks,
+                                              const float* vs, const float* lse_s,
+                                              const float* dsum_s, float* pt, float* dst,
+                                              u64 i0, u64 j0, u64 h, u64 seq, u64 d, float scale,
+                                              u32 causal, float p, u64 seed, u64 offset) {
+    for (u32 e = threadIdx.x; e < ATT_BQ * ATT_BK; e += ATT_THREADS) {
+        const u32 r = e / ATT_BK, jj = e % ATT_BK;
+        const u64 i = i0 + r, j = j0 + jj;
+        float pd = 0.0f, ds = 0.0f;
+        if (i < seq && j < seq && !(causal && j > i)) {
+            const float pr =
+                expf(scale * att_dot(qs + r * ATT_LD, ks + jj * ATT_LD, d) - lse_s[r]);
+            const float f = att_drop(p, seed, offset, seq, h, i, j);
+            const float dp = f == 0.0f ? 0.0f : f * att_dot(dos + r * ATT_LD, vs + jj * ATT_LD, d);
+            pd = pr * f;
+            ds = pr * (dp - dsum_s[r]);
+        }
+        pt[e] = pd;
+        dst[e] = ds;
+    }
+}
+
+// Loads lse and D of query rows i0.. into shared memory (0 past the end).
+__device__ __forceinline__ void att_load_rows(float* lse_s, float* dsum_s, const float* lse,
+                                              const float* dsum, u64 i0, u64 seq) {
+    const u32 t = threadIdx.x;
+    if (t < ATT_BQ) {
+        lse_s[t] = i0 + t < seq ? lse[i0 + t] : 0.0f;
+        dsum_s[t] = i0 + t < seq ? dsum[i0 + t] : 0.0f;
+    }
+}
+
+// One block per key tile: dK = scale * dS^T Q, dV = P~^T dO over the query tiles that see
+// the keys (from the key tile's diagonal on when causal).
+template <typename T>
+__device__ void attention_bwd_dkdv_impl(const T* q, const T* k, const T* v, const T* dout,
+                                        const float* lse, const float* dsum, T* dk, T* dv,
+                                        u64 seq, u64 d, float scale, u32 causal, float p,
+                                        u64 seed, u64 offset) {
+    __shared__ float qs[ATT_BQ * ATT_LD];
+    __shared__ float dos[ATT_BQ * ATT_LD];
+    __shared__ float ks[ATT_BK * ATT_LD];
+    __shared__ float vs[ATT_BK * ATT_LD];
+    __shared__ float pt[ATT_BQ * ATT_BK];
+    __shared__ float dst[ATT_BQ * ATT_BK];
+    __shared__ float lse_s[ATT_BQ], dsum_s[ATT_BQ];
+    const u64 h = blockIdx.y;
+    const u64 j0 = (u64)blockIdx.x * ATT_BK;
+    const u32 t = threadIdx.x;
+    const u64 head = h * seq * d;
+    att_load<T, ATT_BK>(ks, k + head, j0, seq, d);
+    att_load<T, ATT_BK>(vs, v + head, j0, seq, d);
+    float gk[ATT_BK], gv[ATT_BK];
+#pragma unroll
+    for (int j = 0; j < ATT_BK; ++j) gk[j] = gv[j] = 0.0f;
+    const u64 first = causal ? j0 / ATT_BQ * ATT_BQ : 0;
+    for (u64 i0 = first; i0 < seq; i0 += ATT_BQ) {
+        __syncthreads();
+        att_load<T, ATT_BQ>(qs, q + head, i0, seq, d);
+        att_load<T, ATT_BQ>(dos, dout + head, i0, seq, d);
+        att_load_rows(lse_s, dsum_s, lse + h * seq, dsum + h * seq, i0, seq);
+        __syncthreads();
+        att_grad_tile(qs, dos, ks, vs, lse_s, dsum_s, pt, dst, i0, j0, h, seq, d, scale, causal,
+                      p, seed, offset);
+        __syncthreads();
+        if (t < d) {
+#pragma unroll
+            for (int j = 0; j < ATT_BK; ++j) {
+                float a = gk[j], b = gv[j];
+                for (u32 r = 0; r < ATT_BQ; ++r) {
+                    a += dst[r * ATT_BK + j] * qs[r * ATT_LD + t];
+                    b += pt[r * ATT_BK + j] * dos[r * ATT_LD + t];
+                }
+                gk[j] = a;
+                gv[j] = b;
+            }
+        }
+    }
+    if (t < d) {
+#pragma unroll
+        for (int j = 0; j < ATT_BK; ++j) {
+            if (j0 + j < seq) {
+                dk[head + (j0 + j) * d + t] = from_f32<T>(scale * gk[j]);
+                dv[head + (j0 + j) * d + t] = from_f32<T>(gv[j]);
+            }
+        }
+    }
+}
+
+// One block per query tile: dQ = scale * dS K over the key tiles the queries see.
+template <typename T>
+__device__ void attention_bwd_dq_impl(const T* q, const T* k, const T* v, const T* dout,
+                                      const float* lse, const float* dsum, T* dq, u64 seq, u64 d,
+                                      float scale, u32 causal, float p, u64 seed, u64 offset) {
+    __shared__ float qs[ATT_BQ * ATT_LD];
+    __shared__ float dos[ATT_BQ * ATT_LD];
+    __shared__ float ks[ATT_BK * ATT_LD];
+    __shared__ float vs[ATT_BK * ATT_LD];
+    __shared__ float pt[ATT_BQ * ATT_BK];
+    __shared__ float dst[ATT_BQ * ATT_BK];
+    __shared__ float lse_s[ATT_BQ], dsum_s[ATT_BQ];
+    const u64 h = blockIdx.y;
+    const u64 i0 = (u64)blockIdx.x * ATT_BQ;
+    const u32 t = threadIdx.x;
+    const u64 head = h * seq * d;
+    att_load<T, ATT_BQ>(qs, q + head, i0, seq, d);
+    att_load<T, ATT_BQ>(dos, dout + head, i0, seq, d);
+    att_load_rows(lse_s, dsum_s, lse + h * seq, dsum + h * seq, i0, seq);
+    float g[ATT_BQ];
+#pragma unroll
+    for (int r = 0; r < ATT_BQ; ++r) g[r] = 0.0f;
+    const u64 last = i0 + ATT_BQ < seq ? i0 + ATT_BQ : seq;
+    const u64 kend = causal ? last : seq;
+    for (u64 j0 = 0; j0 < kend; j0 += ATT_BK) {
+        __syncthreads();
+        att_load<T, ATT_BK>(ks, k + head, j0, seq, d);
+        att_load<T, ATT_BK>(vs, v + head, j0, seq, d);
+        __syncthreads();
+        att_grad_tile(qs, dos, ks, vs, lse_s, dsum_s, pt, dst, i0, j0, h, seq, d, scale, causal,
+                      p, seed, offset);
+        __syncthreads();
+        if (t < d) {
+#pragma unroll
+            for (int r = 0; r < ATT_BQ; ++r) {
+                float a = g[r];
+                for (u32 j = 0; j < ATT_BK; ++j) a += dst[r * ATT_BK + j] * ks[j * ATT_LD + t];
+                g[r] = a;
+            }
+        }
+    }
+    if (t < d) {
+#pragma unroll
+        for (int r = 0; r < ATT_BQ; ++r) {
+            if (i0 + r < seq) dq[head + (i0 + r) * d + t] = from_f32<T>(scale * g[r]);
+        }
+    }
+}
+
+// ---- The 16-bit forward on tensor cores ----------------------------------------------
+//
+// FlashAttention-2's forward: a block of 4 warps takes ATT_MQ = 64 query rows, 16 per warp,
+// and visits the keys in tiles of ATT_MK = 64 staged in shared memory. Each warp computes
+// its S = Q K^T (16 x 64) with mma.sync m16n8k16 (16-bit in, f32 accumulate), keeps its
+// rows' online softmax in registers (a row's 64 scores live on the 4 lanes of a quad,
+// reduced with shuffles), turns P into 16-bit A fragments in registers (the C layout of two
+// 16x8 tiles is the A layout of one 16x16) and accumulates O += P V with mma.sync again.
+// Q stays in registers as A fragments for the whole block. Head dims: multiples of 16 up to
+// ATT_DMAX; any sequence length (rows and keys past the end are zeros, masked).
+
+#define ATT_MQ 64
+#define ATT_MK 64
+// Row stride (in 16-bit elements) of the shared K and V tiles: even (pairs are read as one
+// u32), padded by 8.
+#define ATT_MLD (ATT_DMAX + 8)
+
+template <typename T> struct att_is_bf16 { static constexpr bool value = false; };
+template <> struct att_is_bf16<bf16_t> { static constexpr bool value = true; };
+
+// d += a b for one m16n8k16 tile (fragments in PTX's layout, see emulate.rs's shim).
+template <typename T>
+__device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) {
+#ifndef VRAM_HOST_EMULATION
+    if (att_is_bf16<T>::value) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+#else
+    emu_mma_16816(d, a, b, att_is_bf16<T>::value);
+#endif
+}
+
+// Two 16-bit values as one fragment register, `lo` in the low half.
+__device__ __forceinline__ u32 att_pack(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
+
+template <typename T> __device__ __forceinline__ u32 att_pack_f32(float lo, float hi) {
+    return att_pack(from_f32<T>(lo).bits, from_f32<T>(hi).bits);
+}
+
+// Rows [r0, r0 + ATT_MK) of a head's [seq, d] matrix into `tile` (16-bit bits, stride
+// ATT_MLD), zeros past the end; pairs of elements per thread.
+template <typename T>
+__device__ __forceinline__ void att_load16(u16* tile, const T* m, u64 r0, u64 seq, u32 d) {
+    const u32 pairs = d / 2;
+    for (u32 e = threadIdx.x; e < ATT_MK * pairs; e += ATT_THREADS) {
+        const u32 r = e / pairs, c = 2 * (e - r * pairs);
+        u32 w = 0;
+        if (r0 + r < seq) w = att_pack(m[(r0 + r) * d + c].bits, m[(r0 + r) * d + c + 1].bits);
+        *reinterpret_cast<u32*>(tile + r * ATT_MLD + c) = w;
+    }
+}
+
+__device__ __forceinline__ u32 att_pair(const u16* tile, u32 r, u32 c) {
+    return *reinterpret_cast<const u32*>(tile + r * ATT_MLD + c);
+}
+
+// A warp's A fragments of rows [r, r + 16) of `tile` (r = warp * 16), nk chunks of 16
+// columns.
+__device__ __forceinline__ void att_frags(u32 (*a)[4], const u16* tile, u32 r, u32 nk) {
+    const u32 lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
+#pragma unroll
+    for (u32 kc = 0; kc < ATT_DMAX / 16; ++kc) {
+        if (kc < nk) {
+            a[kc][0] = att_pair(tile, r + g, kc * 16 + 2 * tg);
+            a[kc][1] = att_pair(tile, r + g + 8, kc * 16 + 2 * tg);
+            a[kc][2] = att_pair(tile, r + g, kc * 16 + 2 * tg + 8);
+            a[kc][3] = att_pair(tile, r + g + 8, kc * 16 + 2 * tg + 8);
+        }
+    }
+}
+
+// s (16 x ATT_MK, C fragments) = A (16 x d, fragments a) times the transpose of the
+// ATT_MK rows of `tile` (ATT_MK x d): each output column is one row of the tile.
+template <typename T>
+__device__ __forceinline__ void att_mma_rows(float (*s)[4], const u32 (*a)[4], const u16* tile,
+                                             u32 nk) {
+    const u32 lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
+#pragma unroll
+    for (u32 nt = 0; nt < ATT_MK / 8; ++nt) {
+        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+        for (u32 kc = 0; kc < ATT_DMAX / 16; ++kc) {
+            if (kc < nk) {
+                const u32 b[2] = {att_pair(tile, nt * 8 + g, kc * 16 + 2 * tg),
+                                  att_pair(tile, nt * 8 + g, kc * 16 + 2 * tg + 8)};
+                mma_16816<T>(s[nt], a[kc], b);
+            }
+        }
+    }
+}
+
+// acc (16 x d, C fragments, nd tiles of 8 columns) += c (16 x ATT_MK, C fragments, rounded
+// to T as A fragments) times `tile` (ATT_MK x d).
+template <typename T>
+__device__ __forceinline__ void att_mma_acc(float (*acc)[4], const float (*c)[4], const u16* tile,
+                                            u32 nd) {
+    const u32 lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
+#pragma unroll
+    for (u32 kc = 0; kc < ATT_MK / 16; ++kc) {
+        const u32 pa[4] = {att_pack_f32<T>(c[2 * kc][0], c[2 * kc][1]),
+                           att_pack_f32<T>(c[2 * kc][2], c[2 * kc][3]),
+                           att_pack_f32<T>(c[2 * kc + 1][0], c[2 * kc + 1][1]),
+                           att_pack_f32<T>(c[2 * kc + 1][2], c[2 * kc + 1][3])};
+        const u32 key = kc * 16 + 2 * tg;
+#pragma unroll
+        for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+            if (dt < nd) {
+                const u32 col = dt * 8 + g;
+                const u32 b[2] = {
+                    att_pack(tile[key * ATT_MLD + col], tile[(key + 1) * ATT_MLD + col]),
+                    att_pack(tile[(key + 8) * ATT_MLD + col], tile[(key + 9) * ATT_MLD + col])};
+                mma_16816<T>(acc[dt], pa, b);
+            }
+        }
+    }
+}
+
+// The backward on tensor cores, FlashAttention-2's split without its atomics: a block of
+// 4 warps per 64 keys (16 a warp) accumulates dK = scale dS^T Q and dV = P~^T dO over the
+// query tiles in registers, computing S^T = K Q^T and dP^T = V dO^T with K and V as
+// register fragments; a block per 64 queries accumulates dQ = scale dS K, computing
+// S = Q K^T and dP = dO V^T with Q and dO as register fragments. P~ and dS are rounded to
+// T as mma operands, as FlashAttention does.
+template <typename T>
+__device__ void attention_bwd_dkdv_mma_impl(const T* q, const T* k, const T* v, const T* dout,
+                                            const float* lse, const float* dsum, T* dk, T* dv,
+                                            u64 seq, u64 d64, float scale, u32 causal,
+                                            float pdrop, u64 seed, u64 offset) {
+    __shared__ u32 qs_words[ATT_MK * ATT_MLD / 2];
+    __shared__ u32 dos_words[ATT_MK * ATT_MLD / 2];
+    __shared__ float lse_s[ATT_MK], dsum_s[ATT_MK];
+    u16* qs = reinterpret_cast<u16*>(qs_words);
+    u16* dos = reinterpret_cast<u16*>(dos_words);
+    const u32 d = (u32)d64;
+    const u64 h = blockIdx.y;
+    const u64 j0 = (u64)blockIdx.x * ATT_MK;
+    const u32 lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    const u32 g = lane / 4, tg = lane % 4;
+    const u32 nk = d / 16, nd = d / 8;
+    const u64 head = h * seq * d;
+    u32 ka[ATT_DMAX / 16][4], va[ATT_DMAX / 16][4];
+    att_load16<T>(qs, k + head, j0, seq, d);
+    att_load16<T>(dos, v + head, j0, seq, d);
+    __syncthreads();
+    att_frags(ka, qs, w * 16, nk);
+    att_frags(va, dos, w * 16, nk);
+    float gk[ATT_DMAX / 8][4], gv[ATT_DMAX / 8][4];
+#pragma unroll
+    for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+#pragma unroll
+        for (u32 i = 0; i < 4; ++i) gk[dt][i] = gv[dt][i] = 0.0f;
+    }
+    const u64 key[2] = {j0 + w * 16 + g, j0 + w * 16 + g + 8};
+    const u64 first = causal ? j0 : 0;
+    for (u64 i0 = first; i0 < seq; i0 += ATT_MQ) {
+        __syncthreads();
+        att_load16<T>(qs, q + head, i0, seq, d);
+        att_load16<T>(dos, dout + head, i0, seq, d);
+        if (threadIdx.x < ATT_MQ) {
+            const u64 r = i0 + threadIdx.x;
+            lse_s[threadIdx.x] = r < seq ? lse[h * seq + r] : 0.0f;
+            dsum_s[threadIdx.x] = r < seq ? dsum[h * seq + r] : 0.0f;
+        }
+        __syncthreads();
+        float st[ATT_MK / 8][4], dpt[ATT_MK / 8][4];
+        att_mma_rows<T>(st, ka, qs, nk);
+        att_mma_rows<T>(dpt, va, dos, nk);
+#pragma unroll
+        for (u32 nt = 0; nt < ATT_MK / 8; ++nt) {
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) {
+                const u32 c = nt * 8 + 2 * tg + i % 2;
+                const u64 kj = key[i / 2], qi = i0 + c;
+                float pd = 0.0f, ds = 0.0f;
+                if (kj < seq && qi < seq && !(causal && kj > qi)) {
+                    const float pr = expf(st[nt][i] * scale - lse_s[c]);
+                    const float f = att_drop(pdrop, seed, offset, seq, h, qi, kj);
+                    pd = pr * f;
+                    ds = pr * (f * dpt[nt][i] - dsum_s[c]);
+                }
+                st[nt][i] = pd;
+                dpt[nt][i] = ds;
+            }
+        }
+        att_mma_acc<T>(gv, st, dos, nd);
+        att_mma_acc<T>(gk, dpt, qs, nd);
+    }
+#pragma unroll
+    for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+        if (dt < nd) {
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) {
+                const u64 kj = key[i / 2];
+                if (kj < seq) {
+                    const u64 at = head + kj * d + dt * 8 + 2 * tg + i % 2;
+                    dk[at] = from_f32<T>(scale * gk[dt][i]);
+                    dv[at] = from_f32<T>(gv[dt][i]);
+                }
+            }
+        }
+    }
+}
+
+template <typename T>
+__device__ void attention_bwd_dq_mma_impl(const T* q, const T* k, const T* v, const T* dout,
+                                          const float* lse, const float* dsum, T* dq, u64 seq,
+                                          u64 d64, float scale, u32 causal, float pdrop, u64 seed,
+                                          u64 offset) {
+    __shared__ u32 ks_words[ATT_MK * ATT_MLD / 2];
+    __shared__ u32 vs_words[ATT_MK * ATT_MLD / 2];
+    u16* ks = reinterpret_cast<u16*>(ks_words);
+    u16* vs = reinterpret_cast<u16*>(vs_words);
+    const u32 d = (u32)d64;
+    const u64 h = blockIdx.y;
+    const u64 i0 = (u64)blockIdx.x * ATT_MQ;
+    const u32 lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    const u32 g = lane / 4, tg = lane % 4;
+    const u32 nk = d / 16, nd = d / 8;
+    const u64 head = h * seq * d;
+    u32 qa[ATT_DMAX / 16][4], da[ATT_DMAX / 16][4];
+    att_load16<T>(ks, q + head, i0, seq, d);
+    att_load16<T>(vs, dout + head, i0, seq, d);
+    __syncthreads();
+    att_frags(qa, ks, w * 16, nk);
+    att_frags(da, vs, w * 16, nk);
+    const u64 row[2] = {i0 + w * 16 + g, i0 + w * 16 + g + 8};
+    float lse_r[2], dsum_r[2];
+#pragma unroll
+    for (u32 x = 0; x < 2; ++x) {
+        lse_r[x] = row[x] < seq ? lse[h * seq + row[x]] : 0.0f;
+        dsum_r[x] = row[x] < seq ? dsum[h * seq + row[x]] : 0.0f;
+    }
+    float gq[ATT_DMAX / 8][4];
+#pragma unroll
+    for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) gq[dt][0] = gq[dt][1] = gq[dt][2] = gq[dt][3] = 0.0f;
+    const u64 last = i0 + ATT_MQ < seq ? i0 + ATT_MQ : seq;
+    const u64 kend = causal ? last : seq;
+    for (u64 j0 = 0; j0 < kend; j0 += ATT_MK) {
+        __syncthreads();
+        att_load16<T>(ks, k + head, j0, seq, d);
+        att_load16<T>(vs, v + head, j0, seq, d);
+        __syncthreads();
+        float s[ATT_MK / 8][4], dp[ATT_MK / 8][4];
+        att_mma_rows<T>(s, qa, ks, nk);
+        att_mma_rows<T>(dp, da, vs, nk);
+#pragma unroll
+        for (u32 nt = 0; nt < ATT_MK / 8; ++nt) {
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) {
+                const u32 x = i / 2;
+                const u64 qi = row[x], kj = j0 + nt * 8 + 2 * tg + i % 2;
+                float ds = 0.0f;
+                if (qi < seq && kj < seq && !(causal && kj > qi)) {
+                    const float pr = expf(s[nt][i] * scale - lse_r[x]);
+                    const float f = att_drop(pdrop, seed, offset, seq, h, qi, kj);
+                    ds = pr * (f * dp[nt][i] - dsum_r[x]);
+                }
+                s[nt][i] = ds;
+            }
+        }
+        att_mma_acc<T>(gq, s, ks, nd);
+    }
+#pragma unroll
+    for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+        if (dt < nd) {
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) {
+                const u64 qi = row[i / 2];
+                if (qi < seq) dq[head + qi * d + dt * 8 + 2 * tg + i % 2] = from_f32<T>(scale * gq[dt][i]);
+            }
+        }
+    }
+}
+
+template <typename T>
+__device__ void attention_fwd_mma_impl(const T* q, const T* k, const T* v, T* o, float* lse,
+                                       u64 seq, u64 d64, float scale, u32 causal, float pdrop,
+                                       u64 seed, u64 offset) {
+    __shared__ u32 ks_words[ATT_MK * ATT_MLD / 2];
+    __shared__ u32 vs_words[ATT_MK * ATT_MLD / 2];
+    u16* ks = reinterpret_cast<u16*>(ks_words);
+    u16* vs = reinterpret_cast<u16*>(vs_words);
+    const u32 d = (u32)d64;
+    const u64 h = blockIdx.y;
+    const u64 i0 = (u64)blockIdx.x * ATT_MQ;
+    const u32 lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    const u32 g = lane / 4, tg = lane % 4;
+    const u32 nk = d / 16;  // k chunks of the head dim
+    const u32 nd = d / 8;   // n tiles of the output
+    q += h * seq * d;
+    k += h * seq * d;
+    v += h * seq * d;
+    o += h * seq * d;
+    // Q's A fragments, through the K buffer.
+    att_load16<T>(ks, q, i0, seq, d);
+    __syncthreads();
+    u32 qa[ATT_DMAX / 16][4];
+    const u32 qr = w * 16 + g;
+#pragma unroll
+    for (u32 kc = 0; kc < ATT_DMAX / 16; ++kc) {
+        if (kc < nk) {
+            qa[kc][0] = att_pair(ks, qr, kc * 16 + 2 * tg);
+            qa[kc][1] = att_pair(ks, qr + 8, kc * 16 + 2 * tg);
+            qa[kc][2] = att_pair(ks, qr, kc * 16 + 2 * tg + 8);
+            qa[kc][3] = att_pair(ks, qr + 8, kc * 16 + 2 * tg + 8);
+        }
+    }
+    float oacc[ATT_DMAX / 8][4];
+#pragma unroll
+    for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) oacc[dt][0] = oacc[dt][1] = oacc[dt][2] = oacc[dt][3] = 0.0f;
+    // This lane's two rows (g and g + 8 of the warp's 16): running max and partial sum.
+    const u64 row[2] = {i0 + qr, i0 + qr + 8};
+    float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.0f, 0.0f};
+    const u64 last = i0 + ATT_MQ < seq ? i0 + ATT_MQ : seq;
+    const u64 kend = causal ? last : seq;
+    for (u64 j0 = 0; j0 < kend; j0 += ATT_MK) {
+        __syncthreads();
+        att_load16<T>(ks, k, j0, seq, d);
+        att_load16<T>(vs, v, j0, seq, d);
+        __syncthreads();
+        float s[ATT_MK / 8][4];
+#pragma unroll
+        for (u32 nt = 0; nt < ATT_MK / 8; ++nt) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+            for (u32 kc = 0; kc < ATT_DMAX / 16; ++kc) {
+                if (kc < nk) {
+                    const u32 b[2] = {att_pair(ks, nt * 8 + g, kc * 16 + 2 * tg),
+                                      att_pair(ks, nt * 8 + g, kc * 16 + 2 * tg + 8)};
+                    mma_16816<T>(s[nt], qa[kc], b);
+                }
+            }
+        }
+        // Scale, mask, and each row's maximum over the quad.
+        float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (u32 nt = 0; nt < ATT_MK / 8; ++nt) {
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) {
+                const u64 r = row[i / 2], j = j0 + nt * 8 + 2 * tg + i % 2;
+                const bool valid = r < seq && j < seq && !(causal && j > r);
+                s[nt][i] = valid ? s[nt][i] * scale : neg_inf();
+                mx[i / 2] = fmaxf(mx[i / 2], s[nt][i]);
+            }
+        }
+        float alpha[2];
+#pragma unroll
+        for (u32 x = 0; x < 2; ++x) {
+            mx[x] = fmaxf(mx[x], __shfl_xor_sync(0xffffffffu, mx[x], 1));
+            mx[x] = fmaxf(mx[x], __shfl_xor_sync(0xffffffffu, mx[x], 2));
+            const float m_new = fmaxf(m[x], mx[x]);
+            alpha[x] = m_new == neg_inf() ? 1.0f : expf(m[x] - m_new);
+            m[x] = m_new;
+            l[x] *= alpha[x];
+        }
+        // P (undropped into l, dropped into the A fragments).
+#pragma unroll
+        for (u32 nt = 0; nt < ATT_MK / 8; ++nt) {
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) {
+                const u32 x = i / 2;
+                const float e = s[nt][i] == neg_inf() ? 0.0f : expf(s[nt][i] - m[x]);
+                l[x] += e;
+                s[nt][i] = e == 0.0f ? 0.0f
+                                     : e * att_drop(pdrop, seed, offset, seq, h, row[x],
+                                                    j0 + nt * 8 + 2 * tg + i % 2);
+            }
+        }
+#pragma unroll
+        for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+            oacc[dt][0] *= alpha[0];
+            oacc[dt][1] *= alpha[0];
+            oacc[dt][2] *= alpha[1];
+            oacc[dt][3] *= alpha[1];
+        }
+#pragma unroll
+        for (u32 kc = 0; kc < ATT_MK / 16; ++kc) {
+            const u32 pa[4] = {att_pack_f32<T>(s[2 * kc][0], s[2 * kc][1]),
+                               att_pack_f32<T>(s[2 * kc][2], s[2 * kc][3]),
+                               att_pack_f32<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                               att_pack_f32<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+            const u32 key = kc * 16 + 2 * tg;
+#pragma unroll
+            for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+                if (dt < nd) {
+                    const u32 col = dt * 8 + g;
+                    const u32 b[2] = {
+                        att_pack(vs[key * ATT_MLD + col], vs[(key + 1) * ATT_MLD + col]),
+                        att_pack(vs[(key + 8) * ATT_MLD + col], vs[(key + 9) * ATT_MLD + col])};
+                    mma_16816<T>(oacc[dt], pa, b);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (u32 x = 0; x < 2; ++x) {
+        l[x] += __shfl_xor_sync(0xffffffffu, l[x], 1);
+        l[x] += __shfl_xor_sync(0xffffffffu, l[x], 2);
+    }
+#pragma unroll
+    for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+        if (dt < nd) {
+#pragma unroll
+            for (u32 i = 0; i < 4; ++i) {
+                const u32 x = i / 2;
+                if (row[x] < seq) o[row[x] * d + dt * 8 + 2 * tg + i % 2] = from_f32<T>(oacc[dt][i] / l[x]);
+            }
+        }
+    }
+    if (tg == 0) {
+#pragma unroll
+        for (u32 x = 0; x < 2; ++x) {
+            if (row[x] < seq) lse[h * seq + row[x]] = m[x] + logf(l[x]);
+        }
+    }
+}
+
+extern "C" __global__ void attention_fwd_mma_f16(const half_t* q, const half_t* k, const half_t* v, half_t* o, float* lse, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_mma_impl<half_t>(q, k, v, o, lse, seq, d, scale, causal, p, seed, offset); }
+extern "C" __global__ void attention_fwd_mma_bf16(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_mma_impl<bf16_t>(q, k, v, o, lse, seq, d, scale, causal, p, seed, offset); }
+
+#define ATTENTION_BWD_MMA(T, S) \
+    extern "C" __global__ void attention_bwd_dkdv_mma_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dk, T* dv, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dkdv_mma_impl<T>(q, k, v, dout, lse, dsum, dk, dv, seq, d, scale, causal, p, seed, offset); } \
+    extern "C" __global__ void attention_bwd_dq_mma_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dq, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dq_mma_impl<T>(q, k, v, dout, lse, dsum, dq, seq, d, scale, causal, p, seed, offset); }
+ATTENTION_BWD_MMA(half_t, f16)
+ATTENTION_BWD_MMA(bf16_t, bf16)
+
+#define ATTENTION(T, S) \
+    extern "C" __global__ void attention_fwd_##S(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_impl<T>(q, k, v, o, lse, seq, d, scale, causal, p, seed, offset); } \
+    extern "C" __global__ void attention_bwd_dot_##S(const T* o, const T* dout, float* dsum, u64 rows, u64 d) { attention_bwd_dot_impl<T>(o, dout, dsum, rows, d); } \
+    extern "C" __global__ void attention_bwd_dkdv_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dk, T* dv, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dkdv_impl<T>(q, k, v, dout, lse, dsum, dk, dv, seq, d, scale, causal, p, seed, offset); } \
+    extern "C" __global__ void attention_bwd_dq_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dq, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dq_impl<T>(q, k, v, dout, lse, dsum, dq, seq, d, scale, causal, p, seed, offset); }
+FOR_DTYPES(ATTENTION)

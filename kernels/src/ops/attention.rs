@@ -1,0 +1,515 @@
+//! Fused scaled dot-product attention, as PyTorch's SDPA flash backend computes it
+//! (`F.scaled_dot_product_attention` with `is_causal`, `dropout_p`, `scale`), forward and
+//! backward, without a `seq x seq` buffer on any backend.
+//!
+//! The forward ([`attention`]) saves what FlashAttention-2 saves (Dao 2023, "FlashAttention-2:
+//! Faster Attention with Better Parallelism and Work Partitioning"): the output and each
+//! query row's logsumexp (f32), plus the dropout stream's `(seed, offset)` in the
+//! [`AttentionParams`] the caller keeps. The backward ([`attention_backward`]) recomputes
+//! the probabilities tile by tile from the logsumexp, with one f32 per query row of
+//! workspace (`D = rowsum(dO * O)`). Memory is linear in the sequence length: the op plans
+//! the output and the logsumexp forward, the three gradients and `D` backward, identically
+//! on the host, a virtual device and a GPU.
+//!
+//! q, k and v are `[.., seq, head_dim]` of one shape and dtype (`[batch * heads, seq,
+//! head_dim]` as a transformer's head split gives them, or `[batch, heads, seq, head_dim]`);
+//! every leading index is an independent head. Arithmetic is in f32 whatever the storage
+//! dtype. With dropout, the op drops exactly the elements `ops::dropout(probs, p, seed,
+//! offset)` drops on the explicit `[.., seq, seq]` probabilities (see [`AttentionParams`]).
+//!
+//! On a GPU the kernels (`cuda/kernels/attention.cu`) take head dims up to 128 and any
+//! sequence length; f16 and bf16 with head dims a multiple of 16 (64, 128, ...) run forward
+//! and backward on tensor cores (`mma.sync`, f32 accumulate; the probabilities and their
+//! gradients rounded to 16 bits as operands, as FlashAttention does), f32 and other widths
+//! on f32 FMAs. The backward splits the work as FlashAttention-2 does, one block per key
+//! tile for dK and dV and one per query tile for dQ, without its atomics. The host takes
+//! any head dim.
+
+use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
+use super::{expect_shape, invalid, same_layout};
+use crate::cpu::attention as cpu;
+use crate::device::Device;
+use crate::dtype::{DType, with_dtype};
+use crate::error::Result;
+use crate::params::{AttentionDims, AttentionParams};
+use crate::tensor::Tensor;
+
+/// What [`attention`] returns and its backward reads: the output (q's shape and dtype) and
+/// each query row's logsumexp of the scaled, masked scores (`[.., seq]`, f32).
+#[derive(Debug)]
+pub struct AttentionOutput {
+    /// `softmax(scale * q k^T) v`, with dropout on the probabilities.
+    pub out: Tensor,
+    /// `logsumexp_j(scale * q_i . k_j)` over the keys row `i` sees.
+    pub lse: Tensor,
+}
+
+/// The gradients [`attention_backward`] returns, each of its input's shape and dtype.
+#[derive(Debug)]
+pub struct AttentionGrads {
+    /// Gradient of the queries.
+    pub dq: Tensor,
+    /// Gradient of the keys.
+    pub dk: Tensor,
+    /// Gradient of the values.
+    pub dv: Tensor,
+}
+
+/// Scaled dot-product attention of `q`, `k`, `v` (`[.., seq, head_dim]`, one shape and
+/// dtype): `dropout(softmax(scale * q k^T + mask)) v` per head, without materializing the
+/// scores. Saves nothing of size `seq x seq`; see the module docs.
+///
+/// # Errors
+///
+/// Shape, dtype and device mismatches; a rank below 2 or a head dim of 0; an invalid
+/// dropout probability or scale; out of memory.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    params: &AttentionParams,
+) -> Result<AttentionOutput> {
+    let dims = dims_of("attention", q, k, v)?;
+    run(Forward { q, k, v, params: *params, dims })
+}
+
+/// Gradients of [`attention`] with respect to `q`, `k` and `v`, from its inputs, what it
+/// returned (`fwd`), the output's gradient `dout` and the forward's `params` (the same
+/// dropout `(seed, offset)` regenerates the same mask).
+///
+/// # Errors
+///
+/// As [`attention`], and mismatches of `fwd` and `dout` with the inputs.
+pub fn attention_backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    fwd: &AttentionOutput,
+    dout: &Tensor,
+    params: &AttentionParams,
+) -> Result<AttentionGrads> {
+    let dims = dims_of("attention_backward", q, k, v)?;
+    run(Backward { q, k, v, fwd, dout, params: *params, dims, dsum: None })
+}
+
+/// Checks q, k and v and returns the sizes of the call.
+fn dims_of(op: &'static str, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<AttentionDims> {
+    same_layout(op, q, k)?;
+    same_layout(op, q, v)?;
+    let shape = q.shape();
+    let [lead @ .., seq, dim] = shape else {
+        return Err(invalid(op, format!("expected [.., seq, head_dim], got {shape:?}")));
+    };
+    if *dim == 0 {
+        return Err(invalid(op, format!("head dim 0 in {shape:?}")));
+    }
+    Ok(AttentionDims { heads: lead.iter().product(), seq: *seq, dim: *dim })
+}
+
+/// The logsumexp's shape: q's without the head dim.
+fn lse_shape(q: &Tensor) -> Vec<usize> {
+    q.shape()[..q.rank() - 1].to_vec()
+}
+
+struct Forward<'a> {
+    q: &'a Tensor,
+    k: &'a Tensor,
+    v: &'a Tensor,
+    params: AttentionParams,
+    /// The sizes, from the checked operands.
+    dims: AttentionDims,
+}
+
+impl Op for Forward<'_> {
+    const NAME: &'static str = "attention";
+    type Outs = [Tensor; 2];
+    type Output = AttentionOutput;
+
+    fn device(&self) -> &Device {
+        self.q.device()
+    }
+
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
+        self.params.validate(Self::NAME)?;
+        Ok(Plan::new([
+            OutputSpec::new(self.q.shape(), self.q.dtype()),
+            OutputSpec::new(&lse_shape(self.q), DType::F32),
+        ]))
+    }
+
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        let dims = self.dims;
+        let [out, lse] = bufs.outputs_mut();
+        let lse = lse.out_slice::<f32>(Self::NAME)?;
+        with_dtype!(self.q.dtype(), T => {
+            let (q, k, v) =
+                (self.q.as_slice::<T>()?, self.k.as_slice::<T>()?, self.v.as_slice::<T>()?);
+            cpu::attention(q, k, v, out.out_slice::<T>(Self::NAME)?, lse, dims, &self.params)
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        let [out, lse] = bufs.outputs_mut();
+        let ptrs = [self.q.cuda_ptr()?, self.k.cuda_ptr()?, self.v.cuda_ptr()?];
+        let io = [ptrs[0], ptrs[1], ptrs[2], out.cuda_ptr()?, lse.cuda_ptr()?];
+        launches::forward(gpu, self.q.dtype(), self.dims, &self.params, io)
+    }
+
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<AttentionOutput> {
+        let [out, lse] = bufs.into_outputs();
+        Ok(AttentionOutput { out, lse })
+    }
+}
+
+struct Backward<'a> {
+    q: &'a Tensor,
+    k: &'a Tensor,
+    v: &'a Tensor,
+    fwd: &'a AttentionOutput,
+    dout: &'a Tensor,
+    params: AttentionParams,
+    /// The sizes, from the checked operands.
+    dims: AttentionDims,
+    /// The workspace of `D = rowsum(dO * O)`.
+    dsum: Option<usize>,
+}
+
+impl Op for Backward<'_> {
+    const NAME: &'static str = "attention_backward";
+    type Outs = [Tensor; 3];
+    type Output = AttentionGrads;
+
+    fn device(&self) -> &Device {
+        self.q.device()
+    }
+
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
+        const OP: &str = "attention_backward";
+        self.params.validate(OP)?;
+        same_layout(OP, self.q, &self.fwd.out)?;
+        same_layout(OP, self.q, self.dout)?;
+        expect_shape(OP, &lse_shape(self.q), &self.fwd.lse)?;
+        super::expect_dtype(OP, DType::F32, &self.fwd.lse)?;
+        super::same_device(OP, self.q, &self.fwd.lse)?;
+        let spec = || OutputSpec::new(self.q.shape(), self.q.dtype());
+        let mut plan = Plan::new([spec(), spec(), spec()]);
+        self.dsum = plan.workspace(self.dims.rows() * std::mem::size_of::<f32>());
+        Ok(plan)
+    }
+
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        let dims = self.dims;
+        let [dq, dk, dv] = bufs.outputs_mut();
+        let lse = self.fwd.lse.as_slice::<f32>()?;
+        with_dtype!(self.q.dtype(), T => {
+            let saved = cpu::AttentionSaved {
+                q: self.q.as_slice::<T>()?,
+                k: self.k.as_slice::<T>()?,
+                v: self.v.as_slice::<T>()?,
+                out: self.fwd.out.as_slice::<T>()?,
+                lse,
+            };
+            let grads = [
+                dq.out_slice::<T>(Self::NAME)?,
+                dk.out_slice::<T>(Self::NAME)?,
+                dv.out_slice::<T>(Self::NAME)?,
+            ];
+            cpu::attention_backward(saved, self.dout.as_slice::<T>()?, grads, dims, &self.params)
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        let dsum = bufs.ws(self.dsum)?;
+        let [dq, dk, dv] = bufs.outputs_mut();
+        let inputs = [
+            self.q.cuda_ptr()?,
+            self.k.cuda_ptr()?,
+            self.v.cuda_ptr()?,
+            self.fwd.out.cuda_ptr()?,
+            self.fwd.lse.cuda_ptr()?,
+            self.dout.cuda_ptr()?,
+            dsum,
+        ];
+        let grads = [dq.cuda_ptr()?, dk.cuda_ptr()?, dv.cuda_ptr()?];
+        let dims = self.dims;
+        launches::backward(gpu, self.q.dtype(), dims, &self.params, inputs, grads)
+    }
+
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<AttentionGrads> {
+        let [dq, dk, dv] = bufs.into_outputs();
+        Ok(AttentionGrads { dq, dk, dv })
+    }
+}
+
+/// The CUDA launches on raw addresses, written against [`Exec`](crate::cuda::Exec) so that
+/// the tests run them whole on the host emulation.
+#[cfg(feature = "cuda")]
+mod launches {
+    use crate::cuda::registry::{
+        ATTENTION_BWD_DKDV, ATTENTION_BWD_DKDV_MMA_BF16, ATTENTION_BWD_DKDV_MMA_F16,
+        ATTENTION_BWD_DOT, ATTENTION_BWD_DQ, ATTENTION_BWD_DQ_MMA_BF16, ATTENTION_BWD_DQ_MMA_F16,
+        ATTENTION_FWD, ATTENTION_FWD_MMA_BF16, ATTENTION_FWD_MMA_F16, Instance,
+    };
+    use crate::cuda::{Arg, Exec, launch};
+    use crate::dtype::DType;
+    use crate::error::{Error, Result};
+    use crate::params::{AttentionDims, AttentionParams};
+    use cudarc::driver::LaunchConfig;
+
+    /// Rows of a query tile and of a key tile (`ATT_BQ`, `ATT_BK` in `attention.cu`).
+    const TILE: usize = 16;
+    /// Query rows of a tensor-core forward block (`ATT_MQ`).
+    const MMA_TILE: usize = 64;
+    /// The widest head the kernels take (`ATT_DMAX`).
+    pub(super) const MAX_DIM: usize = 128;
+    /// Threads per block (`ATT_THREADS`).
+    const THREADS: u32 = 128;
+    /// The largest grid.y (heads).
+    const MAX_HEADS: usize = 65535;
+
+    /// The tensor-core kernels (forward, dK/dV, dQ) for `dtype` and heads of `dim`, where
+    /// there are: 16-bit inputs, head dims a multiple of 16 (the f32 path and other widths
+    /// run on f32 FMAs).
+    pub(super) fn tensor_cores(dtype: DType, dim: usize) -> Option<[Instance; 3]> {
+        if !dim.is_multiple_of(16) || dim > MAX_DIM {
+            return None;
+        }
+        match dtype {
+            DType::F16 => Some([
+                ATTENTION_FWD_MMA_F16.of(dtype),
+                ATTENTION_BWD_DKDV_MMA_F16.of(dtype),
+                ATTENTION_BWD_DQ_MMA_F16.of(dtype),
+            ]),
+            DType::BF16 => Some([
+                ATTENTION_FWD_MMA_BF16.of(dtype),
+                ATTENTION_BWD_DKDV_MMA_BF16.of(dtype),
+                ATTENTION_BWD_DQ_MMA_BF16.of(dtype),
+            ]),
+            DType::F32 => None,
+        }
+    }
+
+    fn tiles(dims: &AttentionDims, op: &'static str) -> Result<LaunchConfig> {
+        tiles_of(dims, op, TILE)
+    }
+
+    fn tiles_of(dims: &AttentionDims, op: &'static str, tile: usize) -> Result<LaunchConfig> {
+        let refuse = |reason: String| Err(Error::InvalidArgument { op, reason });
+        if dims.dim > MAX_DIM {
+            return refuse(format!(
+                "head dim {} exceeds the CUDA kernels' {MAX_DIM}; the host takes any",
+                dims.dim
+            ));
+        }
+        if dims.heads > MAX_HEADS || !launch::fits_grid(dims.seq.div_ceil(tile)) {
+            return refuse(format!(
+                "{} heads of {} tokens exceed a CUDA grid",
+                dims.heads, dims.seq
+            ));
+        }
+        Ok(LaunchConfig {
+            grid_dim: (dims.seq.div_ceil(tile) as u32, dims.heads as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+
+    /// The arguments every tile kernel ends with.
+    fn tail(dims: &AttentionDims, p: &AttentionParams) -> [Arg; 7] {
+        [
+            Arg::count(dims.seq),
+            Arg::count(dims.dim),
+            Arg::F32(p.scale_for(dims.dim)),
+            Arg::U32(u32::from(p.causal)),
+            Arg::F32(p.dropout),
+            Arg::U64(p.seed),
+            Arg::U64(p.offset),
+        ]
+    }
+
+    /// The forward from `[q, k, v, out, lse]`.
+    pub(super) fn forward(
+        exec: &impl Exec,
+        dtype: DType,
+        dims: AttentionDims,
+        p: &AttentionParams,
+        [q, k, v, o, lse]: [u64; 5],
+    ) -> Result<()> {
+        if dims.is_empty() {
+            return Ok(());
+        }
+        let (kernel, cfg) = match tensor_cores(dtype, dims.dim) {
+            Some([kernel, ..]) => (kernel, tiles_of(&dims, "attention", MMA_TILE)?),
+            None => (ATTENTION_FWD.of(dtype), tiles(&dims, "attention")?),
+        };
+        let mut args = vec![Arg::Ptr(q), Arg::Ptr(k), Arg::Ptr(v), Arg::Ptr(o), Arg::Ptr(lse)];
+        args.extend(tail(&dims, p));
+        // SAFETY: attention_fwd_T and attention_fwd_mma_T(q, k, v, o, lse, seq, d, ...): q,
+        // k, v and o hold heads * seq * d elements of `dtype`, lse heads * seq f32 (the op's
+        // plan); the grid covers the kernel's query tiles of every head; the tensor-core
+        // kernel gets only head dims it takes (a multiple of 16, at most 128).
+        unsafe { exec.launch(kernel, cfg, &args) }
+    }
+
+    /// The backward from `[q, k, v, out, lse, dout, dsum]` (`dsum`: a workspace of
+    /// `heads * seq` f32) into `[dq, dk, dv]`.
+    pub(super) fn backward(
+        exec: &impl Exec,
+        dtype: DType,
+        dims: AttentionDims,
+        p: &AttentionParams,
+        [q, k, v, o, lse, dout, dsum]: [u64; 7],
+        [dq, dk, dv]: [u64; 3],
+    ) -> Result<()> {
+        if dims.is_empty() {
+            return Ok(());
+        }
+        const OP: &str = "attention_backward";
+        let (dkdv, dq_kernel, cfg) = match tensor_cores(dtype, dims.dim) {
+            Some([_, dkdv, dq]) => (dkdv, dq, tiles_of(&dims, OP, MMA_TILE)?),
+            None => (ATTENTION_BWD_DKDV.of(dtype), ATTENTION_BWD_DQ.of(dtype), tiles(&dims, OP)?),
+        };
+        let rows = dims.rows();
+        // SAFETY: attention_bwd_dot_T(o, dout, dsum, rows, d): o and dout hold rows * d
+        // elements, dsum rows f32.
+        unsafe {
+            exec.launch(
+                ATTENTION_BWD_DOT.of(dtype),
+                launch::elementwise(rows),
+                &[
+                    Arg::Ptr(o),
+                    Arg::Ptr(dout),
+                    Arg::Ptr(dsum),
+                    Arg::count(rows),
+                    Arg::count(dims.dim),
+                ],
+            )?;
+        }
+        let head =
+            [Arg::Ptr(q), Arg::Ptr(k), Arg::Ptr(v), Arg::Ptr(dout), Arg::Ptr(lse), Arg::Ptr(dsum)];
+        let mut args = head.to_vec();
+        args.extend([Arg::Ptr(dk), Arg::Ptr(dv)]);
+        args.extend(tail(&dims, p));
+        // SAFETY: attention_bwd_dkdv[_mma]_T(q, k, v, dout, lse, dsum, dk, dv, seq, d, ...):
+        // every [heads, seq, d] array holds heads * seq * d elements of `dtype`, lse and
+        // dsum heads * seq f32; the grid covers the key tiles of every head (key tiles are
+        // as long as query tiles); the tensor-core kernels get only head dims they take.
+        unsafe { exec.launch(dkdv, cfg, &args)? };
+        let mut args = head.to_vec();
+        args.push(Arg::Ptr(dq));
+        args.extend(tail(&dims, p));
+        // SAFETY: attention_bwd_dq[_mma]_T(q, k, v, dout, lse, dsum, dq, seq, d, ...): as
+        // above.
+        unsafe { exec.launch(dq_kernel, cfg, &args) }
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::launches;
+    use crate::cpu::attention as cpu;
+    use crate::cuda::emulate::Emulator;
+    use crate::cuda::emulated_kernels::values;
+    use crate::cuda::registry::ATTENTION_FWD;
+    use crate::dtype::{DType, Element};
+    use crate::params::{AttentionDims, AttentionParams};
+    use half::{bf16, f16};
+
+    fn addr<T>(v: &mut [T]) -> u64 {
+        v.as_mut_ptr() as u64
+    }
+
+    /// `got` within `ulps` units of the dtype's last place of `want` (relative), with a floor
+    /// of the largest `|want|`, at least 1: both sides sum in f32 in different orders and
+    /// round once to `T`.
+    fn close<T: Element>(what: &str, got: &[T], want: &[T], ulps: f32) {
+        let eps = match T::DTYPE {
+            DType::F32 => 1e-6,
+            DType::F16 => 1.0 / 1024.0,
+            DType::BF16 => 1.0 / 128.0,
+        };
+        let floor = want.iter().fold(1.0f32, |m, w| m.max(w.to_f32().abs()));
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            let (g, w) = (g.to_f32(), w.to_f32());
+            let ok = (g - w).abs() <= ulps * eps * (w.abs() + floor);
+            assert!(ok, "{what}[{i}]: emulated {g}, host {w}");
+        }
+    }
+
+    /// The CUDA forward and backward (`launches`, every kernel emulated) against the host
+    /// reference on `[heads, seq, dim]` inputs of `T`.
+    fn case<T: Element>(e: &Emulator, heads: usize, seq: usize, dim: usize, p: AttentionParams) {
+        let dims = AttentionDims { heads, seq, dim };
+        let n = dims.len();
+        let input =
+            |s: u64| -> Vec<T> { values(n, s, -2.0, 2.0).into_iter().map(T::from_f32).collect() };
+        let (mut q, mut k, mut v, mut dout) = (input(1), input(2), input(3), input(4));
+        let (mut out, mut lse) = (vec![T::from_f32(0.0); n], vec![0.0f32; dims.rows()]);
+        cpu::attention(&q, &k, &v, &mut out, &mut lse, dims, &p).unwrap();
+        let mut want = [0, 1, 2].map(|_| vec![T::from_f32(0.0); n]);
+        {
+            let saved = cpu::AttentionSaved { q: &q, k: &k, v: &v, out: &out, lse: &lse };
+            let [a, b, c] = &mut want;
+            cpu::attention_backward(saved, &dout, [a, b, c], dims, &p).unwrap();
+        }
+        let (mut e_out, mut e_lse) = (vec![T::from_f32(9.0); n], vec![9.0f32; dims.rows()]);
+        let io = [addr(&mut q), addr(&mut k), addr(&mut v), addr(&mut e_out), addr(&mut e_lse)];
+        launches::forward(e, T::DTYPE, dims, &p, io).unwrap();
+        let what = format!("{:?} heads {heads} seq {seq} dim {dim} {p:?}", T::DTYPE);
+        close(&format!("out {what}"), &e_out, &out, 2.0);
+        close(&format!("lse {what}"), &e_lse, &lse, 2.0);
+        // The backward reads the host's output, so that both sides start from the same.
+        let mut dsum = vec![0.0f32; dims.rows()];
+        let mut got = [0, 1, 2].map(|_| vec![T::from_f32(9.0); n]);
+        let inputs = [
+            addr(&mut q),
+            addr(&mut k),
+            addr(&mut v),
+            addr(&mut out),
+            addr(&mut lse),
+            addr(&mut dout),
+            addr(&mut dsum),
+        ];
+        let [a, b, c] = &mut got;
+        launches::backward(e, T::DTYPE, dims, &p, inputs, [addr(a), addr(b), addr(c)]).unwrap();
+        for (name, (g, w)) in ["dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+            close(&format!("{name} {what}"), g, w, 4.0);
+        }
+    }
+
+    // The kernels compute what the host computes: every query and key tile (sequences of 1,
+    // of a tile and a part, of two tiles and a part), head dims 64 and 128 and one below a
+    // warp, causal or not, with dropout drawing the host's mask, in every dtype.
+    #[test]
+    fn emulated_kernels_match_the_host_reference() {
+        let Some(e) = Emulator::new(ATTENTION_FWD.of(DType::F32)) else { return };
+        for (seq, dim) in [(1, 64), (19, 64), (33, 128), (21, 24), (70, 32)] {
+            for causal in [false, true] {
+                for drop in [0.0, 0.25] {
+                    let p = AttentionParams::new(causal).with_dropout(drop, 11, 1 << 33);
+                    case::<f32>(&e, 2, seq, dim, p);
+                    case::<bf16>(&e, 1, seq, dim, p);
+                    case::<f16>(&e, 1, seq, dim, p);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn sixteen_bit_heads_of_multiples_of_16_run_on_tensor_cores() {
+        assert!(launches::tensor_cores(DType::BF16, 64).is_some());
+        assert!(launches::tensor_cores(DType::F16, 128).is_some());
+        assert!(launches::tensor_cores(DType::BF16, 24).is_none());
+        assert!(launches::tensor_cores(DType::F32, 64).is_none());
+    }
+
+    #[test]
+    fn heads_wider_than_the_kernels_are_refused_on_cuda() {
+        let Some(e) = Emulator::new(ATTENTION_FWD.of(DType::F32)) else { return };
+        let dims = AttentionDims { heads: 1, seq: 4, dim: launches::MAX_DIM + 1 };
+        let err = launches::forward(&e, DType::F32, dims, &AttentionParams::new(true), [0; 5]);
+        assert!(err.is_err());
+    }
+}

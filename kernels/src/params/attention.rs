@@ -1,0 +1,106 @@
+//! Scaled dot-product attention's settings ([`AttentionParams`]) and the sizes of one call
+//! ([`AttentionDims`]).
+
+use crate::error::{Error, Result};
+
+/// How [`ops::attention`](crate::ops::attention) attends: causally or not, with which score
+/// scale, and with dropout on the probabilities (PyTorch's
+/// `F.scaled_dot_product_attention(q, k, v, dropout_p, is_causal, scale)`).
+///
+/// Dropout draws from the same counter-based stream as [`ops::dropout`](crate::ops::dropout):
+/// the probability of query `i` and key `j` in head `h` (of `heads` heads of `seq` tokens)
+/// is element `(h * seq + i) * seq + j` of a `[heads, seq, seq]` tensor, kept iff
+/// `dropout_keep(seed, offset + that index, p)`. So the fused op with `(seed, offset)`
+/// drops exactly what `ops::dropout(probs, p, seed, offset)` drops on the explicit
+/// probabilities, and a caller advances its offset by `heads * seq * seq` per call as it
+/// would for that dropout.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionParams {
+    /// Query `i` attends to keys `j <= i` only.
+    pub causal: bool,
+    /// The factor on `q . k`; `None` is `1 / sqrt(head_dim)`.
+    pub scale: Option<f32>,
+    /// Drop probability of each attention probability, in `[0, 1)`.
+    pub dropout: f32,
+    /// The dropout stream's seed.
+    pub seed: u64,
+    /// The dropout stream's first index.
+    pub offset: u64,
+}
+
+impl AttentionParams {
+    /// Attention without dropout, causal or not, scaled by `1 / sqrt(head_dim)`.
+    pub fn new(causal: bool) -> AttentionParams {
+        AttentionParams { causal, scale: None, dropout: 0.0, seed: 0, offset: 0 }
+    }
+
+    /// The same with dropout `p` drawn from `(seed, offset)`.
+    pub fn with_dropout(self, p: f32, seed: u64, offset: u64) -> AttentionParams {
+        AttentionParams { dropout: p, seed, offset, ..self }
+    }
+
+    /// The same with scores scaled by `scale`.
+    pub fn with_scale(self, scale: f32) -> AttentionParams {
+        AttentionParams { scale: Some(scale), ..self }
+    }
+
+    /// The score scale for heads of `head_dim`.
+    pub fn scale_for(&self, head_dim: usize) -> f32 {
+        self.scale.unwrap_or_else(|| 1.0 / (head_dim.max(1) as f32).sqrt())
+    }
+
+    /// Checks the dropout probability and the scale.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] unless `0 <= dropout < 1` and the scale is finite.
+    pub fn validate(&self, op: &'static str) -> Result<()> {
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(Error::InvalidArgument {
+                op,
+                reason: format!("drop probability {} is not in [0, 1)", self.dropout),
+            });
+        }
+        match self.scale {
+            Some(s) if !s.is_finite() => {
+                Err(Error::InvalidArgument { op, reason: format!("scale {s} is not finite") })
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The sizes of one attention call: `heads` independent heads (batch times heads) of `seq`
+/// tokens of width `dim`; q, k, v and the output are `[heads, seq, dim]`, row-major.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionDims {
+    /// Heads over the whole batch.
+    pub heads: usize,
+    /// Tokens per head.
+    pub seq: usize,
+    /// Width of a head.
+    pub dim: usize,
+}
+
+impl AttentionDims {
+    /// Elements of q (or k, v, the output).
+    pub fn len(&self) -> usize {
+        self.heads * self.seq * self.dim
+    }
+
+    /// Whether there is nothing to compute.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Rows of the logsumexp: `heads * seq`.
+    pub fn rows(&self) -> usize {
+        self.heads * self.seq
+    }
+
+    /// The dropout index of query `i`, key `j` of head `h` (relative to the offset): the
+    /// element of a `[heads, seq, seq]` tensor.
+    pub fn prob_index(&self, h: usize, i: usize, j: usize) -> u64 {
+        ((h * self.seq + i) * self.seq + j) as u64
+    }
+}

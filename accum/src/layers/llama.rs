@@ -5,12 +5,15 @@
 //! (`down(silu(gate(x)) * up(x))`) and residual. Tokens are rows: a batch of `b` sequences
 //! of `s` tokens of width `d` is `[b * s, d]`.
 //!
-//! Attention is the explicit form (scores, causal softmax, product with the values), with
-//! the key and value heads repeated to the query heads as HF's `repeat_kv` does (a copy,
-//! whose gradient sums the copies back); it is one method pair ([`LlamaBlock`]'s
-//! `attention` and `attention_backward`), so a fused attention op replaces it in one call.
+//! Attention is the fused op ([`ops::attention`], HF's `sdpa` implementation: the output
+//! and each row's logsumexp kept, nothing of size seq x seq) or, with
+//! [`Attention::Explicit`], the explicit form (scores, causal softmax, product with the
+//! values: HF's `eager`), the key and value heads repeated to the query heads as HF's
+//! `repeat_kv` does in both (a copy, whose gradient sums the copies back).
 
-use super::{Init, Linear, LinearConfig, add_promoted, positive, prefix_param_names, sub_seed};
+use super::{
+    Attention, Init, Linear, LinearConfig, add_promoted, positive, prefix_param_names, sub_seed,
+};
 use crate::autocast::{OpKind, accumulate_grad_cast, cast, cast_into};
 use crate::error::{Error, Result};
 use crate::layer::{ForwardCtx, Layer, Param};
@@ -231,6 +234,9 @@ pub struct LlamaBlockConfig {
     pub dtype: DType,
     /// Seed of the weight initialization (default 0).
     pub seed: u64,
+    /// How attention is computed (default [`Attention::Fused`], as HF's `sdpa`
+    /// implementation: PyTorch's `scaled_dot_product_attention` after `repeat_kv`).
+    pub attention: Attention,
 }
 
 impl LlamaBlockConfig {
@@ -252,7 +258,14 @@ impl LlamaBlockConfig {
             init_std: 0.02,
             dtype: DType::F32,
             seed: 0,
+            attention: Attention::Fused,
         }
+    }
+
+    /// The same attending with `attention` ([`Attention::Explicit`]: HF's `eager`
+    /// implementation, which keeps the `[b * heads, seq, seq]` probabilities).
+    pub fn with_attention(self, attention: Attention) -> Self {
+        LlamaBlockConfig { attention, ..self }
     }
 
     /// The same with heads of `head_dim` features.
@@ -387,6 +400,7 @@ impl LlamaBlockConfig {
             head_dim: dh,
             seq: self.seq,
             tables: tables.clone(),
+            attention: self.attention,
         })
     }
 }
@@ -396,9 +410,10 @@ impl LlamaBlockConfig {
 /// `y = x2 + down(silu(gate(n2(x2))) * up(n2(x2)))`, causal grouped-query attention.
 /// Built from a [`LlamaBlockConfig`].
 ///
-/// Training keeps what PyTorch's eager attention keeps: the norms' inputs, the
-/// projections' inputs, the rotated per-head queries and the repeated keys and values
-/// (`[b * heads, seq, dh]`), the attention probabilities (`[b * heads, seq, seq]`), the
+/// Training keeps what HF's `sdpa` attention keeps: the norms' inputs, the projections'
+/// inputs, the rotated per-head queries and the repeated keys and values (`[b * heads, seq,
+/// dh]`), the fused attention's output and each row's logsumexp (with
+/// [`Attention::Explicit`], HF's `eager`: the probabilities, `[b * heads, seq, seq]`), the
 /// attention output, and the MLP's gate, up and SiLU outputs.
 #[derive(Debug)]
 pub struct LlamaBlock {
@@ -416,17 +431,28 @@ pub struct LlamaBlock {
     head_dim: usize,
     seq: usize,
     tables: RopeTables,
+    attention: Attention,
 }
 
-/// What the attention keeps for backward (the explicit form's tensors).
+/// What the attention keeps for backward: the per-head queries and the repeated keys and
+/// values as attended, and the fused op's output and logsumexp or the explicit form's
+/// probabilities.
 #[derive(Debug)]
 pub struct AttnSaved {
     qh: Tensor,
     kh: Tensor,
     vh: Tensor,
-    probs: Tensor,
-    /// The left operand of `p @ v` as multiplied (under autocast, the 16-bit copy).
-    pv_lhs: Tensor,
+    form: AttnForm,
+}
+
+/// The part of [`AttnSaved`] that depends on the attention's form.
+#[derive(Debug)]
+enum AttnForm {
+    /// [`ops::attention`]'s output and logsumexp (nothing of size seq x seq).
+    Fused(ops::AttentionOutput),
+    /// The probabilities and the left operand of `p @ v` as multiplied (under autocast,
+    /// the 16-bit copy).
+    Explicit { probs: Tensor, pv_lhs: Tensor },
 }
 
 /// What a [`LlamaBlock`] keeps for backward.
@@ -522,7 +548,7 @@ impl LlamaBlock {
     }
 
     /// Causal scaled dot-product attention of `[b * heads, s, dh]` queries, keys and values
-    /// (the keys and values already repeated to the query heads), the explicit form.
+    /// (the keys and values already repeated to the query heads), in the block's form.
     fn attention(
         &self,
         qh: Tensor,
@@ -532,6 +558,13 @@ impl LlamaBlock {
     ) -> Result<(Tensor, AttnSaved)> {
         let qkv = qh.dtype();
         let mm = ctx.op_dtype(OpKind::Matmul, &[qkv]).unwrap_or(qkv);
+        if self.attention == Attention::Fused {
+            // As autocast runs scaled_dot_product_attention: every input in the low dtype.
+            let (qh, kh, vh) = (cast_into(qh, mm)?, cast_into(kh, mm)?, cast_into(vh, mm)?);
+            let fwd = ops::attention(&qh, &kh, &vh, &ops::AttentionParams::new(true))?;
+            let out = fwd.out.clone();
+            return Ok((out, AttnSaved { qh, kh, vh, form: AttnForm::Fused(fwd) }));
+        }
         let (qh, kh) = (cast_into(qh, mm)?, cast_into(kh, mm)?);
         let scale = 1.0 / (self.head_dim as f32).sqrt();
         let scores = ops::scale(&ops::matmul(&qh, &kh, false, true)?, scale)?;
@@ -543,21 +576,31 @@ impl LlamaBlock {
         let pv = pv.unwrap_or(probs.dtype());
         let (pv_lhs, vh) = (cast(&probs, pv)?, cast_into(vh, pv)?);
         let out = ops::matmul(&pv_lhs, &vh, false, false)?;
-        Ok((out, AttnSaved { qh, kh, vh, probs, pv_lhs }))
+        Ok((out, AttnSaved { qh, kh, vh, form: AttnForm::Explicit { probs, pv_lhs } }))
     }
 
     /// The gradients of [`Self::attention`]'s queries, keys and values from `dout`.
     fn attention_backward(&self, s: AttnSaved, dout: Tensor) -> Result<[Tensor; 3]> {
-        let dout = cast_into(dout, s.pv_lhs.dtype())?;
-        let (dlhs, dvh) = ops::matmul_backward(&s.pv_lhs, &s.vh, &dout, false, false)?;
-        drop((dout, s.pv_lhs, s.vh));
-        let dprobs = cast_into(dlhs, s.probs.dtype())?;
-        let dscores = ops::causal_softmax_backward(&s.probs, &dprobs)?;
-        drop((dprobs, s.probs));
-        let dscores = cast_into(dscores, s.qh.dtype())?;
+        let AttnSaved { qh, kh, vh, form } = s;
+        let (probs, pv_lhs) = match form {
+            AttnForm::Fused(fwd) => {
+                let dout = cast_into(dout, qh.dtype())?;
+                let params = ops::AttentionParams::new(true);
+                let g = ops::attention_backward(&qh, &kh, &vh, &fwd, &dout, &params)?;
+                return Ok([g.dq, g.dk, g.dv]);
+            }
+            AttnForm::Explicit { probs, pv_lhs } => (probs, pv_lhs),
+        };
+        let dout = cast_into(dout, pv_lhs.dtype())?;
+        let (dlhs, dvh) = ops::matmul_backward(&pv_lhs, &vh, &dout, false, false)?;
+        drop((dout, pv_lhs, vh));
+        let dprobs = cast_into(dlhs, probs.dtype())?;
+        let dscores = ops::causal_softmax_backward(&probs, &dprobs)?;
+        drop((dprobs, probs));
+        let dscores = cast_into(dscores, qh.dtype())?;
         let scaled = ops::scale(&dscores, 1.0 / (self.head_dim as f32).sqrt())?;
         drop(dscores);
-        let (dqh, dkh) = ops::matmul_backward(&s.qh, &s.kh, &scaled, false, true)?;
+        let (dqh, dkh) = ops::matmul_backward(&qh, &kh, &scaled, false, true)?;
         Ok([dqh, dkh, dvh])
     }
 }
@@ -808,6 +851,14 @@ mod tests {
 
     #[test]
     fn llama_block_matches_hugging_faces_definitions_forward_and_backward() {
+        for attention in [Attention::Fused, Attention::Explicit] {
+            block_matches_hugging_faces_definitions(attention);
+        }
+    }
+
+    /// HF's `sdpa` and `eager` attention give the same numbers: both forms against the
+    /// f64 reference.
+    fn block_matches_hugging_faces_definitions(attention: Attention) {
         let dev = Device::host(1 << 28);
         let (b, s, d, heads, kv, hidden) = (2, 5, 16, 4, 2, 24);
         let dh = d / heads;
@@ -815,7 +866,8 @@ mod tests {
             .with_qkv_bias(true)
             .with_eps(1e-5)
             .with_init(0.2)
-            .with_seed(3);
+            .with_seed(3)
+            .with_attention(attention);
         let mut block = cfg.init(&dev).unwrap();
         assert_eq!(
             block.params().iter().map(|p| p.value.numel() as u64).sum::<u64>(),
@@ -890,6 +942,34 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn fused_attention_keeps_no_probabilities() {
+        // Bytes the forward leaves for backward: the explicit form's [b * heads, s, s]
+        // probabilities are the difference, and nothing of that size is kept fused.
+        let kept = |attention: Attention| {
+            let dev = Device::virtual_device(1 << 34);
+            let (b, s) = (2, 256);
+            let cfg = LlamaBlockConfig::new(64, 8, 2, 128, s).with_attention(attention);
+            let mut block = cfg.init(&dev).unwrap();
+            let x = Tensor::zeros(&dev, &[b * s, 64], DType::F32).unwrap();
+            // A first forward takes the cuBLAS workspace, which stays.
+            drop(block.forward(&x, &mut ForwardCtx::new(Mode::Train, 0)).unwrap());
+            let before = dev.memory_allocated();
+            let mut ctx = ForwardCtx::new(Mode::Train, 0);
+            let (y, saved) = block.forward(&x, &mut ctx).unwrap();
+            drop(y);
+            let kept = dev.memory_allocated() - before;
+            drop(saved);
+            kept
+        };
+        let (fused, explicit) = (kept(Attention::Fused), kept(Attention::Explicit));
+        // Explicit: the f32 probabilities [b * heads, s, s]. Fused: the per-head output
+        // [b * heads, s, dh] and the logsumexp [b * heads, s] instead.
+        let (probs, out, lse) = (2 * 8 * 256 * 256 * 4, 2 * 8 * 256 * 8 * 4, 2 * 8 * 256 * 4);
+        assert_eq!(explicit - fused, probs - out - lse, "fused {fused}, explicit {explicit}");
+        assert!(fused < probs, "fused keeps {fused} B, a probability matrix is {probs} B");
     }
 
     #[test]

@@ -794,6 +794,67 @@ mod tests {
     }
 
     #[test]
+    fn sizes_have_one_grammar_and_list_models_names_every_preset() {
+        assert_eq!(vram_harness::parse_size("8G").unwrap(), 8 << 30);
+        assert_eq!(vram_harness::parse_size("8GiB").unwrap(), 8 << 30);
+        assert_eq!(vram_harness::parse_size("8GB").unwrap(), 8_000_000_000);
+        assert_eq!(vram_harness::parse_size("64TiB").unwrap(), 64 << 40);
+        let help = device_memory_help();
+        assert!(help.contains(vram_harness::SIZE_UNITS) && help.contains("8GB is 7.45 GiB"));
+        let list = list_models();
+        for p in Arch::presets() {
+            assert!(list.contains(p.name) && list.contains(p.description), "{}", p.name);
+        }
+        assert_eq!(outcome(&["--list-models"]).unwrap(), ExitCode::SUCCESS);
+        let e = outcome(&["--model", "gpt", "--batch", "4", "--device-memory", "0"]).unwrap_err();
+        assert!(e.contains("--device-memory: malformed size `0`: a size must be at least 1 byte"));
+        let e = outcome(&["--model", "gpt", "--batch", "4", "--device-memory", "2PB"]).unwrap_err();
+        assert!(e.contains("unknown unit"), "{e}");
+        let e = outcome(&["--model", "gpt", "--batch", "4", "--device-memory", "1000000TiB"])
+            .unwrap_err();
+        assert!(e.contains("is not a GPU"), "{e}");
+        let e =
+            outcome(&["--model", "gpt", "--batch", "4", "--device-memory", "8GiB", "--gpus", "0"])
+                .unwrap_err();
+        assert!(e.contains("--gpus"), "{e}");
+    }
+
+    /// The recommendation a PyTorch user pastes, in plain strings; the table's columns line
+    /// up whatever the cells' widths.
+    #[test]
+    fn the_recommendation_is_plain_and_the_table_lines_up() {
+        let model = plan::model_from_args("gpt", &ModelOverrides::default()).unwrap();
+        let mut req = PlanRequest::new(model, 8, 64 << 20);
+        req.reserve = 0;
+        let report = plan::plan(&req, &mut plan::NoProgress).unwrap();
+        let r = recommended(&report, None);
+        assert_eq!(r["gpus"], 1);
+        for key in ["precision", "checkpoint", "allocator", "strategy"] {
+            let v = r[key].as_str().unwrap_or_else(|| panic!("{key}: {r}"));
+            assert!(!v.contains("::") && !v.starts_with(char::is_uppercase), "{key}: {v}");
+        }
+        assert_eq!(
+            r["micro_batch"].as_u64().unwrap() * r["accumulation_steps"].as_u64().unwrap(),
+            8
+        );
+        let text = render(&report);
+        assert!(text.contains("recommended:") && text.contains("checkpointing:"), "{text}");
+        let t = table(
+            &["a", "bb", "c"],
+            &[false, true, false],
+            vec![
+                vec!["long cell".into(), "1".into(), "x".into()],
+                vec!["s".into(), "12345".into(), "y".into()],
+            ],
+            "",
+        );
+        let lines: Vec<&str> = t.lines().collect();
+        let col = |l: &str, c: char| l.rfind(c).unwrap();
+        assert_eq!(col(lines[1], '1'), col(lines[2], '5'), "{t}");
+        assert_eq!(col(lines[0], 'c'), col(lines[1], 'x'), "{t}");
+    }
+
+    #[test]
     fn nproc_reports_data_parallel_and_refuses_a_batch_that_does_not_split() {
         let base =
             ["--model", "gpt", "--device-memory", "64MiB", "--reserve", "0", "--precision", "fp32"];

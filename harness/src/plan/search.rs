@@ -23,6 +23,9 @@ struct Config {
     alloc: usize,
 }
 
+/// The largest micro-batch a search run simulates; larger ones are extrapolated.
+const RUN_CAP: usize = 1024;
+
 /// A probe of the micro-batch search.
 #[derive(Clone, Copy, Debug)]
 struct Point {
@@ -55,6 +58,11 @@ struct Search<'a> {
     min_micro: usize,
     /// The chain's layer names.
     names: Vec<String>,
+    /// Configurations whose largest micro-batch lies beyond [`RUN_CAP`]: the line it was
+    /// extrapolated along (two sizes that fit).
+    lines: HashMap<Config, (Point, Point)>,
+    /// Splits whose peaks were extrapolated rather than run.
+    extrapolated: usize,
     /// The largest micro-batch whose host-side batch fits [`HOST_BATCH_LIMIT`].
     host_cap: usize,
 }
@@ -202,7 +210,8 @@ impl Search<'_> {
     /// bracket when guesses stop narrowing it: a handful of runs whatever the batch.
     fn max_micro(&mut self, c: Config) -> Result<usize, PlanError> {
         let first = self.min_micro;
-        let cap = self.req.batch.min(self.req.max_micro).min(self.host_cap).max(first);
+        let full = self.req.batch.min(self.req.max_micro).min(self.host_cap).max(first);
+        let cap = full.min(RUN_CAP).max(first);
         // A small batch: try it whole first (one run when it fits, the common case).
         if cap <= 256 && self.probe(c, cap)?.fits {
             return Ok(cap);
@@ -212,6 +221,8 @@ impl Search<'_> {
             return Ok(0);
         }
         let mut lo = anchor;
+        // The line's other point once one past the optimizer step's peak (16 samples) fits.
+        let mut base = anchor;
         let mut hi: Option<Point> = None;
         if cap <= 256 {
             hi = Some(self.probe(c, cap)?);
@@ -220,6 +231,17 @@ impl Search<'_> {
         loop {
             let top = hi.as_ref().map_or(cap, |h| h.micro - 1);
             if lo.micro >= top {
+                if hi.is_none() && lo.micro == cap && full > cap && lo.micro > base.micro {
+                    // Fits at the largest size run: extrapolate along the allocated's line.
+                    let slope = lo.allocated.saturating_sub(base.allocated) as f64
+                        / (lo.micro - base.micro) as f64;
+                    let gap = lo.reserved.saturating_sub(lo.allocated) as f64;
+                    let room = self.usable as f64 - gap - lo.allocated as f64;
+                    let m = if slope > 0.0 { lo.micro as f64 + room / slope } else { full as f64 };
+                    let m = m.floor().clamp(lo.micro as f64, full as f64) as usize;
+                    self.lines.insert(c, (base, lo));
+                    return Ok(m);
+                }
                 return Ok(lo.micro);
             }
             rounds += 1;
@@ -232,13 +254,15 @@ impl Search<'_> {
                     let slope = (need(h) - need(&lo)) / (h.micro - lo.micro) as f64;
                     lo.micro as f64 + (usable - need(&lo)) / slope
                 }
-                // Above every size run so far: the allocated's slope from the anchor, less
-                // what the allocator keeps cached at lo.
-                None if lo.micro > anchor.micro && lo.allocated > anchor.allocated => {
+                // Above every size run so far: the allocated's slope from the base (past the
+                // optimizer step's peak), less what the allocator keeps cached at lo, at most
+                // four times lo (a slope measured over a few samples may be off).
+                None if lo.micro > base.micro && lo.allocated > base.allocated => {
                     let slope =
-                        (lo.allocated - anchor.allocated) as f64 / (lo.micro - anchor.micro) as f64;
+                        (lo.allocated - base.allocated) as f64 / (lo.micro - base.micro) as f64;
                     let gap = lo.reserved.saturating_sub(lo.allocated) as f64;
-                    lo.micro as f64 + (usable - gap - lo.allocated as f64) / slope
+                    let m = lo.micro as f64 + (usable - gap - lo.allocated as f64) / slope;
+                    m.min(4.0 * lo.micro as f64)
                 }
                 // One point, or no slope: 16 samples (past the optimizer step's peak), or
                 // twice lo.
@@ -247,7 +271,10 @@ impl Search<'_> {
             let guess =
                 if guess.is_finite() { guess.floor().clamp(0.0, cap as f64) as usize } else { top };
             let m = if rounds > 3 {
-                lo.micro + (top - lo.micro).div_ceil(2)
+                match hi {
+                    Some(_) => lo.micro + (top - lo.micro).div_ceil(2),
+                    None => (2 * lo.micro).min(top),
+                }
             } else {
                 guess.clamp(lo.micro + 1, top)
             };
@@ -257,6 +284,9 @@ impl Search<'_> {
                 continue;
             }
             lo = p;
+            if base.micro < 16 && p.micro >= 16 {
+                base = p;
+            }
             // The neighbour settles a good guess at once.
             if m < top {
                 let next = self.probe(c, m + 1)?;
@@ -275,7 +305,26 @@ impl Search<'_> {
         let mut best = None;
         let fewest = self.min_micro;
         for micro in (fewest..=g.min(max_micro)).rev().filter(|d| g.is_multiple_of(*d)).take(8) {
-            let e = self.evaluate(c, micro, g / micro)?;
+            let e = match self.lines.get(&c).copied() {
+                Some((base, lo)) if micro > lo.micro => {
+                    let Some(at_lo) =
+                        self.memo.get(&(c, lo.micro, g.div_ceil(lo.micro).min(SIMULATED_ACCUM)))
+                    else {
+                        continue;
+                    };
+                    let per = lo.allocated.saturating_sub(base.allocated) as f64
+                        / (lo.micro - base.micro) as f64;
+                    let more = (per * (micro - lo.micro) as f64).round() as u64;
+                    self.extrapolated += 1;
+                    Eval {
+                        fits: true,
+                        allocated: lo.allocated + more,
+                        reserved: lo.reserved + more,
+                        schedule: at_lo.schedule.clone(),
+                    }
+                }
+                _ => self.evaluate(c, micro, g / micro)?,
+            };
             if e.fits {
                 best = Some((micro, e));
                 break;
@@ -584,6 +633,8 @@ pub fn plan(req: &PlanRequest, progress: &mut dyn PlanProgress) -> Result<PlanRe
         runs: 0,
         min_micro: 1,
         names: shape.names,
+        lines: HashMap::new(),
+        extrapolated: 0,
         host_cap: (HOST_BATCH_LIMIT / host_bytes_per_sample(&req.model).max(1)).max(1) as usize,
     };
     let (min_micro, one_fails) = s.smallest_micro(precisions[0])?;
@@ -655,6 +706,14 @@ pub fn plan(req: &PlanRequest, progress: &mut dyn PlanProgress) -> Result<PlanRe
     };
     let why = why(&fitting.iter().map(|(_, r)| r.clone()).collect::<Vec<_>>(), usable);
     let mut notes = req.model.notes.clone();
+    if s.extrapolated > 0 {
+        notes.push(format!(
+            "micro-batches above {RUN_CAP} samples are not run: their peaks ({} splits) are \
+             extrapolated along the line through two sizes that fit (the memory of a step is \
+             linear in the micro-batch); --verify runs the recommendation",
+            s.extrapolated
+        ));
+    }
     if let Some(why) = &one_fails {
         notes.push(format!(
             "micro-batches start at {min_micro} samples: a step of one sample fails ({why}), \

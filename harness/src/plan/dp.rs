@@ -333,7 +333,7 @@ pub struct MultiGpuAnswer {
 /// The fewest GPUs on `nodes` nodes that hold `b` without offload, and how (the smallest
 /// count first, then the lowest ZeRO stage); failing that, the fewest with CPU offload. The
 /// answer names the offload alternative when it needs fewer GPUs.
-pub(crate) fn multi_gpu_answer(b: &ShardBasis, nodes: usize) -> MultiGpuAnswer {
+pub(crate) fn multi_gpu_answer(b: &ShardBasis, nodes: usize, config: &str) -> MultiGpuAnswer {
     let find = |offload: bool| {
         (1..=MAX_GPUS).find_map(|gpus| {
             // One GPU without offload is the single-device search, which found nothing.
@@ -372,8 +372,8 @@ pub(crate) fn multi_gpu_answer(b: &ShardBasis, nodes: usize) -> MultiGpuAnswer {
     match chosen {
         Some((gpus, r, t)) => {
             let mut answer = format!(
-                "needs {} (estimate from the single-device measurement; `--gpus {gpus}` shows \
-                 every strategy)",
+                "needs {} (estimate from the single-device measurement of {config}; `--gpus \
+                 {gpus}` shows every strategy)",
                 describe(gpus, &r)
             );
             if let Some((g, o, _)) = &other {

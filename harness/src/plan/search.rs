@@ -688,7 +688,16 @@ pub fn plan(req: &PlanRequest, progress: &mut dyn PlanProgress) -> Result<PlanRe
         Vec::new()
     };
     progress.advance("suggestions");
-    let multi_gpu = match (&decomposition, fitting.is_empty()) {
+    // Several GPUs keep the activations of one, so they start from the checkpoint plan
+    // with the fewest bytes per sample (every-2) when it keeps fewer than the closest.
+    let sharded = match (&decomposition, basis, fitting.is_empty()) {
+        (Some(d), Some(c), true) => {
+            let every = s.decompose(Config { plan: PlanKind::EveryK(2), ..c })?;
+            Some(if every.per_sample < d.per_sample { every } else { d.clone() })
+        }
+        _ => None,
+    };
+    let multi_gpu = match (&sharded, fitting.is_empty()) {
         (Some(d), true) => Some(super::dp::multi_gpu_answer(
             &super::dp::ShardBasis {
                 params,
@@ -701,6 +710,7 @@ pub fn plan(req: &PlanRequest, progress: &mut dyn PlanProgress) -> Result<PlanRe
                 min_micro,
             },
             1,
+            &d.config,
         )),
         _ => None,
     };

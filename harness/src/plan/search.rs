@@ -808,7 +808,7 @@ fn why(fitting: &[Row], usable: u64) -> String {
     let mut why = format!(
         "lowest estimated step cost ({:.2}) of the {} configurations that fit",
         best.relative_cost,
-        fitting.len()
+        fitting.len() + fitting.iter().map(|r| r.same_as.len()).sum::<usize>()
     );
     if let Some(next) = fitting.get(1) {
         why += &format!(" (next: {} at {:.2})", next.label(), next.relative_cost);

@@ -249,11 +249,13 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), HarnessError> {
 }
 
 /// The units [`parse_size`] takes, for messages and help texts.
-pub const SIZE_UNITS: &str =
-    "B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000)";
+pub const SIZE_UNITS: &str = "B, KiB, MiB, GiB, TiB (powers of 1024; K, M, G, T alone mean \
+     the same, as in nvidia-smi and PyTorch's messages) or KB, MB, GB, TB (powers of 1000: \
+     8GB is 7.45 GiB)";
 
-/// Parses a size such as `4GiB`, `512 MiB`, `1.5TiB`, `2GB` or `1048576` (bytes) into bytes.
-/// Units are case-insensitive; `K`, `M`, `G`, `T` alone mean KiB, MiB, GiB, TiB.
+/// Parses a size such as `4GiB`, `512 MiB`, `1.5TiB`, `2GB` or `1048576` (bytes) into bytes:
+/// the one size grammar of every command (`plan`, `replay`, `twin`, `bench`). Units are
+/// case-insensitive; `K`, `M`, `G`, `T` alone mean KiB, MiB, GiB, TiB.
 ///
 /// # Errors
 ///

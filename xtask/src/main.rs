@@ -15,7 +15,13 @@ use std::time::Duration;
 use vram_harness::{BackendChoice, BenchOptions, Outcome, Progress};
 
 #[derive(Parser)]
-#[command(name = "cargo xtask", about = "vram project tasks", bin_name = "cargo xtask")]
+#[command(
+    name = "cargo xtask",
+    about = "vram project tasks",
+    bin_name = "cargo xtask",
+    version,
+    propagate_version = true
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -101,7 +101,6 @@ fn parse_capacity(flag: &str, text: Option<&str>) -> Result<Option<u64>, String>
     match text {
         None => Ok(None),
         Some(s) => match vram_harness::parse_size(s) {
-            Ok(0) => Err(format!("{flag}: the device must have some memory")),
             Ok(b) => Ok(Some(b)),
             Err(e) => Err(format!("{flag}: {e}")),
         },

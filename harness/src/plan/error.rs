@@ -17,16 +17,16 @@ pub enum PlanError {
         /// The known names, comma-separated.
         known: String,
     },
-    /// A size that could not be parsed.
-    #[error(
-        "malformed size `{input}` for {what}: expected a number with an optional unit, {}; e.g. `24GiB`",
-        crate::SIZE_UNITS
-    )]
+    /// A size that could not be parsed ([`crate::parse_size`]'s message, the one every
+    /// command gives).
+    #[error("{what}: {message}")]
     MalformedSize {
         /// The option.
         what: &'static str,
         /// The text given.
         input: String,
+        /// What is wrong with it.
+        message: String,
     },
     /// An argument outside its domain (zero batch, an override a model has no use for, ...).
     #[error("invalid {what}: {reason}")]
@@ -38,7 +38,7 @@ pub enum PlanError {
     },
     /// The device cannot even hold the parameters.
     #[error(
-        "the device is too small for the parameters alone: {params} parameters take {param_bytes} bytes ({}) in {dtype}, but only {usable} bytes ({}) are usable ({} device memory minus {} reserve)",
+        "the model's parameters alone ({}: {params} parameters in {dtype}) exceed the device ({} usable: {} device memory minus {} reserve); ZeRO-3 shards them over several GPUs: about {gpus} GPUs of this size hold its model states (try --gpus {gpus})",
         human_bytes(*param_bytes), human_bytes(*usable), human_bytes(*device_memory), human_bytes(*reserve)
     )]
     DeviceTooSmall {
@@ -54,6 +54,9 @@ pub enum PlanError {
         device_memory: u64,
         /// Reserve.
         reserve: u64,
+        /// GPUs of this size that hold the model states under ZeRO-3 (16 bytes per
+        /// parameter, sharded).
+        gpus: u64,
     },
     /// A model file that cannot be used.
     #[error("{0}")]

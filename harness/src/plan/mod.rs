@@ -35,7 +35,9 @@ mod model;
 mod run;
 mod search;
 
-pub use dp::{DpPlan, DpRow, data_parallel};
+pub use dp::{
+    DpPlan, DpRow, MAX_GPUS, MultiGpuAnswer, ShardRow, ShardTable, data_parallel, shard_table,
+};
 pub use error::PlanError;
 pub use model::{
     ModelOverrides, PlanModel, SampleInput, model_from_args, model_from_file, model_from_hf,
@@ -48,28 +50,46 @@ pub use search::{Candidate, Target, estimate_cost, measure, plan, verify};
 use serde::Serialize;
 use vram_kernels::DType;
 
-/// The optimizer whose state the plan counts.
+/// The optimizer whose state the plan counts. JSON: `"adamw"`, `"sgd"`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum OptimizerKind {
     /// AdamW: two f32 moments per parameter (8 bytes).
+    #[serde(rename = "adamw")]
     AdamW,
     /// SGD with momentum 0.9: one f32 buffer per parameter (4 bytes).
+    #[serde(rename = "sgd")]
     Sgd,
 }
 
-/// The precision of a training run.
+impl OptimizerKind {
+    /// The label in reports (`adamw`, `sgd`: `--optimizer`'s values).
+    pub fn label(self) -> &'static str {
+        match self {
+            OptimizerKind::AdamW => "adamw",
+            OptimizerKind::Sgd => "sgd",
+        }
+    }
+}
+
+/// The precision of a training run. JSON: `"fp32"`, `"bf16"`, `"fp16"`, `"bf16-autocast"`,
+/// `"fp16-autocast"` ([`Precision::name`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub enum Precision {
     /// Everything in f32.
+    #[serde(rename = "fp32")]
     Fp32,
     /// bf16 weights and activations, f32 master weights in the optimizer.
+    #[serde(rename = "bf16")]
     Bf16,
     /// f16 weights and activations, f32 master weights, dynamic loss scaling.
+    #[serde(rename = "fp16")]
     Fp16,
     /// bf16 autocast (`torch.autocast`): f32 parameters, no master copy, linear and matmul
     /// in bf16, norms, softmax and the loss in f32.
+    #[serde(rename = "bf16-autocast")]
     AutocastBf16,
     /// f16 autocast with dynamic loss scaling (`torch.cuda.amp`).
+    #[serde(rename = "fp16-autocast")]
     AutocastFp16,
 }
 
@@ -106,6 +126,32 @@ impl Precision {
         matches!(self, Precision::Fp16 | Precision::AutocastFp16)
     }
 
+    /// The plain name, as in the JSON report: `fp32`, `bf16-autocast`, ...
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+            Precision::AutocastBf16 => "bf16-autocast",
+            Precision::AutocastFp16 => "fp16-autocast",
+        }
+    }
+
+    /// What to write in PyTorch for it.
+    pub fn pytorch(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32 (torch.backends.cuda.matmul.allow_tf32 = True)",
+            Precision::Bf16 => "model.to(torch.bfloat16) with f32 master weights in the optimizer",
+            Precision::Fp16 => {
+                "model.to(torch.float16) with f32 master weights and dynamic loss scaling"
+            }
+            Precision::AutocastBf16 => "with torch.autocast(\"cuda\", dtype=torch.bfloat16):",
+            Precision::AutocastFp16 => {
+                "with torch.autocast(\"cuda\", dtype=torch.float16): and torch.amp.GradScaler"
+            }
+        }
+    }
+
     /// The label in reports.
     pub fn label(self) -> &'static str {
         match self {
@@ -123,8 +169,8 @@ impl Precision {
 pub enum PrecisionChoice {
     /// Only this one.
     Only(Precision),
-    /// fp32 and bf16 (fp16 allocates as bf16 does, plus the loss scaler's flag; ask for it
-    /// by name).
+    /// fp32, bf16 and bf16 autocast (what most PyTorch users run); fp16 allocates as bf16
+    /// does, plus the loss scaler's flag: ask for it by name.
     Auto,
 }
 
@@ -133,13 +179,15 @@ impl PrecisionChoice {
     pub fn precisions(self) -> Vec<Precision> {
         match self {
             PrecisionChoice::Only(p) => vec![p],
-            PrecisionChoice::Auto => vec![Precision::Fp32, Precision::Bf16],
+            PrecisionChoice::Auto => {
+                vec![Precision::Fp32, Precision::Bf16, Precision::AutocastBf16]
+            }
         }
     }
 }
 
-/// A kind of checkpoint plan.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+/// A kind of checkpoint plan. JSON: its label (`"none"`, `"every-2"`, `"sqrt"`, `"budget"`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PlanKind {
     /// Keep every activation.
     None,
@@ -160,6 +208,12 @@ impl PlanKind {
             PlanKind::Sqrt => "sqrt".into(),
             PlanKind::Budget => "budget".into(),
         }
+    }
+}
+
+impl Serialize for PlanKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.label())
     }
 }
 
@@ -258,9 +312,17 @@ pub struct Row {
     /// Estimated step time relative to an fp32 step of the whole batch at once without
     /// recomputation (see [`PlanReport::assumptions`]).
     pub relative_cost: f64,
-    /// The largest micro-batch that fits without accumulation (0: not even the smallest,
-    /// [`PlanReport::min_micro`]).
+    /// The largest micro-batch that fits, at most the global batch (0: not even the
+    /// smallest, [`PlanReport::min_micro`]); `micro` is the largest divisor of the global
+    /// batch up to it.
     pub max_micro: usize,
+    /// The chain's layers to wrap in `torch.utils.checkpoint`, one entry per recomputed
+    /// segment (`h0..h1`: layers h0 to h1 in one checkpoint); empty when nothing is
+    /// recomputed.
+    pub checkpoint: Vec<String>,
+    /// Other configurations with exactly the same split and peaks, folded into this row
+    /// (labels as [`Row::label`]).
+    pub same_as: Vec<String>,
 }
 
 impl Row {
@@ -268,7 +330,37 @@ impl Row {
     pub fn label(&self) -> String {
         format!("{} / {} / {}", self.precision.label(), self.plan.label(), self.allocator)
     }
+
+    /// The checkpoint plan in PyTorch's words: which blocks to wrap in
+    /// `torch.utils.checkpoint`.
+    pub fn checkpoint_advice(&self) -> String {
+        if self.checkpoint.is_empty() {
+            "no activation checkpointing".into()
+        } else {
+            format!(
+                "wrap {} in torch.utils.checkpoint (one call per group: {})",
+                if self.checkpoint.len() == 1 { "this group" } else { "these groups" },
+                self.checkpoint.join(", ")
+            )
+        }
+    }
 }
+
+/// The largest device memory the planner takes: the virtual device that measures a
+/// candidate unlimited has 1 PiB (the largest GPUs hold under 200 GiB).
+pub const MAX_DEVICE_MEMORY: u64 = UNLIMITED;
+
+/// The largest global batch the planner takes (2^40 samples).
+pub const MAX_BATCH: usize = 1 << 40;
+
+/// Micro-batches per step a search run simulates at most: from the third micro-batch on,
+/// a step allocates as the second did (the gradients are in place), so `k > 3`
+/// micro-batches peak as 3 do and the run time does not grow with the batch.
+pub const SIMULATED_ACCUM: usize = 3;
+
+/// Host bytes of a virtual run's batch (token ids, pixels, targets) the search allows
+/// itself: larger micro-batches are not run.
+pub const HOST_BATCH_LIMIT: u64 = 512 << 20;
 
 /// Fixed and per-sample memory of one configuration, from its peaks at micro-batches 8 and
 /// 16 (the slope is the per-sample part).
@@ -276,6 +368,8 @@ impl Row {
 pub struct Decomposition {
     /// The configuration.
     pub config: String,
+    /// Its precision.
+    pub precision: Precision,
     /// Bytes independent of the batch (weights, master weights, gradients, optimizer
     /// state, workspaces).
     pub fixed: u64,
@@ -317,6 +411,9 @@ pub struct PlanReport {
     /// The fewest samples per micro-batch the model trains on: 1, or 2 when a step of one
     /// sample fails (a batch norm over 1 x 1 planes; the reason is in `notes`).
     pub min_micro: usize,
+    /// When nothing fits one device: the fewest GPUs and lowest ZeRO stage that fit
+    /// (estimated), or why none does up to [`dp::MAX_GPUS`].
+    pub multi_gpu: Option<MultiGpuAnswer>,
     /// Training runs on the virtual device.
     pub runs: usize,
     /// Wall time of the search in seconds.

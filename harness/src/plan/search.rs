@@ -4,9 +4,9 @@
 use super::model::{PlanModel, SampleInput};
 use super::run::{Outcome, UNLIMITED, Where, fixed_schedule, flop_profile, run};
 use super::{
-    ALLOCATOR_SETTINGS, ASSUMED_FLOP_PER_BYTE, ASSUMED_FP32_FACTOR, Decomposition, OptimizerKind,
-    PLAN_KINDS, PlanError, PlanKind, PlanProgress, PlanReport, PlanRequest, Precision, Row,
-    Verification,
+    ALLOCATOR_SETTINGS, ASSUMED_FLOP_PER_BYTE, ASSUMED_FP32_FACTOR, Decomposition,
+    HOST_BATCH_LIMIT, MAX_BATCH, MAX_DEVICE_MEMORY, OptimizerKind, PLAN_KINDS, PlanError, PlanKind,
+    PlanProgress, PlanReport, PlanRequest, Precision, Row, SIMULATED_ACCUM, Verification,
 };
 use crate::models::{Arch, Model};
 use std::collections::HashMap;
@@ -21,6 +21,18 @@ struct Config {
     precision: Precision,
     plan: PlanKind,
     alloc: usize,
+}
+
+/// The largest micro-batch a search run simulates; larger ones are extrapolated.
+const RUN_CAP: usize = 1024;
+
+/// A probe of the micro-batch search.
+#[derive(Clone, Copy, Debug)]
+struct Point {
+    micro: usize,
+    fits: bool,
+    allocated: u64,
+    reserved: u64,
 }
 
 /// A candidate's measurement.
@@ -44,6 +56,15 @@ struct Search<'a> {
     runs: usize,
     /// The fewest samples a micro-batch may hold ([`Search::smallest_micro`]).
     min_micro: usize,
+    /// The chain's layer names.
+    names: Vec<String>,
+    /// Configurations whose largest micro-batch lies beyond [`RUN_CAP`]: the line it was
+    /// extrapolated along (two sizes that fit).
+    lines: HashMap<Config, (Point, Point)>,
+    /// Splits whose peaks were extrapolated rather than run.
+    extrapolated: usize,
+    /// The largest micro-batch whose host-side batch fits [`HOST_BATCH_LIMIT`].
+    host_cap: usize,
 }
 
 impl Search<'_> {
@@ -70,10 +91,8 @@ impl Search<'_> {
         let Outcome::Ran { allocated, reserved } =
             self.run(c, &schedule, micro, accum, Where::Virtual(UNLIMITED))?
         else {
-            return Err(PlanError::InvalidArgument {
-                what: "model",
-                reason: "a step ran out of 1 PiB of virtual memory".into(),
-            });
+            // More than the 1 PiB of the unlimited device: no usable memory holds it.
+            return Ok(Eval { fits: false, allocated: UNLIMITED, reserved: UNLIMITED, schedule });
         };
         // Over the usable memory, the capped run may still fit: the allocator frees its cache
         // and retries, and a convolution settles for a smaller im2col buffer.
@@ -88,7 +107,10 @@ impl Search<'_> {
         })
     }
 
+    /// `micro` samples `accum` times per step; more than [`SIMULATED_ACCUM`] micro-batches
+    /// are run as that many (they peak the same).
     fn evaluate(&mut self, c: Config, micro: usize, accum: usize) -> Result<Eval, PlanError> {
+        let accum = accum.min(SIMULATED_ACCUM);
         if let Some(e) = self.memo.get(&(c, micro, accum)) {
             return Ok(e.clone());
         }
@@ -168,36 +190,113 @@ impl Search<'_> {
     /// The smallest micro-batch the search may use for a global batch of `g` (a divisor of
     /// `g`, at least [`Search::min_micro`]; `g` itself at worst).
     fn smallest_split(&self, g: usize) -> usize {
-        (self.min_micro..=g).find(|d| g.is_multiple_of(*d)).unwrap_or(g)
+        smallest_divisor_from(g, self.min_micro)
     }
 
-    /// The largest micro-batch that fits without accumulation (0 if none).
+    /// Whether `micro` samples per micro-batch fit in a step of the global batch (the whole
+    /// batch at once, or micro-batches of `micro` with accumulation over the rest), with the
+    /// run's (peak allocated, peak reserved).
+    fn probe(&mut self, c: Config, micro: usize) -> Result<Point, PlanError> {
+        let g = self.req.batch;
+        let e = self.evaluate(c, micro, g.div_ceil(micro))?;
+        Ok(Point { micro, fits: e.fits, allocated: e.allocated, reserved: e.reserved })
+    }
+
+    /// The largest micro-batch that fits (0 if none), at most the global batch (and the
+    /// request's and the host's caps). The peak allocated of a step is about linear in the
+    /// micro-batch, so the search draws the line through two sizes (the smallest and the
+    /// largest known to fit, or the largest known to fit and the smallest known not to),
+    /// solves it for the usable memory, runs the guess and its neighbour, and halves the
+    /// bracket when guesses stop narrowing it: a handful of runs whatever the batch.
     fn max_micro(&mut self, c: Config) -> Result<usize, PlanError> {
         let first = self.min_micro;
-        if !self.evaluate(c, first, 1)?.fits {
+        let full = self.req.batch.min(self.req.max_micro).min(self.host_cap).max(first);
+        let cap = full.min(RUN_CAP).max(first);
+        // A small batch: try it whole first (one run when it fits, the common case).
+        if cap <= 256 && self.probe(c, cap)?.fits {
+            return Ok(cap);
+        }
+        let anchor = self.probe(c, first)?;
+        if !anchor.fits {
             return Ok(0);
         }
-        let cap = self.req.max_micro.max(first);
-        let (mut lo, mut hi) = (first, 2 * first);
-        while hi <= cap && self.evaluate(c, hi, 1)?.fits {
-            lo = hi;
-            hi *= 2;
+        let mut lo = anchor;
+        // The line's other point once one past the optimizer step's peak (16 samples) fits.
+        let mut base = anchor;
+        let mut hi: Option<Point> = None;
+        if cap <= 256 {
+            hi = Some(self.probe(c, cap)?);
         }
-        if hi > cap {
-            hi = cap + 1;
-            if lo < cap && self.evaluate(c, cap, 1)?.fits {
-                return Ok(cap);
+        let mut rounds = 0;
+        loop {
+            let top = hi.as_ref().map_or(cap, |h| h.micro - 1);
+            if lo.micro >= top {
+                if hi.is_none() && lo.micro == cap && full > cap && lo.micro > base.micro {
+                    // Fits at the largest size run: extrapolate along the allocated's line.
+                    let slope = lo.allocated.saturating_sub(base.allocated) as f64
+                        / (lo.micro - base.micro) as f64;
+                    let gap = lo.reserved.saturating_sub(lo.allocated) as f64;
+                    let room = self.usable as f64 - gap - lo.allocated as f64;
+                    let m = if slope > 0.0 { lo.micro as f64 + room / slope } else { full as f64 };
+                    let m = m.floor().clamp(lo.micro as f64, full as f64) as usize;
+                    self.lines.insert(c, (base, lo));
+                    return Ok(m);
+                }
+                return Ok(lo.micro);
             }
-        }
-        while hi - lo > 1 {
-            let mid = lo + (hi - lo) / 2;
-            if self.evaluate(c, mid, 1)?.fits {
-                lo = mid;
+            rounds += 1;
+            let usable = self.usable as f64;
+            let need = |p: &Point| p.reserved.max(p.allocated) as f64;
+            let guess = match &hi {
+                // Bracketed: the line through lo's and hi's peak reserved, which the cached
+                // segments make grow faster than the allocated.
+                Some(h) if need(h) > need(&lo) => {
+                    let slope = (need(h) - need(&lo)) / (h.micro - lo.micro) as f64;
+                    lo.micro as f64 + (usable - need(&lo)) / slope
+                }
+                // Above every size run so far: the allocated's slope from the base (past the
+                // optimizer step's peak), less what the allocator keeps cached at lo, at most
+                // four times lo (a slope measured over a few samples may be off).
+                None if lo.micro > base.micro && lo.allocated > base.allocated => {
+                    let slope =
+                        (lo.allocated - base.allocated) as f64 / (lo.micro - base.micro) as f64;
+                    let gap = lo.reserved.saturating_sub(lo.allocated) as f64;
+                    let m = lo.micro as f64 + (usable - gap - lo.allocated as f64) / slope;
+                    m.min(4.0 * lo.micro as f64)
+                }
+                // One point, or no slope: 16 samples (past the optimizer step's peak), or
+                // twice lo.
+                _ => (2 * lo.micro).max(16) as f64,
+            };
+            let guess =
+                if guess.is_finite() { guess.floor().clamp(0.0, cap as f64) as usize } else { top };
+            let m = if rounds > 3 {
+                match hi {
+                    Some(_) => lo.micro + (top - lo.micro).div_ceil(2),
+                    None => (2 * lo.micro).min(top),
+                }
             } else {
-                hi = mid;
+                guess.clamp(lo.micro + 1, top)
+            };
+            let p = self.probe(c, m)?;
+            if !p.fits {
+                hi = Some(p);
+                continue;
+            }
+            lo = p;
+            if base.micro < 16 && p.micro >= 16 {
+                base = p;
+            }
+            // The neighbour settles a good guess at once.
+            if m < top {
+                let next = self.probe(c, m + 1)?;
+                if next.fits {
+                    lo = next;
+                } else {
+                    hi = Some(next);
+                }
             }
         }
-        Ok(lo)
     }
 
     fn row(&mut self, c: Config) -> Result<Row, PlanError> {
@@ -205,8 +304,27 @@ impl Search<'_> {
         let max_micro = self.max_micro(c)?;
         let mut best = None;
         let fewest = self.min_micro;
-        for micro in (fewest..=g.min(max_micro)).rev().filter(|d| g.is_multiple_of(*d)) {
-            let e = self.evaluate(c, micro, g / micro)?;
+        for micro in (fewest..=g.min(max_micro)).rev().filter(|d| g.is_multiple_of(*d)).take(8) {
+            let e = match self.lines.get(&c).copied() {
+                Some((base, lo)) if micro > lo.micro => {
+                    let Some(at_lo) =
+                        self.memo.get(&(c, lo.micro, g.div_ceil(lo.micro).min(SIMULATED_ACCUM)))
+                    else {
+                        continue;
+                    };
+                    let per = lo.allocated.saturating_sub(base.allocated) as f64
+                        / (lo.micro - base.micro) as f64;
+                    let more = (per * (micro - lo.micro) as f64).round() as u64;
+                    self.extrapolated += 1;
+                    Eval {
+                        fits: true,
+                        allocated: lo.allocated + more,
+                        reserved: lo.reserved + more,
+                        schedule: at_lo.schedule.clone(),
+                    }
+                }
+                _ => self.evaluate(c, micro, g / micro)?,
+            };
             if e.fits {
                 best = Some((micro, e));
                 break;
@@ -215,7 +333,7 @@ impl Search<'_> {
         let (micro, e) = match best {
             Some(b) => b,
             None => {
-                let micro = self.smallest_split(g);
+                let micro = self.smallest_split(g).min(self.host_cap.max(self.min_micro));
                 (micro, self.evaluate(c, micro, g / micro)?)
             }
         };
@@ -228,6 +346,18 @@ impl Search<'_> {
         } else {
             format!("{recomputed} of {} segments recomputed", segments.len())
         };
+        let checkpoint = segments
+            .iter()
+            .filter(|s| s.checkpointed && s.start < s.end)
+            .map(|s| {
+                let name = |i: usize| self.names.get(i).cloned().unwrap_or_else(|| i.to_string());
+                if s.end - s.start == 1 {
+                    name(s.start)
+                } else {
+                    format!("{}..{}", name(s.start), name(s.end - 1))
+                }
+            })
+            .collect();
         let (label, conf) = ALLOCATOR_SETTINGS[c.alloc];
         Ok(Row {
             precision: c.precision,
@@ -244,6 +374,8 @@ impl Search<'_> {
             recompute,
             relative_cost,
             max_micro,
+            checkpoint,
+            same_as: Vec::new(),
         })
     }
 
@@ -320,6 +452,34 @@ fn parse_allocs() -> Result<Vec<AllocatorConfig>, PlanError> {
 
 /// Parameters of `model` (built on a virtual device: nothing is drawn) and its chain length.
 pub(crate) fn param_count(model: &PlanModel) -> Result<(u64, usize), PlanError> {
+    let shape = model_shape(model)?;
+    Ok((shape.params, shape.names.len()))
+}
+
+/// What the planner needs of a model's layout.
+pub(crate) struct ModelShape {
+    /// Parameters.
+    pub params: u64,
+    /// The chain's layer names (the prefix of their parameters' names: `h0`, `layer1.0`).
+    pub names: Vec<String>,
+    /// Parameters of the largest chain layer or embedding table.
+    pub largest_layer: u64,
+}
+
+/// The longest common dotted prefix of `names` (a single name less its last part).
+fn common_prefix(names: &[String]) -> Option<String> {
+    let first: Vec<&str> = names.first()?.split('.').collect();
+    let mut len = first.len().saturating_sub(1);
+    for n in &names[1..] {
+        let parts: Vec<&str> = n.split('.').collect();
+        len = len.min(first.iter().zip(&parts).take_while(|(a, b)| a == b).count());
+    }
+    (len > 0).then(|| first[..len].join("."))
+}
+
+/// Parameters, chain layer names and the largest layer of `model`, built on a virtual
+/// device.
+pub(crate) fn model_shape(model: &PlanModel) -> Result<ModelShape, PlanError> {
     let device = Device::virtual_device(UNLIMITED);
     let m = Model::new(&device, model.arch.clone(), 1, vram_kernels::DType::BF16).map_err(
         |source| PlanError::Run {
@@ -327,7 +487,55 @@ pub(crate) fn param_count(model: &PlanModel) -> Result<(u64, usize), PlanError> 
             source: Box::new(source),
         },
     )?;
-    Ok((m.param_count(), m.chain_len()))
+    let params = m.param_count();
+    let parts = m.into_parts();
+    let mut largest = 0u64;
+    if let Some((tables, _)) = &parts.embed {
+        for t in tables {
+            largest = largest.max(t.value.numel() as u64);
+        }
+    }
+    let names = parts
+        .layers
+        .iter()
+        .enumerate()
+        .map(|(i, layer)| {
+            let ps = layer.params();
+            largest = largest.max(ps.iter().map(|p| p.value.numel() as u64).sum());
+            let names: Vec<String> = ps.iter().map(|p| p.name.clone()).collect();
+            common_prefix(&names).unwrap_or_else(|| format!("{} (layer {i})", layer.name()))
+        })
+        .collect();
+    Ok(ModelShape { params, names, largest_layer: largest })
+}
+
+/// The smallest divisor of `g` that is at least `from` (`g` itself at worst), in O(sqrt g).
+fn smallest_divisor_from(g: usize, from: usize) -> usize {
+    if from <= 1 {
+        return 1;
+    }
+    let mut d = from;
+    while d.saturating_mul(d) <= g {
+        if g.is_multiple_of(d) {
+            return d;
+        }
+        d += 1;
+    }
+    // No divisor in [from, sqrt g]: the smallest above is g / (largest co-divisor < from).
+    (1..from.min(g + 1))
+        .rev()
+        .map(|q| g / q)
+        .find(|&d| g.is_multiple_of(d) && d >= from)
+        .unwrap_or(g)
+}
+
+/// Host bytes of one sample of the batch a virtual run builds (ids or pixels, targets).
+fn host_bytes_per_sample(model: &PlanModel) -> u64 {
+    let rows = model.targets_per_sample() as u64;
+    match &model.input {
+        SampleInput::Tokens { .. } => 8 * rows,
+        SampleInput::Dense { shape } => 4 * shape.iter().product::<usize>() as u64 + 4 * rows,
+    }
 }
 
 fn check_request(req: &PlanRequest) -> Result<(), PlanError> {
@@ -337,10 +545,30 @@ fn check_request(req: &PlanRequest) -> Result<(), PlanError> {
             reason: "the global batch must be at least 1 sample".into(),
         });
     }
+    if req.batch > MAX_BATCH {
+        return Err(PlanError::InvalidArgument {
+            what: "batch",
+            reason: format!(
+                "a global batch of {} samples is more than the {MAX_BATCH} the planner takes",
+                req.batch
+            ),
+        });
+    }
     if req.device_memory == 0 {
         return Err(PlanError::InvalidArgument {
             what: "device memory",
-            reason: "the device memory must be at least 1 byte".into(),
+            reason: "must be at least 1 byte".into(),
+        });
+    }
+    if req.device_memory >= MAX_DEVICE_MEMORY {
+        return Err(PlanError::InvalidArgument {
+            what: "device memory",
+            reason: format!(
+                "{} is not a GPU: the planner takes less than {} (the largest GPUs hold under \
+                 200 GiB)",
+                human(req.device_memory),
+                human(MAX_DEVICE_MEMORY)
+            ),
         });
     }
     if req.usable() == 0 {
@@ -367,7 +595,8 @@ pub fn plan(req: &PlanRequest, progress: &mut dyn PlanProgress) -> Result<PlanRe
     let started = Instant::now();
     check_request(req)?;
     let usable = req.usable();
-    let (params, n) = param_count(&req.model)?;
+    let shape = model_shape(&req.model)?;
+    let (params, n, largest_layer) = (shape.params, shape.names.len(), shape.largest_layer);
     let flops = req.model.chain_flops();
     if flops.len() != n {
         return Err(PlanError::InvalidArgument {
@@ -380,6 +609,8 @@ pub fn plan(req: &PlanRequest, progress: &mut dyn PlanProgress) -> Result<PlanRe
     let smallest = smallest.unwrap_or(vram_kernels::DType::F32);
     let param_bytes = params * smallest.size_in_bytes() as u64;
     if param_bytes > usable {
+        // ZeRO-3 shards the 16-bit weights, gradients and the 12 bytes of optimizer state.
+        let gpus = (16 * params).div_ceil(usable.max(1)).max(2);
         return Err(PlanError::DeviceTooSmall {
             params,
             param_bytes,
@@ -387,6 +618,7 @@ pub fn plan(req: &PlanRequest, progress: &mut dyn PlanProgress) -> Result<PlanRe
             usable,
             device_memory: req.device_memory,
             reserve: req.reserve,
+            gpus,
         });
     }
     let mut s = Search {
@@ -400,6 +632,10 @@ pub fn plan(req: &PlanRequest, progress: &mut dyn PlanProgress) -> Result<PlanRe
         params,
         runs: 0,
         min_micro: 1,
+        names: shape.names,
+        lines: HashMap::new(),
+        extrapolated: 0,
+        host_cap: (HOST_BATCH_LIMIT / host_bytes_per_sample(&req.model).max(1)).max(1) as usize,
     };
     let (min_micro, one_fails) = s.smallest_micro(precisions[0])?;
     if req.batch < min_micro {
@@ -435,6 +671,8 @@ pub fn plan(req: &PlanRequest, progress: &mut dyn PlanProgress) -> Result<PlanRe
         a.1.relative_cost.total_cmp(&b.1.relative_cost).then(b.1.headroom.cmp(&a.1.headroom))
     });
     not.sort_by_key(|r| std::cmp::Reverse(r.1.headroom));
+    let fitting = fold(fitting);
+    let not = fold(not);
     let basis = fitting.first().or(not.first()).map(|(c, _)| *c);
     let decomposition = match basis {
         Some(c) => Some(s.decompose(c)?),
@@ -450,8 +688,42 @@ pub fn plan(req: &PlanRequest, progress: &mut dyn PlanProgress) -> Result<PlanRe
         Vec::new()
     };
     progress.advance("suggestions");
+    // Several GPUs keep the activations of one, so they start from the checkpoint plan
+    // with the fewest bytes per sample (every-2) when it keeps fewer than the closest.
+    let sharded = match (&decomposition, basis, fitting.is_empty()) {
+        (Some(d), Some(c), true) => {
+            let every = s.decompose(Config { plan: PlanKind::EveryK(2), ..c })?;
+            Some(if every.per_sample < d.per_sample { every } else { d.clone() })
+        }
+        _ => None,
+    };
+    let multi_gpu = match (&sharded, fitting.is_empty()) {
+        (Some(d), true) => Some(super::dp::multi_gpu_answer(
+            &super::dp::ShardBasis {
+                params,
+                largest_layer,
+                precision: d.precision,
+                fixed: d.fixed,
+                per_sample: d.per_sample,
+                usable,
+                batch: req.batch,
+                min_micro,
+            },
+            1,
+            &d.config,
+        )),
+        _ => None,
+    };
     let why = why(&fitting.iter().map(|(_, r)| r.clone()).collect::<Vec<_>>(), usable);
     let mut notes = req.model.notes.clone();
+    if s.extrapolated > 0 {
+        notes.push(format!(
+            "micro-batches above {RUN_CAP} samples are not run: their peaks ({} splits) are \
+             extrapolated along the line through two sizes that fit (the memory of a step is \
+             linear in the micro-batch); --verify runs the recommendation",
+            s.extrapolated
+        ));
+    }
     if let Some(why) = &one_fails {
         notes.push(format!(
             "micro-batches start at {min_micro} samples: a step of one sample fails ({why}), \
@@ -485,6 +757,7 @@ pub fn plan(req: &PlanRequest, progress: &mut dyn PlanProgress) -> Result<PlanRe
         why,
         decomposition,
         suggestions,
+        multi_gpu,
         assumptions: vec![
             format!(
                 "relative cost 1.00 = an fp32 step of the whole batch at once without \
@@ -506,6 +779,28 @@ pub fn plan(req: &PlanRequest, progress: &mut dyn PlanProgress) -> Result<PlanRe
     })
 }
 
+/// Rows with the same split, peaks and recomputed layers as an earlier one folded into it
+/// (a budget plan that recomputes nothing is the plan without checkpointing).
+fn fold(rows: Vec<(Config, Row)>) -> Vec<(Config, Row)> {
+    let mut out: Vec<(Config, Row)> = Vec::with_capacity(rows.len());
+    for (c, r) in rows {
+        let same = out.iter_mut().find(|(_, o)| {
+            o.precision == r.precision
+                && o.allocator == r.allocator
+                && o.micro == r.micro
+                && o.accum == r.accum
+                && o.peak_allocated == r.peak_allocated
+                && o.peak_reserved == r.peak_reserved
+                && o.checkpoint == r.checkpoint
+        });
+        match same {
+            Some((_, o)) => o.same_as.push(r.label()),
+            None => out.push((c, r)),
+        }
+    }
+    out
+}
+
 fn why(fitting: &[Row], usable: u64) -> String {
     let Some(best) = fitting.first() else {
         return "nothing fits".into();
@@ -513,7 +808,7 @@ fn why(fitting: &[Row], usable: u64) -> String {
     let mut why = format!(
         "lowest estimated step cost ({:.2}) of the {} configurations that fit",
         best.relative_cost,
-        fitting.len()
+        fitting.len() + fitting.iter().map(|r| r.same_as.len()).sum::<usize>()
     );
     if let Some(next) = fitting.get(1) {
         why += &format!(" (next: {} at {:.2})", next.label(), next.relative_cost);
@@ -549,6 +844,7 @@ impl Search<'_> {
         let (lo, hi) = (peak(8)?, peak(16)?);
         let per_sample = hi.saturating_sub(lo) / 8;
         Ok(Decomposition {
+            precision: c.precision,
             config: format!(
                 "{} / {} / {}",
                 c.precision.label(),
@@ -569,7 +865,7 @@ impl Search<'_> {
     ) -> Result<Vec<String>, PlanError> {
         let g = self.req.batch;
         let need = closest.peak_reserved.max(closest.peak_allocated);
-        let m = self.smallest_split(g);
+        let m = self.smallest_split(g).min(self.host_cap.max(self.min_micro));
         let split = format!("{} x {m} sample{}", g / m, if m == 1 { "" } else { "s" });
         let mut out = vec![format!(
             "closest: {} needs {} with {split}, {} more than usable",

@@ -43,10 +43,11 @@ struct Inner<M: DeviceMemory> {
 }
 
 impl<M: DeviceMemory> Drop for Inner<M> {
-    /// The last handle is gone, and with it every allocation (each holds a handle): every
-    /// block is free, so `empty_cache` gives every segment back to the device (after waiting
-    /// for the frees still pending on other streams). Without it, dropping a CUDA cache would
-    /// leave its `cuMemAlloc` segments allocated until the process exits.
+    /// The last handle is gone, and with it every allocation (each holds the cache, counted
+    /// with the handles): every block is free, so `empty_cache` gives every segment back to
+    /// the device (after waiting for the frees still pending on other streams). Without it,
+    /// dropping a CUDA cache would leave its `cuMemAlloc` segments allocated until the process
+    /// exits.
     fn drop(&mut self) {
         let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
         state.release_everything(&self.mem);

@@ -62,7 +62,7 @@ impl Arena {
     pub fn insert(&mut self, block: Block) -> BlockId {
         match self.vacant.pop() {
             Some(id) => {
-                self.blocks[id as usize] = block;
+                self[id] = block;
                 id
             }
             None => {
@@ -79,18 +79,27 @@ impl Arena {
     }
 }
 
+// Indexing needs no bounds check: a `BlockId` is only made by [`Arena::insert`], as the index
+// of a slot that exists, and `blocks` never shrinks (a removed block's slot stays, vacant), so
+// every id ever handed out, even a stale one, is in bounds. The hot path indexes the arena
+// a dozen times per allocate + free pair.
+
 impl std::ops::Index<BlockId> for Arena {
     type Output = Block;
     #[inline]
     fn index(&self, id: BlockId) -> &Block {
-        &self.blocks[id as usize]
+        debug_assert!((id as usize) < self.blocks.len(), "block {id} was never made");
+        // SAFETY: ids come from `insert` and `blocks` never shrinks (see above).
+        unsafe { self.blocks.get_unchecked(id as usize) }
     }
 }
 
 impl std::ops::IndexMut<BlockId> for Arena {
     #[inline]
     fn index_mut(&mut self, id: BlockId) -> &mut Block {
-        &mut self.blocks[id as usize]
+        debug_assert!((id as usize) < self.blocks.len(), "block {id} was never made");
+        // SAFETY: as for `index`.
+        unsafe { self.blocks.get_unchecked_mut(id as usize) }
     }
 }
 

@@ -9,16 +9,33 @@ use crate::state::State;
 use crate::stats::MemoryStats;
 use crate::trace::TraceEntry;
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
+use std::ptr::NonNull;
+use std::sync::{Mutex, MutexGuard};
 
 /// A caching allocator over raw device memory `M`, with PyTorch's policy.
 ///
 /// Cheap to clone (a shared handle); `Send + Sync`. Allocations return their blocks to the
 /// cache when dropped; [`empty_cache`](Self::empty_cache) gives cached memory back to the
 /// device.
+///
+/// The handles and the live allocations share the cache; they are counted under its lock
+/// (`State::holders`), not with an atomic reference count: an allocation and its free each
+/// take the lock anyway, so the count costs them no atomic operation of its own. Whoever
+/// brings the count to 0 frees the cache, after releasing the lock (no one else can reach
+/// it then).
 pub struct CachingAllocator<M: DeviceMemory> {
-    inner: Arc<Inner<M>>,
+    inner: NonNull<Inner<M>>,
+    _owns: PhantomData<Inner<M>>,
 }
+
+// SAFETY: a handle gives shared access to `Inner` from any thread (as `Arc<Inner>` would,
+// which is `Send + Sync` exactly when `Inner` is); the holder count that decides when
+// `Inner` is freed is only changed under `Inner`'s lock.
+unsafe impl<M: DeviceMemory> Send for CachingAllocator<M> where Inner<M>: Send + Sync {}
+// SAFETY: as for `Send`.
+unsafe impl<M: DeviceMemory> Sync for CachingAllocator<M> where Inner<M>: Send + Sync {}
 
 struct Inner<M: DeviceMemory> {
     mem: M,
@@ -26,10 +43,11 @@ struct Inner<M: DeviceMemory> {
 }
 
 impl<M: DeviceMemory> Drop for Inner<M> {
-    /// The last handle is gone, and with it every allocation (each holds a handle): every
-    /// block is free, so `empty_cache` gives every segment back to the device (after waiting
-    /// for the frees still pending on other streams). Without it, dropping a CUDA cache would
-    /// leave its `cuMemAlloc` segments allocated until the process exits.
+    /// The last handle is gone, and with it every allocation (each holds the cache, counted
+    /// with the handles): every block is free, so `empty_cache` gives every segment back to
+    /// the device (after waiting for the frees still pending on other streams). Without it,
+    /// dropping a CUDA cache would leave its `cuMemAlloc` segments allocated until the process
+    /// exits.
     fn drop(&mut self) {
         let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
         state.release_everything(&self.mem);
@@ -38,14 +56,30 @@ impl<M: DeviceMemory> Drop for Inner<M> {
 
 impl<M: DeviceMemory> Clone for CachingAllocator<M> {
     fn clone(&self) -> Self {
-        CachingAllocator { inner: Arc::clone(&self.inner) }
+        self.state().holders += 1;
+        CachingAllocator { inner: self.inner, _owns: PhantomData }
+    }
+}
+
+impl<M: DeviceMemory> Drop for CachingAllocator<M> {
+    fn drop(&mut self) {
+        let last = {
+            let mut state = self.state();
+            state.holders -= 1;
+            state.holders == 0
+        };
+        if last {
+            // SAFETY: no holder is left (and none can appear: making one needs a holder), so
+            // nothing else refers to `inner`, which came from `Box::leak`.
+            unsafe { self.destroy() };
+        }
     }
 }
 
 impl<M: DeviceMemory> fmt::Debug for CachingAllocator<M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CachingAllocator")
-            .field("device", &self.inner.mem.name())
+            .field("device", &self.inner().mem.name())
             .field("allocated", &self.memory_allocated())
             .field("reserved", &self.memory_reserved())
             .finish()
@@ -69,8 +103,27 @@ impl<M: DeviceMemory> CachingAllocator<M> {
             )));
         }
         let total = mem.mem_info().total;
-        let state = Mutex::new(State::new(config, total));
-        Ok(CachingAllocator { inner: Arc::new(Inner { mem, state }) })
+        let mut state = State::new(config, total);
+        state.holders = 1;
+        let inner = Box::new(Inner { mem, state: Mutex::new(state) });
+        Ok(CachingAllocator { inner: NonNull::from(Box::leak(inner)), _owns: PhantomData })
+    }
+
+    #[inline(always)]
+    fn inner(&self) -> &Inner<M> {
+        // SAFETY: `inner` lives while any holder does, and `self` is one.
+        unsafe { self.inner.as_ref() }
+    }
+
+    /// Frees the cache (its `Drop` gives every segment back).
+    ///
+    /// # Safety
+    /// The holder count reached 0 and the lock is released: no one else refers to `inner`.
+    #[cold]
+    #[inline(never)]
+    unsafe fn destroy(&self) {
+        // SAFETY: `inner` came from `Box::leak` and, as the caller guarantees, is unused.
+        drop(unsafe { Box::from_raw(self.inner.as_ptr()) });
     }
 
     /// A cache configured from the `VRAM_ALLOC_CONF` environment variable.
@@ -82,7 +135,7 @@ impl<M: DeviceMemory> CachingAllocator<M> {
     fn state(&self) -> MutexGuard<'_, State<M>> {
         // A panic while holding the lock cannot leave the state half-updated in a way later
         // calls would trust less than a poisoned error, so keep serving.
-        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner().state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Allocates `size` bytes for use on the default stream.
@@ -100,14 +153,18 @@ impl<M: DeviceMemory> CachingAllocator<M> {
     /// 1 EiB or more fail at once, before the cache is touched, as in PyTorch.
     #[inline]
     pub fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation<M>, AllocError> {
-        if size == 0 {
-            return Ok(Allocation { owner: self.clone(), block: NO_BLOCK, ptr: 0, len: 0, stream });
-        }
+        let owner = ManuallyDrop::new(CachingAllocator { inner: self.inner, _owns: PhantomData });
         let mut state = self.state();
-        let block = state.malloc(&self.inner.mem, size, stream)?;
+        if size == 0 {
+            state.holders += 1;
+            return Ok(Allocation { owner, block: NO_BLOCK, ptr: 0, len: 0, stream });
+        }
+        let block = state.malloc(&self.inner().mem, size, stream)?;
         let ptr = state.arena[block].ptr;
+        // The allocation holds the cache until it is dropped.
+        state.holders += 1;
         drop(state);
-        Ok(Allocation { owner: self.clone(), block, ptr, len: size, stream })
+        Ok(Allocation { owner, block, ptr, len: size, stream })
     }
 
     /// Returns every cached block that spans a whole segment (and every free page of
@@ -119,7 +176,7 @@ impl<M: DeviceMemory> CachingAllocator<M> {
     pub fn empty_cache(&self) {
         let mut state = self.state();
         if state.captures.is_empty() {
-            state.release_cached_blocks(&self.inner.mem);
+            state.release_cached_blocks(&self.inner().mem);
         }
     }
 
@@ -177,7 +234,7 @@ impl<M: DeviceMemory> CachingAllocator<M> {
     /// would pass the cap fail with out-of-memory although the device may have room.
     pub fn set_memory_fraction(&self, fraction: f64) -> Result<(), ConfigError> {
         AllocatorConfig::default().with_memory_fraction(Some(fraction))?;
-        let total = self.inner.mem.mem_info().total;
+        let total = self.inner().mem.mem_info().total;
         self.state().set_memory_fraction(fraction, total);
         Ok(())
     }
@@ -243,7 +300,7 @@ impl<M: DeviceMemory> CachingAllocator<M> {
     /// ```
     pub fn stats_scope(&self) -> StatsScope {
         let depth = self.state().begin_scope();
-        StatsScope { host: Some(self.inner.clone()), depth }
+        StatsScope { host: Some(Box::new(self.clone())), depth }
     }
 
     /// Zeroes accumulated totals and counters (`torch.cuda.reset_accumulated_memory_stats`).
@@ -253,17 +310,17 @@ impl<M: DeviceMemory> CachingAllocator<M> {
 
     /// Free and total memory as the device reports it.
     pub fn mem_info(&self) -> MemInfo {
-        self.inner.mem.mem_info()
+        self.inner().mem.mem_info()
     }
 
     /// The raw memory under the cache.
     pub fn memory(&self) -> &M {
-        &self.inner.mem
+        &self.inner().mem
     }
 
     /// The segments and blocks of the cache, and the trace if recording.
     pub fn snapshot(&self) -> Snapshot {
-        Snapshot::capture(&self.state(), &self.inner.mem.name())
+        Snapshot::capture(&self.state(), &self.inner().mem.name())
     }
 
     /// Starts recording the last `max_entries` actions (`Some(n)`), or stops (`None`),
@@ -287,11 +344,25 @@ impl<M: DeviceMemory> CachingAllocator<M> {
     /// A human-readable table of the statistics, in the layout of
     /// `torch.cuda.memory_summary()`.
     pub fn memory_summary(&self) -> String {
-        crate::summary::render(&self.memory_stats(), &self.inner.mem.name())
+        crate::summary::render(&self.memory_stats(), &self.inner().mem.name())
     }
 
-    fn free(&self, block: BlockId) {
-        self.state().free(&self.inner.mem, block);
+    /// Frees `block` (none for `NO_BLOCK`) for an allocation that is going away, and with it
+    /// the allocation's hold on the cache, in one visit under the lock.
+    #[inline]
+    fn free_held(&self, block: BlockId) {
+        let last = {
+            let mut state = self.state();
+            if block != NO_BLOCK {
+                state.free(&self.inner().mem, block);
+            }
+            state.holders -= 1;
+            state.holders == 0
+        };
+        if last {
+            // SAFETY: as in `CachingAllocator::drop`.
+            unsafe { self.destroy() };
+        }
     }
 
     fn record_stream(&self, block: BlockId, stream: Stream) {
@@ -305,13 +376,13 @@ trait ScopeHost: Send + Sync {
     fn end_scope(&self, depth: usize) -> MemoryStats;
 }
 
-impl<M: DeviceMemory> ScopeHost for Inner<M> {
+impl<M: DeviceMemory> ScopeHost for CachingAllocator<M> {
     fn scope_stats(&self, depth: usize) -> MemoryStats {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).scope_stats(depth)
+        self.state().scope_stats(depth)
     }
 
     fn end_scope(&self, depth: usize) -> MemoryStats {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).end_scope(depth)
+        self.state().end_scope(depth)
     }
 }
 
@@ -319,7 +390,7 @@ impl<M: DeviceMemory> ScopeHost for Inner<M> {
 /// dropped.
 #[must_use = "a scope ends when dropped"]
 pub struct StatsScope {
-    host: Option<Arc<dyn ScopeHost>>,
+    host: Option<Box<dyn ScopeHost>>,
     depth: usize,
 }
 
@@ -359,7 +430,9 @@ const NO_BLOCK: BlockId = BlockId::MAX;
 /// memory, call [`record_stream`](Self::record_stream) for each so the cache waits for their
 /// work before reusing the block.
 pub struct Allocation<M: DeviceMemory> {
-    owner: CachingAllocator<M>,
+    /// The cache, held through the holder count (released by [`Allocation`]'s drop, not by
+    /// the handle's own).
+    owner: ManuallyDrop<CachingAllocator<M>>,
     block: BlockId,
     ptr: DevicePtr,
     len: usize,
@@ -412,9 +485,7 @@ impl<M: DeviceMemory> Allocation<M> {
 impl<M: DeviceMemory> Drop for Allocation<M> {
     #[inline]
     fn drop(&mut self) {
-        if self.block != NO_BLOCK {
-            self.owner.free(self.block);
-        }
+        self.owner.free_held(self.block);
     }
 }
 

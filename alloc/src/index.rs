@@ -46,16 +46,23 @@ impl FreeIndex {
         self.entries.get(i)
     }
 
-    /// Removes the entry at position `i` (from [`Self::first_at_or_after`]).
+    /// Removes the entry at position `i` (from [`Self::first_at_or_after`]). The last entry
+    /// (the largest block, as an unsplit segment's often is) goes without a `memmove` call.
     #[inline]
     pub fn remove_at(&mut self, i: usize) {
-        self.entries.remove(i);
+        if i + 1 == self.entries.len() {
+            self.entries.pop();
+        } else {
+            self.entries.remove(i);
+        }
     }
 
+    /// Inserts `key`; at the end (the largest block) without a `memmove` call.
     #[inline]
     pub fn insert(&mut self, key: FreeKey, id: BlockId) {
         match self.position(&key) {
             Ok(_) => debug_assert!(false, "free key inserted twice: {key:?}"),
+            Err(i) if i == self.entries.len() => self.entries.push((key, id)),
             Err(i) => self.entries.insert(i, (key, id)),
         }
     }

@@ -69,6 +69,8 @@ pub(crate) struct State<M: DeviceMemory> {
     pub trace: Trace,
     /// Statistics of the enclosing scopes, outermost first (see [`crate::StatsScope`]).
     pub scopes: Vec<MemoryStats>,
+    /// Handles and live allocations that hold the cache (see [`crate::CachingAllocator`]).
+    pub holders: usize,
 }
 
 impl<M: DeviceMemory> State<M> {
@@ -100,6 +102,7 @@ impl<M: DeviceMemory> State<M> {
             pending: VecDeque::new(),
             trace: Trace::default(),
             scopes: Vec::new(),
+            holders: 0,
         }
     }
 

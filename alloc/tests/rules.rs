@@ -593,3 +593,26 @@ fn dropping_the_cache_gives_every_segment_back() {
         assert_eq!([held_now(0), held_now(1), held_now(2)], [0, 0, 0], "{conf:?}: all given back");
     }
 }
+
+/// The cache outlives its last handle while allocations (empty ones and statistics scopes
+/// included) hold it, from any thread, and is given back when the last of them goes.
+#[test]
+fn allocations_hold_the_cache_after_its_last_handle() {
+    let held = std::sync::Arc::new(std::array::from_fn(|_| std::sync::atomic::AtomicI64::new(0)));
+    let mem = Counted { inner: VirtualMemory::new(GIB), held: held.clone() };
+    let cache = CachingAllocator::new(mem);
+    let a = cache.allocate(7 * MIB).unwrap();
+    let empty = cache.allocate(0).unwrap();
+    let scope = cache.stats_scope();
+    drop(cache);
+    let held_now = |i: usize| held[i].load(std::sync::atomic::Ordering::Relaxed);
+    let b = a.allocator().allocate(512).unwrap();
+    let other = std::thread::spawn(move || drop(b));
+    other.join().unwrap();
+    drop(a);
+    assert!(held_now(0) + held_now(1) > 0, "the empty allocation and the scope hold it");
+    assert_eq!(scope.finish().allocation.all.allocated, 1, "b, after the scope began");
+    assert!(held_now(0) + held_now(1) > 0, "the empty allocation holds it");
+    drop(empty);
+    assert_eq!([held_now(0), held_now(1), held_now(2)], [0, 0, 0], "all given back");
+}

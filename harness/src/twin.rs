@@ -343,7 +343,9 @@ pub struct TorchRun {
     pub recipe: Option<String>,
 }
 
-/// The architecture as the twin script reads it; GPT and ViT with `dropout`.
+/// The architecture as the twin script reads it; GPT and ViT with `dropout`; transformers
+/// with the attention form vram's blocks use (`"fused"`: the script runs PyTorch's
+/// `scaled_dot_product_attention` beside it).
 ///
 /// # Errors
 ///
@@ -360,7 +362,7 @@ pub fn arch_json(arch: &Arch, dropout: f32) -> Result<Value, TwinError> {
         }
         Arch::Gpt { vocab, d, layers, heads, seq, tied, .. } => json!({
             "kind": "gpt", "vocab": vocab, "d": d, "layers": layers, "heads": heads,
-            "seq": seq, "dropout": dropout, "tied": tied,
+            "seq": seq, "dropout": dropout, "tied": tied, "attention": "fused",
         }),
         Arch::BottleneckResNet { side, width, blocks, classes } => json!({
             "kind": "bottleneck_resnet", "side": side, "width": width, "blocks": blocks,
@@ -372,7 +374,7 @@ pub fn arch_json(arch: &Arch, dropout: f32) -> Result<Value, TwinError> {
         }),
         Arch::Vit { side, patch, d, layers, heads, classes, .. } => json!({
             "kind": "vit", "side": side, "patch": patch, "d": d, "layers": layers,
-            "heads": heads, "classes": classes, "dropout": dropout,
+            "heads": heads, "classes": classes, "dropout": dropout, "attention": "fused",
         }),
         Arch::Llama(l) => {
             // The f32 settings as the config wrote them (1e-6, not 9.99999997e-7).
@@ -399,6 +401,7 @@ pub fn arch_json(arch: &Arch, dropout: f32) -> Result<Value, TwinError> {
                 "hidden": l.hidden, "seq": l.seq, "eps": dec(l.eps),
                 "rope_theta": dec(l.rope_theta),
                 "rope_scaling": scaling, "qkv_bias": l.qkv_bias, "tied": l.tied,
+                "attention": "fused",
             })
         }
         Arch::Custom(spec) => {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 use vram_harness::human_bytes;
-use vram_harness::models::Arch;
+use vram_harness::models::{Arch, Attention};
 use vram_harness::plan::{
     self, ALLOCATOR_SETTINGS, DpPlan, MAX_DEVICE_MEMORY, MAX_GPUS, ModelOverrides, OptimizerKind,
     PLAN_KINDS, PlanError, PlanProgress, PlanReport, PlanRequest, Precision, PrecisionChoice, Row,
@@ -107,6 +107,11 @@ pub struct PlanArgs {
     optimizer: OptArg,
     #[arg(long, value_enum, default_value_t = PrecArg::Auto, help = precision_help())]
     precision: PrecArg,
+    /// How transformer blocks (GPT, ViT, Llama) attend: fused (as PyTorch's
+    /// scaled_dot_product_attention) or explicit (the seq x seq probabilities kept, as
+    /// eager attention), to compare.
+    #[arg(long, value_enum, default_value_t = AttnArg::Fused)]
+    attention: AttnArg,
     /// Sequence length (token models).
     #[arg(long)]
     seq: Option<usize>,
@@ -150,6 +155,17 @@ pub struct PlanArgs {
 enum OptArg {
     Adamw,
     Sgd,
+}
+
+/// How transformer blocks attend (`--attention`).
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum AttnArg {
+    /// Fused scaled dot-product attention (PyTorch's `scaled_dot_product_attention`): the
+    /// output and each row's logsumexp kept, nothing of size seq x seq.
+    Fused,
+    /// The explicit form (PyTorch's eager attention): the `[b, heads, seq, seq]`
+    /// probabilities kept for backward, for comparison.
+    Explicit,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -239,7 +255,7 @@ fn request(args: &PlanArgs) -> Result<PlanRequest, PlanError> {
         vocab: args.vocab,
         classes: args.classes,
     };
-    let model = match (&args.model, &args.model_file, &args.hf_config) {
+    let mut model = match (&args.model, &args.model_file, &args.hf_config) {
         (_, _, Some(path)) => plan::model_from_hf(path, &overrides)?,
         (_, Some(path), None) => {
             if overrides != ModelOverrides::default() {
@@ -258,6 +274,21 @@ fn request(args: &PlanArgs) -> Result<PlanRequest, PlanError> {
             });
         }
     };
+    model.set_attention(match args.attention {
+        AttnArg::Fused => Attention::Fused,
+        AttnArg::Explicit => Attention::Explicit,
+    });
+    if matches!(model.arch, Arch::Gpt { .. } | Arch::Vit { .. } | Arch::Llama(_)) {
+        model.notes.push(match model.attention {
+            Attention::Fused => "attention: fused (as PyTorch's scaled_dot_product_attention: \
+                                 the output and each row's logsumexp kept; --attention explicit \
+                                 to compare)"
+                .into(),
+            Attention::Explicit => "attention: explicit (as eager PyTorch: the [b, heads, seq, \
+                                    seq] probabilities kept for backward)"
+                .into(),
+        });
+    }
     let batch = args.batch.unwrap_or_default();
     let device_memory = size("--device-memory", args.device_memory.as_deref().unwrap_or(""))?;
     let mut req = PlanRequest::new(model, batch, device_memory);

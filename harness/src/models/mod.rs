@@ -23,6 +23,7 @@ pub mod spec;
 pub mod zoo;
 
 pub use hf::{HfError, HfModel};
+pub use vram_accum::layers::Attention;
 pub use zoo::{Arch, LlamaArch, Preset, ZooError};
 
 use crate::data::{Batch, Input};
@@ -208,6 +209,24 @@ impl Model {
     /// [`Error::InvalidArgument`] for sizes the layers refuse (an empty MLP, a width that
     /// is not whole heads, an image side that is not whole patches, ...); out of memory.
     pub fn new(device: &Device, arch: Arch, seed: u64, dtype: DType) -> Result<Model> {
+        Model::with_attention(device, arch, seed, dtype, Attention::Fused)
+    }
+
+    /// [`Model::new`] with the transformer blocks (GPT, ViT, Llama) attending in the form
+    /// `attention`: [`Attention::Fused`] (the default, PyTorch's
+    /// `scaled_dot_product_attention`) or [`Attention::Explicit`] (the `[b, heads, seq, seq]`
+    /// probabilities kept, PyTorch's eager attention). Other models ignore it.
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::new`].
+    pub fn with_attention(
+        device: &Device,
+        arch: Arch,
+        seed: u64,
+        dtype: DType,
+        attention: Attention,
+    ) -> Result<Model> {
         let batch_norm = matches!(arch, Arch::BottleneckResNet { .. } | Arch::MobileNetV3 { .. });
         let mut b = Builder { device, dtype, seed, batch_norm, layers: Vec::new() };
         let mut embed = None;
@@ -273,6 +292,7 @@ impl Model {
                 });
                 for i in 0..*layers {
                     let block = TransformerBlockConfig::new(*d, *heads, *seq)
+                        .with_attention(attention)
                         .with_dropout(*dropout)
                         .with_init(0.02, *layers)
                         .with_dtype(dtype)
@@ -347,7 +367,7 @@ impl Model {
                     seq: l.seq,
                     tied: l.tied,
                 });
-                let cfg = l.block().with_dtype(dtype);
+                let cfg = l.block().with_dtype(dtype).with_attention(attention);
                 // One pair of rotary tables for every block, as HF computes one per forward.
                 let tables =
                     RopeTables::new(device, l.seq, l.head_dim, l.rope_theta, l.rope_scaling)?;
@@ -378,6 +398,7 @@ impl Model {
                 b.push("patch_embed", patches);
                 for i in 0..*layers {
                     let block = TransformerBlockConfig::new(*d, *heads, tokens)
+                        .with_attention(attention)
                         .with_causal(false)
                         .with_dropout(*dropout)
                         .with_init(0.02, *layers)

@@ -4,6 +4,7 @@
 use super::PlanError;
 use crate::data::{Batch, Dataset, Input};
 use crate::models::Arch;
+use crate::models::Attention;
 use crate::models::spec::{InputSpec, LayerSpec, ModelSpec, Resolved};
 use crate::rng::Rng;
 use serde::Serialize;
@@ -24,6 +25,12 @@ pub struct ModelOverrides {
     /// Output classes (classifiers).
     pub classes: Option<usize>,
 }
+
+/// How a model's name says its transformer blocks attend by default ([`Attention::Fused`]);
+/// [`PlanModel::set_attention`] changes it.
+const FUSED_LABEL: &str = "fused attention";
+/// The same for [`Attention::Explicit`].
+const EXPLICIT_LABEL: &str = "explicit attention";
 
 /// What one sample is.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -55,6 +62,8 @@ pub struct PlanModel {
     pub classes: usize,
     /// Notes on approximations in this model, printed with the report.
     pub notes: Vec<String>,
+    /// How its transformer blocks attend (fused by default; `plan --attention explicit`).
+    pub attention: Attention,
 }
 
 fn invalid(what: &'static str, reason: impl Into<String>) -> PlanError {
@@ -264,18 +273,22 @@ fn model_from_arch(key: &str, mut arch: Arch, o: &ModelOverrides) -> Result<Plan
                 .into(),
         ),
         Arch::Gpt { .. } => notes.push(
-            "GPT: attention materialises the [b, heads, seq, seq] scores (no fused/flash \
-             attention); q, k, v are three matrices (the fused c_attn has the same count)"
+            "GPT: q, k, v are three matrices (the fused c_attn has the same count); a tied \
+             head trains through the fused LM loss (linear_cross_entropy: the [tokens, vocab] \
+             logits never whole)"
                 .into(),
         ),
         _ => {}
     }
     let size = match &arch {
-        Arch::Gpt { d, layers, heads, seq, vocab, .. } => {
-            format!("d {d}, {layers} layers, {heads} heads, seq {seq}, vocab {vocab}")
-        }
-        Arch::Vit { side, d, layers, heads, .. } => {
-            format!("d {d}, {layers} layers, {heads} heads, {side} px")
+        Arch::Gpt { d, layers, heads, seq, vocab, dropout, .. } => format!(
+            "d {d}, {layers} layers, {heads} heads, seq {seq}, vocab {vocab}, dropout {dropout}, \
+             {FUSED_LABEL}"
+        ),
+        Arch::Vit { side, d, layers, heads, dropout, .. } => {
+            format!(
+                "d {d}, {layers} layers, {heads} heads, {side} px, dropout {dropout}, {FUSED_LABEL}"
+            )
         }
         Arch::BottleneckResNet { side, width, blocks, classes } => {
             format!("width {width}, blocks {blocks:?}, {side} px, {classes} classes")
@@ -287,7 +300,7 @@ fn model_from_arch(key: &str, mut arch: Arch, o: &ModelOverrides) -> Result<Plan
         Arch::Mlp { dims, classes } => format!("dims {dims:?}, {classes} classes"),
         Arch::Custom(_) => String::new(),
         Arch::Llama(l) => format!(
-            "d {}, {} layers, {} heads ({} key/value), mlp {}, seq {}, vocab {}{}",
+            "d {}, {} layers, {} heads ({} key/value), mlp {}, seq {}, vocab {}{}, {FUSED_LABEL}",
             l.d,
             l.layers,
             l.heads,
@@ -300,13 +313,14 @@ fn model_from_arch(key: &str, mut arch: Arch, o: &ModelOverrides) -> Result<Plan
     };
     if let Arch::Llama(_) = arch {
         notes.push(
-            "Llama: grouped-query attention in the explicit form (keys and values repeated to \
-             the query heads as HF's repeat_kv, the [b, heads, seq, seq] scores materialised: \
-             HF's eager attention, not SDPA/flash)"
+            "Llama: grouped-query attention with keys and values repeated to the query heads \
+             (HF's repeat_kv), then attention in the form --attention names (fused by \
+             default: HF's sdpa)"
                 .into(),
         );
     }
-    Ok(PlanModel { name: format!("{key} ({size})"), arch, input, classes, notes })
+    let attention = Attention::Fused;
+    Ok(PlanModel { name: format!("{key} ({size})"), arch, input, classes, notes, attention })
 }
 
 /// A user-described model (see [`crate::models::spec`]).
@@ -341,10 +355,21 @@ pub fn model_from_spec(spec: ModelSpec) -> Result<PlanModel, PlanError> {
         input,
         classes: resolved.classes,
         notes: Vec::new(),
+        attention: Attention::Fused,
     })
 }
 
 impl PlanModel {
+    /// The model attending in the form `attention`, its name saying so.
+    pub fn set_attention(&mut self, attention: Attention) {
+        let (from, to) = match attention {
+            Attention::Fused => (EXPLICIT_LABEL, FUSED_LABEL),
+            Attention::Explicit => (FUSED_LABEL, EXPLICIT_LABEL),
+        };
+        self.name = self.name.replace(from, to);
+        self.attention = attention;
+    }
+
     /// Targets (loss rows) per sample.
     pub fn targets_per_sample(&self) -> usize {
         match self.input {

@@ -100,7 +100,8 @@ fn steps(
     accum: usize,
 ) -> vram_accum::Result<()> {
     let mut rng = Rng::new(0x5EED);
-    let mut model = Model::new(device, pm.arch.clone(), 1, precision.dtype())?;
+    let mut model =
+        Model::with_attention(device, pm.arch.clone(), 1, precision.dtype(), pm.attention)?;
     model.set_autocast(precision.autocast())?;
     let mut opt: Box<dyn Optimizer> = match optimizer {
         OptimizerKind::AdamW => Box::new(AdamW::new(AdamWConfig::default())),
@@ -152,7 +153,9 @@ pub(crate) fn flop_profile(
         context: format!("profiling {}", pm.name),
         source: Box::new(source),
     };
-    let mut model = Model::new(&device, pm.arch.clone(), 1, precision.dtype()).map_err(fail)?;
+    let mut model =
+        Model::with_attention(&device, pm.arch.clone(), 1, precision.dtype(), pm.attention)
+            .map_err(fail)?;
     model.set_autocast(precision.autocast()).map_err(fail)?;
     let mut profile = model.profile(&pm.batch(micro, None), 0).map_err(fail)?;
     let flops = pm.chain_flops();

@@ -481,12 +481,17 @@ fn common_prefix(names: &[String]) -> Option<String> {
 /// device.
 pub(crate) fn model_shape(model: &PlanModel) -> Result<ModelShape, PlanError> {
     let device = Device::virtual_device(UNLIMITED);
-    let m = Model::new(&device, model.arch.clone(), 1, vram_kernels::DType::BF16).map_err(
-        |source| PlanError::Run {
-            context: format!("building {}", model.name),
-            source: Box::new(source),
-        },
-    )?;
+    let m = Model::with_attention(
+        &device,
+        model.arch.clone(),
+        1,
+        vram_kernels::DType::BF16,
+        model.attention,
+    )
+    .map_err(|source| PlanError::Run {
+        context: format!("building {}", model.name),
+        source: Box::new(source),
+    })?;
     let params = m.param_count();
     let parts = m.into_parts();
     let mut largest = 0u64;

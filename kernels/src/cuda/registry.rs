@@ -38,10 +38,14 @@ pub(crate) const CONV: Module = Module { name: "conv", source: include_str!("ker
 pub(crate) const POOL: Module = Module { name: "pool", source: include_str!("kernels/pool.cu") };
 /// Embedding, dropout, optimizers, unscale, axis permutation.
 pub(crate) const MISC: Module = Module { name: "misc", source: include_str!("kernels/misc.cu") };
+/// Multi-tensor optimizer steps (one launch over every parameter).
+pub(crate) const MULTI_TENSOR: Module =
+    Module { name: "multi_tensor", source: include_str!("kernels/multi_tensor.cu") };
 
 /// Every module, in the order the NVRTC test compiles them.
 #[cfg(test)]
-pub(crate) const MODULES: &[&Module] = &[&ELEMENTWISE, &REDUCE, &SOFTMAX, &CONV, &POOL, &MISC];
+pub(crate) const MODULES: &[&Module] =
+    &[&ELEMENTWISE, &REDUCE, &SOFTMAX, &CONV, &POOL, &MISC, &MULTI_TENSOR];
 
 /// A kernel parameter's type as the `.cu` source declares it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -351,4 +355,11 @@ kernels! {
     PERMUTE = MISC "permute" dtypes (Ptr, Ptr, U64, Div, Div, Div, U64, U64, U64, U64);
     /// `unscale(T* g, float inv, u64 n, u32* flag)`.
     UNSCALE = MISC "unscale" dtypes (Ptr, F32, U64, Ptr);
+
+    /// `adamw_multi(const MultiEntry* table, const MultiTask* tasks, float b1, float b2,
+    /// float eps, float decay, u64 chunk)`.
+    ADAMW_MULTI = MULTI_TENSOR "adamw_multi" once (Ptr, Ptr, F32, F32, F32, F32, U64);
+    /// `sgd_multi(const MultiEntry* table, const MultiTask* tasks, float lr, float momentum,
+    /// float dampening, float wd, u32 nesterov, u64 chunk)`.
+    SGD_MULTI = MULTI_TENSOR "sgd_multi" once (Ptr, Ptr, F32, F32, F32, F32, U32, U64);
 }

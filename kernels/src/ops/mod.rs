@@ -29,6 +29,7 @@ mod linear_cross_entropy;
 mod loss;
 pub(crate) mod map;
 mod matmul;
+mod multi_tensor;
 mod norm;
 mod optim;
 mod permute;
@@ -60,6 +61,7 @@ pub use linear_cross_entropy::{
 };
 pub use loss::{CrossEntropy, cross_entropy, cross_entropy_backward};
 pub use matmul::{LinearGrads, linear, linear_backward, matmul, matmul_backward, matmul_spec};
+pub use multi_tensor::{AdamWTensors, SgdTensors, adamw_step_multi, sgd_step_multi};
 pub use norm::{LayerNormGrads, LayerNormOutput, layer_norm, layer_norm_backward};
 #[cfg(all(test, feature = "cuda"))]
 pub(crate) use optim::{adamw_scalars, sgd_scalars};

@@ -284,13 +284,14 @@ kernels! {
     /// `layer_norm(const T* x, const T* g, const T* b, float eps, T* y, float* m, float* r,
     /// u64 d)`.
     LAYER_NORM = SOFTMAX "layer_norm" dtypes (Ptr, Ptr, Ptr, F32, Ptr, Ptr, Ptr, U64);
-    /// `layer_norm_bwd(const T* x, const T* g, const float* m, const float* r, const T* dy,
-    /// T* dx, u64 d)`.
-    LAYER_NORM_BWD = SOFTMAX "layer_norm_bwd" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64);
-    /// `layer_norm_params_bwd(const T* x, const float* m, const float* r, const T* dy,
-    /// float* dg, float* db, u64 rows, u64 d, u64 chunk)`.
-    LAYER_NORM_PARAMS_BWD =
-        SOFTMAX "layer_norm_params_bwd" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64);
+    /// `layer_norm_bwd_fused(const T* x, const T* g, const float* m, const float* r, const T*
+    /// dy, T* dx, float* dg, float* db, u64 rows, u64 d, u64 chunk, u32 col_blocks, u32
+    /// chunk_blocks)`: dx rows and dgamma/dbeta partials in one launch.
+    LAYER_NORM_BWD_FUSED = SOFTMAX "layer_norm_bwd_fused" dtypes
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U32, U32);
+    /// `layer_norm_bwd_finish(const float* dg, const float* db, T* dgamma, T* dbeta, u64
+    /// chunks, u64 d)`.
+    LAYER_NORM_BWD_FINISH = SOFTMAX "layer_norm_bwd_finish" dtypes (Ptr, Ptr, Ptr, Ptr, U64, U64);
     /// `bn_partial(const T* x, float* part, u64 n, u64 c, u64 s, u32 parts)`.
     BN_PARTIAL = SOFTMAX "bn_partial" dtypes (Ptr, Ptr, U64, U64, U64, U32);
     /// `bn_finalize(const float* part, float* mean, float* invstd, void* rmean, void* rvar,

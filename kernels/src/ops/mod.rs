@@ -62,6 +62,11 @@ pub use linear_cross_entropy::{
 pub use loss::{CrossEntropy, cross_entropy, cross_entropy_backward};
 pub use matmul::{LinearGrads, linear, linear_backward, matmul, matmul_backward, matmul_spec};
 pub use multi_tensor::{AdamWTensors, SgdTensors, adamw_step_multi, sgd_step_multi};
+#[cfg(all(test, feature = "cuda"))]
+pub(crate) use norm::{
+    BackwardAddresses as LayerNormBackwardAddresses,
+    backward_launches as layer_norm_backward_launches,
+};
 pub use norm::{LayerNormGrads, LayerNormOutput, layer_norm, layer_norm_backward};
 #[cfg(all(test, feature = "cuda"))]
 pub(crate) use optim::{adamw_scalars, sgd_scalars};

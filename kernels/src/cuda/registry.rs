@@ -38,6 +38,8 @@ pub(crate) const CONV: Module = Module { name: "conv", source: include_str!("ker
 pub(crate) const POOL: Module = Module { name: "pool", source: include_str!("kernels/pool.cu") };
 /// Embedding, dropout, optimizers, unscale, axis permutation.
 pub(crate) const MISC: Module = Module { name: "misc", source: include_str!("kernels/misc.cu") };
+/// Fused epilogues: bias + GELU forward and backward.
+pub(crate) const FUSED: Module = Module { name: "fused", source: include_str!("kernels/fused.cu") };
 /// Multi-tensor optimizer steps (one launch over every parameter).
 pub(crate) const MULTI_TENSOR: Module =
     Module { name: "multi_tensor", source: include_str!("kernels/multi_tensor.cu") };
@@ -45,7 +47,7 @@ pub(crate) const MULTI_TENSOR: Module =
 /// Every module, in the order the NVRTC test compiles them.
 #[cfg(test)]
 pub(crate) const MODULES: &[&Module] =
-    &[&ELEMENTWISE, &REDUCE, &SOFTMAX, &CONV, &POOL, &MISC, &MULTI_TENSOR];
+    &[&ELEMENTWISE, &REDUCE, &SOFTMAX, &CONV, &POOL, &MISC, &MULTI_TENSOR, &FUSED];
 
 /// A kernel parameter's type as the `.cu` source declares it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -363,4 +365,12 @@ kernels! {
     /// `sgd_multi(const MultiEntry* table, const MultiTask* tasks, float lr, float momentum,
     /// float dampening, float wd, u32 nesterov, u64 chunk)`.
     SGD_MULTI = MULTI_TENSOR "sgd_multi" once (Ptr, Ptr, F32, F32, F32, F32, U32, U64);
+
+    /// `bias_gelu(const T* x, const T* b, T* y, u64 n, Div d)`.
+    BIAS_GELU = FUSED "bias_gelu" dtypes (Ptr, Ptr, Ptr, U64, Div);
+    /// `bias_gelu_bwd(const T* x, const T* b, const T* dy, T* dx, float* part, u64 rows, u64
+    /// d, u64 chunk)`.
+    BIAS_GELU_BWD = FUSED "bias_gelu_bwd" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64);
+    /// `column_finish(const float* part, T* out, u64 chunks, u64 d)`.
+    COLUMN_FINISH = FUSED "column_finish" dtypes (Ptr, Ptr, U64, U64);
 }

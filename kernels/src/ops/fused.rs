@@ -290,6 +290,33 @@ mod tests {
         );
     }
 
+    /// The host and a virtual device (the GPU's plan) make the same requests: the outputs
+    /// and one workspace of the bias gradient's partials, `ceil(rows / 64) * d` floats; the
+    /// same for layer norm's backward (its dgamma and dbeta partials, twice that).
+    #[test]
+    fn host_and_virtual_devices_allocate_the_same_partials() {
+        let (rows, d) = (130, 48);
+        let mut traces = Vec::new();
+        for dev in [Device::host(64 << 20), Device::virtual_device(64 << 20)] {
+            let z = |s: &[usize]| Tensor::zeros(&dev, s, DType::BF16).unwrap();
+            let (x, b, dy) = (z(&[rows, d]), z(&[d]), z(&[rows, d]));
+            let ln = ops::layer_norm(&x, &b, &b, 1e-5).unwrap();
+            dev.record_history(Some(100));
+            drop(bias_gelu_backward(&x, &b, &dy).unwrap());
+            drop(ops::layer_norm_backward(&x, &b, &ln.mean, &ln.rstd, &dy).unwrap());
+            let allocs: Vec<usize> = dev
+                .trace()
+                .iter()
+                .filter(|e| e.action == vram_alloc::TraceAction::Alloc)
+                .map(|e| e.requested)
+                .collect();
+            traces.push(allocs);
+        }
+        let (x, p) = (rows * d * 2, 3 * d * 4);
+        assert_eq!(traces[0], [x, d * 2, p, x, d * 2, d * 2, 2 * p]);
+        assert_eq!(traces[0], traces[1]);
+    }
+
     /// The kernels, emulated on the host through the op's own launch code, against the host
     /// op: bit for bit (the emulation's `tanhf` is the host's; no contraction).
     #[cfg(feature = "cuda")]

@@ -1,6 +1,7 @@
 //! The fused ops of issue 33 on CUDA against the host: the multi-tensor optimizer steps
-//! (every dtype combination in one launch) and bias + GELU forward and backward. f32 within
-//! 1e-5 relative, 16-bit within 1e-2; sums (the bias gradient) relative to the largest value.
+//! (every dtype combination in one launch), bias + GELU forward and backward, and the
+//! residual add + layer norm. f32 within 1e-5 relative, 16-bit within 1e-2; sums (the bias
+//! gradient) relative to the largest value.
 //! Each test prints `skipped: no CUDA device (...)` and passes where no GPU can be opened.
 //! (Layer norm's fused backward is `cuda_vs_host.rs`'s layer norm test.)
 
@@ -156,5 +157,27 @@ fn bias_gelu_matches_the_host() {
         close(&format!("bias_gelu {dtype:?}"), &gy, &hy, tol, false);
         close(&format!("bias_gelu dx {dtype:?}"), &gg.dx, &hg.dx, tol, false);
         close(&format!("bias_gelu dbias {dtype:?}"), &gg.dbias, &hg.dbias, tol, true);
+    }
+}
+
+#[test]
+fn add_layer_norm_matches_the_host() {
+    let Some(gpu) = gpu() else { return };
+    let host = Device::host(1 << 30);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+        let (rows, d) = (257, 768);
+        let t = |dev: &Device, n: usize, shape: &[usize], seed| {
+            Tensor::from_f32_slice(dev, shape, &values(n, seed, -3.0, 3.0), dtype).unwrap()
+        };
+        let run = |dev: &Device| {
+            let (a, b) = (t(dev, rows * d, &[rows, d], 4), t(dev, rows * d, &[rows, d], 5));
+            let (g, be) = (t(dev, d, &[d], 6), t(dev, d, &[d], 7));
+            ops::add_layer_norm(&a, &b, &g, &be, 1e-5).unwrap()
+        };
+        let (h, g) = (run(&host), run(&gpu));
+        close(&format!("add_layer_norm sum {dtype:?}"), &g.sum, &h.sum, 0.0, false);
+        close(&format!("add_layer_norm y {dtype:?}"), &g.norm.y, &h.norm.y, tol, false);
+        close(&format!("add_layer_norm rstd {dtype:?}"), &g.norm.rstd, &h.norm.rstd, 1e-4, false);
     }
 }

@@ -38,7 +38,7 @@ pub(crate) const CONV: Module = Module { name: "conv", source: include_str!("ker
 pub(crate) const POOL: Module = Module { name: "pool", source: include_str!("kernels/pool.cu") };
 /// Embedding, dropout, optimizers, unscale, axis permutation.
 pub(crate) const MISC: Module = Module { name: "misc", source: include_str!("kernels/misc.cu") };
-/// Fused epilogues: bias + GELU forward and backward.
+/// Fused epilogues: bias + GELU forward and backward, residual add + layer norm.
 pub(crate) const FUSED: Module = Module { name: "fused", source: include_str!("kernels/fused.cu") };
 /// Multi-tensor optimizer steps (one launch over every parameter).
 pub(crate) const MULTI_TENSOR: Module =
@@ -373,4 +373,7 @@ kernels! {
     BIAS_GELU_BWD = FUSED "bias_gelu_bwd" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64);
     /// `column_finish(const float* part, T* out, u64 chunks, u64 d)`.
     COLUMN_FINISH = FUSED "column_finish" dtypes (Ptr, Ptr, U64, U64);
+    /// `add_layer_norm(const T* a, const T* b, const T* g, const T* beta, float eps, T* s, T*
+    /// y, float* m, float* r, u64 d)`.
+    ADD_LAYER_NORM = FUSED "add_layer_norm" dtypes (Ptr, Ptr, Ptr, Ptr, F32, Ptr, Ptr, Ptr, Ptr, U64);
 }

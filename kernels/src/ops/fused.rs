@@ -5,14 +5,19 @@
 //! and read again) and gelu_bwd + the bias gradient's column sums and cast backward (three
 //! or four launches).
 //!
+//! [`add_layer_norm`] is a transformer block's residual add and the layer norm after it in
+//! one launch per row block instead of two (the sum is still stored: the residual stream
+//! continues from it); its backward is layer norm's plus the residual's gradient, as before.
+//!
 //! Each result is the unfused ops' bit for bit on the host (the sum `x + bias` rounded to
 //! the dtype as `bias_add` stores it, the gradient rounded as `gelu_backward` stores it and
 //! summed in `bias_add_backward`'s order); the kernels follow the same steps (emulated in the
 //! tests; on a GPU within the device's `tanhf` and contraction).
 
 use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
+use super::norm::LayerNormOutput;
 use super::{expect_shape, rows_cols, same_kind, same_layout};
-use crate::cpu::{activation as act, elementwise as ew};
+use crate::cpu::{activation as act, elementwise as ew, norm};
 use crate::device::Device;
 use crate::dtype::{Element, with_dtype};
 use crate::error::Result;
@@ -46,6 +51,114 @@ pub fn bias_gelu(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
 /// As [`bias_gelu`], and for a `dy` not of `x`'s layout.
 pub fn bias_gelu_backward(x: &Tensor, bias: &Tensor, dy: &Tensor) -> Result<BiasGeluGrads> {
     run(BiasGeluBackward { x, bias, dy, partials: None })
+}
+
+/// The result of [`add_layer_norm`]: the sum and its layer norm.
+#[derive(Debug)]
+pub struct AddLayerNorm {
+    /// `a + b`, the residual stream after the add.
+    pub sum: Tensor,
+    /// `layer_norm(a + b)`, with the statistics its backward needs.
+    pub norm: LayerNormOutput,
+}
+
+/// `s = a + b` and `layer_norm(s, gamma, beta, eps)` over the last dimension, in one pass:
+/// [`add`](super::add) then [`layer_norm`](super::layer_norm) in one launch.
+///
+/// # Errors
+///
+/// As those two ops: shape, dtype and device mismatches; out of memory.
+pub fn add_layer_norm(
+    a: &Tensor,
+    b: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    eps: f32,
+) -> Result<AddLayerNorm> {
+    run(AddLayerNormOp { a, b, gamma, beta, eps })
+}
+
+struct AddLayerNormOp<'a> {
+    a: &'a Tensor,
+    b: &'a Tensor,
+    gamma: &'a Tensor,
+    beta: &'a Tensor,
+    eps: f32,
+}
+
+impl Op for AddLayerNormOp<'_> {
+    const NAME: &'static str = "add_layer_norm";
+    /// `sum`, `y`, `mean` and `rstd`.
+    type Outs = (Tensor, Tensor, [Tensor; 2]);
+    type Output = AddLayerNorm;
+
+    fn device(&self) -> &Device {
+        self.a.device()
+    }
+
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
+        same_layout(Self::NAME, self.a, self.b)?;
+        let (rows, d) = dims(Self::NAME, self.a, self.gamma)?;
+        dims(Self::NAME, self.a, self.beta)?;
+        if d == 0 {
+            return Err(super::invalid(Self::NAME, "the last dimension is empty"));
+        }
+        let (shape, dt) = (self.a.shape(), self.a.dtype());
+        let stat = || OutputSpec::new(&[rows], crate::DType::F32);
+        Ok(Plan::new((OutputSpec::new(shape, dt), OutputSpec::new(shape, dt), [stat(), stat()])))
+    }
+
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        let (sum, y, [mean, rstd]) = bufs.outputs_mut();
+        with_dtype!(self.a.dtype(), T => {
+            let s = sum.out_slice::<T>(Self::NAME)?;
+            ew::add(self.a.as_slice::<T>()?, self.b.as_slice::<T>()?, s)?;
+            norm::layer_norm(
+                s,
+                self.gamma.as_slice::<T>()?,
+                self.beta.as_slice::<T>()?,
+                self.eps,
+                y.out_slice::<T>(Self::NAME)?,
+                mean.out_slice::<f32>(Self::NAME)?,
+                rstd.out_slice::<f32>(Self::NAME)?,
+            )
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        use crate::cuda::helpers::{check_rows, ptr};
+        use crate::cuda::{Arg, launch, registry::ADD_LAYER_NORM};
+        let (sum, y, [mean, rstd]) = bufs.outputs_mut();
+        let rows = mean.numel();
+        check_rows(Self::NAME, rows)?;
+        // SAFETY: add_layer_norm_T(const T* a, const T* b, const T* g, const T* beta, float
+        // eps, T* s, T* y, float* m, float* r, u64 d), one block per row; a, b, s and y hold
+        // rows * d elements, gamma and beta d, mean and rstd rows floats.
+        unsafe {
+            gpu.launch(
+                ADD_LAYER_NORM.of(self.a.dtype()),
+                launch::per_row(rows),
+                &[
+                    ptr(self.a)?,
+                    ptr(self.b)?,
+                    ptr(self.gamma)?,
+                    ptr(self.beta)?,
+                    Arg::F32(self.eps),
+                    ptr(sum)?,
+                    ptr(y)?,
+                    ptr(mean)?,
+                    ptr(rstd)?,
+                    Arg::count(self.gamma.numel()),
+                ],
+            )
+        }
+    }
+
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<AddLayerNorm> {
+        let (sum, y, [mean, rstd]) = bufs.into_outputs();
+        Ok(AddLayerNorm { sum, norm: LayerNormOutput { y, mean, rstd } })
+    }
 }
 
 /// Checks `x: [.., d]` against `bias: [d]`; returns `(rows, d)`.
@@ -290,6 +403,25 @@ mod tests {
         );
     }
 
+    /// The residual add + layer norm is `add` then `layer_norm`, bit for bit on the host.
+    #[test]
+    fn add_layer_norm_is_add_then_layer_norm_bit_for_bit() {
+        let dev = Device::host(64 << 20);
+        for dtype in [DType::F32, DType::BF16] {
+            let t = |v: &[f32], s: &[usize]| Tensor::from_f32_slice(&dev, s, v, dtype).unwrap();
+            let (rows, d) = (7, 40);
+            let (a, b) = (t(&values(rows * d, 4), &[rows, d]), t(&values(rows * d, 5), &[rows, d]));
+            let (g, be) = (t(&values(d, 6), &[d]), t(&values(d, 7), &[d]));
+            let got = add_layer_norm(&a, &b, &g, &be, 1e-5).unwrap();
+            let sum = ops::add(&a, &b).unwrap();
+            let want = ops::layer_norm(&sum, &g, &be, 1e-5).unwrap();
+            assert_eq!(bits(&got.sum), bits(&sum));
+            assert_eq!(bits(&got.norm.y), bits(&want.y));
+            assert_eq!(bits(&got.norm.rstd), bits(&want.rstd));
+            assert!(add_layer_norm(&a, &g, &g, &be, 1e-5).is_err());
+        }
+    }
+
     /// The host and a virtual device (the GPU's plan) make the same requests: the outputs
     /// and one workspace of the bias gradient's partials, `ceil(rows / 64) * d` floats; the
     /// same for layer norm's backward (its dgamma and dbeta partials, twice that).
@@ -315,6 +447,55 @@ mod tests {
         let (x, p) = (rows * d * 2, 3 * d * 4);
         assert_eq!(traces[0], [x, d * 2, p, x, d * 2, d * 2, 2 * p]);
         assert_eq!(traces[0], traces[1]);
+    }
+
+    /// The residual add + layer norm kernel, emulated, against the host: the sum bit for bit,
+    /// the norm within rounding (the block adds the row's statistics in another order).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn add_layer_norm_kernel_matches_the_host() {
+        use crate::cuda::emulate::launch;
+        use crate::cuda::registry::ADD_LAYER_NORM;
+        use crate::cuda::{Arg, launch as grid};
+        let dev = Device::host(64 << 20);
+        for dtype in [DType::F32, DType::BF16] {
+            let t = |v: &[f32], s: &[usize]| Tensor::from_f32_slice(&dev, s, v, dtype).unwrap();
+            let (rows, d) = (3, 300);
+            let (a, b) = (t(&values(rows * d, 4), &[rows, d]), t(&values(rows * d, 5), &[rows, d]));
+            let (g, be) = (t(&values(d, 6), &[d]), t(&values(d, 7), &[d]));
+            let want = add_layer_norm(&a, &b, &g, &be, 1e-5).unwrap();
+            let (s, y) = (
+                t(&vec![f32::NAN; rows * d], &[rows, d]),
+                t(&vec![f32::NAN; rows * d], &[rows, d]),
+            );
+            let (mut m, mut r) = (vec![f32::NAN; rows], vec![f32::NAN; rows]);
+            let at = |t: &Tensor| Arg::Ptr(t.storage().address());
+            let args = [
+                at(&a),
+                at(&b),
+                at(&g),
+                at(&be),
+                Arg::F32(1e-5),
+                at(&s),
+                at(&y),
+                Arg::Ptr(m.as_mut_ptr() as u64),
+                Arg::Ptr(r.as_mut_ptr() as u64),
+                Arg::count(d),
+            ];
+            if !launch(ADD_LAYER_NORM.of(dtype), grid::per_row(rows), &args) {
+                return;
+            }
+            assert_eq!(bits(&s), bits(&want.sum), "{dtype:?} sum");
+            let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+            let close = |what: &str, got: &[f32], want: &[f32]| {
+                for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                    assert!((g - w).abs() <= tol * w.abs().max(1.0), "{what} {i}: {g} vs {w}");
+                }
+            };
+            close("y", &y.to_f32_vec().unwrap(), &want.norm.y.to_f32_vec().unwrap());
+            close("mean", &m, &want.norm.mean.to_f32_vec().unwrap());
+            close("rstd", &r, &want.norm.rstd.to_f32_vec().unwrap());
+        }
     }
 
     /// The kernels, emulated on the host through the op's own launch code, against the host

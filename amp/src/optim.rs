@@ -8,6 +8,13 @@
 //! O2's master weights): the update runs on the master, which is then rounded into the value,
 //! so small updates are not lost to 16-bit rounding.
 //!
+//! By default a step is one multi-tensor update over every parameter with a gradient
+//! ([`ops::adamw_step_multi`], [`ops::sgd_step_multi`]: one CUDA launch, masters updated and
+//! rounded into the 16-bit values in the same pass, as PyTorch's `fused=True`);
+//! `with_multi_tensor(false)` selects the per-tensor updates (one launch per parameter, and a
+//! cast per 16-bit one). Both give the same values, bit for bit on the host. A multi-tensor
+//! step creates the missing state of every parameter first and updates all or none.
+//!
 //! The scaler keeps one state (ready, unscaled, stepped) per optimizer, keyed by
 //! [`Optimizer::id`], as PyTorch keys it by `id(optimizer)`.
 //!
@@ -15,7 +22,7 @@
 
 use crate::convert::{cast_into, sum_of_squares};
 use crate::error::{Error, Result};
-use crate::param::{ParamId, Params};
+use crate::param::{Param, ParamId, Params};
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -119,12 +126,24 @@ pub struct Sgd {
     id: OptimizerId,
     config: SgdConfig,
     state: HashMap<ParamId, SgdState>,
+    multi_tensor: bool,
 }
 
 impl Sgd {
     /// SGD with `config`.
     pub fn new(config: SgdConfig) -> Sgd {
-        Sgd { id: OptimizerId::fresh(), config, state: HashMap::new() }
+        Sgd { id: OptimizerId::fresh(), config, state: HashMap::new(), multi_tensor: true }
+    }
+
+    /// Steps with one multi-tensor update (`true`, the default) or one update per parameter.
+    pub fn with_multi_tensor(mut self, multi_tensor: bool) -> Sgd {
+        self.multi_tensor = multi_tensor;
+        self
+    }
+
+    /// Whether a step is one multi-tensor update.
+    pub fn multi_tensor(&self) -> bool {
+        self.multi_tensor
     }
 
     /// The hyper-parameters.
@@ -159,6 +178,10 @@ impl Optimizer for Sgd {
     }
 
     fn step(&mut self, params: &mut dyn Params) -> Result<()> {
+        if self.multi_tensor {
+            self.step_multi(params)?;
+            return params.after_step();
+        }
         let cfg = self.config;
         for p in params.params_mut() {
             let Some(g) = &p.grad else { continue };
@@ -197,12 +220,24 @@ pub struct AdamW {
     id: OptimizerId,
     config: AdamWConfig,
     state: HashMap<ParamId, AdamState>,
+    multi_tensor: bool,
 }
 
 impl AdamW {
     /// AdamW with `config`.
     pub fn new(config: AdamWConfig) -> AdamW {
-        AdamW { id: OptimizerId::fresh(), config, state: HashMap::new() }
+        AdamW { id: OptimizerId::fresh(), config, state: HashMap::new(), multi_tensor: true }
+    }
+
+    /// Steps with one multi-tensor update (`true`, the default) or one update per parameter.
+    pub fn with_multi_tensor(mut self, multi_tensor: bool) -> AdamW {
+        self.multi_tensor = multi_tensor;
+        self
+    }
+
+    /// Whether a step is one multi-tensor update.
+    pub fn multi_tensor(&self) -> bool {
+        self.multi_tensor
     }
 
     /// The hyper-parameters.
@@ -243,6 +278,10 @@ impl Optimizer for AdamW {
     }
 
     fn step(&mut self, params: &mut dyn Params) -> Result<()> {
+        if self.multi_tensor {
+            self.step_multi(params)?;
+            return params.after_step();
+        }
         let cfg = self.config;
         for p in params.params_mut() {
             let Some(g) = &p.grad else { continue };
@@ -269,6 +308,118 @@ impl Optimizer for AdamW {
             s.step = step;
         }
         params.after_step()
+    }
+}
+
+/// The f32 master a 16-bit `value` is updated through (`None` for an f32 value).
+fn master_of(value: &Tensor) -> Result<Option<Tensor>> {
+    Ok(if value.dtype() == DType::F32 { None } else { Some(value.to_dtype(DType::F32)?) })
+}
+
+/// The parameters of `params` that have a gradient.
+fn with_grads(params: &mut dyn Params) -> Vec<&mut Param> {
+    params.params_mut().into_iter().filter(|p| p.grad.is_some()).collect()
+}
+
+impl Sgd {
+    /// One multi-tensor step over the parameters with a gradient (their state created first).
+    fn step_multi(&mut self, params: &mut dyn Params) -> Result<()> {
+        let cfg = self.config;
+        let mut ps = with_grads(params);
+        let mut first = Vec::with_capacity(ps.len());
+        for p in &ps {
+            let s = self.state.entry(p.id()).or_default();
+            if s.master.is_none() {
+                s.master = master_of(&p.value)?;
+            }
+            first.push(s.momentum.is_none());
+            if cfg.momentum != 0.0 && s.momentum.is_none() {
+                s.momentum = Some(Tensor::zeros(p.value.device(), p.value.shape(), DType::F32)?);
+            }
+        }
+        let mut taken: Vec<SgdState> =
+            ps.iter().map(|p| self.state.remove(&p.id()).unwrap_or_default()).collect();
+        let mut list: Vec<ops::SgdTensors<'_>> = ps
+            .iter_mut()
+            .zip(taken.iter_mut())
+            .zip(&first)
+            .filter_map(|((p, s), &first_step)| {
+                let Param { value, grad, .. } = &mut **p;
+                Some(ops::SgdTensors {
+                    param: value,
+                    grad: grad.as_ref()?,
+                    momentum_buf: s.momentum.as_mut(),
+                    first_step,
+                    master: s.master.as_mut(),
+                })
+            })
+            .collect();
+        let result = ops::sgd_step_multi(&mut list, &cfg);
+        drop(list);
+        for ((p, mut s), first) in ps.iter().zip(taken).zip(first) {
+            // A buffer that took no step is still uninitialized: the next step starts it.
+            if first && result.is_err() {
+                s.momentum = None;
+            }
+            self.state.insert(p.id(), s);
+        }
+        Ok(result?)
+    }
+}
+
+impl AdamW {
+    /// One multi-tensor step over the parameters with a gradient (their state created first).
+    fn step_multi(&mut self, params: &mut dyn Params) -> Result<()> {
+        let cfg = self.config;
+        let mut ps = with_grads(params);
+        let mut steps = Vec::with_capacity(ps.len());
+        for p in &ps {
+            let s = match self.state.entry(p.id()) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    let zeros = || Tensor::zeros(p.value.device(), p.value.shape(), DType::F32);
+                    e.insert(AdamState {
+                        exp_avg: zeros()?,
+                        exp_avg_sq: zeros()?,
+                        step: 0,
+                        master: master_of(&p.value)?,
+                    })
+                }
+            };
+            let step = s.step.checked_add(1).ok_or_else(|| Error::InvalidArgument {
+                op: "AdamW::step",
+                reason: format!("parameter {} has taken u32::MAX steps", p.name),
+            })?;
+            steps.push(step);
+        }
+        let mut taken: Vec<AdamState> =
+            ps.iter().filter_map(|p| self.state.remove(&p.id())).collect();
+        let mut list: Vec<ops::AdamWTensors<'_>> = ps
+            .iter_mut()
+            .zip(taken.iter_mut())
+            .zip(&steps)
+            .filter_map(|((p, s), &step)| {
+                let Param { value, grad, .. } = &mut **p;
+                Some(ops::AdamWTensors {
+                    param: value,
+                    grad: grad.as_ref()?,
+                    exp_avg: &mut s.exp_avg,
+                    exp_avg_sq: &mut s.exp_avg_sq,
+                    master: s.master.as_mut(),
+                    step,
+                })
+            })
+            .collect();
+        let result = ops::adamw_step_multi(&mut list, &cfg);
+        drop(list);
+        let ok = result.is_ok();
+        for ((p, mut s), step) in ps.iter().zip(taken).zip(steps) {
+            if ok {
+                s.step = step;
+            }
+            self.state.insert(p.id(), s);
+        }
+        Ok(result?)
     }
 }
 
@@ -383,6 +534,101 @@ mod tests {
         assert_eq!(ps[0].value.dtype(), DType::F16);
         assert_eq!(ps[0].value.to_f32_vec().unwrap()[0], half::f16::from_f32(master).to_f32());
         assert_eq!(opt.master_bytes(), 4);
+    }
+
+    /// Parameters of every dtype, one without a gradient at the first step, and gradients
+    /// that change per step.
+    fn mixed_params(dev: &Device) -> Vec<Param> {
+        let specs = [(DType::F32, 37), (DType::BF16, 300), (DType::F16, 5), (DType::F32, 1)];
+        specs
+            .iter()
+            .enumerate()
+            .map(|(i, &(dtype, n))| {
+                let v: Vec<f32> =
+                    (0..n).map(|j| ((i * 31 + j * 7) % 19) as f32 / 9.0 - 1.0).collect();
+                param(dev, &v, dtype)
+            })
+            .collect()
+    }
+
+    fn set_grads(ps: &mut [Param], step: usize) {
+        for (i, p) in ps.iter_mut().enumerate() {
+            if step == 0 && i == 2 {
+                p.grad = None;
+                continue;
+            }
+            let n = p.value.numel();
+            let g: Vec<f32> =
+                (0..n).map(|j| ((i + j * 3 + step * 5) % 11) as f32 / 11.0 - 0.4).collect();
+            let dev = p.value.device().clone();
+            let dtype = if i == 1 { DType::BF16 } else { DType::F32 };
+            p.grad = Some(Tensor::from_f32_slice(&dev, &[n], &g, dtype).unwrap());
+        }
+    }
+
+    fn value_bits(ps: &[Param]) -> Vec<Vec<u32>> {
+        ps.iter()
+            .map(|p| p.value.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect())
+            .collect()
+    }
+
+    /// The multi-tensor step (the default) and the per-tensor one give the same values and
+    /// masters, bit for bit, over steps where a parameter joins late (its own step count).
+    #[test]
+    fn multi_tensor_and_per_tensor_steps_agree_bit_for_bit() {
+        let dev = Device::host(16 << 20);
+        let adamw = AdamWConfig { lr: 0.05, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 };
+        let sgd = SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            dampening: 0.0,
+            weight_decay: 0.01,
+            nesterov: true,
+        };
+        let (mut a, mut b) = (mixed_params(&dev), mixed_params(&dev));
+        let (mut multi, mut single) =
+            (AdamW::new(adamw), AdamW::new(adamw).with_multi_tensor(false));
+        assert!(multi.multi_tensor() && !single.multi_tensor());
+        let (mut sa, mut sb) = (mixed_params(&dev), mixed_params(&dev));
+        let (mut sgd_multi, mut sgd_single) =
+            (Sgd::new(sgd), Sgd::new(sgd).with_multi_tensor(false));
+        for step in 0..3 {
+            for ps in [&mut a, &mut b, &mut sa, &mut sb] {
+                set_grads(ps, step);
+            }
+            multi.step(&mut a).unwrap();
+            single.step(&mut b).unwrap();
+            sgd_multi.step(&mut sa).unwrap();
+            sgd_single.step(&mut sb).unwrap();
+            assert_eq!(value_bits(&a), value_bits(&b), "adamw step {step}");
+            assert_eq!(value_bits(&sa), value_bits(&sb), "sgd step {step}");
+        }
+        for (p, q) in a.iter().zip(&b) {
+            assert_eq!(multi.step_count(p.id()), single.step_count(q.id()));
+            let bits = |t: Option<&Tensor>| t.map(|t| t.to_f32_vec().unwrap());
+            assert_eq!(bits(multi.master(p.id())), bits(single.master(q.id())));
+        }
+        assert_eq!(multi.step_count(a[2].id()), 2);
+        assert_eq!(
+            (multi.state_bytes(), multi.master_bytes()),
+            (single.state_bytes(), single.master_bytes())
+        );
+        assert_eq!(sgd_multi.state_bytes(), sgd_single.state_bytes());
+    }
+
+    /// A multi-tensor step that fails (a gradient of the wrong shape) updates nothing and
+    /// counts no step.
+    #[test]
+    fn a_failed_multi_tensor_step_changes_no_value_or_count() {
+        let dev = Device::host(16 << 20);
+        let mut ps = mixed_params(&dev);
+        set_grads(&mut ps, 1);
+        ps[3].grad = Some(Tensor::zeros(&dev, &[2], DType::F32).unwrap());
+        let before = value_bits(&ps);
+        let mut opt = AdamW::new(AdamWConfig::default());
+        assert!(opt.step(&mut ps).is_err());
+        assert_eq!(value_bits(&ps), before);
+        assert!(ps.iter().all(|p| opt.step_count(p.id()) == 0));
     }
 
     #[test]

@@ -245,7 +245,7 @@ fn a_profiled_step_says_where_the_time_goes() {
     assert_eq!((run.peak_allocated, run.peak_reserved), (base.peak_allocated, base.peak_reserved));
     let p = run.profile.as_ref().expect("a profile");
     let names: Vec<&str> = p.ops.iter().map(|o| o.name.as_str()).collect();
-    for op in ["linear", "linear_backward", "layer_norm_backward", "adamw_step"] {
+    for op in ["linear", "linear_backward", "layer_norm_backward", "adamw_step_multi"] {
         assert!(names.contains(&op), "{op} in {names:?}");
     }
     assert!(p.ops.windows(2).all(|w| w[0].ms >= w[1].ms), "longest first");

@@ -38,6 +38,11 @@ pub(crate) const CONV: Module = Module { name: "conv", source: include_str!("ker
 pub(crate) const POOL: Module = Module { name: "pool", source: include_str!("kernels/pool.cu") };
 /// Embedding, dropout, optimizers, unscale, axis permutation.
 pub(crate) const MISC: Module = Module { name: "misc", source: include_str!("kernels/misc.cu") };
+/// Fused epilogues: bias + GELU forward and backward, residual add + layer norm.
+pub(crate) const FUSED: Module = Module { name: "fused", source: include_str!("kernels/fused.cu") };
+/// Multi-tensor optimizer steps (one launch over every parameter).
+pub(crate) const MULTI_TENSOR: Module =
+    Module { name: "multi_tensor", source: include_str!("kernels/multi_tensor.cu") };
 
 /// RMS norm and rotary embeddings (the Llama family's).
 pub(crate) const LLAMA: Module = Module { name: "llama", source: include_str!("kernels/llama.cu") };
@@ -49,7 +54,18 @@ pub(crate) const ATTENTION: Module =
 /// Every module, in the order the NVRTC test compiles them.
 #[cfg(test)]
 pub(crate) const MODULES: &[&Module] =
-    &[&ELEMENTWISE, &REDUCE, &SOFTMAX, &CONV, &POOL, &MISC, &LLAMA, &ATTENTION];
+    &[
+        &ELEMENTWISE,
+        &REDUCE,
+        &SOFTMAX,
+        &CONV,
+        &POOL,
+        &MISC,
+        &LLAMA,
+        &ATTENTION,
+        &MULTI_TENSOR,
+        &FUSED,
+    ];
 
 /// A kernel parameter's type as the `.cu` source declares it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -290,13 +306,14 @@ kernels! {
     /// `layer_norm(const T* x, const T* g, const T* b, float eps, T* y, float* m, float* r,
     /// u64 d)`.
     LAYER_NORM = SOFTMAX "layer_norm" dtypes (Ptr, Ptr, Ptr, F32, Ptr, Ptr, Ptr, U64);
-    /// `layer_norm_bwd(const T* x, const T* g, const float* m, const float* r, const T* dy,
-    /// T* dx, u64 d)`.
-    LAYER_NORM_BWD = SOFTMAX "layer_norm_bwd" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64);
-    /// `layer_norm_params_bwd(const T* x, const float* m, const float* r, const T* dy,
-    /// float* dg, float* db, u64 rows, u64 d, u64 chunk)`.
-    LAYER_NORM_PARAMS_BWD =
-        SOFTMAX "layer_norm_params_bwd" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64);
+    /// `layer_norm_bwd_fused(const T* x, const T* g, const float* m, const float* r, const T*
+    /// dy, T* dx, float* dg, float* db, u64 rows, u64 d, u64 chunk, u32 col_blocks, u32
+    /// chunk_blocks)`: dx rows and dgamma/dbeta partials in one launch.
+    LAYER_NORM_BWD_FUSED = SOFTMAX "layer_norm_bwd_fused" dtypes
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U32, U32);
+    /// `layer_norm_bwd_finish(const float* dg, const float* db, T* dgamma, T* dbeta, u64
+    /// chunks, u64 d)`.
+    LAYER_NORM_BWD_FINISH = SOFTMAX "layer_norm_bwd_finish" dtypes (Ptr, Ptr, Ptr, Ptr, U64, U64);
     /// `bn_partial(const T* x, float* part, u64 n, u64 c, u64 s, u32 parts)`.
     BN_PARTIAL = SOFTMAX "bn_partial" dtypes (Ptr, Ptr, U64, U64, U64, U32);
     /// `bn_finalize(const float* part, float* mean, float* invstd, void* rmean, void* rvar,
@@ -410,4 +427,22 @@ kernels! {
     /// u64 offset)`, grid (query tiles, heads).
     ATTENTION_BWD_DQ = ATTENTION "attention_bwd_dq" dtypes
         (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+
+    /// `adamw_multi(const MultiEntry* table, const MultiTask* tasks, float b1, float b2,
+    /// float eps, float decay, u64 chunk)`.
+    ADAMW_MULTI = MULTI_TENSOR "adamw_multi" once (Ptr, Ptr, F32, F32, F32, F32, U64);
+    /// `sgd_multi(const MultiEntry* table, const MultiTask* tasks, float lr, float momentum,
+    /// float dampening, float wd, u32 nesterov, u64 chunk)`.
+    SGD_MULTI = MULTI_TENSOR "sgd_multi" once (Ptr, Ptr, F32, F32, F32, F32, U32, U64);
+
+    /// `bias_gelu(const T* x, const T* b, T* y, u64 n, Div d)`.
+    BIAS_GELU = FUSED "bias_gelu" dtypes (Ptr, Ptr, Ptr, U64, Div);
+    /// `bias_gelu_bwd(const T* x, const T* b, const T* dy, T* dx, float* part, u64 rows, u64
+    /// d, u64 chunk)`.
+    BIAS_GELU_BWD = FUSED "bias_gelu_bwd" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64);
+    /// `column_finish(const float* part, T* out, u64 chunks, u64 d)`.
+    COLUMN_FINISH = FUSED "column_finish" dtypes (Ptr, Ptr, U64, U64);
+    /// `add_layer_norm(const T* a, const T* b, const T* g, const T* beta, float eps, T* s, T*
+    /// y, float* m, float* r, u64 d)`.
+    ADD_LAYER_NORM = FUSED "add_layer_norm" dtypes (Ptr, Ptr, Ptr, Ptr, F32, Ptr, Ptr, Ptr, Ptr, U64);
 }

@@ -28,11 +28,13 @@ mod copy;
 pub(crate) mod dispatch;
 mod elementwise;
 mod embedding;
+mod fused;
 mod linear_cross_entropy;
 mod llama;
 mod loss;
 pub(crate) mod map;
 mod matmul;
+mod multi_tensor;
 mod norm;
 mod optim;
 mod permute;
@@ -59,6 +61,7 @@ pub use conv::{
 };
 pub use elementwise::{add, add_assign, axpy, bias_add, bias_add_backward, mul, scale};
 pub use embedding::{embedding, embedding_backward};
+pub use fused::{AddLayerNorm, BiasGeluGrads, add_layer_norm, bias_gelu, bias_gelu_backward};
 pub use linear_cross_entropy::{
     LinearCrossEntropy, LinearCrossEntropyParams, LossChunk, chunk_bytes_per_row,
     linear_cross_entropy,
@@ -69,6 +72,12 @@ pub use llama::{
 };
 pub use loss::{CrossEntropy, cross_entropy, cross_entropy_backward};
 pub use matmul::{LinearGrads, linear, linear_backward, matmul, matmul_backward, matmul_spec};
+pub use multi_tensor::{AdamWTensors, SgdTensors, adamw_step_multi, sgd_step_multi};
+#[cfg(all(test, feature = "cuda"))]
+pub(crate) use norm::{
+    BackwardAddresses as LayerNormBackwardAddresses,
+    backward_launches as layer_norm_backward_launches,
+};
 pub use norm::{LayerNormGrads, LayerNormOutput, layer_norm, layer_norm_backward};
 #[cfg(all(test, feature = "cuda"))]
 pub(crate) use optim::{adamw_scalars, sgd_scalars};

@@ -142,7 +142,7 @@ pub fn layer_norm_backward(
     rstd: &Tensor,
     dy: &Tensor,
 ) -> Result<LayerNormGrads> {
-    run(LayerNormBackward { x, gamma, mean, rstd, dy, acc: [None; 2] })
+    run(LayerNormBackward { x, gamma, mean, rstd, dy, acc: None })
 }
 
 struct LayerNormBackward<'a> {
@@ -151,8 +151,8 @@ struct LayerNormBackward<'a> {
     mean: &'a Tensor,
     rstd: &'a Tensor,
     dy: &'a Tensor,
-    /// The f32 column sums of dgamma and dbeta, and their partials.
-    acc: [Option<usize>; 2],
+    /// The f32 partial sums of dgamma, then of dbeta (`[param_chunks(rows), d]` each).
+    acc: Option<usize>,
 }
 
 impl Op for LayerNormBackward<'_> {
@@ -178,9 +178,9 @@ impl Op for LayerNormBackward<'_> {
             OutputSpec::new(&[d], self.x.dtype()),
             OutputSpec::new(&[d], self.x.dtype()),
         ]);
-        // dgamma and dbeta: f32 column sums (per chunk of rows, then over chunks).
-        let bytes = super::reduce::column_sum_workspace(Self::NAME, rows, d)?;
-        self.acc = [plan.workspace(bytes), plan.workspace(bytes)];
+        // dgamma and dbeta: f32 partial sums per chunk of rows, added over chunks after.
+        let floats = crate::params::mul(Self::NAME, "the partial sums", 2 * param_chunks(rows), d)?;
+        self.acc = plan.workspace(crate::params::mul(Self::NAME, "the partial sums", floats, 4)?);
         Ok(plan)
     }
 
@@ -200,64 +200,124 @@ impl Op for LayerNormBackward<'_> {
 
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
-        use crate::cuda::helpers::{
-            check_rows, column_partials, finish_column_sums, from_f32, ptr,
-        };
-        use crate::cuda::registry::{LAYER_NORM_BWD, LAYER_NORM_PARAMS_BWD};
-        use crate::cuda::{Arg, launch};
-        let (dg, db) = (bufs.ws(self.acc[0])?, bufs.ws(self.acc[1])?);
+        let ws = bufs.ws(self.acc)?;
         let [dx, dgamma, dbeta] = bufs.outputs_mut();
-        let rows = self.mean.numel();
-        let d = self.gamma.numel();
-        let t = self.x.dtype();
-        check_rows(Self::NAME, rows)?;
-        // SAFETY: layer_norm_bwd_T(const T* x, const T* g, const float* m, const float* r,
-        // const T* dy, T* dx, u64 d), one block per row; sizes as in `layer_norm`.
+        let at = BackwardAddresses {
+            x: self.x.cuda_ptr()?,
+            gamma: self.gamma.cuda_ptr()?,
+            mean: self.mean.cuda_ptr()?,
+            rstd: self.rstd.cuda_ptr()?,
+            dy: self.dy.cuda_ptr()?,
+            dx: dx.cuda_ptr()?,
+            dgamma: dgamma.cuda_ptr()?,
+            dbeta: dbeta.cuda_ptr()?,
+            partials: ws,
+        };
+        // SAFETY: the tensors hold what `plan` checked (x, dy, dx: rows * d elements; gamma,
+        // dgamma, dbeta: d; mean, rstd: rows floats) and the workspace the partials.
         unsafe {
-            gpu.launch(
-                LAYER_NORM_BWD.of(t),
-                launch::per_row(rows),
-                &[
-                    ptr(self.x)?,
-                    ptr(self.gamma)?,
-                    ptr(self.mean)?,
-                    ptr(self.rstd)?,
-                    ptr(self.dy)?,
-                    ptr(dx)?,
-                    Arg::count(d),
-                ],
-            )?;
+            backward_launches(gpu, &at, self.mean.numel(), self.gamma.numel(), self.x.dtype())
         }
-        let (cfg, chunk) = launch::columns(rows, d);
-        // SAFETY: layer_norm_params_bwd_T(const T* x, const float* m, const float* r, const
-        // T* dy, float* dg, float* db, u64 rows, u64 d, u64 chunk), grid (columns, row
-        // chunks); dg and db point at the partials (chunks * d floats) of the column-sum
-        // workspaces.
-        unsafe {
-            gpu.launch(
-                LAYER_NORM_PARAMS_BWD.of(t),
-                cfg,
-                &[
-                    ptr(self.x)?,
-                    ptr(self.mean)?,
-                    ptr(self.rstd)?,
-                    ptr(self.dy)?,
-                    Arg::Ptr(column_partials(dg, rows, d)),
-                    Arg::Ptr(column_partials(db, rows, d)),
-                    Arg::count(rows),
-                    Arg::count(d),
-                    Arg::count(chunk),
-                ],
-            )?;
-        }
-        finish_column_sums(gpu, dg, rows, d)?;
-        finish_column_sums(gpu, db, rows, d)?;
-        from_f32(gpu, dg, dgamma)?;
-        from_f32(gpu, db, dbeta)
     }
 
     fn finish(self, bufs: Buffers<Self::Outs>) -> Result<LayerNormGrads> {
         let [dx, dgamma, dbeta] = bufs.into_outputs();
         Ok(LayerNormGrads { dx, dgamma, dbeta })
+    }
+}
+
+/// The chunks of [`COLUMN_SUM_ROWS`](crate::cpu::elementwise::COLUMN_SUM_ROWS) rows whose
+/// partial sums of dgamma and dbeta the backward keeps (the host adds in the same chunks).
+fn param_chunks(rows: usize) -> usize {
+    rows.div_ceil(crate::cpu::elementwise::COLUMN_SUM_ROWS)
+}
+
+/// The device addresses [`backward_launches`] works on.
+#[cfg(feature = "cuda")]
+pub(crate) struct BackwardAddresses {
+    pub(crate) x: u64,
+    pub(crate) gamma: u64,
+    pub(crate) mean: u64,
+    pub(crate) rstd: u64,
+    pub(crate) dy: u64,
+    pub(crate) dx: u64,
+    pub(crate) dgamma: u64,
+    pub(crate) dbeta: u64,
+    /// `2 * param_chunks(rows) * d` floats: dgamma's partials, then dbeta's.
+    pub(crate) partials: u64,
+}
+
+/// The backward's two launches over `[rows, d]` of `dtype`: `layer_norm_bwd_fused` (dx, one
+/// block per row, and the partial sums of dgamma and dbeta, a block per column block and
+/// chunk of rows, in one grid), then `layer_norm_bwd_finish` (the partials added in chunk
+/// order, rounded into dgamma and dbeta). Written against [`Exec`](crate::cuda::Exec) so that
+/// the tests run it whole in the emulation.
+///
+/// # Safety
+///
+/// The addresses hold what [`BackwardAddresses`] says for `rows` and `d`.
+#[cfg(feature = "cuda")]
+pub(crate) unsafe fn backward_launches(
+    gpu: &impl crate::cuda::Exec,
+    at: &BackwardAddresses,
+    rows: usize,
+    d: usize,
+    dtype: DType,
+) -> Result<()> {
+    use crate::cuda::registry::{LAYER_NORM_BWD_FINISH, LAYER_NORM_BWD_FUSED};
+    use crate::cuda::{Arg, launch};
+    const NAME: &str = "layer_norm_backward";
+    let chunks = param_chunks(rows);
+    let col_blocks = d.div_ceil(launch::BLOCK as usize);
+    let chunk_blocks = chunks.min(65535);
+    let blocks = col_blocks
+        .checked_mul(chunk_blocks)
+        .and_then(|b| b.checked_add(rows))
+        .filter(|&b| launch::fits_grid(b))
+        .ok_or_else(|| invalid(NAME, format!("{rows} rows of {d} exceed a CUDA grid")))?;
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (launch::BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let db_partials = at.partials + (chunks * d * 4) as u64;
+    // SAFETY: layer_norm_bwd_fused_T(const T* x, const T* g, const float* m, const float* r,
+    // const T* dy, T* dx, float* dg, float* db, u64 rows, u64 d, u64 chunk, u32 col_blocks,
+    // u32 chunk_blocks); the caller's contract covers the sizes; the grid is rows blocks
+    // then col_blocks * chunk_blocks (both u32: checked against the grid above).
+    unsafe {
+        gpu.launch(
+            LAYER_NORM_BWD_FUSED.of(dtype),
+            cfg,
+            &[
+                Arg::Ptr(at.x),
+                Arg::Ptr(at.gamma),
+                Arg::Ptr(at.mean),
+                Arg::Ptr(at.rstd),
+                Arg::Ptr(at.dy),
+                Arg::Ptr(at.dx),
+                Arg::Ptr(at.partials),
+                Arg::Ptr(db_partials),
+                Arg::count(rows),
+                Arg::count(d),
+                Arg::count(crate::cpu::elementwise::COLUMN_SUM_ROWS),
+                Arg::U32(col_blocks as u32),
+                Arg::U32(chunk_blocks as u32),
+            ],
+        )?;
+        // SAFETY: layer_norm_bwd_finish_T(const float* dg, const float* db, T* dgamma, T*
+        // dbeta, u64 chunks, u64 d): the partials written above, d elements out.
+        gpu.launch(
+            LAYER_NORM_BWD_FINISH.of(dtype),
+            launch::elementwise(d),
+            &[
+                Arg::Ptr(at.partials),
+                Arg::Ptr(db_partials),
+                Arg::Ptr(at.dgamma),
+                Arg::Ptr(at.dbeta),
+                Arg::count(chunks),
+                Arg::count(d),
+            ],
+        )
     }
 }

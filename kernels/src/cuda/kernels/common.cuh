@@ -93,6 +93,21 @@ __device__ __forceinline__ float philox_uniform(u64 seed, u64 index) {
     return (float)(r >> 8) * (1.0f / 16777216.0f);
 }
 
+// GELU, tanh approximation (GPT-2's; PyTorch's `approximate='tanh'`), and its derivative:
+// elementwise.cu's gelu and fused.cu's bias + GELU.
+#define GELU_K 0.7978846f
+#define GELU_C 0.044715f
+__device__ __forceinline__ float gelu_f(float v) {
+    const float inner = GELU_K * (v + GELU_C * v * v * v);
+    return 0.5f * v * (1.0f + tanhf(inner));
+}
+__device__ __forceinline__ float gelu_grad(float v) {
+    const float inner = GELU_K * (v + GELU_C * v * v * v);
+    const float t = tanhf(inner);
+    const float d_inner = GELU_K * (1.0f + 3.0f * GELU_C * v * v);
+    return 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * d_inner;
+}
+
 // Division of element indices by a divisor fixed for the launch, with the magic number the
 // host computed (`launch::Div`: Granlund and Montgomery's figure 4.1 for 64 bits, exact for
 // every u64): a high multiply, a subtraction, two shifts and an add, where `/` on a u64 is a

@@ -3,22 +3,9 @@
 // casts, in-place updates) go through `map0`/`map1`/`map2` (common.cuh: 16-byte packs per
 // thread, launched with `launch::map`); the indexed ones are one thread per element.
 
-#define GELU_K 0.7978846f
-#define GELU_C 0.044715f
-
 template <typename T> __device__ void fill_impl(T* y, float v, u64 n) { map0(y, n, v); }
 template <typename T> __device__ void scale_impl(const T* x, float alpha, T* y, u64 n) {
     map1(x, y, n, [=](float v) { return alpha * v; });
-}
-__device__ __forceinline__ float gelu_f(float v) {
-    const float inner = GELU_K * (v + GELU_C * v * v * v);
-    return 0.5f * v * (1.0f + tanhf(inner));
-}
-__device__ __forceinline__ float gelu_grad(float v) {
-    const float inner = GELU_K * (v + GELU_C * v * v * v);
-    const float t = tanhf(inner);
-    const float d_inner = GELU_K * (1.0f + 3.0f * GELU_C * v * v);
-    return 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * d_inner;
 }
 // y = x + bias[i % d]
 template <typename T>

@@ -96,11 +96,15 @@ __device__ void layer_norm_impl(const T* x, const T* gamma, const T* beta, float
     }
 }
 
+// The backward in two launches: `layer_norm_bwd_fused` computes dx (one block per row) and,
+// in the blocks after the rows, the f32 partial sums of dgamma and dbeta per chunk of rows;
+// `layer_norm_bwd_finish` adds the partials in chunk order and rounds them into dgamma and
+// dbeta. (Before: dx, the partials, two column-sum passes and two casts, six launches.)
+
 // dx for one row: rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * gamma.
 template <typename T>
-__device__ void layer_norm_bwd_impl(const T* x, const T* gamma, const float* mean,
-                                    const float* rstd, const T* dy, T* dx, u64 d) {
-    const u64 row = blockIdx.x;
+__device__ void layer_norm_bwd_row(const T* x, const T* gamma, const float* mean,
+                                   const float* rstd, const T* dy, T* dx, u64 row, u64 d) {
     const u64 off = row * d;
     const float mu = mean[row], r = rstd[row];
     float sg = 0.0f, sgx = 0.0f;
@@ -120,17 +124,17 @@ __device__ void layer_norm_bwd_impl(const T* x, const T* gamma, const float* mea
 }
 
 // dgamma[c, j] = sum over the rows of chunk c of dy * xhat, dbeta[c, j] = sum of dy (f32
-// partials, added in row order; grid (ceil(d / blockDim), at most the number of chunks),
-// which `col_sum_f32` then adds in chunk order, as the host does. No atomics: the result
-// repeats bit for bit.
+// partials, added in row order) for the columns of column block `cb` and the chunks c0,
+// c0 + stride, ...; the finish adds them in chunk order, as the host does. No atomics: the
+// result repeats bit for bit.
 template <typename T>
-__device__ void layer_norm_params_bwd_impl(const T* x, const float* mean, const float* rstd,
-                                           const T* dy, float* dgamma, float* dbeta, u64 rows,
-                                           u64 d, u64 chunk) {
-    const u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+__device__ void layer_norm_params_part(const T* x, const float* mean, const float* rstd,
+                                       const T* dy, float* dgamma, float* dbeta, u64 rows,
+                                       u64 d, u64 chunk, u64 cb, u64 c0, u64 stride) {
+    const u64 j = cb * blockDim.x + threadIdx.x;
     if (j >= d) return;
-    const u64 chunks = rows > chunk ? (rows + chunk - 1) / chunk : 1;
-    for (u64 c = blockIdx.y; c < chunks; c += gridDim.y) {
+    const u64 chunks = (rows + chunk - 1) / chunk;
+    for (u64 c = c0; c < chunks; c += stride) {
         const u64 r0 = c * chunk;
         const u64 r1 = r0 + chunk < rows ? r0 + chunk : rows;
         float a = 0.0f, b = 0.0f;
@@ -141,6 +145,38 @@ __device__ void layer_norm_params_bwd_impl(const T* x, const float* mean, const 
         }
         dgamma[c * d + j] = a;
         dbeta[c * d + j] = b;
+    }
+}
+
+// grid: rows blocks of dx, then col_blocks * chunk_blocks blocks of partials (dg and db hold
+// ceil(rows / chunk) * d floats each).
+template <typename T>
+__device__ void layer_norm_bwd_fused_impl(const T* x, const T* gamma, const float* mean,
+                                          const float* rstd, const T* dy, T* dx, float* dg,
+                                          float* db, u64 rows, u64 d, u64 chunk, u32 col_blocks,
+                                          u32 chunk_blocks) {
+    const u64 b = blockIdx.x;
+    if (b < rows) {
+        layer_norm_bwd_row<T>(x, gamma, mean, rstd, dy, dx, b, d);
+        return;
+    }
+    const u32 q = (u32)(b - rows);
+    const u32 cy = q / col_blocks, cb = q - cy * col_blocks;
+    layer_norm_params_part<T>(x, mean, rstd, dy, dg, db, rows, d, chunk, cb, cy, chunk_blocks);
+}
+
+// dgamma[j] and dbeta[j]: the `chunks` partials of column j added in chunk order from 0.
+template <typename T>
+__device__ void layer_norm_bwd_finish_impl(const float* dg, const float* db, T* dgamma,
+                                           T* dbeta, u64 chunks, u64 d) {
+    FOR_EACH(j, d) {
+        float a = 0.0f, b = 0.0f;
+        for (u64 c = 0; c < chunks; ++c) {
+            a += dg[c * d + j];
+            b += db[c * d + j];
+        }
+        dgamma[j] = from_f32<T>(a);
+        dbeta[j] = from_f32<T>(b);
     }
 }
 
@@ -316,8 +352,8 @@ __device__ void bn_bwd_dx_impl(const T* x, const T* dy, const float* mean, const
     extern "C" __global__ void ce_fwd_##S(const T* x, const u32* t, u64 c, u32 ig, u32 has_ig, float* lse, float* loss) { ce_fwd_impl<T>(x, t, c, ig, has_ig, lse, loss); } \
     extern "C" __global__ void ce_bwd_##S(const T* x, const u32* t, const float* lse, float g, Div c, u32 ig, u32 has_ig, T* dx, u64 n) { ce_bwd_impl<T>(x, t, lse, g, c, ig, has_ig, dx, n); } \
     extern "C" __global__ void layer_norm_##S(const T* x, const T* g, const T* b, float eps, T* y, float* m, float* r, u64 d) { layer_norm_impl<T>(x, g, b, eps, y, m, r, d); } \
-    extern "C" __global__ void layer_norm_bwd_##S(const T* x, const T* g, const float* m, const float* r, const T* dy, T* dx, u64 d) { layer_norm_bwd_impl<T>(x, g, m, r, dy, dx, d); } \
-    extern "C" __global__ void layer_norm_params_bwd_##S(const T* x, const float* m, const float* r, const T* dy, float* dg, float* db, u64 rows, u64 d, u64 chunk) { layer_norm_params_bwd_impl<T>(x, m, r, dy, dg, db, rows, d, chunk); } \
+    extern "C" __global__ void layer_norm_bwd_fused_##S(const T* x, const T* g, const float* m, const float* r, const T* dy, T* dx, float* dg, float* db, u64 rows, u64 d, u64 chunk, u32 cols, u32 chunks) { layer_norm_bwd_fused_impl<T>(x, g, m, r, dy, dx, dg, db, rows, d, chunk, cols, chunks); } \
+    extern "C" __global__ void layer_norm_bwd_finish_##S(const float* dg, const float* db, T* dgamma, T* dbeta, u64 chunks, u64 d) { layer_norm_bwd_finish_impl<T>(dg, db, dgamma, dbeta, chunks, d); } \
     extern "C" __global__ void bn_partial_##S(const T* x, float* part, u64 n, u64 c, u64 s, u32 parts) { bn_partial_impl<T>(x, part, n, c, s, parts); } \
     extern "C" __global__ void bn_finalize_##S(const float* part, float* m, float* r, void* rm, void* rv, u32 pf32, u32 update, float momentum, float eps, u64 n, u64 c, u64 s, u32 parts) { bn_finalize_impl<T>(part, m, r, rm, rv, pf32, update, momentum, eps, n, c, s, parts); } \
     extern "C" __global__ void bn_eval_stats_##S(const void* rm, const void* rv, u32 pf32, float eps, float* m, float* r, u64 c) { bn_eval_stats_impl<T>(rm, rv, pf32, eps, m, r, c); } \

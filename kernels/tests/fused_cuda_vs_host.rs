@@ -1,0 +1,183 @@
+//! The fused ops of issue 33 on CUDA against the host: the multi-tensor optimizer steps
+//! (every dtype combination in one launch), bias + GELU forward and backward, and the
+//! residual add + layer norm. f32 within 1e-5 relative, 16-bit within 1e-2; sums (the bias
+//! gradient) relative to the largest value.
+//! Each test prints `skipped: no CUDA device (...)` and passes where no GPU can be opened.
+//! (Layer norm's fused backward is `cuda_vs_host.rs`'s layer norm test.)
+
+use std::io::Write as _;
+use vram_kernels::ops::{self, AdamWTensors, SgdTensors};
+use vram_kernels::{AdamWConfig, DType, Device, SgdConfig, Tensor};
+
+fn gpu() -> Option<Device> {
+    match Device::cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+fn values(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
+        })
+        .collect()
+}
+
+/// `got` against `want` (both copied to the host): `|g - w| <= tol * max(scale, 1)` with
+/// `scale` = `|w|`, or the largest `|w|` for a sum.
+fn close(what: &str, got: &Tensor, want: &Tensor, tol: f32, sum: bool) {
+    let (g, w) = (got.to_f32_vec().unwrap(), want.to_f32_vec().unwrap());
+    assert_eq!(g.len(), w.len(), "{what}: length");
+    let top = w.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    for (i, (g, w)) in g.iter().zip(&w).enumerate() {
+        let scale = if sum { top } else { w.abs() };
+        assert!((g - w).abs() <= tol * scale.max(1.0), "{what}: index {i}: cuda {g}, host {w}");
+    }
+}
+
+/// One parameter on one device: value, optional master, gradient, two state tensors.
+struct Slot {
+    p: Tensor,
+    master: Option<Tensor>,
+    g: Tensor,
+    s1: Tensor,
+    s2: Tensor,
+}
+
+fn slots(dev: &Device) -> Vec<Slot> {
+    let specs = [
+        (DType::F32, false, DType::F32, 70_001),
+        (DType::BF16, true, DType::BF16, 131_073),
+        (DType::F16, true, DType::F32, 3),
+        (DType::BF16, false, DType::BF16, 1000),
+        (DType::F32, false, DType::F16, 0),
+    ];
+    specs
+        .iter()
+        .enumerate()
+        .map(|(i, &(dt, master, gt, n))| {
+            let seed = 10 * i as u64;
+            let p = Tensor::from_f32_slice(dev, &[n], &values(n, seed, -1.0, 1.0), dt).unwrap();
+            Slot {
+                master: master.then(|| p.to_dtype(DType::F32).unwrap()),
+                p,
+                g: Tensor::from_f32_slice(dev, &[n], &values(n, seed + 1, -0.5, 0.5), gt).unwrap(),
+                s1: Tensor::zeros(dev, &[n], DType::F32).unwrap(),
+                s2: Tensor::zeros(dev, &[n], DType::F32).unwrap(),
+            }
+        })
+        .collect()
+}
+
+fn adamw(list: &mut [Slot], step: u32, cfg: &AdamWConfig) {
+    let mut l: Vec<AdamWTensors<'_>> = list
+        .iter_mut()
+        .map(|s| AdamWTensors {
+            param: &mut s.p,
+            grad: &s.g,
+            exp_avg: &mut s.s1,
+            exp_avg_sq: &mut s.s2,
+            master: s.master.as_mut(),
+            step,
+        })
+        .collect();
+    ops::adamw_step_multi(&mut l, cfg).unwrap();
+}
+
+fn sgd(list: &mut [Slot], first: bool, cfg: &SgdConfig) {
+    let mut l: Vec<SgdTensors<'_>> = list
+        .iter_mut()
+        .map(|s| SgdTensors {
+            param: &mut s.p,
+            grad: &s.g,
+            momentum_buf: Some(&mut s.s1),
+            first_step: first,
+            master: s.master.as_mut(),
+        })
+        .collect();
+    ops::sgd_step_multi(&mut l, cfg).unwrap();
+}
+
+fn compare(what: &str, got: &[Slot], want: &[Slot]) {
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let tol = if w.p.dtype() == DType::F32 { 1e-5 } else { 1e-2 };
+        close(&format!("{what} param {i}"), &g.p, &w.p, tol, false);
+        close(&format!("{what} state {i}"), &g.s1, &w.s1, 1e-5, false);
+        if let (Some(gm), Some(wm)) = (&g.master, &w.master) {
+            close(&format!("{what} master {i}"), gm, wm, 1e-5, false);
+        }
+    }
+}
+
+#[test]
+fn multi_tensor_steps_match_the_host() {
+    let Some(gpu) = gpu() else { return };
+    let host = Device::host(1 << 30);
+    let cfg = AdamWConfig { lr: 1e-2, weight_decay: 0.1, ..AdamWConfig::default() };
+    let (mut h, mut g) = (slots(&host), slots(&gpu));
+    for step in 1..=3 {
+        adamw(&mut h, step, &cfg);
+        adamw(&mut g, step, &cfg);
+    }
+    compare("adamw_step_multi", &g, &h);
+    let cfg = SgdConfig { lr: 0.05, momentum: 0.9, nesterov: true, ..SgdConfig::default() };
+    let (mut h, mut g) = (slots(&host), slots(&gpu));
+    for step in 0..3 {
+        sgd(&mut h, step == 0, &cfg);
+        sgd(&mut g, step == 0, &cfg);
+    }
+    compare("sgd_step_multi", &g, &h);
+}
+
+#[test]
+fn bias_gelu_matches_the_host() {
+    let Some(gpu) = gpu() else { return };
+    let host = Device::host(1 << 30);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+        let (rows, d) = (300, 3072);
+        let t = |dev: &Device, n: usize, shape: &[usize], seed| {
+            Tensor::from_f32_slice(dev, shape, &values(n, seed, -3.0, 3.0), dtype).unwrap()
+        };
+        let run = |dev: &Device| {
+            let x = t(dev, rows * d, &[rows, d], 1);
+            let b = t(dev, d, &[d], 2);
+            let dy = t(dev, rows * d, &[rows, d], 3);
+            (ops::bias_gelu(&x, &b).unwrap(), ops::bias_gelu_backward(&x, &b, &dy).unwrap())
+        };
+        let ((hy, hg), (gy, gg)) = (run(&host), run(&gpu));
+        close(&format!("bias_gelu {dtype:?}"), &gy, &hy, tol, false);
+        close(&format!("bias_gelu dx {dtype:?}"), &gg.dx, &hg.dx, tol, false);
+        close(&format!("bias_gelu dbias {dtype:?}"), &gg.dbias, &hg.dbias, tol, true);
+    }
+}
+
+#[test]
+fn add_layer_norm_matches_the_host() {
+    let Some(gpu) = gpu() else { return };
+    let host = Device::host(1 << 30);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+        let (rows, d) = (257, 768);
+        let t = |dev: &Device, n: usize, shape: &[usize], seed| {
+            Tensor::from_f32_slice(dev, shape, &values(n, seed, -3.0, 3.0), dtype).unwrap()
+        };
+        let run = |dev: &Device| {
+            let (a, b) = (t(dev, rows * d, &[rows, d], 4), t(dev, rows * d, &[rows, d], 5));
+            let (g, be) = (t(dev, d, &[d], 6), t(dev, d, &[d], 7));
+            ops::add_layer_norm(&a, &b, &g, &be, 1e-5).unwrap()
+        };
+        let (h, g) = (run(&host), run(&gpu));
+        close(&format!("add_layer_norm sum {dtype:?}"), &g.sum, &h.sum, 0.0, false);
+        close(&format!("add_layer_norm y {dtype:?}"), &g.norm.y, &h.norm.y, tol, false);
+        close(&format!("add_layer_norm rstd {dtype:?}"), &g.norm.rstd, &h.norm.rstd, 1e-4, false);
+    }
+}

@@ -53,19 +53,18 @@ pub(crate) const ATTENTION: Module =
 
 /// Every module, in the order the NVRTC test compiles them.
 #[cfg(test)]
-pub(crate) const MODULES: &[&Module] =
-    &[
-        &ELEMENTWISE,
-        &REDUCE,
-        &SOFTMAX,
-        &CONV,
-        &POOL,
-        &MISC,
-        &LLAMA,
-        &ATTENTION,
-        &MULTI_TENSOR,
-        &FUSED,
-    ];
+pub(crate) const MODULES: &[&Module] = &[
+    &ELEMENTWISE,
+    &REDUCE,
+    &SOFTMAX,
+    &CONV,
+    &POOL,
+    &MISC,
+    &LLAMA,
+    &ATTENTION,
+    &MULTI_TENSOR,
+    &FUSED,
+];
 
 /// A kernel parameter's type as the `.cu` source declares it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

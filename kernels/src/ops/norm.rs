@@ -228,7 +228,7 @@ impl Op for LayerNormBackward<'_> {
 
 /// The chunks of [`COLUMN_SUM_ROWS`](crate::cpu::elementwise::COLUMN_SUM_ROWS) rows whose
 /// partial sums of dgamma and dbeta the backward keeps (the host adds in the same chunks).
-fn param_chunks(rows: usize) -> usize {
+pub(super) fn param_chunks(rows: usize) -> usize {
     rows.div_ceil(crate::cpu::elementwise::COLUMN_SUM_ROWS)
 }
 

@@ -12,28 +12,14 @@
 //! `repeat_kv` does in both (a copy, whose gradient sums the copies back).
 
 use super::{
-    Attention, Init, Linear, LinearConfig, add_promoted, positive, prefix_param_names, sub_seed,
+    Attention, HEADS_FIRST, Init, Linear, LinearConfig, add_promoted, dx_of, invalid, merge_heads,
+    positive, prefix_param_names, saved, split_heads, sub_seed,
 };
 use crate::autocast::{OpKind, accumulate_grad_cast, cast, cast_into};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::layer::{ForwardCtx, Layer, Param};
 use vram_kernels::ops::RopeScaling;
 use vram_kernels::{DType, Device, Tensor, ops};
-
-/// `[b, s, heads, dh] <-> [b, heads, s, dh]` (its own inverse).
-const HEADS_FIRST: [usize; 4] = [0, 2, 1, 3];
-
-fn invalid(what: &'static str, reason: String) -> Error {
-    Error::InvalidArgument { what, reason }
-}
-
-fn saved<T>(s: Option<T>, what: &'static str) -> Result<T> {
-    s.ok_or_else(|| invalid(what, "a sub-layer saved nothing in training mode".into()))
-}
-
-fn dx_of(dx: Option<Tensor>, what: &'static str) -> Result<Tensor> {
-    dx.ok_or_else(|| invalid(what, "a sub-layer returned no input gradient".into()))
-}
 
 /// The settings of an [`RmsNorm`] layer.
 #[derive(Clone, Debug, PartialEq)]
@@ -507,14 +493,12 @@ impl LlamaBlock {
 
     /// `[b * s, h * dh]` -> `[b * h, s, dh]`.
     fn split_heads(&self, t: Tensor, b: usize, h: usize) -> Result<Tensor> {
-        let (s, dh) = (self.seq, self.head_dim);
-        Ok(ops::permute(&t.reshape(&[b, s, h, dh])?, &HEADS_FIRST)?.reshape(&[b * h, s, dh])?)
+        split_heads(t, b, self.seq, h, self.head_dim)
     }
 
     /// `[b * h, s, dh]` -> `[b * s, h * dh]`.
     fn merge_heads(&self, t: Tensor, b: usize, h: usize) -> Result<Tensor> {
-        let (s, dh) = (self.seq, self.head_dim);
-        Ok(ops::permute(&t.reshape(&[b, h, s, dh])?, &HEADS_FIRST)?.reshape(&[b * s, h * dh])?)
+        merge_heads(t, b, self.seq, h, self.head_dim)
     }
 
     /// The source key/value head of each query head, batch by batch: HF's `repeat_kv`

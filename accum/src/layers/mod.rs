@@ -164,6 +164,33 @@ fn check_dropout(what: &'static str, p: f32) -> Result<()> {
     Ok(())
 }
 
+/// `[b, s, heads, dh] <-> [b, heads, s, dh]` (its own inverse).
+const HEADS_FIRST: [usize; 4] = [0, 2, 1, 3];
+
+fn invalid(what: &'static str, reason: String) -> Error {
+    Error::InvalidArgument { what, reason }
+}
+
+fn saved<T>(s: Option<T>, what: &'static str) -> Result<T> {
+    s.ok_or_else(|| invalid(what, "a sub-layer saved nothing in training mode".into()))
+}
+
+fn dx_of(dx: Option<Tensor>, what: &'static str) -> Result<Tensor> {
+    dx.ok_or_else(|| invalid(what, "a sub-layer returned no input gradient".into()))
+}
+
+/// `[b * s, h * dh]` -> `[b * h, s, dh]`.
+fn split_heads(t: Tensor, b: usize, s: usize, h: usize, dh: usize) -> Result<Tensor> {
+    let t = t.reshape(&[b, s, h, dh])?;
+    Ok(ops::permute(&t, &HEADS_FIRST)?.reshape(&[b * h, s, dh])?)
+}
+
+/// `[b * h, s, dh]` -> `[b * s, h * dh]`, the inverse of [`split_heads`].
+fn merge_heads(t: Tensor, b: usize, s: usize, h: usize, dh: usize) -> Result<Tensor> {
+    let t = t.reshape(&[b, h, s, dh])?;
+    Ok(ops::permute(&t, &HEADS_FIRST)?.reshape(&[b * s, h * dh])?)
+}
+
 /// An [`Error::InvalidArgument`] unless `value > 0`.
 fn positive(what: &'static str, name: &str, value: usize) -> Result<()> {
     if value == 0 {

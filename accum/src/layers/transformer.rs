@@ -5,27 +5,13 @@
 
 use super::{
     Act, AffineSaved, Conv2d, Conv2dConfig, DropoutSaved, Init, LayerNorm, LayerNormConfig, Linear,
-    LinearConfig, NormSaved, check_dropout, init_weight, positive, sub_seed,
+    LinearConfig, NormSaved, check_dropout, dx_of, init_weight, invalid, merge_heads, positive,
+    saved, split_heads, sub_seed,
 };
 use crate::autocast::{OpKind, cast, cast_into};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::layer::{ForwardCtx, Layer, Param};
 use vram_kernels::{DType, Device, Tensor, ops};
-
-/// `[b, s, heads, dh] <-> [b, heads, s, dh]` (its own inverse).
-const HEADS_FIRST: [usize; 4] = [0, 2, 1, 3];
-
-fn invalid(what: &'static str, reason: String) -> Error {
-    Error::InvalidArgument { what, reason }
-}
-
-fn saved<T>(s: Option<T>, what: &'static str) -> Result<T> {
-    s.ok_or_else(|| invalid(what, "a sub-layer saved nothing in training mode".into()))
-}
-
-fn dx_of(dx: Option<Tensor>, what: &'static str) -> Result<Tensor> {
-    dx.ok_or_else(|| invalid(what, "a sub-layer returned no input gradient".into()))
-}
 
 /// The settings of a [`TransformerBlock`].
 #[derive(Clone, Debug, PartialEq)]
@@ -316,18 +302,14 @@ fn residual_add(a: &Tensor, b: &Tensor, ctx: &ForwardCtx) -> Result<Tensor> {
 impl TransformerBlock {
     /// `[b * s, d] -> [b * heads, s, dh]`.
     fn split_heads(&self, t: Tensor, b: usize) -> Result<Tensor> {
-        let (s, h) = (self.seq, self.heads);
-        let dh = t.shape()[1] / h;
-        let t = t.reshape(&[b, s, h, dh])?;
-        Ok(ops::permute(&t, &HEADS_FIRST)?.reshape(&[b * h, s, dh])?)
+        let dh = t.shape()[1] / self.heads;
+        split_heads(t, b, self.seq, self.heads, dh)
     }
 
     /// `[b * heads, s, dh] -> [b * s, d]`, the inverse of [`Self::split_heads`].
     fn merge_heads(&self, t: Tensor, b: usize) -> Result<Tensor> {
-        let (s, h) = (self.seq, self.heads);
         let dh = t.shape()[2];
-        let t = t.reshape(&[b, h, s, dh])?;
-        Ok(ops::permute(&t, &HEADS_FIRST)?.reshape(&[b * s, h * dh])?)
+        merge_heads(t, b, self.seq, self.heads, dh)
     }
 
     /// The rows of `x` as whole sequences: the batch.

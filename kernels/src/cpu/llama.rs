@@ -11,6 +11,7 @@
 //! half (HF's `rotate_half`), both halves at the same frequency (HF's `cat(freqs, freqs)`).
 
 use super::check_len;
+use super::norm::check_rows;
 use crate::Element;
 use crate::cpu::elementwise::{COLUMN_SUM_ROWS, PAR_THRESHOLD};
 use crate::error::{Error, Result};
@@ -61,16 +62,6 @@ pub fn rms_norm<T: Element>(
         y.chunks_mut(d).zip(x.chunks(d)).zip(rstd.iter_mut()).for_each(|((y, x), r)| row(y, x, r));
     }
     Ok(())
-}
-
-fn check_rows(op: &'static str, x: usize, d: usize) -> Result<usize> {
-    if d == 0 {
-        return Err(Error::InvalidArgument {
-            op,
-            reason: "cannot normalize rows of 0 elements".into(),
-        });
-    }
-    super::rows_of(op, "x", x, d)
 }
 
 /// RMS norm backward from the forward input `x`, `weight`, the saved `rstd` and the upstream

@@ -72,7 +72,7 @@ pub fn layer_norm<T: Element>(
 }
 
 /// Checks `d > 0` and that `x` is whole rows of `d`; returns the rows.
-fn check_rows(op: &'static str, x: usize, d: usize) -> Result<usize> {
+pub(super) fn check_rows(op: &'static str, x: usize, d: usize) -> Result<usize> {
     if d == 0 {
         return Err(Error::InvalidArgument {
             op,

@@ -193,9 +193,7 @@ impl Op for BiasAdd<'_> {
     }
 
     fn plan(&mut self) -> Result<Plan<Self::Outs>> {
-        same_kind(Self::NAME, self.x, self.bias)?;
-        let (_, d) = rows_cols(Self::NAME, self.x.shape())?;
-        expect_shape(Self::NAME, &[d], self.bias)?;
+        param_dims(Self::NAME, self.x, self.bias)?;
         Ok(Plan::one(self.x.shape(), self.x.dtype()))
     }
 
@@ -209,25 +207,43 @@ impl Op for BiasAdd<'_> {
 
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
-        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::BIAS_ADD};
-        let y = bufs.out();
-        let (n, d) = (y.numel(), self.bias.numel());
-        if n == 0 {
-            return Ok(());
-        }
-        // SAFETY: bias_add_T(const T* x, const T* b, T* y, u64 n, Div d); x and y hold n
-        // elements, bias d > 0 (n > 0 and n is a multiple of d).
-        unsafe {
-            gpu.launch(
-                BIAS_ADD.of(self.x.dtype()),
-                grid(n),
-                &[ptr(self.x)?, ptr(self.bias)?, ptr(y)?, Arg::count(n), Arg::div(d)],
-            )
-        }
+        let kernel = crate::cuda::registry::BIAS_ADD.of(self.x.dtype());
+        launch_bias_rows(gpu, kernel, self.x, self.bias, bufs.out())
     }
 
     fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
+    }
+}
+
+/// Checks `x: [.., d]` against a per-column `param: [d]` (a bias, a norm's gamma or beta);
+/// returns `(rows, d)`.
+pub(super) fn param_dims(op: &'static str, x: &Tensor, param: &Tensor) -> Result<(usize, usize)> {
+    same_kind(op, x, param)?;
+    let (rows, d) = rows_cols(op, x.shape())?;
+    expect_shape(op, &[d], param)?;
+    Ok((rows, d))
+}
+
+/// Launches `kernel`, one of `bias_add_T` and `bias_gelu_T` (`y = f(x + bias)` with `bias: [d]`
+/// broadcast over the rows of `x`), on `x`, `bias` and `y`; nothing for an empty `y`.
+#[cfg(feature = "cuda")]
+pub(super) fn launch_bias_rows(
+    gpu: &crate::cuda::Gpu<'_>,
+    kernel: crate::cuda::registry::Instance,
+    x: &Tensor,
+    bias: &Tensor,
+    y: &Tensor,
+) -> Result<()> {
+    use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid};
+    let (n, d) = (y.numel(), bias.numel());
+    if n == 0 {
+        return Ok(());
+    }
+    // SAFETY: kernel(const T* x, const T* b, T* y, u64 n, Div d); x and y hold n elements,
+    // bias d > 0 (n > 0 and n is a multiple of d).
+    unsafe {
+        gpu.launch(kernel, grid(n), &[ptr(x)?, ptr(bias)?, ptr(y)?, Arg::count(n), Arg::div(d)])
     }
 }
 

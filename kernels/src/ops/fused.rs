@@ -15,8 +15,9 @@
 //! tests; on a GPU within the device's `tanhf` and contraction).
 
 use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
-use super::norm::LayerNormOutput;
-use super::{expect_shape, rows_cols, same_kind, same_layout};
+use super::elementwise::param_dims;
+use super::norm::{LayerNormOutput, param_chunks};
+use super::same_layout;
 use crate::cpu::{activation as act, elementwise as ew, norm};
 use crate::device::Device;
 use crate::dtype::{Element, with_dtype};
@@ -98,8 +99,8 @@ impl Op for AddLayerNormOp<'_> {
 
     fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         same_layout(Self::NAME, self.a, self.b)?;
-        let (rows, d) = dims(Self::NAME, self.a, self.gamma)?;
-        dims(Self::NAME, self.a, self.beta)?;
+        let (rows, d) = param_dims(Self::NAME, self.a, self.gamma)?;
+        param_dims(Self::NAME, self.a, self.beta)?;
         if d == 0 {
             return Err(super::invalid(Self::NAME, "the last dimension is empty"));
         }
@@ -161,14 +162,6 @@ impl Op for AddLayerNormOp<'_> {
     }
 }
 
-/// Checks `x: [.., d]` against `bias: [d]`; returns `(rows, d)`.
-fn dims(op: &'static str, x: &Tensor, bias: &Tensor) -> Result<(usize, usize)> {
-    same_kind(op, x, bias)?;
-    let (rows, d) = rows_cols(op, x.shape())?;
-    expect_shape(op, &[d], bias)?;
-    Ok((rows, d))
-}
-
 /// `x + bias` on the host, rounded as `bias_add` stores it.
 fn pre_activation<T: Element>(x: &Tensor, bias: &Tensor) -> Result<Vec<T>> {
     let mut pre = vec![T::default(); x.numel()];
@@ -191,7 +184,7 @@ impl Op for BiasGelu<'_> {
     }
 
     fn plan(&mut self) -> Result<Plan<Self::Outs>> {
-        dims(Self::NAME, self.x, self.bias)?;
+        param_dims(Self::NAME, self.x, self.bias)?;
         Ok(Plan::one(self.x.shape(), self.x.dtype()))
     }
 
@@ -204,21 +197,8 @@ impl Op for BiasGelu<'_> {
 
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
-        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::BIAS_GELU};
-        let y = bufs.out();
-        let (n, d) = (y.numel(), self.bias.numel());
-        if n == 0 {
-            return Ok(());
-        }
-        // SAFETY: bias_gelu_T(const T* x, const T* b, T* y, u64 n, Div d); x and y hold n
-        // elements, bias d > 0 (n > 0 and n is a multiple of d).
-        unsafe {
-            gpu.launch(
-                BIAS_GELU.of(self.x.dtype()),
-                grid(n),
-                &[ptr(self.x)?, ptr(self.bias)?, ptr(y)?, Arg::count(n), Arg::div(d)],
-            )
-        }
+        let kernel = crate::cuda::registry::BIAS_GELU.of(self.x.dtype());
+        super::elementwise::launch_bias_rows(gpu, kernel, self.x, self.bias, bufs.out())
     }
 
     fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
@@ -234,12 +214,6 @@ struct BiasGeluBackward<'a> {
     partials: Option<usize>,
 }
 
-/// The chunks of [`COLUMN_SUM_ROWS`](ew::COLUMN_SUM_ROWS) rows the bias gradient is summed
-/// in, as every column sum.
-fn chunks(rows: usize) -> usize {
-    rows.div_ceil(ew::COLUMN_SUM_ROWS)
-}
-
 impl Op for BiasGeluBackward<'_> {
     const NAME: &'static str = "bias_gelu_backward";
     /// `dx` and `dbias`.
@@ -251,13 +225,13 @@ impl Op for BiasGeluBackward<'_> {
     }
 
     fn plan(&mut self) -> Result<Plan<Self::Outs>> {
-        let (rows, d) = dims(Self::NAME, self.x, self.bias)?;
+        let (rows, d) = param_dims(Self::NAME, self.x, self.bias)?;
         same_layout(Self::NAME, self.x, self.dy)?;
         let mut plan = Plan::new([
             OutputSpec::new(self.x.shape(), self.x.dtype()),
             OutputSpec::new(&[d], self.x.dtype()),
         ]);
-        let floats = crate::params::mul(Self::NAME, "the partial sums", chunks(rows), d)?;
+        let floats = crate::params::mul(Self::NAME, "the partial sums", param_chunks(rows), d)?;
         self.partials =
             plan.workspace(crate::params::mul(Self::NAME, "the partial sums", floats, 4)?);
         Ok(plan)
@@ -305,7 +279,7 @@ pub(crate) struct BiasGeluBackwardAddresses {
     pub(crate) dy: u64,
     pub(crate) dx: u64,
     pub(crate) dbias: u64,
-    /// `chunks(rows) * d` floats.
+    /// `param_chunks(rows) * d` floats.
     pub(crate) partials: u64,
 }
 
@@ -352,7 +326,12 @@ pub(crate) unsafe fn backward_launches(
         gpu.launch(
             COLUMN_FINISH.of(dtype),
             launch::elementwise(d),
-            &[Arg::Ptr(at.partials), Arg::Ptr(at.dbias), Arg::count(chunks(rows)), Arg::count(d)],
+            &[
+                Arg::Ptr(at.partials),
+                Arg::Ptr(at.dbias),
+                Arg::count(param_chunks(rows)),
+                Arg::count(d),
+            ],
         )
     }
 }
@@ -517,7 +496,7 @@ mod tests {
                 let want = bias_gelu_backward(&x, &b, &dy).unwrap();
                 let nan = |s: &[usize]| t(&vec![f32::NAN; s.iter().product()], s);
                 let (y, dx, db) = (nan(&[rows, d]), nan(&[rows, d]), nan(&[d]));
-                let mut partials = vec![f32::NAN; chunks(rows) * d];
+                let mut partials = vec![f32::NAN; param_chunks(rows) * d];
                 let a = |t: &Tensor| t.storage().address();
                 let n = rows * d;
                 let args =

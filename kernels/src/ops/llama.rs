@@ -4,7 +4,8 @@
 //! composed from the existing ops by the layer (`vram_accum::layers::llama`).
 
 use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
-use super::{expect_dtype, expect_shape, invalid, rows_cols, same_device, same_kind, same_layout};
+use super::norm::norm_dims;
+use super::{expect_dtype, expect_shape, invalid, same_device, same_layout};
 use crate::cpu::llama as cpu;
 use crate::device::Device;
 use crate::dtype::{DType, with_dtype};
@@ -29,20 +30,6 @@ pub struct RmsNormGrads {
     pub dx: Tensor,
     /// Gradient of the weight, `[d]`.
     pub dweight: Tensor,
-}
-
-/// Checks `x: [.., d]` against `weight: [d]`; returns `(rows, d)`.
-fn dims(op: &'static str, x: &Tensor, weight: &Tensor) -> Result<(usize, usize)> {
-    same_kind(op, x, weight)?;
-    let (rows, d) = rows_cols(op, x.shape())?;
-    if d == 0 {
-        return Err(invalid(
-            op,
-            format!("cannot normalize over an empty last dimension {:?}", x.shape()),
-        ));
-    }
-    expect_shape(op, &[d], weight)?;
-    Ok((rows, d))
 }
 
 /// RMS norm over the last dimension of `x: [.., d]`, Hugging Face's `LlamaRMSNorm`:
@@ -73,7 +60,7 @@ impl Op for RmsNorm<'_> {
     }
 
     fn plan(&mut self) -> Result<Plan<Self::Outs>> {
-        let (rows, _) = dims(Self::NAME, self.x, self.weight)?;
+        let (rows, _) = norm_dims(Self::NAME, self.x, self.weight)?;
         Ok(Plan::new([
             OutputSpec::new(self.x.shape(), self.x.dtype()),
             OutputSpec::new(&[rows], DType::F32),
@@ -157,7 +144,7 @@ impl Op for RmsNormBackward<'_> {
     }
 
     fn plan(&mut self) -> Result<Plan<Self::Outs>> {
-        let (rows, d) = dims(Self::NAME, self.x, self.weight)?;
+        let (rows, d) = norm_dims(Self::NAME, self.x, self.weight)?;
         same_layout(Self::NAME, self.x, self.dy)?;
         same_device(Self::NAME, self.x, self.rstd)?;
         expect_dtype(Self::NAME, DType::F32, self.rstd)?;

@@ -52,6 +52,14 @@ fn table_bytes(sizes: impl Iterator<Item = usize>, chunk: usize) -> usize {
     sizes.filter(|&n| n > 0).map(|n| ENTRY_BYTES + TASK_BYTES * n.div_ceil(chunk)).sum()
 }
 
+/// A multi-tensor op's plan: no outputs, one workspace (its index stored in `table`) for the
+/// table of tensors of `sizes` elements.
+fn table_plan(table: &mut Option<usize>, sizes: impl Iterator<Item = usize>) -> Plan<()> {
+    let mut plan = Plan::none();
+    *table = plan.workspace(table_bytes(sizes, CHUNK));
+    plan
+}
+
 /// One parameter of [`adamw_step_multi`] and its state.
 #[derive(Debug)]
 pub struct AdamWTensors<'a> {
@@ -217,9 +225,7 @@ impl Op for MultiAdamW<'_, '_> {
                 m.make_unique()?;
             }
         }
-        let mut plan = Plan::none();
-        self.table = plan.workspace(table_bytes(self.list.iter().map(|t| t.param.numel()), CHUNK));
-        Ok(plan)
+        Ok(table_plan(&mut self.table, self.list.iter().map(|t| t.param.numel())))
     }
 
     fn host(&mut self, _: &mut Buffers<Self::Outs>) -> Result<()> {
@@ -250,28 +256,13 @@ impl Op for MultiAdamW<'_, '_> {
         }
         let (_, _, decay) = self.cfg.step_scalars(1);
         let AdamWConfig { beta1, beta2, eps, .. } = *self.cfg;
-        let table = Table::new(&entries, CHUNK)?;
-        let ws = bufs.ws(self.table)?;
-        gpu.copy_to_device(ws, crate::storage::as_bytes(&table.words))?;
         let scalars = [beta1, beta2, eps, decay].map(Arg::F32);
         // SAFETY: adamw_multi(const MultiEntry* table, const MultiTask* tasks, float b1,
-        // float b2, float eps, float decay, u64 chunk); the workspace holds the table just
-        // copied (queued before the launch on the same stream); every entry's pointers are
-        // tensors of its n elements, checked in `plan`; one block per task.
+        // float b2, float eps, float decay, u64 chunk); `self.table` is the workspace `plan`
+        // reserved for these entries; every entry's pointers are tensors of its n elements,
+        // checked in `plan`.
         unsafe {
-            gpu.launch(
-                ADAMW_MULTI.of(DType::F32),
-                table.grid(),
-                &[
-                    Arg::Ptr(ws),
-                    Arg::Ptr(ws + table.tasks_offset),
-                    scalars[0],
-                    scalars[1],
-                    scalars[2],
-                    scalars[3],
-                    Arg::count(CHUNK),
-                ],
-            )
+            launch_table(gpu, bufs, self.table, &entries, ADAMW_MULTI.of(DType::F32), &scalars)
         }
     }
 
@@ -320,9 +311,7 @@ impl Op for MultiSgd<'_, '_> {
                 m.make_unique()?;
             }
         }
-        let mut plan = Plan::none();
-        self.table = plan.workspace(table_bytes(self.list.iter().map(|t| t.param.numel()), CHUNK));
-        Ok(plan)
+        Ok(table_plan(&mut self.table, self.list.iter().map(|t| t.param.numel())))
     }
 
     fn host(&mut self, _: &mut Buffers<Self::Outs>) -> Result<()> {
@@ -355,35 +344,52 @@ impl Op for MultiSgd<'_, '_> {
             e.flags = u32::from(t.first_step);
             entries.push(e);
         }
-        let table = Table::new(&entries, CHUNK)?;
-        let ws = bufs.ws(self.table)?;
-        gpu.copy_to_device(ws, crate::storage::as_bytes(&table.words))?;
         let c = self.cfg;
+        let scalars = [
+            Arg::F32(c.lr),
+            Arg::F32(c.momentum),
+            Arg::F32(c.dampening),
+            Arg::F32(c.weight_decay),
+            Arg::U32(u32::from(c.nesterov)),
+        ];
         // SAFETY: sgd_multi(const MultiEntry* table, const MultiTask* tasks, float lr, float
         // momentum, float dampening, float wd, u32 nesterov, u64 chunk); the table as in
         // adamw_multi; with momentum every entry has a buffer of its n elements (checked in
         // `plan`), without it no buffer is read.
-        unsafe {
-            gpu.launch(
-                SGD_MULTI.of(DType::F32),
-                table.grid(),
-                &[
-                    Arg::Ptr(ws),
-                    Arg::Ptr(ws + table.tasks_offset),
-                    Arg::F32(c.lr),
-                    Arg::F32(c.momentum),
-                    Arg::F32(c.dampening),
-                    Arg::F32(c.weight_decay),
-                    Arg::U32(u32::from(c.nesterov)),
-                    Arg::count(CHUNK),
-                ],
-            )
-        }
+        unsafe { launch_table(gpu, bufs, self.table, &entries, SGD_MULTI.of(DType::F32), &scalars) }
     }
 
     fn finish(self, _: Buffers<Self::Outs>) -> Result<()> {
         Ok(())
     }
+}
+
+/// Copies the table of `entries` into the workspace `table` (reserved by `plan` with
+/// [`table_bytes`]) and launches `kernel` on it, one block per task, with the arguments
+/// `(const MultiEntry* table, const MultiTask* tasks, scalars.., u64 chunk)`. The copy is
+/// queued before the launch on the same stream.
+///
+/// # Safety
+///
+/// `kernel` takes those arguments, and every entry's pointers are tensors of its n elements.
+#[cfg(feature = "cuda")]
+unsafe fn launch_table(
+    gpu: &crate::cuda::Gpu<'_>,
+    bufs: &Buffers<()>,
+    table: Option<usize>,
+    entries: &[Entry],
+    kernel: crate::cuda::registry::Instance,
+    scalars: &[crate::cuda::Arg],
+) -> Result<()> {
+    use crate::cuda::Arg;
+    let t = Table::new(entries, CHUNK)?;
+    let ws = bufs.ws(table)?;
+    gpu.copy_to_device(ws, crate::storage::as_bytes(&t.words))?;
+    let mut args = vec![Arg::Ptr(ws), Arg::Ptr(ws + t.tasks_offset)];
+    args.extend_from_slice(scalars);
+    args.push(Arg::count(CHUNK));
+    // SAFETY: the caller's contract; the workspace holds the table just copied.
+    unsafe { gpu.launch(kernel, t.grid(), &args) }
 }
 
 /// One tensor's entry of the device table: `MultiEntry` of `multi_tensor.cu`, field for

@@ -30,8 +30,9 @@ pub struct LayerNormGrads {
     pub dbeta: Tensor,
 }
 
-/// Checks `x: [.., d]` against `gamma: [d]`; returns `(rows, d)`.
-fn dims(op: &'static str, x: &Tensor, gamma: &Tensor) -> Result<(usize, usize)> {
+/// Checks `x: [.., d]` (`d > 0`) against a norm's `gamma: [d]` (or RMS norm's weight);
+/// returns `(rows, d)`.
+pub(super) fn norm_dims(op: &'static str, x: &Tensor, gamma: &Tensor) -> Result<(usize, usize)> {
     same_kind(op, x, gamma)?;
     let (rows, d) = rows_cols(op, x.shape())?;
     if d == 0 {
@@ -72,7 +73,7 @@ impl Op for LayerNorm<'_> {
     }
 
     fn plan(&mut self) -> Result<Plan<Self::Outs>> {
-        let (rows, d) = dims(Self::NAME, self.x, self.gamma)?;
+        let (rows, d) = norm_dims(Self::NAME, self.x, self.gamma)?;
         same_kind(Self::NAME, self.x, self.beta)?;
         expect_shape(Self::NAME, &[d], self.beta)?;
         Ok(Plan::new([
@@ -166,7 +167,7 @@ impl Op for LayerNormBackward<'_> {
     }
 
     fn plan(&mut self) -> Result<Plan<Self::Outs>> {
-        let (rows, d) = dims(Self::NAME, self.x, self.gamma)?;
+        let (rows, d) = norm_dims(Self::NAME, self.x, self.gamma)?;
         same_layout(Self::NAME, self.x, self.dy)?;
         for saved in [self.mean, self.rstd] {
             same_device(Self::NAME, self.x, saved)?;
@@ -228,7 +229,7 @@ impl Op for LayerNormBackward<'_> {
 
 /// The chunks of [`COLUMN_SUM_ROWS`](crate::cpu::elementwise::COLUMN_SUM_ROWS) rows whose
 /// partial sums of dgamma and dbeta the backward keeps (the host adds in the same chunks).
-fn param_chunks(rows: usize) -> usize {
+pub(super) fn param_chunks(rows: usize) -> usize {
     rows.div_ceil(crate::cpu::elementwise::COLUMN_SUM_ROWS)
 }
 

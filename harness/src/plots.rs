@@ -169,11 +169,12 @@ fn capacity_line(
     legend: &mut Legend,
     x: &Range<f64>,
     (name, at): &(String, f64),
+    i: usize,
 ) -> Option<()> {
-    // One colour per card, in the order drawn, so that two lines are told apart.
+    // One colour per card (`i`: its place among the chart's capacity lines), so that two
+    // lines are told apart.
     const CAPACITY: [RGBColor; 2] = [RGBColor(200, 0, 0), RGBColor(120, 0, 150)];
-    let drawn = legend.iter().filter(|(s, _)| matches!(s, Sample::Dashed(_, 2))).count();
-    let red = CAPACITY[drawn % CAPACITY.len()];
+    let red = CAPACITY[i % CAPACITY.len()];
     chart
         .draw_series(DashedLineSeries::new(
             [(x.start, *at), (x.end, *at)],
@@ -242,6 +243,7 @@ pub(crate) fn lines_with_marks(
                 chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled()))).ok()?;
             }
         }
+        let mut cards = 0;
         for m in marks {
             match m {
                 Mark::Vertical(name, xs) => {
@@ -268,7 +270,8 @@ pub(crate) fn lines_with_marks(
                     legend.push((Sample::Cross(red), name.clone()));
                 }
                 Mark::Capacity(name, at) => {
-                    capacity_line(chart, legend, &(x0..x1), &(name.clone(), *at))?
+                    capacity_line(chart, legend, &(x0..x1), &(name.clone(), *at), cards)?;
+                    cards += 1;
                 }
             }
         }
@@ -356,8 +359,8 @@ pub(crate) fn measured_and_fit(
     let y1 = capacities.iter().map(|c| c.1 * 1.08).fold(y1, f64::max);
     chart(title, x0..x1, 0f64..y1, |chart, legend| {
         chart.configure_mesh().x_desc(x).y_desc(y).draw().ok()?;
-        for c in capacities {
-            capacity_line(chart, legend, &(x0..x1), c)?;
+        for (i, c) in capacities.iter().enumerate() {
+            capacity_line(chart, legend, &(x0..x1), c, i)?;
         }
         for (i, (name, pts, fit_name, fit)) in series.iter().enumerate() {
             let c = COLOURS[i % COLOURS.len()];

@@ -278,17 +278,6 @@ fn request(args: &PlanArgs) -> Result<PlanRequest, PlanError> {
         AttnArg::Fused => Attention::Fused,
         AttnArg::Explicit => Attention::Explicit,
     });
-    if matches!(model.arch, Arch::Gpt { .. } | Arch::Vit { .. } | Arch::Llama(_)) {
-        model.notes.push(match model.attention {
-            Attention::Fused => "attention: fused (as PyTorch's scaled_dot_product_attention: \
-                                 the output and each row's logsumexp kept; --attention explicit \
-                                 to compare)"
-                .into(),
-            Attention::Explicit => "attention: explicit (as eager PyTorch: the [b, heads, seq, \
-                                    seq] probabilities kept for backward)"
-                .into(),
-        });
-    }
     let batch = args.batch.unwrap_or_default();
     let device_memory = size("--device-memory", args.device_memory.as_deref().unwrap_or(""))?;
     let mut req = PlanRequest::new(model, batch, device_memory);

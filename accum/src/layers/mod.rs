@@ -424,6 +424,22 @@ impl Linear {
     }
 }
 
+impl Linear {
+    /// This layer's backward with its input gradient added into `into` (and dropped at
+    /// once): how a block sums the gradients of the projections that read one input.
+    pub(crate) fn backward_into(
+        &mut self,
+        s: AffineSaved,
+        dy: Tensor,
+        into: &mut Tensor,
+        what: &'static str,
+    ) -> Result<()> {
+        let dx = dx_of(self.backward(s, dy, true)?, what)?;
+        ops::add_assign(into, &dx)?;
+        Ok(())
+    }
+}
+
 impl Layer for Linear {
     type Saved = AffineSaved;
 

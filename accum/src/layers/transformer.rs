@@ -544,13 +544,9 @@ impl Layer for TransformerBlock {
         let dq = cast_into(self.merge_heads(dqh, b)?, qkv)?;
         let mut dh1 = dx_of(self.q.backward(s.sq, dq, true)?, WHAT)?;
         let dk = cast_into(self.merge_heads(dkh, b)?, qkv)?;
-        let dk_in = dx_of(self.k.backward(s.sk, dk, true)?, WHAT)?;
-        ops::add_assign(&mut dh1, &dk_in)?;
-        drop(dk_in);
+        self.k.backward_into(s.sk, dk, &mut dh1, WHAT)?;
         let dv = cast_into(self.merge_heads(dvh, b)?, qkv)?;
-        let dv_in = dx_of(self.v.backward(s.sv, dv, true)?, WHAT)?;
-        ops::add_assign(&mut dh1, &dv_in)?;
-        drop(dv_in);
+        self.v.backward_into(s.sv, dv, &mut dh1, WHAT)?;
         let mut dx = self.ln1.grads(s.ln1, &dh1)?;
         drop(dh1);
         if !want {

@@ -360,14 +360,29 @@ pub fn model_from_spec(spec: ModelSpec) -> Result<PlanModel, PlanError> {
 }
 
 impl PlanModel {
-    /// The model attending in the form `attention`, its name saying so.
+    /// The model attending in the form `attention`, its name and (for transformers) a note
+    /// saying so.
     pub fn set_attention(&mut self, attention: Attention) {
-        let (from, to) = match attention {
-            Attention::Fused => (EXPLICIT_LABEL, FUSED_LABEL),
-            Attention::Explicit => (FUSED_LABEL, EXPLICIT_LABEL),
+        let (from, to, note) = match attention {
+            Attention::Fused => (
+                EXPLICIT_LABEL,
+                FUSED_LABEL,
+                "attention: fused (as PyTorch's scaled_dot_product_attention: the output and \
+                 each row's logsumexp kept; --attention explicit to compare)",
+            ),
+            Attention::Explicit => (
+                FUSED_LABEL,
+                EXPLICIT_LABEL,
+                "attention: explicit (as eager PyTorch: the [b, heads, seq, seq] probabilities \
+                 kept for backward)",
+            ),
         };
         self.name = self.name.replace(from, to);
         self.attention = attention;
+        if matches!(self.arch, Arch::Gpt { .. } | Arch::Vit { .. } | Arch::Llama(_)) {
+            self.notes.retain(|n| !n.starts_with("attention: "));
+            self.notes.push(note.into());
+        }
     }
 
     /// Targets (loss rows) per sample.

@@ -914,6 +914,90 @@ fn recipes(s: &mut String, rows: &[Comparison]) {
     }
 }
 
+/// A run's name, steady step (ms) and peak allocated, for "best against best".
+type Best<'a> = (&'a str, f64, Option<u64>);
+
+/// vram's fastest run of a model (its steady median step): f32 or bf16 autocast.
+fn vram_best(r: &Comparison) -> Option<Best<'_>> {
+    let f32_run = steady_median(&r.vram.step_ms).map(|t| ("f32", t, Some(r.vram.peak_allocated)));
+    let auto = r.vram.autocast_bf16.as_ref().and_then(|a| {
+        steady_median(&a.step_ms).map(|t| ("bf16 autocast", t, Some(a.peak_allocated)))
+    });
+    [f32_run, auto].into_iter().flatten().min_by(|a, b| a.1.total_cmp(&b.1))
+}
+
+/// PyTorch's fastest eager recipe (`defaults` or `bf16-autocast`; never `match`, which turns
+/// TF32 off to follow vram's math, nor `compile`, the reference row).
+fn torch_best_eager(r: &Comparison) -> Option<Best<'_>> {
+    r.recipes
+        .iter()
+        .filter(|t| t.backend == r.vram.backend)
+        .filter_map(|t| {
+            let recipe = t.recipe.as_deref()?;
+            (recipe != "compile").then_some(())?;
+            Some((recipe, steady_median(&t.step_ms)?, t.peak_allocated))
+        })
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+}
+
+/// TWIN.md's "best against best": per model, vram's fastest run against PyTorch's fastest
+/// eager recipe on the same kind of device, with `torch.compile`'s step as a reference
+/// column, and how many models vram's best step is at most PyTorch's best eager one. On
+/// the host the section says its times are host figures and decides nothing.
+fn best_against_best(s: &mut String, rows: &[Comparison]) {
+    let pairs: Vec<(&Comparison, Best<'_>, Best<'_>)> =
+        rows.iter().filter_map(|r| Some((r, vram_best(r)?, torch_best_eager(r)?))).collect();
+    if pairs.is_empty() {
+        return;
+    }
+    s.push_str(
+        "\n## Best against best: vram's fastest recipe against PyTorch's fastest eager one\n\n\
+         Per model, the faster of vram's f32 and bf16 autocast runs against the faster of \
+         PyTorch's `defaults` and `bf16-autocast` recipes (`torch.compile` as a reference \
+         column, not a goal). Ratios are vram over PyTorch.\n\n\
+         | model | vram's best | step | peak allocated | PyTorch's best eager | step | peak \
+         allocated | time ratio | allocated ratio | `torch.compile` step | ratio to compile |\n\
+         |---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|\n",
+    );
+    let mut held = 0;
+    let cuda = pairs.iter().all(|(r, ..)| r.vram.backend == "cuda");
+    for (r, (vname, vt, va), (tname, tt, ta)) in &pairs {
+        let compile = r
+            .recipes
+            .iter()
+            .filter(|t| t.backend == r.vram.backend && t.recipe.as_deref() == Some("compile"))
+            .find_map(|t| steady_median(&t.step_ms));
+        let alloc_ratio = (r.vram.backend == "cuda").then(|| bytes_ratio((*va, *ta))).flatten();
+        let time_ratio = (*tt > 0.0).then(|| vt / tt);
+        held += usize::from(time_ratio.is_some_and(|x| x <= 1.0));
+        let _ = writeln!(
+            s,
+            "| {} | {vname} | {} | {} | {tname} | {} | {} | {} | {} | {} | {} |",
+            r.model,
+            ms(Some(*vt)),
+            bytes(*va),
+            ms(Some(*tt)),
+            bytes(*ta),
+            ratio(time_ratio),
+            ratio(alloc_ratio),
+            ms(compile),
+            ratio(compile.filter(|c| *c > 0.0).map(|c| vt / c)),
+        );
+    }
+    if cuda {
+        let _ = writeln!(
+            s,
+            "\nvram's best step is at most PyTorch's best eager step for {held} of {} models.",
+            pairs.len()
+        );
+    } else {
+        s.push_str(
+            "\nHost figures (vram's CPU backend against PyTorch's CPU build): no verdict on GPU \
+             speed is drawn from them.\n",
+        );
+    }
+}
+
 /// The twin's report (Markdown): one row per model with both sides' peaks, step times and
 /// the largest loss difference, then the goal (vram's peak allocated at most PyTorch's) and
 /// the notes.
@@ -1004,6 +1088,7 @@ pub fn report(rows: &[Comparison], settings: &TwinSettings) -> String {
         );
     }
     recipes(&mut s, rows);
+    best_against_best(&mut s, rows);
     bytes_table(
         &mut s,
         rows,

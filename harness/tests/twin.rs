@@ -316,3 +316,78 @@ fn pytorch_recipes_sit_beside_vrams_run_of_the_same_precision() {
     assert!(err.contains("torch-compile.json"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// "Best against best": vram's faster run against PyTorch's faster eager recipe (never the
+/// `match` run, which turns TF32 off, nor `compile`, a reference column), with a verdict on
+/// CUDA only; on the host the section says its times decide nothing. Figures made up.
+#[test]
+fn best_against_best_pits_vrams_fastest_run_against_pytorchs_fastest_eager_recipe() {
+    let torch = |recipe: &str, backend: &str, peak: u64, ms: f64| -> twin::TorchRun {
+        serde_json::from_value(serde_json::json!({
+            "torch": "2.11", "device": "H100", "backend": backend, "recipe": recipe,
+            "param_count": 10, "losses": [1.0, 1.0, 1.0],
+            "step_ms": [90.0, ms, ms], "peak_allocated": peak, "peak_reserved": peak,
+        }))
+        .unwrap()
+    };
+    let vram = |backend: &str, f32_ms: f64, auto_ms: f64| -> twin::VramRun {
+        serde_json::from_value(serde_json::json!({
+            "backend": backend, "device": "H100", "param_count": 10, "losses": [1.0, 1.0, 1.0],
+            "step_ms": [99.0, f32_ms, f32_ms], "weights_bytes": 1, "peak_allocated": 3000,
+            "peak_reserved": 4000, "device_used": null,
+            "autocast_bf16": { "losses": [1.0, 1.0, 1.0], "step_ms": [99.0, auto_ms, auto_ms],
+                               "peak_allocated": 1500, "peak_reserved": 2000 },
+        }))
+        .unwrap()
+    };
+    let row = |model: &str, backend: &str, v: twin::VramRun, recipes: Vec<twin::TorchRun>| {
+        Comparison {
+            model: model.into(),
+            batch: 8,
+            vram: v,
+            // The `match` run is the fastest of all here: it must not be PyTorch's best.
+            torch: Ok(torch("match", backend, 100, 1.0)),
+            recipes,
+        }
+    };
+    let cuda = |m: &str, auto_ms: f64| {
+        row(
+            m,
+            "cuda",
+            vram("cuda", 40.0, auto_ms),
+            vec![
+                torch("defaults", "cuda", 4000, 30.0),
+                torch("bf16-autocast", "cuda", 2000, 20.0),
+                torch("compile", "cuda", 1000, 5.0),
+            ],
+        )
+    };
+    let settings = TwinSettings::default();
+    let report = twin::report(&[cuda("fast", 10.0), cuda("slow", 25.0)], &settings);
+    let line = |report: &str, model: &str| {
+        report
+            .lines()
+            .find(|l| l.starts_with(&format!("| {model} | bf16 autocast |")))
+            .unwrap_or_else(|| panic!("no best row for {model}: {report}"))
+            .to_string()
+    };
+    let fast = line(&report, "fast");
+    assert!(fast.contains("| bf16-autocast | 20.0 |"), "{fast}");
+    assert!(fast.contains("| 0.50x | 0.75x | 5.0 | 2.00x |"), "{fast}");
+    assert!(line(&report, "slow").contains("| 1.25x |"), "{report}");
+    assert!(report.contains("at most PyTorch's best eager step for 1 of 2 models"), "{report}");
+    // On the host: the same table, no verdict.
+    let host = row(
+        "host",
+        "cpu",
+        vram("cpu", 40.0, 50.0),
+        vec![torch("defaults", "cpu", 0, 30.0), torch("bf16-autocast", "cpu", 0, 60.0)],
+    );
+    let report = twin::report(&[host], &settings);
+    let best = report
+        .lines()
+        .find(|l| l.starts_with("| host | f32 |"))
+        .unwrap_or_else(|| panic!("{report}"));
+    assert!(best.contains("| defaults | 30.0 |") && best.contains("| 1.33x | - |"), "{best}");
+    assert!(report.contains("no verdict on GPU speed") && !report.contains("at most PyTorch's"));
+}

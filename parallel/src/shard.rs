@@ -119,20 +119,40 @@ impl Shard {
         Ok(())
     }
 
-    /// AdamW on the master shard from [`Shard::grad`]; `keep_grad: false` drops the
-    /// gradient part afterwards (ZeRO-1 keeps full gradients instead).
-    pub(crate) fn step(&mut self, cfg: &AdamWConfig, keep_grad: bool) -> Result<(), DistError> {
-        let Some(g) = &self.grad else {
-            return Err(DistError::Invalid("a parameter got no gradient this step".into()));
-        };
-        let step = self
-            .step
-            .checked_add(1)
-            .ok_or_else(|| DistError::Invalid("a parameter has taken u32::MAX steps".into()))?;
-        ops::adamw_step(&mut self.master, g, &mut self.exp_avg, &mut self.exp_avg_sq, step, cfg)?;
-        self.step = step;
-        if !keep_grad {
-            self.grad = None;
+    /// AdamW on every shard's master from its [`Shard::grad`], in one multi-tensor launch
+    /// (PyTorch's `fused=True`; [`ops::adamw_step_multi`]); `keep_grad: false` drops the
+    /// gradient parts afterwards (ZeRO-1 keeps full gradients instead). Nothing is updated
+    /// when a shard has no gradient or its step count would overflow.
+    pub(crate) fn step_all(
+        shards: &mut [Shard],
+        cfg: &AdamWConfig,
+        keep_grad: bool,
+    ) -> Result<(), DistError> {
+        let mut list = Vec::with_capacity(shards.len());
+        for s in shards.iter_mut() {
+            let Some(grad) = &s.grad else {
+                return Err(DistError::Invalid("a parameter got no gradient this step".into()));
+            };
+            let step = s
+                .step
+                .checked_add(1)
+                .ok_or_else(|| DistError::Invalid("a parameter has taken u32::MAX steps".into()))?;
+            list.push(ops::AdamWTensors {
+                param: &mut s.master,
+                grad,
+                exp_avg: &mut s.exp_avg,
+                exp_avg_sq: &mut s.exp_avg_sq,
+                master: None,
+                step,
+            });
+        }
+        ops::adamw_step_multi(&mut list, cfg)?;
+        drop(list);
+        for s in shards.iter_mut() {
+            s.step += 1;
+            if !keep_grad {
+                s.grad = None;
+            }
         }
         Ok(())
     }

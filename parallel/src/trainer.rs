@@ -394,8 +394,8 @@ impl<R: Replica> RankTrainer<R> {
                 s.reduce_grad(comm, g)?;
             }
         }
+        Shard::step_all(&mut self.shards, &self.config.adamw, stage >= 2)?;
         for (p, s) in params.iter_mut().zip(&mut self.shards) {
-            s.step(&self.config.adamw, stage >= 2)?;
             let work = s.working(self.dtype)?;
             if stage == 3 {
                 s.work = Some(work);

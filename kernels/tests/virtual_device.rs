@@ -29,6 +29,9 @@ fn devices_of(capacity: Option<u64>) -> Vec<Device> {
     let mut devices = vec![Device::host(cap), Device::virtual_device(cap)];
     match Device::cuda(0) {
         Ok(gpu) => {
+            // The virtual device models vram's own convolution kernels, not cuDNN's
+            // workspaces (which only cuDNN can size).
+            gpu.set_conv_backend(vram_kernels::ConvBackend::Own).unwrap();
             if let Some(cap) = capacity {
                 let total = gpu.mem_info().total.max(1);
                 gpu.set_memory_fraction(cap as f64 / total as f64).unwrap();

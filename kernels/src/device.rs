@@ -493,13 +493,13 @@ impl Device {
     /// load (the message says why), or on a host or virtual device; the setting is then
     /// unchanged.
     pub fn set_conv_backend(&self, backend: ConvBackend) -> Result<()> {
-        if backend == ConvBackend::Cudnn {
-            if let Some(reason) = self.cudnn_missing() {
-                return Err(Error::Unsupported(format!(
-                    "convolutions through cuDNN were asked for on {}, but {reason}",
-                    self.name()
-                )));
-            }
+        if backend == ConvBackend::Cudnn
+            && let Some(reason) = self.cudnn_missing()
+        {
+            return Err(Error::Unsupported(format!(
+                "convolutions through cuDNN were asked for on {}, but {reason}",
+                self.name()
+            )));
         }
         self.conv().backend = backend;
         Ok(())

@@ -471,6 +471,7 @@ trait Direction {
         algo: Self::Algo,
         ptrs: Pointers,
         ws: (u64, usize),
+        beta: *const c_void,
     ) -> sys::cudnnStatus_t;
 }
 
@@ -487,8 +488,8 @@ fn alpha() -> *const c_void {
     (&ONE as *const f32).cast()
 }
 
-fn beta() -> *const c_void {
-    (&ZERO as *const f32).cast()
+fn beta(blend: bool) -> *const c_void {
+    if blend { (&ONE as *const f32).cast() } else { (&ZERO as *const f32).cast() }
 }
 
 struct Fwd;
@@ -549,6 +550,7 @@ impl Direction for Fwd {
         algo: Self::Algo,
         p: Pointers,
         (ws, bytes): (u64, usize),
+        beta: *const c_void,
     ) -> sys::cudnnStatus_t {
         // SAFETY: the caller's contract; alpha and beta are f32 as a FLOAT compute type needs.
         unsafe {
@@ -563,7 +565,7 @@ impl Direction for Fwd {
                 algo,
                 ws as *mut c_void,
                 bytes,
-                beta(),
+                beta,
                 d.y,
                 p.y as *mut c_void,
             )
@@ -629,6 +631,7 @@ impl Direction for BwdData {
         algo: Self::Algo,
         p: Pointers,
         (ws, bytes): (u64, usize),
+        beta: *const c_void,
     ) -> sys::cudnnStatus_t {
         // SAFETY: the caller's contract.
         unsafe {
@@ -643,7 +646,7 @@ impl Direction for BwdData {
                 algo,
                 ws as *mut c_void,
                 bytes,
-                beta(),
+                beta,
                 d.x,
                 p.x as *mut c_void,
             )
@@ -709,6 +712,7 @@ impl Direction for BwdFilter {
         algo: Self::Algo,
         p: Pointers,
         (ws, bytes): (u64, usize),
+        beta: *const c_void,
     ) -> sys::cudnnStatus_t {
         // SAFETY: the caller's contract.
         unsafe {
@@ -723,7 +727,7 @@ impl Direction for BwdFilter {
                 algo,
                 ws as *mut c_void,
                 bytes,
-                beta(),
+                beta,
                 d.w,
                 p.w as *mut c_void,
             )
@@ -743,9 +747,11 @@ pub(crate) enum Pass {
 }
 
 impl Dnn {
-    /// Runs convolution `key` in direction `pass` on `ptrs` (see [`Pointers`]), the output
-    /// overwritten (beta = 0); workspaces from `ws`; `benchmark`: a timed search rather than
-    /// the heuristics for a key not cached yet. The caller has bound the context.
+    /// Runs convolution `key` in direction `pass` on `ptrs` (see [`Pointers`]); workspaces
+    /// from `ws`; `benchmark`: a timed search rather than the heuristics for a key not cached
+    /// yet. The output is overwritten (beta = 0), or, with `blend`, first written by `blend`
+    /// (right before each algorithm's call, after any timed search has scribbled on it) and
+    /// the convolution added to it (beta = 1). The caller has bound the context.
     ///
     /// # Errors
     ///
@@ -763,13 +769,15 @@ impl Dnn {
         benchmark: bool,
         ptrs: Pointers,
         ws: &dyn WorkspaceSource,
+        blend: Option<&dyn Fn() -> Result<()>>,
     ) -> Result<()> {
+        let r = Run { ptrs, ws, blend };
         // SAFETY: the caller's contract.
         unsafe {
             match pass {
-                Pass::Forward => self.try_all::<Fwd>(key, benchmark, ptrs, ws),
-                Pass::BackwardData => self.try_all::<BwdData>(key, benchmark, ptrs, ws),
-                Pass::BackwardFilter => self.try_all::<BwdFilter>(key, benchmark, ptrs, ws),
+                Pass::Forward => self.try_all::<Fwd>(key, benchmark, &r),
+                Pass::BackwardData => self.try_all::<BwdData>(key, benchmark, &r),
+                Pass::BackwardFilter => self.try_all::<BwdFilter>(key, benchmark, &r),
             }
         }
     }
@@ -779,19 +787,20 @@ impl Dnn {
         &self,
         key: &ConvKey,
         benchmark: bool,
-        ptrs: Pointers,
-        ws: &dyn WorkspaceSource,
+        r: &Run<'_>,
     ) -> Result<()> {
+        let (ptrs, ws) = (r.ptrs, r.ws);
         let math = math_type(key.dtype, key.allow_tf32);
         let d = Descriptors::new(key, math)?;
         let mut last_oom = None;
         let mut refused = Vec::new();
         if let Some(choice) = D::cache(self).get(key) {
             // SAFETY: the caller's contract.
-            match unsafe { self.attempt::<D>(&d, choice, ptrs, ws) } {
+            match unsafe { self.attempt::<D>(&d, choice, r) } {
                 Ok(()) => return Ok(()),
                 Err(Attempt::Oom(e)) => last_oom = Some(e),
                 Err(Attempt::Refused(s)) => refused.push(format!("{:?}: {s:?}", choice.algo)),
+                Err(Attempt::Failed(e)) => return Err(e),
             }
             d.set_math(math)?;
         }
@@ -827,13 +836,14 @@ impl Dnn {
             let choice =
                 Choice { algo, math: run_math_type(key.dtype, key.allow_tf32, found), workspace };
             // SAFETY: the caller's contract.
-            match unsafe { self.attempt::<D>(&d, choice, ptrs, ws) } {
+            match unsafe { self.attempt::<D>(&d, choice, r) } {
                 Ok(()) => {
                     D::cache(self).insert(*key, choice);
                     return Ok(());
                 }
                 Err(Attempt::Oom(e)) => last_oom = Some(e),
                 Err(Attempt::Refused(s)) => refused.push(format!("{algo:?}: {s:?}")),
+                Err(Attempt::Failed(e)) => return Err(e),
             }
         }
         if let Some(e) = last_oom {
@@ -874,9 +884,9 @@ impl Dnn {
         &self,
         d: &Descriptors,
         choice: Choice<D::Algo>,
-        ptrs: Pointers,
-        ws: &dyn WorkspaceSource,
+        r: &Run<'_>,
     ) -> std::result::Result<(), Attempt> {
+        let (ptrs, ws) = (r.ptrs, r.ws);
         if choice.workspace >= MAX_WORKSPACE {
             return Err(Attempt::Refused(sys::cudnnStatus_t::CUDNN_STATUS_ALLOC_FAILED));
         }
@@ -887,71 +897,21 @@ impl Dnn {
         };
         d.set_math(choice.math)
             .map_err(|_| Attempt::Refused(sys::cudnnStatus_t::CUDNN_STATUS_BAD_PARAM))?;
+        if let Some(blend) = r.blend {
+            blend().map_err(Attempt::Failed)?;
+        }
         let addr = block.as_ref().map_or(0, |b| b.ptr());
+        let beta = beta(r.blend.is_some());
         // SAFETY: the caller's contract; `block` holds `choice.workspace` bytes and goes back
         // to the cache after the call is queued, which the stream orders before its reuse.
-        let status = unsafe { D::run(self.handle, d, choice.algo, ptrs, (addr, choice.workspace)) };
+        let status =
+            unsafe { D::run(self.handle, d, choice.algo, ptrs, (addr, choice.workspace), beta) };
         drop(block);
         if status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
             Ok(())
         } else {
             Err(Attempt::Refused(status))
         }
-    }
-
-    /// `y += bias` broadcast over the channels (`cudnnAddTensor`), `y` of `key`'s output in
-    /// its layout, `bias` `[c_out]`.
-    ///
-    /// # Safety
-    ///
-    /// Live device pointers of those sizes.
-    pub(crate) unsafe fn add_bias(&self, key: &ConvKey, bias: u64, y: u64) -> Result<()> {
-        let yd = tensor_descriptor(&tensor_dims(key.y(), key.layout)?, key.dtype)?;
-        let guard = TensorGuard(yd);
-        let bd =
-            tensor_descriptor(&tensor_dims([1, key.w[0], 1, 1], ConvLayout::Nchw)?, key.dtype)?;
-        let guard_b = TensorGuard(bd);
-        let one = ONE;
-        // SAFETY: live handle and descriptors; C = 1 * bias + 1 * C, f32 scalars.
-        let status = unsafe {
-            sys::cudnnAddTensor(
-                self.handle,
-                alpha(),
-                guard_b.0,
-                bias as *const c_void,
-                (&one as *const f32).cast(),
-                guard.0,
-                y as *mut c_void,
-            )
-        };
-        check("cudnnAddTensor", status)
-    }
-
-    /// `dbias = sum of dy over images and positions` (`cudnnConvolutionBackwardBias`), dy of
-    /// `key`'s output in its layout, `dbias` `[c_out]`.
-    ///
-    /// # Safety
-    ///
-    /// Live device pointers of those sizes.
-    pub(crate) unsafe fn bias_grad(&self, key: &ConvKey, dy: u64, dbias: u64) -> Result<()> {
-        let yd = TensorGuard(tensor_descriptor(&tensor_dims(key.y(), key.layout)?, key.dtype)?);
-        let bd = TensorGuard(tensor_descriptor(
-            &tensor_dims([1, key.w[0], 1, 1], ConvLayout::Nchw)?,
-            key.dtype,
-        )?);
-        // SAFETY: live handle and descriptors; dbias = 1 * sum(dy) + 0 * dbias.
-        let status = unsafe {
-            sys::cudnnConvolutionBackwardBias(
-                self.handle,
-                alpha(),
-                yd.0,
-                dy as *const c_void,
-                beta(),
-                bd.0,
-                dbias as *mut c_void,
-            )
-        };
-        check("cudnnConvolutionBackwardBias", status)
     }
 }
 
@@ -961,16 +921,16 @@ enum Attempt {
     Oom(Error),
     /// cuDNN refused it.
     Refused(sys::cudnnStatus_t),
+    /// Something else failed (writing the output before a blend): no other algorithm helps.
+    Failed(Error),
 }
 
-/// A tensor descriptor destroyed on drop.
-struct TensorGuard(sys::cudnnTensorDescriptor_t);
-
-impl Drop for TensorGuard {
-    fn drop(&mut self) {
-        // SAFETY: created once by `tensor_descriptor`, destroyed once here.
-        let _ = unsafe { sys::cudnnDestroyTensorDescriptor(self.0) };
-    }
+/// One call's operands: pointers, the workspace source and the blend (see
+/// [`Dnn::convolution`]).
+struct Run<'a> {
+    ptrs: Pointers,
+    ws: &'a dyn WorkspaceSource,
+    blend: Option<&'a dyn Fn() -> Result<()>>,
 }
 
 #[cfg(test)]

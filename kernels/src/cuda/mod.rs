@@ -148,10 +148,11 @@ impl CudaBackend {
         key: &dnn::ConvKey,
         benchmark: bool,
         ptrs: dnn::Pointers,
+        blend: Option<&dyn Fn() -> Result<()>>,
     ) -> Result<()> {
         let dnn = self.dnn_lock()?;
         // SAFETY: the caller's contract.
-        unsafe { dnn.convolution(pass, key, benchmark, ptrs, self) }
+        unsafe { dnn.convolution(pass, key, benchmark, ptrs, self, blend) }
     }
 
     /// cuDNN's handle with the device's context bound, or an error naming why cuDNN is not

@@ -280,6 +280,7 @@ impl Op for Conv2d<'_> {
             let c = cudnn::Conv { p: &self.p, t: self.x.dtype(), layout: self.layout, settings };
             return c.forward(gpu, x, w, bias, y);
         }
+        debug_assert_eq!(self.layout, ConvLayout::Nchw);
         let col = (bufs.ws(self.col)?, bufs.chunks(self.col).unwrap_or(self.chunk));
         let f = cuda::Forward {
             x: self.x.cuda_ptr()?,
@@ -438,12 +439,11 @@ impl<Dx: Wanted> Op for Conv2dBackward<'_, Dx> {
             // The bias gradient sums dy: zeros only when dy is empty.
             self.with_bias.then(|| OutputSpec::zeroed_if(dy.numel() == 0, &[p.c_out()], dtype)),
         ));
-        // cuDNN's workspaces are asked for, and allocated, when it runs.
-        if self.cudnn.is_some() {
-            return Ok(plan);
-        }
-        debug_assert_eq!(self.layout, ConvLayout::Nchw);
-        if !nothing && depthwise_in_registers(p) {
+        // cuDNN's workspaces are asked for, and allocated, when it runs; the own kernels'
+        // are planned here.
+        let own = self.cudnn.is_none();
+        debug_assert!(own <= (self.layout == ConvLayout::Nchw));
+        if own && !nothing && depthwise_in_registers(p) {
             let taps = w.numel();
             self.ws.depthwise = [
                 plan.workspace(crate::params::mul(
@@ -455,7 +455,7 @@ impl<Dx: Wanted> Op for Conv2dBackward<'_, Dx> {
                 plan.workspace(super::reduce::column_sum_workspace(Self::NAME, p.batch(), taps)?),
             ];
         }
-        if !nothing && !p.is_direct() {
+        if own && !nothing && !p.is_direct() {
             // One buffer serves the f32 input-gradient columns, then the weight gradient's
             // operands (the input's columns and dy's channels, over a chunk of images).
             let per_image = backward_cols_per_image(p, dtype, Dx::WANTED);
@@ -469,12 +469,22 @@ impl<Dx: Wanted> Op for Conv2dBackward<'_, Dx> {
             plan.blas();
         }
         if self.with_bias && dy.numel() > 0 {
-            self.ws.plane_sums = plan.workspace(p.batch() * p.c_out() * 4);
-            self.ws.dbias = plan.workspace(super::reduce::column_sum_workspace(
-                Self::NAME,
-                p.batch(),
-                p.c_out(),
-            )?);
+            if self.layout == ConvLayout::Nhwc {
+                // Column sums of dy as `[batch * oh * ow, c_out]` rows.
+                let rows = dy.numel() / p.c_out();
+                self.ws.dbias = plan.workspace(super::reduce::column_sum_workspace(
+                    Self::NAME,
+                    rows,
+                    p.c_out(),
+                )?);
+            } else {
+                self.ws.plane_sums = plan.workspace(p.batch() * p.c_out() * 4);
+                self.ws.dbias = plan.workspace(super::reduce::column_sum_workspace(
+                    Self::NAME,
+                    p.batch(),
+                    p.c_out(),
+                )?);
+            }
         }
         Ok(plan)
     }
@@ -501,13 +511,18 @@ impl<Dx: Wanted> Op for Conv2dBackward<'_, Dx> {
         let (p, x, w, dy) = (&self.p, self.x, self.weight, self.dy);
         if let Some(settings) = self.cudnn {
             let c = cudnn::Conv { p, t: x.dtype(), layout: self.layout, settings };
-            let (x, w, dy) = (x.cuda_ptr()?, w.cuda_ptr()?, dy.cuda_ptr()?);
-            let (dx, dw, dbias) = bufs.outputs_mut();
+            let (xp, wp, dyp) = (x.cuda_ptr()?, w.cuda_ptr()?, dy.cuda_ptr()?);
+            let (dx, dw, _) = bufs.outputs_mut();
             let dx = dx.get_mut().map(|dx| dx.cuda_ptr()).transpose()?;
-            let dbias = dbias.as_mut().map(|b| b.cuda_ptr()).transpose()?;
-            return c.backward(gpu, x, w, dy, dx, dw.cuda_ptr()?, dbias);
-        }
-        if dy.numel() > 0 && x.numel() > 0 {
+            c.backward(gpu, xp, wp, dyp, dx, dw.cuda_ptr()?)?;
+            if self.layout == ConvLayout::Nhwc {
+                let (rows, ws_sums) = (dy.numel() / p.c_out(), bufs.ws(ws.dbias)?);
+                if let (_, _, Some(dbias)) = bufs.outputs_mut() {
+                    crate::cuda::helpers::column_sums(gpu, dyp, dy.dtype(), rows, ws_sums, dbias)?;
+                }
+                return Ok(());
+            }
+        } else if dy.numel() > 0 && x.numel() > 0 {
             let (dx, dw, _) = bufs.outputs_mut();
             let b = cuda::Backward {
                 x: x.cuda_ptr()?,
@@ -545,12 +560,15 @@ impl<Dx: Wanted> Op for Conv2dBackward<'_, Dx> {
     }
 }
 
-/// The cuDNN side: one call per direction (`crate::cuda::dnn`), the bias through
-/// `cudnnAddTensor` and `cudnnConvolutionBackwardBias`.
+/// The cuDNN side: one call per direction (`crate::cuda::dnn`). The bias is the own
+/// kernels': written into the output before cuDNN adds the convolution to it (beta = 1),
+/// and its gradient summed in f32 as on the own path.
 #[cfg(feature = "cuda")]
 mod cudnn {
-    use crate::cuda::Gpu;
     use crate::cuda::dnn::{ConvKey, Pass, Pointers};
+    use crate::cuda::launch::elementwise as grid;
+    use crate::cuda::registry::BIAS_PLANES;
+    use crate::cuda::{Arg, Gpu};
     use crate::device::ConvSettings;
     use crate::dtype::DType;
     use crate::error::Result;
@@ -580,26 +598,47 @@ mod cudnn {
             y: u64,
         ) -> Result<()> {
             let key = self.key();
-            let cu = gpu.backend();
-            // SAFETY: x, w and y are the op's live tensors of the shapes `key` describes (checked
-            // by the plan); y is a fresh output.
+            let (p, t) = (self.p, self.t);
+            let n = p.output_len();
+            // Channel of output element i: (i / plane) % c_out in NCHW, i % c_out in NHWC.
+            let plane = match self.layout {
+                ConvLayout::Nchw => p.output_hw().0 * p.output_hw().1,
+                ConvLayout::Nhwc => 1,
+            };
+            let write_bias = |bias: u64| -> Result<()> {
+                // SAFETY: bias_planes_T(const T* b, T* y, u64 n, Div c, Div ohw) writes
+                // y[i] = b[(i / ohw) % c] for the n elements of y; bias holds c_out.
+                unsafe {
+                    gpu.launch(
+                        BIAS_PLANES.of(t),
+                        grid(n),
+                        &[
+                            Arg::Ptr(bias),
+                            Arg::Ptr(y),
+                            Arg::count(n),
+                            Arg::div(p.c_out()),
+                            Arg::div(plane),
+                        ],
+                    )
+                }
+            };
+            let blend = bias.map(|b| move || write_bias(b));
+            let blend = blend.as_ref().map(|f| f as &dyn Fn() -> Result<()>);
+            let ptrs = Pointers { x, w, y };
+            // SAFETY: x, w and y are the op's live tensors of the shapes `key` describes
+            // (checked by the plan); y is a fresh output.
             unsafe {
-                cu.cudnn_convolution(
+                gpu.backend().cudnn_convolution(
                     Pass::Forward,
                     &key,
                     self.settings.benchmark,
-                    Pointers { x, w, y },
-                )?;
+                    ptrs,
+                    blend,
+                )
             }
-            if let Some(bias) = bias {
-                // SAFETY: bias is the op's `[c_out]` tensor, y as above.
-                unsafe { cu.dnn_lock()?.add_bias(&key, bias, y)? };
-            }
-            Ok(())
         }
 
-        /// dx (when asked for), dw and dbias (when asked for) from x, w and dy.
-        #[allow(clippy::too_many_arguments)]
+        /// dx (when asked for) and dw from x, w and dy.
         pub(super) fn backward(
             &self,
             gpu: &Gpu<'_>,
@@ -608,36 +647,18 @@ mod cudnn {
             dy: u64,
             dx: Option<u64>,
             dw: u64,
-            dbias: Option<u64>,
         ) -> Result<()> {
             let key = self.key();
             let cu = gpu.backend();
             let bench = self.settings.benchmark;
             if let Some(dx) = dx {
+                let ptrs = Pointers { x: dx, w, y: dy };
                 // SAFETY: dx is a fresh output of x's shape; w and dy the op's tensors.
-                unsafe {
-                    cu.cudnn_convolution(
-                        Pass::BackwardData,
-                        &key,
-                        bench,
-                        Pointers { x: dx, w, y: dy },
-                    )?;
-                }
+                unsafe { cu.cudnn_convolution(Pass::BackwardData, &key, bench, ptrs, None)? };
             }
+            let ptrs = Pointers { x, w: dw, y: dy };
             // SAFETY: dw is a fresh output of w's shape; x and dy the op's tensors.
-            unsafe {
-                cu.cudnn_convolution(
-                    Pass::BackwardFilter,
-                    &key,
-                    bench,
-                    Pointers { x, w: dw, y: dy },
-                )?;
-            }
-            if let Some(dbias) = dbias {
-                // SAFETY: dbias is a fresh `[c_out]` output, dy the op's tensor.
-                unsafe { cu.dnn_lock()?.bias_grad(&key, dy, dbias)? };
-            }
-            Ok(())
+            unsafe { cu.cudnn_convolution(Pass::BackwardFilter, &key, bench, ptrs, None) }
         }
     }
 }

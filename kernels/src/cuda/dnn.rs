@@ -13,7 +13,9 @@
 //!   groups, TF32 setting) is tried first;
 //! - otherwise cuDNN's heuristics rank the algorithms (`cudnnGet...Algorithm_v7`), or, with
 //!   `cudnn_benchmark` on, a timed search runs them all (`cudnnFind...AlgorithmEx`, in the
-//!   largest workspace the caching allocator can give);
+//!   largest workspace among the algorithms' sizes that the caching allocator can give: each
+//!   refusal is an allocator out-of-memory, as a refused algorithm's is; PyTorch instead caps
+//!   the search's workspace at its largest cached free block);
 //! - the candidates are tried in order: each one's workspace comes from the device's caching
 //!   allocator (so it is counted in the statistics) and goes back to it after the call; one
 //!   whose workspace does not fit (out of memory) or that cuDNN refuses is skipped for the
@@ -277,6 +279,19 @@ impl Dnn {
                 "cuDNN {} is older than 9.0, which vram needs",
                 version_string(version)
             ));
+        }
+        // cuDNN 9 loads its parts (`libcudnn_ops`, `libcudnn_cnn`, ...) on demand: check now
+        // that the two convolutions need are there and match, rather than fail at the first
+        // convolution.
+        // SAFETY: plain calls without arguments into the loaded library.
+        let parts = unsafe { [sys::cudnnOpsVersionCheck(), sys::cudnnCnnVersionCheck()] };
+        for (part, status) in ["libcudnn_ops", "libcudnn_cnn"].into_iter().zip(parts) {
+            if status != sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
+                return Err(format!(
+                    "cuDNN {} was found, but its part {part} is not usable: {status:?}",
+                    version_string(version)
+                ));
+            }
         }
         let mut handle = MaybeUninit::uninit();
         // SAFETY: writes a handle into `handle` on success.

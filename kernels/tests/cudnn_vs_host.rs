@@ -5,6 +5,9 @@
 //! (1e-2). The GPU tests print `skipped: no CUDA device (...)` or `skipped: no cuDNN (...)`
 //! and pass where they cannot run. The channels_last ops on the host, which run through
 //! permutes around the NCHW reference, are checked against a direct NHWC loop everywhere.
+//!
+//! On the GPU machine, after `xtask/gpu/prepare`: `bash xtask/gpu/tests.sh cudnn` runs every
+//! test whose name holds `cudnn` (these, the algorithm cache's and the device's fallback).
 
 use std::io::Write as _;
 use vram_kernels::ops;

@@ -1060,7 +1060,7 @@ mod tests {
     /// On a GPU with cuDNN: one cached choice per direction and key, the same key again
     /// adding none.
     #[test]
-    fn a_gpu_caches_one_choice_per_direction_and_key() {
+    fn cudnn_caches_one_choice_per_direction_and_key_on_a_gpu() {
         let Ok(d) = crate::Device::cuda(0) else {
             let _ = writeln!(std::io::stderr(), "skipped: no CUDA device");
             return;

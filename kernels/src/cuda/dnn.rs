@@ -27,8 +27,11 @@
 //! `allow_tf32_cudnn` is on, PyTorch's default, and `CUDNN_FMA_MATH` (plain FP32) when off.
 //! Every type accumulates in f32 (the convolution descriptor's compute type is FLOAT).
 //!
+//! A workspace cuDNN sizes at 1 TiB or more is refused without asking the allocator (as
+//! PyTorch does: cuDNN sometimes reports absurd sizes).
+//!
 //! This code has been compiled and its pure parts tested on machines without a GPU; its
-//! cuDNN calls have not yet run on one (the `cuda_vs_host` tests run them on a GPU).
+//! cuDNN calls have not yet run on one (`tests/cudnn_vs_host.rs` runs them where one is).
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};

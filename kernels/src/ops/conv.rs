@@ -20,11 +20,13 @@
 //! is chosen), a convolution runs through cuDNN instead (`cuda::dnn`): forward, backward data
 //! and backward filter, its algorithm chosen as PyTorch does (heuristics, or a timed search
 //! with [`Device::set_cudnn_benchmark`]), its workspace taken from the caching allocator for
-//! the call and a smaller one tried when it does not fit. That path plans no im2col buffer;
-//! the host and virtual devices keep planning the own kernels' workspaces, so on a GPU with
-//! cuDNN the peak differs from theirs by the difference between cuDNN's workspaces and
-//! those buffers. The cuDNN path has not yet run on a GPU in this repository's tests here
-//! (the `cuda_vs_host` tests run it where one is present).
+//! the call and a smaller one tried when it does not fit. The bias stays on the own kernels
+//! (written into the output, which cuDNN then adds the convolution to; its gradient summed
+//! in f32). That path plans no im2col buffer; the host and virtual devices keep planning the
+//! own kernels' workspaces (they cannot ask cuDNN for its sizes), so on a GPU with cuDNN the
+//! peak differs from theirs by cuDNN's workspaces against those buffers. The cuDNN path has
+//! been compiled and its pure parts tested without a GPU, but it has not yet run on one
+//! (`tests/cudnn_vs_host.rs` checks it against the host where one is).
 //!
 //! [`conv2d_nhwc`] and [`conv2d_backward_nhwc`] take channels_last tensors
 //! ([`ConvLayout::Nhwc`]): cuDNN reads them as they are; the own kernels and the host

@@ -550,7 +550,8 @@ pub fn run_vram_arch(
     let info = device.mem_info();
     let run = VramRun {
         backend: if device.is_cuda() { "cuda" } else { "cpu" }.into(),
-        device: device.name(),
+        // Which path the convolutions took (cuDNN and its version, or the own kernels).
+        device: format!("{}, convolutions: {}", device.name(), device.conv_path()),
         param_count: measured.param_count,
         losses: measured.losses,
         step_ms: measured.step_ms,
@@ -1126,7 +1127,9 @@ pub fn report(rows: &[Comparison], settings: &TwinSettings) -> String {
     s.push_str(
         "\n## The virtual device's prediction (`cargo xtask plan`) against vram's measurement\n\n\
          The same steps on a virtual device of the same capacity and cuBLAS workspace, which \
-         allocates without computing.\n\n\
+         allocates without computing. It models vram's own convolution kernels: where the \
+         convolutions ran through cuDNN (see the device line), a convolutional model's peak \
+         differs by cuDNN's workspaces against the own kernels' buffers.\n\n\
          | model | predicted peak allocated | measured | predicted peak reserved | measured | \
          to the byte |\n|---|---:|---:|---:|---:|---|\n",
     );

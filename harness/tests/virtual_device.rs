@@ -46,6 +46,8 @@ fn same_on_host_and_virtual(arch: Arch, data: Dataset) {
         match Device::cuda(0) {
             Ok(gpu) => {
                 gpu.set_blas_workspace_size(virt_dev.blas_workspace_size());
+                // The virtual device models vram's own convolution kernels, not cuDNN's.
+                gpu.set_conv_backend(vram_kernels::ConvBackend::Own).unwrap();
                 others.push(("CUDA", trace(&gpu, &arch, &data, dtype)));
             }
             Err(e) => {

@@ -5,10 +5,14 @@
 //! with the twin's `conv2d` and `conv2d_backward` rows; `xtask/gpu/torch_conv.py` times
 //! cuDNN on the same shapes (`measure.sh conv` runs both).
 //!
+//! The convolutions run on the device's path (`VRAM_CONV_BACKEND`: `auto`, the default, is
+//! cuDNN where it loads; `own` is vram's kernels; `cudnn`), printed on the first line with
+//! TF32 off and cuDNN's heuristics (`--benchmark`: its timed search), as `torch_conv.py`.
+//!
 //! Timing: two warm-up calls, then ten between two device synchronizations. On a machine
 //! without a usable CUDA device it prints `skipped: no CUDA device (...)` and exits 0.
 //!
-//! `cargo run --release -p vram-kernels --example cuda_conv [batch]`
+//! `cargo run --release -p vram-kernels --example cuda_conv [batch] [--benchmark]`
 
 mod common;
 
@@ -45,12 +49,20 @@ const SHAPES: &[(usize, usize, usize, usize, usize, usize)] = &[
 
 fn main() -> Result<()> {
     let Some(dev) = cuda_or_skip() else { return Ok(()) };
-    let batch = std::env::args().nth(1).and_then(|v| v.parse().ok()).unwrap_or(64);
+    let batch = std::env::args().skip(1).find_map(|v| v.parse().ok()).unwrap_or(64);
+    // As torch_conv.py: TF32 off, heuristics unless asked.
+    dev.set_allow_tf32_cudnn(false);
+    dev.set_cudnn_benchmark(std::env::args().any(|a| a == "--benchmark"));
     let tensor = |shape: &[usize], seed| {
         let n = shape.iter().product();
         Tensor::from_f32_slice(&dev, shape, &values(n, seed), DType::F32)
     };
-    println!("device: {}, batch {batch}, f32", dev.name());
+    println!(
+        "device: {}, batch {batch}, f32, convolutions: {} (TF32 off, benchmark {})",
+        dev.name(),
+        dev.conv_path(),
+        dev.cudnn_benchmark()
+    );
     println!(
         "| c_in | c_out | kernel | stride | side | calls | forward ms | backward ms | weight only ms |"
     );

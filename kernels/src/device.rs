@@ -9,6 +9,11 @@
 //! The cuBLAS workspace is one of those requests: as PyTorch does, a device takes it from
 //! its caching allocator at the first op that runs a matrix product and keeps it until the
 //! device goes (see [`Device::set_blas_workspace_size`]).
+//!
+//! Convolutions on a CUDA device run through cuDNN when it loads (`libcudnn.so.9`, looked for
+//! at run time like the other CUDA libraries), otherwise through vram's own kernels: see
+//! [`ConvBackend`], [`Device::conv_path`] and PyTorch's switches
+//! [`Device::set_cudnn_benchmark`] and [`Device::set_allow_tf32_cudnn`].
 
 use crate::error::{Error, Result};
 use crate::storage::Storage;
@@ -21,6 +26,10 @@ use vram_alloc::{
 
 /// The environment variable [`Device::from_env`] reads: `cpu` or `cuda` (or `cuda:N`).
 pub const DEVICE_ENV_VAR: &str = "VRAM_DEVICE";
+
+/// The environment variable a CUDA device reads its [`ConvBackend`] from when it opens:
+/// `auto` (or unset, or empty), `cudnn` or `own`.
+pub const CONV_BACKEND_ENV_VAR: &str = "VRAM_CONV_BACKEND";
 
 /// Host capacity used by [`Device::auto`] and [`Device::from_env`] when the machine's
 /// physical memory cannot be read.
@@ -42,6 +51,8 @@ pub struct Device {
 struct Inner {
     /// The cuBLAS workspace goes before the allocator that holds it.
     blas: Mutex<BlasWorkspace>,
+    /// How convolutions run (CUDA devices only act on it).
+    conv: Mutex<ConvSettings>,
     backend: Backend,
     /// Time per op, while profiling.
     profile: crate::profile::OpProfiler,
@@ -51,6 +62,89 @@ struct Inner {
 struct BlasWorkspace {
     size: usize,
     block: Option<Storage>,
+}
+
+/// Which code runs a CUDA device's convolutions ([`Device::set_conv_backend`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ConvBackend {
+    /// cuDNN when the library loaded on this device, vram's own kernels otherwise (the
+    /// default; as PyTorch with `torch.backends.cudnn.enabled = True`).
+    #[default]
+    Auto,
+    /// cuDNN; asking for it where it did not load is an error.
+    Cudnn,
+    /// vram's own kernels (direct kernels, im2col + cuBLAS), as PyTorch with
+    /// `torch.backends.cudnn.enabled = False` runs its native ones.
+    Own,
+}
+
+impl std::str::FromStr for ConvBackend {
+    type Err = Error;
+
+    /// `auto` (or empty), `cudnn` or `own`, case-insensitive.
+    fn from_str(s: &str) -> Result<ConvBackend> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(ConvBackend::Auto),
+            "cudnn" => Ok(ConvBackend::Cudnn),
+            "own" => Ok(ConvBackend::Own),
+            other => Err(Error::InvalidArgument {
+                op: "ConvBackend",
+                reason: format!("{other:?} is not a convolution backend; use auto, cudnn or own"),
+            }),
+        }
+    }
+}
+
+/// The path a device's convolutions take ([`Device::conv_path`]), in words through
+/// [`Display`](fmt::Display), for a run's report.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ConvPath {
+    /// cuDNN, of this version (`cudnnGetVersion`, e.g. 91400 for 9.14.0).
+    Cudnn {
+        /// The library's version number.
+        version: usize,
+    },
+    /// vram's own CUDA kernels, and why not cuDNN.
+    Own {
+        /// Why: cuDNN was not found (with the loader's reason), or [`ConvBackend::Own`].
+        reason: String,
+    },
+    /// The host's CPU reference.
+    Host,
+    /// A virtual device: no computation; it allocates what vram's own kernels allocate (their
+    /// im2col and accumulator workspaces), not what cuDNN's algorithms would.
+    Virtual,
+}
+
+impl fmt::Display for ConvPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConvPath::Cudnn { version } => {
+                write!(f, "cuDNN {}.{}.{}", version / 10000, (version / 100) % 100, version % 100)
+            }
+            ConvPath::Own { reason } => write!(f, "own kernels ({reason})"),
+            ConvPath::Host => write!(f, "CPU reference"),
+            ConvPath::Virtual => write!(f, "virtual (own kernels' workspaces modelled)"),
+        }
+    }
+}
+
+/// A device's convolution settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ConvSettings {
+    pub(crate) backend: ConvBackend,
+    /// `torch.backends.cudnn.benchmark`: a timed search per new shape instead of cuDNN's
+    /// heuristics.
+    pub(crate) benchmark: bool,
+    /// `torch.backends.cudnn.allow_tf32`: f32 convolutions may use TF32 tensor cores.
+    pub(crate) allow_tf32: bool,
+}
+
+impl Default for ConvSettings {
+    /// PyTorch's defaults: cuDNN enabled, benchmark off, TF32 allowed for cuDNN.
+    fn default() -> Self {
+        ConvSettings { backend: ConvBackend::Auto, benchmark: false, allow_tf32: true }
+    }
 }
 
 /// The backends.
@@ -196,14 +290,18 @@ impl Device {
 
     /// CUDA device `ordinal`, its allocator configured from `VRAM_ALLOC_CONF`. The driver,
     /// NVRTC and cuBLAS are loaded at run time; the elementwise kernels are compiled here,
-    /// the others on first use.
+    /// the others on first use. cuDNN is loaded too when it is found; without it
+    /// convolutions run on vram's own kernels and [`Device::conv_path`] says why. The
+    /// convolution backend is [`CONV_BACKEND_ENV_VAR`]'s (`VRAM_CONV_BACKEND`), else
+    /// [`ConvBackend::Auto`].
     ///
     /// # Errors
     ///
     /// [`Error::Unsupported`] naming the reason when there is no usable device (no driver,
     /// no such ordinal, a missing library, or a build without the `cuda` feature);
     /// [`Error::Device`] if the driver or NVRTC fails; [`Error::Allocator`] for an invalid
-    /// `VRAM_ALLOC_CONF`.
+    /// `VRAM_ALLOC_CONF`; [`Error::InvalidArgument`] for an invalid `VRAM_CONV_BACKEND`, or
+    /// `cudnn` where cuDNN did not load.
     pub fn cuda(ordinal: usize) -> Result<Device> {
         Device::open_cuda(ordinal, None)
     }
@@ -223,6 +321,21 @@ impl Device {
         let (major, minor) = backend.compute_capability();
         let device = Device::from_backend(Backend::Cuda(Box::new(backend)));
         device.set_blas_workspace_size(default_blas_workspace_size(major, minor));
+        let backend: ConvBackend = std::env::var(CONV_BACKEND_ENV_VAR)
+            .unwrap_or_default()
+            .parse()
+            .map_err(|_| Error::InvalidArgument {
+                op: "Device::cuda",
+                reason: format!(
+                    "{CONV_BACKEND_ENV_VAR}={:?} is not a convolution backend; use auto, \
+                         cudnn or own",
+                    std::env::var(CONV_BACKEND_ENV_VAR).unwrap_or_default()
+                ),
+            })?;
+        device.set_conv_backend(backend).map_err(|e| Error::InvalidArgument {
+            op: "Device::cuda",
+            reason: format!("{CONV_BACKEND_ENV_VAR}=cudnn: {e}"),
+        })?;
         Ok(device)
     }
 
@@ -246,7 +359,9 @@ impl Device {
     pub fn auto() -> Result<Device> {
         match Device::cuda(0) {
             Ok(device) => return Ok(device),
-            Err(e @ Error::Allocator(_)) => return Err(e),
+            // A bad setting (VRAM_ALLOC_CONF, VRAM_CONV_BACKEND) is the user's to fix, not a
+            // reason to run on the host.
+            Err(e @ (Error::Allocator(_) | Error::InvalidArgument { .. })) => return Err(e),
             Err(e) => note_host_fallback(&e.to_string()),
         }
         Device::host_from_env()
@@ -289,7 +404,8 @@ impl Device {
 
     fn from_backend(backend: Backend) -> Device {
         let blas = Mutex::new(BlasWorkspace { size: 0, block: None });
-        Device { inner: Arc::new(Inner { blas, backend, profile: Default::default() }) }
+        let conv = Mutex::new(ConvSettings::default());
+        Device { inner: Arc::new(Inner { blas, conv, backend, profile: Default::default() }) }
     }
 
     /// The host allocator that holds this device's tensors, or `None` on another device.
@@ -354,6 +470,113 @@ impl Device {
     fn blas(&self) -> MutexGuard<'_, BlasWorkspace> {
         // Only whole-value updates happen under the lock; a panic cannot leave it torn.
         self.inner.blas.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn conv(&self) -> MutexGuard<'_, ConvSettings> {
+        // Only whole-value updates happen under the lock.
+        self.inner.conv.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Which code runs this device's convolutions: [`ConvBackend::Auto`] unless set (a CUDA
+    /// device opens with [`CONV_BACKEND_ENV_VAR`] when it is set).
+    pub fn conv_backend(&self) -> ConvBackend {
+        self.conv().backend
+    }
+
+    /// Chooses the code that runs this device's convolutions from the next op on. Host and
+    /// virtual devices take [`ConvBackend::Auto`] and [`ConvBackend::Own`] (both mean their
+    /// usual path, [`ConvPath::Host`] or [`ConvPath::Virtual`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unsupported`] for [`ConvBackend::Cudnn`] on a device where cuDNN did not
+    /// load (the message says why), or on a host or virtual device; the setting is then
+    /// unchanged.
+    pub fn set_conv_backend(&self, backend: ConvBackend) -> Result<()> {
+        if backend == ConvBackend::Cudnn
+            && let Some(reason) = self.cudnn_missing()
+        {
+            return Err(Error::Unsupported(format!(
+                "convolutions through cuDNN were asked for on {}, but {reason}",
+                self.name()
+            )));
+        }
+        self.conv().backend = backend;
+        Ok(())
+    }
+
+    /// Why this device cannot run cuDNN, or `None` when it can.
+    fn cudnn_missing(&self) -> Option<String> {
+        match &self.inner.backend {
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(cuda) => cuda.cudnn_version().err(),
+            Backend::Host(_) => Some("the host device runs the CPU reference".into()),
+            Backend::Virtual(_) => Some(
+                "a virtual device cannot call cuDNN (it models vram's own kernels' workspaces)"
+                    .into(),
+            ),
+        }
+    }
+
+    /// Whether convolutions search for the fastest cuDNN algorithm of each new shape by
+    /// timing them all (`cudnnFind...AlgorithmEx`), as `torch.backends.cudnn.benchmark`;
+    /// off by default (cuDNN's heuristics choose, `cudnnGet...Algorithm_v7`). Either way
+    /// the algorithm that ran is cached per shape, dtype, layout and TF32 setting.
+    pub fn cudnn_benchmark(&self) -> bool {
+        self.conv().benchmark
+    }
+
+    /// Sets [`cudnn_benchmark`](Self::cudnn_benchmark). No effect on the own kernels.
+    pub fn set_cudnn_benchmark(&self, on: bool) {
+        self.conv().benchmark = on;
+    }
+
+    /// Whether f32 convolutions through cuDNN may use TF32 tensor cores
+    /// (`CUDNN_DEFAULT_MATH`; off: `CUDNN_FMA_MATH`), as `torch.backends.cudnn.allow_tf32`,
+    /// whose default, on, this follows. f16 and bf16 use tensor cores either way; the own
+    /// kernels compute f32 in f32 either way.
+    pub fn allow_tf32_cudnn(&self) -> bool {
+        self.conv().allow_tf32
+    }
+
+    /// Sets [`allow_tf32_cudnn`](Self::allow_tf32_cudnn).
+    pub fn set_allow_tf32_cudnn(&self, on: bool) {
+        self.conv().allow_tf32 = on;
+    }
+
+    /// The path this device's convolutions take now, with cuDNN's version or the reason it
+    /// is not used (print it with `{}`: `cuDNN 9.14.0`, `own kernels (libcudnn ... was not
+    /// found ...)`). A convolution cuDNN cannot take (an empty one, or one with more than
+    /// `i32::MAX` elements in a tensor) runs on the own kernels whatever this says.
+    pub fn conv_path(&self) -> ConvPath {
+        match &self.inner.backend {
+            Backend::Host(_) => ConvPath::Host,
+            Backend::Virtual(_) => ConvPath::Virtual,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(cuda) => match (self.conv_backend(), cuda.cudnn_version()) {
+                (ConvBackend::Own, _) => {
+                    ConvPath::Own { reason: "ConvBackend::Own was chosen".into() }
+                }
+                (_, Ok(version)) => ConvPath::Cudnn { version },
+                (_, Err(reason)) => ConvPath::Own { reason: format!("no cuDNN: {reason}") },
+            },
+        }
+    }
+
+    /// The settings a convolution of `p` runs cuDNN with, or `None` when it runs on the own
+    /// kernels (not a CUDA device, no cuDNN, [`ConvBackend::Own`], or a convolution cuDNN
+    /// cannot take).
+    pub(crate) fn cudnn_conv(&self, p: &crate::params::Conv2dParams) -> Option<ConvSettings> {
+        #[cfg(feature = "cuda")]
+        if let Backend::Cuda(cuda) = &self.inner.backend {
+            let settings = *self.conv();
+            let on = settings.backend != ConvBackend::Own
+                && cuda.cudnn_version().is_ok()
+                && crate::cuda::dnn::supports(p);
+            return on.then_some(settings);
+        }
+        let _ = p;
+        None
     }
 
     /// Bytes of the cuBLAS workspace this device allocates at its first matrix product.
@@ -641,6 +864,66 @@ mod tests {
         let bad = Device::from_name("tpu").unwrap_err();
         assert!(bad.to_string().contains("VRAM_DEVICE") && bad.to_string().contains("tpu"));
         assert!(Device::from_name("cuda:x").is_err());
+    }
+
+    #[test]
+    fn conv_settings_default_to_pytorchs_and_cudnn_is_refused_where_it_cannot_run() {
+        for d in [Device::host(1 << 20), Device::virtual_device(1 << 30)] {
+            assert_eq!(d.conv_backend(), ConvBackend::Auto);
+            assert!(!d.cudnn_benchmark());
+            assert!(d.allow_tf32_cudnn());
+            let e = d.set_conv_backend(ConvBackend::Cudnn).unwrap_err();
+            assert!(matches!(e, Error::Unsupported(_)) && e.to_string().contains("cuDNN"), "{e}");
+            assert_eq!(d.conv_backend(), ConvBackend::Auto, "unchanged after the error");
+            d.set_conv_backend(ConvBackend::Own).unwrap();
+            assert_eq!(d.conv_backend(), ConvBackend::Own);
+            d.set_cudnn_benchmark(true);
+            d.set_allow_tf32_cudnn(false);
+            assert!(d.cudnn_benchmark() && !d.allow_tf32_cudnn());
+            let p = crate::params::Conv2dParams::new(
+                &[1, 1, 3, 3],
+                &[1, 1, 1, 1],
+                &crate::params::Conv2dOptions::default(),
+            )
+            .unwrap();
+            assert_eq!(d.cudnn_conv(&p), None);
+        }
+        assert_eq!(Device::host(1 << 20).conv_path(), ConvPath::Host);
+        assert_eq!(Device::virtual_device(1 << 20).conv_path(), ConvPath::Virtual);
+    }
+
+    #[test]
+    fn conv_backends_parse_and_paths_print() {
+        assert_eq!("".parse::<ConvBackend>().unwrap(), ConvBackend::Auto);
+        assert_eq!(" CuDNN ".parse::<ConvBackend>().unwrap(), ConvBackend::Cudnn);
+        assert_eq!("own".parse::<ConvBackend>().unwrap(), ConvBackend::Own);
+        let e = "fast".parse::<ConvBackend>().unwrap_err();
+        assert!(e.to_string().contains("fast") && e.to_string().contains("cudnn"), "{e}");
+        assert_eq!(ConvPath::Cudnn { version: 91400 }.to_string(), "cuDNN 9.14.0");
+        let own = ConvPath::Own { reason: "no cuDNN: not found".into() };
+        assert_eq!(own.to_string(), "own kernels (no cuDNN: not found)");
+    }
+
+    #[test]
+    fn a_cuda_device_without_cudnn_falls_back_to_its_own_kernels_and_says_why() {
+        let Ok(d) = Device::cuda(0) else {
+            let _ = writeln!(std::io::stderr(), "skipped: no CUDA device");
+            return;
+        };
+        match d.conv_path() {
+            ConvPath::Cudnn { version } => {
+                assert!(version >= 90000);
+                d.set_conv_backend(ConvBackend::Cudnn).unwrap();
+            }
+            ConvPath::Own { reason } => {
+                assert!(reason.contains("cuDNN"), "{reason}");
+                let e = d.set_conv_backend(ConvBackend::Cudnn).unwrap_err();
+                assert!(e.to_string().contains("cuDNN"), "{e}");
+            }
+            other => panic!("a CUDA device's path: {other:?}"),
+        }
+        d.set_conv_backend(ConvBackend::Own).unwrap();
+        assert!(matches!(d.conv_path(), ConvPath::Own { .. }));
     }
 
     #[test]

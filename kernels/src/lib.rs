@@ -56,12 +56,15 @@ mod storage;
 pub mod tensor;
 pub mod transfer;
 
-pub use device::{DEVICE_ENV_VAR, Device, default_blas_workspace_size};
+pub use device::{
+    CONV_BACKEND_ENV_VAR, ConvBackend, ConvPath, DEVICE_ENV_VAR, Device,
+    default_blas_workspace_size,
+};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use params::{
-    AdamWConfig, AttentionDims, AttentionParams, Conv2dOptions, Conv2dParams, MatmulSpec,
-    Pool2dOptions, Pool2dParams, SgdConfig,
+    AdamWConfig, AttentionDims, AttentionParams, Conv2dOptions, Conv2dParams, ConvLayout,
+    MatmulSpec, Pool2dOptions, Pool2dParams, SgdConfig,
 };
 pub use profile::OpTime;
 pub use tensor::{Indices, Tensor};

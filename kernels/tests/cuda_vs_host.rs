@@ -10,7 +10,8 @@
 use std::io::Write as _;
 use vram_kernels::ops;
 use vram_kernels::{
-    AdamWConfig, Conv2dOptions, DType, Device, Indices, Pool2dOptions, SgdConfig, Tensor,
+    AdamWConfig, Conv2dOptions, ConvBackend, DType, Device, Indices, Pool2dOptions, SgdConfig,
+    Tensor,
 };
 
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
@@ -464,9 +465,11 @@ fn matmul_and_linear_match_host() {
     }
 }
 
+/// vram's own convolution kernels (cuDNN's are `cudnn_vs_host.rs`'s).
 #[test]
 fn conv2d_dense_grouped_pointwise_and_depthwise_match_host() {
     let Some(gpu) = gpu() else { return };
+    gpu.set_conv_backend(ConvBackend::Own).unwrap();
     // (x shape, weight shape, options)
     let cases = [
         ([2, 3, 13, 11], [8, 3, 3, 3], Conv2dOptions::default().padding((1, 1))),
@@ -564,6 +567,8 @@ fn conv_in_chunks(
 #[test]
 fn conv2d_in_chunks_of_fewer_images_matches_host() {
     let Some(gpu) = gpu() else { return };
+    // The own kernels' im2col buffer (cuDNN sizes its own workspaces).
+    gpu.set_conv_backend(ConvBackend::Own).unwrap();
     // An image's columns take 4.5 MiB: 5 images need a segment of 24 MiB, 2 share one of
     // 20 MiB; the backward's 5.25 MiB (its columns and dy's 12 channels of a group). No
     // output is a multiple of either (x and dx 5 MiB, y and dy 7.5 MiB). Above
@@ -832,6 +837,9 @@ fn bits(t: &Tensor) -> Vec<u32> {
 #[test]
 fn gradients_repeat_bit_for_bit() {
     let Some(gpu) = gpu() else { return };
+    // vram's own convolution kernels: cuDNN's algorithms need not repeat bit for bit (as
+    // in PyTorch without `torch.backends.cudnn.deterministic`).
+    gpu.set_conv_backend(ConvBackend::Own).unwrap();
     for dtype in DTYPES {
         let (_, gx) = pair(&gpu, &[1000, 300], dtype, 120);
         let (hdy, gdy) = pair(&gpu, &[1000, 300], dtype, 121);

@@ -29,6 +29,9 @@ fn devices_of(capacity: Option<u64>) -> Vec<Device> {
     let mut devices = vec![Device::host(cap), Device::virtual_device(cap)];
     match Device::cuda(0) {
         Ok(gpu) => {
+            // The virtual device models vram's own convolution kernels, not cuDNN's
+            // workspaces (which only cuDNN can size).
+            gpu.set_conv_backend(vram_kernels::ConvBackend::Own).unwrap();
             if let Some(cap) = capacity {
                 let total = gpu.mem_info().total.max(1);
                 gpu.set_memory_fraction(cap as f64 / total as f64).unwrap();
@@ -227,6 +230,33 @@ fn convolutions_allocate_alike_on_every_device() {
                 })
             });
         }
+    }
+}
+
+/// Channels_last convolutions off cuDNN: x, the weight and dy permuted to NCHW, the NCHW
+/// op, its results permuted back; the same requests on every device (CUDA with its own
+/// kernels, as `devices_of` sets it).
+#[test]
+fn channels_last_convolutions_allocate_alike_on_every_device() {
+    let cases = [
+        ([2, 13, 11, 3], [8, 3, 3, 3], Conv2dOptions::default().padding((1, 1))),
+        ([2, 10, 10, 6], [6, 3, 3, 1], Conv2dOptions::default().padding((1, 1)).groups(6)),
+        ([2, 48, 48, 32], [64, 3, 3, 32], Conv2dOptions::default().padding((1, 1))),
+    ];
+    for (xs, ws, opts) in cases {
+        same_trace(&format!("conv2d_nhwc {xs:?} {ws:?}"), |d| {
+            let (x, w) = (t(d, &xs, 1, DType::F32), t(d, &ws, 2, DType::F32));
+            let b = t(d, &[ws[0]], 3, DType::F32);
+            let p = ops::conv2d_params_nhwc(&xs, &ws, &opts).unwrap();
+            let [n, c, h, wd] = p.output_shape();
+            let dy = t(d, &[n, h, wd, c], 4, DType::F32);
+            traced(d, || {
+                let y = ops::conv2d_nhwc(&x, &w, Some(&b), &opts)?;
+                assert_eq!(y.shape(), dy.shape());
+                let g = ops::conv2d_backward_nhwc(&x, &w, &dy, &opts, true)?;
+                Ok((y, g))
+            })
+        });
     }
 }
 

@@ -1,10 +1,14 @@
 # Sourced by the GPU scripts on the device machine: finds the CUDA libraries (driver, NVRTC,
-# cuBLAS, NCCL: the system's or PyTorch's wheels) for the packed binaries. PyTorch runs through
-# $TORCH_PYTHON, with the library path it was given: it brings its own CUDA libraries, and a
-# system cuDNN first on the path stops it ("cuDNN version incompatibility").
+# cuBLAS, NCCL, cuDNN: the system's or PyTorch's wheels) for the packed binaries. Directories
+# sort by name, so the system's /usr/lib/x86_64-linux-gnu (cuDNN 9.14 on the H100 machine)
+# comes before PyTorch's wheels under /usr/local; `Device::conv_path` says which cuDNN loaded.
+# PyTorch runs through $TORCH_PYTHON, with the library path it was given: it brings its own
+# CUDA libraries, and a system cuDNN first on the path stops it ("cuDNN version
+# incompatibility").
 export VRAM_ORIG_LD_LIBRARY_PATH="${VRAM_ORIG_LD_LIBRARY_PATH-${LD_LIBRARY_PATH:-}}"
 libdirs=$(find /usr /opt /lib /lib64 -xdev \( -name 'libcuda.so*' -o -name 'libnvrtc.so*' \
-  -o -name 'libcublas.so*' -o -name 'libcublasLt.so*' -o -name 'libcurand.so*' -o -name 'libnccl.so*' \) \
+  -o -name 'libcublas.so*' -o -name 'libcublasLt.so*' -o -name 'libcurand.so*' -o -name 'libnccl.so*' \
+  -o -name 'libcudnn.so*' \) \
   2>/dev/null | xargs -r -n1 dirname | sort -u | paste -sd: -)
 export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 OUT=${OUT:-$PWD/gpu-out}

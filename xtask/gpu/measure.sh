@@ -6,7 +6,8 @@
 #   3. the PyTorch twin of the reference models (cargo xtask twin --backend cuda --profile)
 #   4. a PyTorch training trace (default and expandable segments) replayed by vram --strict
 #   5. cargo xtask plan --verify on CUDA (the virtual prediction against the measured peak)
-#   6. conv: ResNet-50's convolutions one by one, vram (cuda_conv) and cuDNN (torch_conv.py)
+#   6. conv: ResNet-50's convolutions one by one, vram's own kernels (cuda_conv), vram through
+#      cuDNN (cuda_conv_cudnn) and PyTorch (torch_conv.py)
 # Everything lands in $OUT/measure.tar.gz; $OUT/SUMMARY.md has the tables.
 # Arguments pick parts (kernels, twin, trace, plan, conv); none runs them all.
 source "$(dirname "$0")/env.sh"
@@ -49,7 +50,8 @@ if wants plan; then
   run plan_verify 240 .gpu/bin/xtask plan --model gpt2-small --batch 32 --device-memory 79GiB --verify
 fi
 if wants conv; then
-  run cuda_conv 120 .gpu/bin/cuda_conv
+  run cuda_conv 120 env VRAM_CONV_BACKEND=own .gpu/bin/cuda_conv
+  run cuda_conv_cudnn 120 env VRAM_CONV_BACKEND=cudnn .gpu/bin/cuda_conv
   run torch_conv 120 "$TORCH_PYTHON" "$here/torch_conv.py"
 fi
 tar czf "$OUT/measure.tar.gz" -C "$(dirname "$R")" measure

@@ -1,5 +1,6 @@
 //! The CUDA backend: one device's primary context, its legacy default stream, a caching
-//! allocator over `cuMemAlloc`, the NVRTC kernel registry and a cuBLAS handle.
+//! allocator over `cuMemAlloc`, the NVRTC kernel registry, a cuBLAS handle and, when the
+//! library loads, a cuDNN handle for convolutions (`dnn`).
 //!
 //! Every op runs on the legacy default stream (`CUstream` 0), which is also the stream the
 //! allocator hands blocks out for ([`vram_alloc::Stream::DEFAULT`]): a block freed by a
@@ -13,6 +14,7 @@
 
 mod blas;
 mod custom;
+pub(crate) mod dnn;
 #[cfg(any(test, feature = "emulation"))]
 pub(crate) mod emulate;
 #[cfg(test)]
@@ -47,6 +49,8 @@ pub(crate) fn driver_error(op: &'static str) -> impl Fn(DriverError) -> Error {
 /// reference they were made in.
 pub(crate) struct CudaBackend {
     blas: Mutex<Blas>,
+    /// cuDNN's handle and algorithm caches, or why cuDNN is not usable here.
+    dnn: std::result::Result<Mutex<dnn::Dnn>, String>,
     kernels: Loader,
     alloc: CachingAllocator<CudaMemory>,
     stream: Arc<CudaStream>,
@@ -101,8 +105,11 @@ impl CudaBackend {
             ctx.compute_capability().map_err(driver_error("cuDeviceGetAttribute"))?;
         ctx.bind_to_thread().map_err(driver_error("cuCtxSetCurrent"))?;
         let blas = Blas::new()?;
+        // cuDNN is optional: without it convolutions run on the own kernels.
+        let dnn = dnn::Dnn::load().map(Mutex::new);
         let backend = CudaBackend {
             blas: Mutex::new(blas),
+            dnn,
             kernels: Loader::new(major, minor),
             alloc,
             stream,
@@ -119,6 +126,46 @@ impl CudaBackend {
     /// The compute capability, `(major, minor)`.
     pub(crate) fn compute_capability(&self) -> (u32, u32) {
         self.compute_capability
+    }
+
+    /// The loaded cuDNN's version, or why cuDNN is not usable on this device.
+    pub(crate) fn cudnn_version(&self) -> std::result::Result<usize, String> {
+        match &self.dnn {
+            Ok(d) => Ok(d.lock().unwrap_or_else(|e| e.into_inner()).version()),
+            Err(reason) => Err(reason.clone()),
+        }
+    }
+
+    /// Runs one direction of convolution `key` through cuDNN (see [`dnn::Dnn::convolution`]),
+    /// its workspace from this device's caching allocator.
+    ///
+    /// # Safety
+    ///
+    /// As [`dnn::Dnn::convolution`].
+    pub(crate) unsafe fn cudnn_convolution(
+        &self,
+        pass: dnn::Pass,
+        key: &dnn::ConvKey,
+        benchmark: bool,
+        ptrs: dnn::Pointers,
+        blend: Option<&dyn Fn() -> Result<()>>,
+    ) -> Result<()> {
+        let dnn = self.dnn_lock()?;
+        // SAFETY: the caller's contract.
+        unsafe { dnn.convolution(pass, key, benchmark, ptrs, self, blend) }
+    }
+
+    /// cuDNN's handle with the device's context bound, or an error naming why cuDNN is not
+    /// loaded.
+    pub(crate) fn dnn_lock(&self) -> Result<std::sync::MutexGuard<'_, dnn::Dnn>> {
+        match &self.dnn {
+            Ok(d) => {
+                let guard = d.lock().unwrap_or_else(|e| e.into_inner());
+                self.bind()?;
+                Ok(guard)
+            }
+            Err(reason) => Err(Error::Unsupported(format!("cuDNN is not usable: {reason}"))),
+        }
     }
 
     /// The allocator holding this device's tensors.
@@ -322,6 +369,12 @@ impl CudaBackend {
         unsafe { builder.launch(cfg) }
             .map_err(|e| Error::Device { op: "kernel launch", reason: format!("{name}: {e:?}") })?;
         Ok(())
+    }
+}
+
+impl dnn::WorkspaceSource for CudaBackend {
+    fn workspace(&self, bytes: usize) -> Result<Option<Allocation<CudaMemory>>> {
+        if bytes == 0 { Ok(None) } else { Ok(Some(self.alloc.allocate(bytes)?)) }
     }
 }
 

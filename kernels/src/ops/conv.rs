@@ -15,14 +15,31 @@
 //! convolution asks for half as many images, down to one, rather than failing (as PyTorch
 //! falls back to a cuDNN algorithm with a smaller workspace; `Plan::chunked_workspace` in
 //! `dispatch`).
+//!
+//! On a CUDA device where cuDNN loaded (and unless [`ConvBackend::Own`](crate::ConvBackend)
+//! is chosen), a convolution runs through cuDNN instead (`cuda::dnn`): forward, backward data
+//! and backward filter, its algorithm chosen as PyTorch does (heuristics, or a timed search
+//! with [`Device::set_cudnn_benchmark`]), its workspace taken from the caching allocator for
+//! the call and a smaller one tried when it does not fit. The bias stays on the own kernels
+//! (written into the output, which cuDNN then adds the convolution to; its gradient summed
+//! in f32). That path plans no im2col buffer; the host and virtual devices keep planning the
+//! own kernels' workspaces (they cannot ask cuDNN for its sizes), so on a GPU with cuDNN the
+//! peak differs from theirs by cuDNN's workspaces against those buffers. The cuDNN path has
+//! been compiled and its pure parts tested without a GPU, but it has not yet run on one
+//! (`tests/cudnn_vs_host.rs` checks it against the host where one is).
+//!
+//! [`conv2d_nhwc`] and [`conv2d_backward_nhwc`] take channels_last tensors
+//! ([`ConvLayout::Nhwc`]): cuDNN reads them as they are; the own kernels and the host
+//! reference permute them to NCHW and the results back (copies that are counted).
 
 use super::dispatch::{Buffers, Op, OutputSpec, Plan, Wanted, run};
 use super::{expect_rank, expect_shape, same_kind};
 use crate::cpu::conv as cpu;
+use crate::device::ConvSettings;
 use crate::device::Device;
 use crate::dtype::{DType, with_dtype};
 use crate::error::Result;
-use crate::params::{Conv2dOptions, Conv2dParams};
+use crate::params::{Conv2dOptions, Conv2dParams, ConvLayout};
 use crate::tensor::Tensor;
 use std::marker::PhantomData;
 
@@ -91,7 +108,111 @@ pub fn conv2d(
     opts: &Conv2dOptions,
 ) -> Result<Tensor> {
     let p = conv2d_params(x.shape(), weight.shape(), opts)?;
-    run(Conv2d { p, x, weight, bias, col: None, chunk: 1 })
+    let cudnn = x.device().cudnn_conv(&p);
+    let layout = ConvLayout::Nchw;
+    run(Conv2d { p, x, weight, bias, col: None, chunk: 1, layout, cudnn })
+}
+
+/// The shape of a convolution's output in `layout`.
+fn output_shape(p: &Conv2dParams, layout: ConvLayout) -> [usize; 4] {
+    let [n, c, h, w] = p.output_shape();
+    match layout {
+        ConvLayout::Nchw => [n, c, h, w],
+        ConvLayout::Nhwc => [n, h, w, c],
+    }
+}
+
+/// The geometry of a channels_last convolution: `x: [batch, h, w, c_in]` and
+/// `weight: [c_out, kh, kw, c_in / groups]` (see [`ConvLayout::Nhwc`]).
+///
+/// # Errors
+///
+/// As [`conv2d_params`] (a rank other than 4 included).
+pub fn conv2d_params_nhwc(
+    x: &[usize],
+    weight: &[usize],
+    opts: &Conv2dOptions,
+) -> Result<Conv2dParams> {
+    let nchw = |s: &[usize]| match *s {
+        [n, h, w, c] => vec![n, c, h, w],
+        _ => s.to_vec(),
+    };
+    conv2d_params(&nchw(x), &nchw(weight), opts)
+}
+
+/// NHWC to NCHW, and back.
+const TO_NCHW: [usize; 4] = [0, 3, 1, 2];
+const TO_NHWC: [usize; 4] = [0, 2, 3, 1];
+
+/// [`conv2d`] on channels_last tensors (PyTorch's `torch.channels_last`):
+/// `x: [batch, h, w, c_in]`, `weight: [c_out, kh, kw, c_in / groups]`, `bias: [c_out]`; the
+/// result is `[batch, oh, ow, c_out]`. Through cuDNN the tensors are read as they are;
+/// elsewhere (own kernels, host, virtual device) `x` and `weight` are permuted to NCHW, the
+/// NCHW convolution runs, and its result is permuted back (each a counted copy).
+///
+/// # Errors
+///
+/// As [`conv2d`], with the shapes read as NHWC.
+pub fn conv2d_nhwc(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    opts: &Conv2dOptions,
+) -> Result<Tensor> {
+    let p = conv2d_params_nhwc(x.shape(), weight.shape(), opts)?;
+    if let Some(cudnn) = x.device().cudnn_conv(&p) {
+        let layout = ConvLayout::Nhwc;
+        return run(Conv2d { p, x, weight, bias, col: None, chunk: 1, layout, cudnn: Some(cudnn) });
+    }
+    let xc = super::permute(x, &TO_NCHW)?;
+    let wc = super::permute(weight, &TO_NCHW)?;
+    let y = conv2d(&xc, &wc, bias, opts)?;
+    drop((xc, wc));
+    super::permute(&y, &TO_NHWC)
+}
+
+/// [`conv2d_backward`] on channels_last tensors (see [`conv2d_nhwc`]): `dy` is
+/// `[batch, oh, ow, c_out]`; `dx` and `dweight` come back channels_last.
+///
+/// # Errors
+///
+/// As [`conv2d_backward`], with the shapes read as NHWC.
+pub fn conv2d_backward_nhwc(
+    x: &Tensor,
+    weight: &Tensor,
+    dy: &Tensor,
+    opts: &Conv2dOptions,
+    with_bias: bool,
+) -> Result<Conv2dGrads> {
+    let p = conv2d_params_nhwc(x.shape(), weight.shape(), opts)?;
+    if let Some(cudnn) = x.device().cudnn_conv(&p) {
+        let ws = BackwardWorkspaces::default();
+        let layout = ConvLayout::Nhwc;
+        let op = Conv2dBackward::<Tensor> {
+            p,
+            x,
+            weight,
+            dy,
+            with_bias,
+            ws,
+            dx: PhantomData,
+            layout,
+            cudnn: Some(cudnn),
+        };
+        let (dx, dweight, dbias) = run(op)?;
+        return Ok(Conv2dGrads { dx, dweight, dbias });
+    }
+    expect_rank("conv2d_backward", dy, 4, "dy [batch, oh, ow, c_out]")?;
+    expect_shape("conv2d_backward", &output_shape(&p, ConvLayout::Nhwc), dy)?;
+    let xc = super::permute(x, &TO_NCHW)?;
+    let wc = super::permute(weight, &TO_NCHW)?;
+    let dyc = super::permute(dy, &TO_NCHW)?;
+    let g = conv2d_backward(&xc, &wc, &dyc, opts, with_bias)?;
+    drop((xc, wc, dyc));
+    let dx = super::permute(&g.dx, &TO_NHWC)?;
+    drop(g.dx);
+    let dweight = super::permute(&g.dweight, &TO_NHWC)?;
+    Ok(Conv2dGrads { dx, dweight, dbias: g.dbias })
 }
 
 struct Conv2d<'a> {
@@ -102,6 +223,10 @@ struct Conv2d<'a> {
     /// The im2col buffer of `chunk` images.
     col: Option<usize>,
     chunk: usize,
+    /// NHWC only with `cudnn` (the other paths permute around an NCHW convolution).
+    layout: ConvLayout,
+    /// Runs through cuDNN with these settings.
+    cudnn: Option<ConvSettings>,
 }
 
 impl Op for Conv2d<'_> {
@@ -120,7 +245,12 @@ impl Op for Conv2d<'_> {
             same_kind(Self::NAME, self.x, bias)?;
             expect_shape(Self::NAME, &[p.c_out()], bias)?;
         }
-        let mut plan = Plan::one(&p.output_shape(), self.x.dtype());
+        let mut plan = Plan::one(&output_shape(p, self.layout), self.x.dtype());
+        // cuDNN's workspace is asked for, and allocated, when it runs.
+        if self.cudnn.is_some() {
+            return Ok(plan);
+        }
+        debug_assert_eq!(self.layout, ConvLayout::Nchw);
         if p.output_len() == 0 || self.x.numel() == 0 || p.is_direct() {
             return Ok(plan);
         }
@@ -146,6 +276,13 @@ impl Op for Conv2d<'_> {
 
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        if let Some(settings) = self.cudnn {
+            let (x, w, y) = (self.x.cuda_ptr()?, self.weight.cuda_ptr()?, bufs.out().cuda_ptr()?);
+            let bias = self.bias.map(Tensor::cuda_ptr).transpose()?;
+            let c = cudnn::Conv { p: &self.p, t: self.x.dtype(), layout: self.layout, settings };
+            return c.forward(gpu, x, w, bias, y);
+        }
+        debug_assert_eq!(self.layout, ConvLayout::Nchw);
         let col = (bufs.ws(self.col)?, bufs.chunks(self.col).unwrap_or(self.chunk));
         let f = cuda::Forward {
             x: self.x.cuda_ptr()?,
@@ -195,7 +332,18 @@ pub fn conv2d_backward(
 ) -> Result<Conv2dGrads> {
     let p = conv2d_params(x.shape(), weight.shape(), opts)?;
     let ws = BackwardWorkspaces::default();
-    let op = Conv2dBackward::<Tensor> { p, x, weight, dy, with_bias, ws, dx: PhantomData };
+    let (layout, cudnn) = (ConvLayout::Nchw, x.device().cudnn_conv(&p));
+    let op = Conv2dBackward::<Tensor> {
+        p,
+        x,
+        weight,
+        dy,
+        with_bias,
+        ws,
+        dx: PhantomData,
+        layout,
+        cudnn,
+    };
     let (dx, dweight, dbias) = run(op)?;
     Ok(Conv2dGrads { dx, dweight, dbias })
 }
@@ -226,7 +374,9 @@ pub fn conv2d_backward_weight(
 ) -> Result<Conv2dWeightGrads> {
     let p = conv2d_params(x.shape(), weight.shape(), opts)?;
     let ws = BackwardWorkspaces::default();
-    let op = Conv2dBackward::<()> { p, x, weight, dy, with_bias, ws, dx: PhantomData };
+    let (layout, cudnn) = (ConvLayout::Nchw, x.device().cudnn_conv(&p));
+    let op =
+        Conv2dBackward::<()> { p, x, weight, dy, with_bias, ws, dx: PhantomData, layout, cudnn };
     let ((), dweight, dbias) = run(op)?;
     Ok(Conv2dWeightGrads { dweight, dbias })
 }
@@ -241,6 +391,10 @@ struct Conv2dBackward<'a, Dx> {
     with_bias: bool,
     ws: BackwardWorkspaces,
     dx: PhantomData<Dx>,
+    /// NHWC only with `cudnn`.
+    layout: ConvLayout,
+    /// Runs through cuDNN with these settings.
+    cudnn: Option<ConvSettings>,
 }
 
 /// The workspaces of a convolution's backward on the GPU.
@@ -277,7 +431,7 @@ impl<Dx: Wanted> Op for Conv2dBackward<'_, Dx> {
         same_kind(Self::NAME, x, w)?;
         same_kind(Self::NAME, x, dy)?;
         expect_rank(Self::NAME, dy, 4, "dy [batch, c_out, oh, ow]")?;
-        expect_shape(Self::NAME, &p.output_shape(), dy)?;
+        expect_shape(Self::NAME, &output_shape(p, self.layout), dy)?;
         // With no output element, or no input element, nothing flows to dx and dweight.
         let nothing = dy.numel() == 0 || x.numel() == 0;
         let dtype = x.dtype();
@@ -287,7 +441,11 @@ impl<Dx: Wanted> Op for Conv2dBackward<'_, Dx> {
             // The bias gradient sums dy: zeros only when dy is empty.
             self.with_bias.then(|| OutputSpec::zeroed_if(dy.numel() == 0, &[p.c_out()], dtype)),
         ));
-        if !nothing && depthwise_in_registers(p) {
+        // cuDNN's workspaces are asked for, and allocated, when it runs; the own kernels'
+        // are planned here.
+        let own = self.cudnn.is_none();
+        debug_assert!(own <= (self.layout == ConvLayout::Nchw));
+        if own && !nothing && depthwise_in_registers(p) {
             let taps = w.numel();
             self.ws.depthwise = [
                 plan.workspace(crate::params::mul(
@@ -299,7 +457,7 @@ impl<Dx: Wanted> Op for Conv2dBackward<'_, Dx> {
                 plan.workspace(super::reduce::column_sum_workspace(Self::NAME, p.batch(), taps)?),
             ];
         }
-        if !nothing && !p.is_direct() {
+        if own && !nothing && !p.is_direct() {
             // One buffer serves the f32 input-gradient columns, then the weight gradient's
             // operands (the input's columns and dy's channels, over a chunk of images).
             let per_image = backward_cols_per_image(p, dtype, Dx::WANTED);
@@ -313,12 +471,22 @@ impl<Dx: Wanted> Op for Conv2dBackward<'_, Dx> {
             plan.blas();
         }
         if self.with_bias && dy.numel() > 0 {
-            self.ws.plane_sums = plan.workspace(p.batch() * p.c_out() * 4);
-            self.ws.dbias = plan.workspace(super::reduce::column_sum_workspace(
-                Self::NAME,
-                p.batch(),
-                p.c_out(),
-            )?);
+            if self.layout == ConvLayout::Nhwc {
+                // Column sums of dy as `[batch * oh * ow, c_out]` rows.
+                let rows = dy.numel() / p.c_out();
+                self.ws.dbias = plan.workspace(super::reduce::column_sum_workspace(
+                    Self::NAME,
+                    rows,
+                    p.c_out(),
+                )?);
+            } else {
+                self.ws.plane_sums = plan.workspace(p.batch() * p.c_out() * 4);
+                self.ws.dbias = plan.workspace(super::reduce::column_sum_workspace(
+                    Self::NAME,
+                    p.batch(),
+                    p.c_out(),
+                )?);
+            }
         }
         Ok(plan)
     }
@@ -343,7 +511,20 @@ impl<Dx: Wanted> Op for Conv2dBackward<'_, Dx> {
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         let ws = self.ws;
         let (p, x, w, dy) = (&self.p, self.x, self.weight, self.dy);
-        if dy.numel() > 0 && x.numel() > 0 {
+        if let Some(settings) = self.cudnn {
+            let c = cudnn::Conv { p, t: x.dtype(), layout: self.layout, settings };
+            let (xp, wp, dyp) = (x.cuda_ptr()?, w.cuda_ptr()?, dy.cuda_ptr()?);
+            let (dx, dw, _) = bufs.outputs_mut();
+            let dx = dx.get_mut().map(|dx| dx.cuda_ptr()).transpose()?;
+            c.backward(gpu, xp, wp, dyp, dx, dw.cuda_ptr()?)?;
+            if self.layout == ConvLayout::Nhwc {
+                let (rows, ws_sums) = (dy.numel() / p.c_out(), bufs.ws(ws.dbias)?);
+                if let (_, _, Some(dbias)) = bufs.outputs_mut() {
+                    crate::cuda::helpers::column_sums(gpu, dyp, dy.dtype(), rows, ws_sums, dbias)?;
+                }
+                return Ok(());
+            }
+        } else if dy.numel() > 0 && x.numel() > 0 {
             let (dx, dw, _) = bufs.outputs_mut();
             let b = cuda::Backward {
                 x: x.cuda_ptr()?,
@@ -378,6 +559,109 @@ impl<Dx: Wanted> Op for Conv2dBackward<'_, Dx> {
 
     fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Self::Output> {
         Ok(bufs.into_outputs())
+    }
+}
+
+/// The cuDNN side: one call per direction (`crate::cuda::dnn`). The bias is the own
+/// kernels': written into the output before cuDNN adds the convolution to it (beta = 1),
+/// and its gradient summed in f32 as on the own path.
+#[cfg(feature = "cuda")]
+mod cudnn {
+    use crate::cuda::dnn::{ConvKey, Pass, Pointers};
+    use crate::cuda::launch::elementwise as grid;
+    use crate::cuda::registry::BIAS_PLANES;
+    use crate::cuda::{Arg, Gpu};
+    use crate::device::ConvSettings;
+    use crate::dtype::DType;
+    use crate::error::Result;
+    use crate::params::{Conv2dParams, ConvLayout};
+
+    /// A convolution that runs through cuDNN.
+    pub(super) struct Conv<'a> {
+        pub(super) p: &'a Conv2dParams,
+        pub(super) t: DType,
+        pub(super) layout: ConvLayout,
+        pub(super) settings: ConvSettings,
+    }
+
+    impl Conv<'_> {
+        fn key(&self) -> ConvKey {
+            ConvKey::new(self.p, self.t, self.layout, self.settings.allow_tf32)
+        }
+
+        /// `y = conv(x, w) + bias`: device addresses of tensors of the convolution's shapes in
+        /// its layout and dtype.
+        pub(super) fn forward(
+            &self,
+            gpu: &Gpu<'_>,
+            x: u64,
+            w: u64,
+            bias: Option<u64>,
+            y: u64,
+        ) -> Result<()> {
+            let key = self.key();
+            let (p, t) = (self.p, self.t);
+            let n = p.output_len();
+            // Channel of output element i: (i / plane) % c_out in NCHW, i % c_out in NHWC.
+            let plane = match self.layout {
+                ConvLayout::Nchw => p.output_hw().0 * p.output_hw().1,
+                ConvLayout::Nhwc => 1,
+            };
+            let write_bias = |bias: u64| -> Result<()> {
+                // SAFETY: bias_planes_T(const T* b, T* y, u64 n, Div c, Div ohw) writes
+                // y[i] = b[(i / ohw) % c] for the n elements of y; bias holds c_out.
+                unsafe {
+                    gpu.launch(
+                        BIAS_PLANES.of(t),
+                        grid(n),
+                        &[
+                            Arg::Ptr(bias),
+                            Arg::Ptr(y),
+                            Arg::count(n),
+                            Arg::div(p.c_out()),
+                            Arg::div(plane),
+                        ],
+                    )
+                }
+            };
+            let blend = bias.map(|b| move || write_bias(b));
+            let blend = blend.as_ref().map(|f| f as &dyn Fn() -> Result<()>);
+            let ptrs = Pointers { x, w, y };
+            // SAFETY: x, w and y are the op's live tensors of the shapes `key` describes
+            // (checked by the plan); y is a fresh output.
+            unsafe {
+                gpu.backend().cudnn_convolution(
+                    Pass::Forward,
+                    &key,
+                    self.settings.benchmark,
+                    ptrs,
+                    blend,
+                )
+            }
+        }
+
+        /// dx (when asked for) and dw from x, w and dy.
+        pub(super) fn backward(
+            &self,
+            gpu: &Gpu<'_>,
+            x: u64,
+            w: u64,
+            dy: u64,
+            dx: Option<u64>,
+            dw: u64,
+        ) -> Result<()> {
+            let key = self.key();
+            let cu = gpu.backend();
+            let bench = self.settings.benchmark;
+            if let Some(dx) = dx {
+                let ptrs = Pointers { x: dx, w, y: dy };
+                // SAFETY: dx is a fresh output of x's shape; w and dy the op's tensors.
+                unsafe { cu.cudnn_convolution(Pass::BackwardData, &key, bench, ptrs, None)? };
+            }
+            let ptrs = Pointers { x, w: dw, y: dy };
+            // SAFETY: dw is a fresh output of w's shape; x and dy the op's tensors.
+            unsafe { cu.cudnn_convolution(Pass::BackwardFilter, &key, bench, ptrs, None) }
+        }
     }
 }
 

@@ -57,7 +57,8 @@ pub use batch_norm::{
     BatchNormGrads, BatchNormOutput, RunningStats, batch_norm, batch_norm_backward, batch_norm_eval,
 };
 pub use conv::{
-    Conv2dGrads, Conv2dWeightGrads, conv2d, conv2d_backward, conv2d_backward_weight, conv2d_params,
+    Conv2dGrads, Conv2dWeightGrads, conv2d, conv2d_backward, conv2d_backward_nhwc,
+    conv2d_backward_weight, conv2d_nhwc, conv2d_params, conv2d_params_nhwc,
 };
 pub use elementwise::{add, add_assign, axpy, bias_add, bias_add_backward, mul, scale};
 pub use embedding::{embedding, embedding_backward};

@@ -229,6 +229,19 @@ impl Conv2dOptions {
     }
 }
 
+/// How a convolution's tensors are stored: NCHW (`x: [batch, c_in, h, w]`,
+/// `weight: [c_out, c_in / groups, kh, kw]`), or NHWC, PyTorch's channels_last
+/// (`x: [batch, h, w, c_in]`, `weight: [c_out, kh, kw, c_in / groups]`, the output
+/// `[batch, oh, ow, c_out]`), the layout cuDNN's tensor-core kernels read natively.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ConvLayout {
+    /// Channels before the plane (vram's default).
+    #[default]
+    Nchw,
+    /// Channels last (`torch.channels_last`).
+    Nhwc,
+}
+
 /// Most multiply-adds of a convolution that runs as direct kernels
 /// ([`Conv2dParams::is_direct`]): 2^26, about 0.13 GFLOP. Below it a convolution is small
 /// (the toy models' 32-pixel images), kernel launches dominate its time and an im2col

@@ -16,7 +16,8 @@ pub use attention::{AttentionDims, AttentionParams};
 #[cfg(feature = "cuda")]
 pub(crate) use geometry::Window2d;
 pub use geometry::{
-    Conv2dOptions, Conv2dParams, DIRECT_MAX_MACS, MatmulSpec, Pool2dOptions, Pool2dParams,
+    Conv2dOptions, Conv2dParams, ConvLayout, DIRECT_MAX_MACS, MatmulSpec, Pool2dOptions,
+    Pool2dParams,
 };
 pub(crate) use geometry::{mul, product};
 pub use optim::{AdamWConfig, SgdConfig};

@@ -202,6 +202,15 @@ impl TransformerBlockConfig {
 /// per-head output and each row's logsumexp; with [`Attention::Explicit`] (PyTorch's eager
 /// attention) the probabilities and, with dropout, the dropped probabilities
 /// (`[b * heads, seq, seq]` each). Dropout masks are regenerated, not kept.
+///
+/// By default each residual add runs fused with its branch's dropout, the first with `ln_2`
+/// as well ([`ops::dropout_add_layer_norm`], [`ops::dropout_add`]; backward
+/// [`ops::dropout_add_backward`] for each branch): no dropped copy of a branch and, under
+/// autocast, no f32 copy of the 16-bit branch is made, and one launch replaces two or three.
+/// Where the sum or the norm would not run in the residual stream's dtype (a 16-bit stream
+/// under autocast) the block falls back to the unfused ops, as it does with
+/// [`TransformerBlockConfig::with_fused_residual`]`(false)`; both give the same values bit
+/// for bit on the host.
 #[derive(Debug)]
 pub struct TransformerBlock {
     ln1: LayerNorm,

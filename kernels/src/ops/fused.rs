@@ -72,8 +72,8 @@ pub struct AddLayerNorm {
 }
 
 /// `s = a + b` and `layer_norm(s, gamma, beta, eps)` over the last dimension, in one pass:
-/// [`add`](super::add) then [`layer_norm`](super::layer_norm) in one launch.
-/// [`dropout_add_layer_norm`] with no dropout.
+/// [`add`](super::add) then [`layer_norm`](super::layer_norm) in one launch;
+/// [`dropout_add_layer_norm`] with no dropout (so `b` may also be 16-bit with an f32 `a`).
 ///
 /// # Errors
 ///

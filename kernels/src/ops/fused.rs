@@ -9,18 +9,22 @@
 //! one launch per row block instead of two (the sum is still stored: the residual stream
 //! continues from it); its backward is layer norm's plus the residual's gradient, as before.
 //! [`dropout_add_layer_norm`] is the same with dropout on the branch (PyTorch's eager block
-//! runs dropout, the add and the layer norm as three kernels), and [`dropout_add`] the block's
-//! second residual, `residual + dropout(branch)`, in one elementwise pass instead of dropout,
-//! a cast of the branch to the residual's dtype under autocast, and the add. Both draw the
-//! mask of [`dropout`](super::dropout) with the same seed and offset and store no mask:
-//! [`dropout_add_backward`] regenerates it, casting and masking the branch's gradient in one
-//! pass. With a 16-bit branch and an f32 residual (autocast) the branch's f32 copy the
-//! unfused add needs is never made.
+//! runs three kernels: `native_dropout`, which also writes a bool mask it keeps for the
+//! backward (aten/src/ATen/native/cuda/Dropout.cu), the add and the layer norm), and
+//! [`dropout_add`] the block's second residual, `residual + dropout(branch)`, in one
+//! elementwise pass instead of dropout, a cast of the branch to the residual's dtype under
+//! autocast, and the add. Both draw the mask of [`dropout`](super::dropout) with the same
+//! seed and offset and store no mask: [`dropout_add_backward`] regenerates it, casting and
+//! masking the branch's gradient in one pass. With a 16-bit branch and an f32 residual
+//! (autocast) the branch's f32 copy the unfused add needs is never made. The layer norm's
+//! backward is not fused with the residual's: it stays
+//! [`layer_norm_backward`](super::layer_norm_backward), then the residual's gradient is added.
 //!
 //! Each result is the unfused ops' bit for bit on the host (the sum `x + bias` rounded to
 //! the dtype as `bias_add` stores it, the gradient rounded as `gelu_backward` stores it and
-//! summed in `bias_add_backward`'s order); the kernels follow the same steps (emulated in the
-//! tests; on a GPU within the device's `tanhf` and contraction).
+//! summed in `bias_add_backward`'s order; the dropped branch rounded as `dropout` stores it
+//! before the add); the kernels follow the same steps (emulated in the tests; on a GPU within
+//! the device's `tanhf` and contraction). The dropout kernels have never run on a GPU.
 
 use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
 use super::elementwise::param_dims;

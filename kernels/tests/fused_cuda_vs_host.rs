@@ -1,7 +1,8 @@
 //! The fused ops of issue 33 on CUDA against the host: the multi-tensor optimizer steps
 //! (every dtype combination in one launch), bias + GELU forward and backward, and the
-//! residual add + layer norm. f32 within 1e-5 relative, 16-bit within 1e-2; sums (the bias
-//! gradient) relative to the largest value.
+//! residual add + layer norm, with and without dropout on the branch (and the residual add
+//! with dropout alone, and the branch's gradient). f32 within 1e-5 relative, 16-bit within
+//! 1e-2; sums (the bias gradient) relative to the largest value.
 //! Each test prints `skipped: no CUDA device (...)` and passes where no GPU can be opened.
 //! (Layer norm's fused backward is `cuda_vs_host.rs`'s layer norm test.)
 
@@ -179,5 +180,49 @@ fn add_layer_norm_matches_the_host() {
         close(&format!("add_layer_norm sum {dtype:?}"), &g.sum, &h.sum, 0.0, false);
         close(&format!("add_layer_norm y {dtype:?}"), &g.norm.y, &h.norm.y, tol, false);
         close(&format!("add_layer_norm rstd {dtype:?}"), &g.norm.rstd, &h.norm.rstd, 1e-4, false);
+    }
+}
+
+/// Dropout fused with the residual add (alone and with the layer norm) and the branch's
+/// gradient, every (residual, branch) dtype pair, p 0.1: the mask is the host's (the same
+/// Philox stream), so the sums and gradients agree exactly (a product and a sum each
+/// rounded once, no library math, no contraction: the kernels compile with fmad off); the
+/// norm within the tolerance above.
+#[test]
+fn dropout_add_and_its_layer_norm_match_the_host() {
+    let Some(gpu) = gpu() else { return };
+    let host = Device::host(1 << 30);
+    let pairs = [
+        (DType::F32, DType::F32),
+        (DType::F32, DType::F16),
+        (DType::F32, DType::BF16),
+        (DType::F16, DType::F16),
+        (DType::BF16, DType::BF16),
+    ];
+    let (p, seed, offset) = (0.1, 0x5eed, 1 << 33);
+    for (r, b) in pairs {
+        let what = format!("{r:?}+{b:?}");
+        let tol = if r == DType::F32 { 1e-5 } else { 1e-2 };
+        let (rows, d) = (257, 768);
+        let t = |dev: &Device, n: usize, shape: &[usize], seed, dt| {
+            Tensor::from_f32_slice(dev, shape, &values(n, seed, -3.0, 3.0), dt).unwrap()
+        };
+        let run = |dev: &Device| {
+            let (x, o) = (t(dev, rows * d, &[rows, d], 4, r), t(dev, rows * d, &[rows, d], 5, b));
+            let (g, be) = (t(dev, d, &[d], 6, r), t(dev, d, &[d], 7, r));
+            let dy = t(dev, rows * d, &[rows, d], 8, r);
+            (
+                ops::dropout_add(&x, &o, p, seed, offset).unwrap(),
+                ops::dropout_add_layer_norm(&x, &o, &g, &be, 1e-5, p, seed, offset).unwrap(),
+                ops::dropout_add_backward(&dy, b, p, seed, offset).unwrap(),
+            )
+        };
+        let ((hy, hn, hd), (gy, gn, gd)) = (run(&host), run(&gpu));
+        close(&format!("dropout_add {what}"), &gy, &hy, 0.0, false);
+        close(&format!("dropout_add_backward {what}"), &gd, &hd, 0.0, false);
+        close(&format!("dropout_add_layer_norm sum {what}"), &gn.sum, &hn.sum, 0.0, false);
+        close(&format!("dropout_add_layer_norm y {what}"), &gn.norm.y, &hn.norm.y, tol, false);
+        let rstd = &format!("dropout_add_layer_norm rstd {what}");
+        close(rstd, &gn.norm.rstd, &hn.norm.rstd, 1e-4, false);
     }
 }

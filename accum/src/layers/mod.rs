@@ -745,6 +745,38 @@ impl LayerNorm {
         Ok((out.y, saved))
     }
 
+    /// Whether [`Self::run`] on an input of dtype `x` normalizes it as it is, with the
+    /// parameters as they are (no autocast copy of either): what
+    /// [`Self::run_after_residual`] computes in.
+    fn runs_in(&self, x: DType, ctx: &ForwardCtx) -> bool {
+        let p = self.gamma.value.dtype();
+        p == x && ctx.op_dtype(OpKind::LayerNorm, &[x, p]).is_none_or(|dt| dt == x)
+    }
+
+    /// `s = residual + dropout(branch)` and this norm of `s` in one op
+    /// ([`ops::dropout_add_layer_norm`], `p == 0` for no dropout): the sum, the norm and, in
+    /// training, what [`Self::grads`] needs (the sum itself, shared, and the statistics),
+    /// bit for bit what dropout, the residual add and [`Self::run`] give when
+    /// [`Self::runs_in`] holds for the residual's dtype.
+    fn run_after_residual(
+        &self,
+        residual: &Tensor,
+        branch: &Tensor,
+        (p, seed, offset): (f32, u64, u64),
+        ctx: &ForwardCtx,
+    ) -> Result<(Tensor, Tensor, Option<NormSaved>)> {
+        let (g, b) = (&self.gamma.value, &self.beta.value);
+        let out = ops::dropout_add_layer_norm(residual, branch, g, b, self.eps, p, seed, offset)?;
+        let n = out.norm;
+        let saved = save_input(&out.sum, ctx).map(|x| NormSaved {
+            x,
+            mean: n.mean,
+            rstd: n.rstd,
+            in_dtype: None,
+        });
+        Ok((out.sum, n.y, saved))
+    }
+
     fn grads(&mut self, s: NormSaved, dy: &Tensor) -> Result<Tensor> {
         let dt = s.x.dtype();
         let dy = cast(dy, dt)?;

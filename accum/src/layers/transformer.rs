@@ -40,6 +40,13 @@ pub struct TransformerBlockConfig {
     pub seed: u64,
     /// How attention is computed (default [`Attention::Fused`]).
     pub attention: Attention,
+    /// Whether each residual add runs fused with the dropout on its branch, and the first
+    /// with the layer norm after it ([`ops::dropout_add_layer_norm`], [`ops::dropout_add`],
+    /// [`ops::dropout_add_backward`]; default true). The values and gradients are the unfused
+    /// composition's bit for bit on the host (the same masks, the same roundings); false runs
+    /// dropout, the residual add (with autocast's f32 copy of a 16-bit branch) and the layer
+    /// norm one after the other, kept for comparison.
+    pub fused_residual: bool,
 }
 
 /// How a [`TransformerBlock`] computes its attention. Both give the same values and the
@@ -59,7 +66,8 @@ pub enum Attention {
 
 impl TransformerBlockConfig {
     /// A causal block of width `d` with `heads` heads for sequences of `seq` tokens; MLP
-    /// ratio 4, no dropout, GPT-2's initialization, f32, seed 0, fused attention.
+    /// ratio 4, no dropout, GPT-2's initialization, f32, seed 0, fused attention, fused
+    /// residual adds.
     pub fn new(d: usize, heads: usize, seq: usize) -> Self {
         TransformerBlockConfig {
             d,
@@ -73,7 +81,14 @@ impl TransformerBlockConfig {
             dtype: DType::F32,
             seed: 0,
             attention: Attention::Fused,
+            fused_residual: true,
         }
+    }
+
+    /// The same with the residual adds fused with their dropout (and the first with the
+    /// second layer norm) or not.
+    pub fn with_fused_residual(self, fused_residual: bool) -> Self {
+        TransformerBlockConfig { fused_residual, ..self }
     }
 
     /// The same with attention computed as `attention` says.
@@ -170,6 +185,7 @@ impl TransformerBlockConfig {
             causal: self.causal,
             p: self.dropout,
             attention: self.attention,
+            fused_residual: self.fused_residual,
         })
     }
 }
@@ -186,6 +202,15 @@ impl TransformerBlockConfig {
 /// per-head output and each row's logsumexp; with [`Attention::Explicit`] (PyTorch's eager
 /// attention) the probabilities and, with dropout, the dropped probabilities
 /// (`[b * heads, seq, seq]` each). Dropout masks are regenerated, not kept.
+///
+/// By default each residual add runs fused with its branch's dropout, the first with `ln_2`
+/// as well ([`ops::dropout_add_layer_norm`], [`ops::dropout_add`]; backward
+/// [`ops::dropout_add_backward`] for each branch): no dropped copy of a branch and, under
+/// autocast, no f32 copy of the 16-bit branch is made, and one launch replaces two or three.
+/// Where the sum or the norm would not run in the residual stream's dtype (a 16-bit stream
+/// under autocast) the block falls back to the unfused ops, as it does with
+/// [`TransformerBlockConfig::with_fused_residual`]`(false)`; both give the same values bit
+/// for bit on the host.
 #[derive(Debug)]
 pub struct TransformerBlock {
     ln1: LayerNorm,
@@ -201,6 +226,7 @@ pub struct TransformerBlock {
     causal: bool,
     p: f32,
     attention: Attention,
+    fused_residual: bool,
 }
 
 /// What attention keeps for backward, besides the per-head queries, keys and values.
@@ -324,13 +350,101 @@ impl TransformerBlock {
         Ok(rows / self.seq)
     }
 
-    fn dropout(&self, x: Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<DropoutSaved>)> {
+    /// The next `n` offsets of the random stream when this forward drops out (training with
+    /// `p > 0`), else `None`.
+    fn take_dropout(&self, n: usize, ctx: &mut ForwardCtx) -> Result<Option<DropoutSaved>> {
         if !(ctx.training() && self.p > 0.0) {
-            return Ok((x, None));
+            return Ok(None);
         }
-        let offset = ctx.take_offsets(x.numel() as u64)?;
-        let y = ops::dropout(&x, self.p, ctx.seed, offset)?;
-        Ok((y, Some(DropoutSaved { seed: ctx.seed, offset })))
+        let offset = ctx.take_offsets(n as u64)?;
+        Ok(Some(DropoutSaved { seed: ctx.seed, offset }))
+    }
+
+    fn dropout(&self, x: Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<DropoutSaved>)> {
+        match self.take_dropout(x.numel(), ctx)? {
+            None => Ok((x, None)),
+            Some(s) => Ok((ops::dropout(&x, self.p, s.seed, s.offset)?, Some(s))),
+        }
+    }
+
+    /// The fused residual ops' `(p, seed, offset)`: `p == 0` without dropout.
+    fn drop_args(&self, s: Option<&DropoutSaved>) -> (f32, u64, u64) {
+        s.map_or((0.0, 0, 0), |s| (self.p, s.seed, s.offset))
+    }
+
+    /// Whether the residual add of a branch of dtype `branch` to a stream of dtype
+    /// `residual` runs fused: when the block fuses and the sum [`residual_add`] makes is in
+    /// the stream's dtype, from a branch of that dtype or a 16-bit branch on an f32 stream
+    /// (autocast), the pairs the fused ops take.
+    fn fuses_residual(&self, residual: DType, branch: DType, ctx: &ForwardCtx) -> bool {
+        if !self.fused_residual {
+            return false;
+        }
+        let sum = match ctx.op_dtype(OpKind::Add, &[residual, branch]) {
+            Some(dt) => dt,
+            None if residual == branch => residual,
+            // The plain add refuses the pair: the unfused path reports it.
+            None => return false,
+        };
+        sum == residual && (branch == residual || residual == DType::F32)
+    }
+
+    /// `x2 = x + drop(o)` and `h2 = ln_2(x2)`, with ln_2's saved state and the dropout's
+    /// offsets: one op ([`ops::dropout_add_layer_norm`]) when the sum and the norm run in
+    /// `x`'s dtype, else dropout, the residual add and ln_2 one after the other (the same
+    /// values bit for bit on the host, the same offsets drawn).
+    #[allow(clippy::type_complexity)]
+    fn add_norm(
+        &self,
+        x: &Tensor,
+        o: Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<(Tensor, Tensor, Option<NormSaved>, Option<DropoutSaved>)> {
+        if self.fuses_residual(x.dtype(), o.dtype(), ctx) && self.ln2.runs_in(x.dtype(), ctx) {
+            let mask = self.take_dropout(o.numel(), ctx)?;
+            let args = self.drop_args(mask.as_ref());
+            let (x2, h2, ln2) = self.ln2.run_after_residual(x, &o, args, ctx)?;
+            return Ok((x2, h2, ln2, mask));
+        }
+        let (o, mask) = self.dropout(o, ctx)?;
+        let x2 = residual_add(x, &o, ctx)?;
+        drop(o);
+        let (h2, ln2) = self.ln2.run(&x2, ctx)?;
+        Ok((x2, h2, ln2, mask))
+    }
+
+    /// `y = x2 + drop(m)` and the dropout's offsets: one op ([`ops::dropout_add`]) when the
+    /// sum runs in `x2`'s dtype, else dropout then the residual add.
+    fn add_branch(
+        &self,
+        x2: &Tensor,
+        m: Tensor,
+        ctx: &mut ForwardCtx,
+    ) -> Result<(Tensor, Option<DropoutSaved>)> {
+        if self.fuses_residual(x2.dtype(), m.dtype(), ctx) {
+            let mask = self.take_dropout(m.numel(), ctx)?;
+            let (p, seed, offset) = self.drop_args(mask.as_ref());
+            return Ok((ops::dropout_add(x2, &m, p, seed, offset)?, mask));
+        }
+        let (m, mask) = self.dropout(m, ctx)?;
+        Ok((residual_add(x2, &m, ctx)?, mask))
+    }
+
+    /// The gradient of a residual branch of dtype `dtype` from the sum's `dy`: `dy` in the
+    /// branch's dtype through the branch's dropout; one op ([`ops::dropout_add_backward`])
+    /// when the block fuses and the pair is one it takes, else a cast then the dropout's
+    /// backward (bit for bit the same).
+    fn branch_grad(&self, dy: &Tensor, dtype: DType, s: Option<&DropoutSaved>) -> Result<Tensor> {
+        let pair = dy.dtype() == dtype || dy.dtype() == DType::F32;
+        match s {
+            Some(s) if self.fused_residual && pair => {
+                Ok(ops::dropout_add_backward(dy, dtype, self.p, s.seed, s.offset)?)
+            }
+            _ => {
+                let d = cast(dy, dtype)?;
+                Ok(self.dropout_backward(s, &d)?.unwrap_or(d))
+            }
+        }
     }
 
     fn dropout_backward(&self, s: Option<&DropoutSaved>, dy: &Tensor) -> Result<Option<Tensor>> {
@@ -483,18 +597,14 @@ impl Layer for TransformerBlock {
         let attn = self.merge_heads(ctx_h, b)?;
         let (o, sproj) = self.proj.forward(&attn, ctx)?;
         drop(attn);
-        let (o, drop1) = self.dropout(o, ctx)?;
         let branch1 = o.dtype();
-        let x2 = residual_add(x, &o, ctx)?;
-        drop(o);
-        let (h2, ln2) = self.ln2.run(&x2, ctx)?;
+        let (x2, h2, ln2, drop1) = self.add_norm(x, o, ctx)?;
         let (a, s1) = self.fc1.forward(&h2, ctx)?;
         drop(h2);
         let (m, s2) = self.fc2.forward(&a, ctx)?;
         drop(a);
-        let (m, drop2) = self.dropout(m, ctx)?;
         let branch2 = m.dtype();
-        let y = residual_add(&x2, &m, ctx)?;
+        let (y, drop2) = self.add_branch(&x2, m, ctx)?;
         if !ctx.training() {
             return Ok((y, None));
         }
@@ -525,8 +635,7 @@ impl Layer for TransformerBlock {
         let b = dy.shape()[0] / self.seq;
         // y = x2 + drop(fc2(fc1(ln_2(x2)))); the branch's gradient in the branch's dtype.
         // `dy` is also the shortcut's: kept until it is added to x2's.
-        let dbranch = cast(&dy, s.branch2)?;
-        let dbranch = self.dropout_backward(s.drop2.as_ref(), &dbranch)?.unwrap_or(dbranch);
+        let dbranch = self.branch_grad(&dy, s.branch2, s.drop2.as_ref())?;
         let da = dx_of(self.fc2.backward(s.s2, dbranch, true)?, WHAT)?;
         let dh2 = dx_of(self.fc1.backward(s.s1, da, true)?, WHAT)?;
         let mut dx2 = self.ln2.grads(s.ln2, &dh2)?;
@@ -535,8 +644,7 @@ impl Layer for TransformerBlock {
         ops::add_assign(&mut dx2, &dy_res)?;
         drop(dy_res);
         // x2 = x + drop(proj(attn(ln_1(x))))
-        let dbranch = cast(&dx2, s.branch1)?;
-        let dbranch = self.dropout_backward(s.drop1.as_ref(), &dbranch)?.unwrap_or(dbranch);
+        let dbranch = self.branch_grad(&dx2, s.branch1, s.drop1.as_ref())?;
         let dattn = dx_of(self.proj.backward(s.sproj, dbranch, true)?, WHAT)?;
         let dctx = self.split_heads(dattn, b)?;
         let (dqh, dkh, dvh) = self.attend_backward(s.attn, s.qh, s.kh, s.vh, dctx)?;

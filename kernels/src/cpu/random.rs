@@ -115,6 +115,84 @@ fn apply_mask<T: Element>(
     Ok(())
 }
 
+/// `out[i] = f(i, keep(offset + i))` for `i` in `0..out.len()`, in parallel chunks for
+/// large outputs, as [`apply_mask`] walks the stream.
+fn masked_map<O: Element>(
+    out: &mut [O],
+    p: f32,
+    seed: u64,
+    offset: u64,
+    f: impl Fn(usize, bool) -> O + Sync,
+) {
+    let run = |out: &mut [O], start: usize| {
+        for_each_uniform(seed, offset.wrapping_add(start as u64), out.len(), |i, u| {
+            out[i] = f(start + i, u >= p);
+        });
+    };
+    if out.len() >= PAR_THRESHOLD {
+        out.par_chunks_mut(PAR_CHUNK).enumerate().for_each(|(c, o)| run(o, c * PAR_CHUNK));
+    } else {
+        run(out, 0);
+    }
+}
+
+/// Dropout on a residual branch and the residual add in one pass:
+/// `out[i] = R(residual[i] + B(dropout(branch)[i]))`, the branch's element kept as
+/// [`dropout`] keeps it with the same `(p, seed, offset)`, scaled and rounded to the
+/// branch's dtype `B` as [`dropout`] stores it, then added in f32 and rounded to the
+/// residual's dtype `R`: bit for bit [`dropout`], a cast of its result to `R` and `add`.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] unless `0 <= p < 1` and the lengths agree.
+pub fn dropout_add<R: Element, B: Element>(
+    residual: &[R],
+    branch: &[B],
+    out: &mut [R],
+    p: f32,
+    seed: u64,
+    offset: u64,
+) -> Result<()> {
+    const OP: &str = "cpu::dropout_add";
+    check_probability(OP, p)?;
+    check_len(OP, "the branch", branch.len(), residual.len())?;
+    check_len(OP, "the output", out.len(), residual.len())?;
+    let scale = 1.0 / (1.0 - p);
+    masked_map(out, p, seed, offset, |i, keep| {
+        let dropped = if keep { B::from_f32(branch[i].to_f32() * scale) } else { B::from_f32(0.0) };
+        R::from_f32(residual[i].to_f32() + dropped.to_f32())
+    });
+    Ok(())
+}
+
+/// The branch's gradient of [`dropout_add`] from the sum's `dy`: `dy` rounded to the
+/// branch's dtype `B`, then masked and scaled as [`dropout_backward`] does (bit for bit a
+/// cast then [`dropout_backward`]). The residual's gradient is `dy` itself.
+///
+/// # Errors
+///
+/// As [`dropout_add`].
+pub fn dropout_add_backward<R: Element, B: Element>(
+    dy: &[R],
+    dbranch: &mut [B],
+    p: f32,
+    seed: u64,
+    offset: u64,
+) -> Result<()> {
+    const OP: &str = "cpu::dropout_add_backward";
+    check_probability(OP, p)?;
+    check_len(OP, "the output", dbranch.len(), dy.len())?;
+    let scale = 1.0 / (1.0 - p);
+    masked_map(dbranch, p, seed, offset, |i, keep| {
+        if keep {
+            B::from_f32(B::from_f32(dy[i].to_f32()).to_f32() * scale)
+        } else {
+            B::from_f32(0.0)
+        }
+    });
+    Ok(())
+}
+
 /// Checks that `p` is a drop probability: `0 <= p < 1`.
 pub(crate) fn check_probability(op: &'static str, p: f32) -> Result<()> {
     if (0.0..1.0).contains(&p) {

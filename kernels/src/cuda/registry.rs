@@ -38,7 +38,8 @@ pub(crate) const CONV: Module = Module { name: "conv", source: include_str!("ker
 pub(crate) const POOL: Module = Module { name: "pool", source: include_str!("kernels/pool.cu") };
 /// Embedding, dropout, optimizers, unscale, axis permutation.
 pub(crate) const MISC: Module = Module { name: "misc", source: include_str!("kernels/misc.cu") };
-/// Fused epilogues: bias + GELU forward and backward, residual add + layer norm.
+/// Fused epilogues: bias + GELU forward and backward, residual add with dropout on the
+/// branch, alone or + layer norm.
 pub(crate) const FUSED: Module = Module { name: "fused", source: include_str!("kernels/fused.cu") };
 /// Multi-tensor optimizer steps (one launch over every parameter).
 pub(crate) const MULTI_TENSOR: Module =
@@ -441,7 +442,14 @@ kernels! {
     BIAS_GELU_BWD = FUSED "bias_gelu_bwd" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64);
     /// `column_finish(const float* part, T* out, u64 chunks, u64 d)`.
     COLUMN_FINISH = FUSED "column_finish" dtypes (Ptr, Ptr, U64, U64);
-    /// `add_layer_norm(const T* a, const T* b, const T* g, const T* beta, float eps, T* s, T*
-    /// y, float* m, float* r, u64 d)`.
-    ADD_LAYER_NORM = FUSED "add_layer_norm" dtypes (Ptr, Ptr, Ptr, Ptr, F32, Ptr, Ptr, Ptr, Ptr, U64);
+    /// `dropout_add_R_B(const R* a, const B* b, R* y, u64 n, float p, float scale, u64 seed,
+    /// u64 offset)`.
+    DROPOUT_ADD = FUSED "dropout_add" pairs (Ptr, Ptr, Ptr, U64, F32, F32, U64, U64);
+    /// `dropout_add_bwd_R_B(const R* dy, B* db, u64 n, float p, float scale, u64 seed, u64
+    /// offset)`.
+    DROPOUT_ADD_BWD = FUSED "dropout_add_bwd" pairs (Ptr, Ptr, U64, F32, F32, U64, U64);
+    /// `add_layer_norm_R_B(const R* a, const B* b, const R* g, const R* beta, float eps,
+    /// float p, float scale, u64 seed, u64 offset, R* s, R* y, float* m, float* r, u64 d)`.
+    ADD_LAYER_NORM = FUSED "add_layer_norm" pairs
+        (Ptr, Ptr, Ptr, Ptr, F32, F32, F32, U64, U64, Ptr, Ptr, Ptr, Ptr, U64);
 }

@@ -8,20 +8,32 @@
 //! [`add_layer_norm`] is a transformer block's residual add and the layer norm after it in
 //! one launch per row block instead of two (the sum is still stored: the residual stream
 //! continues from it); its backward is layer norm's plus the residual's gradient, as before.
+//! [`dropout_add_layer_norm`] is the same with dropout on the branch (PyTorch's eager block
+//! runs three kernels: `native_dropout`, which also writes a bool mask it keeps for the
+//! backward (aten/src/ATen/native/cuda/Dropout.cu), the add and the layer norm), and
+//! [`dropout_add`] the block's second residual, `residual + dropout(branch)`, in one
+//! elementwise pass instead of dropout, a cast of the branch to the residual's dtype under
+//! autocast, and the add. Both draw the mask of [`dropout`](super::dropout) with the same
+//! seed and offset and store no mask: [`dropout_add_backward`] regenerates it, casting and
+//! masking the branch's gradient in one pass. With a 16-bit branch and an f32 residual
+//! (autocast) the branch's f32 copy the unfused add needs is never made. The layer norm's
+//! backward is not fused with the residual's: it stays
+//! [`layer_norm_backward`](super::layer_norm_backward), then the residual's gradient is added.
 //!
 //! Each result is the unfused ops' bit for bit on the host (the sum `x + bias` rounded to
 //! the dtype as `bias_add` stores it, the gradient rounded as `gelu_backward` stores it and
-//! summed in `bias_add_backward`'s order); the kernels follow the same steps (emulated in the
-//! tests; on a GPU within the device's `tanhf` and contraction).
+//! summed in `bias_add_backward`'s order; the dropped branch rounded as `dropout` stores it
+//! before the add); the kernels follow the same steps (emulated in the tests; on a GPU within
+//! the device's `tanhf` and contraction). The dropout kernels have never run on a GPU.
 
 use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
 use super::elementwise::param_dims;
 use super::norm::{LayerNormOutput, param_chunks};
-use super::same_layout;
-use crate::cpu::{activation as act, elementwise as ew, norm};
+use super::{expect_shape, same_device, same_layout};
+use crate::cpu::{activation as act, elementwise as ew, norm, random as rnd};
 use crate::device::Device;
-use crate::dtype::{Element, with_dtype};
-use crate::error::Result;
+use crate::dtype::{DType, Element, with_dtype};
+use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 /// The gradients of [`bias_gelu`].
@@ -64,11 +76,12 @@ pub struct AddLayerNorm {
 }
 
 /// `s = a + b` and `layer_norm(s, gamma, beta, eps)` over the last dimension, in one pass:
-/// [`add`](super::add) then [`layer_norm`](super::layer_norm) in one launch.
+/// [`add`](super::add) then [`layer_norm`](super::layer_norm) in one launch;
+/// [`dropout_add_layer_norm`] with no dropout (so `b` may also be 16-bit with an f32 `a`).
 ///
 /// # Errors
 ///
-/// As those two ops: shape, dtype and device mismatches; out of memory.
+/// As [`dropout_add_layer_norm`].
 pub fn add_layer_norm(
     a: &Tensor,
     b: &Tensor,
@@ -76,7 +89,239 @@ pub fn add_layer_norm(
     beta: &Tensor,
     eps: f32,
 ) -> Result<AddLayerNorm> {
-    run(AddLayerNormOp { a, b, gamma, beta, eps })
+    dropout_add_layer_norm(a, b, gamma, beta, eps, 0.0, 0, 0)
+}
+
+/// A transformer block's residual add with dropout on its branch and the layer norm after
+/// it, in one launch per row block: `s = residual + dropout(branch, p, seed, offset)` and
+/// `layer_norm(s, gamma, beta, eps)` over the last dimension. The branch is dropped exactly
+/// as [`dropout`](super::dropout) with the same `(p, seed, offset)` drops it (the mask is
+/// not stored: the backward regenerates it), and the result is bit for bit
+/// [`dropout`](super::dropout), a cast of its result to the residual's dtype, [`add`](super::add)
+/// and [`layer_norm`](super::layer_norm) on the host. `p == 0` is no dropout.
+///
+/// The residual, the sum, `gamma`, `beta` and the output share a dtype; the branch has it
+/// too, or is 16-bit with an f32 residual (a block's residual stream under autocast).
+///
+/// The backward is [`layer_norm_backward`](super::layer_norm_backward) on the sum, the
+/// residual's gradient added, then [`dropout_add_backward`] for the branch.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) unless `0 <= p < 1` or for an
+/// empty last dimension; [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) and
+/// [`Error::DTypeMismatch`](crate::Error::DTypeMismatch) for a branch not of the residual's
+/// shape and an allowed dtype, or parameters not `[d]` of the residual's dtype; device
+/// mismatches; out of memory.
+#[allow(clippy::too_many_arguments)]
+pub fn dropout_add_layer_norm(
+    residual: &Tensor,
+    branch: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    eps: f32,
+    p: f32,
+    seed: u64,
+    offset: u64,
+) -> Result<AddLayerNorm> {
+    let drop = BranchDropout { p, seed, offset };
+    run(AddLayerNormOp { a: residual, b: branch, gamma, beta, eps, drop })
+}
+
+/// `residual + dropout(branch, p, seed, offset)` in one pass, in the residual's dtype: the
+/// branch dropped exactly as [`dropout`](super::dropout) with the same arguments drops it
+/// (no mask stored), then added as [`add`](super::add) adds; bit for bit that composition
+/// (with a cast of the dropped branch to the residual's dtype) on the host. `p == 0` is a
+/// plain add. The branch has the residual's dtype, or is 16-bit with an f32 residual
+/// (autocast's promotion: the sum is f32, no f32 copy of the branch is made).
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) unless `0 <= p < 1`;
+/// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) and
+/// [`Error::DTypeMismatch`](crate::Error::DTypeMismatch) for a branch not of the residual's
+/// shape and an allowed dtype; device mismatches; out of memory.
+pub fn dropout_add(
+    residual: &Tensor,
+    branch: &Tensor,
+    p: f32,
+    seed: u64,
+    offset: u64,
+) -> Result<Tensor> {
+    run(DropoutAdd { a: residual, b: branch, drop: BranchDropout { p, seed, offset } })
+}
+
+/// The branch's gradient of [`dropout_add`] (and of [`dropout_add_layer_norm`]'s sum) from
+/// the sum's gradient `dy`: `dy` in `branch_dtype`, masked and scaled with the forward's
+/// `(p, seed, offset)`, in one pass: bit for bit a cast to `branch_dtype` then
+/// [`dropout_backward`](super::dropout_backward). The residual's gradient is `dy` itself.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) unless `0 <= p < 1`;
+/// [`Error::DTypeMismatch`](crate::Error::DTypeMismatch) for a 16-bit `dy` with another
+/// `branch_dtype` (the forward takes no such pair); out of memory.
+pub fn dropout_add_backward(
+    dy: &Tensor,
+    branch_dtype: DType,
+    p: f32,
+    seed: u64,
+    offset: u64,
+) -> Result<Tensor> {
+    run(DropoutAddBackward { dy, branch_dtype, drop: BranchDropout { p, seed, offset } })
+}
+
+/// Dropout on a residual branch: [`dropout`](super::dropout)'s arguments.
+#[derive(Clone, Copy, Debug)]
+struct BranchDropout {
+    p: f32,
+    seed: u64,
+    offset: u64,
+}
+
+impl BranchDropout {
+    /// `p`, the scale of kept elements, the seed and offset as the kernels take them.
+    #[cfg(feature = "cuda")]
+    fn args(&self) -> [crate::cuda::Arg; 4] {
+        use crate::cuda::Arg;
+        let scale = 1.0 / (1.0 - self.p);
+        [Arg::F32(self.p), Arg::F32(scale), Arg::U64(self.seed), Arg::U64(self.offset)]
+    }
+}
+
+/// Checks a residual and its branch: one device, one shape, and the same dtype or an f32
+/// residual (the sum's dtype) with a 16-bit branch.
+fn residual_and_branch(op: &'static str, residual: &Tensor, branch: &Tensor) -> Result<()> {
+    same_device(op, residual, branch)?;
+    branch_dtype_allowed(op, residual.dtype(), branch.dtype())?;
+    expect_shape(op, residual.shape(), branch)
+}
+
+fn branch_dtype_allowed(op: &'static str, residual: DType, branch: DType) -> Result<()> {
+    if residual == branch || residual == DType::F32 {
+        Ok(())
+    } else {
+        Err(Error::DTypeMismatch { op, lhs: residual, rhs: branch })
+    }
+}
+
+struct DropoutAdd<'a> {
+    a: &'a Tensor,
+    b: &'a Tensor,
+    drop: BranchDropout,
+}
+
+impl Op for DropoutAdd<'_> {
+    const NAME: &'static str = "dropout_add";
+    type Outs = Tensor;
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.a.device()
+    }
+
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
+        rnd::check_probability(Self::NAME, self.drop.p)?;
+        residual_and_branch(Self::NAME, self.a, self.b)?;
+        Ok(Plan::one(self.a.shape(), self.a.dtype()))
+    }
+
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        let BranchDropout { p, seed, offset } = self.drop;
+        with_dtype!(self.a.dtype(), R => with_dtype!(self.b.dtype(), B => rnd::dropout_add(
+            self.a.as_slice::<R>()?,
+            self.b.as_slice::<B>()?,
+            bufs.out().out_slice::<R>(Self::NAME)?,
+            p,
+            seed,
+            offset,
+        )))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        use crate::cuda::{Arg, helpers::ptr, launch::elementwise as grid, registry::DROPOUT_ADD};
+        let y = bufs.out();
+        let n = y.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let [p, scale, seed, offset] = self.drop.args();
+        // SAFETY: dropout_add_R_B(const R* a, const B* b, R* y, u64 n, float p, float scale,
+        // u64 seed, u64 offset); a, b and y hold n elements (`plan`).
+        unsafe {
+            gpu.launch(
+                DROPOUT_ADD.of_pair(self.a.dtype(), self.b.dtype()),
+                grid(n),
+                &[ptr(self.a)?, ptr(self.b)?, ptr(y)?, Arg::count(n), p, scale, seed, offset],
+            )
+        }
+    }
+
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
+}
+
+struct DropoutAddBackward<'a> {
+    dy: &'a Tensor,
+    branch_dtype: DType,
+    drop: BranchDropout,
+}
+
+impl Op for DropoutAddBackward<'_> {
+    const NAME: &'static str = "dropout_add_backward";
+    type Outs = Tensor;
+    type Output = Tensor;
+
+    fn device(&self) -> &Device {
+        self.dy.device()
+    }
+
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
+        rnd::check_probability(Self::NAME, self.drop.p)?;
+        branch_dtype_allowed(Self::NAME, self.dy.dtype(), self.branch_dtype)?;
+        Ok(Plan::one(self.dy.shape(), self.branch_dtype))
+    }
+
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        let BranchDropout { p, seed, offset } = self.drop;
+        with_dtype!(self.dy.dtype(), R => with_dtype!(self.branch_dtype, B => {
+            rnd::dropout_add_backward(
+                self.dy.as_slice::<R>()?,
+                bufs.out().out_slice::<B>(Self::NAME)?,
+                p,
+                seed,
+                offset,
+            )
+        }))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        use crate::cuda::{
+            Arg, helpers::ptr, launch::elementwise as grid, registry::DROPOUT_ADD_BWD,
+        };
+        let db = bufs.out();
+        let n = db.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let [p, scale, seed, offset] = self.drop.args();
+        // SAFETY: dropout_add_bwd_R_B(const R* dy, B* db, u64 n, float p, float scale, u64
+        // seed, u64 offset); dy and db hold n elements (`plan`).
+        unsafe {
+            gpu.launch(
+                DROPOUT_ADD_BWD.of_pair(self.dy.dtype(), self.branch_dtype),
+                grid(n),
+                &[ptr(self.dy)?, ptr(db)?, Arg::count(n), p, scale, seed, offset],
+            )
+        }
+    }
+
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
+        Ok(bufs.into_output())
+    }
 }
 
 struct AddLayerNormOp<'a> {
@@ -85,6 +330,7 @@ struct AddLayerNormOp<'a> {
     gamma: &'a Tensor,
     beta: &'a Tensor,
     eps: f32,
+    drop: BranchDropout,
 }
 
 impl Op for AddLayerNormOp<'_> {
@@ -98,7 +344,8 @@ impl Op for AddLayerNormOp<'_> {
     }
 
     fn plan(&mut self) -> Result<Plan<Self::Outs>> {
-        same_layout(Self::NAME, self.a, self.b)?;
+        rnd::check_probability(Self::NAME, self.drop.p)?;
+        residual_and_branch(Self::NAME, self.a, self.b)?;
         let (rows, d) = param_dims(Self::NAME, self.a, self.gamma)?;
         param_dims(Self::NAME, self.a, self.beta)?;
         if d == 0 {
@@ -111,19 +358,20 @@ impl Op for AddLayerNormOp<'_> {
 
     fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         let (sum, y, [mean, rstd]) = bufs.outputs_mut();
-        with_dtype!(self.a.dtype(), T => {
-            let s = sum.out_slice::<T>(Self::NAME)?;
-            ew::add(self.a.as_slice::<T>()?, self.b.as_slice::<T>()?, s)?;
+        let BranchDropout { p, seed, offset } = self.drop;
+        with_dtype!(self.a.dtype(), R => with_dtype!(self.b.dtype(), B => {
+            let s = sum.out_slice::<R>(Self::NAME)?;
+            rnd::dropout_add(self.a.as_slice::<R>()?, self.b.as_slice::<B>()?, s, p, seed, offset)?;
             norm::layer_norm(
                 s,
-                self.gamma.as_slice::<T>()?,
-                self.beta.as_slice::<T>()?,
+                self.gamma.as_slice::<R>()?,
+                self.beta.as_slice::<R>()?,
                 self.eps,
-                y.out_slice::<T>(Self::NAME)?,
+                y.out_slice::<R>(Self::NAME)?,
                 mean.out_slice::<f32>(Self::NAME)?,
                 rstd.out_slice::<f32>(Self::NAME)?,
             )
-        })
+        }))
     }
 
     #[cfg(feature = "cuda")]
@@ -133,12 +381,14 @@ impl Op for AddLayerNormOp<'_> {
         let (sum, y, [mean, rstd]) = bufs.outputs_mut();
         let rows = mean.numel();
         check_rows(Self::NAME, rows)?;
-        // SAFETY: add_layer_norm_T(const T* a, const T* b, const T* g, const T* beta, float
-        // eps, T* s, T* y, float* m, float* r, u64 d), one block per row; a, b, s and y hold
-        // rows * d elements, gamma and beta d, mean and rstd rows floats.
+        let [p, scale, seed, offset] = self.drop.args();
+        // SAFETY: add_layer_norm_R_B(const R* a, const B* b, const R* g, const R* beta, float
+        // eps, float p, float scale, u64 seed, u64 offset, R* s, R* y, float* m, float* r,
+        // u64 d), one block per row; a, b, s and y hold rows * d elements, gamma and beta d,
+        // mean and rstd rows floats.
         unsafe {
             gpu.launch(
-                ADD_LAYER_NORM.of(self.a.dtype()),
+                ADD_LAYER_NORM.of_pair(self.a.dtype(), self.b.dtype()),
                 launch::per_row(rows),
                 &[
                     ptr(self.a)?,
@@ -146,6 +396,10 @@ impl Op for AddLayerNormOp<'_> {
                     ptr(self.gamma)?,
                     ptr(self.beta)?,
                     Arg::F32(self.eps),
+                    p,
+                    scale,
+                    seed,
+                    offset,
                     ptr(sum)?,
                     ptr(y)?,
                     ptr(mean)?,
@@ -455,13 +709,17 @@ mod tests {
                 at(&g),
                 at(&be),
                 Arg::F32(1e-5),
+                Arg::F32(0.0),
+                Arg::F32(1.0),
+                Arg::U64(0),
+                Arg::U64(0),
                 at(&s),
                 at(&y),
                 Arg::Ptr(m.as_mut_ptr() as u64),
                 Arg::Ptr(r.as_mut_ptr() as u64),
                 Arg::count(d),
             ];
-            if !launch(ADD_LAYER_NORM.of(dtype), grid::per_row(rows), &args) {
+            if !launch(ADD_LAYER_NORM.of_pair(dtype, dtype), grid::per_row(rows), &args) {
                 return;
             }
             assert_eq!(bits(&s), bits(&want.sum), "{dtype:?} sum");
@@ -516,6 +774,257 @@ mod tests {
                 assert_eq!(bits(&y), bits(&want_y), "{what} y");
                 assert_eq!(bits(&dx), bits(&want.dx), "{what} dx");
                 assert_eq!(bits(&db), bits(&want.dbias), "{what} dbias");
+            }
+        }
+    }
+}
+
+/// The residual ops with dropout on the branch against their unfused compositions.
+#[cfg(test)]
+mod residual_tests {
+    use super::*;
+    use crate::ops;
+    use proptest::prelude::*;
+
+    /// Every (residual, branch) dtype pair the ops take: equal, or f32 with 16 bits.
+    const PAIRS: [(DType, DType); 5] = [
+        (DType::F32, DType::F32),
+        (DType::F32, DType::F16),
+        (DType::F32, DType::BF16),
+        (DType::F16, DType::F16),
+        (DType::BF16, DType::BF16),
+    ];
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i as u64 * 2_654_435_761 + seed * 97) % 2001) as f32 / 500.0) - 2.0)
+            .collect()
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// The unfused block's branch: `ops::dropout` (none at p = 0), cast to the residual's
+    /// dtype.
+    fn unfused_branch(r: DType, b: &Tensor, p: f32, seed: u64, offset: u64) -> Tensor {
+        let dropped = if p > 0.0 { ops::dropout(b, p, seed, offset).unwrap() } else { b.clone() };
+        dropped.to_dtype(r).unwrap()
+    }
+
+    /// Checks the three ops against the unfused ones bit for bit on `[rows, d]`.
+    fn check(rows: usize, d: usize, p: f32, seed: u64, offset: u64, salt: u64) {
+        let dev = Device::host(256 << 20);
+        for (r, b) in PAIRS {
+            let what = format!("{r:?}+{b:?} {rows}x{d} p {p} seed {seed} offset {offset}");
+            let t = |v: &[f32], s: &[usize], dt| Tensor::from_f32_slice(&dev, s, v, dt).unwrap();
+            let x = t(&values(rows * d, salt), &[rows, d], r);
+            let o = t(&values(rows * d, salt + 1), &[rows, d], b);
+            let (g, be) = (t(&values(d, salt + 2), &[d], r), t(&values(d, salt + 3), &[d], r));
+            let dy = t(&values(rows * d, salt + 4), &[rows, d], r);
+            let sum = ops::add(&x, &unfused_branch(r, &o, p, seed, offset)).unwrap();
+            let y = dropout_add(&x, &o, p, seed, offset).unwrap();
+            assert_eq!((y.dtype(), y.shape()), (r, x.shape()), "{what}");
+            assert_eq!(bits(&y), bits(&sum), "{what}: dropout_add");
+            let got = dropout_add_layer_norm(&x, &o, &g, &be, 1e-5, p, seed, offset).unwrap();
+            let want = ops::layer_norm(&sum, &g, &be, 1e-5).unwrap();
+            assert_eq!(bits(&got.sum), bits(&sum), "{what}: sum");
+            assert_eq!(bits(&got.norm.y), bits(&want.y), "{what}: norm");
+            assert_eq!(bits(&got.norm.mean), bits(&want.mean), "{what}: mean");
+            assert_eq!(bits(&got.norm.rstd), bits(&want.rstd), "{what}: rstd");
+            let db = dropout_add_backward(&dy, b, p, seed, offset).unwrap();
+            let cast = dy.to_dtype(b).unwrap();
+            let want_db =
+                if p > 0.0 { ops::dropout_backward(&cast, p, seed, offset).unwrap() } else { cast };
+            assert_eq!((db.dtype(), db.shape()), (b, dy.shape()), "{what}");
+            assert_eq!(bits(&db), bits(&want_db), "{what}: backward");
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+
+        /// Fused == unfused bit for bit on the host, every dtype pair, p in {0, 0.1, 0.5},
+        /// any seed and offset (a mask that started elsewhere in the stream would differ).
+        #[test]
+        fn fused_residual_ops_are_the_unfused_ones_bit_for_bit(
+            rows in 1usize..24,
+            d in 1usize..70,
+            p in prop::sample::select(vec![0.0f32, 0.1, 0.5]),
+            seed in any::<u64>(),
+            offset in 0u64..1 << 40,
+            salt in 0u64..1000,
+        ) {
+            check(rows, d, p, seed, offset, salt);
+        }
+    }
+
+    /// The same above the host's parallel threshold (the mask drawn in chunks) and for no
+    /// rows (a sum and norm of nothing).
+    #[test]
+    fn large_and_empty_inputs_are_the_unfused_ones() {
+        check(130, 768, 0.1, 7, 12_345, 3);
+        let dev = Device::host(64 << 20);
+        let z = |s: &[usize]| Tensor::zeros(&dev, s, DType::F32).unwrap();
+        assert_eq!(dropout_add(&z(&[0, 4]), &z(&[0, 4]), 0.5, 1, 2).unwrap().numel(), 0);
+        let n =
+            dropout_add_layer_norm(&z(&[0, 4]), &z(&[0, 4]), &z(&[4]), &z(&[4]), 1e-5, 0.5, 1, 2);
+        assert_eq!(n.unwrap().norm.mean.numel(), 0);
+    }
+
+    /// Dropout actually drops (a mask of zeros at p = 0.5 differs from p = 0), and a sum that
+    /// kept every branch element would fail the comparison above.
+    #[test]
+    fn the_branch_is_dropped_and_scaled() {
+        let dev = Device::host(64 << 20);
+        let n = 4000;
+        let x = Tensor::zeros(&dev, &[n], DType::F32).unwrap();
+        let o = Tensor::full(&dev, &[n], DType::BF16, 1.0).unwrap();
+        let y = dropout_add(&x, &o, 0.5, 3, 0).unwrap().to_f32_vec().unwrap();
+        let kept = y.iter().filter(|&&v| v == 2.0).count();
+        assert_eq!(kept + y.iter().filter(|&&v| v == 0.0).count(), n);
+        assert!((kept as f32 / n as f32 - 0.5).abs() < 0.05, "{kept} of {n} kept");
+    }
+
+    /// Bad input is a clear error, never a panic: p outside [0, 1), shapes, dtype pairs the
+    /// ops do not take, parameters not `[d]`.
+    #[test]
+    fn bad_input_is_an_error() {
+        let dev = Device::host(64 << 20);
+        let z = |s: &[usize], dt| Tensor::zeros(&dev, s, dt).unwrap();
+        let (x, o) = (z(&[2, 3], DType::F32), z(&[2, 3], DType::BF16));
+        let (g, b) = (z(&[3], DType::F32), z(&[3], DType::F32));
+        for p in [1.0, -0.1, 1.5, f32::NAN] {
+            let e = dropout_add(&x, &o, p, 0, 0).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument { .. }), "p {p}: {e}");
+            assert!(e.to_string().contains("probability"), "{e}");
+            assert!(dropout_add_layer_norm(&x, &o, &g, &b, 1e-5, p, 0, 0).is_err());
+            assert!(dropout_add_backward(&x, DType::BF16, p, 0, 0).is_err());
+        }
+        let wrong = z(&[3, 2], DType::BF16);
+        let e = dropout_add(&x, &wrong, 0.1, 0, 0).unwrap_err();
+        assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
+        let e = dropout_add_layer_norm(&x, &wrong, &g, &b, 1e-5, 0.1, 0, 0).unwrap_err();
+        assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
+        // A 16-bit residual takes only its own dtype; an f32 branch never has a 16-bit sum.
+        let (h, f) = (z(&[2, 3], DType::BF16), z(&[2, 3], DType::F16));
+        for (r, br) in [(&h, &x), (&h, &f), (&f, &h)] {
+            let e = dropout_add(r, br, 0.1, 0, 0).unwrap_err();
+            assert!(matches!(e, Error::DTypeMismatch { .. }), "{e}");
+        }
+        let e = dropout_add_backward(&h, DType::F32, 0.1, 0, 0).unwrap_err();
+        assert!(matches!(e, Error::DTypeMismatch { .. }), "{e}");
+        // Parameters not [d] or not of the residual's dtype; an empty last dimension.
+        assert!(dropout_add_layer_norm(&x, &o, &z(&[2], DType::F32), &b, 1e-5, 0.1, 0, 0).is_err());
+        assert!(
+            dropout_add_layer_norm(&x, &o, &g, &z(&[3], DType::BF16), 1e-5, 0.1, 0, 0).is_err()
+        );
+        let e0 = z(&[2, 0], DType::F32);
+        let g0 = z(&[0], DType::F32);
+        assert!(dropout_add_layer_norm(&e0, &e0, &g0, &g0, 1e-5, 0.1, 0, 0).is_err());
+    }
+
+    /// The host and a virtual device (the GPU's plan) allocate the same: each op its outputs
+    /// and nothing else (no mask, no f32 copy of a 16-bit branch).
+    #[test]
+    fn host_and_virtual_devices_allocate_only_the_outputs() {
+        let (rows, d) = (16, 48);
+        let mut traces = Vec::new();
+        for dev in [Device::host(64 << 20), Device::virtual_device(64 << 20)] {
+            let x = Tensor::zeros(&dev, &[rows, d], DType::F32).unwrap();
+            let o = Tensor::zeros(&dev, &[rows, d], DType::BF16).unwrap();
+            let g = Tensor::zeros(&dev, &[d], DType::F32).unwrap();
+            dev.record_history(Some(100));
+            drop(dropout_add(&x, &o, 0.1, 1, 0).unwrap());
+            drop(dropout_add_layer_norm(&x, &o, &g, &g, 1e-5, 0.1, 1, 0).unwrap());
+            drop(dropout_add_backward(&x, DType::BF16, 0.1, 1, 0).unwrap());
+            let allocs: Vec<usize> = dev
+                .trace()
+                .iter()
+                .filter(|e| e.action == vram_alloc::TraceAction::Alloc)
+                .map(|e| e.requested)
+                .collect();
+            traces.push(allocs);
+        }
+        let (f, h) = (rows * d * 4, rows * d * 2);
+        assert_eq!(traces[0], [f, f, f, rows * 4, rows * 4, h]);
+        assert_eq!(traces[0], traces[1]);
+    }
+
+    /// The three kernels, emulated on the host, against the host ops: bit for bit for the
+    /// elementwise ones and the sum; the norm within rounding (the block adds the row's
+    /// statistics in another order). Every dtype pair, p in {0, 0.1, 0.5}.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn residual_kernels_match_the_host() {
+        use crate::cuda::emulate::launch;
+        use crate::cuda::registry::{ADD_LAYER_NORM, DROPOUT_ADD, DROPOUT_ADD_BWD};
+        use crate::cuda::{Arg, launch as grid};
+        let dev = Device::host(64 << 20);
+        let (rows, d, seed, offset) = (5, 300, 0x1234_5678_9abc, 77);
+        let n = rows * d;
+        for (r, b) in PAIRS {
+            for p in [0.0f32, 0.1, 0.5] {
+                let what = format!("{r:?}+{b:?} p {p}");
+                let t =
+                    |v: &[f32], s: &[usize], dt| Tensor::from_f32_slice(&dev, s, v, dt).unwrap();
+                let x = t(&values(n, 1), &[rows, d], r);
+                let o = t(&values(n, 2), &[rows, d], b);
+                let (g, be) = (t(&values(d, 3), &[d], r), t(&values(d, 4), &[d], r));
+                let dy = t(&values(n, 5), &[rows, d], r);
+                let nan = |dt| t(&vec![f32::NAN; n], &[rows, d], dt);
+                let at = |t: &Tensor| Arg::Ptr(t.storage().address());
+                let drop = BranchDropout { p, seed, offset }.args();
+                let [dp, scale, dseed, doff] = drop;
+                // dropout_add
+                let y = nan(r);
+                let args = [at(&x), at(&o), at(&y), Arg::count(n), dp, scale, dseed, doff];
+                if !launch(DROPOUT_ADD.of_pair(r, b), grid::elementwise(n), &args) {
+                    return;
+                }
+                assert_eq!(
+                    bits(&y),
+                    bits(&dropout_add(&x, &o, p, seed, offset).unwrap()),
+                    "{what}"
+                );
+                // its backward
+                let db = nan(b);
+                let args = [at(&dy), at(&db), Arg::count(n), dp, scale, dseed, doff];
+                assert!(launch(DROPOUT_ADD_BWD.of_pair(r, b), grid::elementwise(n), &args));
+                let want = dropout_add_backward(&dy, b, p, seed, offset).unwrap();
+                assert_eq!(bits(&db), bits(&want), "{what} backward");
+                // dropout + add + layer norm
+                let want = dropout_add_layer_norm(&x, &o, &g, &be, 1e-5, p, seed, offset).unwrap();
+                let (s, y) = (nan(r), nan(r));
+                let (mut m, mut rs) = (vec![f32::NAN; rows], vec![f32::NAN; rows]);
+                let args = [
+                    at(&x),
+                    at(&o),
+                    at(&g),
+                    at(&be),
+                    Arg::F32(1e-5),
+                    dp,
+                    scale,
+                    dseed,
+                    doff,
+                    at(&s),
+                    at(&y),
+                    Arg::Ptr(m.as_mut_ptr() as u64),
+                    Arg::Ptr(rs.as_mut_ptr() as u64),
+                    Arg::count(d),
+                ];
+                assert!(launch(ADD_LAYER_NORM.of_pair(r, b), grid::per_row(rows), &args));
+                assert_eq!(bits(&s), bits(&want.sum), "{what} sum");
+                let tol = if r == DType::F32 { 1e-5 } else { 1e-2 };
+                let close = |which: &str, got: &[f32], want: &[f32]| {
+                    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                        let ok = (g - w).abs() <= tol * w.abs().max(1.0);
+                        assert!(ok, "{what} {which} {i}: {g} vs {w}");
+                    }
+                };
+                close("y", &y.to_f32_vec().unwrap(), &want.norm.y.to_f32_vec().unwrap());
+                close("mean", &m, &want.norm.mean.to_f32_vec().unwrap());
+                close("rstd", &rs, &want.norm.rstd.to_f32_vec().unwrap());
             }
         }
     }

@@ -1,6 +1,6 @@
 // Fused epilogues: bias + GELU (a GPT MLP's first linear layer and its activation) forward in
 // one pass and backward in one pass with the bias gradient's partial sums; a residual add
-// with the layer norm that follows it. Each rounds where
+// with dropout on its branch, alone or with the layer norm that follows it. Each rounds where
 // the unfused ops (bias_add, gelu, gelu_bwd, bias_add_bwd) round, so the results are theirs.
 
 // y = gelu(x + b[i % d]), the sum rounded to T first as bias_add stores it.
@@ -48,17 +48,50 @@ __device__ void column_finish_impl(const float* part, T* out, u64 chunks, u64 d)
     }
 }
 
-// A residual add and the layer norm after it, one block per row: s = a + b (rounded to T and
-// stored: the residual stream goes on from it), then layer_norm_impl's statistics and output
-// (softmax.cu) on s, each thread reading back the elements it wrote.
-template <typename T>
-__device__ void add_layer_norm_impl(const T* a, const T* b, const T* gamma, const T* beta,
-                                    float eps, T* s, T* y, float* mean, float* rstd, u64 d) {
+// Element `index` of a residual branch after dropout, as f32: kept iff its uniform is >= p
+// (misc.cu's dropout_impl), then scaled and rounded to B as ops::dropout stores it; 0 when
+// dropped. p == 0 keeps everything unscaled without drawing.
+template <typename B>
+__device__ __forceinline__ float dropped_branch(B v, u64 index, float p, float scale, u64 seed) {
+    if (p == 0.0f) return to_f32(v);
+    return philox_uniform(seed, index) >= p ? to_f32(from_f32<B>(to_f32(v) * scale)) : 0.0f;
+}
+
+// y = a + dropout(b): the branch of dtype B dropped as ops::dropout drops it (element i of
+// the stream at offset + i), added in f32 to the residual and rounded to R.
+template <typename R, typename B>
+__device__ void dropout_add_impl(const R* a, const B* b, R* y, u64 n, float p, float scale,
+                                 u64 seed, u64 offset) {
+    FOR_EACH(i, n) {
+        y[i] = from_f32<R>(to_f32(a[i]) + dropped_branch<B>(b[i], offset + i, p, scale, seed));
+    }
+}
+
+// The branch's gradient of dropout_add: dy rounded to B (the cast the unfused backward
+// makes), then masked and scaled as dropout's backward, rounded to B again.
+template <typename R, typename B>
+__device__ void dropout_add_bwd_impl(const R* dy, B* db, u64 n, float p, float scale, u64 seed,
+                                     u64 offset) {
+    FOR_EACH(i, n) {
+        const B g = from_f32<B>(to_f32(dy[i]));
+        db[i] = from_f32<B>(dropped_branch<B>(g, offset + i, p, scale, seed));
+    }
+}
+
+// A residual add (the branch of dtype B optionally dropped out, as dropout_add) and the layer
+// norm after it, one block per row: s = a + dropout(b) (rounded to R and stored: the residual
+// stream goes on from it), then layer_norm_impl's statistics and output (softmax.cu) on s,
+// each thread reading back the elements it wrote.
+template <typename R, typename B>
+__device__ void add_layer_norm_impl(const R* a, const B* b, const R* gamma, const R* beta,
+                                    float eps, float p, float scale, u64 seed, u64 offset, R* s,
+                                    R* y, float* mean, float* rstd, u64 d) {
     const u64 off = (u64)blockIdx.x * d;
     float acc = 0.0f;
     for (u64 j = threadIdx.x; j < d; j += blockDim.x) {
-        const T v = from_f32<T>(to_f32(a[off + j]) + to_f32(b[off + j]));
-        s[off + j] = v;
+        const u64 i = off + j;
+        const R v = from_f32<R>(to_f32(a[i]) + dropped_branch<B>(b[i], offset + i, p, scale, seed));
+        s[i] = v;
         acc += to_f32(v);
     }
     const float mu = block_sum(acc) / (float)d;
@@ -71,7 +104,7 @@ __device__ void add_layer_norm_impl(const T* a, const T* b, const T* gamma, cons
     const float r = 1.0f / sqrtf(var + eps);
     for (u64 j = threadIdx.x; j < d; j += blockDim.x) {
         const float xhat = (to_f32(s[off + j]) - mu) * r;
-        y[off + j] = from_f32<T>(xhat * to_f32(gamma[j]) + to_f32(beta[j]));
+        y[off + j] = from_f32<R>(xhat * to_f32(gamma[j]) + to_f32(beta[j]));
     }
     if (threadIdx.x == 0) {
         mean[blockIdx.x] = mu;
@@ -82,6 +115,12 @@ __device__ void add_layer_norm_impl(const T* a, const T* b, const T* gamma, cons
 #define FUSED(T, S) \
     extern "C" __global__ void bias_gelu_##S(const T* x, const T* b, T* y, u64 n, Div d) { bias_gelu_impl<T>(x, b, y, n, d); } \
     extern "C" __global__ void bias_gelu_bwd_##S(const T* x, const T* b, const T* dy, T* dx, float* part, u64 rows, u64 d, u64 chunk) { bias_gelu_bwd_impl<T>(x, b, dy, dx, part, rows, d, chunk); } \
-    extern "C" __global__ void column_finish_##S(const float* part, T* out, u64 chunks, u64 d) { column_finish_impl<T>(part, out, chunks, d); } \
-    extern "C" __global__ void add_layer_norm_##S(const T* a, const T* b, const T* g, const T* be, float eps, T* s, T* y, float* m, float* r, u64 d) { add_layer_norm_impl<T>(a, b, g, be, eps, s, y, m, r, d); }
+    extern "C" __global__ void column_finish_##S(const float* part, T* out, u64 chunks, u64 d) { column_finish_impl<T>(part, out, chunks, d); }
 FOR_DTYPES(FUSED)
+
+// Residual kernels, named <op>_<residual>_<branch>.
+#define FUSED_RESIDUAL(R, SR, B, SB) \
+    extern "C" __global__ void dropout_add_##SR##_##SB(const R* a, const B* b, R* y, u64 n, float p, float scale, u64 seed, u64 offset) { dropout_add_impl<R, B>(a, b, y, n, p, scale, seed, offset); } \
+    extern "C" __global__ void dropout_add_bwd_##SR##_##SB(const R* dy, B* db, u64 n, float p, float scale, u64 seed, u64 offset) { dropout_add_bwd_impl<R, B>(dy, db, n, p, scale, seed, offset); } \
+    extern "C" __global__ void add_layer_norm_##SR##_##SB(const R* a, const B* b, const R* g, const R* be, float eps, float p, float scale, u64 seed, u64 offset, R* s, R* y, float* m, float* r, u64 d) { add_layer_norm_impl<R, B>(a, b, g, be, eps, p, scale, seed, offset, s, y, m, r, d); }
+FOR_DTYPE_PAIRS(FUSED_RESIDUAL)

@@ -56,7 +56,7 @@ mod storage;
 pub mod tensor;
 pub mod transfer;
 
-pub use device::{DEVICE_ENV_VAR, Device, default_blas_workspace_size};
+pub use device::{DEVICE_ENV_VAR, Device, LinearPath, default_blas_workspace_size};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use params::{

@@ -1,6 +1,7 @@
 //! Matrix products through cuBLAS (`cublasGemmEx` / `cublasGemmStridedBatchedEx`): f16 and
 //! bf16 on tensor cores, every type accumulated in f32 (`CUBLAS_COMPUTE_32F`, which for f32
-//! operands is plain FP32, not TF32).
+//! operands is plain FP32, not TF32, unless the device allows TF32 for matmuls:
+//! `CUBLAS_COMPUTE_32F_FAST_TF32`, as PyTorch's `allow_tf32` sets `CUBLAS_TF32_TENSOR_OP_MATH`).
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -66,7 +67,8 @@ impl Blas {
     }
 
     /// `C = alpha * op(A) * op(B) + beta * C` for every batch of `spec` (row-major, the
-    /// layout of [`MatmulSpec`]), with A and B of `ab` and C of `c_type`. The caller has
+    /// layout of [`MatmulSpec`]), with A and B of `ab` and C of `c_type`; `tf32` lets an
+    /// all-f32 product use TF32 tensor cores. The caller has
     /// bound the context and checked that the pointers hold `spec.a_len()`, `b_len()` and
     /// `c_len()` elements; `m`, `n` and `batch` are nonzero and `k` too.
     ///
@@ -80,6 +82,7 @@ impl Blas {
         c: u64,
         ab: DType,
         c_type: DType,
+        tf32: bool,
     ) -> Result<()> {
         const OP: &str = "matmul";
         let s = spec;
@@ -98,7 +101,11 @@ impl Blas {
         let ld_a = if s.trans_a { m } else { k };
         let (alpha, beta) = (s.alpha, s.beta);
         let (t_ab, t_c) = (data_type(ab), data_type(c_type));
-        let compute = sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+        let compute = if tf32 && ab == DType::F32 && c_type == DType::F32 {
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+        } else {
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
         let algo = sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
         if s.batch == 1 {
             // SAFETY: the handle is live and its context current; alpha and beta are f32

@@ -402,7 +402,10 @@ pub(crate) fn run<O: Op>(mut op: O) -> Result<O::Output> {
         #[cfg(feature = "cuda")]
         Compute::Cuda => {
             if let Some(cu) = device.cuda_backend() {
-                op.cuda(&crate::cuda::Gpu::new(cu, blas), &mut bufs)?;
+                op.cuda(
+                    &crate::cuda::Gpu::new(cu, blas, device.allow_tf32_matmul()),
+                    &mut bufs,
+                )?;
             }
         }
     }

@@ -36,8 +36,6 @@ pub(crate) fn lt_workspace_bytes(blas_bytes: usize) -> usize {
 /// What cuBLASLt does after the product.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Epilogue {
-    /// `D = A B`.
-    None,
     /// `D = A B + bias`, the bias (`m` elements) broadcast along the columns.
     Bias { bias: u64 },
     /// `D = gelu(A B + bias)`; with `aux`, `A B + bias` is stored there too (leading
@@ -216,7 +214,6 @@ impl BlasLt {
         use sys::cublasLtEpilogue_t as E;
         let dt = data_type(g.dtype);
         let (epilogue, vector) = match g.epilogue {
-            Epilogue::None => (E::CUBLASLT_EPILOGUE_DEFAULT, 0),
             Epilogue::Bias { bias } => (E::CUBLASLT_EPILOGUE_BIAS, bias),
             Epilogue::Gelu { bias, aux } => {
                 if aux != 0 {
@@ -246,7 +243,8 @@ impl BlasLt {
         let a_layout = Layout::new(g.dtype, ar, ac, g.lda)?;
         let b_layout = Layout::new(g.dtype, br, bc, g.ldb)?;
         let d_layout = Layout::new(g.dtype, g.m, g.n, g.ldd)?;
-        let pref = Pref(result::create_matmul_pref().map_err(lt_error("cublasLtMatmulPreferenceCreate"))?);
+        let pref =
+            Pref(result::create_matmul_pref().map_err(lt_error("cublasLtMatmulPreferenceCreate"))?);
         let (ws_ptr, ws_bytes) = workspace.unwrap_or((0, 0));
         use sys::cublasLtMatmulPreferenceAttributes_t as P;
         pref.set(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &(ws_bytes as u64))?;
@@ -255,7 +253,8 @@ impl BlasLt {
         pref.set(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &alignment(g.a))?;
         pref.set(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &alignment(g.b))?;
         pref.set(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &alignment(g.d))?;
-        let d_align = if vector != 0 { alignment(g.d).min(alignment(vector)) } else { alignment(g.d) };
+        let d_align =
+            if vector != 0 { alignment(g.d).min(alignment(vector)) } else { alignment(g.d) };
         pref.set(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &d_align)?;
         // SAFETY: every descriptor is live; the heuristic reads no device memory.
         let heuristic = unsafe {

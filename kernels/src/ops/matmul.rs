@@ -1,6 +1,9 @@
 //! Batched matrix products and the linear layer, forward and backward: the host's gemm
 //! crate or cuBLAS (`cublasGemmEx` / `cublasGemmStridedBatchedEx`, f32 accumulation), which
-//! runs in the device's cuBLAS workspace.
+//! runs in the device's cuBLAS workspace; a linear layer with a bias, a GELU or both
+//! ([`linear_act`]) is one cuBLASLt call with those as its epilogue, and its weight
+//! gradient's product sums the bias gradient too (falling back to cuBLAS and the crate's
+//! kernels where cuBLASLt cannot).
 
 use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
 use super::{expect_rank, expect_shape, rows_cols, same_kind};
@@ -237,28 +240,114 @@ fn with_last(shape: &[usize], last: usize) -> Vec<usize> {
 }
 
 /// A linear layer `y = x * w^T + bias`: `x: [.., in]`, `w: [out, in]`, `bias: [out]`,
-/// `y: [.., out]`.
+/// `y: [.., out]`. On a GPU with a bias: one cuBLASLt call, the bias its epilogue (see
+/// [`linear_act`]).
 ///
 /// # Errors
 ///
 /// [`Error::ShapeMismatch`] if `w` or `bias` does not fit `x`; dtype and device
 /// mismatches; out of memory.
 pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    run(Linear { x, w, bias, dims: (0, 0, 0) })
+    Ok(linear_act(x, w, bias, None, false)?.y)
+}
+
+/// The activation [`linear_act`] fuses after a linear layer's product and bias.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinearActivation {
+    /// GELU, tanh approximation ([`gelu`](super::gelu)'s, GPT-2's and cuBLASLt's).
+    Gelu,
+}
+
+/// What [`linear_act`] returns.
+#[derive(Debug)]
+pub struct LinearActOutput {
+    /// `act(x * w^T + bias)`.
+    pub y: Tensor,
+    /// The pre-activation `x * w^T + bias`, when asked for with an activation (what the
+    /// activation's backward reads; [`linear_act_backward`]).
+    pub pre: Option<Tensor>,
+}
+
+/// A linear layer and its activation in one call: `y = act(x * w^T + bias)` (shapes as
+/// [`linear`]); with `keep_pre` and an activation, the pre-activation is returned too, for
+/// backward. Without an activation it is [`linear`].
+///
+/// Host: [`linear`] then [`gelu`](super::gelu), bit for bit (the pre-activation is rounded
+/// to the dtype, then activated). On a GPU, one cuBLASLt call (`cublasLtMatmul` with the
+/// epilogue `GELU_AUX_BIAS`, or `GELU_BIAS` without `keep_pre`; `BIAS` without an
+/// activation), f16/bf16 on tensor cores with f32 accumulation, f32 in FP32 unless
+/// [`Device::allow_tf32_matmul`]; cuBLASLt activates the f32 sum before rounding it, so `y`
+/// may differ from the host's by a rounding of the dtype. The kept pre-activation needs
+/// `out % 8 == 0` (cuBLASLt's leading-dimension rule for it); otherwise, where cuBLASLt has
+/// no algorithm, or where libcublasLt is absent ([`Device::linear_path`]), the unfused path
+/// runs: cuBLAS with the bias broadcast into C, then the GELU kernel. Every path allocates the
+/// same: `pre` (when kept), then `y`, then the cuBLAS workspace on first use, which cuBLASLt
+/// shares (see [`crate::device`]). **The cuBLASLt path has not yet run on a GPU.**
+///
+/// # Errors
+///
+/// As [`linear`].
+pub fn linear_act(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    act: Option<LinearActivation>,
+    keep_pre: bool,
+) -> Result<LinearActOutput> {
+    run(Linear { x, w, bias, act, keep_pre: keep_pre && act.is_some(), dims: (0, 0, 0) })
+}
+
+/// The gradients of [`linear_act`] from the forward input `x`, the weight `w`, the kept
+/// pre-activation `pre` (required with an activation) and the upstream `dy`; `dbias` when
+/// `with_bias`. `pre` and `dy` are taken by value and dropped once the activation's
+/// gradient is formed, before the product's gradients are allocated, so the peak is that of
+/// the unfused ops run in sequence: [`gelu_backward`](super::gelu_backward), then
+/// [`linear_backward`] (whose weight-gradient product sums the bias gradient in the same
+/// cuBLASLt call on a GPU).
+///
+/// # Errors
+///
+/// As [`linear_backward`]; [`Error::InvalidArgument`] for an activation without `pre`;
+/// [`Error::ShapeMismatch`] for a `pre` not of `dy`'s shape.
+pub fn linear_act_backward(
+    x: &Tensor,
+    w: &Tensor,
+    pre: Option<Tensor>,
+    dy: Tensor,
+    act: Option<LinearActivation>,
+    with_bias: bool,
+) -> Result<LinearGrads> {
+    const OP: &str = "linear_act_backward";
+    let dz = match act {
+        None => dy,
+        Some(LinearActivation::Gelu) => {
+            let pre = pre.ok_or_else(|| {
+                super::invalid(OP, "GELU's gradient needs the kept pre-activation")
+            })?;
+            expect_shape(OP, dy.shape(), &pre)?;
+            let dz = super::gelu_backward(&pre, &dy)?;
+            drop((pre, dy));
+            dz
+        }
+    };
+    linear_backward(x, w, &dz, with_bias)
 }
 
 struct Linear<'a> {
     x: &'a Tensor,
     w: &'a Tensor,
     bias: Option<&'a Tensor>,
+    act: Option<LinearActivation>,
+    keep_pre: bool,
     /// `(rows, d_in, d_out)`.
     dims: (usize, usize, usize),
 }
 
 impl Op for Linear<'_> {
     const NAME: &'static str = "linear";
-    type Outs = Tensor;
-    type Output = Tensor;
+    /// The kept pre-activation and `y`.
+    type Outs = (Option<Tensor>, Tensor);
+    type Output = LinearActOutput;
 
     fn device(&self) -> &Device {
         self.x.device()
@@ -271,7 +360,11 @@ impl Op for Linear<'_> {
             same_kind(Self::NAME, self.x, bias)?;
             expect_shape(Self::NAME, &[d_out], bias)?;
         }
-        let mut plan = Plan::one(&with_last(self.x.shape(), d_out), self.x.dtype());
+        let (shape, dtype) = (with_last(self.x.shape(), d_out), self.x.dtype());
+        let mut plan = Plan::new((
+            self.keep_pre.then(|| OutputSpec::new(&shape, dtype)),
+            OutputSpec::new(&shape, dtype),
+        ));
         if rows > 0 && d_in > 0 && d_out > 0 {
             plan.blas();
         }
@@ -280,37 +373,96 @@ impl Op for Linear<'_> {
 
     fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         let (_, d_in, d_out) = self.dims;
-        with_dtype!(self.x.dtype(), T => cpu::linear(
-            self.x.as_slice::<T>()?,
-            self.w.as_slice::<T>()?,
-            self.bias.map(|b| b.as_slice::<T>()).transpose()?,
-            bufs.out().out_slice::<T>(Self::NAME)?,
-            d_in,
-            d_out,
-        ))
+        let (pre, y) = bufs.outputs_mut();
+        with_dtype!(self.x.dtype(), T => {
+            let (x, w) = (self.x.as_slice::<T>()?, self.w.as_slice::<T>()?);
+            let bias = self.bias.map(|b| b.as_slice::<T>()).transpose()?;
+            let y = y.out_slice::<T>(Self::NAME)?;
+            match (self.act, pre) {
+                (None, _) => cpu::linear(x, w, bias, y, d_in, d_out),
+                (Some(LinearActivation::Gelu), Some(pre)) => {
+                    let pre = pre.out_slice::<T>(Self::NAME)?;
+                    cpu::linear(x, w, bias, pre, d_in, d_out)?;
+                    crate::cpu::activation::gelu(pre, y)
+                }
+                (Some(LinearActivation::Gelu), None) => {
+                    // Host scratch: the GPU's epilogue keeps it in registers.
+                    let mut pre = vec![T::default(); y.len()];
+                    cpu::linear(x, w, bias, &mut pre, d_in, d_out)?;
+                    crate::cpu::activation::gelu(&pre, y)
+                }
+            }
+        })
     }
 
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        use crate::cuda::blaslt::{Epilogue, LtGemm};
         let (rows, d_in, d_out) = self.dims;
-        let y = bufs.out();
-        // The bias is broadcast into y first and the gemm adds the product to it (beta = 1),
-        // so each output is rounded once.
+        let t = self.x.dtype();
+        let (pre, y) = bufs.outputs_mut();
+        let bias = self.bias.map(Tensor::cuda_ptr).transpose()?;
+        let aux = pre.as_ref().map(Tensor::cuda_ptr).transpose()?;
+        let epilogue = match self.act {
+            None => bias.map(|bias| Epilogue::Bias { bias }),
+            // The kept pre-activation's leading dimension must be a multiple of 8.
+            Some(LinearActivation::Gelu) if aux.is_some() && !d_out.is_multiple_of(8) => None,
+            Some(LinearActivation::Gelu) => {
+                Some(Epilogue::Gelu { bias: bias.unwrap_or(0), aux: aux.unwrap_or(0) })
+            }
+        };
+        if let Some(epilogue) = epilogue {
+            // Column-major: y^T (out x rows) = w^T stored (in x out, transposed) * x^T
+            // stored (in x rows); the bias runs along y^T's rows.
+            let g = LtGemm {
+                m: d_out,
+                n: rows,
+                k: d_in,
+                a: self.w.cuda_ptr()?,
+                lda: d_in,
+                trans_a: true,
+                b: self.x.cuda_ptr()?,
+                ldb: d_in,
+                trans_b: false,
+                d: y.cuda_ptr()?,
+                ldd: d_out,
+                dtype: t,
+                epilogue,
+            };
+            // SAFETY: w is [out, in], x [rows, in], y (and the kept pre) [rows, out], the
+            // bias [out] (checked in `plan`); y is a fresh output.
+            if unsafe { gpu.lt_matmul(&g)? } {
+                return Ok(());
+            }
+        }
+        // Unfused: the product (the bias broadcast into C first, beta = 1, so each output is
+        // rounded once) into the pre-activation, then the activation into y.
+        let z = match pre {
+            Some(pre) => pre,
+            None => &mut *y,
+        };
         let beta = match self.bias {
             Some(bias) => {
-                cuda::bias_fill(gpu, bias, y)?;
+                cuda::bias_fill(gpu, bias, z)?;
                 1.0
             }
             None => 0.0,
         };
         let spec = MatmulSpec::new(rows, d_out, d_in).transpose(false, true).scaled(1.0, beta);
-        let t = self.x.dtype();
-        // SAFETY: x is [rows, d_in], w [d_out, d_in], y [rows, d_out] (checked in `plan`).
-        unsafe { gpu.gemm(&spec, self.x.cuda_ptr()?, self.w.cuda_ptr()?, y.cuda_ptr()?, t, t) }
+        // SAFETY: x is [rows, d_in], w [d_out, d_in], z [rows, d_out] (checked in `plan`).
+        unsafe { gpu.gemm(&spec, self.x.cuda_ptr()?, self.w.cuda_ptr()?, z.cuda_ptr()?, t, t)? };
+        match self.act {
+            None => Ok(()),
+            Some(LinearActivation::Gelu) => {
+                let src = aux.unwrap_or(y.cuda_ptr()?);
+                cuda::gelu(gpu, src, y)
+            }
+        }
     }
 
-    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
-        Ok(bufs.into_output())
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<LinearActOutput> {
+        let (pre, y) = bufs.into_outputs();
+        Ok(LinearActOutput { y, pre })
     }
 }
 
@@ -420,8 +572,34 @@ impl Op for LinearBackward<'_> {
         let dx = dx.cuda_ptr()?;
         // SAFETY: dy [rows, d_out] * w [d_out, d_in] -> dx [rows, d_in].
         unsafe { gpu.gemm(&MatmulSpec::new(rows, d_in, d_out), pdy, pw, dx, t, t)? };
-        let spec = MatmulSpec::new(d_out, d_in, rows).transpose(true, false);
         let dw = dw.cuda_ptr()?;
+        if let Some(dbias) = dbias.as_ref() {
+            use crate::cuda::blaslt::{Epilogue, LtGemm};
+            // Column-major: dw^T (in x out) = x^T stored (in x rows) * dy stored (out x rows,
+            // transposed); BGRADB sums B = dy over the product's k = rows: the bias gradient
+            // in the same call (Transformer Engine's weight-gradient GEMM).
+            let g = LtGemm {
+                m: d_in,
+                n: d_out,
+                k: rows,
+                a: px,
+                lda: d_in,
+                trans_a: false,
+                b: pdy,
+                ldb: d_out,
+                trans_b: true,
+                d: dw,
+                ldd: d_in,
+                dtype: t,
+                epilogue: Epilogue::BgradB { bias_grad: dbias.cuda_ptr()? },
+            };
+            // SAFETY: x [rows, d_in], dy [rows, d_out], dw [d_out, d_in], dbias [d_out]
+            // (checked in `plan`), all fresh outputs but x and dy.
+            if unsafe { gpu.lt_matmul(&g)? } {
+                return Ok(());
+            }
+        }
+        let spec = MatmulSpec::new(d_out, d_in, rows).transpose(true, false);
         // SAFETY: dy^T ([rows, d_out] stored) * x [rows, d_in] -> dw [d_out, d_in].
         unsafe { gpu.gemm(&spec, pdy, px, dw, t, t)? };
         if let Some(dbias) = dbias {
@@ -488,6 +666,21 @@ mod cuda {
         if in_place { Ok(()) } else { from_f32(gpu, acc, out) }
     }
 
+    /// `y = gelu(x)` over `y`'s elements, `x` the address of as many (`y`'s own for in
+    /// place: each element is read before it is written by the same thread).
+    pub(super) fn gelu(gpu: &Gpu<'_>, x: u64, y: &mut Tensor) -> Result<()> {
+        use crate::cuda::registry::GELU;
+        let n = y.numel();
+        // SAFETY: gelu_T(const T* x, T* y, u64 n), a plain map; x and y hold n elements.
+        unsafe {
+            gpu.launch(
+                GELU.forward.of(y.dtype()),
+                crate::cuda::launch::map(n, y.dtype().size_in_bytes()),
+                &[Arg::Ptr(x), ptr(y)?, Arg::count(n)],
+            )
+        }
+    }
+
     /// `y[i] = bias[i % d]` over all of `y` (the C operand of a linear layer's gemm).
     pub(super) fn bias_fill(gpu: &Gpu<'_>, bias: &Tensor, y: &mut Tensor) -> Result<()> {
         let (n, d) = (y.numel(), bias.numel());
@@ -503,5 +696,206 @@ mod cuda {
                 &[ptr(bias)?, ptr(y)?, Arg::count(n), Arg::div(d)],
             )
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops;
+    use proptest::prelude::*;
+
+    const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i as u64 * 2_654_435_761 + seed * 97) % 2001) as f32 / 500.0) - 2.0)
+            .collect()
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect()
+    }
+
+    fn tensor(dev: &Device, shape: &[usize], dtype: DType, seed: u64) -> Tensor {
+        let n = shape.iter().product();
+        Tensor::from_f32_slice(dev, shape, &values(n, seed), dtype).unwrap()
+    }
+
+    /// `linear_act` forward and backward against the unfused ops on the host, bit for bit:
+    /// `linear` then `gelu` (the pre-activation is `linear`'s output), `gelu_backward` then
+    /// `linear_backward`.
+    fn check_against_unfused(
+        dtype: DType,
+        lead: &[usize],
+        d_in: usize,
+        d_out: usize,
+        with_bias: bool,
+        act: Option<LinearActivation>,
+    ) {
+        let dev = Device::host(64 << 20);
+        let x_shape: Vec<usize> = lead.iter().copied().chain([d_in]).collect();
+        let y_shape: Vec<usize> = lead.iter().copied().chain([d_out]).collect();
+        let x = tensor(&dev, &x_shape, dtype, 1);
+        let w = tensor(&dev, &[d_out, d_in], dtype, 2);
+        let b = with_bias.then(|| tensor(&dev, &[d_out], dtype, 3));
+        let dy = tensor(&dev, &y_shape, dtype, 4);
+        let what = format!("{dtype:?} {x_shape:?} -> {d_out} bias {with_bias} {act:?}");
+        let z = linear(&x, &w, b.as_ref()).unwrap();
+        let want_y = match act {
+            Some(LinearActivation::Gelu) => ops::gelu(&z).unwrap(),
+            None => z.clone(),
+        };
+        let kept = linear_act(&x, &w, b.as_ref(), act, true).unwrap();
+        assert_eq!(kept.y.shape(), &y_shape[..], "{what}");
+        assert_eq!(bits(&kept.y), bits(&want_y), "{what}: y");
+        assert_eq!(kept.pre.is_some(), act.is_some(), "{what}: pre kept with an activation");
+        if let Some(pre) = &kept.pre {
+            assert_eq!(bits(pre), bits(&z), "{what}: pre");
+        }
+        let eval = linear_act(&x, &w, b.as_ref(), act, false).unwrap();
+        assert!(eval.pre.is_none(), "{what}: nothing kept");
+        assert_eq!(bits(&eval.y), bits(&want_y), "{what}: y without keeping");
+
+        let dz = match act {
+            Some(LinearActivation::Gelu) => ops::gelu_backward(&z, &dy).unwrap(),
+            None => dy.clone(),
+        };
+        let want = linear_backward(&x, &w, &dz, with_bias).unwrap();
+        let got = linear_act_backward(&x, &w, kept.pre, dy, act, with_bias).unwrap();
+        assert_eq!(bits(&got.dx), bits(&want.dx), "{what}: dx");
+        assert_eq!(bits(&got.dw), bits(&want.dw), "{what}: dw");
+        assert_eq!(got.dbias.is_some(), with_bias, "{what}: dbias");
+        if let (Some(g), Some(w)) = (&got.dbias, &want.dbias) {
+            assert_eq!(bits(g), bits(w), "{what}: dbias");
+        }
+    }
+
+    #[test]
+    fn linear_act_is_linear_then_gelu_in_every_dtype() {
+        for dtype in DTYPES {
+            for (lead, d_in, d_out) in [(&[7][..], 5, 3), (&[2, 65][..], 33, 17), (&[0][..], 4, 8)]
+            {
+                for with_bias in [true, false] {
+                    for act in [Some(LinearActivation::Gelu), None] {
+                        check_against_unfused(dtype, lead, d_in, d_out, with_bias, act);
+                    }
+                }
+            }
+            // No input features: y = act(bias), and the gradients of w are empty.
+            check_against_unfused(dtype, &[3], 0, 5, true, Some(LinearActivation::Gelu));
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// Odd and even sizes, with and without a bias, in every dtype.
+        #[test]
+        fn linear_act_matches_the_unfused_ops(
+            dtype in 0usize..3,
+            rows in 1usize..12,
+            d_in in 1usize..21,
+            d_out in 1usize..21,
+            with_bias: bool,
+            gelu: bool,
+        ) {
+            let act = gelu.then_some(LinearActivation::Gelu);
+            check_against_unfused(DTYPES[dtype], &[rows], d_in, d_out, with_bias, act);
+        }
+    }
+
+    #[test]
+    fn linear_act_refuses_bad_operands() {
+        let dev = Device::host(64 << 20);
+        let gelu = Some(LinearActivation::Gelu);
+        let x = tensor(&dev, &[4, 3], DType::F32, 1);
+        let w = tensor(&dev, &[5, 3], DType::F32, 2);
+        let b = tensor(&dev, &[5], DType::F32, 3);
+        let shape = |r: Result<LinearActOutput>| {
+            matches!(r.map(|o| o.y), Err(Error::ShapeMismatch { op: "linear", .. }))
+        };
+        // The weight's input features, the bias's length.
+        assert!(shape(linear_act(&x, &tensor(&dev, &[5, 4], DType::F32, 2), Some(&b), gelu, true)));
+        assert!(shape(linear_act(&x, &w, Some(&tensor(&dev, &[4], DType::F32, 3)), gelu, true)));
+        assert!(shape(linear_act(&x, &w, Some(&tensor(&dev, &[1, 5], DType::F32, 3)), None, true)));
+        // A weight of another rank, a scalar input, another dtype.
+        assert!(linear_act(&x, &tensor(&dev, &[15], DType::F32, 2), None, gelu, true).is_err());
+        let scalar = Tensor::from_f32_slice(&dev, &[], &[1.0], DType::F32).unwrap();
+        assert!(linear_act(&scalar, &w, None, gelu, true).is_err());
+        let b16 = tensor(&dev, &[5], DType::BF16, 3);
+        assert!(linear_act(&x, &w, Some(&b16), gelu, true).is_err());
+        // Backward: GELU without its pre-activation, a pre-activation or dy of another shape.
+        let dy = tensor(&dev, &[4, 5], DType::F32, 4);
+        let e = linear_act_backward(&x, &w, None, dy.clone(), gelu, true).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { op: "linear_act_backward", .. }), "{e}");
+        let pre = tensor(&dev, &[4, 6], DType::F32, 5);
+        assert!(linear_act_backward(&x, &w, Some(pre), dy.clone(), gelu, true).is_err());
+        let dy6 = tensor(&dev, &[4, 6], DType::F32, 4);
+        assert!(linear_act_backward(&x, &w, None, dy6, None, true).is_err());
+    }
+
+    /// Every backend makes the requests of the unfused ops `linear` then `gelu`: the
+    /// pre-activation, then `y`; without keeping it, `y` only. The host and a virtual
+    /// device (the GPU's plan) agree.
+    #[test]
+    fn linear_act_allocates_what_the_unfused_ops_did() {
+        let (rows, d_in, d_out) = (6, 32, 48);
+        let gelu = Some(LinearActivation::Gelu);
+        let mut traces = Vec::new();
+        for dev in [Device::host(64 << 20), Device::virtual_device(64 << 20)] {
+            dev.set_blas_workspace_size(1 << 20);
+            dev.prepare_blas_workspace().unwrap();
+            let x = Tensor::zeros(&dev, &[rows, d_in], DType::BF16).unwrap();
+            let w = Tensor::zeros(&dev, &[d_out, d_in], DType::BF16).unwrap();
+            let b = Tensor::zeros(&dev, &[d_out], DType::BF16).unwrap();
+            let requests = |f: &dyn Fn()| {
+                dev.record_history(Some(100));
+                f();
+                let t = dev.trace();
+                dev.record_history(None);
+                t.iter()
+                    .filter(|e| e.action == vram_alloc::TraceAction::Alloc)
+                    .map(|e| e.requested)
+                    .collect::<Vec<_>>()
+            };
+            let unfused = requests(&|| {
+                let z = linear(&x, &w, Some(&b)).unwrap();
+                drop(ops::gelu(&z).unwrap());
+            });
+            let fused = requests(&|| drop(linear_act(&x, &w, Some(&b), gelu, true).unwrap()));
+            let eval = requests(&|| drop(linear_act(&x, &w, Some(&b), gelu, false).unwrap()));
+            let y = rows * d_out * 2;
+            assert_eq!(unfused, [y, y]);
+            assert_eq!(fused, unfused);
+            assert_eq!(eval, [y]);
+            traces.push((fused, eval));
+        }
+        assert_eq!(traces[0], traces[1]);
+    }
+
+    /// TF32 for f32 matmuls is off by default (PyTorch's `allow_tf32`), and the switch is
+    /// the device's, shared by its clones; the host computes in FP32 either way.
+    #[test]
+    fn tf32_matmul_is_off_by_default_and_per_device() {
+        let dev = Device::host(64 << 20);
+        let other = Device::host(64 << 20);
+        assert!(!dev.allow_tf32_matmul());
+        let x = tensor(&dev, &[5, 33], DType::F32, 1);
+        let w = tensor(&dev, &[7, 33], DType::F32, 2);
+        let fp32 = linear(&x, &w, None).unwrap();
+        dev.clone().set_allow_tf32_matmul(true);
+        assert!(dev.allow_tf32_matmul() && !other.allow_tf32_matmul());
+        assert_eq!(bits(&linear(&x, &w, None).unwrap()), bits(&fp32), "host: FP32 always");
+        dev.set_allow_tf32_matmul(false);
+        assert!(!dev.allow_tf32_matmul());
+    }
+
+    #[test]
+    fn devices_report_their_linear_path() {
+        use crate::device::LinearPath;
+        assert_eq!(Device::host(1 << 20).linear_path(), LinearPath::Host);
+        assert_eq!(Device::virtual_device(1 << 20).linear_path(), LinearPath::Virtual);
+        assert_eq!(Device::host(1 << 20).cublaslt_fallbacks(), 0);
     }
 }

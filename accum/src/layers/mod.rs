@@ -1,7 +1,8 @@
 //! Ready-made layers built from `vram_kernels` ops, one library for every model of the
 //! workspace:
 //!
-//! - basics: [`Linear`] (with an optional fused activation), [`Activation`] (ReLU, GELU),
+//! - basics: [`Linear`] (with an optional fused activation; bias and GELU are one
+//!   cuBLASLt call on a GPU, [`ops::linear_act`]), [`Activation`] (ReLU, GELU),
 //!   [`Dropout`], [`LayerNorm`], a pre-norm residual MLP block, [`ResidualMlp`];
 //! - convolutional ([`conv`]): [`Conv2d`], [`MaxPool2d`], ResNet's basic
 //!   [`ResidualBlock`] and [`Bottleneck`], MobileNet's [`InvertedResidual`], and a
@@ -306,6 +307,31 @@ impl AffineSaved {
     }
 }
 
+/// `act(x w^T + b)`, keeping what backward needs in training: for the identity and GELU
+/// one [`ops::linear_act`] call (on a GPU one cuBLASLt product with the bias and GELU as its
+/// epilogue; GELU keeps its pre-activation, as the unfused ops did), for the other
+/// activations [`ops::linear`] then the activation.
+fn affine(
+    act: Act,
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    ctx: &ForwardCtx,
+) -> Result<(Tensor, Option<AffineSaved>)> {
+    let fused = match act {
+        Act::Identity => None,
+        Act::Gelu => Some(ops::LinearActivation::Gelu),
+        Act::Relu | Act::Hardswish => {
+            let z = ops::linear(x, w, b)?;
+            return AffineSaved::activate(act, x, z, ctx);
+        }
+    };
+    let training = ctx.training();
+    let out = ops::linear_act(x, w, b, fused, training)?;
+    let saved = training.then(|| AffineSaved { x: x.clone(), z: out.pre, cast: None, norm: None });
+    Ok((out.y, saved))
+}
+
 /// The settings of a [`Linear`] layer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LinearConfig {
@@ -394,7 +420,10 @@ impl LinearConfig {
 }
 
 /// `y = act(x w^T + b)` over the last dimension: `[.., d_in] -> [.., d_out]`. Built from a
-/// [`LinearConfig`].
+/// [`LinearConfig`]. With no activation or GELU, forward is one [`ops::linear_act`] call
+/// (on a GPU one cuBLASLt product, the bias and GELU its epilogue) and backward the GELU's
+/// gradient then [`ops::linear_backward`] (whose weight-gradient product also sums the bias
+/// gradient there).
 #[derive(Debug)]
 pub struct Linear {
     weight: Param,
@@ -459,10 +488,7 @@ impl Layer for Linear {
         let w_dtype = self.weight.value.dtype();
         let dt = match ctx.op_dtype(OpKind::Linear, &[x.dtype(), w_dtype]) {
             Some(dt) if dt != x.dtype() || dt != w_dtype => dt,
-            _ => {
-                let z = ops::linear(x, &self.weight.value, self.bias_value())?;
-                return AffineSaved::activate(self.act, x, z, ctx);
-            }
+            _ => return affine(self.act, x, &self.weight.value, self.bias_value(), ctx),
         };
         let xc = cast(x, dt)?;
         let w = ctx.cast_param(&self.weight, dt)?;
@@ -470,9 +496,8 @@ impl Layer for Linear {
             Some(b) => Some(ctx.cast_param(b, dt)?),
             None => None,
         };
-        let z = ops::linear(&xc, &w, b.as_ref())?;
+        let (y, saved) = affine(self.act, &xc, &w, b.as_ref(), ctx)?;
         drop(b);
-        let (y, saved) = AffineSaved::activate(self.act, &xc, z, ctx)?;
         let saved =
             saved.map(|s| AffineSaved { cast: Some(CastSaved { w, in_dtype: x.dtype() }), ..s });
         Ok((y, saved))
@@ -878,8 +903,15 @@ impl Layer for ResidualMlp {
     fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<MlpSaved>)> {
         ctx.refuse_autocast(|| self.name())?;
         let (normed, norm) = self.norm.run(x, ctx)?;
-        let hidden = ops::linear(&normed, &self.fc1.weight.value, self.fc1.bias_value())?;
-        let activated = ops::gelu(&hidden)?;
+        // fc1 and its GELU in one call, the pre-activation kept for backward.
+        let fc1 = ops::linear_act(
+            &normed,
+            &self.fc1.weight.value,
+            self.fc1.bias_value(),
+            Some(ops::LinearActivation::Gelu),
+            norm.is_some(),
+        )?;
+        let activated = fc1.y;
         let mut branch = ops::linear(&activated, &self.fc2.weight.value, self.fc2.bias_value())?;
         let dropout = if ctx.training() && self.p > 0.0 {
             let offset = ctx.take_offsets(branch.numel() as u64)?;
@@ -889,7 +921,13 @@ impl Layer for ResidualMlp {
             None
         };
         let y = ops::add(x, &branch)?;
-        let saved = norm.map(|norm| MlpSaved { norm, normed, hidden, activated, dropout });
+        let saved = norm.zip(fc1.pre).map(|(norm, hidden)| MlpSaved {
+            norm,
+            normed,
+            hidden,
+            activated,
+            dropout,
+        });
         Ok((y, saved))
     }
 

@@ -16,6 +16,9 @@ pub(crate) struct Blas {
     handle: sys::cublasHandle_t,
     /// The workspace last given to the handle, `(address, bytes)`.
     workspace: Option<(u64, usize)>,
+    /// Whether f32 products may use TF32 (the device's setting, given before each product
+    /// as PyTorch sets the handle's math mode in `getCurrentCUDABlasHandle`).
+    tf32: bool,
 }
 
 // SAFETY: a cuBLAS handle may be used from any thread as long as calls on it do not overlap;
@@ -45,7 +48,7 @@ impl Blas {
     /// A handle for the current context. The caller has bound the device's context.
     pub(crate) fn new() -> Result<Blas> {
         let handle = result::create_handle().map_err(blas_error("cublasCreate"))?;
-        Ok(Blas { handle, workspace: None })
+        Ok(Blas { handle, workspace: None, tf32: false })
     }
 
     /// Gives the handle `workspace` (`(address, bytes)` from the device's caching
@@ -66,9 +69,14 @@ impl Blas {
         Ok(())
     }
 
+    /// Lets f32 products use TF32 tensor cores (`CUBLAS_COMPUTE_32F_FAST_TF32`) or not.
+    pub(crate) fn set_tf32(&mut self, tf32: bool) {
+        self.tf32 = tf32;
+    }
+
     /// `C = alpha * op(A) * op(B) + beta * C` for every batch of `spec` (row-major, the
-    /// layout of [`MatmulSpec`]), with A and B of `ab` and C of `c_type`; `tf32` lets an
-    /// all-f32 product use TF32 tensor cores. The caller has
+    /// layout of [`MatmulSpec`]), with A and B of `ab` and C of `c_type`; an all-f32
+    /// product uses TF32 tensor cores when [`Blas::set_tf32`] allowed it. The caller has
     /// bound the context and checked that the pointers hold `spec.a_len()`, `b_len()` and
     /// `c_len()` elements; `m`, `n` and `batch` are nonzero and `k` too.
     ///
@@ -82,7 +90,6 @@ impl Blas {
         c: u64,
         ab: DType,
         c_type: DType,
-        tf32: bool,
     ) -> Result<()> {
         const OP: &str = "matmul";
         let s = spec;
@@ -101,7 +108,7 @@ impl Blas {
         let ld_a = if s.trans_a { m } else { k };
         let (alpha, beta) = (s.alpha, s.beta);
         let (t_ab, t_c) = (data_type(ab), data_type(c_type));
-        let compute = if tf32 && ab == DType::F32 && c_type == DType::F32 {
+        let compute = if self.tf32 && ab == DType::F32 && c_type == DType::F32 {
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
         } else {
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F

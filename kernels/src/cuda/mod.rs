@@ -437,7 +437,8 @@ impl<'a> Gpu<'a> {
         self.cu.bind()?;
         let mut blas = self.cu.blas.lock().unwrap_or_else(|e| e.into_inner());
         blas.set_workspace(self.blas_workspace)?;
-        blas.gemm(s, a, b, c, ab, c_type, self.tf32)
+        blas.set_tf32(self.tf32);
+        blas.gemm(s, a, b, c, ab, c_type)
     }
 }
 

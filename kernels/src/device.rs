@@ -8,7 +8,11 @@
 //!
 //! The cuBLAS workspace is one of those requests: as PyTorch does, a device takes it from
 //! its caching allocator at the first op that runs a matrix product and keeps it until the
-//! device goes (see [`Device::set_blas_workspace_size`]).
+//! device goes (see [`Device::set_blas_workspace_size`]). cuBLASLt (a linear layer's fused
+//! epilogues) runs in the same block, at most `CUBLASLT_WORKSPACE_SIZE` KiB of it (default
+//! 1024, PyTorch's): PyTorch's unified cuBLAS/cuBLASLt workspace
+//! (`TORCH_CUBLASLT_UNIFIED_WORKSPACE`), so no second block is allocated (PyTorch without
+//! that setting allocates a separate 1 MiB block for cuBLASLt on the first such product).
 
 use crate::error::{Error, Result};
 use crate::storage::Storage;

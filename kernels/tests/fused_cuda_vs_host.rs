@@ -224,7 +224,13 @@ fn linear_act_matches_the_host() {
                     (kept.y, eval.y, pre, g.unwrap())
                 };
                 let (hy, hy_eval, hpre, hg) = run(&host);
+                let fallbacks = gpu.cublaslt_fallbacks();
                 let (gy, gy_eval, gpre, gg) = run(&gpu);
+                if dtype == DType::BF16 && d_out == 3072 {
+                    // GPT-2's fc1 in bf16: the epilogues llm.c runs (GELU_AUX_BIAS, BIAS,
+                    // BGRADB) must have found an algorithm, not fallen back.
+                    assert_eq!(gpu.cublaslt_fallbacks(), fallbacks, "{what}: ran unfused");
+                }
                 close(&format!("{what}: y"), &gy, &hy, tol, true);
                 close(&format!("{what}: y, nothing kept"), &gy_eval, &hy_eval, tol, true);
                 if let (Some(g), Some(h)) = (gpre, hpre) {

@@ -898,4 +898,25 @@ mod tests {
         assert_eq!(Device::virtual_device(1 << 20).linear_path(), LinearPath::Virtual);
         assert_eq!(Device::host(1 << 20).cublaslt_fallbacks(), 0);
     }
+
+    /// Out of memory at `y` (the pre-activation fitted): an error, the pre-activation given
+    /// back, the inputs intact.
+    #[test]
+    fn linear_act_out_of_memory_leaves_everything_as_it_was() {
+        // 20 MiB of device memory: the operands (a 2 MiB small-pool segment) and one 12 MiB
+        // output fit, not two.
+        let dev = Device::host(20 << 20);
+        let (rows, d_in, d_out) = (1536, 8, 2048);
+        let x = tensor(&dev, &[rows, d_in], DType::F32, 1);
+        let w = tensor(&dev, &[d_out, d_in], DType::F32, 2);
+        let (xv, wv) = (bits(&x), bits(&w));
+        let before = dev.memory_stats().allocated_bytes.all.current;
+        let gelu = Some(LinearActivation::Gelu);
+        let e = linear_act(&x, &w, None, gelu, true).unwrap_err();
+        assert!(e.is_out_of_memory(), "{e}");
+        assert_eq!(dev.memory_stats().allocated_bytes.all.current, before);
+        assert_eq!((bits(&x), bits(&w)), (xv, wv));
+        // Without keeping the pre-activation, y alone fits.
+        assert!(linear_act(&x, &w, None, gelu, false).is_ok());
+    }
 }

@@ -435,29 +435,15 @@ impl Op for Linear<'_> {
                 return Ok(());
             }
         }
-        // Unfused: the product (the bias broadcast into C first, beta = 1, so each output is
-        // rounded once) into the pre-activation, then the activation into y.
-        let z = match pre {
-            Some(pre) => pre,
-            None => &mut *y,
+        let at = cuda::LinearAddresses {
+            x: self.x.cuda_ptr()?,
+            w: self.w.cuda_ptr()?,
+            bias,
+            pre: aux,
+            y: y.cuda_ptr()?,
         };
-        let beta = match self.bias {
-            Some(bias) => {
-                cuda::bias_fill(gpu, bias, z)?;
-                1.0
-            }
-            None => 0.0,
-        };
-        let spec = MatmulSpec::new(rows, d_out, d_in).transpose(false, true).scaled(1.0, beta);
-        // SAFETY: x is [rows, d_in], w [d_out, d_in], z [rows, d_out] (checked in `plan`).
-        unsafe { gpu.gemm(&spec, self.x.cuda_ptr()?, self.w.cuda_ptr()?, z.cuda_ptr()?, t, t)? };
-        match self.act {
-            None => Ok(()),
-            Some(LinearActivation::Gelu) => {
-                let src = aux.unwrap_or(y.cuda_ptr()?);
-                cuda::gelu(gpu, src, y)
-            }
-        }
+        // SAFETY: as above; the pre-activation, when kept, is a fresh output of y's size.
+        unsafe { cuda::unfused(gpu, &at, self.dims, t, self.act.is_some()) }
     }
 
     fn finish(self, bufs: Buffers<Self::Outs>) -> Result<LinearActOutput> {
@@ -617,10 +603,10 @@ impl Op for LinearBackward<'_> {
 /// The CUDA side of the gradients and the bias broadcast.
 #[cfg(feature = "cuda")]
 mod cuda {
-    use crate::cuda::helpers::{from_f32, ptr};
+    use crate::cuda::helpers::from_f32;
     use crate::cuda::launch::elementwise as grid;
     use crate::cuda::registry::BIAS_FILL;
-    use crate::cuda::{Arg, Gpu};
+    use crate::cuda::{Arg, Exec, Gpu};
     use crate::dtype::DType;
     use crate::error::Result;
     use crate::ops::MatmulSpec;
@@ -666,34 +652,68 @@ mod cuda {
         if in_place { Ok(()) } else { from_f32(gpu, acc, out) }
     }
 
-    /// `y = gelu(x)` over `y`'s elements, `x` the address of as many (`y`'s own for in
-    /// place: each element is read before it is written by the same thread).
-    pub(super) fn gelu(gpu: &Gpu<'_>, x: u64, y: &mut Tensor) -> Result<()> {
-        use crate::cuda::registry::GELU;
-        let n = y.numel();
-        // SAFETY: gelu_T(const T* x, T* y, u64 n), a plain map; x and y hold n elements.
-        unsafe {
-            gpu.launch(
-                GELU.forward.of(y.dtype()),
-                crate::cuda::launch::map(n, y.dtype().size_in_bytes()),
-                &[Arg::Ptr(x), ptr(y)?, Arg::count(n)],
-            )
-        }
+    /// The device addresses of a linear layer's unfused path ([`unfused`]).
+    pub(crate) struct LinearAddresses {
+        /// `[rows, d_in]`.
+        pub(crate) x: u64,
+        /// `[d_out, d_in]`.
+        pub(crate) w: u64,
+        /// `[d_out]`, if any.
+        pub(crate) bias: Option<u64>,
+        /// `[rows, d_out]`, the kept pre-activation, if any.
+        pub(crate) pre: Option<u64>,
+        /// `[rows, d_out]`.
+        pub(crate) y: u64,
     }
 
-    /// `y[i] = bias[i % d]` over all of `y` (the C operand of a linear layer's gemm).
-    pub(super) fn bias_fill(gpu: &Gpu<'_>, bias: &Tensor, y: &mut Tensor) -> Result<()> {
-        let (n, d) = (y.numel(), bias.numel());
-        if n == 0 {
+    /// A linear layer without cuBLASLt: the product (the bias broadcast into C first,
+    /// beta = 1, so each output is rounded once) into the pre-activation (kept, or y
+    /// itself), then with `gelu` the GELU kernel into y (in place when nothing is kept: a
+    /// plain map reads each element before the same thread writes it). Written against
+    /// [`Exec`] so that the tests run it in the emulation.
+    ///
+    /// # Safety
+    ///
+    /// The addresses hold what [`LinearAddresses`] says for `(rows, d_in, d_out)`, of
+    /// `dtype`; y and the pre-activation alias no input or each other.
+    pub(crate) unsafe fn unfused(
+        gpu: &impl Exec,
+        at: &LinearAddresses,
+        (rows, d_in, d_out): (usize, usize, usize),
+        dtype: DType,
+        gelu: bool,
+    ) -> Result<()> {
+        use crate::cuda::launch::map;
+        use crate::cuda::registry::GELU;
+        let z = at.pre.unwrap_or(at.y);
+        let n = rows * d_out;
+        let beta = match at.bias {
+            Some(bias) if n > 0 => {
+                // SAFETY: bias_fill_T(const T* b, T* y, u64 n, Div d); z holds n elements,
+                // a multiple of d_out > 0; the bias d_out.
+                unsafe {
+                    gpu.launch(
+                        BIAS_FILL.of(dtype),
+                        grid(n),
+                        &[Arg::Ptr(bias), Arg::Ptr(z), Arg::count(n), Arg::div(d_out)],
+                    )?;
+                }
+                1.0
+            }
+            _ => 0.0,
+        };
+        let spec = MatmulSpec::new(rows, d_out, d_in).transpose(false, true).scaled(1.0, beta);
+        // SAFETY: x is [rows, d_in], w [d_out, d_in], z [rows, d_out] (the contract).
+        unsafe { gpu.gemm(&spec, at.x, at.w, z, dtype, dtype)? };
+        if !gelu {
             return Ok(());
         }
-        // SAFETY: bias_fill_T(const T* b, T* y, u64 n, Div d); y holds n elements, a multiple
-        // of d > 0; bias holds d.
+        // SAFETY: gelu_T(const T* x, T* y, u64 n), a plain map over n elements of z and y.
         unsafe {
             gpu.launch(
-                BIAS_FILL.of(y.dtype()),
-                grid(n),
-                &[ptr(bias)?, ptr(y)?, Arg::count(n), Arg::div(d)],
+                GELU.forward.of(dtype),
+                map(n, dtype.size_in_bytes()),
+                &[Arg::Ptr(z), Arg::Ptr(at.y), Arg::count(n)],
             )
         }
     }
@@ -918,5 +938,61 @@ mod tests {
         assert_eq!((bits(&x), bits(&w)), (xv, wv));
         // Without keeping the pre-activation, y alone fits.
         assert!(linear_act(&x, &w, None, gelu, false).is_ok());
+    }
+
+    /// The unfused CUDA path (the fallback where cuBLASLt cannot run a product), emulated on
+    /// the host through the op's own launch code: the bias broadcast, the product with
+    /// beta = 1 into the kept pre-activation or y, then GELU (in place without a kept
+    /// pre-activation). Within rounding of the host (the emulated product sums in f64).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_unfused_cuda_path_matches_the_host() {
+        use crate::cuda::emulate::Emulator;
+        use crate::cuda::registry::GELU;
+        let Some(e) = Emulator::new(GELU.forward.of(DType::F32)) else { return };
+        let dev = Device::host(64 << 20);
+        for dtype in DTYPES {
+            let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+            for (rows, d_in, d_out) in [(7, 5, 3), (33, 16, 24)] {
+                for (with_bias, keep) in
+                    [(true, true), (true, false), (false, true), (false, false)]
+                {
+                    let what = format!("{dtype:?} {rows}x{d_in}->{d_out} {with_bias} {keep}");
+                    let x = tensor(&dev, &[rows, d_in], dtype, 1);
+                    let w = tensor(&dev, &[d_out, d_in], dtype, 2);
+                    let b = with_bias.then(|| tensor(&dev, &[d_out], dtype, 3));
+                    let want =
+                        linear_act(&x, &w, b.as_ref(), Some(LinearActivation::Gelu), keep).unwrap();
+                    let nan = || {
+                        let v = vec![f32::NAN; rows * d_out];
+                        Tensor::from_f32_slice(&dev, &[rows, d_out], &v, dtype).unwrap()
+                    };
+                    let (y, pre) = (nan(), keep.then(nan));
+                    let a = |t: &Tensor| t.storage().address();
+                    let at = cuda::LinearAddresses {
+                        x: a(&x),
+                        w: a(&w),
+                        bias: b.as_ref().map(a),
+                        pre: pre.as_ref().map(a),
+                        y: a(&y),
+                    };
+                    // SAFETY: host buffers of the sizes the launches address.
+                    unsafe { cuda::unfused(&e, &at, (rows, d_in, d_out), dtype, true) }.unwrap();
+                    let close = |what: &str, got: &Tensor, want: &Tensor| {
+                        let (g, w) = (got.to_f32_vec().unwrap(), want.to_f32_vec().unwrap());
+                        for (i, (g, w)) in g.iter().zip(&w).enumerate() {
+                            assert!(
+                                (g - w).abs() <= tol * w.abs().max(1.0),
+                                "{what} {i}: {g} vs {w}"
+                            );
+                        }
+                    };
+                    close(&format!("{what}: y"), &y, &want.y);
+                    if let (Some(p), Some(w)) = (&pre, &want.pre) {
+                        close(&format!("{what}: pre"), p, w);
+                    }
+                }
+            }
+        }
     }
 }

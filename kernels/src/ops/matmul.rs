@@ -307,8 +307,9 @@ pub fn linear_act(
 ///
 /// # Errors
 ///
-/// As [`linear_backward`]; [`Error::InvalidArgument`] for an activation without `pre`;
-/// [`Error::ShapeMismatch`] for a `pre` not of `dy`'s shape.
+/// As [`linear_backward`] (checked before anything is computed); [`Error::InvalidArgument`]
+/// for an activation without `pre`; [`Error::ShapeMismatch`] for a `pre` not of `dy`'s
+/// shape.
 pub fn linear_act_backward(
     x: &Tensor,
     w: &Tensor,
@@ -318,6 +319,11 @@ pub fn linear_act_backward(
     with_bias: bool,
 ) -> Result<LinearGrads> {
     const OP: &str = "linear_act_backward";
+    // Checked before anything runs, so that bad operands leave the caller's tensors as
+    // they were (`pre` and `dy` are only consumed by a call that can succeed).
+    let (_, _, d_out) = linear_dims(OP, x, w)?;
+    same_kind(OP, x, &dy)?;
+    expect_shape(OP, &with_last(x.shape(), d_out), &dy)?;
     let dz = match act {
         None => dy,
         Some(LinearActivation::Gelu) => {
@@ -852,7 +858,10 @@ mod tests {
         let pre = tensor(&dev, &[4, 6], DType::F32, 5);
         assert!(linear_act_backward(&x, &w, Some(pre), dy.clone(), gelu, true).is_err());
         let dy6 = tensor(&dev, &[4, 6], DType::F32, 4);
-        assert!(linear_act_backward(&x, &w, None, dy6, None, true).is_err());
+        let e = linear_act_backward(&x, &w, None, dy6, None, true).unwrap_err();
+        assert!(matches!(e, Error::ShapeMismatch { op: "linear_act_backward", .. }), "{e}");
+        let dy16 = tensor(&dev, &[4, 5], DType::BF16, 4);
+        assert!(linear_act_backward(&x, &w, None, dy16, None, true).is_err());
     }
 
     /// Every backend makes the requests of the unfused ops `linear` then `gelu`: the

@@ -254,3 +254,45 @@ fn linear_act_matches_the_host() {
         gpu.cublaslt_fallbacks()
     );
 }
+
+/// `linear_backward_gelu` (cuBLASLt's `DGELU_BGRAD` for the gradient of the GELU's input
+/// and the first layer's bias gradient, `BGRADB` for this layer's) against the host's
+/// unfused ops; tolerances as `linear_act_matches_the_host`. GPT-2's fc2 (in = 3072) and an
+/// odd width (in = 30: the unfused path).
+#[test]
+fn linear_backward_gelu_matches_the_host() {
+    let Some(gpu) = gpu() else { return };
+    let host = Device::host(1 << 30);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let tol = if dtype == DType::F32 { 1e-4 } else { 2e-2 };
+        for (rows, d_in, d_out) in [(256, 3072, 768), (37, 30, 50)] {
+            let what = format!("{dtype:?} {rows}x{d_in}->{d_out}");
+            let t = |dev: &Device, shape: &[usize], seed| {
+                let n = shape.iter().product();
+                Tensor::from_f32_slice(dev, shape, &values(n, seed, -1.0, 1.0), dtype).unwrap()
+            };
+            let run = |dev: &Device| {
+                let pre = t(dev, &[rows, d_in], 1);
+                let x = ops::gelu(&pre).unwrap();
+                let w = t(dev, &[d_out, d_in], 2);
+                let dy = t(dev, &[rows, d_out], 3);
+                ops::linear_backward_gelu(&x, &w, &dy, true, &pre).unwrap()
+            };
+            let fallbacks = gpu.cublaslt_fallbacks();
+            let (h, g) = (run(&host), run(&gpu));
+            if dtype == DType::BF16 && d_in == 3072 {
+                assert_eq!(gpu.cublaslt_fallbacks(), fallbacks, "{what}: ran unfused");
+            }
+            close(&format!("{what}: dpre"), &g.dpre, &h.dpre, tol, true);
+            close(&format!("{what}: dw"), &g.dw, &h.dw, tol, true);
+            close(
+                &format!("{what}: dbias"),
+                g.dbias.as_ref().unwrap(),
+                h.dbias.as_ref().unwrap(),
+                tol,
+                true,
+            );
+            close(&format!("{what}: dpre_bias"), &g.dpre_bias, &h.dpre_bias, tol, true);
+        }
+    }
+}

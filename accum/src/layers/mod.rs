@@ -872,7 +872,9 @@ impl ResidualMlpConfig {
 
 /// A pre-norm residual MLP block, one layer of a chain:
 /// `y = x + dropout(fc2(gelu(fc1(layer_norm(x)))))`, `[.., d] -> [.., d]`. Built from a
-/// [`ResidualMlpConfig`].
+/// [`ResidualMlpConfig`]. fc1 and its GELU are one [`ops::linear_act`] call; backward, fc2's
+/// gradients come with the GELU's and fc1's bias gradient in one
+/// [`ops::linear_backward_gelu`] call.
 #[derive(Debug)]
 pub struct ResidualMlp {
     norm: LayerNorm,
@@ -937,12 +939,28 @@ impl Layer for ResidualMlp {
             Some(d) => Some(ops::dropout_backward(dy, self.p, d.seed, d.offset)?),
             None => None,
         };
-        let dactivated = self.fc2.grads(&s.activated, dbranch.as_ref().unwrap_or(dy))?;
-        drop((dbranch, s.activated));
-        let dhidden = ops::gelu_backward(&s.hidden, &dactivated)?;
-        drop((dactivated, s.hidden));
-        let dnormed = self.fc1.grads(&s.normed, &dhidden)?;
-        drop((dhidden, s.normed));
+        // fc2's backward through the GELU: the gradient of fc1's output and fc1's bias
+        // gradient come with fc2's (on a GPU one cuBLASLt call, DGELU_BGRAD), so the GELU's
+        // output gradient is never stored.
+        let g = ops::linear_backward_gelu(
+            &s.activated,
+            &self.fc2.weight.value,
+            dbranch.as_ref().unwrap_or(dy),
+            self.fc2.bias.is_some(),
+            &s.hidden,
+        )?;
+        drop((dbranch, s.activated, s.hidden));
+        self.fc2.weight.accumulate_grad(g.dw)?;
+        if let (Some(b), Some(db)) = (&mut self.fc2.bias, g.dbias) {
+            b.accumulate_grad(db)?;
+        }
+        if let Some(b) = &mut self.fc1.bias {
+            b.accumulate_grad(g.dpre_bias)?;
+        }
+        let g1 = ops::linear_backward(&s.normed, &self.fc1.weight.value, &g.dpre, false)?;
+        drop((g.dpre, s.normed));
+        self.fc1.weight.accumulate_grad(g1.dw)?;
+        let dnormed = g1.dx;
         let mut dx = self.norm.grads(s.norm, &dnormed)?;
         drop(dnormed);
         if !want {

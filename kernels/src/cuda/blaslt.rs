@@ -1,6 +1,8 @@
 //! Matrix products with fused epilogues through cuBLASLt (`cublasLtMatmul`): a linear layer's
 //! bias, its GELU (tanh approximation, cuBLASLt's) with or without the pre-activation kept
-//! for backward, and the bias gradient of a weight gradient's product (`BGRADB`), as
+//! for backward, the bias gradient of a weight gradient's product (`BGRADB`), and GELU's
+//! gradient with the previous layer's bias gradient in an input gradient's product
+//! (`DGELU_BGRAD`), as
 //! PyTorch's `gemm_and_bias` (`aten/src/ATen/cuda/CUDABlas.cpp`) and Transformer Engine's
 //! GEMMs use them. f16 and bf16 run on tensor cores with f32 accumulation
 //! (`CUBLAS_COMPUTE_32F`); f32 is plain FP32 unless the device allows TF32 for matmuls
@@ -43,6 +45,10 @@ pub(crate) enum Epilogue {
     Gelu { bias: u64, aux: u64 },
     /// `D = A B` and `bias_grad[j] = sum over k of B[k, j]` (`n` elements, D's type).
     BgradB { bias_grad: u64 },
+    /// `D = A B * gelu'(aux)` (aux: GELU's input, leading dimension `m`, D's type) and
+    /// `bias_grad[i] = sum over j of D[i, j]` (`m` elements): the gradient of the GELU's
+    /// input and the bias gradient of the layer that produced it.
+    DgeluBgrad { aux: u64, bias_grad: u64 },
 }
 
 /// One column-major product `D (m x n) = op(A) (m x k) * op(B) (k x n)` of one dtype, with
@@ -231,6 +237,13 @@ impl BlasLt {
                 (e, bias)
             }
             Epilogue::BgradB { bias_grad } => (E::CUBLASLT_EPILOGUE_BGRADB, bias_grad),
+            Epilogue::DgeluBgrad { aux, bias_grad } => {
+                let ld = g.m as i64;
+                desc.set(A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &(aux as *mut c_void))?;
+                desc.set(A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld)?;
+                desc.set(A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, &dt)?;
+                (E::CUBLASLT_EPILOGUE_DGELU_BGRAD, bias_grad)
+            }
         };
         desc.set(A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
         if vector != 0 {

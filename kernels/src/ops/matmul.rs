@@ -9,7 +9,7 @@ use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
 use super::{expect_rank, expect_shape, rows_cols, same_kind};
 use crate::cpu::matmul as cpu;
 use crate::device::Device;
-use crate::dtype::{DType, with_dtype};
+use crate::dtype::{DType, Element, with_dtype};
 use crate::error::{Error, Result};
 use crate::params::MatmulSpec;
 use crate::tensor::Tensor;
@@ -564,45 +564,197 @@ impl Op for LinearBackward<'_> {
         let dx = dx.cuda_ptr()?;
         // SAFETY: dy [rows, d_out] * w [d_out, d_in] -> dx [rows, d_in].
         unsafe { gpu.gemm(&MatmulSpec::new(rows, d_in, d_out), pdy, pw, dx, t, t)? };
-        let dw = dw.cuda_ptr()?;
-        if let Some(dbias) = dbias.as_ref() {
-            use crate::cuda::blaslt::{Epilogue, LtGemm};
-            // Column-major: dw^T (in x out) = x^T stored (in x rows) * dy stored (out x rows,
-            // transposed); BGRADB sums B = dy over the product's k = rows: the bias gradient
-            // in the same call (Transformer Engine's weight-gradient GEMM).
-            let g = LtGemm {
-                m: d_in,
-                n: d_out,
-                k: rows,
-                a: px,
-                lda: d_in,
-                trans_a: false,
-                b: pdy,
-                ldb: d_out,
-                trans_b: true,
-                d: dw,
-                ldd: d_in,
-                dtype: t,
-                epilogue: Epilogue::BgradB { bias_grad: dbias.cuda_ptr()? },
-            };
-            // SAFETY: x [rows, d_in], dy [rows, d_out], dw [d_out, d_in], dbias [d_out]
-            // (checked in `plan`), all fresh outputs but x and dy.
-            if unsafe { gpu.lt_matmul(&g)? } {
-                return Ok(());
-            }
-        }
-        let spec = MatmulSpec::new(d_out, d_in, rows).transpose(true, false);
-        // SAFETY: dy^T ([rows, d_out] stored) * x [rows, d_in] -> dw [d_out, d_in].
-        unsafe { gpu.gemm(&spec, pdy, px, dw, t, t)? };
-        if let Some(dbias) = dbias {
-            crate::cuda::helpers::column_sums(gpu, pdy, t, rows, acc, dbias)?;
-        }
-        Ok(())
+        // SAFETY: x [rows, d_in], dy [rows, d_out], dw [d_out, d_in], dbias [d_out], the
+        // workspace the column sums' (checked and planned in `plan`).
+        unsafe { cuda::weight_grads(gpu, (px, pdy), dw, dbias.as_mut(), acc, self.dims, t) }
     }
 
     fn finish(self, bufs: Buffers<Self::Outs>) -> Result<LinearGrads> {
         let (dx, dw, dbias) = bufs.into_outputs();
         Ok(LinearGrads { dx, dw, dbias })
+    }
+}
+
+/// The gradients of [`linear_backward_gelu`].
+#[derive(Debug)]
+pub struct GeluLinearGrads {
+    /// Of the GELU's input `pre` (`x`'s shape): `(dy w) * gelu'(pre)`.
+    pub dpre: Tensor,
+    /// Of this layer's weight, `[out, in]`.
+    pub dw: Tensor,
+    /// Of this layer's bias, `[out]`, when asked for.
+    pub dbias: Option<Tensor>,
+    /// The column sums of `dpre`, `[in]`: the bias gradient of the layer that produced
+    /// `pre` (an MLP's first linear layer).
+    pub dpre_bias: Tensor,
+}
+
+/// The backward of a linear layer whose input was `x = gelu(pre)` (an MLP's second layer),
+/// through the GELU: [`linear_backward`]'s weight and bias gradients, and instead of `dx`
+/// the gradient of `pre` with its column sums (the first layer's bias gradient). `x` is
+/// the forward input `gelu(pre)`, `w` the weight, `dy` the upstream gradient.
+///
+/// Host: `linear_backward`, [`gelu_backward`](super::gelu_backward) of its `dx`, then the
+/// column sums `linear_backward` forms for a bias, bit for bit. On a GPU the input
+/// gradient's product is one cuBLASLt call with the `DGELU_BGRAD` epilogue (GELU's
+/// derivative and the column sums applied to the f32 product before rounding), so `dx`
+/// never exists: the unfused ops hold `dx` and `dpre` at once. Needs `in % 8 == 0`
+/// (cuBLASLt's leading-dimension rule for `pre`); otherwise, or where cuBLASLt has no
+/// algorithm, cuBLAS writes `dx` into `dpre`'s buffer and the GELU backward kernel updates
+/// it in place. **The cuBLASLt path has not yet run on a GPU.**
+///
+/// # Errors
+///
+/// As [`linear_backward`]; [`Error::ShapeMismatch`] for a `pre` not of `x`'s shape.
+pub fn linear_backward_gelu(
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    with_bias: bool,
+    pre: &Tensor,
+) -> Result<GeluLinearGrads> {
+    run(LinearBackwardGelu { x, w, dy, pre, with_bias, dims: (0, 0, 0), acc: [None, None] })
+}
+
+struct LinearBackwardGelu<'a> {
+    x: &'a Tensor,
+    w: &'a Tensor,
+    dy: &'a Tensor,
+    pre: &'a Tensor,
+    with_bias: bool,
+    /// `(rows, d_in, d_out)`.
+    dims: (usize, usize, usize),
+    /// The column sums' workspaces: of dy (the bias gradient) and of dpre.
+    acc: [Option<usize>; 2],
+}
+
+impl Op for LinearBackwardGelu<'_> {
+    const NAME: &'static str = "linear_backward_gelu";
+    /// `[dpre, dw]`, `dbias` when asked for, `dpre_bias`.
+    type Outs = ([Tensor; 2], Option<Tensor>, Tensor);
+    type Output = GeluLinearGrads;
+
+    fn device(&self) -> &Device {
+        self.x.device()
+    }
+
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
+        let (x, w, dy) = (self.x, self.w, self.dy);
+        let (rows, d_in, d_out) = linear_dims(Self::NAME, x, w)?;
+        self.dims = (rows, d_in, d_out);
+        same_kind(Self::NAME, x, dy)?;
+        same_kind(Self::NAME, x, self.pre)?;
+        expect_shape(Self::NAME, &with_last(x.shape(), d_out), dy)?;
+        expect_shape(Self::NAME, x.shape(), self.pre)?;
+        let dtype = x.dtype();
+        let zeroed = dy.numel() == 0;
+        let mut plan = Plan::new((
+            [
+                OutputSpec::zeroed_if(zeroed, x.shape(), dtype),
+                OutputSpec::zeroed_if(zeroed, w.shape(), dtype),
+            ],
+            self.with_bias.then(|| OutputSpec::zeroed_if(zeroed, &[d_out], dtype)),
+            OutputSpec::zeroed_if(zeroed, &[d_in], dtype),
+        ));
+        if zeroed {
+            return Ok(plan);
+        }
+        // The fallback's column sums (planned on every path, so every backend allocates
+        // the same; cuBLASLt's epilogues do not touch them).
+        if self.with_bias {
+            self.acc[0] =
+                plan.workspace(super::reduce::column_sum_workspace(Self::NAME, rows, d_out)?);
+        }
+        self.acc[1] = plan.workspace(super::reduce::column_sum_workspace(Self::NAME, rows, d_in)?);
+        if d_in > 0 {
+            plan.blas();
+        }
+        Ok(plan)
+    }
+
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        if self.dy.numel() == 0 {
+            return Ok(());
+        }
+        let (_, d_in, d_out) = self.dims;
+        let ([dpre, dw], dbias, dpre_bias) = bufs.outputs_mut();
+        with_dtype!(self.x.dtype(), T => {
+            let mut dx = vec![T::default(); self.x.numel()];
+            cpu::linear_backward(
+                self.x.as_slice::<T>()?,
+                self.w.as_slice::<T>()?,
+                self.dy.as_slice::<T>()?,
+                Some(&mut dx),
+                Some(dw.out_slice::<T>(Self::NAME)?),
+                dbias.as_mut().map(|d| d.out_slice::<T>(Self::NAME)).transpose()?,
+                d_in,
+                d_out,
+            )?;
+            let dpre = dpre.out_slice::<T>(Self::NAME)?;
+            crate::cpu::activation::gelu_backward(self.pre.as_slice::<T>()?, &dx, dpre)?;
+            // `linear_backward`'s bias gradient, in its order: f32 sums row by row.
+            let mut sum = vec![0.0f32; d_in];
+            if d_in > 0 {
+                for row in dpre.chunks_exact(d_in) {
+                    for (s, g) in sum.iter_mut().zip(row) {
+                        *s += g.to_f32();
+                    }
+                }
+            }
+            for (d, s) in dpre_bias.out_slice::<T>(Self::NAME)?.iter_mut().zip(sum) {
+                *d = T::from_f32(s);
+            }
+            Ok(())
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        use crate::cuda::blaslt::{Epilogue, LtGemm};
+        if self.dy.numel() == 0 {
+            return Ok(());
+        }
+        let (rows, d_in, d_out) = self.dims;
+        let t = self.x.dtype();
+        let (px, pw, pdy) = (self.x.cuda_ptr()?, self.w.cuda_ptr()?, self.dy.cuda_ptr()?);
+        let ppre = self.pre.cuda_ptr()?;
+        let acc = [bufs.ws(self.acc[0])?, bufs.ws(self.acc[1])?];
+        let ([dpre, dw], dbias, dpre_bias) = bufs.outputs_mut();
+        let pdpre = dpre.cuda_ptr()?;
+        // Column-major: dpre^T (in x rows) = w stored (in x out) * dy^T stored (out x rows),
+        // times gelu'(pre^T) elementwise; the bias gradient sums along dpre^T's rows.
+        let g = LtGemm {
+            m: d_in,
+            n: rows,
+            k: d_out,
+            a: pw,
+            lda: d_in,
+            trans_a: false,
+            b: pdy,
+            ldb: d_out,
+            trans_b: false,
+            d: pdpre,
+            ldd: d_in,
+            dtype: t,
+            epilogue: Epilogue::DgeluBgrad { aux: ppre, bias_grad: dpre_bias.cuda_ptr()? },
+        };
+        // SAFETY: w [d_out, d_in], dy [rows, d_out], pre and dpre [rows, d_in], dpre_bias
+        // [d_in] (checked in `plan`); dpre and dpre_bias are fresh outputs.
+        let fused = d_in.is_multiple_of(8) && unsafe { gpu.lt_matmul(&g)? };
+        if !fused {
+            // SAFETY: dy [rows, d_out] * w [d_out, d_in] -> dpre [rows, d_in].
+            unsafe { gpu.gemm(&MatmulSpec::new(rows, d_in, d_out), pdy, pw, pdpre, t, t)? };
+            cuda::gelu_backward_in_place(gpu, ppre, dpre)?;
+            crate::cuda::helpers::column_sums(gpu, pdpre, t, rows, acc[1], dpre_bias)?;
+        }
+        // SAFETY: x [rows, d_in], dy [rows, d_out], dw [d_out, d_in], dbias [d_out], the
+        // workspace the column sums' (checked and planned in `plan`).
+        unsafe { cuda::weight_grads(gpu, (px, pdy), dw, dbias.as_mut(), acc[0], self.dims, t) }
+    }
+
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<GeluLinearGrads> {
+        let ([dpre, dw], dbias, dpre_bias) = bufs.into_outputs();
+        Ok(GeluLinearGrads { dpre, dw, dbias, dpre_bias })
     }
 }
 
@@ -656,6 +808,75 @@ mod cuda {
             }
         }
         if in_place { Ok(()) } else { from_f32(gpu, acc, out) }
+    }
+
+    /// `dx = gelu'(pre) * dx` over `dx`'s elements, in place (a plain map: each element
+    /// is read before the same thread writes it); `pre` the address of as many.
+    pub(super) fn gelu_backward_in_place(gpu: &Gpu<'_>, pre: u64, dx: &mut Tensor) -> Result<()> {
+        use crate::cuda::registry::GELU;
+        let n = dx.numel();
+        let p = dx.cuda_ptr()?;
+        // SAFETY: gelu_bwd_T(const T* x, const T* dy, T* dx, u64 n), a plain map; pre and dx
+        // hold n elements.
+        unsafe {
+            gpu.launch(
+                GELU.backward.of(dx.dtype()),
+                crate::cuda::launch::map(n, dx.dtype().size_in_bytes()),
+                &[Arg::Ptr(pre), Arg::Ptr(p), Arg::Ptr(p), Arg::count(n)],
+            )
+        }
+    }
+
+    /// The weight gradient `dw = dy^T x` and, with `dbias`, the bias gradient (dy's column
+    /// sums): one cuBLASLt call with the `BGRADB` epilogue where it runs, else cuBLAS and
+    /// the column-sum kernels in the workspace `acc`.
+    ///
+    /// # Safety
+    ///
+    /// `x` holds `[rows, d_in]`, `dy` `[rows, d_out]` of `t`; `dw` is `[d_out, d_in]`,
+    /// `dbias` `[d_out]`; `acc` the column sums' workspace when `dbias` is asked for.
+    pub(super) unsafe fn weight_grads(
+        gpu: &Gpu<'_>,
+        (px, pdy): (u64, u64),
+        dw: &mut Tensor,
+        dbias: Option<&mut Tensor>,
+        acc: u64,
+        (rows, d_in, d_out): (usize, usize, usize),
+        t: DType,
+    ) -> Result<()> {
+        use crate::cuda::blaslt::{Epilogue, LtGemm};
+        let dw = dw.cuda_ptr()?;
+        if let Some(dbias) = dbias.as_ref() {
+            // Column-major: dw^T (in x out) = x^T stored (in x rows) * dy stored (out x rows,
+            // transposed); BGRADB sums B = dy over the product's k = rows: the bias gradient
+            // in the same call (Transformer Engine's weight-gradient GEMM).
+            let g = LtGemm {
+                m: d_in,
+                n: d_out,
+                k: rows,
+                a: px,
+                lda: d_in,
+                trans_a: false,
+                b: pdy,
+                ldb: d_out,
+                trans_b: true,
+                d: dw,
+                ldd: d_in,
+                dtype: t,
+                epilogue: Epilogue::BgradB { bias_grad: dbias.cuda_ptr()? },
+            };
+            // SAFETY: the caller's contract; dw and dbias are fresh outputs.
+            if unsafe { gpu.lt_matmul(&g)? } {
+                return Ok(());
+            }
+        }
+        let spec = MatmulSpec::new(d_out, d_in, rows).transpose(true, false);
+        // SAFETY: dy^T ([rows, d_out] stored) * x [rows, d_in] -> dw [d_out, d_in].
+        unsafe { gpu.gemm(&spec, pdy, px, dw, t, t)? };
+        if let Some(dbias) = dbias {
+            crate::cuda::helpers::column_sums(gpu, pdy, t, rows, acc, dbias)?;
+        }
+        Ok(())
     }
 
     /// The device addresses of a linear layer's unfused path ([`unfused`]).
@@ -1003,5 +1224,86 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `linear_backward_gelu` is the unfused ops bit for bit on the host: `linear_backward`,
+    /// `gelu_backward` of its `dx`, and the first layer's bias gradient as `linear_backward`
+    /// sums it; every dtype, odd sizes, with and without this layer's bias.
+    #[test]
+    fn linear_backward_gelu_is_the_unfused_ops() {
+        let dev = Device::host(64 << 20);
+        for dtype in DTYPES {
+            for (rows, d_in, d_out) in [(7, 5, 3), (65, 24, 17), (0, 8, 4), (3, 0, 2)] {
+                for with_bias in [true, false] {
+                    let what = format!("{dtype:?} {rows}x{d_in}->{d_out} {with_bias}");
+                    let pre = tensor(&dev, &[rows, d_in], dtype, 1);
+                    let x = ops::gelu(&pre).unwrap();
+                    let w = tensor(&dev, &[d_out, d_in], dtype, 2);
+                    let dy = tensor(&dev, &[rows, d_out], dtype, 3);
+                    let got = linear_backward_gelu(&x, &w, &dy, with_bias, &pre).unwrap();
+                    let want = linear_backward(&x, &w, &dy, with_bias).unwrap();
+                    let dpre = ops::gelu_backward(&pre, &want.dx).unwrap();
+                    // The first layer's bias gradient: its `linear_backward` of dpre.
+                    let x1 = tensor(&dev, &[rows, 3], dtype, 4);
+                    let w1 = tensor(&dev, &[d_in, 3], dtype, 5);
+                    let first = linear_backward(&x1, &w1, &dpre, true).unwrap();
+                    assert_eq!(bits(&got.dpre), bits(&dpre), "{what}: dpre");
+                    assert_eq!(bits(&got.dw), bits(&want.dw), "{what}: dw");
+                    assert_eq!(
+                        got.dbias.as_ref().map(bits),
+                        want.dbias.as_ref().map(bits),
+                        "{what}: dbias"
+                    );
+                    assert_eq!(
+                        bits(&got.dpre_bias),
+                        bits(first.dbias.as_ref().unwrap()),
+                        "{what}: dpre_bias"
+                    );
+                }
+            }
+        }
+        let pre = tensor(&dev, &[4, 3], DType::F32, 1);
+        let w = tensor(&dev, &[5, 3], DType::F32, 2);
+        let dy = tensor(&dev, &[4, 5], DType::F32, 3);
+        let bad_pre = tensor(&dev, &[4, 4], DType::F32, 1);
+        assert!(linear_backward_gelu(&pre, &w, &dy, true, &bad_pre).is_err());
+        let pre16 = tensor(&dev, &[4, 3], DType::BF16, 1);
+        assert!(linear_backward_gelu(&pre, &w, &dy, true, &pre16).is_err());
+        assert!(linear_backward_gelu(&pre, &w, &pre, true, &pre).is_err());
+    }
+
+    /// Host and virtual devices allocate the same for `linear_backward_gelu`, and its peak
+    /// is below the unfused ops' (which hold `dx` and `dpre` at once).
+    #[test]
+    fn linear_backward_gelu_allocates_less_than_the_unfused_ops() {
+        let (rows, d_in, d_out) = (64, 256, 64);
+        let mut traces = Vec::new();
+        for dev in [Device::host(64 << 20), Device::virtual_device(64 << 20)] {
+            let z = |s: &[usize]| Tensor::zeros(&dev, s, DType::BF16).unwrap();
+            let (pre, x, w, dy) =
+                (z(&[rows, d_in]), z(&[rows, d_in]), z(&[d_out, d_in]), z(&[rows, d_out]));
+            let (x1, w1) = (z(&[rows, 8]), z(&[d_in, 8]));
+            dev.set_blas_workspace_size(1 << 20);
+            dev.prepare_blas_workspace().unwrap();
+            let peak = |f: &dyn Fn()| {
+                let base = dev.memory_stats().allocated_bytes.all.current;
+                dev.reset_peak_stats();
+                f();
+                dev.memory_stats().allocated_bytes.all.peak - base
+            };
+            let unfused = peak(&|| {
+                let g = linear_backward(&x, &w, &dy, true).unwrap();
+                let dpre = ops::gelu_backward(&pre, &g.dx).unwrap();
+                drop(g.dx);
+                drop(linear_backward(&x1, &w1, &dpre, true).unwrap().dbias);
+            });
+            dev.record_history(Some(100));
+            let fused = peak(&|| drop(linear_backward_gelu(&x, &w, &dy, true, &pre).unwrap()));
+            let trace: Vec<usize> = dev.trace().iter().map(|e| e.requested).collect();
+            dev.record_history(None);
+            assert!(fused < unfused, "fused peak {fused} vs unfused {unfused}");
+            traces.push(trace);
+        }
+        assert_eq!(traces[0], traces[1]);
     }
 }

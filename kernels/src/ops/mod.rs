@@ -16,7 +16,9 @@
 //! them.
 //!
 //! A linear layer with a bias and a GELU is one call ([`linear_act`]): one cuBLASLt product
-//! with the bias and the activation as its epilogue on a GPU.
+//! with the bias and the activation as its epilogue on a GPU; an MLP's second layer's
+//! backward runs through the GELU ([`linear_backward_gelu`]), so that the GELU's output
+//! gradient is never stored.
 //!
 //! One op is two fused: [`linear_cross_entropy`], a language model's head and loss, computes
 //! the logits in chunks of rows and the gradients of its input and weight with the loss, so
@@ -75,8 +77,9 @@ pub use llama::{
 };
 pub use loss::{CrossEntropy, cross_entropy, cross_entropy_backward};
 pub use matmul::{
-    LinearActOutput, LinearActivation, LinearGrads, linear, linear_act, linear_act_backward,
-    linear_backward, matmul, matmul_backward, matmul_spec,
+    GeluLinearGrads, LinearActOutput, LinearActivation, LinearGrads, linear, linear_act,
+    linear_act_backward, linear_backward, linear_backward_gelu, matmul, matmul_backward,
+    matmul_spec,
 };
 pub use multi_tensor::{AdamWTensors, SgdTensors, adamw_step_multi, sgd_step_multi};
 #[cfg(all(test, feature = "cuda"))]

@@ -4,7 +4,8 @@
 
 use vram_accum::layers::{
     Act, Attention, BottleneckConfig, ClassifierHeadConfig, Conv2dConfig, InvertedResidualConfig,
-    LinearConfig, PatchEmbedConfig, ResidualBlockConfig, TokenMeanPool, TransformerBlockConfig,
+    LinearConfig, PatchEmbedConfig, ResidualBlockConfig, ResidualMlpConfig, TokenMeanPool,
+    TransformerBlockConfig,
 };
 use vram_accum::{BoxedLayer, ForwardCtx, Mode};
 use vram_kernels::cpu::random::uniform_at;
@@ -165,6 +166,11 @@ fn convolutional_blocks_match_finite_differences() {
     check("ClassifierHead", BoxedLayer::new(h), &dev, &[2, 4, 3, 3]);
     let l = LinearConfig::new(5, 4).with_activation(Act::Gelu).with_seed(7).init(&dev).unwrap();
     check("Linear(gelu)", BoxedLayer::new(l), &dev, &[3, 5]);
+    let l = LinearConfig::new(5, 4).with_seed(8).init(&dev).unwrap();
+    check("Linear(identity)", BoxedLayer::new(l), &dev, &[3, 5]);
+    // fc2's backward through the GELU (linear_backward_gelu) gives fc1's bias gradient.
+    let m = ResidualMlpConfig::new(6, 12).with_seed(9).init(&dev).unwrap();
+    check("ResidualMlp", BoxedLayer::new(m), &dev, &[2, 3, 6]);
 }
 
 /// The same blocks with a batch norm after every convolution: the norm's gradients (and

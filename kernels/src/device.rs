@@ -8,7 +8,11 @@
 //!
 //! The cuBLAS workspace is one of those requests: as PyTorch does, a device takes it from
 //! its caching allocator at the first op that runs a matrix product and keeps it until the
-//! device goes (see [`Device::set_blas_workspace_size`]).
+//! device goes (see [`Device::set_blas_workspace_size`]). cuBLASLt (a linear layer's fused
+//! epilogues) runs in the same block, at most `CUBLASLT_WORKSPACE_SIZE` KiB of it (default
+//! 1024, PyTorch's): PyTorch's unified cuBLAS/cuBLASLt workspace
+//! (`TORCH_CUBLASLT_UNIFIED_WORKSPACE`), so no second block is allocated (PyTorch without
+//! that setting allocates a separate 1 MiB block for cuBLASLt on the first such product).
 //!
 //! Convolutions on a CUDA device run through cuDNN when it loads (`libcudnn.so.9`, looked for
 //! at run time like the other CUDA libraries), otherwise through vram's own kernels: see
@@ -56,6 +60,25 @@ struct Inner {
     backend: Backend,
     /// Time per op, while profiling.
     profile: crate::profile::OpProfiler,
+    /// Whether f32 matmuls may use TF32 tensor cores (default off).
+    allow_tf32_matmul: std::sync::atomic::AtomicBool,
+}
+
+/// How a device runs a linear layer ([`crate::ops::linear`], [`crate::ops::linear_act`]) and
+/// its backward ([`Device::linear_path`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinearPath {
+    /// The CPU reference: the product, then the bias and the activation.
+    Host,
+    /// Nothing runs (a virtual device); allocations are the GPU's.
+    Virtual,
+    /// cuBLASLt, one call with the bias and GELU as its epilogue (the weight gradient's
+    /// product also sums the bias gradient). A product cuBLASLt has no algorithm for runs
+    /// the [`LinearPath::Cublas`] path instead (counted by [`Device::cublaslt_fallbacks`]).
+    CublasLt,
+    /// cuBLAS (`cublasGemmEx`, the bias broadcast into C first) and the crate's own GELU
+    /// and column-sum kernels: libcublasLt could not be loaded.
+    Cublas,
 }
 
 /// The workspace cuBLAS runs in: its size and, once an op has run a product, its block.
@@ -405,7 +428,14 @@ impl Device {
     fn from_backend(backend: Backend) -> Device {
         let blas = Mutex::new(BlasWorkspace { size: 0, block: None });
         let conv = Mutex::new(ConvSettings::default());
-        Device { inner: Arc::new(Inner { blas, conv, backend, profile: Default::default() }) }
+        let inner = Inner {
+            blas,
+            conv,
+            backend,
+            profile: Default::default(),
+            allow_tf32_matmul: Default::default(),
+        };
+        Device { inner: Arc::new(inner) }
     }
 
     /// The host allocator that holds this device's tensors, or `None` on another device.
@@ -444,6 +474,44 @@ impl Device {
         match &self.inner.backend {
             Backend::Cuda(cuda) => Some(cuda),
             _ => None,
+        }
+    }
+
+    /// Whether f32 matrix products (cuBLAS and cuBLASLt) may use TF32 tensor cores:
+    /// PyTorch's `torch.backends.cuda.matmul.allow_tf32`, off by default. f16 and bf16
+    /// products are unaffected (tensor cores, f32 accumulation, either way); the host and a
+    /// virtual device compute in FP32 whatever it says.
+    pub fn allow_tf32_matmul(&self) -> bool {
+        self.inner.allow_tf32_matmul.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Sets [`Device::allow_tf32_matmul`] for ops run from now on (on this device and its
+    /// clones).
+    pub fn set_allow_tf32_matmul(&self, allow: bool) {
+        self.inner.allow_tf32_matmul.store(allow, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// How this device runs linear layers: the host reference, nothing (virtual), cuBLASLt
+    /// with fused epilogues, or cuBLAS and the crate's own kernels where libcublasLt did
+    /// not load.
+    pub fn linear_path(&self) -> LinearPath {
+        match &self.inner.backend {
+            Backend::Host(_) => LinearPath::Host,
+            Backend::Virtual(_) => LinearPath::Virtual,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(cuda) if cuda.has_blas_lt() => LinearPath::CublasLt,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => LinearPath::Cublas,
+        }
+    }
+
+    /// How many products cuBLASLt had no algorithm for on this device, each run unfused
+    /// (cuBLAS and the crate's kernels) instead; 0 off a GPU.
+    pub fn cublaslt_fallbacks(&self) -> u64 {
+        match &self.inner.backend {
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(cuda) => cuda.lt_fallbacks(),
+            _ => 0,
         }
     }
 

@@ -10,7 +10,9 @@
 //! compiled kernels and cuBLAS. Storage is in the tensor's dtype, arithmetic in f32, on both.
 //! Among the ops: fused scaled dot-product attention ([`ops::attention`], FlashAttention-2's
 //! algorithm: saves the output and each row's logsumexp, never a `seq x seq` buffer; its
-//! 16-bit forward and backward run on tensor cores).
+//! 16-bit forward and backward run on tensor cores), and a linear layer with its bias and
+//! GELU in one cuBLASLt call ([`ops::linear_act`]; f32 products in FP32 unless
+//! [`Device::set_allow_tf32_matmul`]).
 //! The CUDA libraries are loaded at run time, so a CUDA build runs on a machine without a
 //! GPU: [`Device::auto`] then picks the host.
 //!
@@ -57,7 +59,7 @@ pub mod tensor;
 pub mod transfer;
 
 pub use device::{
-    CONV_BACKEND_ENV_VAR, ConvBackend, ConvPath, DEVICE_ENV_VAR, Device,
+    CONV_BACKEND_ENV_VAR, ConvBackend, ConvPath, DEVICE_ENV_VAR, Device, LinearPath,
     default_blas_workspace_size,
 };
 pub use dtype::{DType, Element};

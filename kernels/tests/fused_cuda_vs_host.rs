@@ -1,8 +1,10 @@
 //! The fused ops of issue 33 on CUDA against the host: the multi-tensor optimizer steps
-//! (every dtype combination in one launch), bias + GELU forward and backward, and the
-//! residual add + layer norm, with and without dropout on the branch (and the residual add
-//! with dropout alone, and the branch's gradient). f32 within 1e-5 relative, 16-bit within
-//! 1e-2; sums (the bias gradient) relative to the largest value.
+//! The fused ops of issue 33 on CUDA against the host: the multi-tensor optimizer steps
+//! (every dtype combination in one launch), bias + GELU forward and backward, the residual
+//! add + layer norm, with and without dropout on the branch (and the residual add with
+//! dropout alone, and the branch's gradient), and the linear layer with its bias and GELU in
+//! one cuBLASLt call (forward and backward, TF32 off and on). f32 within 1e-5 relative,
+//! 16-bit within 1e-2; sums (the bias gradient) relative to the largest value.
 //! Each test prints `skipped: no CUDA device (...)` and passes where no GPU can be opened.
 //! (Layer norm's fused backward is `cuda_vs_host.rs`'s layer norm test.)
 
@@ -224,5 +226,119 @@ fn dropout_add_and_its_layer_norm_match_the_host() {
         close(&format!("dropout_add_layer_norm y {what}"), &gn.norm.y, &hn.norm.y, tol, false);
         let rstd = &format!("dropout_add_layer_norm rstd {what}");
         close(rstd, &gn.norm.rstd, &hn.norm.rstd, 1e-4, false);
+    }
+}
+
+/// `linear_act` (cuBLASLt's `GELU_AUX_BIAS` / `GELU_BIAS` / `BIAS` epilogues, and `BGRADB`
+/// for the bias gradient backward) against the host's unfused ops. Products and sums are
+/// compared relative to the largest value: f32 within 1e-4 (2e-2 with TF32 allowed), 16-bit
+/// within 2e-2 (cuBLASLt applies GELU to the f32 sum before rounding; the host to the
+/// rounded pre-activation). Shapes: GPT-2's fc1 (out a multiple of 8: the kept
+/// pre-activation's path) and odd sizes (out = 30: the kept pre-activation falls back to
+/// cuBLAS and the GELU kernel).
+#[test]
+fn linear_act_matches_the_host() {
+    let Some(gpu) = gpu() else { return };
+    let host = Device::host(1 << 30);
+    assert_eq!(gpu.linear_path(), vram_kernels::LinearPath::CublasLt, "libcublasLt loads");
+    let gelu = Some(ops::LinearActivation::Gelu);
+    for (dtype, tf32) in
+        [(DType::F32, false), (DType::F32, true), (DType::F16, false), (DType::BF16, false)]
+    {
+        gpu.set_allow_tf32_matmul(tf32);
+        let tol = match (dtype, tf32) {
+            (DType::F32, false) => 1e-4,
+            _ => 2e-2,
+        };
+        for (rows, d_in, d_out) in [(256, 768, 3072), (37, 50, 30), (5, 8, 16)] {
+            for (with_bias, act) in [(true, gelu), (false, gelu), (true, None)] {
+                let what =
+                    format!("{dtype:?} tf32 {tf32} {rows}x{d_in}->{d_out} {with_bias} {act:?}");
+                let t = |dev: &Device, shape: &[usize], seed| {
+                    let n = shape.iter().product();
+                    Tensor::from_f32_slice(dev, shape, &values(n, seed, -1.0, 1.0), dtype).unwrap()
+                };
+                let run = |dev: &Device| {
+                    let x = t(dev, &[rows, d_in], 1);
+                    let w = t(dev, &[d_out, d_in], 2);
+                    let b = with_bias.then(|| t(dev, &[d_out], 3));
+                    let dy = t(dev, &[rows, d_out], 4);
+                    let kept = ops::linear_act(&x, &w, b.as_ref(), act, true).unwrap();
+                    let eval = ops::linear_act(&x, &w, b.as_ref(), act, false).unwrap();
+                    let pre = kept.pre.as_ref().map(|p| p.to_f32_vec().unwrap());
+                    let g = ops::linear_act_backward(&x, &w, kept.pre, dy, act, with_bias);
+                    (kept.y, eval.y, pre, g.unwrap())
+                };
+                let (hy, hy_eval, hpre, hg) = run(&host);
+                let fallbacks = gpu.cublaslt_fallbacks();
+                let (gy, gy_eval, gpre, gg) = run(&gpu);
+                if dtype == DType::BF16 && d_out == 3072 {
+                    // GPT-2's fc1 in bf16: the epilogues llm.c runs (GELU_AUX_BIAS, BIAS,
+                    // BGRADB) must have found an algorithm, not fallen back.
+                    assert_eq!(gpu.cublaslt_fallbacks(), fallbacks, "{what}: ran unfused");
+                }
+                close(&format!("{what}: y"), &gy, &hy, tol, true);
+                close(&format!("{what}: y, nothing kept"), &gy_eval, &hy_eval, tol, true);
+                if let (Some(g), Some(h)) = (gpre, hpre) {
+                    let top = h.iter().fold(0.0f32, |a, v| a.max(v.abs())).max(1.0);
+                    for (i, (g, h)) in g.iter().zip(&h).enumerate() {
+                        assert!((g - h).abs() <= tol * top, "{what}: pre {i}: cuda {g}, host {h}");
+                    }
+                }
+                close(&format!("{what}: dx"), &gg.dx, &hg.dx, tol, true);
+                close(&format!("{what}: dw"), &gg.dw, &hg.dw, tol, true);
+                if let (Some(g), Some(h)) = (&gg.dbias, &hg.dbias) {
+                    close(&format!("{what}: dbias"), g, h, tol, true);
+                }
+            }
+        }
+    }
+    gpu.set_allow_tf32_matmul(false);
+    let _ = writeln!(
+        std::io::stderr(),
+        "linear_act: {} product(s) ran unfused (no cuBLASLt algorithm)",
+        gpu.cublaslt_fallbacks()
+    );
+}
+
+/// `linear_backward_gelu` (cuBLASLt's `DGELU_BGRAD` for the gradient of the GELU's input
+/// and the first layer's bias gradient, `BGRADB` for this layer's) against the host's
+/// unfused ops; tolerances as `linear_act_matches_the_host`. GPT-2's fc2 (in = 3072) and an
+/// odd width (in = 30: the unfused path).
+#[test]
+fn linear_backward_gelu_matches_the_host() {
+    let Some(gpu) = gpu() else { return };
+    let host = Device::host(1 << 30);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let tol = if dtype == DType::F32 { 1e-4 } else { 2e-2 };
+        for (rows, d_in, d_out) in [(256, 3072, 768), (37, 30, 50)] {
+            let what = format!("{dtype:?} {rows}x{d_in}->{d_out}");
+            let t = |dev: &Device, shape: &[usize], seed| {
+                let n = shape.iter().product();
+                Tensor::from_f32_slice(dev, shape, &values(n, seed, -1.0, 1.0), dtype).unwrap()
+            };
+            let run = |dev: &Device| {
+                let pre = t(dev, &[rows, d_in], 1);
+                let x = ops::gelu(&pre).unwrap();
+                let w = t(dev, &[d_out, d_in], 2);
+                let dy = t(dev, &[rows, d_out], 3);
+                ops::linear_backward_gelu(&x, &w, &dy, true, &pre).unwrap()
+            };
+            let fallbacks = gpu.cublaslt_fallbacks();
+            let (h, g) = (run(&host), run(&gpu));
+            if dtype == DType::BF16 && d_in == 3072 {
+                assert_eq!(gpu.cublaslt_fallbacks(), fallbacks, "{what}: ran unfused");
+            }
+            close(&format!("{what}: dpre"), &g.dpre, &h.dpre, tol, true);
+            close(&format!("{what}: dw"), &g.dw, &h.dw, tol, true);
+            close(
+                &format!("{what}: dbias"),
+                g.dbias.as_ref().unwrap(),
+                h.dbias.as_ref().unwrap(),
+                tol,
+                true,
+            );
+            close(&format!("{what}: dpre_bias"), &g.dpre_bias, &h.dpre_bias, tol, true);
+        }
     }
 }

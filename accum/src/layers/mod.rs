@@ -1,7 +1,8 @@
 //! Ready-made layers built from `vram_kernels` ops, one library for every model of the
 //! workspace:
 //!
-//! - basics: [`Linear`] (with an optional fused activation), [`Activation`] (ReLU, GELU),
+//! - basics: [`Linear`] (with an optional fused activation; bias and GELU are one
+//!   cuBLASLt call on a GPU, [`ops::linear_act`]), [`Activation`] (ReLU, GELU),
 //!   [`Dropout`], [`LayerNorm`], a pre-norm residual MLP block, [`ResidualMlp`];
 //! - convolutional ([`conv`]): [`Conv2d`], [`MaxPool2d`], ResNet's basic
 //!   [`ResidualBlock`] and [`Bottleneck`], MobileNet's [`InvertedResidual`], and a
@@ -306,6 +307,31 @@ impl AffineSaved {
     }
 }
 
+/// `act(x w^T + b)`, keeping what backward needs in training: for the identity and GELU
+/// one [`ops::linear_act`] call (on a GPU one cuBLASLt product with the bias and GELU as its
+/// epilogue; GELU keeps its pre-activation, as the unfused ops did), for the other
+/// activations [`ops::linear`] then the activation.
+fn affine(
+    act: Act,
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    ctx: &ForwardCtx,
+) -> Result<(Tensor, Option<AffineSaved>)> {
+    let fused = match act {
+        Act::Identity => None,
+        Act::Gelu => Some(ops::LinearActivation::Gelu),
+        Act::Relu | Act::Hardswish => {
+            let z = ops::linear(x, w, b)?;
+            return AffineSaved::activate(act, x, z, ctx);
+        }
+    };
+    let training = ctx.training();
+    let out = ops::linear_act(x, w, b, fused, training)?;
+    let saved = training.then(|| AffineSaved { x: x.clone(), z: out.pre, cast: None, norm: None });
+    Ok((out.y, saved))
+}
+
 /// The settings of a [`Linear`] layer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LinearConfig {
@@ -394,7 +420,10 @@ impl LinearConfig {
 }
 
 /// `y = act(x w^T + b)` over the last dimension: `[.., d_in] -> [.., d_out]`. Built from a
-/// [`LinearConfig`].
+/// [`LinearConfig`]. With no activation or GELU, forward is one [`ops::linear_act`] call
+/// (on a GPU one cuBLASLt product, the bias and GELU its epilogue) and backward the GELU's
+/// gradient then [`ops::linear_backward`] (whose weight-gradient product also sums the bias
+/// gradient there).
 #[derive(Debug)]
 pub struct Linear {
     weight: Param,
@@ -459,10 +488,7 @@ impl Layer for Linear {
         let w_dtype = self.weight.value.dtype();
         let dt = match ctx.op_dtype(OpKind::Linear, &[x.dtype(), w_dtype]) {
             Some(dt) if dt != x.dtype() || dt != w_dtype => dt,
-            _ => {
-                let z = ops::linear(x, &self.weight.value, self.bias_value())?;
-                return AffineSaved::activate(self.act, x, z, ctx);
-            }
+            _ => return affine(self.act, x, &self.weight.value, self.bias_value(), ctx),
         };
         let xc = cast(x, dt)?;
         let w = ctx.cast_param(&self.weight, dt)?;
@@ -470,9 +496,8 @@ impl Layer for Linear {
             Some(b) => Some(ctx.cast_param(b, dt)?),
             None => None,
         };
-        let z = ops::linear(&xc, &w, b.as_ref())?;
+        let (y, saved) = affine(self.act, &xc, &w, b.as_ref(), ctx)?;
         drop(b);
-        let (y, saved) = AffineSaved::activate(self.act, &xc, z, ctx)?;
         let saved =
             saved.map(|s| AffineSaved { cast: Some(CastSaved { w, in_dtype: x.dtype() }), ..s });
         Ok((y, saved))
@@ -879,7 +904,9 @@ impl ResidualMlpConfig {
 
 /// A pre-norm residual MLP block, one layer of a chain:
 /// `y = x + dropout(fc2(gelu(fc1(layer_norm(x)))))`, `[.., d] -> [.., d]`. Built from a
-/// [`ResidualMlpConfig`].
+/// [`ResidualMlpConfig`]. fc1 and its GELU are one [`ops::linear_act`] call; backward, fc2's
+/// gradients come with the GELU's and fc1's bias gradient in one
+/// [`ops::linear_backward_gelu`] call.
 #[derive(Debug)]
 pub struct ResidualMlp {
     norm: LayerNorm,
@@ -910,8 +937,15 @@ impl Layer for ResidualMlp {
     fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<MlpSaved>)> {
         ctx.refuse_autocast(|| self.name())?;
         let (normed, norm) = self.norm.run(x, ctx)?;
-        let hidden = ops::linear(&normed, &self.fc1.weight.value, self.fc1.bias_value())?;
-        let activated = ops::gelu(&hidden)?;
+        // fc1 and its GELU in one call, the pre-activation kept for backward.
+        let fc1 = ops::linear_act(
+            &normed,
+            &self.fc1.weight.value,
+            self.fc1.bias_value(),
+            Some(ops::LinearActivation::Gelu),
+            norm.is_some(),
+        )?;
+        let activated = fc1.y;
         let mut branch = ops::linear(&activated, &self.fc2.weight.value, self.fc2.bias_value())?;
         let dropout = if ctx.training() && self.p > 0.0 {
             let offset = ctx.take_offsets(branch.numel() as u64)?;
@@ -921,7 +955,13 @@ impl Layer for ResidualMlp {
             None
         };
         let y = ops::add(x, &branch)?;
-        let saved = norm.map(|norm| MlpSaved { norm, normed, hidden, activated, dropout });
+        let saved = norm.zip(fc1.pre).map(|(norm, hidden)| MlpSaved {
+            norm,
+            normed,
+            hidden,
+            activated,
+            dropout,
+        });
         Ok((y, saved))
     }
 
@@ -931,12 +971,28 @@ impl Layer for ResidualMlp {
             Some(d) => Some(ops::dropout_backward(dy, self.p, d.seed, d.offset)?),
             None => None,
         };
-        let dactivated = self.fc2.grads(&s.activated, dbranch.as_ref().unwrap_or(dy))?;
-        drop((dbranch, s.activated));
-        let dhidden = ops::gelu_backward(&s.hidden, &dactivated)?;
-        drop((dactivated, s.hidden));
-        let dnormed = self.fc1.grads(&s.normed, &dhidden)?;
-        drop((dhidden, s.normed));
+        // fc2's backward through the GELU: the gradient of fc1's output and fc1's bias
+        // gradient come with fc2's (on a GPU one cuBLASLt call, DGELU_BGRAD), so the GELU's
+        // output gradient is never stored.
+        let g = ops::linear_backward_gelu(
+            &s.activated,
+            &self.fc2.weight.value,
+            dbranch.as_ref().unwrap_or(dy),
+            self.fc2.bias.is_some(),
+            &s.hidden,
+        )?;
+        drop((dbranch, s.activated, s.hidden));
+        self.fc2.weight.accumulate_grad(g.dw)?;
+        if let (Some(b), Some(db)) = (&mut self.fc2.bias, g.dbias) {
+            b.accumulate_grad(db)?;
+        }
+        if let Some(b) = &mut self.fc1.bias {
+            b.accumulate_grad(g.dpre_bias)?;
+        }
+        let g1 = ops::linear_backward(&s.normed, &self.fc1.weight.value, &g.dpre, false)?;
+        drop((g.dpre, s.normed));
+        self.fc1.weight.accumulate_grad(g1.dw)?;
+        let dnormed = g1.dx;
         let mut dx = self.norm.grads(s.norm, &dnormed)?;
         drop(dnormed);
         if !want {

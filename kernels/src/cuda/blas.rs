@@ -1,6 +1,7 @@
 //! Matrix products through cuBLAS (`cublasGemmEx` / `cublasGemmStridedBatchedEx`): f16 and
 //! bf16 on tensor cores, every type accumulated in f32 (`CUBLAS_COMPUTE_32F`, which for f32
-//! operands is plain FP32, not TF32).
+//! operands is plain FP32, not TF32, unless the device allows TF32 for matmuls:
+//! `CUBLAS_COMPUTE_32F_FAST_TF32`, as PyTorch's `allow_tf32` sets `CUBLAS_TF32_TENSOR_OP_MATH`).
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -15,6 +16,9 @@ pub(crate) struct Blas {
     handle: sys::cublasHandle_t,
     /// The workspace last given to the handle, `(address, bytes)`.
     workspace: Option<(u64, usize)>,
+    /// Whether f32 products may use TF32 (the device's setting, given before each product
+    /// as PyTorch sets the handle's math mode in `getCurrentCUDABlasHandle`).
+    tf32: bool,
 }
 
 // SAFETY: a cuBLAS handle may be used from any thread as long as calls on it do not overlap;
@@ -44,7 +48,7 @@ impl Blas {
     /// A handle for the current context. The caller has bound the device's context.
     pub(crate) fn new() -> Result<Blas> {
         let handle = result::create_handle().map_err(blas_error("cublasCreate"))?;
-        Ok(Blas { handle, workspace: None })
+        Ok(Blas { handle, workspace: None, tf32: false })
     }
 
     /// Gives the handle `workspace` (`(address, bytes)` from the device's caching
@@ -65,8 +69,14 @@ impl Blas {
         Ok(())
     }
 
+    /// Lets f32 products use TF32 tensor cores (`CUBLAS_COMPUTE_32F_FAST_TF32`) or not.
+    pub(crate) fn set_tf32(&mut self, tf32: bool) {
+        self.tf32 = tf32;
+    }
+
     /// `C = alpha * op(A) * op(B) + beta * C` for every batch of `spec` (row-major, the
-    /// layout of [`MatmulSpec`]), with A and B of `ab` and C of `c_type`. The caller has
+    /// layout of [`MatmulSpec`]), with A and B of `ab` and C of `c_type`; an all-f32
+    /// product uses TF32 tensor cores when [`Blas::set_tf32`] allowed it. The caller has
     /// bound the context and checked that the pointers hold `spec.a_len()`, `b_len()` and
     /// `c_len()` elements; `m`, `n` and `batch` are nonzero and `k` too.
     ///
@@ -98,7 +108,11 @@ impl Blas {
         let ld_a = if s.trans_a { m } else { k };
         let (alpha, beta) = (s.alpha, s.beta);
         let (t_ab, t_c) = (data_type(ab), data_type(c_type));
-        let compute = sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+        let compute = if self.tf32 && ab == DType::F32 && c_type == DType::F32 {
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+        } else {
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
         let algo = sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
         if s.batch == 1 {
             // SAFETY: the handle is live and its context current; alpha and beta are f32

@@ -1,6 +1,7 @@
 //! The CUDA backend: one device's primary context, its legacy default stream, a caching
-//! allocator over `cuMemAlloc`, the NVRTC kernel registry, a cuBLAS handle and, when the
-//! library loads, a cuDNN handle for convolutions (`dnn`).
+//! allocator over `cuMemAlloc`, the NVRTC kernel registry, a cuBLAS handle, where
+//! libcublasLt loads a cuBLASLt handle (matmuls with fused epilogues, [`blaslt`]) and, when
+//! the library loads, a cuDNN handle for convolutions (`dnn`).
 //!
 //! Every op runs on the legacy default stream (`CUstream` 0), which is also the stream the
 //! allocator hands blocks out for ([`vram_alloc::Stream::DEFAULT`]): a block freed by a
@@ -13,6 +14,7 @@
 //! conversions instead.
 
 mod blas;
+pub(crate) mod blaslt;
 mod custom;
 pub(crate) mod dnn;
 #[cfg(any(test, feature = "emulation"))]
@@ -31,9 +33,11 @@ pub(crate) use launch::Arg;
 
 use crate::error::{Error, Result};
 use blas::Blas;
+use blaslt::{BlasLt, LtGemm};
 use cudarc::driver::{CudaContext, CudaStream, DriverError, LaunchConfig, PushKernelArg, result};
 use loader::Loader;
 use registry::Instance;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use vram_alloc::cuda::{CudaMemory, probe};
 use vram_alloc::{Allocation, AllocatorConfig, CachingAllocator};
@@ -51,6 +55,10 @@ pub(crate) struct CudaBackend {
     blas: Mutex<Blas>,
     /// cuDNN's handle and algorithm caches, or why cuDNN is not usable here.
     dnn: std::result::Result<Mutex<dnn::Dnn>, String>,
+    /// `None` where libcublasLt could not be loaded: linears then run cuBLAS and own kernels.
+    blas_lt: Option<Mutex<BlasLt>>,
+    /// Products cuBLASLt found no algorithm for, which ran the unfused path instead.
+    lt_fallbacks: AtomicU64,
     kernels: Loader,
     alloc: CachingAllocator<CudaMemory>,
     stream: Arc<CudaStream>,
@@ -107,9 +115,12 @@ impl CudaBackend {
         let blas = Blas::new()?;
         // cuDNN is optional: without it convolutions run on the own kernels.
         let dnn = dnn::Dnn::load().map(Mutex::new);
+        let blas_lt = BlasLt::new()?.map(Mutex::new);
         let backend = CudaBackend {
             blas: Mutex::new(blas),
             dnn,
+            blas_lt,
+            lt_fallbacks: AtomicU64::new(0),
             kernels: Loader::new(major, minor),
             alloc,
             stream,
@@ -121,6 +132,17 @@ impl CudaBackend {
         };
         backend.kernels.module(&backend.ctx, &registry::ELEMENTWISE)?;
         Ok(backend)
+    }
+
+    /// Whether cuBLASLt was loaded (fused linear epilogues), or linears run cuBLAS and
+    /// the crate's own kernels.
+    pub(crate) fn has_blas_lt(&self) -> bool {
+        self.blas_lt.is_some()
+    }
+
+    /// How many products cuBLASLt had no algorithm for (each ran the unfused path).
+    pub(crate) fn lt_fallbacks(&self) -> u64 {
+        self.lt_fallbacks.load(Ordering::Relaxed)
     }
 
     /// The compute capability, `(major, minor)`.
@@ -378,17 +400,55 @@ impl dnn::WorkspaceSource for CudaBackend {
     }
 }
 
-/// What an op's CUDA code runs with: the device and the cuBLAS workspace the op layer
-/// allocated for it.
+/// What an op's CUDA code runs with: the device, the cuBLAS workspace the op layer
+/// allocated for it and the device's TF32 setting for f32 matmuls.
 pub(crate) struct Gpu<'a> {
     cu: &'a CudaBackend,
     blas_workspace: Option<(u64, usize)>,
+    tf32: bool,
 }
 
 impl<'a> Gpu<'a> {
-    /// The device `cu` with the cuBLAS workspace `blas_workspace` (`(address, bytes)`).
-    pub(crate) fn new(cu: &'a CudaBackend, blas_workspace: Option<(u64, usize)>) -> Gpu<'a> {
-        Gpu { cu, blas_workspace }
+    /// The device `cu` with the cuBLAS workspace `blas_workspace` (`(address, bytes)`);
+    /// `tf32`: f32 products may use TF32 tensor cores
+    /// ([`Device::allow_tf32_matmul`](crate::Device::allow_tf32_matmul)).
+    pub(crate) fn new(
+        cu: &'a CudaBackend,
+        blas_workspace: Option<(u64, usize)>,
+        tf32: bool,
+    ) -> Gpu<'a> {
+        Gpu { cu, blas_workspace, tf32 }
+    }
+
+    /// Runs the product `g` with its epilogue through cuBLASLt, in the device's cuBLAS
+    /// workspace (at most [`blaslt::lt_workspace_bytes`] of it: PyTorch's unified cuBLAS /
+    /// cuBLASLt workspace). `Ok(false)`, with nothing queued, when cuBLASLt is not loaded or
+    /// has no algorithm for it: the caller then runs the unfused path.
+    ///
+    /// # Safety
+    ///
+    /// As [`BlasLt::matmul`]: the pointers of `g` hold what its dimensions address.
+    pub(crate) unsafe fn lt_matmul(&self, g: &LtGemm) -> Result<bool> {
+        let Some(lt) = &self.cu.blas_lt else { return Ok(false) };
+        if g.m == 0 || g.n == 0 || g.k == 0 {
+            return Ok(false);
+        }
+        self.cu.bind()?;
+        let workspace = self
+            .blas_workspace
+            .map(|(ptr, bytes)| (ptr, blaslt::lt_workspace_bytes(bytes)))
+            .filter(|&(_, bytes)| bytes > 0);
+        // cuBLAS and cuBLASLt share the workspace: hold the cuBLAS lock too, so that no
+        // product of another thread uses it at the same time (both queue on one stream).
+        let _blas = self.cu.blas.lock().unwrap_or_else(|e| e.into_inner());
+        let lt = lt.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the caller's contract; the context is bound and the workspace is the
+        // device's cuBLAS workspace, used by products queued in order on the one stream.
+        let ran = unsafe { lt.matmul(g, workspace, self.tf32)? };
+        if !ran {
+            self.cu.lt_fallbacks.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(ran)
     }
 
     /// The device.
@@ -430,6 +490,7 @@ impl<'a> Gpu<'a> {
         self.cu.bind()?;
         let mut blas = self.cu.blas.lock().unwrap_or_else(|e| e.into_inner());
         blas.set_workspace(self.blas_workspace)?;
+        blas.set_tf32(self.tf32);
         blas.gemm(s, a, b, c, ab, c_type)
     }
 }

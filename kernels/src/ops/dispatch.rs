@@ -155,6 +155,18 @@ impl Outputs for Vec<Tensor> {
     }
 }
 
+impl<A: Outputs, B: Outputs> Outputs for (A, B) {
+    type Specs = (A::Specs, B::Specs);
+
+    fn allocate(
+        (s0, s1): &(A::Specs, B::Specs),
+        alloc: &mut dyn FnMut(&OutputSpec) -> Result<Tensor>,
+    ) -> Result<(A, B)> {
+        let a = A::allocate(s0, alloc)?;
+        then(a, B::allocate(s1, alloc))
+    }
+}
+
 impl<A: Outputs, B: Outputs, C: Outputs> Outputs for (A, B, C) {
     type Specs = (A::Specs, B::Specs, C::Specs);
 
@@ -402,7 +414,7 @@ pub(crate) fn run<O: Op>(mut op: O) -> Result<O::Output> {
         #[cfg(feature = "cuda")]
         Compute::Cuda => {
             if let Some(cu) = device.cuda_backend() {
-                op.cuda(&crate::cuda::Gpu::new(cu, blas), &mut bufs)?;
+                op.cuda(&crate::cuda::Gpu::new(cu, blas, device.allow_tf32_matmul()), &mut bufs)?;
             }
         }
     }

@@ -15,6 +15,11 @@
 //! they are defined below the ops, the CPU reference and the CUDA launches, which all read
 //! them.
 //!
+//! A linear layer with a bias and a GELU is one call ([`linear_act`]): one cuBLASLt product
+//! with the bias and the activation as its epilogue on a GPU; an MLP's second layer's
+//! backward runs through the GELU ([`linear_backward_gelu`]), so that the GELU's output
+//! gradient is never stored.
+//!
 //! One op is two fused: [`linear_cross_entropy`], a language model's head and loss, computes
 //! the logits in chunks of rows and the gradients of its input and weight with the loss, so
 //! that the `[tokens, vocab]` logits never exist whole (its module docs give the design, the
@@ -75,7 +80,11 @@ pub use llama::{
     rope_inv_freq, rope_tables,
 };
 pub use loss::{CrossEntropy, cross_entropy, cross_entropy_backward};
-pub use matmul::{LinearGrads, linear, linear_backward, matmul, matmul_backward, matmul_spec};
+pub use matmul::{
+    GeluLinearGrads, LinearActOutput, LinearActivation, LinearGrads, linear, linear_act,
+    linear_act_backward, linear_backward, linear_backward_gelu, matmul, matmul_backward,
+    matmul_spec,
+};
 pub use multi_tensor::{AdamWTensors, SgdTensors, adamw_step_multi, sgd_step_multi};
 #[cfg(all(test, feature = "cuda"))]
 pub(crate) use norm::{

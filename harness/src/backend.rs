@@ -21,7 +21,8 @@ pub enum Backend {
     Cpu,
     /// CUDA device 0.
     Cuda {
-        /// The device's name.
+        /// The device's name, then which code runs its convolutions and linear layers
+        /// (`convolutions: cuDNN 9.14.0; linear layers: CublasLt`).
         name: String,
         /// Its total memory in bytes.
         total_bytes: u64,
@@ -53,10 +54,20 @@ pub fn resolve(choice: BackendChoice, note: &mut dyn FnMut(&str)) -> Result<Back
     }
 }
 
+/// Which code runs `device`'s convolutions and linear layers, in words.
+pub(crate) fn kernel_paths(device: &vram_kernels::Device) -> String {
+    format!("convolutions: {}; linear layers: {:?}", device.conv_path(), device.linear_path())
+}
+
 #[cfg(feature = "cuda")]
 fn cuda() -> Result<Backend, String> {
     let info = vram_alloc::cuda::probe(0)?;
-    Ok(Backend::Cuda { name: info.name, total_bytes: info.total_bytes as u64 })
+    // The name says which libraries run the convolutions and linear layers (cuDNN and its
+    // version or the own kernels, cuBLASLt or cuBLAS), so every results file and the report
+    // name the path their figures came from.
+    let device = vram_kernels::Device::cuda(0).map_err(|e| e.to_string())?;
+    let name = format!("{}, {}", info.name, kernel_paths(&device));
+    Ok(Backend::Cuda { name, total_bytes: info.total_bytes as u64 })
 }
 
 #[cfg(not(feature = "cuda"))]

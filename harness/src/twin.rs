@@ -550,8 +550,9 @@ pub fn run_vram_arch(
     let info = device.mem_info();
     let run = VramRun {
         backend: if device.is_cuda() { "cuda" } else { "cpu" }.into(),
-        // Which path the convolutions took (cuDNN and its version, or the own kernels).
-        device: format!("{}, convolutions: {}", device.name(), device.conv_path()),
+        // Which path the convolutions and linear layers took (cuDNN and its version or the
+        // own kernels; cuBLASLt or cuBLAS).
+        device: format!("{}, {}", device.name(), crate::backend::kernel_paths(device)),
         param_count: measured.param_count,
         losses: measured.losses,
         step_ms: measured.step_ms,

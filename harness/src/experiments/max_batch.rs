@@ -692,7 +692,10 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
         m.probes.iter().filter(|p| !p.fits).map(|p| (p.batch as f64, cap)).collect();
     let marks = [Mark::Crosses("fails on the device".into(), failed, None)];
     lines_with_marks(
-        "Memory each batch takes with room, and where it fails (fresh device, 2 steps)",
+        &format!(
+            "{SMALL}, {}: memory each batch takes with room, and where it fails (fresh device, 2 steps)",
+            m.model
+        ),
         "batch size (samples)",
         "memory (MiB)",
         &series,

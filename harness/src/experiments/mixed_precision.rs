@@ -277,6 +277,16 @@ fn pct(x: f64) -> String {
     format!("{:.0}%", 100.0 * x)
 }
 
+/// A saving `x` (a fraction of the baseline) in words: "24% less", or "1% more" where the
+/// recipe takes more than the baseline.
+fn less(x: f64) -> String {
+    if x >= -0.005 {
+        format!("{:.0}% less", 100.0 * x.max(0.0))
+    } else {
+        format!("{:.0}% more", -100.0 * x)
+    }
+}
+
 fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let (steps, batch) = if ctx.quick { (8, 16) } else { (30, 8) };
     let (arch, _) = gpt(ctx);
@@ -391,10 +401,10 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
                     .iter()
                     .map(|&k| {
                         format!(
-                            "{} {} ({} less)",
+                            "{} {} ({})",
                             kinds[k].label(),
                             human_bytes(row[k].peak),
-                            pct(real_saving(row, k))
+                            less(real_saving(row, k))
                         )
                     })
                     .collect();
@@ -474,13 +484,13 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         pct(cnn_saving(2)),
     );
     sweep.reading(format!(
-        "{REAL}: on {g2}, full bf16 with f32 masters cuts the peak by {} at batch {} but {} at batch {}; bf16 autocast (torch.autocast's recipe) cuts it by {} and {}: its weights, gradients and AdamW state stay f32 (16 B/param, plus 2 B/param of 16-bit weight copies) and only part of the activations halve, so pick full bf16 for memory and autocast for f32 weights and norms. {cnn_reading}",
-        pct(full_large), large_b.0, pct(s_small), small_b.0, pct(ac_large), pct(ac_small)
+        "{REAL}: on {g2}, full bf16 with f32 masters takes {} at batch {} but {} at batch {}; bf16 autocast (torch.autocast's recipe) {} and {}: its weights, gradients and AdamW state stay f32 (16 B/param, plus 2 B/param of 16-bit weight copies) and only part of the activations halve, so pick full bf16 for memory and autocast for f32 weights and norms. {cnn_reading}",
+        less(full_large), large_b.0, less(s_small), small_b.0, less(ac_large), less(ac_small)
     ));
     sweep.claim(Claim {
         claim: "mixed precision uses about 50% less memory".into(),
         measured: format!(
-            "{SMALL}: peak {} fp32; full 16-bit: {} fp16 ({} less), {} bf16 ({} less); autocast: {} bf16 ({} less), {} fp16 ({} less); {REAL}, {g2}, bf16: full {} less at batch {} and {} at batch {}, autocast {} and {}",
+            "{SMALL}: peak {} fp32; full 16-bit: {} fp16 ({} less), {} bf16 ({} less); autocast: {} bf16 ({} less), {} fp16 ({} less); {REAL}, {g2}, bf16: full {} at batch {} and {} at batch {}, autocast {} and {}",
             human_bytes(f32r.peak),
             human_bytes(fp16.peak),
             pct(saving(fp16)),
@@ -490,12 +500,12 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             pct(saving(ac_bf16)),
             human_bytes(ac_fp16.peak),
             pct(saving(ac_fp16)),
-            pct(s_large),
+            less(s_large),
             large_b.0,
-            pct(s_small),
+            less(s_small),
             small_b.0,
-            pct(ac_large),
-            pct(ac_small),
+            less(ac_large),
+            less(ac_small),
         ),
         verdict: saving_verdict(best),
     });
@@ -586,7 +596,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "Micikevicius et al.: the saving is in 16-bit activations; weights + grads + Adam state stay ~16 B/parameter with f32 masters".into(),
         measured: format!(
-            "state {:.1} B/param fp32, {:.1} fp16, {:.1} bf16; activations and temporaries {} fp32, {} fp16, {} bf16",
+            "{SMALL}: state {:.1} B/param fp32, {:.1} fp16, {:.1} bf16 (full 16-bit); activations and temporaries {} fp32, {} fp16, {} bf16",
             per_param(f32r), per_param(fp16), per_param(bf16), human_bytes(acts(f32r)), human_bytes(acts(fp16)), human_bytes(acts(bf16))
         ),
         verdict: if (per_param(fp16) - per_param(f32r)).abs() <= 1.0 && acts(fp16) < acts(f32r) { Verdict::Holds } else { Verdict::Partly },
@@ -742,6 +752,13 @@ mod tests {
     /// The executed real-size path (what runs on a GPU) on the host, with GPT-2 small shrunk:
     /// every step but the first timed, a finite loss per step, and the peaks the virtual
     /// device predicts (vram's own allocations are the same on every backend).
+    #[test]
+    fn a_saving_below_zero_reads_as_more() {
+        assert_eq!(less(0.24), "24% less");
+        assert_eq!(less(-0.013), "1% more");
+        assert_eq!(less(-0.001), "0% less");
+    }
+
     #[test]
     fn real_runs_time_every_step_but_the_first_and_match_the_virtual_device() {
         let small = ModelOverrides {

@@ -149,7 +149,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "checkpointing lowers peak memory".into(),
         measured: format!(
-            "{n}-layer chain: plain {}; sqrt(n) {} ({:.0}% less); lowest {} ({}, {:.0}% less)",
+            "{SMALL}, {small_gpt}, {n}-layer chain: plain {}; sqrt(n) {} ({:.0}% less); lowest {} ({}, {:.0}% less)",
             human_bytes(plain.1),
             human_bytes(sqrt.1),
             less(sqrt),
@@ -161,7 +161,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     });
     let overhead = 100.0 * (sqrt.2.mean_ms / plain.2.mean_ms - 1.0);
     let times = format!(
-        "step time plain {}, sqrt(n) {} ({overhead:+.0}%)",
+        "{SMALL}, {small_gpt}: step time plain {}, sqrt(n) {} ({overhead:+.0}%)",
         plain.2.describe(),
         sqrt.2.describe()
     );
@@ -189,14 +189,14 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "gradients are bit-identical to no checkpointing (dropout masks reproduced)".into(),
         measured: format!(
-            "{} of {} plans gave bit-identical gradients on the first step",
+            "{SMALL}, {small_gpt}: {} of {} plans gave bit-identical gradients on the first step",
             rows.iter().filter(|r| r.3).count(),
             rows.len()
         ),
         verdict: if all_identical { Verdict::Holds } else { Verdict::DoesNotHold },
     });
     let chen = format!(
-        "sqrt(n) plan: activation peak predicted {} vs {} plain; {times}",
+        "sqrt(n) plan: activation peak predicted {} vs {} plain (executed chain); {times}",
         human_bytes(sqrt.4),
         human_bytes(plain.4)
     );

@@ -635,7 +635,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "mixed precision trains like fp32 (loss curves agree within 5% of fp32's first loss)".into(),
         measured: format!(
-            "largest loss difference to fp32 over {steps} steps: full {:.4} fp16, {:.4} bf16; autocast {:.4} bf16, {:.4} fp16 (tolerance {tolerance:.4} = 5% of fp32's first loss {:.4}); loss scaler: full fp16 {}, fp16 autocast {}",
+            "{SMALL}, {small_gpt}: largest loss difference to fp32 over {steps} steps: full {:.4} fp16, {:.4} bf16; autocast {:.4} bf16, {:.4} fp16 (tolerance {tolerance:.4} = 5% of fp32's first loss {:.4}); loss scaler: full fp16 {}, fp16 autocast {}",
             diff(fp16), diff(bf16), diff(ac_bf16), diff(ac_fp16), f32r.losses[0], scaled(fp16), scaled(ac_fp16)
         ),
         verdict: if worst < tolerance { Verdict::Holds } else { Verdict::Partly },
@@ -647,7 +647,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "the loss scaler skips overflowing f16 steps, backs off, and training goes on".into(),
         measured: format!(
-            "scale starting at 2^28 (backoff 1/16): {} of {} steps skipped, final scale {}, losses {} (fp32 {}); all finite: {finite}",
+            "{SMALL}, {small_gpt}: scale starting at 2^28 (backoff 1/16): {} of {} steps skipped, final scale {}, losses {} (fp32 {}); all finite: {finite}",
             inj_skipped,
             steps,
             inj_scale,

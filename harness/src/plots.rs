@@ -61,6 +61,10 @@ pub(crate) fn cards_near(max_gib: f64) -> Vec<(String, f64)> {
 /// Width of the panel right of the plot that holds the legend, in pixels: the legend never
 /// covers data.
 const LEGEND_WIDTH: u32 = 390;
+/// Characters per line of a chart's title (18 px sans-serif across the plot and the legend)
+/// and the height of a line.
+const TITLE_CHARS: usize = 110;
+const TITLE_LINE: u32 = 24;
 
 /// How an entry of the legend shows its series.
 #[derive(Clone, Copy)]
@@ -87,7 +91,7 @@ fn draw_legend(
     entries: &Legend,
 ) -> Option<()> {
     let font = ("sans-serif", 12).into_font();
-    let mut y = 44i32;
+    let mut y = 24i32;
     for (sample, text) in entries {
         let (x0, x1) = (8i32, 30i32);
         match *sample {
@@ -143,12 +147,22 @@ fn chart(
 ) -> Option<String> {
     let mut svg = String::new();
     {
+        // The title across the whole width, wrapped (a title that names its model, dropout,
+        // attention form and precision is long), above the plot and the legend.
+        let lines = wrap(title, TITLE_CHARS);
+        let title_height = TITLE_LINE * lines.len() as u32 + 12;
         let root =
-            SVGBackend::with_string(&mut svg, (SIZE.0 + LEGEND_WIDTH, SIZE.1)).into_drawing_area();
+            SVGBackend::with_string(&mut svg, (SIZE.0 + LEGEND_WIDTH, SIZE.1 + title_height))
+                .into_drawing_area();
         root.fill(&WHITE).ok()?;
-        let (plot, side) = root.split_horizontally(SIZE.0);
+        let (top, rest) = root.split_vertically(title_height);
+        let font = ("sans-serif", 18).into_font();
+        for (i, line) in lines.iter().enumerate() {
+            let at = (12, 8 + (TITLE_LINE * i as u32) as i32);
+            top.draw(&Text::new(line.clone(), at, font.clone())).ok()?;
+        }
+        let (plot, side) = rest.split_horizontally(SIZE.0);
         let mut chart = ChartBuilder::on(&plot)
-            .caption(title, ("sans-serif", 20))
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(60)
@@ -472,4 +486,28 @@ pub(crate) fn grouped_bars(
         }
         Some(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn height(svg: &str) -> u32 {
+        let at = svg.find("height=\"").expect("an SVG height") + 8;
+        svg[at..].split('"').next().and_then(|h| h.parse().ok()).expect("a number")
+    }
+
+    #[test]
+    fn a_long_title_wraps_into_lines_and_the_chart_grows_to_hold_them() {
+        let series = [("a".to_string(), vec![(0.0, 1.0), (1.0, 2.0)])];
+        let draw = |title: &str| lines_with_marks(title, "x (s)", "y (MiB)", &series, false, &[]);
+        let short = draw("short title").unwrap();
+        let long_title = format!("{}zebra", "word ".repeat(50));
+        let long = draw(&long_title).unwrap();
+        assert_eq!(wrap(&long_title, TITLE_CHARS).len(), 3);
+        assert_eq!(height(&long), height(&short) + 2 * TITLE_LINE);
+        // Every word is drawn, the last on the third line.
+        assert!(short.contains("short title"));
+        assert!(long.contains("zebra"), "the title's last line");
+    }
 }

@@ -1017,9 +1017,10 @@ pub fn report(rows: &[Comparison], settings: &TwinSettings) -> String {
     }
     let _ = writeln!(
         s,
-        "- {} AdamW steps (lr {}, PyTorch's other defaults), f32, dropout {}; peaks over the \
-         steps, reset once model, batch and optimizer were on the device; step time the \
-         median of the steps after the first, in ms\n",
+        "- {} AdamW steps (lr {}, PyTorch's other defaults), f32, dropout {}, fused attention \
+         in every transformer (vram's; PyTorch's F.scaled_dot_product_attention in the match \
+         recipe); peaks over the steps, reset once model, batch and optimizer were on the \
+         device; step time the median of the steps after the first, in ms\n",
         settings.steps, settings.lr, settings.dropout
     );
     if host {

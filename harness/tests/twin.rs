@@ -119,6 +119,8 @@ fn comparison_reads_both_sides_and_the_report_states_the_goal() {
     assert!(text.contains("| mlp | 2 |"), "{text}");
     assert!(text.contains("Not measured: both sides must run on CUDA"), "{text}");
     assert!(text.contains("explicit attention"), "{text}");
+    // The settings line says vram's attention form beside the dropout and precision.
+    assert!(text.contains("f32, dropout 0, fused attention in every transformer"), "{text}");
     assert!(
         text.trim_end().lines().any(|l| l.starts_with("| mlp |") && l.ends_with("| yes |")),
         "{text}"

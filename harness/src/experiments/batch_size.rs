@@ -4,7 +4,7 @@
 
 use super::common::{
     REAL_SIZE_CAVEAT, bytes_list, cnn, cnn_side, fit_line, increasing, real_model, real_peak,
-    stripes, train_fresh_interleaved,
+    real_tag, stripes, train_fresh_interleaved,
 };
 use super::{Experiment, Sweep};
 use crate::plan::{ModelOverrides, PlanKind, Precision};
@@ -118,12 +118,13 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     for (name, batches) in real_sweeps(ctx.quick) {
         let model = real_model(name, &ModelOverrides::default())?;
         let fp = crate::advice::footprint(&model)?;
+        let label = real_tag(&model, "fp32");
         let mut pts = Vec::new();
         for &b in &batches {
             let (alloc, reserved) = real_peak(&model, Precision::Fp32, PlanKind::None, b, 1)?;
             let measured = Measured {
                 part: REAL,
-                model: model.name.clone(),
+                model: label.clone(),
                 batch_size: b,
                 samples_per_s: None,
                 last_loss: None,
@@ -134,22 +135,22 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
                 fixed_bytes: Some(fp.fixed),
                 per_sample_bytes: Some(fp.per_sample),
             };
-            sweep.push(&format!("{REAL}: {name}, batch {b}"), alloc, reserved, None, measured);
+            sweep.push(&format!("{REAL}: {label}, batch {b}"), alloc, reserved, None, measured);
             pts.push((b, alloc));
         }
         let xs: Vec<f64> = pts.iter().map(|&(b, _)| b as f64).collect();
         let ys: Vec<f64> = pts.iter().map(|&(_, p)| p as f64).collect();
         // Linearity over this sweep; the fixed and per-sample figures are the footprint's.
         let (_, _, r2) = fit_line(&xs, &ys);
-        real.push((name, model.name.clone(), pts, fp.fixed as f64, fp.per_sample as f64, r2));
+        real.push((name, label, pts, fp.fixed as f64, fp.per_sample as f64, r2));
     }
     let all_linear =
         real.iter().all(|r| r.5 > 0.99 && increasing(&r.2.iter().map(|p| p.1).collect::<Vec<_>>()));
     let real_fits = real
         .iter()
-        .map(|(name, _, pts, a, b, r2)| {
+        .map(|(_, label, pts, a, b, r2)| {
             format!(
-                "{name}: {} over batches {:?}, linear to r^2 {r2:.4}; fixed part {} + {} x batch (the line through batches {FOOTPRINT}, as in the advice table)",
+                "{label}: {} over batches {:?}, linear to r^2 {r2:.4}; fixed part {} + {} x batch (the line through batches {FOOTPRINT}, as in the advice table)",
                 bytes_list(&pts.iter().map(|p| p.1).collect::<Vec<_>>()),
                 pts.iter().map(|p| p.0).collect::<Vec<_>>(),
                 human_bytes(a.max(0.0) as u64),
@@ -181,9 +182,9 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     if let (Some(p32), Some(p8)) = (at(&peaks, 32), at(&peaks, 8)) {
         savings.push((format!("{SMALL} CNN"), p32, p8));
     }
-    for (name, _, pts, ..) in &real {
+    for (_, label, pts, ..) in &real {
         if let (Some(p32), Some(p8)) = (at(pts, 32), at(pts, 8)) {
-            savings.push((name.to_string(), p32, p8));
+            savings.push((format!("{REAL}: {label}"), p32, p8));
         }
     }
     let saving = |&(_, p32, p8): &(String, u64, u64)| 1.0 - p8 as f64 / p32 as f64;
@@ -220,18 +221,18 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let share = |a: f64, b: f64, n: f64| a / (a + b * n);
     let shares = real
         .iter()
-        .map(|(name, _, _, a, b, _)| {
-            (*name, share(*a, *b, 1.0), share(*a, *b, 4.0), (a / b).max(0.0))
+        .map(|(name, label, _, a, b, _)| {
+            (*name, label.as_str(), share(*a, *b, 1.0), share(*a, *b, 4.0), (a / b).max(0.0))
         })
         .collect::<Vec<_>>();
-    if let Some(&(_, s1, s4, even)) = shares.iter().find(|s| s.0 == "gpt2-medium") {
+    if let Some(&(_, medium, s1, s4, even)) = shares.iter().find(|s| s.0 == "gpt2-medium") {
         sweep.claim(Claim {
             claim: "at small batches the fixed part (weights, gradients, AdamW state) dominates a large model's peak, so a smaller batch relieves little (GPT-2 medium)".into(),
             measured: format!(
-                "{}; per-sample part equals the fixed part at batch {even:.1} for GPT-2 medium",
+                "{REAL}: {}; per-sample part equals the fixed part at batch {even:.1} for {medium}",
                 shares
                     .iter()
-                    .map(|(n, s1, s4, _)| format!("{n}: fixed part {:.0}% of the peak at batch 1, {:.0}% at batch 4", 100.0 * s1, 100.0 * s4))
+                    .map(|(_, n, s1, s4, _)| format!("{n}: fixed part {:.0}% of the peak at batch 1, {:.0}% at batch 4", 100.0 * s1, 100.0 * s4))
                     .collect::<Vec<_>>()
                     .join("; ")
             ),
@@ -251,8 +252,9 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             |pts: &[(usize, u64)], cap: u64| pts.iter().filter(|p| p.1 <= cap).map(|p| p.0).max();
         let cap = 24u64 << 30;
         sweep.reading(format!(
-            "Each sample costs {} in GPT-2 small (1024 tokens) and {} in ResNet-50 (224 px) on top of a fixed {} / {}; on a 24 GiB card the largest batch measured that fits is {} / {} (before the CUDA context and workspaces). Halving the batch frees per-sample x half the batch, never the fixed part.",
+            "{REAL}: each sample costs {} in {} (1024 tokens) and {} in ResNet-50 (224 px, fp32) on top of a fixed {} / {}; on a 24 GiB card the largest batch measured that fits is {} / {} (before the CUDA context and workspaces). Halving the batch frees per-sample x half the batch, never the fixed part.",
             human_bytes(g.4.max(0.0) as u64),
+            g.1,
             human_bytes(r.4.max(0.0) as u64),
             human_bytes(g.3.max(0.0) as u64),
             human_bytes(r.3.max(0.0) as u64),
@@ -283,9 +285,8 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
         let (a, b) = rows.first().map_or((0.0, 0.0), |(_, m)| {
             (m.fixed_bytes.unwrap_or(0) as f64 / GIB, m.per_sample_bytes.unwrap_or(0) as f64 / GIB)
         });
-        let short = model.split(" (").next().unwrap_or(model).to_string();
         series.push((
-            short,
+            model.to_string(),
             pts,
             format!("fixed {a:.2} + {b:.3} x batch GiB (line through batches {FOOTPRINT})"),
             vec![(0.0, a), (top, a + b * top)],

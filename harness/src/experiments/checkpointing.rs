@@ -3,10 +3,12 @@
 //! predicted peak next to the measured one, and gradients compared bit for bit with the plain
 //! run.
 
-use super::common::{REAL_CAPACITY, REAL_SIZE_CAVEAT, device, fit_power, gradients, sync};
+use super::common::{REAL_CAPACITY, REAL_SIZE_CAVEAT, device, fit_power, gpt_tag, gradients, sync};
 use super::{Experiment, Sweep};
 use crate::data::Dataset;
-use crate::models::{Arch, Model};
+use crate::models::{Arch, Attention, Model};
+
+const SMALL: &str = "small (executed)";
 use crate::plots::{MIB, scatter};
 use crate::techniques::Technique;
 use crate::timing::{Timing, interleaved};
@@ -116,6 +118,12 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     }
     let bits = |g: &[Vec<f32>]| g.iter().flatten().map(|v| v.to_bits()).collect::<Vec<_>>();
     let reference = bits(&states[0].first_gradients);
+    let small_gpt = gpt_tag(
+        &format!("small GPT (d {d}, {layers} layers, {seq} tokens)"),
+        &arch,
+        Attention::Fused,
+        "fp32 + AdamW",
+    );
     let mut rows = Vec::new();
     for ((((name, _), p), (times, predicted)), &measured_peak) in
         plans.iter().zip(&states).zip(samples.iter().zip(&predictions)).zip(&steady)
@@ -131,7 +139,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             gradients_bit_identical_to_plain: identical,
         };
         let (peak, reserved) = (p.dev.max_memory_allocated(), p.dev.max_memory_reserved());
-        sweep.push(name, peak, reserved, Some(step), measured);
+        sweep.push(&format!("{SMALL}, {small_gpt}: {name}"), peak, reserved, Some(step), measured);
         rows.push((*name, peak, step, identical, predicted.peak_bytes));
     }
     let plain = rows[0];
@@ -141,7 +149,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "checkpointing lowers peak memory".into(),
         measured: format!(
-            "{n}-layer chain: plain {}; sqrt(n) {} ({:.0}% less); lowest {} ({}, {:.0}% less)",
+            "{SMALL}, {small_gpt}, {n}-layer chain: plain {}; sqrt(n) {} ({:.0}% less); lowest {} ({}, {:.0}% less)",
             human_bytes(plain.1),
             human_bytes(sqrt.1),
             less(sqrt),
@@ -153,7 +161,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     });
     let overhead = 100.0 * (sqrt.2.mean_ms / plain.2.mean_ms - 1.0);
     let times = format!(
-        "step time plain {}, sqrt(n) {} ({overhead:+.0}%)",
+        "{SMALL}, {small_gpt}: step time plain {}, sqrt(n) {} ({overhead:+.0}%)",
         plain.2.describe(),
         sqrt.2.describe()
     );
@@ -181,14 +189,14 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "gradients are bit-identical to no checkpointing (dropout masks reproduced)".into(),
         measured: format!(
-            "{} of {} plans gave bit-identical gradients on the first step",
+            "{SMALL}, {small_gpt}: {} of {} plans gave bit-identical gradients on the first step",
             rows.iter().filter(|r| r.3).count(),
             rows.len()
         ),
         verdict: if all_identical { Verdict::Holds } else { Verdict::DoesNotHold },
     });
     let chen = format!(
-        "sqrt(n) plan: activation peak predicted {} vs {} plain; {times}",
+        "sqrt(n) plan: activation peak predicted {} vs {} plain (executed chain); {times}",
         human_bytes(sqrt.4),
         human_bytes(plain.4)
     );
@@ -259,7 +267,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.check(
         "the executor predicts each plan's activation peak from one profiled step (what the budget plan relies on)",
         format!(
-            "largest difference between predicted (the profile's plus the chain's input) and measured steady-step activation peak: {:.2}% over the {} executed plans, {:.2}% at real size (GPT-2 small width, {} depths {depths:?}, 3 plans); at 32 blocks predicted / measured: {}",
+            "largest difference between predicted (the profile's plus the chain's input) and measured steady-step activation peak: {:.2}% over the {} executed plans, {:.2}% at real size (virtual: GPT-2 small width, dropout 0.1, fused attention, fp32, {} depths {depths:?}, 3 plans); at 32 blocks predicted / measured: {}",
             100.0 * small_off,
             plans.len(),
             100.0 * real_off,
@@ -275,7 +283,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "Chen et al.: with sqrt(n) segments the activation memory grows as sqrt(n) (exponent ~0.5), without checkpointing as n".into(),
         measured: format!(
-            "real size (virtual): GPT-2 small width, 1024 tokens, batch 1, fp32 + AdamW, blocks {depths:?}; step peak above 16 B/param of states: none {} (exponent {:.2}), every layer {} (exponent {:.2}), sqrt(n) {} (exponent {:.2}, r^2 {:.3}); {REAL_SIZE_CAVEAT}",
+            "real size (virtual): GPT-2 small width, 1024 tokens, dropout 0.1, fused attention, batch 1, fp32 + AdamW, blocks {depths:?}; step peak above 16 B/param of states: none {} (exponent {:.2}), every layer {} (exponent {:.2}), sqrt(n) {} (exponent {:.2}, r^2 {:.3}); {REAL_SIZE_CAVEAT}",
             list(&acts[0]), fits[0].1, list(&acts[1]), fits[1].1, list(&acts[2]), e_sqrt, fits[2].2
         ),
         verdict: if (0.35..=0.65).contains(&e_sqrt) && fits[0].1 > e_sqrt {
@@ -287,7 +295,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         },
     });
     sweep.reading(format!(
-        "Checkpointing trades recompute for activations: at GPT-2 small width and 32 blocks the activation part of a step with AdamW falls from {} to {} with sqrt(n) segments and grows as n^{e_sqrt:.2} instead of n^{:.2}; the executor's prediction from one profiled step matches the executed chain to {:.2}% but is off by up to {:.2}% at real size (a budget plan can overshoot its budget by that much); the gradients stay bit-identical.",
+        "Checkpointing trades recompute for activations: at GPT-2 small width (dropout 0.1, fused attention, fp32, real size on the virtual device) and 32 blocks the activation part of a step with AdamW falls from {} to {} with sqrt(n) segments and grows as n^{e_sqrt:.2} instead of n^{:.2}; the executor's prediction from one profiled step matches the executed chain to {:.2}% but is off by up to {:.2}% at real size (a budget plan can overshoot its budget by that much); the gradients stay bit-identical.",
         human_bytes(acts[0][acts[0].len() - 1] as u64),
         human_bytes(acts[2][acts[2].len() - 1] as u64),
         fits[0].1,
@@ -373,18 +381,19 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
         .variants()
         .iter()
         .filter_map(|(v, _)| {
-            let point = (v.name.clone(), overhead(v.step_ms?), v.peak_allocated_bytes as f64 / MIB);
+            let plan = v.name.rsplit(": ").next().unwrap_or(&v.name).to_string();
+            let point = (plan, overhead(v.step_ms?), v.peak_allocated_bytes as f64 / MIB);
             // The step's 95% interval, relative to the baseline's mean (the baseline's own
             // spread shows as its bar around 0).
             Some((point, v.step_ms_ci95.map(|[lo, hi]| (overhead(lo), overhead(hi)))))
         })
         .unzip();
+    let model = sweep.variants().first()?.0.name.rsplit_once(": ")?.0.to_string();
     scatter(
-        if sweep.backend == "cpu" {
-            "Checkpointing: peak memory vs time overhead (host timings)"
-        } else {
-            "Checkpointing: peak memory vs time overhead"
-        },
+        &format!(
+            "Checkpointing, {model}: peak memory vs time overhead{}",
+            if sweep.backend == "cpu" { " (host timings)" } else { "" }
+        ),
         "time overhead vs no checkpointing (%, bars: 95% interval of the mean step)",
         "peak allocated (MiB)",
         &pts,

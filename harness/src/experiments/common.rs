@@ -2,7 +2,7 @@
 //! and small statistics.
 
 use crate::data::Dataset;
-use crate::models::{Arch, Model};
+use crate::models::{Arch, Attention, Model};
 use crate::trainer::{NoHooks, TrainConfig, Trainer};
 use crate::{Backend, Context, ExperimentError, Timing};
 use vram_alloc::AllocatorConfig;
@@ -63,6 +63,63 @@ pub fn gpt(ctx: &Context) -> (Arch, Dataset) {
         Arch::Gpt { vocab: 64, d, layers, heads: 1, seq, dropout: 0.1, tied: false },
         Dataset::Sequences { vocab: 64, seq },
     )
+}
+
+/// How a figure names a GPT: `name` with its dropout and attention form (inside `name`'s
+/// closing parenthesis if it ends with one); any other model is `name` alone.
+pub fn gpt_name(name: &str, arch: &Arch, attention: Attention) -> String {
+    match arch {
+        Arch::Gpt { dropout, .. } => {
+            let form = match attention {
+                Attention::Fused => "fused",
+                Attention::Explicit => "explicit",
+            };
+            let what = format!("dropout {dropout}, {form} attention");
+            match name.strip_suffix(')') {
+                Some(open) => format!("{open}, {what})"),
+                None => format!("{name} ({what})"),
+            }
+        }
+        _ => name.to_string(),
+    }
+}
+
+/// [`gpt_name`] then `, precision`: what [`super::unlabelled_gpt`] asks of every GPT
+/// figure (any other model: `name` alone).
+pub fn gpt_tag(name: &str, arch: &Arch, attention: Attention, precision: &str) -> String {
+    match arch {
+        Arch::Gpt { .. } => format!("{}, {precision}", gpt_name(name, arch, attention)),
+        _ => name.to_string(),
+    }
+}
+
+/// The small executed GPT of [`gpt`] as figures name it, with `precision`.
+pub fn small_gpt_tag(ctx: &Context, precision: &str) -> String {
+    let (arch, _) = gpt(ctx);
+    let name = match &arch {
+        Arch::Gpt { d, layers, seq, .. } => {
+            format!("small GPT (d {d}, {layers} layers, {seq} tokens)")
+        }
+        _ => "small GPT".to_string(),
+    };
+    gpt_tag(&name, &arch, Attention::Fused, precision)
+}
+
+/// A real-size model as figures name it: its preset name and, for a GPT, its dropout,
+/// attention form and `precision`.
+pub fn real_tag(model: &crate::plan::PlanModel, precision: &str) -> String {
+    let name = model.name.split(" (").next().unwrap_or(&model.name);
+    gpt_tag(name, &model.arch, model.attention, precision)
+}
+
+/// Where an allocator-level experiment's rows ran: the caching allocator over virtual
+/// memory on the host backend, over the GPU's memory on CUDA (requests only, nothing
+/// computed).
+pub fn allocator_only(ctx: &Context) -> &'static str {
+    match ctx.backend {
+        Backend::Cpu => "allocator only (virtual memory, synthetic requests)",
+        Backend::Cuda { .. } => "allocator only (GPU memory, synthetic requests)",
+    }
 }
 
 /// Timed steps after warm-up.
@@ -233,6 +290,28 @@ pub fn increasing(v: &[u64]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gpt_tag_says_dropout_attention_and_precision_and_passes_the_guard() {
+        let (arch, _) = (
+            Arch::Gpt { vocab: 64, d: 64, layers: 2, heads: 1, seq: 32, dropout: 0.1, tied: false },
+            (),
+        );
+        assert_eq!(
+            gpt_tag("small GPT (d 64)", &arch, Attention::Explicit, "fp32"),
+            "small GPT (d 64, dropout 0.1, explicit attention), fp32"
+        );
+        assert_eq!(
+            gpt_tag("gpt2-small", &arch, Attention::Fused, "bf16"),
+            "gpt2-small (dropout 0.1, fused attention), bf16"
+        );
+        assert_eq!(
+            super::super::unlabelled_gpt(&gpt_tag("gpt2", &arch, Attention::Fused, "fp16")),
+            None
+        );
+        let cnn = Arch::ResNet { width: 8, blocks: vec![1], classes: 10 };
+        assert_eq!(gpt_tag("resnet50", &cnn, Attention::Fused, "fp32"), "resnet50");
+    }
 
     #[test]
     fn a_real_size_model_that_does_not_exist_is_the_planners_typed_error() {

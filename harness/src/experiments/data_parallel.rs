@@ -17,6 +17,11 @@ use vram_parallel::{DpConfig, Strategy, ring_bytes_per_param};
 
 const DEVICES: [usize; 4] = [1, 2, 4, 8];
 
+/// The two models as rows and figures name them (where they ran, dropout, attention form,
+/// precision).
+const SMALL_GPT: &str = "small GPT (d 64, 2 layers, 4 heads, 32 tokens, dropout 0, fused attention), fp32, executed on host devices";
+const MEDIUM: &str = "GPT-2 medium (untied head, 1024 tokens, dropout 0, fused attention), bf16 + f32 AdamW, virtual devices";
+
 /// GPT-2 medium (16-head attention) with an untied LM head (vram-parallel runs no tied head:
 /// +vocab x d = 51.5 M parameters), no dropout.
 fn gpt2_medium() -> (Arch, Dataset) {
@@ -97,7 +102,7 @@ fn push(sweep: &mut Sweep<Measured>, label: &'static str, run: &DpRun, dtype: DT
         ),
     };
     let step = if timed { Timing::from_samples(&run.step_samples_ms()) } else { None };
-    let name = format!("{label} {} x{}", run.config.strategy.name(), run.devices);
+    let name = format!("{label}: {} x{}", run.config.strategy.name(), run.devices);
     sweep.push(&name, run.max_peak_allocated(), run.max_peak_reserved(), step, m);
 }
 
@@ -139,7 +144,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
                 host_steps,
                 ctx.seed,
             )?;
-            push(&mut sweep, "small-gpt", &r, DType::F32, true);
+            push(&mut sweep, SMALL_GPT, &r, DType::F32, true);
             host.push(r);
             let kind = DeviceKind::Virtual(capacity);
             let r = measure(
@@ -153,7 +158,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
                 virt_steps,
                 ctx.seed,
             )?;
-            push(&mut sweep, "gpt2-medium", &r, DType::BF16, false);
+            push(&mut sweep, MEDIUM, &r, DType::BF16, false);
             virt.push(r);
         }
     }
@@ -183,7 +188,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "data parallel training spreads memory over the devices (largest per-device peak falls with N)".into(),
         measured: format!(
-            "GPT-2 medium (bf16 + f32 AdamW state), global batch {samples} x 1024 tokens, largest per-device peak allocated at N = 1 / 2 / 4 / 8: {}; falls with N for: {}. DDP and DataParallel spread only the activations (DDP's model states per device: {})",
+            "{MEDIUM}, global batch {samples} x 1024 tokens, largest per-device peak allocated at N = 1 / 2 / 4 / 8: {}; falls with N for: {}. DDP and DataParallel spread only the activations (DDP's model states per device: {})",
             lines.join("; "),
             if spread.is_empty() { "none".into() } else { spread.join(", ") },
             ddp_states.iter().map(|&p| human_bytes(p)).collect::<Vec<_>>().join(" / ")
@@ -218,7 +223,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.check(
         "vram's sharding holds the model states ZeRO's formulas give per device (ZeRO-1: 4 + 12/N, ZeRO-2: 2 + 14/N, ZeRO-3: 16/N bytes per parameter)",
         format!(
-            "GPT-2 medium model states per device after a step (bytes the tensors requested), measured vs analytic: {}; largest deviation over N = 1..8 and DDP/ZeRO-1/2/3: {:.3}%",
+            "{MEDIUM}: model states per device after a step (bytes the tensors requested), measured vs analytic: {}; largest deviation over N = 1..8 and DDP/ZeRO-1/2/3: {:.3}%",
             table.join(", "),
             100.0 * worst
         ),
@@ -238,7 +243,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         sweep.claim(Claim {
             claim: "nn.DataParallel loads device 0 more than the others (outputs, loss, gradients and optimizer there)".into(),
             measured: format!(
-                "8 devices, peak allocated on device 0 vs the largest other: GPT-2 medium {} vs {} ({vr:.2}x), small GPT on host devices {} vs {} ({hr:.2}x)",
+                "8 devices, peak allocated on device 0 vs the largest other: {MEDIUM}: {} vs {} ({vr:.2}x); {SMALL_GPT}: {} vs {} ({hr:.2}x)",
                 human_bytes(v0), human_bytes(vo), human_bytes(h0), human_bytes(ho)
             ),
             verdict: if vr >= 1.10 && hr >= 1.10 { Verdict::Holds } else if vr >= 1.10 || hr >= 1.10 { Verdict::Partly } else { Verdict::DoesNotHold },
@@ -251,7 +256,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let ddp_per_param = find(&virt, Strategy::Ddp, 1)
         .map_or(f64::NAN, |r| r.max_state_bytes() as f64 / r.params.max(1) as f64);
     let peaks_reading = format!(
-        "GPT-2 medium, largest per-device peak on 1 -> 8 devices: DDP {} -> {} (its {ddp_per_param:.1} B/param of states (bf16 weights and gradients, f32 master weights and AdamW moments, the gradient buckets it keeps) stay on every device; only activations spread), ZeRO-3 {} -> {} (states sharded too); nn.DataParallel keeps device 0 the fullest",
+        "{MEDIUM}: largest per-device peak on 1 -> 8 devices: DDP {} -> {} (its {ddp_per_param:.1} B/param of states (bf16 weights and gradients, f32 master weights and AdamW moments, the gradient buckets it keeps) stay on every device; only activations spread), ZeRO-3 {} -> {} (states sharded too); nn.DataParallel keeps device 0 the fullest",
         human_bytes(peak_at(Strategy::Ddp, 1)),
         human_bytes(peak_at(Strategy::Ddp, 8)),
         human_bytes(peak_at(Strategy::Zero3, 1)),
@@ -288,13 +293,13 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         traffic.push(format!("{} {}", s.name(), per.join(" / ")));
     }
     sweep.reading(format!(
-        "{peaks_reading}. One process per GPU: per-process model states / peak allocated, GPT-2 medium bf16, N = 1, 2, 4, 8 processes: {}",
+        "{peaks_reading}. One process per GPU: per-process model states / peak allocated, {MEDIUM}, N = 1, 2, 4, 8 processes: {}",
         memory.join("; ")
     ));
     sweep.claim(Claim {
         claim: "ZeRO-1 and ZeRO-2 move what DDP moves per step (2 (N-1)/N bytes per 16-bit gradient byte: a reduce-scatter and an all-gather equal an all-reduce); ZeRO-3 moves 1.5 times as much (weights gathered for forward and again for backward)".into(),
         measured: format!(
-            "bytes each process sends per parameter per step (bf16, counted on the collectives the trainer calls, as a ring moves them), GPT-2 medium at N = 1 / 2 / 4 / 8: {}; analytic 2 x 2 (N-1)/N = 0 / 2 / 3 / 3.5 for DDP, ZeRO-1/2 and 3 x 2 (N-1)/N = 0 / 3 / 4.5 / 5.25 for ZeRO-3; largest deviation {:.3}% (ZeRO's shards padded to N)",
+            "bytes each process sends per parameter per step (bf16, counted on the collectives the trainer calls, as a ring moves them), {MEDIUM}, at N = 1 / 2 / 4 / 8: {}; analytic 2 x 2 (N-1)/N = 0 / 2 / 3 / 3.5 for DDP, ZeRO-1/2 and 3 x 2 (N-1)/N = 0 / 3 / 4.5 / 5.25 for ZeRO-3; largest deviation {:.3}% (ZeRO's shards padded to N)",
             traffic.join("; "),
             100.0 * worst_traffic
         ),
@@ -317,7 +322,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "data parallel training spreads the work (step time falls with N)".into(),
         measured: format!(
-            "host timings, not GPU timings: the ranks are threads sharing this machine's CPU cores, so they say nothing of N GPUs; small GPT, step time of the slowest rank (mean +- 95% interval) at N = 1 / 2 / 4 / 8: {}",
+            "host timings, not GPU timings: the ranks are threads sharing this machine's CPU cores, so they say nothing of N GPUs; {SMALL_GPT}: step time of the slowest rank (mean +- 95% interval) at N = 1 / 2 / 4 / 8: {}",
             times.join("; ")
         ),
         verdict: Verdict::NotApplicable,

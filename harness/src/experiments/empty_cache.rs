@@ -2,6 +2,8 @@
 //! never / every N / every batch costs, and whether a second task needs it.
 
 use super::common::{cnn, cnn_side, device, stripes, sync};
+
+const SMALL: &str = "small (executed)";
 use super::{Experiment, Sweep};
 use crate::models::Model;
 use crate::plots::{Mark, lines_with_marks};
@@ -128,7 +130,13 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             host_timings: matches!(ctx.backend, Backend::Cpu),
         };
         let (peak, peak_reserved) = (dev.max_memory_allocated(), dev.max_memory_reserved());
-        sweep.push(&format!("empty_cache {name}"), peak, peak_reserved, Some(step), measured);
+        sweep.push(
+            &format!("{SMALL}: empty_cache {name}"),
+            peak,
+            peak_reserved,
+            Some(step),
+            measured,
+        );
         runs.push((step, allocated, reserved, reserved_after, allocs));
     }
     let never = runs[0];
@@ -137,7 +145,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "empty_cache returns cached (reserved but unallocated) memory to the device".into(),
         measured: format!(
-            "after training: {} allocated, {} reserved ({} cached); after empty_cache: {} reserved ({} cached)",
+            "{SMALL}: after training: {} allocated, {} reserved ({} cached); after empty_cache: {} reserved ({} cached)",
             human_bytes(never.1), human_bytes(never.2), human_bytes(cached_before), human_bytes(never.3), human_bytes(cached_after)
         ),
         verdict: if cached_after * 10 <= cached_before { Verdict::Holds } else { Verdict::DoesNotHold },
@@ -145,7 +153,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let slow = |t: &Timing| 100.0 * (t.mean_ms / never.0.mean_ms - 1.0);
     let (every_n, every_batch) = (slow(&runs[1].0), slow(&runs[2].0));
     let measured = format!(
-        "mean step {} never, {} every {EVERY_N} ({every_n:+.1}%, mean over whole periods), {} every batch ({every_batch:+.1}%); device allocations {} / {} / {}",
+        "{SMALL}: mean step {} never, {} every {EVERY_N} ({every_n:+.1}%, mean over whole periods), {} every batch ({every_batch:+.1}%); device allocations {} / {} / {}",
         never.0.describe(),
         runs[1].0.describe(),
         runs[2].0.describe(),
@@ -205,7 +213,7 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
             } else {
                 m.step_ms_each.iter().enumerate().map(|(i, &t)| (i as f64, t)).collect()
             };
-            (v.name.clone(), pts)
+            (v.name.rsplit(": ").next().unwrap_or(&v.name).to_string(), pts)
         })
         .collect();
     let steps = sweep.variants().first()?.1.step_ms_each.len();

@@ -9,6 +9,7 @@
 //! allocated passes 1e9 bytes, the source's `reserved - allocated > 1e9`); expandable
 //! segments.
 
+use super::common::allocator_only;
 use super::{Experiment, Sweep, allocator_variant};
 use crate::plots::{Mark, lines_with_marks};
 use crate::rng::Rng;
@@ -200,7 +201,13 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             device_allocations: o.device_allocations,
             device_frees: o.device_frees,
         };
-        sweep.push(name, o.peak_allocated, o.peak_reserved, None, measured);
+        sweep.push(
+            &format!("{}: {name}", allocator_only(ctx)),
+            o.peak_allocated,
+            o.peak_reserved,
+            None,
+            measured,
+        );
         outcomes.push((name, o));
     }
     let plain = &outcomes[0].1;
@@ -215,7 +222,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     };
     sweep.claim(Claim {
         claim: "fragmentation can cause OOM although enough memory is free in total".into(),
-        measured: format!("plain cache: {}", summary(plain)),
+        measured: format!("{}: plain cache: {}", allocator_only(ctx), summary(plain)),
         verdict: if plain.fragmentation_ooms > 0 { Verdict::Holds } else { Verdict::DoesNotHold },
     });
     let host = matches!(ctx.backend, Backend::Cpu);
@@ -254,7 +261,8 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         sweep.claim(Claim {
             claim: format!("{name} avoids the OOMs fragmentation causes"),
             measured: format!(
-                "{}; peak reserved {} vs {} plain; device allocations / frees {} / {} vs {} / {} plain{cost}",
+                "{}: {}; peak reserved {} vs {} plain; device allocations / frees {} / {} vs {} / {} plain{cost}",
+                allocator_only(ctx),
                 summary(o),
                 human_bytes(o.peak_reserved),
                 human_bytes(plain.peak_reserved),
@@ -314,7 +322,7 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
                 .enumerate()
                 .map(|(i, f)| (i as f64, 100.0 * f))
                 .collect();
-            (v.name.clone(), pts)
+            (v.name.rsplit(": ").next().unwrap_or(&v.name).to_string(), pts)
         })
         .collect();
     let marks: Vec<Mark> = sweep
@@ -330,7 +338,11 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
                     (s as f64, 100.0 * m.fragmentation_timeline.get(s).copied().unwrap_or(0.0))
                 })
                 .collect();
-            Mark::Crosses(format!("large request OOM ({})", v.name), at, Some(i))
+            Mark::Crosses(
+                format!("large request OOM ({})", v.name.rsplit(": ").next().unwrap_or(&v.name)),
+                at,
+                Some(i),
+            )
         })
         .collect();
     lines_with_marks(

@@ -4,7 +4,7 @@
 
 use super::common::{
     REAL_SIZE_CAVEAT, bytes_list, cnn, cnn_side, device, gradients, max_relative_difference,
-    real_model, real_peak, stripes,
+    real_model, real_peak, real_tag, stripes,
 };
 use super::{Experiment, Sweep};
 use crate::models::Model;
@@ -109,22 +109,23 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let mut real = Vec::new();
     for &(name, eff) in REAL_RUNS {
         let model = real_model(name, &ModelOverrides::default())?;
+        let tag = real_tag(&model, "fp32");
         let mut pk = Vec::new();
         for k in ks {
             let (alloc, reserved) = real_peak(&model, Precision::Fp32, PlanKind::None, eff / k, k)?;
             let measured = Measured {
                 part: REAL,
-                model: model.name.clone(),
+                model: tag.clone(),
                 k,
                 micro_batch: eff / k,
                 samples_per_s: None,
                 grad_max_relative_difference_vs_full_batch: None,
             };
-            let label = format!("{REAL}: {name}, batch {eff}, k = {k} (micro-batch {})", eff / k);
+            let label = format!("{REAL}: {tag}, batch {eff}, k = {k} (micro-batch {})", eff / k);
             sweep.push(&label, alloc, reserved, None, measured);
             pk.push(alloc);
         }
-        real.push((name, eff, pk));
+        real.push((tag, eff, pk));
     }
     let real_falls = real.iter().all(|r| r.2.windows(2).all(|w| w[1] < w[0]));
     let real_text = real
@@ -194,11 +195,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
 fn plot(sweep: &Sweep<Measured>) -> Option<String> {
     let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
     for (v, m) in sweep.variants().iter().filter(|(_, m)| m.part == REAL) {
-        let name = format!(
-            "{}, batch {}",
-            m.model.split(" (").next().unwrap_or(&m.model),
-            m.k * m.micro_batch
-        );
+        let name = format!("{}, batch {}", m.model, m.k * m.micro_batch);
         let y = v.peak_allocated_bytes as f64 / (1024.0 * 1024.0 * 1024.0);
         match series.iter_mut().find(|s| s.0 == name) {
             Some(s) => s.1.push((m.k as f64, y)),

@@ -124,7 +124,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "a lighter architecture (depthwise-separable convolutions, as ResNet50 -> MobileNetV3) needs less memory".into(),
         measured: format!(
-            "{}: {} params, peak {}, step {}; {}: {} params, peak {}, step {}{host}: {:.0}% less memory, {:.1}x the parameters removed",
+            "small (executed): {}: {} params, peak {}, step {}; {}: {} params, peak {}, step {}{host}: {:.0}% less memory, {:.1}x the parameters removed",
             full.0, full.1, human_bytes(full.2.peak_allocated), full.2.step.describe(),
             light.0, light.1, human_bytes(light.2.peak_allocated), light.2.step.describe(),
             100.0 * saving, full.1 as f64 / light.1.max(1) as f64

@@ -68,6 +68,10 @@ pub(super) struct Measured {
 /// that the setup is the source's and the outcome is not fixed by the sizes.
 const B_SHARE_PERCENT: u64 = 20;
 
+/// Where every row ran: two allocators over one shared virtual memory on every backend,
+/// their requests synthetic (no tensors, nothing computed).
+const SIMULATED: &str = "simulated (two allocators over one virtual memory, synthetic requests)";
+
 const FRACTIONS: [Option<f64>; 4] = [None, Some(0.8), Some(0.6), Some(0.3)];
 /// Steps of A before B arrives.
 const B_ARRIVES_AFTER: usize = 3;
@@ -159,7 +163,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             Some(f) => format!("A capped at {f}"),
         };
         sweep.push(
-            &name,
+            &format!("{SIMULATED}: {name}"),
             o.a_peak.0,
             o.a_peak.1,
             None,
@@ -197,7 +201,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "a memory fraction limits a process's usage so that another user of the device gets its memory".into(),
         measured: format!(
-            "B asks for {} after A's step {B_ARRIVES_AFTER}: A uncapped: {}, B {}; cap 0.8: {}, B {}; cap 0.6: {}, B {}",
+            "{SIMULATED}: B asks for {} after A's step {B_ARRIVES_AFTER}: A uncapped: {}, B {}; cap 0.8: {}, B {}; cap 0.6: {}, B {}",
             human_bytes(total * B_SHARE_PERCENT / 100),
             a_text(free), b_text(free), a_text(c80), b_text(c80), a_text(c50), b_text(c50)
         ),
@@ -218,7 +222,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "under a cap that holds the allocated working set, training goes on: the allocator frees its cache and retries instead of failing".into(),
         measured: format!(
-            "A needs {} allocated and reserves {} uncapped ({} device allocations); {}",
+            "{SIMULATED}: A needs {} allocated and reserves {} uncapped ({} device allocations); {}",
             human_bytes(need),
             human_bytes(free.a_peak.1),
             free.a_device.0,
@@ -251,7 +255,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "a cap below what the run needs fails with an out-of-memory error that names the cap, although the device has room".into(),
         measured: format!(
-            "cap 0.3 ({}): A {}/{steps} steps; {}",
+            "{SIMULATED}: cap 0.3 ({}): A {}/{steps} steps; {}",
             c30.cap.map_or("-".into(), human_bytes),
             c30.a_done,
             c30.a_error.as_ref().map_or("no error".into(), |e| e.to_string())

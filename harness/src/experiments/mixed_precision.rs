@@ -12,9 +12,10 @@
 //! GPT-2 small also runs at batch 8 in every recipe, and its step times decide the speed
 //! claim (the small GPT is launch-bound there).
 
-use super::common::{REAL_CAPACITY, REAL_SIZE_CAVEAT, device, gpt, real_model};
+use super::common::{REAL_CAPACITY, REAL_SIZE_CAVEAT, device, gpt, gpt_name, real_model};
 use super::{Experiment, Sweep};
 use crate::models::Model;
+use crate::models::{Arch, Attention};
 use crate::plan::{ModelOverrides, PlanModel};
 use crate::plots::{MIB, stacked_with_totals};
 use crate::techniques::Technique;
@@ -276,6 +277,16 @@ fn pct(x: f64) -> String {
     format!("{:.0}%", 100.0 * x)
 }
 
+/// A saving `x` (a fraction of the baseline) in words: "24% less", or "1% more" where the
+/// recipe takes more than the baseline.
+fn less(x: f64) -> String {
+    if x >= -0.005 {
+        format!("{:.0}% less", 100.0 * x.max(0.0))
+    } else {
+        format!("{:.0}% more", -100.0 * x)
+    }
+}
+
 fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let (steps, batch) = if ctx.quick { (8, 16) } else { (30, 8) };
     let (arch, _) = gpt(ctx);
@@ -311,6 +322,16 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         .map(|((n, k), r)| (n, k, r))
         .collect();
     let params: u64 = runs[0].2.weights / 4;
+    let small_gpt = {
+        let Arch::Gpt { d, layers, seq, .. } = &arch else {
+            return Err(ExperimentError::Setup("mixed-precision: the small model is a GPT".into()));
+        };
+        gpt_name(
+            &format!("small GPT (d {d}, {layers} layers, {seq} tokens)"),
+            &arch,
+            Attention::Fused,
+        )
+    };
     for (name, recipe, r) in &runs {
         let measured = Measured {
             part: SMALL,
@@ -327,7 +348,13 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             scaler_steps_skipped: r.scaler.map(|s| s.0),
             final_loss_scale: r.scaler.map(|s| s.1),
         };
-        sweep.push(&format!("{SMALL}: {name}"), r.peak, r.reserved, Some(r.step), measured);
+        sweep.push(
+            &format!("{SMALL}: {small_gpt}, {name}"),
+            r.peak,
+            r.reserved,
+            Some(r.step),
+            measured,
+        );
     }
     let f32r = &runs[0].2;
     let saving = |r: &Run| 1.0 - r.peak as f64 / f32r.peak as f64;
@@ -340,6 +367,8 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     use crate::plan::Precision as P;
     let real_batches: &[usize] = if ctx.quick { &[1, 4, 16, 32] } else { &[1, 2, 4, 8, 16, 32] };
     let gpt2 = real_model("gpt2-small", &ModelOverrides::default())?;
+    let g2 = gpt_name("GPT-2 small (1024 tokens)", &gpt2.arch, gpt2.attention);
+    let g2_row = gpt_name("gpt2-small", &gpt2.arch, gpt2.attention);
     let kinds = [P::Fp32, P::Bf16, P::Fp16, P::AutocastBf16, P::AutocastFp16];
     let recipe_of = |p: P| match p {
         P::Fp32 => "fp32",
@@ -353,7 +382,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             let s = real_split(&gpt2, p, b)?;
             let measured = s.measured(recipe_of(p), p, b);
             sweep.push(
-                &format!("{REAL}: gpt2-small, batch {b}, {}", p.label()),
+                &format!("{REAL}: {g2_row}, batch {b}, {}", p.label()),
                 s.peak,
                 s.reserved,
                 None,
@@ -372,10 +401,10 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
                     .iter()
                     .map(|&k| {
                         format!(
-                            "{} {} ({} less)",
+                            "{} {} ({})",
                             kinds[k].label(),
                             human_bytes(row[k].peak),
-                            pct(real_saving(row, k))
+                            less(real_saving(row, k))
                         )
                     })
                     .collect();
@@ -388,7 +417,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let (s_small, s_large) = (real_saving(&small_b.1, 1), real_saving(&large_b.1, 1));
     sweep.claim(Claim {
         claim: "full 16-bit with f32 masters: at real size the saving approaches 50% when activations dominate (large batches) and not when the 16 B/param states dominate (small batches)".into(),
-        measured: format!("{REAL}, GPT-2 small, 1024 tokens, AdamW: {} ({REAL_SIZE_CAVEAT})", per_batch(&[1, 2])),
+        measured: format!("{REAL}, {g2}, AdamW: {} ({REAL_SIZE_CAVEAT})", per_batch(&[1, 2])),
         verdict: if s_large >= 0.4 && s_small < s_large - 0.1 {
             Verdict::Holds
         } else if s_large >= 0.3 {
@@ -417,7 +446,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "autocast (torch.cuda.amp: f32 weights, 16-bit matmuls) uses about 50% less memory".into(),
         measured: format!(
-            "{REAL}, GPT-2 small: {}. Saving of 40% or more: bf16 autocast {}, fp16 autocast {} (full bf16 {}). Autocast's state is {:.1} B/param (f32 weights, gradients and AdamW moments, plus {:.1} B/param of cached 16-bit weight copies) against full 16-bit's {:.1}; its activations at batch {} are {} against fp32's {} and full bf16's {} (the residual stream, layer norms and softmax stay f32, and the attention probabilities are kept in f32 and as a 16-bit copy)",
+            "{REAL}, {g2}: {}. Saving of 40% or more: bf16 autocast {}, fp16 autocast {} (full bf16 {}). Autocast's state is {:.1} B/param (f32 weights, gradients and AdamW moments, plus {:.1} B/param of cached 16-bit weight copies) against full 16-bit's {:.1}; its activations at batch {} are {} against fp32's {} and full bf16's {} (the residual stream, layer norms and softmax stay f32, and the attention probabilities are kept in f32 and as a 16-bit copy)",
             per_batch(&[3, 4]),
             where_half(3),
             where_half(4),
@@ -455,13 +484,13 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         pct(cnn_saving(2)),
     );
     sweep.reading(format!(
-        "On GPT-2 small, full bf16 with f32 masters cuts the peak by {} at batch {} but {} at batch {}; bf16 autocast (torch.autocast's recipe) cuts it by {} and {}: its weights, gradients and AdamW state stay f32 (16 B/param, plus 2 B/param of 16-bit weight copies) and only part of the activations halve, so pick full bf16 for memory and autocast for f32 weights and norms. {cnn_reading}",
-        pct(full_large), large_b.0, pct(s_small), small_b.0, pct(ac_large), pct(ac_small)
+        "{REAL}: on {g2}, full bf16 with f32 masters takes {} at batch {} but {} at batch {}; bf16 autocast (torch.autocast's recipe) {} and {}: its weights, gradients and AdamW state stay f32 (16 B/param, plus 2 B/param of 16-bit weight copies) and only part of the activations halve, so pick full bf16 for memory and autocast for f32 weights and norms. {cnn_reading}",
+        less(full_large), large_b.0, less(s_small), small_b.0, less(ac_large), less(ac_small)
     ));
     sweep.claim(Claim {
         claim: "mixed precision uses about 50% less memory".into(),
         measured: format!(
-            "{SMALL}: peak {} fp32; full 16-bit: {} fp16 ({} less), {} bf16 ({} less); autocast: {} bf16 ({} less), {} fp16 ({} less); {REAL}, GPT-2 small, bf16: full {} less at batch {} and {} at batch {}, autocast {} and {}",
+            "{SMALL}: peak {} fp32; full 16-bit: {} fp16 ({} less), {} bf16 ({} less); autocast: {} bf16 ({} less), {} fp16 ({} less); {REAL}, {g2}, bf16: full {} at batch {} and {} at batch {}, autocast {} and {}",
             human_bytes(f32r.peak),
             human_bytes(fp16.peak),
             pct(saving(fp16)),
@@ -471,12 +500,12 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             pct(saving(ac_bf16)),
             human_bytes(ac_fp16.peak),
             pct(saving(ac_fp16)),
-            pct(s_large),
+            less(s_large),
             large_b.0,
-            pct(s_small),
+            less(s_small),
             small_b.0,
-            pct(ac_large),
-            pct(ac_small),
+            less(ac_large),
+            less(ac_small),
         ),
         verdict: saving_verdict(best),
     });
@@ -500,7 +529,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         measured.losses = r.losses.clone();
         (measured.scaler_steps_skipped, measured.final_loss_scale) = r.scaler.unzip();
         let step = Timing::from_samples(&r.step_ms);
-        let name = format!("{EXECUTED}: gpt2-small, batch {EXECUTED_BATCH}, {}", p.label());
+        let name = format!("{EXECUTED}: {g2_row}, batch {EXECUTED_BATCH}, {}", p.label());
         sweep.push(&name, r.split.peak, r.split.reserved, step, measured);
         executed_steps.extend(step.map(|t| (*p, t)));
     }
@@ -544,7 +573,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
                     .map(|(p, t)| format!("{} {}", t.describe(), p.label()))
                     .collect();
                 format!(
-                    "; {EXECUTED}, GPT-2 small, 1024 tokens, batch {EXECUTED_BATCH}, AdamW, {EXECUTED_TIMED_STEPS} timed steps: step {} (fp32 {:.0}% slower than the fastest 16-bit recipe, bounds included)",
+                    "; {EXECUTED}, {g2}, batch {EXECUTED_BATCH}, AdamW, {EXECUTED_TIMED_STEPS} timed steps: step {} (fp32 {:.0}% slower than the fastest 16-bit recipe, bounds included)",
                     steps.join(", "),
                     100.0 * faster
                 )
@@ -567,7 +596,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "Micikevicius et al.: the saving is in 16-bit activations; weights + grads + Adam state stay ~16 B/parameter with f32 masters".into(),
         measured: format!(
-            "state {:.1} B/param fp32, {:.1} fp16, {:.1} bf16; activations and temporaries {} fp32, {} fp16, {} bf16",
+            "{SMALL}: state {:.1} B/param fp32, {:.1} fp16, {:.1} bf16 (full 16-bit); activations and temporaries {} fp32, {} fp16, {} bf16",
             per_param(f32r), per_param(fp16), per_param(bf16), human_bytes(acts(f32r)), human_bytes(acts(fp16)), human_bytes(acts(bf16))
         ),
         verdict: if (per_param(fp16) - per_param(f32r)).abs() <= 1.0 && acts(fp16) < acts(f32r) { Verdict::Holds } else { Verdict::Partly },
@@ -606,7 +635,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "mixed precision trains like fp32 (loss curves agree within 5% of fp32's first loss)".into(),
         measured: format!(
-            "largest loss difference to fp32 over {steps} steps: full {:.4} fp16, {:.4} bf16; autocast {:.4} bf16, {:.4} fp16 (tolerance {tolerance:.4} = 5% of fp32's first loss {:.4}); loss scaler: full fp16 {}, fp16 autocast {}",
+            "{SMALL}, {small_gpt}: largest loss difference to fp32 over {steps} steps: full {:.4} fp16, {:.4} bf16; autocast {:.4} bf16, {:.4} fp16 (tolerance {tolerance:.4} = 5% of fp32's first loss {:.4}); loss scaler: full fp16 {}, fp16 autocast {}",
             diff(fp16), diff(bf16), diff(ac_bf16), diff(ac_fp16), f32r.losses[0], scaled(fp16), scaled(ac_fp16)
         ),
         verdict: if worst < tolerance { Verdict::Holds } else { Verdict::Partly },
@@ -618,7 +647,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "the loss scaler skips overflowing f16 steps, backs off, and training goes on".into(),
         measured: format!(
-            "scale starting at 2^28 (backoff 1/16): {} of {} steps skipped, final scale {}, losses {} (fp32 {}); all finite: {finite}",
+            "{SMALL}, {small_gpt}: scale starting at 2^28 (backoff 1/16): {} of {} steps skipped, final scale {}, losses {} (fp32 {}); all finite: {finite}",
             inj_skipped,
             steps,
             inj_scale,
@@ -662,6 +691,9 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
         real.iter().map(|(_, m)| m.batch_size).min()?
     };
     let gib = MIB * 1024.0;
+    let g2 = real_model("gpt2-small", &ModelOverrides::default())
+        .map(|m| gpt_name("GPT-2 small (1024 tokens)", &m.arch, m.attention))
+        .ok()?;
     let bars: Vec<(String, Vec<f64>)> = real
         .iter()
         .filter(|(_, m)| m.batch_size == shown)
@@ -689,11 +721,9 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
         .collect();
     stacked_with_totals(
         &if executed.is_empty() {
-            format!(
-                "GPT-2 small, batch {shown}, 1024 tokens (virtual device): where peak memory goes"
-            )
+            format!("{g2}, batch {shown} (virtual device): where peak memory goes")
         } else {
-            format!("GPT-2 small, b{shown}, 1024 tokens: peak (virtual), step time (GPU)")
+            format!("{g2}, b{shown}: peak (virtual), step time (GPU)")
         },
         "peak allocated (GiB)",
         "GiB",
@@ -722,6 +752,13 @@ mod tests {
     /// The executed real-size path (what runs on a GPU) on the host, with GPT-2 small shrunk:
     /// every step but the first timed, a finite loss per step, and the peaks the virtual
     /// device predicts (vram's own allocations are the same on every backend).
+    #[test]
+    fn a_saving_below_zero_reads_as_more() {
+        assert_eq!(less(0.24), "24% less");
+        assert_eq!(less(-0.013), "1% more");
+        assert_eq!(less(-0.001), "0% less");
+    }
+
     #[test]
     fn real_runs_time_every_step_but_the_first_and_match_the_virtual_device() {
         let small = ModelOverrides {

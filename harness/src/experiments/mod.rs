@@ -181,6 +181,20 @@ impl<X: Serialize> Sweep<X> {
     }
 
     fn finish(self, id: &str) -> Result<ExperimentResult, ExperimentError> {
+        let texts = self
+            .variants
+            .iter()
+            .map(|(v, _)| &v.name)
+            .chain(self.claims.iter().map(|c| &c.measured))
+            .chain(self.checks.iter().map(|c| &c.measured))
+            .chain(&self.reading);
+        for text in texts {
+            if let Some(missing) = unlabelled_gpt(text) {
+                return Err(ExperimentError::Setup(format!(
+                    "{id}: a figure names a GPT without its {missing}: {text}"
+                )));
+            }
+        }
         let variants = self
             .variants
             .into_iter()
@@ -207,6 +221,27 @@ impl<X: Serialize> Sweep<X> {
             checks: self.checks,
             reading: self.reading,
         })
+    }
+}
+
+/// What a text that names a GPT (a variant, a claim's or a check's measured figures, a
+/// reading) leaves out of what every GPT figure must say: its attention form, its dropout
+/// and its precision (`None` when it names no GPT or says all three). GPT-2 at batch 8 takes
+/// 18 GiB with explicit attention and dropout 0.1 and far less fused without dropout, so a
+/// figure without them cannot be compared.
+pub(crate) fn unlabelled_gpt(text: &str) -> Option<&'static str> {
+    if !text.to_ascii_lowercase().contains("gpt") {
+        return None;
+    }
+    let precision = ["fp32", "fp16", "bf16", "f32"].iter().any(|p| text.contains(p));
+    if !["fused attention", "explicit attention"].iter().any(|a| text.contains(a)) {
+        Some("attention form")
+    } else if !text.contains("dropout") {
+        Some("dropout")
+    } else if !precision {
+        Some("precision")
+    } else {
+        None
     }
 }
 
@@ -239,3 +274,27 @@ macro_rules! allocator_variant {
     }};
 }
 pub(crate) use allocator_variant;
+
+#[cfg(test)]
+mod tests {
+    use super::unlabelled_gpt;
+
+    #[test]
+    fn a_gpt_figure_must_say_attention_dropout_and_precision() {
+        assert_eq!(unlabelled_gpt("ResNet-50 at batch 32: 10 GiB"), None);
+        assert_eq!(unlabelled_gpt("GPT-2 small batch 8: 18 GiB"), Some("attention form"));
+        assert_eq!(unlabelled_gpt("gpt2-small, batch 8"), Some("attention form"));
+        assert_eq!(
+            unlabelled_gpt("GPT-2 small (fused attention) batch 8: 18 GiB"),
+            Some("dropout")
+        );
+        assert_eq!(
+            unlabelled_gpt("GPT-2 small (dropout 0.1, fused attention) batch 8"),
+            Some("precision")
+        );
+        assert_eq!(
+            unlabelled_gpt("GPT-2 small (dropout 0.1, explicit attention, fp32 + AdamW): 18 GiB"),
+            None
+        );
+    }
+}

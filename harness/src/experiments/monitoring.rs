@@ -10,7 +10,7 @@
 //! blocks alive at that event, each attributed to the phase that allocated it, say what
 //! makes the peak; they must add up to `max_memory_allocated`.
 
-use super::common::{device, gpt, timed_steps};
+use super::common::{device, gpt, small_gpt_tag, timed_steps};
 use super::{Experiment, Sweep};
 use crate::models::Model;
 use crate::plots::{MIB, Mark, lines_with_marks};
@@ -108,6 +108,8 @@ fn measure(
     steps: usize,
 ) -> Result<Sweep<Measured>, ExperimentError> {
     let batch = 8;
+    let run_name =
+        format!("{} training run, batch {batch} (executed)", small_gpt_tag(ctx, "fp32 + AdamW"));
     dev.record_history(Some(1 << 22));
     let mut phases = vec![Phase { start: 0, label: "building the model".into() }];
     // max_memory_allocated at the start of each phase, and at the end.
@@ -243,7 +245,7 @@ fn measure(
         reserved_bytes: dev.memory_reserved(),
         memory_summary: dev.memory_summary(),
     };
-    sweep.push("GPT training run", max_allocated, dev.max_memory_reserved(), None, measured);
+    sweep.push(&run_name, max_allocated, dev.max_memory_reserved(), None, measured);
     let same_phase = from_trace == from_counter;
     let adds_up = live_sum == max_allocated && peak as u64 == max_allocated;
     // The post's tools as people use them: memory_allocated() printed between steps, and
@@ -305,7 +307,7 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
     ];
     let host = if sweep.backend == "cpu" { " (host timings)" } else { "" };
     lines_with_marks(
-        &format!("Memory timeline of a training run{host}"),
+        &format!("Memory timeline of {}{host}", v.name),
         "time since the first allocation (ms)",
         "memory (MiB)",
         &series,

@@ -191,7 +191,7 @@ fn claim(kept: &Switch, emptied: &Switch) -> Claim {
             "emptying the cache between two tasks in one process lets the second one get the memory"
                 .into(),
         measured: format!(
-            "device {}: A leaves {} reserved; B {} with the cache kept, {} after empty_cache{why}",
+            "small (executed), one process: device {}: A leaves {} reserved; B {} with the cache kept, {} after empty_cache{why}",
             human_bytes(kept.capacity),
             human_bytes(kept.reserved_after_a),
             if kept.b_fitted { "fits" } else { "runs out of memory" },
@@ -212,10 +212,18 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let p_kept = two_processes(&cal, false)?;
     let p_emptied = two_processes(&cal, true)?;
     for (name, two, s) in [
-        ("one process: cache kept between tasks", false, &kept),
-        ("one process: empty_cache between tasks", false, &emptied),
-        ("two processes: A's process keeps its cache", true, &p_kept),
-        ("two processes: A's process calls empty_cache", true, &p_emptied),
+        ("small (executed), one process: cache kept between tasks", false, &kept),
+        ("small (executed), one process: empty_cache between tasks", false, &emptied),
+        (
+            "simulated (replayed allocation traces), two processes: A's process keeps its cache",
+            true,
+            &p_kept,
+        ),
+        (
+            "simulated (replayed allocation traces), two processes: A's process calls empty_cache",
+            true,
+            &p_emptied,
+        ),
     ] {
         let measured = Measured {
             two_processes: two,
@@ -232,7 +240,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "where another process uses the device, emptying the first one's cache lets the second get the memory".into(),
         measured: format!(
-            "device {}: A's process holds {} after A (in one process: {}, the replay's check); B needs {}; with A's cache kept B sees {} free and {}; after A's empty_cache {} free and B {}",
+            "simulated (two allocators over one virtual memory, each replaying its task's recorded trace), two processes: device {}: A's process holds {} after A (in one process: {}, the replay's check); B needs {}; with A's cache kept B sees {} free and {}; after A's empty_cache {} free and B {}",
             human_bytes(cal.capacity),
             human_bytes(p_kept.reserved_after_a),
             human_bytes(cal.cached_a),

@@ -1,8 +1,10 @@
 //! `no-grad-inference`: evaluation with and without recording what backward needs.
 
-use super::common::{REAL_CAPACITY, REAL_SIZE_CAVEAT, cnn, cnn_side, device, stripes, sync};
+use super::common::{
+    REAL_CAPACITY, REAL_SIZE_CAVEAT, cnn, cnn_side, device, gpt_tag, stripes, sync,
+};
 use super::{Experiment, Sweep};
-use crate::models::{Arch, Model};
+use crate::models::{Arch, Attention, Model};
 use crate::plots::grouped_bars;
 use crate::techniques::Technique;
 use crate::timing::{Timing, interleaved};
@@ -124,8 +126,11 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let all_less = ratios.iter().all(|&(_, train, inf)| inf < train);
     // Real size: the same two evaluations of real models on the virtual device.
     let mut real = Vec::new();
+    let mut tags: Vec<(&str, String)> = Vec::new();
     for (name, batches) in real_sweeps(ctx.quick) {
         let arch = Arch::preset(name)?;
+        let tag = gpt_tag(name, &arch, Attention::Fused, "fp32");
+        tags.push((name, tag.clone()));
         for b in batches {
             let mut peaks = [0u64; 2];
             let mut weights = 0;
@@ -133,13 +138,13 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
                 let (alloc, reserved, w) = real_eval(&arch, b, *mode, ctx.seed)?;
                 let measured = Measured {
                     part: REAL,
-                    model: name.to_string(),
+                    model: tag.clone(),
                     batch_size: b,
                     saving_activations: *mode == Mode::Train,
                     weights_bytes: w,
                 };
                 sweep.push(
-                    &format!("{REAL}: {name}, batch {b}, {label}"),
+                    &format!("{REAL}: {tag}, batch {b}, {label}"),
                     alloc,
                     reserved,
                     None,
@@ -155,6 +160,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let real_text = real
         .iter()
         .map(|&(n, b, t, i, w)| {
+            let n = tags.iter().find(|x| x.0 == n).map_or(n, |x| x.1.as_str());
             format!(
                 "{n} batch {b}: {} -> {} ({:.1}x less above the weights {})",
                 human_bytes(t),
@@ -190,9 +196,9 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let biggest = |n: &str| real.iter().filter(|r| r.0 == n).max_by_key(|r| r.1).copied();
     if let (Some(r), Some(g)) = (biggest("resnet50"), biggest("gpt2-small")) {
         sweep.reading(format!(
-            "Wrap evaluation in no_grad / inference mode: at real size it frees {} at ResNet-50 batch {} ({} -> {}) and {} at GPT-2 small batch {} ({} -> {}), because only the live layer's activations are kept instead of every layer's.",
+            "Wrap evaluation in no_grad / inference mode: at real size it frees {} at ResNet-50 batch {} ({} -> {}) and {} at {} batch {} ({} -> {}), because only the live layer's activations are kept instead of every layer's.",
             human_bytes(r.2 - r.3.min(r.2)), r.1, human_bytes(r.2), human_bytes(r.3),
-            human_bytes(g.2 - g.3.min(g.2)), g.1, human_bytes(g.2), human_bytes(g.3),
+            human_bytes(g.2 - g.3.min(g.2)), tags.iter().find(|x| x.0 == g.0).map_or(g.0, |x| x.1.as_str()), g.1, human_bytes(g.2), human_bytes(g.3),
         ));
     }
     Ok(sweep)
@@ -201,8 +207,13 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
 /// Real-size evaluation peaks with and without saved activations, per model and batch.
 fn plot(sweep: &Sweep<Measured>) -> Option<String> {
     let mut groups: Vec<(String, Vec<f64>)> = Vec::new();
+    let mut forms: Vec<&str> = Vec::new();
     for (v, m) in sweep.variants().iter().filter(|(_, m)| m.part == REAL) {
-        let label = format!("{} b{}", m.model, m.batch_size);
+        let short = m.model.split(" (").next().unwrap_or(&m.model);
+        let label = format!("{short} b{}", m.batch_size);
+        if short != m.model {
+            forms.push(m.model.as_str());
+        }
         let gib = v.peak_allocated_bytes as f64 / (1024.0 * 1024.0 * 1024.0);
         let slot = usize::from(!m.saving_activations);
         match groups.iter_mut().find(|g| g.0 == label) {
@@ -214,8 +225,10 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
             }
         }
     }
+    forms.dedup();
+    let forms = if forms.is_empty() { String::new() } else { format!("; {}", forms.join(", ")) };
     grouped_bars(
-        "Real size (virtual device): evaluation peak, fp32",
+        &format!("Real size (virtual device): evaluation peak, fp32{forms}"),
         "peak allocated (GiB)",
         "",
         &["saving activations (grad enabled)", "inference mode (no_grad)"],

@@ -20,7 +20,9 @@
 //! A leak detector reads the allocated bytes after each iteration: after the first (which
 //! creates the optimizer state), a line with positive slope that explains the series.
 
-use super::common::{REAL_CAPACITY, REAL_SIZE_CAVEAT, device, fit_line, gpt, real_model};
+use super::common::{
+    REAL_CAPACITY, REAL_SIZE_CAVEAT, device, fit_line, gpt, real_model, real_tag, small_gpt_tag,
+};
 use super::{Experiment, Sweep};
 use crate::models::{Arch, Model};
 use crate::plan::ModelOverrides;
@@ -173,6 +175,8 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         Loop::InferNoDel,
         Loop::InferDel,
     ];
+    let small_gpt = small_gpt_tag(ctx, "fp32 + AdamW");
+    let real_gpt = real_tag(&real, "fp32");
     let mut small = Vec::new();
     for kind in loops {
         let dev = device(ctx, "")?;
@@ -180,7 +184,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         let (flagged, slope) = leaking(&allocated);
         let (peak, reserved) = (dev.max_memory_allocated(), dev.max_memory_reserved());
         sweep.push(
-            &format!("{} ({SMALL})", kind.name()),
+            &format!("{} ({SMALL}, {small_gpt})", kind.name()),
             peak,
             reserved,
             None,
@@ -201,7 +205,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         let allocated = run_loop(kind, &dev, &real.arch, ctx.seed, real_batch, 3)?;
         let (peak, reserved) = (dev.max_memory_allocated(), dev.max_memory_reserved());
         sweep.push(
-            &format!("{} ({REAL}, batch {real_batch})", kind.name()),
+            &format!("{} ({REAL}, {real_gpt}, batch {real_batch})", kind.name()),
             peak,
             reserved,
             None,
@@ -247,7 +251,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "one del can save you: `del out` in a no_grad loop lowers the peak by one output".into(),
         measured: format!(
-            "peak without / with del: small {} / {} ({} less); real size, GPT-2 small batch {real_batch} (logits {}): {} / {} ({} less); {REAL_SIZE_CAVEAT}",
+            "peak without / with del: {SMALL}, {small_gpt}: {} / {} ({} less); {REAL}, {real_gpt} batch {real_batch} (logits {}): {} / {} ({} less); {REAL_SIZE_CAVEAT}",
             human_bytes(nodel.3), human_bytes(del.3), human_bytes(small_saving),
             human_bytes(real_logits), human_bytes(real_peaks[0]), human_bytes(real_peaks[1]), human_bytes(real_saving)
         ),
@@ -260,7 +264,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         },
     });
     sweep.reading(format!(
-        "in a training loop backward frees the graph, so losses.append(loss) keeps only the loss tensor ({} per iteration, {} after 100,000 steps), while keeping a validation loss computed without no_grad keeps its graph ({} per iteration); in a no_grad loop, del out saves one output from the peak ({} at GPT-2 small batch {real_batch}), which matters when the output is large logits",
+        "in a training loop backward frees the graph, so losses.append(loss) keeps only the loss tensor ({} per iteration, {} after 100,000 steps), while keeping a validation loss computed without no_grad keeps its graph ({} per iteration); in a no_grad loop, del out saves one output from the peak ({} at {real_gpt} batch {real_batch}, {REAL}), which matters when the output is large logits",
         rate(append.2),
         human_bytes((append.2.max(0.0) * 1e5) as u64),
         rate(val.2),

@@ -22,7 +22,7 @@ pub enum Backend {
     /// CUDA device 0.
     Cuda {
         /// The device's name, then which code runs its convolutions and linear layers
-        /// (`convolutions: cuDNN 9.14.0; linear layers: CublasLt`).
+        /// (`convolutions: cuDNN 9.14.0; linear layers: cuBLASLt (bias and GELU epilogues)`).
         name: String,
         /// Its total memory in bytes.
         total_bytes: u64,
@@ -56,7 +56,7 @@ pub fn resolve(choice: BackendChoice, note: &mut dyn FnMut(&str)) -> Result<Back
 
 /// Which code runs `device`'s convolutions and linear layers, in words.
 pub(crate) fn kernel_paths(device: &vram_kernels::Device) -> String {
-    format!("convolutions: {}; linear layers: {:?}", device.conv_path(), device.linear_path())
+    format!("convolutions: {}; linear layers: {}", device.conv_path(), device.linear_path())
 }
 
 #[cfg(feature = "cuda")]

@@ -81,6 +81,17 @@ pub enum LinearPath {
     Cublas,
 }
 
+impl fmt::Display for LinearPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LinearPath::Host => "CPU reference",
+            LinearPath::Virtual => "virtual (a GPU's allocations, nothing computed)",
+            LinearPath::CublasLt => "cuBLASLt (bias and GELU epilogues)",
+            LinearPath::Cublas => "cuBLAS and own kernels (no cuBLASLt)",
+        })
+    }
+}
+
 /// The workspace cuBLAS runs in: its size and, once an op has run a product, its block.
 struct BlasWorkspace {
     size: usize,

@@ -109,8 +109,7 @@ pub fn conv2d(
 ) -> Result<Tensor> {
     let p = conv2d_params(x.shape(), weight.shape(), opts)?;
     let cudnn = x.device().cudnn_conv(&p);
-    let layout = ConvLayout::Nchw;
-    run(Conv2d { p, x, weight, bias, col: None, chunk: 1, layout, cudnn })
+    run(Conv2d { p, x, weight, bias, col: None, chunk: 1, layout: ConvLayout::Nchw, cudnn })
 }
 
 /// The shape of a convolution's output in `layout`.
@@ -186,21 +185,7 @@ pub fn conv2d_backward_nhwc(
 ) -> Result<Conv2dGrads> {
     let p = conv2d_params_nhwc(x.shape(), weight.shape(), opts)?;
     if let Some(cudnn) = x.device().cudnn_conv(&p) {
-        let ws = BackwardWorkspaces::default();
-        let layout = ConvLayout::Nhwc;
-        let op = Conv2dBackward::<Tensor> {
-            p,
-            x,
-            weight,
-            dy,
-            with_bias,
-            ws,
-            dx: PhantomData,
-            layout,
-            cudnn: Some(cudnn),
-        };
-        let (dx, dweight, dbias) = run(op)?;
-        return Ok(Conv2dGrads { dx, dweight, dbias });
+        return backward(p, x, weight, dy, with_bias, ConvLayout::Nhwc, Some(cudnn));
     }
     expect_rank("conv2d_backward", dy, 4, "dy [batch, oh, ow, c_out]")?;
     expect_shape("conv2d_backward", &output_shape(&p, ConvLayout::Nhwc), dy)?;
@@ -331,8 +316,22 @@ pub fn conv2d_backward(
     with_bias: bool,
 ) -> Result<Conv2dGrads> {
     let p = conv2d_params(x.shape(), weight.shape(), opts)?;
+    let cudnn = x.device().cudnn_conv(&p);
+    backward(p, x, weight, dy, with_bias, ConvLayout::Nchw, cudnn)
+}
+
+/// Runs the full backward of a convolution of geometry `p` in `layout` (NHWC only through
+/// cuDNN, `cudnn` given; the own kernels take NCHW).
+fn backward(
+    p: Conv2dParams,
+    x: &Tensor,
+    weight: &Tensor,
+    dy: &Tensor,
+    with_bias: bool,
+    layout: ConvLayout,
+    cudnn: Option<ConvSettings>,
+) -> Result<Conv2dGrads> {
     let ws = BackwardWorkspaces::default();
-    let (layout, cudnn) = (ConvLayout::Nchw, x.device().cudnn_conv(&p));
     let op = Conv2dBackward::<Tensor> {
         p,
         x,

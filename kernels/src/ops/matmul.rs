@@ -230,6 +230,20 @@ fn linear_dims(op: &'static str, x: &Tensor, w: &Tensor) -> Result<(usize, usize
     Ok((rows, d_in, d_out))
 }
 
+/// [`linear_dims`] for a backward: also checks that `dy` is of `x`'s kind and of the
+/// output's shape.
+fn backward_dims(
+    op: &'static str,
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+) -> Result<(usize, usize, usize)> {
+    let (rows, d_in, d_out) = linear_dims(op, x, w)?;
+    same_kind(op, x, dy)?;
+    expect_shape(op, &with_last(x.shape(), d_out), dy)?;
+    Ok((rows, d_in, d_out))
+}
+
 /// The output shape of a linear layer: `x`'s with the last dimension replaced by `d_out`.
 fn with_last(shape: &[usize], last: usize) -> Vec<usize> {
     let mut out = shape.to_vec();
@@ -507,10 +521,8 @@ impl Op for LinearBackward<'_> {
 
     fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         let (x, w, dy) = (self.x, self.w, self.dy);
-        let (rows, d_in, d_out) = linear_dims(Self::NAME, x, w)?;
+        let (rows, d_in, d_out) = backward_dims(Self::NAME, x, w, dy)?;
         self.dims = (rows, d_in, d_out);
-        same_kind(Self::NAME, x, dy)?;
-        expect_shape(Self::NAME, &with_last(x.shape(), d_out), dy)?;
         let dtype = x.dtype();
         // With no upstream element, nothing flows back.
         let zeroed = dy.numel() == 0;
@@ -640,11 +652,9 @@ impl Op for LinearBackwardGelu<'_> {
 
     fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         let (x, w, dy) = (self.x, self.w, self.dy);
-        let (rows, d_in, d_out) = linear_dims(Self::NAME, x, w)?;
+        let (rows, d_in, d_out) = backward_dims(Self::NAME, x, w, dy)?;
         self.dims = (rows, d_in, d_out);
-        same_kind(Self::NAME, x, dy)?;
         same_kind(Self::NAME, x, self.pre)?;
-        expect_shape(Self::NAME, &with_last(x.shape(), d_out), dy)?;
         expect_shape(Self::NAME, x.shape(), self.pre)?;
         let dtype = x.dtype();
         let zeroed = dy.numel() == 0;

@@ -3,8 +3,9 @@
 //! line.
 
 use super::common::{
-    REAL_SIZE_CAVEAT, bytes_list, cnn, cnn_side, fit_line, increasing, real_model, real_peak,
-    real_tag, stripes, train_fresh_interleaved,
+    EXECUTED, REAL_SIZE_CAVEAT, REAL_VIRTUAL, RealCase, bytes_list, cnn, cnn_side, fit_line,
+    increasing, real_allocs, real_case, real_model, real_part, real_tag, stripes,
+    train_fresh_interleaved,
 };
 use super::{Experiment, Sweep};
 use crate::plan::{ModelOverrides, PlanKind, Precision};
@@ -52,7 +53,7 @@ pub(super) struct Measured {
 }
 
 const SMALL: &str = "small (executed)";
-const REAL: &str = "real size (virtual)";
+const REAL: &str = REAL_VIRTUAL;
 
 /// The real-size models and the batches swept (GPT-2 at 1024 tokens, ResNet-50 at 224 px).
 fn real_sweeps(quick: bool) -> Vec<(&'static str, Vec<usize>)> {
@@ -113,20 +114,23 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let only_peaks: Vec<u64> = peaks.iter().map(|&(_, p)| p).collect();
     let grows = increasing(&only_peaks);
 
-    // Real size: every model's peak over its batches on the virtual device, fp32 + AdamW.
+    // Real size: every model's peak over its batches on the virtual device, fp32 + AdamW,
+    // and on a GPU each batch the card holds executed there (the figures then come from the
+    // GPU, the virtual device's prediction beside them).
     let mut real = Vec::new();
+    let mut not_run = Vec::new();
     for (name, batches) in real_sweeps(ctx.quick) {
         let model = real_model(name, &ModelOverrides::default())?;
         let fp = crate::advice::footprint(&model)?;
         let label = real_tag(&model, "fp32");
-        let mut pts = Vec::new();
+        let mut cases = Vec::new();
         for &b in &batches {
-            let (alloc, reserved) = real_peak(&model, Precision::Fp32, PlanKind::None, b, 1)?;
-            let measured = Measured {
-                part: REAL,
+            let case = real_case(ctx, &model, Precision::Fp32, PlanKind::None, (b, 1))?;
+            let row = |part, samples_per_s| Measured {
+                part,
                 model: label.clone(),
                 batch_size: b,
-                samples_per_s: None,
+                samples_per_s,
                 last_loss: None,
                 params_bytes: None,
                 grads_bytes: None,
@@ -135,22 +139,46 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
                 fixed_bytes: Some(fp.fixed),
                 per_sample_bytes: Some(fp.per_sample),
             };
-            sweep.push(&format!("{REAL}: {label}, batch {b}"), alloc, reserved, None, measured);
-            pts.push((b, alloc));
+            let (alloc, reserved) = case.predicted;
+            sweep.push(
+                &format!("{REAL}: {label}, batch {b}"),
+                alloc,
+                reserved,
+                None,
+                row(REAL, None),
+            );
+            if let Some(r) = case.executed.ran() {
+                let step = case.executed.step();
+                let mut m = row(EXECUTED, step.map(|t| b as f64 * 1e3 / t.mean_ms));
+                m.last_loss = r.losses.last().copied();
+                let name = format!("{EXECUTED}: {label}, batch {b}");
+                sweep.push(&name, r.allocated, r.reserved, step, m);
+            }
+            not_run.extend(case.executed.why_not().map(|w| format!("{label}, batch {b}: {w}")));
+            cases.push(case);
         }
+        let refs: Vec<&RealCase> = cases.iter().collect();
+        let part = real_part(&refs);
+        let pts: Vec<(usize, u64)> = batches.iter().copied().zip(real_allocs(&refs)).collect();
         let xs: Vec<f64> = pts.iter().map(|&(b, _)| b as f64).collect();
         let ys: Vec<f64> = pts.iter().map(|&(_, p)| p as f64).collect();
         // Linearity over this sweep; the fixed and per-sample figures are the footprint's.
         let (_, _, r2) = fit_line(&xs, &ys);
-        real.push((name, label, pts, fp.fixed as f64, fp.per_sample as f64, r2));
+        real.push((name, label, pts, fp.fixed as f64, fp.per_sample as f64, r2, part));
+    }
+    if !not_run.is_empty() {
+        sweep.reading(format!(
+            "Real-size cases not executed on the GPU (their figures are the virtual device's): {}",
+            not_run.join("; ")
+        ));
     }
     let all_linear =
         real.iter().all(|r| r.5 > 0.99 && increasing(&r.2.iter().map(|p| p.1).collect::<Vec<_>>()));
     let real_fits = real
         .iter()
-        .map(|(_, label, pts, a, b, r2)| {
+        .map(|(_, label, pts, a, b, r2, part)| {
             format!(
-                "{label}: {} over batches {:?}, linear to r^2 {r2:.4}; fixed part {} + {} x batch (the line through batches {FOOTPRINT}, as in the advice table)",
+                "{part}: {label}: {} over batches {:?}, linear to r^2 {r2:.4}; fixed part {} + {} x batch (the line through batches {FOOTPRINT}, as in the advice table)",
                 bytes_list(&pts.iter().map(|p| p.1).collect::<Vec<_>>()),
                 pts.iter().map(|p| p.0).collect::<Vec<_>>(),
                 human_bytes(a.max(0.0) as u64),
@@ -162,7 +190,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "memory falls with batch size (peak = fixed part + per-sample part x batch)".into(),
         measured: format!(
-            "{SMALL}: peak allocated {} over batches {:?}; fitted fixed part {} (weights + grads + AdamW state: {}), per sample {}, r^2 {r2:.4}. {REAL}, fp32 + AdamW: {real_fits}",
+            "{SMALL}: peak allocated {} over batches {:?}; fitted fixed part {} (weights + grads + AdamW state: {}), per sample {}, r^2 {r2:.4}. Real size, fp32 + AdamW: {real_fits}",
             bytes_list(&only_peaks),
             batches,
             human_bytes(fixed.max(0.0) as u64),
@@ -182,9 +210,9 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     if let (Some(p32), Some(p8)) = (at(&peaks, 32), at(&peaks, 8)) {
         savings.push((format!("{SMALL} CNN"), p32, p8));
     }
-    for (_, label, pts, ..) in &real {
+    for (_, label, pts, .., part) in &real {
         if let (Some(p32), Some(p8)) = (at(pts, 32), at(pts, 8)) {
-            savings.push((format!("{REAL}: {label}"), p32, p8));
+            savings.push((format!("{part}: {label}"), p32, p8));
         }
     }
     let saving = |&(_, p32, p8): &(String, u64, u64)| 1.0 - p8 as f64 / p32 as f64;
@@ -221,7 +249,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let share = |a: f64, b: f64, n: f64| a / (a + b * n);
     let shares = real
         .iter()
-        .map(|(name, label, _, a, b, _)| {
+        .map(|(name, label, _, a, b, ..)| {
             (*name, label.as_str(), share(*a, *b, 1.0), share(*a, *b, 4.0), (a / b).max(0.0))
         })
         .collect::<Vec<_>>();
@@ -229,7 +257,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         sweep.claim(Claim {
             claim: "at small batches the fixed part (weights, gradients, AdamW state) dominates a large model's peak, so a smaller batch relieves little (GPT-2 medium)".into(),
             measured: format!(
-                "{REAL}: {}; per-sample part equals the fixed part at batch {even:.1} for {medium}",
+                "fixed and per-sample parts from the footprint at real size (virtual): {}; per-sample part equals the fixed part at batch {even:.1} for {medium}",
                 shares
                     .iter()
                     .map(|(_, n, s1, s4, _)| format!("{n}: fixed part {:.0}% of the peak at batch 1, {:.0}% at batch 4", 100.0 * s1, 100.0 * s4))
@@ -252,7 +280,8 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             |pts: &[(usize, u64)], cap: u64| pts.iter().filter(|p| p.1 <= cap).map(|p| p.0).max();
         let cap = 24u64 << 30;
         sweep.reading(format!(
-            "{REAL}: each sample costs {} in {} (1024 tokens) and {} in ResNet-50 (224 px, fp32) on top of a fixed {} / {}; on a 24 GiB card the largest batch measured that fits is {} / {} (before the CUDA context and workspaces). Halving the batch frees per-sample x half the batch, never the fixed part.",
+            "{}: each sample costs {} in {} (1024 tokens) and {} in ResNet-50 (224 px, fp32) on top of a fixed {} / {}; on a 24 GiB card the largest batch measured that fits is {} / {} (before the CUDA context and workspaces). Halving the batch frees per-sample x half the batch, never the fixed part.",
+            if g.6 == r.6 { g.6 } else { "real size (executed and virtual)" },
             human_bytes(g.4.max(0.0) as u64),
             g.1,
             human_bytes(r.4.max(0.0) as u64),
@@ -275,8 +304,14 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
         }
     }
     for model in models {
-        let rows: Vec<_> =
-            sweep.variants().iter().filter(|(_, m)| m.part == REAL && m.model == model).collect();
+        // The GPU's rows where the model's batches ran there, else the virtual device's.
+        let of = |part: &str| -> Vec<_> {
+            sweep.variants().iter().filter(|(_, m)| m.part == part && m.model == model).collect()
+        };
+        let (rows, source) = match of(EXECUTED) {
+            r if !r.is_empty() && r.len() == of(REAL).len() => (r, "executed on the GPU"),
+            _ => (of(REAL), "virtual device"),
+        };
         let pts: Vec<(f64, f64)> = rows
             .iter()
             .map(|(v, m)| (m.batch_size as f64, v.peak_allocated_bytes as f64 / GIB))
@@ -286,7 +321,7 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
             (m.fixed_bytes.unwrap_or(0) as f64 / GIB, m.per_sample_bytes.unwrap_or(0) as f64 / GIB)
         });
         series.push((
-            model.to_string(),
+            format!("{model} ({source})"),
             pts,
             format!("fixed {a:.2} + {b:.3} x batch GiB (line through batches {FOOTPRINT})"),
             vec![(0.0, a), (top, a + b * top)],
@@ -294,7 +329,7 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
     }
     let top = series.iter().flat_map(|s| s.1.iter().map(|p| p.1)).fold(0.0, f64::max);
     measured_and_fit(
-        "Real size (virtual device): peak vs batch, fp32 + AdamW",
+        "Real size: peak vs batch, fp32 + AdamW",
         "batch size (samples)",
         "peak allocated (GiB)",
         &series,

@@ -368,6 +368,160 @@ pub fn real_peak(
     })
 }
 
+/// Where a real-size row ran on a GPU: executed there (peaks measured on the card, steps
+/// timed), with the virtual device's prediction in the row beside it.
+pub const EXECUTED: &str = "real size (executed on the GPU)";
+
+/// Optimizer steps of an executed real-size case: a warm-up step (kernels loaded, segments
+/// reserved, optimizer state created) and three timed.
+pub const EXECUTED_STEPS: u64 = 4;
+
+/// Room left on the card for the CUDA context and libraries' own memory when deciding
+/// whether a real-size case fits it.
+const CARD_HEADROOM: u64 = 2 << 30;
+
+/// A real-size case's run on the GPU, beside the virtual device's prediction.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Executed {
+    /// The host backend: real sizes are the virtual device's alone.
+    NotOnGpu,
+    /// The prediction does not fit the card (reserved bytes and the card's size): not run.
+    TooLarge {
+        /// The virtual device's peak reserved bytes.
+        need: u64,
+        /// The card's memory less the room kept for the CUDA context.
+        usable: u64,
+    },
+    /// It ran out of the card's memory although the prediction fits.
+    OutOfMemory,
+    /// It ran: the card's peaks, the timed steps and the losses.
+    Ran(crate::plan::TimedRun),
+}
+
+impl Executed {
+    /// The run's figures when it ran.
+    pub fn ran(&self) -> Option<&crate::plan::TimedRun> {
+        match self {
+            Executed::Ran(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// Its timed steps (`None` with fewer than two).
+    pub fn step(&self) -> Option<Timing> {
+        self.ran().and_then(|r| Timing::from_samples(&r.step_ms))
+    }
+
+    /// Why a real-size case did not run on the GPU, for the readings; `None` when it ran or
+    /// on the host.
+    pub fn why_not(&self) -> Option<String> {
+        match self {
+            Executed::TooLarge { need, usable } => Some(format!(
+                "not executed: needs {} reserved, the card has {} usable",
+                crate::human_bytes(*need),
+                crate::human_bytes(*usable)
+            )),
+            Executed::OutOfMemory => {
+                Some("ran out of the card's memory although predicted to fit".into())
+            }
+            _ => None,
+        }
+    }
+}
+
+/// On a GPU, runs a real-size case ([`EXECUTED_STEPS`] optimizer steps of `accum`
+/// micro-batches of `micro` samples, fresh device, the whole card) when the virtual
+/// device's `predicted_reserved` fits the card; on the host, [`Executed::NotOnGpu`].
+pub fn real_executed(
+    ctx: &Context,
+    model: &crate::plan::PlanModel,
+    precision: crate::plan::Precision,
+    plan: crate::plan::PlanKind,
+    (micro, accum): (usize, usize),
+    predicted_reserved: u64,
+) -> Result<Executed, ExperimentError> {
+    let Backend::Cuda { total_bytes, .. } = ctx.backend else {
+        return Ok(Executed::NotOnGpu);
+    };
+    let usable = total_bytes.saturating_sub(CARD_HEADROOM);
+    if predicted_reserved > usable {
+        return Ok(Executed::TooLarge { need: predicted_reserved, usable });
+    }
+    let target = crate::plan::Target::Cuda(total_bytes);
+    execute(model, precision, plan, (micro, accum), target)
+}
+
+/// A real-size case: the virtual device's prediction and, on a GPU, its run there.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RealCase {
+    /// Peak allocated and reserved bytes on the virtual device.
+    pub predicted: (u64, u64),
+    /// The run on the GPU.
+    pub executed: Executed,
+}
+
+impl RealCase {
+    /// The peaks a verdict uses: the GPU's where the case ran there, else the prediction.
+    pub fn peaks(&self) -> (u64, u64) {
+        self.executed.ran().map_or(self.predicted, |r| (r.allocated, r.reserved))
+    }
+}
+
+/// Where a real-size row ran on the host: the virtual device, nothing computed.
+pub const REAL_VIRTUAL: &str = "real size (virtual)";
+
+/// A real-size case ([`real_peak`]'s prediction, then [`real_executed`] on a GPU).
+pub fn real_case(
+    ctx: &Context,
+    model: &crate::plan::PlanModel,
+    precision: crate::plan::Precision,
+    plan: crate::plan::PlanKind,
+    (micro, accum): (usize, usize),
+) -> Result<RealCase, ExperimentError> {
+    let predicted = real_peak(model, precision, plan, micro, accum)?;
+    let executed = real_executed(ctx, model, precision, plan, (micro, accum), predicted.1)?;
+    Ok(RealCase { predicted, executed })
+}
+
+/// The `part` of a set of real-size rows a figure comes from: [`EXECUTED`] when every case
+/// ran on the GPU, else `real size (virtual)` (then the figure is the prediction for all of
+/// them, so that one figure never mixes the two).
+pub fn real_part(cases: &[&RealCase]) -> &'static str {
+    if !cases.is_empty() && cases.iter().all(|c| c.executed.ran().is_some()) {
+        EXECUTED
+    } else {
+        REAL_VIRTUAL
+    }
+}
+
+/// `cases`' peak allocated bytes from [`real_part`]'s source: all executed or all predicted.
+pub fn real_allocs(cases: &[&RealCase]) -> Vec<u64> {
+    let executed = real_part(cases) == EXECUTED;
+    cases.iter().map(|c| if executed { c.peaks().0 } else { c.predicted.0 }).collect()
+}
+
+/// [`real_executed`]'s run on `target` (the tests run it on the host).
+fn execute(
+    model: &crate::plan::PlanModel,
+    precision: crate::plan::Precision,
+    plan: crate::plan::PlanKind,
+    (micro, accum): (usize, usize),
+    target: crate::plan::Target,
+) -> Result<Executed, ExperimentError> {
+    let c = crate::plan::Candidate {
+        precision,
+        plan,
+        alloc_conf: String::new(),
+        optimizer: crate::plan::OptimizerKind::AdamW,
+        micro,
+        accum,
+    };
+    Ok(match crate::plan::measure_timed(model, &c, target, EXECUTED_STEPS)? {
+        Some(run) => Executed::Ran(run),
+        None => Executed::OutOfMemory,
+    })
+}
+
 /// Parameters of a real-size model (built on the virtual device: nothing is drawn).
 pub fn real_params(model: &crate::plan::PlanModel) -> Result<u64, ExperimentError> {
     let device = Device::virtual_device(REAL_CAPACITY);
@@ -525,5 +679,61 @@ mod shared_memory_tests {
         assert_eq!(roomy.max_memory_reserved(), recorded.max_memory_reserved());
         let small = CachingAllocator::new(SharedMemory::new(32 << 20));
         assert!(!replay_trace(&small, &trace).unwrap());
+    }
+}
+
+#[cfg(test)]
+mod executed_tests {
+    use super::*;
+    use crate::plan::{ModelOverrides, PlanKind, Precision, Target};
+
+    fn tiny_gpt() -> crate::plan::PlanModel {
+        let small = ModelOverrides {
+            width: Some(64),
+            depth: Some(1),
+            seq: Some(16),
+            vocab: Some(100),
+            ..ModelOverrides::default()
+        };
+        real_model("gpt2-small", &small).unwrap()
+    }
+
+    /// The executed path (what runs on a GPU), on the host: the peaks are the virtual
+    /// device's prediction (vram's own allocations are the same on every backend), every
+    /// step but the first is timed, every micro-batch has a finite loss.
+    #[test]
+    fn an_executed_real_size_case_times_its_steps_and_matches_the_prediction() {
+        let pm = tiny_gpt();
+        for (p, accum) in [(Precision::Fp32, 1), (Precision::AutocastBf16, 2)] {
+            let predicted = real_peak(&pm, p, PlanKind::None, 2, accum).unwrap();
+            let e = execute(&pm, p, PlanKind::None, (2, accum), Target::Host(1 << 30)).unwrap();
+            let r = e.ran().expect("it fits the host");
+            assert_eq!((r.allocated, r.reserved), predicted, "{p:?}");
+            assert_eq!(r.step_ms.len(), EXECUTED_STEPS as usize - 1, "{p:?}");
+            assert!(r.step_ms.iter().all(|&t| t > 0.0), "{p:?}: {:?}", r.step_ms);
+            assert_eq!(r.losses.len(), EXECUTED_STEPS as usize * accum, "{p:?}");
+            assert!(r.losses.iter().all(|l| l.is_finite() && *l > 0.0), "{r:?}");
+            assert!(e.step().is_some() && e.why_not().is_none());
+        }
+        // A card too small for the step runs out, and says so.
+        let e = execute(&pm, Precision::Fp32, PlanKind::None, (2, 1), Target::Host(64 << 10));
+        assert_eq!(e.unwrap(), Executed::OutOfMemory);
+    }
+
+    #[test]
+    fn real_sizes_run_on_the_gpu_only_and_only_where_the_card_holds_them() {
+        let pm = tiny_gpt();
+        let host = Context { backend: Backend::Cpu, quick: true, seed: 1, device_memory: 1 << 30 };
+        let e = real_executed(&host, &pm, Precision::Fp32, PlanKind::None, (2, 1), 1).unwrap();
+        assert_eq!(e, Executed::NotOnGpu);
+        assert_eq!((e.step(), e.why_not()), (None, None));
+        // A prediction over the card's memory less the context's room is not run (no GPU
+        // is touched: the check comes first).
+        let card = Backend::Cuda { name: "card".into(), total_bytes: 8 << 30 };
+        let gpu = Context { backend: card, quick: true, seed: 1, device_memory: 8 << 30 };
+        let need = 7 << 30;
+        let e = real_executed(&gpu, &pm, Precision::Fp32, PlanKind::None, (2, 1), need).unwrap();
+        assert_eq!(e, Executed::TooLarge { need, usable: 6 << 30 });
+        assert!(e.why_not().unwrap().contains("6.00 GiB usable"), "{:?}", e.why_not());
     }
 }

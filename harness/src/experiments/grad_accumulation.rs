@@ -3,8 +3,9 @@
 //! batch.
 
 use super::common::{
-    REAL_SIZE_CAVEAT, bytes_list, cnn, cnn_side, device, gradients, max_relative_difference,
-    real_model, real_peak, real_tag, stripes,
+    EXECUTED, REAL_SIZE_CAVEAT, REAL_VIRTUAL, RealCase, bytes_list, cnn, cnn_side, device,
+    gradients, max_relative_difference, real_allocs, real_case, real_model, real_part, real_tag,
+    stripes,
 };
 use super::{Experiment, Sweep};
 use crate::models::Model;
@@ -43,7 +44,7 @@ pub(super) struct Measured {
 }
 
 const SMALL: &str = "small (executed)";
-const REAL: &str = "real size (virtual)";
+const REAL: &str = REAL_VIRTUAL;
 
 /// The real-size models and their effective batches.
 const REAL_RUNS: &[(&str, usize)] = &[("resnet50", 32), ("gpt2-small", 8)];
@@ -105,34 +106,61 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     }
     let peaks: Vec<u64> = rows.iter().map(|r| r.1).collect();
     let falls = peaks.windows(2).all(|w| w[1] < w[0]);
-    // Real size: the same k at each model's effective batch, fp32 + AdamW.
+    // Real size: the same k at each model's effective batch, fp32 + AdamW, on the virtual
+    // device and, on a GPU, executed there (then the figures are the GPU's and the step
+    // times real-size ones).
     let mut real = Vec::new();
+    let mut not_run = Vec::new();
     for &(name, eff) in REAL_RUNS {
         let model = real_model(name, &ModelOverrides::default())?;
         let tag = real_tag(&model, "fp32");
-        let mut pk = Vec::new();
+        let mut cases = Vec::new();
         for k in ks {
-            let (alloc, reserved) = real_peak(&model, Precision::Fp32, PlanKind::None, eff / k, k)?;
-            let measured = Measured {
-                part: REAL,
+            let case = real_case(ctx, &model, Precision::Fp32, PlanKind::None, (eff / k, k))?;
+            let row = |part, samples_per_s| Measured {
+                part,
                 model: tag.clone(),
                 k,
                 micro_batch: eff / k,
-                samples_per_s: None,
+                samples_per_s,
                 grad_max_relative_difference_vs_full_batch: None,
             };
-            let label = format!("{REAL}: {tag}, batch {eff}, k = {k} (micro-batch {})", eff / k);
-            sweep.push(&label, alloc, reserved, None, measured);
-            pk.push(alloc);
+            let what = format!("{tag}, batch {eff}, k = {k} (micro-batch {})", eff / k);
+            let (alloc, reserved) = case.predicted;
+            sweep.push(&format!("{REAL}: {what}"), alloc, reserved, None, row(REAL, None));
+            if let Some(r) = case.executed.ran() {
+                let step = case.executed.step();
+                let m = row(EXECUTED, step.map(|t| eff as f64 * 1e3 / t.mean_ms));
+                sweep.push(&format!("{EXECUTED}: {what}"), r.allocated, r.reserved, step, m);
+            }
+            not_run.extend(case.executed.why_not().map(|w| format!("{what}: {w}")));
+            cases.push(case);
         }
-        real.push((tag, eff, pk));
+        let refs: Vec<&RealCase> = cases.iter().collect();
+        let steps: Vec<Option<Timing>> = cases.iter().map(|c| c.executed.step()).collect();
+        real.push((tag, eff, real_allocs(&refs), real_part(&refs), steps));
+    }
+    if !not_run.is_empty() {
+        sweep.reading(format!(
+            "Real-size cases not executed on the GPU (their figures are the virtual device's): {}",
+            not_run.join("; ")
+        ));
     }
     let real_falls = real.iter().all(|r| r.2.windows(2).all(|w| w[1] < w[0]));
     let real_text = real
         .iter()
-        .map(|(name, eff, pk)| {
+        .map(|(name, eff, pk, part, steps)| {
+            let times = if steps.iter().all(Option::is_some) {
+                format!(
+                    "; step {} at k = 1, {} at k = 8 (real size on the GPU)",
+                    steps[0].map_or_else(String::new, |t| t.describe()),
+                    steps[steps.len() - 1].map_or_else(String::new, |t| t.describe())
+                )
+            } else {
+                String::new()
+            };
             format!(
-                "{name} at batch {eff}: {} ({:.0}% less at k = 8)",
+                "{part}: {name} at batch {eff}: {} ({:.0}% less at k = 8){times}",
                 bytes_list(pk),
                 100.0 * (1.0 - pk[pk.len() - 1] as f64 / pk[0] as f64)
             )
@@ -144,7 +172,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "same effective batch, lower memory".into(),
         measured: format!(
-            "{SMALL}: peak {} for k = 1, 2, 4, 8; k = 8 uses {:.0}% less than k = 1; step {} for k = 1, {} for k = 8{host}. {REAL} for k = 1, 2, 4, 8, fp32 + AdamW: {real_text} ({REAL_SIZE_CAVEAT})",
+            "{SMALL}: peak {} for k = 1, 2, 4, 8; k = 8 uses {:.0}% less than k = 1; step {} for k = 1, {} for k = 8{host}. Real size for k = 1, 2, 4, 8, fp32 + AdamW: {real_text} ({REAL_SIZE_CAVEAT})",
             peaks.iter().map(|&p| human_bytes(p)).collect::<Vec<_>>().join(", "),
             100.0 * (1.0 - last.1 as f64 / first.1 as f64),
             first.2.describe(),
@@ -178,7 +206,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             Verdict::DoesNotHold
         },
     });
-    if let [(rn, re, rp), (gn, ge, gp), ..] = real.as_slice() {
+    if let [(rn, re, rp, ..), (gn, ge, gp, ..), ..] = real.as_slice() {
         let floor = |pk: &[u64]| pk[pk.len() - 1];
         sweep.reading(format!(
             "Accumulating 8 micro-batches keeps the effective batch and cuts the peak from {} to {} ({rn}, batch {re}) and from {} to {} ({gn}, batch {ge}); what stays is the fixed part (weights, gradients, AdamW state), so the saving shrinks as k grows; the gradients of the small executed models match the full batch to {worst:.0e} (relative, f32). They have no batch norm: with it ({rn} has), each micro-batch is normalized with its own statistics, so accumulated gradients are not the full batch's, in PyTorch as here.",
@@ -194,8 +222,15 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
 /// Real-size peak against the number of micro-batches, one line per model.
 fn plot(sweep: &Sweep<Measured>) -> Option<String> {
     let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
-    for (v, m) in sweep.variants().iter().filter(|(_, m)| m.part == REAL) {
-        let name = format!("{}, batch {}", m.model, m.k * m.micro_batch);
+    // The GPU's rows where every real-size case ran there, else the virtual device's.
+    let count = |part: &str| sweep.variants().iter().filter(|(_, m)| m.part == part).count();
+    let (part, source) = if count(EXECUTED) > 0 && count(EXECUTED) == count(REAL) {
+        (EXECUTED, "executed on the GPU")
+    } else {
+        (REAL, "virtual device")
+    };
+    for (v, m) in sweep.variants().iter().filter(|(_, m)| m.part == part) {
+        let name = format!("{}, batch {} ({source})", m.model, m.k * m.micro_batch);
         let y = v.peak_allocated_bytes as f64 / (1024.0 * 1024.0 * 1024.0);
         match series.iter_mut().find(|s| s.0 == name) {
             Some(s) => s.1.push((m.k as f64, y)),
@@ -206,7 +241,7 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
     let cards: Vec<Mark> =
         crate::plots::cards_near(top).into_iter().map(|(n, g)| Mark::Capacity(n, g)).collect();
     lines_with_marks(
-        "Real size (virtual device): peak vs micro-batches k at a fixed effective batch",
+        "Real size: peak vs micro-batches k at a fixed effective batch",
         "k (micro-batches per optimizer step)",
         "peak allocated (GiB)",
         &series,

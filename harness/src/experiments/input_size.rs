@@ -1,8 +1,8 @@
 //! `input-size`: peak memory against image side, with the quadratic trend fitted.
 
 use super::common::{
-    REAL_SIZE_CAVEAT, bytes_list, cnn, fit_line, increasing, real_model, real_peak, stripes,
-    train_fresh_interleaved,
+    EXECUTED, REAL_SIZE_CAVEAT, REAL_VIRTUAL, RealCase, bytes_list, cnn, fit_line, increasing,
+    real_allocs, real_case, real_model, real_part, stripes, train_fresh_interleaved,
 };
 use super::{Experiment, Sweep};
 use crate::plan::{ModelOverrides, PlanKind, Precision};
@@ -36,7 +36,7 @@ pub(super) struct Measured {
 }
 
 const SMALL: &str = "small (executed)";
-const REAL: &str = "real size (virtual)";
+const REAL: &str = REAL_VIRTUAL;
 
 /// ResNet-50's sides and batch at real size.
 const REAL_SIDES: &[usize] = &[112, 160, 224, 320];
@@ -68,22 +68,37 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let ys: Vec<f64> = peaks.iter().map(|&p| p as f64).collect();
     let (fixed, per_pixel, r2) = fit_line(&xs, &ys);
     let grows = increasing(&peaks);
-    let mut real = Vec::new();
+    let (mut cases, mut not_run) = (Vec::new(), Vec::new());
     for &side in REAL_SIDES {
         let model =
             real_model("resnet50", &ModelOverrides { side: Some(side), ..Default::default() })?;
-        let (alloc, reserved) = real_peak(&model, Precision::Fp32, PlanKind::None, REAL_BATCH, 1)?;
-        let measured = Measured {
-            part: REAL,
+        let case = real_case(ctx, &model, Precision::Fp32, PlanKind::None, (REAL_BATCH, 1))?;
+        let row = |part, samples_per_s| Measured {
+            part,
             model: "resnet50".into(),
             batch_size: REAL_BATCH,
             side,
-            samples_per_s: None,
+            samples_per_s,
         };
-        let name = format!("{REAL}: resnet50, batch {REAL_BATCH}, {side}x{side}");
-        sweep.push(&name, alloc, reserved, None, measured);
-        real.push(alloc);
+        let what = format!("resnet50, batch {REAL_BATCH}, {side}x{side}");
+        let (alloc, reserved) = case.predicted;
+        sweep.push(&format!("{REAL}: {what}"), alloc, reserved, None, row(REAL, None));
+        if let Some(r) = case.executed.ran() {
+            let step = case.executed.step();
+            let m = row(EXECUTED, step.map(|t| REAL_BATCH as f64 * 1e3 / t.mean_ms));
+            sweep.push(&format!("{EXECUTED}: {what}"), r.allocated, r.reserved, step, m);
+        }
+        not_run.extend(case.executed.why_not().map(|w| format!("{what}: {w}")));
+        cases.push(case);
     }
+    if !not_run.is_empty() {
+        sweep.reading(format!(
+            "Real-size cases not executed on the GPU (their figures are the virtual device's): {}",
+            not_run.join("; ")
+        ));
+    }
+    let refs: Vec<&RealCase> = cases.iter().collect();
+    let (real, part) = (real_allocs(&refs), real_part(&refs));
     let rx: Vec<f64> = REAL_SIDES.iter().map(|&s| (s * s) as f64).collect();
     let ry: Vec<f64> = real.iter().map(|&p| p as f64).collect();
     let (rfixed, rper, rr2) = fit_line(&rx, &ry);
@@ -91,7 +106,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "memory grows with input resolution (quadratically in the side)".into(),
         measured: format!(
-            "{SMALL}: peak {} for sides {:?}; fit peak = {} + {} x side^2, r^2 {r2:.4}. {REAL}, ResNet-50 batch {REAL_BATCH}, fp32 + AdamW: peak {} for sides {:?}; fit {} + {} x side^2, r^2 {rr2:.4} ({REAL_SIZE_CAVEAT})",
+            "{SMALL}: peak {} for sides {:?}; fit peak = {} + {} x side^2, r^2 {r2:.4}. {part}, ResNet-50 batch {REAL_BATCH}, fp32 + AdamW: peak {} for sides {:?}; fit {} + {} x side^2, r^2 {rr2:.4} ({REAL_SIZE_CAVEAT})",
             peaks.iter().map(|&p| human_bytes(p)).collect::<Vec<_>>().join(", "),
             sides,
             human_bytes(fixed.max(0.0) as u64),
@@ -112,7 +127,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let at = |side: usize| REAL_SIDES.iter().position(|&s| s == side).map(|i| real[i]);
     if let (Some(p224), Some(p160), Some(p112)) = (at(224), at(160), at(112)) {
         sweep.reading(format!(
-            "Activation memory scales with the pixel count: ResNet-50 at batch {REAL_BATCH} needs {} at 224 px, {} at 160 px ({:.0}% less) and {} at 112 px ({:.0}% less); each extra pixel per side costs about {} at this batch (2 x side x the per-side^2 slope {}).",
+            "Activation memory scales with the pixel count ({part}): ResNet-50 at batch {REAL_BATCH} needs {} at 224 px, {} at 160 px ({:.0}% less) and {} at 112 px ({:.0}% less); each extra pixel per side costs about {} at this batch (2 x side x the per-side^2 slope {}).",
             human_bytes(p224),
             human_bytes(p160),
             100.0 * (1.0 - p160 as f64 / p224 as f64),
@@ -128,7 +143,8 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
 /// Real-size peak memory against the input side, measured points with the side^2 fit (the
 /// small run's fit is in the claim).
 fn plot(sweep: &Sweep<Measured>) -> Option<String> {
-    let series: Vec<FittedSeries> = [(REAL, 1024.0 * 1024.0 * 1024.0, "GiB")]
+    const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+    let series: Vec<FittedSeries> = [(REAL, GIB, "GiB"), (EXECUTED, GIB, "GiB")]
         .iter()
         .filter_map(|&(part, unit, label)| {
             let pts: Vec<(f64, f64)> = sweep
@@ -155,7 +171,7 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
         .collect();
     let top = series.iter().flat_map(|s| s.1.iter().map(|p| p.1)).fold(0.0, f64::max);
     measured_and_fit(
-        "Real size (virtual device): peak vs input side, side^2 fit (fp32 + AdamW)",
+        "Real size: peak vs input side, side^2 fit (fp32 + AdamW)",
         "image side (pixels)",
         "peak allocated (GiB)",
         &series,

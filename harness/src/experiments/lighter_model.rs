@@ -2,8 +2,8 @@
 //! depth and widths on the same input.
 
 use super::common::{
-    REAL_SIZE_CAVEAT, cnn, cnn_side, device, real_model, real_params, real_peak, stripes,
-    timed_steps, train_interleaved,
+    EXECUTED, REAL_SIZE_CAVEAT, REAL_VIRTUAL, RealCase, cnn, cnn_side, device, real_allocs,
+    real_case, real_model, real_params, real_part, stripes, timed_steps, train_interleaved,
 };
 use super::{Experiment, Sweep};
 use crate::models::Model;
@@ -44,7 +44,7 @@ pub(super) struct Measured {
 }
 
 const SMALL: &str = "small (executed)";
-const REAL: &str = "real size (virtual)";
+const REAL: &str = REAL_VIRTUAL;
 
 /// The real-size comparison: label, preset, width override (first-stage channels).
 const REAL_MODELS: &[(&str, &str, Option<usize>)] = &[
@@ -52,9 +52,9 @@ const REAL_MODELS: &[(&str, &str, Option<usize>)] = &[
     ("MobileNetV3-like", "mobilenetv3-like", None),
     ("ResNet-50 x0.5 width", "resnet50", Some(32)),
 ];
-/// Batches measured at real size; the comparison is at the last. The fixed and per-sample
-/// parts are each model's [`crate::advice::footprint`].
-const REAL_BATCHES: &[usize] = &[16, 32, 64];
+/// The batch of the real-size comparison. The fixed and per-sample parts are each model's
+/// [`crate::advice::footprint`].
+const REAL_BATCH: usize = 64;
 
 fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let side = cnn_side(ctx);
@@ -93,31 +93,54 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         m.push((name, params, r));
     }
     let (full, light) = (&m[0], &m[1]);
-    // Real size: fixed and per-sample parts of each model from a line over the batches.
+    // Real size at the largest batch, fp32 + AdamW: the virtual device's peak and, on a GPU,
+    // the same step executed there (then the verdicts use the GPU's peaks); the fixed and
+    // per-sample parts are the advice table's footprint.
+    let b = REAL_BATCH;
+    let (mut cases, mut not_run) = (Vec::new(), Vec::new());
     let mut real = Vec::new();
     for &(label, preset, width) in REAL_MODELS {
         let model = real_model(preset, &ModelOverrides { width, ..Default::default() })?;
         let params = real_params(&model)?;
-        let mut pts = Vec::new();
-        for &b in REAL_BATCHES {
-            pts.push(real_peak(&model, Precision::Fp32, PlanKind::None, b, 1)?);
-        }
-        // The fixed and per-sample parts as the advice table and batch-size give them.
+        let case = real_case(ctx, &model, Precision::Fp32, PlanKind::None, (b, 1))?;
         let fp = crate::advice::footprint(&model)?;
         let (fixed, per) = (fp.fixed, fp.per_sample);
-        let b = REAL_BATCHES[REAL_BATCHES.len() - 1];
-        let (alloc, reserved) = pts[pts.len() - 1];
-        let measured = Measured {
-            part: REAL,
+        let row = |part, samples_per_s| Measured {
+            part,
             parameters: params,
-            samples_per_s: None,
+            samples_per_s,
             architecture: model.name.clone(),
             batch_size: b,
             fixed_bytes: Some(fixed),
             per_sample_bytes: Some(per),
         };
-        sweep.push(&format!("{REAL}: {label}, batch {b}"), alloc, reserved, None, measured);
-        real.push((label, params, alloc, fixed, per));
+        let (alloc, reserved) = case.predicted;
+        sweep.push(&format!("{REAL}: {label}, batch {b}"), alloc, reserved, None, row(REAL, None));
+        if let Some(r) = case.executed.ran() {
+            let step = case.executed.step();
+            let m = row(EXECUTED, step.map(|t| b as f64 * 1e3 / t.mean_ms));
+            sweep.push(
+                &format!("{EXECUTED}: {label}, batch {b}"),
+                r.allocated,
+                r.reserved,
+                step,
+                m,
+            );
+        }
+        not_run.extend(case.executed.why_not().map(|w| format!("{label}, batch {b}: {w}")));
+        real.push((label, params, 0, fixed, per));
+        cases.push(case);
+    }
+    if !not_run.is_empty() {
+        sweep.reading(format!(
+            "Real-size cases not executed on the GPU (their figures are the virtual device's): {}",
+            not_run.join("; ")
+        ));
+    }
+    let refs: Vec<&RealCase> = cases.iter().collect();
+    let part = real_part(&refs);
+    for (r, alloc) in real.iter_mut().zip(real_allocs(&refs)) {
+        r.2 = alloc;
     }
     let saving = 1.0 - light.2.peak_allocated as f64 / full.2.peak_allocated as f64;
     let host = if matches!(ctx.backend, Backend::Cpu) { " (host timings)" } else { "" };
@@ -131,7 +154,6 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         ),
         verdict: if saving >= 0.2 { Verdict::Holds } else if saving > 0.0 { Verdict::Partly } else { Verdict::DoesNotHold },
     });
-    let b = REAL_BATCHES[REAL_BATCHES.len() - 1];
     let describe = |r: &(&str, u64, u64, u64, u64)| {
         format!(
             "{}: {:.1} M params, peak {} = fixed {} + {} per sample",
@@ -172,7 +194,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(against(
         mobile,
         "ResNet50 -> MobileNetV3 needs less memory at real size (224 px)",
-        &format!("{REAL}, batch {b}, fp32 + AdamW"),
+        &format!("{part}, batch {b}, fp32 + AdamW"),
         &format!(
             "; {REAL_SIZE_CAVEAT}; vram's MobileNetV3-like is torchvision's MobileNetV3-Large less the classifier's dropout"
         ),
@@ -180,7 +202,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(against(
         half,
         "fewer channels (ResNet-50 at half width) needs less memory",
-        &format!("{REAL}, batch {b}"),
+        &format!("{part}, batch {b}"),
         "",
     ));
     let act_share = |r: &(&str, u64, u64, u64, u64)| (r.4 * b as u64) as f64 / r.2 as f64;

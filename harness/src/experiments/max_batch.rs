@@ -31,7 +31,7 @@ use vram_amp::{AdamW, Optimizer};
 use vram_kernels::{DType, Device};
 
 const SMALL: &str = "small (executed)";
-const REAL: &str = "real size (virtual)";
+const REAL: &str = super::common::REAL_VIRTUAL;
 const CLAIM: &str = "the search (start at 2, add 2 until an OOM is caught, empty_cache) finds the largest batch without restarting the process";
 
 pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {

@@ -63,8 +63,8 @@ pub(super) struct Measured {
 }
 
 const SMALL: &str = "small (executed)";
-const REAL: &str = "real size (virtual)";
-const EXECUTED: &str = "real size (executed on the GPU)";
+const REAL: &str = super::common::REAL_VIRTUAL;
+const EXECUTED: &str = super::common::EXECUTED;
 
 /// The executed real-size runs (CUDA only): GPT-2 small at this batch (13.5 GiB in fp32 on
 /// an H100), timed over this many steps after a warm-up step.

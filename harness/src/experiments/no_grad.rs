@@ -1,14 +1,14 @@
 //! `no-grad-inference`: evaluation with and without recording what backward needs.
 
 use super::common::{
-    REAL_CAPACITY, REAL_SIZE_CAVEAT, cnn, cnn_side, device, gpt_tag, stripes, sync,
+    EXECUTED, REAL_CAPACITY, REAL_SIZE_CAVEAT, cnn, cnn_side, device, gpt_tag, stripes, sync,
 };
 use super::{Experiment, Sweep};
 use crate::models::{Arch, Attention, Model};
 use crate::plots::grouped_bars;
 use crate::techniques::Technique;
 use crate::timing::{Timing, interleaved};
-use crate::{Claim, Context, ExperimentError, Verdict, human_bytes};
+use crate::{Backend, Claim, Context, ExperimentError, Verdict, human_bytes};
 use serde::Serialize;
 use serde_json::json;
 use std::time::Instant;
@@ -39,7 +39,7 @@ pub(super) struct Measured {
 }
 
 const SMALL: &str = "small (executed)";
-const REAL: &str = "real size (virtual)";
+const REAL: &str = super::common::REAL_VIRTUAL;
 
 /// Real-size models (fp32) and the evaluation batches swept.
 fn real_sweeps(quick: bool) -> Vec<(&'static str, Vec<usize>)> {
@@ -50,19 +50,40 @@ fn real_sweeps(quick: bool) -> Vec<(&'static str, Vec<usize>)> {
     }
 }
 
-/// Peak allocated bytes and weight bytes of one real-size evaluation forward in `mode` on a
-/// fresh virtual device.
+/// Peak allocated and reserved bytes and weight bytes of one real-size evaluation forward in
+/// `mode` on `dev` (fresh): the virtual device's prediction, or on a GPU the run there (with
+/// values, timed after a warm-up evaluation: then the times of [`REPEATS`] more).
 fn real_eval(
+    dev: &Device,
     arch: &Arch,
     batch: usize,
     mode: Mode,
     seed: u64,
-) -> Result<(u64, u64, u64), ExperimentError> {
-    let dev = Device::virtual_device(REAL_CAPACITY);
-    let mut model = Model::new(&dev, arch.clone(), seed, DType::F32)?;
-    let b = arch.dataset().batch_without_values(seed, 0, batch);
-    model.eval_loss(&b, mode)?;
-    Ok((dev.max_memory_allocated(), dev.max_memory_reserved(), model.param_bytes()))
+) -> Result<(u64, u64, u64, Option<Timing>), ExperimentError> {
+    let mut model = Model::new(dev, arch.clone(), seed, DType::F32)?;
+    if dev.is_virtual() {
+        let b = arch.dataset().batch_without_values(seed, 0, batch);
+        model.eval_loss(&b, mode)?;
+        return Ok((
+            dev.max_memory_allocated(),
+            dev.max_memory_reserved(),
+            model.param_bytes(),
+            None,
+        ));
+    }
+    let b = arch.dataset().batch(seed, 0, batch);
+    let mut times = Vec::new();
+    for i in 0..=REPEATS {
+        sync(dev)?;
+        let started = Instant::now();
+        model.eval_loss(&b, mode)?;
+        sync(dev)?;
+        if i > 0 {
+            times.push(started.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    let step = Timing::from_samples(&times);
+    Ok((dev.max_memory_allocated(), dev.max_memory_reserved(), model.param_bytes(), step))
 }
 
 /// Timed evaluations after the first.
@@ -124,8 +145,10 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         ratios.push((b, peaks[0], peaks[1]));
     }
     let all_less = ratios.iter().all(|&(_, train, inf)| inf < train);
-    // Real size: the same two evaluations of real models on the virtual device.
+    // Real size: the same two evaluations of real models on the virtual device and, on a GPU,
+    // executed there.
     let mut real = Vec::new();
+    let (mut not_run, mut gpu) = (Vec::new(), Vec::new());
     let mut tags: Vec<(&str, String)> = Vec::new();
     for (name, batches) in real_sweeps(ctx.quick) {
         let arch = Arch::preset(name)?;
@@ -133,30 +156,62 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         tags.push((name, tag.clone()));
         for b in batches {
             let mut peaks = [0u64; 2];
+            let mut executed = [None::<u64>; 2];
             let mut weights = 0;
             for (k, (mode, label)) in modes.iter().enumerate() {
-                let (alloc, reserved, w) = real_eval(&arch, b, *mode, ctx.seed)?;
-                let measured = Measured {
-                    part: REAL,
+                let virt = Device::virtual_device(REAL_CAPACITY);
+                let (alloc, reserved, w, _) = real_eval(&virt, &arch, b, *mode, ctx.seed)?;
+                let row = |part| Measured {
+                    part,
                     model: tag.clone(),
                     batch_size: b,
                     saving_activations: *mode == Mode::Train,
                     weights_bytes: w,
                 };
-                sweep.push(
-                    &format!("{REAL}: {tag}, batch {b}, {label}"),
-                    alloc,
-                    reserved,
-                    None,
-                    measured,
-                );
-                peaks[k] = alloc;
-                weights = w;
+                let what = format!("{tag}, batch {b}, {label}");
+                sweep.push(&format!("{REAL}: {what}"), alloc, reserved, None, row(REAL));
+                (peaks[k], weights) = (alloc, w);
+                // On a GPU, the same evaluation executed there where the card holds it.
+                if let Backend::Cuda { total_bytes, .. } = ctx.backend {
+                    if reserved + (2 << 30) > total_bytes {
+                        not_run.push(format!("{what}: needs {} reserved", human_bytes(reserved)));
+                        continue;
+                    }
+                    let dev = device(ctx, "")?;
+                    match real_eval(&dev, &arch, b, *mode, ctx.seed) {
+                        Ok((alloc, reserved, _, step)) => {
+                            let name = format!("{EXECUTED}: {what}");
+                            sweep.push(&name, alloc, reserved, step, row(EXECUTED));
+                            executed[k] = Some(alloc);
+                        }
+                        Err(e) if e.is_out_of_memory() => {
+                            not_run.push(format!("{what}: ran out of the card's memory"));
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
             }
+            gpu.push(executed);
             real.push((name, b, peaks[0], peaks[1], weights));
         }
     }
+    // The GPU's peaks where every evaluation ran there, else the virtual device's (one figure,
+    // one source).
+    let part = if !gpu.is_empty() && gpu.iter().all(|g| g.iter().all(Option::is_some)) {
+        for (r, g) in real.iter_mut().zip(&gpu) {
+            (r.2, r.3) = (g[0].unwrap_or(r.2), g[1].unwrap_or(r.3));
+        }
+        EXECUTED
+    } else {
+        REAL
+    };
     let real_less = real.iter().all(|r| r.3 < r.2);
+    if !not_run.is_empty() {
+        sweep.reading(format!(
+            "Real-size evaluations not executed on the GPU (their figures are the virtual device's): {}",
+            not_run.join("; ")
+        ));
+    }
     let real_text = real
         .iter()
         .map(|&(n, b, t, i, w)| {
@@ -173,7 +228,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         .join("; ");
     sweep.claim(Claim {
         claim: "evaluating without saving activations (no_grad) saves memory".into(),
-        measured: format!("{SMALL}: {}. {REAL}, fp32, peak with -> without saved activations: {real_text} ({REAL_SIZE_CAVEAT})", ratios
+        measured: format!("{SMALL}: {}. {part}, fp32, peak with -> without saved activations: {real_text} ({REAL_SIZE_CAVEAT})", ratios
             .iter()
             .map(|&(b, t, i)| {
                 format!(

@@ -132,7 +132,7 @@ fn cell(
 }
 
 const SMALL: &str = "small (executed)";
-const REAL: &str = "real size (virtual)";
+const REAL: &str = super::common::REAL_VIRTUAL;
 
 /// The four cells, in the order (empty_cache, half_batch) = ff, tf, ft, tt.
 const CELLS: [(bool, bool); 4] = [(false, false), (true, false), (false, true), (true, true)];

@@ -63,7 +63,7 @@ pub(super) struct Measured {
 }
 
 const SMALL: &str = "small (executed)";
-const REAL: &str = "real size (virtual)";
+const REAL: &str = super::common::REAL_VIRTUAL;
 
 /// Flags steady growth after the first iteration: a positive fitted slope that explains the
 /// series (r^2 > 0.9), however small.

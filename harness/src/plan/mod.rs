@@ -43,9 +43,10 @@ pub use model::{
     ModelOverrides, PlanModel, SampleInput, model_from_args, model_from_file, model_from_hf,
     model_from_spec,
 };
+pub use run::TimedRun;
 pub(crate) use run::UNLIMITED;
 pub(crate) use search::param_count;
-pub use search::{Candidate, Target, estimate_cost, measure, plan, verify};
+pub use search::{Candidate, Target, estimate_cost, measure, measure_timed, plan, verify};
 
 use serde::Serialize;
 use vram_kernels::DType;

@@ -56,18 +56,61 @@ pub(crate) fn run(
     accum: usize,
     place: Where,
 ) -> Result<Outcome, PlanError> {
-    let device = device(place, alloc)?;
+    let args = RunArgs { model, precision, optimizer, alloc, schedule, micro, accum };
+    Ok(match run_timed(&args, place, STEPS)? {
+        Some(t) => Outcome::Ran { allocated: t.allocated, reserved: t.reserved },
+        None => Outcome::Oom,
+    })
+}
+
+/// What [`run_timed`] runs: a model, its precision and optimizer, the allocator's settings,
+/// the checkpoint schedule, the micro-batch and the accumulation.
+pub(crate) struct RunArgs<'a> {
+    pub(crate) model: &'a PlanModel,
+    pub(crate) precision: Precision,
+    pub(crate) optimizer: OptimizerKind,
+    pub(crate) alloc: &'a AllocatorConfig,
+    pub(crate) schedule: &'a Schedule,
+    pub(crate) micro: usize,
+    pub(crate) accum: usize,
+}
+
+/// A run's peaks and the wall time of each optimizer step after the first.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TimedRun {
+    /// `max_memory_allocated` over the run.
+    pub allocated: u64,
+    /// `max_memory_reserved` over the run.
+    pub reserved: u64,
+    /// Milliseconds per optimizer step (its `accum` micro-batches and the update), between
+    /// two synchronizations, every step but the first (kernels loaded, segments reserved,
+    /// optimizer state created); empty on a virtual device, which computes nothing.
+    pub step_ms: Vec<f64>,
+    /// The loss of each micro-batch; empty on a virtual device.
+    pub losses: Vec<f32>,
+}
+
+/// [`run`] with `n_steps` optimizer steps (at least 1), every step after the first timed;
+/// `None` if the allocator ran out of memory.
+pub(crate) fn run_timed(
+    args: &RunArgs<'_>,
+    place: Where,
+    n_steps: u64,
+) -> Result<Option<TimedRun>, PlanError> {
+    let device = device(place, args.alloc)?;
     let fail = |source: vram_accum::Error| PlanError::Run {
-        context: format!("{} on {}", model.name, device.name()),
+        context: format!("{} on {}", args.model.name, device.name()),
         source: Box::new(source),
     };
-    let result = steps(&device, model, precision, optimizer, schedule, micro, accum);
-    match result {
-        Ok(()) => Ok(Outcome::Ran {
+    let (mut step_ms, mut losses) = (Vec::new(), Vec::new());
+    match steps(&device, args, n_steps.max(1), &mut step_ms, &mut losses) {
+        Ok(()) => Ok(Some(TimedRun {
             allocated: device.max_memory_allocated(),
             reserved: device.max_memory_reserved(),
-        }),
-        Err(e) if e.is_out_of_memory() => Ok(Outcome::Oom),
+            step_ms: if device.is_virtual() { Vec::new() } else { step_ms },
+            losses,
+        })),
+        Err(e) if e.is_out_of_memory() => Ok(None),
         Err(e) => Err(fail(e)),
     }
 }
@@ -92,13 +135,12 @@ fn device(place: Where, alloc: &AllocatorConfig) -> Result<Device, PlanError> {
 
 fn steps(
     device: &Device,
-    pm: &PlanModel,
-    precision: Precision,
-    optimizer: OptimizerKind,
-    schedule: &Schedule,
-    micro: usize,
-    accum: usize,
+    args: &RunArgs<'_>,
+    n_steps: u64,
+    step_ms: &mut Vec<f64>,
+    losses: &mut Vec<f32>,
 ) -> vram_accum::Result<()> {
+    let RunArgs { model: pm, precision, optimizer, schedule, micro, accum, .. } = *args;
     let mut rng = Rng::new(0x5EED);
     let mut model =
         Model::with_attention(device, pm.arch.clone(), 1, precision.dtype(), pm.attention)?;
@@ -117,11 +159,16 @@ fn steps(
         LossScaler::disabled()
     };
     let batch = pm.batch(micro, (!device.is_virtual()).then_some(&mut rng));
-    for step in 0..STEPS {
+    for step in 0..n_steps {
+        device.synchronize()?;
+        let start = std::time::Instant::now();
         for _ in 0..accum {
             let mut ctx = ForwardCtx::new(Mode::Train, step);
             let scale = scaler.scale() / accum as f32;
-            model.train_step_with(&batch, &mut ctx, scale, schedule)?;
+            let out = model.train_step_with(&batch, &mut ctx, scale, schedule)?;
+            if !device.is_virtual() {
+                losses.push(out.loss);
+            }
         }
         let outcome = scaler.step(opt.as_mut(), &mut model)?;
         if outcome == vram_amp::StepOutcome::Skipped {
@@ -134,8 +181,11 @@ fn steps(
         }
         scaler.update()?;
         model.zero_grad();
+        device.synchronize()?;
+        if step > 0 {
+            step_ms.push(start.elapsed().as_secs_f64() * 1e3);
+        }
     }
-    device.synchronize()?;
     Ok(())
 }
 

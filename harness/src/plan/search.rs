@@ -2,7 +2,10 @@
 //! costs, ranking, and what would fit when nothing does.
 
 use super::model::{PlanModel, SampleInput};
-use super::run::{Outcome, UNLIMITED, Where, fixed_schedule, flop_profile, run};
+use super::run::{
+    Outcome, RunArgs, STEPS, TimedRun, UNLIMITED, Where, fixed_schedule, flop_profile, run,
+    run_timed,
+};
 use super::{
     ALLOCATOR_SETTINGS, ASSUMED_FLOP_PER_BYTE, ASSUMED_FP32_FACTOR, Decomposition,
     HOST_BATCH_LIMIT, MAX_BATCH, MAX_DEVICE_MEMORY, OptimizerKind, PLAN_KINDS, PlanError, PlanKind,
@@ -1067,6 +1070,21 @@ pub fn measure(
     candidate: &Candidate,
     target: Target,
 ) -> Result<Option<(u64, u64)>, PlanError> {
+    Ok(measure_timed(model, candidate, target, STEPS)?.map(|t| (t.allocated, t.reserved)))
+}
+
+/// [`measure`] with `steps` optimizer steps (at least 1), each after the first timed
+/// between two synchronizations: how the bench executes a real-size case on a GPU.
+///
+/// # Errors
+///
+/// As [`measure`].
+pub fn measure_timed(
+    model: &PlanModel,
+    candidate: &Candidate,
+    target: Target,
+    steps: u64,
+) -> Result<Option<TimedRun>, PlanError> {
     let c = candidate;
     if c.micro == 0 || c.accum == 0 {
         return Err(PlanError::InvalidArgument {
@@ -1095,8 +1113,14 @@ pub fn measure(
         Target::Host(cap) => Where::Host(cap),
         Target::Cuda(cap) => Where::Cuda(cap),
     };
-    Ok(match run(model, c.precision, c.optimizer, &alloc, &schedule, c.micro, c.accum, place)? {
-        Outcome::Ran { allocated, reserved } => Some((allocated, reserved)),
-        Outcome::Oom => None,
-    })
+    let args = RunArgs {
+        model,
+        precision: c.precision,
+        optimizer: c.optimizer,
+        alloc: &alloc,
+        schedule: &schedule,
+        micro: c.micro,
+        accum: c.accum,
+    };
+    run_timed(&args, place, steps)
 }

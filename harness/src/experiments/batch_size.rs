@@ -4,8 +4,8 @@
 
 use super::common::{
     EXECUTED, REAL_SIZE_CAVEAT, REAL_VIRTUAL, RealCase, bytes_list, cnn, cnn_side, fit_line,
-    increasing, real_allocs, real_case, real_model, real_part, real_tag, stripes,
-    train_fresh_interleaved,
+    increasing, note_not_executed, real_allocs, real_case, real_model, real_part, real_tag,
+    stripes, train_fresh_interleaved,
 };
 use super::{Experiment, Sweep};
 use crate::plan::{ModelOverrides, PlanKind, Precision};
@@ -166,12 +166,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         let (_, _, r2) = fit_line(&xs, &ys);
         real.push((name, label, pts, fp.fixed as f64, fp.per_sample as f64, r2, part));
     }
-    if !not_run.is_empty() {
-        sweep.reading(format!(
-            "Real-size cases not executed on the GPU (their figures are the virtual device's): {}",
-            not_run.join("; ")
-        ));
-    }
+    note_not_executed(&mut sweep, &not_run);
     let all_linear =
         real.iter().all(|r| r.5 > 0.99 && increasing(&r.2.iter().map(|p| p.1).collect::<Vec<_>>()));
     let real_fits = real

@@ -346,6 +346,23 @@ pub fn real_model(
     Ok(crate::plan::model_from_args(name, overrides)?)
 }
 
+/// The planner's candidate the real-size parts run: AdamW, default allocator settings.
+fn adamw_candidate(
+    precision: crate::plan::Precision,
+    plan: crate::plan::PlanKind,
+    micro: usize,
+    accum: usize,
+) -> crate::plan::Candidate {
+    crate::plan::Candidate {
+        precision,
+        plan,
+        alloc_conf: String::new(),
+        optimizer: crate::plan::OptimizerKind::AdamW,
+        micro,
+        accum,
+    }
+}
+
 /// Peak allocated and reserved bytes of a real-size training step (two optimizer steps of
 /// `accum` micro-batches of `micro` samples) on the virtual device.
 pub fn real_peak(
@@ -355,14 +372,7 @@ pub fn real_peak(
     micro: usize,
     accum: usize,
 ) -> Result<(u64, u64), ExperimentError> {
-    let c = crate::plan::Candidate {
-        precision,
-        plan,
-        alloc_conf: String::new(),
-        optimizer: crate::plan::OptimizerKind::AdamW,
-        micro,
-        accum,
-    };
+    let c = adamw_candidate(precision, plan, micro, accum);
     crate::plan::measure(model, &c, crate::plan::Target::Virtual(REAL_CAPACITY))?.ok_or_else(|| {
         ExperimentError::Setup(format!("real-size {} ran out of the virtual device", model.name))
     })
@@ -500,6 +510,17 @@ pub fn real_allocs(cases: &[&RealCase]) -> Vec<u64> {
     cases.iter().map(|c| if executed { c.peaks().0 } else { c.predicted.0 }).collect()
 }
 
+/// Adds a reading listing the real-size cases that did not run on the GPU (`not_run`: one
+/// "what: why" each); nothing when all ran or on the host.
+pub fn note_not_executed<M: serde::Serialize>(sweep: &mut super::Sweep<M>, not_run: &[String]) {
+    if !not_run.is_empty() {
+        sweep.reading(format!(
+            "Real-size cases not executed on the GPU (their figures are the virtual device's): {}",
+            not_run.join("; ")
+        ));
+    }
+}
+
 /// [`real_executed`]'s run on `target` (the tests run it on the host).
 fn execute(
     model: &crate::plan::PlanModel,
@@ -508,14 +529,7 @@ fn execute(
     (micro, accum): (usize, usize),
     target: crate::plan::Target,
 ) -> Result<Executed, ExperimentError> {
-    let c = crate::plan::Candidate {
-        precision,
-        plan,
-        alloc_conf: String::new(),
-        optimizer: crate::plan::OptimizerKind::AdamW,
-        micro,
-        accum,
-    };
+    let c = adamw_candidate(precision, plan, micro, accum);
     Ok(match crate::plan::measure_timed(model, &c, target, EXECUTED_STEPS)? {
         Some(run) => Executed::Ran(run),
         None => Executed::OutOfMemory,
@@ -682,28 +696,31 @@ mod shared_memory_tests {
     }
 }
 
+/// GPT-2 small shrunk to run in milliseconds (width 64, one block, 16 tokens, vocabulary
+/// 100), for tests of the real-size paths.
+#[cfg(test)]
+pub(crate) fn tiny_gpt2() -> crate::plan::PlanModel {
+    let small = crate::plan::ModelOverrides {
+        width: Some(64),
+        depth: Some(1),
+        seq: Some(16),
+        vocab: Some(100),
+        ..crate::plan::ModelOverrides::default()
+    };
+    real_model("gpt2-small", &small).unwrap()
+}
+
 #[cfg(test)]
 mod executed_tests {
     use super::*;
-    use crate::plan::{ModelOverrides, PlanKind, Precision, Target};
-
-    fn tiny_gpt() -> crate::plan::PlanModel {
-        let small = ModelOverrides {
-            width: Some(64),
-            depth: Some(1),
-            seq: Some(16),
-            vocab: Some(100),
-            ..ModelOverrides::default()
-        };
-        real_model("gpt2-small", &small).unwrap()
-    }
+    use crate::plan::{PlanKind, Precision, Target};
 
     /// The executed path (what runs on a GPU), on the host: the peaks are the virtual
     /// device's prediction (vram's own allocations are the same on every backend), every
     /// step but the first is timed, every micro-batch has a finite loss.
     #[test]
     fn an_executed_real_size_case_times_its_steps_and_matches_the_prediction() {
-        let pm = tiny_gpt();
+        let pm = tiny_gpt2();
         for (p, accum) in [(Precision::Fp32, 1), (Precision::AutocastBf16, 2)] {
             let predicted = real_peak(&pm, p, PlanKind::None, 2, accum).unwrap();
             let e = execute(&pm, p, PlanKind::None, (2, accum), Target::Host(1 << 30)).unwrap();
@@ -722,7 +739,7 @@ mod executed_tests {
 
     #[test]
     fn real_sizes_run_on_the_gpu_only_and_only_where_the_card_holds_them() {
-        let pm = tiny_gpt();
+        let pm = tiny_gpt2();
         let host = Context { backend: Backend::Cpu, quick: true, seed: 1, device_memory: 1 << 30 };
         let e = real_executed(&host, &pm, Precision::Fp32, PlanKind::None, (2, 1), 1).unwrap();
         assert_eq!(e, Executed::NotOnGpu);

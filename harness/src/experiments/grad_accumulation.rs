@@ -4,8 +4,8 @@
 
 use super::common::{
     EXECUTED, REAL_SIZE_CAVEAT, REAL_VIRTUAL, RealCase, bytes_list, cnn, cnn_side, device,
-    gradients, max_relative_difference, real_allocs, real_case, real_model, real_part, real_tag,
-    stripes,
+    gradients, max_relative_difference, note_not_executed, real_allocs, real_case, real_model,
+    real_part, real_tag, stripes,
 };
 use super::{Experiment, Sweep};
 use crate::models::Model;
@@ -140,12 +140,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         let steps: Vec<Option<Timing>> = cases.iter().map(|c| c.executed.step()).collect();
         real.push((tag, eff, real_allocs(&refs), real_part(&refs), steps));
     }
-    if !not_run.is_empty() {
-        sweep.reading(format!(
-            "Real-size cases not executed on the GPU (their figures are the virtual device's): {}",
-            not_run.join("; ")
-        ));
-    }
+    note_not_executed(&mut sweep, &not_run);
     let real_falls = real.iter().all(|r| r.2.windows(2).all(|w| w[1] < w[0]));
     let real_text = real
         .iter()

@@ -2,7 +2,8 @@
 
 use super::common::{
     EXECUTED, REAL_SIZE_CAVEAT, REAL_VIRTUAL, RealCase, bytes_list, cnn, fit_line, increasing,
-    real_allocs, real_case, real_model, real_part, stripes, train_fresh_interleaved,
+    note_not_executed, real_allocs, real_case, real_model, real_part, stripes,
+    train_fresh_interleaved,
 };
 use super::{Experiment, Sweep};
 use crate::plan::{ModelOverrides, PlanKind, Precision};
@@ -91,12 +92,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         not_run.extend(case.executed.why_not().map(|w| format!("{what}: {w}")));
         cases.push(case);
     }
-    if !not_run.is_empty() {
-        sweep.reading(format!(
-            "Real-size cases not executed on the GPU (their figures are the virtual device's): {}",
-            not_run.join("; ")
-        ));
-    }
+    note_not_executed(&mut sweep, &not_run);
     let refs: Vec<&RealCase> = cases.iter().collect();
     let (real, part) = (real_allocs(&refs), real_part(&refs));
     let rx: Vec<f64> = REAL_SIDES.iter().map(|&s| (s * s) as f64).collect();

@@ -2,8 +2,9 @@
 //! depth and widths on the same input.
 
 use super::common::{
-    EXECUTED, REAL_SIZE_CAVEAT, REAL_VIRTUAL, RealCase, cnn, cnn_side, device, real_allocs,
-    real_case, real_model, real_params, real_part, stripes, timed_steps, train_interleaved,
+    EXECUTED, REAL_SIZE_CAVEAT, REAL_VIRTUAL, RealCase, cnn, cnn_side, device, note_not_executed,
+    real_allocs, real_case, real_model, real_params, real_part, stripes, timed_steps,
+    train_interleaved,
 };
 use super::{Experiment, Sweep};
 use crate::models::Model;
@@ -131,12 +132,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         real.push((label, params, 0, fixed, per));
         cases.push(case);
     }
-    if !not_run.is_empty() {
-        sweep.reading(format!(
-            "Real-size cases not executed on the GPU (their figures are the virtual device's): {}",
-            not_run.join("; ")
-        ));
-    }
+    note_not_executed(&mut sweep, &not_run);
     let refs: Vec<&RealCase> = cases.iter().collect();
     let part = real_part(&refs);
     for (r, alloc) in real.iter_mut().zip(real_allocs(&refs)) {

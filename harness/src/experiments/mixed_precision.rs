@@ -761,14 +761,7 @@ mod tests {
 
     #[test]
     fn real_runs_time_every_step_but_the_first_and_match_the_virtual_device() {
-        let small = ModelOverrides {
-            width: Some(64),
-            depth: Some(1),
-            seq: Some(16),
-            vocab: Some(100),
-            ..ModelOverrides::default()
-        };
-        let pm = real_model("gpt2-small", &small).unwrap();
+        let pm = super::super::common::tiny_gpt2();
         for p in [P::Fp32, P::AutocastBf16, P::Fp16] {
             // The virtual device counts an H100's cuBLAS workspace; the host, told its size.
             let host = Device::host(1 << 30);

@@ -8,8 +8,10 @@
 #   5. cargo xtask plan --verify on CUDA (the virtual prediction against the measured peak)
 #   6. conv: ResNet-50's convolutions one by one, vram's own kernels (cuda_conv), vram through
 #      cuDNN (cuda_conv_cudnn) and PyTorch (torch_conv.py)
+#   7. attention: vram's fused attention (cuda_attention) against PyTorch's SDPA, flash backend
+#      (torch_attention.py), b8 h12 d64 bf16 causal at 1024 and 4096 tokens
 # Everything lands in $OUT/measure.tar.gz; $OUT/SUMMARY.md has the tables.
-# Arguments pick parts (kernels, twin, trace, plan, conv); none runs them all.
+# Arguments pick parts (kernels, twin, trace, plan, conv, attention); none runs them all.
 source "$(dirname "$0")/env.sh"
 here=$(cd "$(dirname "$0")" && pwd)
 R=$(mktemp -d)/measure
@@ -27,7 +29,7 @@ run() { # name, timeout seconds, command...
 say "# GPU measurements ($(date -u +%FT%TZ))"
 say "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
 say "$("$TORCH_PYTHON" -c 'import torch; print("PyTorch", torch.__version__, "CUDA", torch.version.cuda)' 2>&1)"
-parts=" ${*:-kernels twin trace plan conv} "
+parts=" ${*:-kernels twin trace plan conv attention} "
 wants() { [[ "$parts" == *" $1 "* ]]; }
 if wants kernels; then
   run cuda_bench 120 .gpu/bin/cuda_bench
@@ -53,6 +55,10 @@ if wants conv; then
   run cuda_conv 120 env VRAM_CONV_BACKEND=own .gpu/bin/cuda_conv
   run cuda_conv_cudnn 120 env VRAM_CONV_BACKEND=cudnn .gpu/bin/cuda_conv
   run torch_conv 120 "$TORCH_PYTHON" "$here/torch_conv.py"
+fi
+if wants attention; then
+  run cuda_attention 120 .gpu/bin/cuda_attention
+  run torch_attention 120 "$TORCH_PYTHON" "$here/torch_attention.py"
 fi
 tar czf "$OUT/measure.tar.gz" -C "$(dirname "$R")" measure
 cp "$S" "$OUT/SUMMARY.md"

@@ -270,6 +270,10 @@ fn bad_input_is_a_clear_error() {
     assert!(e.reason.contains("pool"), "{e}");
     let e = ModelSpec::from_toml_str("input = [", "m").unwrap_err();
     assert!(e.reason.contains("TOML") && e.reason.contains("line"), "{e}");
+    // A Hugging Face config.json given where a vram model file goes names the right flag.
+    let hf = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/hf/gpt2.json");
+    let e = ModelSpec::from_path(&hf).unwrap_err();
+    assert!(e.reason.contains("Hugging Face") && e.reason.contains("--hf-config"), "{e}");
 }
 
 #[test]

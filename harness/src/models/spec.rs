@@ -325,6 +325,12 @@ impl ModelSpec {
             Some(serde_json::Value::String(s)) => s,
             Some(other) => return Err(spec_err(format!("`name` must be a string, got {other}"))),
         };
+        if top.contains_key("model_type") && !top.contains_key("layers") {
+            return Err(spec_err(
+                "this is a Hugging Face config.json (it has `model_type`), not a vram model \
+                 file: pass it with --hf-config",
+            ));
+        }
         let input = top.remove("input").ok_or_else(|| spec_err("missing `input`"))?;
         let input: InputSpec =
             serde_json::from_value(input).map_err(|e| spec_err(format!("`input`: {e}")))?;

@@ -1,15 +1,16 @@
 //! Compiled modules and loaded functions of one device: each `.cu` module is compiled with
-//! NVRTC on first use and its functions are cached by their static names (the shape of
-//! candle's `get_or_load_func`).
+//! NVRTC on first use in the process (its PTX then cached for every device of the process),
+//! loaded into the device's context once, and its functions are cached by their static names
+//! (the shape of candle's `get_or_load_func`).
 
 use super::driver_error;
 use super::registry::{COMMON, Instance, Module};
 use crate::custom::CudaSource as CustomSource;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
-use cudarc::nvrtc::{CompileError, CompileOptions, compile_ptx_with_opts};
+use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 /// The NVRTC options every module is compiled with, for `--gpu-architecture=<arch>`.
 ///
@@ -88,13 +89,44 @@ impl Loader {
         if let Some(m) = modules.get(module.name) {
             return Ok(Arc::clone(m));
         }
-        let ptx = compile_ptx_with_opts(full_source(module), compile_options(module, &self.arch))
-            .map_err(|e| compile_error(module, e))?;
+        let ptx = compiled(module, &self.arch)?;
         let loaded = ctx.load_module(ptx).map_err(driver_error("cuModuleLoadData"))?;
         modules.insert(module.name, Arc::clone(&loaded));
         Ok(loaded)
     }
 }
+
+/// The PTX of this crate's `module` for `arch`, compiled by NVRTC once per process: a fresh
+/// [`Device`](crate::Device) per measurement (how the bench, the planner's `--verify` and the
+/// twin work) loads the cached PTX into its context instead of compiling every module again.
+/// Module names are unique across the registry; custom ops' sources are cached per device.
+fn compiled(module: &'static Module, arch: &str) -> Result<Ptx> {
+    type Cache = Mutex<HashMap<(&'static str, String), Ptx>>;
+    static PTX: OnceLock<Cache> = OnceLock::new();
+    let cache = PTX.get_or_init(Cache::default);
+    let key = (module.name, arch.to_string());
+    if let Some(ptx) = lock(cache).get(&key) {
+        return Ok(ptx.clone());
+    }
+    // Compiled outside the lock: two devices compiling one module at once both finish, and
+    // the second insert replaces an identical PTX.
+    let ptx = compile_ptx_with_opts(full_source(module), compile_options(module, arch))
+        .map_err(|e| compile_error(module, e))?;
+    #[cfg(test)]
+    {
+        let mut counts = lock(&COMPILATIONS);
+        match counts.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((key.clone(), 1)),
+        }
+    }
+    lock(cache).insert(key, ptx.clone());
+    Ok(ptx)
+}
+
+/// NVRTC compilations by [`compiled`] in this test process, per module and architecture.
+#[cfg(test)]
+static COMPILATIONS: Mutex<Vec<((&'static str, String), usize)>> = Mutex::new(Vec::new());
 
 impl Loader {
     /// The function `kernel` of a custom op's `source`, compiling and loading the source on
@@ -140,4 +172,34 @@ pub(crate) fn compile_error(module: &Module, e: CompileError) -> Error {
         other => format!("NVRTC failed on {}.cu: {other:?}", module.name),
     };
     Error::Device { op: "nvrtc", reason }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn compilations(module: &Module, arch: &str) -> usize {
+        let counts = lock(&COMPILATIONS);
+        counts.iter().find(|((m, a), _)| *m == module.name && a == arch).map_or(0, |c| c.1)
+    }
+
+    /// NVRTC runs once per module and architecture in a process, whatever the number of
+    /// devices asking (skips where libnvrtc is missing, as the NVRTC test does).
+    #[test]
+    fn a_module_is_compiled_once_per_process_and_architecture() {
+        let module = super::super::registry::MODULES[0];
+        let first = match compiled(module, "compute_89") {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("skipped: NVRTC unavailable ({e})");
+                return;
+            }
+        };
+        let again = compiled(module, "compute_89").unwrap();
+        assert_eq!(compilations(module, "compute_89"), 1, "compiled again");
+        assert_eq!(format!("{first:?}"), format!("{again:?}"));
+        // Another architecture is another PTX.
+        compiled(module, "compute_87").unwrap();
+        assert_eq!(compilations(module, "compute_87"), 1);
+    }
 }

@@ -33,6 +33,10 @@
 //! This code has been compiled and its pure parts tested on machines without a GPU; its
 //! cuDNN calls have not yet run on one (`tests/cudnn_vs_host.rs` runs them where one is).
 
+mod bn;
+
+pub(crate) use bn::{BnBackward, BnEval, BnTraining};
+
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::params::{Conv2dParams, ConvLayout};

@@ -9,6 +9,26 @@
 //! the running statistics are stored either in `x`'s dtype or in f32 (what a 16-bit input
 //! meets under autocast, where PyTorch runs batch norm on the 16-bit input with the f32
 //! module's parameters); arithmetic is in f32. The saved statistics are f32 `[c]`.
+//!
+//! On a CUDA device where cuDNN loaded (and unless [`ConvBackend::Own`](crate::ConvBackend),
+//! the convolutions' switch, is chosen), the three ops run through cuDNN exactly where
+//! PyTorch's `_select_batch_norm_backend` (`aten/src/ATen/native/Normalization.cpp`) does:
+//! an f32 input with f32 parameters or an f16 input with f32 parameters (autocast), 3 to 5
+//! dimensions, at most 880801 images in training and 65535 in evaluation, fewer than
+//! `i32::MAX` elements (`BnCase::cudnn_refusal` lists the rule). bf16, f16 parameters and
+//! `[n, c]` inputs run the own kernels there as in PyTorch. cuDNN writes the same saved
+//! mean and invstd and updates the running statistics by the same rule, so a forward on one
+//! path and its backward on the other agree (`cuda::dnn::bn` has the details: mode,
+//! descriptors, workspace and reserve space, the backward's `eps`). A backward whose shape
+//! would need cuDNN's reserve space runs the own kernels: vram's forward keeps none.
+//!
+//! cuDNN's workspace and reserve space are taken from the caching allocator when it runs,
+//! instead of the own kernels' per-channel workspaces (`2 * c * parts` floats and alike);
+//! host and virtual devices plan the own kernels' (their sizes cannot be asked of cuDNN
+//! without a GPU), so on a GPU with cuDNN the peak of a batch norm differs from theirs by
+//! those buffers. The cuDNN path has been compiled and its pure parts tested without a
+//! GPU; it has not yet run on a GPU (`tests/cudnn_vs_host.rs` checks it against the host
+//! where one is).
 
 use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
 use super::{expect_dtype, expect_shape, invalid, same_device, same_layout};

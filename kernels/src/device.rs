@@ -17,7 +17,8 @@
 //! Convolutions on a CUDA device run through cuDNN when it loads (`libcudnn.so.9`, looked for
 //! at run time like the other CUDA libraries), otherwise through vram's own kernels: see
 //! [`ConvBackend`], [`Device::conv_path`] and PyTorch's switches
-//! [`Device::set_cudnn_benchmark`] and [`Device::set_allow_tf32_cudnn`].
+//! [`Device::set_cudnn_benchmark`] and [`Device::set_allow_tf32_cudnn`]. The same switch sends
+//! batch norm through cuDNN where PyTorch does ([`Device::batch_norm_path`]).
 
 use crate::error::{Error, Result};
 use crate::storage::Storage;
@@ -98,7 +99,9 @@ struct BlasWorkspace {
     block: Option<Storage>,
 }
 
-/// Which code runs a CUDA device's convolutions ([`Device::set_conv_backend`]).
+/// Which code runs a CUDA device's convolutions ([`Device::set_conv_backend`]), and its batch
+/// norms where PyTorch would run cuDNN ([`Device::batch_norm_path`]): one switch, as
+/// `torch.backends.cudnn.enabled`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ConvBackend {
     /// cuDNN when the library loaded on this device, vram's own kernels otherwise (the

@@ -117,12 +117,15 @@ fn dims(
 /// cuDNN 7; it was 1e-5 before). PyTorch's `batchnormMinEpsilonCuDNN` returns it, and a
 /// batch norm with a smaller `eps` runs PyTorch's native kernels. vram refuses a negative
 /// `eps` anyway, so the floor refuses nothing today; it is kept to follow PyTorch's rule.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the rule is only consulted with CUDA
 pub(crate) const CUDNN_BN_MIN_EPSILON: f64 = 0.0;
 
 /// The most images PyTorch gives cuDNN's spatial batch norm in training.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) const CUDNN_MAX_BATCH_TRAINING: usize = 880_801;
 
 /// The most images PyTorch gives cuDNN's spatial batch norm in evaluation.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) const CUDNN_MAX_BATCH_EVAL: usize = 65_535;
 
 /// Which batch norm call a [`BnCase`] is.
@@ -139,6 +142,7 @@ pub(crate) enum BnPass {
 
 /// A batch norm as PyTorch's choice of backend sees it: `x`'s shape and dtype, the
 /// parameters' dtype, and the call.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct BnCase<'a> {
     pub(crate) shape: &'a [usize],
@@ -147,6 +151,7 @@ pub(crate) struct BnCase<'a> {
     pub(crate) pass: BnPass,
 }
 
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 impl BnCase<'_> {
     /// Why PyTorch would not run this batch norm through cuDNN on a GPU where cuDNN is
     /// enabled, or `None` when it would: PyTorch's `_select_batch_norm_backend`
@@ -494,7 +499,17 @@ pub fn batch_norm_eval(
     running_var: &Tensor,
     eps: f32,
 ) -> Result<Tensor> {
-    run(BatchNormEval { x, gamma, beta, running_mean, running_var, eps, s: 0, ws: None, cudnn: false })
+    run(BatchNormEval {
+        x,
+        gamma,
+        beta,
+        running_mean,
+        running_var,
+        eps,
+        s: 0,
+        ws: None,
+        cudnn: false,
+    })
 }
 
 struct BatchNormEval<'a> {

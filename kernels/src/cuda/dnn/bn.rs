@@ -46,7 +46,8 @@ use std::ffi::c_void;
 use std::ptr::null_mut;
 
 /// The one mode vram runs (see the module's docs).
-pub(crate) const MODE: sys::cudnnBatchNormMode_t = sys::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL;
+pub(crate) const MODE: sys::cudnnBatchNormMode_t =
+    sys::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL;
 
 /// Batch norm alone, no fused activation or addition.
 const OPS: sys::cudnnBatchNormOps_t = sys::cudnnBatchNormOps_t::CUDNN_BATCHNORM_OPS_BN;
@@ -416,7 +417,7 @@ mod tests {
         assert_eq!((d.dims, d.strides), ([2, 4, 90, 1], [360, 90, 1, 1]));
         // Element (n, c, i) of the contiguous input is at n * c * s + c * s + i.
         let [sn, sc, ss, _] = input_dims(&[4, 3, 5, 7]).unwrap().strides;
-        assert_eq!(3 * sn + 2 * sc + 11 * ss, ((3 * 3 + 2) * 35 + 11) as i32);
+        assert_eq!(3 * sn + 2 * sc + 11 * ss, (3 * 3 + 2) * 35 + 11);
     }
 
     #[test]

@@ -149,7 +149,8 @@ pub enum ConvPath {
     /// The host's CPU reference.
     Host,
     /// A virtual device: no computation; it allocates what vram's own kernels allocate (their
-    /// im2col and accumulator workspaces), not what cuDNN's algorithms would.
+    /// im2col and accumulator workspaces, batch norm's per-channel ones), not what cuDNN's
+    /// algorithms would (their workspaces and reserve spaces can only be sized on a GPU).
     Virtual,
 }
 

@@ -113,8 +113,8 @@ fn dims(
     Ok((n, c, s))
 }
 
-/// cuDNN's smallest `eps` for batch norm, `CUDNN_BN_MIN_EPSILON` (`cudnn_ops.h`: 0.0 since
-/// cuDNN 7; it was 1e-5 before). PyTorch's `batchnormMinEpsilonCuDNN` returns it, and a
+/// cuDNN's smallest `eps` for batch norm, `CUDNN_BN_MIN_EPSILON` (0.0 in the headers of cuDNN
+/// 8 and 9, which vram loads; 1e-5 in old ones). PyTorch's `batchnormMinEpsilonCuDNN` returns it, and a
 /// batch norm with a smaller `eps` runs PyTorch's native kernels. vram refuses a negative
 /// `eps` anyway, so the floor refuses nothing today; it is kept to follow PyTorch's rule.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the rule is only consulted with CUDA
@@ -234,7 +234,8 @@ fn invstd(var: f32, eps: f32) -> f32 {
 
 /// Batch norm in training: `y = (x - mean) * invstd * gamma + beta` per channel with the
 /// batch's statistics over `x: [n, c, ..]`; `gamma` and `beta` are `[c]`. Updates
-/// `running` when given.
+/// `running` when given. Through cuDNN on a CUDA device where PyTorch would (see the
+/// module's docs; not yet run on a GPU).
 ///
 /// # Errors
 ///
@@ -487,6 +488,8 @@ fn apply(
 
 /// Batch norm in evaluation: `y = (x - running_mean) * invstd * gamma + beta` per channel,
 /// `invstd = 1 / sqrt(running_var + eps)`, over `x: [n, c, ..]` (any batch, one image too).
+/// Through cuDNN on a CUDA device where PyTorch would (see the module's docs; not yet run
+/// on a GPU).
 ///
 /// # Errors
 ///
@@ -616,7 +619,8 @@ impl Op for BatchNormEval<'_> {
 }
 
 /// Gradients of a training [`batch_norm`] from its input `x`, `gamma`, the saved `mean` and
-/// `invstd`, and the upstream `dy`.
+/// `invstd`, and the upstream `dy`. Through cuDNN on a CUDA device where PyTorch would (see
+/// the module's docs; not yet run on a GPU), whichever path saved `mean` and `invstd`.
 ///
 /// # Errors
 ///

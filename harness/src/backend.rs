@@ -21,8 +21,9 @@ pub enum Backend {
     Cpu,
     /// CUDA device 0.
     Cuda {
-        /// The device's name, then which code runs its convolutions and linear layers
-        /// (`convolutions: cuDNN 9.14.0; linear layers: cuBLASLt (bias and GELU epilogues)`).
+        /// The device's name, then which code runs its convolutions, batch norms and linear
+        /// layers (`convolutions: cuDNN 9.14.0; batch norm: cuDNN 9.14.0 where PyTorch uses
+        /// it; linear layers: cuBLASLt (bias and GELU epilogues)`).
         name: String,
         /// Its total memory in bytes.
         total_bytes: u64,
@@ -54,9 +55,21 @@ pub fn resolve(choice: BackendChoice, note: &mut dyn FnMut(&str)) -> Result<Back
     }
 }
 
-/// Which code runs `device`'s convolutions and linear layers, in words.
+/// Which code runs `device`'s convolutions, batch norms and linear layers, in words. Batch
+/// norms take cuDNN only where PyTorch does (f32, or f16 with f32 parameters, 3 to 5
+/// dimensions), the own kernels elsewhere.
 pub(crate) fn kernel_paths(device: &vram_kernels::Device) -> String {
-    format!("convolutions: {}; linear layers: {}", device.conv_path(), device.linear_path())
+    let bn = device.batch_norm_path();
+    let where_ = if matches!(bn, vram_kernels::ConvPath::Cudnn { .. }) {
+        " where PyTorch uses it"
+    } else {
+        ""
+    };
+    format!(
+        "convolutions: {}; batch norm: {bn}{where_}; linear layers: {}",
+        device.conv_path(),
+        device.linear_path()
+    )
 }
 
 #[cfg(feature = "cuda")]

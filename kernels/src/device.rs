@@ -17,7 +17,8 @@
 //! Convolutions on a CUDA device run through cuDNN when it loads (`libcudnn.so.9`, looked for
 //! at run time like the other CUDA libraries), otherwise through vram's own kernels: see
 //! [`ConvBackend`], [`Device::conv_path`] and PyTorch's switches
-//! [`Device::set_cudnn_benchmark`] and [`Device::set_allow_tf32_cudnn`].
+//! [`Device::set_cudnn_benchmark`] and [`Device::set_allow_tf32_cudnn`]. The same switch sends
+//! batch norm through cuDNN where PyTorch does ([`Device::batch_norm_path`]).
 
 use crate::error::{Error, Result};
 use crate::storage::Storage;
@@ -98,7 +99,9 @@ struct BlasWorkspace {
     block: Option<Storage>,
 }
 
-/// Which code runs a CUDA device's convolutions ([`Device::set_conv_backend`]).
+/// Which code runs a CUDA device's convolutions ([`Device::set_conv_backend`]), and its batch
+/// norms where PyTorch would run cuDNN ([`Device::batch_norm_path`]): one switch, as
+/// `torch.backends.cudnn.enabled`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ConvBackend {
     /// cuDNN when the library loaded on this device, vram's own kernels otherwise (the
@@ -146,7 +149,8 @@ pub enum ConvPath {
     /// The host's CPU reference.
     Host,
     /// A virtual device: no computation; it allocates what vram's own kernels allocate (their
-    /// im2col and accumulator workspaces), not what cuDNN's algorithms would.
+    /// im2col and accumulator workspaces, batch norm's per-channel ones), not what cuDNN's
+    /// algorithms would (their workspaces and reserve spaces can only be sized on a GPU).
     Virtual,
 }
 
@@ -656,6 +660,43 @@ impl Device {
         }
         let _ = p;
         None
+    }
+
+    /// The path this device's batch norms take where PyTorch would run cuDNN (f32, or f16
+    /// with f32 parameters, 3 to 5 dimensions: PyTorch's `_select_batch_norm_backend`, see
+    /// [`batch_norm`](crate::ops::batch_norm())):
+    /// the convolutions' ([`conv_path`](Self::conv_path)), as one switch,
+    /// [`ConvBackend`] (`VRAM_CONV_BACKEND`), turns cuDNN on or off for both, as
+    /// `torch.backends.cudnn.enabled` does. Other batch norms run the own kernels whatever
+    /// this says.
+    pub fn batch_norm_path(&self) -> ConvPath {
+        self.conv_path()
+    }
+
+    /// Whether batch norm `case` runs through cuDNN: a CUDA device where cuDNN loaded, not
+    /// [`ConvBackend::Own`], PyTorch's rule (`BnCase::cudnn_refusal`)
+    /// and, for the backward, no reserve space: vram's forward cannot hand one to its backward
+    /// (it keeps only the saved mean and invstd), so a shape for which cuDNN's training asks
+    /// for a reserve runs its backward on the own kernels (from the same saved statistics).
+    pub(crate) fn cudnn_batch_norm(&self, case: &crate::ops::batch_norm::BnCase<'_>) -> bool {
+        #[cfg(feature = "cuda")]
+        if let Backend::Cuda(cuda) = &self.inner.backend {
+            let on = self.conv_backend() != ConvBackend::Own
+                && cuda.cudnn_version().is_ok()
+                && case.cudnn_refusal().is_none();
+            if !on {
+                return false;
+            }
+            if !matches!(case.pass, crate::ops::batch_norm::BnPass::Backward) {
+                return true;
+            }
+            return cuda
+                .dnn_lock()
+                .and_then(|dnn| dnn.bn_reserve_size(case.shape, case.dtype))
+                .is_ok_and(|bytes| bytes == 0);
+        }
+        let _ = case;
+        false
     }
 
     /// Bytes of the cuBLAS workspace this device allocates at its first matrix product.

@@ -6,6 +6,11 @@
 //! and pass where they cannot run. The channels_last ops on the host, which run through
 //! permutes around the NCHW reference, are checked against a direct NHWC loop everywhere.
 //!
+//! Batch norm through cuDNN (f32, and f16 with f32 parameters, as PyTorch) against the host
+//! too: training with the running statistics, evaluation and backward, with the dtype pairs
+//! and the 2-d inputs that stay on the own kernels alongside; the saved statistics crossing
+//! from one path to the other; its workspaces given back.
+//!
 //! On the GPU machine, after `xtask/gpu/prepare`: `bash xtask/gpu/tests.sh cudnn` runs every
 //! test whose name holds `cudnn` (these, the algorithm cache's and the device's fallback).
 
@@ -364,4 +369,153 @@ fn channels_last_shape_errors_are_clear() {
     assert_eq!(y.shape(), &[2, 6, 6, 4]);
     let bad_dy = Tensor::zeros(&d, &[2, 4, 6, 6], DType::F32).unwrap();
     assert!(ops::conv2d_backward_nhwc(&x, &w, &bad_dy, &Conv2dOptions::default(), false).is_err());
+}
+
+/// Batch norm's (input dtype, parameter dtype) pairs: cuDNN takes the first two (PyTorch's
+/// rule), the own kernels the rest, on the same device.
+const BN_DTYPES: [(DType, DType); 5] = [
+    (DType::F32, DType::F32),
+    (DType::F16, DType::F32),
+    (DType::F16, DType::F16),
+    (DType::BF16, DType::F32),
+    (DType::BF16, DType::BF16),
+];
+
+/// BatchNorm2d, BatchNorm1d on sequences and BatchNorm3d (cuDNN), then `[n, c]` (the own
+/// kernels: PyTorch gives cuDNN 3 dimensions or more); the third large enough for cuDNN's
+/// multi-block kernels.
+const BN_SHAPES: [&[usize]; 5] =
+    [&[4, 6, 9, 7], &[3, 5, 11], &[16, 8, 32, 32], &[2, 3, 4, 5, 6], &[37, 5]];
+
+/// Positive values in `[0.5, 1.5)` (a running variance).
+fn positive(d: &Device, c: usize, dtype: DType, seed: u64) -> Tensor {
+    Tensor::from_f32_slice(d, &[c], &values(c, seed, 0.5, 1.5), dtype).unwrap()
+}
+
+/// One batch norm step on `d`: training with running statistics (momentum 0.1), evaluation
+/// with the updated statistics, backward from the saved ones. Returns
+/// `[y, mean, invstd, running mean, running var, eval y, dx, dgamma, dbeta]`.
+fn bn_step(d: &Device, shape: &[usize], (t, pt): (DType, DType), eps: f32) -> Vec<Tensor> {
+    let c = shape[1];
+    let on = |x: Tensor| x.to_device(d).unwrap();
+    let x = on(tensor(&host(), shape, t, 40));
+    let (g, b) = (on(tensor(&host(), &[c], pt, 41)), on(tensor(&host(), &[c], pt, 42)));
+    let mut rm = on(tensor(&host(), &[c], pt, 43));
+    let mut rv = on(positive(&host(), c, pt, 44));
+    let dy = on(tensor(&host(), shape, t, 45));
+    let running = ops::RunningStats { mean: &mut rm, var: &mut rv, momentum: 0.1 };
+    let out = ops::batch_norm(&x, &g, &b, Some(running), eps).unwrap();
+    let eval = ops::batch_norm_eval(&x, &g, &b, &rm, &rv, eps).unwrap();
+    let grads = ops::batch_norm_backward(&x, &g, &out.mean, &out.invstd, &dy).unwrap();
+    vec![out.y, out.mean, out.invstd, rm, rv, eval, grads.dx, grads.dgamma, grads.dbeta]
+}
+
+const BN_NAMES: [&str; 9] =
+    ["y", "mean", "invstd", "running mean", "running var", "eval y", "dx", "dgamma", "dbeta"];
+
+/// Batch norm on the GPU (cuDNN where PyTorch uses it, the own kernels elsewhere) against the
+/// host: training with the running statistics, evaluation, backward; every dtype pair,
+/// 3- to 5-d and 2-d inputs, PyTorch's eps and a larger one (which also checks that cuDNN's
+/// backward reads the forward's eps from the saved statistics, not from its own argument).
+#[test]
+fn cudnn_batch_norm_matches_the_host() {
+    let Some(gpu) = cudnn_gpu() else { return };
+    let _ = writeln!(std::io::stderr(), "batch norm through {}", gpu.batch_norm_path());
+    for (t, pt) in BN_DTYPES {
+        for shape in BN_SHAPES {
+            for eps in [1e-5, 1e-3] {
+                let want = bn_step(&host(), shape, (t, pt), eps);
+                let got = bn_step(&gpu, shape, (t, pt), eps);
+                for ((name, g), w) in BN_NAMES.iter().zip(&got).zip(&want) {
+                    // The saved statistics are f32 whatever the input; the running ones are
+                    // in the parameters' dtype; the rest in the input's.
+                    // Sums over 16-bit inputs (the running statistics, dgamma, dbeta) are
+                    // held to the 16-bit tolerance: the GPU may round its terms.
+                    let tol = match *name {
+                        "mean" | "invstd" => 1e-4,
+                        "running mean" | "running var" | "dgamma" | "dbeta" => {
+                            tol(pt, false).max(tol(t, false))
+                        }
+                        _ => tol(t, false),
+                    };
+                    close(&format!("{name} {shape:?} {t:?}/{pt:?} eps {eps}"), g, w, tol);
+                }
+            }
+        }
+    }
+}
+
+/// cuDNN's saved mean and invstd are the own kernels' (mean and `1 / sqrt(var + eps)` of the
+/// biased variance): a cuDNN forward's feed the own backward, and the own forward's feed
+/// cuDNN's backward, both matching the host.
+#[test]
+fn cudnn_batch_norm_saves_what_the_own_kernels_save() {
+    let Some(gpu) = cudnn_gpu() else { return };
+    let shape = [8, 6, 12, 10];
+    let on = |x: &Tensor| x.to_device(&gpu).unwrap();
+    let (hx, hg, hb, hdy) = (
+        tensor(&host(), &shape, DType::F32, 50),
+        tensor(&host(), &[6], DType::F32, 51),
+        tensor(&host(), &[6], DType::F32, 52),
+        tensor(&host(), &shape, DType::F32, 53),
+    );
+    let want = ops::batch_norm(&hx, &hg, &hb, None, 1e-3).unwrap();
+    let want_g = ops::batch_norm_backward(&hx, &hg, &want.mean, &want.invstd, &hdy).unwrap();
+    let (x, g, b, dy) = (on(&hx), on(&hg), on(&hb), on(&hdy));
+    for (forward, backward) in
+        [(ConvBackend::Cudnn, ConvBackend::Own), (ConvBackend::Own, ConvBackend::Cudnn)]
+    {
+        gpu.set_conv_backend(forward).unwrap();
+        let out = ops::batch_norm(&x, &g, &b, None, 1e-3).unwrap();
+        close(&format!("mean ({forward:?})"), &out.mean, &want.mean, 1e-4);
+        close(&format!("invstd ({forward:?})"), &out.invstd, &want.invstd, 1e-4);
+        gpu.set_conv_backend(backward).unwrap();
+        let grads = ops::batch_norm_backward(&x, &g, &out.mean, &out.invstd, &dy).unwrap();
+        close(&format!("dx ({forward:?} then {backward:?})"), &grads.dx, &want_g.dx, 1e-4);
+        close(&format!("dgamma ({backward:?})"), &grads.dgamma, &want_g.dgamma, 1e-4);
+        close(&format!("dbeta ({backward:?})"), &grads.dbeta, &want_g.dbeta, 1e-4);
+    }
+}
+
+/// cuDNN batch norm's workspaces and reserve space come from the caching allocator and go
+/// back to it: after training, evaluation and backward, the live bytes are the outputs',
+/// the same as the own kernels leave, and nothing once the outputs are dropped. Prints the
+/// peaks of both paths.
+#[test]
+fn cudnn_batch_norm_workspaces_are_returned() {
+    let Some(gpu) = cudnn_gpu() else { return };
+    for (t, pt) in [(DType::F32, DType::F32), (DType::F16, DType::F32)] {
+        let shape = [32, 64, 28, 28];
+        let x = tensor(&gpu, &shape, t, 60);
+        let (g, b) = (positive(&gpu, 64, pt, 61), tensor(&gpu, &[64], pt, 62));
+        let (mut rm, mut rv) = (tensor(&gpu, &[64], pt, 63), positive(&gpu, 64, pt, 64));
+        let dy = tensor(&gpu, &shape, t, 65);
+        let mut live = Vec::new();
+        for backend in [ConvBackend::Cudnn, ConvBackend::Own] {
+            gpu.set_conv_backend(backend).unwrap();
+            gpu.synchronize().unwrap();
+            let before = gpu.memory_allocated();
+            gpu.reset_peak_stats();
+            let running = ops::RunningStats { mean: &mut rm, var: &mut rv, momentum: 0.1 };
+            let out = ops::batch_norm(&x, &g, &b, Some(running), 1e-5).unwrap();
+            let eval = ops::batch_norm_eval(&x, &g, &b, &rm, &rv, 1e-5).unwrap();
+            let grads = ops::batch_norm_backward(&x, &g, &out.mean, &out.invstd, &dy).unwrap();
+            gpu.synchronize().unwrap();
+            let outputs = gpu.memory_allocated() - before;
+            let peak = gpu.max_memory_allocated() - before;
+            let _ = writeln!(
+                std::io::stderr(),
+                "batch norm {shape:?} {t:?}/{pt:?} through {}: outputs {outputs} B live, \
+                 peak above the operands {peak} B (workspaces {} B at most)",
+                gpu.batch_norm_path(),
+                peak - outputs
+            );
+            assert!(peak >= outputs);
+            live.push(outputs);
+            drop((out, eval, grads));
+            assert_eq!(gpu.memory_allocated(), before, "{backend:?}: everything went back");
+        }
+        assert_eq!(live[0], live[1], "{t:?}: cuDNN leaves only the outputs, as the own kernels");
+    }
+    gpu.set_conv_backend(ConvBackend::Cudnn).unwrap();
 }

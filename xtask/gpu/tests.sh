@@ -8,7 +8,7 @@ status=${PIPESTATUS[0]}
 cp .gpu/*.log "$logs/" 2>/dev/null
 grep -h "skipped: no CUDA" .gpu/*.log | sort | uniq -c > "$logs/skipped.txt" || true
 echo "distinct \"skipped: no CUDA\" lines (none on a working GPU): $(wc -l < "$logs/skipped.txt")"
-grep -h "skipped: no cuDNN\|convolutions through cuDNN" .gpu/*.log | sort | uniq -c > "$logs/cudnn.txt" || true
+grep -h "skipped: no cuDNN\|convolutions through cuDNN\|batch norm through cuDNN" .gpu/*.log | sort | uniq -c > "$logs/cudnn.txt" || true
 echo "cuDNN: $(head -n 3 "$logs/cudnn.txt" | tr -s ' ' | paste -sd ';' -)"
 tar czf "$OUT/tests.tar.gz" -C "$logs" .
 exit "$status"

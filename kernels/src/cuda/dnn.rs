@@ -1,4 +1,4 @@
-//! Convolutions through cuDNN's legacy (v7-style) descriptor API: `cudnnConvolutionForward`,
+//! Convolutions (and batch norm, see `bn`) through cuDNN's legacy (v7-style) descriptor API: `cudnnConvolutionForward`,
 //! `cudnnConvolutionBackwardData` and `cudnnConvolutionBackwardFilter`, grouped and depthwise
 //! ones included, NCHW or NHWC (channels_last), f32, f16 and bf16.
 //!
@@ -30,8 +30,17 @@
 //! A workspace cuDNN sizes at 1 TiB or more is refused without asking the allocator (as
 //! PyTorch does: cuDNN sometimes reports absurd sizes).
 //!
+//! Batch norm runs through cuDNN too, where PyTorch runs it there: the submodule `bn`
+//! (`cudnnBatchNormalizationForwardTrainingEx`, `...ForwardInference` and `...BackwardEx`
+//! in `CUDNN_BATCHNORM_SPATIAL` mode, workspace and reserve space from the caching
+//! allocator; PyTorch's choice in `crate::ops::batch_norm`).
+//!
 //! This code has been compiled and its pure parts tested on machines without a GPU; its
 //! cuDNN calls have not yet run on one (`tests/cudnn_vs_host.rs` runs them where one is).
+
+mod bn;
+
+pub(crate) use bn::{BnBackward, BnEval, BnTraining};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};

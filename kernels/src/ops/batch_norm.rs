@@ -9,6 +9,26 @@
 //! the running statistics are stored either in `x`'s dtype or in f32 (what a 16-bit input
 //! meets under autocast, where PyTorch runs batch norm on the 16-bit input with the f32
 //! module's parameters); arithmetic is in f32. The saved statistics are f32 `[c]`.
+//!
+//! On a CUDA device where cuDNN loaded (and unless [`ConvBackend::Own`](crate::ConvBackend),
+//! the convolutions' switch, is chosen), the three ops run through cuDNN exactly where
+//! PyTorch's `_select_batch_norm_backend` (`aten/src/ATen/native/Normalization.cpp`) does:
+//! an f32 input with f32 parameters or an f16 input with f32 parameters (autocast), 3 to 5
+//! dimensions, at most 880801 images in training and 65535 in evaluation, fewer than
+//! `i32::MAX` elements (`BnCase::cudnn_refusal` lists the rule). bf16, f16 parameters and
+//! `[n, c]` inputs run the own kernels there as in PyTorch. cuDNN writes the same saved
+//! mean and invstd and updates the running statistics by the same rule, so a forward on one
+//! path and its backward on the other agree (`cuda::dnn::bn` has the details: mode,
+//! descriptors, workspace and reserve space, the backward's `eps`). A backward whose shape
+//! would need cuDNN's reserve space runs the own kernels: vram's forward keeps none.
+//!
+//! cuDNN's workspace and reserve space are taken from the caching allocator when it runs,
+//! instead of the own kernels' per-channel workspaces (`2 * c * parts` floats and alike);
+//! host and virtual devices plan the own kernels' (their sizes cannot be asked of cuDNN
+//! without a GPU), so on a GPU with cuDNN the peak of a batch norm differs from theirs by
+//! those buffers. The cuDNN path has been compiled and its pure parts tested without a
+//! GPU; it has not yet run on a GPU (`tests/cudnn_vs_host.rs` checks it against the host
+//! where one is).
 
 use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
 use super::{expect_dtype, expect_shape, invalid, same_device, same_layout};
@@ -93,6 +113,99 @@ fn dims(
     Ok((n, c, s))
 }
 
+/// cuDNN's smallest `eps` for batch norm, `CUDNN_BN_MIN_EPSILON` (0.0 in the headers of cuDNN
+/// 8 and 9, which vram loads; 1e-5 in old ones). PyTorch's `batchnormMinEpsilonCuDNN` returns it, and a
+/// batch norm with a smaller `eps` runs PyTorch's native kernels. vram refuses a negative
+/// `eps` anyway, so the floor refuses nothing today; it is kept to follow PyTorch's rule.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the rule is only consulted with CUDA
+pub(crate) const CUDNN_BN_MIN_EPSILON: f64 = 0.0;
+
+/// The most images PyTorch gives cuDNN's spatial batch norm in training.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) const CUDNN_MAX_BATCH_TRAINING: usize = 880_801;
+
+/// The most images PyTorch gives cuDNN's spatial batch norm in evaluation.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) const CUDNN_MAX_BATCH_EVAL: usize = 65_535;
+
+/// Which batch norm call a [`BnCase`] is.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum BnPass {
+    /// [`batch_norm`], with this `eps`.
+    Training(f32),
+    /// [`batch_norm_eval`], with this `eps`.
+    Eval(f32),
+    /// [`batch_norm_backward`] (of a training forward; it is not told the forward's `eps`,
+    /// which the forward already checked).
+    Backward,
+}
+
+/// A batch norm as PyTorch's choice of backend sees it: `x`'s shape and dtype, the
+/// parameters' dtype, and the call.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BnCase<'a> {
+    pub(crate) shape: &'a [usize],
+    pub(crate) dtype: DType,
+    pub(crate) params: DType,
+    pub(crate) pass: BnPass,
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+impl BnCase<'_> {
+    /// Why PyTorch would not run this batch norm through cuDNN on a GPU where cuDNN is
+    /// enabled, or `None` when it would: PyTorch's `_select_batch_norm_backend`
+    /// (`aten/src/ATen/native/Normalization.cpp`), whose conditions are, in its order:
+    ///
+    /// - neither the input nor the weight is bf16;
+    /// - an f16 input has f32 parameters (cuDNN's scale, shift and statistics are f32 for a
+    ///   16-bit input: f16 parameters run the native kernels);
+    /// - weight and bias given, running statistics both given or (in training) both absent:
+    ///   always so in vram;
+    /// - at least 3 dimensions (`[n, c]`, `BatchNorm1d` on vectors, runs the native kernels);
+    /// - at most 880801 images in training, 65535 in evaluation;
+    /// - `eps >= CUDNN_BN_MIN_EPSILON`;
+    /// - fewer than `i32::MAX` elements ("some cuDNN kernels have 32-bit indexing
+    ///   limitations").
+    ///
+    /// PyTorch's backward (`_batch_norm_impl_index_backward`) runs cuDNN exactly when the
+    /// forward did; vram's backward is not told which path the forward took, so it applies
+    /// the same rule to the same input (every condition the backward cannot see, `eps`, is
+    /// one vram's forward always meets). Two more refusals are vram's own: an empty input
+    /// (PyTorch returns before choosing a backend) and more than 5 dimensions
+    /// (`cudnn_batch_norm` in `aten/src/ATen/native/cudnn/BatchNorm.cpp` takes 2 to 5).
+    pub(crate) fn cudnn_refusal(&self) -> Option<&'static str> {
+        let (dtype, params) = (self.dtype, self.params);
+        let numel = self.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        let training = !matches!(self.pass, BnPass::Eval(_));
+        let eps = match self.pass {
+            BnPass::Training(eps) | BnPass::Eval(eps) => Some(f64::from(eps)),
+            BnPass::Backward => None,
+        };
+        if dtype == DType::BF16 || params == DType::BF16 {
+            Some("bf16 (PyTorch runs its native kernels)")
+        } else if dtype == DType::F16 && params != DType::F32 {
+            Some("f16 parameters (cuDNN takes f32 parameters for an f16 input)")
+        } else if self.shape.len() < 3 {
+            Some("fewer than 3 dimensions (PyTorch's cuDNN path is the spatial one)")
+        } else if self.shape.len() > 5 {
+            Some("more than 5 dimensions")
+        } else if training && self.shape[0] > CUDNN_MAX_BATCH_TRAINING {
+            Some("more than 880801 images in training")
+        } else if !training && self.shape[0] > CUDNN_MAX_BATCH_EVAL {
+            Some("more than 65535 images in evaluation")
+        } else if eps.is_some_and(|e| e.is_nan() || e < CUDNN_BN_MIN_EPSILON) {
+            Some("eps below CUDNN_BN_MIN_EPSILON")
+        } else if numel == Some(0) {
+            Some("an empty input")
+        } else if numel.is_none_or(|n| n >= i32::MAX as usize) {
+            Some("i32::MAX elements or more")
+        } else {
+            None
+        }
+    }
+}
+
 /// Writes f32 `values` into the `[c]` tensor `t` in its dtype.
 fn host_store(t: &mut Tensor, values: &[f32]) -> Result<()> {
     with_dtype!(t.dtype(), T => crate::cpu::elementwise::cast(values, t.as_mut_slice::<T>()?))
@@ -121,7 +234,8 @@ fn invstd(var: f32, eps: f32) -> f32 {
 
 /// Batch norm in training: `y = (x - mean) * invstd * gamma + beta` per channel with the
 /// batch's statistics over `x: [n, c, ..]`; `gamma` and `beta` are `[c]`. Updates
-/// `running` when given.
+/// `running` when given. Through cuDNN on a CUDA device where PyTorch would (see the
+/// module's docs; not yet run on a GPU).
 ///
 /// # Errors
 ///
@@ -137,7 +251,7 @@ pub fn batch_norm(
     running: Option<RunningStats<'_>>,
     eps: f32,
 ) -> Result<BatchNormOutput> {
-    run(BatchNorm { x, gamma, beta, running, eps, dims: (0, 0, 0), part: None })
+    run(BatchNorm { x, gamma, beta, running, eps, dims: (0, 0, 0), part: None, cudnn: false })
 }
 
 struct BatchNorm<'a, 'r> {
@@ -149,6 +263,8 @@ struct BatchNorm<'a, 'r> {
     dims: (usize, usize, usize),
     /// The per-part (mean, m2) pairs on the GPU, `2 * c * parts` floats.
     part: Option<usize>,
+    /// Runs through cuDNN ([`Device::cudnn_batch_norm`]): no workspace planned.
+    cudnn: bool,
 }
 
 impl Op for BatchNorm<'_, '_> {
@@ -192,7 +308,17 @@ impl Op for BatchNorm<'_, '_> {
             OutputSpec::new(&[c], DType::F32),
             OutputSpec::new(&[c], DType::F32),
         ]);
-        self.part = plan.workspace(2 * c * parts(n, c, s) * 4);
+        let case = BnCase {
+            shape: self.x.shape(),
+            dtype: self.x.dtype(),
+            params: self.gamma.dtype(),
+            pass: BnPass::Training(self.eps),
+        };
+        self.cudnn = self.x.device().cudnn_batch_norm(&case);
+        // cuDNN's workspace and reserve space are asked for, and allocated, when it runs.
+        if !self.cudnn {
+            self.part = plan.workspace(2 * c * parts(n, c, s) * 4);
+        }
         Ok(plan)
     }
 
@@ -236,6 +362,29 @@ impl Op for BatchNorm<'_, '_> {
         use crate::cuda::helpers::{check_rows, ptr};
         use crate::cuda::registry::{BN_FINALIZE, BN_PARTIAL};
         use crate::cuda::{Arg, launch};
+        if self.cudnn {
+            let [y, mean, inv] = bufs.outputs_mut();
+            let a = crate::cuda::dnn::BnTraining {
+                x: self.x.cuda_ptr()?,
+                y: y.cuda_ptr()?,
+                gamma: self.gamma.cuda_ptr()?,
+                beta: self.beta.cuda_ptr()?,
+                running: match &self.running {
+                    Some(r) => Some((r.mean.cuda_ptr()?, r.var.cuda_ptr()?)),
+                    None => None,
+                },
+                momentum: self.running.as_ref().map_or(0.0, |r| r.momentum),
+                eps: self.eps,
+                save_mean: mean.cuda_ptr()?,
+                save_invstd: inv.cuda_ptr()?,
+            };
+            let cu = gpu.backend();
+            let dnn = cu.dnn_lock()?;
+            // SAFETY: x, gamma, beta and the running statistics are the op's tensors of the
+            // shapes and dtypes the plan checked (f32 parameters: PyTorch's rule); y and the
+            // saved statistics are fresh outputs; the running statistics were made unique.
+            return unsafe { dnn.bn_forward_training(self.x.shape(), self.x.dtype(), &a, cu) };
+        }
         let (n, c, s) = self.dims;
         let parts = parts(n, c, s);
         let t = self.x.dtype();
@@ -339,6 +488,8 @@ fn apply(
 
 /// Batch norm in evaluation: `y = (x - running_mean) * invstd * gamma + beta` per channel,
 /// `invstd = 1 / sqrt(running_var + eps)`, over `x: [n, c, ..]` (any batch, one image too).
+/// Through cuDNN on a CUDA device where PyTorch would (see the module's docs; not yet run
+/// on a GPU).
 ///
 /// # Errors
 ///
@@ -351,7 +502,17 @@ pub fn batch_norm_eval(
     running_var: &Tensor,
     eps: f32,
 ) -> Result<Tensor> {
-    run(BatchNormEval { x, gamma, beta, running_mean, running_var, eps, s: 0, ws: None })
+    run(BatchNormEval {
+        x,
+        gamma,
+        beta,
+        running_mean,
+        running_var,
+        eps,
+        s: 0,
+        ws: None,
+        cudnn: false,
+    })
 }
 
 struct BatchNormEval<'a> {
@@ -364,6 +525,8 @@ struct BatchNormEval<'a> {
     s: usize,
     /// The f32 mean and invstd on the GPU, `2 * c` floats.
     ws: Option<usize>,
+    /// Runs through cuDNN ([`Device::cudnn_batch_norm`]): no workspace planned.
+    cudnn: bool,
 }
 
 impl Op for BatchNormEval<'_> {
@@ -380,7 +543,16 @@ impl Op for BatchNormEval<'_> {
         let (_, c, s) = dims(Self::NAME, self.x, &per_channel, self.eps)?;
         self.s = s;
         let mut plan = Plan::one(self.x.shape(), self.x.dtype());
-        self.ws = plan.workspace(2 * c * 4);
+        let case = BnCase {
+            shape: self.x.shape(),
+            dtype: self.x.dtype(),
+            params: self.gamma.dtype(),
+            pass: BnPass::Eval(self.eps),
+        };
+        self.cudnn = self.x.device().cudnn_batch_norm(&case);
+        if !self.cudnn {
+            self.ws = plan.workspace(2 * c * 4);
+        }
         Ok(plan)
     }
 
@@ -399,6 +571,21 @@ impl Op for BatchNormEval<'_> {
         use crate::cuda::helpers::ptr;
         use crate::cuda::registry::BN_EVAL_STATS;
         use crate::cuda::{Arg, launch};
+        if self.cudnn {
+            let a = crate::cuda::dnn::BnEval {
+                x: self.x.cuda_ptr()?,
+                y: bufs.out().cuda_ptr()?,
+                gamma: self.gamma.cuda_ptr()?,
+                beta: self.beta.cuda_ptr()?,
+                running_mean: self.running_mean.cuda_ptr()?,
+                running_var: self.running_var.cuda_ptr()?,
+                eps: self.eps,
+            };
+            let dnn = gpu.backend().dnn_lock()?;
+            // SAFETY: the op's tensors of the shapes and dtypes the plan checked (f32
+            // parameters: PyTorch's rule); y is a fresh output.
+            return unsafe { dnn.bn_forward_inference(self.x.shape(), self.x.dtype(), &a) };
+        }
         let c = self.gamma.numel();
         let t = self.x.dtype();
         let pf32 = Arg::U32((self.gamma.dtype() == DType::F32) as u32);
@@ -432,7 +619,8 @@ impl Op for BatchNormEval<'_> {
 }
 
 /// Gradients of a training [`batch_norm`] from its input `x`, `gamma`, the saved `mean` and
-/// `invstd`, and the upstream `dy`.
+/// `invstd`, and the upstream `dy`. Through cuDNN on a CUDA device where PyTorch would (see
+/// the module's docs; not yet run on a GPU), whichever path saved `mean` and `invstd`.
 ///
 /// # Errors
 ///
@@ -444,7 +632,7 @@ pub fn batch_norm_backward(
     invstd: &Tensor,
     dy: &Tensor,
 ) -> Result<BatchNormGrads> {
-    run(BatchNormBackward { x, gamma, mean, invstd, dy, s: 0, sums: None })
+    run(BatchNormBackward { x, gamma, mean, invstd, dy, s: 0, sums: None, cudnn: false })
 }
 
 struct BatchNormBackward<'a> {
@@ -457,6 +645,8 @@ struct BatchNormBackward<'a> {
     /// The f32 per-channel sums of `dy * xhat` and `dy` on the GPU, `2 * c` floats, then
     /// their per-part terms, `2 * c * parts(n, c, s)`.
     sums: Option<usize>,
+    /// Runs through cuDNN ([`Device::cudnn_batch_norm`]): no workspace planned.
+    cudnn: bool,
 }
 
 impl Op for BatchNormBackward<'_> {
@@ -483,7 +673,16 @@ impl Op for BatchNormBackward<'_> {
             OutputSpec::new(&[c], self.gamma.dtype()),
             OutputSpec::new(&[c], self.gamma.dtype()),
         ]);
-        self.sums = plan.workspace(2 * c * (1 + parts(n, c, s)) * 4);
+        let case = BnCase {
+            shape: self.x.shape(),
+            dtype: self.x.dtype(),
+            params: self.gamma.dtype(),
+            pass: BnPass::Backward,
+        };
+        self.cudnn = self.x.device().cudnn_batch_norm(&case);
+        if !self.cudnn {
+            self.sums = plan.workspace(2 * c * (1 + parts(n, c, s)) * 4);
+        }
         Ok(plan)
     }
 
@@ -512,6 +711,25 @@ impl Op for BatchNormBackward<'_> {
         use crate::cuda::helpers::{check_rows, from_f32, ptr};
         use crate::cuda::registry::{BN_BWD_DX, BN_BWD_FINALIZE, BN_BWD_PARTIAL};
         use crate::cuda::{Arg, launch};
+        if self.cudnn {
+            let [dx, dgamma, dbeta] = bufs.outputs_mut();
+            let a = crate::cuda::dnn::BnBackward {
+                x: self.x.cuda_ptr()?,
+                dy: self.dy.cuda_ptr()?,
+                gamma: self.gamma.cuda_ptr()?,
+                save_mean: self.mean.cuda_ptr()?,
+                save_invstd: self.invstd.cuda_ptr()?,
+                dx: dx.cuda_ptr()?,
+                dgamma: dgamma.cuda_ptr()?,
+                dbeta: dbeta.cuda_ptr()?,
+            };
+            let cu = gpu.backend();
+            let dnn = cu.dnn_lock()?;
+            // SAFETY: the op's tensors of the shapes and dtypes the plan checked (f32
+            // parameters: PyTorch's rule; the saved statistics f32 [c]); the gradients are
+            // fresh outputs.
+            return unsafe { dnn.bn_backward(self.x.shape(), self.x.dtype(), &a, cu) };
+        }
         let c = self.gamma.numel();
         let n = self.x.numel() / (c * self.s).max(1);
         let (t, parts) = (self.x.dtype(), parts(n, c, self.s));
@@ -584,7 +802,79 @@ impl Op for BatchNormBackward<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::parts;
+    use super::{BnCase, BnPass, CUDNN_BN_MIN_EPSILON, parts};
+    use crate::DType::{self, BF16, F16, F32};
+
+    fn case(shape: &[usize], dtype: DType, params: DType, pass: BnPass) -> Option<&'static str> {
+        BnCase { shape, dtype, params, pass }.cudnn_refusal()
+    }
+
+    const PASSES: [BnPass; 3] = [BnPass::Training(1e-5), BnPass::Eval(1e-5), BnPass::Backward];
+
+    #[test]
+    fn cudnn_takes_f32_and_f16_with_f32_parameters_as_pytorch() {
+        for pass in PASSES {
+            let img = [8, 16, 7, 7];
+            assert_eq!(case(&img, F32, F32, pass), None, "{pass:?}");
+            assert_eq!(case(&img, F16, F32, pass), None, "autocast: f16 input, f32 module");
+            assert!(case(&img, F16, F16, pass).unwrap().contains("f16 parameters"));
+            for (x, p) in [(BF16, F32), (BF16, BF16)] {
+                assert!(case(&img, x, p, pass).unwrap().contains("bf16"), "{x:?}/{p:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn cudnn_takes_3_to_5_dimensions() {
+        for pass in PASSES {
+            assert!(case(&[8, 16], F32, F32, pass).unwrap().contains("fewer than 3"));
+            for shape in [&[8, 16, 10][..], &[8, 16, 5, 5], &[2, 4, 3, 5, 6]] {
+                assert_eq!(case(shape, F32, F32, pass), None, "{shape:?}");
+            }
+            assert!(case(&[2, 4, 3, 5, 6, 2], F32, F32, pass).unwrap().contains("more than 5"));
+        }
+    }
+
+    #[test]
+    fn cudnn_batch_limits_differ_between_training_and_evaluation() {
+        let at = |n: usize, pass| case(&[n, 2, 1, 1], F32, F32, pass);
+        assert_eq!(at(880_801, BnPass::Training(1e-5)), None);
+        assert!(at(880_802, BnPass::Training(1e-5)).unwrap().contains("880801"));
+        assert_eq!(at(880_801, BnPass::Backward), None);
+        assert!(at(880_802, BnPass::Backward).is_some());
+        assert_eq!(at(65_535, BnPass::Eval(1e-5)), None);
+        assert!(at(65_536, BnPass::Eval(1e-5)).unwrap().contains("65535"));
+    }
+
+    #[test]
+    fn cudnn_needs_eps_at_its_floor_a_nonempty_input_and_32_bit_sizes() {
+        assert_eq!(CUDNN_BN_MIN_EPSILON, 0.0, "cuDNN 7 and later");
+        for pass in [BnPass::Training(0.0), BnPass::Eval(0.0)] {
+            assert_eq!(case(&[2, 3, 4, 4], F32, F32, pass), None, "eps = the floor");
+        }
+        for pass in [BnPass::Training(-1e-3), BnPass::Eval(f32::NAN)] {
+            assert!(case(&[2, 3, 4, 4], F32, F32, pass).unwrap().contains("eps"));
+        }
+        assert!(case(&[0, 3, 4, 4], F32, F32, BnPass::Eval(1e-5)).unwrap().contains("empty"));
+        // 2^31 - 1 elements and more: refused (PyTorch: numel < INT32_MAX).
+        let big = [1, 1, (1 << 31) - 1];
+        assert!(case(&big, F32, F32, BnPass::Training(1e-5)).unwrap().contains("i32::MAX"));
+        let fits = [1, 1, (1 << 31) - 2];
+        assert_eq!(case(&fits, F32, F32, BnPass::Training(1e-5)), None);
+        let overflow = [usize::MAX, 2, 2];
+        assert!(case(&overflow, F32, F32, BnPass::Eval(1e-5)).is_some());
+    }
+
+    #[test]
+    fn host_and_virtual_devices_keep_the_own_path() {
+        for d in [crate::Device::host(1 << 20), crate::Device::virtual_device(1 << 20)] {
+            for pass in PASSES {
+                let c = BnCase { shape: &[8, 16, 7, 7], dtype: F32, params: F32, pass };
+                assert!(!d.cudnn_batch_norm(&c), "{pass:?}");
+            }
+            assert_eq!(d.batch_norm_path(), d.conv_path());
+        }
+    }
 
     #[test]
     fn a_channel_is_spread_over_parts_of_whole_images_of_at_least_4096_values() {

@@ -27,7 +27,7 @@
 
 mod activation;
 mod attention;
-mod batch_norm;
+pub(crate) mod batch_norm;
 mod conv;
 mod copy;
 pub(crate) mod dispatch;

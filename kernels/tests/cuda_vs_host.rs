@@ -373,6 +373,8 @@ fn rms_norm_rotary_embeddings_and_silu_match_host() {
 #[test]
 fn batch_norm_matches_host() {
     let Some(gpu) = gpu() else { return };
+    // vram's own kernels (cuDNN's path has its own test in cudnn_vs_host.rs).
+    gpu.set_conv_backend(ConvBackend::Own).unwrap();
     for dtype in DTYPES {
         let t = tol(dtype, false);
         for pdtype in [dtype, DType::F32] {

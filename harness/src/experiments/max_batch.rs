@@ -13,7 +13,9 @@
 //! short it works in fewer, so a batch can fit a device smaller than what it takes with room,
 //! and whether it fits depends on which blocks are free: fitting need not be monotone.
 
-use super::common::{REAL_SIZE_CAVEAT, cnn, cnn_side, real_model, sized_device, stripes, sync};
+use super::common::{
+    EXECUTED, REAL_SIZE_CAVEAT, cnn, cnn_side, real_model, sized_device, stripes, sync,
+};
 use super::{Experiment, Sweep};
 use crate::Backend;
 use crate::models::{Arch, Model};
@@ -288,8 +290,13 @@ fn real_runs(quick: bool) -> &'static [(&'static str, u64)] {
     }
 }
 
+/// Room a GPU keeps beside a card-sized cap for the CUDA context and libraries.
+const CARD_ROOM: u64 = 2 << 30;
+
 /// One real-size model's searches and their ground truth.
 struct RealSearch {
+    /// Where they ran: on the GPU capped at the card's size, or on virtual cards.
+    part: &'static str,
     /// The model as the report names it (sizes, dropout, attention form), with precision.
     label: String,
     lin: Search,
@@ -308,8 +315,16 @@ struct RealSearch {
 fn real_search(ctx: &Context, name: &str, card: u64) -> Result<RealSearch, ExperimentError> {
     let pm = real_model(name, &ModelOverrides::default())?;
     let data = pm.arch.dataset();
+    // On a GPU that holds the card (its size plus room for the CUDA context), the searches and
+    // the ground truth run there, capped at the card's size; else on virtual cards.
+    let on_gpu =
+        matches!(ctx.backend, Backend::Cuda { total_bytes, .. } if card + CARD_ROOM <= total_bytes);
     let fresh = |capacity: u64| -> Result<(Device, Model), ExperimentError> {
-        let dev = Device::virtual_device(capacity);
+        let dev = if on_gpu && capacity <= card {
+            sized_device(ctx, capacity)?
+        } else {
+            Device::virtual_device(capacity)
+        };
         let model =
             Model::with_attention(&dev, pm.arch.clone(), ctx.seed, DType::F32, pm.attention)?;
         Ok((dev, model))
@@ -346,6 +361,7 @@ fn real_search(ctx: &Context, name: &str, card: u64) -> Result<RealSearch, Exper
     }
     let (_, roomy) = two_steps(crate::plan::UNLIMITED, truth.max(1))?;
     Ok(RealSearch {
+        part: if on_gpu { EXECUTED } else { REAL },
         label: format!("{}, fp32 + AdamW", pm.name),
         lin,
         exp,
@@ -557,17 +573,17 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             [("linear: 2, 4, 6, ... until OOM", &r.lin), ("exponential then binary", &r.exp)]
         {
             sweep.push(
-                &format!("{REAL}: {}, {} card: {what}", r.label, human_bytes(card)),
+                &format!("{}: {}, {} card: {what}", r.part, r.label, human_bytes(card)),
                 s.peak_allocated,
                 s.peak_reserved,
                 None,
                 Measured {
-                    part: REAL,
+                    part: r.part,
                     model: r.label.clone(),
                     batch_found: s.found,
                     trials: s.trials,
                     ooms_caught: s.ooms,
-                    seconds: None,
+                    seconds: (r.part == EXECUTED).then_some(s.seconds),
                     found_size_trains: s.trains,
                     capacity_bytes: card,
                     probes: Vec::new(),
@@ -576,7 +592,8 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         }
         sweep.push(
             &format!(
-                "{REAL}: {}, {} card: every batch {}..{} on a fresh card (ground truth; peaks: {} with room)",
+                "{}: {}, {} card: every batch {}..{} on a fresh card (ground truth; peaks: {} with room, virtual)",
+                r.part,
                 r.label,
                 human_bytes(card),
                 r.checked.0,
@@ -587,7 +604,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             r.truth_needs.1,
             None,
             Measured {
-                part: REAL,
+                part: r.part,
                 model: r.label.clone(),
                 batch_found: r.truth,
                 trials: r.checked.1 + 1 - r.checked.0,
@@ -603,7 +620,8 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         sweep.claim(Claim {
             claim: CLAIM.into(),
             measured: format!(
-                "{REAL}: {} on a {} card: true largest batch {} (two steps from a fresh card, every batch {}..{} checked: {} fits, {} does not); linear found {} in {} trials ({} OOM caught), exponential + binary {} in {} trials ({} caught); found sizes train two more steps in the same process: {} / {}{}; {REAL_SIZE_CAVEAT}",
+                "{}: {} on a {} card: true largest batch {} (two steps from a fresh card, every batch {}..{} checked: {} fits, {} does not); linear found {} in {} trials ({} OOM caught), exponential + binary {} in {} trials ({} caught); found sizes train two more steps in the same process: {} / {}{}; {REAL_SIZE_CAVEAT}",
+                r.part,
                 r.label,
                 human_bytes(card),
                 r.truth,
@@ -644,7 +662,8 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             })
             .collect();
         real_text.push(format!(
-            "{} on a {} card: largest batch {}; linear search {} (trains on: {}), exponential + binary {} (trains on: {}){}",
+            "{}: {} on a {} card: largest batch {}; linear search {} (trains on: {}), exponential + binary {} (trains on: {}){}",
+            r.part,
             r.label,
             human_bytes(card),
             r.truth,
@@ -656,7 +675,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         ));
     }
     sweep.reading(format!(
-        "{SMALL}: the true largest batch is {truth}, {shape}; exponential then binary search found {} in {} trials, the source's linear search {} in {} (even sizes only), both in one process{once}; {jump_text}. {REAL}: {}",
+        "{SMALL}: the true largest batch is {truth}, {shape}; exponential then binary search found {} in {} trials, the source's linear search {} in {} (even sizes only), both in one process{once}; {jump_text}. Real size: {}",
         exp.found,
         exp.trials,
         lin.found,

@@ -388,7 +388,7 @@ pub const EXECUTED_STEPS: u64 = 4;
 
 /// Room left on the card for the CUDA context and libraries' own memory when deciding
 /// whether a real-size case fits it.
-const CARD_HEADROOM: u64 = 2 << 30;
+pub const CARD_HEADROOM: u64 = 2 << 30;
 
 /// A real-size case's run on the GPU, beside the virtual device's prediction.
 #[derive(Clone, Debug, PartialEq)]

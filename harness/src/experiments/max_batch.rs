@@ -14,7 +14,8 @@
 //! and whether it fits depends on which blocks are free: fitting need not be monotone.
 
 use super::common::{
-    EXECUTED, REAL_SIZE_CAVEAT, cnn, cnn_side, real_model, sized_device, stripes, sync,
+    CARD_HEADROOM, EXECUTED, REAL_SIZE_CAVEAT, cnn, cnn_side, real_model, sized_device, stripes,
+    sync,
 };
 use super::{Experiment, Sweep};
 use crate::Backend;
@@ -290,9 +291,6 @@ fn real_runs(quick: bool) -> &'static [(&'static str, u64)] {
     }
 }
 
-/// Room a GPU keeps beside a card-sized cap for the CUDA context and libraries.
-const CARD_ROOM: u64 = 2 << 30;
-
 /// One real-size model's searches and their ground truth.
 struct RealSearch {
     /// Where they ran: on the GPU capped at the card's size, or on virtual cards.
@@ -317,8 +315,7 @@ fn real_search(ctx: &Context, name: &str, card: u64) -> Result<RealSearch, Exper
     let data = pm.arch.dataset();
     // On a GPU that holds the card (its size plus room for the CUDA context), the searches and
     // the ground truth run there, capped at the card's size; else on virtual cards.
-    let on_gpu =
-        matches!(ctx.backend, Backend::Cuda { total_bytes, .. } if card + CARD_ROOM <= total_bytes);
+    let on_gpu = matches!(ctx.backend, Backend::Cuda { total_bytes, .. } if card + CARD_HEADROOM <= total_bytes);
     let fresh = |capacity: u64| -> Result<(Device, Model), ExperimentError> {
         let dev = if on_gpu && capacity <= card {
             sized_device(ctx, capacity)?

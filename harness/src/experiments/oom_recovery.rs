@@ -11,14 +11,17 @@
 //! bit after each caught OOM): its outcome is fixed by that sizing, so it is a consistency
 //! check, not a verdict.
 
-use super::common::{REAL_SIZE_CAVEAT, device, fingerprint, real_model, real_tag, sized_device};
+use super::common::{
+    CARD_HEADROOM, EXECUTED, REAL_SIZE_CAVEAT, device, fingerprint, real_model, real_tag,
+    sized_device,
+};
 use super::{Experiment, Sweep};
 use crate::data::{Batch, Dataset};
 use crate::models::{Arch, Model};
 use crate::plan::ModelOverrides;
 use crate::techniques::Technique;
 use crate::trainer::adamw;
-use crate::{Claim, Context, ExperimentError, Verdict, human_bytes};
+use crate::{Backend, Claim, Context, ExperimentError, Verdict, human_bytes};
 use serde::Serialize;
 use serde_json::json;
 use vram_accum::{ForwardCtx, Mode};
@@ -227,7 +230,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         ctx,
         json!({
             "small (executed)": { "model": format!("{arch:?}"), "batch_size": batch, "device_capacity": capacity, "steps": steps },
-            "real size (virtual)": { "model": gpt_label, "loader_batches": LOADER_BATCHES, "cards": CARDS, "steps": real_steps },
+            "real size": { "model": gpt_label, "loader_batches": LOADER_BATCHES, "cards": CARDS, "steps": real_steps },
         }),
     );
     let mut small = [Measured::default(); 4];
@@ -241,14 +244,23 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         sweep.push(&name, dev.max_memory_allocated(), dev.max_memory_reserved(), None, small[k]);
     }
 
-    // Real size: every (card, loader batch) in each cell, from a fresh card.
+    // Real size: every (card, loader batch) in each cell, from a fresh card: on a GPU that
+    // holds the card (its size plus room for the CUDA context), the GPU capped at the card's
+    // size, with values (then the weights are checked bit for bit after each OOM too); else
+    // a virtual card.
+    let on_gpu = |card: u64| match ctx.backend {
+        Backend::Cuda { total_bytes, .. } => card + CARD_HEADROOM <= total_bytes,
+        Backend::Cpu => false,
+    };
+    let part = |card: u64| if on_gpu(card) { EXECUTED } else { REAL };
     let mut runs: Vec<[Measured; 4]> = Vec::new();
     let mut outcomes = Vec::new();
     for card in CARDS {
         for loader in LOADER_BATCHES {
             let mut run = [Measured::default(); 4];
             for (k, policy) in CELLS.into_iter().enumerate() {
-                let dev = Device::virtual_device(card);
+                let gpu = on_gpu(card);
+                let dev = if gpu { sized_device(ctx, card)? } else { Device::virtual_device(card) };
                 let mut model = Model::with_attention(
                     &dev,
                     pm.arch.clone(),
@@ -256,10 +268,20 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
                     DType::F32,
                     pm.attention,
                 )?;
-                let batches = |i: u64| gpt_data.batch_without_values(ctx.seed, i, loader);
-                run[k] = cell(&dev, &mut model, &batches, loader, real_steps, policy, false)?;
+                let batches = |i: u64| {
+                    if gpu {
+                        gpt_data.batch(ctx.seed, i, loader)
+                    } else {
+                        gpt_data.batch_without_values(ctx.seed, i, loader)
+                    }
+                };
+                run[k] = cell(&dev, &mut model, &batches, loader, real_steps, policy, gpu)?;
                 let name = cell_name(
-                    &format!("{REAL}, {gpt_row} batch {loader} on a {} card", human_bytes(card)),
+                    &format!(
+                        "{}, {gpt_row} batch {loader} on a {} card",
+                        part(card),
+                        human_bytes(card)
+                    ),
                     policy,
                 );
                 sweep.push(
@@ -289,6 +311,23 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         }
     }
     let big = pooled(&runs);
+    // Where the real-size runs ran, for the claims: one place, or each card's.
+    let real_where = if CARDS.iter().all(|&c| part(c) == part(CARDS[0])) {
+        part(CARDS[0]).to_string()
+    } else {
+        format!(
+            "real size ({})",
+            CARDS
+                .iter()
+                .map(|&c| format!(
+                    "{} card {}",
+                    human_bytes(c),
+                    if on_gpu(c) { "executed on the GPU" } else { "virtual" }
+                ))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    };
 
     let describe = |c: &[Measured; 4]| {
         CELLS
@@ -311,7 +350,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     let eb = effects(&big);
     let any_oom = big.iter().all(|m| m.ooms > 0);
     let setup = format!(
-        "{REAL}: {gpt_label}, loader batches {LOADER_BATCHES:?} on {} and {} cards, {real_steps} steps each from a fresh card: {}",
+        "{real_where}: {gpt_label}, loader batches {LOADER_BATCHES:?} on {} and {} cards, {real_steps} steps each from a fresh card: {}",
         human_bytes(CARDS[0]),
         human_bytes(CARDS[1]),
         outcomes.join("; ")
@@ -328,7 +367,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "catching the OOM and retrying with half the batch recovers the step (004's recovery code)".into(),
         measured: format!(
-            "{REAL}: of {} steps that ran out of memory (every card and loader batch above), the half retry recovered {} ({:.0}%), retrying the full batch {} ({:.0}%): half fits only where the loader batch was at most about twice what fits",
+            "{real_where}: of {} steps that ran out of memory (every card and loader batch above), the half retry recovered {} ({:.0}%), retrying the full batch {} ({:.0}%): half fits only where the loader batch was at most about twice what fits",
             big[3].ooms,
             big[3].recovered,
             100.0 * recipe,
@@ -367,14 +406,14 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.check(
         "after a caught OOM the live tensors are intact and the failed step's memory comes back (vram's error path frees what the step allocated)",
         format!(
-            "over {} caught OOMs ({SMALL} and {REAL}): allocated bytes back to their value before the step (largest difference {leftover} B) and ({SMALL}) weights bit-identical every time: {intact}",
+            "over {} caught OOMs ({SMALL} and {real_where}): allocated bytes back to their value before the step (largest difference {leftover} B) and (where computed) weights bit-identical every time: {intact}",
             small.iter().chain(&big).map(|m| m.ooms).sum::<usize>()
         ),
         intact,
     );
     let retries = big[2].allocator_retries;
     sweep.reading(format!(
-        "{REAL}: on the post's setup ({gpt_label} on 24 and 80 GiB cards, loader batches {LOADER_BATCHES:?}) the half retry recovers {:.0}% of the OOMs with empty_cache and {:.0}% without: empty_cache adds {:+.0} points, because the allocator already frees its cache and retries before it raises OOM ({retries} such retries in the runs without empty_cache). Halving recovers only a batch at most about twice what fits; a loader batch 4x too big needs a halving loop (or gradient accumulation).",
+        "{real_where}: on the post's setup ({gpt_label} on 24 and 80 GiB cards, loader batches {LOADER_BATCHES:?}) the half retry recovers {:.0}% of the OOMs with empty_cache and {:.0}% without: empty_cache adds {:+.0} points, because the allocator already frees its cache and retries before it raises OOM ({retries} such retries in the runs without empty_cache). Halving recovers only a batch at most about twice what fits; a loader batch 4x too big needs a halving loop (or gradient accumulation).",
         100.0 * big[3].recovery_rate,
         100.0 * big[2].recovery_rate,
         eb[1]

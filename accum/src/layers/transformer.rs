@@ -447,6 +447,31 @@ impl TransformerBlock {
         }
     }
 
+    /// The branch whose gradient [`ops::layer_norm_backward_residual`] also gives, from a
+    /// stream's gradient of dtype `stream`: a branch of dtype `dtype` through its dropout
+    /// `s`, or without dropout its cast when the dtypes differ; `None` (the gradient is then
+    /// [`Self::branch_grad`]'s) for a pair the op does not take or a gradient that is the
+    /// stream's own.
+    fn residual_branch(
+        &self,
+        stream: DType,
+        dtype: DType,
+        s: Option<&DropoutSaved>,
+    ) -> Option<ops::ResidualBranch> {
+        if !(dtype == stream || stream == DType::F32) {
+            return None;
+        }
+        match s {
+            Some(s) => {
+                Some(ops::ResidualBranch { dtype, p: self.p, seed: s.seed, offset: s.offset })
+            }
+            None if dtype != stream => {
+                Some(ops::ResidualBranch { dtype, p: 0.0, seed: 0, offset: 0 })
+            }
+            None => None,
+        }
+    }
+
     fn dropout_backward(&self, s: Option<&DropoutSaved>, dy: &Tensor) -> Result<Option<Tensor>> {
         match s {
             Some(s) => Ok(Some(ops::dropout_backward(dy, self.p, s.seed, s.offset)?)),
@@ -636,15 +661,36 @@ impl Layer for TransformerBlock {
         // y = x2 + drop(fc2(fc1(ln_2(x2)))); the branch's gradient in the branch's dtype.
         // `dy` is also the shortcut's: kept until it is added to x2's.
         let dbranch = self.branch_grad(&dy, s.branch2, s.drop2.as_ref())?;
-        let da = dx_of(self.fc2.backward(s.s2, dbranch, true)?, WHAT)?;
-        let dh2 = dx_of(self.fc1.backward(s.s1, da, true)?, WHAT)?;
-        let mut dx2 = self.ln2.grads(s.ln2, &dh2)?;
-        drop(dh2);
-        let dy_res = cast_into(dy, dx2.dtype())?;
-        ops::add_assign(&mut dx2, &dy_res)?;
-        drop(dy_res);
+        let dh2 = if self.fused_residual {
+            // fc2's input-gradient product through fc1's GELU, with fc1's bias gradient.
+            self.fc2.backward_through_gelu(&mut self.fc1, s.s2, s.s1, dbranch, WHAT)?
+        } else {
+            let da = dx_of(self.fc2.backward(s.s2, dbranch, true)?, WHAT)?;
+            dx_of(self.fc1.backward(s.s1, da, true)?, WHAT)?
+        };
+        // x2's gradient: ln_2's plus the shortcut's `dy`; then the attention branch's.
+        let fuse2 =
+            self.fused_residual && self.ln2.fuses_residual_grads(&s.ln2, dh2.dtype(), dy.dtype());
+        let (dx2, dbranch) = if fuse2 {
+            // One op: ln_2's backward, `dy` added, the branch's gradient through drop1.
+            let branch = self.residual_branch(dy.dtype(), s.branch1, s.drop1.as_ref());
+            let (dx2, dbranch) = self.ln2.grads_with_residual(s.ln2, &dh2, dy, branch)?;
+            drop(dh2);
+            let dbranch = match dbranch {
+                Some(d) => d,
+                None => self.branch_grad(&dx2, s.branch1, s.drop1.as_ref())?,
+            };
+            (dx2, dbranch)
+        } else {
+            let mut dx2 = self.ln2.grads(s.ln2, &dh2)?;
+            drop(dh2);
+            let dy_res = cast_into(dy, dx2.dtype())?;
+            ops::add_assign(&mut dx2, &dy_res)?;
+            drop(dy_res);
+            let dbranch = self.branch_grad(&dx2, s.branch1, s.drop1.as_ref())?;
+            (dx2, dbranch)
+        };
         // x2 = x + drop(proj(attn(ln_1(x))))
-        let dbranch = self.branch_grad(&dx2, s.branch1, s.drop1.as_ref())?;
         let dattn = dx_of(self.proj.backward(s.sproj, dbranch, true)?, WHAT)?;
         let dctx = self.split_heads(dattn, b)?;
         let (dqh, dkh, dvh) = self.attend_backward(s.attn, s.qh, s.kh, s.vh, dctx)?;
@@ -655,6 +701,14 @@ impl Layer for TransformerBlock {
         self.k.backward_into(s.sk, dk, &mut dh1, WHAT)?;
         let dv = cast_into(self.merge_heads(dvh, b)?, qkv)?;
         self.v.backward_into(s.sv, dv, &mut dh1, WHAT)?;
+        // x's gradient: ln_1's plus x2's by the shortcut, in one op where the dtypes allow.
+        if want
+            && self.fused_residual
+            && self.ln1.fuses_residual_grads(&s.ln1, dh1.dtype(), dx2.dtype())
+        {
+            let (dx, _) = self.ln1.grads_with_residual(s.ln1, &dh1, dx2, None)?;
+            return Ok(Some(dx));
+        }
         let mut dx = self.ln1.grads(s.ln1, &dh1)?;
         drop(dh1);
         if !want {

@@ -461,11 +461,41 @@ impl Linear {
         s: AffineSaved,
         dy: Tensor,
         into: &mut Tensor,
-        what: &'static str,
     ) -> Result<()> {
-        let dx = dx_of(self.backward(s, dy, true)?, what)?;
+        // Under autocast the input gradient comes in the product's dtype; where the cast to
+        // the input's dtype only widens (16 bits into f32), `add_assign` widens each element
+        // exactly as that cast would, so no copy in the input's dtype is made.
+        let (dx, in_dtype) = self.backward_in_product_dtype(s, dy)?;
+        let exact = dx.dtype() == into.dtype() || into.dtype() == DType::F32;
+        let dx = if in_dtype == into.dtype() && exact { dx } else { cast_into(dx, in_dtype)? };
         ops::add_assign(into, &dx)?;
         Ok(())
+    }
+
+    /// This layer's backward (the parameters' gradients accumulated) with the input gradient
+    /// as the product gave it: in the product's dtype under autocast. Returns it with the
+    /// dtype of the layer's input, which [`Layer::backward`] casts it to.
+    fn backward_in_product_dtype(&mut self, s: AffineSaved, dy: Tensor) -> Result<(Tensor, DType)> {
+        // The activation's gradient replaces `dy`, which is dropped then, as PyTorch frees a
+        // node's incoming gradient after that node's backward.
+        let Some(c) = s.cast else {
+            let dz = self.act.backward(s.z.as_ref(), &dy)?.unwrap_or(dy);
+            drop(s.z);
+            let dx = self.grads(&s.x, &dz)?;
+            let dt = dx.dtype();
+            return Ok((dx, dt));
+        };
+        // The output was in the compute dtype; the gradient arrives in it (cast if not).
+        let dy = cast_into(dy, s.x.dtype())?;
+        let dz = self.act.backward(s.z.as_ref(), &dy)?.unwrap_or(dy);
+        drop(s.z);
+        let g = ops::linear_backward(&s.x, &c.w, &dz, self.bias.is_some())?;
+        drop((dz, s.x, c.w));
+        accumulate_grad_cast(&mut self.weight, g.dw)?;
+        if let (Some(b), Some(db)) = (&mut self.bias, g.dbias) {
+            accumulate_grad_cast(b, db)?;
+        }
+        Ok((g.dx, c.in_dtype))
     }
 }
 
@@ -559,28 +589,11 @@ impl Layer for Linear {
     }
 
     fn backward(&mut self, s: AffineSaved, dy: Tensor, want: bool) -> Result<Option<Tensor>> {
-        // The activation's gradient replaces `dy`, which is dropped then, as PyTorch frees a
-        // node's incoming gradient after that node's backward.
-        let Some(c) = s.cast else {
-            let dz = self.act.backward(s.z.as_ref(), &dy)?.unwrap_or(dy);
-            drop(s.z);
-            let dx = self.grads(&s.x, &dz)?;
-            return Ok(want.then_some(dx));
-        };
-        // The output was in the compute dtype; the gradient arrives in it (cast if not).
-        let dy = cast_into(dy, s.x.dtype())?;
-        let dz = self.act.backward(s.z.as_ref(), &dy)?.unwrap_or(dy);
-        drop(s.z);
-        let g = ops::linear_backward(&s.x, &c.w, &dz, self.bias.is_some())?;
-        drop((dz, s.x, c.w));
-        accumulate_grad_cast(&mut self.weight, g.dw)?;
-        if let (Some(b), Some(db)) = (&mut self.bias, g.dbias) {
-            accumulate_grad_cast(b, db)?;
-        }
+        let (dx, in_dtype) = self.backward_in_product_dtype(s, dy)?;
         if !want {
             return Ok(None);
         }
-        Ok(Some(cast(&g.dx, c.in_dtype)?))
+        Ok(Some(cast_into(dx, in_dtype)?))
     }
 
     fn params(&self) -> Vec<&Param> {

@@ -698,9 +698,9 @@ impl Layer for TransformerBlock {
         let dq = cast_into(self.merge_heads(dqh, b)?, qkv)?;
         let mut dh1 = dx_of(self.q.backward(s.sq, dq, true)?, WHAT)?;
         let dk = cast_into(self.merge_heads(dkh, b)?, qkv)?;
-        self.k.backward_into(s.sk, dk, &mut dh1, WHAT)?;
+        self.k.backward_into(s.sk, dk, &mut dh1)?;
         let dv = cast_into(self.merge_heads(dvh, b)?, qkv)?;
-        self.v.backward_into(s.sv, dv, &mut dh1, WHAT)?;
+        self.v.backward_into(s.sv, dv, &mut dh1)?;
         // x's gradient: ln_1's plus x2's by the shortcut, in one op where the dtypes allow.
         if want
             && self.fused_residual

@@ -1,5 +1,6 @@
 //! What one GPT-2 small block's training step asks of the allocator: allocations per forward
-//! and backward, the bytes they allocate, what the forward saves and the backward's peak.
+//! and backward, the bytes they allocate, what the forward saves, the ops the backward runs
+//! and its peak.
 //!
 //! `cargo run -p vram-accum --example block_allocations -- [virtual|host] [fused|unfused]
 //! [batch] [seq]` (default: virtual, fused, 8 x 1024 tokens): one block of width 768 with
@@ -47,7 +48,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let dy = Tensor::zeros(&dev, &shape, dtype)?;
         dev.reset_peak_stats();
         let before_backward = dev.memory_stats();
+        dev.start_op_profile();
         let dx = block.backward(saved.ok_or("no saved state in training")?, dy, true)?;
+        let ops: u64 = dev.stop_op_profile().iter().map(|o| o.calls).sum();
         drop(dx);
         let end = dev.memory_stats();
         let allocs = end.allocation.all.allocated - base.allocation.all.allocated;
@@ -57,8 +60,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mib = |b: i64| b as f64 / (1 << 20) as f64;
         println!(
             "step {step}: {allocs} allocations per forward + backward (dy included), {:.1} MiB \
-             allocated, forward saves {:.1} MiB, backward peak {:.1} MiB ({:.1} MiB above its \
-             start)",
+             allocated, forward saves {:.1} MiB, backward: {ops} ops, peak {:.1} MiB ({:.1} MiB \
+             above its start)",
             mib(bytes as i64),
             mib(saved_bytes),
             mib(bwd_peak),

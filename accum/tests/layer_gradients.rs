@@ -376,3 +376,56 @@ fn fused_residual_blocks_equal_unfused_ones_bit_for_bit() {
         }
     }
 }
+
+/// The ops a block's backward runs, by name, fused or not (f32 parameters, dropout 0.1,
+/// autocast to `autocast`).
+fn backward_ops(fused: bool, dtype: DType, autocast: Option<DType>) -> Vec<(&'static str, u64)> {
+    let dev = Device::host(1 << 30);
+    let (seq, d) = (7, 16);
+    let mut block = TransformerBlockConfig::new(d, 2, seq)
+        .with_dropout(0.1)
+        .with_fused_residual(fused)
+        .with_dtype(dtype)
+        .init(&dev)
+        .unwrap();
+    let x = Tensor::from_f32_slice(&dev, &[3 * seq, d], &values(3 * seq * d, 1, 1.0), dtype);
+    let mut ctx = ForwardCtx::new(Mode::Train, 9);
+    if let Some(low) = autocast {
+        ctx = ctx.with_autocast(low).unwrap();
+    }
+    let (y, saved) = vram_accum::Layer::forward(&mut block, &x.unwrap(), &mut ctx).unwrap();
+    let dy = Tensor::full(&dev, y.shape(), y.dtype(), 0.5).unwrap();
+    dev.start_op_profile();
+    vram_accum::Layer::backward(&mut block, saved.unwrap(), dy, true).unwrap();
+    dev.stop_op_profile().iter().map(|o| (o.name, o.calls)).collect()
+}
+
+// The fused block's backward runs the fused ops where the dtypes allow and the unfused block's
+// never: ln_2's and ln_1's backward each with the shortcut's gradient added (no separate
+// add), fc1's GELU in fc2's input-gradient product. A bf16 stream under autocast normalizes
+// f32 copies, so its norms fall back to the unfused backward.
+#[test]
+fn the_fused_block_backward_runs_the_fused_ops() {
+    let calls = |ops: &[(&str, u64)], name: &str| {
+        ops.iter().find(|(n, _)| *n == name).map_or(0, |(_, c)| *c)
+    };
+    for (dtype, autocast, norms) in [
+        (DType::F32, None, 2),
+        (DType::F32, Some(DType::BF16), 2),
+        (DType::BF16, Some(DType::BF16), 0),
+    ] {
+        let what = format!("{dtype:?} autocast {autocast:?}");
+        let (fused, plain) =
+            (backward_ops(true, dtype, autocast), backward_ops(false, dtype, autocast));
+        assert_eq!(calls(&fused, "layer_norm_backward_residual"), norms, "{what}: {fused:?}");
+        assert_eq!(calls(&fused, "layer_norm_backward"), 2 - norms, "{what}: {fused:?}");
+        assert_eq!(calls(&fused, "linear_backward_gelu"), 1, "{what}: {fused:?}");
+        assert_eq!(calls(&plain, "layer_norm_backward_residual"), 0, "{what}: {plain:?}");
+        assert_eq!(calls(&plain, "layer_norm_backward"), 2, "{what}: {plain:?}");
+        assert_eq!(calls(&plain, "linear_backward_gelu"), 0, "{what}: {plain:?}");
+        // The k and v projections' gradients are added either way; the shortcut's only
+        // unfused (or where a norm falls back).
+        assert_eq!(calls(&fused, "add_assign"), 4 - norms, "{what}: {fused:?}");
+        assert_eq!(calls(&plain, "add_assign"), 4, "{what}: {plain:?}");
+    }
+}

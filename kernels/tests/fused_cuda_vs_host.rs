@@ -3,7 +3,8 @@
 //! (every dtype combination in one launch), bias + GELU forward and backward, the residual
 //! add + layer norm, with and without dropout on the branch (and the residual add with
 //! dropout alone, and the branch's gradient), and the linear layer with its bias and GELU in
-//! one cuBLASLt call (forward and backward, TF32 off and on). f32 within 1e-5 relative,
+//! one cuBLASLt call (forward and backward, TF32 off and on), and layer norm's backward with
+//! the residual's and the branch's gradients. f32 within 1e-5 relative,
 //! 16-bit within 1e-2; sums (the bias gradient) relative to the largest value.
 //! Each test prints `skipped: no CUDA device (...)` and passes where no GPU can be opened.
 //! (Layer norm's fused backward is `cuda_vs_host.rs`'s layer norm test.)
@@ -226,6 +227,54 @@ fn dropout_add_and_its_layer_norm_match_the_host() {
         close(&format!("dropout_add_layer_norm y {what}"), &gn.norm.y, &hn.norm.y, tol, false);
         let rstd = &format!("dropout_add_layer_norm rstd {what}");
         close(rstd, &gn.norm.rstd, &hn.norm.rstd, 1e-4, false);
+    }
+}
+
+/// `layer_norm_backward_residual` (layer norm's backward, the shortcut's gradient added and
+/// the branch's masked gradient, in two launches) against the host: dx and the branch's
+/// gradient within 1e-5 (f32) or 1e-2 (16-bit) relative, dgamma and dbeta relative to the
+/// largest value; the branch's gradient also bit for bit `dropout_add_backward` of the GPU's
+/// own dx (the same mask, the same roundings). Not yet run on a GPU.
+#[test]
+fn layer_norm_backward_residual_matches_the_host() {
+    let Some(gpu) = gpu() else { return };
+    let host = Device::host(1 << 30);
+    let pairs = [
+        (DType::F32, DType::F32),
+        (DType::F32, DType::F16),
+        (DType::F32, DType::BF16),
+        (DType::F16, DType::F16),
+        (DType::BF16, DType::BF16),
+    ];
+    let (p, seed, offset) = (0.1, 0x5eed, 1 << 33);
+    for (r, b) in pairs {
+        let what = format!("{r:?}+{b:?}");
+        let tol = if r == DType::F32 { 1e-5 } else { 1e-2 };
+        let (rows, d) = (257, 768);
+        let t = |dev: &Device, n: usize, shape: &[usize], seed, dt| {
+            Tensor::from_f32_slice(dev, shape, &values(n, seed, -3.0, 3.0), dt).unwrap()
+        };
+        let branch = ops::ResidualBranch { dtype: b, p, seed, offset };
+        // The statistics of the host's forward on both devices: only the backward compared.
+        let (hx, hg) = (t(&host, rows * d, &[rows, d], 4, r), t(&host, d, &[d], 6, r));
+        let fwd = ops::layer_norm(&hx, &hg, &t(&host, d, &[d], 7, r), 1e-5).unwrap();
+        let run = |dev: &Device| {
+            let (x, g) = (t(dev, rows * d, &[rows, d], 4, r), t(dev, d, &[d], 6, r));
+            let (mean, rstd) = (fwd.mean.to_device(dev).unwrap(), fwd.rstd.to_device(dev).unwrap());
+            let dy = t(dev, rows * d, &[rows, d], 8, r);
+            let dres = t(dev, rows * d, &[rows, d], 9, r);
+            ops::layer_norm_backward_residual(&x, &g, &mean, &rstd, &dy, &dres, Some(branch))
+                .unwrap()
+        };
+        let (h, g) = (run(&host), run(&gpu));
+        close(&format!("layer_norm_backward_residual dx {what}"), &g.dx, &h.dx, tol, false);
+        let sums = if r == DType::F32 { 1e-4 } else { 2e-2 };
+        close(&format!("dgamma {what}"), &g.dgamma, &h.dgamma, sums, true);
+        close(&format!("dbeta {what}"), &g.dbeta, &h.dbeta, sums, true);
+        let (gd, hd) = (g.dbranch.unwrap(), h.dbranch.unwrap());
+        close(&format!("layer_norm_backward_residual branch {what}"), &gd, &hd, tol, false);
+        let own = ops::dropout_add_backward(&g.dx, b, p, seed, offset).unwrap();
+        close(&format!("branch of the GPU's dx {what}"), &gd, &own, 0.0, false);
     }
 }
 

@@ -684,10 +684,10 @@ impl Layer for LlamaBlock {
         let mut dh1 = dx_of(self.q.backward(s.sq, dq, true)?, WHAT)?;
         let dk = self.unrotate(self.repeat_kv_backward(dkh, b)?, b, self.kv_heads)?;
         let dk = cast_into(dk, qkv)?;
-        self.k.backward_into(s.sk, dk, &mut dh1, WHAT)?;
+        self.k.backward_into(s.sk, dk, &mut dh1)?;
         let dvk = self.repeat_kv_backward(dvh, b)?;
         let dv = cast_into(self.merge_heads(dvk, b, self.kv_heads)?, qkv)?;
-        self.v.backward_into(s.sv, dv, &mut dh1, WHAT)?;
+        self.v.backward_into(s.sv, dv, &mut dh1)?;
         let mut dx = self.norm1.grads(s.n1, &dh1)?;
         drop(dh1);
         if !want {

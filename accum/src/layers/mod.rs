@@ -461,11 +461,96 @@ impl Linear {
         s: AffineSaved,
         dy: Tensor,
         into: &mut Tensor,
-        what: &'static str,
     ) -> Result<()> {
-        let dx = dx_of(self.backward(s, dy, true)?, what)?;
+        // Under autocast the input gradient comes in the product's dtype; where the cast to
+        // the input's dtype only widens (16 bits into f32), `add_assign` widens each element
+        // exactly as that cast would, so no copy in the input's dtype is made.
+        let (dx, in_dtype) = self.backward_in_product_dtype(s, dy)?;
+        let exact = dx.dtype() == into.dtype() || into.dtype() == DType::F32;
+        let dx = if in_dtype == into.dtype() && exact { dx } else { cast_into(dx, in_dtype)? };
         ops::add_assign(into, &dx)?;
         Ok(())
+    }
+
+    /// This layer's backward (the parameters' gradients accumulated) with the input gradient
+    /// as the product gave it: in the product's dtype under autocast. Returns it with the
+    /// dtype of the layer's input, which [`Layer::backward`] casts it to.
+    fn backward_in_product_dtype(&mut self, s: AffineSaved, dy: Tensor) -> Result<(Tensor, DType)> {
+        // The activation's gradient replaces `dy`, which is dropped then, as PyTorch frees a
+        // node's incoming gradient after that node's backward.
+        let Some(c) = s.cast else {
+            let dz = self.act.backward(s.z.as_ref(), &dy)?.unwrap_or(dy);
+            drop(s.z);
+            let dx = self.grads(&s.x, &dz)?;
+            let dt = dx.dtype();
+            return Ok((dx, dt));
+        };
+        // The output was in the compute dtype; the gradient arrives in it (cast if not).
+        let dy = cast_into(dy, s.x.dtype())?;
+        let dz = self.act.backward(s.z.as_ref(), &dy)?.unwrap_or(dy);
+        drop(s.z);
+        let g = ops::linear_backward(&s.x, &c.w, &dz, self.bias.is_some())?;
+        drop((dz, s.x, c.w));
+        accumulate_grad_cast(&mut self.weight, g.dw)?;
+        if let (Some(b), Some(db)) = (&mut self.bias, g.dbias) {
+            accumulate_grad_cast(b, db)?;
+        }
+        Ok((g.dx, c.in_dtype))
+    }
+}
+
+impl Linear {
+    /// An MLP's backward through its GELU, this layer (no activation) having read
+    /// `gelu(pre)` with `pre` `fc1`'s output before its fused GELU: from this layer's saved
+    /// state `s`, fc1's `s1` and the output gradient `dy`, one [`ops::linear_backward_gelu`]
+    /// call gives this layer's weight and bias gradients, the gradient of `pre` and fc1's
+    /// bias gradient (on a GPU the GELU's output gradient is never stored), then
+    /// [`ops::linear_backward`] fc1's weight and input gradients. Both sides keep what they
+    /// kept for their own backward (fc1 its input and `pre`, this layer its input), nothing
+    /// more. Bit for bit this layer's then fc1's [`Layer::backward`] on the host, which run
+    /// instead when the layers are not of that form. Returns fc1's input gradient, in its
+    /// input's dtype.
+    pub(crate) fn backward_through_gelu(
+        &mut self,
+        fc1: &mut Linear,
+        s: AffineSaved,
+        mut s1: AffineSaved,
+        dy: Tensor,
+        what: &'static str,
+    ) -> Result<Tensor> {
+        let gelu = self.act == Act::Identity && fc1.act == Act::Gelu;
+        let pre = match s1.z.take() {
+            Some(z) if gelu && z.dtype() == s.x.dtype() => z,
+            z => {
+                s1.z = z;
+                let da = dx_of(self.backward(s, dy, true)?, what)?;
+                return dx_of(fc1.backward(s1, da, true)?, what);
+            }
+        };
+        // Under autocast the output gradient arrives in the product's dtype (cast if not), as
+        // in `Layer::backward`.
+        let dy = cast_into(dy, s.x.dtype())?;
+        let w = s.cast.as_ref().map_or(&self.weight.value, |c| &c.w);
+        let g = ops::linear_backward_gelu(&s.x, w, &dy, self.bias.is_some(), &pre)?;
+        drop((dy, s, pre));
+        accumulate_grad_cast(&mut self.weight, g.dw)?;
+        if let (Some(b), Some(db)) = (&mut self.bias, g.dbias) {
+            accumulate_grad_cast(b, db)?;
+        }
+        if let Some(b) = &mut fc1.bias {
+            accumulate_grad_cast(b, g.dpre_bias)?;
+        }
+        let w1 = s1.cast.as_ref().map_or(&fc1.weight.value, |c| &c.w);
+        let g1 = ops::linear_backward(&s1.x, w1, &g.dpre, false)?;
+        drop((g.dpre, s1.x));
+        accumulate_grad_cast(&mut fc1.weight, g1.dw)?;
+        match s1.cast {
+            Some(c) => {
+                drop(c.w);
+                cast_into(g1.dx, c.in_dtype)
+            }
+            None => Ok(g1.dx),
+        }
     }
 }
 
@@ -504,28 +589,11 @@ impl Layer for Linear {
     }
 
     fn backward(&mut self, s: AffineSaved, dy: Tensor, want: bool) -> Result<Option<Tensor>> {
-        // The activation's gradient replaces `dy`, which is dropped then, as PyTorch frees a
-        // node's incoming gradient after that node's backward.
-        let Some(c) = s.cast else {
-            let dz = self.act.backward(s.z.as_ref(), &dy)?.unwrap_or(dy);
-            drop(s.z);
-            let dx = self.grads(&s.x, &dz)?;
-            return Ok(want.then_some(dx));
-        };
-        // The output was in the compute dtype; the gradient arrives in it (cast if not).
-        let dy = cast_into(dy, s.x.dtype())?;
-        let dz = self.act.backward(s.z.as_ref(), &dy)?.unwrap_or(dy);
-        drop(s.z);
-        let g = ops::linear_backward(&s.x, &c.w, &dz, self.bias.is_some())?;
-        drop((dz, s.x, c.w));
-        accumulate_grad_cast(&mut self.weight, g.dw)?;
-        if let (Some(b), Some(db)) = (&mut self.bias, g.dbias) {
-            accumulate_grad_cast(b, db)?;
-        }
+        let (dx, in_dtype) = self.backward_in_product_dtype(s, dy)?;
         if !want {
             return Ok(None);
         }
-        Ok(Some(cast(&g.dx, c.in_dtype)?))
+        Ok(Some(cast_into(dx, in_dtype)?))
     }
 
     fn params(&self) -> Vec<&Param> {
@@ -800,6 +868,36 @@ impl LayerNorm {
             in_dtype: None,
         });
         Ok((out.sum, n.y, saved))
+    }
+
+    /// Whether [`Self::grads_with_residual`] runs for the saved state `s` with an output
+    /// gradient of dtype `dy` and a shortcut's gradient of dtype `dres`: the norm ran on its
+    /// input as it came, with parameters of its dtype (no autocast copies), and both
+    /// gradients have that dtype.
+    fn fuses_residual_grads(&self, s: &NormSaved, dy: DType, dres: DType) -> bool {
+        let dt = s.x.dtype();
+        s.in_dtype.is_none() && self.gamma.value.dtype() == dt && dy == dt && dres == dt
+    }
+
+    /// [`Self::grads`] with `dres`, the gradient arriving at the norm's input by a residual
+    /// shortcut, added, and with `branch` the gradient of the residual add's branch, in one
+    /// op ([`ops::layer_norm_backward_residual`]): bit for bit [`Self::grads`], an
+    /// `add_assign` of `dres` and [`ops::dropout_add_backward`] on the host when
+    /// [`Self::fuses_residual_grads`] holds. Returns the input's and the branch's gradients.
+    fn grads_with_residual(
+        &mut self,
+        s: NormSaved,
+        dy: &Tensor,
+        dres: Tensor,
+        branch: Option<ops::ResidualBranch>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let gamma = &self.gamma.value;
+        let g =
+            ops::layer_norm_backward_residual(&s.x, gamma, &s.mean, &s.rstd, dy, &dres, branch)?;
+        drop((s, dres));
+        accumulate_grad_cast(&mut self.gamma, g.dgamma)?;
+        accumulate_grad_cast(&mut self.beta, g.dbeta)?;
+        Ok((g.dx, g.dbranch))
     }
 
     fn grads(&mut self, s: NormSaved, dy: &Tensor) -> Result<Tensor> {

@@ -82,8 +82,18 @@ pub(super) fn check_rows(op: &'static str, x: usize, d: usize) -> Result<usize> 
     super::rows_of(op, "x", x, d)
 }
 
-/// `dx` for one row: `rstd * (g - mean(g) - xhat * mean(g * xhat))` with `g = dy * gamma`.
-fn backward_row<T: Element>(x: &[T], gamma: &[T], dy: &[T], mean: f32, rstd: f32, dx: &mut [T]) {
+/// `dx` for one row: `rstd * (g - mean(g) - xhat * mean(g * xhat))` with `g = dy * gamma`,
+/// rounded to `T`; with `dres`, that rounded value plus the row of `dres`, rounded again (what
+/// an `add_assign` of `dres` into the stored `dx` gives).
+fn backward_row<T: Element>(
+    x: &[T],
+    gamma: &[T],
+    dy: &[T],
+    mean: f32,
+    rstd: f32,
+    dres: Option<&[T]>,
+    dx: &mut [T],
+) {
     let d = x.len() as f32;
     let (mut sum_g, mut sum_gx) = (0.0f32, 0.0f32);
     for ((&v, &gm), &g) in x.iter().zip(gamma).zip(dy) {
@@ -93,10 +103,14 @@ fn backward_row<T: Element>(x: &[T], gamma: &[T], dy: &[T], mean: f32, rstd: f32
         sum_gx += g * xhat;
     }
     let (mean_g, mean_gx) = (sum_g / d, sum_gx / d);
-    for (((o, &v), &gm), &g) in dx.iter_mut().zip(x).zip(gamma).zip(dy) {
+    for (i, (((o, &v), &gm), &g)) in dx.iter_mut().zip(x).zip(gamma).zip(dy).enumerate() {
         let xhat = (v.to_f32() - mean) * rstd;
         let g = g.to_f32() * gm.to_f32();
-        *o = T::from_f32(rstd * (g - mean_g - xhat * mean_gx));
+        let own = T::from_f32(rstd * (g - mean_g - xhat * mean_gx));
+        *o = match dres {
+            Some(r) => T::from_f32(own.to_f32() + r[i].to_f32()),
+            None => own,
+        };
     }
 }
 
@@ -118,25 +132,64 @@ pub fn layer_norm_backward<T: Element>(
     dgamma: &mut [T],
     dbeta: &mut [T],
 ) -> Result<()> {
-    const OP: &str = "cpu::layer_norm_backward";
+    backward("cpu::layer_norm_backward", x, gamma, mean, rstd, dy, None, dx, dgamma, dbeta)
+}
+
+/// [`layer_norm_backward`] with a second gradient `dres` (`[n, d]`) arriving at `x` by
+/// another path (a residual shortcut): `dx` is layer norm's input gradient rounded to `T`
+/// plus `dres`, rounded again, bit for bit [`layer_norm_backward`] then an `add_assign` of
+/// `dres` into its `dx`; `dgamma` and `dbeta` are [`layer_norm_backward`]'s.
+///
+/// # Errors
+///
+/// As [`layer_norm`], and for a `dres` not of `x`'s length.
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_backward_residual<T: Element>(
+    x: &[T],
+    gamma: &[T],
+    mean: &[f32],
+    rstd: &[f32],
+    dy: &[T],
+    dres: &[T],
+    dx: &mut [T],
+    dgamma: &mut [T],
+    dbeta: &mut [T],
+) -> Result<()> {
+    const OP: &str = "cpu::layer_norm_backward_residual";
+    check_len(OP, "dres", dres.len(), x.len())?;
+    backward(OP, x, gamma, mean, rstd, dy, Some(dres), dx, dgamma, dbeta)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward<T: Element>(
+    op: &'static str,
+    x: &[T],
+    gamma: &[T],
+    mean: &[f32],
+    rstd: &[f32],
+    dy: &[T],
+    dres: Option<&[T]>,
+    dx: &mut [T],
+    dgamma: &mut [T],
+    dbeta: &mut [T],
+) -> Result<()> {
     let d = gamma.len();
-    let rows = check_rows(OP, x.len(), d)?;
-    check_len(OP, "dgamma", dgamma.len(), d)?;
-    check_len(OP, "dbeta", dbeta.len(), d)?;
-    check_len(OP, "dy", dy.len(), x.len())?;
-    check_len(OP, "dx", dx.len(), x.len())?;
-    check_len(OP, "mean", mean.len(), rows)?;
-    check_len(OP, "rstd", rstd.len(), rows)?;
+    let rows = check_rows(op, x.len(), d)?;
+    check_len(op, "dgamma", dgamma.len(), d)?;
+    check_len(op, "dbeta", dbeta.len(), d)?;
+    check_len(op, "dy", dy.len(), x.len())?;
+    check_len(op, "dx", dx.len(), x.len())?;
+    check_len(op, "mean", mean.len(), rows)?;
+    check_len(op, "rstd", rstd.len(), rows)?;
+    let row = |r: usize, dx: &mut [T]| {
+        let at = r * d..(r + 1) * d;
+        let res = dres.map(|v| &v[at.clone()]);
+        backward_row(&x[at.clone()], gamma, &dy[at], mean[r], rstd[r], res, dx);
+    };
     if x.len() >= PAR_THRESHOLD {
-        dx.par_chunks_mut(d)
-            .zip(x.par_chunks(d).zip(dy.par_chunks(d)))
-            .zip(mean.par_iter().zip(rstd.par_iter()))
-            .for_each(|((dx, (x, dy)), (&m, &r))| backward_row(x, gamma, dy, m, r, dx));
+        dx.par_chunks_mut(d).enumerate().for_each(|(r, dx)| row(r, dx));
     } else {
-        dx.chunks_mut(d)
-            .zip(x.chunks(d).zip(dy.chunks(d)))
-            .zip(mean.iter().zip(rstd.iter()))
-            .for_each(|((dx, (x, dy)), (&m, &r))| backward_row(x, gamma, dy, m, r, dx));
+        dx.chunks_mut(d).enumerate().for_each(|(r, dx)| row(r, dx));
     }
     let (dg, db) = param_sums(x, mean, rstd, dy, d);
     for (o, v) in dgamma.iter_mut().zip(dg) {

@@ -314,6 +314,13 @@ kernels! {
     /// `layer_norm_bwd_finish(const float* dg, const float* db, T* dgamma, T* dbeta, u64
     /// chunks, u64 d)`.
     LAYER_NORM_BWD_FINISH = SOFTMAX "layer_norm_bwd_finish" dtypes (Ptr, Ptr, Ptr, Ptr, U64, U64);
+    /// `layer_norm_bwd_residual_R_B(const R* x, const R* g, const float* m, const float* r,
+    /// const R* dy, const R* dres, R* dx, B* db, u32 has_branch, float p, float scale, u64
+    /// seed, u64 offset, float* dg, float* dbp, u64 rows, u64 d, u64 chunk, u32 col_blocks,
+    /// u32 chunk_blocks)`: `layer_norm_bwd_fused` plus a residual's gradient and the branch's.
+    LAYER_NORM_BWD_RESIDUAL = SOFTMAX "layer_norm_bwd_residual" pairs
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, F32, F32, U64, U64, Ptr, Ptr, U64, U64, U64,
+         U32, U32);
     /// `bn_partial(const T* x, float* part, u64 n, u64 c, u64 s, u32 parts)`.
     BN_PARTIAL = SOFTMAX "bn_partial" dtypes (Ptr, Ptr, U64, U64, U64, U32);
     /// `bn_finalize(const float* part, float* mean, float* invstd, void* rmean, void* rvar,

@@ -16,20 +16,24 @@
 //! autocast, and the add. Both draw the mask of [`dropout`](super::dropout) with the same
 //! seed and offset and store no mask: [`dropout_add_backward`] regenerates it, casting and
 //! masking the branch's gradient in one pass. With a 16-bit branch and an f32 residual
-//! (autocast) the branch's f32 copy the unfused add needs is never made. The layer norm's
-//! backward is not fused with the residual's: it stays
-//! [`layer_norm_backward`](super::layer_norm_backward), then the residual's gradient is added.
+//! (autocast) the branch's f32 copy the unfused add needs is never made.
+//! [`layer_norm_backward_residual`] is the backward of the sum and its norm together: layer
+//! norm's input gradient plus the gradient arriving at the sum by the shortcut, and the
+//! branch's (masked) gradient of that, in the two launches of
+//! [`layer_norm_backward`](super::layer_norm_backward) instead of its two, an `add_assign`
+//! and [`dropout_add_backward`]'s.
 //!
 //! Each result is the unfused ops' bit for bit on the host (the sum `x + bias` rounded to
 //! the dtype as `bias_add` stores it, the gradient rounded as `gelu_backward` stores it and
 //! summed in `bias_add_backward`'s order; the dropped branch rounded as `dropout` stores it
 //! before the add); the kernels follow the same steps (emulated in the tests; on a GPU within
-//! the device's `tanhf` and contraction). The dropout kernels have never run on a GPU.
+//! the device's `tanhf` and contraction). The dropout kernels and the layer norm backward
+//! with a residual have not yet run on a GPU.
 
 use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
 use super::elementwise::param_dims;
-use super::norm::{LayerNormOutput, param_chunks};
-use super::{expect_shape, same_device, same_layout};
+use super::norm::{LayerNormOutput, norm_dims, param_chunks};
+use super::{expect_dtype, expect_shape, same_device, same_layout};
 use crate::cpu::{activation as act, elementwise as ew, norm, random as rnd};
 use crate::device::Device;
 use crate::dtype::{DType, Element, with_dtype};
@@ -169,6 +173,72 @@ pub fn dropout_add_backward(
     offset: u64,
 ) -> Result<Tensor> {
     run(DropoutAddBackward { dy, branch_dtype, drop: BranchDropout { p, seed, offset } })
+}
+
+/// A residual branch whose gradient [`layer_norm_backward_residual`] also gives: its dtype
+/// and the forward's dropout on it (`p == 0` for none), as [`dropout_add_backward`] takes
+/// them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ResidualBranch {
+    /// The branch's dtype: the stream's, or 16-bit with an f32 stream.
+    pub dtype: DType,
+    /// The drop probability, `0 <= p < 1`.
+    pub p: f32,
+    /// The dropout's seed.
+    pub seed: u64,
+    /// The dropout's offset in its random stream.
+    pub offset: u64,
+}
+
+/// The gradients of [`layer_norm_backward_residual`].
+#[derive(Debug)]
+pub struct ResidualNormGrads {
+    /// Of the norm's input (the residual stream): layer norm's input gradient plus `dres`.
+    pub dx: Tensor,
+    /// Of the scale, `[d]`.
+    pub dgamma: Tensor,
+    /// Of the shift, `[d]`.
+    pub dbeta: Tensor,
+    /// Of the branch, when one was given: `dx` in its dtype through its dropout.
+    pub dbranch: Option<Tensor>,
+}
+
+/// The backward of a residual stream's layer norm, `h = layer_norm(s)` with `s` also read by
+/// a shortcut (`s = residual + dropout(branch)`, [`dropout_add_layer_norm`]'s sum, or any
+/// input whose gradient has a second term), in one pass plus the parameter gradients' final
+/// sums: from the saved `x` (`s`), `gamma`, `mean` and `rstd`, the norm's output gradient
+/// `dy` and the gradient `dres` arriving at `x` by the shortcut,
+///
+/// - `dx = layer_norm_dx + dres`, layer norm's input gradient rounded to `x`'s dtype as
+///   [`layer_norm_backward`](super::layer_norm_backward) stores it, then `dres` added as
+///   [`add_assign`](super::add_assign) adds it (f32 math, rounded again);
+/// - `dgamma` and `dbeta` as [`layer_norm_backward`](super::layer_norm_backward)'s;
+/// - with a `branch`, its gradient: `dx` in the branch's dtype, masked and scaled with the
+///   forward's dropout, as [`dropout_add_backward`] gives it from `dx`.
+///
+/// Bit for bit [`layer_norm_backward`](super::layer_norm_backward),
+/// [`add_assign`](super::add_assign) and [`dropout_add_backward`] on the host; on a GPU the
+/// two launches of [`layer_norm_backward`](super::layer_norm_backward) (the first also adds
+/// `dres` and writes the branch's gradient) instead of those and two more. The CUDA kernel
+/// has not yet run on a GPU.
+///
+/// # Errors
+///
+/// Shape, dtype and device mismatches (`dy` and `dres` of `x`'s layout, `gamma` `[d]` of its
+/// dtype, `mean` and `rstd` `[rows]` f32); an empty last dimension;
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) unless the branch's
+/// `0 <= p < 1`; [`Error::DTypeMismatch`](crate::Error::DTypeMismatch) for a branch dtype
+/// [`dropout_add_backward`] does not take; out of memory.
+pub fn layer_norm_backward_residual(
+    x: &Tensor,
+    gamma: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
+    dy: &Tensor,
+    dres: &Tensor,
+    branch: Option<ResidualBranch>,
+) -> Result<ResidualNormGrads> {
+    run(LayerNormBackwardResidual { x, gamma, mean, rstd, dy, dres, branch, acc: None })
 }
 
 /// Dropout on a residual branch: [`dropout`](super::dropout)'s arguments.
@@ -321,6 +391,198 @@ impl Op for DropoutAddBackward<'_> {
 
     fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Tensor> {
         Ok(bufs.into_output())
+    }
+}
+
+struct LayerNormBackwardResidual<'a> {
+    x: &'a Tensor,
+    gamma: &'a Tensor,
+    mean: &'a Tensor,
+    rstd: &'a Tensor,
+    dy: &'a Tensor,
+    dres: &'a Tensor,
+    branch: Option<ResidualBranch>,
+    /// The f32 partial sums of dgamma, then of dbeta (`[param_chunks(rows), d]` each).
+    acc: Option<usize>,
+}
+
+impl Op for LayerNormBackwardResidual<'_> {
+    const NAME: &'static str = "layer_norm_backward_residual";
+    /// `dx`, `dgamma`, `dbeta`, and the branch's gradient.
+    type Outs = ([Tensor; 3], Option<Tensor>);
+    type Output = ResidualNormGrads;
+
+    fn device(&self) -> &Device {
+        self.x.device()
+    }
+
+    fn plan(&mut self) -> Result<Plan<Self::Outs>> {
+        let (rows, d) = norm_dims(Self::NAME, self.x, self.gamma)?;
+        same_layout(Self::NAME, self.x, self.dy)?;
+        same_layout(Self::NAME, self.x, self.dres)?;
+        for saved in [self.mean, self.rstd] {
+            same_device(Self::NAME, self.x, saved)?;
+            expect_dtype(Self::NAME, DType::F32, saved)?;
+            expect_shape(Self::NAME, &[rows], saved)?;
+        }
+        let (shape, dt) = (self.x.shape(), self.x.dtype());
+        let branch = match self.branch {
+            Some(b) => {
+                rnd::check_probability(Self::NAME, b.p)?;
+                branch_dtype_allowed(Self::NAME, dt, b.dtype)?;
+                Some(OutputSpec::new(shape, b.dtype))
+            }
+            None => None,
+        };
+        let grads =
+            [OutputSpec::new(shape, dt), OutputSpec::new(&[d], dt), OutputSpec::new(&[d], dt)];
+        let mut plan = Plan::new((grads, branch));
+        // dgamma and dbeta: f32 partial sums per chunk of rows, added over chunks after.
+        let floats = crate::params::mul(Self::NAME, "the partial sums", 2 * param_chunks(rows), d)?;
+        self.acc = plan.workspace(crate::params::mul(Self::NAME, "the partial sums", floats, 4)?);
+        Ok(plan)
+    }
+
+    fn host(&mut self, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        let ([dx, dgamma, dbeta], dbranch) = bufs.outputs_mut();
+        with_dtype!(self.x.dtype(), T => {
+            let dx = dx.out_slice::<T>(Self::NAME)?;
+            norm::layer_norm_backward_residual(
+                self.x.as_slice::<T>()?,
+                self.gamma.as_slice::<T>()?,
+                self.mean.as_slice::<f32>()?,
+                self.rstd.as_slice::<f32>()?,
+                self.dy.as_slice::<T>()?,
+                self.dres.as_slice::<T>()?,
+                dx,
+                dgamma.out_slice::<T>(Self::NAME)?,
+                dbeta.out_slice::<T>(Self::NAME)?,
+            )?;
+            match (dbranch, self.branch) {
+                (Some(db), Some(b)) => with_dtype!(b.dtype, B => rnd::dropout_add_backward(
+                    &*dx,
+                    db.out_slice::<B>(Self::NAME)?,
+                    b.p,
+                    b.seed,
+                    b.offset,
+                )),
+                _ => Ok(()),
+            }
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
+        let partials = bufs.ws(self.acc)?;
+        let ([dx, dgamma, dbeta], dbranch) = bufs.outputs_mut();
+        let at = ResidualNormAddresses {
+            x: self.x.cuda_ptr()?,
+            gamma: self.gamma.cuda_ptr()?,
+            mean: self.mean.cuda_ptr()?,
+            rstd: self.rstd.cuda_ptr()?,
+            dy: self.dy.cuda_ptr()?,
+            dres: self.dres.cuda_ptr()?,
+            dx: dx.cuda_ptr()?,
+            dgamma: dgamma.cuda_ptr()?,
+            dbeta: dbeta.cuda_ptr()?,
+            dbranch: match dbranch {
+                Some(t) => t.cuda_ptr()?,
+                None => 0,
+            },
+            partials,
+        };
+        let (branch, (rows, d)) = (self.branch, (self.mean.numel(), self.gamma.numel()));
+        // SAFETY: the tensors hold what `plan` checked (x, dy, dres, dx and the branch's
+        // gradient: rows * d elements; gamma, dgamma, dbeta: d; mean, rstd: rows floats) and
+        // the workspace the partials.
+        unsafe { residual_norm_backward_launches(gpu, &at, rows, d, self.x.dtype(), branch) }
+    }
+
+    fn finish(self, bufs: Buffers<Self::Outs>) -> Result<ResidualNormGrads> {
+        let ([dx, dgamma, dbeta], dbranch) = bufs.into_outputs();
+        Ok(ResidualNormGrads { dx, dgamma, dbeta, dbranch })
+    }
+}
+
+/// The device addresses [`residual_norm_backward_launches`] works on.
+#[cfg(feature = "cuda")]
+pub(crate) struct ResidualNormAddresses {
+    pub(crate) x: u64,
+    pub(crate) gamma: u64,
+    pub(crate) mean: u64,
+    pub(crate) rstd: u64,
+    pub(crate) dy: u64,
+    pub(crate) dres: u64,
+    pub(crate) dx: u64,
+    pub(crate) dgamma: u64,
+    pub(crate) dbeta: u64,
+    /// The branch's gradient (0 without a branch: never written).
+    pub(crate) dbranch: u64,
+    /// `2 * param_chunks(rows) * d` floats: dgamma's partials, then dbeta's.
+    pub(crate) partials: u64,
+}
+
+/// [`layer_norm_backward_residual`]'s two launches over `[rows, d]` of `dtype`:
+/// `layer_norm_bwd_residual` (dx with the residual's gradient added and, with a `branch`,
+/// the branch's gradient in its dtype, one block per row; the partial sums of dgamma and
+/// dbeta in the blocks after, as `layer_norm_bwd_fused`), then `layer_norm_bwd_finish`.
+/// Written against [`Exec`](crate::cuda::Exec) so that the tests run it whole in the
+/// emulation.
+///
+/// # Safety
+///
+/// The addresses hold what [`ResidualNormAddresses`] says for `rows` and `d` (the branch's
+/// gradient `rows * d` elements of its dtype when `branch` is given).
+#[cfg(feature = "cuda")]
+pub(crate) unsafe fn residual_norm_backward_launches(
+    gpu: &impl crate::cuda::Exec,
+    at: &ResidualNormAddresses,
+    rows: usize,
+    d: usize,
+    dtype: DType,
+    branch: Option<ResidualBranch>,
+) -> Result<()> {
+    use crate::cuda::Arg;
+    use crate::cuda::registry::LAYER_NORM_BWD_RESIDUAL;
+    let grid = super::norm::BackwardGrid::new("layer_norm_backward_residual", rows, d)?;
+    // Without a branch the kernel writes none: its pair is the stream's dtype twice.
+    let (bdt, has, drop) = match branch {
+        Some(b) => (b.dtype, 1, BranchDropout { p: b.p, seed: b.seed, offset: b.offset }),
+        None => (dtype, 0, BranchDropout { p: 0.0, seed: 0, offset: 0 }),
+    };
+    let [p, scale, seed, offset] = drop.args();
+    // SAFETY: layer_norm_bwd_residual_R_B(const R* x, const R* g, const float* m, const float*
+    // r, const R* dy, const R* dres, R* dx, B* db, u32 has_branch, float p, float scale, u64
+    // seed, u64 offset, float* dg, float* dbp, u64 rows, u64 d, u64 chunk, u32 col_blocks,
+    // u32 chunk_blocks); the caller's contract covers the sizes, `BackwardGrid` the grid.
+    unsafe {
+        gpu.launch(
+            LAYER_NORM_BWD_RESIDUAL.of_pair(dtype, bdt),
+            grid.cfg,
+            &[
+                Arg::Ptr(at.x),
+                Arg::Ptr(at.gamma),
+                Arg::Ptr(at.mean),
+                Arg::Ptr(at.rstd),
+                Arg::Ptr(at.dy),
+                Arg::Ptr(at.dres),
+                Arg::Ptr(at.dx),
+                Arg::Ptr(at.dbranch),
+                Arg::U32(has),
+                p,
+                scale,
+                seed,
+                offset,
+                Arg::Ptr(at.partials),
+                Arg::Ptr(grid.dbeta_partials(at.partials)),
+                Arg::count(rows),
+                Arg::count(d),
+                Arg::count(crate::cpu::elementwise::COLUMN_SUM_ROWS),
+                Arg::U32(grid.col_blocks),
+                Arg::U32(grid.chunk_blocks),
+            ],
+        )?;
+        grid.finish(gpu, at.partials, at.dgamma, at.dbeta, dtype)
     }
 }
 
@@ -1025,6 +1287,311 @@ mod residual_tests {
                 close("y", &y.to_f32_vec().unwrap(), &want.norm.y.to_f32_vec().unwrap());
                 close("mean", &m, &want.norm.mean.to_f32_vec().unwrap());
                 close("rstd", &rs, &want.norm.rstd.to_f32_vec().unwrap());
+            }
+        }
+    }
+}
+
+/// [`layer_norm_backward_residual`] against the unfused ops it replaces.
+#[cfg(test)]
+mod residual_norm_tests {
+    use super::*;
+    use crate::ops;
+    use proptest::prelude::*;
+
+    /// The (stream, branch) dtype pairs a block takes.
+    const PAIRS: [(DType, DType); 5] = [
+        (DType::F32, DType::F32),
+        (DType::BF16, DType::BF16),
+        (DType::F16, DType::F16),
+        (DType::F32, DType::BF16),
+        (DType::F32, DType::F16),
+    ];
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i as u64 * 2_654_435_761 + seed * 97) % 2001) as f32 / 500.0) - 2.0)
+            .collect()
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// The saved state of a layer norm over `[rows, d]` of `dtype` and the two incoming
+    /// gradients: `(x, gamma, mean, rstd, dy, dres)`.
+    fn inputs(
+        dev: &Device,
+        rows: usize,
+        d: usize,
+        dtype: DType,
+        salt: u64,
+    ) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor) {
+        let t = |v: &[f32], s: &[usize]| Tensor::from_f32_slice(dev, s, v, dtype).unwrap();
+        let x = t(&values(rows * d, salt), &[rows, d]);
+        let g = t(&values(d, salt + 1), &[d]);
+        let fwd = ops::layer_norm(&x, &g, &t(&values(d, salt + 2), &[d]), 1e-5).unwrap();
+        let dy = t(&values(rows * d, salt + 3), &[rows, d]);
+        let dres = t(&values(rows * d, salt + 4), &[rows, d]);
+        (x, g, fwd.mean, fwd.rstd, dy, dres)
+    }
+
+    /// The fused op against layer_norm_backward, add_assign and dropout_add_backward, bit for
+    /// bit, with and without a branch.
+    fn check(rows: usize, d: usize, p: f32, seed: u64, offset: u64, salt: u64) {
+        let dev = Device::host(256 << 20);
+        for (r, b) in PAIRS {
+            let what = format!("{r:?}+{b:?} {rows}x{d} p {p} seed {seed} offset {offset}");
+            let (x, g, mean, rstd, dy, dres) = inputs(&dev, rows, d, r, salt);
+            let want = ops::layer_norm_backward(&x, &g, &mean, &rstd, &dy).unwrap();
+            let mut want_dx = want.dx;
+            ops::add_assign(&mut want_dx, &dres).unwrap();
+            let want_db = dropout_add_backward(&want_dx, b, p, seed, offset).unwrap();
+            let branch = ResidualBranch { dtype: b, p, seed, offset };
+            for with_branch in [true, false] {
+                let got = layer_norm_backward_residual(
+                    &x,
+                    &g,
+                    &mean,
+                    &rstd,
+                    &dy,
+                    &dres,
+                    with_branch.then_some(branch),
+                )
+                .unwrap();
+                assert_eq!(bits(&got.dx), bits(&want_dx), "{what}: dx");
+                assert_eq!(bits(&got.dgamma), bits(&want.dgamma), "{what}: dgamma");
+                assert_eq!(bits(&got.dbeta), bits(&want.dbeta), "{what}: dbeta");
+                assert_eq!(got.dx.dtype(), r, "{what}");
+                match got.dbranch {
+                    Some(db) => {
+                        assert!(with_branch, "{what}: a branch gradient nobody asked for");
+                        assert_eq!((db.dtype(), db.shape()), (b, x.shape()), "{what}");
+                        assert_eq!(bits(&db), bits(&want_db), "{what}: branch");
+                    }
+                    None => assert!(!with_branch, "{what}: no branch gradient"),
+                }
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+
+        /// Fused == unfused bit for bit on the host: every pair a block uses, p in
+        /// {0, 0.1, 0.5}, any seed and offset, odd sizes.
+        #[test]
+        fn the_fused_norm_backward_is_the_unfused_ops_bit_for_bit(
+            rows in 1usize..24,
+            d in 1usize..70,
+            p in prop::sample::select(vec![0.0f32, 0.1, 0.5]),
+            seed in any::<u64>(),
+            offset in 0u64..1 << 40,
+            salt in 0u64..1000,
+        ) {
+            check(rows, d, p, seed, offset, salt);
+        }
+    }
+
+    /// Above the host's parallel threshold and over several chunks of rows of the parameter
+    /// gradients' sums; no rows at all.
+    #[test]
+    fn large_and_empty_inputs_are_the_unfused_ops() {
+        check(130, 768, 0.1, 7, 12_345, 3);
+        let dev = Device::host(64 << 20);
+        let z = |s: &[usize]| Tensor::zeros(&dev, s, DType::F32).unwrap();
+        let b = ResidualBranch { dtype: DType::BF16, p: 0.5, seed: 1, offset: 2 };
+        let (x, g, m) = (z(&[0, 4]), z(&[4]), z(&[0]));
+        let got = layer_norm_backward_residual(&x, &g, &m, &m, &x, &x, Some(b)).unwrap();
+        assert_eq!(got.dbranch.unwrap().numel(), 0);
+        assert_eq!(bits(&got.dgamma), [0; 4]);
+    }
+
+    /// The branch's gradient is masked (a p = 0.5 mask zeroes about half of it) and the
+    /// shortcut's gradient is added (a zero `dres` gives layer norm's dx alone, another
+    /// `dres` does not).
+    #[test]
+    fn the_shortcut_is_added_and_the_branch_masked() {
+        let dev = Device::host(64 << 20);
+        let (rows, d) = (40, 100);
+        let (x, g, mean, rstd, dy, dres) = inputs(&dev, rows, d, DType::F32, 5);
+        let zero = Tensor::zeros(&dev, &[rows, d], DType::F32).unwrap();
+        let alone = ops::layer_norm_backward(&x, &g, &mean, &rstd, &dy).unwrap().dx;
+        let b = ResidualBranch { dtype: DType::F32, p: 0.5, seed: 9, offset: 0 };
+        let got = layer_norm_backward_residual(&x, &g, &mean, &rstd, &dy, &zero, Some(b)).unwrap();
+        assert_eq!(bits(&got.dx), bits(&alone));
+        let db = got.dbranch.unwrap().to_f32_vec().unwrap();
+        let dropped = db.iter().filter(|&&v| v == 0.0).count();
+        assert!((dropped as f32 / db.len() as f32 - 0.5).abs() < 0.05, "{dropped} dropped");
+        let got = layer_norm_backward_residual(&x, &g, &mean, &rstd, &dy, &dres, None).unwrap();
+        assert_ne!(bits(&got.dx), bits(&alone));
+    }
+
+    /// Bad input is a clear error, never a panic: shapes, dtypes, devices, saved statistics,
+    /// p outside [0, 1), a branch dtype the residual ops do not take.
+    #[test]
+    fn bad_input_is_an_error() {
+        let dev = Device::host(64 << 20);
+        let other = Device::host(64 << 20);
+        let (x, g, m, r, dy, dres) = inputs(&dev, 3, 8, DType::F32, 1);
+        let z = |s: &[usize], dt| Tensor::zeros(&dev, s, dt).unwrap();
+        let ok = ResidualBranch { dtype: DType::BF16, p: 0.1, seed: 0, offset: 0 };
+        #[allow(clippy::too_many_arguments)]
+        fn run(
+            x: &Tensor,
+            g: &Tensor,
+            m: &Tensor,
+            r: &Tensor,
+            dy: &Tensor,
+            dres: &Tensor,
+            b: Option<ResidualBranch>,
+        ) -> Error {
+            layer_norm_backward_residual(x, g, m, r, dy, dres, b).unwrap_err()
+        }
+        let shape = |e: &Error| matches!(e, Error::ShapeMismatch { .. });
+        let dtype = |e: &Error| matches!(e, Error::DTypeMismatch { .. });
+        let wrong = z(&[8, 3], DType::F32);
+        assert!(shape(&run(&x, &g, &m, &r, &wrong, &dres, None)));
+        assert!(shape(&run(&x, &g, &m, &r, &dy, &wrong, None)));
+        assert!(shape(&run(&x, &z(&[3], DType::F32), &m, &r, &dy, &dres, None)));
+        assert!(shape(&run(&x, &g, &z(&[8], DType::F32), &r, &dy, &dres, None)));
+        let half = z(&[3, 8], DType::BF16);
+        assert!(dtype(&run(&x, &g, &m, &r, &dy, &half, None)));
+        assert!(dtype(&run(&x, &g, &m, &r, &half, &dres, None)));
+        assert!(dtype(&run(&x, &g, &z(&[3], DType::BF16), &r, &dy, &dres, None)));
+        let far = Tensor::zeros(&other, &[3, 8], DType::F32).unwrap();
+        let e = run(&x, &g, &m, &r, &dy, &far, None);
+        assert!(matches!(e, Error::DeviceMismatch { .. }), "{e}");
+        for p in [1.0, -0.1, f32::NAN] {
+            let e = run(&x, &g, &m, &r, &dy, &dres, Some(ResidualBranch { p, ..ok }));
+            assert!(matches!(e, Error::InvalidArgument { .. }), "p {p}: {e}");
+        }
+        // A 16-bit stream takes only its own dtype for the branch.
+        let (h, hg, hm, hr, hdy, hres) = inputs(&dev, 3, 8, DType::BF16, 1);
+        for bdt in [DType::F32, DType::F16] {
+            let b = Some(ResidualBranch { dtype: bdt, ..ok });
+            assert!(dtype(&run(&h, &hg, &hm, &hr, &hdy, &hres, b)));
+        }
+        let (e0, g0) = (z(&[2, 0], DType::F32), z(&[0], DType::F32));
+        let m2 = z(&[2], DType::F32);
+        assert!(layer_norm_backward_residual(&e0, &g0, &m2, &m2, &e0, &e0, None).is_err());
+    }
+
+    /// Out of memory part-way through the outputs: an error, every byte given back, the
+    /// inputs intact.
+    #[test]
+    fn out_of_memory_leaves_the_inputs_as_they_were() {
+        // Three 10 MiB inputs (segments of their size) and the small ones (a 2 MiB segment)
+        // fit, and dx; the branch's 5 MiB gradient (a 20 MiB segment) does not.
+        let dev = Device::host(44 << 20);
+        let (x, g, m, r, dy, dres) = inputs(&dev, 2560, 1024, DType::F32, 2);
+        let all = [&x, &g, &m, &r, &dy, &dres];
+        let before: Vec<_> = all.iter().map(|t| bits(t)).collect();
+        let used = dev.memory_stats().allocated_bytes.all.current;
+        let b = ResidualBranch { dtype: DType::BF16, p: 0.1, seed: 3, offset: 0 };
+        let e = layer_norm_backward_residual(&x, &g, &m, &r, &dy, &dres, Some(b)).unwrap_err();
+        assert!(e.is_out_of_memory(), "{e}");
+        assert_eq!(dev.memory_stats().allocated_bytes.all.current, used);
+        let after: Vec<_> = all.iter().map(|t| bits(t)).collect();
+        assert_eq!(after, before);
+        // Without the branch's gradient the outputs fit.
+        assert!(layer_norm_backward_residual(&x, &g, &m, &r, &dy, &dres, None).is_ok());
+    }
+
+    /// The host and a virtual device (the GPU's plan) allocate the same: the outputs (the
+    /// branch's only when asked for) and the partials' workspace.
+    #[test]
+    fn host_and_virtual_devices_allocate_the_same() {
+        let (rows, d) = (130, 48);
+        let mut traces = Vec::new();
+        for dev in [Device::host(64 << 20), Device::virtual_device(64 << 20)] {
+            let z = |s: &[usize]| Tensor::zeros(&dev, s, DType::F32).unwrap();
+            let (x, g, m) = (z(&[rows, d]), z(&[d]), z(&[rows]));
+            let b = ResidualBranch { dtype: DType::BF16, p: 0.1, seed: 1, offset: 0 };
+            dev.record_history(Some(100));
+            drop(layer_norm_backward_residual(&x, &g, &m, &m, &x, &x, Some(b)).unwrap());
+            drop(layer_norm_backward_residual(&x, &g, &m, &m, &x, &x, None).unwrap());
+            let allocs: Vec<usize> = dev
+                .trace()
+                .iter()
+                .filter(|e| e.action == vram_alloc::TraceAction::Alloc)
+                .map(|e| e.requested)
+                .collect();
+            traces.push(allocs);
+        }
+        let (f, h, p) = (rows * d * 4, rows * d * 2, 2 * param_chunks(rows) * d * 4);
+        assert_eq!(traces[0], [f, d * 4, d * 4, h, p, f, d * 4, d * 4, p]);
+        assert_eq!(traces[0], traces[1]);
+    }
+
+    /// The kernel, emulated on the host through the op's own launch code, against the host
+    /// op: dx within rounding (the block adds the row's sums in another order), dgamma and
+    /// dbeta in the host's order, and the branch's gradient bit for bit what
+    /// `dropout_add_backward` makes of the emulated dx. Every pair, p in {0, 0.1, 0.5}, with
+    /// and without a branch, one chunk of rows and three.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_kernel_matches_the_host() {
+        use crate::cuda::emulate::Emulator;
+        use crate::cuda::registry::LAYER_NORM_BWD_RESIDUAL;
+        let Some(e) = Emulator::new(LAYER_NORM_BWD_RESIDUAL.of_pair(DType::F32, DType::F32)) else {
+            return;
+        };
+        let dev = Device::host(64 << 20);
+        let d = 300;
+        for (r, b) in PAIRS {
+            for (rows, p) in [(5, 0.0f32), (5, 0.1), (130, 0.5)] {
+                for with_branch in [true, false] {
+                    let what = format!("{r:?}+{b:?} {rows} rows p {p} branch {with_branch}");
+                    let (x, g, mean, rstd, dy, dres) = inputs(&dev, rows, d, r, 7);
+                    let branch = ResidualBranch { dtype: b, p, seed: 0x1234_5678_9abc, offset: 77 };
+                    let branch = with_branch.then_some(branch);
+                    let want =
+                        layer_norm_backward_residual(&x, &g, &mean, &rstd, &dy, &dres, branch)
+                            .unwrap();
+                    let nan = |s: &[usize], dt| {
+                        let n = s.iter().product();
+                        Tensor::from_f32_slice(&dev, s, &vec![f32::NAN; n], dt).unwrap()
+                    };
+                    let (dx, dg, dbe) = (nan(&[rows, d], r), nan(&[d], r), nan(&[d], r));
+                    let db = nan(&[rows, d], b);
+                    let mut partials = vec![f32::NAN; 2 * param_chunks(rows) * d];
+                    let a = |t: &Tensor| t.storage().address();
+                    let at = ResidualNormAddresses {
+                        x: a(&x),
+                        gamma: a(&g),
+                        mean: a(&mean),
+                        rstd: a(&rstd),
+                        dy: a(&dy),
+                        dres: a(&dres),
+                        dx: a(&dx),
+                        dgamma: a(&dg),
+                        dbeta: a(&dbe),
+                        dbranch: if with_branch { a(&db) } else { 0 },
+                        partials: partials.as_mut_ptr() as u64,
+                    };
+                    // SAFETY: host buffers of the sizes the launches address.
+                    unsafe { residual_norm_backward_launches(&e, &at, rows, d, r, branch) }
+                        .unwrap();
+                    let tol = if r == DType::F32 { 1e-5 } else { 1e-2 };
+                    let (got, exp) = (dx.to_f32_vec().unwrap(), want.dx.to_f32_vec().unwrap());
+                    for (i, (g, w)) in got.iter().zip(&exp).enumerate() {
+                        let ok = (g - w).abs() <= tol * w.abs().max(1.0);
+                        assert!(ok, "{what} dx {i}: {g} vs {w}");
+                    }
+                    assert_eq!(bits(&dbe), bits(&want.dbeta), "{what} dbeta");
+                    let (got, exp) = (dg.to_f32_vec().unwrap(), want.dgamma.to_f32_vec().unwrap());
+                    for (i, (g, w)) in got.iter().zip(&exp).enumerate() {
+                        let ok = (g - w).abs() <= tol * w.abs().max(1.0);
+                        assert!(ok, "{what} dgamma {i}: {g} vs {w}");
+                    }
+                    if let Some(br) = branch {
+                        let of_dx = dropout_add_backward(&dx, b, br.p, br.seed, br.offset).unwrap();
+                        assert_eq!(bits(&db), bits(&of_dx), "{what} branch");
+                    } else {
+                        assert!(bits(&db).iter().all(|&v| f32::from_bits(v).is_nan()), "{what}");
+                    }
+                }
             }
         }
     }

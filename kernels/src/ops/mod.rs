@@ -68,8 +68,9 @@ pub use conv::{
 pub use elementwise::{add, add_assign, axpy, bias_add, bias_add_backward, mul, scale};
 pub use embedding::{embedding, embedding_backward};
 pub use fused::{
-    AddLayerNorm, BiasGeluGrads, add_layer_norm, bias_gelu, bias_gelu_backward, dropout_add,
-    dropout_add_backward, dropout_add_layer_norm,
+    AddLayerNorm, BiasGeluGrads, ResidualBranch, ResidualNormGrads, add_layer_norm, bias_gelu,
+    bias_gelu_backward, dropout_add, dropout_add_backward, dropout_add_layer_norm,
+    layer_norm_backward_residual,
 };
 pub use linear_cross_entropy::{
     LinearCrossEntropy, LinearCrossEntropyParams, LossChunk, chunk_bytes_per_row,

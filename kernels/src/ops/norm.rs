@@ -265,31 +265,18 @@ pub(crate) unsafe fn backward_launches(
     d: usize,
     dtype: DType,
 ) -> Result<()> {
-    use crate::cuda::registry::{LAYER_NORM_BWD_FINISH, LAYER_NORM_BWD_FUSED};
-    use crate::cuda::{Arg, launch};
-    const NAME: &str = "layer_norm_backward";
-    let chunks = param_chunks(rows);
-    let col_blocks = d.div_ceil(launch::BLOCK as usize);
-    let chunk_blocks = chunks.min(65535);
-    let blocks = col_blocks
-        .checked_mul(chunk_blocks)
-        .and_then(|b| b.checked_add(rows))
-        .filter(|&b| launch::fits_grid(b))
-        .ok_or_else(|| invalid(NAME, format!("{rows} rows of {d} exceed a CUDA grid")))?;
-    let cfg = cudarc::driver::LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: (launch::BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let db_partials = at.partials + (chunks * d * 4) as u64;
+    use crate::cuda::Arg;
+    use crate::cuda::registry::LAYER_NORM_BWD_FUSED;
+    let grid = BackwardGrid::new("layer_norm_backward", rows, d)?;
+    let db_partials = grid.dbeta_partials(at.partials);
     // SAFETY: layer_norm_bwd_fused_T(const T* x, const T* g, const float* m, const float* r,
     // const T* dy, T* dx, float* dg, float* db, u64 rows, u64 d, u64 chunk, u32 col_blocks,
     // u32 chunk_blocks); the caller's contract covers the sizes; the grid is rows blocks
-    // then col_blocks * chunk_blocks (both u32: checked against the grid above).
+    // then col_blocks * chunk_blocks (both u32: checked against the grid in `new`).
     unsafe {
         gpu.launch(
             LAYER_NORM_BWD_FUSED.of(dtype),
-            cfg,
+            grid.cfg,
             &[
                 Arg::Ptr(at.x),
                 Arg::Ptr(at.gamma),
@@ -302,23 +289,92 @@ pub(crate) unsafe fn backward_launches(
                 Arg::count(rows),
                 Arg::count(d),
                 Arg::count(crate::cpu::elementwise::COLUMN_SUM_ROWS),
-                Arg::U32(col_blocks as u32),
-                Arg::U32(chunk_blocks as u32),
+                Arg::U32(grid.col_blocks),
+                Arg::U32(grid.chunk_blocks),
             ],
         )?;
+        grid.finish(gpu, at.partials, at.dgamma, at.dbeta, dtype)
+    }
+}
+
+/// The grid of the backward's first launch over `[rows, d]`: `rows` blocks of dx, then a
+/// block per column block and chunk of rows (at most 65535 chunk blocks, each striding over
+/// the chunks) for the partial sums of dgamma and dbeta.
+#[cfg(feature = "cuda")]
+pub(crate) struct BackwardGrid {
+    pub(crate) cfg: cudarc::driver::LaunchConfig,
+    pub(crate) col_blocks: u32,
+    pub(crate) chunk_blocks: u32,
+    /// The chunks of rows whose partials the first launch writes.
+    chunks: usize,
+    d: usize,
+}
+
+#[cfg(feature = "cuda")]
+impl BackwardGrid {
+    /// The grid for `rows` rows of `d`; an error (for `op`) when it exceeds a CUDA grid.
+    pub(crate) fn new(op: &'static str, rows: usize, d: usize) -> Result<Self> {
+        use crate::cuda::launch;
+        let chunks = param_chunks(rows);
+        let col_blocks = d.div_ceil(launch::BLOCK as usize);
+        let chunk_blocks = chunks.min(65535);
+        let blocks = col_blocks
+            .checked_mul(chunk_blocks)
+            .and_then(|b| b.checked_add(rows))
+            .filter(|&b| launch::fits_grid(b))
+            .ok_or_else(|| invalid(op, format!("{rows} rows of {d} exceed a CUDA grid")))?;
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (launch::BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // Both fit a u32: their product fits the grid.
+        Ok(BackwardGrid {
+            cfg,
+            col_blocks: col_blocks as u32,
+            chunk_blocks: chunk_blocks as u32,
+            chunks,
+            d,
+        })
+    }
+
+    /// Where dbeta's partials start in the workspace at `partials` (after dgamma's).
+    pub(crate) fn dbeta_partials(&self, partials: u64) -> u64 {
+        partials + (self.chunks * self.d * 4) as u64
+    }
+
+    /// The second launch, `layer_norm_bwd_finish`: the partials at `partials` added in chunk
+    /// order and rounded into `dgamma` and `dbeta`.
+    ///
+    /// # Safety
+    ///
+    /// `partials` holds `2 * chunks * d` floats written by the first launch; `dgamma` and
+    /// `dbeta` `d` elements of `dtype`.
+    pub(crate) unsafe fn finish(
+        &self,
+        gpu: &impl crate::cuda::Exec,
+        partials: u64,
+        dgamma: u64,
+        dbeta: u64,
+        dtype: DType,
+    ) -> Result<()> {
+        use crate::cuda::registry::LAYER_NORM_BWD_FINISH;
+        use crate::cuda::{Arg, launch};
         // SAFETY: layer_norm_bwd_finish_T(const float* dg, const float* db, T* dgamma, T*
-        // dbeta, u64 chunks, u64 d): the partials written above, d elements out.
-        gpu.launch(
-            LAYER_NORM_BWD_FINISH.of(dtype),
-            launch::elementwise(d),
-            &[
-                Arg::Ptr(at.partials),
-                Arg::Ptr(db_partials),
-                Arg::Ptr(at.dgamma),
-                Arg::Ptr(at.dbeta),
-                Arg::count(chunks),
-                Arg::count(d),
-            ],
-        )
+        // dbeta, u64 chunks, u64 d): the caller's contract.
+        unsafe {
+            gpu.launch(
+                LAYER_NORM_BWD_FINISH.of(dtype),
+                launch::elementwise(self.d),
+                &[
+                    Arg::Ptr(partials),
+                    Arg::Ptr(self.dbeta_partials(partials)),
+                    Arg::Ptr(dgamma),
+                    Arg::Ptr(dbeta),
+                    Arg::count(self.chunks),
+                    Arg::count(self.d),
+                ],
+            )
+        }
     }
 }

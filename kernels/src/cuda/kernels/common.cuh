@@ -93,6 +93,16 @@ __device__ __forceinline__ float philox_uniform(u64 seed, u64 index) {
     return (float)(r >> 8) * (1.0f / 16777216.0f);
 }
 
+// Element `index` of a residual branch after dropout (fused.cu's residual kernels, softmax.cu's
+// layer norm backward with a residual), as f32: kept iff its uniform is >= p
+// (misc.cu's dropout_impl), then scaled and rounded to B as ops::dropout stores it; 0 when
+// dropped. p == 0 keeps everything unscaled without drawing.
+template <typename B>
+__device__ __forceinline__ float dropped_branch(B v, u64 index, float p, float scale, u64 seed) {
+    if (p == 0.0f) return to_f32(v);
+    return philox_uniform(seed, index) >= p ? to_f32(from_f32<B>(to_f32(v) * scale)) : 0.0f;
+}
+
 // GELU, tanh approximation (GPT-2's; PyTorch's `approximate='tanh'`), and its derivative:
 // elementwise.cu's gelu and fused.cu's bias + GELU.
 #define GELU_K 0.7978846f

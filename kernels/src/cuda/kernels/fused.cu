@@ -48,15 +48,6 @@ __device__ void column_finish_impl(const float* part, T* out, u64 chunks, u64 d)
     }
 }
 
-// Element `index` of a residual branch after dropout, as f32: kept iff its uniform is >= p
-// (misc.cu's dropout_impl), then scaled and rounded to B as ops::dropout stores it; 0 when
-// dropped. p == 0 keeps everything unscaled without drawing.
-template <typename B>
-__device__ __forceinline__ float dropped_branch(B v, u64 index, float p, float scale, u64 seed) {
-    if (p == 0.0f) return to_f32(v);
-    return philox_uniform(seed, index) >= p ? to_f32(from_f32<B>(to_f32(v) * scale)) : 0.0f;
-}
-
 // y = a + dropout(b): the branch of dtype B dropped as ops::dropout drops it (element i of
 // the stream at offset + i), added in f32 to the residual and rounded to R.
 template <typename R, typename B>

@@ -101,12 +101,12 @@ __device__ void layer_norm_impl(const T* x, const T* gamma, const T* beta, float
 // `layer_norm_bwd_finish` adds the partials in chunk order and rounds them into dgamma and
 // dbeta. (Before: dx, the partials, two column-sum passes and two casts, six launches.)
 
-// dx for one row: rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * gamma.
+// The row's mean(g) and mean(g * xhat) with g = dy * gamma, xhat = (x - mu) * r: block sums,
+// every thread gets both.
 template <typename T>
-__device__ void layer_norm_bwd_row(const T* x, const T* gamma, const float* mean,
-                                   const float* rstd, const T* dy, T* dx, u64 row, u64 d) {
-    const u64 off = row * d;
-    const float mu = mean[row], r = rstd[row];
+__device__ __forceinline__ void layer_norm_bwd_means(const T* x, const T* gamma, const T* dy,
+                                                     float mu, float r, u64 off, u64 d,
+                                                     float* mean_g, float* mean_gx) {
     float sg = 0.0f, sgx = 0.0f;
     for (u64 j = threadIdx.x; j < d; j += blockDim.x) {
         const float xhat = (to_f32(x[off + j]) - mu) * r;
@@ -114,8 +114,18 @@ __device__ void layer_norm_bwd_row(const T* x, const T* gamma, const float* mean
         sg += g;
         sgx += g * xhat;
     }
-    const float mean_g = block_sum(sg) / (float)d;
-    const float mean_gx = block_sum(sgx) / (float)d;
+    *mean_g = block_sum(sg) / (float)d;
+    *mean_gx = block_sum(sgx) / (float)d;
+}
+
+// dx for one row: rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * gamma.
+template <typename T>
+__device__ void layer_norm_bwd_row(const T* x, const T* gamma, const float* mean,
+                                   const float* rstd, const T* dy, T* dx, u64 row, u64 d) {
+    const u64 off = row * d;
+    const float mu = mean[row], r = rstd[row];
+    float mean_g, mean_gx;
+    layer_norm_bwd_means<T>(x, gamma, dy, mu, r, off, d, &mean_g, &mean_gx);
     for (u64 j = threadIdx.x; j < d; j += blockDim.x) {
         const float xhat = (to_f32(x[off + j]) - mu) * r;
         const float g = to_f32(dy[off + j]) * to_f32(gamma[j]);
@@ -178,6 +188,56 @@ __device__ void layer_norm_bwd_finish_impl(const float* dg, const float* db, T* 
         dgamma[j] = from_f32<T>(a);
         dbeta[j] = from_f32<T>(b);
     }
+}
+
+// Layer norm's backward with a second gradient arriving at its input (a residual stream:
+// s = residual + dropout(branch), h = layer_norm(s)), in the same two launches: each row's
+// dx is layer_norm_bwd_row's, rounded to R as it stores it, plus dres (rounded to R again, as
+// add_assign adds it into the stored dx); with has_branch the branch's gradient of that sum
+// follows in the same pass, as dropout_add_bwd makes it (rounded to B, masked and scaled with
+// the forward's p, seed and offset: element i of the stream at offset + i). The partials of
+// dgamma and dbeta are layer_norm_bwd_fused's; layer_norm_bwd_finish adds them.
+template <typename R, typename B>
+__device__ void layer_norm_bwd_residual_row(const R* x, const R* gamma, const float* mean,
+                                            const float* rstd, const R* dy, const R* dres,
+                                            R* dx, B* db, u32 has_branch, float p, float scale,
+                                            u64 seed, u64 offset, u64 row, u64 d) {
+    const u64 off = row * d;
+    const float mu = mean[row], r = rstd[row];
+    float mean_g, mean_gx;
+    layer_norm_bwd_means<R>(x, gamma, dy, mu, r, off, d, &mean_g, &mean_gx);
+    for (u64 j = threadIdx.x; j < d; j += blockDim.x) {
+        const u64 i = off + j;
+        const float xhat = (to_f32(x[i]) - mu) * r;
+        const float g = to_f32(dy[i]) * to_f32(gamma[j]);
+        const R own = from_f32<R>(r * (g - mean_g - xhat * mean_gx));
+        const R v = from_f32<R>(to_f32(own) + to_f32(dres[i]));
+        dx[i] = v;
+        if (has_branch) {
+            const B gb = from_f32<B>(to_f32(v));
+            db[i] = from_f32<B>(dropped_branch<B>(gb, offset + i, p, scale, seed));
+        }
+    }
+}
+
+// grid: rows blocks of dx (and the branch's gradient), then col_blocks * chunk_blocks blocks
+// of partials, as layer_norm_bwd_fused_impl.
+template <typename R, typename B>
+__device__ void layer_norm_bwd_residual_impl(const R* x, const R* gamma, const float* mean,
+                                             const float* rstd, const R* dy, const R* dres,
+                                             R* dx, B* db, u32 has_branch, float p, float scale,
+                                             u64 seed, u64 offset, float* dg, float* dbp,
+                                             u64 rows, u64 d, u64 chunk, u32 col_blocks,
+                                             u32 chunk_blocks) {
+    const u64 b = blockIdx.x;
+    if (b < rows) {
+        layer_norm_bwd_residual_row<R, B>(x, gamma, mean, rstd, dy, dres, dx, db, has_branch, p,
+                                          scale, seed, offset, b, d);
+        return;
+    }
+    const u32 q = (u32)(b - rows);
+    const u32 cy = q / col_blocks, cb = q - cy * col_blocks;
+    layer_norm_params_part<R>(x, mean, rstd, dy, dg, dbp, rows, d, chunk, cb, cy, chunk_blocks);
 }
 
 // Batch norm over x: [n, c, s]. The statistics and the backward's sums spread each channel
@@ -361,3 +421,8 @@ __device__ void bn_bwd_dx_impl(const T* x, const T* dy, const float* mean, const
     extern "C" __global__ void bn_bwd_partial_##S(const T* x, const T* dy, const float* m, const float* r, float* part, u64 n, u64 c, u64 s, u32 parts) { bn_bwd_partial_impl<T>(x, dy, m, r, part, n, c, s, parts); } \
     extern "C" __global__ void bn_bwd_dx_##S(const T* x, const T* dy, const float* m, const float* r, const void* g, u32 pf32, const float* sums, T* dx, u64 total, Div c, Div s) { bn_bwd_dx_impl<T>(x, dy, m, r, g, pf32, sums, dx, total, c, s); }
 FOR_DTYPES(ROWWISE)
+
+// Layer norm's backward with a residual, named layer_norm_bwd_residual_<stream>_<branch>.
+#define LAYER_NORM_RESIDUAL(R, SR, B, SB) \
+    extern "C" __global__ void layer_norm_bwd_residual_##SR##_##SB(const R* x, const R* g, const float* m, const float* r, const R* dy, const R* dres, R* dx, B* db, u32 has_branch, float p, float scale, u64 seed, u64 offset, float* dg, float* dbp, u64 rows, u64 d, u64 chunk, u32 cols, u32 chunks) { layer_norm_bwd_residual_impl<R, B>(x, g, m, r, dy, dres, dx, db, has_branch, p, scale, seed, offset, dg, dbp, rows, d, chunk, cols, chunks); }
+FOR_DTYPE_PAIRS(LAYER_NORM_RESIDUAL)

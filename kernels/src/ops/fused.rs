@@ -476,20 +476,22 @@ impl Op for LayerNormBackwardResidual<'_> {
         let partials = bufs.ws(self.acc)?;
         let ([dx, dgamma, dbeta], dbranch) = bufs.outputs_mut();
         let at = ResidualNormAddresses {
-            x: self.x.cuda_ptr()?,
-            gamma: self.gamma.cuda_ptr()?,
-            mean: self.mean.cuda_ptr()?,
-            rstd: self.rstd.cuda_ptr()?,
-            dy: self.dy.cuda_ptr()?,
+            norm: super::norm::BackwardAddresses {
+                x: self.x.cuda_ptr()?,
+                gamma: self.gamma.cuda_ptr()?,
+                mean: self.mean.cuda_ptr()?,
+                rstd: self.rstd.cuda_ptr()?,
+                dy: self.dy.cuda_ptr()?,
+                dx: dx.cuda_ptr()?,
+                dgamma: dgamma.cuda_ptr()?,
+                dbeta: dbeta.cuda_ptr()?,
+                partials,
+            },
             dres: self.dres.cuda_ptr()?,
-            dx: dx.cuda_ptr()?,
-            dgamma: dgamma.cuda_ptr()?,
-            dbeta: dbeta.cuda_ptr()?,
             dbranch: match dbranch {
                 Some(t) => t.cuda_ptr()?,
                 None => 0,
             },
-            partials,
         };
         let (branch, (rows, d)) = (self.branch, (self.mean.numel(), self.gamma.numel()));
         // SAFETY: the tensors hold what `plan` checked (x, dy, dres, dx and the branch's
@@ -507,19 +509,12 @@ impl Op for LayerNormBackwardResidual<'_> {
 /// The device addresses [`residual_norm_backward_launches`] works on.
 #[cfg(feature = "cuda")]
 pub(crate) struct ResidualNormAddresses {
-    pub(crate) x: u64,
-    pub(crate) gamma: u64,
-    pub(crate) mean: u64,
-    pub(crate) rstd: u64,
-    pub(crate) dy: u64,
+    /// What layer norm's own backward works on.
+    pub(crate) norm: super::norm::BackwardAddresses,
+    /// The residual's gradient, added into dx.
     pub(crate) dres: u64,
-    pub(crate) dx: u64,
-    pub(crate) dgamma: u64,
-    pub(crate) dbeta: u64,
     /// The branch's gradient (0 without a branch: never written).
     pub(crate) dbranch: u64,
-    /// `2 * param_chunks(rows) * d` floats: dgamma's partials, then dbeta's.
-    pub(crate) partials: u64,
 }
 
 /// [`layer_norm_backward_residual`]'s two launches over `[rows, d]` of `dtype`:
@@ -545,6 +540,7 @@ pub(crate) unsafe fn residual_norm_backward_launches(
     use crate::cuda::Arg;
     use crate::cuda::registry::LAYER_NORM_BWD_RESIDUAL;
     let grid = super::norm::BackwardGrid::new("layer_norm_backward_residual", rows, d)?;
+    let n = &at.norm;
     // Without a branch the kernel writes none: its pair is the stream's dtype twice.
     let (bdt, has, drop) = match branch {
         Some(b) => (b.dtype, 1, BranchDropout { p: b.p, seed: b.seed, offset: b.offset }),
@@ -560,21 +556,21 @@ pub(crate) unsafe fn residual_norm_backward_launches(
             LAYER_NORM_BWD_RESIDUAL.of_pair(dtype, bdt),
             grid.cfg,
             &[
-                Arg::Ptr(at.x),
-                Arg::Ptr(at.gamma),
-                Arg::Ptr(at.mean),
-                Arg::Ptr(at.rstd),
-                Arg::Ptr(at.dy),
+                Arg::Ptr(n.x),
+                Arg::Ptr(n.gamma),
+                Arg::Ptr(n.mean),
+                Arg::Ptr(n.rstd),
+                Arg::Ptr(n.dy),
                 Arg::Ptr(at.dres),
-                Arg::Ptr(at.dx),
+                Arg::Ptr(n.dx),
                 Arg::Ptr(at.dbranch),
                 Arg::U32(has),
                 p,
                 scale,
                 seed,
                 offset,
-                Arg::Ptr(at.partials),
-                Arg::Ptr(grid.dbeta_partials(at.partials)),
+                Arg::Ptr(n.partials),
+                Arg::Ptr(grid.dbeta_partials(n.partials)),
                 Arg::count(rows),
                 Arg::count(d),
                 Arg::count(crate::cpu::elementwise::COLUMN_SUM_ROWS),
@@ -582,7 +578,7 @@ pub(crate) unsafe fn residual_norm_backward_launches(
                 Arg::U32(grid.chunk_blocks),
             ],
         )?;
-        grid.finish(gpu, at.partials, at.dgamma, at.dbeta, dtype)
+        grid.finish(gpu, n.partials, n.dgamma, n.dbeta, dtype)
     }
 }
 
@@ -1558,17 +1554,19 @@ mod residual_norm_tests {
                     let mut partials = vec![f32::NAN; 2 * param_chunks(rows) * d];
                     let a = |t: &Tensor| t.storage().address();
                     let at = ResidualNormAddresses {
-                        x: a(&x),
-                        gamma: a(&g),
-                        mean: a(&mean),
-                        rstd: a(&rstd),
-                        dy: a(&dy),
+                        norm: crate::ops::norm::BackwardAddresses {
+                            x: a(&x),
+                            gamma: a(&g),
+                            mean: a(&mean),
+                            rstd: a(&rstd),
+                            dy: a(&dy),
+                            dx: a(&dx),
+                            dgamma: a(&dg),
+                            dbeta: a(&dbe),
+                            partials: partials.as_mut_ptr() as u64,
+                        },
                         dres: a(&dres),
-                        dx: a(&dx),
-                        dgamma: a(&dg),
-                        dbeta: a(&dbe),
                         dbranch: if with_branch { a(&db) } else { 0 },
-                        partials: partials.as_mut_ptr() as u64,
                     };
                     // SAFETY: host buffers of the sizes the launches address.
                     unsafe { residual_norm_backward_launches(&e, &at, rows, d, r, branch) }

@@ -491,11 +491,18 @@ impl Linear {
         drop(s.z);
         let g = ops::linear_backward(&s.x, &c.w, &dz, self.bias.is_some())?;
         drop((dz, s.x, c.w));
-        accumulate_grad_cast(&mut self.weight, g.dw)?;
-        if let (Some(b), Some(db)) = (&mut self.bias, g.dbias) {
+        self.accumulate_cast(g.dw, g.dbias)?;
+        Ok((g.dx, c.in_dtype))
+    }
+
+    /// Adds a product's weight and bias gradients (in the product's dtype under autocast)
+    /// into the parameters' gradients, in the parameters' dtype.
+    fn accumulate_cast(&mut self, dw: Tensor, dbias: Option<Tensor>) -> Result<()> {
+        accumulate_grad_cast(&mut self.weight, dw)?;
+        if let (Some(b), Some(db)) = (&mut self.bias, dbias) {
             accumulate_grad_cast(b, db)?;
         }
-        Ok((g.dx, c.in_dtype))
+        Ok(())
     }
 }
 
@@ -533,10 +540,7 @@ impl Linear {
         let w = s.cast.as_ref().map_or(&self.weight.value, |c| &c.w);
         let g = ops::linear_backward_gelu(&s.x, w, &dy, self.bias.is_some(), &pre)?;
         drop((dy, s, pre));
-        accumulate_grad_cast(&mut self.weight, g.dw)?;
-        if let (Some(b), Some(db)) = (&mut self.bias, g.dbias) {
-            accumulate_grad_cast(b, db)?;
-        }
+        self.accumulate_cast(g.dw, g.dbias)?;
         if let Some(b) = &mut fc1.bias {
             accumulate_grad_cast(b, g.dpre_bias)?;
         }

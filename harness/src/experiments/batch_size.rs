@@ -4,8 +4,8 @@
 
 use super::common::{
     EXECUTED, REAL_SIZE_CAVEAT, REAL_VIRTUAL, RealCase, bytes_list, cnn, cnn_side, fit_line,
-    increasing, note_not_executed, real_allocs, real_case, real_model, real_part, real_tag,
-    stripes, train_fresh_interleaved,
+    increasing, note_not_executed, push_real_rows, real_allocs, real_case, real_model, real_part,
+    real_tag, stripes, train_fresh_interleaved,
 };
 use super::{Experiment, Sweep};
 use crate::plan::{ModelOverrides, PlanKind, Precision};
@@ -126,35 +126,22 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         let mut cases = Vec::new();
         for &b in &batches {
             let case = real_case(ctx, &model, Precision::Fp32, PlanKind::None, (b, 1))?;
-            let row = |part, samples_per_s| Measured {
-                part,
-                model: label.clone(),
-                batch_size: b,
-                samples_per_s,
-                last_loss: None,
-                params_bytes: None,
-                grads_bytes: None,
-                optimizer_state_bytes: None,
-                activation_bytes_estimate: None,
-                fixed_bytes: Some(fp.fixed),
-                per_sample_bytes: Some(fp.per_sample),
-            };
-            let (alloc, reserved) = case.predicted;
-            sweep.push(
-                &format!("{REAL}: {label}, batch {b}"),
-                alloc,
-                reserved,
-                None,
-                row(REAL, None),
-            );
-            if let Some(r) = case.executed.ran() {
-                let step = case.executed.step();
-                let mut m = row(EXECUTED, step.map(|t| b as f64 * 1e3 / t.mean_ms));
-                m.last_loss = r.losses.last().copied();
-                let name = format!("{EXECUTED}: {label}, batch {b}");
-                sweep.push(&name, r.allocated, r.reserved, step, m);
-            }
-            not_run.extend(case.executed.why_not().map(|w| format!("{label}, batch {b}: {w}")));
+            let what = format!("{label}, batch {b}");
+            not_run.extend(push_real_rows(&mut sweep, &what, &case, b, |part, per_s, loss| {
+                Measured {
+                    part,
+                    model: label.clone(),
+                    batch_size: b,
+                    samples_per_s: per_s,
+                    last_loss: loss,
+                    params_bytes: None,
+                    grads_bytes: None,
+                    optimizer_state_bytes: None,
+                    activation_bytes_estimate: None,
+                    fixed_bytes: Some(fp.fixed),
+                    per_sample_bytes: Some(fp.per_sample),
+                }
+            }));
             cases.push(case);
         }
         let refs: Vec<&RealCase> = cases.iter().collect();

@@ -388,7 +388,16 @@ pub const EXECUTED_STEPS: u64 = 4;
 
 /// Room left on the card for the CUDA context and libraries' own memory when deciding
 /// whether a real-size case fits it.
-pub const CARD_HEADROOM: u64 = 2 << 30;
+const CARD_HEADROOM: u64 = 2 << 30;
+
+/// What a real-size case may take on this backend's GPU: the card's memory less room for
+/// the CUDA context and libraries; `None` on the host.
+pub fn gpu_usable(ctx: &Context) -> Option<u64> {
+    match ctx.backend {
+        Backend::Cuda { total_bytes, .. } => Some(total_bytes.saturating_sub(CARD_HEADROOM)),
+        Backend::Cpu => None,
+    }
+}
 
 /// A real-size case's run on the GPU, beside the virtual device's prediction.
 #[derive(Clone, Debug, PartialEq)]
@@ -450,14 +459,14 @@ pub fn real_executed(
     (micro, accum): (usize, usize),
     predicted_reserved: u64,
 ) -> Result<Executed, ExperimentError> {
-    let Backend::Cuda { total_bytes, .. } = ctx.backend else {
+    let Some(usable) = gpu_usable(ctx) else {
         return Ok(Executed::NotOnGpu);
     };
-    let usable = total_bytes.saturating_sub(CARD_HEADROOM);
     if predicted_reserved > usable {
         return Ok(Executed::TooLarge { need: predicted_reserved, usable });
     }
-    let target = crate::plan::Target::Cuda(total_bytes);
+    // The whole card (a cap of at least its size).
+    let target = crate::plan::Target::Cuda(usable + CARD_HEADROOM);
     execute(model, precision, plan, (micro, accum), target)
 }
 
@@ -508,6 +517,35 @@ pub fn real_part(cases: &[&RealCase]) -> &'static str {
 pub fn real_allocs(cases: &[&RealCase]) -> Vec<u64> {
     let executed = real_part(cases) == EXECUTED;
     cases.iter().map(|c| if executed { c.peaks().0 } else { c.predicted.0 }).collect()
+}
+
+/// Pushes a real-size case's rows: `real size (virtual)` with the prediction, then, where it
+/// ran on the GPU, `real size (executed on the GPU)` with the card's peaks and timed steps.
+/// `row(part, samples_per_s, last_loss)` builds a row's measurements (`samples` per step
+/// give the samples per second; both `None` on the virtual row). Returns "what: why" when
+/// the case did not run on the GPU (for [`note_not_executed`]).
+pub fn push_real_rows<M: serde::Serialize>(
+    sweep: &mut super::Sweep<M>,
+    what: &str,
+    case: &RealCase,
+    samples: usize,
+    row: impl Fn(&'static str, Option<f64>, Option<f32>) -> M,
+) -> Option<String> {
+    let (alloc, reserved) = case.predicted;
+    sweep.push(
+        &format!("{REAL_VIRTUAL}: {what}"),
+        alloc,
+        reserved,
+        None,
+        row(REAL_VIRTUAL, None, None),
+    );
+    if let Some(r) = case.executed.ran() {
+        let step = case.executed.step();
+        let per_s = step.map(|t| samples as f64 * 1e3 / t.mean_ms);
+        let m = row(EXECUTED, per_s, r.losses.last().copied());
+        sweep.push(&format!("{EXECUTED}: {what}"), r.allocated, r.reserved, step, m);
+    }
+    case.executed.why_not().map(|w| format!("{what}: {w}"))
 }
 
 /// Adds a reading listing the real-size cases that did not run on the GPU (`not_run`: one

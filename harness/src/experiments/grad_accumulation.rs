@@ -4,8 +4,8 @@
 
 use super::common::{
     EXECUTED, REAL_SIZE_CAVEAT, REAL_VIRTUAL, RealCase, bytes_list, cnn, cnn_side, device,
-    gradients, max_relative_difference, note_not_executed, real_allocs, real_case, real_model,
-    real_part, real_tag, stripes,
+    gradients, max_relative_difference, note_not_executed, push_real_rows, real_allocs, real_case,
+    real_model, real_part, real_tag, stripes,
 };
 use super::{Experiment, Sweep};
 use crate::models::Model;
@@ -117,23 +117,17 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         let mut cases = Vec::new();
         for k in ks {
             let case = real_case(ctx, &model, Precision::Fp32, PlanKind::None, (eff / k, k))?;
-            let row = |part, samples_per_s| Measured {
-                part,
-                model: tag.clone(),
-                k,
-                micro_batch: eff / k,
-                samples_per_s,
-                grad_max_relative_difference_vs_full_batch: None,
-            };
             let what = format!("{tag}, batch {eff}, k = {k} (micro-batch {})", eff / k);
-            let (alloc, reserved) = case.predicted;
-            sweep.push(&format!("{REAL}: {what}"), alloc, reserved, None, row(REAL, None));
-            if let Some(r) = case.executed.ran() {
-                let step = case.executed.step();
-                let m = row(EXECUTED, step.map(|t| eff as f64 * 1e3 / t.mean_ms));
-                sweep.push(&format!("{EXECUTED}: {what}"), r.allocated, r.reserved, step, m);
-            }
-            not_run.extend(case.executed.why_not().map(|w| format!("{what}: {w}")));
+            not_run.extend(push_real_rows(&mut sweep, &what, &case, eff, |part, per_s, _| {
+                Measured {
+                    part,
+                    model: tag.clone(),
+                    k,
+                    micro_batch: eff / k,
+                    samples_per_s: per_s,
+                    grad_max_relative_difference_vs_full_batch: None,
+                }
+            }));
             cases.push(case);
         }
         let refs: Vec<&RealCase> = cases.iter().collect();

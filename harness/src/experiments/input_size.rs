@@ -2,7 +2,7 @@
 
 use super::common::{
     EXECUTED, REAL_SIZE_CAVEAT, REAL_VIRTUAL, RealCase, bytes_list, cnn, fit_line, increasing,
-    note_not_executed, real_allocs, real_case, real_model, real_part, stripes,
+    note_not_executed, push_real_rows, real_allocs, real_case, real_model, real_part, stripes,
     train_fresh_interleaved,
 };
 use super::{Experiment, Sweep};
@@ -74,22 +74,16 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         let model =
             real_model("resnet50", &ModelOverrides { side: Some(side), ..Default::default() })?;
         let case = real_case(ctx, &model, Precision::Fp32, PlanKind::None, (REAL_BATCH, 1))?;
-        let row = |part, samples_per_s| Measured {
-            part,
-            model: "resnet50".into(),
-            batch_size: REAL_BATCH,
-            side,
-            samples_per_s,
-        };
         let what = format!("resnet50, batch {REAL_BATCH}, {side}x{side}");
-        let (alloc, reserved) = case.predicted;
-        sweep.push(&format!("{REAL}: {what}"), alloc, reserved, None, row(REAL, None));
-        if let Some(r) = case.executed.ran() {
-            let step = case.executed.step();
-            let m = row(EXECUTED, step.map(|t| REAL_BATCH as f64 * 1e3 / t.mean_ms));
-            sweep.push(&format!("{EXECUTED}: {what}"), r.allocated, r.reserved, step, m);
-        }
-        not_run.extend(case.executed.why_not().map(|w| format!("{what}: {w}")));
+        not_run.extend(push_real_rows(&mut sweep, &what, &case, REAL_BATCH, |part, per_s, _| {
+            Measured {
+                part,
+                model: "resnet50".into(),
+                batch_size: REAL_BATCH,
+                side,
+                samples_per_s: per_s,
+            }
+        }));
         cases.push(case);
     }
     note_not_executed(&mut sweep, &not_run);

@@ -2,9 +2,9 @@
 //! depth and widths on the same input.
 
 use super::common::{
-    EXECUTED, REAL_SIZE_CAVEAT, REAL_VIRTUAL, RealCase, cnn, cnn_side, device, note_not_executed,
-    real_allocs, real_case, real_model, real_params, real_part, stripes, timed_steps,
-    train_interleaved,
+    REAL_SIZE_CAVEAT, REAL_VIRTUAL, RealCase, cnn, cnn_side, device, note_not_executed,
+    push_real_rows, real_allocs, real_case, real_model, real_params, real_part, stripes,
+    timed_steps, train_interleaved,
 };
 use super::{Experiment, Sweep};
 use crate::models::Model;
@@ -106,29 +106,16 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         let case = real_case(ctx, &model, Precision::Fp32, PlanKind::None, (b, 1))?;
         let fp = crate::advice::footprint(&model)?;
         let (fixed, per) = (fp.fixed, fp.per_sample);
-        let row = |part, samples_per_s| Measured {
+        let what = format!("{label}, batch {b}");
+        not_run.extend(push_real_rows(&mut sweep, &what, &case, b, |part, per_s, _| Measured {
             part,
             parameters: params,
-            samples_per_s,
+            samples_per_s: per_s,
             architecture: model.name.clone(),
             batch_size: b,
             fixed_bytes: Some(fixed),
             per_sample_bytes: Some(per),
-        };
-        let (alloc, reserved) = case.predicted;
-        sweep.push(&format!("{REAL}: {label}, batch {b}"), alloc, reserved, None, row(REAL, None));
-        if let Some(r) = case.executed.ran() {
-            let step = case.executed.step();
-            let m = row(EXECUTED, step.map(|t| b as f64 * 1e3 / t.mean_ms));
-            sweep.push(
-                &format!("{EXECUTED}: {label}, batch {b}"),
-                r.allocated,
-                r.reserved,
-                step,
-                m,
-            );
-        }
-        not_run.extend(case.executed.why_not().map(|w| format!("{label}, batch {b}: {w}")));
+        }));
         real.push((label, params, 0, fixed, per));
         cases.push(case);
     }

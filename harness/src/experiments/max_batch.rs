@@ -14,8 +14,7 @@
 //! and whether it fits depends on which blocks are free: fitting need not be monotone.
 
 use super::common::{
-    CARD_HEADROOM, EXECUTED, REAL_SIZE_CAVEAT, cnn, cnn_side, real_model, sized_device, stripes,
-    sync,
+    EXECUTED, REAL_SIZE_CAVEAT, cnn, cnn_side, gpu_usable, real_model, sized_device, stripes, sync,
 };
 use super::{Experiment, Sweep};
 use crate::Backend;
@@ -315,7 +314,7 @@ fn real_search(ctx: &Context, name: &str, card: u64) -> Result<RealSearch, Exper
     let data = pm.arch.dataset();
     // On a GPU that holds the card (its size plus room for the CUDA context), the searches and
     // the ground truth run there, capped at the card's size; else on virtual cards.
-    let on_gpu = matches!(ctx.backend, Backend::Cuda { total_bytes, .. } if card + CARD_HEADROOM <= total_bytes);
+    let on_gpu = gpu_usable(ctx).is_some_and(|usable| card <= usable);
     let fresh = |capacity: u64| -> Result<(Device, Model), ExperimentError> {
         let dev = if on_gpu && capacity <= card {
             sized_device(ctx, capacity)?

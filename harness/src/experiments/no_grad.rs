@@ -1,14 +1,15 @@
 //! `no-grad-inference`: evaluation with and without recording what backward needs.
 
 use super::common::{
-    EXECUTED, REAL_CAPACITY, REAL_SIZE_CAVEAT, cnn, cnn_side, device, gpt_tag, stripes, sync,
+    EXECUTED, REAL_CAPACITY, REAL_SIZE_CAVEAT, cnn, cnn_side, device, gpt_tag, gpu_usable, stripes,
+    sync,
 };
 use super::{Experiment, Sweep};
 use crate::models::{Arch, Attention, Model};
 use crate::plots::grouped_bars;
 use crate::techniques::Technique;
 use crate::timing::{Timing, interleaved};
-use crate::{Backend, Claim, Context, ExperimentError, Verdict, human_bytes};
+use crate::{Claim, Context, ExperimentError, Verdict, human_bytes};
 use serde::Serialize;
 use serde_json::json;
 use std::time::Instant;
@@ -172,8 +173,8 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
                 sweep.push(&format!("{REAL}: {what}"), alloc, reserved, None, row(REAL));
                 (peaks[k], weights) = (alloc, w);
                 // On a GPU, the same evaluation executed there where the card holds it.
-                if let Backend::Cuda { total_bytes, .. } = ctx.backend {
-                    if reserved + (2 << 30) > total_bytes {
+                if let Some(usable) = gpu_usable(ctx) {
+                    if reserved > usable {
                         not_run.push(format!("{what}: needs {} reserved", human_bytes(reserved)));
                         continue;
                     }

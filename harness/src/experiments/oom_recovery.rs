@@ -12,8 +12,7 @@
 //! check, not a verdict.
 
 use super::common::{
-    CARD_HEADROOM, EXECUTED, REAL_SIZE_CAVEAT, device, fingerprint, real_model, real_tag,
-    sized_device,
+    EXECUTED, REAL_SIZE_CAVEAT, device, fingerprint, gpu_usable, real_model, real_tag, sized_device,
 };
 use super::{Experiment, Sweep};
 use crate::data::{Batch, Dataset};
@@ -21,7 +20,7 @@ use crate::models::{Arch, Model};
 use crate::plan::ModelOverrides;
 use crate::techniques::Technique;
 use crate::trainer::adamw;
-use crate::{Backend, Claim, Context, ExperimentError, Verdict, human_bytes};
+use crate::{Claim, Context, ExperimentError, Verdict, human_bytes};
 use serde::Serialize;
 use serde_json::json;
 use vram_accum::{ForwardCtx, Mode};
@@ -248,10 +247,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     // holds the card (its size plus room for the CUDA context), the GPU capped at the card's
     // size, with values (then the weights are checked bit for bit after each OOM too); else
     // a virtual card.
-    let on_gpu = |card: u64| match ctx.backend {
-        Backend::Cuda { total_bytes, .. } => card + CARD_HEADROOM <= total_bytes,
-        Backend::Cpu => false,
-    };
+    let on_gpu = |card: u64| gpu_usable(ctx).is_some_and(|usable| card <= usable);
     let part = |card: u64| if on_gpu(card) { EXECUTED } else { REAL };
     let mut runs: Vec<[Measured; 4]> = Vec::new();
     let mut outcomes = Vec::new();

@@ -32,8 +32,10 @@
 
 use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
 use super::elementwise::param_dims;
-use super::norm::{LayerNormOutput, norm_dims, param_chunks};
-use super::{expect_dtype, expect_shape, same_device, same_layout};
+use super::norm::{
+    LayerNormOutput, backward_dims as norm_backward_dims, param_chunks, plan_partials,
+};
+use super::{expect_shape, same_device, same_layout};
 use crate::cpu::{activation as act, elementwise as ew, norm, random as rnd};
 use crate::device::Device;
 use crate::dtype::{DType, Element, with_dtype};
@@ -417,14 +419,9 @@ impl Op for LayerNormBackwardResidual<'_> {
     }
 
     fn plan(&mut self) -> Result<Plan<Self::Outs>> {
-        let (rows, d) = norm_dims(Self::NAME, self.x, self.gamma)?;
-        same_layout(Self::NAME, self.x, self.dy)?;
+        let (x, saved) = (self.x, [self.mean, self.rstd]);
+        let (rows, d) = norm_backward_dims(Self::NAME, x, self.gamma, saved, self.dy)?;
         same_layout(Self::NAME, self.x, self.dres)?;
-        for saved in [self.mean, self.rstd] {
-            same_device(Self::NAME, self.x, saved)?;
-            expect_dtype(Self::NAME, DType::F32, saved)?;
-            expect_shape(Self::NAME, &[rows], saved)?;
-        }
         let (shape, dt) = (self.x.shape(), self.x.dtype());
         let branch = match self.branch {
             Some(b) => {
@@ -437,9 +434,7 @@ impl Op for LayerNormBackwardResidual<'_> {
         let grads =
             [OutputSpec::new(shape, dt), OutputSpec::new(&[d], dt), OutputSpec::new(&[d], dt)];
         let mut plan = Plan::new((grads, branch));
-        // dgamma and dbeta: f32 partial sums per chunk of rows, added over chunks after.
-        let floats = crate::params::mul(Self::NAME, "the partial sums", 2 * param_chunks(rows), d)?;
-        self.acc = plan.workspace(crate::params::mul(Self::NAME, "the partial sums", floats, 4)?);
+        self.acc = plan_partials(Self::NAME, &mut plan, rows, d)?;
         Ok(plan)
     }
 

@@ -167,21 +167,14 @@ impl Op for LayerNormBackward<'_> {
     }
 
     fn plan(&mut self) -> Result<Plan<Self::Outs>> {
-        let (rows, d) = norm_dims(Self::NAME, self.x, self.gamma)?;
-        same_layout(Self::NAME, self.x, self.dy)?;
-        for saved in [self.mean, self.rstd] {
-            same_device(Self::NAME, self.x, saved)?;
-            expect_dtype(Self::NAME, DType::F32, saved)?;
-            expect_shape(Self::NAME, &[rows], saved)?;
-        }
+        let (x, dy) = (self.x, self.dy);
+        let (rows, d) = backward_dims(Self::NAME, x, self.gamma, [self.mean, self.rstd], dy)?;
         let mut plan = Plan::new([
             OutputSpec::new(self.x.shape(), self.x.dtype()),
             OutputSpec::new(&[d], self.x.dtype()),
             OutputSpec::new(&[d], self.x.dtype()),
         ]);
-        // dgamma and dbeta: f32 partial sums per chunk of rows, added over chunks after.
-        let floats = crate::params::mul(Self::NAME, "the partial sums", 2 * param_chunks(rows), d)?;
-        self.acc = plan.workspace(crate::params::mul(Self::NAME, "the partial sums", floats, 4)?);
+        self.acc = plan_partials(Self::NAME, &mut plan, rows, d)?;
         Ok(plan)
     }
 
@@ -225,6 +218,38 @@ impl Op for LayerNormBackward<'_> {
         let [dx, dgamma, dbeta] = bufs.into_outputs();
         Ok(LayerNormGrads { dx, dgamma, dbeta })
     }
+}
+
+/// Checks a layer-norm backward's operands: `x: [.., d]` against `gamma`, the saved
+/// statistics (`mean` and `rstd`, f32 `[rows]` on `x`'s device) and `dy` of `x`'s layout;
+/// returns `(rows, d)`.
+pub(super) fn backward_dims(
+    op: &'static str,
+    x: &Tensor,
+    gamma: &Tensor,
+    saved: [&Tensor; 2],
+    dy: &Tensor,
+) -> Result<(usize, usize)> {
+    let (rows, d) = norm_dims(op, x, gamma)?;
+    same_layout(op, x, dy)?;
+    for s in saved {
+        same_device(op, x, s)?;
+        expect_dtype(op, DType::F32, s)?;
+        expect_shape(op, &[rows], s)?;
+    }
+    Ok((rows, d))
+}
+
+/// Plans a layer-norm backward's workspace: the f32 partial sums of dgamma, then of dbeta,
+/// per chunk of rows ([`param_chunks`] x `d` each), added over chunks after.
+pub(super) fn plan_partials<O: super::dispatch::Outputs>(
+    op: &'static str,
+    plan: &mut Plan<O>,
+    rows: usize,
+    d: usize,
+) -> Result<Option<usize>> {
+    let floats = crate::params::mul(op, "the partial sums", 2 * param_chunks(rows), d)?;
+    Ok(plan.workspace(crate::params::mul(op, "the partial sums", floats, 4)?))
 }
 
 /// The chunks of [`COLUMN_SUM_ROWS`](crate::cpu::elementwise::COLUMN_SUM_ROWS) rows whose

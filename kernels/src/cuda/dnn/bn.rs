@@ -37,7 +37,9 @@
 //! This code has been compiled and its pure parts tested on machines without a GPU; its
 //! cuDNN calls have not yet run on one (`tests/cudnn_vs_host.rs` runs them where one is).
 
-use super::{Dnn, MAX_WORKSPACE, TensorDims, WorkspaceSource, alpha, check, tensor_descriptor};
+use super::{
+    Dnn, MAX_WORKSPACE, TensorDims, WorkspaceSource, alpha, beta, check, tensor_descriptor,
+};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::params::ConvLayout;
@@ -172,12 +174,6 @@ pub(crate) struct BnBackward {
     pub(crate) dbeta: u64,
 }
 
-const ZERO: f32 = 0.0;
-
-fn zero() -> *const c_void {
-    (&ZERO as *const f32).cast()
-}
-
 impl Dnn {
     /// Bytes of the reserve space cuDNN's training asks for an input of `shape` in `dtype`
     /// (`cudnnGetBatchNormalizationTrainingExReserveSpaceSize`, as PyTorch's
@@ -255,7 +251,7 @@ impl Dnn {
                 MODE,
                 OPS,
                 alpha(),
-                zero(),
+                beta(false),
                 d.x.0,
                 p(a.x),
                 null_mut(),
@@ -305,7 +301,7 @@ impl Dnn {
                 self.handle,
                 MODE,
                 alpha(),
-                zero(),
+                beta(false),
                 d.x.0,
                 p(a.x),
                 d.x.0,
@@ -366,9 +362,9 @@ impl Dnn {
                 MODE,
                 OPS,
                 alpha(),
-                zero(),
+                beta(false),
                 alpha(),
-                zero(),
+                beta(false),
                 d.x.0,
                 p(a.x),
                 null_mut(),

@@ -635,6 +635,87 @@ pub fn batch_norm_backward(
     run(BatchNormBackward { x, gamma, mean, invstd, dy, s: 0, sums: None, cudnn: false })
 }
 
+/// NHWC to NCHW, and back.
+const TO_NCHW: [usize; 4] = [0, 3, 1, 2];
+const TO_NHWC: [usize; 4] = [0, 2, 3, 1];
+
+/// `x: [n, h, w, c]` (channels_last) checked to be of rank 4.
+fn expect_nhwc(op: &'static str, x: &Tensor) -> Result<()> {
+    if x.shape().len() != 4 {
+        return Err(invalid(
+            op,
+            format!("expected x [batch, h, w, channels], got shape {:?}", x.shape()),
+        ));
+    }
+    Ok(())
+}
+
+/// [`batch_norm`] on a channels_last image batch `x: [n, h, w, c]` (PyTorch's
+/// `BatchNorm2d` on a `torch.channels_last` input): the same statistics, `y` channels_last.
+/// Here `x` is permuted to NCHW, normalized, and the result permuted back (each a counted
+/// copy).
+///
+/// # Errors
+///
+/// As [`batch_norm`]; a rank other than 4.
+pub fn batch_norm_nhwc(
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    running: Option<RunningStats<'_>>,
+    eps: f32,
+) -> Result<BatchNormOutput> {
+    expect_nhwc("batch_norm_nhwc", x)?;
+    let xc = super::permute(x, &TO_NCHW)?;
+    let out = batch_norm(&xc, gamma, beta, running, eps)?;
+    drop(xc);
+    let y = super::permute(&out.y, &TO_NHWC)?;
+    Ok(BatchNormOutput { y, ..out })
+}
+
+/// [`batch_norm_eval`] on a channels_last `x: [n, h, w, c]`; `y` channels_last.
+///
+/// # Errors
+///
+/// As [`batch_norm_eval`]; a rank other than 4.
+pub fn batch_norm_eval_nhwc(
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    running_mean: &Tensor,
+    running_var: &Tensor,
+    eps: f32,
+) -> Result<Tensor> {
+    expect_nhwc("batch_norm_eval_nhwc", x)?;
+    let xc = super::permute(x, &TO_NCHW)?;
+    let y = batch_norm_eval(&xc, gamma, beta, running_mean, running_var, eps)?;
+    drop(xc);
+    super::permute(&y, &TO_NHWC)
+}
+
+/// [`batch_norm_backward`] of a [`batch_norm_nhwc`]: `x` and `dy` are `[n, h, w, c]`, `dx`
+/// comes back channels_last.
+///
+/// # Errors
+///
+/// As [`batch_norm_backward`]; a rank other than 4.
+pub fn batch_norm_backward_nhwc(
+    x: &Tensor,
+    gamma: &Tensor,
+    mean: &Tensor,
+    invstd: &Tensor,
+    dy: &Tensor,
+) -> Result<BatchNormGrads> {
+    expect_nhwc("batch_norm_backward_nhwc", x)?;
+    same_layout("batch_norm_backward_nhwc", x, dy)?;
+    let xc = super::permute(x, &TO_NCHW)?;
+    let dyc = super::permute(dy, &TO_NCHW)?;
+    let g = batch_norm_backward(&xc, gamma, mean, invstd, &dyc)?;
+    drop((xc, dyc));
+    let dx = super::permute(&g.dx, &TO_NHWC)?;
+    Ok(BatchNormGrads { dx, ..g })
+}
+
 struct BatchNormBackward<'a> {
     x: &'a Tensor,
     gamma: &'a Tensor,

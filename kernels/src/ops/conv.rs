@@ -380,6 +380,48 @@ pub fn conv2d_backward_weight(
     Ok(Conv2dWeightGrads { dweight, dbias })
 }
 
+/// [`conv2d_backward_weight`] on channels_last tensors (see [`conv2d_nhwc`]): `dweight`
+/// comes back `[c_out, kh, kw, c_in / groups]`.
+///
+/// # Errors
+///
+/// As [`conv2d_backward`], with the shapes read as NHWC.
+pub fn conv2d_backward_weight_nhwc(
+    x: &Tensor,
+    weight: &Tensor,
+    dy: &Tensor,
+    opts: &Conv2dOptions,
+    with_bias: bool,
+) -> Result<Conv2dWeightGrads> {
+    let p = conv2d_params_nhwc(x.shape(), weight.shape(), opts)?;
+    if let Some(cudnn) = x.device().cudnn_conv(&p) {
+        let ws = BackwardWorkspaces::default();
+        let layout = ConvLayout::Nhwc;
+        let op = Conv2dBackward::<()> {
+            p,
+            x,
+            weight,
+            dy,
+            with_bias,
+            ws,
+            dx: PhantomData,
+            layout,
+            cudnn: Some(cudnn),
+        };
+        let ((), dweight, dbias) = run(op)?;
+        return Ok(Conv2dWeightGrads { dweight, dbias });
+    }
+    expect_rank("conv2d_backward", dy, 4, "dy [batch, oh, ow, c_out]")?;
+    expect_shape("conv2d_backward", &output_shape(&p, ConvLayout::Nhwc), dy)?;
+    let xc = super::permute(x, &TO_NCHW)?;
+    let wc = super::permute(weight, &TO_NCHW)?;
+    let dyc = super::permute(dy, &TO_NCHW)?;
+    let g = conv2d_backward_weight(&xc, &wc, &dyc, opts, with_bias)?;
+    drop((xc, wc, dyc));
+    let dweight = super::permute(&g.dweight, &TO_NHWC)?;
+    Ok(Conv2dWeightGrads { dweight, dbias: g.dbias })
+}
+
 /// The backward of a convolution; `Dx` is the input gradient's type: [`Tensor`] when it is
 /// computed (the first output), `()` when not.
 struct Conv2dBackward<'a, Dx> {

@@ -59,11 +59,13 @@ pub use attention::{AttentionGrads, AttentionOutput, attention, attention_backwa
 #[cfg(all(test, feature = "cuda"))]
 pub(crate) use batch_norm::parts as batch_norm_parts;
 pub use batch_norm::{
-    BatchNormGrads, BatchNormOutput, RunningStats, batch_norm, batch_norm_backward, batch_norm_eval,
+    BatchNormGrads, BatchNormOutput, RunningStats, batch_norm, batch_norm_backward,
+    batch_norm_backward_nhwc, batch_norm_eval, batch_norm_eval_nhwc, batch_norm_nhwc,
 };
 pub use conv::{
     Conv2dGrads, Conv2dWeightGrads, conv2d, conv2d_backward, conv2d_backward_nhwc,
-    conv2d_backward_weight, conv2d_nhwc, conv2d_params, conv2d_params_nhwc,
+    conv2d_backward_weight, conv2d_backward_weight_nhwc, conv2d_nhwc, conv2d_params,
+    conv2d_params_nhwc,
 };
 pub use elementwise::{add, add_assign, axpy, bias_add, bias_add_backward, mul, scale};
 pub use embedding::{embedding, embedding_backward};
@@ -99,14 +101,19 @@ pub use optim::{adamw_step, sgd_step, unscale_and_check_finite};
 pub use permute::{MAX_PERMUTE_RANK, permute, permute_backward};
 pub use pool::{
     avg_pool2d, avg_pool2d_backward, global_avg_pool, global_avg_pool_backward,
-    global_avg_pool_backward_add, max_pool2d, max_pool2d_backward, pool2d_params,
+    global_avg_pool_backward_add, global_avg_pool_backward_add_nhwc, global_avg_pool_backward_nhwc,
+    global_avg_pool_nhwc, max_pool2d, max_pool2d_backward, max_pool2d_backward_nhwc,
+    max_pool2d_nhwc, pool2d_params,
 };
 pub use random::{dropout, dropout_backward};
 pub use reduce::{
     mean, mean_backward, mean_last_dim, mean_last_dim_backward, sum, sum_backward, sum_last_dim,
     sum_last_dim_backward,
 };
-pub use scale_channels::{ScaleChannelsGrads, scale_channels, scale_channels_backward};
+pub use scale_channels::{
+    ScaleChannelsGrads, scale_channels, scale_channels_backward, scale_channels_backward_nhwc,
+    scale_channels_nhwc,
+};
 pub use softmax::{causal_softmax, causal_softmax_backward, softmax, softmax_backward};
 
 use crate::dtype::DType;

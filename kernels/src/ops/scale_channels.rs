@@ -183,3 +183,56 @@ impl Op for ScaleChannelsBackward<'_> {
         Ok(bufs.into_outputs())
     }
 }
+
+/// NHWC to NCHW, and back.
+const TO_NCHW: [usize; 4] = [0, 3, 1, 2];
+const TO_NHWC: [usize; 4] = [0, 2, 3, 1];
+
+/// `x: [n, h, w, c]` and `s: [n, c]` checked (rank 4, `s` the batch and channels of `x`).
+fn nhwc(op: &'static str, x: &Tensor, s: &Tensor) -> Result<()> {
+    same_kind(op, x, s)?;
+    let shape = x.shape();
+    if shape.len() != 4 || s.shape() != [shape[0], shape[3]] {
+        return Err(invalid(
+            op,
+            format!(
+                "scale {:?} is not [batch, channels] of the channels_last x {shape:?}",
+                s.shape()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// [`scale_channels`] of a channels_last `x: [n, h, w, c]` by `s: [n, c]`:
+/// `y[n, i, j, c] = x[n, i, j, c] * s[n, c]`, channels_last.
+///
+/// # Errors
+///
+/// Shape, dtype and device mismatches; out of memory.
+pub fn scale_channels_nhwc(x: &Tensor, s: &Tensor) -> Result<Tensor> {
+    nhwc("scale_channels_nhwc", x, s)?;
+    let xc = super::permute(x, &TO_NCHW)?;
+    let y = scale_channels(&xc, s)?;
+    drop(xc);
+    super::permute(&y, &TO_NHWC)
+}
+
+/// Gradients of [`scale_channels_nhwc`]: `dx` channels_last, `ds: [n, c]`.
+///
+/// # Errors
+///
+/// As [`scale_channels_nhwc`], and `dy` not of `x`'s shape.
+pub fn scale_channels_backward_nhwc(
+    x: &Tensor,
+    s: &Tensor,
+    dy: &Tensor,
+) -> Result<ScaleChannelsGrads> {
+    nhwc("scale_channels_backward_nhwc", x, s)?;
+    same_layout("scale_channels_backward_nhwc", x, dy)?;
+    let xc = super::permute(x, &TO_NCHW)?;
+    let dyc = super::permute(dy, &TO_NCHW)?;
+    let g = scale_channels_backward(&xc, s, &dyc)?;
+    drop((xc, dyc));
+    Ok(ScaleChannelsGrads { dx: super::permute(&g.dx, &TO_NHWC)?, ds: g.ds })
+}

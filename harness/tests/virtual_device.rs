@@ -8,15 +8,21 @@ use std::io::Write as _;
 use vram_accum::{ForwardCtx, Mode};
 use vram_amp::{AdamW, AdamWConfig, Optimizer as _};
 use vram_harness::data::Dataset;
-use vram_harness::models::{Arch, Model};
+use vram_harness::models::{Arch, Model, ModelOptions};
 use vram_kernels::{DType, Device, TraceAction};
 
 type Entry = (TraceAction, usize, usize, u64);
 
 /// Two training steps of `arch` on `device`, traced from model creation on.
-fn trace(device: &Device, arch: &Arch, data: &Dataset, dtype: DType) -> (Vec<Entry>, u64, u64) {
+fn trace(
+    device: &Device,
+    arch: &Arch,
+    data: &Dataset,
+    dtype: DType,
+    opts: ModelOptions,
+) -> (Vec<Entry>, u64, u64) {
     device.record_history(Some(1 << 20));
-    let mut model = Model::new(device, arch.clone(), 1, dtype).unwrap();
+    let mut model = Model::with_options(device, arch.clone(), 1, dtype, opts).unwrap();
     // amp's AdamW: f32 masters for 16-bit parameters, state made at the first step.
     let mut opt = AdamW::new(AdamWConfig::default());
     for step in 0..2 {
@@ -36,19 +42,23 @@ fn trace(device: &Device, arch: &Arch, data: &Dataset, dtype: DType) -> (Vec<Ent
 }
 
 fn same_on_host_and_virtual(arch: Arch, data: Dataset) {
+    same_on_host_and_virtual_with(arch, data, ModelOptions::default());
+}
+
+fn same_on_host_and_virtual_with(arch: Arch, data: Dataset, opts: ModelOptions) {
     for dtype in [DType::F32, DType::BF16] {
         let (host_dev, virt_dev) = (Device::host(1 << 30), Device::virtual_device(1 << 30));
         // The virtual device stands for an H100, whose cuBLAS workspace the host lacks.
         assert!(virt_dev.blas_workspace_size() > 0);
         host_dev.set_blas_workspace_size(virt_dev.blas_workspace_size());
-        let host = trace(&host_dev, &arch, &data, dtype);
-        let mut others = vec![("virtual", trace(&virt_dev, &arch, &data, dtype))];
+        let host = trace(&host_dev, &arch, &data, dtype, opts);
+        let mut others = vec![("virtual", trace(&virt_dev, &arch, &data, dtype, opts))];
         match Device::cuda(0) {
             Ok(gpu) => {
                 gpu.set_blas_workspace_size(virt_dev.blas_workspace_size());
                 // The virtual device models vram's own convolution kernels, not cuDNN's.
                 gpu.set_conv_backend(vram_kernels::ConvBackend::Own).unwrap();
-                others.push(("CUDA", trace(&gpu, &arch, &data, dtype)));
+                others.push(("CUDA", trace(&gpu, &arch, &data, dtype, opts)));
             }
             Err(e) => {
                 let mut err = std::io::stderr();
@@ -105,4 +115,18 @@ fn zoo_architectures_allocate_alike_on_host_and_virtual_devices() {
     let vit =
         Arch::Vit { side: 16, patch: 4, d: 16, layers: 2, heads: 2, classes: 4, dropout: 0.1 };
     same_on_host_and_virtual(vit, Dataset::Stripes { side: 16, classes: 4 });
+}
+
+/// The preset CNNs channels_last (NHWC convolutions, batch norms, poolings and
+/// squeeze-excitation; on a GPU the own kernels, which the virtual device models).
+#[test]
+fn channels_last_cnns_allocate_alike_on_host_and_virtual_devices() {
+    let opts = ModelOptions::default().with_channels_last(true);
+    let small = Arch::ResNet { width: 8, blocks: vec![1, 1], classes: 4 };
+    same_on_host_and_virtual_with(small, Dataset::Stripes { side: 8, classes: 4 }, opts);
+    let resnet =
+        Arch::BottleneckResNet { side: 32, width: 4, blocks: vec![1, 1, 1, 1], classes: 4 };
+    same_on_host_and_virtual_with(resnet, Dataset::Stripes { side: 32, classes: 4 }, opts);
+    let mobilenet = Arch::MobileNetV3 { side: 32, width_mult: 0.25, classes: 4 };
+    same_on_host_and_virtual_with(mobilenet, Dataset::Stripes { side: 32, classes: 4 }, opts);
 }

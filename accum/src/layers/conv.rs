@@ -1,7 +1,12 @@
 //! Convolutional layers: [`Conv2d`] (any groups, so depthwise too) with a fused activation,
 //! [`MaxPool2d`], ResNet's basic [`ResidualBlock`] and [`Bottleneck`] blocks, MobileNet's
 //! [`InvertedResidual`] block and a [`ClassifierHead`] (global average pool, then linear
-//! layers). Images are `[b, c, h, w]`.
+//! layers). Images are `[b, c, h, w]`, or `[b, h, w, c]` in channels_last layers
+//! (`with_channels_last(true)`, PyTorch's `torch.channels_last` memory format): there the
+//! activations, their gradients and each convolution's weight (`[c_out, kh, kw, c_in / groups]`)
+//! are channels_last, the convolutions, batch norms, poolings and squeeze-excitation run
+//! their NHWC ops (cuDNN reads NHWC as it is), and the same seed draws the same weights as
+//! in NCHW, permuted.
 //!
 //! Every convolution can be followed by a batch norm (`with_batch_norm`, PyTorch's
 //! `Conv2d` + `BatchNorm2d`): it keeps the conv output (the norm's input) and two f32
@@ -68,6 +73,9 @@ pub struct Conv2dConfig {
     pub dtype: DType,
     /// Seed of the weight initialization (default 0).
     pub seed: u64,
+    /// Whether the layer takes and gives channels_last images `[b, h, w, c]`, its weight
+    /// `[c_out, kh, kw, c_in / groups]` (default false: `[b, c, h, w]`).
+    pub channels_last: bool,
 }
 
 impl Conv2dConfig {
@@ -87,12 +95,18 @@ impl Conv2dConfig {
             init: Init::default(),
             dtype: DType::F32,
             seed: 0,
+            channels_last: false,
         }
     }
 
     /// The same with `stride`.
     pub fn with_stride(self, stride: usize) -> Self {
         Conv2dConfig { stride, ..self }
+    }
+
+    /// The same taking and giving channels_last images (see [`Conv2dConfig::channels_last`]).
+    pub fn with_channels_last(self, channels_last: bool) -> Self {
+        Conv2dConfig { channels_last, ..self }
     }
 
     /// The same with `padding` on each side.
@@ -170,6 +184,8 @@ impl Conv2dConfig {
             self.dtype,
             self.seed,
         )?;
+        // The same weights as in NCHW, stored channels_last.
+        let w = if self.channels_last { ops::permute(&w, &[0, 2, 3, 1])? } else { w };
         let bias = if self.bias {
             Some(Param::new("bias", Tensor::zeros(device, &[self.c_out], self.dtype)?))
         } else {
@@ -196,6 +212,7 @@ impl Conv2dConfig {
             norm,
             opts,
             act: self.activation,
+            channels_last: self.channels_last,
             device: device.clone(),
         })
     }
@@ -234,16 +251,32 @@ pub struct Conv2d {
     norm: Option<Norm>,
     opts: Conv2dOptions,
     act: Act,
+    channels_last: bool,
     pub(super) device: Device,
+}
+
+impl Conv2d {
+    /// Input channels.
+    fn c_in(&self) -> usize {
+        let s = self.weight.value.shape();
+        self.opts.groups * if self.channels_last { s[3] } else { s[1] }
+    }
+
+    /// Output channels.
+    fn c_out(&self) -> usize {
+        self.weight.value.shape()[0]
+    }
 }
 
 impl Layer for Conv2d {
     type Saved = AffineSaved;
 
     fn name(&self) -> String {
-        let s = self.weight.value.shape();
-        let g = self.opts.groups;
-        format!("Conv2d({}->{}, {}x{}, /{}, g{g})", s[1] * g, s[0], s[2], s[3], self.opts.stride.0)
+        let (s, g, cl) = (self.weight.value.shape(), self.opts.groups, self.channels_last);
+        let (kh, kw) = if cl { (s[1], s[2]) } else { (s[2], s[3]) };
+        let (i, o, stride) = (self.c_in(), self.c_out(), self.opts.stride.0);
+        let layout = if cl { ", channels_last" } else { "" };
+        format!("Conv2d({i}->{o}, {kh}x{kw}, /{stride}, g{g}{layout})")
     }
 
     fn forward(
@@ -273,7 +306,11 @@ impl Layer for Conv2d {
             (Some(b), None) => Some(b.value.clone()),
             (None, _) => None,
         };
-        let z = ops::conv2d(&xc, w, b.as_ref(), &self.opts)?;
+        let z = if self.channels_last {
+            ops::conv2d_nhwc(&xc, w, b.as_ref(), &self.opts)?
+        } else {
+            ops::conv2d(&xc, w, b.as_ref(), &self.opts)?
+        };
         drop(b);
         let Some(norm) = &mut self.norm else {
             let (y, saved) = AffineSaved::activate(self.act, &xc, z, ctx)?;
@@ -283,7 +320,11 @@ impl Layer for Conv2d {
         if !ctx.training() {
             drop(xc);
             let (rm, rv) = (&norm.running_mean, &norm.running_var);
-            let u = ops::batch_norm_eval(&z, g, b, rm, rv, BATCH_NORM_EPS)?;
+            let u = if self.channels_last {
+                ops::batch_norm_eval_nhwc(&z, g, b, rm, rv, BATCH_NORM_EPS)?
+            } else {
+                ops::batch_norm_eval(&z, g, b, rm, rv, BATCH_NORM_EPS)?
+            };
             drop(z);
             return Ok((self.act.forward(u)?, None));
         }
@@ -292,7 +333,11 @@ impl Layer for Conv2d {
             var: &mut norm.running_var,
             momentum: BATCH_NORM_MOMENTUM,
         });
-        let out = ops::batch_norm(&z, g, b, running, BATCH_NORM_EPS)?;
+        let out = if self.channels_last {
+            ops::batch_norm_nhwc(&z, g, b, running, BATCH_NORM_EPS)?
+        } else {
+            ops::batch_norm(&z, g, b, running, BATCH_NORM_EPS)?
+        };
         let (y, kept) = self.act.forward_saving(out.y, true)?;
         let norm = Some(NormSaved { z, mean: out.mean, invstd: out.invstd });
         Ok((y, Some(AffineSaved { x: xc, z: kept, cast: cast_saved, norm })))
@@ -309,7 +354,12 @@ impl Layer for Conv2d {
         let mut dz = self.act.backward(kept.as_ref(), &dy)?.unwrap_or(dy);
         drop(kept);
         if let (Some(norm), Some(ns)) = (&mut self.norm, norm_saved) {
-            let g = ops::batch_norm_backward(&ns.z, &norm.gamma.value, &ns.mean, &ns.invstd, &dz)?;
+            let (gamma, cl) = (&norm.gamma.value, self.channels_last);
+            let g = if cl {
+                ops::batch_norm_backward_nhwc(&ns.z, gamma, &ns.mean, &ns.invstd, &dz)?
+            } else {
+                ops::batch_norm_backward(&ns.z, gamma, &ns.mean, &ns.invstd, &dz)?
+            };
             drop(ns);
             dz = g.dx;
             accumulate_grad_cast(&mut norm.gamma, g.dgamma)?;
@@ -319,11 +369,20 @@ impl Layer for Conv2d {
         let with_bias = self.bias.is_some();
         // Without a wanted input gradient (the first layer), dx is neither computed nor
         // allocated, as PyTorch's convolution_backward with output_mask [False, ...].
+        let (opts, cl) = (&self.opts, self.channels_last);
         let (dx, dweight, dbias) = if want {
-            let g = ops::conv2d_backward(&x, w, &dz, &self.opts, with_bias)?;
+            let g = if cl {
+                ops::conv2d_backward_nhwc(&x, w, &dz, opts, with_bias)?
+            } else {
+                ops::conv2d_backward(&x, w, &dz, opts, with_bias)?
+            };
             (Some(g.dx), g.dweight, g.dbias)
         } else {
-            let g = ops::conv2d_backward_weight(&x, w, &dz, &self.opts, with_bias)?;
+            let g = if cl {
+                ops::conv2d_backward_weight_nhwc(&x, w, &dz, opts, with_bias)?
+            } else {
+                ops::conv2d_backward_weight(&x, w, &dz, opts, with_bias)?
+            };
             (None, g.dweight, g.dbias)
         };
         drop((x, dz));
@@ -365,6 +424,7 @@ impl Layer for Conv2d {
 #[derive(Debug)]
 pub struct MaxPool2d {
     opts: Pool2dOptions,
+    channels_last: bool,
     device: Device,
 }
 
@@ -380,7 +440,12 @@ impl MaxPool2d {
     pub fn new(device: &Device, kernel: usize, stride: usize, padding: usize) -> Self {
         let opts =
             Pool2dOptions::new((kernel, kernel), (stride, stride)).padding((padding, padding));
-        MaxPool2d { opts, device: device.clone() }
+        MaxPool2d { opts, channels_last: false, device: device.clone() }
+    }
+
+    /// The same pooling channels_last images `[b, h, w, c]` (or not).
+    pub fn with_channels_last(self, channels_last: bool) -> Self {
+        MaxPool2d { channels_last, ..self }
     }
 }
 
@@ -392,7 +457,11 @@ impl Layer for MaxPool2d {
     }
 
     fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<PoolSaved>)> {
-        let (y, argmax) = ops::max_pool2d(x, &self.opts)?;
+        let (y, argmax) = if self.channels_last {
+            ops::max_pool2d_nhwc(x, &self.opts)?
+        } else {
+            ops::max_pool2d(x, &self.opts)?
+        };
         let saved = ctx.training().then(|| PoolSaved { argmax, shape: x.shape().to_vec() });
         Ok((y, saved))
     }
@@ -401,7 +470,12 @@ impl Layer for MaxPool2d {
         if !want {
             return Ok(None);
         }
-        Ok(Some(ops::max_pool2d_backward(&dy, &s.argmax, &s.shape, &self.opts)?))
+        let dx = if self.channels_last {
+            ops::max_pool2d_backward_nhwc(&dy, &s.argmax, &s.shape, &self.opts)?
+        } else {
+            ops::max_pool2d_backward(&dy, &s.argmax, &s.shape, &self.opts)?
+        };
+        Ok(Some(dx))
     }
 
     fn params(&self) -> Vec<&Param> {
@@ -428,12 +502,25 @@ pub struct ResidualBlockConfig {
     pub dtype: DType,
     /// Seed of the weight initialization (default 0).
     pub seed: u64,
+    /// Whether the block takes and gives channels_last images (default false).
+    pub channels_last: bool,
 }
 
 impl ResidualBlockConfig {
     /// A block of `channels` channels, f32, seed 0.
     pub fn new(channels: usize) -> Self {
-        ResidualBlockConfig { channels, batch_norm: false, dtype: DType::F32, seed: 0 }
+        ResidualBlockConfig {
+            channels,
+            batch_norm: false,
+            dtype: DType::F32,
+            seed: 0,
+            channels_last: false,
+        }
+    }
+
+    /// The same taking and giving channels_last images `[b, h, w, c]` (or not).
+    pub fn with_channels_last(self, channels_last: bool) -> Self {
+        ResidualBlockConfig { channels_last, ..self }
     }
 
     /// The same with or without a batch norm after each convolution.
@@ -462,6 +549,7 @@ impl ResidualBlockConfig {
         let conv = |act, gain, part| {
             Conv2dConfig::new(self.channels, self.channels, 3)
                 .with_batch_norm(self.batch_norm)
+                .with_channels_last(self.channels_last)
                 .with_activation(act)
                 .with_init(Init::HeNormal { gain })
                 .with_dtype(self.dtype)
@@ -497,7 +585,7 @@ impl Layer for ResidualBlock {
     type Saved = ResidualSaved;
 
     fn name(&self) -> String {
-        format!("ResidualBlock({})", self.c1.weight.value.shape()[0])
+        format!("ResidualBlock({})", self.c1.c_out())
     }
 
     fn forward(
@@ -572,6 +660,8 @@ pub struct BottleneckConfig {
     pub dtype: DType,
     /// Seed of the weight initialization (default 0).
     pub seed: u64,
+    /// Whether the block takes and gives channels_last images (default false).
+    pub channels_last: bool,
 }
 
 impl BottleneckConfig {
@@ -585,12 +675,18 @@ impl BottleneckConfig {
             batch_norm: false,
             dtype: DType::F32,
             seed: 0,
+            channels_last: false,
         }
     }
 
     /// The same with or without a batch norm after each convolution.
     pub fn with_batch_norm(self, batch_norm: bool) -> Self {
         BottleneckConfig { batch_norm, ..self }
+    }
+
+    /// The same taking and giving channels_last images `[b, h, w, c]` (or not).
+    pub fn with_channels_last(self, channels_last: bool) -> Self {
+        BottleneckConfig { channels_last, ..self }
     }
 
     /// The same with `stride` (2 halves the resolution).
@@ -621,6 +717,7 @@ impl BottleneckConfig {
             let mut c = Conv2dConfig::new(c_in, c_out, k)
                 .with_stride(stride)
                 .with_batch_norm(self.batch_norm)
+                .with_channels_last(self.channels_last)
                 .with_activation(act)
                 .with_init(Init::HeNormal { gain })
                 .with_dtype(self.dtype)
@@ -671,7 +768,7 @@ impl Layer for Bottleneck {
     type Saved = BottleneckSaved;
 
     fn name(&self) -> String {
-        let (i, o) = (self.c1.weight.value.shape()[1], self.c3.weight.value.shape()[0]);
+        let (i, o) = (self.c1.c_in(), self.c3.c_out());
         format!("Bottleneck({i}->{o}, /{})", self.c2.opts.stride.0)
     }
 
@@ -787,6 +884,8 @@ pub struct InvertedResidualConfig {
     pub dtype: DType,
     /// Seed of the weight initialization (default 0).
     pub seed: u64,
+    /// Whether the block takes and gives channels_last images (default false).
+    pub channels_last: bool,
 }
 
 impl InvertedResidualConfig {
@@ -803,7 +902,13 @@ impl InvertedResidualConfig {
             squeeze: None,
             dtype: DType::F32,
             seed: 0,
+            channels_last: false,
         }
+    }
+
+    /// The same taking and giving channels_last images `[b, h, w, c]` (or not).
+    pub fn with_channels_last(self, channels_last: bool) -> Self {
+        InvertedResidualConfig { channels_last, ..self }
     }
 
     /// The same with `activation` after the expansion and the depthwise convolution.
@@ -852,6 +957,7 @@ impl InvertedResidualConfig {
         let conv = |cfg: Conv2dConfig, gain, part, name| -> Result<Conv2d> {
             let mut c = cfg
                 .with_batch_norm(self.batch_norm)
+                .with_channels_last(self.channels_last)
                 .with_init(Init::HeNormal { gain })
                 .with_dtype(self.dtype)
                 .with_seed(sub_seed(self.seed, part))
@@ -886,6 +992,7 @@ impl InvertedResidualConfig {
                 Some(SqueezeExcitation {
                     fc1: linear(e, sq, Act::Relu, 3, "se.fc1")?,
                     fc2: linear(sq, e, Act::Identity, 4, "se.fc2")?,
+                    channels_last: self.channels_last,
                 })
             }
             None => None,
@@ -924,6 +1031,8 @@ pub struct InvertedResidual {
 struct SqueezeExcitation {
     fc1: Linear,
     fc2: Linear,
+    /// Images `[n, h, w, c]` rather than `[n, c, h, w]`.
+    channels_last: bool,
 }
 
 /// What squeeze-excitation keeps: its input and shape, the linear layers' state, the gate's
@@ -940,14 +1049,22 @@ struct SeSaved {
 impl SqueezeExcitation {
     fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<SeSaved>)> {
         const WHAT: &str = "SqueezeExcitation";
-        let pooled = ops::global_avg_pool(x)?;
+        let pooled = if self.channels_last {
+            ops::global_avg_pool_nhwc(x)?
+        } else {
+            ops::global_avg_pool(x)?
+        };
         let (h, s1) = self.fc1.forward(&pooled, ctx)?;
         drop(pooled);
         let (g, s2) = self.fc2.forward(&h, ctx)?;
         drop(h);
         // The gate multiplies `x`, in `x`'s dtype (both are 16-bit under autocast).
         let gate = cast(&ops::hardsigmoid(&g)?, x.dtype())?;
-        let y = ops::scale_channels(x, &gate)?;
+        let y = if self.channels_last {
+            ops::scale_channels_nhwc(x, &gate)?
+        } else {
+            ops::scale_channels(x, &gate)?
+        };
         if !ctx.training() {
             return Ok((y, None));
         }
@@ -960,15 +1077,22 @@ impl SqueezeExcitation {
     /// (PyTorch materializes it, then adds out of place).
     fn backward(&mut self, s: SeSaved, dy: Tensor) -> Result<Tensor> {
         const WHAT: &str = "SqueezeExcitation";
-        let ops::ScaleChannelsGrads { mut dx, ds } =
-            ops::scale_channels_backward(&s.x, &s.gate, &dy)?;
+        let ops::ScaleChannelsGrads { mut dx, ds } = if self.channels_last {
+            ops::scale_channels_backward_nhwc(&s.x, &s.gate, &dy)?
+        } else {
+            ops::scale_channels_backward(&s.x, &s.gate, &dy)?
+        };
         drop((dy, s.x, s.gate));
         let dg = ops::hardsigmoid_backward(&s.g, &cast(&ds, s.g.dtype())?)?;
         drop((ds, s.g));
         let dh = dx_of(self.fc2.backward(s.fc2, dg, true)?, WHAT)?;
         let dpooled = dx_of(self.fc1.backward(s.fc1, dh, true)?, WHAT)?;
         let dpooled = cast(&dpooled, dx.dtype())?;
-        ops::global_avg_pool_backward_add(&mut dx, &dpooled)?;
+        if self.channels_last {
+            ops::global_avg_pool_backward_add_nhwc(&mut dx, &dpooled)?;
+        } else {
+            ops::global_avg_pool_backward_add(&mut dx, &dpooled)?;
+        }
         Ok(dx)
     }
 }
@@ -986,8 +1110,7 @@ impl Layer for InvertedResidual {
     type Saved = InvertedSaved;
 
     fn name(&self) -> String {
-        let e = self.depthwise.weight.value.shape()[0];
-        let o = self.project.weight.value.shape()[0];
+        let (e, o) = (self.depthwise.c_out(), self.project.c_out());
         format!("InvertedResidual({e}->{o}, /{})", self.depthwise.opts.stride.0)
     }
 
@@ -1095,6 +1218,8 @@ pub struct ClassifierHeadConfig {
     pub dtype: DType,
     /// Seed of the weight initialization (default 0).
     pub seed: u64,
+    /// Whether the head pools channels_last images `[b, h, w, c]` (default false).
+    pub channels_last: bool,
 }
 
 impl ClassifierHeadConfig {
@@ -1107,7 +1232,13 @@ impl ClassifierHeadConfig {
             classes,
             dtype: DType::F32,
             seed: 0,
+            channels_last: false,
         }
+    }
+
+    /// The same pooling channels_last images `[b, h, w, c]` (or not).
+    pub fn with_channels_last(self, channels_last: bool) -> Self {
+        ClassifierHeadConfig { channels_last, ..self }
     }
 
     /// The same with `activation` after the hidden layer.
@@ -1150,16 +1281,19 @@ impl ClassifierHeadConfig {
             Some(h) => (Some(linear(self.channels, h, self.hidden_activation, 0, "hidden")?), h),
             None => (None, self.channels),
         };
-        Ok(ClassifierHead { hidden, fc: linear(last, self.classes, Act::Identity, 1, "fc")? })
+        let fc = linear(last, self.classes, Act::Identity, 1, "fc")?;
+        Ok(ClassifierHead { hidden, fc, channels_last: self.channels_last })
     }
 }
 
-/// Global average pooling then linear layers: `[b, c, h, w] -> [b, classes]`. Built from a
+/// Global average pooling then linear layers: `[b, c, h, w]` (or channels_last
+/// `[b, h, w, c]`) `-> [b, classes]`. Built from a
 /// [`ClassifierHeadConfig`].
 #[derive(Debug)]
 pub struct ClassifierHead {
     hidden: Option<Linear>,
     fc: Linear,
+    channels_last: bool,
 }
 
 /// What a [`ClassifierHead`] keeps: the input's shape and the linear layers' state.
@@ -1179,7 +1313,11 @@ impl Layer for ClassifierHead {
 
     fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<HeadSaved>)> {
         const WHAT: &str = "ClassifierHead";
-        let mut h = ops::global_avg_pool(x)?;
+        let mut h = if self.channels_last {
+            ops::global_avg_pool_nhwc(x)?
+        } else {
+            ops::global_avg_pool(x)?
+        };
         let mut hidden = None;
         if let Some(l) = &mut self.hidden {
             let (y, s) = l.forward(&h, ctx)?;
@@ -1204,6 +1342,9 @@ impl Layer for ClassifierHead {
             dh = l.backward(sh, dx_of(dh, WHAT)?, want)?;
         }
         match dh {
+            Some(dp) if want && self.channels_last => {
+                Ok(Some(ops::global_avg_pool_backward_nhwc(&dp, &s.shape)?))
+            }
             Some(dp) if want => Ok(Some(ops::global_avg_pool_backward(&dp, &s.shape)?)),
             _ => Ok(None),
         }

@@ -17,6 +17,12 @@
 //! that the `[tokens, vocab]` logits and their gradient never exist whole (GPT-2 small at
 //! 8 x 1024 tokens: 3.07 GiB fewer at the loss). [`Model::set_fused_loss`] turns it off;
 //! evaluation, [`Model::infer`] and [`Model::forward_graph`] compute the logits.
+//!
+//! The preset CNNs can run channels_last ([`ModelOptions::channels_last`], PyTorch's
+//! `model.to(memory_format=torch.channels_last)` with the images converted alike): every
+//! activation `[b, h, w, c]`, every convolution's weight `[c_out, kh, kw, c_in / groups]`,
+//! the NHWC ops throughout (cuDNN reads NHWC as it is: the layout its tensor-core kernels
+//! prefer), the same seed drawing the same model.
 
 pub mod hf;
 pub mod spec;
@@ -74,6 +80,31 @@ pub struct Model {
     /// Whether a training step computes a tied LM head and its loss fused
     /// ([`ops::linear_cross_entropy`]: the logits in chunks, never whole).
     fused_loss: bool,
+    /// Whether the images and activations are channels_last.
+    channels_last: bool,
+}
+
+/// How [`Model::with_options`] builds a model beyond its architecture, seed and dtype.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct ModelOptions {
+    /// How transformer blocks (GPT, ViT, Llama) attend (default [`Attention::Fused`]).
+    pub attention: Attention,
+    /// Whether a preset CNN (ResNet-like, MobileNet-like, ResNet-50, MobileNetV3) runs
+    /// channels_last, as PyTorch's `torch.channels_last` (default false). Other models,
+    /// a user-described one included, ignore it.
+    pub channels_last: bool,
+}
+
+impl ModelOptions {
+    /// The same with transformer blocks attending in the form `attention`.
+    pub fn with_attention(self, attention: Attention) -> Self {
+        ModelOptions { attention, ..self }
+    }
+
+    /// The same with a preset CNN channels_last (or not).
+    pub fn with_channels_last(self, channels_last: bool) -> Self {
+        ModelOptions { channels_last, ..self }
+    }
 }
 
 /// What the tied LM head keeps for backward: its input and weight as multiplied, and the
@@ -130,6 +161,8 @@ struct Builder<'a> {
     seed: u64,
     /// Whether convolutions carry a batch norm (the torchvision presets).
     batch_norm: bool,
+    /// Whether the images are channels_last.
+    channels_last: bool,
     layers: Vec<BoxedLayer>,
 }
 
@@ -160,6 +193,7 @@ impl Builder<'_> {
             .with_stride(stride)
             .with_groups(groups)
             .with_batch_norm(self.batch_norm)
+            .with_channels_last(self.channels_last)
             .with_activation(act)
             .with_init(Init::HeNormal { gain: 1.0 })
             .with_dtype(self.dtype)
@@ -183,6 +217,7 @@ impl Builder<'_> {
     ) -> Result<()> {
         let mut cfg = ClassifierHeadConfig::new(channels, classes)
             .with_hidden_activation(act)
+            .with_channels_last(self.channels_last)
             .with_dtype(self.dtype)
             .with_seed(self.seed());
         if let Some(h) = hidden {
@@ -227,8 +262,27 @@ impl Model {
         dtype: DType,
         attention: Attention,
     ) -> Result<Model> {
+        let opts = ModelOptions::default().with_attention(attention);
+        Model::with_options(device, arch, seed, dtype, opts)
+    }
+
+    /// [`Model::new`] built as `opts` says: the attention's form and, for a preset CNN,
+    /// channels_last images (see [`ModelOptions`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::new`].
+    pub fn with_options(
+        device: &Device,
+        arch: Arch,
+        seed: u64,
+        dtype: DType,
+        opts: ModelOptions,
+    ) -> Result<Model> {
+        let attention = opts.attention;
         let batch_norm = matches!(arch, Arch::BottleneckResNet { .. } | Arch::MobileNetV3 { .. });
-        let mut b = Builder { device, dtype, seed, batch_norm, layers: Vec::new() };
+        let channels_last = opts.channels_last && arch.is_preset_cnn();
+        let mut b = Builder { device, dtype, seed, batch_norm, channels_last, layers: Vec::new() };
         let mut embed = None;
         match &arch {
             Arch::Mlp { dims, classes } => {
@@ -270,6 +324,7 @@ impl Model {
                             b.conv(&format!("{name}.pw"), c, c, 1, 1, 1, Act::Relu)?;
                         } else {
                             let block = ResidualBlockConfig::new(c)
+                                .with_channels_last(channels_last)
                                 .with_dtype(dtype)
                                 .with_seed(b.seed())
                                 .init(device)?;
@@ -313,7 +368,8 @@ impl Model {
             }
             Arch::BottleneckResNet { width, blocks, classes, .. } => {
                 b.conv("conv1", 3, *width, 7, 2, 1, Act::Relu)?;
-                b.push("maxpool", MaxPool2d::new(device, 3, 2, 1));
+                let pool = MaxPool2d::new(device, 3, 2, 1).with_channels_last(channels_last);
+                b.push("maxpool", pool);
                 let mut c_in = *width;
                 for (stage, &n) in blocks.iter().enumerate() {
                     let mid = width << stage;
@@ -322,6 +378,7 @@ impl Model {
                         let block = BottleneckConfig::new(c_in, mid, 4 * mid)
                             .with_stride(stride)
                             .with_batch_norm(true)
+                            .with_channels_last(channels_last)
                             .with_dtype(dtype)
                             .with_seed(b.seed())
                             .init(device)?;
@@ -348,6 +405,7 @@ impl Model {
                         .with_batch_norm(true)
                         .with_activation(if hs { Act::Hardswish } else { Act::Relu })
                         .with_squeeze_excitation(squeeze)
+                        .with_channels_last(channels_last)
                         .with_dtype(dtype)
                         .with_seed(b.seed())
                         .init(device)?;
@@ -426,7 +484,14 @@ impl Model {
             autocast: None,
             cast_bytes: 0,
             fused_loss: true,
+            channels_last,
         })
+    }
+
+    /// Whether the model runs channels_last (asked for in [`ModelOptions`] and a preset
+    /// CNN).
+    pub fn channels_last(&self) -> bool {
+        self.channels_last
     }
 
     /// Trains (and evaluates) under autocast to `low` (f16 or bf16), PyTorch's
@@ -556,12 +621,17 @@ impl Model {
 
     /// The chain's input for a batch: the features, or the embedded tokens.
     fn input(&self, batch: &Batch, dtype: DType) -> Result<Tensor> {
+        // Channels_last images are converted on the device, as PyTorch's
+        // `x.to(memory_format=torch.channels_last)` copies a contiguous batch.
+        let layout = |x: Tensor| -> Result<Tensor> {
+            if self.channels_last { Ok(ops::permute(&x, &[0, 2, 3, 1])?) } else { Ok(x) }
+        };
         match (&batch.input, &self.embed) {
             (Input::Dense { values, shape }, None) => {
-                Ok(Tensor::from_f32_slice(&self.device, shape, values, dtype)?)
+                layout(Tensor::from_f32_slice(&self.device, shape, values, dtype)?)
             }
             (Input::Shape(shape), None) if self.device.is_virtual() => {
-                Ok(Tensor::zeros(&self.device, shape, dtype)?)
+                layout(Tensor::zeros(&self.device, shape, dtype)?)
             }
             (Input::Shape(_), None) => Err(invalid(
                 "a batch without values (Dataset::batch_without_values) runs only on a virtual \

@@ -356,6 +356,19 @@ impl Arch {
             })
     }
 
+    /// Whether this is one of the preset CNNs (ResNet-like, MobileNet-like, ResNet-50,
+    /// MobileNetV3), which can run channels_last
+    /// ([`ModelOptions::channels_last`](super::ModelOptions::channels_last)).
+    pub fn is_preset_cnn(&self) -> bool {
+        matches!(
+            self,
+            Arch::ResNet { .. }
+                | Arch::MobileNet { .. }
+                | Arch::BottleneckResNet { .. }
+                | Arch::MobileNetV3 { .. }
+        )
+    }
+
     /// A short name for reports ("gpt", "resnet-bottleneck", ...).
     pub fn name(&self) -> &str {
         match self {

@@ -29,7 +29,7 @@
 //! ```
 
 use crate::data::{Batch, Input};
-use crate::models::{Arch, Model};
+use crate::models::{Arch, Model, ModelOptions};
 use crate::trainer::adamw;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -201,6 +201,24 @@ pub struct RecipeRun {
     pub peak_allocated: u64,
     /// `max_memory_reserved` over the steps.
     pub peak_reserved: u64,
+    /// Whether the model ran channels_last (absent in files of older runs: it did not).
+    #[serde(default)]
+    pub channels_last: bool,
+}
+
+impl RecipeRun {
+    /// The run's name in TWIN.md: `bf16 autocast`, with `, channels_last` where it was.
+    fn label(&self) -> &'static str {
+        if self.channels_last { "bf16 autocast, channels_last" } else { "bf16 autocast" }
+    }
+}
+
+/// Whether vram's bf16 autocast recipe runs `arch` channels_last on `device`: a preset CNN
+/// where cuDNN runs the convolutions (it reads NHWC as it is, the layout of its tensor-core
+/// kernels, as PyTorch's channels_last recipe relies on). On the own kernels, which permute
+/// around each NHWC convolution, the recipe stays NCHW.
+pub fn autocast_channels_last(device: &Device, arch: &Arch) -> bool {
+    arch.is_preset_cnn() && matches!(device.conv_path(), vram_kernels::ConvPath::Cudnn { .. })
 }
 
 /// One profiled step (`"profile"` in `twin.json["vram"]` and in `torch.json`).
@@ -519,7 +537,9 @@ pub fn run_vram_arch(
     drop(model);
     let autocast_bf16 = if settings.autocast_bf16 {
         let quiet = TwinSettings { profile: false, ..settings.clone() };
-        let run = Model::new(device, arch.clone(), settings.seed, DType::F32)
+        let channels_last = autocast_channels_last(device, &arch);
+        let opts = ModelOptions::default().with_channels_last(channels_last);
+        let run = Model::with_options(device, arch.clone(), settings.seed, DType::F32, opts)
             .and_then(|mut m| m.set_autocast(Some(DType::BF16)).map(|()| m))
             .map_err(|e| fail(Box::new(e)))
             .and_then(|mut m| train(device, &mut m, &batch, &quiet).map_err(fail))?;
@@ -528,6 +548,7 @@ pub fn run_vram_arch(
             step_ms: run.step_ms,
             peak_allocated: run.peak_allocated,
             peak_reserved: run.peak_reserved,
+            channels_last,
         })
     } else {
         None
@@ -873,7 +894,8 @@ fn recipes(s: &mut String, rows: &[Comparison]) {
          `torch.autocast(bfloat16)`, `AdamW(fused=True)` and channels_last for CNNs; `compile` \
          adds `torch.compile` (its compiling steps are warm-ups, outside the timed steps and \
          the peaks), a reference row. vram's side: its f32 run for `defaults`, its bf16 \
-         autocast run (f32 weights, 16-bit matmuls) for the others. Ratios are vram over \
+         autocast run (f32 weights, 16-bit matmuls; channels_last for CNNs where cuDNN runs \
+         the convolutions) for the others. Ratios are vram over \
          PyTorch: below 1 is vram using less.\n\n\
          | model | PyTorch recipe | PyTorch peak allocated | PyTorch peak reserved | PyTorch \
          step | vram run | vram peak allocated | vram step | allocated ratio | time ratio |\n\
@@ -884,7 +906,7 @@ fn recipes(s: &mut String, rows: &[Comparison]) {
             let recipe = t.recipe.as_deref().unwrap_or("?");
             let (label, alloc, steps) = if recipe_is_autocast(recipe) {
                 match &r.vram.autocast_bf16 {
-                    Some(a) => ("bf16 autocast", Some(a.peak_allocated), Some(&a.step_ms)),
+                    Some(a) => (a.label(), Some(a.peak_allocated), Some(&a.step_ms)),
                     None => ("bf16 autocast (not run)", None, None),
                 }
             } else {
@@ -922,9 +944,10 @@ type Best<'a> = (&'a str, f64, Option<u64>);
 /// vram's fastest run of a model (its steady median step): f32 or bf16 autocast.
 fn vram_best(r: &Comparison) -> Option<Best<'_>> {
     let f32_run = steady_median(&r.vram.step_ms).map(|t| ("f32", t, Some(r.vram.peak_allocated)));
-    let auto = r.vram.autocast_bf16.as_ref().and_then(|a| {
-        steady_median(&a.step_ms).map(|t| ("bf16 autocast", t, Some(a.peak_allocated)))
-    });
+    let auto =
+        r.vram.autocast_bf16.as_ref().and_then(|a| {
+            steady_median(&a.step_ms).map(|t| (a.label(), t, Some(a.peak_allocated)))
+        });
     [f32_run, auto].into_iter().flatten().min_by(|a, b| a.1.total_cmp(&b.1))
 }
 

@@ -392,4 +392,30 @@ fn best_against_best_pits_vrams_fastest_run_against_pytorchs_fastest_eager_recip
         .unwrap_or_else(|| panic!("{report}"));
     assert!(best.contains("| defaults | 30.0 |") && best.contains("| 1.33x | - |"), "{best}");
     assert!(report.contains("no verdict on GPU speed") && !report.contains("at most PyTorch's"));
+    // A CNN's autocast run channels_last is named so in both tables.
+    let mut cnn = cuda("cnn", 10.0);
+    cnn.vram.autocast_bf16.as_mut().unwrap().channels_last = true;
+    let report = twin::report(&[cnn], &settings);
+    assert!(report.contains("| cnn | bf16 autocast, channels_last | 10.0 |"), "{report}");
+    assert!(report.contains("| 20.0 | bf16 autocast, channels_last | 1.46 KiB |"), "{report}");
+}
+
+/// vram's autocast recipe runs a CNN channels_last only where cuDNN runs the convolutions:
+/// never on the host (its own convolutions would permute around each one), never for a
+/// transformer.
+#[test]
+fn the_autocast_recipe_is_channels_last_for_cnns_on_cudnn_only() {
+    let host = Device::host(1 << 20);
+    let resnet = Arch::preset("resnet50").unwrap();
+    assert!(resnet.is_preset_cnn());
+    assert!(!twin::autocast_channels_last(&host, &resnet));
+    assert!(!Arch::preset("gpt2-small").unwrap().is_preset_cnn());
+    if let Ok(gpu) = Device::cuda(0) {
+        let cudnn = matches!(gpu.conv_path(), vram_kernels::ConvPath::Cudnn { .. });
+        assert_eq!(twin::autocast_channels_last(&gpu, &resnet), cudnn);
+        gpu.set_conv_backend(vram_kernels::ConvBackend::Own).unwrap();
+        assert!(!twin::autocast_channels_last(&gpu, &resnet));
+    } else {
+        eprintln!("skipped: no CUDA device (the cuDNN half of the check)");
+    }
 }

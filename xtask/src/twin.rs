@@ -114,7 +114,8 @@ pub struct TwinArgs {
     /// PyTorch's recipes as users run them, beside the matching run, comma-separated:
     /// `defaults` (f32, TF32 as shipped, SDPA), `bf16-autocast` (with fused AdamW and
     /// channels_last), `compile` (bf16-autocast under torch.compile), or `none`; vram runs
-    /// its bf16 autocast recipe too when one of the last two is asked. Default: all three
+    /// its bf16 autocast recipe too when one of the last two is asked (channels_last for
+    /// CNNs where cuDNN runs the convolutions). Default: all three
     /// on CUDA, none on the host (PyTorch's CPU build has no peaks to compare).
     #[arg(long, value_name = "LIST")]
     recipes: Option<String>,

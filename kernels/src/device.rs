@@ -20,6 +20,7 @@
 //! [`Device::set_cudnn_benchmark`] and [`Device::set_allow_tf32_cudnn`]. The same switch sends
 //! batch norm through cuDNN where PyTorch does ([`Device::batch_norm_path`]).
 
+use crate::cudnn_choices::{ConvPass, CudnnChoices};
 use crate::error::{Error, Result};
 use crate::storage::Storage;
 use std::fmt;
@@ -63,6 +64,10 @@ struct Inner {
     profile: crate::profile::OpProfiler,
     /// Whether f32 matmuls may use TF32 tensor cores (default off).
     allow_tf32_matmul: std::sync::atomic::AtomicBool,
+    /// A GPU's record of cuDNN's choices that a virtual device replays.
+    cudnn_record: Mutex<Option<Arc<CudnnChoices>>>,
+    /// cuDNN calls a virtual device replayed without a recorded choice.
+    cudnn_misses: std::sync::atomic::AtomicUsize,
 }
 
 /// How a device runs a linear layer ([`crate::ops::linear`], [`crate::ops::linear_act`]) and
@@ -152,6 +157,14 @@ pub enum ConvPath {
     /// im2col and accumulator workspaces, batch norm's per-channel ones), not what cuDNN's
     /// algorithms would (their workspaces and reserve spaces can only be sized on a GPU).
     Virtual,
+    /// A virtual device replaying a GPU's record of cuDNN's choices
+    /// ([`Device::set_cudnn_choices`]): it allocates what that GPU's cuDNN path allocates.
+    VirtualCudnn {
+        /// The recorded cuDNN's version number.
+        version: usize,
+        /// The GPU the record was made on.
+        device: String,
+    },
 }
 
 impl fmt::Display for ConvPath {
@@ -163,6 +176,11 @@ impl fmt::Display for ConvPath {
             ConvPath::Own { reason } => write!(f, "own kernels ({reason})"),
             ConvPath::Host => write!(f, "CPU reference"),
             ConvPath::Virtual => write!(f, "virtual (own kernels' workspaces modelled)"),
+            ConvPath::VirtualCudnn { version, device } => write!(
+                f,
+                "virtual (replaying {}'s choices on {device})",
+                ConvPath::Cudnn { version: *version }
+            ),
         }
     }
 }
@@ -449,6 +467,8 @@ impl Device {
             backend,
             profile: Default::default(),
             allow_tf32_matmul: Default::default(),
+            cudnn_record: Mutex::new(None),
+            cudnn_misses: Default::default(),
         };
         Device { inner: Arc::new(inner) }
     }
@@ -594,8 +614,10 @@ impl Device {
             #[cfg(feature = "cuda")]
             Backend::Cuda(cuda) => cuda.cudnn_version().err(),
             Backend::Host(_) => Some("the host device runs the CPU reference".into()),
+            Backend::Virtual(_) if self.cudnn_record().is_some() => None,
             Backend::Virtual(_) => Some(
-                "a virtual device cannot call cuDNN (it models vram's own kernels' workspaces)"
+                "a virtual device cannot call cuDNN (it models vram's own kernels' workspaces, \
+                 or a GPU's cuDNN choices given by Device::set_cudnn_choices)"
                     .into(),
             ),
         }
@@ -634,7 +656,12 @@ impl Device {
     pub fn conv_path(&self) -> ConvPath {
         match &self.inner.backend {
             Backend::Host(_) => ConvPath::Host,
-            Backend::Virtual(_) => ConvPath::Virtual,
+            Backend::Virtual(_) => match self.cudnn_record() {
+                Some(r) if self.conv_backend() != ConvBackend::Own => {
+                    ConvPath::VirtualCudnn { version: r.version, device: r.device.clone() }
+                }
+                _ => ConvPath::Virtual,
+            },
             #[cfg(feature = "cuda")]
             Backend::Cuda(cuda) => match (self.conv_backend(), cuda.cudnn_version()) {
                 (ConvBackend::Own, _) => {
@@ -657,6 +684,10 @@ impl Device {
                 && cuda.cudnn_version().is_ok()
                 && crate::cuda::dnn::supports(p);
             return on.then_some(settings);
+        }
+        if self.is_virtual() && matches!(self.conv_path(), ConvPath::VirtualCudnn { .. }) {
+            let on = crate::cudnn_choices::supports(p);
+            return on.then_some(*self.conv());
         }
         let _ = p;
         None
@@ -695,8 +726,91 @@ impl Device {
                 .and_then(|dnn| dnn.bn_reserve_size(case.shape, case.dtype))
                 .is_ok_and(|bytes| bytes == 0);
         }
-        let _ = case;
+        // Replaying a GPU's cuDNN: PyTorch's rule; no reserve space is recorded (none, as
+        // `CUDNN_BATCHNORM_SPATIAL` training asks), so the backward follows the forward.
+        if self.is_virtual() && matches!(self.conv_path(), ConvPath::VirtualCudnn { .. }) {
+            return case.cudnn_refusal().is_none();
+        }
         false
+    }
+
+    /// Makes a virtual device replay a GPU's cuDNN (see [`crate::cudnn_choices`]): from the
+    /// next op on, its convolutions run as that GPU's cuDNN path (no own-kernel workspaces,
+    /// channels_last read as it is, each call's workspace at the recorded size) and its
+    /// batch norms go where PyTorch sends them to cuDNN; `None` returns it to modelling
+    /// vram's own kernels. [`ConvBackend::Own`] on the device turns the replay off too.
+    /// Resets [`cudnn_choice_misses`](Self::cudnn_choice_misses).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unsupported`] on a host or CUDA device (a CUDA device makes its own choices).
+    pub fn set_cudnn_choices(&self, choices: Option<CudnnChoices>) -> Result<()> {
+        if !self.is_virtual() {
+            return Err(Error::Unsupported(format!(
+                "only a virtual device replays recorded cuDNN choices, not {}",
+                self.name()
+            )));
+        }
+        *self.inner.cudnn_record.lock().unwrap_or_else(|e| e.into_inner()) = choices.map(Arc::new);
+        self.inner.cudnn_misses.store(0, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The cuDNN choices this device made (a CUDA device: every convolution shape and
+    /// direction that ran through cuDNN, with its algorithm and workspace) or replays (a
+    /// virtual device given some); `None` on the host, a virtual device without a record,
+    /// or a CUDA device without cuDNN.
+    pub fn cudnn_choices(&self) -> Option<CudnnChoices> {
+        #[cfg(feature = "cuda")]
+        if let Backend::Cuda(cuda) = &self.inner.backend {
+            let version = cuda.cudnn_version().ok()?;
+            let dnn = cuda.dnn_lock().ok()?;
+            let mut record =
+                CudnnChoices { device: self.name(), version, convolutions: dnn.choices() };
+            record.sort();
+            return Some(record);
+        }
+        self.cudnn_record().map(|r| (*r).clone())
+    }
+
+    /// How many cuDNN calls this virtual device replayed without a recorded choice since
+    /// [`set_cudnn_choices`](Self::set_cudnn_choices): each took no workspace, so a peak
+    /// measured with misses is a lower bound by their workspaces. 0 on other devices.
+    pub fn cudnn_choice_misses(&self) -> usize {
+        self.inner.cudnn_misses.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn cudnn_record(&self) -> Option<Arc<CudnnChoices>> {
+        self.inner.cudnn_record.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// On a virtual device replaying cuDNN, allocates and frees the workspace the record
+    /// gives convolution `p` in `pass` (none, counted as a miss, when it has no such call),
+    /// as the GPU's call takes it from the caching allocator and returns it after.
+    ///
+    /// # Errors
+    ///
+    /// Out of memory.
+    pub(crate) fn replay_cudnn_workspace(
+        &self,
+        pass: ConvPass,
+        p: &crate::params::Conv2dParams,
+        dtype: crate::DType,
+        layout: crate::ConvLayout,
+        allow_tf32: bool,
+    ) -> Result<()> {
+        let Some(record) = self.cudnn_record() else { return Ok(()) };
+        match record.workspace(pass, p, dtype, layout, allow_tf32) {
+            Some(0) => Ok(()),
+            Some(bytes) => {
+                drop(self.allocate(bytes)?);
+                Ok(())
+            }
+            None => {
+                self.inner.cudnn_misses.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Ok(())
+            }
+        }
     }
 
     /// Bytes of the cuBLAS workspace this device allocates at its first matrix product.

@@ -3,8 +3,9 @@
 use half::{bf16, f16};
 use std::fmt;
 
-/// The element types tensors can hold.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// The element types tensors can hold (in files: `"f32"`, `"f16"`, `"bf16"`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum DType {
     /// IEEE 754 binary32.
     F32,

@@ -47,6 +47,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod cudnn_choices;
 pub mod custom;
 pub mod device;
 pub mod dtype;

@@ -186,17 +186,8 @@ pub(crate) fn tensor_dims(dims: [usize; 4], layout: ConvLayout) -> Result<Tensor
     Ok(TensorDims { dims: d, strides: s })
 }
 
-/// Whether cuDNN can run convolution `p`: nonempty, and every tensor's element count within
-/// `i32::MAX` (PyTorch splits the batch in that case; vram runs its own kernels instead).
-pub(crate) fn supports(p: &Conv2dParams) -> bool {
-    let fits = |n: usize| i32::try_from(n).is_ok();
-    p.output_len() > 0
-        && p.input_len() > 0
-        && p.weight_len() > 0
-        && fits(p.input_len())
-        && fits(p.output_len())
-        && fits(p.weight_len())
-}
+pub(crate) use crate::cudnn_choices::supports;
+use crate::cudnn_choices::{ConvChoice, ConvPass};
 
 /// One convolution direction's cached choice: the algorithm, its math type and workspace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -239,6 +230,29 @@ impl<A: Copy> AlgoCache<A> {
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.lock().len()
+    }
+
+    /// Every cached key with its choice.
+    fn entries(&self) -> Vec<(ConvKey, Choice<A>)> {
+        self.lock().iter().map(|(k, c)| (*k, *c)).collect()
+    }
+}
+
+/// The record of `key`'s choice in `pass`.
+fn record<A: std::fmt::Debug>(pass: ConvPass, key: ConvKey, c: Choice<A>) -> ConvChoice {
+    ConvChoice {
+        pass,
+        x: key.x,
+        w: key.w,
+        padding: key.padding,
+        stride: key.stride,
+        dilation: key.dilation,
+        groups: key.groups,
+        dtype: key.dtype,
+        layout: key.layout,
+        allow_tf32: key.allow_tf32,
+        algo: format!("{:?}", c.algo),
+        workspace: c.workspace,
     }
 }
 
@@ -326,6 +340,16 @@ impl Dnn {
     /// The library's version, e.g. `91400` for 9.14.0.
     pub(crate) fn version(&self) -> usize {
         self.version
+    }
+
+    /// Every choice the three directions' caches hold (see [`crate::cudnn_choices`]).
+    pub(crate) fn choices(&self) -> Vec<ConvChoice> {
+        let fwd = self.fwd.entries().into_iter().map(|(k, c)| record(ConvPass::Forward, k, c));
+        let data = self.bwd_data.entries().into_iter();
+        let data = data.map(|(k, c)| record(ConvPass::BackwardData, k, c));
+        let filter = self.bwd_filter.entries().into_iter();
+        let filter = filter.map(|(k, c)| record(ConvPass::BackwardFilter, k, c));
+        fwd.chain(data).chain(filter).collect()
     }
 
     /// How many algorithm choices are cached: forward, backward data, backward filter.

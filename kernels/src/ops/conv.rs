@@ -35,6 +35,7 @@
 use super::dispatch::{Buffers, Op, OutputSpec, Plan, Wanted, run};
 use super::{expect_rank, expect_shape, same_kind};
 use crate::cpu::conv as cpu;
+use crate::cudnn_choices::ConvPass;
 use crate::device::ConvSettings;
 use crate::device::Device;
 use crate::dtype::{DType, with_dtype};
@@ -257,6 +258,12 @@ impl Op for Conv2d<'_> {
             self.bias.map(|b| b.as_slice::<T>()).transpose()?,
             bufs.out().out_slice::<T>(Self::NAME)?,
         ))
+    }
+
+    fn on_virtual(&mut self) -> Result<()> {
+        let Some(settings) = self.cudnn else { return Ok(()) };
+        let (p, dtype, tf32) = (&self.p, self.x.dtype(), settings.allow_tf32);
+        self.x.device().replay_cudnn_workspace(ConvPass::Forward, p, dtype, self.layout, tf32)
     }
 
     #[cfg(feature = "cuda")]
@@ -546,6 +553,16 @@ impl<Dx: Wanted> Op for Conv2dBackward<'_, Dx> {
             Some(dw.out_slice::<T>(Self::NAME)?),
             dbias.as_mut().map(|b| b.out_slice::<T>(Self::NAME)).transpose()?,
         ))
+    }
+
+    fn on_virtual(&mut self) -> Result<()> {
+        let Some(settings) = self.cudnn else { return Ok(()) };
+        let (p, dtype, tf32, device) =
+            (&self.p, self.x.dtype(), settings.allow_tf32, self.x.device());
+        if Dx::WANTED {
+            device.replay_cudnn_workspace(ConvPass::BackwardData, p, dtype, self.layout, tf32)?;
+        }
+        device.replay_cudnn_workspace(ConvPass::BackwardFilter, p, dtype, self.layout, tf32)
     }
 
     #[cfg(feature = "cuda")]

@@ -365,6 +365,13 @@ pub(crate) trait Op: Sized {
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()>;
 
+    /// On a virtual device, what the op would allocate while it runs on a GPU beyond its
+    /// plan: a cuDNN call's workspace, at the size a GPU's record of cuDNN's choices gives
+    /// ([`Device::set_cudnn_choices`]). Nothing by default.
+    fn on_virtual(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// The result, from the buffers (computed, or just allocated on a virtual device).
     fn finish(self, bufs: Buffers<Self::Outs>) -> Result<Self::Output>;
 }
@@ -410,7 +417,7 @@ pub(crate) fn run<O: Op>(mut op: O) -> Result<O::Output> {
     let mut bufs = Buffers { outputs, workspaces };
     match compute {
         Compute::Host => op.host(&mut bufs)?,
-        Compute::Virtual => {}
+        Compute::Virtual => op.on_virtual()?,
         #[cfg(feature = "cuda")]
         Compute::Cuda => {
             if let Some(cu) = device.cuda_backend() {

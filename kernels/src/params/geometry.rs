@@ -232,8 +232,12 @@ impl Conv2dOptions {
 /// How a convolution's tensors are stored: NCHW (`x: [batch, c_in, h, w]`,
 /// `weight: [c_out, c_in / groups, kh, kw]`), or NHWC, PyTorch's channels_last
 /// (`x: [batch, h, w, c_in]`, `weight: [c_out, kh, kw, c_in / groups]`, the output
-/// `[batch, oh, ow, c_out]`), the layout cuDNN's tensor-core kernels read natively.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+/// `[batch, oh, ow, c_out]`), the layout cuDNN's tensor-core kernels read natively. In
+/// files: `"nchw"`, `"nhwc"`.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
 pub enum ConvLayout {
     /// Channels before the plane (vram's default).
     #[default]

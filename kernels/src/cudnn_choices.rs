@@ -1,0 +1,214 @@
+//! The cuDNN choices a GPU made, for a virtual device to replay.
+//!
+//! A CUDA device caches, per convolution shape and direction, the algorithm cuDNN ran and the
+//! workspace it took from the caching allocator (PyTorch's `BenchmarkCache`; see
+//! [`Device::cudnn_choices`]). Those workspaces are what a virtual device cannot know by
+//! itself: only cuDNN on a GPU can size them. Given a GPU's record
+//! ([`Device::set_cudnn_choices`]), a virtual device runs its convolutions as that GPU's
+//! cuDNN does: no own-kernel workspaces (im2col buffers and alike), channels_last tensors
+//! read as they are (no permutes), each call's workspace allocated and freed at the size the
+//! GPU's choice took, and its batch norms through cuDNN where PyTorch's rule sends them
+//! there. So `plan` and the twin predict a cuDNN GPU's peaks, for the shapes the record
+//! holds.
+//!
+//! A call the record does not hold (another batch size, another model) is counted as a miss
+//! ([`Device::cudnn_choice_misses`]) and takes no workspace: a prediction with misses is a
+//! lower bound by those workspaces. cuDNN batch norm's own workspace and reserve space are
+//! not recorded (taken as none: PyTorch's `CUDNN_BATCHNORM_SPATIAL` training asks for no
+//! reserve; its workspace is small), nor is the one-off workspace of a `cudnn_benchmark`
+//! timed search.
+//!
+//! [`Device::cudnn_choices`]: crate::Device::cudnn_choices
+//! [`Device::set_cudnn_choices`]: crate::Device::set_cudnn_choices
+//! [`Device::cudnn_choice_misses`]: crate::Device::cudnn_choice_misses
+
+use crate::dtype::DType;
+use crate::params::{Conv2dParams, ConvLayout};
+use serde::{Deserialize, Serialize};
+
+/// Whether cuDNN can run convolution `p`: nonempty, and every tensor's element count within
+/// `i32::MAX` (PyTorch splits the batch in that case; vram runs its own kernels instead).
+pub(crate) fn supports(p: &Conv2dParams) -> bool {
+    let fits = |n: usize| i32::try_from(n).is_ok();
+    p.output_len() > 0
+        && p.input_len() > 0
+        && p.weight_len() > 0
+        && fits(p.input_len())
+        && fits(p.output_len())
+        && fits(p.weight_len())
+}
+
+/// A convolution's direction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ConvPass {
+    /// `y = conv(x, w)`.
+    Forward,
+    /// The input's gradient.
+    BackwardData,
+    /// The weight's gradient.
+    BackwardFilter,
+}
+
+/// One convolution shape and direction as cuDNN saw it, and what it chose.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConvChoice {
+    /// The direction.
+    pub pass: ConvPass,
+    /// The input's logical dimensions `[batch, c_in, h, w]`, whatever the layout.
+    pub x: [usize; 4],
+    /// The weight's logical dimensions `[c_out, c_in / groups, kh, kw]`.
+    pub w: [usize; 4],
+    /// Zero padding `(h, w)`.
+    pub padding: (usize, usize),
+    /// Stride `(h, w)`.
+    pub stride: (usize, usize),
+    /// Dilation `(h, w)`.
+    pub dilation: (usize, usize),
+    /// Groups.
+    pub groups: usize,
+    /// The tensors' dtype.
+    pub dtype: DType,
+    /// The tensors' layout.
+    pub layout: ConvLayout,
+    /// Whether TF32 was allowed (`allow_tf32_cudnn`).
+    pub allow_tf32: bool,
+    /// The algorithm cuDNN ran, as cuDNN's enum names it.
+    pub algo: String,
+    /// Bytes of its workspace.
+    pub workspace: usize,
+}
+
+impl ConvChoice {
+    /// Whether this choice is for convolution `p` in `pass`, `dtype`, `layout` and TF32
+    /// setting.
+    fn matches(
+        &self,
+        pass: ConvPass,
+        p: &Conv2dParams,
+        dtype: DType,
+        layout: ConvLayout,
+        allow_tf32: bool,
+    ) -> bool {
+        let (kh, kw) = p.kernel();
+        self.pass == pass
+            && self.x == [p.batch(), p.c_in(), p.h(), p.w()]
+            && self.w == [p.c_out(), p.c_in() / p.groups(), kh, kw]
+            && self.padding == p.padding()
+            && self.stride == p.stride()
+            && self.dilation == p.dilation()
+            && self.groups == p.groups()
+            && self.dtype == dtype
+            && self.layout == layout
+            && self.allow_tf32 == allow_tf32
+    }
+}
+
+/// What one GPU's cuDNN chose: the device and cuDNN version it ran on, and a
+/// [`ConvChoice`] per convolution shape and direction that ran (see the module's docs).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CudnnChoices {
+    /// The GPU, in words (`Device::name`).
+    pub device: String,
+    /// cuDNN's version number (91400 for 9.14.0).
+    pub version: usize,
+    /// The convolutions, in no particular order.
+    pub convolutions: Vec<ConvChoice>,
+}
+
+impl CudnnChoices {
+    /// The workspace bytes the recorded choice for convolution `p` in `pass` took, or `None`
+    /// when the record has no such call.
+    pub fn workspace(
+        &self,
+        pass: ConvPass,
+        p: &Conv2dParams,
+        dtype: DType,
+        layout: ConvLayout,
+        allow_tf32: bool,
+    ) -> Option<usize> {
+        self.convolutions
+            .iter()
+            .find(|c| c.matches(pass, p, dtype, layout, allow_tf32))
+            .map(|c| c.workspace)
+    }
+
+    /// Sorted by shape and direction, so that two records of the same runs compare equal and
+    /// a written file reads in a stable order.
+    pub fn sort(&mut self) {
+        self.convolutions.sort_by(|a, b| {
+            let key = |c: &ConvChoice| {
+                (c.x, c.w, c.padding, c.stride, c.dilation, c.groups, c.dtype.index())
+            };
+            key(a)
+                .cmp(&key(b))
+                .then((a.layout as u8).cmp(&(b.layout as u8)))
+                .then(a.allow_tf32.cmp(&b.allow_tf32))
+                .then((a.pass as u8).cmp(&(b.pass as u8)))
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Conv2dOptions;
+
+    fn choice(pass: ConvPass, workspace: usize) -> ConvChoice {
+        ConvChoice {
+            pass,
+            x: [8, 64, 56, 56],
+            w: [64, 64, 3, 3],
+            padding: (1, 1),
+            stride: (1, 1),
+            dilation: (1, 1),
+            groups: 1,
+            dtype: DType::BF16,
+            layout: ConvLayout::Nhwc,
+            allow_tf32: true,
+            algo: "CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM".into(),
+            workspace,
+        }
+    }
+
+    #[test]
+    fn a_choice_is_found_by_every_field_of_its_key_and_nothing_else() {
+        let record = CudnnChoices {
+            device: "test".into(),
+            version: 91400,
+            convolutions: vec![choice(ConvPass::Forward, 4096), choice(ConvPass::BackwardData, 0)],
+        };
+        let opts = Conv2dOptions::default().padding((1, 1));
+        let p = Conv2dParams::new(&[8, 64, 56, 56], &[64, 64, 3, 3], &opts).unwrap();
+        let (bf16, nhwc) = (DType::BF16, ConvLayout::Nhwc);
+        assert_eq!(record.workspace(ConvPass::Forward, &p, bf16, nhwc, true), Some(4096));
+        assert_eq!(record.workspace(ConvPass::BackwardData, &p, bf16, nhwc, true), Some(0));
+        assert_eq!(record.workspace(ConvPass::BackwardFilter, &p, bf16, nhwc, true), None);
+        assert_eq!(record.workspace(ConvPass::Forward, &p, DType::F16, nhwc, true), None);
+        assert_eq!(record.workspace(ConvPass::Forward, &p, bf16, ConvLayout::Nchw, true), None);
+        assert_eq!(record.workspace(ConvPass::Forward, &p, bf16, nhwc, false), None);
+        let strided = Conv2dParams::new(&[8, 64, 56, 56], &[64, 64, 3, 3], &opts.stride((2, 2)));
+        assert_eq!(record.workspace(ConvPass::Forward, &strided.unwrap(), bf16, nhwc, true), None);
+        let batch = Conv2dParams::new(&[4, 64, 56, 56], &[64, 64, 3, 3], &opts).unwrap();
+        assert_eq!(record.workspace(ConvPass::Forward, &batch, bf16, nhwc, true), None);
+    }
+
+    #[test]
+    fn a_record_reads_back_from_json_as_written() {
+        let mut record = CudnnChoices {
+            device: "NVIDIA H100 80GB HBM3".into(),
+            version: 91400,
+            convolutions: vec![
+                choice(ConvPass::BackwardFilter, 1 << 20),
+                choice(ConvPass::Forward, 4096),
+            ],
+        };
+        record.sort();
+        assert_eq!(record.convolutions[0].pass, ConvPass::Forward);
+        let text = serde_json::to_string(&record).unwrap();
+        assert!(text.contains("\"backward_filter\"") && text.contains("\"nhwc\""), "{text}");
+        assert!(text.contains("\"bf16\""), "{text}");
+        let back: CudnnChoices = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, record);
+    }
+}

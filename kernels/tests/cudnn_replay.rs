@@ -1,0 +1,210 @@
+//! A virtual device replaying a GPU's record of cuDNN's choices allocates what that GPU's
+//! cuDNN path allocates: each convolution's outputs, then its call's workspace at the
+//! recorded size, freed after; no own-kernel workspace; channels_last tensors without
+//! permutes; batch norm through cuDNN where PyTorch's rule says. On a GPU with cuDNN, the
+//! record of a run replayed on a virtual device gives that run's trace, entry for entry
+//! (prints `skipped: no CUDA device` here).
+
+use std::io::Write as _;
+use vram_kernels::cudnn_choices::{ConvChoice, ConvPass, CudnnChoices};
+use vram_kernels::{
+    Conv2dOptions, ConvBackend, ConvLayout, ConvPath, DType, Device, Tensor, TraceAction, ops,
+};
+
+/// One allocator action without its address: what must agree across devices.
+type Entry = (TraceAction, usize);
+
+/// The allocations and frees traced since entry `from` (the trace is turned on first).
+fn entries(d: &Device, from: usize) -> Vec<Entry> {
+    let keep = |a: &TraceAction| matches!(a, TraceAction::Alloc | TraceAction::FreeRequested);
+    let trace = d.trace().into_iter().skip(from);
+    trace.filter(|e| keep(&e.action)).map(|e| (e.action, e.requested)).collect()
+}
+
+/// Turns the trace on; the index its next entry will have.
+fn start(d: &Device) -> usize {
+    d.record_history(Some(1 << 16));
+    d.trace().len()
+}
+
+const X: [usize; 4] = [8, 16, 32, 32];
+const W: [usize; 4] = [32, 16, 3, 3];
+
+fn choice(pass: ConvPass, dtype: DType, layout: ConvLayout, workspace: usize) -> ConvChoice {
+    ConvChoice {
+        pass,
+        x: X,
+        w: W,
+        padding: (1, 1),
+        stride: (1, 1),
+        dilation: (1, 1),
+        groups: 1,
+        dtype,
+        layout,
+        allow_tf32: true,
+        algo: "TEST".into(),
+        workspace,
+    }
+}
+
+/// A record with the three directions of the test convolution in `dtype` and `layout`.
+fn record(dtype: DType, layout: ConvLayout) -> CudnnChoices {
+    CudnnChoices {
+        device: "a test GPU".into(),
+        version: 91400,
+        convolutions: vec![
+            choice(ConvPass::Forward, dtype, layout, 3 << 20),
+            choice(ConvPass::BackwardData, dtype, layout, 0),
+            choice(ConvPass::BackwardFilter, dtype, layout, 5 << 20),
+        ],
+    }
+}
+
+fn opts() -> Conv2dOptions {
+    Conv2dOptions::default().padding((1, 1))
+}
+
+/// A forward and a backward of the test convolution (channels_last when `nhwc`), traced.
+fn conv_trace(d: &Device, dtype: DType, nhwc: bool) -> Vec<Entry> {
+    let (xs, ws, ys) = if nhwc {
+        ([8, 32, 32, 16], [32, 3, 3, 16], [8, 32, 32, 32])
+    } else {
+        (X, W, [8, 32, 32, 32])
+    };
+    let x = Tensor::zeros(d, &xs, dtype).unwrap();
+    let w = Tensor::zeros(d, &ws, dtype).unwrap();
+    let dy = Tensor::zeros(d, &ys, dtype).unwrap();
+    let from = start(d);
+    let (y, g) = if nhwc {
+        let y = ops::conv2d_nhwc(&x, &w, None, &opts()).unwrap();
+        (y, ops::conv2d_backward_nhwc(&x, &w, &dy, &opts(), false).unwrap())
+    } else {
+        let y = ops::conv2d(&x, &w, None, &opts()).unwrap();
+        (y, ops::conv2d_backward(&x, &w, &dy, &opts(), false).unwrap())
+    };
+    let e = entries(d, from);
+    drop((y, g));
+    e
+}
+
+#[test]
+fn a_replaying_virtual_device_allocates_each_calls_recorded_workspace_and_nothing_of_its_own() {
+    for (dtype, nhwc) in [(DType::F32, false), (DType::BF16, false), (DType::BF16, true)] {
+        let layout = if nhwc { ConvLayout::Nhwc } else { ConvLayout::Nchw };
+        let (o, x, w) = (8 * 32 * 32 * 32 * dtype.size_in_bytes(), 8 * 16 * 32 * 32, 32 * 16 * 9);
+        let (x, w) = (x * dtype.size_in_bytes(), w * dtype.size_in_bytes());
+        let d = Device::virtual_device(1 << 30);
+        d.set_cudnn_choices(Some(record(dtype, layout))).unwrap();
+        assert_eq!(
+            d.conv_path().to_string(),
+            "virtual (replaying cuDNN 9.14.0's choices on a test GPU)"
+        );
+        let got = conv_trace(&d, dtype, nhwc);
+        use TraceAction::{Alloc, FreeRequested as Free};
+        let want = vec![
+            (Alloc, o),
+            (Alloc, 3 << 20),
+            (Free, 3 << 20),
+            (Alloc, x),
+            (Alloc, w),
+            // Backward data's recorded workspace is 0: no allocation.
+            (Alloc, 5 << 20),
+            (Free, 5 << 20),
+        ];
+        assert_eq!(got, want, "{dtype:?} nhwc {nhwc}");
+        assert_eq!(d.cudnn_choice_misses(), 0);
+        // The own kernels' model allocates something else (an im2col buffer, permutes).
+        let own = Device::virtual_device(1 << 30);
+        assert_ne!(conv_trace(&own, dtype, nhwc), want, "{dtype:?} nhwc {nhwc}");
+        // ConvBackend::Own turns the replay off.
+        d.set_conv_backend(ConvBackend::Own).unwrap();
+        assert_eq!(d.conv_path(), ConvPath::Virtual);
+        assert_eq!(conv_trace(&d, dtype, nhwc), conv_trace(&own, dtype, nhwc));
+    }
+}
+
+#[test]
+fn a_call_the_record_lacks_takes_no_workspace_and_is_counted() {
+    let d = Device::virtual_device(1 << 30);
+    // Recorded in f32; run in bf16: all three calls miss.
+    d.set_cudnn_choices(Some(record(DType::F32, ConvLayout::Nchw))).unwrap();
+    let got = conv_trace(&d, DType::BF16, false);
+    assert!(got.iter().all(|&(_, bytes)| bytes != 3 << 20 && bytes != 5 << 20), "{got:?}");
+    assert_eq!(got.len(), 3, "the three outputs only: {got:?}");
+    assert_eq!(d.cudnn_choice_misses(), 3);
+    // A new record resets the count; `None` returns to the own kernels' model.
+    d.set_cudnn_choices(Some(record(DType::BF16, ConvLayout::Nchw))).unwrap();
+    assert_eq!(d.cudnn_choice_misses(), 0);
+    assert_eq!(d.cudnn_choices().unwrap().convolutions.len(), 3);
+    d.set_cudnn_choices(None).unwrap();
+    assert_eq!(d.conv_path(), ConvPath::Virtual);
+    assert!(d.cudnn_choices().is_none());
+}
+
+#[test]
+fn only_a_virtual_device_replays_and_the_host_records_nothing() {
+    let host = Device::host(1 << 20);
+    let err = host.set_cudnn_choices(Some(CudnnChoices::default())).unwrap_err();
+    assert!(err.to_string().contains("only a virtual device"), "{err}");
+    assert!(host.cudnn_choices().is_none());
+    // cuDNN asked for on a virtual device: refused without a record, taken with one.
+    let d = Device::virtual_device(1 << 20);
+    let err = d.set_conv_backend(ConvBackend::Cudnn).unwrap_err();
+    assert!(err.to_string().contains("set_cudnn_choices"), "{err}");
+    d.set_cudnn_choices(Some(CudnnChoices::default())).unwrap();
+    d.set_conv_backend(ConvBackend::Cudnn).unwrap();
+}
+
+/// Batch norm on a replaying device: cuDNN where PyTorch's rule sends it (f32, 4-d: no own
+/// per-channel workspace), the own kernels elsewhere (bf16: their workspace).
+#[test]
+fn batch_norm_follows_pytorchs_rule_on_a_replaying_device() {
+    let bn_allocs = |d: &Device, dtype: DType| {
+        let x = Tensor::zeros(d, &[8, 64, 14, 14], dtype).unwrap();
+        let g = Tensor::zeros(d, &[64], DType::F32).unwrap();
+        let b = Tensor::zeros(d, &[64], DType::F32).unwrap();
+        let from = start(d);
+        let out = ops::batch_norm(&x, &g, &b, None, 1e-5).unwrap();
+        let e = entries(d, from);
+        drop(out);
+        e.iter().filter(|(a, _)| *a == TraceAction::Alloc).count()
+    };
+    let d = Device::virtual_device(1 << 30);
+    d.set_cudnn_choices(Some(CudnnChoices::default())).unwrap();
+    let own = Device::virtual_device(1 << 30);
+    // y, mean, invstd; the own kernels add their partial sums.
+    assert_eq!(bn_allocs(&d, DType::F32), 3);
+    assert_eq!(bn_allocs(&own, DType::F32), 4);
+    assert_eq!(bn_allocs(&d, DType::BF16), 4);
+}
+
+/// On a GPU with cuDNN: convolutions of several shapes, layouts and dtypes, forward and
+/// backward; the GPU's record replayed on a virtual device gives the same trace.
+#[test]
+fn a_gpus_record_replayed_on_a_virtual_device_gives_the_gpus_trace() {
+    let gpu = match Device::cuda(0) {
+        Ok(g) => g,
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({e})");
+            return;
+        }
+    };
+    if !matches!(gpu.conv_path(), ConvPath::Cudnn { .. }) {
+        let _ = writeln!(std::io::stderr(), "skipped: no cuDNN ({})", gpu.conv_path());
+        return;
+    }
+    let run = |d: &Device| -> Vec<Entry> {
+        let mut all = Vec::new();
+        for (dtype, nhwc) in [(DType::F32, false), (DType::BF16, false), (DType::BF16, true)] {
+            all.extend(conv_trace(d, dtype, nhwc));
+        }
+        all
+    };
+    let on_gpu = run(&gpu);
+    let record = gpu.cudnn_choices().expect("cuDNN ran");
+    assert!(record.convolutions.len() >= 9, "{record:?}");
+    let virt = Device::virtual_device(gpu.mem_info().total);
+    virt.set_cudnn_choices(Some(record)).unwrap();
+    assert_eq!(run(&virt), on_gpu);
+    assert_eq!(virt.cudnn_choice_misses(), 0);
+}

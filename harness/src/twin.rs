@@ -179,6 +179,10 @@ impl Default for TwinSettings {
     }
 }
 
+/// The file a twin run on a GPU writes its cuDNN choices to (`Device::cudnn_choices`), for
+/// `cargo xtask plan --cudnn-choices`.
+pub const CUDNN_CHOICES: &str = "cudnn-choices.json";
+
 /// PyTorch's recipes beside the matching run, as `torch_twin.py --recipe` names them, in the
 /// order TWIN.md lists them: f32 with PyTorch's defaults (TF32 as shipped, SDPA), bf16
 /// autocast with SDPA, fused AdamW and channels_last, and the same under `torch.compile`.
@@ -557,6 +561,15 @@ pub fn run_vram_arch(
     // prediction `cargo xtask plan` would make, which must equal the measurement to the byte.
     let virt = Device::virtual_device(device.mem_info().total);
     virt.set_blas_workspace_size(device.blas_workspace_size());
+    // On a GPU with cuDNN the prediction replays the choices cuDNN made in the runs above
+    // (their workspaces only cuDNN can size), and the record is kept beside the export for
+    // `cargo xtask plan --cudnn-choices`.
+    if let Some(record) = device.cudnn_choices() {
+        let path = dir.join(CUDNN_CHOICES);
+        let text = serde_json::to_string_pretty(&record).map_err(|e| fail(Box::new(e)))?;
+        std::fs::write(&path, text).map_err(io(&path))?;
+        virt.set_cudnn_choices(Some(record)).map_err(|e| fail(Box::new(e)))?;
+    }
     let predicted = Model::new(&virt, arch, settings.seed, DType::F32)
         .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
         .and_then(|mut m| {

@@ -432,3 +432,65 @@ fn a_model_too_big_for_one_device_gets_a_multi_gpu_answer() {
     assert!(t.rows.iter().filter(|r| r.offload).all(|r| r.host_ram_per_node > 0));
     assert!(plan::shard_table(&req, &report, 5, 1).unwrap_err().is_bad_input());
 }
+
+/// Channels_last CNNs are planned as the host runs them; a GPU's cuDNN record read from a
+/// file changes the prediction by its workspaces (and only where the record has the shape).
+#[test]
+fn channels_last_and_a_cudnn_record_are_planned_as_they_run() {
+    use vram_kernels::cudnn_choices::{ConvChoice, ConvPass, CudnnChoices};
+    use vram_kernels::{ConvLayout, DType};
+    let mut model = small("resnet");
+    model.set_channels_last(true).unwrap();
+    assert!(model.name.contains("channels_last"), "{}", model.name);
+    let c = Candidate {
+        precision: Precision::Fp32,
+        plan: PlanKind::None,
+        alloc_conf: String::new(),
+        optimizer: OptimizerKind::AdamW,
+        micro: 3,
+        accum: 1,
+    };
+    let virt = plan::measure(&model, &c, Target::Virtual(1 << 30)).unwrap().unwrap();
+    let host = plan::measure(&model, &c, Target::Host(1 << 30)).unwrap().unwrap();
+    assert_eq!(virt, host, "channels_last: virtual vs host");
+    let mut gpt = small("gpt");
+    let err = gpt.set_channels_last(true).unwrap_err().to_string();
+    assert!(err.contains("not a preset CNN"), "{err}");
+
+    // The stem's forward (3 images of 8 x 8, 3 -> 4 channels, 3 x 3) recorded with 256 MiB.
+    let stem = ConvChoice {
+        pass: ConvPass::Forward,
+        x: [3, 3, 8, 8],
+        w: [4, 3, 3, 3],
+        padding: (1, 1),
+        stride: (1, 1),
+        dilation: (1, 1),
+        groups: 1,
+        dtype: DType::F32,
+        layout: ConvLayout::Nhwc,
+        allow_tf32: true,
+        algo: "TEST".into(),
+        workspace: 256 << 20,
+    };
+    let record =
+        CudnnChoices { device: "a test GPU".into(), version: 91400, convolutions: vec![stem] };
+    let dir = std::env::temp_dir().join(format!("vram-plan-cudnn-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("cudnn-choices.json");
+    std::fs::write(&path, serde_json::to_string(&record).unwrap()).unwrap();
+    let read = plan::cudnn_choices_from_path(&path).unwrap();
+    assert_eq!(read, record);
+    model.set_cudnn_choices(Some(read));
+    assert!(model.notes.iter().any(|n| n.contains("a test GPU")), "{:?}", model.notes);
+    let (replayed, _) = plan::measure(&model, &c, Target::Virtual(1 << 30)).unwrap().unwrap();
+    assert!(replayed >= 256 << 20 && virt.0 < 256 << 20, "{replayed} vs {}", virt.0);
+    // NCHW has no such record: the stem takes no workspace there.
+    model.set_channels_last(false).unwrap();
+    let (nchw, _) = plan::measure(&model, &c, Target::Virtual(1 << 30)).unwrap().unwrap();
+    assert!(nchw < 256 << 20, "{nchw}");
+    // A file that is not a record is an error naming it.
+    std::fs::write(&path, "{").unwrap();
+    let err = plan::cudnn_choices_from_path(&path).unwrap_err().to_string();
+    assert!(err.contains("cudnn-choices.json"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

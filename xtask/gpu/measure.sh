@@ -50,6 +50,13 @@ if wants trace; then
 fi
 if wants plan; then
   run plan_verify 240 .gpu/bin/xtask plan --model gpt2-small --batch 32 --device-memory 79GiB --verify
+  # ResNet-50 bf16 channels_last planned with the cuDNN choices the twin's run recorded, and
+  # checked on the GPU (the twin's autocast recipe runs it channels_last where cuDNN loads).
+  rec="$R/twin/resnet50/cudnn-choices.json"
+  if [ -f "$rec" ]; then
+    run plan_verify_cudnn 240 .gpu/bin/xtask plan --model resnet50 --batch 64 --device-memory 79GiB \
+      --precision autocast-bf16 --channels-last --cudnn-choices "$rec" --verify
+  fi
 fi
 if wants conv; then
   run cuda_conv 120 env VRAM_CONV_BACKEND=own .gpu/bin/cuda_conv

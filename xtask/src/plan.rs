@@ -112,6 +112,15 @@ pub struct PlanArgs {
     /// eager attention), to compare.
     #[arg(long, value_enum, default_value_t = AttnArg::Fused)]
     attention: AttnArg,
+    /// Run a preset CNN channels_last (images, activations and convolution weights NHWC, as
+    /// PyTorch's torch.channels_last).
+    #[arg(long)]
+    channels_last: bool,
+    /// A GPU's record of cuDNN's choices (the `cudnn-choices.json` that `cargo xtask twin`
+    /// writes on a GPU) for the virtual devices to replay: convolutions and batch norms
+    /// allocate what that GPU's cuDNN path allocated (shapes it lacks take no workspace).
+    #[arg(long, value_name = "FILE")]
+    cudnn_choices: Option<PathBuf>,
     /// Sequence length (token models).
     #[arg(long)]
     seq: Option<usize>,
@@ -278,6 +287,10 @@ fn request(args: &PlanArgs) -> Result<PlanRequest, PlanError> {
         AttnArg::Fused => Attention::Fused,
         AttnArg::Explicit => Attention::Explicit,
     });
+    model.set_channels_last(args.channels_last)?;
+    if let Some(path) = &args.cudnn_choices {
+        model.set_cudnn_choices(Some(plan::cudnn_choices_from_path(path)?));
+    }
     let batch = args.batch.unwrap_or_default();
     let device_memory = size("--device-memory", args.device_memory.as_deref().unwrap_or(""))?;
     let mut req = PlanRequest::new(model, batch, device_memory);

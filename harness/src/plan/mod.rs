@@ -40,8 +40,8 @@ pub use dp::{
 };
 pub use error::PlanError;
 pub use model::{
-    ModelOverrides, PlanModel, SampleInput, model_from_args, model_from_file, model_from_hf,
-    model_from_spec,
+    ModelOverrides, PlanModel, SampleInput, cudnn_choices_from_path, model_from_args,
+    model_from_file, model_from_hf, model_from_spec,
 };
 pub use run::TimedRun;
 pub(crate) use run::UNLIMITED;

@@ -64,6 +64,13 @@ pub struct PlanModel {
     pub notes: Vec<String>,
     /// How its transformer blocks attend (fused by default; `plan --attention explicit`).
     pub attention: Attention,
+    /// Whether a preset CNN runs channels_last (`plan --channels-last`; default false).
+    pub channels_last: bool,
+    /// A GPU's record of cuDNN's choices that the virtual devices replay
+    /// ([`vram_kernels::Device::set_cudnn_choices`]; `plan --cudnn-choices`), so that the
+    /// convolutions allocate what that GPU's cuDNN path allocates; `None`: vram's own
+    /// kernels' workspaces.
+    pub cudnn: Option<std::sync::Arc<vram_kernels::cudnn_choices::CudnnChoices>>,
 }
 
 fn invalid(what: &'static str, reason: impl Into<String>) -> PlanError {
@@ -320,7 +327,30 @@ fn model_from_arch(key: &str, mut arch: Arch, o: &ModelOverrides) -> Result<Plan
         );
     }
     let attention = Attention::Fused;
-    Ok(PlanModel { name: format!("{key} ({size})"), arch, input, classes, notes, attention })
+    Ok(PlanModel {
+        name: format!("{key} ({size})"),
+        arch,
+        input,
+        classes,
+        notes,
+        attention,
+        channels_last: false,
+        cudnn: None,
+    })
+}
+
+/// A GPU's record of cuDNN's choices, read from a JSON file (the `cudnn-choices.json` that
+/// the twin writes on a GPU; [`vram_kernels::cudnn_choices::CudnnChoices`]).
+///
+/// # Errors
+///
+/// [`PlanError::InvalidArgument`] naming the file for one that cannot be read or parsed.
+pub fn cudnn_choices_from_path(
+    path: &std::path::Path,
+) -> Result<vram_kernels::cudnn_choices::CudnnChoices, PlanError> {
+    let bad = |reason: String| invalid("cudnn choices", format!("{}: {reason}", path.display()));
+    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    serde_json::from_str(&text).map_err(|e| bad(e.to_string()))
 }
 
 /// A user-described model (see [`crate::models::spec`]).
@@ -356,6 +386,8 @@ pub fn model_from_spec(spec: ModelSpec) -> Result<PlanModel, PlanError> {
         classes: resolved.classes,
         notes: Vec::new(),
         attention: Attention::Fused,
+        channels_last: false,
+        cudnn: None,
     })
 }
 
@@ -383,6 +415,66 @@ impl PlanModel {
             self.notes.retain(|n| !n.starts_with("attention: "));
             self.notes.push(note.into());
         }
+    }
+
+    /// The model channels_last (or not), its name and notes saying so.
+    ///
+    /// # Errors
+    ///
+    /// [`PlanError::InvalidArgument`] for channels_last on a model that is not one of the
+    /// preset CNNs (the only ones with a channels_last form).
+    pub fn set_channels_last(&mut self, on: bool) -> Result<(), PlanError> {
+        if on && !self.arch.is_preset_cnn() {
+            return Err(invalid(
+                "channels_last",
+                format!(
+                    "{} is not a preset CNN (resnet50, mobilenetv3-like, resnet-like, mobilenet-like)",
+                    self.name
+                ),
+            ));
+        }
+        const LABEL: &str = ", channels_last";
+        self.name = self.name.replace(LABEL, "");
+        self.notes.retain(|n| !n.starts_with("channels_last: "));
+        if on {
+            self.name = match self.name.strip_suffix(')') {
+                Some(stem) => format!("{stem}{LABEL})"),
+                None => format!("{}{LABEL}", self.name),
+            };
+            self.notes.push(
+                "channels_last: images, activations and convolution weights NHWC, as PyTorch's \
+                 torch.channels_last; without --cudnn-choices the virtual device models vram's \
+                 own kernels, which permute around each NHWC convolution (cuDNN reads NHWC as it \
+                 is)"
+                .into(),
+            );
+        }
+        self.channels_last = on;
+        Ok(())
+    }
+
+    /// The virtual devices replay `record`, a GPU's cuDNN choices (or model vram's own
+    /// kernels, `None`), and the notes say so.
+    pub fn set_cudnn_choices(&mut self, record: Option<vram_kernels::cudnn_choices::CudnnChoices>) {
+        self.notes.retain(|n| !n.starts_with("convolutions: "));
+        if let Some(r) = &record {
+            self.notes.push(format!(
+                "convolutions: {}'s choices on {} replayed ({} recorded calls): each call's \
+                 workspace as recorded, batch norm through cuDNN where PyTorch sends it; a shape \
+                 the record lacks (another batch size) takes no workspace, a lower bound",
+                vram_kernels::ConvPath::Cudnn { version: r.version },
+                r.device,
+                r.convolutions.len()
+            ));
+        }
+        self.cudnn = record.map(std::sync::Arc::new);
+    }
+
+    /// How [`Model::with_options`](crate::models::Model::with_options) builds this model.
+    pub fn options(&self) -> crate::models::ModelOptions {
+        crate::models::ModelOptions::default()
+            .with_attention(self.attention)
+            .with_channels_last(self.channels_last)
     }
 
     /// Targets (loss rows) per sample.

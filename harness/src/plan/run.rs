@@ -97,7 +97,7 @@ pub(crate) fn run_timed(
     place: Where,
     n_steps: u64,
 ) -> Result<Option<TimedRun>, PlanError> {
-    let device = device(place, args.alloc)?;
+    let device = device(place, args.alloc, args.model)?;
     let fail = |source: vram_accum::Error| PlanError::Run {
         context: format!("{} on {}", args.model.name, device.name()),
         source: Box::new(source),
@@ -115,10 +115,16 @@ pub(crate) fn run_timed(
     }
 }
 
-fn device(place: Where, alloc: &AllocatorConfig) -> Result<Device, PlanError> {
+/// The device `place` names, with `alloc`'s settings; a virtual one replays `model`'s cuDNN
+/// record when it has one.
+fn device(place: Where, alloc: &AllocatorConfig, model: &PlanModel) -> Result<Device, PlanError> {
     let bad = PlanError::Device;
     Ok(match place {
-        Where::Virtual(cap) => Device::virtual_with_config(cap, alloc.clone()).map_err(bad)?,
+        Where::Virtual(cap) => {
+            let d = Device::virtual_with_config(cap, alloc.clone()).map_err(bad)?;
+            d.set_cudnn_choices(model.cudnn.as_deref().cloned()).map_err(bad)?;
+            d
+        }
         Where::Host(cap) => {
             let d = Device::host_with_config(cap, alloc.clone()).map_err(bad)?;
             d.set_blas_workspace_size(Device::virtual_device(1).blas_workspace_size());
@@ -143,7 +149,7 @@ fn steps(
     let RunArgs { model: pm, precision, optimizer, schedule, micro, accum, .. } = *args;
     let mut rng = Rng::new(0x5EED);
     let mut model =
-        Model::with_attention(device, pm.arch.clone(), 1, precision.dtype(), pm.attention)?;
+        Model::with_options(device, pm.arch.clone(), 1, precision.dtype(), pm.options())?;
     model.set_autocast(precision.autocast())?;
     let mut opt: Box<dyn Optimizer> = match optimizer {
         OptimizerKind::AdamW => Box::new(AdamW::new(AdamWConfig::default())),
@@ -198,13 +204,13 @@ pub(crate) fn flop_profile(
     alloc: &AllocatorConfig,
     micro: usize,
 ) -> Result<ChainProfile, PlanError> {
-    let device = device(Where::Virtual(UNLIMITED), alloc)?;
+    let device = device(Where::Virtual(UNLIMITED), alloc, pm)?;
     let fail = |source: vram_accum::Error| PlanError::Run {
         context: format!("profiling {}", pm.name),
         source: Box::new(source),
     };
     let mut model =
-        Model::with_attention(&device, pm.arch.clone(), 1, precision.dtype(), pm.attention)
+        Model::with_options(&device, pm.arch.clone(), 1, precision.dtype(), pm.options())
             .map_err(fail)?;
     model.set_autocast(precision.autocast()).map_err(fail)?;
     let mut profile = model.profile(&pm.batch(micro, None), 0).map_err(fail)?;

@@ -692,7 +692,7 @@ impl Device {
             }
             return cuda
                 .dnn_lock()
-                .and_then(|dnn| dnn.bn_reserve_size(case.shape, case.dtype))
+                .and_then(|dnn| dnn.bn_reserve_size(case.shape, case.dtype, case.layout))
                 .is_ok_and(|bytes| bytes == 0);
         }
         let _ = case;

@@ -5,6 +5,10 @@
 //! `invstd`, `gamma`, `beta`, `dgamma`, `dbeta`) are `[c]` in f32, `c = mean.len()`. The
 //! statistics accumulate in f64 (two passes); the variance that normalizes is the biased
 //! one, as in PyTorch (`batch_norm_cpu_update_stats_template`).
+//!
+//! The `_nhwc` functions take channels_last `x`, `y`, `dy`, `dx` (`[n, h, w, c]` seen as
+//! `[rows, c]`) and add each channel's values in the order the NCHW ones do (images, then
+//! positions): the same results, bit for bit.
 
 use super::check_len;
 use crate::Element;

@@ -29,6 +29,28 @@
 //! those buffers. The cuDNN path has been compiled and its pure parts tested without a
 //! GPU; it has not yet run on a GPU (`tests/cudnn_vs_host.rs` checks it against the host
 //! where one is).
+//!
+//! Channels_last (`torch.channels_last`): [`batch_norm_nhwc`], [`batch_norm_eval_nhwc`] and
+//! [`batch_norm_backward_nhwc`] take `x` (and `dy`) as `[n, h, w, c]` and read it in place,
+//! the channel the fastest index: no permute, so they allocate what the NCHW ops allocate
+//! (at ResNet-50's first batch norm, `[64, 112, 112, 64]` bf16, the training forward 4
+//! allocations and 103 MB instead of the permute composition's 6 and 308 MB, its peak 103 MB
+//! instead of 206). On the host each channel's sums accumulate in the NCHW op's order
+//! (images, then positions), so the results are bit-identical to the NCHW op on the permuted
+//! input. On a GPU the statistics and the backward's sums run `bn_nhwc_partial` and
+//! `bn_nhwc_bwd_partial`: a warp along 32 neighbouring channels (each row's load coalesced),
+//! blocks of grid.y along parts of whole rows of the `[n * h * w, c]` matrix
+//! (`nhwc_parts`, from the shape alone, so host and virtual devices plan the GPU's
+//! workspace), as PyTorch's `batch_norm_collect_statistics_channels_last_kernel`
+//! (`aten/src/ATen/native/cuda/Normalization.cuh`) but with per-part partials instead of
+//! its semaphores; the partials merge, and the elementwise parts run, through the NCHW
+//! kernels over `[rows, c, 1]` (`s = 1`). Where PyTorch would run cuDNN (the same rule,
+//! `BnCase::cudnn_refusal`), cuDNN runs with NHWC descriptors and, in training and its
+//! backward, `CUDNN_BATCHNORM_SPATIAL_PERSISTENT` (PyTorch's `getCudnnBatchNormMode` for a
+//! channels_last input), the backward only where that mode asks for no reserve space. The
+//! channels_last kernels have run in the emulation (`cuda::emulated_kernels`) and compiled
+//! with NVRTC; neither they nor the channels_last cuDNN path have yet run on a GPU
+//! (`tests/batch_norm_nhwc.rs` checks both against the host where one is).
 
 use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
 use super::{expect_dtype, expect_shape, invalid, same_device, same_layout};
@@ -457,10 +479,11 @@ impl<const NHWC: bool> Op for BatchNorm<'_, '_, NHWC> {
             };
             let cu = gpu.backend();
             let dnn = cu.dnn_lock()?;
-            // SAFETY: x, gamma, beta and the running statistics are the op's tensors of the
-            // shapes and dtypes the plan checked (f32 parameters: PyTorch's rule); y and the
-            // saved statistics are fresh outputs; the running statistics were made unique.
             let (shape, layout) = (self.x.shape(), layout(NHWC));
+            // SAFETY: x, gamma, beta and the running statistics are the op's tensors of the
+            // shapes, dtypes and layout the plan checked (contiguous; f32 parameters:
+            // PyTorch's rule); y and the
+            // saved statistics are fresh outputs; the running statistics were made unique.
             return unsafe { dnn.bn_forward_training(shape, self.x.dtype(), layout, &a, cu) };
         }
         let parts = layout_parts(NHWC, self.dims);
@@ -684,9 +707,9 @@ impl<const NHWC: bool> Op for BatchNormEval<'_, NHWC> {
                 eps: self.eps,
             };
             let dnn = gpu.backend().dnn_lock()?;
+            let (shape, layout) = (self.x.shape(), layout(NHWC));
             // SAFETY: the op's tensors of the shapes and dtypes the plan checked (f32
             // parameters: PyTorch's rule); y is a fresh output.
-            let (shape, layout) = (self.x.shape(), layout(NHWC));
             return unsafe { dnn.bn_forward_inference(shape, self.x.dtype(), layout, &a) };
         }
         let c = self.gamma.numel();
@@ -921,10 +944,10 @@ impl<const NHWC: bool> Op for BatchNormBackward<'_, NHWC> {
             };
             let cu = gpu.backend();
             let dnn = cu.dnn_lock()?;
+            let (shape, layout) = (self.x.shape(), layout(NHWC));
             // SAFETY: the op's tensors of the shapes and dtypes the plan checked (f32
             // parameters: PyTorch's rule; the saved statistics f32 [c]); the gradients are
             // fresh outputs.
-            let (shape, layout) = (self.x.shape(), layout(NHWC));
             return unsafe { dnn.bn_backward(shape, self.x.dtype(), layout, &a, cu) };
         }
         let c = self.gamma.numel();

@@ -239,7 +239,7 @@ impl Dnn {
     }
 
     /// Batch norm in training over `x` of `shape` in `dtype` (f32, or f16 with f32
-    /// parameters): writes `y`, the saved mean and invstd, and updates the running
+    /// parameters), contiguous in `layout` (`[n, c, ..]`, or `[n, h, w, c]` for NHWC): writes `y`, the saved mean and invstd, and updates the running
     /// statistics when given. Workspace and reserve space from `ws`. The caller has bound
     /// the context.
     ///
@@ -250,8 +250,8 @@ impl Dnn {
     ///
     /// # Safety
     ///
-    /// The addresses are live device allocations: `x` and `y` of `shape` in `dtype`, the
-    /// others `c` f32 values; `y` and the saved statistics alias nothing.
+    /// The addresses are live device allocations: `x` and `y` of `shape` in `dtype` (and in
+    /// `layout`), the others `c` f32 values; `y` and the saved statistics alias nothing.
     pub(crate) unsafe fn bn_forward_training(
         &self,
         shape: &[usize],
@@ -318,7 +318,8 @@ impl Dnn {
         check("cudnnBatchNormalizationForwardTrainingEx", status)
     }
 
-    /// Batch norm in evaluation over `x` of `shape` in `dtype` from the running statistics
+    /// Batch norm in evaluation over `x` of `shape` in `dtype` and `layout` from the running
+    /// statistics
     /// (no workspace). The caller has bound the context.
     ///
     /// # Errors
@@ -357,7 +358,8 @@ impl Dnn {
         })
     }
 
-    /// The backward of a training batch norm over `x` of `shape` in `dtype`, from the saved
+    /// The backward of a training batch norm over `x` of `shape` in `dtype` and `layout`, from
+    /// the saved
     /// statistics: writes `dx` (overwritten, alphaDataDiff = 1, betaDataDiff = 0), `dgamma`
     /// and `dbeta` (likewise). No reserve space (see the module's docs); workspace from
     /// `ws`. The caller has bound the context.
@@ -369,7 +371,7 @@ impl Dnn {
     /// # Safety
     ///
     /// As [`bn_forward_training`](Self::bn_forward_training): `x`, `dy`, `dx` of `shape` in
-    /// `dtype`, the rest `c` f32 values; outputs alias nothing.
+    /// `dtype` and `layout`, the rest `c` f32 values; outputs alias nothing.
     pub(crate) unsafe fn bn_backward(
         &self,
         shape: &[usize],

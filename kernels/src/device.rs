@@ -723,7 +723,7 @@ impl Device {
             }
             return cuda
                 .dnn_lock()
-                .and_then(|dnn| dnn.bn_reserve_size(case.shape, case.dtype))
+                .and_then(|dnn| dnn.bn_reserve_size(case.shape, case.dtype, case.layout))
                 .is_ok_and(|bytes| bytes == 0);
         }
         // Replaying a GPU's cuDNN: PyTorch's rule; no reserve space is recorded (none, as

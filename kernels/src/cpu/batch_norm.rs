@@ -5,6 +5,10 @@
 //! `invstd`, `gamma`, `beta`, `dgamma`, `dbeta`) are `[c]` in f32, `c = mean.len()`. The
 //! statistics accumulate in f64 (two passes); the variance that normalizes is the biased
 //! one, as in PyTorch (`batch_norm_cpu_update_stats_template`).
+//!
+//! The `_nhwc` functions take channels_last `x`, `y`, `dy`, `dx` (`[n, h, w, c]` seen as
+//! `[rows, c]`) and add each channel's values in the order the NCHW ones do (images, then
+//! positions): the same results, bit for bit.
 
 use super::check_len;
 use crate::Element;
@@ -168,6 +172,132 @@ pub fn batch_norm_backward<T: Element>(
             let (mean_dy, mean_dyx) = (dbeta[ch] / m, dgamma[ch] / m);
             let k = gamma[ch] * r;
             for ((o, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
+                let xhat = (v.to_f32() - mu) * r;
+                *o = T::from_f32(k * (g.to_f32() - mean_dy - xhat * mean_dyx));
+            }
+        });
+    Ok(())
+}
+
+/// Channel `ch`'s values of a channels_last `x: [rows, c]` (`rows = n * h * w`), in the order
+/// [`planes`] gives them for `[n, c, s]`: images, then positions.
+fn column<T>(x: &[T], c: usize, ch: usize) -> impl Iterator<Item = &T> {
+    x.iter().skip(ch).step_by(c)
+}
+
+/// [`batch_norm_stats`] of a channels_last `x: [n, h, w, c]` seen as `[rows, c]`, channel the
+/// fastest index: each channel's sums accumulate in the same order as over the NCHW
+/// permutation (images, then positions), so the results are bit-identical to it.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for lengths that do not fit the layout.
+pub fn batch_norm_stats_nhwc<T: Element>(x: &[T], mean: &mut [f32], var: &mut [f32]) -> Result<()> {
+    const OP: &str = "cpu::batch_norm_stats_nhwc";
+    let c = mean.len();
+    let rows = batches(OP, x.len(), c, 1)?;
+    check_len(OP, "var", var.len(), c)?;
+    let m = rows as f64;
+    let stats = per_channel(c, x.len(), |ch| {
+        let sum: f64 = column(x, c, ch).map(|v| f64::from(v.to_f32())).sum();
+        let mu = sum / m;
+        let sq: f64 = column(x, c, ch)
+            .map(|v| {
+                let d = f64::from(v.to_f32()) - mu;
+                d * d
+            })
+            .sum();
+        (mu, sq / m)
+    });
+    for ((o, v), (mu, var_b)) in mean.iter_mut().zip(var.iter_mut()).zip(stats) {
+        (*o, *v) = (mu as f32, var_b as f32);
+    }
+    Ok(())
+}
+
+/// [`batch_norm_apply`] over a channels_last `x: [rows, c]`.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for lengths that do not fit the layout.
+pub fn batch_norm_apply_nhwc<T: Element>(
+    x: &[T],
+    mean: &[f32],
+    invstd: &[f32],
+    gamma: &[f32],
+    beta: &[f32],
+    y: &mut [T],
+) -> Result<()> {
+    const OP: &str = "cpu::batch_norm_apply_nhwc";
+    let c = mean.len();
+    batches(OP, x.len(), c, 1)?;
+    for (what, v) in [("invstd", invstd), ("gamma", gamma), ("beta", beta)] {
+        check_len(OP, what, v.len(), c)?;
+    }
+    check_len(OP, "y", y.len(), x.len())?;
+    y.par_chunks_mut(c).zip(x.par_chunks(c)).with_min_len(min_items_per_task(c)).for_each(
+        |(y, x)| {
+            for (ch, (o, &v)) in y.iter_mut().zip(x).enumerate() {
+                *o = T::from_f32((v.to_f32() - mean[ch]) * invstd[ch] * gamma[ch] + beta[ch]);
+            }
+        },
+    );
+    Ok(())
+}
+
+/// [`batch_norm_backward`] over channels_last `x` and `dy` (`[rows, c]`): the per-channel
+/// sums in the NCHW order (bit-identical to it), `dx` channels_last.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for lengths that do not fit the layout.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm_backward_nhwc<T: Element>(
+    x: &[T],
+    dy: &[T],
+    mean: &[f32],
+    invstd: &[f32],
+    gamma: &[f32],
+    dx: &mut [T],
+    dgamma: &mut [f32],
+    dbeta: &mut [f32],
+) -> Result<()> {
+    const OP: &str = "cpu::batch_norm_backward_nhwc";
+    let c = mean.len();
+    let rows = batches(OP, x.len(), c, 1)?;
+    for (what, len) in [
+        ("invstd", invstd.len()),
+        ("gamma", gamma.len()),
+        ("dgamma", dgamma.len()),
+        ("dbeta", dbeta.len()),
+    ] {
+        check_len(OP, what, len, c)?;
+    }
+    check_len(OP, "dy", dy.len(), x.len())?;
+    check_len(OP, "dx", dx.len(), x.len())?;
+    let sums = per_channel(c, x.len(), |ch| {
+        let (mu, r) = (f64::from(mean[ch]), f64::from(invstd[ch]));
+        let (mut a, mut b) = (0.0f64, 0.0f64);
+        for (&v, &g) in column(x, c, ch).zip(column(dy, c, ch)) {
+            let g = f64::from(g.to_f32());
+            a += g * (f64::from(v.to_f32()) - mu) * r;
+            b += g;
+        }
+        (a, b)
+    });
+    for ((dg, db), &(a, b)) in dgamma.iter_mut().zip(dbeta.iter_mut()).zip(&sums) {
+        (*dg, *db) = (a as f32, b as f32);
+    }
+    let m = rows as f32;
+    let (dgamma, dbeta) = (&*dgamma, &*dbeta);
+    dx.par_chunks_mut(c)
+        .zip(x.par_chunks(c).zip(dy.par_chunks(c)))
+        .with_min_len(min_items_per_task(c))
+        .for_each(|(dx, (x, dy))| {
+            for (ch, ((o, &v), &g)) in dx.iter_mut().zip(x).zip(dy).enumerate() {
+                let (mu, r) = (mean[ch], invstd[ch]);
+                let (mean_dy, mean_dyx) = (dbeta[ch] / m, dgamma[ch] / m);
+                let k = gamma[ch] * r;
                 let xhat = (v.to_f32() - mu) * r;
                 *o = T::from_f32(k * (g.to_f32() - mean_dy - xhat * mean_dyx));
             }

@@ -1101,6 +1101,138 @@ fn rows_of_dtype<T: Element>() -> bool {
     true
 }
 
+/// The channels_last batch norm as `batch_norm_nhwc` and `batch_norm_backward_nhwc` launch
+/// it on a GPU (`bn_nhwc_partial`, then `bn_finalize`, `bn_apply` with `s = 1`; the
+/// backward's `bn_nhwc_bwd_partial`, `bn_bwd_finalize`, `bn_bwd_dx`), input in `T` and
+/// parameters in `P`, against the host ops: several parts of uneven rows, a last block of
+/// channels only partly filled, one channel. Returns false where no C++ compiler is.
+fn batch_norm_nhwc_of<T: Element, P: Element>() -> bool {
+    let (t, pt) = (T::DTYPE, P::DTYPE);
+    // The 16-bit outputs are rounded from statistics merged in another order than the host's.
+    let tol = if t == DType::F32 { 1e-4 } else { 1e-2 };
+    for (case, shape) in [[5, 7, 9, 40], [16, 32, 32, 4], [3, 1, 2, 1]].iter().enumerate() {
+        let (rows, c) = (shape[0] * shape[1] * shape[2], shape[3]);
+        let total = rows * c;
+        let parts = ops::batch_norm::nhwc_parts(rows, c);
+        assert_eq!(parts, [2, 16, 1][case], "{shape:?}");
+        let seed = 300 + 10 * case as u64;
+        let (xv, gv, bv) = (
+            values(total, seed, -3.0, 5.0),
+            values(c, seed + 1, 0.5, 2.0),
+            values(c, seed + 2, -1.0, 1.0),
+        );
+        let p = |v: &[f32]| Tensor::from_f32_slice(host(), &[c], v, pt).unwrap();
+        let (mut rm_t, mut rv_t) = (p(&vec![0.5; c]), p(&vec![2.0; c]));
+        let running = ops::RunningStats { mean: &mut rm_t, var: &mut rv_t, momentum: 0.1 };
+        let (x_t, g_t) = (tensor_of::<T>(shape, &xv), p(&gv));
+        let want = ops::batch_norm_nhwc(&x_t, &g_t, &p(&bv), Some(running), 1e-5).unwrap();
+
+        let mut x = typed::<T>(&xv);
+        let (mut g, mut b) = (typed::<P>(&gv), typed::<P>(&bv));
+        let blocks = c.div_ceil(ops::batch_norm::NHWC_LANES);
+        let mut part = vec![f32::NAN; 2 * c * parts];
+        let args =
+            [ptr(&mut x), ptr(&mut part), Arg::count(rows), Arg::count(c), Arg::U32(parts as u32)];
+        if !launch(BN_NHWC_PARTIAL.of(t), launch::per_row_parts(blocks, parts), &args) {
+            return false;
+        }
+        assert!(part.iter().all(|v| v.is_finite()), "every part of every channel written");
+        let (mut mean, mut inv) = (vec![0.0f32; c], vec![0.0f32; c]);
+        let (mut rm, mut rv) = (typed::<P>(&vec![0.5; c]), typed::<P>(&vec![2.0; c]));
+        let pf32 = Arg::U32((pt == DType::F32) as u32);
+        let args = [
+            ptr(&mut part),
+            ptr(&mut mean),
+            ptr(&mut inv),
+            ptr(&mut rm),
+            ptr(&mut rv),
+            pf32,
+            Arg::U32(1),
+            Arg::F32(0.1),
+            Arg::F32(1e-5),
+            Arg::count(rows),
+            Arg::count(c),
+            Arg::count(1),
+            Arg::U32(parts as u32),
+        ];
+        launch(BN_FINALIZE.of(t), launch::elementwise(c), &args);
+        let what = format!("batch_norm_nhwc {shape:?} {t:?} params {pt:?}");
+        close(&format!("{what} mean"), &mean, &f32s(&want.mean), 1e-5);
+        close(&format!("{what} invstd"), &inv, &f32s(&want.invstd), 1e-4);
+        let ptol = if pt == DType::F32 { 1e-4 } else { 1e-2 };
+        close(&format!("{what} running mean"), &widen_f32(&rm), &f32s(&rm_t), ptol);
+        close(&format!("{what} running var"), &widen_f32(&rv), &f32s(&rv_t), ptol);
+        let mut y = vec![T::from_f32(f32::NAN); total];
+        let args = [
+            ptr(&mut x),
+            ptr(&mut mean),
+            ptr(&mut inv),
+            ptr(&mut g),
+            ptr(&mut b),
+            pf32,
+            ptr(&mut y),
+            Arg::count(total),
+            Arg::div(c),
+            Arg::div(1),
+        ];
+        launch(BN_APPLY.of(t), launch::elementwise(total), &args);
+        close(&format!("{what} y"), &widen_f32(&y), &f32s(&want.y), tol);
+
+        // Backward from the host's saved statistics.
+        let dyv = values(total, seed + 3, -1.0, 1.0);
+        let dy_t = tensor_of::<T>(shape, &dyv);
+        let grads =
+            ops::batch_norm_backward_nhwc(&x_t, &g_t, &want.mean, &want.invstd, &dy_t).unwrap();
+        let (mut dy, mut mean, mut inv) = (typed::<T>(&dyv), f32s(&want.mean), f32s(&want.invstd));
+        let mut part = vec![f32::NAN; 2 * c * parts];
+        let args = [
+            ptr(&mut x),
+            ptr(&mut dy),
+            ptr(&mut mean),
+            ptr(&mut inv),
+            ptr(&mut part),
+            Arg::count(rows),
+            Arg::count(c),
+            Arg::U32(parts as u32),
+        ];
+        launch(BN_NHWC_BWD_PARTIAL.of(t), launch::per_row_parts(blocks, parts), &args);
+        assert!(part.iter().all(|v| v.is_finite()), "every part of every channel written");
+        let mut sums = vec![f32::NAN; 2 * c];
+        let args = [ptr(&mut part), ptr(&mut sums), Arg::count(c), Arg::U32(parts as u32)];
+        launch(BN_BWD_FINALIZE.of(DType::F32), launch::elementwise(c), &args);
+        // The host's sums are f64 rounded once into P: compare with P's rounding allowed.
+        let stol = if pt == DType::F32 { 1e-3 } else { 1e-2 };
+        close(&format!("{what} dgamma"), &sums[..c], &f32s(&grads.dgamma), stol);
+        close(&format!("{what} dbeta"), &sums[c..], &f32s(&grads.dbeta), stol);
+        let mut dx = vec![T::from_f32(f32::NAN); total];
+        let args = [
+            ptr(&mut x),
+            ptr(&mut dy),
+            ptr(&mut mean),
+            ptr(&mut inv),
+            ptr(&mut g),
+            pf32,
+            ptr(&mut sums),
+            ptr(&mut dx),
+            Arg::count(total),
+            Arg::div(c),
+            Arg::div(1),
+        ];
+        launch(BN_BWD_DX.of(t), launch::elementwise(total), &args);
+        close(&format!("{what} dx"), &widen_f32(&dx), &f32s(&grads.dx), tol.max(1e-3));
+    }
+    true
+}
+
+#[test]
+fn channels_last_batch_norm_kernels_match_the_host() {
+    if batch_norm_nhwc_of::<f32, f32>() {
+        assert!(batch_norm_nhwc_of::<bf16, f32>());
+        assert!(batch_norm_nhwc_of::<bf16, bf16>());
+        assert!(batch_norm_nhwc_of::<f16, f32>());
+    }
+}
+
 #[test]
 fn row_channel_and_eval_kernels_match_the_host_in_every_dtype() {
     if rows_of_dtype::<f32>() {

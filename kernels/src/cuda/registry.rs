@@ -341,6 +341,14 @@ kernels! {
     /// `bn_bwd_dx(const T* x, const T* dy, const float* mean, const float* invstd, const void*
     /// g, u32 pf32, const float* sums, T* dx, u64 total, Div c, Div s)`.
     BN_BWD_DX = SOFTMAX "bn_bwd_dx" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U32, Ptr, Ptr, U64, Div, Div);
+    /// `bn_nhwc_partial(const T* x, float* part, u64 rows, u64 c, u32 parts)`: `bn_partial`
+    /// over a channels_last `[rows, c]`, grid `(ceil(c / 32), parts)`.
+    BN_NHWC_PARTIAL = SOFTMAX "bn_nhwc_partial" dtypes (Ptr, Ptr, U64, U64, U32);
+    /// `bn_nhwc_bwd_partial(const T* x, const T* dy, const float* mean, const float* invstd,
+    /// float* part, u64 rows, u64 c, u32 parts)`: `bn_bwd_partial` over a channels_last
+    /// `[rows, c]`, grid `(ceil(c / 32), parts)`.
+    BN_NHWC_BWD_PARTIAL = SOFTMAX "bn_nhwc_bwd_partial" dtypes
+        (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U32);
 
     /// `im2col(const T* x, T* col, ConvGeom g, i64 n0, i64 nimg, i64 group, u32 rows_outer)`.
     IM2COL = CONV "im2col" dtypes (Ptr, Ptr, Conv, I64, I64, I64, U32);

@@ -29,6 +29,28 @@
 //! those buffers. The cuDNN path has been compiled and its pure parts tested without a
 //! GPU; it has not yet run on a GPU (`tests/cudnn_vs_host.rs` checks it against the host
 //! where one is).
+//!
+//! Channels_last (`torch.channels_last`): [`batch_norm_nhwc`], [`batch_norm_eval_nhwc`] and
+//! [`batch_norm_backward_nhwc`] take `x` (and `dy`) as `[n, h, w, c]` and read it in place,
+//! the channel the fastest index: no permute, so they allocate what the NCHW ops allocate
+//! (at ResNet-50's first batch norm, `[64, 112, 112, 64]` bf16, the training forward 4
+//! allocations and 103 MB instead of the permute composition's 6 and 308 MB, its peak 103 MB
+//! instead of 206). On the host each channel's sums accumulate in the NCHW op's order
+//! (images, then positions), so the results are bit-identical to the NCHW op on the permuted
+//! input. On a GPU the statistics and the backward's sums run `bn_nhwc_partial` and
+//! `bn_nhwc_bwd_partial`: a warp along 32 neighbouring channels (each row's load coalesced),
+//! blocks of grid.y along parts of whole rows of the `[n * h * w, c]` matrix
+//! (`nhwc_parts`, from the shape alone, so host and virtual devices plan the GPU's
+//! workspace), as PyTorch's `batch_norm_collect_statistics_channels_last_kernel`
+//! (`aten/src/ATen/native/cuda/Normalization.cuh`) but with per-part partials instead of
+//! its semaphores; the partials merge, and the elementwise parts run, through the NCHW
+//! kernels over `[rows, c, 1]` (`s = 1`). Where PyTorch would run cuDNN (the same rule,
+//! `BnCase::cudnn_refusal`), cuDNN runs with NHWC descriptors and, in training and its
+//! backward, `CUDNN_BATCHNORM_SPATIAL_PERSISTENT` (PyTorch's `getCudnnBatchNormMode` for a
+//! channels_last input), the backward only where that mode asks for no reserve space. The
+//! channels_last kernels have run in the emulation (`cuda::emulated_kernels`) and compiled
+//! with NVRTC; neither they nor the channels_last cuDNN path have yet run on a GPU
+//! (`tests/batch_norm_nhwc.rs` checks both against the host where one is).
 
 use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
 use super::{expect_dtype, expect_shape, invalid, same_device, same_layout};
@@ -36,6 +58,7 @@ use crate::cpu::batch_norm as cpu;
 use crate::device::Device;
 use crate::dtype::{DType, with_dtype};
 use crate::error::Result;
+use crate::params::ConvLayout;
 use crate::tensor::Tensor;
 
 /// The result of [`batch_norm`] in training.
@@ -74,23 +97,34 @@ pub struct RunningStats<'a> {
 }
 
 /// `(n, c, s)` of `x: [n, c, spatial..]` (`s` the product of the spatial sizes, 1 for
-/// `[n, c]`), after checking the per-channel tensors: `[c]`, on `x`'s device, all of one
-/// dtype that is `x`'s or f32, and `eps` finite and `>= 0`.
+/// `[n, c]`), or of a channels_last `x: [n, h, w, c]` when `nhwc` (`s = h * w`), after
+/// checking the per-channel tensors: `[c]`, on `x`'s device, all of one dtype that is `x`'s
+/// or f32, and `eps` finite and `>= 0`.
 fn dims(
     op: &'static str,
     x: &Tensor,
     per_channel: &[&Tensor],
     eps: f32,
+    nhwc: bool,
 ) -> Result<(usize, usize, usize)> {
     let shape = x.shape();
+    if nhwc && shape.len() != 4 {
+        return Err(invalid(
+            op,
+            format!("expected x [batch, h, w, channels], got shape {shape:?}"),
+        ));
+    }
     if shape.len() < 2 {
         return Err(invalid(op, format!("expected [batch, channels, ..], got shape {shape:?}")));
     }
-    let (n, c) = (shape[0], shape[1]);
+    let (n, c, s) = if nhwc {
+        (shape[0], shape[3], shape[1] * shape[2])
+    } else {
+        (shape[0], shape[1], shape[2..].iter().product::<usize>())
+    };
     if c == 0 {
         return Err(invalid(op, format!("cannot normalize zero channels {shape:?}")));
     }
-    let s = shape[2..].iter().product::<usize>();
     let pdtype = per_channel[0].dtype();
     if pdtype != x.dtype() && pdtype != DType::F32 {
         return Err(invalid(
@@ -149,6 +183,10 @@ pub(crate) struct BnCase<'a> {
     pub(crate) dtype: DType,
     pub(crate) params: DType,
     pub(crate) pass: BnPass,
+    /// `x` is `[n, c, ..]` (NCHW) or channels_last `[n, h, w, c]` (NHWC): the rule is the
+    /// same (it reads the batch, the rank and the element count), cuDNN's descriptors and
+    /// mode differ (`cuda::dnn::bn`).
+    pub(crate) layout: ConvLayout,
 }
 
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -206,6 +244,27 @@ impl BnCase<'_> {
     }
 }
 
+/// `y = (x - mean) * invstd * gamma + beta` on the host over `x: [n, c, s]`, or over a
+/// channels_last `x` when `nhwc`.
+fn host_apply(
+    x: &Tensor,
+    (nhwc, s): (bool, usize),
+    (mean, inv): (&[f32], &[f32]),
+    (g, b): (&[f32], &[f32]),
+    y: &mut Tensor,
+    op: &'static str,
+) -> Result<()> {
+    if nhwc {
+        with_dtype!(x.dtype(), T => cpu::batch_norm_apply_nhwc(
+            x.as_slice::<T>()?, mean, inv, g, b, y.out_slice::<T>(op)?,
+        ))
+    } else {
+        with_dtype!(x.dtype(), T => cpu::batch_norm_apply(
+            x.as_slice::<T>()?, s, mean, inv, g, b, y.out_slice::<T>(op)?,
+        ))
+    }
+}
+
 /// Writes f32 `values` into the `[c]` tensor `t` in its dtype.
 fn host_store(t: &mut Tensor, values: &[f32]) -> Result<()> {
     with_dtype!(t.dtype(), T => crate::cpu::elementwise::cast(values, t.as_mut_slice::<T>()?))
@@ -225,6 +284,32 @@ const PART_VALUES: usize = 4096;
 pub(crate) fn parts(n: usize, c: usize, s: usize) -> usize {
     let by_values = n.saturating_mul(s) / PART_VALUES;
     (PART_BLOCKS / c.max(1)).min(n).min(by_values).clamp(1, u16::MAX as usize)
+}
+
+/// Channels a block of the channels_last kernels covers: one per thread of a warp.
+pub(crate) const NHWC_LANES: usize = 32;
+
+/// Parts (of whole rows) each channel's statistics and backward sums are spread over on the
+/// GPU for a channels_last `x: [rows, c]` (`rows = n * h * w`), whose blocks each cover
+/// [`NHWC_LANES`] channels: enough for about [`PART_BLOCKS`] blocks, each over at least
+/// [`PART_VALUES`] values. A function of the shape alone, as [`parts`].
+pub(crate) fn nhwc_parts(rows: usize, c: usize) -> usize {
+    let lanes = c.clamp(1, NHWC_LANES);
+    let by_values = rows.saturating_mul(lanes) / PART_VALUES;
+    (PART_BLOCKS / c.div_ceil(NHWC_LANES).max(1))
+        .min(rows)
+        .min(by_values)
+        .clamp(1, u16::MAX as usize)
+}
+
+/// The parts of `x` (`(n, c, s)`) in its layout: [`nhwc_parts`] or [`parts`].
+fn layout_parts(nhwc: bool, (n, c, s): (usize, usize, usize)) -> usize {
+    if nhwc { nhwc_parts(n * s, c) } else { parts(n, c, s) }
+}
+
+/// The layout of an op's `x`.
+fn layout(nhwc: bool) -> ConvLayout {
+    if nhwc { ConvLayout::Nhwc } else { ConvLayout::Nchw }
 }
 
 /// `1 / sqrt(var + eps)`, 0 where both are 0 (as PyTorch's `InvStd`).
@@ -251,10 +336,21 @@ pub fn batch_norm(
     running: Option<RunningStats<'_>>,
     eps: f32,
 ) -> Result<BatchNormOutput> {
-    run(BatchNorm { x, gamma, beta, running, eps, dims: (0, 0, 0), part: None, cudnn: false })
+    run(BatchNorm::<false> {
+        x,
+        gamma,
+        beta,
+        running,
+        eps,
+        dims: (0, 0, 0),
+        part: None,
+        cudnn: false,
+    })
 }
 
-struct BatchNorm<'a, 'r> {
+/// A training batch norm over `x: [n, c, ..]`, or over a channels_last `x: [n, h, w, c]`
+/// when `NHWC`.
+struct BatchNorm<'a, 'r, const NHWC: bool> {
     x: &'a Tensor,
     gamma: &'a Tensor,
     beta: &'a Tensor,
@@ -267,8 +363,8 @@ struct BatchNorm<'a, 'r> {
     cudnn: bool,
 }
 
-impl Op for BatchNorm<'_, '_> {
-    const NAME: &'static str = "batch_norm";
+impl<const NHWC: bool> Op for BatchNorm<'_, '_, NHWC> {
+    const NAME: &'static str = if NHWC { "batch_norm_nhwc" } else { "batch_norm" };
     /// `y`, `mean` and `invstd`.
     type Outs = [Tensor; 3];
     type Output = BatchNormOutput;
@@ -288,7 +384,7 @@ impl Op for BatchNorm<'_, '_> {
             }
             per_channel.extend([&*r.mean, &*r.var]);
         }
-        let (n, c, s) = dims(Self::NAME, self.x, &per_channel, self.eps)?;
+        let (n, c, s) = dims(Self::NAME, self.x, &per_channel, self.eps, NHWC)?;
         if n * s < 2 {
             return Err(invalid(
                 Self::NAME,
@@ -313,11 +409,12 @@ impl Op for BatchNorm<'_, '_> {
             dtype: self.x.dtype(),
             params: self.gamma.dtype(),
             pass: BnPass::Training(self.eps),
+            layout: layout(NHWC),
         };
         self.cudnn = self.x.device().cudnn_batch_norm(&case);
         // cuDNN's workspace and reserve space are asked for, and allocated, when it runs.
         if !self.cudnn {
-            self.part = plan.workspace(2 * c * parts(n, c, s) * 4);
+            self.part = plan.workspace(2 * c * layout_parts(NHWC, (n, c, s)) * 4);
         }
         Ok(plan)
     }
@@ -327,14 +424,16 @@ impl Op for BatchNorm<'_, '_> {
         let [y, mean, inv] = bufs.outputs_mut();
         let (mean, inv) = (mean.out_slice::<f32>(Self::NAME)?, inv.out_slice::<f32>(Self::NAME)?);
         let mut var = vec![0.0f32; c];
-        with_dtype!(self.x.dtype(), T => cpu::batch_norm_stats(self.x.as_slice::<T>()?, s, mean, &mut var))?;
+        if NHWC {
+            with_dtype!(self.x.dtype(), T => cpu::batch_norm_stats_nhwc(self.x.as_slice::<T>()?, mean, &mut var))?;
+        } else {
+            with_dtype!(self.x.dtype(), T => cpu::batch_norm_stats(self.x.as_slice::<T>()?, s, mean, &mut var))?;
+        }
         for (r, &v) in inv.iter_mut().zip(&var) {
             *r = invstd(v, self.eps);
         }
         let (g, b) = (self.gamma.to_f32_vec()?, self.beta.to_f32_vec()?);
-        with_dtype!(self.x.dtype(), T => cpu::batch_norm_apply(
-            self.x.as_slice::<T>()?, s, mean, inv, &g, &b, y.out_slice::<T>(Self::NAME)?,
-        ))?;
+        host_apply(self.x, (NHWC, s), (mean, inv), (&g, &b), y, Self::NAME)?;
         if let Some(r) = &mut self.running {
             let (m, unbias) = (r.momentum, (n * s) as f32 / (n * s - 1) as f32);
             let rm: Vec<f32> = r
@@ -360,7 +459,7 @@ impl Op for BatchNorm<'_, '_> {
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::helpers::{check_rows, ptr};
-        use crate::cuda::registry::{BN_FINALIZE, BN_PARTIAL};
+        use crate::cuda::registry::{BN_FINALIZE, BN_NHWC_PARTIAL, BN_PARTIAL};
         use crate::cuda::{Arg, launch};
         if self.cudnn {
             let [y, mean, inv] = bufs.outputs_mut();
@@ -380,37 +479,61 @@ impl Op for BatchNorm<'_, '_> {
             };
             let cu = gpu.backend();
             let dnn = cu.dnn_lock()?;
+            let (shape, layout) = (self.x.shape(), layout(NHWC));
             // SAFETY: x, gamma, beta and the running statistics are the op's tensors of the
-            // shapes and dtypes the plan checked (f32 parameters: PyTorch's rule); y and the
+            // shapes, dtypes and layout the plan checked (contiguous; f32 parameters:
+            // PyTorch's rule); y and the
             // saved statistics are fresh outputs; the running statistics were made unique.
-            return unsafe { dnn.bn_forward_training(self.x.shape(), self.x.dtype(), &a, cu) };
+            return unsafe { dnn.bn_forward_training(shape, self.x.dtype(), layout, &a, cu) };
         }
-        let (n, c, s) = self.dims;
-        let parts = parts(n, c, s);
+        let parts = layout_parts(NHWC, self.dims);
+        // The channels_last kernels merge as the NCHW ones over [rows, c, 1].
+        let (n, c, s) = if NHWC { (self.dims.0 * self.dims.2, self.dims.1, 1) } else { self.dims };
         let t = self.x.dtype();
         let pf32 = Arg::U32((self.gamma.dtype() == DType::F32) as u32);
         let part = bufs.ws(self.part)?;
         let [y, mean, inv] = bufs.outputs_mut();
-        check_rows(Self::NAME, c)?;
         let (rm, rv, momentum) = match &self.running {
             Some(r) => (ptr(r.mean)?, ptr(r.var)?, r.momentum),
             None => (Arg::Ptr(0), Arg::Ptr(0), 0.0),
         };
-        // SAFETY: bn_partial_T(const T* x, float* part, u64 n, u64 c, u64 s, u32 parts), grid
-        // (c, parts); x holds n * c * s elements, the workspace 2 * c * parts floats.
-        unsafe {
-            gpu.launch(
-                BN_PARTIAL.of(t),
-                launch::per_row_parts(c, parts),
-                &[
-                    ptr(self.x)?,
-                    Arg::Ptr(part),
-                    Arg::count(n),
-                    Arg::count(c),
-                    Arg::count(s),
-                    Arg::U32(parts as u32),
-                ],
-            )?;
+        if NHWC {
+            let blocks = c.div_ceil(NHWC_LANES);
+            check_rows(Self::NAME, blocks)?;
+            // SAFETY: bn_nhwc_partial_T(const T* x, float* part, u64 rows, u64 c, u32 parts),
+            // grid (ceil(c / 32), parts) of whole warps; x holds rows * c elements, the
+            // workspace 2 * c * parts floats.
+            unsafe {
+                gpu.launch(
+                    BN_NHWC_PARTIAL.of(t),
+                    launch::per_row_parts(blocks, parts),
+                    &[
+                        ptr(self.x)?,
+                        Arg::Ptr(part),
+                        Arg::count(n),
+                        Arg::count(c),
+                        Arg::U32(parts as u32),
+                    ],
+                )?;
+            }
+        } else {
+            check_rows(Self::NAME, c)?;
+            // SAFETY: bn_partial_T(const T* x, float* part, u64 n, u64 c, u64 s, u32 parts),
+            // grid (c, parts); x holds n * c * s elements, the workspace 2 * c * parts floats.
+            unsafe {
+                gpu.launch(
+                    BN_PARTIAL.of(t),
+                    launch::per_row_parts(c, parts),
+                    &[
+                        ptr(self.x)?,
+                        Arg::Ptr(part),
+                        Arg::count(n),
+                        Arg::count(c),
+                        Arg::count(s),
+                        Arg::U32(parts as u32),
+                    ],
+                )?;
+            }
         }
         // SAFETY: bn_finalize_T(const float* part, float* mean, float* invstd, void* rmean,
         // void* rvar, u32 pf32, u32 update, float momentum, float eps, u64 n, u64 c, u64 s,
@@ -502,7 +625,7 @@ pub fn batch_norm_eval(
     running_var: &Tensor,
     eps: f32,
 ) -> Result<Tensor> {
-    run(BatchNormEval {
+    run(BatchNormEval::<false> {
         x,
         gamma,
         beta,
@@ -515,7 +638,9 @@ pub fn batch_norm_eval(
     })
 }
 
-struct BatchNormEval<'a> {
+/// An evaluation batch norm over `x: [n, c, ..]`, or a channels_last `x: [n, h, w, c]` when
+/// `NHWC`.
+struct BatchNormEval<'a, const NHWC: bool> {
     x: &'a Tensor,
     gamma: &'a Tensor,
     beta: &'a Tensor,
@@ -529,8 +654,8 @@ struct BatchNormEval<'a> {
     cudnn: bool,
 }
 
-impl Op for BatchNormEval<'_> {
-    const NAME: &'static str = "batch_norm_eval";
+impl<const NHWC: bool> Op for BatchNormEval<'_, NHWC> {
+    const NAME: &'static str = if NHWC { "batch_norm_eval_nhwc" } else { "batch_norm_eval" };
     type Outs = Tensor;
     type Output = Tensor;
 
@@ -540,14 +665,16 @@ impl Op for BatchNormEval<'_> {
 
     fn plan(&mut self) -> Result<Plan<Self::Outs>> {
         let per_channel = [self.gamma, self.beta, self.running_mean, self.running_var];
-        let (_, c, s) = dims(Self::NAME, self.x, &per_channel, self.eps)?;
-        self.s = s;
+        let (_, c, s) = dims(Self::NAME, self.x, &per_channel, self.eps, NHWC)?;
+        // Channels_last: [rows, c, 1] for the elementwise kernel.
+        self.s = if NHWC { 1 } else { s };
         let mut plan = Plan::one(self.x.shape(), self.x.dtype());
         let case = BnCase {
             shape: self.x.shape(),
             dtype: self.x.dtype(),
             params: self.gamma.dtype(),
             pass: BnPass::Eval(self.eps),
+            layout: layout(NHWC),
         };
         self.cudnn = self.x.device().cudnn_batch_norm(&case);
         if !self.cudnn {
@@ -561,9 +688,7 @@ impl Op for BatchNormEval<'_> {
         let inv: Vec<f32> =
             self.running_var.to_f32_vec()?.iter().map(|&v| invstd(v, self.eps)).collect();
         let (g, b) = (self.gamma.to_f32_vec()?, self.beta.to_f32_vec()?);
-        with_dtype!(self.x.dtype(), T => cpu::batch_norm_apply(
-            self.x.as_slice::<T>()?, self.s, &mean, &inv, &g, &b, bufs.out().out_slice::<T>(Self::NAME)?,
-        ))
+        host_apply(self.x, (NHWC, self.s), (&mean, &inv), (&g, &b), bufs.out(), Self::NAME)
     }
 
     #[cfg(feature = "cuda")]
@@ -582,9 +707,10 @@ impl Op for BatchNormEval<'_> {
                 eps: self.eps,
             };
             let dnn = gpu.backend().dnn_lock()?;
+            let (shape, layout) = (self.x.shape(), layout(NHWC));
             // SAFETY: the op's tensors of the shapes and dtypes the plan checked (f32
             // parameters: PyTorch's rule); y is a fresh output.
-            return unsafe { dnn.bn_forward_inference(self.x.shape(), self.x.dtype(), &a) };
+            return unsafe { dnn.bn_forward_inference(shape, self.x.dtype(), layout, &a) };
         }
         let c = self.gamma.numel();
         let t = self.x.dtype();
@@ -632,28 +758,15 @@ pub fn batch_norm_backward(
     invstd: &Tensor,
     dy: &Tensor,
 ) -> Result<BatchNormGrads> {
-    run(BatchNormBackward { x, gamma, mean, invstd, dy, s: 0, sums: None, cudnn: false })
-}
-
-/// NHWC to NCHW, and back.
-const TO_NCHW: [usize; 4] = [0, 3, 1, 2];
-const TO_NHWC: [usize; 4] = [0, 2, 3, 1];
-
-/// `x: [n, h, w, c]` (channels_last) checked to be of rank 4.
-fn expect_nhwc(op: &'static str, x: &Tensor) -> Result<()> {
-    if x.shape().len() != 4 {
-        return Err(invalid(
-            op,
-            format!("expected x [batch, h, w, channels], got shape {:?}", x.shape()),
-        ));
-    }
-    Ok(())
+    run(BatchNormBackward::<false> { x, gamma, mean, invstd, dy, s: 0, sums: None, cudnn: false })
 }
 
 /// [`batch_norm`] on a channels_last image batch `x: [n, h, w, c]` (PyTorch's
 /// `BatchNorm2d` on a `torch.channels_last` input): the same statistics, `y` channels_last.
-/// Here `x` is permuted to NCHW, normalized, and the result permuted back (each a counted
-/// copy).
+/// Reads `x` in place, channel the fastest index (no permute): on the host bit-identical to
+/// [`batch_norm`] on the NCHW permutation; on a GPU through its own coalesced kernels, or
+/// cuDNN with NHWC descriptors where PyTorch would (see the module's docs; neither has yet
+/// run on a GPU).
 ///
 /// # Errors
 ///
@@ -665,15 +778,20 @@ pub fn batch_norm_nhwc(
     running: Option<RunningStats<'_>>,
     eps: f32,
 ) -> Result<BatchNormOutput> {
-    expect_nhwc("batch_norm_nhwc", x)?;
-    let xc = super::permute(x, &TO_NCHW)?;
-    let out = batch_norm(&xc, gamma, beta, running, eps)?;
-    drop(xc);
-    let y = super::permute(&out.y, &TO_NHWC)?;
-    Ok(BatchNormOutput { y, ..out })
+    run(BatchNorm::<true> {
+        x,
+        gamma,
+        beta,
+        running,
+        eps,
+        dims: (0, 0, 0),
+        part: None,
+        cudnn: false,
+    })
 }
 
-/// [`batch_norm_eval`] on a channels_last `x: [n, h, w, c]`; `y` channels_last.
+/// [`batch_norm_eval`] on a channels_last `x: [n, h, w, c]`; `y` channels_last, no permute
+/// (bit-identical to [`batch_norm_eval`] on the NCHW permutation on the host).
 ///
 /// # Errors
 ///
@@ -686,15 +804,22 @@ pub fn batch_norm_eval_nhwc(
     running_var: &Tensor,
     eps: f32,
 ) -> Result<Tensor> {
-    expect_nhwc("batch_norm_eval_nhwc", x)?;
-    let xc = super::permute(x, &TO_NCHW)?;
-    let y = batch_norm_eval(&xc, gamma, beta, running_mean, running_var, eps)?;
-    drop(xc);
-    super::permute(&y, &TO_NHWC)
+    run(BatchNormEval::<true> {
+        x,
+        gamma,
+        beta,
+        running_mean,
+        running_var,
+        eps,
+        s: 0,
+        ws: None,
+        cudnn: false,
+    })
 }
 
 /// [`batch_norm_backward`] of a [`batch_norm_nhwc`]: `x` and `dy` are `[n, h, w, c]`, `dx`
-/// comes back channels_last.
+/// comes back channels_last, no permute (bit-identical to [`batch_norm_backward`] on the
+/// NCHW permutations on the host).
 ///
 /// # Errors
 ///
@@ -706,17 +831,12 @@ pub fn batch_norm_backward_nhwc(
     invstd: &Tensor,
     dy: &Tensor,
 ) -> Result<BatchNormGrads> {
-    expect_nhwc("batch_norm_backward_nhwc", x)?;
-    same_layout("batch_norm_backward_nhwc", x, dy)?;
-    let xc = super::permute(x, &TO_NCHW)?;
-    let dyc = super::permute(dy, &TO_NCHW)?;
-    let g = batch_norm_backward(&xc, gamma, mean, invstd, &dyc)?;
-    drop((xc, dyc));
-    let dx = super::permute(&g.dx, &TO_NHWC)?;
-    Ok(BatchNormGrads { dx, ..g })
+    run(BatchNormBackward::<true> { x, gamma, mean, invstd, dy, s: 0, sums: None, cudnn: false })
 }
 
-struct BatchNormBackward<'a> {
+/// The backward of a training batch norm over `x: [n, c, ..]`, or a channels_last
+/// `x: [n, h, w, c]` when `NHWC`.
+struct BatchNormBackward<'a, const NHWC: bool> {
     x: &'a Tensor,
     gamma: &'a Tensor,
     mean: &'a Tensor,
@@ -730,8 +850,9 @@ struct BatchNormBackward<'a> {
     cudnn: bool,
 }
 
-impl Op for BatchNormBackward<'_> {
-    const NAME: &'static str = "batch_norm_backward";
+impl<const NHWC: bool> Op for BatchNormBackward<'_, NHWC> {
+    const NAME: &'static str =
+        if NHWC { "batch_norm_backward_nhwc" } else { "batch_norm_backward" };
     /// `dx`, `dgamma` and `dbeta`.
     type Outs = [Tensor; 3];
     type Output = BatchNormGrads;
@@ -741,7 +862,7 @@ impl Op for BatchNormBackward<'_> {
     }
 
     fn plan(&mut self) -> Result<Plan<Self::Outs>> {
-        let (n, c, s) = dims(Self::NAME, self.x, &[self.gamma], 0.0)?;
+        let (n, c, s) = dims(Self::NAME, self.x, &[self.gamma], 0.0, NHWC)?;
         same_layout(Self::NAME, self.x, self.dy)?;
         for saved in [self.mean, self.invstd] {
             same_device(Self::NAME, self.x, saved)?;
@@ -759,10 +880,11 @@ impl Op for BatchNormBackward<'_> {
             dtype: self.x.dtype(),
             params: self.gamma.dtype(),
             pass: BnPass::Backward,
+            layout: layout(NHWC),
         };
         self.cudnn = self.x.device().cudnn_batch_norm(&case);
         if !self.cudnn {
-            self.sums = plan.workspace(2 * c * (1 + parts(n, c, s)) * 4);
+            self.sums = plan.workspace(2 * c * (1 + layout_parts(NHWC, (n, c, s))) * 4);
         }
         Ok(plan)
     }
@@ -772,17 +894,31 @@ impl Op for BatchNormBackward<'_> {
         let (mut dg, mut db) = (vec![0.0f32; c], vec![0.0f32; c]);
         let g = self.gamma.to_f32_vec()?;
         let [dx, dgamma, dbeta] = bufs.outputs_mut();
-        with_dtype!(self.x.dtype(), T => cpu::batch_norm_backward(
-            self.x.as_slice::<T>()?,
-            self.dy.as_slice::<T>()?,
-            self.s,
-            self.mean.as_slice::<f32>()?,
-            self.invstd.as_slice::<f32>()?,
-            &g,
-            dx.out_slice::<T>(Self::NAME)?,
-            &mut dg,
-            &mut db,
-        ))?;
+        let (mean, inv) = (self.mean.as_slice::<f32>()?, self.invstd.as_slice::<f32>()?);
+        if NHWC {
+            with_dtype!(self.x.dtype(), T => cpu::batch_norm_backward_nhwc(
+                self.x.as_slice::<T>()?,
+                self.dy.as_slice::<T>()?,
+                mean,
+                inv,
+                &g,
+                dx.out_slice::<T>(Self::NAME)?,
+                &mut dg,
+                &mut db,
+            ))?;
+        } else {
+            with_dtype!(self.x.dtype(), T => cpu::batch_norm_backward(
+                self.x.as_slice::<T>()?,
+                self.dy.as_slice::<T>()?,
+                self.s,
+                mean,
+                inv,
+                &g,
+                dx.out_slice::<T>(Self::NAME)?,
+                &mut dg,
+                &mut db,
+            ))?;
+        }
         host_store(dgamma, &dg)?;
         host_store(dbeta, &db)
     }
@@ -790,7 +926,9 @@ impl Op for BatchNormBackward<'_> {
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::helpers::{check_rows, from_f32, ptr};
-        use crate::cuda::registry::{BN_BWD_DX, BN_BWD_FINALIZE, BN_BWD_PARTIAL};
+        use crate::cuda::registry::{
+            BN_BWD_DX, BN_BWD_FINALIZE, BN_BWD_PARTIAL, BN_NHWC_BWD_PARTIAL,
+        };
         use crate::cuda::{Arg, launch};
         if self.cudnn {
             let [dx, dgamma, dbeta] = bufs.outputs_mut();
@@ -806,37 +944,65 @@ impl Op for BatchNormBackward<'_> {
             };
             let cu = gpu.backend();
             let dnn = cu.dnn_lock()?;
+            let (shape, layout) = (self.x.shape(), layout(NHWC));
             // SAFETY: the op's tensors of the shapes and dtypes the plan checked (f32
             // parameters: PyTorch's rule; the saved statistics f32 [c]); the gradients are
             // fresh outputs.
-            return unsafe { dnn.bn_backward(self.x.shape(), self.x.dtype(), &a, cu) };
+            return unsafe { dnn.bn_backward(shape, self.x.dtype(), layout, &a, cu) };
         }
         let c = self.gamma.numel();
         let n = self.x.numel() / (c * self.s).max(1);
-        let (t, parts) = (self.x.dtype(), parts(n, c, self.s));
-        check_rows(Self::NAME, c)?;
+        let (t, parts) = (self.x.dtype(), layout_parts(NHWC, (n, c, self.s)));
+        // The channels_last kernels see [rows, c, 1].
+        let s = if NHWC { 1 } else { self.s };
         let sums = bufs.ws(self.sums)?;
         let part = sums + (2 * c * 4) as u64;
-        // SAFETY: bn_bwd_partial_T(const T* x, const T* dy, const float* mean, const float*
-        // invstd, float* part, u64 n, u64 c, u64 s, u32 parts), grid (c, parts); x and dy
-        // hold n * c * s elements, mean and invstd c floats, part (inside the workspace, after
-        // the 2c sums) 2 * c * parts.
-        unsafe {
-            gpu.launch(
-                BN_BWD_PARTIAL.of(t),
-                launch::per_row_parts(c, parts),
-                &[
-                    ptr(self.x)?,
-                    ptr(self.dy)?,
-                    ptr(self.mean)?,
-                    ptr(self.invstd)?,
-                    Arg::Ptr(part),
-                    Arg::count(n),
-                    Arg::count(c),
-                    Arg::count(self.s),
-                    Arg::U32(parts as u32),
-                ],
-            )?;
+        if NHWC {
+            let (rows, blocks) = (n * self.s, c.div_ceil(NHWC_LANES));
+            check_rows(Self::NAME, blocks)?;
+            // SAFETY: bn_nhwc_bwd_partial_T(const T* x, const T* dy, const float* mean, const
+            // float* invstd, float* part, u64 rows, u64 c, u32 parts), grid (ceil(c / 32),
+            // parts) of whole warps; x and dy hold rows * c elements, mean and invstd c
+            // floats, part (inside the workspace, after the 2c sums) 2 * c * parts.
+            unsafe {
+                gpu.launch(
+                    BN_NHWC_BWD_PARTIAL.of(t),
+                    launch::per_row_parts(blocks, parts),
+                    &[
+                        ptr(self.x)?,
+                        ptr(self.dy)?,
+                        ptr(self.mean)?,
+                        ptr(self.invstd)?,
+                        Arg::Ptr(part),
+                        Arg::count(rows),
+                        Arg::count(c),
+                        Arg::U32(parts as u32),
+                    ],
+                )?;
+            }
+        } else {
+            check_rows(Self::NAME, c)?;
+            // SAFETY: bn_bwd_partial_T(const T* x, const T* dy, const float* mean, const
+            // float* invstd, float* part, u64 n, u64 c, u64 s, u32 parts), grid (c, parts); x
+            // and dy hold n * c * s elements, mean and invstd c floats, part (inside the
+            // workspace, after the 2c sums) 2 * c * parts.
+            unsafe {
+                gpu.launch(
+                    BN_BWD_PARTIAL.of(t),
+                    launch::per_row_parts(c, parts),
+                    &[
+                        ptr(self.x)?,
+                        ptr(self.dy)?,
+                        ptr(self.mean)?,
+                        ptr(self.invstd)?,
+                        Arg::Ptr(part),
+                        Arg::count(n),
+                        Arg::count(c),
+                        Arg::count(self.s),
+                        Arg::U32(parts as u32),
+                    ],
+                )?;
+            }
         }
         // SAFETY: bn_bwd_finalize(const float* part, float* sums, u64 c, u32 parts),
         // grid-stride over c; sums holds 2c floats (sum of dy * xhat, then sum of dy).
@@ -867,7 +1033,7 @@ impl Op for BatchNormBackward<'_> {
                     ptr(dx)?,
                     Arg::count(total),
                     Arg::div(c),
-                    Arg::div(self.s),
+                    Arg::div(s),
                 ],
             )?;
         }
@@ -883,11 +1049,11 @@ impl Op for BatchNormBackward<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::{BnCase, BnPass, CUDNN_BN_MIN_EPSILON, parts};
+    use super::{BnCase, BnPass, CUDNN_BN_MIN_EPSILON, ConvLayout, nhwc_parts, parts};
     use crate::DType::{self, BF16, F16, F32};
 
     fn case(shape: &[usize], dtype: DType, params: DType, pass: BnPass) -> Option<&'static str> {
-        BnCase { shape, dtype, params, pass }.cudnn_refusal()
+        BnCase { shape, dtype, params, pass, layout: ConvLayout::Nchw }.cudnn_refusal()
     }
 
     const PASSES: [BnPass; 3] = [BnPass::Training(1e-5), BnPass::Eval(1e-5), BnPass::Backward];
@@ -950,8 +1116,10 @@ mod tests {
     fn host_and_virtual_devices_keep_the_own_path() {
         for d in [crate::Device::host(1 << 20), crate::Device::virtual_device(1 << 20)] {
             for pass in PASSES {
-                let c = BnCase { shape: &[8, 16, 7, 7], dtype: F32, params: F32, pass };
-                assert!(!d.cudnn_batch_norm(&c), "{pass:?}");
+                for layout in [ConvLayout::Nchw, ConvLayout::Nhwc] {
+                    let c = BnCase { shape: &[8, 16, 7, 7], dtype: F32, params: F32, pass, layout };
+                    assert!(!d.cudnn_batch_norm(&c), "{pass:?} {layout:?}");
+                }
             }
             assert_eq!(d.batch_norm_path(), d.conv_path());
         }
@@ -972,5 +1140,20 @@ mod tests {
         // Never more parts than images, never zero.
         assert_eq!(parts(3, 1, 1 << 20), 3);
         assert_eq!(parts(0, 0, 0), 1);
+    }
+
+    #[test]
+    fn a_channels_last_column_is_spread_over_parts_of_whole_rows() {
+        // ResNet-50's first batch norm at batch 64: 2 blocks of 32 channels, 512 parts each.
+        assert_eq!(nhwc_parts(64 * 112 * 112, 64), 512);
+        // Its last (c = 2048 at 7x7): 64 blocks of channels, 16 parts each.
+        assert_eq!(nhwc_parts(64 * 7 * 7, 2048), 16);
+        // Few values per block: fewer parts, each over at least 4096 values.
+        assert_eq!(nhwc_parts(315, 40), 2);
+        assert_eq!(nhwc_parts(16 * 32 * 32, 4), 16);
+        // Never more parts than rows, never zero.
+        assert_eq!(nhwc_parts(6, 1), 1);
+        assert_eq!(nhwc_parts(1 << 20, 1), 256);
+        assert_eq!(nhwc_parts(0, 0), 1);
     }
 }

@@ -5,14 +5,17 @@
 //! `cudnnBatchNormalizationBackwardEx`, all in `CUDNN_BATCHNORM_SPATIAL` mode with
 //! `CUDNN_BATCHNORM_OPS_BN` (no fused activation).
 //!
-//! - **Mode.** PyTorch's `getCudnnBatchNormMode` takes `SPATIAL_PERSISTENT` only for a
-//!   channels_last input in training (and `PER_ACTIVATION` for a 2-d one, which
-//!   `_select_batch_norm_backend` never sends to cuDNN); vram's batch norm takes contiguous
-//!   `[n, c, ..]` inputs, so `SPATIAL` is the only mode used.
-//! - **Descriptors.** `x` (and `y`, `dy`, `dx`) is described as the 4-d NCHW tensor
+//! - **Mode.** PyTorch's `getCudnnBatchNormMode` takes `SPATIAL_PERSISTENT` for a
+//!   channels_last input in training, its forward and its backward, and `SPATIAL` for every
+//!   other (and `PER_ACTIVATION` for a 2-d one, which `_select_batch_norm_backend` never
+//!   sends to cuDNN): so does [`mode`], for vram's `[n, c, ..]` inputs and its channels_last
+//!   `[n, h, w, c]` ones (`batch_norm_nhwc` and its evaluation and backward).
+//! - **Descriptors.** An NCHW `x` (and `y`, `dy`, `dx`) is described as the 4-d NCHW tensor
 //!   `[n, c, s, 1]`, `s` the product of the spatial sizes: the same elements and the same
 //!   per-channel sets as PyTorch's 3- to 5-d descriptor (a `[n, c, l]` input is padded to
-//!   `[n, c, l, 1]` there too). The scale, shift, running and saved statistics share one
+//!   `[n, c, l, 1]` there too). A channels_last `[n, h, w, c]` one as `[n, c, h, w]` with
+//!   NHWC strides (`[h * w * c, 1, w * c, c]`), as PyTorch's `TensorDescriptor` describes a
+//!   `channels_last` tensor. The scale, shift, running and saved statistics share one
 //!   `[1, c, 1, 1]` descriptor in the parameters' dtype, f32 (cuDNN's rule for a 16-bit
 //!   input, which PyTorch's choice of backend enforces: f16 parameters never get here).
 //! - **Scalars.** alpha = 1 and beta = 0 as f32 (cuDNN's scaling type for f32 and f16
@@ -35,7 +38,8 @@
 //!   `tests/cudnn_vs_host.rs` checks this with another `eps` on a GPU.
 //!
 //! This code has been compiled and its pure parts tested on machines without a GPU; its
-//! cuDNN calls have not yet run on one (`tests/cudnn_vs_host.rs` runs them where one is).
+//! cuDNN calls have not yet run on one (`tests/cudnn_vs_host.rs` runs them where one is),
+//! the channels_last ones (NHWC descriptors, `SPATIAL_PERSISTENT`) neither.
 
 use super::{
     Dnn, MAX_WORKSPACE, TensorDims, WorkspaceSource, alpha, beta, check, tensor_descriptor,
@@ -47,9 +51,24 @@ use cudarc::cudnn::sys;
 use std::ffi::c_void;
 use std::ptr::null_mut;
 
-/// The one mode vram runs (see the module's docs).
+/// The mode of an NCHW input, and of a channels_last one in evaluation (see the module's
+/// docs).
 pub(crate) const MODE: sys::cudnnBatchNormMode_t =
     sys::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL;
+
+/// The mode of a channels_last input in training, forward and backward.
+pub(crate) const MODE_NHWC_TRAINING: sys::cudnnBatchNormMode_t =
+    sys::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL_PERSISTENT;
+
+/// PyTorch's `getCudnnBatchNormMode` (`aten/src/ATen/native/cudnn/BatchNorm.cpp`) for an
+/// input of at least 3 dimensions: `SPATIAL_PERSISTENT` for a channels_last one in training
+/// (the backward counts as training), `SPATIAL` otherwise.
+pub(crate) fn mode(layout: ConvLayout, training: bool) -> sys::cudnnBatchNormMode_t {
+    match (layout, training) {
+        (ConvLayout::Nhwc, true) => MODE_NHWC_TRAINING,
+        _ => MODE,
+    }
+}
 
 /// Batch norm alone, no fused activation or addition.
 const OPS: sys::cudnnBatchNormOps_t = sys::cudnnBatchNormOps_t::CUDNN_BATCHNORM_OPS_BN;
@@ -59,13 +78,25 @@ const OPS: sys::cudnnBatchNormOps_t = sys::cudnnBatchNormOps_t::CUDNN_BATCHNORM_
 /// hold the forward's `eps`.
 pub(crate) const BACKWARD_EPS: f64 = 1e-5;
 
-/// The descriptor dimensions of a batch norm input of `shape` (`[n, c, ..]`, contiguous):
-/// `[n, c, s, 1]` with NCHW strides, `s` the product of the spatial sizes (1 for none).
+/// The descriptor dimensions of a batch norm input of `shape` in `layout`: for NCHW
+/// (`[n, c, ..]`, contiguous) `[n, c, s, 1]` with NCHW strides, `s` the product of the
+/// spatial sizes (1 for none); for NHWC (`[n, h, w, c]`, contiguous) `[n, c, h, w]` with NHWC
+/// strides.
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] for fewer than 2 dimensions or a size past cuDNN's `int`.
-pub(crate) fn input_dims(shape: &[usize]) -> Result<TensorDims> {
+/// [`Error::InvalidArgument`] for fewer than 2 dimensions (NHWC: other than 4) or a size
+/// past cuDNN's `int`.
+pub(crate) fn input_dims(shape: &[usize], layout: ConvLayout) -> Result<TensorDims> {
+    if layout == ConvLayout::Nhwc {
+        let &[n, h, w, c] = shape else {
+            return Err(Error::InvalidArgument {
+                op: "batch_norm_nhwc (cuDNN)",
+                reason: format!("expected [batch, h, w, channels], got shape {shape:?}"),
+            });
+        };
+        return super::tensor_dims([n, c, h, w], ConvLayout::Nhwc);
+    }
     if shape.len() < 2 {
         return Err(Error::InvalidArgument {
             op: "batch_norm (cuDNN)",
@@ -105,9 +136,10 @@ struct Descs {
 }
 
 impl Descs {
-    fn new(shape: &[usize], dtype: DType) -> Result<Descs> {
-        let x = Desc::new(&input_dims(shape)?, dtype)?;
-        let p = Desc::new(&param_dims(shape[1])?, DType::F32)?;
+    fn new(shape: &[usize], dtype: DType, layout: ConvLayout) -> Result<Descs> {
+        let dims = input_dims(shape, layout)?;
+        let x = Desc::new(&dims, dtype)?;
+        let p = Desc::new(&param_dims(dims.dims[1] as usize)?, DType::F32)?;
         Ok(Descs { x, p })
     }
 }
@@ -176,21 +208,27 @@ pub(crate) struct BnBackward {
 
 impl Dnn {
     /// Bytes of the reserve space cuDNN's training asks for an input of `shape` in `dtype`
-    /// (`cudnnGetBatchNormalizationTrainingExReserveSpaceSize`, as PyTorch's
-    /// `_get_cudnn_batch_norm_reserve_space_size`). The caller has bound the context.
+    /// and `layout` (`cudnnGetBatchNormalizationTrainingExReserveSpaceSize`, as PyTorch's
+    /// `_get_cudnn_batch_norm_reserve_space_size`, in the training mode). The caller has
+    /// bound the context.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] for a shape cuDNN cannot describe; [`Error::Device`] when
     /// cuDNN refuses.
-    pub(crate) fn bn_reserve_size(&self, shape: &[usize], dtype: DType) -> Result<usize> {
-        let x = Desc::new(&input_dims(shape)?, dtype)?;
+    pub(crate) fn bn_reserve_size(
+        &self,
+        shape: &[usize],
+        dtype: DType,
+        layout: ConvLayout,
+    ) -> Result<usize> {
+        let x = Desc::new(&input_dims(shape, layout)?, dtype)?;
         let mut bytes = 0usize;
         // SAFETY: live handle and descriptor; no activation (null) for OPS_BN.
         check("cudnnGetBatchNormalizationTrainingExReserveSpaceSize", unsafe {
             sys::cudnnGetBatchNormalizationTrainingExReserveSpaceSize(
                 self.handle,
-                MODE,
+                mode(layout, true),
                 OPS,
                 null_mut(),
                 x.0,
@@ -201,7 +239,7 @@ impl Dnn {
     }
 
     /// Batch norm in training over `x` of `shape` in `dtype` (f32, or f16 with f32
-    /// parameters): writes `y`, the saved mean and invstd, and updates the running
+    /// parameters), contiguous in `layout` (`[n, c, ..]`, or `[n, h, w, c]` for NHWC): writes `y`, the saved mean and invstd, and updates the running
     /// statistics when given. Workspace and reserve space from `ws`. The caller has bound
     /// the context.
     ///
@@ -212,23 +250,25 @@ impl Dnn {
     ///
     /// # Safety
     ///
-    /// The addresses are live device allocations: `x` and `y` of `shape` in `dtype`, the
-    /// others `c` f32 values; `y` and the saved statistics alias nothing.
+    /// The addresses are live device allocations: `x` and `y` of `shape` in `dtype` (and in
+    /// `layout`), the others `c` f32 values; `y` and the saved statistics alias nothing.
     pub(crate) unsafe fn bn_forward_training(
         &self,
         shape: &[usize],
         dtype: DType,
+        layout: ConvLayout,
         a: &BnTraining,
         ws: &dyn WorkspaceSource,
     ) -> Result<()> {
-        let d = Descs::new(shape, dtype)?;
+        let d = Descs::new(shape, dtype, layout)?;
+        let mode = mode(layout, true);
         let mut ws_bytes = 0usize;
         // SAFETY: live handle and descriptors; x, z and y share one descriptor, as PyTorch's
         // query passes them.
         check("cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize", unsafe {
             sys::cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize(
                 self.handle,
-                MODE,
+                mode,
                 OPS,
                 d.x.0,
                 d.x.0,
@@ -238,7 +278,7 @@ impl Dnn {
                 &mut ws_bytes,
             )
         })?;
-        let reserve_bytes = self.bn_reserve_size(shape, dtype)?;
+        let reserve_bytes = self.bn_reserve_size(shape, dtype, layout)?;
         let (work, work_addr) = block(ws, "workspace", ws_bytes)?;
         let (reserve, reserve_addr) = block(ws, "reserve space", reserve_bytes)?;
         let (rm, rv) = a.running.unwrap_or((0, 0));
@@ -248,7 +288,7 @@ impl Dnn {
         let status = unsafe {
             sys::cudnnBatchNormalizationForwardTrainingEx(
                 self.handle,
-                MODE,
+                mode,
                 OPS,
                 alpha(),
                 beta(false),
@@ -278,7 +318,8 @@ impl Dnn {
         check("cudnnBatchNormalizationForwardTrainingEx", status)
     }
 
-    /// Batch norm in evaluation over `x` of `shape` in `dtype` from the running statistics
+    /// Batch norm in evaluation over `x` of `shape` in `dtype` and `layout` from the running
+    /// statistics
     /// (no workspace). The caller has bound the context.
     ///
     /// # Errors
@@ -292,14 +333,15 @@ impl Dnn {
         &self,
         shape: &[usize],
         dtype: DType,
+        layout: ConvLayout,
         a: &BnEval,
     ) -> Result<()> {
-        let d = Descs::new(shape, dtype)?;
+        let d = Descs::new(shape, dtype, layout)?;
         // SAFETY: the caller's contract.
         check("cudnnBatchNormalizationForwardInference", unsafe {
             sys::cudnnBatchNormalizationForwardInference(
                 self.handle,
-                MODE,
+                mode(layout, false),
                 alpha(),
                 beta(false),
                 d.x.0,
@@ -316,7 +358,8 @@ impl Dnn {
         })
     }
 
-    /// The backward of a training batch norm over `x` of `shape` in `dtype`, from the saved
+    /// The backward of a training batch norm over `x` of `shape` in `dtype` and `layout`, from
+    /// the saved
     /// statistics: writes `dx` (overwritten, alphaDataDiff = 1, betaDataDiff = 0), `dgamma`
     /// and `dbeta` (likewise). No reserve space (see the module's docs); workspace from
     /// `ws`. The caller has bound the context.
@@ -328,21 +371,23 @@ impl Dnn {
     /// # Safety
     ///
     /// As [`bn_forward_training`](Self::bn_forward_training): `x`, `dy`, `dx` of `shape` in
-    /// `dtype`, the rest `c` f32 values; outputs alias nothing.
+    /// `dtype` and `layout`, the rest `c` f32 values; outputs alias nothing.
     pub(crate) unsafe fn bn_backward(
         &self,
         shape: &[usize],
         dtype: DType,
+        layout: ConvLayout,
         a: &BnBackward,
         ws: &dyn WorkspaceSource,
     ) -> Result<()> {
-        let d = Descs::new(shape, dtype)?;
+        let d = Descs::new(shape, dtype, layout)?;
+        let mode = mode(layout, true);
         let mut ws_bytes = 0usize;
         // SAFETY: live handle and descriptors; no dz (OPS_BN), no activation.
         check("cudnnGetBatchNormalizationBackwardExWorkspaceSize", unsafe {
             sys::cudnnGetBatchNormalizationBackwardExWorkspaceSize(
                 self.handle,
-                MODE,
+                mode,
                 OPS,
                 d.x.0,
                 d.x.0,
@@ -359,7 +404,7 @@ impl Dnn {
         let status = unsafe {
             sys::cudnnBatchNormalizationBackwardEx(
                 self.handle,
-                MODE,
+                mode,
                 OPS,
                 alpha(),
                 beta(false),
@@ -402,18 +447,42 @@ mod tests {
     #[test]
     fn an_input_is_described_as_nchw_with_the_spatial_sizes_folded() {
         // BatchNorm2d: [n, c, h, w] -> [n, c, h*w, 1], NCHW strides.
-        let d = input_dims(&[4, 3, 5, 7]).unwrap();
+        let d = input_dims(&[4, 3, 5, 7], ConvLayout::Nchw).unwrap();
         assert_eq!(d.dims, [4, 3, 35, 1]);
         assert_eq!(d.strides, [105, 35, 1, 1]);
         // BatchNorm1d on sequences, [n, c, l], padded as PyTorch's descriptor pads it.
-        let d = input_dims(&[2, 8, 10]).unwrap();
+        let d = input_dims(&[2, 8, 10], ConvLayout::Nchw).unwrap();
         assert_eq!((d.dims, d.strides), ([2, 8, 10, 1], [80, 10, 1, 1]));
         // BatchNorm3d, [n, c, d, h, w].
-        let d = input_dims(&[2, 4, 3, 5, 6]).unwrap();
+        let d = input_dims(&[2, 4, 3, 5, 6], ConvLayout::Nchw).unwrap();
         assert_eq!((d.dims, d.strides), ([2, 4, 90, 1], [360, 90, 1, 1]));
         // Element (n, c, i) of the contiguous input is at n * c * s + c * s + i.
-        let [sn, sc, ss, _] = input_dims(&[4, 3, 5, 7]).unwrap().strides;
+        let [sn, sc, ss, _] = input_dims(&[4, 3, 5, 7], ConvLayout::Nchw).unwrap().strides;
         assert_eq!(3 * sn + 2 * sc + 11 * ss, (3 * 3 + 2) * 35 + 11);
+    }
+
+    #[test]
+    fn a_channels_last_input_is_described_with_nhwc_strides() {
+        // [n, h, w, c] = [4, 5, 7, 3] -> dims [n, c, h, w] with NHWC strides.
+        let d = input_dims(&[4, 5, 7, 3], ConvLayout::Nhwc).unwrap();
+        assert_eq!(d.dims, [4, 3, 5, 7]);
+        assert_eq!(d.strides, [105, 1, 21, 3]);
+        // Element (n, y, x, ch) of the contiguous [n, h, w, c] input.
+        let [sn, sc, sh, sw] = d.strides;
+        assert_eq!(3 * sn + 2 * sc + 4 * sh + 6 * sw, ((3 * 5 + 4) * 7 + 6) * 3 + 2);
+        let e = input_dims(&[4, 5, 3], ConvLayout::Nhwc).unwrap_err();
+        assert!(e.to_string().contains("[batch, h, w, channels]"), "{e}");
+    }
+
+    #[test]
+    fn channels_last_training_runs_spatial_persistent_as_pytorch() {
+        use sys::cudnnBatchNormMode_t::{
+            CUDNN_BATCHNORM_SPATIAL as SPATIAL, CUDNN_BATCHNORM_SPATIAL_PERSISTENT as PERSISTENT,
+        };
+        assert_eq!(mode(ConvLayout::Nhwc, true), PERSISTENT);
+        assert_eq!(mode(ConvLayout::Nhwc, false), SPATIAL);
+        assert_eq!(mode(ConvLayout::Nchw, true), SPATIAL);
+        assert_eq!(mode(ConvLayout::Nchw, false), SPATIAL);
     }
 
     #[test]
@@ -424,11 +493,11 @@ mod tests {
 
     #[test]
     fn bad_inputs_are_refused_with_a_clear_error() {
-        let e = input_dims(&[8]).unwrap_err();
+        let e = input_dims(&[8], ConvLayout::Nchw).unwrap_err();
         assert!(e.to_string().contains("[batch, channels, ..]"), "{e}");
-        let e = input_dims(&[1 << 16, 1 << 8, 1 << 8]).unwrap_err();
+        let e = input_dims(&[1 << 16, 1 << 8, 1 << 8], ConvLayout::Nchw).unwrap_err();
         assert!(e.to_string().contains("32-bit"), "{e}");
-        let e = input_dims(&[2, 2, usize::MAX, 2]).unwrap_err();
+        let e = input_dims(&[2, 2, usize::MAX, 2], ConvLayout::Nchw).unwrap_err();
         assert!(e.to_string().contains("32-bit"), "{e}");
     }
 

@@ -406,6 +406,100 @@ __device__ void bn_bwd_dx_impl(const T* x, const T* dy, const float* mean, const
     }
 }
 
+// Batch norm over a channels_last x: [n, h, w, c] seen as the matrix [rows, c] (rows = n * h *
+// w, the channel the fastest index), after PyTorch's channels_last kernels
+// (aten/src/ATen/native/cuda/Normalization.cuh, batch_norm_collect_statistics_channels_last_
+// kernel and batch_norm_backward_reduce_channels_last_kernel, apex's welford_kernel_c_last):
+// the threads of a warp run along 32 neighbouring channels, so each load of a row is one
+// coalesced segment, the warps of a block and the blocks of grid.y along the rows; a block's
+// warps merge in shared memory. Where PyTorch merges the blocks of a column with a staging
+// buffer and semaphores (atomics), these write per-part partials, part[2 * (ch * parts + p)],
+// part p the rows [rows * p / parts, rows * (p + 1) / parts): the layout of the NCHW kernels'
+// with n = rows and s = 1, so bn_finalize and bn_bwd_finalize merge them and bn_apply and
+// bn_bwd_dx (s = 1: channel = i % c) run the elementwise parts. Grid (ceil(c / 32), parts),
+// blocks of whole warps, at most 32 of them.
+#define BN_NHWC_LANES 32
+
+// The two f32 sums of every warp of the block into those of its first warp, which returns
+// them (other warps get garbage); all threads must call it.
+__device__ __forceinline__ void bn_nhwc_merge(float* a, float* b) {
+    __shared__ float sa[32][BN_NHWC_LANES], sb[32][BN_NHWC_LANES];
+    const u32 lane = threadIdx.x % BN_NHWC_LANES, w = threadIdx.x / BN_NHWC_LANES;
+    const u32 warps = blockDim.x / BN_NHWC_LANES;
+    __syncthreads();
+    sa[w][lane] = *a;
+    sb[w][lane] = *b;
+    __syncthreads();
+    if (w == 0) {
+        float ta = 0.0f, tb = 0.0f;
+        for (u32 k = 0; k < warps; ++k) {
+            ta += sa[k][lane];
+            tb += sb[k][lane];
+        }
+        *a = ta;
+        *b = tb;
+    }
+}
+
+// The statistics' first kernel: each block's column part's mean and sum of squared deviations
+// from it (two passes over the part, as bn_partial).
+template <typename T>
+__device__ void bn_nhwc_partial_impl(const T* x, float* part, u64 rows, u64 c, u32 parts) {
+    __shared__ float mus[BN_NHWC_LANES];
+    const u32 lane = threadIdx.x % BN_NHWC_LANES, w = threadIdx.x / BN_NHWC_LANES;
+    const u32 warps = blockDim.x / BN_NHWC_LANES;
+    const u64 ch = (u64)blockIdx.x * BN_NHWC_LANES + lane, p = blockIdx.y;
+    const u64 r0 = part_start(rows, p, parts), r1 = part_start(rows, p + 1, parts);
+    const bool live = ch < c;
+    float sum = 0.0f, unused = 0.0f;
+    if (live) {
+        for (u64 r = r0 + w; r < r1; r += warps) sum += to_f32(x[r * c + ch]);
+    }
+    bn_nhwc_merge(&sum, &unused);
+    if (w == 0) mus[lane] = r1 > r0 ? sum / (float)(r1 - r0) : 0.0f;
+    __syncthreads();
+    const float mu = mus[lane];
+    float q = 0.0f;
+    if (live) {
+        for (u64 r = r0 + w; r < r1; r += warps) {
+            const float d = to_f32(x[r * c + ch]) - mu;
+            q += d * d;
+        }
+    }
+    bn_nhwc_merge(&q, &unused);
+    if (w == 0 && live) {
+        part[2 * (ch * parts + p)] = mu;
+        part[2 * (ch * parts + p) + 1] = q;
+    }
+}
+
+// The backward's per-part sums of dy * xhat and dy, as bn_bwd_partial.
+template <typename T>
+__device__ void bn_nhwc_bwd_partial_impl(const T* x, const T* dy, const float* mean,
+                                         const float* invstd, float* part, u64 rows, u64 c,
+                                         u32 parts) {
+    const u32 lane = threadIdx.x % BN_NHWC_LANES, w = threadIdx.x / BN_NHWC_LANES;
+    const u32 warps = blockDim.x / BN_NHWC_LANES;
+    const u64 ch = (u64)blockIdx.x * BN_NHWC_LANES + lane, p = blockIdx.y;
+    const u64 r0 = part_start(rows, p, parts), r1 = part_start(rows, p + 1, parts);
+    const bool live = ch < c;
+    float a = 0.0f, b = 0.0f;
+    if (live) {
+        const float mu = mean[ch], r = invstd[ch];
+        for (u64 row = r0 + w; row < r1; row += warps) {
+            const u64 i = row * c + ch;
+            const float g = to_f32(dy[i]);
+            a += g * (to_f32(x[i]) - mu) * r;
+            b += g;
+        }
+    }
+    bn_nhwc_merge(&a, &b);
+    if (w == 0 && live) {
+        part[2 * (ch * parts + p)] = a;
+        part[2 * (ch * parts + p) + 1] = b;
+    }
+}
+
 #define ROWWISE(T, S) \
     extern "C" __global__ void softmax_##S(const T* x, T* y, u64 cols, u64 seq) { softmax_impl<T>(x, y, cols, seq); } \
     extern "C" __global__ void softmax_bwd_##S(const T* y, const T* dy, T* dx, u64 cols, u64 seq) { softmax_bwd_impl<T>(y, dy, dx, cols, seq); } \
@@ -419,7 +513,9 @@ __device__ void bn_bwd_dx_impl(const T* x, const T* dy, const float* mean, const
     extern "C" __global__ void bn_eval_stats_##S(const void* rm, const void* rv, u32 pf32, float eps, float* m, float* r, u64 c) { bn_eval_stats_impl<T>(rm, rv, pf32, eps, m, r, c); } \
     extern "C" __global__ void bn_apply_##S(const T* x, const float* m, const float* r, const void* g, const void* b, u32 pf32, T* y, u64 total, Div c, Div s) { bn_apply_impl<T>(x, m, r, g, b, pf32, y, total, c, s); } \
     extern "C" __global__ void bn_bwd_partial_##S(const T* x, const T* dy, const float* m, const float* r, float* part, u64 n, u64 c, u64 s, u32 parts) { bn_bwd_partial_impl<T>(x, dy, m, r, part, n, c, s, parts); } \
-    extern "C" __global__ void bn_bwd_dx_##S(const T* x, const T* dy, const float* m, const float* r, const void* g, u32 pf32, const float* sums, T* dx, u64 total, Div c, Div s) { bn_bwd_dx_impl<T>(x, dy, m, r, g, pf32, sums, dx, total, c, s); }
+    extern "C" __global__ void bn_bwd_dx_##S(const T* x, const T* dy, const float* m, const float* r, const void* g, u32 pf32, const float* sums, T* dx, u64 total, Div c, Div s) { bn_bwd_dx_impl<T>(x, dy, m, r, g, pf32, sums, dx, total, c, s); } \
+    extern "C" __global__ void bn_nhwc_partial_##S(const T* x, float* part, u64 rows, u64 c, u32 parts) { bn_nhwc_partial_impl<T>(x, part, rows, c, parts); } \
+    extern "C" __global__ void bn_nhwc_bwd_partial_##S(const T* x, const T* dy, const float* m, const float* r, float* part, u64 rows, u64 c, u32 parts) { bn_nhwc_bwd_partial_impl<T>(x, dy, m, r, part, rows, c, parts); }
 FOR_DTYPES(ROWWISE)
 
 // Layer norm's backward with a residual, named layer_norm_bwd_residual_<stream>_<branch>.

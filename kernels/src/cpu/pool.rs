@@ -334,16 +334,15 @@ pub fn max_pool2d_backward_nhwc<T: Element>(
             return;
         }
         let out = dy.len() / p.batch();
-        dx.par_chunks_mut(plane * c)
-            .zip(dy.par_chunks(out))
-            .zip(argmax.par_chunks(out))
-            .for_each(|((dx, dy), arg)| {
+        dx.par_chunks_mut(plane * c).zip(dy.par_chunks(out)).zip(argmax.par_chunks(out)).for_each(
+            |((dx, dy), arg)| {
                 for (dy, arg) in dy.chunks(c).zip(arg.chunks(c)) {
                     for (ch, (&g, &i)) in dy.iter().zip(arg).enumerate() {
                         dx[i as usize * c + ch] += g;
                     }
                 }
-            });
+            },
+        );
     });
     Ok(())
 }

@@ -463,3 +463,78 @@ mod cuda {
         }
     }
 }
+
+/// The channels_last CUDA code on the host emulation, against the host op: bit for bit (the
+/// same products, the same f64 sums in the same order), over one chunk of positions and
+/// several, one channel and a 1x1 plane.
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+    use crate::cpu::elementwise::COLUMN_SUM_ROWS;
+    use crate::cuda::emulate::Emulator;
+    use crate::cuda::emulated_kernels::values;
+    use crate::cuda::registry::SCALE_CHANNELS_NHWC;
+    use crate::dtype::{DType, Element};
+    use half::{bf16, f16};
+
+    fn addr<T>(v: &mut [T]) -> u64 {
+        v.as_mut_ptr() as u64
+    }
+
+    fn bits<T: Element>(v: &[T]) -> Vec<u32> {
+        v.iter().map(|v| v.to_f32().to_bits()).collect()
+    }
+
+    fn scale_channels_of<T: Element>(e: &Emulator) {
+        let t = T::DTYPE;
+        for (case, shape) in
+            [[2, 7, 7, 5], [2, 9, 10, 3], [3, 13, 11, 2], [2, 8, 9, 1], [1, 1, 1, 4]]
+                .iter()
+                .enumerate()
+        {
+            let [n, h, w, c] = *shape;
+            let (hw, len) = (h * w, n * h * w * c);
+            let d = Device::host(1 << 28);
+            let tensor = |shape: &[usize], seed| {
+                let v = values(shape.iter().product(), seed, -2.0, 2.0);
+                Tensor::from_f32_slice(&d, shape, &v, t).unwrap()
+            };
+            let seed = 10 * case as u64;
+            let (x, s, dy) =
+                (tensor(shape, seed), tensor(&[n, c], seed + 1), tensor(shape, seed + 2));
+            let want = scale_channels_nhwc(&x, &s).unwrap();
+            let grads = scale_channels_backward_nhwc(&x, &s, &dy).unwrap();
+            let (mut xe, mut se, mut dye) =
+                (x.to_vec::<T>().unwrap(), s.to_vec::<T>().unwrap(), dy.to_vec::<T>().unwrap());
+            let mut y = vec![T::from_f32(f32::NAN); len];
+            cuda::forward(e, len, (hw, c), t, (addr(&mut xe), addr(&mut se), addr(&mut y)))
+                .unwrap();
+            let what = format!("scale_channels_nhwc {t:?} {shape:?}");
+            assert_eq!(bits(&y), bits(&want.to_vec::<T>().unwrap()), "{what}");
+
+            let chunks = hw.div_ceil(COLUMN_SUM_ROWS);
+            let mut partials = vec![f64::NAN; if chunks > 1 { n * chunks * c } else { 0 }];
+            let (mut dx, mut ds) =
+                (vec![T::from_f32(f32::NAN); len], vec![T::from_f32(f32::NAN); n * c]);
+            let at = cuda::Backward {
+                x: addr(&mut xe),
+                s: addr(&mut se),
+                dy: addr(&mut dye),
+                dx: addr(&mut dx),
+                partials: addr(&mut partials),
+                ds: addr(&mut ds),
+            };
+            cuda::backward(e, n, (hw, c), t, &at).unwrap();
+            assert_eq!(bits(&dx), bits(&grads.dx.to_vec::<T>().unwrap()), "{what} dx");
+            assert_eq!(bits(&ds), bits(&grads.ds.to_vec::<T>().unwrap()), "{what} ds");
+        }
+    }
+
+    #[test]
+    fn emulated_nhwc_scale_channels_kernels_match_the_host_bit_for_bit() {
+        let Some(e) = Emulator::new(SCALE_CHANNELS_NHWC.of(DType::F32)) else { return };
+        scale_channels_of::<f32>(&e);
+        scale_channels_of::<f16>(&e);
+        scale_channels_of::<bf16>(&e);
+    }
+}

@@ -281,7 +281,14 @@ pub fn global_avg_pool_backward_add_nhwc(acc: &mut Tensor, dy: &Tensor) -> Resul
 
 /// `out (+)= dy / hw` broadcast over the positions of a channels_last `out: [n, hw, c]` on
 /// the host.
-fn broadcast_host(op: &'static str, dy: &Tensor, out: &mut Tensor, c: usize, hw: usize, add: bool) -> Result<()> {
+fn broadcast_host(
+    op: &'static str,
+    dy: &Tensor,
+    out: &mut Tensor,
+    c: usize,
+    hw: usize,
+    add: bool,
+) -> Result<()> {
     with_dtype!(dy.dtype(), T => {
         let out = if add { out.as_mut_slice::<T>()? } else { out.out_slice::<T>(op)? };
         cpu::global_avg_pool_backward_nhwc(dy.as_slice::<T>()?, out, hw, c, add)
@@ -372,8 +379,8 @@ mod cuda {
     use crate::cpu::pool::nhwc_chunks;
     use crate::cuda::launch::{PoolGeom, elementwise as grid};
     use crate::cuda::registry::{
-        GLOBAL_AVG_POOL_NHWC, GLOBAL_AVG_POOL_NHWC_BWD, GLOBAL_AVG_POOL_NHWC_FINISH,
-        MAX_POOL_NHWC, MAX_POOL_NHWC_BWD,
+        GLOBAL_AVG_POOL_NHWC, GLOBAL_AVG_POOL_NHWC_BWD, GLOBAL_AVG_POOL_NHWC_FINISH, MAX_POOL_NHWC,
+        MAX_POOL_NHWC_BWD,
     };
     use crate::cuda::{Arg, Exec};
     use crate::dtype::DType;
@@ -527,5 +534,142 @@ mod cuda {
                 ],
             )
         }
+    }
+}
+
+/// The CUDA code above on the host emulation, against the host ops: bit for bit (the same
+/// comparisons, the same sums in the same order, one rounding), over one chunk of positions
+/// and several, odd sizes, padding, overlapping windows, one channel, 1x1 planes, ties and
+/// NaN.
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+    use crate::cpu::elementwise::COLUMN_SUM_ROWS;
+    use crate::cuda::emulate::Emulator;
+    use crate::cuda::emulated_kernels::values;
+    use crate::cuda::registry::MAX_POOL_NHWC;
+    use crate::dtype::{DType, Element};
+    use half::{bf16, f16};
+
+    fn host() -> Device {
+        Device::host(1 << 28)
+    }
+
+    fn addr<T>(v: &mut [T]) -> u64 {
+        v.as_mut_ptr() as u64
+    }
+
+    /// Each value's f32 bits: equal values (and the same NaN) compare equal.
+    fn bits<T: Element>(v: &[T]) -> Vec<u32> {
+        v.iter().map(|v| v.to_f32().to_bits()).collect()
+    }
+
+    /// `n` values in [-2, 2) on a grid of 1/4 (ties in every window of a few), NaN where
+    /// `nan` says.
+    fn grid_values(n: usize, seed: u64, nan: impl Fn(usize) -> bool) -> Vec<f32> {
+        let v = values(n, seed, -2.0, 2.0);
+        v.iter()
+            .enumerate()
+            .map(|(i, &v)| if nan(i) { f32::NAN } else { (v * 4.0).round() / 4.0 })
+            .collect()
+    }
+
+    fn max_pool_of<T: Element>(e: &Emulator) {
+        let t = T::DTYPE;
+        let cases = [
+            ([2, 5, 7, 3], Pool2dOptions::new((3, 3), (2, 2)).padding((1, 1))),
+            ([1, 4, 4, 1], Pool2dOptions::new((2, 2), (2, 2))),
+            ([2, 6, 5, 33], Pool2dOptions::new((3, 2), (1, 2)).padding((1, 1))),
+            ([1, 1, 1, 4], Pool2dOptions::new((1, 1), (1, 1))),
+            ([3, 9, 8, 5], Pool2dOptions::new((3, 3), (2, 1)).padding((1, 0))),
+        ];
+        for (case, (shape, opts)) in cases.iter().enumerate() {
+            let n: usize = shape.iter().product();
+            let xv = grid_values(n, case as u64, |i| i % 17 == 3);
+            let d = host();
+            let x = Tensor::from_f32_slice(&d, shape, &xv, t).unwrap();
+            let (want_y, want_arg) = max_pool2d_nhwc(&x, opts).unwrap();
+            let p = pool2d_params(&nchw_of("test", shape).unwrap(), opts).unwrap();
+            let mut xe = x.to_vec::<T>().unwrap();
+            let mut y = vec![T::from_f32(7.0); p.output_len()];
+            let mut arg = vec![u32::MAX; p.output_len()];
+            cuda::max_pool(e, &p, t, (addr(&mut xe), addr(&mut y), addr(&mut arg))).unwrap();
+            let what = format!("max_pool2d_nhwc {t:?} {shape:?}");
+            assert_eq!(bits(&y), bits(&want_y.to_vec::<T>().unwrap()), "{what}");
+            assert_eq!(arg, want_arg.as_slice().unwrap(), "{what} argmax");
+
+            let dyv = grid_values(p.output_len(), 40 + case as u64, |_| false);
+            let dy = Tensor::from_f32_slice(&d, want_y.shape(), &dyv, t).unwrap();
+            let want = max_pool2d_backward_nhwc(&dy, &want_arg, shape, opts).unwrap();
+            let mut dye = dy.to_vec::<T>().unwrap();
+            let mut dx = vec![T::from_f32(f32::NAN); n];
+            let at = (addr(&mut dye), addr(&mut arg), addr(&mut dx));
+            cuda::max_pool_backward(e, &p, t, at).unwrap();
+            assert_eq!(bits(&dx), bits(&want.to_vec::<T>().unwrap()), "{what} backward");
+        }
+    }
+
+    fn global_avg_pool_of<T: Element>(e: &Emulator) {
+        let t = T::DTYPE;
+        // One chunk of positions, two (the second cut short), three; one channel; 1x1.
+        for (case, shape) in
+            [[2, 7, 7, 5], [2, 9, 10, 3], [3, 13, 11, 2], [2, 8, 9, 1], [1, 1, 1, 4]]
+                .iter()
+                .enumerate()
+        {
+            let [n, h, w, c] = *shape;
+            let hw = h * w;
+            let xv = values(n * hw * c, 50 + case as u64, -2.0, 2.0);
+            let d = host();
+            let x = Tensor::from_f32_slice(&d, shape, &xv, t).unwrap();
+            let want = global_avg_pool_nhwc(&x).unwrap();
+            let chunks = hw.div_ceil(COLUMN_SUM_ROWS);
+            let mut xe = x.to_vec::<T>().unwrap();
+            let mut partials = vec![f32::NAN; if chunks > 1 { n * chunks * c } else { 0 }];
+            let mut y = vec![T::from_f32(f32::NAN); n * c];
+            let at = (addr(&mut xe), addr(&mut partials), addr(&mut y));
+            cuda::global_avg_pool(e, (n, hw, c), t, at).unwrap();
+            let what = format!("global_avg_pool_nhwc {t:?} {shape:?}");
+            assert_eq!(bits(&y), bits(&want.to_vec::<T>().unwrap()), "{what}");
+
+            let dyv = values(n * c, 60 + case as u64, -2.0, 2.0);
+            let dy = Tensor::from_f32_slice(&d, &[n, c], &dyv, t).unwrap();
+            let want = global_avg_pool_backward_nhwc(&dy, shape).unwrap();
+            let mut dye = dy.to_vec::<T>().unwrap();
+            let mut dx = vec![T::from_f32(f32::NAN); n * hw * c];
+            cuda::global_avg_pool_backward(
+                e,
+                (n, hw, c),
+                t,
+                (addr(&mut dye), addr(&mut dx)),
+                false,
+            )
+            .unwrap();
+            assert_eq!(bits(&dx), bits(&want.to_vec::<T>().unwrap()), "{what} backward");
+
+            let mut acc = Tensor::from_f32_slice(&d, shape, &xv, t).unwrap();
+            let mut acc_e = acc.to_vec::<T>().unwrap();
+            global_avg_pool_backward_add_nhwc(&mut acc, &dy).unwrap();
+            cuda::global_avg_pool_backward(
+                e,
+                (n, hw, c),
+                t,
+                (addr(&mut dye), addr(&mut acc_e)),
+                true,
+            )
+            .unwrap();
+            assert_eq!(bits(&acc_e), bits(&acc.to_vec::<T>().unwrap()), "{what} backward_add");
+        }
+    }
+
+    #[test]
+    fn emulated_nhwc_pool_kernels_match_the_host_bit_for_bit() {
+        let Some(e) = Emulator::new(MAX_POOL_NHWC.of(DType::F32)) else { return };
+        max_pool_of::<f32>(&e);
+        max_pool_of::<f16>(&e);
+        max_pool_of::<bf16>(&e);
+        global_avg_pool_of::<f32>(&e);
+        global_avg_pool_of::<f16>(&e);
+        global_avg_pool_of::<bf16>(&e);
     }
 }

@@ -405,6 +405,47 @@ fn reading_values_on_a_virtual_device_is_a_clear_error() {
 }
 
 #[test]
+fn channels_last_pools_and_scale_allocate_alike_on_every_device() {
+    let opts = Pool2dOptions::new((3, 3), (2, 2)).padding((1, 1));
+    for dtype in [DType::F32, DType::BF16] {
+        same_trace("channels_last max pool and backward", |d| {
+            let x = t(d, &[2, 9, 8, 5], 1, dtype);
+            let dy = t(d, &[2, 5, 4, 5], 2, dtype);
+            traced(d, || {
+                let (y, arg) = ops::max_pool2d_nhwc(&x, &opts)?;
+                let dx = ops::max_pool2d_backward_nhwc(&dy, &arg, x.shape(), &opts)?;
+                Ok((y, arg, dx))
+            })
+        });
+        // 7x7 positions (one chunk: no workspace) and 9x10 (two chunks: partial sums).
+        for shape in [[3, 7, 7, 6], [2, 9, 10, 3]] {
+            same_trace("channels_last global average pool, backward and backward_add", |d| {
+                let x = t(d, &shape, 1, dtype);
+                let g = t(d, &[shape[0], shape[3]], 2, dtype);
+                let mut acc = t(d, &shape, 3, dtype);
+                let shared = acc.clone();
+                traced(d, || {
+                    let y = ops::global_avg_pool_nhwc(&x)?;
+                    let dx = ops::global_avg_pool_backward_nhwc(&g, &shape)?;
+                    // Shared: copied first, then added in place.
+                    ops::global_avg_pool_backward_add_nhwc(&mut acc, &g)?;
+                    ops::global_avg_pool_backward_add_nhwc(&mut acc, &g)?;
+                    Ok((y, dx, shared))
+                })
+            });
+            same_trace("channels_last scale and backward", |d| {
+                let (x, dy) = (t(d, &shape, 1, dtype), t(d, &shape, 2, dtype));
+                let s = t(d, &[shape[0], shape[3]], 3, dtype);
+                traced(d, || {
+                    let y = ops::scale_channels_nhwc(&x, &s)?;
+                    Ok((y, ops::scale_channels_backward_nhwc(&x, &s, &dy)?))
+                })
+            });
+        }
+    }
+}
+
+#[test]
 fn a_virtual_device_runs_out_of_memory_where_the_gpu_would() {
     let d = Device::virtual_device(1 << 30);
     let x = Tensor::zeros(&d, &[100 << 20], DType::F32).unwrap();

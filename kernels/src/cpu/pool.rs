@@ -4,6 +4,7 @@
 //! Layouts: `x: [batch, channels, h, w]`, `y: [batch, channels, oh, ow]` with
 //! `(oh, ow) = params.output_hw()`. Every backward overwrites its `dx`.
 
+use super::elementwise::COLUMN_SUM_ROWS;
 use super::{check_len, rows_of, widen_f32, with_f32_out};
 use crate::dtype::Element;
 use crate::error::Result;
@@ -245,6 +246,173 @@ pub fn global_avg_pool_backward_add<T: Element>(dy: &[T], acc: &mut [T], hw: usi
     acc.par_chunks_mut(hw).zip(dy.par_iter()).for_each(|(acc, g)| {
         let g = g.to_f32() / hw as f32;
         acc.iter_mut().for_each(|a| *a = T::from_f32(a.to_f32() + g));
+    });
+    Ok(())
+}
+
+/// [`max_pool2d`] of a channels_last `x: [batch, h, w, channels]` into `y: [batch, oh, ow,
+/// channels]`; `argmax` (`y`'s layout) gets each maximum's position in its channel's plane,
+/// `iy * w + ix`, as [`max_pool2d`]'s (and PyTorch's channels_last indices). Each channel's
+/// window is visited in the same order with the same comparison, so `y` and `argmax` are
+/// [`max_pool2d`]'s of the same image in NCHW, permuted, bit for bit.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if a length does not fit `p`
+/// (whose input is `[batch, channels, h, w]`).
+pub fn max_pool2d_nhwc<T: Element>(
+    p: &Pool2dParams,
+    x: &[T],
+    y: &mut [T],
+    argmax: &mut [u32],
+) -> Result<()> {
+    const OP: &str = "cpu::max_pool2d_nhwc";
+    check(OP, p, x.len(), y.len())?;
+    check_len(OP, "argmax", argmax.len(), y.len())?;
+    let ((oh, ow), c, (h, w)) = (p.output_hw(), p.channels(), (p.h(), p.w()));
+    if y.is_empty() {
+        return Ok(());
+    }
+    let x = widen_f32(x);
+    with_f32_out(y, |y| {
+        // One output row [ow, c] of one image per task.
+        y.par_chunks_mut(ow * c).zip(argmax.par_chunks_mut(ow * c)).enumerate().for_each(
+            |(row, (y, arg))| {
+                let (b, oy) = (row / oh, row % oh);
+                let image = &x[b * h * w * c..][..h * w * c];
+                for ox in 0..ow {
+                    let (rows, cols) = window(p, oy, ox);
+                    let (y, arg) = (&mut y[ox * c..][..c], &mut arg[ox * c..][..c]);
+                    y.fill(f32::NEG_INFINITY);
+                    arg.fill((rows.start * w + cols.start) as u32);
+                    for iy in rows {
+                        for ix in cols.clone() {
+                            let at = iy * w + ix;
+                            let pixel = &image[at * c..][..c];
+                            for ((best, a), &v) in y.iter_mut().zip(arg.iter_mut()).zip(pixel) {
+                                if v > *best || (v.is_nan() && !best.is_nan()) {
+                                    (*best, *a) = (v, at as u32);
+                                }
+                            }
+                        }
+                    }
+                }
+            },
+        );
+    });
+    Ok(())
+}
+
+/// Gradient of [`max_pool2d_nhwc`], channels_last: each `dy` element goes to the input
+/// position of its channel's plane that `argmax` names, added in f32 in output order (as
+/// [`max_pool2d_backward`] adds, so the result is its, permuted, bit for bit) and rounded
+/// once.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if a length does not fit `p`;
+/// [`Error::IndexOutOfRange`](crate::Error::IndexOutOfRange) for an argmax outside the
+/// input plane. Nothing is written then.
+pub fn max_pool2d_backward_nhwc<T: Element>(
+    p: &Pool2dParams,
+    dy: &[T],
+    argmax: &[u32],
+    dx: &mut [T],
+) -> Result<()> {
+    const OP: &str = "cpu::max_pool2d_backward_nhwc";
+    check(OP, p, dx.len(), dy.len())?;
+    check_len(OP, "argmax", argmax.len(), dy.len())?;
+    let plane = p.h() * p.w();
+    if let Some(&bad) = argmax.iter().find(|&&i| i as usize >= plane) {
+        return Err(crate::Error::IndexOutOfRange { op: OP, index: bad as usize, bound: plane });
+    }
+    let c = p.channels();
+    let dy = widen_f32(dy);
+    with_f32_out(dx, |dx| {
+        dx.fill(0.0);
+        if dx.is_empty() || dy.is_empty() {
+            return;
+        }
+        let out = dy.len() / p.batch();
+        dx.par_chunks_mut(plane * c).zip(dy.par_chunks(out)).zip(argmax.par_chunks(out)).for_each(
+            |((dx, dy), arg)| {
+                for (dy, arg) in dy.chunks(c).zip(arg.chunks(c)) {
+                    for (ch, (&g, &i)) in dy.iter().zip(arg).enumerate() {
+                        dx[i as usize * c + ch] += g;
+                    }
+                }
+            },
+        );
+    });
+    Ok(())
+}
+
+/// The chunks of [`COLUMN_SUM_ROWS`] positions that the channels_last reductions over `hw`
+/// positions add separately (at least one).
+pub(crate) fn nhwc_chunks(hw: usize) -> usize {
+    hw.div_ceil(COLUMN_SUM_ROWS).max(1)
+}
+
+/// Global average pool of a channels_last `x: [batch, hw, c]` to `y: [batch, c]`. Each
+/// channel's values are added in f32 in position order, in chunks of 64 positions
+/// (`COLUMN_SUM_ROWS`, as the column sums), the chunks' sums then in chunk order (every sum from -0.0, as Rust's `sum`),
+/// and the total divided by `hw`: the order a GPU with one thread per image, chunk and
+/// channel adds in. Up to 64 positions (a 7x7 head) that is [`global_avg_pool`]'s sum of
+/// the NCHW plane, bit for bit; past it, the same terms grouped by chunk.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if a length does not fit, or
+/// for `hw == 0`.
+pub fn global_avg_pool_nhwc<T: Element>(x: &[T], y: &mut [T], hw: usize, c: usize) -> Result<()> {
+    const OP: &str = "cpu::global_avg_pool_nhwc";
+    let images = plane_rows(OP, x.len(), hw * c.max(1))?;
+    check_len(OP, "y", y.len(), images * c)?;
+    if y.is_empty() {
+        return Ok(());
+    }
+    y.par_chunks_mut(c).zip(x.par_chunks(hw * c)).for_each(|(y, x)| {
+        let mut total = vec![-0.0f32; c];
+        for chunk in x.chunks(COLUMN_SUM_ROWS * c) {
+            let mut acc = vec![-0.0f32; c];
+            for pixel in chunk.chunks(c) {
+                acc.iter_mut().zip(pixel).for_each(|(a, v)| *a += v.to_f32());
+            }
+            total.iter_mut().zip(acc).for_each(|(t, a)| *t += a);
+        }
+        y.iter_mut().zip(total).for_each(|(y, t)| *y = T::from_f32(t / hw as f32));
+    });
+    Ok(())
+}
+
+/// Gradient of [`global_avg_pool_nhwc`], or (`add`) that gradient added into `dx` in place:
+/// `dx[b, i, ch] (+)= dy[b, ch] / hw`, in f32 with one rounding, as
+/// [`global_avg_pool_backward`] and [`global_avg_pool_backward_add`] compute each element.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if a length does not fit, or
+/// for `hw == 0`.
+pub fn global_avg_pool_backward_nhwc<T: Element>(
+    dy: &[T],
+    dx: &mut [T],
+    hw: usize,
+    c: usize,
+    add: bool,
+) -> Result<()> {
+    const OP: &str = "cpu::global_avg_pool_backward_nhwc";
+    let images = plane_rows(OP, dx.len(), hw * c.max(1))?;
+    check_len(OP, "dy", dy.len(), images * c)?;
+    if dx.is_empty() {
+        return Ok(());
+    }
+    dx.par_chunks_mut(hw * c).zip(dy.par_chunks(c)).for_each(|(dx, dy)| {
+        let g: Vec<f32> = dy.iter().map(|g| g.to_f32() / hw as f32).collect();
+        for pixel in dx.chunks_mut(c) {
+            for (d, &g) in pixel.iter_mut().zip(&g) {
+                *d = T::from_f32(if add { d.to_f32() + g } else { g });
+            }
+        }
     });
     Ok(())
 }

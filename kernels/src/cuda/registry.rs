@@ -267,6 +267,16 @@ kernels! {
     SCALE_CHANNELS = ELEMENTWISE "scale_channels" dtypes (Ptr, Ptr, Ptr, U64, Div);
     /// `scale_channels_bwd(const T* x, const T* s, const T* dy, T* dx, T* ds, u64 hw)`.
     SCALE_CHANNELS_BWD = ELEMENTWISE "scale_channels_bwd" dtypes (Ptr, Ptr, Ptr, Ptr, Ptr, U64);
+    /// `scale_channels_nhwc(const T* x, const T* s, T* y, u64 n, Div c, Div hwc)`.
+    SCALE_CHANNELS_NHWC = ELEMENTWISE "scale_channels_nhwc" dtypes (Ptr, Ptr, Ptr, U64, Div, Div);
+    /// `scale_channels_nhwc_bwd(const T* x, const T* s, const T* dy, T* dx, double* partial,
+    /// T* ds, u64 total, Div c, Div chunks, u64 hw, u64 rows)`.
+    SCALE_CHANNELS_NHWC_BWD = ELEMENTWISE "scale_channels_nhwc_bwd" dtypes
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, Div, Div, U64, U64);
+    /// `scale_channels_nhwc_bwd_finish(const double* partial, T* ds, u64 total, Div c, u64
+    /// chunks)`.
+    SCALE_CHANNELS_NHWC_BWD_FINISH = ELEMENTWISE "scale_channels_nhwc_bwd_finish" dtypes
+        (Ptr, Ptr, U64, Div, U64);
     /// `bias_add(const T* x, const T* b, T* y, u64 n, Div d)`.
     BIAS_ADD = ELEMENTWISE "bias_add" dtypes (Ptr, Ptr, Ptr, U64, Div);
     /// `bias_fill(const T* b, T* y, u64 n, Div d)`.
@@ -375,6 +385,23 @@ kernels! {
     /// `avg_pool_bwd(const T* dy, T* dx, PoolGeom g, u32 include_pad, Div w, Div h, Div sh,
     /// Div sw)`.
     AVG_POOL_BWD = POOL "avg_pool_bwd" dtypes (Ptr, Ptr, Pool, U32, Div, Div, Div, Div);
+
+    /// `max_pool_nhwc(const T* x, T* y, u32* arg, PoolGeom g, Div c, Div ow, Div oh)`.
+    MAX_POOL_NHWC = POOL "max_pool_nhwc" dtypes (Ptr, Ptr, Ptr, Pool, Div, Div, Div);
+    /// `max_pool_nhwc_bwd(const T* dy, const u32* arg, T* dx, PoolGeom g, Div c, Div w, Div h,
+    /// Div sh, Div sw)`.
+    MAX_POOL_NHWC_BWD = POOL "max_pool_nhwc_bwd" dtypes (Ptr, Ptr, Ptr, Pool, Div, Div, Div, Div, Div);
+    /// `global_avg_pool_nhwc(const T* x, float* partial, T* y, u64 total, Div c, Div chunks,
+    /// u64 hw, u64 rows)`.
+    GLOBAL_AVG_POOL_NHWC = POOL "global_avg_pool_nhwc" dtypes (Ptr, Ptr, Ptr, U64, Div, Div, U64, U64);
+    /// `global_avg_pool_nhwc_finish(const float* partial, T* y, u64 total, Div c, u64 chunks,
+    /// u64 hw)`.
+    GLOBAL_AVG_POOL_NHWC_FINISH = POOL "global_avg_pool_nhwc_finish" dtypes
+        (Ptr, Ptr, U64, Div, U64, U64);
+    /// `global_avg_pool_nhwc_bwd(const T* dy, T* dx, u64 n, Div c, Div hwc, float hw, u32
+    /// add)`.
+    GLOBAL_AVG_POOL_NHWC_BWD = POOL "global_avg_pool_nhwc_bwd" dtypes
+        (Ptr, Ptr, U64, Div, Div, F32, U32);
 
     /// `embedding(const u32* ids, const T* table, T* out, u64 n, Div dim)`.
     EMBEDDING = MISC "embedding" dtypes (Ptr, Ptr, Ptr, U64, Div);

@@ -1,4 +1,5 @@
-//! 2-D max and average pooling (NCHW) and the global average pool, forward and backward.
+//! 2-D max and average pooling (NCHW) and the global average pool, forward and backward;
+//! the channels_last (NHWC) max pool and global average pool in [`nhwc`].
 
 use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
 use super::{expect_rank, expect_shape, invalid};
@@ -520,96 +521,8 @@ impl Op for GlobalAvgPool<'_> {
     }
 }
 
-/// NHWC to NCHW, and back.
-const TO_NCHW: [usize; 4] = [0, 3, 1, 2];
-const TO_NHWC: [usize; 4] = [0, 2, 3, 1];
-
-/// `x: [n, h, w, c]` (channels_last) checked to be of rank 4.
-fn expect_nhwc(op: &'static str, x: &Tensor) -> Result<()> {
-    expect_rank(op, x, 4, "x [batch, h, w, channels]")
-}
-
-/// The NCHW shape `[n, c, h, w]` of the channels_last `[n, h, w, c]`; an error for a rank other than 4.
-fn nchw_of(op: &'static str, shape: &[usize]) -> Result<[usize; 4]> {
-    let &[n, h, w, c] = shape else {
-        return Err(invalid(op, format!("expected shape [batch, h, w, channels], got {shape:?}")));
-    };
-    Ok([n, c, h, w])
-}
-
-/// [`max_pool2d`] of a channels_last `x: [batch, h, w, channels]`: the output is
-/// `[batch, oh, ow, channels]`; the indices, for [`max_pool2d_backward_nhwc`], are those
-/// [`max_pool2d`] gives the same image in NCHW (each window's maximum in its plane). Here
-/// `x` is permuted to NCHW, pooled, and the result permuted back.
-///
-/// # Errors
-///
-/// As [`max_pool2d`]; a rank other than 4.
-pub fn max_pool2d_nhwc(x: &Tensor, opts: &Pool2dOptions) -> Result<(Tensor, Indices)> {
-    expect_nhwc("max_pool2d_nhwc", x)?;
-    let xc = super::permute(x, &TO_NCHW)?;
-    let (y, argmax) = max_pool2d(&xc, opts)?;
-    drop(xc);
-    Ok((super::permute(&y, &TO_NHWC)?, argmax))
-}
-
-/// Gradient of [`max_pool2d_nhwc`] for an input of `input_shape` (`[batch, h, w,
-/// channels]`) from `dy: [batch, oh, ow, channels]` and the saved `argmax`.
-///
-/// # Errors
-///
-/// As [`max_pool2d_backward`], with the shapes read as NHWC.
-pub fn max_pool2d_backward_nhwc(
-    dy: &Tensor,
-    argmax: &Indices,
-    input_shape: &[usize],
-    opts: &Pool2dOptions,
-) -> Result<Tensor> {
-    const OP: &str = "max_pool2d_backward_nhwc";
-    let shape = nchw_of(OP, input_shape)?;
-    expect_nhwc(OP, dy)?;
-    let dyc = super::permute(dy, &TO_NCHW)?;
-    let dx = max_pool2d_backward(&dyc, argmax, &shape, opts)?;
-    drop(dyc);
-    super::permute(&dx, &TO_NHWC)
-}
-
-/// [`global_avg_pool`] of a channels_last `x: [batch, h, w, channels]`, to
-/// `[batch, channels]`.
-///
-/// # Errors
-///
-/// As [`global_avg_pool`].
-pub fn global_avg_pool_nhwc(x: &Tensor) -> Result<Tensor> {
-    expect_nhwc("global_avg_pool_nhwc", x)?;
-    let xc = super::permute(x, &TO_NCHW)?;
-    global_avg_pool(&xc)
-}
-
-/// Gradient of [`global_avg_pool_nhwc`] for an input of `input_shape` (`[batch, h, w,
-/// channels]`) from `dy: [batch, channels]`, channels_last.
-///
-/// # Errors
-///
-/// As [`global_avg_pool_backward`], with the shape read as NHWC.
-pub fn global_avg_pool_backward_nhwc(dy: &Tensor, input_shape: &[usize]) -> Result<Tensor> {
-    let shape = nchw_of("global_avg_pool_backward_nhwc", input_shape)?;
-    let dx = global_avg_pool_backward(dy, &shape)?;
-    super::permute(&dx, &TO_NHWC)
-}
-
-/// [`global_avg_pool_backward_nhwc`] added into the channels_last `acc: [batch, h, w,
-/// channels]` in place: `acc[b, i, j, c] += dy[b, c] / (h * w)`.
-///
-/// # Errors
-///
-/// As [`global_avg_pool_backward_add`], with `acc`'s shape read as NHWC; `acc` is unchanged
-/// then.
-pub fn global_avg_pool_backward_add_nhwc(acc: &mut Tensor, dy: &Tensor) -> Result<()> {
-    const OP: &str = "global_avg_pool_backward_add_nhwc";
-    let shape = nchw_of(OP, acc.shape())?;
-    super::same_kind(OP, acc, dy)?;
-    expect_shape(OP, &shape[..2], dy)?;
-    let g = global_avg_pool_backward_nhwc(dy, acc.shape())?;
-    super::add_assign(acc, &g)
-}
+mod nhwc;
+pub use nhwc::{
+    global_avg_pool_backward_add_nhwc, global_avg_pool_backward_nhwc, global_avg_pool_nhwc,
+    max_pool2d_backward_nhwc, max_pool2d_nhwc,
+};

@@ -63,6 +63,59 @@ __device__ void scale_channels_bwd_impl(const T* x, const T* s, const T* dy, T* 
     extern "C" __global__ void scale_channels_bwd_##S(const T* x, const T* s, const T* dy, T* dx, T* ds, u64 hw) { scale_channels_bwd_impl<T>(x, s, dy, dx, ds, hw); }
 FOR_DTYPES(SCALE_CHANNELS)
 
+// The same, channels_last: x [n, hw, c], s [n, c]. The forward is one thread per element
+// (the channel fastest, coalesced); the backward one thread per (image, chunk of `rows`
+// positions, channel), i over [n, chunks, c], writing dx over its chunk and adding dy * x in
+// f64 in position order from 0.0 (the host's `scale_channels_backward_nhwc`): with one
+// chunk into ds, else into the partials, which scale_channels_nhwc_bwd_finish adds in chunk
+// order.
+template <typename T>
+__device__ void scale_channels_nhwc_impl(const T* x, const T* s, T* y, u64 n, Div c, Div hwc) {
+    FOR_EACH(i, n) { y[i] = from_f32<T>(to_f32(x[i]) * to_f32(s[hwc.div(i) * c.d + c.mod(i)])); }
+}
+
+template <typename T>
+__device__ void scale_channels_nhwc_bwd_impl(const T* x, const T* s, const T* dy, T* dx,
+                                             double* partial, T* ds, u64 total, Div c,
+                                             Div chunks, u64 hw, u64 rows) {
+    FOR_EACH(i, total) {
+        const u64 q = c.div(i), ch = i - q * c.d;
+        const u64 b = chunks.div(q), k = q - b * chunks.d;
+        const u64 r0 = k * rows, r1 = r0 + rows < hw ? r0 + rows : hw;
+        const float sc = to_f32(s[b * c.d + ch]);
+        double acc = 0.0;
+        for (u64 r = r0; r < r1; ++r) {
+            const u64 at = (b * hw + r) * c.d + ch;
+            const float g = to_f32(dy[at]);
+            dx[at] = from_f32<T>(g * sc);
+            acc += (double)g * (double)to_f32(x[at]);
+        }
+        if (chunks.d == 1) {
+            ds[b * c.d + ch] = from_f32<T>((float)acc);
+        } else {
+            partial[i] = acc;
+        }
+    }
+}
+
+// ds[b, ch] = the [n, chunks, c] partials' sum over chunks, in chunk order from 0.0.
+template <typename T>
+__device__ void scale_channels_nhwc_bwd_finish_impl(const double* partial, T* ds, u64 total,
+                                                    Div c, u64 chunks) {
+    FOR_EACH(i, total) {
+        const u64 b = c.div(i), ch = i - b * c.d;
+        double acc = 0.0;
+        for (u64 k = 0; k < chunks; ++k) acc += partial[(b * chunks + k) * c.d + ch];
+        ds[i] = from_f32<T>((float)acc);
+    }
+}
+
+#define SCALE_CHANNELS_NHWC(T, S) \
+    extern "C" __global__ void scale_channels_nhwc_##S(const T* x, const T* s, T* y, u64 n, Div c, Div hwc) { scale_channels_nhwc_impl<T>(x, s, y, n, c, hwc); } \
+    extern "C" __global__ void scale_channels_nhwc_bwd_##S(const T* x, const T* s, const T* dy, T* dx, double* p, T* ds, u64 total, Div c, Div chunks, u64 hw, u64 rows) { scale_channels_nhwc_bwd_impl<T>(x, s, dy, dx, p, ds, total, c, chunks, hw, rows); } \
+    extern "C" __global__ void scale_channels_nhwc_bwd_finish_##S(const double* p, T* ds, u64 total, Div c, u64 chunks) { scale_channels_nhwc_bwd_finish_impl<T>(p, ds, total, c, chunks); }
+FOR_DTYPES(SCALE_CHANNELS_NHWC)
+
 // Elementwise maps, the kernels of `ops::map`. A unary op and its backward are one
 // UNARY_OP line: the name, the forward as an expression of v = x[i], the backward as an
 // expression of v and g = dy[i] (both f32). It defines NAME_<dtype>(const T* x, T* y, u64 n)

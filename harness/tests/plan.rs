@@ -472,8 +472,12 @@ fn channels_last_and_a_cudnn_record_are_planned_as_they_run() {
         algo: "TEST".into(),
         workspace: 256 << 20,
     };
-    let record =
-        CudnnChoices { device: "a test GPU".into(), version: 91400, convolutions: vec![stem] };
+    let record = CudnnChoices {
+        device: "a test GPU".into(),
+        version: 91400,
+        convolutions: vec![stem],
+        batch_norms: Vec::new(),
+    };
     let dir = std::env::temp_dir().join(format!("vram-plan-cudnn-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("cudnn-choices.json");
@@ -488,6 +492,12 @@ fn channels_last_and_a_cudnn_record_are_planned_as_they_run() {
     model.set_channels_last(false).unwrap();
     let (nchw, _) = plan::measure(&model, &c, Target::Virtual(1 << 30)).unwrap().unwrap();
     assert!(nchw < 256 << 20, "{nchw}");
+    // The plan's notes say how much of the recommended step the record left out.
+    let mut req = PlanRequest::new(model.clone(), 3, 4 << 30);
+    req.precision = PrecisionChoice::Only(Precision::Fp32);
+    let report = plan::plan(&req, &mut NoProgress).unwrap();
+    let note = report.notes.iter().find(|n| n.starts_with("cuDNN record:")).expect("a note");
+    assert!(note.contains("are not in it"), "{note}");
     // A file that is not a record is an error naming it.
     std::fs::write(&path, "{").unwrap();
     let err = plan::cudnn_choices_from_path(&path).unwrap_err().to_string();

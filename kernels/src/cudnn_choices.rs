@@ -13,10 +13,9 @@
 //!
 //! A call the record does not hold (another batch size, another model) is counted as a miss
 //! ([`Device::cudnn_choice_misses`]) and takes no workspace: a prediction with misses is a
-//! lower bound by those workspaces. cuDNN batch norm's own workspace and reserve space are
-//! not recorded (taken as none: PyTorch's `CUDNN_BATCHNORM_SPATIAL` training asks for no
-//! reserve; its workspace is small), nor is the one-off workspace of a `cudnn_benchmark`
-//! timed search.
+//! lower bound by those workspaces. Batch norm through cuDNN is recorded per call too (its
+//! workspace and, in training, reserve space: [`BnChoice`]); a batch norm the record lacks
+//! takes none. The one-off workspace of a `cudnn_benchmark` timed search is not recorded.
 //!
 //! [`Device::cudnn_choices`]: crate::Device::cudnn_choices
 //! [`Device::set_cudnn_choices`]: crate::Device::set_cudnn_choices
@@ -104,8 +103,36 @@ impl ConvChoice {
     }
 }
 
-/// What one GPU's cuDNN chose: the device and cuDNN version it ran on, and a
-/// [`ConvChoice`] per convolution shape and direction that ran (see the module's docs).
+/// A batch norm call through cuDNN.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BnPass {
+    /// The training forward (`cudnnBatchNormalizationForwardTrainingEx`).
+    Training,
+    /// The backward (`cudnnBatchNormalizationBackwardEx`).
+    Backward,
+}
+
+/// What one batch norm call through cuDNN asked of the caching allocator.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct BnChoice {
+    /// The call.
+    pub pass: BnPass,
+    /// The input's shape as stored (`[n, c, ..]`, or `[n, h, w, c]` channels_last).
+    pub shape: Vec<usize>,
+    /// The input's dtype.
+    pub dtype: DType,
+    /// The input's layout.
+    pub layout: ConvLayout,
+    /// Bytes of its workspace.
+    pub workspace: usize,
+    /// Bytes of its reserve space (training; the backward takes none in vram).
+    pub reserve: usize,
+}
+
+/// What one GPU's cuDNN chose: the device and cuDNN version it ran on, a [`ConvChoice`] per
+/// convolution shape and direction that ran and a [`BnChoice`] per batch norm call (see the
+/// module's docs).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CudnnChoices {
     /// The GPU, in words (`Device::name`).
@@ -114,6 +141,9 @@ pub struct CudnnChoices {
     pub version: usize,
     /// The convolutions, in no particular order.
     pub convolutions: Vec<ConvChoice>,
+    /// The batch norms through cuDNN (absent in older records: none).
+    #[serde(default)]
+    pub batch_norms: Vec<BnChoice>,
 }
 
 impl CudnnChoices {
@@ -133,9 +163,28 @@ impl CudnnChoices {
             .map(|c| c.workspace)
     }
 
+    /// The recorded batch norm call `pass` on an input of `shape`, `dtype` and `layout`, or
+    /// `None` when the record has no such call.
+    pub fn batch_norm(
+        &self,
+        pass: BnPass,
+        shape: &[usize],
+        dtype: DType,
+        layout: ConvLayout,
+    ) -> Option<&BnChoice> {
+        self.batch_norms
+            .iter()
+            .find(|b| b.pass == pass && b.shape == shape && b.dtype == dtype && b.layout == layout)
+    }
+
     /// Sorted by shape and direction, so that two records of the same runs compare equal and
     /// a written file reads in a stable order.
     pub fn sort(&mut self) {
+        self.batch_norms.sort_by(|a, b| {
+            let key =
+                |c: &BnChoice| (c.shape.clone(), c.dtype.index(), c.layout as u8, c.pass as u8);
+            key(a).cmp(&key(b))
+        });
         self.convolutions.sort_by(|a, b| {
             let key = |c: &ConvChoice| {
                 (c.x, c.w, c.padding, c.stride, c.dilation, c.groups, c.dtype.index())
@@ -177,6 +226,7 @@ mod tests {
             device: "test".into(),
             version: 91400,
             convolutions: vec![choice(ConvPass::Forward, 4096), choice(ConvPass::BackwardData, 0)],
+            batch_norms: Vec::new(),
         };
         let opts = Conv2dOptions::default().padding((1, 1));
         let p = Conv2dParams::new(&[8, 64, 56, 56], &[64, 64, 3, 3], &opts).unwrap();
@@ -202,6 +252,14 @@ mod tests {
                 choice(ConvPass::BackwardFilter, 1 << 20),
                 choice(ConvPass::Forward, 4096),
             ],
+            batch_norms: vec![BnChoice {
+                pass: BnPass::Training,
+                shape: vec![8, 56, 56, 64],
+                dtype: DType::F16,
+                layout: ConvLayout::Nhwc,
+                workspace: 1024,
+                reserve: 2048,
+            }],
         };
         record.sort();
         assert_eq!(record.convolutions[0].pass, ConvPass::Forward);
@@ -210,5 +268,14 @@ mod tests {
         assert!(text.contains("\"bf16\""), "{text}");
         let back: CudnnChoices = serde_json::from_str(&text).unwrap();
         assert_eq!(back, record);
+        let bn = back.batch_norm(BnPass::Training, &[8, 56, 56, 64], DType::F16, ConvLayout::Nhwc);
+        assert_eq!(bn.map(|b| (b.workspace, b.reserve)), Some((1024, 2048)));
+        assert!(
+            back.batch_norm(BnPass::Backward, &[8, 56, 56, 64], DType::F16, ConvLayout::Nhwc)
+                .is_none()
+        );
+        // A record written before batch norms were recorded still reads.
+        let old = r#"{"device": "x", "version": 1, "convolutions": []}"#;
+        assert!(serde_json::from_str::<CudnnChoices>(old).unwrap().batch_norms.is_empty());
     }
 }

@@ -20,7 +20,7 @@
 //! [`Device::set_cudnn_benchmark`] and [`Device::set_allow_tf32_cudnn`]. The same switch sends
 //! batch norm through cuDNN where PyTorch does ([`Device::batch_norm_path`]).
 
-use crate::cudnn_choices::{ConvPass, CudnnChoices};
+use crate::cudnn_choices::{BnPass as BnCall, ConvPass, CudnnChoices};
 use crate::error::{Error, Result};
 use crate::storage::Storage;
 use std::fmt;
@@ -726,10 +726,20 @@ impl Device {
                 .and_then(|dnn| dnn.bn_reserve_size(case.shape, case.dtype, case.layout))
                 .is_ok_and(|bytes| bytes == 0);
         }
-        // Replaying a GPU's cuDNN: PyTorch's rule; no reserve space is recorded (none, as
-        // `CUDNN_BATCHNORM_SPATIAL` training asks), so the backward follows the forward.
-        if self.is_virtual() && matches!(self.conv_path(), ConvPath::VirtualCudnn { .. }) {
-            return case.cudnn_refusal().is_none();
+        // Replaying a GPU's cuDNN: PyTorch's rule, and a backward through cuDNN where the
+        // recorded training call took no reserve space (or the record lacks it).
+        if self.is_virtual()
+            && matches!(self.conv_path(), ConvPath::VirtualCudnn { .. })
+            && let Some(record) = self.cudnn_record()
+        {
+            if case.cudnn_refusal().is_some() {
+                return false;
+            }
+            if !matches!(case.pass, crate::ops::batch_norm::BnPass::Backward) {
+                return true;
+            }
+            let training = record.batch_norm(BnCall::Training, case.shape, case.dtype, case.layout);
+            return training.is_none_or(|t| t.reserve == 0);
         }
         false
     }
@@ -765,8 +775,12 @@ impl Device {
         if let Backend::Cuda(cuda) = &self.inner.backend {
             let version = cuda.cudnn_version().ok()?;
             let dnn = cuda.dnn_lock().ok()?;
-            let mut record =
-                CudnnChoices { device: self.name(), version, convolutions: dnn.choices() };
+            let mut record = CudnnChoices {
+                device: self.name(),
+                version,
+                convolutions: dnn.choices(),
+                batch_norms: dnn.batch_norm_choices(),
+            };
             record.sort();
             return Some(record);
         }
@@ -782,6 +796,36 @@ impl Device {
 
     fn cudnn_record(&self) -> Option<Arc<CudnnChoices>> {
         self.inner.cudnn_record.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// On a virtual device replaying cuDNN, allocates and frees what the record's batch norm
+    /// call `pass` on `x` took (training: its workspace, then its reserve space, both freed
+    /// after the call; none, counted as a miss, when the record has no such call).
+    ///
+    /// # Errors
+    ///
+    /// Out of memory.
+    pub(crate) fn replay_cudnn_batch_norm(
+        &self,
+        pass: BnCall,
+        x: &crate::Tensor,
+        layout: crate::ConvLayout,
+    ) -> Result<()> {
+        let Some(record) = self.cudnn_record() else { return Ok(()) };
+        match record.batch_norm(pass, x.shape(), x.dtype(), layout) {
+            Some(call) => {
+                let work =
+                    (call.workspace > 0).then(|| self.allocate(call.workspace)).transpose()?;
+                let reserve =
+                    (call.reserve > 0).then(|| self.allocate(call.reserve)).transpose()?;
+                drop((work, reserve));
+                Ok(())
+            }
+            None => {
+                self.inner.cudnn_misses.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Ok(())
+            }
+        }
     }
 
     /// On a virtual device replaying cuDNN, allocates and frees the workspace the record

@@ -6,7 +6,7 @@
 //! (prints `skipped: no CUDA device` here).
 
 use std::io::Write as _;
-use vram_kernels::cudnn_choices::{ConvChoice, ConvPass, CudnnChoices};
+use vram_kernels::cudnn_choices::{BnChoice, BnPass, ConvChoice, ConvPass, CudnnChoices};
 use vram_kernels::{
     Conv2dOptions, ConvBackend, ConvLayout, ConvPath, DType, Device, Tensor, TraceAction, ops,
 };
@@ -57,6 +57,7 @@ fn record(dtype: DType, layout: ConvLayout) -> CudnnChoices {
             choice(ConvPass::BackwardData, dtype, layout, 0),
             choice(ConvPass::BackwardFilter, dtype, layout, 5 << 20),
         ],
+        batch_norms: Vec::new(),
     }
 }
 
@@ -174,8 +175,70 @@ fn batch_norm_follows_pytorchs_rule_on_a_replaying_device() {
     let own = Device::virtual_device(1 << 30);
     // y, mean, invstd; the own kernels add their partial sums.
     assert_eq!(bn_allocs(&d, DType::F32), 3);
+    assert_eq!(d.cudnn_choice_misses(), 1, "the f32 call is not in the empty record");
     assert_eq!(bn_allocs(&own, DType::F32), 4);
     assert_eq!(bn_allocs(&d, DType::BF16), 4);
+    assert_eq!(d.cudnn_choice_misses(), 1, "bf16 runs the own kernels: no cuDNN call");
+}
+
+/// A recorded batch norm call: its workspace and reserve space allocated and freed during
+/// the call; a backward whose training call took a reserve runs the own kernels (vram's
+/// forward keeps no reserve for it), one without through cuDNN.
+#[test]
+fn batch_norm_calls_replay_their_recorded_workspace_and_reserve() {
+    let shape = [8, 64, 14, 14];
+    let call = |pass, workspace, reserve| BnChoice {
+        pass,
+        shape: shape.to_vec(),
+        dtype: DType::F32,
+        layout: ConvLayout::Nchw,
+        workspace,
+        reserve,
+    };
+    let run = |reserve: usize| -> Vec<Entry> {
+        let d = Device::virtual_device(1 << 30);
+        let record = CudnnChoices {
+            batch_norms: vec![
+                call(BnPass::Training, 1 << 20, reserve),
+                call(BnPass::Backward, 3 << 20, 0),
+            ],
+            ..CudnnChoices::default()
+        };
+        d.set_cudnn_choices(Some(record)).unwrap();
+        let x = Tensor::zeros(&d, &shape, DType::F32).unwrap();
+        let g = Tensor::zeros(&d, &[64], DType::F32).unwrap();
+        let b = Tensor::zeros(&d, &[64], DType::F32).unwrap();
+        let from = start(&d);
+        let out = ops::batch_norm(&x, &g, &b, None, 1e-5).unwrap();
+        let grads = ops::batch_norm_backward(&x, &g, &out.mean, &out.invstd, &x).unwrap();
+        let e = entries(&d, from);
+        assert_eq!(d.cudnn_choice_misses(), 0);
+        drop((out, grads));
+        e
+    };
+    use TraceAction::{Alloc, FreeRequested as Free};
+    let y = 8 * 64 * 14 * 14 * 4;
+    let c = 64 * 4; // the statistics and parameter gradients, 64 f32 (bytes requested)
+    let through_cudnn = run(0);
+    assert_eq!(
+        through_cudnn,
+        vec![
+            (Alloc, y),
+            (Alloc, c),
+            (Alloc, c),
+            (Alloc, 1 << 20),
+            (Free, 1 << 20),
+            (Alloc, y),
+            (Alloc, c),
+            (Alloc, c),
+            (Alloc, 3 << 20),
+            (Free, 3 << 20),
+        ],
+        "forward: y, mean, invstd, then the workspace; backward: dx, dgamma, dbeta, workspace"
+    );
+    let with_reserve = run(2 << 20);
+    assert!(with_reserve.contains(&(Alloc, 2 << 20)), "{with_reserve:?}");
+    assert!(!with_reserve.contains(&(Alloc, 3 << 20)), "own backward: {with_reserve:?}");
 }
 
 /// On a GPU with cuDNN: convolutions of several shapes, layouts and dtypes, forward and
@@ -197,6 +260,25 @@ fn a_gpus_record_replayed_on_a_virtual_device_gives_the_gpus_trace() {
         let mut all = Vec::new();
         for (dtype, nhwc) in [(DType::F32, false), (DType::BF16, false), (DType::BF16, true)] {
             all.extend(conv_trace(d, dtype, nhwc));
+        }
+        // Batch norm through cuDNN (f32, and f16 with f32 parameters), NCHW and NHWC.
+        for (dtype, nhwc) in [(DType::F32, false), (DType::F16, false), (DType::F32, true)] {
+            let shape = if nhwc { [8, 14, 14, 64] } else { [8, 64, 14, 14] };
+            let x = Tensor::zeros(d, &shape, dtype).unwrap();
+            let g = Tensor::zeros(d, &[64], DType::F32).unwrap();
+            let b = Tensor::zeros(d, &[64], DType::F32).unwrap();
+            let from = start(d);
+            let (out, grads) = if nhwc {
+                let out = ops::batch_norm_nhwc(&x, &g, &b, None, 1e-5).unwrap();
+                let gr = ops::batch_norm_backward_nhwc(&x, &g, &out.mean, &out.invstd, &x);
+                (out, gr.unwrap())
+            } else {
+                let out = ops::batch_norm(&x, &g, &b, None, 1e-5).unwrap();
+                let gr = ops::batch_norm_backward(&x, &g, &out.mean, &out.invstd, &x);
+                (out, gr.unwrap())
+            };
+            all.extend(entries(d, from));
+            drop((out, grads));
         }
         all
     };

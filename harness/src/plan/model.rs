@@ -459,12 +459,14 @@ impl PlanModel {
         self.notes.retain(|n| !n.starts_with("convolutions: "));
         if let Some(r) = &record {
             self.notes.push(format!(
-                "convolutions: {}'s choices on {} replayed ({} recorded calls): each call's \
-                 workspace as recorded, batch norm through cuDNN where PyTorch sends it; a shape \
-                 the record lacks (another batch size) takes no workspace, a lower bound",
+                "convolutions: {}'s choices on {} replayed ({} convolution and {} batch norm \
+                 calls recorded): each call's workspace as recorded, batch norm through cuDNN \
+                 where PyTorch sends it; a call the record lacks (another batch size) takes no \
+                 workspace, a lower bound",
                 vram_kernels::ConvPath::Cudnn { version: r.version },
                 r.device,
-                r.convolutions.len()
+                r.convolutions.len(),
+                r.batch_norms.len()
             ));
         }
         self.cudnn = record.map(std::sync::Arc::new);

@@ -88,6 +88,9 @@ pub struct TimedRun {
     pub step_ms: Vec<f64>,
     /// The loss of each micro-batch; empty on a virtual device.
     pub losses: Vec<f32>,
+    /// cuDNN calls a virtual device replaying a record ([`PlanModel::cudnn`]) found no
+    /// recorded choice for (each took no workspace); 0 elsewhere.
+    pub cudnn_misses: usize,
 }
 
 /// [`run`] with `n_steps` optimizer steps (at least 1), every step after the first timed;
@@ -109,6 +112,7 @@ pub(crate) fn run_timed(
             reserved: device.max_memory_reserved(),
             step_ms: if device.is_virtual() { Vec::new() } else { step_ms },
             losses,
+            cudnn_misses: device.cudnn_choice_misses(),
         })),
         Err(e) if e.is_out_of_memory() => Ok(None),
         Err(e) => Err(fail(e)),

@@ -738,6 +738,30 @@ pub fn plan(req: &PlanRequest, progress: &mut dyn PlanProgress) -> Result<PlanRe
              as it does in PyTorch"
         ));
     }
+    // How much of the recommended configuration's cuDNN work the record covers.
+    if req.model.cudnn.is_some()
+        && let Some((_, best)) = fitting.first()
+    {
+        let c = Candidate {
+            precision: best.precision,
+            plan: best.plan,
+            alloc_conf: best.alloc_conf.clone(),
+            optimizer: req.optimizer,
+            micro: best.micro,
+            accum: best.accum,
+        };
+        if let Some(run) = measure_timed(&req.model, &c, Target::Virtual(UNLIMITED), 1)? {
+            notes.push(match run.cudnn_misses {
+                0 => "cuDNN record: every cuDNN call of the recommended configuration is in it"
+                    .to_string(),
+                n => format!(
+                    "cuDNN record: {n} cuDNN calls of the recommended configuration's step are \
+                     not in it and took no workspace (record a run of this model and batch on \
+                     the GPU: `cargo xtask twin`)"
+                ),
+            });
+        }
+    }
     notes.extend([
         format!(
             "usable memory = device memory {} - reserve {} = {}: the reserve stands for what \

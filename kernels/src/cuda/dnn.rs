@@ -273,6 +273,8 @@ pub(crate) struct Dnn {
     fwd: AlgoCache<sys::cudnnConvolutionFwdAlgo_t>,
     bwd_data: AlgoCache<sys::cudnnConvolutionBwdDataAlgo_t>,
     bwd_filter: AlgoCache<sys::cudnnConvolutionBwdFilterAlgo_t>,
+    /// Every batch norm call's workspace and reserve sizes, for [`Dnn::choices`].
+    bn_calls: Mutex<std::collections::HashSet<crate::cudnn_choices::BnChoice>>,
 }
 
 // SAFETY: a cuDNN handle may be used from any thread as long as calls on it do not overlap;
@@ -334,12 +336,23 @@ impl Dnn {
             fwd: AlgoCache::default(),
             bwd_data: AlgoCache::default(),
             bwd_filter: AlgoCache::default(),
+            bn_calls: Mutex::new(Default::default()),
         })
     }
 
     /// The library's version, e.g. `91400` for 9.14.0.
     pub(crate) fn version(&self) -> usize {
         self.version
+    }
+
+    /// Notes a batch norm call's sizes for [`Dnn::batch_norm_choices`].
+    pub(crate) fn note_batch_norm(&self, call: crate::cudnn_choices::BnChoice) {
+        self.bn_calls.lock().unwrap_or_else(|e| e.into_inner()).insert(call);
+    }
+
+    /// Every batch norm call noted (see [`crate::cudnn_choices`]).
+    pub(crate) fn batch_norm_choices(&self) -> Vec<crate::cudnn_choices::BnChoice> {
+        self.bn_calls.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect()
     }
 
     /// Every choice the three directions' caches hold (see [`crate::cudnn_choices`]).

@@ -456,6 +456,14 @@ impl<const NHWC: bool> Op for BatchNorm<'_, '_, NHWC> {
         Ok(())
     }
 
+    fn on_virtual(&mut self) -> Result<()> {
+        if !self.cudnn {
+            return Ok(());
+        }
+        let call = crate::cudnn_choices::BnPass::Training;
+        self.x.device().replay_cudnn_batch_norm(call, self.x, layout(NHWC))
+    }
+
     #[cfg(feature = "cuda")]
     fn cuda(&mut self, gpu: &crate::cuda::Gpu<'_>, bufs: &mut Buffers<Self::Outs>) -> Result<()> {
         use crate::cuda::helpers::{check_rows, ptr};
@@ -921,6 +929,14 @@ impl<const NHWC: bool> Op for BatchNormBackward<'_, NHWC> {
         }
         host_store(dgamma, &dg)?;
         host_store(dbeta, &db)
+    }
+
+    fn on_virtual(&mut self) -> Result<()> {
+        if !self.cudnn {
+            return Ok(());
+        }
+        let call = crate::cudnn_choices::BnPass::Backward;
+        self.x.device().replay_cudnn_batch_norm(call, self.x, layout(NHWC))
     }
 
     #[cfg(feature = "cuda")]

@@ -59,11 +59,24 @@ pub fn batch_norm_stats<T: Element>(
     let n = batches(OP, x.len(), c, s)?;
     check_len(OP, "var", var.len(), c)?;
     let m = (n * s) as f64;
-    let stats = per_channel(c, x.len(), |ch| {
-        let sum: f64 = planes(x, c, s, ch).flatten().map(|v| f64::from(v.to_f32())).sum();
+    mean_var(c, x.len(), m, |ch| planes(x, c, s, ch).flatten(), mean, var);
+    Ok(())
+}
+
+/// Each channel's mean and biased variance over the `m` values `values(ch)` gives, in f64
+/// (the mean first, then the squared deviations from it), into `mean` and `var` in f32.
+fn mean_var<'a, T: Element + 'a, I: Iterator<Item = &'a T>>(
+    c: usize,
+    len: usize,
+    m: f64,
+    values: impl Fn(usize) -> I + Sync + Send,
+    mean: &mut [f32],
+    var: &mut [f32],
+) {
+    let stats = per_channel(c, len, |ch| {
+        let sum: f64 = values(ch).map(|v| f64::from(v.to_f32())).sum();
         let mu = sum / m;
-        let sq: f64 = planes(x, c, s, ch)
-            .flatten()
+        let sq: f64 = values(ch)
             .map(|v| {
                 let d = f64::from(v.to_f32()) - mu;
                 d * d
@@ -74,7 +87,6 @@ pub fn batch_norm_stats<T: Element>(
     for ((o, v), (mu, var_b)) in mean.iter_mut().zip(var.iter_mut()).zip(stats) {
         (*o, *v) = (mu as f32, var_b as f32);
     }
-    Ok(())
 }
 
 /// `y = (x - mean[ch]) * invstd[ch] * gamma[ch] + beta[ch]` over `x: [n, c, s]`.
@@ -197,21 +209,7 @@ pub fn batch_norm_stats_nhwc<T: Element>(x: &[T], mean: &mut [f32], var: &mut [f
     let c = mean.len();
     let rows = batches(OP, x.len(), c, 1)?;
     check_len(OP, "var", var.len(), c)?;
-    let m = rows as f64;
-    let stats = per_channel(c, x.len(), |ch| {
-        let sum: f64 = column(x, c, ch).map(|v| f64::from(v.to_f32())).sum();
-        let mu = sum / m;
-        let sq: f64 = column(x, c, ch)
-            .map(|v| {
-                let d = f64::from(v.to_f32()) - mu;
-                d * d
-            })
-            .sum();
-        (mu, sq / m)
-    });
-    for ((o, v), (mu, var_b)) in mean.iter_mut().zip(var.iter_mut()).zip(stats) {
-        (*o, *v) = (mu as f32, var_b as f32);
-    }
+    mean_var(c, x.len(), rows as f64, |ch| column(x, c, ch), mean, var);
     Ok(())
 }
 

@@ -188,11 +188,7 @@ pub fn conv2d_backward_nhwc(
     if let Some(cudnn) = x.device().cudnn_conv(&p) {
         return backward(p, x, weight, dy, with_bias, ConvLayout::Nhwc, Some(cudnn));
     }
-    expect_rank("conv2d_backward", dy, 4, "dy [batch, oh, ow, c_out]")?;
-    expect_shape("conv2d_backward", &output_shape(&p, ConvLayout::Nhwc), dy)?;
-    let xc = super::permute(x, &TO_NCHW)?;
-    let wc = super::permute(weight, &TO_NCHW)?;
-    let dyc = super::permute(dy, &TO_NCHW)?;
+    let (xc, wc, dyc) = nchw_operands(&p, x, weight, dy)?;
     let g = conv2d_backward(&xc, &wc, &dyc, opts, with_bias)?;
     drop((xc, wc, dyc));
     let dx = super::permute(&g.dx, &TO_NHWC)?;
@@ -379,12 +375,41 @@ pub fn conv2d_backward_weight(
     with_bias: bool,
 ) -> Result<Conv2dWeightGrads> {
     let p = conv2d_params(x.shape(), weight.shape(), opts)?;
+    let cudnn = x.device().cudnn_conv(&p);
+    weight_backward(p, x, weight, dy, with_bias, ConvLayout::Nchw, cudnn)
+}
+
+/// Runs the weight-only backward of a convolution of geometry `p` in `layout` (NHWC only
+/// through cuDNN).
+fn weight_backward(
+    p: Conv2dParams,
+    x: &Tensor,
+    weight: &Tensor,
+    dy: &Tensor,
+    with_bias: bool,
+    layout: ConvLayout,
+    cudnn: Option<ConvSettings>,
+) -> Result<Conv2dWeightGrads> {
     let ws = BackwardWorkspaces::default();
-    let (layout, cudnn) = (ConvLayout::Nchw, x.device().cudnn_conv(&p));
     let op =
         Conv2dBackward::<()> { p, x, weight, dy, with_bias, ws, dx: PhantomData, layout, cudnn };
     let ((), dweight, dbias) = run(op)?;
     Ok(Conv2dWeightGrads { dweight, dbias })
+}
+
+/// `x`, `weight` and `dy` of the channels_last convolution `p`, `dy` checked, permuted to
+/// NCHW for the paths that run NCHW only (each a counted copy).
+fn nchw_operands(
+    p: &Conv2dParams,
+    x: &Tensor,
+    weight: &Tensor,
+    dy: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    expect_rank("conv2d_backward", dy, 4, "dy [batch, oh, ow, c_out]")?;
+    expect_shape("conv2d_backward", &output_shape(p, ConvLayout::Nhwc), dy)?;
+    let xc = super::permute(x, &TO_NCHW)?;
+    let wc = super::permute(weight, &TO_NCHW)?;
+    Ok((xc, wc, super::permute(dy, &TO_NCHW)?))
 }
 
 /// [`conv2d_backward_weight`] on channels_last tensors (see [`conv2d_nhwc`]): `dweight`
@@ -402,27 +427,9 @@ pub fn conv2d_backward_weight_nhwc(
 ) -> Result<Conv2dWeightGrads> {
     let p = conv2d_params_nhwc(x.shape(), weight.shape(), opts)?;
     if let Some(cudnn) = x.device().cudnn_conv(&p) {
-        let ws = BackwardWorkspaces::default();
-        let layout = ConvLayout::Nhwc;
-        let op = Conv2dBackward::<()> {
-            p,
-            x,
-            weight,
-            dy,
-            with_bias,
-            ws,
-            dx: PhantomData,
-            layout,
-            cudnn: Some(cudnn),
-        };
-        let ((), dweight, dbias) = run(op)?;
-        return Ok(Conv2dWeightGrads { dweight, dbias });
+        return weight_backward(p, x, weight, dy, with_bias, ConvLayout::Nhwc, Some(cudnn));
     }
-    expect_rank("conv2d_backward", dy, 4, "dy [batch, oh, ow, c_out]")?;
-    expect_shape("conv2d_backward", &output_shape(&p, ConvLayout::Nhwc), dy)?;
-    let xc = super::permute(x, &TO_NCHW)?;
-    let wc = super::permute(weight, &TO_NCHW)?;
-    let dyc = super::permute(dy, &TO_NCHW)?;
+    let (xc, wc, dyc) = nchw_operands(&p, x, weight, dy)?;
     let g = conv2d_backward_weight(&xc, &wc, &dyc, opts, with_bias)?;
     drop((xc, wc, dyc));
     let dweight = super::permute(&g.dweight, &TO_NHWC)?;

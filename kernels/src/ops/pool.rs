@@ -122,6 +122,21 @@ pub fn max_pool2d_backward(
     run(MaxPoolBackward { p, dy, argmax })
 }
 
+/// `argmax` on `dy`'s device and of its shape (one index per pooled element).
+fn same_as_argmax(op: &'static str, dy: &Tensor, argmax: &Indices) -> Result<()> {
+    if argmax.device() != dy.device() {
+        return Err(Error::DeviceMismatch { op });
+    }
+    if argmax.shape() != dy.shape() {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: dy.shape().to_vec(),
+            rhs: argmax.shape().to_vec(),
+        });
+    }
+    Ok(())
+}
+
 struct MaxPoolBackward<'a> {
     p: Pool2dParams,
     dy: &'a Tensor,
@@ -138,16 +153,7 @@ impl Op for MaxPoolBackward<'_> {
     }
 
     fn plan(&mut self) -> Result<Plan<Self::Outs>> {
-        if self.argmax.device() != self.dy.device() {
-            return Err(Error::DeviceMismatch { op: Self::NAME });
-        }
-        if self.argmax.shape() != self.dy.shape() {
-            return Err(Error::ShapeMismatch {
-                op: Self::NAME,
-                lhs: self.dy.shape().to_vec(),
-                rhs: self.argmax.shape().to_vec(),
-            });
-        }
+        same_as_argmax(Self::NAME, self.dy, self.argmax)?;
         // The GPU gathers each input element's gradient in f32 and rounds once: no
         // accumulator (as PyTorch's `max_pool_backward_nchw`).
         Ok(Plan::one(&[self.p.batch(), self.p.channels(), self.p.h(), self.p.w()], self.dy.dtype()))

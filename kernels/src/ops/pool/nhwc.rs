@@ -16,7 +16,7 @@ use super::pool2d_params;
 use crate::cpu::pool as cpu;
 use crate::device::Device;
 use crate::dtype::with_dtype;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::params::{Pool2dOptions, Pool2dParams};
 use crate::tensor::{Indices, Tensor};
 
@@ -131,16 +131,7 @@ impl Op for MaxPoolBackwardNhwc<'_> {
     }
 
     fn plan(&mut self) -> Result<Plan<Self::Outs>> {
-        if self.argmax.device() != self.dy.device() {
-            return Err(Error::DeviceMismatch { op: Self::NAME });
-        }
-        if self.argmax.shape() != self.dy.shape() {
-            return Err(Error::ShapeMismatch {
-                op: Self::NAME,
-                lhs: self.dy.shape().to_vec(),
-                rhs: self.argmax.shape().to_vec(),
-            });
-        }
+        super::same_as_argmax(Self::NAME, self.dy, self.argmax)?;
         let p = &self.p;
         // Gathered per input element in f32, rounded once: no accumulator.
         Ok(Plan::one(&[p.batch(), p.h(), p.w(), p.channels()], self.dy.dtype()))

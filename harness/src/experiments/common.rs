@@ -477,6 +477,10 @@ pub struct RealCase {
     pub predicted: (u64, u64),
     /// The run on the GPU.
     pub executed: Executed,
+    /// Where the GPU ran it through cuDNN: the virtual device's peaks replaying that run's
+    /// record of cuDNN's choices ([`vram_kernels::Device::set_cudnn_choices`]), which by
+    /// design equal the GPU's (a consistency check, [`push_real_rows`]).
+    pub replayed: Option<(u64, u64)>,
 }
 
 impl RealCase {
@@ -499,7 +503,15 @@ pub fn real_case(
 ) -> Result<RealCase, ExperimentError> {
     let predicted = real_peak(model, precision, plan, micro, accum)?;
     let executed = real_executed(ctx, model, precision, plan, (micro, accum), predicted.1)?;
-    Ok(RealCase { predicted, executed })
+    let replayed = match executed.ran().and_then(|r| r.cudnn.clone()) {
+        Some(record) => {
+            let mut replaying = model.clone();
+            replaying.set_cudnn_choices(Some(record));
+            Some(real_peak(&replaying, precision, plan, micro, accum)?)
+        }
+        None => None,
+    };
+    Ok(RealCase { predicted, executed, replayed })
 }
 
 /// The `part` of a set of real-size rows a figure comes from: [`EXECUTED`] when every case
@@ -544,6 +556,24 @@ pub fn push_real_rows<M: serde::Serialize>(
         let per_s = step.map(|t| samples as f64 * 1e3 / t.mean_ms);
         let m = row(EXECUTED, per_s, r.losses.last().copied());
         sweep.push(&format!("{EXECUTED}: {what}"), r.allocated, r.reserved, step, m);
+        if let Some((a, res)) = case.replayed {
+            let human = vram_alloc::human_bytes;
+            sweep.check(
+                format!(
+                    "{what}: the virtual device replaying this GPU's cuDNN choices allocates \
+                     what the GPU allocated (both run vram's caching allocator over the same \
+                     requests)"
+                ),
+                format!(
+                    "peak allocated {} replayed vs {} on the GPU, reserved {} vs {}",
+                    human(a),
+                    human(r.allocated),
+                    human(res),
+                    human(r.reserved)
+                ),
+                (a, res) == (r.allocated, r.reserved),
+            );
+        }
     }
     case.executed.why_not().map(|w| format!("{what}: {w}"))
 }

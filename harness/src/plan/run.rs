@@ -91,6 +91,10 @@ pub struct TimedRun {
     /// cuDNN calls a virtual device replaying a record ([`PlanModel::cudnn`]) found no
     /// recorded choice for (each took no workspace); 0 elsewhere.
     pub cudnn_misses: usize,
+    /// A CUDA device's record of what cuDNN chose in the run
+    /// ([`Device::cudnn_choices`]), for a virtual device to replay; `None` elsewhere or
+    /// where cuDNN ran nothing.
+    pub cudnn: Option<vram_kernels::cudnn_choices::CudnnChoices>,
 }
 
 /// [`run`] with `n_steps` optimizer steps (at least 1), every step after the first timed;
@@ -113,6 +117,9 @@ pub(crate) fn run_timed(
             step_ms: if device.is_virtual() { Vec::new() } else { step_ms },
             losses,
             cudnn_misses: device.cudnn_choice_misses(),
+            cudnn: device
+                .cudnn_choices()
+                .filter(|r| !device.is_virtual() && !r.convolutions.is_empty()),
         })),
         Err(e) if e.is_out_of_memory() => Ok(None),
         Err(e) => Err(fail(e)),

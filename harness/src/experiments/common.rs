@@ -821,4 +821,34 @@ mod executed_tests {
         assert_eq!(e, Executed::TooLarge { need, usable: 6 << 30 });
         assert!(e.why_not().unwrap().contains("6.00 GiB usable"), "{:?}", e.why_not());
     }
+    /// A case the GPU ran through cuDNN, replayed from its record on the virtual device: a
+    /// consistency check beside the rows, passed where the peaks agree, failed where not; a
+    /// case without a replay adds none.
+    #[test]
+    fn a_replayed_cuda_case_is_a_consistency_check_beside_its_rows() {
+        let host = Context { backend: Backend::Cpu, quick: true, seed: 1, device_memory: 1 << 30 };
+        let ran = |allocated, reserved| crate::plan::TimedRun {
+            allocated,
+            reserved,
+            step_ms: vec![1.0],
+            losses: vec![1.0],
+            cudnn_misses: 0,
+            cudnn: None,
+        };
+        let mut sweep = super::super::Sweep::<()>::new(&host, serde_json::Value::Null);
+        for (replayed, gpu) in
+            [(Some((10, 20)), (10, 20)), (Some((10, 20)), (11, 20)), (None, (5, 5))]
+        {
+            let case = RealCase {
+                predicted: (1, 2),
+                executed: Executed::Ran(ran(gpu.0, gpu.1)),
+                replayed,
+            };
+            push_real_rows(&mut sweep, "case", &case, 8, |_, _, _| ());
+        }
+        let checks = &sweep.checks;
+        assert_eq!(checks.len(), 2, "one per replayed case");
+        assert!(checks[0].passed && !checks[1].passed, "{checks:?}");
+        assert!(checks[1].measured.contains("11 B on the GPU"), "{}", checks[1].measured);
+    }
 }

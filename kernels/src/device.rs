@@ -685,7 +685,7 @@ impl Device {
                 && crate::cuda::dnn::supports(p);
             return on.then_some(settings);
         }
-        if self.is_virtual() && matches!(self.conv_path(), ConvPath::VirtualCudnn { .. }) {
+        if self.replaying_cudnn().is_some() {
             let on = crate::cudnn_choices::supports(p);
             return on.then_some(*self.conv());
         }
@@ -728,10 +728,7 @@ impl Device {
         }
         // Replaying a GPU's cuDNN: PyTorch's rule, and a backward through cuDNN where the
         // recorded training call took no reserve space (or the record lacks it).
-        if self.is_virtual()
-            && matches!(self.conv_path(), ConvPath::VirtualCudnn { .. })
-            && let Some(record) = self.cudnn_record()
-        {
+        if let Some(record) = self.replaying_cudnn() {
             if case.cudnn_refusal().is_some() {
                 return false;
             }
@@ -798,6 +795,14 @@ impl Device {
         self.inner.cudnn_record.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// The record this virtual device replays now (given one and not [`ConvBackend::Own`]).
+    fn replaying_cudnn(&self) -> Option<Arc<CudnnChoices>> {
+        if !self.is_virtual() || self.conv_backend() == ConvBackend::Own {
+            return None;
+        }
+        self.cudnn_record()
+    }
+
     /// On a virtual device replaying cuDNN, allocates and frees what the record's batch norm
     /// call `pass` on `x` took (training: its workspace, then its reserve space, both freed
     /// after the call; none, counted as a miss, when the record has no such call).
@@ -811,7 +816,7 @@ impl Device {
         x: &crate::Tensor,
         layout: crate::ConvLayout,
     ) -> Result<()> {
-        let Some(record) = self.cudnn_record() else { return Ok(()) };
+        let Some(record) = self.replaying_cudnn() else { return Ok(()) };
         match record.batch_norm(pass, x.shape(), x.dtype(), layout) {
             Some(call) => {
                 let work =
@@ -843,7 +848,7 @@ impl Device {
         layout: crate::ConvLayout,
         allow_tf32: bool,
     ) -> Result<()> {
-        let Some(record) = self.cudnn_record() else { return Ok(()) };
+        let Some(record) = self.replaying_cudnn() else { return Ok(()) };
         match record.workspace(pass, p, dtype, layout, allow_tf32) {
             Some(0) => Ok(()),
             Some(bytes) => {

@@ -437,7 +437,7 @@ fn a_model_too_big_for_one_device_gets_a_multi_gpu_answer() {
 /// file changes the prediction by its workspaces (and only where the record has the shape).
 #[test]
 fn channels_last_and_a_cudnn_record_are_planned_as_they_run() {
-    use vram_kernels::cudnn_choices::{ConvChoice, ConvPass, CudnnChoices};
+    use vram_kernels::cudnn_choices::{ConvChoice, ConvKey, ConvPass, CudnnChoices};
     use vram_kernels::{ConvLayout, DType};
     let mut model = small("resnet");
     model.set_channels_last(true).unwrap();
@@ -460,15 +460,17 @@ fn channels_last_and_a_cudnn_record_are_planned_as_they_run() {
     // The stem's forward (3 images of 8 x 8, 3 -> 4 channels, 3 x 3) recorded with 256 MiB.
     let stem = ConvChoice {
         pass: ConvPass::Forward,
-        x: [3, 3, 8, 8],
-        w: [4, 3, 3, 3],
-        padding: (1, 1),
-        stride: (1, 1),
-        dilation: (1, 1),
-        groups: 1,
-        dtype: DType::F32,
-        layout: ConvLayout::Nhwc,
-        allow_tf32: true,
+        key: ConvKey {
+            x: [3, 3, 8, 8],
+            w: [4, 3, 3, 3],
+            padding: (1, 1),
+            stride: (1, 1),
+            dilation: (1, 1),
+            groups: 1,
+            dtype: DType::F32,
+            layout: ConvLayout::Nhwc,
+            allow_tf32: true,
+        },
         algo: "TEST".into(),
         workspace: 256 << 20,
     };

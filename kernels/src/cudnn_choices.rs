@@ -49,11 +49,11 @@ pub enum ConvPass {
     BackwardFilter,
 }
 
-/// One convolution shape and direction as cuDNN saw it, and what it chose.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ConvChoice {
-    /// The direction.
-    pub pass: ConvPass,
+/// Everything that decides a convolution's algorithm: the key of a CUDA device's algorithm
+/// caches, as PyTorch's `ConvolutionParams` (which also holds the device and
+/// `deterministic`; the caches are per device, and vram has no deterministic mode).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ConvKey {
     /// The input's logical dimensions `[batch, c_in, h, w]`, whatever the layout.
     pub x: [usize; 4],
     /// The weight's logical dimensions `[c_out, c_in / groups, kh, kw]`.
@@ -72,35 +72,50 @@ pub struct ConvChoice {
     pub layout: ConvLayout,
     /// Whether TF32 was allowed (`allow_tf32_cudnn`).
     pub allow_tf32: bool,
+}
+
+impl ConvKey {
+    /// The key of convolution `p` in `dtype` and `layout`.
+    pub fn new(p: &Conv2dParams, dtype: DType, layout: ConvLayout, allow_tf32: bool) -> Self {
+        let (kh, kw) = p.kernel();
+        ConvKey {
+            x: [p.batch(), p.c_in(), p.h(), p.w()],
+            w: [p.c_out(), p.c_in() / p.groups(), kh, kw],
+            padding: p.padding(),
+            stride: p.stride(),
+            dilation: p.dilation(),
+            groups: p.groups(),
+            dtype,
+            layout,
+            allow_tf32,
+        }
+    }
+
+    /// The output's logical dimensions, `[batch, c_out, oh, ow]`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the descriptors' only
+    pub(crate) fn y(&self) -> [usize; 4] {
+        let out = |size: usize, k: usize, pad: usize, stride: usize, dil: usize| {
+            (size + 2 * pad - dil * (k - 1) - 1) / stride + 1
+        };
+        let oh = out(self.x[2], self.w[2], self.padding.0, self.stride.0, self.dilation.0);
+        let ow = out(self.x[3], self.w[3], self.padding.1, self.stride.1, self.dilation.1);
+        [self.x[0], self.w[0], oh, ow]
+    }
+}
+
+/// One convolution shape and direction as cuDNN saw it, and what it chose (in files, the
+/// key's fields stand beside `pass`, `algo` and `workspace`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConvChoice {
+    /// The direction.
+    pub pass: ConvPass,
+    /// The convolution.
+    #[serde(flatten)]
+    pub key: ConvKey,
     /// The algorithm cuDNN ran, as cuDNN's enum names it.
     pub algo: String,
     /// Bytes of its workspace.
     pub workspace: usize,
-}
-
-impl ConvChoice {
-    /// Whether this choice is for convolution `p` in `pass`, `dtype`, `layout` and TF32
-    /// setting.
-    fn matches(
-        &self,
-        pass: ConvPass,
-        p: &Conv2dParams,
-        dtype: DType,
-        layout: ConvLayout,
-        allow_tf32: bool,
-    ) -> bool {
-        let (kh, kw) = p.kernel();
-        self.pass == pass
-            && self.x == [p.batch(), p.c_in(), p.h(), p.w()]
-            && self.w == [p.c_out(), p.c_in() / p.groups(), kh, kw]
-            && self.padding == p.padding()
-            && self.stride == p.stride()
-            && self.dilation == p.dilation()
-            && self.groups == p.groups()
-            && self.dtype == dtype
-            && self.layout == layout
-            && self.allow_tf32 == allow_tf32
-    }
 }
 
 /// A batch norm call through cuDNN.
@@ -157,10 +172,8 @@ impl CudnnChoices {
         layout: ConvLayout,
         allow_tf32: bool,
     ) -> Option<usize> {
-        self.convolutions
-            .iter()
-            .find(|c| c.matches(pass, p, dtype, layout, allow_tf32))
-            .map(|c| c.workspace)
+        let key = ConvKey::new(p, dtype, layout, allow_tf32);
+        self.convolutions.iter().find(|c| c.pass == pass && c.key == key).map(|c| c.workspace)
     }
 
     /// The recorded batch norm call `pass` on an input of `shape`, `dtype` and `layout`, or
@@ -187,13 +200,11 @@ impl CudnnChoices {
         });
         self.convolutions.sort_by(|a, b| {
             let key = |c: &ConvChoice| {
-                (c.x, c.w, c.padding, c.stride, c.dilation, c.groups, c.dtype.index())
+                let k = &c.key;
+                let shape = (k.x, k.w, k.padding, k.stride, k.dilation, k.groups);
+                (shape, k.dtype.index(), k.layout as u8, k.allow_tf32, c.pass as u8)
             };
-            key(a)
-                .cmp(&key(b))
-                .then((a.layout as u8).cmp(&(b.layout as u8)))
-                .then(a.allow_tf32.cmp(&b.allow_tf32))
-                .then((a.pass as u8).cmp(&(b.pass as u8)))
+            key(a).cmp(&key(b))
         });
     }
 }
@@ -206,15 +217,17 @@ mod tests {
     fn choice(pass: ConvPass, workspace: usize) -> ConvChoice {
         ConvChoice {
             pass,
-            x: [8, 64, 56, 56],
-            w: [64, 64, 3, 3],
-            padding: (1, 1),
-            stride: (1, 1),
-            dilation: (1, 1),
-            groups: 1,
-            dtype: DType::BF16,
-            layout: ConvLayout::Nhwc,
-            allow_tf32: true,
+            key: ConvKey {
+                x: [8, 64, 56, 56],
+                w: [64, 64, 3, 3],
+                padding: (1, 1),
+                stride: (1, 1),
+                dilation: (1, 1),
+                groups: 1,
+                dtype: DType::BF16,
+                layout: ConvLayout::Nhwc,
+                allow_tf32: true,
+            },
             algo: "CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM".into(),
             workspace,
         }

@@ -6,7 +6,7 @@
 //! (prints `skipped: no CUDA device` here).
 
 use std::io::Write as _;
-use vram_kernels::cudnn_choices::{BnChoice, BnPass, ConvChoice, ConvPass, CudnnChoices};
+use vram_kernels::cudnn_choices::{BnChoice, BnPass, ConvChoice, ConvKey, ConvPass, CudnnChoices};
 use vram_kernels::{
     Conv2dOptions, ConvBackend, ConvLayout, ConvPath, DType, Device, Tensor, TraceAction, ops,
 };
@@ -33,15 +33,17 @@ const W: [usize; 4] = [32, 16, 3, 3];
 fn choice(pass: ConvPass, dtype: DType, layout: ConvLayout, workspace: usize) -> ConvChoice {
     ConvChoice {
         pass,
-        x: X,
-        w: W,
-        padding: (1, 1),
-        stride: (1, 1),
-        dilation: (1, 1),
-        groups: 1,
-        dtype,
-        layout,
-        allow_tf32: true,
+        key: ConvKey {
+            x: X,
+            w: W,
+            padding: (1, 1),
+            stride: (1, 1),
+            dilation: (1, 1),
+            groups: 1,
+            dtype,
+            layout,
+            allow_tf32: true,
+        },
         algo: "TEST".into(),
         workspace,
     }

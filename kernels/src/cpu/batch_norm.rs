@@ -147,31 +147,9 @@ pub fn batch_norm_backward<T: Element>(
     const OP: &str = "cpu::batch_norm_backward";
     let c = mean.len();
     let n = batches(OP, x.len(), c, s)?;
-    for (what, len) in [
-        ("invstd", invstd.len()),
-        ("gamma", gamma.len()),
-        ("dgamma", dgamma.len()),
-        ("dbeta", dbeta.len()),
-    ] {
-        check_len(OP, what, len, c)?;
-    }
-    check_len(OP, "dy", dy.len(), x.len())?;
-    check_len(OP, "dx", dx.len(), x.len())?;
-    let sums = per_channel(c, x.len(), |ch| {
-        let (mu, r) = (f64::from(mean[ch]), f64::from(invstd[ch]));
-        let (mut a, mut b) = (0.0f64, 0.0f64);
-        for (xs, gs) in planes(x, c, s, ch).zip(planes(dy, c, s, ch)) {
-            for (&v, &g) in xs.iter().zip(gs) {
-                let g = f64::from(g.to_f32());
-                a += g * (f64::from(v.to_f32()) - mu) * r;
-                b += g;
-            }
-        }
-        (a, b)
-    });
-    for ((dg, db), &(a, b)) in dgamma.iter_mut().zip(dbeta.iter_mut()).zip(&sums) {
-        (*dg, *db) = (a as f32, b as f32);
-    }
+    let pairs =
+        |ch| planes(x, c, s, ch).zip(planes(dy, c, s, ch)).flat_map(|(a, b)| a.iter().zip(b));
+    backward_sums(OP, (x, dy, dx.len()), (mean, invstd, gamma), (dgamma, dbeta), pairs)?;
     let m = (n * s) as f32;
     let (dgamma, dbeta) = (&*dgamma, &*dbeta);
     dx.par_chunks_mut(s)
@@ -188,6 +166,43 @@ pub fn batch_norm_backward<T: Element>(
                 *o = T::from_f32(k * (g.to_f32() - mean_dy - xhat * mean_dyx));
             }
         });
+    Ok(())
+}
+
+/// What both backward layouts share: the per-channel lengths checked (`dy` and `dx` of
+/// `x`'s length, `[c]` for the rest), then `dgamma = sum(dy * xhat)` and `dbeta = sum(dy)`
+/// over each channel's `(x, dy)` pairs as `pairs(ch)` yields them, in f64.
+fn backward_sums<'a, T: Element + 'a, I: Iterator<Item = (&'a T, &'a T)>>(
+    op: &'static str,
+    (x, dy, dx_len): (&[T], &[T], usize),
+    (mean, invstd, gamma): (&[f32], &[f32], &[f32]),
+    (dgamma, dbeta): (&mut [f32], &mut [f32]),
+    pairs: impl Fn(usize) -> I + Sync + Send,
+) -> Result<()> {
+    let c = mean.len();
+    for (what, len) in [
+        ("invstd", invstd.len()),
+        ("gamma", gamma.len()),
+        ("dgamma", dgamma.len()),
+        ("dbeta", dbeta.len()),
+    ] {
+        check_len(op, what, len, c)?;
+    }
+    check_len(op, "dy", dy.len(), x.len())?;
+    check_len(op, "dx", dx_len, x.len())?;
+    let sums = per_channel(c, x.len(), |ch| {
+        let (mu, r) = (f64::from(mean[ch]), f64::from(invstd[ch]));
+        let (mut a, mut b) = (0.0f64, 0.0f64);
+        for (&v, &g) in pairs(ch) {
+            let g = f64::from(g.to_f32());
+            a += g * (f64::from(v.to_f32()) - mu) * r;
+            b += g;
+        }
+        (a, b)
+    });
+    for ((dg, db), &(a, b)) in dgamma.iter_mut().zip(dbeta.iter_mut()).zip(&sums) {
+        (*dg, *db) = (a as f32, b as f32);
+    }
     Ok(())
 }
 
@@ -263,29 +278,8 @@ pub fn batch_norm_backward_nhwc<T: Element>(
     const OP: &str = "cpu::batch_norm_backward_nhwc";
     let c = mean.len();
     let rows = batches(OP, x.len(), c, 1)?;
-    for (what, len) in [
-        ("invstd", invstd.len()),
-        ("gamma", gamma.len()),
-        ("dgamma", dgamma.len()),
-        ("dbeta", dbeta.len()),
-    ] {
-        check_len(OP, what, len, c)?;
-    }
-    check_len(OP, "dy", dy.len(), x.len())?;
-    check_len(OP, "dx", dx.len(), x.len())?;
-    let sums = per_channel(c, x.len(), |ch| {
-        let (mu, r) = (f64::from(mean[ch]), f64::from(invstd[ch]));
-        let (mut a, mut b) = (0.0f64, 0.0f64);
-        for (&v, &g) in column(x, c, ch).zip(column(dy, c, ch)) {
-            let g = f64::from(g.to_f32());
-            a += g * (f64::from(v.to_f32()) - mu) * r;
-            b += g;
-        }
-        (a, b)
-    });
-    for ((dg, db), &(a, b)) in dgamma.iter_mut().zip(dbeta.iter_mut()).zip(&sums) {
-        (*dg, *db) = (a as f32, b as f32);
-    }
+    let pairs = |ch| column(x, c, ch).zip(column(dy, c, ch));
+    backward_sums(OP, (x, dy, dx.len()), (mean, invstd, gamma), (dgamma, dbeta), pairs)?;
     let m = rows as f32;
     let (dgamma, dbeta) = (&*dgamma, &*dbeta);
     dx.par_chunks_mut(c)

@@ -44,7 +44,7 @@ pub(crate) use bn::{BnBackward, BnEval, BnTraining};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::params::{Conv2dParams, ConvLayout};
+use crate::params::ConvLayout;
 use cudarc::cudnn::sys;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -96,57 +96,6 @@ pub(crate) fn run_math_type(
     if dtype == DType::F32 && !allow_tf32 { sys::cudnnMathType_t::CUDNN_FMA_MATH } else { found }
 }
 
-/// Everything that decides a convolution's algorithm: the key of the algorithm caches, as
-/// PyTorch's `ConvolutionParams` (which also holds the device and `deterministic`; this
-/// cache is per device, and vram has no deterministic mode).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) struct ConvKey {
-    /// `[batch, c_in, h, w]`, logical order whatever the layout.
-    pub(crate) x: [usize; 4],
-    /// `[c_out, c_in / groups, kh, kw]`, logical order.
-    pub(crate) w: [usize; 4],
-    pub(crate) padding: (usize, usize),
-    pub(crate) stride: (usize, usize),
-    pub(crate) dilation: (usize, usize),
-    pub(crate) groups: usize,
-    pub(crate) dtype: DType,
-    pub(crate) layout: ConvLayout,
-    pub(crate) allow_tf32: bool,
-}
-
-impl ConvKey {
-    /// The key of convolution `p` in `dtype` and `layout`.
-    pub(crate) fn new(
-        p: &Conv2dParams,
-        dtype: DType,
-        layout: ConvLayout,
-        allow_tf32: bool,
-    ) -> Self {
-        let (kh, kw) = p.kernel();
-        ConvKey {
-            x: [p.batch(), p.c_in(), p.h(), p.w()],
-            w: [p.c_out(), p.c_in() / p.groups(), kh, kw],
-            padding: p.padding(),
-            stride: p.stride(),
-            dilation: p.dilation(),
-            groups: p.groups(),
-            dtype,
-            layout,
-            allow_tf32,
-        }
-    }
-
-    /// The output's logical dimensions, `[batch, c_out, oh, ow]`.
-    fn y(&self) -> [usize; 4] {
-        let out = |size: usize, k: usize, pad: usize, stride: usize, dil: usize| {
-            (size + 2 * pad - dil * (k - 1) - 1) / stride + 1
-        };
-        let oh = out(self.x[2], self.w[2], self.padding.0, self.stride.0, self.dilation.0);
-        let ow = out(self.x[3], self.w[3], self.padding.1, self.stride.1, self.dilation.1);
-        [self.x[0], self.w[0], oh, ow]
-    }
-}
-
 /// A 4-d tensor's descriptor: logical `[n, c, h, w]` dimensions and the strides of
 /// `layout`, all within cuDNN's `int`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -186,8 +135,13 @@ pub(crate) fn tensor_dims(dims: [usize; 4], layout: ConvLayout) -> Result<Tensor
     Ok(TensorDims { dims: d, strides: s })
 }
 
+pub(crate) use crate::cudnn_choices::ConvKey;
 pub(crate) use crate::cudnn_choices::supports;
-use crate::cudnn_choices::{ConvChoice, ConvPass};
+use crate::cudnn_choices::{BnChoice, BnPass, ConvChoice, ConvPass};
+
+/// A batch norm call through cuDNN: its pass, dtype, layout and input shape, zero-padded to
+/// 5 dimensions.
+type BnKey = (BnPass, DType, ConvLayout, [usize; 5]);
 
 /// One convolution direction's cached choice: the algorithm, its math type and workspace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -240,20 +194,7 @@ impl<A: Copy> AlgoCache<A> {
 
 /// The record of `key`'s choice in `pass`.
 fn record<A: std::fmt::Debug>(pass: ConvPass, key: ConvKey, c: Choice<A>) -> ConvChoice {
-    ConvChoice {
-        pass,
-        x: key.x,
-        w: key.w,
-        padding: key.padding,
-        stride: key.stride,
-        dilation: key.dilation,
-        groups: key.groups,
-        dtype: key.dtype,
-        layout: key.layout,
-        allow_tf32: key.allow_tf32,
-        algo: format!("{:?}", c.algo),
-        workspace: c.workspace,
-    }
+    ConvChoice { pass, key, algo: format!("{:?}", c.algo), workspace: c.workspace }
 }
 
 /// What a cuDNN call needs of the device: workspaces from its caching allocator.
@@ -273,8 +214,8 @@ pub(crate) struct Dnn {
     fwd: AlgoCache<sys::cudnnConvolutionFwdAlgo_t>,
     bwd_data: AlgoCache<sys::cudnnConvolutionBwdDataAlgo_t>,
     bwd_filter: AlgoCache<sys::cudnnConvolutionBwdFilterAlgo_t>,
-    /// Every batch norm call's workspace and reserve sizes, for [`Dnn::choices`].
-    bn_calls: Mutex<std::collections::HashSet<crate::cudnn_choices::BnChoice>>,
+    /// Every batch norm call's workspace and reserve sizes, for [`Dnn::batch_norm_choices`].
+    bn_calls: Mutex<HashMap<BnKey, (usize, usize)>>,
 }
 
 // SAFETY: a cuDNN handle may be used from any thread as long as calls on it do not overlap;
@@ -345,14 +286,38 @@ impl Dnn {
         self.version
     }
 
-    /// Notes a batch norm call's sizes for [`Dnn::batch_norm_choices`].
-    pub(crate) fn note_batch_norm(&self, call: crate::cudnn_choices::BnChoice) {
-        self.bn_calls.lock().unwrap_or_else(|e| e.into_inner()).insert(call);
+    /// Notes the `(workspace, reserve)` bytes of a batch norm call on an input of `shape`
+    /// (3 to 5 dimensions, as cuDNN's batch norm takes) for [`Dnn::batch_norm_choices`];
+    /// nothing is allocated per call.
+    pub(crate) fn note_batch_norm(
+        &self,
+        pass: BnPass,
+        shape: &[usize],
+        dtype: DType,
+        layout: ConvLayout,
+        sizes: (usize, usize),
+    ) {
+        // Zero-padded: cuDNN takes no empty dimension, so the padding is unambiguous.
+        let mut dims = [0; 5];
+        dims.iter_mut().zip(shape).for_each(|(d, &s)| *d = s);
+        let mut calls = self.bn_calls.lock().unwrap_or_else(|e| e.into_inner());
+        calls.insert((pass, dtype, layout, dims), sizes);
     }
 
     /// Every batch norm call noted (see [`crate::cudnn_choices`]).
-    pub(crate) fn batch_norm_choices(&self) -> Vec<crate::cudnn_choices::BnChoice> {
-        self.bn_calls.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect()
+    pub(crate) fn batch_norm_choices(&self) -> Vec<BnChoice> {
+        let calls = self.bn_calls.lock().unwrap_or_else(|e| e.into_inner());
+        calls
+            .iter()
+            .map(|(&(pass, dtype, layout, dims), &(workspace, reserve))| BnChoice {
+                pass,
+                shape: dims.into_iter().take_while(|&d| d > 0).collect(),
+                dtype,
+                layout,
+                workspace,
+                reserve,
+            })
+            .collect()
     }
 
     /// Every choice the three directions' caches hold (see [`crate::cudnn_choices`]).
@@ -1000,7 +965,7 @@ struct Run<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::params::Conv2dOptions;
+    use crate::params::{Conv2dOptions, Conv2dParams};
     use std::io::Write as _;
 
     fn params(x: &[usize], w: &[usize], o: &Conv2dOptions) -> Conv2dParams {

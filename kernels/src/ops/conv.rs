@@ -323,8 +323,23 @@ pub fn conv2d_backward(
     backward(p, x, weight, dy, with_bias, ConvLayout::Nchw, cudnn)
 }
 
-/// Runs the full backward of a convolution of geometry `p` in `layout` (NHWC only through
-/// cuDNN, `cudnn` given; the own kernels take NCHW).
+/// Runs the backward of a convolution of geometry `p` in `layout` (NHWC only through cuDNN,
+/// `cudnn` given; the own kernels take NCHW), with the input's gradient when `Dx` is a
+/// [`Tensor`], without it when `()`.
+fn run_backward<Dx: Wanted>(
+    p: Conv2dParams,
+    x: &Tensor,
+    weight: &Tensor,
+    dy: &Tensor,
+    with_bias: bool,
+    layout: ConvLayout,
+    cudnn: Option<ConvSettings>,
+) -> Result<(Dx, Tensor, Option<Tensor>)> {
+    let ws = BackwardWorkspaces::default();
+    run(Conv2dBackward::<Dx> { p, x, weight, dy, with_bias, ws, dx: PhantomData, layout, cudnn })
+}
+
+/// [`run_backward`] with the input's gradient.
 fn backward(
     p: Conv2dParams,
     x: &Tensor,
@@ -334,19 +349,7 @@ fn backward(
     layout: ConvLayout,
     cudnn: Option<ConvSettings>,
 ) -> Result<Conv2dGrads> {
-    let ws = BackwardWorkspaces::default();
-    let op = Conv2dBackward::<Tensor> {
-        p,
-        x,
-        weight,
-        dy,
-        with_bias,
-        ws,
-        dx: PhantomData,
-        layout,
-        cudnn,
-    };
-    let (dx, dweight, dbias) = run(op)?;
+    let (dx, dweight, dbias) = run_backward(p, x, weight, dy, with_bias, layout, cudnn)?;
     Ok(Conv2dGrads { dx, dweight, dbias })
 }
 
@@ -379,8 +382,7 @@ pub fn conv2d_backward_weight(
     weight_backward(p, x, weight, dy, with_bias, ConvLayout::Nchw, cudnn)
 }
 
-/// Runs the weight-only backward of a convolution of geometry `p` in `layout` (NHWC only
-/// through cuDNN).
+/// [`run_backward`] without the input's gradient.
 fn weight_backward(
     p: Conv2dParams,
     x: &Tensor,
@@ -390,10 +392,7 @@ fn weight_backward(
     layout: ConvLayout,
     cudnn: Option<ConvSettings>,
 ) -> Result<Conv2dWeightGrads> {
-    let ws = BackwardWorkspaces::default();
-    let op =
-        Conv2dBackward::<()> { p, x, weight, dy, with_bias, ws, dx: PhantomData, layout, cudnn };
-    let ((), dweight, dbias) = run(op)?;
+    let ((), dweight, dbias) = run_backward(p, x, weight, dy, with_bias, layout, cudnn)?;
     Ok(Conv2dWeightGrads { dweight, dbias })
 }
 

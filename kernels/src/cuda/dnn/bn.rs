@@ -44,7 +44,7 @@
 use super::{
     Dnn, MAX_WORKSPACE, TensorDims, WorkspaceSource, alpha, beta, check, tensor_descriptor,
 };
-use crate::cudnn_choices::{BnChoice, BnPass};
+use crate::cudnn_choices::BnPass;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::params::ConvLayout;
@@ -280,14 +280,7 @@ impl Dnn {
             )
         })?;
         let reserve_bytes = self.bn_reserve_size(shape, dtype, layout)?;
-        self.note_batch_norm(BnChoice {
-            pass: BnPass::Training,
-            shape: shape.to_vec(),
-            dtype,
-            layout,
-            workspace: ws_bytes,
-            reserve: reserve_bytes,
-        });
+        self.note_batch_norm(BnPass::Training, shape, dtype, layout, (ws_bytes, reserve_bytes));
         let (work, work_addr) = block(ws, "workspace", ws_bytes)?;
         let (reserve, reserve_addr) = block(ws, "reserve space", reserve_bytes)?;
         let (rm, rv) = a.running.unwrap_or((0, 0));
@@ -408,14 +401,7 @@ impl Dnn {
                 &mut ws_bytes,
             )
         })?;
-        self.note_batch_norm(BnChoice {
-            pass: BnPass::Backward,
-            shape: shape.to_vec(),
-            dtype,
-            layout,
-            workspace: ws_bytes,
-            reserve: 0,
-        });
+        self.note_batch_norm(BnPass::Backward, shape, dtype, layout, (ws_bytes, 0));
         let (work, work_addr) = block(ws, "workspace", ws_bytes)?;
         // SAFETY: the caller's contract; the workspace as in the forward.
         let status = unsafe {

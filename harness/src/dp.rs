@@ -1,21 +1,29 @@
-//! Data parallelism for the reference models: [`DpModel`], the reference MLP and GPT as a
-//! [`vram_parallel::Replica`] (one parameter group per layer, the GPT's embeddings a group of
-//! their own); [`measure`], one data-parallel run over N host or virtual devices (its
-//! collectives [`Metered`]: bytes a ring moves per step); and [`DpJob`], a training run as
-//! one rank of a multi-process job ([`DpJob::train_process`], e.g. over
-//! [`vram_parallel::TcpComm`]) or as all its ranks on threads of one process
-//! ([`DpJob::train_threads`]), the two giving the same bits.
+//! Data parallelism for the reference models: [`DpModel`], a reference model as a
+//! [`vram_parallel::Replica`] (one parameter group per layer, the token embedding (with
+//! GPT's positions) a group of its own); [`measure`], one data-parallel run over N host or
+//! virtual devices (its collectives [`Metered`]: bytes a ring moves per step); and
+//! [`DpJob`], a training run as one rank of a multi-process job
+//! ([`DpJob::train_process`], e.g. over [`vram_parallel::TcpComm`]) or as all its ranks on
+//! threads of one process ([`DpJob::train_threads`]), the two giving the same bits.
 //!
-//! `DpModel` is built from the same layers in the same order with the same random draws as
-//! [`Model`], so one step of it on one device equals one step of the
-//! reference model (`harness/tests/data_parallel.rs` checks it); it runs the layers one by
-//! one so that ZeRO-3 can gather each layer's weights around its forward and backward.
+//! `DpModel` is a [`Model`] taken apart ([`Model::into_parts`]): the same layers in the same
+//! order with the same random draws, its autocast and its loss (a tied LM head fused with
+//! the cross-entropy), so one step of it on one device equals one step of the model
+//! (`harness/tests/data_parallel.rs` checks it); it runs the layers one by one so that
+//! ZeRO-3 can gather each layer's weights around its forward and backward. A tied head
+//! reads the token embedding a second time after the chain: its group is gathered again
+//! around the head (as DeepSpeed fetches a shared parameter at each use), and its gradient,
+//! the head's and the embedding's summed, is reduced once, after the embedding's backward.
 
 use std::time::Duration;
 
 use crate::data::{Batch, Dataset, Input};
 
-use crate::models::{Arch, Model};
+use crate::models::{
+    Arch, EmbedParts, HeadSaved, Model, fused_tied_loss, loss_and_grad, loss_input, tied_head,
+    tied_head_backward,
+};
+use vram_accum::autocast::cast_into;
 use vram_accum::{BoxedLayer, ForwardCtx, Mode, Param, SavedBox};
 use vram_kernels::{DType, Device, Tensor, ops};
 use vram_parallel::{
@@ -23,11 +31,19 @@ use vram_parallel::{
     RankReport, Replica, VirtualCollective,
 };
 
-/// A reference model (MLP or GPT) as a data-parallel replica.
+/// A reference model as a data-parallel replica.
 pub struct DpModel {
     device: Device,
-    /// GPT: token and position embeddings, and the sequence length.
-    embed: Option<([Param; 2], usize)>,
+    /// GPT's token and position embeddings, Llama's token embedding: group 0.
+    embed: Option<EmbedParts>,
+    /// Whether the LM head is the token embedding.
+    tied: bool,
+    /// The low dtype of autocast, `None` without.
+    autocast: Option<DType>,
+    /// Whether images are converted to channels_last before the chain.
+    channels_last: bool,
+    /// Whether a training step fuses a tied head with its loss.
+    fused_loss: bool,
     layers: Vec<BoxedLayer>,
     dtype: DType,
     forwards: u64,
@@ -42,44 +58,171 @@ fn accum(e: vram_accum::Error) -> DistError {
 }
 
 impl DpModel {
-    /// `arch` (an MLP or a GPT) on `device`, weights drawn from `seed` as
+    /// `arch` on `device`, weights of `dtype` drawn from `seed` as
     /// [`Model::new`](crate::models::Model::new) draws them.
     ///
     /// # Errors
     ///
-    /// [`DistError::Invalid`] for a GPT with a tied LM head (not supported here); out of
-    /// memory.
+    /// Sizes the layers refuse; out of memory.
     pub fn new(
         device: &Device,
         arch: &Arch,
         seed: u64,
         dtype: DType,
     ) -> Result<DpModel, DistError> {
-        if let Arch::Llama(l) = arch {
-            return Err(DistError::Invalid(format!(
-                "{} (Llama family) is not supported by the data-parallel model yet",
-                l.name
-            )));
-        }
-        if matches!(arch, Arch::Gpt { tied: true, .. }) {
-            return Err(DistError::Invalid(
-                "a GPT whose LM head is tied to the token embedding is not supported here: \
-                 build it with `tied: false` (a separate head of vocab x d)"
-                    .into(),
-            ));
-        }
-        let parts = Model::new(device, arch.clone(), seed, dtype).map_err(accum)?.into_parts();
-        let (embed, out) = (parts.embed, parts.layers);
-        Ok(DpModel { device: device.clone(), embed, layers: out, dtype, forwards: 0 })
+        Ok(DpModel::from_model(Model::new(device, arch.clone(), seed, dtype).map_err(accum)?))
     }
 
-    /// Number of parameters.
+    /// `model` as a replica: its layers, embeddings, tied head (fused with the loss or not,
+    /// [`Model::set_fused_loss`]), autocast ([`Model::set_autocast`]) and channels_last
+    /// images.
+    pub fn from_model(model: Model) -> DpModel {
+        let device = model.device().clone();
+        let dtype = model.params().first().map_or(DType::F32, |p| p.value.dtype());
+        let parts = model.into_parts();
+        DpModel {
+            device,
+            embed: parts.embed,
+            tied: parts.tied,
+            autocast: parts.autocast,
+            channels_last: parts.channels_last,
+            fused_loss: parts.fused_loss,
+            layers: parts.layers,
+            dtype,
+            forwards: 0,
+        }
+    }
+
+    /// Number of parameters (a tied head counted once, as the token embedding).
     pub fn param_count(&mut self) -> u64 {
         self.params_mut().iter().map(|p| p.value.numel() as u64).sum()
     }
 
     fn offset(&self) -> usize {
         usize::from(self.embed.is_some())
+    }
+
+    /// A training context, under the model's autocast if any.
+    fn context(&mut self) -> Result<ForwardCtx, DistError> {
+        let ctx = ForwardCtx::new(Mode::Train, self.forwards);
+        self.forwards += 1;
+        match self.autocast {
+            Some(low) => ctx.with_autocast(low).map_err(accum),
+            None => Ok(ctx),
+        }
+    }
+
+    /// The chain's input (the embeddings run as group 0) and the token ids, if any.
+    fn input(
+        &mut self,
+        batch: &DpBatch,
+        hooks: &mut dyn GroupHooks,
+    ) -> Result<(Tensor, Option<Vec<u32>>), DistError> {
+        match (&batch.batch.input, &mut self.embed) {
+            (Input::Dense { values, shape }, None) => {
+                let x = Tensor::from_f32_slice(&self.device, shape, values, self.dtype)?;
+                let x = if self.channels_last { ops::permute(&x, &[0, 2, 3, 1])? } else { x };
+                Ok((x, None))
+            }
+            (Input::Tokens(ids), Some(e)) => {
+                if !ids.len().is_multiple_of(e.seq.max(1)) {
+                    return Err(DistError::Invalid(format!(
+                        "{} tokens are not whole sequences of {}",
+                        ids.len(),
+                        e.seq
+                    )));
+                }
+                hooks.before(Pass::Forward, 0, &mut e.params_mut())?;
+                let x = e.forward(ids).map_err(accum)?;
+                hooks.after(Pass::Forward, 0, &mut e.params_mut())?;
+                Ok((x, Some(ids.clone())))
+            }
+            _ => Err(DistError::Invalid("the batch does not match the model".into())),
+        }
+    }
+
+    /// The chain's forward, layer by layer, each group between its hooks.
+    fn chain_forward(
+        &mut self,
+        mut x: Tensor,
+        ctx: &mut ForwardCtx,
+        hooks: &mut dyn GroupHooks,
+    ) -> Result<(Tensor, Vec<SavedBox>), DistError> {
+        let off = self.offset();
+        let mut saved = Vec::with_capacity(self.layers.len());
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            hooks.before(Pass::Forward, i + off, &mut layer.params_mut())?;
+            let (y, s) = layer.forward(&x, ctx).map_err(accum)?;
+            hooks.after(Pass::Forward, i + off, &mut layer.params_mut())?;
+            saved.push(s.ok_or_else(|| DistError::Replica("a layer saved nothing".into()))?);
+            x = y;
+        }
+        Ok((x, saved))
+    }
+
+    /// The chain's backward from its output's gradient `dy`, then the embeddings'.
+    fn chain_backward(
+        &mut self,
+        saved: Vec<SavedBox>,
+        ids: Option<Vec<u32>>,
+        dy: Tensor,
+        hooks: &mut dyn GroupHooks,
+    ) -> Result<(), DistError> {
+        let off = self.offset();
+        let want_first = self.embed.is_some();
+        let mut dy = Some(dy);
+        for (i, (layer, s)) in self.layers.iter_mut().zip(saved).enumerate().rev() {
+            hooks.before(Pass::Backward, i + off, &mut layer.params_mut())?;
+            let g = dy
+                .take()
+                .ok_or_else(|| DistError::Replica("a layer returned no input gradient".into()))?;
+            dy = layer.backward(s, g, i > 0 || want_first).map_err(accum)?;
+            hooks.after(Pass::Backward, i + off, &mut layer.params_mut())?;
+        }
+        match (ids, dy, &mut self.embed) {
+            (Some(ids), Some(dx), Some(e)) => {
+                hooks.before(Pass::Backward, 0, &mut e.params_mut())?;
+                e.backward(&ids, &dx).map_err(accum)?;
+                hooks.after(Pass::Backward, 0, &mut e.params_mut())
+            }
+            (Some(_), None, _) => {
+                Err(DistError::Replica("the first layer returned no input gradient".into()))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// From the chain's output: the tied head if any, the logits cast for the loss, the
+    /// autocast cache cleared; the logits and the tape.
+    fn finish_forward(
+        &mut self,
+        out: Tensor,
+        saved: Vec<SavedBox>,
+        ids: Option<Vec<u32>>,
+        mut ctx: ForwardCtx,
+        hooks: &mut dyn GroupHooks,
+    ) -> Result<(Tensor, DpTape), DistError> {
+        let (logits, head) = if self.tied {
+            let e = self.tied_table()?;
+            hooks.before(Pass::Forward, 0, &mut e.params_mut())?;
+            let r = tied_head(&e.tok, out, &mut ctx);
+            hooks.after(Pass::Forward, 0, &mut e.params_mut())?;
+            let (logits, head) = r.map_err(accum)?;
+            (logits, Some(head))
+        } else {
+            (out, None)
+        };
+        let logits_dtype = logits.dtype();
+        let logits = loss_input(logits, &ctx).map_err(accum)?;
+        ctx.clear_autocast_cache();
+        Ok((logits, DpTape { saved, ids, head, logits_dtype }))
+    }
+
+    /// The token embedding, for the tied head.
+    fn tied_table(&mut self) -> Result<&mut EmbedParts, DistError> {
+        self.embed
+            .as_mut()
+            .ok_or_else(|| DistError::Invalid("a tied head needs the token embedding".into()))
     }
 }
 
@@ -104,10 +247,14 @@ impl DpBatch {
     }
 }
 
-/// Saved states of the layers, and the token ids for the embeddings' backward.
+/// What forward keeps for backward: the layers' saved states, the token ids for the
+/// embeddings' backward, a tied head's operands, and the logits' dtype before the loss's
+/// cast (16 bits under autocast).
 pub struct DpTape {
     saved: Vec<SavedBox>,
     ids: Option<Vec<u32>>,
+    head: Option<HeadSaved>,
+    logits_dtype: DType,
 }
 
 impl Replica for DpModel {
@@ -119,14 +266,15 @@ impl Replica for DpModel {
     }
 
     fn group_sizes(&self) -> Vec<usize> {
-        let mut g: Vec<usize> = self.embed.iter().map(|_| 2).collect();
+        let mut g: Vec<usize> =
+            self.embed.iter().map(|e| 1 + usize::from(e.pos.is_some())).collect();
         g.extend(self.layers.iter().map(|l| l.params().len()));
         g
     }
 
     fn params_mut(&mut self) -> Vec<&mut Param> {
         let mut p: Vec<&mut Param> =
-            self.embed.iter_mut().flat_map(|(e, _)| e.iter_mut()).collect();
+            self.embed.iter_mut().flat_map(EmbedParts::params_mut).collect();
         p.extend(self.layers.iter_mut().flat_map(|l| l.params_mut()));
         p
     }
@@ -152,46 +300,17 @@ impl Replica for DpModel {
         &batch.batch.targets
     }
 
+    /// The logits, in the dtype the loss runs in (f32 under autocast); a tied head computes
+    /// them whole (`nn.DataParallel` gathers them on device 0).
     fn forward(
         &mut self,
         batch: &DpBatch,
         hooks: &mut dyn GroupHooks,
     ) -> Result<(Tensor, DpTape), DistError> {
-        let mut token_ids = None;
-        let mut x = match (&batch.batch.input, &mut self.embed) {
-            (Input::Dense { values, shape }, None) => {
-                Tensor::from_f32_slice(&self.device, shape, values, self.dtype)?
-            }
-            (Input::Tokens(ids), Some((e, seq))) => {
-                if !ids.len().is_multiple_of(*seq) {
-                    return Err(DistError::Invalid(format!(
-                        "{} tokens are not whole sequences of {seq}",
-                        ids.len()
-                    )));
-                }
-                let positions: Vec<u32> = (0..ids.len()).map(|i| (i % *seq) as u32).collect();
-                let [tok, pos] = e;
-                hooks.before(Pass::Forward, 0, &mut [&mut *tok, &mut *pos])?;
-                let t = ops::embedding(&tok.value, ids)?;
-                let p = ops::embedding(&pos.value, &positions)?;
-                hooks.after(Pass::Forward, 0, &mut [&mut *tok, &mut *pos])?;
-                token_ids = Some(ids.clone());
-                ops::add(&t, &p)?
-            }
-            _ => return Err(DistError::Invalid("the batch does not match the model".into())),
-        };
-        let mut ctx = ForwardCtx::new(Mode::Train, self.forwards);
-        self.forwards += 1;
-        let off = self.offset();
-        let mut saved = Vec::with_capacity(self.layers.len());
-        for (i, layer) in self.layers.iter_mut().enumerate() {
-            hooks.before(Pass::Forward, i + off, &mut layer.params_mut())?;
-            let (y, s) = layer.forward(&x, &mut ctx).map_err(accum)?;
-            hooks.after(Pass::Forward, i + off, &mut layer.params_mut())?;
-            saved.push(s.ok_or_else(|| DistError::Replica("a layer saved nothing".into()))?);
-            x = y;
-        }
-        Ok((x, DpTape { saved, ids: token_ids }))
+        let mut ctx = self.context()?;
+        let (x, ids) = self.input(batch, hooks)?;
+        let (out, saved) = self.chain_forward(x, &mut ctx, hooks)?;
+        self.finish_forward(out, saved, ids, ctx, hooks)
     }
 
     fn backward(
@@ -200,42 +319,47 @@ impl Replica for DpModel {
         dlogits: &Tensor,
         hooks: &mut dyn GroupHooks,
     ) -> Result<(), DistError> {
-        let off = self.offset();
-        let want_first = self.embed.is_some();
-        let mut dy = Some(dlogits.clone());
-        for (i, (layer, s)) in self.layers.iter_mut().zip(tape.saved).enumerate().rev() {
-            hooks.before(Pass::Backward, i + off, &mut layer.params_mut())?;
-            let g = dy
-                .take()
-                .ok_or_else(|| DistError::Replica("a layer returned no input gradient".into()))?;
-            dy = layer.backward(s, g, i > 0 || want_first).map_err(accum)?;
-            hooks.after(Pass::Backward, i + off, &mut layer.params_mut())?;
-        }
-        match (tape.ids, dy) {
-            (Some(ids), Some(dy)) => self.embed_backward(&ids, &dy, hooks),
-            (Some(_), None) => {
-                Err(DistError::Replica("the first layer returned no input gradient".into()))
-            }
-            (None, _) => Ok(()),
-        }
+        let dy = cast_into(dlogits.clone(), tape.logits_dtype).map_err(accum)?;
+        let dy = match tape.head {
+            Some(h) => tied_head_backward(h, &mut self.tied_table()?.tok, &dy).map_err(accum)?,
+            None => dy,
+        };
+        self.chain_backward(tape.saved, tape.ids, dy, hooks)
     }
-}
 
-impl DpModel {
-    /// The embeddings' gradients from the first block's input gradient.
-    fn embed_backward(
+    /// As the model's training step: a tied head fused with its loss (the logits never
+    /// whole), the loss in f32 under autocast, the autocast cache cleared at the loss.
+    fn forward_backward(
         &mut self,
-        ids: &[u32],
-        dx: &Tensor,
+        batch: &DpBatch,
         hooks: &mut dyn GroupHooks,
-    ) -> Result<(), DistError> {
-        let Some(([tok, pos], seq)) = &mut self.embed else { return Ok(()) };
-        let positions: Vec<u32> = (0..ids.len()).map(|i| (i % *seq) as u32).collect();
-        hooks.before(Pass::Backward, 0, &mut [&mut *tok, &mut *pos])?;
-        let vocab = tok.value.shape().first().copied().unwrap_or(0);
-        tok.accumulate_grad(ops::embedding_backward(ids, dx, vocab)?)?;
-        pos.accumulate_grad(ops::embedding_backward(&positions, dx, *seq)?)?;
-        hooks.after(Pass::Backward, 0, &mut [&mut *tok, &mut *pos])
+    ) -> Result<f32, DistError> {
+        let mut ctx = self.context()?;
+        let (x, ids) = self.input(batch, hooks)?;
+        let (out, saved) = self.chain_forward(x, &mut ctx, hooks)?;
+        let targets = &batch.batch.targets;
+        if self.tied && !self.fused_loss {
+            let (logits, tape) = self.finish_forward(out, saved, ids, ctx, hooks)?;
+            let dt = logits.dtype();
+            let (loss, dlogits) = loss_and_grad(logits, targets, 1.0, dt).map_err(accum)?;
+            self.backward(tape, &dlogits, hooks)?;
+            return Ok(loss);
+        }
+        let (loss, dy) = if self.tied {
+            let e = self.tied_table()?;
+            hooks.before(Pass::Forward, 0, &mut e.params_mut())?;
+            let mut cast_bytes = 0;
+            let r = fused_tied_loss(&mut e.tok, out, targets, &mut ctx, 1.0, &mut cast_bytes);
+            hooks.after(Pass::Forward, 0, &mut e.params_mut())?;
+            r.map_err(accum)?
+        } else {
+            let logits_dtype = out.dtype();
+            let logits = loss_input(out, &ctx).map_err(accum)?;
+            ctx.clear_autocast_cache();
+            loss_and_grad(logits, targets, 1.0, logits_dtype).map_err(accum)?
+        };
+        self.chain_backward(saved, ids, dy, hooks)?;
+        Ok(loss)
     }
 }
 
@@ -331,18 +455,20 @@ pub fn measure(
 ) -> Result<DpRun, DistError> {
     let batches: Vec<DpBatch> =
         (0..steps).map(|i| DpBatch::new(data, seed, i as u64, samples)).collect();
-    measure_batches(arch, dtype, config, n, kind, &batches, seed)
+    let build = |device: &Device| Model::new(device, arch.clone(), seed, dtype);
+    measure_batches(&build, config, n, kind, &batches)
 }
 
-/// [`measure`] on the global batches `batches`.
+/// A model built on a rank's device (the same weights on every rank).
+pub(crate) type BuildModel<'a> = dyn Fn(&Device) -> vram_accum::Result<Model> + Sync + 'a;
+
+/// [`measure`] of the model `build` makes, on the global batches `batches`.
 pub(crate) fn measure_batches(
-    arch: &Arch,
-    dtype: DType,
+    build: &BuildModel<'_>,
     config: DpConfig,
     n: usize,
     kind: DeviceKind,
     batches: &[DpBatch],
-    seed: u64,
 ) -> Result<DpRun, DistError> {
     let groups = InProcessGroup::connect(n, Duration::from_secs(600))?;
     let mut replicas = Vec::with_capacity(n);
@@ -352,7 +478,7 @@ pub(crate) fn measure_batches(
             DeviceKind::Host(c) => Device::host(c),
             DeviceKind::Virtual(c) => Device::virtual_device(c),
         };
-        replicas.push(DpModel::new(&device, arch, seed, dtype)?);
+        replicas.push(DpModel::from_model(build(&device).map_err(accum)?));
         comms.push(match kind {
             DeviceKind::Host(_) => Box::new(Metered::new(HostCollective::new(comm))),
             DeviceKind::Virtual(_) => Box::new(Metered::new(VirtualCollective::new(comm))),
@@ -409,7 +535,7 @@ pub type RankResult = (RankReport, Vec<Vec<f32>>);
 /// order, so they give the same weights bit for bit.
 #[derive(Clone, Debug)]
 pub struct DpJob {
-    /// The model (an MLP, or a GPT with an untied head).
+    /// The model (any [`Arch`]: an MLP, a CNN, a GPT with a tied head or not, a Llama).
     pub arch: Arch,
     /// Its data.
     pub data: Dataset,

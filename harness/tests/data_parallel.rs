@@ -8,7 +8,7 @@ use vram_accum::{ForwardCtx, Mode};
 use vram_amp::{AdamW, Optimizer};
 use vram_harness::data::Dataset;
 use vram_harness::dp::{DeviceKind, DpBatch, DpModel, analytic_state_bytes, measure};
-use vram_harness::models::{Arch, Model};
+use vram_harness::models::{Arch, HfModel, Model};
 use vram_harness::plan;
 use vram_kernels::{AdamWConfig, DType, Device};
 use vram_parallel::{
@@ -25,8 +25,20 @@ fn adamw() -> AdamWConfig {
 }
 
 fn reference(arch: &Arch, data: &Dataset, samples: usize, steps: u64) -> Vec<Vec<f32>> {
+    reference_with(arch, data, samples, steps, None)
+}
+
+/// [`reference`] with the model under autocast to `low` (f32 weights).
+fn reference_with(
+    arch: &Arch,
+    data: &Dataset,
+    samples: usize,
+    steps: u64,
+    low: Option<DType>,
+) -> Vec<Vec<f32>> {
     let dev = Device::host(64 << 20);
     let mut model = Model::new(&dev, arch.clone(), 7, DType::F32).unwrap();
+    model.set_autocast(low).unwrap();
     let mut opt = AdamW::new(adamw());
     for i in 0..steps {
         model.zero_grad();
@@ -45,13 +57,29 @@ fn data_parallel(
     n: usize,
     strategy: Strategy,
 ) -> Vec<Vec<Vec<f32>>> {
+    data_parallel_with(arch, data, samples, steps, n, strategy, None)
+}
+
+fn data_parallel_with(
+    arch: &Arch,
+    data: &Dataset,
+    samples: usize,
+    steps: u64,
+    n: usize,
+    strategy: Strategy,
+    low: Option<DType>,
+) -> Vec<Vec<Vec<f32>>> {
     let comms: Vec<Box<dyn Collective>> = InProcessGroup::connect(n, Duration::from_secs(30))
         .unwrap()
         .into_iter()
         .map(|c| Box::new(HostCollective::new(c)) as Box<dyn Collective>)
         .collect();
     let replicas: Vec<DpModel> = (0..n)
-        .map(|_| DpModel::new(&Device::host(64 << 20), arch, 7, DType::F32).unwrap())
+        .map(|_| {
+            let mut m = Model::new(&Device::host(64 << 20), arch.clone(), 7, DType::F32).unwrap();
+            m.set_autocast(low).unwrap();
+            DpModel::from_model(m)
+        })
         .collect();
     let batches: Vec<DpBatch> = (0..steps).map(|i| DpBatch::new(data, 3, i, samples)).collect();
     let config = DpConfig { adamw: adamw(), ..DpConfig::new(strategy) };
@@ -91,6 +119,68 @@ fn data_parallel_gpt_and_mlp_equal_the_reference_models_on_one_device() {
             for got in data_parallel(&arch, &data, samples, 3, n, s) {
                 close(&got, &want, &format!("{arch:?} {} x{n}", s.name()));
             }
+        }
+    }
+}
+
+fn tiny_llama(tied: bool) -> Arch {
+    let text = format!(
+        r#"{{"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 40, "max_position_embeddings": 16, "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0, "tie_word_embeddings": {tied}}}"#
+    );
+    HfModel::from_json_str("tiny-qwen2", &text).unwrap().arch.with_seq(8).unwrap()
+}
+
+/// A GPT whose LM head is its token embedding (GPT-2), and the Llama family (token
+/// embedding only, rotary positions; tied and untied heads): every strategy on N devices
+/// trains them as the model trains on one, the tied head's gradient (the head's and the
+/// embedding's summed) reduced once.
+#[test]
+fn data_parallel_tied_gpt_and_llama_equal_the_reference_models() {
+    let gpt = Arch::Gpt { vocab: 32, d: 16, layers: 2, heads: 2, seq: 8, dropout: 0.0, tied: true };
+    let tokens = |vocab| Dataset::Sequences { vocab, seq: 8 };
+    for (arch, data) in
+        [(gpt, tokens(32)), (tiny_llama(true), tokens(40)), (tiny_llama(false), tokens(40))]
+    {
+        let want = reference(&arch, &data, 4, 3);
+        for (n, s) in [
+            (1, Strategy::Ddp),
+            (2, Strategy::Ddp),
+            (2, Strategy::Zero1),
+            (2, Strategy::Zero2),
+            (4, Strategy::Zero3),
+            (2, Strategy::DataParallel),
+        ] {
+            for got in data_parallel(&arch, &data, 4, 3, n, s) {
+                close(&got, &want, &format!("{} {} x{n}", arch.name(), s.name()));
+            }
+        }
+    }
+}
+
+/// Under bf16 autocast (f32 weights, gradients and collectives) one device's DDP step is
+/// the model's own, bit for bit; on two devices the halves' bf16 matmuls round as the
+/// whole batch's do not, so the weights agree to bf16's rounding only, and ZeRO-3's agree
+/// with DDP's bit for bit (the same sums of two halves).
+#[test]
+fn data_parallel_under_autocast_trains_as_the_autocast_model() {
+    let bf16 = Some(DType::BF16);
+    let gpt = Arch::Gpt { vocab: 32, d: 16, layers: 2, heads: 2, seq: 8, dropout: 0.0, tied: true };
+    let data = Dataset::Sequences { vocab: 32, seq: 8 };
+    let want = reference_with(&gpt, &data, 4, 2, bf16);
+    let one = data_parallel_with(&gpt, &data, 4, 2, 1, Strategy::Ddp, bf16);
+    assert_eq!(one[0], want, "one device under autocast");
+    let f32_run = reference(&gpt, &data, 4, 2);
+    assert_ne!(want, f32_run, "autocast changes the weights");
+    let ddp = data_parallel_with(&gpt, &data, 4, 2, 2, Strategy::Ddp, bf16);
+    let zero3 = data_parallel_with(&gpt, &data, 4, 2, 2, Strategy::Zero3, bf16);
+    assert_eq!(ddp[0], ddp[1], "DDP's ranks hold the same weights");
+    assert_eq!(zero3[0], ddp[0], "ZeRO-3 under autocast = DDP");
+    for (u, v) in ddp[0].iter().zip(&want) {
+        for (x, y) in u.iter().zip(v) {
+            assert!((x - y).abs() <= 2e-2 * y.abs().max(1.0), "{x} vs {y}");
         }
     }
 }

@@ -5,7 +5,7 @@
 
 use crate::error::DistError;
 use vram_amp::Param;
-use vram_kernels::{Device, Tensor};
+use vram_kernels::{Device, Tensor, ops};
 
 /// Which pass a hook runs around.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,4 +105,30 @@ pub trait Replica: Send {
         dlogits: &Tensor,
         hooks: &mut dyn GroupHooks,
     ) -> Result<(), DistError>;
+    /// One training pass on `batch`: forward, the mean cross-entropy of the logits against
+    /// [`targets`](Self::targets), backward; returns the loss. DDP and ZeRO call this;
+    /// `nn.DataParallel`, which computes the loss on device 0, calls `forward` and
+    /// `backward`. The default does just that; a replica that computes its last layer with
+    /// the loss fused (a tied LM head through `ops::linear_cross_entropy`, whose logits are
+    /// never whole) or in another precision (autocast) overrides it, keeping the hooks'
+    /// contract: a group used twice in a pass (a tied embedding) runs `before` and `after`
+    /// around each use, and its gradients are complete at its last `after` in backward.
+    ///
+    /// # Errors
+    ///
+    /// As [`forward`](Self::forward).
+    fn forward_backward(
+        &mut self,
+        batch: &Self::Batch,
+        hooks: &mut dyn GroupHooks,
+    ) -> Result<f32, DistError> {
+        let (logits, tape) = self.forward(batch, hooks)?;
+        let targets = Self::targets(batch);
+        let ce = ops::cross_entropy(&logits, targets, None)?;
+        let dlogits = ops::cross_entropy_backward(&logits, targets, None, &ce.lse, 1.0)?;
+        let loss = ce.loss;
+        drop((logits, ce));
+        self.backward(tape, &dlogits, hooks)?;
+        Ok(loss)
+    }
 }

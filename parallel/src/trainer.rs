@@ -327,12 +327,7 @@ impl<R: Replica> RankTrainer<R> {
         } else {
             &mut none
         };
-        let (logits, tape) = self.replica.forward(local, hooks)?;
-        let targets = R::targets(local);
-        let ce = ops::cross_entropy(&logits, targets, None)?;
-        let dlogits = ops::cross_entropy_backward(&logits, targets, None, &ce.lse, 1.0)?;
-        drop((logits, ce));
-        self.replica.backward(tape, &dlogits, hooks)
+        self.replica.forward_backward(local, hooks).map(drop)
     }
 
     /// DDP: averages every gradient over the ranks, bucket by bucket.

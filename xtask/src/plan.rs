@@ -368,16 +368,6 @@ pub fn run(args: PlanArgs) -> Result<ExitCode, String> {
         }
     };
     let data_parallel = match args.gpus {
-        // The data-parallel trainer runs GPT-style models (a position table) only: for the
-        // Llama family the table above, from the single-device measurement, is the answer.
-        Some(n) if n > 1 && n <= MEASURED_GPUS && matches!(req.model.arch, Arch::Llama(_)) => {
-            eprintln!(
-                "note: --gpus {n}: the per-GPU figures are estimates from the single-device \
-                 measurement; vram-parallel does not run the Llama family on {n} virtual \
-                 devices yet"
-            );
-            None
-        }
         Some(n) if n > 1 && n <= MEASURED_GPUS => match plan::data_parallel(&req, n) {
             Ok(d) => Some(d),
             Err(e) if e.is_bad_input() => return Err(e.to_string()),

@@ -22,8 +22,11 @@ const DEVICES: [usize; 4] = [1, 2, 4, 8];
 const SMALL_GPT: &str = "small GPT (d 64, 2 layers, 4 heads, 32 tokens, dropout 0, fused attention), fp32, executed on host devices";
 const MEDIUM: &str = "GPT-2 medium (untied head, 1024 tokens, dropout 0, fused attention), bf16 + f32 AdamW, virtual devices";
 
-/// GPT-2 medium (16-head attention) with an untied LM head (vram-parallel runs no tied head:
-/// +vocab x d = 51.5 M parameters), no dropout.
+/// GPT-2 medium (16-head attention) with an untied LM head (+vocab x d = 51.5 M
+/// parameters), no dropout: ZeRO's formulas (16/N bytes of states, 3 (N-1)/N bytes moved
+/// per parameter) count each parameter used once per pass, and a tied head reads the token
+/// table twice (ZeRO-3 gathers it twice: `cargo xtask plan --gpus` runs tied heads and says
+/// so), so the claims are tested on the formulas' own terms.
 fn gpt2_medium() -> (Arch, Dataset) {
     let (vocab, seq) = (50257, 1024);
     (

@@ -55,12 +55,81 @@ struct Embed {
     tied: bool,
 }
 
+/// A GPT's or Llama's token embedding taken apart ([`Model::into_parts`]).
+pub struct EmbedParts {
+    /// The token embedding (`wte`, `embed_tokens`): `[vocab, d]`.
+    pub tok: Param,
+    /// GPT's learned positions (`wpe`); `None` for Llama (rotary embeddings in its blocks).
+    pub pos: Option<Param>,
+    /// The sequence length.
+    pub seq: usize,
+}
+
+impl EmbedParts {
+    /// The embedding's parameters: the token table, then the positions' if any.
+    pub fn params_mut(&mut self) -> Vec<&mut Param> {
+        std::iter::once(&mut self.tok).chain(self.pos.as_mut()).collect()
+    }
+
+    /// The chain's input for token ids `ids`: the token rows, plus the positions' rows
+    /// (GPT; position `i % seq` for id `i`).
+    ///
+    /// # Errors
+    ///
+    /// An op's error.
+    pub fn forward(&self, ids: &[u32]) -> Result<Tensor> {
+        embed_tokens(&self.tok, self.pos.as_ref(), self.seq, ids)
+    }
+
+    /// Adds the gradients of [`forward`](Self::forward) for the chain's input gradient `dx`.
+    ///
+    /// # Errors
+    ///
+    /// An op's error.
+    pub fn backward(&mut self, ids: &[u32], dx: &Tensor) -> Result<()> {
+        embed_tokens_backward(&mut self.tok, self.pos.as_mut(), self.seq, ids, dx)
+    }
+}
+
+fn positions(n: usize, seq: usize) -> Vec<u32> {
+    (0..n).map(|i| (i % seq) as u32).collect()
+}
+
+fn embed_tokens(tok: &Param, pos: Option<&Param>, seq: usize, ids: &[u32]) -> Result<Tensor> {
+    let t = ops::embedding(&tok.value, ids)?;
+    let Some(pos) = pos else { return Ok(t) };
+    let p = ops::embedding(&pos.value, &positions(ids.len(), seq))?;
+    Ok(ops::add(&t, &p)?)
+}
+
+fn embed_tokens_backward(
+    tok: &mut Param,
+    pos: Option<&mut Param>,
+    seq: usize,
+    ids: &[u32],
+    dx: &Tensor,
+) -> Result<()> {
+    let vocab = tok.value.shape().first().copied().unwrap_or(0);
+    tok.accumulate_grad(ops::embedding_backward(ids, dx, vocab)?)?;
+    if let Some(pos) = pos {
+        pos.accumulate_grad(ops::embedding_backward(&positions(ids.len(), seq), dx, seq)?)?;
+    }
+    Ok(())
+}
+
 /// A [`Model`] taken apart ([`Model::into_parts`]).
 pub struct ModelParts {
-    /// GPT's token and position embeddings (`wte`, `wpe`) and the sequence length.
-    pub embed: Option<([Param; 2], usize)>,
-    /// Whether the LM head is `wte` (logits `h wte^T` after the chain).
+    /// GPT's token and position embeddings, Llama's token embedding.
+    pub embed: Option<EmbedParts>,
+    /// Whether the LM head is the token embedding (logits `h tok^T` after the chain).
     pub tied: bool,
+    /// The low dtype of autocast, `None` without ([`Model::set_autocast`]).
+    pub autocast: Option<DType>,
+    /// Whether the images are converted to channels_last before the chain.
+    pub channels_last: bool,
+    /// Whether a training step computes a tied head with its loss fused
+    /// ([`Model::set_fused_loss`]).
+    pub fused_loss: bool,
     /// The chain's layers, in order.
     pub layers: Vec<BoxedLayer>,
 }
@@ -109,7 +178,7 @@ impl ModelOptions {
 
 /// What the tied LM head keeps for backward: its input and weight as multiplied, and the
 /// input's own dtype.
-struct HeadSaved {
+pub(crate) struct HeadSaved {
     x: Tensor,
     w: Tensor,
     in_dtype: DType,
@@ -561,18 +630,20 @@ impl Model {
         Ok(())
     }
 
-    /// The model taken apart: the token and position embeddings with the sequence length
-    /// (GPT), whether the LM head is tied to the token embedding (applied after the chain),
-    /// and the chain's layers.
-    ///
-    /// A Llama model's token embedding has no position table to pair with: it is left out
-    /// (the data-parallel model, the only user, refuses Llama before taking one apart).
+    /// The model taken apart: the token embedding (with GPT's positions), whether the LM
+    /// head is tied to it (applied after the chain), autocast, the images' layout and the
+    /// chain's layers.
     pub fn into_parts(self) -> ModelParts {
-        let (embed, tied) = match self.embed {
-            Some(Embed { tok, pos: Some(pos), seq, tied }) => (Some(([tok, pos], seq)), tied),
-            _ => (None, false),
-        };
-        ModelParts { embed, tied, layers: self.chain.into_layers() }
+        let tied = self.embed.as_ref().is_some_and(|e| e.tied);
+        let embed = self.embed.map(|e| EmbedParts { tok: e.tok, pos: e.pos, seq: e.seq });
+        ModelParts {
+            embed,
+            tied,
+            autocast: self.autocast,
+            channels_last: self.channels_last,
+            fused_loss: self.fused_loss,
+            layers: self.chain.into_layers(),
+        }
     }
 
     /// The architecture.
@@ -637,52 +708,31 @@ impl Model {
                 "a batch without values (Dataset::batch_without_values) runs only on a virtual \
                  device",
             )),
-            (Input::Tokens(ids), Some(e)) => {
-                let tok = ops::embedding(&e.tok.value, ids)?;
-                let Some(pos) = &e.pos else { return Ok(tok) };
-                let positions: Vec<u32> = (0..ids.len()).map(|i| (i % e.seq) as u32).collect();
-                let pos = ops::embedding(&pos.value, &positions)?;
-                Ok(ops::add(&tok, &pos)?)
-            }
+            (Input::Tokens(ids), Some(e)) => embed_tokens(&e.tok, e.pos.as_ref(), e.seq, ids),
             _ => Err(invalid("the batch does not match the model's input kind")),
         }
     }
 
     fn embed_backward(&mut self, batch: &Batch, dx: &Tensor) -> Result<()> {
         if let (Input::Tokens(ids), Some(e)) = (&batch.input, &mut self.embed) {
-            e.tok.accumulate_grad(ops::embedding_backward(ids, dx, e.tok.value.shape()[0])?)?;
-            if let Some(pos) = &mut e.pos {
-                let positions: Vec<u32> = (0..ids.len()).map(|i| (i % e.seq) as u32).collect();
-                pos.accumulate_grad(ops::embedding_backward(&positions, dx, e.seq)?)?;
-            }
+            embed_tokens_backward(&mut e.tok, e.pos.as_mut(), e.seq, ids, dx)?;
         }
         Ok(())
     }
 
-    /// The logits from the chain's output (the tied head applied, if any: a linear, so in
-    /// 16 bits under autocast, its weight through the cast cache), and what the head keeps.
+    /// The logits from the chain's output (the tied head applied, if any: see
+    /// [`tied_head`]), and what the head keeps.
     fn head(&self, out: Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<HeadSaved>)> {
         let Some(e) = self.embed.as_ref().filter(|e| e.tied) else { return Ok((out, None)) };
-        let in_dtype = out.dtype();
-        let dt = ctx.op_dtype(OpKind::Linear, &[in_dtype, e.tok.value.dtype()]).unwrap_or(in_dtype);
-        let w = ctx.cast_param(&e.tok, dt)?;
-        let x = cast_into(out, dt)?;
-        let logits = ops::linear(&x, &w, None)?;
-        Ok((logits, Some(HeadSaved { x, w, in_dtype })))
-    }
-
-    /// The loss's input: the logits in the dtype the loss runs in (f32 under autocast:
-    /// PyTorch's fp32 list has `nll_loss`, `log_softmax` and `cross_entropy_loss`).
-    fn loss_input(logits: Tensor, ctx: &ForwardCtx) -> Result<Tensor> {
-        let dt = ctx.op_dtype(OpKind::Loss, &[logits.dtype()]).unwrap_or(logits.dtype());
-        cast_into(logits, dt)
+        let (logits, saved) = tied_head(&e.tok, out, ctx)?;
+        Ok((logits, Some(saved)))
     }
 
     /// The mean cross-entropy of the chain's output (the head applied) under `ctx`.
     fn loss_of(&self, out: Tensor, targets: &[u32], ctx: &mut ForwardCtx) -> Result<f32> {
         // A tied head's saved input lives until the loss is computed, as in a training step.
         let (logits, _head) = self.head(out, ctx)?;
-        let logits = Self::loss_input(logits, ctx)?;
+        let logits = loss_input(logits, ctx)?;
         Ok(ops::cross_entropy(&logits, targets, None)?.loss)
     }
 
@@ -746,32 +796,19 @@ impl Model {
         }
         let (logits, head) = self.head(out, ctx)?;
         let logits_dtype = logits.dtype();
-        let logits = Self::loss_input(logits, ctx)?;
+        let logits = loss_input(logits, ctx)?;
         // The autocast region ends with the loss: PyTorch's clear_cache. Casts the layers
         // saved for backward live on until their backward.
         self.cast_bytes = ctx.autocast().map_or(0, Autocast::cached_bytes);
         ctx.clear_autocast_cache();
-        let ce = ops::cross_entropy(&logits, targets, None)?;
-        let loss = ce.loss;
-        let dy = ops::cross_entropy_backward(&logits, targets, None, &ce.lse, scale)?;
-        drop((logits, ce));
-        let mut dy = cast_into(dy, logits_dtype)?;
+        let (loss, mut dy) = loss_and_grad(logits, targets, scale, logits_dtype)?;
         if let (Some(h), Some(e)) = (head, &mut self.embed) {
-            let g = ops::linear_backward(&h.x, &h.w, &dy, false)?;
-            drop(h.x);
-            drop(h.w);
-            accumulate_grad_cast(&mut e.tok, g.dw)?;
-            dy = cast_into(g.dx, h.in_dtype)?;
+            dy = tied_head_backward(h, &mut e.tok, &dy)?;
         }
         Ok((loss, dy))
     }
 
-    /// [`Model::loss_backward`] for a tied head, fused: the head's operands as the plain
-    /// path casts them (16-bit under autocast, the weight through the cast cache), then the
-    /// logits, the f32 loss and the gradients of the head's input and weight chunk by chunk
-    /// ([`ops::linear_cross_entropy`], for the upstream gradient `scale`); the weight's
-    /// gradient (in the embedding's dtype) goes into the token embedding's, the input's back
-    /// up the chain.
+    /// [`Model::loss_backward`] for a tied head, fused ([`fused_tied_loss`]).
     fn fused_loss_backward(
         &mut self,
         out: Tensor,
@@ -779,26 +816,9 @@ impl Model {
         ctx: &mut ForwardCtx,
         scale: f32,
     ) -> Result<(f32, Tensor)> {
-        let no_embed = || invalid("a tied head needs the token embedding");
-        let e = self.embed.as_ref().ok_or_else(no_embed)?;
-        let in_dtype = out.dtype();
-        let dt = ctx.op_dtype(OpKind::Linear, &[in_dtype, e.tok.value.dtype()]).unwrap_or(in_dtype);
-        let w = ctx.cast_param(&e.tok, dt)?;
-        let x = cast_into(out, dt)?;
-        // The autocast region ends with the loss, as in the plain path.
-        self.cast_bytes = ctx.autocast().map_or(0, Autocast::cached_bytes);
-        ctx.clear_autocast_cache();
-        // The weight's gradient in the parameter's dtype: under autocast the f32 accumulator
-        // itself, neither rounded to 16 bits nor cast back (the plain path's `to(dtype)`
-        // backward).
-        let params = ops::LinearCrossEntropyParams::default()
-            .dloss(scale)
-            .grad_weight_dtype(e.tok.value.dtype());
-        let lce = ops::linear_cross_entropy(&x, &w, targets, &params)?;
-        drop((x, w));
-        let e = self.embed.as_mut().ok_or_else(no_embed)?;
-        accumulate_grad_cast(&mut e.tok, lce.grad_weight)?;
-        Ok((lce.loss, cast_into(lce.grad_hidden, in_dtype)?))
+        let e =
+            self.embed.as_mut().ok_or_else(|| invalid("a tied head needs the token embedding"))?;
+        fused_tied_loss(&mut e.tok, out, targets, ctx, scale, &mut self.cast_bytes)
     }
 
     /// [`Model::train_step`] without checkpointing, layer by layer, calling `mark` before each
@@ -875,7 +895,7 @@ impl Model {
             x = y;
         }
         let (logits, head) = self.head(x, &mut ctx)?;
-        let logits = Self::loss_input(logits, &ctx)?;
+        let logits = loss_input(logits, &ctx)?;
         ctx.clear_autocast_cache();
         let loss = ops::cross_entropy(&logits, &batch.targets, None)?.loss;
         Ok((loss, Graph { _saved: saved, _head: head, _logits: logits }))
@@ -929,6 +949,98 @@ impl Params for Model {
     fn params_mut(&mut self) -> Vec<&mut Param> {
         Model::params_mut(self)
     }
+}
+
+/// A tied LM head on the chain's output `out`: the logits `out tok^T` (a linear, so in 16
+/// bits under autocast, the weight through the cast cache), and what its backward keeps.
+///
+/// # Errors
+///
+/// An op's error.
+pub(crate) fn tied_head(
+    tok: &Param,
+    out: Tensor,
+    ctx: &mut ForwardCtx,
+) -> Result<(Tensor, HeadSaved)> {
+    let in_dtype = out.dtype();
+    let dt = ctx.op_dtype(OpKind::Linear, &[in_dtype, tok.value.dtype()]).unwrap_or(in_dtype);
+    let w = ctx.cast_param(tok, dt)?;
+    let x = cast_into(out, dt)?;
+    let logits = ops::linear(&x, &w, None)?;
+    Ok((logits, HeadSaved { x, w, in_dtype }))
+}
+
+/// The backward of [`tied_head`] for the logits' gradient `dy`: adds the weight's gradient
+/// into `tok`'s (cast to its dtype) and returns the chain output's gradient.
+///
+/// # Errors
+///
+/// An op's error.
+pub(crate) fn tied_head_backward(h: HeadSaved, tok: &mut Param, dy: &Tensor) -> Result<Tensor> {
+    let g = ops::linear_backward(&h.x, &h.w, dy, false)?;
+    drop(h.x);
+    drop(h.w);
+    accumulate_grad_cast(tok, g.dw)?;
+    cast_into(g.dx, h.in_dtype)
+}
+
+/// The loss's input: the logits in the dtype the loss runs in (f32 under autocast:
+/// PyTorch's fp32 list has `nll_loss`, `log_softmax` and `cross_entropy_loss`).
+pub(crate) fn loss_input(logits: Tensor, ctx: &ForwardCtx) -> Result<Tensor> {
+    let dt = ctx.op_dtype(OpKind::Loss, &[logits.dtype()]).unwrap_or(logits.dtype());
+    cast_into(logits, dt)
+}
+
+/// The mean cross-entropy of `logits` (the loss's input) against `targets`, and its
+/// gradient times `scale` in `dtype` (the logits' dtype before [`loss_input`]).
+///
+/// # Errors
+///
+/// An op's error.
+pub(crate) fn loss_and_grad(
+    logits: Tensor,
+    targets: &[u32],
+    scale: f32,
+    dtype: DType,
+) -> Result<(f32, Tensor)> {
+    let ce = ops::cross_entropy(&logits, targets, None)?;
+    let dy = ops::cross_entropy_backward(&logits, targets, None, &ce.lse, scale)?;
+    let loss = ce.loss;
+    drop((logits, ce));
+    Ok((loss, cast_into(dy, dtype)?))
+}
+
+/// A tied LM head and its loss, fused: the head's operands as [`tied_head`] casts them,
+/// then the logits, the f32 loss and the gradients of the head's input and weight chunk by
+/// chunk ([`ops::linear_cross_entropy`], for the upstream gradient `scale`); the weight's
+/// gradient (in `tok`'s dtype: under autocast the f32 accumulator itself, neither rounded to
+/// 16 bits nor cast back, as the plain path's `to(dtype)` backward) goes into `tok`'s, the
+/// input's is returned with the loss. The autocast region ends with the loss, as in the
+/// plain path: `cast_bytes` gets the cache's bytes before it is cleared.
+///
+/// # Errors
+///
+/// An op's error.
+pub(crate) fn fused_tied_loss(
+    tok: &mut Param,
+    out: Tensor,
+    targets: &[u32],
+    ctx: &mut ForwardCtx,
+    scale: f32,
+    cast_bytes: &mut u64,
+) -> Result<(f32, Tensor)> {
+    let in_dtype = out.dtype();
+    let dt = ctx.op_dtype(OpKind::Linear, &[in_dtype, tok.value.dtype()]).unwrap_or(in_dtype);
+    let w = ctx.cast_param(tok, dt)?;
+    let x = cast_into(out, dt)?;
+    *cast_bytes = ctx.autocast().map_or(0, Autocast::cached_bytes);
+    ctx.clear_autocast_cache();
+    let params =
+        ops::LinearCrossEntropyParams::default().dloss(scale).grad_weight_dtype(tok.value.dtype());
+    let lce = ops::linear_cross_entropy(&x, &w, targets, &params)?;
+    drop((x, w));
+    accumulate_grad_cast(tok, lce.grad_weight)?;
+    Ok((lce.loss, cast_into(lce.grad_hidden, in_dtype)?))
 }
 
 fn invalid(reason: &str) -> Error {

@@ -356,6 +356,15 @@ impl Arch {
             })
     }
 
+    /// Whether the LM head is the token embedding (a GPT or Llama with `tied`).
+    pub fn tied_head(&self) -> bool {
+        match self {
+            Arch::Gpt { tied, .. } => *tied,
+            Arch::Llama(l) => l.tied,
+            _ => false,
+        }
+    }
+
     /// Whether this is one of the preset CNNs (ResNet-like, MobileNet-like, ResNet-50,
     /// MobileNetV3), which can run channels_last
     /// ([`ModelOptions::channels_last`](super::ModelOptions::channels_last)).

@@ -10,8 +10,9 @@ use vram_parallel::{DpConfig, Strategy, ring_bytes_per_param};
 
 use super::{PlanError, PlanRequest, Precision, PrecisionChoice, UNLIMITED};
 use crate::dp::{DeviceKind, DpBatch, analytic_state_bytes, measure_batches};
-use crate::models::Arch;
+use crate::models::Model;
 use vram_alloc::human_bytes;
+use vram_kernels::Device;
 
 /// One strategy over N processes.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -45,7 +46,7 @@ pub struct DpPlan {
     pub nproc: usize,
     /// The precision of the runs.
     pub precision: Precision,
-    /// Parameters of the model run (an untied head where the model ties it).
+    /// Parameters of the model (a tied head counted once).
     pub params: u64,
     /// Samples per process per step.
     pub per_process_batch: usize,
@@ -57,7 +58,7 @@ pub struct DpPlan {
 
 /// Runs DDP and ZeRO-1/2/3 of `req`'s model on `nproc` virtual devices (two steps of the
 /// global batch split over them, AdamW), in the precision `req` asks for (bf16 under
-/// `auto`).
+/// `auto`), autocast included.
 ///
 /// # Errors
 ///
@@ -90,35 +91,33 @@ pub fn data_parallel(req: &PlanRequest, nproc: usize) -> Result<DpPlan, PlanErro
             .into(),
     ];
     let precision = match req.precision {
-        PrecisionChoice::Only(p) if p.autocast().is_some() => {
-            notes.push(format!(
-                "{} runs here as fp32 (autocast's f32 weights; the 16-bit matmuls' activations \
-                 are not modelled by the data-parallel trainer)",
-                p.label()
-            ));
-            Precision::Fp32
-        }
         PrecisionChoice::Only(p) => p,
         PrecisionChoice::Auto => Precision::Bf16,
     };
+    if let Some(low) = precision.autocast() {
+        notes.push(format!(
+            "{}: f32 weights, gradients, optimizer state and collectives, as DDP and ZeRO \
+             under `torch.autocast`; the matmuls' activations and the weights' casts in \
+             {low:?} (the cast cache holds each weight's cast until the loss, under ZeRO-3 \
+             too)",
+            precision.label()
+        ));
+    }
+    if req.model.arch.tied_head() {
+        notes.push(
+            "tied LM head: one token embedding for the input and the head (counted once); \
+             its gradient, the head's and the embedding's summed, is reduced once; ZeRO-3 \
+             gathers it for the embedding and again for the head (one all-gather of the \
+             table per step more than the ring's formula counts)"
+                .into(),
+        );
+    }
     let dtype = precision.dtype();
-    let arch = match &req.model.arch {
-        Arch::Gpt { vocab, d, layers, heads, seq, dropout, tied: true } => {
-            notes.push(format!(
-                "the LM head is untied here (+{} parameters): vram-parallel runs no tied head",
-                vocab * d
-            ));
-            Arch::Gpt {
-                vocab: *vocab,
-                d: *d,
-                layers: *layers,
-                heads: *heads,
-                seq: *seq,
-                dropout: *dropout,
-                tied: false,
-            }
-        }
-        a => a.clone(),
+    let build = |device: &Device| {
+        let m = &req.model;
+        let mut model = Model::with_options(device, m.arch.clone(), 0, dtype, m.options())?;
+        model.set_autocast(precision.autocast())?;
+        Ok(model)
     };
     let batch = DpBatch {
         batch: req.model.batch(req.batch, None),
@@ -130,7 +129,7 @@ pub fn data_parallel(req: &PlanRequest, nproc: usize) -> Result<DpPlan, PlanErro
     for strategy in [Strategy::Ddp, Strategy::Zero1, Strategy::Zero2, Strategy::Zero3] {
         let config = DpConfig::new(strategy);
         let kind = DeviceKind::Virtual(UNLIMITED);
-        let run = measure_batches(&arch, dtype, config, nproc, kind, &batches, 0)
+        let run = measure_batches(&build, config, nproc, kind, &batches)
             .map_err(PlanError::DataParallel)?;
         params = run.params;
         let per_param = run.bytes_per_param_per_step();

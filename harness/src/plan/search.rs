@@ -498,8 +498,8 @@ pub(crate) fn model_shape(model: &PlanModel) -> Result<ModelShape, PlanError> {
     let params = m.param_count();
     let parts = m.into_parts();
     let mut largest = 0u64;
-    if let Some((tables, _)) = &parts.embed {
-        for t in tables {
+    if let Some(e) = &parts.embed {
+        for t in std::iter::once(&e.tok).chain(&e.pos) {
             largest = largest.max(t.value.numel() as u64);
         }
     }

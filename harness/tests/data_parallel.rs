@@ -8,7 +8,7 @@ use vram_accum::{ForwardCtx, Mode};
 use vram_amp::{AdamW, Optimizer};
 use vram_harness::data::Dataset;
 use vram_harness::dp::{DeviceKind, DpBatch, DpModel, analytic_state_bytes, measure};
-use vram_harness::models::{Arch, HfModel, Model};
+use vram_harness::models::{Arch, HfModel, Model, ModelOptions};
 use vram_harness::plan;
 use vram_kernels::{AdamWConfig, DType, Device};
 use vram_parallel::{
@@ -181,6 +181,41 @@ fn data_parallel_under_autocast_trains_as_the_autocast_model() {
     for (u, v) in ddp[0].iter().zip(&want) {
         for (x, y) in u.iter().zip(v) {
             assert!((x - y).abs() <= 2e-2 * y.abs().max(1.0), "{x} vs {y}");
+        }
+    }
+}
+
+/// A channels_last CNN (the images converted on each device, the convolutions' weights
+/// stored NHWC) trains under DDP and ZeRO-3 as the channels_last model trains on one device.
+#[test]
+fn data_parallel_trains_a_channels_last_cnn_as_the_model() {
+    let arch = Arch::ResNet { width: 8, blocks: vec![1, 1], classes: 4 };
+    let data = Dataset::Stripes { side: 8, classes: 4 };
+    let opts = ModelOptions::default().with_channels_last(true);
+    let build = || Model::with_options(&Device::host(64 << 20), arch.clone(), 7, DType::F32, opts);
+    let mut model = build().unwrap();
+    assert!(model.channels_last());
+    let mut opt = AdamW::new(adamw());
+    for i in 0..3 {
+        model.zero_grad();
+        let batch = data.batch(3, i, 8);
+        model.train_step(&batch, &mut ForwardCtx::new(Mode::Train, 0), 1.0).unwrap();
+        opt.step(&mut model).unwrap();
+    }
+    let want: Vec<Vec<f32>> =
+        model.params().iter().map(|p| p.value.to_f32_vec().unwrap()).collect();
+    for (n, strategy) in [(2, Strategy::Ddp), (2, Strategy::Zero3)] {
+        let comms: Vec<Box<dyn Collective>> = InProcessGroup::connect(n, Duration::from_secs(30))
+            .unwrap()
+            .into_iter()
+            .map(|c| Box::new(HostCollective::new(c)) as Box<dyn Collective>)
+            .collect();
+        let replicas: Vec<DpModel> =
+            (0..n).map(|_| DpModel::from_model(build().unwrap())).collect();
+        let batches: Vec<DpBatch> = (0..3).map(|i| DpBatch::new(&data, 3, i, 8)).collect();
+        let config = DpConfig { adamw: adamw(), ..DpConfig::new(strategy) };
+        for r in train(replicas, comms, config, &batches, |t| t.full_params()) {
+            close(&r.unwrap().1, &want, &format!("channels_last {} x{n}", strategy.name()));
         }
     }
 }

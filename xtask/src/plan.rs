@@ -584,7 +584,8 @@ fn cells(r: &Row) -> Vec<String> {
 fn render_shards(t: &ShardTable, usable: u64) -> String {
     let mut out = format!(
         "\n{} GPU{} on {} node{} ({} per node), {}, global batch split as micro-batch x \
-         accumulation x {} ({} samples per GPU per step); per-GPU estimate:\n",
+         accumulation x {} ({} samples per GPU per step); per-GPU estimate from {}'s \
+         fixed and per-sample memory on one device:\n",
         t.gpus,
         if t.gpus == 1 { "" } else { "s" },
         t.nodes,
@@ -592,7 +593,8 @@ fn render_shards(t: &ShardTable, usable: u64) -> String {
         t.gpus / t.nodes,
         t.precision.label(),
         t.gpus,
-        t.per_gpu_batch
+        t.per_gpu_batch,
+        t.basis
     );
     let rows = t
         .rows
@@ -627,7 +629,8 @@ fn render_shards(t: &ShardTable, usable: u64) -> String {
 /// The measured `--gpus` section as text.
 fn render_dp(d: &DpPlan, usable: u64) -> String {
     let mut out = format!(
-        "\nmeasured on {} virtual devices, {}, {} parameters, {} samples per process at once:\n",
+        "\nmeasured on {} virtual devices, {}, no checkpointing, {} parameters, {} samples per \
+         process at once:\n",
         d.nproc,
         d.precision.label(),
         d.params,

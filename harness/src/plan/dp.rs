@@ -198,6 +198,9 @@ pub struct ShardTable {
     pub per_gpu_batch: usize,
     /// The precision the estimate is for.
     pub precision: Precision,
+    /// The single-device configuration whose fixed and per-sample memory it starts from
+    /// (precision / checkpointing / allocator, e.g. `bf16 / every-2 / expandable`).
+    pub basis: String,
     /// One row per strategy, DDP first.
     pub rows: Vec<ShardRow>,
 }
@@ -228,6 +231,8 @@ pub(crate) struct ShardBasis {
     pub batch: usize,
     /// Fewest samples a micro-batch holds.
     pub min_micro: usize,
+    /// The measured configuration (precision / checkpointing / allocator).
+    pub config: String,
 }
 
 /// The strategies of a [`ShardTable`], in its order.
@@ -311,7 +316,14 @@ pub(crate) fn shard_estimate(b: &ShardBasis, gpus: usize, nodes: usize) -> Optio
             host_ram_per_node: host.round() as u64,
         });
     }
-    Some(ShardTable { gpus, nodes, per_gpu_batch: per_gpu, precision: b.precision, rows })
+    Some(ShardTable {
+        gpus,
+        nodes,
+        per_gpu_batch: per_gpu,
+        precision: b.precision,
+        basis: b.config.clone(),
+        rows,
+    })
 }
 
 /// The answer when one device holds no configuration: the fewest GPUs (dividing the global
@@ -450,5 +462,6 @@ pub(crate) fn basis(
         usable: report.usable,
         batch: req.batch,
         min_micro: report.min_micro,
+        config: d.config.clone(),
     })
 }

@@ -716,6 +716,7 @@ pub fn plan(req: &PlanRequest, progress: &mut dyn PlanProgress) -> Result<PlanRe
                 usable,
                 batch: req.batch,
                 min_micro,
+                config: d.config.clone(),
             },
             1,
             &d.config,

@@ -25,20 +25,24 @@ fn adamw() -> AdamWConfig {
 }
 
 fn reference(arch: &Arch, data: &Dataset, samples: usize, steps: u64) -> Vec<Vec<f32>> {
-    reference_with(arch, data, samples, steps, None)
+    reference_of(&|| model(arch, None), data, samples, steps)
 }
 
-/// [`reference`] with the model under autocast to `low` (f32 weights).
-fn reference_with(
-    arch: &Arch,
+/// `arch` with seed 7 in f32 on a host device, under autocast to `low` if given.
+fn model(arch: &Arch, low: Option<DType>) -> Model {
+    let mut m = Model::new(&Device::host(64 << 20), arch.clone(), 7, DType::F32).unwrap();
+    m.set_autocast(low).unwrap();
+    m
+}
+
+/// The parameters after `steps` AdamW steps of the model `build` makes on one device.
+fn reference_of(
+    build: &dyn Fn() -> Model,
     data: &Dataset,
     samples: usize,
     steps: u64,
-    low: Option<DType>,
 ) -> Vec<Vec<f32>> {
-    let dev = Device::host(64 << 20);
-    let mut model = Model::new(&dev, arch.clone(), 7, DType::F32).unwrap();
-    model.set_autocast(low).unwrap();
+    let mut model = build();
     let mut opt = AdamW::new(adamw());
     for i in 0..steps {
         model.zero_grad();
@@ -57,30 +61,25 @@ fn data_parallel(
     n: usize,
     strategy: Strategy,
 ) -> Vec<Vec<Vec<f32>>> {
-    data_parallel_with(arch, data, samples, steps, n, strategy, None)
+    data_parallel_of(&|| model(arch, None), data, samples, steps, n, strategy)
 }
 
-fn data_parallel_with(
-    arch: &Arch,
+/// Every rank's parameters after `steps` global batches of `strategy` over `n` host
+/// devices, each replica the model `build` makes.
+fn data_parallel_of(
+    build: &dyn Fn() -> Model,
     data: &Dataset,
     samples: usize,
     steps: u64,
     n: usize,
     strategy: Strategy,
-    low: Option<DType>,
 ) -> Vec<Vec<Vec<f32>>> {
     let comms: Vec<Box<dyn Collective>> = InProcessGroup::connect(n, Duration::from_secs(30))
         .unwrap()
         .into_iter()
         .map(|c| Box::new(HostCollective::new(c)) as Box<dyn Collective>)
         .collect();
-    let replicas: Vec<DpModel> = (0..n)
-        .map(|_| {
-            let mut m = Model::new(&Device::host(64 << 20), arch.clone(), 7, DType::F32).unwrap();
-            m.set_autocast(low).unwrap();
-            DpModel::from_model(m)
-        })
-        .collect();
+    let replicas: Vec<DpModel> = (0..n).map(|_| DpModel::from_model(build())).collect();
     let batches: Vec<DpBatch> = (0..steps).map(|i| DpBatch::new(data, 3, i, samples)).collect();
     let config = DpConfig { adamw: adamw(), ..DpConfig::new(strategy) };
     train(replicas, comms, config, &batches, |t| t.full_params())
@@ -169,13 +168,14 @@ fn data_parallel_under_autocast_trains_as_the_autocast_model() {
     let bf16 = Some(DType::BF16);
     let gpt = Arch::Gpt { vocab: 32, d: 16, layers: 2, heads: 2, seq: 8, dropout: 0.0, tied: true };
     let data = Dataset::Sequences { vocab: 32, seq: 8 };
-    let want = reference_with(&gpt, &data, 4, 2, bf16);
-    let one = data_parallel_with(&gpt, &data, 4, 2, 1, Strategy::Ddp, bf16);
+    let autocast = || model(&gpt, bf16);
+    let want = reference_of(&autocast, &data, 4, 2);
+    let one = data_parallel_of(&autocast, &data, 4, 2, 1, Strategy::Ddp);
     assert_eq!(one[0], want, "one device under autocast");
     let f32_run = reference(&gpt, &data, 4, 2);
     assert_ne!(want, f32_run, "autocast changes the weights");
-    let ddp = data_parallel_with(&gpt, &data, 4, 2, 2, Strategy::Ddp, bf16);
-    let zero3 = data_parallel_with(&gpt, &data, 4, 2, 2, Strategy::Zero3, bf16);
+    let ddp = data_parallel_of(&autocast, &data, 4, 2, 2, Strategy::Ddp);
+    let zero3 = data_parallel_of(&autocast, &data, 4, 2, 2, Strategy::Zero3);
     assert_eq!(ddp[0], ddp[1], "DDP's ranks hold the same weights");
     assert_eq!(zero3[0], ddp[0], "ZeRO-3 under autocast = DDP");
     for (u, v) in ddp[0].iter().zip(&want) {
@@ -192,30 +192,15 @@ fn data_parallel_trains_a_channels_last_cnn_as_the_model() {
     let arch = Arch::ResNet { width: 8, blocks: vec![1, 1], classes: 4 };
     let data = Dataset::Stripes { side: 8, classes: 4 };
     let opts = ModelOptions::default().with_channels_last(true);
-    let build = || Model::with_options(&Device::host(64 << 20), arch.clone(), 7, DType::F32, opts);
-    let mut model = build().unwrap();
-    assert!(model.channels_last());
-    let mut opt = AdamW::new(adamw());
-    for i in 0..3 {
-        model.zero_grad();
-        let batch = data.batch(3, i, 8);
-        model.train_step(&batch, &mut ForwardCtx::new(Mode::Train, 0), 1.0).unwrap();
-        opt.step(&mut model).unwrap();
-    }
-    let want: Vec<Vec<f32>> =
-        model.params().iter().map(|p| p.value.to_f32_vec().unwrap()).collect();
+    let build = || {
+        let m = Model::with_options(&Device::host(64 << 20), arch.clone(), 7, DType::F32, opts);
+        m.unwrap()
+    };
+    assert!(build().channels_last());
+    let want = reference_of(&build, &data, 8, 3);
     for (n, strategy) in [(2, Strategy::Ddp), (2, Strategy::Zero3)] {
-        let comms: Vec<Box<dyn Collective>> = InProcessGroup::connect(n, Duration::from_secs(30))
-            .unwrap()
-            .into_iter()
-            .map(|c| Box::new(HostCollective::new(c)) as Box<dyn Collective>)
-            .collect();
-        let replicas: Vec<DpModel> =
-            (0..n).map(|_| DpModel::from_model(build().unwrap())).collect();
-        let batches: Vec<DpBatch> = (0..3).map(|i| DpBatch::new(&data, 3, i, 8)).collect();
-        let config = DpConfig { adamw: adamw(), ..DpConfig::new(strategy) };
-        for r in train(replicas, comms, config, &batches, |t| t.full_params()) {
-            close(&r.unwrap().1, &want, &format!("channels_last {} x{n}", strategy.name()));
+        for got in data_parallel_of(&build, &data, 8, 3, n, strategy) {
+            close(&got, &want, &format!("channels_last {} x{n}", strategy.name()));
         }
     }
 }

@@ -951,6 +951,15 @@ impl Params for Model {
     }
 }
 
+/// A tied head's operands: the chain's output and the token table in the dtype a linear
+/// runs in (16 bits under autocast, the table through the cast cache).
+fn head_operands(tok: &Param, out: Tensor, ctx: &mut ForwardCtx) -> Result<HeadSaved> {
+    let in_dtype = out.dtype();
+    let dt = ctx.op_dtype(OpKind::Linear, &[in_dtype, tok.value.dtype()]).unwrap_or(in_dtype);
+    let w = ctx.cast_param(tok, dt)?;
+    Ok(HeadSaved { x: cast_into(out, dt)?, w, in_dtype })
+}
+
 /// A tied LM head on the chain's output `out`: the logits `out tok^T` (a linear, so in 16
 /// bits under autocast, the weight through the cast cache), and what its backward keeps.
 ///
@@ -962,12 +971,9 @@ pub(crate) fn tied_head(
     out: Tensor,
     ctx: &mut ForwardCtx,
 ) -> Result<(Tensor, HeadSaved)> {
-    let in_dtype = out.dtype();
-    let dt = ctx.op_dtype(OpKind::Linear, &[in_dtype, tok.value.dtype()]).unwrap_or(in_dtype);
-    let w = ctx.cast_param(tok, dt)?;
-    let x = cast_into(out, dt)?;
-    let logits = ops::linear(&x, &w, None)?;
-    Ok((logits, HeadSaved { x, w, in_dtype }))
+    let h = head_operands(tok, out, ctx)?;
+    let logits = ops::linear(&h.x, &h.w, None)?;
+    Ok((logits, h))
 }
 
 /// The backward of [`tied_head`] for the logits' gradient `dy`: adds the weight's gradient
@@ -1029,10 +1035,7 @@ pub(crate) fn fused_tied_loss(
     scale: f32,
     cast_bytes: &mut u64,
 ) -> Result<(f32, Tensor)> {
-    let in_dtype = out.dtype();
-    let dt = ctx.op_dtype(OpKind::Linear, &[in_dtype, tok.value.dtype()]).unwrap_or(in_dtype);
-    let w = ctx.cast_param(tok, dt)?;
-    let x = cast_into(out, dt)?;
+    let HeadSaved { x, w, in_dtype } = head_operands(tok, out, ctx)?;
     *cast_bytes = ctx.autocast().map_or(0, Autocast::cached_bytes);
     ctx.clear_autocast_cache();
     let params =

@@ -5,6 +5,7 @@ use crate::autocast::{Autocast, AutocastPolicy};
 use crate::error::{Error, Result};
 use crate::layer::{BoxedLayer, ForwardCtx, Layer, Mode, Param, SavedBox};
 use crate::plan::{ChainProfile, LayerProfile, Schedule, Segment};
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -26,6 +27,52 @@ impl ChainId {
 impl fmt::Display for ChainId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "#{}", self.0)
+    }
+}
+
+/// Which pass a [`LayerHooks`] call is in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HookPass {
+    /// The training forward.
+    Forward,
+    /// Backward, a checkpointed segment's recomputed forward included.
+    Backward,
+}
+
+/// Called around each layer of a chain ([`Chain::forward_hooked`],
+/// [`Chain::backward_hooked`]), e.g. to gather a sharded layer's weights before it runs and
+/// release them after (ZeRO-3, FSDP) or to reduce its gradients as soon as backward made
+/// them (ZeRO-2).
+///
+/// In forward, `before` and `after` wrap each layer's forward. In backward, `before(i)`
+/// comes before layer `i` runs at all (a checkpointed segment calls it for each of its layers
+/// before recomputing their forward) and `after(i)` once its backward has added its
+/// gradients.
+pub trait LayerHooks {
+    /// Before layer `index` runs in `pass`.
+    ///
+    /// # Errors
+    ///
+    /// Any: the chain stops and returns it.
+    fn before(&mut self, pass: HookPass, index: usize, layer: &mut dyn Layer) -> Result<()>;
+    /// After layer `index` ran in `pass`.
+    ///
+    /// # Errors
+    ///
+    /// As [`before`](Self::before).
+    fn after(&mut self, pass: HookPass, index: usize, layer: &mut dyn Layer) -> Result<()>;
+}
+
+/// Hooks that do nothing.
+struct NoHooks;
+
+impl LayerHooks for NoHooks {
+    fn before(&mut self, _: HookPass, _: usize, _: &mut dyn Layer) -> Result<()> {
+        Ok(())
+    }
+
+    fn after(&mut self, _: HookPass, _: usize, _: &mut dyn Layer) -> Result<()> {
+        Ok(())
     }
 }
 
@@ -60,11 +107,12 @@ enum Kept {
 
 /// What a training forward kept for backward: per segment of its schedule, saved state or a
 /// checkpoint. Tagged with the chain that recorded it, whose backward alone accepts it.
-/// Borrows the chain input, which a checkpointed first segment recomputes from.
+/// Borrows (or, from [`Chain::forward_hooked`], may own) the chain input, which a
+/// checkpointed first segment recomputes from.
 pub struct Tape<'x> {
     chain: ChainId,
     generation: u64,
-    input: &'x Tensor,
+    input: Cow<'x, Tensor>,
     seed: u64,
     /// The autocast policy the forward ran under, which checkpointed segments recompute
     /// under (PyTorch's checkpoint restores the autocast state, too).
@@ -134,8 +182,7 @@ impl Chain {
         &mut self.layers
     }
 
-    /// The layers, by value (to run them another way: data parallelism gathers each
-    /// layer's weights around its forward and backward).
+    /// The layers, by value.
     pub fn into_layers(self) -> Vec<BoxedLayer> {
         self.layers
     }
@@ -202,6 +249,22 @@ impl Chain {
         ctx: &mut ForwardCtx,
         schedule: &Schedule,
     ) -> Result<(Tensor, Tape<'x>)> {
+        self.forward_hooked(Cow::Borrowed(x), ctx, schedule, &mut NoHooks)
+    }
+
+    /// [`Chain::forward`] with `hooks` around each layer (see [`LayerHooks`]), on an input
+    /// the tape borrows or owns (`Cow::Owned`: a tape that outlives the caller's frame).
+    ///
+    /// # Errors
+    ///
+    /// As [`Chain::forward`], and a hook's.
+    pub fn forward_hooked<'x>(
+        &mut self,
+        x: Cow<'x, Tensor>,
+        ctx: &mut ForwardCtx,
+        schedule: &Schedule,
+        hooks: &mut dyn LayerHooks,
+    ) -> Result<(Tensor, Tape<'x>)> {
         self.check_nonempty()?;
         let mut tape = Tape {
             chain: self.id,
@@ -213,7 +276,7 @@ impl Chain {
             kept: Vec::new(),
         };
         if !ctx.training() {
-            return Ok((self.run_inference(x, ctx)?, tape));
+            return Ok((self.run_inference(&tape.input, ctx)?, tape));
         }
         if schedule.layer_count() != self.len() {
             return Err(Error::LengthMismatch {
@@ -222,6 +285,8 @@ impl Chain {
                 got: schedule.layer_count(),
             });
         }
+        let x: &Tensor = &tape.input;
+        let mut kept = Vec::with_capacity(schedule.segments().len());
         let mut cur: Option<Tensor> = None;
         for &seg in schedule.segments() {
             if seg.checkpointed {
@@ -230,26 +295,42 @@ impl Chain {
                 let mut inner: Option<Tensor> = None;
                 for i in seg.start..seg.end {
                     let arg = inner.as_ref().or(input.as_ref()).unwrap_or(x);
-                    let (y, saved) = self.layers[i].forward(arg, ctx)?;
+                    let (y, saved) = self.layer_forward(i, arg, ctx, hooks)?;
                     drop(saved);
                     inner = Some(y);
                 }
-                tape.kept.push((seg, Kept::Checkpoint { input, offset }));
+                kept.push((seg, Kept::Checkpoint { input, offset }));
                 cur = inner;
             } else {
                 let mut saved = Vec::with_capacity(seg.end - seg.start);
                 for i in seg.start..seg.end {
-                    let (y, s) = self.layers[i].forward(cur.as_ref().unwrap_or(x), ctx)?;
+                    let (y, s) = self.layer_forward(i, cur.as_ref().unwrap_or(x), ctx, hooks)?;
                     saved.push(self.expect_saved(i, s)?);
                     cur = Some(y);
                 }
-                tape.kept.push((seg, Kept::Plain(saved)));
+                kept.push((seg, Kept::Plain(saved)));
             }
         }
+        tape.kept = kept;
         tape.schedule = Some(schedule.clone());
         let y =
             cur.ok_or(Error::InvalidArgument { what: "Chain::forward", reason: "empty".into() })?;
         Ok((y, tape))
+    }
+
+    /// Layer `i`'s training forward between its hooks.
+    fn layer_forward(
+        &mut self,
+        i: usize,
+        x: &Tensor,
+        ctx: &mut ForwardCtx,
+        hooks: &mut dyn LayerHooks,
+    ) -> Result<(Tensor, Option<SavedBox>)> {
+        let layer = self.layers[i].as_mut();
+        hooks.before(HookPass::Forward, i, layer)?;
+        let out = layer.forward(x, ctx)?;
+        hooks.after(HookPass::Forward, i, layer)?;
+        Ok(out)
     }
 
     fn expect_saved(&self, i: usize, s: Option<SavedBox>) -> Result<SavedBox> {
@@ -278,6 +359,21 @@ impl Chain {
         dy: Tensor,
         want_input_grad: bool,
     ) -> Result<Option<Tensor>> {
+        self.backward_hooked(tape, dy, want_input_grad, &mut NoHooks)
+    }
+
+    /// [`Chain::backward`] with `hooks` around each layer (see [`LayerHooks`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`Chain::backward`], and a hook's.
+    pub fn backward_hooked(
+        &mut self,
+        tape: Tape<'_>,
+        dy: Tensor,
+        want_input_grad: bool,
+        hooks: &mut dyn LayerHooks,
+    ) -> Result<Option<Tensor>> {
         if tape.chain != self.id {
             return Err(Error::ForeignTape { chain: self.id, tape: tape.chain });
         }
@@ -288,6 +384,7 @@ impl Chain {
             return Err(Error::InferenceTape);
         }
         let Tape { input, seed, autocast, mut kept, .. } = tape;
+        let input: &Tensor = &input;
         let mut grad = Some(dy);
         while let Some((seg, k)) = kept.pop() {
             let saved = match k {
@@ -306,6 +403,7 @@ impl Chain {
                     let mut ckpt = ckpt;
                     let mut cur: Option<Tensor> = None;
                     for i in seg.start..seg.end {
+                        hooks.before(HookPass::Backward, i, self.layers[i].as_mut())?;
                         let arg = cur.as_ref().or(ckpt.as_ref()).unwrap_or(input);
                         let (y, s) = self.layers[i].forward(arg, &mut ctx)?;
                         saved.push(self.expect_saved(i, s)?);
@@ -315,6 +413,7 @@ impl Chain {
                     saved
                 }
             };
+            let recomputed = seg.checkpointed;
             for (i, s) in (seg.start..seg.end).zip(saved).rev() {
                 let dy = grad.take().ok_or(Error::LayerContract {
                     index: i + 1,
@@ -322,7 +421,12 @@ impl Chain {
                     reason: "backward returned no input gradient although one was asked for".into(),
                 })?;
                 let want = i > 0 || want_input_grad;
-                grad = self.layers[i].backward(s, dy, want)?;
+                let layer = self.layers[i].as_mut();
+                if !recomputed {
+                    hooks.before(HookPass::Backward, i, layer)?;
+                }
+                grad = layer.backward(s, dy, want)?;
+                hooks.after(HookPass::Backward, i, layer)?;
             }
         }
         Ok(if want_input_grad { grad } else { None })

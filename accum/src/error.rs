@@ -117,6 +117,17 @@ pub enum Error {
         /// The layer's name.
         layer: String,
     },
+    /// A [`LayerHooks`](crate::LayerHooks) callback failed (the hooks keep their own error
+    /// to return in its place).
+    #[error("hook {pass} of layer {index} failed: {reason}")]
+    Hook {
+        /// Where: before or after, forward or backward.
+        pass: String,
+        /// Position of the layer in the chain.
+        index: usize,
+        /// The hook's error.
+        reason: String,
+    },
     /// A layer broke the [`Layer`](crate::Layer) contract (e.g. saved nothing in training).
     #[error("layer {index} ({name}): {reason}")]
     LayerContract {

@@ -98,7 +98,7 @@ pub use accumulate::{
     FnHooks, GradAccumulator, MicroStep, Normalization, StepHooks, StepReport, Window, WindowHooks,
 };
 pub use autocast::Autocast;
-pub use chain::{Chain, ChainId, Tape};
+pub use chain::{Chain, ChainId, HookPass, LayerHooks, Tape};
 pub use error::{Error, Result};
 pub use layer::{BoxedLayer, ForwardCtx, Layer, Mode, Param, ParamId, SavedBox};
 pub use plan::{ChainProfile, CheckpointPlan, LayerProfile, Prediction, Schedule, Segment};

@@ -23,8 +23,12 @@ use crate::models::{
     Arch, EmbedParts, HeadSaved, Model, fused_tied_loss, loss_and_grad, loss_input, tied_head,
     tied_head_backward,
 };
+use std::borrow::Cow;
+
 use vram_accum::autocast::cast_into;
-use vram_accum::{BoxedLayer, ForwardCtx, Mode, Param, SavedBox};
+use vram_accum::{
+    Chain, ForwardCtx, HookPass, Layer, LayerHooks, Mode, Param, Schedule, Tape,
+};
 use vram_kernels::{DType, Device, Tensor, ops};
 use vram_parallel::{
     Collective, DistError, DpConfig, GroupHooks, HostCollective, InProcessGroup, Metered, Pass,
@@ -44,7 +48,11 @@ pub struct DpModel {
     channels_last: bool,
     /// Whether a training step fuses a tied head with its loss.
     fused_loss: bool,
-    layers: Vec<BoxedLayer>,
+    /// The chain's layers, group `i + 1` each (group `i` without embeddings).
+    chain: Chain,
+    /// Which segments of the chain forward keeps and which it recomputes in backward
+    /// (`None`: keeps everything).
+    schedule: Option<Schedule>,
     dtype: DType,
     forwards: u64,
 }
@@ -87,10 +95,37 @@ impl DpModel {
             autocast: parts.autocast,
             channels_last: parts.channels_last,
             fused_loss: parts.fused_loss,
-            layers: parts.layers,
+            chain: Chain::new(parts.layers),
+            schedule: None,
             dtype,
             forwards: 0,
         }
+    }
+
+    /// The same, recomputing the checkpointed segments of `schedule` in backward
+    /// (activation checkpointing, as `torch.utils.checkpoint` under DDP or FSDP): under
+    /// ZeRO-3 a recomputed segment's layers are gathered before its recomputation and
+    /// released after each one's backward, so each layer is gathered once in backward as
+    /// without checkpointing.
+    ///
+    /// # Errors
+    ///
+    /// [`DistError::Invalid`] for a schedule of another length than the chain's.
+    pub fn with_checkpoint(mut self, schedule: Schedule) -> Result<DpModel, DistError> {
+        if schedule.layer_count() != self.chain.len() {
+            return Err(DistError::Invalid(format!(
+                "a checkpoint schedule of {} layers for a chain of {}",
+                schedule.layer_count(),
+                self.chain.len()
+            )));
+        }
+        self.schedule = Some(schedule);
+        Ok(self)
+    }
+
+    /// Layers in the chain (what a checkpoint schedule is made for).
+    pub fn chain_len(&self) -> usize {
+        self.chain.len()
     }
 
     /// Number of parameters (a tied head counted once, as the token embedding).
@@ -141,44 +176,40 @@ impl DpModel {
         }
     }
 
-    /// The chain's forward, layer by layer, each group between its hooks.
+    /// The chain's forward under the checkpoint schedule, each layer's group between its
+    /// hooks.
     fn chain_forward(
         &mut self,
-        mut x: Tensor,
+        x: Tensor,
         ctx: &mut ForwardCtx,
         hooks: &mut dyn GroupHooks,
-    ) -> Result<(Tensor, Vec<SavedBox>), DistError> {
-        let off = self.offset();
-        let mut saved = Vec::with_capacity(self.layers.len());
-        for (i, layer) in self.layers.iter_mut().enumerate() {
-            hooks.before(Pass::Forward, i + off, &mut layer.params_mut())?;
-            let (y, s) = layer.forward(&x, ctx).map_err(accum)?;
-            hooks.after(Pass::Forward, i + off, &mut layer.params_mut())?;
-            saved.push(s.ok_or_else(|| DistError::Replica("a layer saved nothing".into()))?);
-            x = y;
-        }
-        Ok((x, saved))
+    ) -> Result<(Tensor, Tape<'static>), DistError> {
+        let plain;
+        let schedule = match &self.schedule {
+            Some(s) => s,
+            None => {
+                plain = Schedule::none(self.chain.len()).map_err(accum)?;
+                &plain
+            }
+        };
+        let mut h = ChainHooks { hooks, offset: self.offset(), error: None };
+        let r = self.chain.forward_hooked(Cow::Owned(x), ctx, schedule, &mut h);
+        r.map_err(|e| h.error.take().unwrap_or_else(|| accum(e)))
     }
 
-    /// The chain's backward from its output's gradient `dy`, then the embeddings'.
+    /// The chain's backward from its output's gradient `dy` (recomputing its checkpointed
+    /// segments), then the embeddings'.
     fn chain_backward(
         &mut self,
-        saved: Vec<SavedBox>,
+        tape: Tape<'static>,
         ids: Option<Vec<u32>>,
         dy: Tensor,
         hooks: &mut dyn GroupHooks,
     ) -> Result<(), DistError> {
-        let off = self.offset();
         let want_first = self.embed.is_some();
-        let mut dy = Some(dy);
-        for (i, (layer, s)) in self.layers.iter_mut().zip(saved).enumerate().rev() {
-            hooks.before(Pass::Backward, i + off, &mut layer.params_mut())?;
-            let g = dy
-                .take()
-                .ok_or_else(|| DistError::Replica("a layer returned no input gradient".into()))?;
-            dy = layer.backward(s, g, i > 0 || want_first).map_err(accum)?;
-            hooks.after(Pass::Backward, i + off, &mut layer.params_mut())?;
-        }
+        let mut h = ChainHooks { hooks, offset: self.offset(), error: None };
+        let r = self.chain.backward_hooked(tape, dy, want_first, &mut h);
+        let dy = r.map_err(|e| h.error.take().unwrap_or_else(|| accum(e)))?;
         match (ids, dy, &mut self.embed) {
             (Some(ids), Some(dx), Some(e)) => {
                 hooks.before(Pass::Backward, 0, &mut e.params_mut())?;
@@ -197,7 +228,7 @@ impl DpModel {
     fn finish_forward(
         &mut self,
         out: Tensor,
-        saved: Vec<SavedBox>,
+        saved: Tape<'static>,
         ids: Option<Vec<u32>>,
         mut ctx: ForwardCtx,
         hooks: &mut dyn GroupHooks,
@@ -226,6 +257,54 @@ impl DpModel {
     }
 }
 
+/// A replica's [`GroupHooks`] as the chain's [`LayerHooks`]: layer `i` is group
+/// `i + offset`. A hook's error is kept, to be returned instead of the chain's copy.
+struct ChainHooks<'a> {
+    hooks: &'a mut dyn GroupHooks,
+    offset: usize,
+    error: Option<DistError>,
+}
+
+impl ChainHooks<'_> {
+    fn call(
+        &mut self,
+        before: bool,
+        pass: HookPass,
+        i: usize,
+        layer: &mut dyn Layer,
+    ) -> vram_accum::Result<()> {
+        let p = match pass {
+            HookPass::Forward => Pass::Forward,
+            HookPass::Backward => Pass::Backward,
+        };
+        let mut params = layer.params_mut();
+        let r = if before {
+            self.hooks.before(p, i + self.offset, &mut params)
+        } else {
+            self.hooks.after(p, i + self.offset, &mut params)
+        };
+        r.map_err(|e| {
+            let err = vram_accum::Error::Hook {
+                pass: format!("{} {p:?}", if before { "before" } else { "after" }),
+                index: i,
+                reason: e.to_string(),
+            };
+            self.error = Some(e);
+            err
+        })
+    }
+}
+
+impl LayerHooks for ChainHooks<'_> {
+    fn before(&mut self, pass: HookPass, i: usize, layer: &mut dyn Layer) -> vram_accum::Result<()> {
+        self.call(true, pass, i, layer)
+    }
+
+    fn after(&mut self, pass: HookPass, i: usize, layer: &mut dyn Layer) -> vram_accum::Result<()> {
+        self.call(false, pass, i, layer)
+    }
+}
+
 /// A global or per-device batch, with the rows one sample spans (the sequence length for
 /// token batches, 1 for features), so that a split never cuts a sample.
 #[derive(Clone, Debug)]
@@ -251,7 +330,7 @@ impl DpBatch {
 /// embeddings' backward, a tied head's operands, and the logits' dtype before the loss's
 /// cast (16 bits under autocast).
 pub struct DpTape {
-    saved: Vec<SavedBox>,
+    saved: Tape<'static>,
     ids: Option<Vec<u32>>,
     head: Option<HeadSaved>,
     logits_dtype: DType,
@@ -268,14 +347,14 @@ impl Replica for DpModel {
     fn group_sizes(&self) -> Vec<usize> {
         let mut g: Vec<usize> =
             self.embed.iter().map(|e| 1 + usize::from(e.pos.is_some())).collect();
-        g.extend(self.layers.iter().map(|l| l.params().len()));
+        g.extend(self.chain.layers().iter().map(|l| l.params().len()));
         g
     }
 
     fn params_mut(&mut self) -> Vec<&mut Param> {
         let mut p: Vec<&mut Param> =
             self.embed.iter_mut().flat_map(EmbedParts::params_mut).collect();
-        p.extend(self.layers.iter_mut().flat_map(|l| l.params_mut()));
+        p.extend(self.chain.params_mut());
         p
     }
 
@@ -455,16 +534,22 @@ pub fn measure(
 ) -> Result<DpRun, DistError> {
     let batches: Vec<DpBatch> =
         (0..steps).map(|i| DpBatch::new(data, seed, i as u64, samples)).collect();
-    let build = |device: &Device| Model::new(device, arch.clone(), seed, dtype);
-    measure_batches(&build, config, n, kind, &batches)
+    let build = |device: &Device| DpModel::new(device, arch, seed, dtype);
+    measure_with(&build, config, n, kind, &batches)
 }
 
-/// A model built on a rank's device (the same weights on every rank).
-pub(crate) type BuildModel<'a> = dyn Fn(&Device) -> vram_accum::Result<Model> + Sync + 'a;
+/// A replica built on a rank's device (the same weights on every rank).
+pub type BuildReplica<'a> = dyn Fn(&Device) -> Result<DpModel, DistError> + Sync + 'a;
 
-/// [`measure`] of the model `build` makes, on the global batches `batches`.
-pub(crate) fn measure_batches(
-    build: &BuildModel<'_>,
+/// [`measure`] of the replica `build` makes on each rank's device (any model, its options,
+/// autocast and checkpointing: [`DpModel::from_model`], [`DpModel::with_checkpoint`]), on the
+/// global batches `batches`.
+///
+/// # Errors
+///
+/// As [`measure`], and `build`'s.
+pub fn measure_with(
+    build: &BuildReplica<'_>,
     config: DpConfig,
     n: usize,
     kind: DeviceKind,
@@ -478,7 +563,7 @@ pub(crate) fn measure_batches(
             DeviceKind::Host(c) => Device::host(c),
             DeviceKind::Virtual(c) => Device::virtual_device(c),
         };
-        replicas.push(DpModel::from_model(build(&device).map_err(accum)?));
+        replicas.push(build(&device)?);
         comms.push(match kind {
             DeviceKind::Host(_) => Box::new(Metered::new(HostCollective::new(comm))),
             DeviceKind::Virtual(_) => Box::new(Metered::new(VirtualCollective::new(comm))),

@@ -7,7 +7,8 @@ use std::time::Duration;
 use vram_accum::{ForwardCtx, Mode};
 use vram_amp::{AdamW, Optimizer};
 use vram_harness::data::Dataset;
-use vram_harness::dp::{DeviceKind, DpBatch, DpModel, analytic_state_bytes, measure};
+use vram_accum::Schedule;
+use vram_harness::dp::{DeviceKind, DpBatch, DpModel, analytic_state_bytes, measure, measure_with};
 use vram_harness::models::{Arch, HfModel, Model, ModelOptions};
 use vram_harness::plan;
 use vram_kernels::{AdamWConfig, DType, Device};
@@ -74,12 +75,32 @@ fn data_parallel_of(
     n: usize,
     strategy: Strategy,
 ) -> Vec<Vec<Vec<f32>>> {
+    data_parallel_sched(build, data, samples, steps, n, strategy, None)
+}
+
+/// [`data_parallel_of`] with every replica checkpointing as `schedule` says.
+fn data_parallel_sched(
+    build: &dyn Fn() -> Model,
+    data: &Dataset,
+    samples: usize,
+    steps: u64,
+    n: usize,
+    strategy: Strategy,
+    schedule: Option<&Schedule>,
+) -> Vec<Vec<Vec<f32>>> {
     let comms: Vec<Box<dyn Collective>> = InProcessGroup::connect(n, Duration::from_secs(30))
         .unwrap()
         .into_iter()
         .map(|c| Box::new(HostCollective::new(c)) as Box<dyn Collective>)
         .collect();
-    let replicas: Vec<DpModel> = (0..n).map(|_| DpModel::from_model(build())).collect();
+    let replica = || {
+        let m = DpModel::from_model(build());
+        match schedule {
+            Some(s) => m.with_checkpoint(s.clone()).unwrap(),
+            None => m,
+        }
+    };
+    let replicas: Vec<DpModel> = (0..n).map(|_| replica()).collect();
     let batches: Vec<DpBatch> = (0..steps).map(|i| DpBatch::new(data, 3, i, samples)).collect();
     let config = DpConfig { adamw: adamw(), ..DpConfig::new(strategy) };
     train(replicas, comms, config, &batches, |t| t.full_params())
@@ -205,6 +226,67 @@ fn data_parallel_trains_a_channels_last_cnn_as_the_model() {
     }
 }
 
+/// Activation checkpointing in every process (`torch.utils.checkpoint` under DDP or FSDP):
+/// the checkpointed segments recompute in backward, the gradients are the plain run's, so
+/// every strategy trains as the model without checkpointing.
+#[test]
+fn data_parallel_with_checkpointing_trains_as_the_plain_model() {
+    let gpt =
+        Arch::Gpt { vocab: 32, d: 16, layers: 3, heads: 2, seq: 8, dropout: 0.0, tied: true };
+    let data = Dataset::Sequences { vocab: 32, seq: 8 };
+    let want = reference(&gpt, &data, 4, 3);
+    let n_layers = DpModel::from_model(model(&gpt, None)).chain_len();
+    for schedule in [Schedule::every(n_layers, 1).unwrap(), Schedule::sqrt(n_layers).unwrap()] {
+        assert!(schedule.segments().iter().any(|s| s.checkpointed), "{schedule:?}");
+        for (n, strategy) in [(2, Strategy::Ddp), (2, Strategy::Zero2), (4, Strategy::Zero3)] {
+            let build = || model(&gpt, None);
+            let ranks = data_parallel_sched(&build, &data, 4, 3, n, strategy, Some(&schedule));
+            for got in ranks {
+                close(&got, &want, &format!("{:?} {} x{n}", schedule, strategy.name()));
+            }
+        }
+    }
+}
+
+/// At GPT-2 small's width on virtual devices: checkpointing every block lowers ZeRO-3's
+/// per-device peak, and moves the same bytes per step (each layer gathered once in
+/// backward, before its recomputation, as without checkpointing).
+#[test]
+fn zero3_with_checkpointing_holds_less_and_moves_the_same_bytes() {
+    let arch = Arch::Gpt {
+        vocab: 50257,
+        d: 768,
+        layers: 4,
+        heads: 12,
+        seq: 1024,
+        dropout: 0.0,
+        tied: true,
+    };
+    let batch = DpBatch::new(&Dataset::Sequences { vocab: 50257, seq: 1024 }, 0, 0, 4);
+    let batches = [batch.clone(), batch];
+    let run = |checkpoint: bool| {
+        let build = |device: &Device| {
+            let m = DpModel::new(device, &arch, 0, DType::BF16)?;
+            if !checkpoint {
+                return Ok(m);
+            }
+            let every = Schedule::every(m.chain_len(), 1).unwrap();
+            m.with_checkpoint(every)
+        };
+        let config = DpConfig::new(Strategy::Zero3);
+        measure_with(&build, config, 2, DeviceKind::Virtual(80 << 30), &batches).unwrap()
+    };
+    let (plain, ckpt) = (run(false), run(true));
+    assert!(
+        ckpt.max_peak_allocated() + (200 << 20) < plain.max_peak_allocated(),
+        "checkpointed {} vs plain {}",
+        ckpt.max_peak_allocated(),
+        plain.max_peak_allocated()
+    );
+    assert_eq!(ckpt.bytes_per_param_per_step(), plain.bytes_per_param_per_step());
+    assert_eq!(ckpt.max_state_bytes(), plain.max_state_bytes());
+}
+
 #[test]
 fn a_gpt_batch_splits_only_into_whole_sequences() {
     let gpt =
@@ -278,7 +360,7 @@ fn plan_nproc_reports_per_process_memory_and_bytes_per_step_for_ddp_and_zero() {
     let mut req = plan::PlanRequest::new(model, 8, 1 << 30);
     req.reserve = 0;
     req.precision = plan::PrecisionChoice::Only(plan::Precision::Bf16);
-    let d = plan::data_parallel(&req, 4).unwrap();
+    let d = plan::data_parallel(&req, 4, plan::PlanKind::None).unwrap();
     assert_eq!((d.nproc, d.per_process_batch), (4, 2));
     let row = |s: &str| d.rows.iter().find(|r| r.strategy == s).unwrap();
     for r in &d.rows {
@@ -292,5 +374,5 @@ fn plan_nproc_reports_per_process_memory_and_bytes_per_step_for_ddp_and_zero() {
     assert!(row("zero-2").model_states < row("zero-1").model_states);
     assert!(row("zero-1").model_states < row("ddp").model_states);
     assert!(row("zero-3").bytes_per_param_per_step > 1.4 * row("ddp").bytes_per_param_per_step);
-    assert!(plan::data_parallel(&req, 3).is_err(), "8 samples do not split over 3");
+    assert!(plan::data_parallel(&req, 3, plan::PlanKind::None).is_err(), "8 samples do not split over 3");
 }

@@ -368,7 +368,12 @@ pub fn run(args: PlanArgs) -> Result<ExitCode, String> {
         }
     };
     let data_parallel = match args.gpus {
-        Some(n) if n > 1 && n <= MEASURED_GPUS => match plan::data_parallel(&req, n) {
+        // The processes checkpoint as the configuration the estimate starts from.
+        Some(n) if n > 1 && n <= MEASURED_GPUS => match plan::data_parallel(
+            &req,
+            n,
+            report.decomposition.as_ref().map_or(plan::PlanKind::None, |d| d.checkpoint),
+        ) {
             Ok(d) => Some(d),
             Err(e) if e.is_bad_input() => return Err(e.to_string()),
             Err(e) => {
@@ -629,10 +634,11 @@ fn render_shards(t: &ShardTable, usable: u64) -> String {
 /// The measured `--gpus` section as text.
 fn render_dp(d: &DpPlan, usable: u64) -> String {
     let mut out = format!(
-        "\nmeasured on {} virtual devices, {}, no checkpointing, {} parameters, {} samples per \
+        "\nmeasured on {} virtual devices, {}, checkpointing {}, {} parameters, {} samples per \
          process at once:\n",
         d.nproc,
         d.precision.label(),
+        d.checkpoint.label(),
         d.params,
         d.per_process_batch,
     );

@@ -6,10 +6,11 @@
 
 use serde::Serialize;
 use vram_kernels::DType;
-use vram_parallel::{DpConfig, Strategy, ring_bytes_per_param};
+use vram_parallel::{DistError, DpConfig, Strategy, ring_bytes_per_param};
 
-use super::{PlanError, PlanRequest, Precision, PrecisionChoice, UNLIMITED};
-use crate::dp::{DeviceKind, DpBatch, analytic_state_bytes, measure_batches};
+use super::run::fixed_schedule;
+use super::{PlanError, PlanKind, PlanRequest, Precision, PrecisionChoice, UNLIMITED};
+use crate::dp::{DeviceKind, DpBatch, DpModel, analytic_state_bytes, measure_with};
 use crate::models::Model;
 use vram_alloc::human_bytes;
 use vram_kernels::Device;
@@ -46,6 +47,8 @@ pub struct DpPlan {
     pub nproc: usize,
     /// The precision of the runs.
     pub precision: Precision,
+    /// Their activation checkpointing (each process's chain under it).
+    pub checkpoint: PlanKind,
     /// Parameters of the model (a tied head counted once).
     pub params: u64,
     /// Samples per process per step.
@@ -58,13 +61,18 @@ pub struct DpPlan {
 
 /// Runs DDP and ZeRO-1/2/3 of `req`'s model on `nproc` virtual devices (two steps of the
 /// global batch split over them, AdamW), in the precision `req` asks for (bf16 under
-/// `auto`), autocast included.
+/// `auto`), autocast included, each process's chain under the activation checkpointing
+/// `checkpoint` (a budget plan, which depends on one device's micro-batch, runs as none).
 ///
 /// # Errors
 ///
 /// [`PlanError::InvalidArgument`] for no processes or a batch that does not split evenly;
 /// [`PlanError::DataParallel`] if a run fails.
-pub fn data_parallel(req: &PlanRequest, nproc: usize) -> Result<DpPlan, PlanError> {
+pub fn data_parallel(
+    req: &PlanRequest,
+    nproc: usize,
+    checkpoint: PlanKind,
+) -> Result<DpPlan, PlanError> {
     if nproc == 0 || req.batch == 0 || !req.batch.is_multiple_of(nproc) {
         return Err(PlanError::InvalidArgument {
             what: "nproc",
@@ -76,9 +84,8 @@ pub fn data_parallel(req: &PlanRequest, nproc: usize) -> Result<DpPlan, PlanErro
     }
     let mut notes = vec![
         format!(
-            "one process per GPU, each with {} samples of the global batch at once: no \
-             micro-batches, no checkpointing (the single-GPU plan above applies per process \
-             to those)",
+            "one process per GPU, each with {} samples of the global batch at once (no \
+             micro-batches)",
             req.batch / nproc
         ),
         "AdamW (every data-parallel strategy trains with it); 16-bit runs keep f32 master \
@@ -113,11 +120,36 @@ pub fn data_parallel(req: &PlanRequest, nproc: usize) -> Result<DpPlan, PlanErro
         );
     }
     let dtype = precision.dtype();
-    let build = |device: &Device| {
+    let checkpoint = match checkpoint {
+        PlanKind::Budget => {
+            notes.push(
+                "the single-GPU plan's budget checkpointing depends on its micro-batch: the \
+                 processes here keep every activation"
+                    .into(),
+            );
+            PlanKind::None
+        }
+        PlanKind::None => PlanKind::None,
+        k => {
+            notes.push(format!(
+                "activation checkpointing {} in every process (the chain's checkpointed \
+                 segments recomputed in backward; under ZeRO-3 a recomputed segment's layers \
+                 are gathered before their recomputation, once per backward as without it)",
+                k.label()
+            ));
+            k
+        }
+    };
+    let build = |device: &Device| -> Result<DpModel, DistError> {
         let m = &req.model;
-        let mut model = Model::with_options(device, m.arch.clone(), 0, dtype, m.options())?;
-        model.set_autocast(precision.autocast())?;
-        Ok(model)
+        let fail = |e: vram_accum::Error| DistError::Replica(e.to_string());
+        let mut model =
+            Model::with_options(device, m.arch.clone(), 0, dtype, m.options()).map_err(fail)?;
+        model.set_autocast(precision.autocast()).map_err(fail)?;
+        let replica = DpModel::from_model(model);
+        let schedule = fixed_schedule(checkpoint, replica.chain_len())
+            .map_err(|e| DistError::Invalid(e.to_string()))?;
+        replica.with_checkpoint(schedule)
     };
     let batch = DpBatch {
         batch: req.model.batch(req.batch, None),
@@ -129,7 +161,7 @@ pub fn data_parallel(req: &PlanRequest, nproc: usize) -> Result<DpPlan, PlanErro
     for strategy in [Strategy::Ddp, Strategy::Zero1, Strategy::Zero2, Strategy::Zero3] {
         let config = DpConfig::new(strategy);
         let kind = DeviceKind::Virtual(UNLIMITED);
-        let run = measure_batches(&build, config, nproc, kind, &batches)
+        let run = measure_with(&build, config, nproc, kind, &batches)
             .map_err(PlanError::DataParallel)?;
         params = run.params;
         let per_param = run.bytes_per_param_per_step();
@@ -150,7 +182,15 @@ pub fn data_parallel(req: &PlanRequest, nproc: usize) -> Result<DpPlan, PlanErro
             ),
         });
     }
-    Ok(DpPlan { nproc, precision, params, per_process_batch: req.batch / nproc, rows, notes })
+    Ok(DpPlan {
+        nproc,
+        precision,
+        checkpoint,
+        params,
+        per_process_batch: req.batch / nproc,
+        rows,
+        notes,
+    })
 }
 
 /// The most GPUs the multi-GPU answer considers.

@@ -371,6 +371,8 @@ pub struct Decomposition {
     pub config: String,
     /// Its precision.
     pub precision: Precision,
+    /// Its activation checkpointing (a budget plan is decomposed as none).
+    pub checkpoint: PlanKind,
     /// Bytes independent of the batch (weights, master weights, gradients, optimizer
     /// state, workspaces).
     pub fixed: u64,

@@ -878,6 +878,7 @@ impl Search<'_> {
         let per_sample = hi.saturating_sub(lo) / 8;
         Ok(Decomposition {
             precision: c.precision,
+            checkpoint: plan,
             config: format!(
                 "{} / {} / {}",
                 c.precision.label(),

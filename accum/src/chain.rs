@@ -54,24 +54,24 @@ pub trait LayerHooks {
     /// # Errors
     ///
     /// Any: the chain stops and returns it.
-    fn before(&mut self, pass: HookPass, index: usize, layer: &mut dyn Layer) -> Result<()>;
+    fn before(&mut self, pass: HookPass, index: usize, layer: &mut BoxedLayer) -> Result<()>;
     /// After layer `index` ran in `pass`.
     ///
     /// # Errors
     ///
     /// As [`before`](Self::before).
-    fn after(&mut self, pass: HookPass, index: usize, layer: &mut dyn Layer) -> Result<()>;
+    fn after(&mut self, pass: HookPass, index: usize, layer: &mut BoxedLayer) -> Result<()>;
 }
 
 /// Hooks that do nothing.
 struct NoHooks;
 
 impl LayerHooks for NoHooks {
-    fn before(&mut self, _: HookPass, _: usize, _: &mut dyn Layer) -> Result<()> {
+    fn before(&mut self, _: HookPass, _: usize, _: &mut BoxedLayer) -> Result<()> {
         Ok(())
     }
 
-    fn after(&mut self, _: HookPass, _: usize, _: &mut dyn Layer) -> Result<()> {
+    fn after(&mut self, _: HookPass, _: usize, _: &mut BoxedLayer) -> Result<()> {
         Ok(())
     }
 }
@@ -326,7 +326,7 @@ impl Chain {
         ctx: &mut ForwardCtx,
         hooks: &mut dyn LayerHooks,
     ) -> Result<(Tensor, Option<SavedBox>)> {
-        let layer = self.layers[i].as_mut();
+        let layer = &mut self.layers[i];
         hooks.before(HookPass::Forward, i, layer)?;
         let out = layer.forward(x, ctx)?;
         hooks.after(HookPass::Forward, i, layer)?;
@@ -403,7 +403,7 @@ impl Chain {
                     let mut ckpt = ckpt;
                     let mut cur: Option<Tensor> = None;
                     for i in seg.start..seg.end {
-                        hooks.before(HookPass::Backward, i, self.layers[i].as_mut())?;
+                        hooks.before(HookPass::Backward, i, &mut self.layers[i])?;
                         let arg = cur.as_ref().or(ckpt.as_ref()).unwrap_or(input);
                         let (y, s) = self.layers[i].forward(arg, &mut ctx)?;
                         saved.push(self.expect_saved(i, s)?);
@@ -415,13 +415,13 @@ impl Chain {
             };
             let recomputed = seg.checkpointed;
             for (i, s) in (seg.start..seg.end).zip(saved).rev() {
-                let dy = grad.take().ok_or(Error::LayerContract {
+                let dy = grad.take().ok_or_else(|| Error::LayerContract {
                     index: i + 1,
                     name: self.layers.get(i + 1).map(|l| l.name()).unwrap_or_default(),
                     reason: "backward returned no input gradient although one was asked for".into(),
                 })?;
                 let want = i > 0 || want_input_grad;
-                let layer = self.layers[i].as_mut();
+                let layer = &mut self.layers[i];
                 if !recomputed {
                     hooks.before(HookPass::Backward, i, layer)?;
                 }

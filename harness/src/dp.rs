@@ -27,7 +27,7 @@ use std::borrow::Cow;
 
 use vram_accum::autocast::cast_into;
 use vram_accum::{
-    Chain, ForwardCtx, HookPass, Layer, LayerHooks, Mode, Param, Schedule, Tape,
+    BoxedLayer, Chain, ForwardCtx, HookPass, LayerHooks, Mode, Param, Schedule, Tape,
 };
 use vram_kernels::{DType, Device, Tensor, ops};
 use vram_parallel::{
@@ -271,7 +271,7 @@ impl ChainHooks<'_> {
         before: bool,
         pass: HookPass,
         i: usize,
-        layer: &mut dyn Layer,
+        layer: &mut BoxedLayer,
     ) -> vram_accum::Result<()> {
         let p = match pass {
             HookPass::Forward => Pass::Forward,
@@ -296,11 +296,21 @@ impl ChainHooks<'_> {
 }
 
 impl LayerHooks for ChainHooks<'_> {
-    fn before(&mut self, pass: HookPass, i: usize, layer: &mut dyn Layer) -> vram_accum::Result<()> {
+    fn before(
+        &mut self,
+        pass: HookPass,
+        i: usize,
+        layer: &mut BoxedLayer,
+    ) -> vram_accum::Result<()> {
         self.call(true, pass, i, layer)
     }
 
-    fn after(&mut self, pass: HookPass, i: usize, layer: &mut dyn Layer) -> vram_accum::Result<()> {
+    fn after(
+        &mut self,
+        pass: HookPass,
+        i: usize,
+        layer: &mut BoxedLayer,
+    ) -> vram_accum::Result<()> {
         self.call(false, pass, i, layer)
     }
 }

@@ -4,10 +4,10 @@
 
 use std::time::Duration;
 
+use vram_accum::Schedule;
 use vram_accum::{ForwardCtx, Mode};
 use vram_amp::{AdamW, Optimizer};
 use vram_harness::data::Dataset;
-use vram_accum::Schedule;
 use vram_harness::dp::{DeviceKind, DpBatch, DpModel, analytic_state_bytes, measure, measure_with};
 use vram_harness::models::{Arch, HfModel, Model, ModelOptions};
 use vram_harness::plan;
@@ -231,8 +231,7 @@ fn data_parallel_trains_a_channels_last_cnn_as_the_model() {
 /// every strategy trains as the model without checkpointing.
 #[test]
 fn data_parallel_with_checkpointing_trains_as_the_plain_model() {
-    let gpt =
-        Arch::Gpt { vocab: 32, d: 16, layers: 3, heads: 2, seq: 8, dropout: 0.0, tied: true };
+    let gpt = Arch::Gpt { vocab: 32, d: 16, layers: 3, heads: 2, seq: 8, dropout: 0.0, tied: true };
     let data = Dataset::Sequences { vocab: 32, seq: 8 };
     let want = reference(&gpt, &data, 4, 3);
     let n_layers = DpModel::from_model(model(&gpt, None)).chain_len();
@@ -256,7 +255,7 @@ fn zero3_with_checkpointing_holds_less_and_moves_the_same_bytes() {
     let arch = Arch::Gpt {
         vocab: 50257,
         d: 768,
-        layers: 4,
+        layers: 8,
         heads: 12,
         seq: 1024,
         dropout: 0.0,
@@ -277,8 +276,15 @@ fn zero3_with_checkpointing_holds_less_and_moves_the_same_bytes() {
         measure_with(&build, config, 2, DeviceKind::Virtual(80 << 30), &batches).unwrap()
     };
     let (plain, ckpt) = (run(false), run(true));
+    eprintln!(
+        "zero-3 x2, 8 blocks at GPT-2 small width, 2 x 1024 tokens per device, bf16: peak \
+         {} B plain, {} B checkpointing every block; {} B/param/step moved",
+        plain.max_peak_allocated(),
+        ckpt.max_peak_allocated(),
+        ckpt.bytes_per_param_per_step()
+    );
     assert!(
-        ckpt.max_peak_allocated() + (200 << 20) < plain.max_peak_allocated(),
+        (ckpt.max_peak_allocated() as f64) < 0.85 * plain.max_peak_allocated() as f64,
         "checkpointed {} vs plain {}",
         ckpt.max_peak_allocated(),
         plain.max_peak_allocated()
@@ -374,5 +380,8 @@ fn plan_nproc_reports_per_process_memory_and_bytes_per_step_for_ddp_and_zero() {
     assert!(row("zero-2").model_states < row("zero-1").model_states);
     assert!(row("zero-1").model_states < row("ddp").model_states);
     assert!(row("zero-3").bytes_per_param_per_step > 1.4 * row("ddp").bytes_per_param_per_step);
-    assert!(plan::data_parallel(&req, 3, plan::PlanKind::None).is_err(), "8 samples do not split over 3");
+    assert!(
+        plan::data_parallel(&req, 3, plan::PlanKind::None).is_err(),
+        "8 samples do not split over 3"
+    );
 }

@@ -259,12 +259,13 @@ impl Conv2d {
     /// Input channels.
     fn c_in(&self) -> usize {
         let s = self.weight.value.shape();
-        self.opts.groups * if self.channels_last { s[3] } else { s[1] }
+        let c = if self.channels_last { s.get(3) } else { s.get(1) };
+        self.opts.groups * c.copied().unwrap_or(0)
     }
 
     /// Output channels.
     fn c_out(&self) -> usize {
-        self.weight.value.shape()[0]
+        self.weight.value.shape().first().copied().unwrap_or(0)
     }
 }
 
@@ -273,7 +274,8 @@ impl Layer for Conv2d {
 
     fn name(&self) -> String {
         let (s, g, cl) = (self.weight.value.shape(), self.opts.groups, self.channels_last);
-        let (kh, kw) = if cl { (s[1], s[2]) } else { (s[2], s[3]) };
+        let at = |i: usize| s.get(i).copied().unwrap_or(0);
+        let (kh, kw) = if cl { (at(1), at(2)) } else { (at(2), at(3)) };
         let (i, o, stride) = (self.c_in(), self.c_out(), self.opts.stride.0);
         let layout = if cl { ", channels_last" } else { "" };
         format!("Conv2d({i}->{o}, {kh}x{kw}, /{stride}, g{g}{layout})")
@@ -1308,7 +1310,7 @@ impl Layer for ClassifierHead {
     type Saved = HeadSaved;
 
     fn name(&self) -> String {
-        format!("ClassifierHead({})", self.fc.weight.value.shape()[0])
+        format!("ClassifierHead({})", self.fc.weight.value.shape().first().unwrap_or(&0))
     }
 
     fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<HeadSaved>)> {

@@ -593,7 +593,7 @@ impl Layer for LlamaBlock {
     type Saved = LlamaSaved;
 
     fn name(&self) -> String {
-        let d = self.q.weight().value.shape()[1];
+        let d = self.q.weight().value.shape().get(1).copied().unwrap_or(0);
         format!("LlamaBlock(d={d}, heads={}, kv_heads={})", self.heads, self.kv_heads)
     }
 

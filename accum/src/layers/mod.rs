@@ -562,8 +562,10 @@ impl Layer for Linear {
     type Saved = AffineSaved;
 
     fn name(&self) -> String {
-        let s = self.weight.value.shape();
-        format!("Linear({}->{})", s[1], s[0])
+        match self.weight.value.shape() {
+            [out, inp] => format!("Linear({inp}->{out})"),
+            _ => "Linear".into(),
+        }
     }
 
     fn forward(
@@ -1033,7 +1035,8 @@ impl Layer for ResidualMlp {
 
     fn name(&self) -> String {
         let s = self.fc1.weight.value.shape();
-        format!("ResidualMlp({}, {}, p={})", s[1], s[0], self.p)
+        let at = |i: usize| s.get(i).copied().unwrap_or(0);
+        format!("ResidualMlp({}, {}, p={})", at(1), at(0), self.p)
     }
 
     fn forward(&mut self, x: &Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<MlpSaved>)> {

@@ -609,7 +609,7 @@ impl Layer for TransformerBlock {
     type Saved = BlockSaved;
 
     fn name(&self) -> String {
-        let d = self.q.weight.value.shape()[0];
+        let d = self.q.weight.value.shape().first().copied().unwrap_or(0);
         let kind = if self.causal { "causal" } else { "full" };
         format!("TransformerBlock(d={d}, heads={}, {kind})", self.heads)
     }
@@ -876,7 +876,8 @@ impl Layer for PatchEmbed {
 
     fn name(&self) -> String {
         let s = self.conv.weight.value.shape();
-        format!("PatchEmbed({}x{} -> {}, {} tokens)", s[2], s[3], s[0], self.tokens)
+        let at = |i: usize| s.get(i).copied().unwrap_or(0);
+        format!("PatchEmbed({}x{} -> {}, {} tokens)", at(2), at(3), at(0), self.tokens)
     }
 
     fn forward(

@@ -161,8 +161,8 @@ pub fn data_parallel(
     for strategy in [Strategy::Ddp, Strategy::Zero1, Strategy::Zero2, Strategy::Zero3] {
         let config = DpConfig::new(strategy);
         let kind = DeviceKind::Virtual(UNLIMITED);
-        let run = measure_with(&build, config, nproc, kind, &batches)
-            .map_err(PlanError::DataParallel)?;
+        let run =
+            measure_with(&build, config, nproc, kind, &batches).map_err(PlanError::DataParallel)?;
         params = run.params;
         let per_param = run.bytes_per_param_per_step();
         rows.push(DpRow {

@@ -9,6 +9,11 @@
 //! out in [`plan`]). A [`GradAccumulator`] runs micro-batches in windows with one optimizer
 //! step each.
 //!
+//! [`Chain::forward_hooked`] and [`Chain::backward_hooked`] call [`LayerHooks`] around
+//! each layer (a checkpointed segment's layers before their recomputation too): what data
+//! parallelism needs to gather a sharded layer's weights before it runs and reduce its
+//! gradients once backward made them (vram-harness's `DpModel` over vram-parallel).
+//!
 //! A chain is a [`vram_amp::Params`]: vram-amp's optimizers, loss scaler and gradient
 //! clipping work on its parameters directly, and [`StepHooks`] put them at the end of each
 //! accumulation window.

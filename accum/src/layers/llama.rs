@@ -52,7 +52,7 @@ impl RmsNormConfig {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] unless `eps` is finite and > 0 and `d > 0`; out of memory.
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) unless `eps` is finite and > 0 and `d > 0`; out of memory.
     pub fn init(&self, device: &Device) -> Result<RmsNorm> {
         positive("RmsNormConfig", "d", self.d)?;
         if !(self.eps.is_finite() && self.eps > 0.0) {
@@ -164,7 +164,7 @@ impl RopeTables {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for an odd or zero head width or `seq == 0`; out of memory.
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an odd or zero head width or `seq == 0`; out of memory.
     pub fn new(
         device: &Device,
         seq: usize,
@@ -317,7 +317,7 @@ impl LlamaBlockConfig {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for a zero size, query heads that are not whole groups of
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a zero size, query heads that are not whole groups of
     /// key/value heads, an odd head width, or tables of another shape; out of memory.
     pub fn init_with_tables(&self, device: &Device, tables: &RopeTables) -> Result<LlamaBlock> {
         const WHAT: &str = "LlamaBlockConfig";

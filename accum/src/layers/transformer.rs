@@ -136,7 +136,7 @@ impl TransformerBlockConfig {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for a zero size, a width that is not a multiple of the
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a zero size, a width that is not a multiple of the
     /// heads, or a dropout outside `[0, 1)`; out of memory.
     pub fn init(&self, device: &Device) -> Result<TransformerBlock> {
         const WHAT: &str = "TransformerBlockConfig";
@@ -810,7 +810,7 @@ impl PatchEmbedConfig {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for a zero size or a side that is not a multiple of the
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a zero size or a side that is not a multiple of the
     /// patch; out of memory.
     pub fn init(&self, device: &Device) -> Result<PatchEmbed> {
         const WHAT: &str = "PatchEmbedConfig";
@@ -943,7 +943,7 @@ impl TokenMeanPool {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for `seq == 0`.
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for `seq == 0`.
     pub fn new(device: &Device, seq: usize) -> Result<Self> {
         positive("TokenMeanPool", "seq", seq)?;
         Ok(TokenMeanPool { seq, device: device.clone() })

@@ -4,7 +4,7 @@
 //!
 //! Each op is a [`CustomOp`]: its checks and allocation plan, its host code, and its CUDA
 //! kernels (`swiglu.cu`, one line per dtype) with their launches. Through
-//! [`custom::run`](vram_kernels::custom::run) the outputs come from the device's caching
+//! [`custom::run`] the outputs come from the device's caching
 //! allocator, a virtual device allocates them without computing, and the tests
 //! (`tests/swiglu.rs`) check the host code against an f64 reference, the CUDA code on the
 //! host's emulation (and on a GPU when there is one) against the host code, and the

@@ -193,7 +193,8 @@ pub struct LinearCrossEntropy {
 /// The LM head `logits = hidden * weight^T` and the mean softmax cross-entropy of the
 /// logits against `targets`, fused, with the gradients of `params.dloss * loss` with respect
 /// to `hidden` and `weight`, computed chunk by chunk of rows so that the whole logits never
-/// exist (see the [module docs](self) for the design, the chunk rule and the memory).
+/// exist (the design, the chunk rule and the memory are set out in the docs of
+/// `kernels/src/ops/linear_cross_entropy.rs`).
 /// `hidden: [.., d]` (its leading dimensions are the rows, `targets.len()` of them),
 /// `weight: [vocab, d]`, both of one dtype and device; the loss is that of
 /// [`cross_entropy`](super::cross_entropy) on `linear(hidden, weight)` computed in f32.

@@ -184,7 +184,7 @@ fn nhwc_plane(op: &'static str, shape: &[usize], what: &str) -> Result<([usize; 
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] for a rank other than 4 or an empty plane; out of memory.
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a rank other than 4 or an empty plane; out of memory.
 pub fn global_avg_pool_nhwc(x: &Tensor) -> Result<Tensor> {
     let ([n, _, _, c], hw) = nhwc_plane("global_avg_pool_nhwc", x.shape(), "x")?;
     run(GlobalAvgPoolNhwc { x, n, c, hw, partials: None })
@@ -242,8 +242,8 @@ impl Op for GlobalAvgPoolNhwc<'_> {
 ///
 /// # Errors
 ///
-/// [`Error::ShapeMismatch`] if `dy` is not `[batch, channels]` of `input_shape`;
-/// [`Error::InvalidArgument`] for a rank other than 4 or an empty plane; out of memory.
+/// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) if `dy` is not `[batch, channels]` of `input_shape`;
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a rank other than 4 or an empty plane; out of memory.
 pub fn global_avg_pool_backward_nhwc(dy: &Tensor, input_shape: &[usize]) -> Result<Tensor> {
     const OP: &str = "global_avg_pool_backward_nhwc";
     let (shape, hw) = nhwc_plane(OP, input_shape, "the input")?;
@@ -258,8 +258,8 @@ pub fn global_avg_pool_backward_nhwc(dy: &Tensor, input_shape: &[usize]) -> Resu
 ///
 /// # Errors
 ///
-/// [`Error::ShapeMismatch`] if `dy` is not `[batch, channels]` of `acc`,
-/// [`Error::DTypeMismatch`], [`Error::DeviceMismatch`]; [`Error::InvalidArgument`] for a
+/// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch) if `dy` is not `[batch, channels]` of `acc`,
+/// [`Error::DTypeMismatch`](crate::Error::DTypeMismatch), [`Error::DeviceMismatch`](crate::Error::DeviceMismatch); [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a
 /// rank other than 4 or an empty plane; out of memory (copying a shared `acc`). `acc` is
 /// unchanged then.
 pub fn global_avg_pool_backward_add_nhwc(acc: &mut Tensor, dy: &Tensor) -> Result<()> {

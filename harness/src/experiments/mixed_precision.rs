@@ -14,7 +14,7 @@
 
 use super::common::{REAL_CAPACITY, REAL_SIZE_CAVEAT, device, gpt, gpt_name, real_model};
 use super::{Experiment, Sweep};
-use crate::models::Model;
+use crate::models::{Model, Phase};
 use crate::models::{Arch, Attention};
 use crate::plan::{ModelOverrides, PlanModel};
 use crate::plots::{MIB, stacked_with_totals};
@@ -50,8 +50,16 @@ pub(super) struct Measured {
     weights_bytes: u64,
     weight_copies_16bit_bytes: u64,
     master_weights_bytes: u64,
+    /// The parameters' gradients once backward made them all.
     grads_bytes: u64,
+    /// The gradients that existed when the peak was reached (real-size rows: `zero_grad`
+    /// frees them each step, so a transformer, whose peak comes as backward begins, holds
+    /// few of them then); `None` (null) for the small executed rows, not observed.
+    grads_at_peak_bytes: Option<u64>,
     optimizer_state_bytes: u64,
+    /// The peak less the states alive at it: weights, 16-bit copies, master weights,
+    /// optimizer state and the gradients at the peak (real-size rows), or all the
+    /// gradients (small rows, where `grads_at_peak_bytes` is null).
     activations_and_temporaries_bytes: u64,
     state_bytes_per_parameter: f64,
     losses: Vec<f32>,
@@ -154,7 +162,10 @@ struct Split {
     weights: u64,
     copies: u64,
     master: u64,
+    /// The gradients after backward.
     grads: u64,
+    /// The gradients that existed at the peak ([`grads_at_peak`]).
+    grads_at_peak: u64,
     optimizer: u64,
 }
 
@@ -174,8 +185,9 @@ impl Split {
             weight_copies_16bit_bytes: self.copies,
             master_weights_bytes: self.master,
             grads_bytes: self.grads,
+            grads_at_peak_bytes: Some(self.grads_at_peak),
             optimizer_state_bytes: self.optimizer,
-            activations_and_temporaries_bytes: self.peak.saturating_sub(self.state()),
+            activations_and_temporaries_bytes: self.activations(),
             state_bytes_per_parameter: self.state() as f64
                 / (self.weights / precision.dtype().size_in_bytes() as u64) as f64,
             losses: Vec::new(),
@@ -186,6 +198,11 @@ impl Split {
 
     fn state(&self) -> u64 {
         self.weights + self.copies + self.master + self.grads + self.optimizer
+    }
+
+    /// The peak less the states alive at it (the gradients made by then, not all).
+    fn activations(&self) -> u64 {
+        self.peak.saturating_sub(self.state() - self.grads + self.grads_at_peak)
     }
 }
 
@@ -199,6 +216,18 @@ fn real_split(
 ) -> Result<Split, ExperimentError> {
     let dev = Device::virtual_device(REAL_CAPACITY);
     Ok(real_run(&dev, pm, precision, batch, 2)?.split)
+}
+
+/// The gradients that existed when the peak was reached, from `(peak so far, gradients)`
+/// read before each phase (and at the end): those at the start of the phase in which the
+/// running peak last rose (the phase's own layer may add its gradients before the peak).
+fn grads_at_peak(marks: &[(u64, u64)]) -> u64 {
+    let peak = marks.last().map_or(0, |m| m.0);
+    marks
+        .windows(2)
+        .find(|w| w[1].0 == peak && w[0].0 < peak)
+        .or_else(|| marks.windows(2).next())
+        .map_or(0, |w| w[0].1)
 }
 
 /// What [`real_run`] measured: the peaks and their split, each step's time after the first
@@ -231,17 +260,16 @@ fn real_run(
     };
     let input = pm.batch(batch, None);
     let (mut grads, mut step_ms, mut losses) = (0, Vec::new(), Vec::new());
+    // Before each phase of every step: the peak so far and the gradients that exist.
+    let mut marks: Vec<(u64, u64)> = Vec::new();
     for step in 0..steps {
         dev.synchronize()?;
         let start = std::time::Instant::now();
         let mut ctx = ForwardCtx::new(Mode::Train, step);
-        let out = model.train_step(&input, &mut ctx, scaler.scale())?;
-        grads = model
-            .params()
-            .iter()
-            .filter_map(|p| p.grad.as_ref())
-            .map(|g| g.size_in_bytes() as u64)
-            .sum();
+        let mut observe = |_: Phase, m: &Model| marks.push((dev.max_memory_allocated(), m.grad_bytes()));
+        let out = model.train_step_observed(&input, &mut ctx, scaler.scale(), &mut observe)?;
+        grads = model.grad_bytes();
+        marks.push((dev.max_memory_allocated(), grads));
         scaler.step(&mut opt, &mut model)?;
         scaler.update()?;
         model.zero_grad();
@@ -253,14 +281,17 @@ fn real_run(
             losses.push(out.loss);
         }
     }
+    let peak = dev.max_memory_allocated();
+    marks.push((peak, 0));
     Ok(RealRun {
         split: Split {
-            peak: dev.max_memory_allocated(),
+            peak,
             reserved: dev.max_memory_reserved(),
             weights: model.param_bytes(),
             copies: model.cast_cache_bytes(),
             master: opt.master_bytes(),
             grads,
+            grads_at_peak: grads_at_peak(&marks),
             optimizer: opt.state_bytes(),
         },
         step_ms,
@@ -341,6 +372,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             weight_copies_16bit_bytes: r.copies,
             master_weights_bytes: r.master,
             grads_bytes: r.grads,
+            grads_at_peak_bytes: None,
             optimizer_state_bytes: r.optimizer,
             activations_and_temporaries_bytes: r.peak.saturating_sub(r.state()),
             state_bytes_per_parameter: r.state() as f64 / params as f64,
@@ -442,11 +474,11 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         if b.is_empty() { "at no batch".to_string() } else { format!("at batch {b:?}") }
     };
     let row_large = &large_b.1;
-    let act = |s: &Split| s.peak.saturating_sub(s.state());
+    let act = Split::activations;
     sweep.claim(Claim {
         claim: "autocast (torch.cuda.amp: f32 weights, 16-bit matmuls) uses about 50% less memory".into(),
         measured: format!(
-            "{REAL}, {g2}: {}. Saving of 40% or more: bf16 autocast {}, fp16 autocast {} (full bf16 {}). Autocast's state is {:.1} B/param (f32 weights, gradients and AdamW moments, plus {:.1} B/param of cached 16-bit weight copies) against full 16-bit's {:.1}; its activations at batch {} are {} against fp32's {} and full bf16's {} (the residual stream, layer norms and softmax stay f32, and the attention probabilities are kept in f32 and as a 16-bit copy)",
+            "{REAL}, {g2}: {}. Saving of 40% or more: bf16 autocast {}, fp16 autocast {} (full bf16 {}). Autocast's state is {:.1} B/param (f32 weights, gradients and AdamW moments, plus {:.1} B/param of cached 16-bit weight copies) against full 16-bit's {:.1}; its activations at batch {} are {} against fp32's {} and full bf16's {} (the residual stream, the layer norms and the loss stay f32, and each matmul also keeps the 16-bit cast of its input)",
             per_batch(&[3, 4]),
             where_half(3),
             where_half(4),
@@ -483,9 +515,19 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         human_bytes(cnn[2].1.peak),
         pct(cnn_saving(2)),
     );
+    // Where the peak falls: the gradients it holds, of all those backward makes.
+    let at_peak = |(b, row): &(usize, Vec<Split>)| {
+        format!(
+            "batch {b}: {} of {}",
+            human_bytes(row[0].grads_at_peak),
+            human_bytes(row[0].grads)
+        )
+    };
     sweep.reading(format!(
-        "{REAL}: on {g2}, full bf16 with f32 masters takes {} at batch {} but {} at batch {}; bf16 autocast (torch.autocast's recipe) {} and {}: its weights, gradients and AdamW state stay f32 (16 B/param, plus 2 B/param of 16-bit weight copies) and only part of the activations halve, so pick full bf16 for memory and autocast for f32 weights and norms. {cnn_reading}",
-        less(full_large), large_b.0, less(s_small), small_b.0, less(ac_large), less(ac_small)
+        "{REAL}: on {g2}, full bf16 with f32 masters takes {} at batch {} but {} at batch {}; bf16 autocast (torch.autocast's recipe) {} and {}: its weights, gradients and AdamW state stay f32 (16 B/param, plus 2 B/param of 16-bit weight copies) and only part of the activations halve, so pick full bf16 for memory and autocast for f32 weights and norms. Gradients at the fp32 peak: {} ({}): zero_grad frees them each step (PyTorch's set_to_none, its default), so where the peak comes as backward begins they are mostly not there yet. {cnn_reading}",
+        less(full_large), large_b.0, less(s_small), small_b.0, less(ac_large), less(ac_small),
+        at_peak(small_b),
+        at_peak(large_b),
     ));
     sweep.claim(Claim {
         claim: "mixed precision uses about 50% less memory".into(),
@@ -674,7 +716,7 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
         "weights",
         "16-bit weight copies",
         "master weights",
-        "gradients",
+        "gradients (those alive at the peak)",
         "optimizer state",
         "activations + temporaries",
     ];
@@ -702,7 +744,7 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
                 m.weights_bytes,
                 m.weight_copies_16bit_bytes,
                 m.master_weights_bytes,
-                m.grads_bytes,
+                m.grads_at_peak_bytes.unwrap_or(m.grads_bytes),
                 m.optimizer_state_bytes,
                 m.activations_and_temporaries_bytes,
             ];
@@ -757,6 +799,29 @@ mod tests {
         assert_eq!(less(0.24), "24% less");
         assert_eq!(less(-0.013), "1% more");
         assert_eq!(less(-0.001), "0% less");
+    }
+
+    #[test]
+    fn the_gradients_at_the_peak_are_those_before_the_phase_it_rose_in() {
+        // The peak (50) is reached in the phase that starts at the second mark.
+        assert_eq!(grads_at_peak(&[(10, 0), (20, 4), (50, 8), (50, 9), (50, 0)]), 4);
+        // Reached in the last phase (the optimizer step, all gradients there).
+        assert_eq!(grads_at_peak(&[(10, 0), (20, 4), (30, 9), (60, 0)]), 9);
+        // A later step that only equals the peak does not move it.
+        assert_eq!(grads_at_peak(&[(10, 0), (40, 2), (40, 9), (40, 0), (40, 3), (40, 0)]), 0);
+    }
+
+    /// GPT-2 small in fp32 peaks as backward begins: of its gradients only the tied LM
+    /// head's (the token table, made by the fused loss) exist then, and the bar's
+    /// activations are the peak less the states alive at it.
+    #[test]
+    fn gpt2_smalls_peak_holds_the_head_gradient_only() {
+        let pm = real_model("gpt2-small", &ModelOverrides::default()).unwrap();
+        let s = real_split(&pm, P::Fp32, 4).unwrap();
+        let table = 50257 * 768 * 4;
+        assert_eq!(s.grads, s.weights, "fp32 gradients: one per weight");
+        assert!(s.grads_at_peak >= table && s.grads_at_peak < table + s.grads / 10, "{}", s.grads_at_peak);
+        assert_eq!(s.activations() + s.weights + s.optimizer + s.grads_at_peak + s.copies + s.master, s.peak);
     }
 
     #[test]

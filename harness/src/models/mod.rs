@@ -835,33 +835,57 @@ impl Model {
         ctx: &mut ForwardCtx,
         mark: &mut dyn FnMut(Phase),
     ) -> Result<StepOutcome> {
+        self.train_step_observed(batch, ctx, 1.0, &mut |p, _| mark(p))
+    }
+
+    /// [`Model::train_step_marked`] with the loss gradient scaled by `scale` (as
+    /// [`Model::train_step`]'s), calling `observe` before each phase with the model as it is
+    /// then: e.g. the gradients that exist so far ([`Model::grad_bytes`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::train_step`].
+    pub fn train_step_observed(
+        &mut self,
+        batch: &Batch,
+        ctx: &mut ForwardCtx,
+        scale: f32,
+        observe: &mut dyn FnMut(Phase, &Model),
+    ) -> Result<StepOutcome> {
         self.enter_autocast(ctx)?;
         let dtype = self.params()[0].value.dtype();
         let want_first_dx = self.embed.is_some();
+        let n = self.chain.len();
         let mut x = self.input(batch, dtype)?;
-        let mut saved = Vec::with_capacity(self.chain.len());
-        for (i, layer) in self.chain.layers_mut().iter_mut().enumerate() {
-            mark(Phase::Forward(i, layer.name()));
-            let (y, s) = layer.forward(&x, ctx)?;
+        let mut saved = Vec::with_capacity(n);
+        for i in 0..n {
+            observe(Phase::Forward(i, self.chain.layers()[i].name()), self);
+            let (y, s) = self.chain.layers_mut()[i].forward(&x, ctx)?;
             saved.push(s);
             x = y;
         }
-        mark(Phase::Loss);
-        let (loss, dy) = self.loss_backward(x, &batch.targets, ctx, 1.0)?;
+        observe(Phase::Loss, self);
+        let (loss, dy) = self.loss_backward(x, &batch.targets, ctx, scale)?;
         // Each layer owns its output gradient (and frees it when done with it).
         let mut dy = Some(dy);
-        for (i, layer) in self.chain.layers_mut().iter_mut().enumerate().rev() {
-            mark(Phase::Backward(i, layer.name()));
+        for i in (0..n).rev() {
+            observe(Phase::Backward(i, self.chain.layers()[i].name()), self);
             let s = saved.pop().flatten().ok_or_else(|| invalid("a layer saved nothing"))?;
             let g = dy.take().ok_or_else(|| invalid("a layer returned no input gradient"))?;
-            dy = layer.backward(s, g, i > 0 || want_first_dx)?;
+            dy = self.chain.layers_mut()[i].backward(s, g, i > 0 || want_first_dx)?;
         }
         if want_first_dx {
-            mark(Phase::EmbeddingBackward);
+            observe(Phase::EmbeddingBackward, self);
             let dy = dy.ok_or_else(|| invalid("the first layer returned no input gradient"))?;
             self.embed_backward(batch, &dy)?;
         }
         Ok(StepOutcome { loss })
+    }
+
+    /// Bytes of the parameters' gradients that exist now (none after
+    /// [`Model::zero_grad`], PyTorch's `set_to_none`).
+    pub fn grad_bytes(&self) -> u64 {
+        self.params().iter().filter_map(|p| p.grad.as_ref()).map(|g| g.size_in_bytes() as u64).sum()
     }
 
     /// Per-layer activation bytes and times of the chain on `batch` (for checkpoint plans).

@@ -14,8 +14,8 @@
 
 use super::common::{REAL_CAPACITY, REAL_SIZE_CAVEAT, device, gpt, gpt_name, real_model};
 use super::{Experiment, Sweep};
-use crate::models::{Model, Phase};
 use crate::models::{Arch, Attention};
+use crate::models::{Model, Phase};
 use crate::plan::{ModelOverrides, PlanModel};
 use crate::plots::{MIB, stacked_with_totals};
 use crate::techniques::Technique;
@@ -52,9 +52,11 @@ pub(super) struct Measured {
     master_weights_bytes: u64,
     /// The parameters' gradients once backward made them all.
     grads_bytes: u64,
-    /// The gradients that existed when the peak was reached (real-size rows: `zero_grad`
-    /// frees them each step, so a transformer, whose peak comes as backward begins, holds
-    /// few of them then); `None` (null) for the small executed rows, not observed.
+    /// The parameters' gradients that existed when the phase (a layer's forward or
+    /// backward, the loss, the optimizer step) in which the peak was reached began
+    /// (real-size rows: `zero_grad` frees them each step, so a transformer, whose peak comes
+    /// as backward begins, holds few of them then; the phase's own gradients, made during
+    /// it, count as temporaries); `None` (null) for the small executed rows, not observed.
     grads_at_peak_bytes: Option<u64>,
     optimizer_state_bytes: u64,
     /// The peak less the states alive at it: weights, 16-bit copies, master weights,
@@ -266,7 +268,8 @@ fn real_run(
         dev.synchronize()?;
         let start = std::time::Instant::now();
         let mut ctx = ForwardCtx::new(Mode::Train, step);
-        let mut observe = |_: Phase, m: &Model| marks.push((dev.max_memory_allocated(), m.grad_bytes()));
+        let mut observe =
+            |_: Phase, m: &Model| marks.push((dev.max_memory_allocated(), m.grad_bytes()));
         let out = model.train_step_observed(&input, &mut ctx, scaler.scale(), &mut observe)?;
         grads = model.grad_bytes();
         marks.push((dev.max_memory_allocated(), grads));
@@ -517,14 +520,10 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     );
     // Where the peak falls: the gradients it holds, of all those backward makes.
     let at_peak = |(b, row): &(usize, Vec<Split>)| {
-        format!(
-            "batch {b}: {} of {}",
-            human_bytes(row[0].grads_at_peak),
-            human_bytes(row[0].grads)
-        )
+        format!("batch {b}: {} of {}", human_bytes(row[0].grads_at_peak), human_bytes(row[0].grads))
     };
     sweep.reading(format!(
-        "{REAL}: on {g2}, full bf16 with f32 masters takes {} at batch {} but {} at batch {}; bf16 autocast (torch.autocast's recipe) {} and {}: its weights, gradients and AdamW state stay f32 (16 B/param, plus 2 B/param of 16-bit weight copies) and only part of the activations halve, so pick full bf16 for memory and autocast for f32 weights and norms. Gradients at the fp32 peak: {} ({}): zero_grad frees them each step (PyTorch's set_to_none, its default), so where the peak comes as backward begins they are mostly not there yet. {cnn_reading}",
+        "{REAL}: on {g2}, full bf16 with f32 masters takes {} at batch {} but {} at batch {}; bf16 autocast (torch.autocast's recipe) {} and {}: its weights, gradients and AdamW state stay f32 (16 B/param, plus 2 B/param of 16-bit weight copies) and only part of the activations halve, so pick full bf16 for memory and autocast for f32 weights and norms. Gradients made before the fp32 peak's phase: {} ({}): zero_grad frees them each step (PyTorch's set_to_none, its default), so where the peak comes as backward begins they are mostly not there yet. {cnn_reading}",
         less(full_large), large_b.0, less(s_small), small_b.0, less(ac_large), less(ac_small),
         at_peak(small_b),
         at_peak(large_b),
@@ -716,7 +715,7 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
         "weights",
         "16-bit weight copies",
         "master weights",
-        "gradients (those alive at the peak)",
+        "gradients made before the peak's phase",
         "optimizer state",
         "activations + temporaries",
     ];
@@ -820,8 +819,15 @@ mod tests {
         let s = real_split(&pm, P::Fp32, 4).unwrap();
         let table = 50257 * 768 * 4;
         assert_eq!(s.grads, s.weights, "fp32 gradients: one per weight");
-        assert!(s.grads_at_peak >= table && s.grads_at_peak < table + s.grads / 10, "{}", s.grads_at_peak);
-        assert_eq!(s.activations() + s.weights + s.optimizer + s.grads_at_peak + s.copies + s.master, s.peak);
+        assert!(
+            s.grads_at_peak >= table && s.grads_at_peak < table + s.grads / 10,
+            "{}",
+            s.grads_at_peak
+        );
+        assert_eq!(
+            s.activations() + s.weights + s.optimizer + s.grads_at_peak + s.copies + s.master,
+            s.peak
+        );
     }
 
     #[test]

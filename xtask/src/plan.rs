@@ -144,8 +144,10 @@ pub struct PlanArgs {
     /// ZeRO-2/3 with the optimizer state (and parameters) offloaded to the CPU with the host
     /// RAM DeepSpeed's estimators ask for, the global batch split as micro-batch x
     /// accumulation x N; with N up to 8, also measured on N virtual devices (peaks and the
-    /// bytes the collectives move). Without --gpus, a model no single GPU holds gets the
-    /// fewest GPUs and lowest ZeRO stage that do.
+    /// bytes the collectives move), each process in the precision and activation
+    /// checkpointing of the single-GPU configuration the estimate starts from. Without
+    /// --gpus, a model no single GPU holds gets the fewest GPUs and lowest ZeRO stage that
+    /// do.
     #[arg(long, visible_alias = "nproc", value_name = "N")]
     gpus: Option<usize>,
     /// Nodes the GPUs are spread over (GPUs per node = N / M), for the host RAM per node.

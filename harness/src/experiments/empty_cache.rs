@@ -34,7 +34,7 @@ pub(super) static EXPERIMENT: Experiment<Measured> = Experiment {
     run,
     plot: Some(plot),
     host_capacity_limit: None,
-    expected_secs: [6.6, 43.2],
+    expected_secs: [21.5, 95.4],
 };
 
 /// One calling policy's measurements.

@@ -232,6 +232,9 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
             (v.name.rsplit(": ").next().unwrap_or(&v.name).to_string(), pts)
         })
         .collect();
+    // "never" drawn last, so that its flat line is not hidden under every-100's.
+    let mut series = series;
+    series.reverse();
     let steps = sweep.variants().first()?.1.step_ms_each.len();
     let every_n = sweep
         .variants()

@@ -296,7 +296,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         traffic.push(format!("{} {}", s.name(), per.join(" / ")));
     }
     sweep.reading(format!(
-        "{peaks_reading}. One process per GPU: per-process model states / peak allocated, {MEDIUM}, N = 1, 2, 4, 8 processes: {}",
+        "{peaks_reading}. One process per GPU: per-process model states / peak allocated, {MEDIUM}, N = 1, 2, 4, 8 processes: {}. The head is untied (+51.5 M parameters) because ZeRO's formulas count each parameter used once per pass and a tied table is read twice (ZeRO-3 gathers it twice); `cargo xtask plan --gpus N` runs GPT-2's tied head",
         memory.join("; ")
     ));
     sweep.claim(Claim {

@@ -637,7 +637,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "Micikevicius et al.: the saving is in 16-bit activations; weights + grads + Adam state stay ~16 B/parameter with f32 masters".into(),
         measured: format!(
-            "{SMALL}: state {:.1} B/param fp32, {:.1} fp16, {:.1} bf16 (full 16-bit); activations and temporaries {} fp32, {} fp16, {} bf16",
+            "{SMALL}: state {:.1} B/param fp32, {:.1} fp16, {:.1} bf16 (full 16-bit); activations and temporaries (the peak less every state a step leaves) {} fp32, {} fp16, {} bf16",
             per_param(f32r), per_param(fp16), per_param(bf16), human_bytes(acts(f32r)), human_bytes(acts(fp16)), human_bytes(acts(bf16))
         ),
         verdict: if (per_param(fp16) - per_param(f32r)).abs() <= 1.0 && acts(fp16) < acts(f32r) { Verdict::Holds } else { Verdict::Partly },
@@ -656,7 +656,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "autocast keeps f32 weights, gradients and Adam state (16 B/param, no master copy) plus a cached 16-bit copy of each matmul weight (at most 2 B/param)".into(),
         measured: format!(
-            "{SMALL}: state {:.1} B/param bf16 autocast ({:.2} B/param of 16-bit copies, master {}), {:.1} fp16 autocast ({:.2}, master {}); fp32 {:.1}; activations and temporaries {} bf16 autocast, {} fp16 autocast, {} fp32, {} full bf16",
+            "{SMALL}: state {:.1} B/param bf16 autocast ({:.2} B/param of 16-bit copies, master {}), {:.1} fp16 autocast ({:.2}, master {}); fp32 {:.1}; activations and temporaries (the peak less every state a step leaves) {} bf16 autocast, {} fp16 autocast, {} fp32, {} full bf16",
             per_param(ac_bf16), copies_per_param(ac_bf16), human_bytes(ac_bf16.master),
             per_param(ac_fp16), copies_per_param(ac_fp16), human_bytes(ac_fp16.master),
             per_param(f32r),

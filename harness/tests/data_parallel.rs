@@ -199,9 +199,13 @@ fn data_parallel_under_autocast_trains_as_the_autocast_model() {
     let zero3 = data_parallel_of(&autocast, &data, 4, 2, 2, Strategy::Zero3);
     assert_eq!(ddp[0], ddp[1], "DDP's ranks hold the same weights");
     assert_eq!(zero3[0], ddp[0], "ZeRO-3 under autocast = DDP");
-    for (u, v) in ddp[0].iter().zip(&want) {
-        for (x, y) in u.iter().zip(v) {
-            assert!((x - y).abs() <= 2e-2 * y.abs().max(1.0), "{x} vs {y}");
+    // nn.DataParallel: the tied head's logits whole (16-bit), the loss in f32 on device 0.
+    let dp = data_parallel_of(&autocast, &data, 4, 2, 2, Strategy::DataParallel);
+    for got in [&ddp[0], &dp[0]] {
+        for (u, v) in got.iter().zip(&want) {
+            for (x, y) in u.iter().zip(v) {
+                assert!((x - y).abs() <= 2e-2 * y.abs().max(1.0), "{x} vs {y}");
+            }
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The report's first section, "What should I do?": for each real-size model, peak memory
-//! split into a fixed part (weights, gradients and optimizer state: parameters x bytes per
-//! parameter for the precision and optimizer) and a per-sample part (activations), and the
+//! split into a fixed part (what the peak holds whatever the batch: weights and optimizer
+//! state, the gradients made by the time of the peak, workspaces) and a per-sample part
+//! (activations), beside the states' bytes per parameter, and the
 //! techniques ranked by the memory they save at a realistic batch against their time cost
 //! and numerical risk.
 //!

@@ -38,7 +38,8 @@ pub(super) struct Measured {
     samples_per_s: Option<f64>,
     architecture: String,
     batch_size: usize,
-    /// Real size: the fitted intercept (weights, gradients, AdamW state).
+    /// Real size: the fitted intercept (weights, AdamW state, the gradients made by the
+    /// time of the peak, workspaces).
     fixed_bytes: Option<u64>,
     /// Real size: the fitted slope (activations per sample).
     per_sample_bytes: Option<u64>,

@@ -4,7 +4,7 @@
 
 use crate::ExperimentError;
 use crate::data::{Dataset, Loader};
-use crate::models::Model;
+use crate::models::{Model, PeakGrads};
 use std::time::Instant;
 use vram_accum::{CheckpointPlan, ForwardCtx, GradAccumulator, Mode, Normalization, Schedule};
 use vram_amp::{AdamW, LossScaler, Optimizer, ScalerConfig, Sgd, StepOutcome};
@@ -153,6 +153,10 @@ pub struct StateBytes {
     pub master: u64,
     /// Gradients after the last backward.
     pub grads: u64,
+    /// Gradients that existed when the run's peak allocation was reached (at the start of
+    /// the phase it rose in: [`PeakGrads`]); `zero_grad` frees them each step, so a model
+    /// that peaks as backward begins holds few of them then.
+    pub grads_at_peak: u64,
     /// Optimizer state.
     pub optimizer: u64,
 }
@@ -170,6 +174,7 @@ pub struct Trainer {
     seed: u64,
     step: usize,
     grad_bytes: u64,
+    peaks: PeakGrads,
 }
 
 fn invalid(reason: String) -> ExperimentError {
@@ -218,6 +223,7 @@ impl Trainer {
             seed,
             step: 0,
             grad_bytes: 0,
+            peaks: PeakGrads::default(),
         })
     }
 
@@ -248,6 +254,7 @@ impl Trainer {
             weight_copies: self.model.cast_cache_bytes(),
             master: self.optimizer.master_bytes(),
             grads: self.grad_bytes,
+            grads_at_peak: self.peaks.grads_at_peak(),
             optimizer: self.optimizer.state_bytes(),
         }
     }
@@ -265,11 +272,12 @@ impl Trainer {
             let factor = window.factor(Normalization::Mean);
             for i in window.micro_batches() {
                 let mut ctx = ForwardCtx::new(Mode::Train, self.seed ^ self.step as u64);
-                let out = self.model.train_step_with(
+                let out = self.model.train_step_tracked(
                     &micro[i],
                     &mut ctx,
                     factor * scale,
                     &self.schedule,
+                    &mut self.peaks,
                 )?;
                 loss += out.loss * micro[i].targets.len() as f32 / batch.targets.len() as f32;
             }
@@ -292,6 +300,8 @@ impl Trainer {
         }
         self.model.zero_grad();
         device.synchronize()?;
+        // The optimizer's phase ends.
+        self.peaks.mark(device.max_memory_allocated(), 0);
         let end = BatchEnd {
             step: self.step,
             loss,

@@ -15,7 +15,7 @@
 use super::common::{REAL_CAPACITY, REAL_SIZE_CAVEAT, device, gpt, gpt_name, real_model};
 use super::{Experiment, Sweep};
 use crate::models::{Arch, Attention};
-use crate::models::{Model, Phase};
+use crate::models::{Model, PeakGrads};
 use crate::plan::{ModelOverrides, PlanModel};
 use crate::plots::{MIB, stacked_with_totals};
 use crate::techniques::Technique;
@@ -24,7 +24,7 @@ use crate::trainer::{NoHooks, Precision, TrainConfig, Trainer};
 use crate::{Backend, Claim, Context, ExperimentError, Verdict, human_bytes};
 use serde::Serialize;
 use serde_json::json;
-use vram_accum::{ForwardCtx, Mode};
+use vram_accum::{ForwardCtx, Mode, Schedule};
 use vram_amp::{AdamW, LossScaler, ScalerConfig};
 use vram_kernels::{AdamWConfig, DType, Device};
 
@@ -52,16 +52,15 @@ pub(super) struct Measured {
     master_weights_bytes: u64,
     /// The parameters' gradients once backward made them all.
     grads_bytes: u64,
-    /// The parameters' gradients that existed when the phase (a layer's forward or
-    /// backward, the loss, the optimizer step) in which the peak was reached began
-    /// (real-size rows: `zero_grad` frees them each step, so a transformer, whose peak comes
-    /// as backward begins, holds few of them then; the phase's own gradients, made during
-    /// it, count as temporaries); `None` (null) for the small executed rows, not observed.
-    grads_at_peak_bytes: Option<u64>,
+    /// The parameters' gradients that existed when the phase (the forward, the loss, a
+    /// layer's backward, the optimizer step) in which the peak was reached began
+    /// (`zero_grad` frees them each step, so a transformer, whose peak comes as backward
+    /// begins, holds few of them then; the phase's own gradients, made during it, count as
+    /// temporaries).
+    grads_at_peak_bytes: u64,
     optimizer_state_bytes: u64,
     /// The peak less the states alive at it: weights, 16-bit copies, master weights,
-    /// optimizer state and the gradients at the peak (real-size rows), or all the
-    /// gradients (small rows, where `grads_at_peak_bytes` is null).
+    /// optimizer state and the gradients at the peak.
     activations_and_temporaries_bytes: u64,
     state_bytes_per_parameter: f64,
     losses: Vec<f32>,
@@ -100,6 +99,8 @@ struct Run {
     copies: u64,
     master: u64,
     grads: u64,
+    /// The gradients alive at the peak ([`crate::models::PeakGrads`]).
+    grads_at_peak: u64,
     optimizer: u64,
     /// `(steps skipped, final scale)` of an enabled loss scaler.
     scaler: Option<(u64, f32)>,
@@ -141,6 +142,7 @@ fn train(
                 copies: state.weight_copies,
                 master: state.master,
                 grads: state.grads,
+                grads_at_peak: state.grads_at_peak,
                 optimizer: state.optimizer,
                 scaler: trainer
                     .scaler()
@@ -154,6 +156,11 @@ fn train(
 impl Run {
     fn state(&self) -> u64 {
         self.weights + self.copies + self.master + self.grads + self.optimizer
+    }
+
+    /// The peak less the states alive at it (the gradients made by then, not all).
+    fn activations(&self) -> u64 {
+        self.peak.saturating_sub(self.state() - self.grads + self.grads_at_peak)
     }
 }
 
@@ -187,7 +194,7 @@ impl Split {
             weight_copies_16bit_bytes: self.copies,
             master_weights_bytes: self.master,
             grads_bytes: self.grads,
-            grads_at_peak_bytes: Some(self.grads_at_peak),
+            grads_at_peak_bytes: self.grads_at_peak,
             optimizer_state_bytes: self.optimizer,
             activations_and_temporaries_bytes: self.activations(),
             state_bytes_per_parameter: self.state() as f64
@@ -220,18 +227,6 @@ fn real_split(
     Ok(real_run(&dev, pm, precision, batch, 2)?.split)
 }
 
-/// The gradients that existed when the peak was reached, from `(peak so far, gradients)`
-/// read before each phase (and at the end): those at the start of the phase in which the
-/// running peak last rose (the phase's own layer may add its gradients before the peak).
-fn grads_at_peak(marks: &[(u64, u64)]) -> u64 {
-    let peak = marks.last().map_or(0, |m| m.0);
-    marks
-        .windows(2)
-        .find(|w| w[1].0 == peak && w[0].0 < peak)
-        .or_else(|| marks.windows(2).next())
-        .map_or(0, |w| w[0].1)
-}
-
 /// What [`real_run`] measured: the peaks and their split, each step's time after the first
 /// (between two synchronizations) and each step's loss (none on a virtual device).
 struct RealRun {
@@ -262,17 +257,16 @@ fn real_run(
     };
     let input = pm.batch(batch, None);
     let (mut grads, mut step_ms, mut losses) = (0, Vec::new(), Vec::new());
-    // Before each phase of every step: the peak so far and the gradients that exist.
-    let mut marks: Vec<(u64, u64)> = Vec::new();
+    // Before each phase of every step (the optimizer's included): the peak so far and the
+    // gradients that exist.
+    let plain = Schedule::none(model.chain_len())?;
+    let mut peaks = PeakGrads::default();
     for step in 0..steps {
         dev.synchronize()?;
         let start = std::time::Instant::now();
         let mut ctx = ForwardCtx::new(Mode::Train, step);
-        let mut observe =
-            |_: Phase, m: &Model| marks.push((dev.max_memory_allocated(), m.grad_bytes()));
-        let out = model.train_step_observed(&input, &mut ctx, scaler.scale(), &mut observe)?;
+        let out = model.train_step_tracked(&input, &mut ctx, scaler.scale(), &plain, &mut peaks)?;
         grads = model.grad_bytes();
-        marks.push((dev.max_memory_allocated(), grads));
         scaler.step(&mut opt, &mut model)?;
         scaler.update()?;
         model.zero_grad();
@@ -285,7 +279,7 @@ fn real_run(
         }
     }
     let peak = dev.max_memory_allocated();
-    marks.push((peak, 0));
+    peaks.mark(peak, 0);
     Ok(RealRun {
         split: Split {
             peak,
@@ -294,7 +288,7 @@ fn real_run(
             copies: model.cast_cache_bytes(),
             master: opt.master_bytes(),
             grads,
-            grads_at_peak: grads_at_peak(&marks),
+            grads_at_peak: peaks.grads_at_peak(),
             optimizer: opt.state_bytes(),
         },
         step_ms,
@@ -375,9 +369,9 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             weight_copies_16bit_bytes: r.copies,
             master_weights_bytes: r.master,
             grads_bytes: r.grads,
-            grads_at_peak_bytes: None,
+            grads_at_peak_bytes: r.grads_at_peak,
             optimizer_state_bytes: r.optimizer,
-            activations_and_temporaries_bytes: r.peak.saturating_sub(r.state()),
+            activations_and_temporaries_bytes: r.activations(),
             state_bytes_per_parameter: r.state() as f64 / params as f64,
             losses: r.losses.clone(),
             scaler_steps_skipped: r.scaler.map(|s| s.0),
@@ -633,11 +627,11 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     };
     sweep.claim(Claim { claim: "30%+ less memory and 20%+ faster".into(), measured, verdict });
     let per_param = |r: &Run| r.state() as f64 / params as f64;
-    let acts = |r: &Run| r.peak.saturating_sub(r.state());
+    let acts = Run::activations;
     sweep.claim(Claim {
         claim: "Micikevicius et al.: the saving is in 16-bit activations; weights + grads + Adam state stay ~16 B/parameter with f32 masters".into(),
         measured: format!(
-            "{SMALL}: state {:.1} B/param fp32, {:.1} fp16, {:.1} bf16 (full 16-bit); activations and temporaries (the peak less every state a step leaves) {} fp32, {} fp16, {} bf16",
+            "{SMALL}: state {:.1} B/param fp32, {:.1} fp16, {:.1} bf16 (full 16-bit); activations and temporaries (the peak less the states alive at it) {} fp32, {} fp16, {} bf16",
             per_param(f32r), per_param(fp16), per_param(bf16), human_bytes(acts(f32r)), human_bytes(acts(fp16)), human_bytes(acts(bf16))
         ),
         verdict: if (per_param(fp16) - per_param(f32r)).abs() <= 1.0 && acts(fp16) < acts(f32r) { Verdict::Holds } else { Verdict::Partly },
@@ -656,7 +650,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     sweep.claim(Claim {
         claim: "autocast keeps f32 weights, gradients and Adam state (16 B/param, no master copy) plus a cached 16-bit copy of each matmul weight (at most 2 B/param)".into(),
         measured: format!(
-            "{SMALL}: state {:.1} B/param bf16 autocast ({:.2} B/param of 16-bit copies, master {}), {:.1} fp16 autocast ({:.2}, master {}); fp32 {:.1}; activations and temporaries (the peak less every state a step leaves) {} bf16 autocast, {} fp16 autocast, {} fp32, {} full bf16",
+            "{SMALL}: state {:.1} B/param bf16 autocast ({:.2} B/param of 16-bit copies, master {}), {:.1} fp16 autocast ({:.2}, master {}); fp32 {:.1}; activations and temporaries (the peak less the states alive at it) {} bf16 autocast, {} fp16 autocast, {} fp32, {} full bf16",
             per_param(ac_bf16), copies_per_param(ac_bf16), human_bytes(ac_bf16.master),
             per_param(ac_fp16), copies_per_param(ac_fp16), human_bytes(ac_fp16.master),
             per_param(f32r),
@@ -743,7 +737,7 @@ fn plot(sweep: &Sweep<Measured>) -> Option<String> {
                 m.weights_bytes,
                 m.weight_copies_16bit_bytes,
                 m.master_weights_bytes,
-                m.grads_at_peak_bytes.unwrap_or(m.grads_bytes),
+                m.grads_at_peak_bytes,
                 m.optimizer_state_bytes,
                 m.activations_and_temporaries_bytes,
             ];
@@ -802,12 +796,17 @@ mod tests {
 
     #[test]
     fn the_gradients_at_the_peak_are_those_before_the_phase_it_rose_in() {
+        let run = |marks: &[(u64, u64)]| {
+            let mut p = PeakGrads::default();
+            marks.iter().for_each(|&(peak, grads)| p.mark(peak, grads));
+            p.grads_at_peak()
+        };
         // The peak (50) is reached in the phase that starts at the second mark.
-        assert_eq!(grads_at_peak(&[(10, 0), (20, 4), (50, 8), (50, 9), (50, 0)]), 4);
+        assert_eq!(run(&[(10, 0), (20, 4), (50, 8), (50, 9), (50, 0)]), 4);
         // Reached in the last phase (the optimizer step, all gradients there).
-        assert_eq!(grads_at_peak(&[(10, 0), (20, 4), (30, 9), (60, 0)]), 9);
+        assert_eq!(run(&[(10, 0), (20, 4), (30, 9), (60, 0)]), 9);
         // A later step that only equals the peak does not move it.
-        assert_eq!(grads_at_peak(&[(10, 0), (40, 2), (40, 9), (40, 0), (40, 3), (40, 0)]), 0);
+        assert_eq!(run(&[(10, 0), (40, 2), (40, 9), (40, 0), (40, 3), (40, 0)]), 0);
     }
 
     /// GPT-2 small in fp32 peaks as backward begins: of its gradients only the tied LM

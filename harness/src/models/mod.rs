@@ -40,8 +40,8 @@ use vram_accum::layers::{
     RopeTables, TokenMeanPool, TransformerBlockConfig, init_weight, prefix_param_names, sub_seed,
 };
 use vram_accum::{
-    Autocast, BoxedLayer, Chain, ChainProfile, Error, ForwardCtx, Layer, Mode, Param, Params,
-    Result, SavedBox, Schedule,
+    Autocast, BoxedLayer, Chain, ChainProfile, Error, ForwardCtx, HookPass, Layer, LayerHooks,
+    Mode, Param, Params, Result, SavedBox, Schedule,
 };
 use vram_kernels::{DType, Device, Tensor, ops};
 use zoo::{MOBILENETV3_LARGE, make_divisible};
@@ -782,6 +782,49 @@ impl Model {
         Ok(StepOutcome { loss })
     }
 
+    /// [`Model::train_step_with`] that feeds `peaks` the device's peak so far and the
+    /// parameters' gradient bytes before each phase: the forward, the loss, each layer's
+    /// backward (a checkpointed segment's layers before their recomputation), the
+    /// embeddings' backward and the end of the step. With a mark after the caller's
+    /// optimizer step, [`PeakGrads::grads_at_peak`] says which gradients existed when the
+    /// peak was reached (`zero_grad` frees them each step, PyTorch's `set_to_none`).
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::train_step_with`].
+    pub fn train_step_tracked(
+        &mut self,
+        batch: &Batch,
+        ctx: &mut ForwardCtx,
+        scale: f32,
+        schedule: &Schedule,
+        peaks: &mut PeakGrads,
+    ) -> Result<StepOutcome> {
+        let dev = self.device.clone();
+        self.enter_autocast(ctx)?;
+        let dtype = self.params()[0].value.dtype();
+        peaks.mark(dev.max_memory_allocated(), self.grad_bytes());
+        let x = self.input(batch, dtype)?;
+        let (out, tape) = self.chain.forward(&x, ctx, schedule)?;
+        peaks.mark(dev.max_memory_allocated(), self.grad_bytes());
+        let (loss, dy) = self.loss_backward(out, &batch.targets, ctx, scale)?;
+        let mut probe = GradProbe {
+            dev: &dev,
+            peaks: &mut *peaks,
+            grads: self.grad_bytes(),
+            held: vec![0; self.chain.len()],
+        };
+        let dx = self.chain.backward_hooked(tape, dy, self.embed.is_some(), &mut probe)?;
+        let grads = probe.grads;
+        drop(x);
+        if let Some(dx) = dx {
+            peaks.mark(dev.max_memory_allocated(), grads);
+            self.embed_backward(batch, &dx)?;
+        }
+        peaks.mark(dev.max_memory_allocated(), self.grad_bytes());
+        Ok(StepOutcome { loss })
+    }
+
     /// From the chain's output: the head, the loss and their backward; returns the loss and
     /// the gradient of the chain's output.
     fn loss_backward(
@@ -835,47 +878,29 @@ impl Model {
         ctx: &mut ForwardCtx,
         mark: &mut dyn FnMut(Phase),
     ) -> Result<StepOutcome> {
-        self.train_step_observed(batch, ctx, 1.0, &mut |p, _| mark(p))
-    }
-
-    /// [`Model::train_step_marked`] with the loss gradient scaled by `scale` (as
-    /// [`Model::train_step`]'s), calling `observe` before each phase with the model as it is
-    /// then: e.g. the gradients that exist so far ([`Model::grad_bytes`]).
-    ///
-    /// # Errors
-    ///
-    /// As [`Model::train_step`].
-    pub fn train_step_observed(
-        &mut self,
-        batch: &Batch,
-        ctx: &mut ForwardCtx,
-        scale: f32,
-        observe: &mut dyn FnMut(Phase, &Model),
-    ) -> Result<StepOutcome> {
         self.enter_autocast(ctx)?;
         let dtype = self.params()[0].value.dtype();
         let want_first_dx = self.embed.is_some();
-        let n = self.chain.len();
         let mut x = self.input(batch, dtype)?;
-        let mut saved = Vec::with_capacity(n);
-        for i in 0..n {
-            observe(Phase::Forward(i, self.chain.layers()[i].name()), self);
-            let (y, s) = self.chain.layers_mut()[i].forward(&x, ctx)?;
+        let mut saved = Vec::with_capacity(self.chain.len());
+        for (i, layer) in self.chain.layers_mut().iter_mut().enumerate() {
+            mark(Phase::Forward(i, layer.name()));
+            let (y, s) = layer.forward(&x, ctx)?;
             saved.push(s);
             x = y;
         }
-        observe(Phase::Loss, self);
-        let (loss, dy) = self.loss_backward(x, &batch.targets, ctx, scale)?;
+        mark(Phase::Loss);
+        let (loss, dy) = self.loss_backward(x, &batch.targets, ctx, 1.0)?;
         // Each layer owns its output gradient (and frees it when done with it).
         let mut dy = Some(dy);
-        for i in (0..n).rev() {
-            observe(Phase::Backward(i, self.chain.layers()[i].name()), self);
+        for (i, layer) in self.chain.layers_mut().iter_mut().enumerate().rev() {
+            mark(Phase::Backward(i, layer.name()));
             let s = saved.pop().flatten().ok_or_else(|| invalid("a layer saved nothing"))?;
             let g = dy.take().ok_or_else(|| invalid("a layer returned no input gradient"))?;
-            dy = self.chain.layers_mut()[i].backward(s, g, i > 0 || want_first_dx)?;
+            dy = layer.backward(s, g, i > 0 || want_first_dx)?;
         }
         if want_first_dx {
-            observe(Phase::EmbeddingBackward, self);
+            mark(Phase::EmbeddingBackward);
             let dy = dy.ok_or_else(|| invalid("the first layer returned no input gradient"))?;
             self.embed_backward(batch, &dy)?;
         }
@@ -1068,6 +1093,68 @@ pub(crate) fn fused_tied_loss(
     drop((x, w));
     accumulate_grad_cast(tok, lce.grad_weight)?;
     Ok((lce.loss, cast_into(lce.grad_hidden, in_dtype)?))
+}
+
+/// Which parameters' gradients existed when a run's peak allocation was reached: fed the
+/// device's peak so far and the gradient bytes at the start of each phase
+/// ([`Model::train_step_tracked`], and the caller's optimizer step), it keeps those at the
+/// start of the phase in which the running peak last rose. The phase's own gradients, made
+/// during it, are not counted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PeakGrads {
+    last_peak: Option<u64>,
+    last_grads: u64,
+    at_peak: u64,
+}
+
+impl PeakGrads {
+    /// A phase starts: the peak so far and the gradient bytes that exist.
+    pub fn mark(&mut self, peak_so_far: u64, grads: u64) {
+        if self.last_peak.is_some_and(|p| peak_so_far > p) {
+            self.at_peak = self.last_grads;
+        }
+        self.last_peak = Some(peak_so_far);
+        self.last_grads = grads;
+    }
+
+    /// The gradient bytes at the start of the phase in which the peak was reached.
+    pub fn grads_at_peak(&self) -> u64 {
+        self.at_peak
+    }
+}
+
+/// [`Model::train_step_tracked`]'s hooks on the chain's backward: a mark before each
+/// layer, the gradient total updated after it.
+struct GradProbe<'a> {
+    dev: &'a Device,
+    peaks: &'a mut PeakGrads,
+    grads: u64,
+    /// Each layer's gradient bytes when its backward began.
+    held: Vec<u64>,
+}
+
+fn layer_grad_bytes(layer: &BoxedLayer) -> u64 {
+    layer.params().iter().filter_map(|p| p.grad.as_ref()).map(|g| g.size_in_bytes() as u64).sum()
+}
+
+impl LayerHooks for GradProbe<'_> {
+    fn before(&mut self, pass: HookPass, i: usize, layer: &mut BoxedLayer) -> Result<()> {
+        if pass == HookPass::Backward {
+            if let Some(h) = self.held.get_mut(i) {
+                *h = layer_grad_bytes(layer);
+            }
+            self.peaks.mark(self.dev.max_memory_allocated(), self.grads);
+        }
+        Ok(())
+    }
+
+    fn after(&mut self, pass: HookPass, i: usize, layer: &mut BoxedLayer) -> Result<()> {
+        if pass == HookPass::Backward {
+            let before = self.held.get(i).copied().unwrap_or(0);
+            self.grads = self.grads - before.min(self.grads) + layer_grad_bytes(layer);
+        }
+        Ok(())
+    }
 }
 
 fn invalid(reason: &str) -> Error {

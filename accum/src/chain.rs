@@ -252,7 +252,8 @@ impl Chain {
         self.forward_hooked(Cow::Borrowed(x), ctx, schedule, &mut NoHooks)
     }
 
-    /// [`Chain::forward`] with `hooks` around each layer (see [`LayerHooks`]), on an input
+    /// [`Chain::forward`] with `hooks` around each layer (see [`LayerHooks`]; a forward in
+    /// inference mode, which keeps nothing for backward, runs without them), on an input
     /// the tape borrows or owns (`Cow::Owned`: a tape that outlives the caller's frame).
     ///
     /// # Errors

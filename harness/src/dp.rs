@@ -9,8 +9,11 @@
 //! `DpModel` is a [`Model`] taken apart ([`Model::into_parts`]): the same layers in the same
 //! order with the same random draws, its autocast and its loss (a tied LM head fused with
 //! the cross-entropy), so one step of it on one device equals one step of the model
-//! (`harness/tests/data_parallel.rs` checks it); it runs the layers one by one so that
-//! ZeRO-3 can gather each layer's weights around its forward and backward. A tied head
+//! (`harness/tests/data_parallel.rs` checks it). It runs the layers as a vram-accum
+//! [`Chain`] whose hooks wrap each layer in the trainer's group hooks, so that ZeRO-3 can
+//! gather each layer's weights around its forward and backward, under a checkpoint
+//! schedule if one is set ([`DpModel::with_checkpoint`]: a recomputed segment's layers are
+//! gathered before their recomputation, once per backward). A tied head
 //! reads the token embedding a second time after the chain: its group is gathered again
 //! around the head (as DeepSpeed fetches a shared parameter at each use), and its gradient,
 //! the head's and the embedding's summed, is reduced once, after the embedding's backward.

@@ -426,17 +426,17 @@ impl Replica for DpModel {
         batch: &DpBatch,
         hooks: &mut dyn GroupHooks,
     ) -> Result<f32, DistError> {
-        let mut ctx = self.context()?;
-        let (x, ids) = self.input(batch, hooks)?;
-        let (out, saved) = self.chain_forward(x, &mut ctx, hooks)?;
         let targets = &batch.batch.targets;
         if self.tied && !self.fused_loss {
-            let (logits, tape) = self.finish_forward(out, saved, ids, ctx, hooks)?;
+            let (logits, tape) = self.forward(batch, hooks)?;
             let dt = logits.dtype();
             let (loss, dlogits) = loss_and_grad(logits, targets, 1.0, dt).map_err(accum)?;
             self.backward(tape, &dlogits, hooks)?;
             return Ok(loss);
         }
+        let mut ctx = self.context()?;
+        let (x, ids) = self.input(batch, hooks)?;
+        let (out, saved) = self.chain_forward(x, &mut ctx, hooks)?;
         let (loss, dy) = if self.tied {
             let e = self.tied_table()?;
             hooks.before(Pass::Forward, 0, &mut e.params_mut())?;

@@ -62,24 +62,12 @@ fn data_parallel(
     n: usize,
     strategy: Strategy,
 ) -> Vec<Vec<Vec<f32>>> {
-    data_parallel_of(&|| model(arch, None), data, samples, steps, n, strategy)
+    data_parallel_of(&|| model(arch, None), data, samples, steps, n, strategy, None)
 }
 
 /// Every rank's parameters after `steps` global batches of `strategy` over `n` host
-/// devices, each replica the model `build` makes.
+/// devices, each replica the model `build` makes, checkpointing as `schedule` says if given.
 fn data_parallel_of(
-    build: &dyn Fn() -> Model,
-    data: &Dataset,
-    samples: usize,
-    steps: u64,
-    n: usize,
-    strategy: Strategy,
-) -> Vec<Vec<Vec<f32>>> {
-    data_parallel_sched(build, data, samples, steps, n, strategy, None)
-}
-
-/// [`data_parallel_of`] with every replica checkpointing as `schedule` says.
-fn data_parallel_sched(
     build: &dyn Fn() -> Model,
     data: &Dataset,
     samples: usize,
@@ -191,16 +179,16 @@ fn data_parallel_under_autocast_trains_as_the_autocast_model() {
     let data = Dataset::Sequences { vocab: 32, seq: 8 };
     let autocast = || model(&gpt, bf16);
     let want = reference_of(&autocast, &data, 4, 2);
-    let one = data_parallel_of(&autocast, &data, 4, 2, 1, Strategy::Ddp);
+    let one = data_parallel_of(&autocast, &data, 4, 2, 1, Strategy::Ddp, None);
     assert_eq!(one[0], want, "one device under autocast");
     let f32_run = reference(&gpt, &data, 4, 2);
     assert_ne!(want, f32_run, "autocast changes the weights");
-    let ddp = data_parallel_of(&autocast, &data, 4, 2, 2, Strategy::Ddp);
-    let zero3 = data_parallel_of(&autocast, &data, 4, 2, 2, Strategy::Zero3);
+    let ddp = data_parallel_of(&autocast, &data, 4, 2, 2, Strategy::Ddp, None);
+    let zero3 = data_parallel_of(&autocast, &data, 4, 2, 2, Strategy::Zero3, None);
     assert_eq!(ddp[0], ddp[1], "DDP's ranks hold the same weights");
     assert_eq!(zero3[0], ddp[0], "ZeRO-3 under autocast = DDP");
     // nn.DataParallel: the tied head's logits whole (16-bit), the loss in f32 on device 0.
-    let dp = data_parallel_of(&autocast, &data, 4, 2, 2, Strategy::DataParallel);
+    let dp = data_parallel_of(&autocast, &data, 4, 2, 2, Strategy::DataParallel, None);
     for got in [&ddp[0], &dp[0]] {
         for (u, v) in got.iter().zip(&want) {
             for (x, y) in u.iter().zip(v) {
@@ -224,7 +212,7 @@ fn data_parallel_trains_a_channels_last_cnn_as_the_model() {
     assert!(build().channels_last());
     let want = reference_of(&build, &data, 8, 3);
     for (n, strategy) in [(2, Strategy::Ddp), (2, Strategy::Zero3)] {
-        for got in data_parallel_of(&build, &data, 8, 3, n, strategy) {
+        for got in data_parallel_of(&build, &data, 8, 3, n, strategy, None) {
             close(&got, &want, &format!("channels_last {} x{n}", strategy.name()));
         }
     }
@@ -243,7 +231,7 @@ fn data_parallel_with_checkpointing_trains_as_the_plain_model() {
         assert!(schedule.segments().iter().any(|s| s.checkpointed), "{schedule:?}");
         for (n, strategy) in [(2, Strategy::Ddp), (2, Strategy::Zero2), (4, Strategy::Zero3)] {
             let build = || model(&gpt, None);
-            let ranks = data_parallel_sched(&build, &data, 4, 3, n, strategy, Some(&schedule));
+            let ranks = data_parallel_of(&build, &data, 4, 3, n, strategy, Some(&schedule));
             for got in ranks {
                 close(&got, &want, &format!("{:?} {} x{n}", schedule, strategy.name()));
             }

@@ -90,18 +90,11 @@ fn overflowing_scaler() -> ScalerConfig {
     }
 }
 
+/// One small executed run: its peaks and their split, step times, losses.
 struct Run {
-    peak: u64,
-    reserved: u64,
+    split: Split,
     step: Timing,
     losses: Vec<f32>,
-    weights: u64,
-    copies: u64,
-    master: u64,
-    grads: u64,
-    /// The gradients alive at the peak ([`crate::models::PeakGrads`]).
-    grads_at_peak: u64,
-    optimizer: u64,
     /// `(steps skipped, final scale)` of an enabled loss scaler.
     scaler: Option<(u64, f32)>,
 }
@@ -132,18 +125,20 @@ fn train(
         .map(|((trainer, dev, losses), times)| {
             let state = trainer.state_bytes();
             Ok(Run {
-                peak: dev.max_memory_allocated(),
-                reserved: dev.max_memory_reserved(),
+                split: Split {
+                    peak: dev.max_memory_allocated(),
+                    reserved: dev.max_memory_reserved(),
+                    weights: state.weights,
+                    copies: state.weight_copies,
+                    master: state.master,
+                    grads: state.grads,
+                    grads_at_peak: state.grads_at_peak,
+                    optimizer: state.optimizer,
+                },
                 step: Timing::from_samples(&times).ok_or_else(|| {
                     ExperimentError::Setup("mixed-precision needs 2 steps or more".into())
                 })?,
                 losses,
-                weights: state.weights,
-                copies: state.weight_copies,
-                master: state.master,
-                grads: state.grads,
-                grads_at_peak: state.grads_at_peak,
-                optimizer: state.optimizer,
                 scaler: trainer
                     .scaler()
                     .filter(|s| s.is_enabled())
@@ -153,18 +148,7 @@ fn train(
         .collect()
 }
 
-impl Run {
-    fn state(&self) -> u64 {
-        self.weights + self.copies + self.master + self.grads + self.optimizer
-    }
-
-    /// The peak less the states alive at it (the gradients made by then, not all).
-    fn activations(&self) -> u64 {
-        self.peak.saturating_sub(self.state() - self.grads + self.grads_at_peak)
-    }
-}
-
-/// One real-size run: the peaks and where they go.
+/// A run's peaks and where they go.
 struct Split {
     peak: u64,
     reserved: u64,
@@ -179,13 +163,8 @@ struct Split {
 }
 
 impl Split {
-    /// The row of a real-size run of `precision` (`recipe` its family) at `batch`.
-    fn measured(
-        &self,
-        recipe: &'static str,
-        precision: crate::plan::Precision,
-        batch: usize,
-    ) -> Measured {
+    /// The row of a real-size run (`recipe` its family, weights of `dtype`) at `batch`.
+    fn measured(&self, recipe: &'static str, dtype: DType, batch: usize) -> Measured {
         Measured {
             part: REAL,
             recipe,
@@ -198,7 +177,7 @@ impl Split {
             optimizer_state_bytes: self.optimizer,
             activations_and_temporaries_bytes: self.activations(),
             state_bytes_per_parameter: self.state() as f64
-                / (self.weights / precision.dtype().size_in_bytes() as u64) as f64,
+                / (self.weights / dtype.size_in_bytes() as u64) as f64,
             losses: Vec::new(),
             scaler_steps_skipped: None,
             final_loss_scale: None,
@@ -349,7 +328,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         .zip(train(ctx, &precisions, steps, batch)?)
         .map(|((n, k), r)| (n, k, r))
         .collect();
-    let params: u64 = runs[0].2.weights / 4;
+    let params: u64 = runs[0].2.split.weights / 4;
     let small_gpt = {
         let Arch::Gpt { d, layers, seq, .. } = &arch else {
             return Err(ExperimentError::Setup("mixed-precision: the small model is a GPT".into()));
@@ -360,33 +339,21 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
             Attention::Fused,
         )
     };
-    for (name, recipe, r) in &runs {
-        let measured = Measured {
-            part: SMALL,
-            recipe,
-            batch_size: batch,
-            weights_bytes: r.weights,
-            weight_copies_16bit_bytes: r.copies,
-            master_weights_bytes: r.master,
-            grads_bytes: r.grads,
-            grads_at_peak_bytes: r.grads_at_peak,
-            optimizer_state_bytes: r.optimizer,
-            activations_and_temporaries_bytes: r.activations(),
-            state_bytes_per_parameter: r.state() as f64 / params as f64,
-            losses: r.losses.clone(),
-            scaler_steps_skipped: r.scaler.map(|s| s.0),
-            final_loss_scale: r.scaler.map(|s| s.1),
-        };
+    for ((name, recipe, r), precision) in runs.iter().zip(&precisions) {
+        let mut measured = r.split.measured(recipe, precision.dtype(), batch);
+        measured.part = SMALL;
+        measured.losses = r.losses.clone();
+        (measured.scaler_steps_skipped, measured.final_loss_scale) = r.scaler.unzip();
         sweep.push(
             &format!("{SMALL}: {small_gpt}, {name}"),
-            r.peak,
-            r.reserved,
+            r.split.peak,
+            r.split.reserved,
             Some(r.step),
             measured,
         );
     }
     let f32r = &runs[0].2;
-    let saving = |r: &Run| 1.0 - r.peak as f64 / f32r.peak as f64;
+    let saving = |r: &Run| 1.0 - r.split.peak as f64 / f32r.split.peak as f64;
     let (fp16, bf16, ac_bf16, ac_fp16) = (&runs[1].2, &runs[2].2, &runs[3].2, &runs[4].2);
     let best_full = saving(fp16).max(saving(bf16));
     let best_ac = saving(ac_bf16).max(saving(ac_fp16));
@@ -409,7 +376,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         let mut row = Vec::new();
         for p in kinds {
             let s = real_split(&gpt2, p, b)?;
-            let measured = s.measured(recipe_of(p), p, b);
+            let measured = s.measured(recipe_of(p), p.dtype(), b);
             sweep.push(
                 &format!("{REAL}: {g2_row}, batch {b}, {}", p.label()),
                 s.peak,
@@ -499,7 +466,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         .map(|p| real_split(&resnet, p, cnn_batch).map(|s| (p, s)))
         .collect::<Result<_, _>>()?;
     for (p, s) in &cnn {
-        let measured = s.measured(recipe_of(*p), *p, cnn_batch);
+        let measured = s.measured(recipe_of(*p), p.dtype(), cnn_batch);
         let name = format!("{REAL}: resnet50, batch {cnn_batch}, {}", p.label());
         sweep.push(&name, s.peak, s.reserved, None, measured);
     }
@@ -526,14 +493,14 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         claim: "mixed precision uses about 50% less memory".into(),
         measured: format!(
             "{SMALL}: peak {} fp32; full 16-bit: {} fp16 ({} less), {} bf16 ({} less); autocast: {} bf16 ({} less), {} fp16 ({} less); {REAL}, {g2}, bf16: full {} at batch {} and {} at batch {}, autocast {} and {}",
-            human_bytes(f32r.peak),
-            human_bytes(fp16.peak),
+            human_bytes(f32r.split.peak),
+            human_bytes(fp16.split.peak),
             pct(saving(fp16)),
-            human_bytes(bf16.peak),
+            human_bytes(bf16.split.peak),
             pct(saving(bf16)),
-            human_bytes(ac_bf16.peak),
+            human_bytes(ac_bf16.split.peak),
             pct(saving(ac_bf16)),
-            human_bytes(ac_fp16.peak),
+            human_bytes(ac_fp16.split.peak),
             pct(saving(ac_fp16)),
             less(s_large),
             large_b.0,
@@ -559,7 +526,7 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     };
     let mut executed_steps: Vec<(P, Timing)> = Vec::new();
     for (p, r) in &executed {
-        let mut measured = r.split.measured(recipe_of(*p), *p, EXECUTED_BATCH);
+        let mut measured = r.split.measured(recipe_of(*p), p.dtype(), EXECUTED_BATCH);
         measured.part = EXECUTED;
         measured.losses = r.losses.clone();
         (measured.scaler_steps_skipped, measured.final_loss_scale) = r.scaler.unzip();
@@ -626,8 +593,8 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
         }
     };
     sweep.claim(Claim { claim: "30%+ less memory and 20%+ faster".into(), measured, verdict });
-    let per_param = |r: &Run| r.state() as f64 / params as f64;
-    let acts = Run::activations;
+    let per_param = |r: &Run| r.split.state() as f64 / params as f64;
+    let acts = |r: &Run| r.split.activations();
     sweep.claim(Claim {
         claim: "Micikevicius et al.: the saving is in 16-bit activations; weights + grads + Adam state stay ~16 B/parameter with f32 masters".into(),
         measured: format!(
@@ -639,20 +606,21 @@ fn run(ctx: &Context) -> Result<Sweep<Measured>, ExperimentError> {
     // Autocast's state: f32 weights, gradients and moments (16 B/param) and no master copy,
     // plus one 16-bit copy per cast weight (2 B/param for the weights that go through a
     // matmul: all but the embeddings and the norms).
-    let copies_per_param = |r: &Run| r.copies as f64 / params as f64;
+    let copies_per_param = |r: &Run| r.split.copies as f64 / params as f64;
     let ac_ok = |r: &Run| {
-        r.master == 0
-            && r.grads == r.weights
-            && r.optimizer == 2 * r.weights
-            && r.copies > 0
+        let s = &r.split;
+        s.master == 0
+            && s.grads == s.weights
+            && s.optimizer == 2 * s.weights
+            && s.copies > 0
             && copies_per_param(r) <= 2.0
     };
     sweep.claim(Claim {
         claim: "autocast keeps f32 weights, gradients and Adam state (16 B/param, no master copy) plus a cached 16-bit copy of each matmul weight (at most 2 B/param)".into(),
         measured: format!(
             "{SMALL}: state {:.1} B/param bf16 autocast ({:.2} B/param of 16-bit copies, master {}), {:.1} fp16 autocast ({:.2}, master {}); fp32 {:.1}; activations and temporaries (the peak less the states alive at it) {} bf16 autocast, {} fp16 autocast, {} fp32, {} full bf16",
-            per_param(ac_bf16), copies_per_param(ac_bf16), human_bytes(ac_bf16.master),
-            per_param(ac_fp16), copies_per_param(ac_fp16), human_bytes(ac_fp16.master),
+            per_param(ac_bf16), copies_per_param(ac_bf16), human_bytes(ac_bf16.split.master),
+            per_param(ac_fp16), copies_per_param(ac_fp16), human_bytes(ac_fp16.split.master),
             per_param(f32r),
             human_bytes(acts(ac_bf16)), human_bytes(acts(ac_fp16)), human_bytes(acts(f32r)), human_bytes(acts(bf16))
         ),

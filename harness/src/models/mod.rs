@@ -46,15 +46,6 @@ use vram_accum::{
 use vram_kernels::{DType, Device, Tensor, ops};
 use zoo::{MOBILENETV3_LARGE, make_divisible};
 
-struct Embed {
-    tok: Param,
-    /// GPT's learned positions; `None` for Llama (rotary embeddings in the blocks).
-    pos: Option<Param>,
-    seq: usize,
-    /// The LM head is `tok` (GPT-2): logits are `h tok^T`, outside the chain.
-    tied: bool,
-}
-
 /// A GPT's or Llama's token embedding taken apart ([`Model::into_parts`]).
 pub struct EmbedParts {
     /// The token embedding (`wte`, `embed_tokens`): `[vocab, d]`.
@@ -78,7 +69,10 @@ impl EmbedParts {
     ///
     /// An op's error.
     pub fn forward(&self, ids: &[u32]) -> Result<Tensor> {
-        embed_tokens(&self.tok, self.pos.as_ref(), self.seq, ids)
+        let t = ops::embedding(&self.tok.value, ids)?;
+        let Some(pos) = &self.pos else { return Ok(t) };
+        let p = ops::embedding(&pos.value, &self.positions(ids.len()))?;
+        Ok(ops::add(&t, &p)?)
     }
 
     /// Adds the gradients of [`forward`](Self::forward) for the chain's input gradient `dx`.
@@ -87,34 +81,19 @@ impl EmbedParts {
     ///
     /// An op's error.
     pub fn backward(&mut self, ids: &[u32], dx: &Tensor) -> Result<()> {
-        embed_tokens_backward(&mut self.tok, self.pos.as_mut(), self.seq, ids, dx)
+        let vocab = self.tok.value.shape().first().copied().unwrap_or(0);
+        self.tok.accumulate_grad(ops::embedding_backward(ids, dx, vocab)?)?;
+        let positions = self.positions(ids.len());
+        if let Some(pos) = &mut self.pos {
+            pos.accumulate_grad(ops::embedding_backward(&positions, dx, self.seq)?)?;
+        }
+        Ok(())
     }
-}
 
-fn positions(n: usize, seq: usize) -> Vec<u32> {
-    (0..n).map(|i| (i % seq) as u32).collect()
-}
-
-fn embed_tokens(tok: &Param, pos: Option<&Param>, seq: usize, ids: &[u32]) -> Result<Tensor> {
-    let t = ops::embedding(&tok.value, ids)?;
-    let Some(pos) = pos else { return Ok(t) };
-    let p = ops::embedding(&pos.value, &positions(ids.len(), seq))?;
-    Ok(ops::add(&t, &p)?)
-}
-
-fn embed_tokens_backward(
-    tok: &mut Param,
-    pos: Option<&mut Param>,
-    seq: usize,
-    ids: &[u32],
-    dx: &Tensor,
-) -> Result<()> {
-    let vocab = tok.value.shape().first().copied().unwrap_or(0);
-    tok.accumulate_grad(ops::embedding_backward(ids, dx, vocab)?)?;
-    if let Some(pos) = pos {
-        pos.accumulate_grad(ops::embedding_backward(&positions(ids.len(), seq), dx, seq)?)?;
+    /// The position of each of `n` tokens of whole sequences.
+    fn positions(&self, n: usize) -> Vec<u32> {
+        (0..n).map(|i| (i % self.seq) as u32).collect()
     }
-    Ok(())
 }
 
 /// A [`Model`] taken apart ([`Model::into_parts`]).
@@ -140,7 +119,10 @@ pub struct Model {
     pub name: String,
     arch: Arch,
     device: Device,
-    embed: Option<Embed>,
+    /// GPT's token and position embeddings, Llama's token embedding.
+    embed: Option<EmbedParts>,
+    /// The LM head is the token embedding (GPT-2): logits are `h tok^T`, outside the chain.
+    tied: bool,
     chain: Chain,
     /// The low dtype of autocast, `None` without.
     autocast: Option<DType>,
@@ -352,7 +334,7 @@ impl Model {
         let batch_norm = matches!(arch, Arch::BottleneckResNet { .. } | Arch::MobileNetV3 { .. });
         let channels_last = opts.channels_last && arch.is_preset_cnn();
         let mut b = Builder { device, dtype, seed, batch_norm, channels_last, layers: Vec::new() };
-        let mut embed = None;
+        let (mut embed, mut tied_head) = (None, false);
         match &arch {
             Arch::Mlp { dims, classes } => {
                 if dims.is_empty() {
@@ -408,12 +390,12 @@ impl Model {
                     let std = Init::Normal { std: 0.02 };
                     init_weight(device, &[rows, *d], std, 1, dtype, sub_seed(seed, part))
                 };
-                embed = Some(Embed {
+                embed = Some(EmbedParts {
                     tok: Param::new("wte", table(*vocab, 0)?),
                     pos: Some(Param::new("wpe", table(*seq, 1 << 32)?)),
                     seq: *seq,
-                    tied: *tied,
                 });
+                tied_head = *tied;
                 for i in 0..*layers {
                     let block = TransformerBlockConfig::new(*d, *heads, *seq)
                         .with_attention(attention)
@@ -488,12 +470,12 @@ impl Model {
             Arch::Llama(l) => {
                 let std = Init::Normal { std: 0.02 };
                 let tok = init_weight(device, &[l.vocab, l.d], std, 1, dtype, sub_seed(seed, 0))?;
-                embed = Some(Embed {
+                embed = Some(EmbedParts {
                     tok: Param::new("embed_tokens.weight", tok),
                     pos: None,
                     seq: l.seq,
-                    tied: l.tied,
                 });
+                tied_head = l.tied;
                 let cfg = l.block().with_dtype(dtype).with_attention(attention);
                 // One pair of rotary tables for every block, as HF computes one per forward.
                 let tables =
@@ -549,6 +531,7 @@ impl Model {
             arch,
             device: device.clone(),
             embed,
+            tied: tied_head,
             chain: Chain::new(b.layers),
             autocast: None,
             cast_bytes: 0,
@@ -634,11 +617,9 @@ impl Model {
     /// head is tied to it (applied after the chain), autocast, the images' layout and the
     /// chain's layers.
     pub fn into_parts(self) -> ModelParts {
-        let tied = self.embed.as_ref().is_some_and(|e| e.tied);
-        let embed = self.embed.map(|e| EmbedParts { tok: e.tok, pos: e.pos, seq: e.seq });
         ModelParts {
-            embed,
-            tied,
+            embed: self.embed,
+            tied: self.tied,
             autocast: self.autocast,
             channels_last: self.channels_last,
             fused_loss: self.fused_loss,
@@ -708,14 +689,14 @@ impl Model {
                 "a batch without values (Dataset::batch_without_values) runs only on a virtual \
                  device",
             )),
-            (Input::Tokens(ids), Some(e)) => embed_tokens(&e.tok, e.pos.as_ref(), e.seq, ids),
+            (Input::Tokens(ids), Some(e)) => e.forward(ids),
             _ => Err(invalid("the batch does not match the model's input kind")),
         }
     }
 
     fn embed_backward(&mut self, batch: &Batch, dx: &Tensor) -> Result<()> {
         if let (Input::Tokens(ids), Some(e)) = (&batch.input, &mut self.embed) {
-            embed_tokens_backward(&mut e.tok, e.pos.as_mut(), e.seq, ids, dx)?;
+            e.backward(ids, dx)?;
         }
         Ok(())
     }
@@ -723,7 +704,7 @@ impl Model {
     /// The logits from the chain's output (the tied head applied, if any: see
     /// [`tied_head`]), and what the head keeps.
     fn head(&self, out: Tensor, ctx: &mut ForwardCtx) -> Result<(Tensor, Option<HeadSaved>)> {
-        let Some(e) = self.embed.as_ref().filter(|e| e.tied) else { return Ok((out, None)) };
+        let Some(e) = self.embed.as_ref().filter(|_| self.tied) else { return Ok((out, None)) };
         let (logits, saved) = tied_head(&e.tok, out, ctx)?;
         Ok((logits, Some(saved)))
     }
@@ -769,17 +750,7 @@ impl Model {
         scale: f32,
         schedule: &Schedule,
     ) -> Result<StepOutcome> {
-        self.enter_autocast(ctx)?;
-        let dtype = self.params()[0].value.dtype();
-        let x = self.input(batch, dtype)?;
-        let (out, tape) = self.chain.forward(&x, ctx, schedule)?;
-        let (loss, dy) = self.loss_backward(out, &batch.targets, ctx, scale)?;
-        let dx = self.chain.backward(tape, dy, self.embed.is_some())?;
-        drop(x);
-        if let Some(dx) = dx {
-            self.embed_backward(batch, &dx)?;
-        }
-        Ok(StepOutcome { loss })
+        self.step(batch, ctx, scale, schedule, None)
     }
 
     /// [`Model::train_step_with`] that feeds `peaks` the device's peak so far and the
@@ -800,29 +771,50 @@ impl Model {
         schedule: &Schedule,
         peaks: &mut PeakGrads,
     ) -> Result<StepOutcome> {
-        let dev = self.device.clone();
+        self.step(batch, ctx, scale, schedule, Some(peaks))
+    }
+
+    /// The training step, marking `peaks` before each phase when given (the plain step
+    /// reads no statistics).
+    fn step(
+        &mut self,
+        batch: &Batch,
+        ctx: &mut ForwardCtx,
+        scale: f32,
+        schedule: &Schedule,
+        mut peaks: Option<&mut PeakGrads>,
+    ) -> Result<StepOutcome> {
         self.enter_autocast(ctx)?;
         let dtype = self.params()[0].value.dtype();
-        peaks.mark(dev.max_memory_allocated(), self.grad_bytes());
+        self.mark(&mut peaks);
         let x = self.input(batch, dtype)?;
         let (out, tape) = self.chain.forward(&x, ctx, schedule)?;
-        peaks.mark(dev.max_memory_allocated(), self.grad_bytes());
+        self.mark(&mut peaks);
         let (loss, dy) = self.loss_backward(out, &batch.targets, ctx, scale)?;
-        let mut probe = GradProbe {
-            dev: &dev,
-            peaks: &mut *peaks,
-            grads: self.grad_bytes(),
-            held: vec![0; self.chain.len()],
+        let want_dx = self.embed.is_some();
+        let dx = match peaks.as_deref_mut() {
+            Some(peaks) => {
+                let dev = self.device.clone();
+                let (grads, held) = (self.grad_bytes(), vec![0; self.chain.len()]);
+                let mut probe = GradProbe { dev: &dev, peaks, grads, held };
+                self.chain.backward_hooked(tape, dy, want_dx, &mut probe)?
+            }
+            None => self.chain.backward(tape, dy, want_dx)?,
         };
-        let dx = self.chain.backward_hooked(tape, dy, self.embed.is_some(), &mut probe)?;
-        let grads = probe.grads;
         drop(x);
         if let Some(dx) = dx {
-            peaks.mark(dev.max_memory_allocated(), grads);
+            self.mark(&mut peaks);
             self.embed_backward(batch, &dx)?;
         }
-        peaks.mark(dev.max_memory_allocated(), self.grad_bytes());
+        self.mark(&mut peaks);
         Ok(StepOutcome { loss })
+    }
+
+    /// A phase starts: the peak so far and the gradients that exist, into `peaks` if given.
+    fn mark(&self, peaks: &mut Option<&mut PeakGrads>) {
+        if let Some(p) = peaks {
+            p.mark(self.device.max_memory_allocated(), self.grad_bytes());
+        }
     }
 
     /// From the chain's output: the head, the loss and their backward; returns the loss and
@@ -834,7 +826,7 @@ impl Model {
         ctx: &mut ForwardCtx,
         scale: f32,
     ) -> Result<(f32, Tensor)> {
-        if self.fused_loss && self.embed.as_ref().is_some_and(|e| e.tied) {
+        if self.fused_loss && self.tied && self.embed.is_some() {
             return self.fused_loss_backward(out, targets, ctx, scale);
         }
         let (logits, head) = self.head(out, ctx)?;

@@ -27,7 +27,7 @@
 //!
 //! [`Model`]: super::Model
 
-use super::{Builder, Embed, Param};
+use super::{Builder, EmbedParts, Param};
 use crate::data::Dataset;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -511,7 +511,7 @@ fn kind(layer: &LayerSpec) -> &'static str {
 }
 
 /// Builds `spec`'s layers into `b` (vram-accum's layer library); returns the embedding.
-pub(super) fn build(b: &mut Builder<'_>, spec: &ModelSpec) -> Result<Option<Embed>> {
+pub(super) fn build(b: &mut Builder<'_>, spec: &ModelSpec) -> Result<Option<EmbedParts>> {
     let resolved = spec
         .resolve()
         .map_err(|e| vram_accum::Error::InvalidArgument { what: "model spec", reason: e.reason })?;
@@ -522,11 +522,10 @@ pub(super) fn build(b: &mut Builder<'_>, spec: &ModelSpec) -> Result<Option<Embe
                 let std = Init::Normal { std: 0.02 };
                 init_weight(device, &[rows, dim], std, 1, dtype, sub_seed(seed, part))
             };
-            Some(Embed {
+            Some(EmbedParts {
                 tok: Param::new("wte", table(vocab, 0)?),
                 pos: Some(Param::new("wpe", table(seq, 1 << 32)?)),
                 seq,
-                tied: false,
             })
         }
         _ => None,

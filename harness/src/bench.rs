@@ -5,8 +5,10 @@ use crate::experiments::{self, Descriptor, EXPERIMENTS};
 use crate::report;
 use crate::techniques::{Technique, techniques};
 use crate::{ExperimentResult, HarnessError};
+use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+use vram_alloc::human_bytes;
 
 /// Simulated device capacity on the host backend when none is given: 4 GiB.
 pub const DEFAULT_HOST_DEVICE_MEMORY: u64 = 4 << 30;
@@ -26,6 +28,9 @@ pub struct BenchOptions {
     pub seed: u64,
     /// Simulated device capacity on the host backend.
     pub device_memory: Option<u64>,
+    /// Keep the experiments that an earlier run with the same settings finished in `out`
+    /// (its `bench-run.json` says which) and run the rest.
+    pub resume: bool,
 }
 
 impl Default for BenchOptions {
@@ -37,6 +42,7 @@ impl Default for BenchOptions {
             backend: BackendChoice::Auto,
             seed: 0,
             device_memory: None,
+            resume: false,
         }
     }
 }
@@ -63,6 +69,8 @@ pub enum Outcome {
         result: Box<ExperimentResult>,
         /// Whether `<out>/<id>.svg` was written.
         plot: bool,
+        /// Whether it ran in an earlier run that `--resume` kept.
+        resumed: bool,
     },
     /// It failed, or its results could not be written.
     Failed(HarnessError),
@@ -160,11 +168,41 @@ pub fn run(opts: &BenchOptions, progress: &mut dyn Progress) -> Result<BenchSumm
     std::fs::create_dir_all(&opts.out)
         .map_err(|source| HarnessError::Io { path: opts.out.clone(), source })?;
 
-    let expected: Vec<f64> = selected.iter().map(|e| e.expected_secs(opts.quick)).collect();
+    let mut manifest = RunManifest::new(&backend, &ctx);
+    let earlier =
+        if opts.resume { RunManifest::load(&opts.out, &manifest, progress)? } else { None };
+    // What an earlier run finished, for each selected experiment (None: run it).
+    let mut kept: Vec<Option<(Box<ExperimentResult>, f64)>> = selected
+        .iter()
+        .map(|e| earlier.as_ref().and_then(|m| m.kept(e.technique().id, &opts.out, progress)))
+        .collect();
+    if let Some(m) = earlier {
+        // Entries of experiments this run leaves alone stay, so that a later `--resume`
+        // still finds them.
+        manifest.finished =
+            m.finished.into_iter().filter(|f| f.status == RunStatus::Done).collect();
+    }
+
+    let expected: Vec<f64> = selected
+        .iter()
+        .zip(&kept)
+        .map(|(e, k)| if k.is_some() { 0.0 } else { e.expected_secs(opts.quick) })
+        .collect();
     let (mut spent, mut expected_done) = (0.0, 0.0);
     let mut outcomes = Vec::with_capacity(selected.len());
     for (i, e) in selected.iter().enumerate() {
         let t = e.technique();
+        if let Some((result, secs)) = kept[i].take() {
+            let plot = opts.out.join(format!("{}.svg", t.id)).exists();
+            progress.note(&format!(
+                "resumed `{}`: kept {} from an earlier run ({secs:.1} s)",
+                t.id,
+                opts.out.join(format!("{}.json", t.id)).display()
+            ));
+            let outcome = Outcome::Done { result, plot, resumed: true };
+            outcomes.push((t, outcome, Duration::from_secs_f64(secs)));
+            continue;
+        }
         // The expected durations of what is left, scaled by how the finished ones compared.
         let scale = if expected_done > 0.0 { spent / expected_done } else { 1.0 };
         let left = Duration::from_secs_f64(expected[i..].iter().sum::<f64>() * scale);
@@ -185,6 +223,7 @@ pub fn run(opts: &BenchOptions, progress: &mut dyn Progress) -> Result<BenchSumm
                     Ok(()) => Outcome::Done {
                         result: Box::new(finished.result),
                         plot: finished.plot.is_some(),
+                        resumed: false,
                     },
                     Err(e) => Outcome::Failed(e),
                 }
@@ -197,7 +236,16 @@ pub fn run(opts: &BenchOptions, progress: &mut dyn Progress) -> Result<BenchSumm
         spent += elapsed.as_secs_f64();
         expected_done += expected[i];
         progress.finish(t.id, &outcome, elapsed);
+        manifest.record(t.id, &outcome, elapsed);
         outcomes.push((t, outcome, elapsed));
+        // After each experiment, what has run so far: a run stopped part-way (a time limit,
+        // Ctrl-C) leaves a report of what finished and a manifest `--resume` continues from.
+        write_json(&opts.out.join(RunManifest::FILE), &manifest)?;
+        let pending: Vec<&str> = selected[i + 1..].iter().map(|e| e.technique().id).collect();
+        if !pending.is_empty() {
+            let text = report::render(&ctx, opts, None, &outcomes, &pending);
+            write_atomically(&opts.out.join("REPORT.md"), text.as_bytes())?;
+        }
     }
     // "What should I do?": real-size models on the virtual device, whatever the backend
     // (only with the whole selection: a `--only` run reports its experiments alone).
@@ -212,9 +260,173 @@ pub fn run(opts: &BenchOptions, progress: &mut dyn Progress) -> Result<BenchSumm
         Some(_) => None,
     };
     let report = opts.out.join("REPORT.md");
-    let text = report::render(&ctx, opts, advice.as_ref(), &outcomes);
+    let text = report::render(&ctx, opts, advice.as_ref(), &outcomes, &[]);
     write_atomically(&report, text.as_bytes())?;
     Ok(BenchSummary { backend, outcomes, report })
+}
+
+/// `<out>/bench-run.json`: the settings a bench run used and the experiments it finished,
+/// rewritten after each one, so that `--resume` keeps what a stopped run finished (a GPU
+/// loan that ran out, Ctrl-C) and runs the rest with the same settings.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct RunManifest {
+    /// `"cpu"` or `"cuda"`.
+    backend: String,
+    /// The device in words (on CUDA its name and libraries; on the host its capacity).
+    device: String,
+    /// Reduced sizes.
+    quick: bool,
+    /// Seed for data and initialisation.
+    seed: u64,
+    /// Device capacity in bytes.
+    device_memory: u64,
+    /// Each experiment that ended, in the order they ended.
+    finished: Vec<RunEntry>,
+}
+
+/// One experiment's end in a [`RunManifest`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct RunEntry {
+    id: String,
+    status: RunStatus,
+    seconds: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum RunStatus {
+    Done,
+    Failed,
+}
+
+impl RunManifest {
+    const FILE: &'static str = "bench-run.json";
+
+    fn new(backend: &Backend, ctx: &Context) -> Self {
+        let device = match backend {
+            Backend::Cpu => "host".to_string(),
+            Backend::Cuda { name, .. } => name.clone(),
+        };
+        RunManifest {
+            backend: backend.tag().to_string(),
+            device,
+            quick: ctx.quick,
+            seed: ctx.seed,
+            device_memory: ctx.device_memory,
+            finished: Vec::new(),
+        }
+    }
+
+    /// The earlier run in `out`, when its settings are `now`'s; `None` (with a note) when
+    /// `out` holds none.
+    ///
+    /// # Errors
+    ///
+    /// [`HarnessError::Resume`] when the file cannot be read or parsed, or names other
+    /// settings.
+    fn load(
+        out: &Path,
+        now: &RunManifest,
+        progress: &mut dyn Progress,
+    ) -> Result<Option<RunManifest>, HarnessError> {
+        let path = out.join(Self::FILE);
+        let bad = |reason: String| HarnessError::Resume { path: path.clone(), reason };
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                progress.note(&format!(
+                    "--resume: {} does not exist, so every selected experiment runs",
+                    path.display()
+                ));
+                return Ok(None);
+            }
+            Err(e) => return Err(bad(e.to_string())),
+        };
+        let was: RunManifest =
+            serde_json::from_str(&text).map_err(|e| bad(format!("not a bench run: {e}")))?;
+        let differs = |what: &str, then: String, now: String| {
+            bad(format!(
+                "it ran with {what} {then}, this run has {now}; resume with the same settings \
+                 or write to another --out"
+            ))
+        };
+        let mode = |quick: bool| if quick { "--quick" } else { "full sizes" }.to_string();
+        if was.backend != now.backend {
+            return Err(differs("backend", was.backend, now.backend.clone()));
+        }
+        if was.device != now.device {
+            return Err(differs(
+                "device",
+                format!("`{}`", was.device),
+                format!("`{}`", now.device),
+            ));
+        }
+        if was.quick != now.quick {
+            return Err(differs("mode", mode(was.quick), mode(now.quick)));
+        }
+        if was.seed != now.seed {
+            return Err(differs("seed", was.seed.to_string(), now.seed.to_string()));
+        }
+        if was.device_memory != now.device_memory {
+            return Err(differs(
+                "device memory",
+                human_bytes(was.device_memory),
+                human_bytes(now.device_memory),
+            ));
+        }
+        Ok(Some(was))
+    }
+
+    /// The results experiment `id` finished with in this earlier run, and how long it took;
+    /// `None` when it did not finish or its results file is gone or unreadable (with a note:
+    /// it runs again).
+    fn kept(
+        &self,
+        id: &str,
+        out: &Path,
+        progress: &mut dyn Progress,
+    ) -> Option<(Box<ExperimentResult>, f64)> {
+        let entry =
+            self.finished.iter().rev().find(|f| f.id == id && f.status == RunStatus::Done)?;
+        let path = out.join(format!("{id}.json"));
+        let parsed = std::fs::read_to_string(&path)
+            .map_err(|e| e.to_string())
+            .and_then(|t| serde_json::from_str::<ExperimentResult>(&t).map_err(|e| e.to_string()))
+            .and_then(|r| {
+                if r.experiment == id && r.backend == self.backend {
+                    Ok(r)
+                } else {
+                    Err(format!("it holds `{}` on {}", r.experiment, r.backend))
+                }
+            });
+        match parsed {
+            Ok(r) => Some((Box::new(r), entry.seconds)),
+            Err(why) => {
+                progress.note(&format!(
+                    "--resume: cannot keep `{id}` ({}: {why}); it runs again",
+                    path.display()
+                ));
+                None
+            }
+        }
+    }
+
+    /// Records how an experiment ended, replacing an earlier entry for it.
+    fn record(&mut self, id: &str, outcome: &Outcome, elapsed: Duration) {
+        self.finished.retain(|f| f.id != id);
+        let (status, error) = match outcome {
+            Outcome::Done { .. } => (RunStatus::Done, None),
+            Outcome::Failed(e) => (RunStatus::Failed, Some(e.to_string())),
+        };
+        self.finished.push(RunEntry {
+            id: id.to_string(),
+            status,
+            seconds: elapsed.as_secs_f64(),
+            error,
+        });
+    }
 }
 
 /// Refuses a simulated capacity that a selected experiment cannot run with on the host.
@@ -400,6 +612,120 @@ mod tests {
         );
         assert_eq!(parse_size("256GiB").unwrap(), 256 << 30, "the suggested size parses");
         assert!(!out.join("REPORT.md").exists());
+    }
+
+    /// Records what the bench tells its user, and the report as each experiment starts.
+    #[derive(Default)]
+    struct Recorder {
+        notes: Vec<String>,
+        started: Vec<String>,
+        report_at_start: Vec<Option<String>>,
+        out: PathBuf,
+    }
+    impl Progress for Recorder {
+        fn note(&mut self, m: &str) {
+            self.notes.push(m.to_string());
+        }
+        fn start(&mut self, id: &str, _: usize, _: usize, _: Duration) {
+            self.started.push(id.to_string());
+            self.report_at_start.push(std::fs::read_to_string(self.out.join("REPORT.md")).ok());
+        }
+        fn finish(&mut self, _: &str, _: &Outcome, _: Duration) {}
+    }
+
+    fn resumed(s: &BenchSummary) -> Vec<(&str, bool)> {
+        s.outcomes
+            .iter()
+            .map(|(t, o, _)| (t.id, matches!(o, Outcome::Done { resumed: true, .. })))
+            .collect()
+    }
+
+    /// A run writes its report after each experiment; `--resume` keeps what finished with
+    /// the same settings, runs what did not (or whose results are gone), and refuses a
+    /// folder written with other settings.
+    #[test]
+    fn a_stopped_run_leaves_a_report_and_resume_runs_only_the_rest() {
+        let out = std::env::temp_dir().join(format!("vram-harness-resume-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        let ids = ["fragmentation", "memory-fraction"];
+        let opts = BenchOptions {
+            only: Some(ids.iter().map(|s| s.to_string()).collect()),
+            out: out.clone(),
+            backend: BackendChoice::Cpu,
+            quick: true,
+            ..BenchOptions::default()
+        };
+        let mut rec = Recorder { out: out.clone(), ..Recorder::default() };
+        let first = run(&opts, &mut rec).unwrap();
+        assert_eq!(first.failed(), 0);
+        assert_eq!(rec.started, ids);
+        // Before the second experiment, the report held the first one and said what was left.
+        assert!(rec.report_at_start[0].is_none(), "no report before anything ran");
+        let partial = rec.report_at_start[1].as_deref().expect("a report after the first");
+        assert!(partial.contains("**partial**: 1 of 2 experiments done so far"), "{partial}");
+        assert!(partial.contains("still to run: `memory-fraction`"), "{partial}");
+        assert!(partial.contains("## `fragmentation`"), "{partial}");
+        let full = std::fs::read_to_string(out.join("REPORT.md")).unwrap();
+        assert!(!full.contains("partial") && full.contains("## `memory-fraction`"), "{full}");
+
+        // Everything finished: a resumed run runs nothing and reports both, marked.
+        let again = BenchOptions { resume: true, ..opts.clone() };
+        let mut rec = Recorder { out: out.clone(), ..Recorder::default() };
+        let second = run(&again, &mut rec).unwrap();
+        assert!(rec.started.is_empty(), "{:?}", rec.started);
+        assert_eq!(resumed(&second), [("fragmentation", true), ("memory-fraction", true)]);
+        let report = std::fs::read_to_string(out.join("REPORT.md")).unwrap();
+        assert!(report.contains("resumed (`--resume`): `fragmentation`, `memory-fraction`"));
+        assert!(report.contains("kept by `--resume`"), "{report}");
+        let Outcome::Done { result, .. } = &first.outcomes[0].1 else { panic!("failed") };
+        assert_eq!(
+            report.lines().filter(|l| l.starts_with("| `fragmentation` |")).count(),
+            result.claims.len(),
+            "the kept claims are in the table once each"
+        );
+
+        // A results file that is gone runs again; the other is kept.
+        std::fs::remove_file(out.join("memory-fraction.json")).unwrap();
+        let mut rec = Recorder { out: out.clone(), ..Recorder::default() };
+        let third = run(&again, &mut rec).unwrap();
+        assert_eq!(rec.started, ["memory-fraction"]);
+        assert_eq!(resumed(&third), [("fragmentation", true), ("memory-fraction", false)]);
+        assert!(
+            rec.notes.iter().any(|n| n.contains("cannot keep `memory-fraction`")),
+            "{:?}",
+            rec.notes
+        );
+
+        // Other settings are refused before anything runs, naming the difference.
+        for (other, what) in [
+            (BenchOptions { seed: 7, ..again.clone() }, "seed 0, this run has 7"),
+            (
+                BenchOptions { quick: false, ..again.clone() },
+                "mode --quick, this run has full sizes",
+            ),
+            (BenchOptions { device_memory: Some(1 << 30), ..again.clone() }, "device memory"),
+        ] {
+            let mut rec = Recorder { out: out.clone(), ..Recorder::default() };
+            let err = run(&other, &mut rec).unwrap_err();
+            assert!(matches!(err, HarnessError::Resume { .. }), "{err}");
+            assert!(err.to_string().contains(what), "{err}");
+            assert!(rec.started.is_empty());
+        }
+        // A folder without a run resumes nothing and says so.
+        let empty = out.join("fresh");
+        let mut rec = Recorder { out: empty.clone(), ..Recorder::default() };
+        run(
+            &BenchOptions { out: empty, only: Some(vec![ids[0].into()]), ..again.clone() },
+            &mut rec,
+        )
+        .unwrap();
+        assert_eq!(rec.started, [ids[0]]);
+        assert!(rec.notes.iter().any(|n| n.contains("does not exist")), "{:?}", rec.notes);
+        // A file that is not a run is an error, not a silent fresh start.
+        std::fs::write(out.join(RunManifest::FILE), "{}").unwrap();
+        let err = run(&again, &mut Silent).unwrap_err();
+        assert!(err.to_string().contains("not a bench run"), "{err}");
+        let _ = std::fs::remove_dir_all(&out);
     }
 
     /// Every experiment's host limit lets the default capacity run.

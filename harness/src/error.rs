@@ -67,6 +67,14 @@ pub enum HarnessError {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// `--resume` found an earlier run it cannot continue.
+    #[error("cannot resume from {path}: {reason}")]
+    Resume {
+        /// The earlier run's `bench-run.json`.
+        path: PathBuf,
+        /// Why not.
+        reason: String,
+    },
     /// An experiment failed while running.
     #[error("experiment `{id}` failed: {source}")]
     Experiment {

@@ -12,6 +12,7 @@ pub fn render(
     opts: &BenchOptions,
     advice: Option<&Result<crate::advice::Advice, crate::ExperimentError>>,
     outcomes: &[(&'static Technique, Outcome, Duration)],
+    pending: &[&str],
 ) -> String {
     let mut s = String::new();
     let device = match &ctx.backend {
@@ -26,7 +27,32 @@ pub fn render(
     let _ = writeln!(s, "# vram: claims against measurements\n");
     let _ = writeln!(s, "- device: {device}");
     let _ = writeln!(s, "- mode: {}", if opts.quick { "quick (reduced sizes)" } else { "full" });
-    let _ = writeln!(s, "- seed: {}\n", opts.seed);
+    let _ = writeln!(s, "- seed: {}", opts.seed);
+    let resumed: Vec<&str> = outcomes
+        .iter()
+        .filter(|(_, o, _)| matches!(o, Outcome::Done { resumed: true, .. }))
+        .map(|(t, _, _)| t.id)
+        .collect();
+    if !resumed.is_empty() {
+        let _ = writeln!(
+            s,
+            "- resumed (`--resume`): {} ran in an earlier run into this folder, with the same \
+             backend, device, mode and seed",
+            ids(&resumed)
+        );
+    }
+    if !pending.is_empty() {
+        let _ = writeln!(
+            s,
+            "- **partial**: {} of {} experiments done so far; still to run: {} (the report is \
+             rewritten after each experiment; `cargo xtask bench --resume` with the same \
+             settings and `--out` runs the rest)",
+            outcomes.len(),
+            outcomes.len() + pending.len(),
+            ids(pending)
+        );
+    }
+    let _ = writeln!(s);
     match advice {
         Some(Ok(a)) => {
             let _ = writeln!(s, "{}", crate::advice::markdown(a));
@@ -97,13 +123,22 @@ pub fn render(
     }
 
     for (t, outcome, elapsed) in outcomes {
-        let Outcome::Done { result: r, plot } = outcome else { continue };
+        let Outcome::Done { result: r, plot, .. } = outcome else { continue };
         let _ = writeln!(s, "## `{}`: {}\n", t.id, t.name);
         let _ = writeln!(s, "Claim: {} (source: {}).\n", t.claim, t.source);
         if let Some(reading) = &r.reading {
             let _ = writeln!(s, "Reading: {reading}\n");
         }
-        let _ = writeln!(s, "Ran in {:.1} s. Results: `{}.json`.\n", elapsed.as_secs_f64(), t.id);
+        let earlier = match outcome {
+            Outcome::Done { resumed: true, .. } => " (in an earlier run, kept by `--resume`)",
+            _ => "",
+        };
+        let _ = writeln!(
+            s,
+            "Ran in {:.1} s{earlier}. Results: `{}.json`.\n",
+            elapsed.as_secs_f64(),
+            t.id
+        );
         if r.variants.is_empty() {
             // Nothing measured on this backend: the claim table says why; no empty table.
             for c in &r.claims {
@@ -134,6 +169,11 @@ pub fn render(
         let _ = writeln!(s);
     }
     s
+}
+
+/// `a`, `b`, `c` as code spans.
+fn ids(ids: &[&str]) -> String {
+    ids.iter().map(|id| format!("`{id}`")).collect::<Vec<_>>().join(", ")
 }
 
 fn cell(text: &str) -> String {

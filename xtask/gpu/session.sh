@@ -5,6 +5,7 @@
 #   1. every test binary, CUDA tests for real (tests.sh)            limit TESTS_LIMIT (240 s)
 #   2. attention against SDPA, ResNet-50's convolutions (measure.sh)  limit 150 s
 #   3. cargo xtask bench --backend cuda at real sizes (bench.sh)      the time left, less 20 s
+#      (RESUME_FROM=<an earlier, unpacked bench> continues it: bench.sh says how)
 # $OUT then holds tests.tar.gz, measure.tar.gz, SUMMARY.md, bench.tar.gz, REPORT.md and
 # session.txt (what ran, for how long, with which exit status).
 # Usage: bash xtask/gpu/session.sh [seconds in all, default 570]

@@ -97,6 +97,12 @@ struct BenchArgs {
     seed: u64,
     #[arg(long, value_name = "SIZE", help = device_memory_help())]
     device_memory: Option<String>,
+    /// Keep what an earlier run into the same --out finished (its bench-run.json says what,
+    /// and with which backend, device, mode and seed: they must be this run's) and run the
+    /// rest. The report and bench-run.json are rewritten after each experiment, so a run
+    /// stopped part-way (a time limit, Ctrl-C) leaves a report of what finished.
+    #[arg(long)]
+    resume: bool,
 }
 
 /// Where to run, for `bench` and `twin`: the harness's [`BackendChoice`], one value each.
@@ -211,6 +217,7 @@ fn bench(args: BenchArgs) -> Result<ExitCode, String> {
         backend: args.backend.into(),
         seed: args.seed,
         device_memory,
+        resume: args.resume,
     };
     let summary = if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         let mut bar = Bar::new();
@@ -221,10 +228,20 @@ fn bench(args: BenchArgs) -> Result<ExitCode, String> {
         vram_harness::run(&opts, &mut Lines)
     }
     .map_err(|e| e.to_string())?;
-    let done =
-        summary.outcomes.iter().filter(|(_, o, _)| matches!(o, Outcome::Done { .. })).count();
+    let done = |resumed: bool| {
+        summary
+            .outcomes
+            .iter()
+            .filter(|(_, o, _)| matches!(o, Outcome::Done { resumed: r, .. } if *r == resumed))
+            .count()
+    };
+    let kept = match done(true) {
+        0 => String::new(),
+        n => format!(" ({n} more kept from an earlier run)"),
+    };
     println!(
-        "bench: {done} ran, {} failed; report: {}",
+        "bench: {} ran{kept}, {} failed; report: {}",
+        done(false),
         summary.failed(),
         summary.report.display()
     );

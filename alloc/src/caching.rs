@@ -313,6 +313,22 @@ impl<M: DeviceMemory> CachingAllocator<M> {
         self.inner().mem.mem_info()
     }
 
+    /// PyTorch's `cacheInfo`: the device's free memory, or the largest free block the cache
+    /// holds in any pool (private pools included) when that is larger. cuDNN's timed
+    /// algorithm search (`cudnn.benchmark`) sizes its workspace by it: the largest
+    /// algorithm workspace no larger than this.
+    pub fn cache_info(&self) -> u64 {
+        let free = self.mem_info().free;
+        let st = self.state();
+        let largest = [&st.small, &st.large]
+            .into_iter()
+            .chain(&st.private_pools)
+            .map(|p| p.free.largest())
+            .max()
+            .unwrap_or(0);
+        free.max(largest as u64)
+    }
+
     /// The raw memory under the cache.
     pub fn memory(&self) -> &M {
         &self.inner().mem

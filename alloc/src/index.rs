@@ -116,6 +116,11 @@ impl FreeIndex {
         }
     }
 
+    /// The largest free block's size on any stream (0 when empty): a scan, for rare callers.
+    pub fn largest(&self) -> usize {
+        self.entries.iter().map(|&((_, size, _), _)| size).max().unwrap_or(0)
+    }
+
     /// Block ids in order.
     pub fn values(&self) -> impl Iterator<Item = BlockId> + '_ {
         self.entries.iter().map(|&(_, id)| id)

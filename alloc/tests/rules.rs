@@ -616,3 +616,32 @@ fn allocations_hold_the_cache_after_its_last_handle() {
     drop(empty);
     assert_eq!([held_now(0), held_now(1), held_now(2)], [0, 0, 0], "all given back");
 }
+
+/// PyTorch's `cacheInfo` (what cuDNN's timed search sizes its workspace by): the device's
+/// free memory, or the largest cached free block in any pool when larger.
+#[test]
+fn cache_info_is_the_larger_of_free_memory_and_the_largest_cached_block() {
+    let c = virt(100 * MIB as u64);
+    assert_eq!(c.cache_info(), 100 * MIB as u64, "an empty cache: the device's free memory");
+    let (a, b) = (c.allocate(30 * MIB).unwrap(), c.allocate(8 * MIB).unwrap());
+    drop((a, b));
+    // 30 MiB and a 20 MiB segment cached, 50 MiB free on the device.
+    assert_eq!(c.cache_info(), 50 * MIB as u64);
+    let big = c.allocate(45 * MIB).unwrap();
+    // 5 MiB free on the device; the 30 MiB block is the largest free one.
+    assert_eq!(c.cache_info(), 30 * MIB as u64);
+    drop(big);
+    c.empty_cache();
+    assert_eq!(c.cache_info(), 100 * MIB as u64);
+
+    // A private pool's free blocks count too (PyTorch scans its graph pools).
+    let pool = vram_alloc::MempoolId(0, 1);
+    let fill = c.allocate(70 * MIB).unwrap();
+    c.begin_allocate_to_pool(pool, None).unwrap();
+    let p = c.allocate(24 * MIB).unwrap();
+    c.end_allocate_to_pool(pool).unwrap();
+    drop(p);
+    // 6 MiB free on the device; the pool's 24 MiB block is cached.
+    assert_eq!(c.cache_info(), 24 * MIB as u64);
+    drop(fill);
+}

@@ -473,6 +473,7 @@ fn channels_last_and_a_cudnn_record_are_planned_as_they_run() {
         },
         algo: "TEST".into(),
         workspace: 256 << 20,
+        search_workspace: None,
     };
     let record = CudnnChoices {
         device: "a test GPU".into(),
@@ -490,6 +491,16 @@ fn channels_last_and_a_cudnn_record_are_planned_as_they_run() {
     assert!(model.notes.iter().any(|n| n.contains("a test GPU")), "{:?}", model.notes);
     let (replayed, _) = plan::measure(&model, &c, Target::Virtual(1 << 30)).unwrap().unwrap();
     assert!(replayed >= 256 << 20 && virt.0 < 256 << 20, "{replayed} vs {}", virt.0);
+    assert!(!model.cudnn_benchmark());
+    // Recorded with cudnn.benchmark: the first call also takes its search's workspace.
+    let mut searched = record.clone();
+    searched.convolutions[0].search_workspace = Some(512 << 20);
+    model.set_cudnn_choices(Some(searched));
+    assert!(model.cudnn_benchmark());
+    assert!(model.notes.iter().any(|n| n.contains("cudnn.benchmark")), "{:?}", model.notes);
+    let (with_search, _) = plan::measure(&model, &c, Target::Virtual(1 << 30)).unwrap().unwrap();
+    assert!(with_search >= 512 << 20 && replayed < 512 << 20, "{with_search} vs {replayed}");
+    model.set_cudnn_choices(Some(record.clone()));
     // NCHW has no such record: the stem takes no workspace there.
     model.set_channels_last(false).unwrap();
     let (nchw, _) = plan::measure(&model, &c, Target::Virtual(1 << 30)).unwrap().unwrap();

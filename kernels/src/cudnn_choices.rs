@@ -15,7 +15,10 @@
 //! ([`Device::cudnn_choice_misses`]) and takes no workspace: a prediction with misses is a
 //! lower bound by those workspaces. Batch norm through cuDNN is recorded per call too (its
 //! workspace and, in training, reserve space: [`BnChoice`]); a batch norm the record lacks
-//! takes none. The one-off workspace of a `cudnn_benchmark` timed search is not recorded.
+//! takes none. A choice found by a timed search (`cudnn_benchmark`) also records the
+//! workspace that search ran in ([`ConvChoice::search_workspace`]); a virtual device with
+//! `cudnn_benchmark` on allocates and frees it at a shape's first call, as the GPU did (a
+//! benchmark run replaying a record made without searches counts each first call as a miss).
 //!
 //! [`Device::cudnn_choices`]: crate::Device::cudnn_choices
 //! [`Device::set_cudnn_choices`]: crate::Device::set_cudnn_choices
@@ -116,6 +119,11 @@ pub struct ConvChoice {
     pub algo: String,
     /// Bytes of its workspace.
     pub workspace: usize,
+    /// Bytes of the workspace the timed search that found it ran in (`cudnn_benchmark`:
+    /// PyTorch's `getMaxWorkspaceSize`, the largest algorithm workspace within the
+    /// allocator's `cacheInfo`); `None` when cuDNN's heuristics chose it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub search_workspace: Option<usize>,
 }
 
 /// A batch norm call through cuDNN.
@@ -172,8 +180,13 @@ impl CudnnChoices {
         layout: ConvLayout,
         allow_tf32: bool,
     ) -> Option<usize> {
-        let key = ConvKey::new(p, dtype, layout, allow_tf32);
-        self.convolutions.iter().find(|c| c.pass == pass && c.key == key).map(|c| c.workspace)
+        self.convolution(pass, &ConvKey::new(p, dtype, layout, allow_tf32)).map(|c| c.workspace)
+    }
+
+    /// The recorded choice for convolution `key` in `pass`, or `None` when the record has no
+    /// such call.
+    pub fn convolution(&self, pass: ConvPass, key: &ConvKey) -> Option<&ConvChoice> {
+        self.convolutions.iter().find(|c| c.pass == pass && c.key == *key)
     }
 
     /// The recorded batch norm call `pass` on an input of `shape`, `dtype` and `layout`, or
@@ -230,6 +243,7 @@ mod tests {
             },
             algo: "CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM".into(),
             workspace,
+            search_workspace: None,
         }
     }
 
@@ -274,9 +288,11 @@ mod tests {
                 reserve: 2048,
             }],
         };
+        record.convolutions[1].search_workspace = Some(64 << 20);
         record.sort();
         assert_eq!(record.convolutions[0].pass, ConvPass::Forward);
         let text = serde_json::to_string(&record).unwrap();
+        assert_eq!(text.matches("search_workspace").count(), 1, "none for the heuristics' choice");
         assert!(text.contains("\"backward_filter\"") && text.contains("\"nhwc\""), "{text}");
         assert!(text.contains("\"bf16\""), "{text}");
         let back: CudnnChoices = serde_json::from_str(&text).unwrap();
@@ -287,8 +303,13 @@ mod tests {
             back.batch_norm(BnPass::Backward, &[8, 56, 56, 64], DType::F16, ConvLayout::Nhwc)
                 .is_none()
         );
-        // A record written before batch norms were recorded still reads.
+        assert_eq!(back.convolutions[0].search_workspace, Some(64 << 20));
+        // A record written before batch norms and searches were recorded still reads.
         let old = r#"{"device": "x", "version": 1, "convolutions": []}"#;
         assert!(serde_json::from_str::<CudnnChoices>(old).unwrap().batch_norms.is_empty());
+        let mut older = serde_json::to_value(choice(ConvPass::Forward, 8)).unwrap();
+        older.as_object_mut().unwrap().remove("search_workspace");
+        let read: ConvChoice = serde_json::from_value(older).unwrap();
+        assert_eq!(read.search_workspace, None);
     }
 }

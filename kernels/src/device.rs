@@ -68,6 +68,9 @@ struct Inner {
     cudnn_record: Mutex<Option<Arc<CudnnChoices>>>,
     /// cuDNN calls a virtual device replayed without a recorded choice.
     cudnn_misses: std::sync::atomic::AtomicUsize,
+    /// The convolutions a virtual device replaying cuDNN has run (a GPU's algorithm caches:
+    /// only a first call searches).
+    cudnn_seen: Mutex<std::collections::HashSet<(ConvPass, crate::cudnn_choices::ConvKey)>>,
 }
 
 /// How a device runs a linear layer ([`crate::ops::linear`], [`crate::ops::linear_act`]) and
@@ -469,6 +472,7 @@ impl Device {
             allow_tf32_matmul: Default::default(),
             cudnn_record: Mutex::new(None),
             cudnn_misses: Default::default(),
+            cudnn_seen: Default::default(),
         };
         Device { inner: Arc::new(inner) }
     }
@@ -746,7 +750,9 @@ impl Device {
     /// channels_last read as it is, each call's workspace at the recorded size) and its
     /// batch norms go where PyTorch sends them to cuDNN; `None` returns it to modelling
     /// vram's own kernels. [`ConvBackend::Own`] on the device turns the replay off too.
-    /// Resets [`cudnn_choice_misses`](Self::cudnn_choice_misses).
+    /// Resets [`cudnn_choice_misses`](Self::cudnn_choice_misses) and which shapes have run
+    /// (with [`cudnn_benchmark`](Self::cudnn_benchmark) on, each shape's first call replays
+    /// its recorded timed search).
     ///
     /// # Errors
     ///
@@ -760,6 +766,7 @@ impl Device {
         }
         *self.inner.cudnn_record.lock().unwrap_or_else(|e| e.into_inner()) = choices.map(Arc::new);
         self.inner.cudnn_misses.store(0, std::sync::atomic::Ordering::Relaxed);
+        self.inner.cudnn_seen.lock().unwrap_or_else(|e| e.into_inner()).clear();
         Ok(())
     }
 
@@ -785,8 +792,11 @@ impl Device {
     }
 
     /// How many cuDNN calls this virtual device replayed without a recorded choice since
-    /// [`set_cudnn_choices`](Self::set_cudnn_choices): each took no workspace, so a peak
-    /// measured with misses is a lower bound by their workspaces. 0 on other devices.
+    /// [`set_cudnn_choices`](Self::set_cudnn_choices) (with
+    /// [`cudnn_benchmark`](Self::cudnn_benchmark) on, also each shape's first call whose
+    /// recorded choice was not found by a timed search): each took no workspace (no search
+    /// workspace), so a peak measured with misses is a lower bound by those workspaces. 0 on
+    /// other devices.
     pub fn cudnn_choice_misses(&self) -> usize {
         self.inner.cudnn_misses.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -835,7 +845,10 @@ impl Device {
 
     /// On a virtual device replaying cuDNN, allocates and frees the workspace the record
     /// gives convolution `p` in `pass` (none, counted as a miss, when it has no such call),
-    /// as the GPU's call takes it from the caching allocator and returns it after.
+    /// as the GPU's call takes it from the caching allocator and returns it after. With
+    /// [`cudnn_benchmark`](Self::cudnn_benchmark) on, a shape's first call first allocates
+    /// and frees the workspace its timed search ran in (a miss when the recorded choice came
+    /// from the heuristics).
     ///
     /// # Errors
     ///
@@ -849,17 +862,32 @@ impl Device {
         allow_tf32: bool,
     ) -> Result<()> {
         let Some(record) = self.replaying_cudnn() else { return Ok(()) };
-        match record.workspace(pass, p, dtype, layout, allow_tf32) {
-            Some(0) => Ok(()),
-            Some(bytes) => {
-                drop(self.allocate(bytes)?);
-                Ok(())
-            }
-            None => {
-                self.inner.cudnn_misses.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                Ok(())
+        let miss = || self.inner.cudnn_misses.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let key = crate::cudnn_choices::ConvKey::new(p, dtype, layout, allow_tf32);
+        let Some(choice) = record.convolution(pass, &key) else {
+            miss();
+            return Ok(());
+        };
+        let seen = || self.inner.cudnn_seen.lock().unwrap_or_else(|e| e.into_inner());
+        // As on the GPU, a shape is cached once its call ran: one that ran out of memory
+        // searches again.
+        let first = !seen().contains(&(pass, key));
+        if first && self.cudnn_benchmark() {
+            match choice.search_workspace {
+                Some(0) => {}
+                Some(bytes) => drop(self.allocate(bytes)?),
+                None => {
+                    miss();
+                }
             }
         }
+        if choice.workspace > 0 {
+            drop(self.allocate(choice.workspace)?);
+        }
+        if first {
+            seen().insert((pass, key));
+        }
+        Ok(())
     }
 
     /// Bytes of the cuBLAS workspace this device allocates at its first matrix product.

@@ -46,6 +46,7 @@ fn choice(pass: ConvPass, dtype: DType, layout: ConvLayout, workspace: usize) ->
         },
         algo: "TEST".into(),
         workspace,
+        search_workspace: None,
     }
 }
 
@@ -142,6 +143,66 @@ fn a_call_the_record_lacks_takes_no_workspace_and_is_counted() {
     d.set_cudnn_choices(None).unwrap();
     assert_eq!(d.conv_path(), ConvPath::Virtual);
     assert!(d.cudnn_choices().is_none());
+}
+
+/// With `cudnn_benchmark` on, a shape's first call replays the workspace its recorded timed
+/// search ran in, before the call's own; later calls (the GPU's algorithm cache) do not; a
+/// choice the heuristics made is a miss; a search that runs out of memory is the call's
+/// error, leaves the tensors intact and searches again next time.
+#[test]
+fn a_benchmark_run_replays_each_shapes_recorded_search_once() {
+    let searched = |dtype| {
+        let mut r = record(dtype, ConvLayout::Nchw);
+        r.convolutions[0].search_workspace = Some(64 << 20);
+        r.convolutions[1].search_workspace = Some(0);
+        r
+    };
+    let dtype = DType::F32;
+    let (o, x, w) = (8 * 32 * 32 * 32 * 4, 8 * 16 * 32 * 32 * 4, 32 * 16 * 9 * 4);
+    use TraceAction::{Alloc, FreeRequested as Free};
+    let later = vec![
+        (Alloc, o),
+        (Alloc, 3 << 20),
+        (Free, 3 << 20),
+        (Alloc, x),
+        (Alloc, w),
+        (Alloc, 5 << 20),
+        (Free, 5 << 20),
+    ];
+    let mut first = later.clone();
+    first.splice(1..1, [(Alloc, 64 << 20), (Free, 64 << 20)]);
+
+    let d = Device::virtual_device(1 << 30);
+    d.set_cudnn_benchmark(true);
+    d.set_cudnn_choices(Some(searched(dtype))).unwrap();
+    assert_eq!(conv_trace(&d, dtype, false), first);
+    assert_eq!(d.cudnn_choice_misses(), 1, "backward filter's choice came from the heuristics");
+    assert_eq!(conv_trace(&d, dtype, false), later, "cached: no second search");
+    assert_eq!(d.cudnn_choice_misses(), 1);
+    // A new record starts a new cache.
+    d.set_cudnn_choices(Some(searched(dtype))).unwrap();
+    assert_eq!(conv_trace(&d, dtype, false), first);
+
+    // Without cudnn_benchmark the heuristics choose: no search.
+    let plain = Device::virtual_device(1 << 30);
+    plain.set_cudnn_choices(Some(searched(dtype))).unwrap();
+    assert_eq!(conv_trace(&plain, dtype, false), later);
+    assert_eq!(plain.cudnn_choice_misses(), 0);
+
+    // Room for the call's own workspace but not for the search's: out of memory (the
+    // inputs stay allocated); once there is room, the first call searches.
+    let small = Device::virtual_device(80 << 20);
+    small.set_cudnn_benchmark(true);
+    small.set_cudnn_choices(Some(searched(dtype))).unwrap();
+    let xt = Tensor::zeros(&small, &X, dtype).unwrap();
+    let wt = Tensor::zeros(&small, &W, dtype).unwrap();
+    let ballast = Tensor::zeros(&small, &[10 << 20], dtype).unwrap();
+    let before = small.memory_allocated();
+    let err = ops::conv2d(&xt, &wt, None, &opts()).unwrap_err();
+    assert!(err.is_out_of_memory(), "{err}");
+    assert_eq!(small.memory_allocated(), before, "the failed call holds nothing");
+    drop((ballast, xt, wt));
+    assert_eq!(conv_trace(&small, dtype, false), first);
 }
 
 #[test]
@@ -284,11 +345,20 @@ fn a_gpus_record_replayed_on_a_virtual_device_gives_the_gpus_trace() {
         }
         all
     };
-    let on_gpu = run(&gpu);
-    let record = gpu.cudnn_choices().expect("cuDNN ran");
-    assert!(record.convolutions.len() >= 9, "{record:?}");
-    let virt = Device::virtual_device(gpu.mem_info().total);
-    virt.set_cudnn_choices(Some(record)).unwrap();
-    assert_eq!(run(&virt), on_gpu);
-    assert_eq!(virt.cudnn_choice_misses(), 0);
+    // With the heuristics, then with timed searches (a fresh device: empty caches), whose
+    // workspaces the record keeps and the virtual device replays.
+    for benchmark in [false, true] {
+        let gpu = if benchmark { Device::cuda(0).unwrap() } else { gpu.clone() };
+        gpu.set_cudnn_benchmark(benchmark);
+        let on_gpu = run(&gpu);
+        let record = gpu.cudnn_choices().expect("cuDNN ran");
+        assert!(record.convolutions.len() >= 9, "{record:?}");
+        let searched = record.convolutions.iter().filter(|c| c.search_workspace.is_some());
+        assert_eq!(searched.count(), if benchmark { record.convolutions.len() } else { 0 });
+        let virt = Device::virtual_device(gpu.mem_info().total);
+        virt.set_cudnn_benchmark(benchmark);
+        virt.set_cudnn_choices(Some(record)).unwrap();
+        assert_eq!(run(&virt), on_gpu, "benchmark {benchmark}");
+        assert_eq!(virt.cudnn_choice_misses(), 0);
+    }
 }

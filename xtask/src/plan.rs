@@ -118,7 +118,8 @@ pub struct PlanArgs {
     channels_last: bool,
     /// A GPU's record of cuDNN's choices (the `cudnn-choices.json` that `cargo xtask twin`
     /// writes on a GPU) for the virtual devices to replay: convolutions and batch norms
-    /// allocate what that GPU's cuDNN path allocated (shapes it lacks take no workspace).
+    /// allocate what that GPU's cuDNN path allocated (shapes it lacks take no workspace); a
+    /// record made with cudnn.benchmark also replays each shape's timed-search workspace.
     #[arg(long, value_name = "FILE")]
     cudnn_choices: Option<PathBuf>,
     /// Sequence length (token models).

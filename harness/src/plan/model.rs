@@ -339,6 +339,11 @@ fn model_from_arch(key: &str, mut arch: Arch, o: &ModelOverrides) -> Result<Plan
     })
 }
 
+/// Whether `record` was made with `cudnn_benchmark` on (a choice found by a timed search).
+fn searched(record: &vram_kernels::cudnn_choices::CudnnChoices) -> bool {
+    record.convolutions.iter().any(|c| c.search_workspace.is_some())
+}
+
 /// A GPU's record of cuDNN's choices, read from a JSON file (the `cudnn-choices.json` that
 /// the twin writes on a GPU; [`vram_kernels::cudnn_choices::CudnnChoices`]).
 ///
@@ -462,14 +467,26 @@ impl PlanModel {
                 "convolutions: {}'s choices on {} replayed ({} convolution and {} batch norm \
                  calls recorded): each call's workspace as recorded, batch norm through cuDNN \
                  where PyTorch sends it; a call the record lacks (another batch size) takes no \
-                 workspace, a lower bound",
+                 workspace, a lower bound{}",
                 vram_kernels::ConvPath::Cudnn { version: r.version },
                 r.device,
                 r.convolutions.len(),
-                r.batch_norms.len()
+                r.batch_norms.len(),
+                if searched(r) {
+                    "; recorded with cudnn.benchmark, so each shape's first call also takes the \
+                     workspace its timed search ran in (and a GPU run to verify searches too)"
+                } else {
+                    ""
+                }
             ));
         }
         self.cudnn = record.map(std::sync::Arc::new);
+    }
+
+    /// Whether the devices run with `cudnn_benchmark`: when the cuDNN record replayed was
+    /// made with it (its choices were found by timed searches).
+    pub fn cudnn_benchmark(&self) -> bool {
+        self.cudnn.as_deref().is_some_and(searched)
     }
 
     /// How [`Model::with_options`](crate::models::Model::with_options) builds this model.

@@ -134,6 +134,7 @@ fn device(place: Where, alloc: &AllocatorConfig, model: &PlanModel) -> Result<De
         Where::Virtual(cap) => {
             let d = Device::virtual_with_config(cap, alloc.clone()).map_err(bad)?;
             d.set_cudnn_choices(model.cudnn.as_deref().cloned()).map_err(bad)?;
+            d.set_cudnn_benchmark(model.cudnn_benchmark());
             d
         }
         Where::Host(cap) => {
@@ -143,6 +144,7 @@ fn device(place: Where, alloc: &AllocatorConfig, model: &PlanModel) -> Result<De
         }
         Where::Cuda(cap) => {
             let d = Device::cuda_with_config(0, alloc.clone()).map_err(bad)?;
+            d.set_cudnn_benchmark(model.cudnn_benchmark());
             let total = d.mem_info().total.max(1);
             d.set_memory_fraction((cap as f64 / total as f64).min(1.0)).map_err(bad)?;
             d

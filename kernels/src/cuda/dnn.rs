@@ -12,10 +12,11 @@
 //! - a choice already cached for the convolution's key ([`ConvKey`]: shape, dtype, layout,
 //!   groups, TF32 setting) is tried first;
 //! - otherwise cuDNN's heuristics rank the algorithms (`cudnnGet...Algorithm_v7`), or, with
-//!   `cudnn_benchmark` on, a timed search runs them all (`cudnnFind...AlgorithmEx`, in the
-//!   largest workspace among the algorithms' sizes that the caching allocator can give: each
-//!   refusal is an allocator out-of-memory, as a refused algorithm's is; PyTorch instead caps
-//!   the search's workspace at its largest cached free block);
+//!   `cudnn_benchmark` on, a timed search runs them all (`cudnnFind...AlgorithmEx`) in one
+//!   workspace from the caching allocator, sized as PyTorch's `getMaxWorkspaceSize` does:
+//!   the largest algorithm workspace no larger than the allocator's `cacheInfo` (the
+//!   device's free memory, or its largest cached free block when larger); as in PyTorch,
+//!   that allocation failing is the convolution's error;
 //! - the candidates are tried in order: each one's workspace comes from the device's caching
 //!   allocator (so it is counted in the statistics) and goes back to it after the call; one
 //!   whose workspace does not fit (out of memory) or that cuDNN refuses is skipped for the
@@ -149,6 +150,8 @@ pub(crate) struct Choice<A> {
     pub(crate) algo: A,
     pub(crate) math: sys::cudnnMathType_t,
     pub(crate) workspace: usize,
+    /// The workspace bytes of the timed search that found it; `None`: the heuristics did.
+    pub(crate) search: Option<usize>,
 }
 
 /// The algorithms that ran, per [`ConvKey`] (PyTorch's `BenchmarkCache`). A choice found by
@@ -194,7 +197,8 @@ impl<A: Copy> AlgoCache<A> {
 
 /// The record of `key`'s choice in `pass`.
 fn record<A: std::fmt::Debug>(pass: ConvPass, key: ConvKey, c: Choice<A>) -> ConvChoice {
-    ConvChoice { pass, key, algo: format!("{:?}", c.algo), workspace: c.workspace }
+    let algo = format!("{:?}", c.algo);
+    ConvChoice { pass, key, algo, workspace: c.workspace, search_workspace: c.search }
 }
 
 /// What a cuDNN call needs of the device: workspaces from its caching allocator.
@@ -204,6 +208,9 @@ pub(crate) trait WorkspaceSource {
         &self,
         bytes: usize,
     ) -> Result<Option<vram_alloc::Allocation<vram_alloc::cuda::CudaMemory>>>;
+
+    /// The caching allocator's `cacheInfo` (see [`vram_alloc::CachingAllocator::cache_info`]).
+    fn cache_info(&self) -> u64;
 }
 
 /// cuDNN on one device: its handle, version and algorithm caches.
@@ -834,36 +841,28 @@ impl Dnn {
             d.set_math(math)?;
         }
         let mut perfs = zeroed_perfs::<D::Perf>(MAX_ALGOS);
-        let n = if benchmark {
-            // The largest workspace the allocator can give among the algorithms' sizes.
-            let sizes = self.workspace_sizes::<D>(&d);
-            let mut search_ws = None;
-            for bytes in sizes {
-                match ws.workspace(bytes) {
-                    Ok(block) => {
-                        search_ws = Some((block, bytes));
-                        break;
-                    }
-                    Err(e) if e.is_out_of_memory() => continue,
-                    Err(e) => return Err(e),
-                }
-            }
-            let (block, bytes) = search_ws.unwrap_or((None, 0));
+        let (n, search) = if benchmark {
+            // PyTorch's `findAlgorithms`: one workspace of `getMaxWorkspaceSize`, allocated
+            // outside `try_all`'s catch (its out-of-memory is the convolution's).
+            let bytes = search_workspace(&self.workspace_sizes::<D>(&d), ws.cache_info());
+            let block = ws.workspace(bytes)?;
             let addr = block.as_ref().map_or(0, |b| b.ptr());
             // SAFETY: the caller's contract; `block` holds `bytes` bytes and lives until the
             // search returns (which synchronizes).
-            unsafe { D::search(self.handle, &d, Some((ptrs, addr, bytes)), &mut perfs)? }
+            let n = unsafe { D::search(self.handle, &d, Some((ptrs, addr, bytes)), &mut perfs)? };
+            drop(block);
+            (n, Some(bytes))
         } else {
             // SAFETY: live handle and descriptors.
-            unsafe { D::search(self.handle, &d, None, &mut perfs)? }
+            (unsafe { D::search(self.handle, &d, None, &mut perfs)? }, None)
         };
         for perf in &perfs[..n] {
             let (algo, status, workspace, found) = D::unpack(perf);
             if status != sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
                 continue;
             }
-            let choice =
-                Choice { algo, math: run_math_type(key.dtype, key.allow_tf32, found), workspace };
+            let math = run_math_type(key.dtype, key.allow_tf32, found);
+            let choice = Choice { algo, math, workspace, search };
             // SAFETY: the caller's contract.
             match unsafe { self.attempt::<D>(&d, choice, r) } {
                 Ok(()) => {
@@ -889,23 +888,19 @@ impl Dnn {
         })
     }
 
-    /// The workspace sizes of every algorithm of direction `D`, largest first (for the
+    /// The workspace sizes of every algorithm of direction `D` that cuDNN can run (for the
     /// timed search).
     fn workspace_sizes<D: Direction>(&self, d: &Descriptors) -> Vec<usize> {
         let mut perfs = zeroed_perfs::<D::Perf>(MAX_ALGOS);
         // SAFETY: live handle and descriptors; the heuristics list every algorithm with its
         // workspace.
         let n = unsafe { D::search(self.handle, d, None, &mut perfs) }.unwrap_or(0);
-        let mut sizes: Vec<usize> = perfs[..n]
+        perfs[..n]
             .iter()
             .map(D::unpack)
-            .filter(|p| p.1 == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS && p.2 < MAX_WORKSPACE)
+            .filter(|p| p.1 == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS)
             .map(|p| p.2)
-            .collect();
-        sizes.push(0);
-        sizes.sort_unstable_by(|a, b| b.cmp(a));
-        sizes.dedup();
-        sizes
+            .collect()
     }
 
     /// Runs `choice`: its workspace from `ws`, the math type on the descriptor, the call.
@@ -942,6 +937,18 @@ impl Dnn {
             Err(Attempt::Refused(status))
         }
     }
+}
+
+/// PyTorch's `getMaxWorkspaceSize`: the largest of the algorithms' workspace `sizes` no
+/// larger than `cache_info` (the caching allocator's `cacheInfo`), 0 when none is; sizes of
+/// 1 TiB or more (cuDNN's absurd reports) never.
+fn search_workspace(sizes: &[usize], cache_info: u64) -> usize {
+    sizes
+        .iter()
+        .copied()
+        .filter(|&s| s < MAX_WORKSPACE && s as u64 <= cache_info)
+        .max()
+        .unwrap_or(0)
 }
 
 /// Why one algorithm did not run.
@@ -1021,6 +1028,7 @@ mod tests {
             algo: sys::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM,
             math: sys::cudnnMathType_t::CUDNN_DEFAULT_MATH,
             workspace: 1024,
+            search: None,
         };
         assert_eq!(cache.get(&key), None);
         cache.insert(key, choice);
@@ -1047,6 +1055,17 @@ mod tests {
         assert_eq!(cache.len(), 2);
         assert_eq!(cache.get(&others[1]), Some(second));
         assert_eq!(cache.get(&key), Some(choice));
+    }
+
+    #[test]
+    fn the_search_workspace_is_the_largest_algorithm_size_within_cache_info() {
+        const MIB: usize = 1 << 20;
+        let sizes = [0, 4 * MIB, 300 * MIB, 2 * MIB, MAX_WORKSPACE, usize::MAX];
+        assert_eq!(search_workspace(&sizes, 100 * MIB as u64), 4 * MIB);
+        assert_eq!(search_workspace(&sizes, 300 * MIB as u64), 300 * MIB, "at the cap");
+        assert_eq!(search_workspace(&sizes, u64::MAX), 300 * MIB, "never 1 TiB or more");
+        assert_eq!(search_workspace(&sizes, MIB as u64), 0);
+        assert_eq!(search_workspace(&[], u64::MAX), 0);
     }
 
     #[test]

@@ -398,6 +398,10 @@ impl dnn::WorkspaceSource for CudaBackend {
     fn workspace(&self, bytes: usize) -> Result<Option<Allocation<CudaMemory>>> {
         if bytes == 0 { Ok(None) } else { Ok(Some(self.alloc.allocate(bytes)?)) }
     }
+
+    fn cache_info(&self) -> u64 {
+        self.alloc.cache_info()
+    }
 }
 
 /// What an op's CUDA code runs with: the device, the cuBLAS workspace the op layer

@@ -12,7 +12,12 @@
 #      (torch_attention.py), b8 h12 d64 bf16 causal at 1024 and 4096 tokens
 # Everything lands in $OUT/measure.tar.gz; $OUT/SUMMARY.md has the tables.
 # Arguments pick parts (kernels, twin, trace, plan, conv, attention); none runs them all.
+# MEASURE_LIMIT (seconds) bounds the whole call: each run's timeout is cut to what is left,
+# less 15 s, so that the results are packed in time. TWIN_MODELS (comma-separated) picks the
+# twin's models (default: all of them), TWIN_LIMIT its limit (default 300 s).
 source "$(dirname "$0")/env.sh"
+budget=${MEASURE_LIMIT:-100000}
+began=$SECONDS
 here=$(cd "$(dirname "$0")" && pwd)
 R=$(mktemp -d)/measure
 mkdir -p "$R/trace"
@@ -20,7 +25,14 @@ S="$R/SUMMARY.md"
 say() { echo "$@" | tee -a "$S"; }
 run() { # name, timeout seconds, command...
   local name=$1 limit=$2; shift 2
-  say ""; say "## $name"; say ""; say '```'
+  local left=$((budget - (SECONDS - began) - 15))
+  [ "$limit" -gt "$left" ] && limit=$left
+  say ""; say "## $name"; say ""
+  if [ "$limit" -lt 10 ]; then
+    say "not run: out of time (MEASURE_LIMIT $budget s)"
+    return
+  fi
+  say '```'
   timeout "$limit" "$@" > "$R/$name.txt" 2>&1
   local rc=$?
   tail -n 40 "$R/$name.txt" | tee -a "$S"
@@ -37,7 +49,8 @@ if wants kernels; then
   run torch_bench 180 "$TORCH_PYTHON" "$here/torch_bench.py" --vram-kernels "$R/cuda_bench.txt" --vram-pairs "$R/cuda_pairs.txt"
 fi
 if wants twin; then
-  run twin 300 .gpu/bin/xtask twin --backend cuda --profile --python "$TORCH_PYTHON" --out "$R/twin"
+  run twin "${TWIN_LIMIT:-300}" .gpu/bin/xtask twin --backend cuda --profile --python "$TORCH_PYTHON" --out "$R/twin" \
+    ${TWIN_MODELS:+--models "$TWIN_MODELS"}
   cp "$R/twin/TWIN.md" "$R/TWIN.md" 2>/dev/null
   find "$R/twin" \( -name 'weights.f32' -o -name 'input.*' -o -name 'targets.u32' \) -delete
 fi

@@ -27,7 +27,7 @@ pub enum SnapshotError {
     NotAPickle(String),
     /// The file ends before the pickle does.
     #[error(
-        "the file is truncated: its {bytes} bytes end before the pickle does (was          _dump_snapshot interrupted, or the copy cut short?)"
+        "the file is truncated: its {bytes} bytes end before the pickle does (was _dump_snapshot interrupted, or the copy cut short?)"
     )]
     Truncated {
         /// The file's size.

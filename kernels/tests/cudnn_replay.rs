@@ -91,12 +91,28 @@ fn conv_trace(d: &Device, dtype: DType, nhwc: bool) -> Vec<Entry> {
     e
 }
 
+/// What [`conv_trace`] gives on a device replaying [`record`] in `dtype` (either layout):
+/// the output, the forward's 3 MiB workspace, the two gradients and the weight gradient's
+/// 5 MiB workspace (backward data's recorded workspace is 0: no allocation).
+fn recorded_trace(dtype: DType) -> Vec<Entry> {
+    let size = |dims: [usize; 4]| dims.iter().product::<usize>() * dtype.size_in_bytes();
+    let (o, x, w) = (size([8, 32, 32, 32]), size(X), size(W));
+    use TraceAction::{Alloc, FreeRequested as Free};
+    vec![
+        (Alloc, o),
+        (Alloc, 3 << 20),
+        (Free, 3 << 20),
+        (Alloc, x),
+        (Alloc, w),
+        (Alloc, 5 << 20),
+        (Free, 5 << 20),
+    ]
+}
+
 #[test]
 fn a_replaying_virtual_device_allocates_each_calls_recorded_workspace_and_nothing_of_its_own() {
     for (dtype, nhwc) in [(DType::F32, false), (DType::BF16, false), (DType::BF16, true)] {
         let layout = if nhwc { ConvLayout::Nhwc } else { ConvLayout::Nchw };
-        let (o, x, w) = (8 * 32 * 32 * 32 * dtype.size_in_bytes(), 8 * 16 * 32 * 32, 32 * 16 * 9);
-        let (x, w) = (x * dtype.size_in_bytes(), w * dtype.size_in_bytes());
         let d = Device::virtual_device(1 << 30);
         d.set_cudnn_choices(Some(record(dtype, layout))).unwrap();
         assert_eq!(
@@ -104,17 +120,7 @@ fn a_replaying_virtual_device_allocates_each_calls_recorded_workspace_and_nothin
             "virtual (replaying cuDNN 9.14.0's choices on a test GPU)"
         );
         let got = conv_trace(&d, dtype, nhwc);
-        use TraceAction::{Alloc, FreeRequested as Free};
-        let want = vec![
-            (Alloc, o),
-            (Alloc, 3 << 20),
-            (Free, 3 << 20),
-            (Alloc, x),
-            (Alloc, w),
-            // Backward data's recorded workspace is 0: no allocation.
-            (Alloc, 5 << 20),
-            (Free, 5 << 20),
-        ];
+        let want = recorded_trace(dtype);
         assert_eq!(got, want, "{dtype:?} nhwc {nhwc}");
         assert_eq!(d.cudnn_choice_misses(), 0);
         // The own kernels' model allocates something else (an im2col buffer, permutes).
@@ -158,18 +164,9 @@ fn a_benchmark_run_replays_each_shapes_recorded_search_once() {
         r
     };
     let dtype = DType::F32;
-    let (o, x, w) = (8 * 32 * 32 * 32 * 4, 8 * 16 * 32 * 32 * 4, 32 * 16 * 9 * 4);
-    use TraceAction::{Alloc, FreeRequested as Free};
-    let later = vec![
-        (Alloc, o),
-        (Alloc, 3 << 20),
-        (Free, 3 << 20),
-        (Alloc, x),
-        (Alloc, w),
-        (Alloc, 5 << 20),
-        (Free, 5 << 20),
-    ];
+    let later = recorded_trace(dtype);
     let mut first = later.clone();
+    use TraceAction::{Alloc, FreeRequested as Free};
     first.splice(1..1, [(Alloc, 64 << 20), (Free, 64 << 20)]);
 
     let d = Device::virtual_device(1 << 30);

@@ -21,6 +21,6 @@ fi
 # and bench-run.json are rewritten after each experiment, so what finished is in them.
 timeout "${BENCH_LIMIT:-3000}" .gpu/bin/xtask bench --backend cuda --out "$res" "${resume[@]}" "$@" 2>&1 | tail -n 60
 status=${PIPESTATUS[0]}
-tar czf "$OUT/bench.tar.gz" -C "$(dirname "$res")" bench
+[ -d "$res" ] && tar czf "$OUT/bench.tar.gz" -C "$(dirname "$res")" bench
 cp "$res/REPORT.md" "$OUT/REPORT.md" 2>/dev/null
 exit "$status"

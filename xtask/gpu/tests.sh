@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # On the device machine: every packed test binary (CUDA tests for real), their logs packed
-# into one file ($OUT takes 8 files at most).
+# into one file ($OUT takes 8 files at most). TESTS_LIMIT (seconds) stops the run in time
+# for the logs of what ran to be packed.
 source "$(dirname "$0")/env.sh"
 logs=$(mktemp -d)
-OUT= bash .gpu/run "$@" 2>&1 | tee "$logs/run.txt"
+OUT= timeout "$(( ${TESTS_LIMIT:-3000} - 15 ))" bash .gpu/run "$@" 2>&1 | tee "$logs/run.txt"
 status=${PIPESTATUS[0]}
+[ "$status" = 124 ] && echo "tests: stopped at TESTS_LIMIT (${TESTS_LIMIT} s); the logs hold what ran"
 cp .gpu/*.log "$logs/" 2>/dev/null
 grep -h "skipped: no CUDA" .gpu/*.log | sort | uniq -c > "$logs/skipped.txt" || true
 echo "distinct \"skipped: no CUDA\" lines (none on a working GPU): $(wc -l < "$logs/skipped.txt")"

@@ -272,7 +272,8 @@ pub fn run(opts: &BenchOptions, progress: &mut dyn Progress) -> Result<BenchSumm
 struct RunManifest {
     /// `"cpu"` or `"cuda"`.
     backend: String,
-    /// The device in words (on CUDA its name and libraries; on the host its capacity).
+    /// The device in words (on CUDA its name and libraries; `host` on the host, whose
+    /// simulated capacity is `device_memory`).
     device: String,
     /// Reduced sizes.
     quick: bool,
@@ -662,7 +663,7 @@ mod tests {
         // Before the second experiment, the report held the first one and said what was left.
         assert!(rec.report_at_start[0].is_none(), "no report before anything ran");
         let partial = rec.report_at_start[1].as_deref().expect("a report after the first");
-        assert!(partial.contains("**partial**: 1 of 2 experiments done so far"), "{partial}");
+        assert!(partial.contains("**partial**: 1 of 2 experiments have ended"), "{partial}");
         assert!(partial.contains("still to run: `memory-fraction`"), "{partial}");
         assert!(partial.contains("## `fragmentation`"), "{partial}");
         let full = std::fs::read_to_string(out.join("REPORT.md")).unwrap();

@@ -44,9 +44,9 @@ pub fn render(
     if !pending.is_empty() {
         let _ = writeln!(
             s,
-            "- **partial**: {} of {} experiments done so far; still to run: {} (the report is \
-             rewritten after each experiment; `cargo xtask bench --resume` with the same \
-             settings and `--out` runs the rest)",
+            "- **partial**: {} of {} experiments have ended (done or failed); still to run: \
+             {} (the report is rewritten after each experiment; `cargo xtask bench --resume` \
+             with the same settings and `--out` runs the rest)",
             outcomes.len(),
             outcomes.len() + pending.len(),
             ids(pending)

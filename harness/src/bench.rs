@@ -174,7 +174,10 @@ pub fn run(opts: &BenchOptions, progress: &mut dyn Progress) -> Result<BenchSumm
     // What an earlier run finished, for each selected experiment (None: run it).
     let mut kept: Vec<Option<(Box<ExperimentResult>, f64)>> = selected
         .iter()
-        .map(|e| earlier.as_ref().and_then(|m| m.kept(e.technique().id, &opts.out, progress)))
+        .map(|e| {
+            let id = e.technique().id;
+            earlier.as_ref().and_then(|m| m.kept(id, &opts.out, progress, "it runs again"))
+        })
         .collect();
     if let Some(m) = earlier {
         // Entries of experiments this run leaves alone stay, so that a later `--resume`
@@ -265,6 +268,69 @@ pub fn run(opts: &BenchOptions, progress: &mut dyn Progress) -> Result<BenchSumm
     Ok(BenchSummary { backend, outcomes, report })
 }
 
+/// Writes `<out>/REPORT.md` again from the results an earlier run left in `out` (its
+/// `bench-run.json` and `<id>.json` files) and runs nothing: a GPU's results rendered on any
+/// machine, e.g. after the report's code changed. The report names the run's backend,
+/// device, mode and seed; experiments the run did not reach are listed as still to run, and
+/// those that failed as failed. `opts.only` picks experiments as in [`run`]; the other
+/// settings come from the run.
+///
+/// # Errors
+///
+/// [`HarnessError::EarlierRun`] when `out` holds no run (or a file that is not one), an unknown
+/// id in `only`, or a report that cannot be written.
+pub fn render_report(
+    opts: &BenchOptions,
+    progress: &mut dyn Progress,
+) -> Result<BenchSummary, HarnessError> {
+    let selected: Vec<&'static dyn Descriptor> = match &opts.only {
+        None => EXPERIMENTS.to_vec(),
+        Some(ids) => select(ids)?,
+    };
+    let run = RunManifest::read(&opts.out)?.ok_or_else(|| HarnessError::EarlierRun {
+        path: opts.out.join(RunManifest::FILE),
+        reason: "none was written there (`cargo xtask bench --out DIR` writes one)".into(),
+    })?;
+    let backend = run.backend();
+    let ctx = Context {
+        backend: backend.clone(),
+        quick: run.quick,
+        seed: run.seed,
+        device_memory: run.device_memory,
+    };
+    let shown = BenchOptions { quick: run.quick, seed: run.seed, ..opts.clone() };
+    let (mut outcomes, mut pending) = (Vec::new(), Vec::new());
+    for e in selected {
+        let t = e.technique();
+        let failed = run.finished.iter().find(|f| f.id == t.id && f.status == RunStatus::Failed);
+        if let Some((result, secs)) = run.kept(t.id, &opts.out, progress, "left out") {
+            let plot = opts.out.join(format!("{}.svg", t.id)).exists();
+            let outcome = Outcome::Done { result, plot, resumed: false };
+            outcomes.push((t, outcome, Duration::from_secs_f64(secs)));
+        } else if let Some(f) = failed {
+            let error = f.error.clone().unwrap_or_default();
+            let outcome = Outcome::Failed(HarnessError::EarlierFailure { id: t.id.into(), error });
+            outcomes.push((t, outcome, Duration::from_secs_f64(f.seconds)));
+        } else {
+            pending.push(t.id);
+        }
+    }
+    let advice = match opts.only {
+        None => {
+            let advice = crate::advice::compute(run.quick);
+            if let Ok(a) = &advice {
+                write_json(&opts.out.join("advice.json"), a)?;
+            }
+            Some(advice)
+        }
+        Some(_) => None,
+    };
+    let report = opts.out.join("REPORT.md");
+    let text = report::render(&ctx, &shown, advice.as_ref(), &outcomes, &pending);
+    write_atomically(&report, text.as_bytes())?;
+    Ok(BenchSummary { backend, outcomes, report })
+}
+
 /// `<out>/bench-run.json`: the settings a bench run used and the experiments it finished,
 /// rewritten after each one, so that `--resume` keeps what a stopped run finished (a GPU
 /// loan that ran out, Ctrl-C) and runs the rest with the same settings.
@@ -325,28 +391,21 @@ impl RunManifest {
     ///
     /// # Errors
     ///
-    /// [`HarnessError::Resume`] when the file cannot be read or parsed, or names other
+    /// [`HarnessError::EarlierRun`] when the file cannot be read or parsed, or names other
     /// settings.
     fn load(
         out: &Path,
         now: &RunManifest,
         progress: &mut dyn Progress,
     ) -> Result<Option<RunManifest>, HarnessError> {
-        let path = out.join(Self::FILE);
-        let bad = |reason: String| HarnessError::Resume { path: path.clone(), reason };
-        let text = match std::fs::read_to_string(&path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                progress.note(&format!(
-                    "--resume: {} does not exist, so every selected experiment runs",
-                    path.display()
-                ));
-                return Ok(None);
-            }
-            Err(e) => return Err(bad(e.to_string())),
+        let Some(was) = Self::read(out)? else {
+            progress.note(&format!(
+                "--resume: {} does not exist, so every selected experiment runs",
+                out.join(Self::FILE).display()
+            ));
+            return Ok(None);
         };
-        let was: RunManifest =
-            serde_json::from_str(&text).map_err(|e| bad(format!("not a bench run: {e}")))?;
+        let bad = |reason: String| HarnessError::EarlierRun { path: out.join(Self::FILE), reason };
         let differs = |what: &str, then: String, now: String| {
             bad(format!(
                 "it ran with {what} {then}, this run has {now}; resume with the same settings \
@@ -380,14 +439,40 @@ impl RunManifest {
         Ok(Some(was))
     }
 
+    /// The run recorded in `out`, or `None` when there is no `bench-run.json`.
+    ///
+    /// # Errors
+    ///
+    /// [`HarnessError::EarlierRun`] when the file cannot be read or is not a run.
+    fn read(out: &Path) -> Result<Option<RunManifest>, HarnessError> {
+        let path = out.join(Self::FILE);
+        let bad = |reason: String| HarnessError::EarlierRun { path: path.clone(), reason };
+        match std::fs::read_to_string(&path) {
+            Ok(text) => serde_json::from_str(&text)
+                .map(Some)
+                .map_err(|e| bad(format!("not a bench run: {e}"))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(bad(e.to_string())),
+        }
+    }
+
+    /// The backend the run used, as the report names it.
+    fn backend(&self) -> Backend {
+        match self.backend.as_str() {
+            "cuda" => Backend::Cuda { name: self.device.clone(), total_bytes: self.device_memory },
+            _ => Backend::Cpu,
+        }
+    }
+
     /// The results experiment `id` finished with in this earlier run, and how long it took;
-    /// `None` when it did not finish or its results file is gone or unreadable (with a note:
-    /// it runs again).
+    /// `None` when it did not finish or its results file is gone or unreadable (with a note
+    /// ending in `then`: what happens to it instead).
     fn kept(
         &self,
         id: &str,
         out: &Path,
         progress: &mut dyn Progress,
+        then: &str,
     ) -> Option<(Box<ExperimentResult>, f64)> {
         let entry =
             self.finished.iter().rev().find(|f| f.id == id && f.status == RunStatus::Done)?;
@@ -405,10 +490,7 @@ impl RunManifest {
         match parsed {
             Ok(r) => Some((Box::new(r), entry.seconds)),
             Err(why) => {
-                progress.note(&format!(
-                    "--resume: cannot keep `{id}` ({}: {why}); it runs again",
-                    path.display()
-                ));
+                progress.note(&format!("cannot keep `{id}` ({}: {why}); {then}", path.display()));
                 None
             }
         }
@@ -708,7 +790,7 @@ mod tests {
         ] {
             let mut rec = Recorder { out: out.clone(), ..Recorder::default() };
             let err = run(&other, &mut rec).unwrap_err();
-            assert!(matches!(err, HarnessError::Resume { .. }), "{err}");
+            assert!(matches!(err, HarnessError::EarlierRun { .. }), "{err}");
             assert!(err.to_string().contains(what), "{err}");
             assert!(rec.started.is_empty());
         }
@@ -726,6 +808,68 @@ mod tests {
         std::fs::write(out.join(RunManifest::FILE), "{}").unwrap();
         let err = run(&again, &mut Silent).unwrap_err();
         assert!(err.to_string().contains("not a bench run"), "{err}");
+        let _ = std::fs::remove_dir_all(&out);
+    }
+
+    /// `render_report` writes the report of a run's results without running anything: a
+    /// GPU's results on a host, with the run's device, mode and seed; a failed experiment as
+    /// failed, one the run did not reach as still to run.
+    #[test]
+    fn a_report_renders_from_a_runs_results_without_running_anything() {
+        let out = std::env::temp_dir().join(format!("vram-harness-render-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        let opts = BenchOptions {
+            only: Some(vec!["fragmentation".into()]),
+            out: out.clone(),
+            backend: BackendChoice::Cpu,
+            quick: true,
+            ..BenchOptions::default()
+        };
+        run(&opts, &mut Silent).unwrap();
+        // Make it a GPU's run of three experiments: one done, one failed, one not reached.
+        let gpu = "NVIDIA H100 80GB HBM3; convolutions: cuDNN 9.14.0";
+        let mut manifest = RunManifest::read(&out).unwrap().unwrap();
+        (manifest.backend, manifest.device, manifest.device_memory) =
+            ("cuda".into(), gpu.into(), 80 << 30);
+        manifest.finished.push(RunEntry {
+            id: "memory-fraction".into(),
+            status: RunStatus::Failed,
+            seconds: 1.0,
+            error: Some("boom".into()),
+        });
+        write_json(&out.join(RunManifest::FILE), &manifest).unwrap();
+        let path = out.join("fragmentation.json");
+        let mut result: ExperimentResult =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        result.backend = "cuda".into();
+        write_json(&path, &result).unwrap();
+
+        let ids = ["fragmentation", "memory-fraction", "checkpointing"];
+        let render = BenchOptions {
+            only: Some(ids.iter().map(|s| s.to_string()).collect()),
+            out: out.clone(),
+            ..BenchOptions::default()
+        };
+        let mut rec = Recorder { out: out.clone(), ..Recorder::default() };
+        let summary = render_report(&render, &mut rec).unwrap();
+        assert!(rec.started.is_empty(), "nothing runs: {:?}", rec.started);
+        assert_eq!(summary.failed(), 1);
+        let report = std::fs::read_to_string(out.join("REPORT.md")).unwrap();
+        assert!(report.contains(&format!("- device: CUDA: {gpu}, 80.00 GiB")), "{report}");
+        assert!(report.contains("- mode: quick"), "the run's mode: {report}");
+        assert!(report.contains("## `fragmentation`"), "{report}");
+        assert!(report.contains("failed in the run that wrote these results: boom"), "{report}");
+        assert!(report.contains("still to run: `checkpointing`"), "{report}");
+        // A results file gone: left out, and said.
+        std::fs::remove_file(&path).unwrap();
+        let mut rec = Recorder { out: out.clone(), ..Recorder::default() };
+        render_report(&render, &mut rec).unwrap();
+        assert!(rec.notes.iter().any(|n| n.contains("cannot keep `fragmentation`")));
+        // No run in the folder: an error, not an empty report.
+        let empty = out.join("empty");
+        std::fs::create_dir_all(&empty).unwrap();
+        let err = render_report(&BenchOptions { out: empty, ..render }, &mut Silent).unwrap_err();
+        assert!(err.to_string().contains("none was written there"), "{err}");
         let _ = std::fs::remove_dir_all(&out);
     }
 

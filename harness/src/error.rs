@@ -67,13 +67,21 @@ pub enum HarnessError {
         /// The I/O error.
         source: std::io::Error,
     },
-    /// `--resume` found an earlier run it cannot continue.
-    #[error("cannot resume from {path}: {reason}")]
-    Resume {
+    /// An earlier run that `--resume` cannot continue or `--report-only` cannot report.
+    #[error("earlier bench run {path}: {reason}")]
+    EarlierRun {
         /// The earlier run's `bench-run.json`.
         path: PathBuf,
         /// Why not.
         reason: String,
+    },
+    /// An experiment failed in the run whose results a report is rendered from.
+    #[error("experiment `{id}` failed in the run that wrote these results: {error}")]
+    EarlierFailure {
+        /// The experiment id.
+        id: String,
+        /// The run's error, as it recorded it.
+        error: String,
     },
     /// An experiment failed while running.
     #[error("experiment `{id}` failed: {source}")]

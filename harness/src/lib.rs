@@ -25,7 +25,7 @@ pub mod twin;
 pub use backend::{Backend, BackendChoice};
 pub use bench::{
     BenchOptions, BenchSummary, Context, DEFAULT_HOST_DEVICE_MEMORY, Outcome, Progress, SIZE_UNITS,
-    list, parse_only, parse_size, run,
+    list, parse_only, parse_size, render_report, run,
 };
 pub use error::{ExperimentError, HarnessError};
 pub use results::{Claim, ExperimentResult, Variant, Verdict};

@@ -103,6 +103,11 @@ struct BenchArgs {
     /// stopped part-way (a time limit, Ctrl-C) leaves a report of what finished.
     #[arg(long)]
     resume: bool,
+    /// Run nothing: write <out>/REPORT.md again from the results a run left in --out (its
+    /// bench-run.json names the backend, device, mode and seed the report states), e.g. a
+    /// GPU's results on a machine without one after the report's code changed.
+    #[arg(long, conflicts_with_all = ["resume", "quick", "backend", "seed", "device_memory"])]
+    report_only: bool,
 }
 
 /// Where to run, for `bench` and `twin`: the harness's [`BackendChoice`], one value each.
@@ -219,6 +224,16 @@ fn bench(args: BenchArgs) -> Result<ExitCode, String> {
         device_memory,
         resume: args.resume,
     };
+    if args.report_only {
+        let summary = vram_harness::render_report(&opts, &mut Lines).map_err(|e| e.to_string())?;
+        let (with_results, failed) = (summary.outcomes.len() - summary.failed(), summary.failed());
+        println!(
+            "bench: nothing run; report of {with_results} experiments' results ({failed} failed \
+             in that run): {}",
+            summary.report.display()
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
     let summary = if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         let mut bar = Bar::new();
         let summary = vram_harness::run(&opts, &mut bar);

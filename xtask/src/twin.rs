@@ -256,68 +256,93 @@ pub fn run(args: TwinArgs) -> Result<ExitCode, String> {
 
     let mut failed = false;
     let mut rows = Vec::new();
-    for (name, batch, arch) in &models {
-        let dir = args.out.join(name);
-        let settings = TwinSettings { batch: *batch, ..common.clone() };
-        let vram = {
-            let device = if cuda { Device::cuda(0) } else { Ok(Device::host(capacity)) };
-            device.map_err(|e| e.to_string()).and_then(|device| {
-                match arch {
-                    Some(arch) => twin::run_vram_arch(&device, name, arch.clone(), &settings, &dir),
-                    None => twin::run_vram(&device, name, &settings, &dir),
-                }
-                .map_err(|e| e.to_string())
-            })
-        };
-        let vram = match vram {
-            Ok(v) => v,
-            Err(e) => {
-                eprintln!("{name}: vram failed: {e}");
-                failed = true;
-                continue;
-            }
-        };
-        eprintln!(
-            "{name} (batch {batch}): vram peak allocated {}, losses {:?}",
-            vram_harness::human_bytes(vram.peak_allocated),
-            vram.losses
-        );
-        if !args.no_torch {
-            let device = if cuda { "cuda" } else { "cpu" };
-            for recipe in std::iter::once("match").chain(recipes.iter().copied()) {
-                let status = Command::new(&args.python)
-                    .arg(&script)
-                    .arg(&dir)
-                    .args(["--device", device, "--recipe", recipe])
-                    .status();
-                match status {
-                    Ok(s) if s.success() => {}
-                    Ok(s) if s.code() == Some(3) => break, // PyTorch absent: said on stderr
-                    Ok(s) => {
-                        eprintln!("{name}: the PyTorch twin failed ({s}, recipe {recipe})");
-                        failed = true;
-                    }
-                    Err(e) => {
-                        eprintln!("{name}: cannot start {}: {e}", args.python.display());
-                        failed = true;
-                        break;
-                    }
-                }
-            }
-        }
-        match twin::compare(&dir) {
-            Ok(row) => rows.push(row),
-            Err(e) => {
-                eprintln!("{name}: {e}");
-                failed = true;
-            }
+    let path = args.out.join("TWIN.md");
+    for (i, (name, batch, arch)) in models.iter().enumerate() {
+        let (row, ok) =
+            twin_model(&args, (name, *batch, arch), &common, (cuda, capacity), &recipes);
+        rows.extend(row);
+        failed |= !ok;
+        // After each model, what has run: a run stopped by a time limit keeps its table.
+        let left: Vec<&str> = models[i + 1..].iter().map(|(n, _, _)| n.as_str()).collect();
+        if !left.is_empty() {
+            let text = format!(
+                "{}\n**Partial**: still to run: {} (TWIN.md is rewritten after each model).\n",
+                twin::report(&rows, &common),
+                left.join(", ")
+            );
+            std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
         }
     }
     let text = twin::report(&rows, &common);
-    let path = args.out.join("TWIN.md");
     std::fs::write(&path, &text).map_err(|e| format!("{}: {e}", path.display()))?;
     println!("{text}\nwritten: {}", path.display());
     Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}
+
+/// One model of the twin: vram's run, PyTorch's recipes, the comparison: its row when there
+/// is one, and whether every part succeeded (what failed is said on stderr).
+fn twin_model(
+    args: &TwinArgs,
+    (name, batch, arch): (&str, usize, &Option<Arch>),
+    common: &TwinSettings,
+    (cuda, capacity): (bool, u64),
+    recipes: &[&str],
+) -> (Option<twin::Comparison>, bool) {
+    let mut failed = false;
+    let dir = args.out.join(name);
+    let settings = TwinSettings { batch, ..common.clone() };
+    let vram = {
+        let device = if cuda { Device::cuda(0) } else { Ok(Device::host(capacity)) };
+        device.map_err(|e| e.to_string()).and_then(|device| {
+            match arch {
+                Some(arch) => twin::run_vram_arch(&device, name, arch.clone(), &settings, &dir),
+                None => twin::run_vram(&device, name, &settings, &dir),
+            }
+            .map_err(|e| e.to_string())
+        })
+    };
+    let vram = match vram {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("{name}: vram failed: {e}");
+            return (None, false);
+        }
+    };
+    eprintln!(
+        "{name} (batch {batch}): vram peak allocated {}, losses {:?}",
+        vram_harness::human_bytes(vram.peak_allocated),
+        vram.losses
+    );
+    if !args.no_torch {
+        let device = if cuda { "cuda" } else { "cpu" };
+        for recipe in std::iter::once("match").chain(recipes.iter().copied()) {
+            let status = Command::new(&args.python)
+                .arg(&script)
+                .arg(&dir)
+                .args(["--device", device, "--recipe", recipe])
+                .status();
+            match status {
+                Ok(s) if s.success() => {}
+                Ok(s) if s.code() == Some(3) => break, // PyTorch absent: said on stderr
+                Ok(s) => {
+                    eprintln!("{name}: the PyTorch twin failed ({s}, recipe {recipe})");
+                    failed = true;
+                }
+                Err(e) => {
+                    eprintln!("{name}: cannot start {}: {e}", args.python.display());
+                    failed = true;
+                    break;
+                }
+            }
+        }
+    }
+    match twin::compare(&dir) {
+        Ok(row) => (Some(row), !failed),
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            (None, false)
+        }
+    }
 }
 
 #[cfg(test)]

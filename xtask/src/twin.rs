@@ -258,8 +258,8 @@ pub fn run(args: TwinArgs) -> Result<ExitCode, String> {
     let mut rows = Vec::new();
     let path = args.out.join("TWIN.md");
     for (i, (name, batch, arch)) in models.iter().enumerate() {
-        let (row, ok) =
-            twin_model(&args, (name, *batch, arch), &common, (cuda, capacity), &recipes);
+        let model = (name.as_str(), *batch, arch);
+        let (row, ok) = twin_model(&args, &script, model, &common, (cuda, capacity), &recipes);
         rows.extend(row);
         failed |= !ok;
         // After each model, what has run: a run stopped by a time limit keeps its table.
@@ -283,6 +283,7 @@ pub fn run(args: TwinArgs) -> Result<ExitCode, String> {
 /// is one, and whether every part succeeded (what failed is said on stderr).
 fn twin_model(
     args: &TwinArgs,
+    script: &Path,
     (name, batch, arch): (&str, usize, &Option<Arch>),
     common: &TwinSettings,
     (cuda, capacity): (bool, u64),
@@ -317,7 +318,7 @@ fn twin_model(
         let device = if cuda { "cuda" } else { "cpu" };
         for recipe in std::iter::once("match").chain(recipes.iter().copied()) {
             let status = Command::new(&args.python)
-                .arg(&script)
+                .arg(script)
                 .arg(&dir)
                 .args(["--device", device, "--recipe", recipe])
                 .status();

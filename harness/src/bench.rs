@@ -244,11 +244,11 @@ pub fn run(opts: &BenchOptions, progress: &mut dyn Progress) -> Result<BenchSumm
         // After each experiment, what has run so far: a run stopped part-way (a time limit,
         // Ctrl-C) leaves a report of what finished and a manifest `--resume` continues from.
         write_json(&opts.out.join(RunManifest::FILE), &manifest)?;
+        // After the last one too: a run stopped while the advice below is computed keeps a
+        // report of every experiment (`--report-only` adds the advice later).
         let pending: Vec<&str> = selected[i + 1..].iter().map(|e| e.technique().id).collect();
-        if !pending.is_empty() {
-            let text = report::render(&ctx, opts, None, &outcomes, &pending);
-            write_atomically(&opts.out.join("REPORT.md"), text.as_bytes())?;
-        }
+        let text = report::render(&ctx, opts, None, &outcomes, &pending);
+        write_atomically(&opts.out.join("REPORT.md"), text.as_bytes())?;
     }
     // "What should I do?": real-size models on the virtual device, whatever the backend
     // (only with the whole selection: a `--only` run reports its experiments alone).

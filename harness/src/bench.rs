@@ -151,10 +151,7 @@ fn select(ids: &[String]) -> Result<Vec<&'static dyn Descriptor>, HarnessError> 
 /// an unusable backend, or a report that cannot be written; nothing runs then (except for
 /// the report).
 pub fn run(opts: &BenchOptions, progress: &mut dyn Progress) -> Result<BenchSummary, HarnessError> {
-    let selected: Vec<&'static dyn Descriptor> = match &opts.only {
-        None => EXPERIMENTS.to_vec(),
-        Some(ids) => select(ids)?,
-    };
+    let selected = selection(opts)?;
     let backend = backend::resolve(opts.backend, &mut |m| progress.note(m))?;
     let device_memory = match &backend {
         Backend::Cuda { total_bytes, .. } => *total_bytes,
@@ -172,11 +169,11 @@ pub fn run(opts: &BenchOptions, progress: &mut dyn Progress) -> Result<BenchSumm
     let earlier =
         if opts.resume { RunManifest::load(&opts.out, &manifest, progress)? } else { None };
     // What an earlier run finished, for each selected experiment (None: run it).
-    let mut kept: Vec<Option<(Box<ExperimentResult>, f64)>> = selected
+    let mut kept: Vec<Option<(Outcome, Duration)>> = selected
         .iter()
         .map(|e| {
             let id = e.technique().id;
-            earlier.as_ref().and_then(|m| m.kept(id, &opts.out, progress, "it runs again"))
+            earlier.as_ref().and_then(|m| m.kept(id, &opts.out, progress, true))
         })
         .collect();
     if let Some(m) = earlier {
@@ -195,15 +192,14 @@ pub fn run(opts: &BenchOptions, progress: &mut dyn Progress) -> Result<BenchSumm
     let mut outcomes = Vec::with_capacity(selected.len());
     for (i, e) in selected.iter().enumerate() {
         let t = e.technique();
-        if let Some((result, secs)) = kept[i].take() {
-            let plot = opts.out.join(format!("{}.svg", t.id)).exists();
+        if let Some((outcome, elapsed)) = kept[i].take() {
             progress.note(&format!(
-                "resumed `{}`: kept {} from an earlier run ({secs:.1} s)",
+                "resumed `{}`: kept {} from an earlier run ({:.1} s)",
                 t.id,
-                opts.out.join(format!("{}.json", t.id)).display()
+                opts.out.join(format!("{}.json", t.id)).display(),
+                elapsed.as_secs_f64()
             ));
-            let outcome = Outcome::Done { result, plot, resumed: true };
-            outcomes.push((t, outcome, Duration::from_secs_f64(secs)));
+            outcomes.push((t, outcome, elapsed));
             continue;
         }
         // The expected durations of what is left, scaled by how the finished ones compared.
@@ -247,24 +243,9 @@ pub fn run(opts: &BenchOptions, progress: &mut dyn Progress) -> Result<BenchSumm
         // After the last one too: a run stopped while the advice below is computed keeps a
         // report of every experiment (`--report-only` adds the advice later).
         let pending: Vec<&str> = selected[i + 1..].iter().map(|e| e.technique().id).collect();
-        let text = report::render(&ctx, opts, None, &outcomes, &pending);
-        write_atomically(&opts.out.join("REPORT.md"), text.as_bytes())?;
+        write_report(&ctx, opts, &outcomes, &pending, false)?;
     }
-    // "What should I do?": real-size models on the virtual device, whatever the backend
-    // (only with the whole selection: a `--only` run reports its experiments alone).
-    let advice = match opts.only {
-        None => {
-            let advice = crate::advice::compute(opts.quick);
-            if let Ok(a) = &advice {
-                write_json(&opts.out.join("advice.json"), a)?;
-            }
-            Some(advice)
-        }
-        Some(_) => None,
-    };
-    let report = opts.out.join("REPORT.md");
-    let text = report::render(&ctx, opts, advice.as_ref(), &outcomes, &[]);
-    write_atomically(&report, text.as_bytes())?;
+    let report = write_report(&ctx, opts, &outcomes, &[], true)?;
     Ok(BenchSummary { backend, outcomes, report })
 }
 
@@ -283,10 +264,7 @@ pub fn render_report(
     opts: &BenchOptions,
     progress: &mut dyn Progress,
 ) -> Result<BenchSummary, HarnessError> {
-    let selected: Vec<&'static dyn Descriptor> = match &opts.only {
-        None => EXPERIMENTS.to_vec(),
-        Some(ids) => select(ids)?,
-    };
+    let selected = selection(opts)?;
     let run = RunManifest::read(&opts.out)?.ok_or_else(|| HarnessError::EarlierRun {
         path: opts.out.join(RunManifest::FILE),
         reason: "none was written there (`cargo xtask bench --out DIR` writes one)".into(),
@@ -303,10 +281,8 @@ pub fn render_report(
     for e in selected {
         let t = e.technique();
         let failed = run.finished.iter().find(|f| f.id == t.id && f.status == RunStatus::Failed);
-        if let Some((result, secs)) = run.kept(t.id, &opts.out, progress, "left out") {
-            let plot = opts.out.join(format!("{}.svg", t.id)).exists();
-            let outcome = Outcome::Done { result, plot, resumed: false };
-            outcomes.push((t, outcome, Duration::from_secs_f64(secs)));
+        if let Some((outcome, elapsed)) = run.kept(t.id, &opts.out, progress, false) {
+            outcomes.push((t, outcome, elapsed));
         } else if let Some(f) = failed {
             let error = f.error.clone().unwrap_or_default();
             let outcome = Outcome::Failed(HarnessError::EarlierFailure { id: t.id.into(), error });
@@ -315,19 +291,7 @@ pub fn render_report(
             pending.push(t.id);
         }
     }
-    let advice = match opts.only {
-        None => {
-            let advice = crate::advice::compute(run.quick);
-            if let Ok(a) = &advice {
-                write_json(&opts.out.join("advice.json"), a)?;
-            }
-            Some(advice)
-        }
-        Some(_) => None,
-    };
-    let report = opts.out.join("REPORT.md");
-    let text = report::render(&ctx, &shown, advice.as_ref(), &outcomes, &pending);
-    write_atomically(&report, text.as_bytes())?;
+    let report = write_report(&ctx, &shown, &outcomes, &pending, true)?;
     Ok(BenchSummary { backend, outcomes, report })
 }
 
@@ -464,16 +428,17 @@ impl RunManifest {
         }
     }
 
-    /// The results experiment `id` finished with in this earlier run, and how long it took;
+    /// The outcome experiment `id` finished with in this earlier run, and how long it took;
     /// `None` when it did not finish or its results file is gone or unreadable (with a note
-    /// ending in `then`: what happens to it instead).
+    /// saying what happens to it instead: for `--resume` it runs again, for a report it is
+    /// left out).
     fn kept(
         &self,
         id: &str,
         out: &Path,
         progress: &mut dyn Progress,
-        then: &str,
-    ) -> Option<(Box<ExperimentResult>, f64)> {
+        resume: bool,
+    ) -> Option<(Outcome, Duration)> {
         let entry =
             self.finished.iter().rev().find(|f| f.id == id && f.status == RunStatus::Done)?;
         let path = out.join(format!("{id}.json"));
@@ -488,8 +453,13 @@ impl RunManifest {
                 }
             });
         match parsed {
-            Ok(r) => Some((Box::new(r), entry.seconds)),
+            Ok(r) => {
+                let plot = out.join(format!("{id}.svg")).exists();
+                let outcome = Outcome::Done { result: Box::new(r), plot, resumed: resume };
+                Some((outcome, Duration::from_secs_f64(entry.seconds)))
+            }
             Err(why) => {
+                let then = if resume { "it runs again" } else { "left out" };
                 progress.note(&format!("cannot keep `{id}` ({}: {why}); {then}", path.display()));
                 None
             }
@@ -510,6 +480,41 @@ impl RunManifest {
             error,
         });
     }
+}
+
+/// The experiments `opts.only` names, in its order, or all of them.
+fn selection(opts: &BenchOptions) -> Result<Vec<&'static dyn Descriptor>, HarnessError> {
+    match &opts.only {
+        None => Ok(EXPERIMENTS.to_vec()),
+        Some(ids) => select(ids),
+    }
+}
+
+/// Writes `<out>/REPORT.md` of `outcomes` (`pending`: the selected experiments not run yet).
+/// With `advice`, it first computes "What should I do?" (only for the whole selection: a
+/// `--only` run reports its experiments alone) and writes `advice.json`.
+fn write_report(
+    ctx: &Context,
+    opts: &BenchOptions,
+    outcomes: &[(&'static Technique, Outcome, Duration)],
+    pending: &[&str],
+    advice: bool,
+) -> Result<PathBuf, HarnessError> {
+    // Real-size models on the virtual device, whatever the backend.
+    let advice = match (advice, &opts.only) {
+        (true, None) => {
+            let advice = crate::advice::compute(ctx.quick);
+            if let Ok(a) = &advice {
+                write_json(&opts.out.join("advice.json"), a)?;
+            }
+            Some(advice)
+        }
+        _ => None,
+    };
+    let report = opts.out.join("REPORT.md");
+    let text = report::render(ctx, opts, advice.as_ref(), outcomes, pending);
+    write_atomically(&report, text.as_bytes())?;
+    Ok(report)
 }
 
 /// Refuses a simulated capacity that a selected experiment cannot run with on the host.

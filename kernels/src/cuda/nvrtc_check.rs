@@ -13,9 +13,11 @@
 use super::custom::ptx_entries;
 use super::loader::{compile_error, compile_options, full_source};
 use super::registry::{
-    ALL, ATTENTION_BWD_DKDV_MMA_BF16, ATTENTION_BWD_DKDV_MMA_F16, ATTENTION_BWD_DQ_MMA_BF16,
-    ATTENTION_BWD_DQ_MMA_F16, ATTENTION_FWD_MMA_BF16, ATTENTION_FWD_MMA_F16, DEPTHWISE_BWD_WEIGHT,
-    Kernel, MODULES, Module, Param,
+    ALL, ATTENTION_BWD_DKDV_MMA_BF16, ATTENTION_BWD_DKDV_MMA_D64_BF16,
+    ATTENTION_BWD_DKDV_MMA_D64_F16, ATTENTION_BWD_DKDV_MMA_F16, ATTENTION_BWD_DQ_MMA_BF16,
+    ATTENTION_BWD_DQ_MMA_D64_BF16, ATTENTION_BWD_DQ_MMA_D64_F16, ATTENTION_BWD_DQ_MMA_F16,
+    ATTENTION_FWD_MMA_BF16, ATTENTION_FWD_MMA_D64_BF16, ATTENTION_FWD_MMA_D64_F16,
+    ATTENTION_FWD_MMA_F16, DEPTHWISE_BWD_WEIGHT, Kernel, MODULES, Module, Param,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, result, sys};
 use std::collections::BTreeMap;
@@ -86,28 +88,31 @@ fn registry_mismatches(
     problems
 }
 
-/// Compiles `module` for the real architecture `arch` and returns the cubin's size.
-fn cubin_size(module: &Module, arch: &str) -> Result<usize, String> {
+/// Compiles `module` for the real architecture `arch` (ptxas's resource report on with
+/// `verbose`) and returns the cubin's size and NVRTC's log.
+fn cubin(module: &Module, arch: &str, verbose: bool) -> Result<(usize, String), String> {
     let src = CString::new(full_source(module)).map_err(|e| e.to_string())?;
     let name = CString::new(format!("{}.cu", module.name)).map_err(|e| e.to_string())?;
     let prog = result::create_program(&src, Some(&name)).map_err(|e| format!("{e:?}"))?;
-    let opts = [format!("--gpu-architecture={arch}"), "--fmad=false".to_string()];
+    let mut opts = vec![format!("--gpu-architecture={arch}"), "--fmad=false".to_string()];
+    if verbose {
+        opts.push("--ptxas-options=-v".to_string());
+    }
     // SAFETY: `prog` was just created from `src` and `name`, which outlive it, and is
     // destroyed once, below.
     let compiled = unsafe { result::compile_program(prog, &opts) };
+    // SAFETY: as above.
+    let log = unsafe { result::get_program_log(prog) }.unwrap_or_default();
+    let log: Vec<u8> = log.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
+    let log = String::from_utf8_lossy(&log).into_owned();
     let outcome = match compiled {
-        Err(e) => {
-            // SAFETY: as above.
-            let log = unsafe { result::get_program_log(prog) }.unwrap_or_default();
-            let log: Vec<u8> = log.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
-            Err(format!("{e:?}:\n{}", String::from_utf8_lossy(&log)))
-        }
+        Err(e) => Err(format!("{e:?}:\n{log}")),
         Ok(()) => {
             let mut size = 0usize;
             // SAFETY: as above; `size` is a valid out-pointer.
             let status = unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) };
             if status == sys::nvrtcResult::NVRTC_SUCCESS && size > 0 {
-                Ok(size)
+                Ok((size, log))
             } else {
                 Err(format!("no cubin ({status:?}, {size} bytes)"))
             }
@@ -116,6 +121,33 @@ fn cubin_size(module: &Module, arch: &str) -> Result<usize, String> {
     // SAFETY: as above; not used afterwards.
     let _ = unsafe { result::destroy_program(prog) };
     outcome
+}
+
+/// ptxas's resources per kernel from a `--ptxas-options=-v` log: (registers, bytes of spill
+/// stores, bytes of spill loads), by entry name.
+fn ptxas_resources(log: &str) -> BTreeMap<String, (usize, usize, usize)> {
+    let number_before = |line: &str, unit: &str| -> Option<usize> {
+        let at = line.find(unit)?;
+        line[..at].split_whitespace().last()?.parse().ok()
+    };
+    let mut found = BTreeMap::new();
+    let mut current: Option<String> = None;
+    let mut spills = (0, 0);
+    for line in log.lines() {
+        if let Some(rest) = line.split("Function properties for ").nth(1) {
+            current = Some(rest.trim().to_string());
+            spills = (0, 0);
+        } else if line.contains("bytes spill stores") {
+            spills = (
+                number_before(line, " bytes spill stores").unwrap_or(usize::MAX),
+                number_before(line, " bytes spill loads").unwrap_or(usize::MAX),
+            );
+        } else if let (Some(name), Some(regs)) = (&current, number_before(line, " registers")) {
+            found.insert(name.clone(), (regs, spills.0, spills.1));
+            current = None;
+        }
+    }
+    found
 }
 
 #[test]
@@ -155,8 +187,8 @@ fn every_module_compiles_for_sm80_and_sm90_and_matches_the_registry() {
             }
         }
         for arch in CUBIN_ARCHS {
-            match cubin_size(module, arch) {
-                Ok(bytes) => {
+            match cubin(module, arch, false) {
+                Ok((bytes, _)) => {
                     say(&format!("nvrtc: {}.cu for {arch}: cubin of {bytes} bytes", module.name))
                 }
                 Err(e) => problems.push(format!("{}.cu {arch}: {e}", module.name)),
@@ -341,6 +373,23 @@ fn the_depthwise_weight_gradient_keeps_its_taps_in_registers() {
     assert_eq!(bodies.len(), DEPTHWISE_BWD_WEIGHT.names.len(), "depthwise weight gradients");
 }
 
+/// The 16-bit attention kernels on tensor cores: forward, dK/dV and dQ, in f16 and bf16, for
+/// heads up to 128 and (`_d64`) up to 64.
+const TENSOR_CORE_ATTENTION: [&Kernel; 12] = [
+    &ATTENTION_FWD_MMA_F16,
+    &ATTENTION_FWD_MMA_BF16,
+    &ATTENTION_BWD_DKDV_MMA_F16,
+    &ATTENTION_BWD_DKDV_MMA_BF16,
+    &ATTENTION_BWD_DQ_MMA_F16,
+    &ATTENTION_BWD_DQ_MMA_BF16,
+    &ATTENTION_FWD_MMA_D64_F16,
+    &ATTENTION_FWD_MMA_D64_BF16,
+    &ATTENTION_BWD_DKDV_MMA_D64_F16,
+    &ATTENTION_BWD_DKDV_MMA_D64_BF16,
+    &ATTENTION_BWD_DQ_MMA_D64_F16,
+    &ATTENTION_BWD_DQ_MMA_D64_BF16,
+];
+
 /// The 16-bit attention kernels (forward, dK/dV, dQ) multiply on tensor cores (`mma.sync`
 /// m16n8k16, 16-bit in, f32 accumulate) in their own dtype; their fragments and
 /// accumulators stay in registers (no local-memory frame in the PTX: every index into them
@@ -350,16 +399,8 @@ fn the_16_bit_attention_kernels_run_on_tensor_cores_from_registers() {
     if !nvrtc_present() {
         return;
     }
-    let tensor_core = [
-        &ATTENTION_FWD_MMA_F16,
-        &ATTENTION_FWD_MMA_BF16,
-        &ATTENTION_BWD_DKDV_MMA_F16,
-        &ATTENTION_BWD_DKDV_MMA_BF16,
-        &ATTENTION_BWD_DQ_MMA_F16,
-        &ATTENTION_BWD_DQ_MMA_BF16,
-    ];
-    let bodies = registered_bodies(|k| tensor_core.iter().any(|t| t.names == k.names));
-    assert_eq!(bodies.len(), tensor_core.len(), "the f16 and bf16 tensor-core kernels");
+    let bodies = registered_bodies(|k| TENSOR_CORE_ATTENTION.iter().any(|t| t.names == k.names));
+    assert_eq!(bodies.len(), TENSOR_CORE_ATTENTION.len(), "the f16 and bf16 tensor-core kernels");
     for (_, name, body) in &bodies {
         let dtype = if name.ends_with("bf16") { "bf16" } else { "f16" };
         let mma = format!("mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32");
@@ -368,4 +409,51 @@ fn the_16_bit_attention_kernels_run_on_tensor_cores_from_registers() {
             assert!(!body.contains(local), "{name} uses local memory ({local})");
         }
     }
+}
+
+/// ptxas (sm_90, through NVRTC) keeps the tensor-core attention kernels' fragments and
+/// accumulators in registers: no spill stores or loads, except in the dK/dV kernel for heads
+/// up to 128, whose live state (K and V fragments, dK and dV accumulators, two score tiles:
+/// 256 registers a thread) passes the 255 a thread may have. Heads of at most 64 (GPT-2,
+/// ViT-B, Llama 3.2 1B) run the `_d64` instances, which must not spill. The PTX test above
+/// cannot see this: spills are ptxas's, after the PTX.
+#[test]
+fn the_tensor_core_attention_kernels_do_not_spill_on_sm90() {
+    if !nvrtc_present() {
+        return;
+    }
+    let module = ATTENTION_FWD_MMA_F16.module;
+    let (_, log) = cubin(module, "sm_90", true).unwrap_or_else(|e| panic!("attention.cu: {e}"));
+    let resources = ptxas_resources(&log);
+    let wide_dkdv = [&ATTENTION_BWD_DKDV_MMA_F16, &ATTENTION_BWD_DKDV_MMA_BF16];
+    for kernel in TENSOR_CORE_ATTENTION {
+        let name = kernel.names[0];
+        let &(regs, stores, loads) =
+            resources.get(name).unwrap_or_else(|| panic!("{name}: not in ptxas's report:\n{log}"));
+        say(&format!(
+            "ptxas sm_90: {name}: {regs} registers, {stores} B spill stores, {loads} B spill loads"
+        ));
+        if wide_dkdv.iter().any(|k| k.names == kernel.names) {
+            continue;
+        }
+        assert!(regs <= 255, "{name}: {regs} registers");
+        assert_eq!((stores, loads), (0, 0), "{name} spills ({stores} B stored, {loads} B loaded)");
+    }
+}
+
+#[test]
+fn ptxas_resource_lines_are_read_per_kernel() {
+    let log = "\
+ptxas info    : Compiling entry function 'a' for 'sm_90'
+ptxas info    : Function properties for a
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 252 registers, used 1 barriers, 34816 bytes smem
+ptxas info    : Function properties for b
+ptxas         .     352 bytes stack frame, 908 bytes spill stores, 3292 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 352 bytes cumulative stack size
+";
+    let found = ptxas_resources(log);
+    assert_eq!(found["a"], (252, 0, 0));
+    assert_eq!(found["b"], (255, 908, 3292));
+    assert_eq!(found.len(), 2);
 }

@@ -457,6 +457,27 @@ kernels! {
     /// The same in bf16.
     ATTENTION_BWD_DQ_MMA_BF16 = ATTENTION "attention_bwd_dq_mma_bf16" once
         (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+    /// `attention_fwd_mma_d64_f16(...)`: `attention_fwd_mma_f16` for head dims of at most 64
+    /// (its registers sized for 64).
+    ATTENTION_FWD_MMA_D64_F16 = ATTENTION "attention_fwd_mma_d64_f16" once
+        (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+    /// The same in bf16.
+    ATTENTION_FWD_MMA_D64_BF16 = ATTENTION "attention_fwd_mma_d64_bf16" once
+        (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+    /// `attention_bwd_dkdv_mma_d64_f16(...)`: `attention_bwd_dkdv_mma_f16` for head dims of
+    /// at most 64.
+    ATTENTION_BWD_DKDV_MMA_D64_F16 = ATTENTION "attention_bwd_dkdv_mma_d64_f16" once
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+    /// The same in bf16.
+    ATTENTION_BWD_DKDV_MMA_D64_BF16 = ATTENTION "attention_bwd_dkdv_mma_d64_bf16" once
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+    /// `attention_bwd_dq_mma_d64_f16(...)`: `attention_bwd_dq_mma_f16` for head dims of at
+    /// most 64.
+    ATTENTION_BWD_DQ_MMA_D64_F16 = ATTENTION "attention_bwd_dq_mma_d64_f16" once
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
+    /// The same in bf16.
+    ATTENTION_BWD_DQ_MMA_D64_BF16 = ATTENTION "attention_bwd_dq_mma_d64_bf16" once
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, F32, U32, F32, U64, U64);
     /// `attention_bwd_dot(const T* o, const T* dout, float* dsum, u64 rows, u64 d)`.
     ATTENTION_BWD_DOT = ATTENTION "attention_bwd_dot" dtypes (Ptr, Ptr, Ptr, U64, U64);
     /// `attention_bwd_dkdv(const T* q, const T* k, const T* v, const T* dout, const float*

@@ -248,9 +248,12 @@ impl Op for Backward<'_> {
 #[cfg(feature = "cuda")]
 mod launches {
     use crate::cuda::registry::{
-        ATTENTION_BWD_DKDV, ATTENTION_BWD_DKDV_MMA_BF16, ATTENTION_BWD_DKDV_MMA_F16,
-        ATTENTION_BWD_DOT, ATTENTION_BWD_DQ, ATTENTION_BWD_DQ_MMA_BF16, ATTENTION_BWD_DQ_MMA_F16,
-        ATTENTION_FWD, ATTENTION_FWD_MMA_BF16, ATTENTION_FWD_MMA_F16, Instance,
+        ATTENTION_BWD_DKDV, ATTENTION_BWD_DKDV_MMA_BF16, ATTENTION_BWD_DKDV_MMA_D64_BF16,
+        ATTENTION_BWD_DKDV_MMA_D64_F16, ATTENTION_BWD_DKDV_MMA_F16, ATTENTION_BWD_DOT,
+        ATTENTION_BWD_DQ, ATTENTION_BWD_DQ_MMA_BF16, ATTENTION_BWD_DQ_MMA_D64_BF16,
+        ATTENTION_BWD_DQ_MMA_D64_F16, ATTENTION_BWD_DQ_MMA_F16, ATTENTION_FWD,
+        ATTENTION_FWD_MMA_BF16, ATTENTION_FWD_MMA_D64_BF16, ATTENTION_FWD_MMA_D64_F16,
+        ATTENTION_FWD_MMA_F16, Instance,
     };
     use crate::cuda::{Arg, Exec, launch};
     use crate::dtype::DType;
@@ -269,26 +272,38 @@ mod launches {
     /// The largest grid.y (heads).
     const MAX_HEADS: usize = 65535;
 
+    /// Head dims up to which the `_d64` tensor-core instances serve (their registers sized
+    /// for 64; the others are sized for [`MAX_DIM`]).
+    const MMA_NARROW: usize = 64;
+
     /// The tensor-core kernels (forward, dK/dV, dQ) for `dtype` and heads of `dim`, where
     /// there are: 16-bit inputs, head dims a multiple of 16 (the f32 path and other widths
-    /// run on f32 FMAs).
+    /// run on f32 FMAs); heads of at most 64 get the instances sized for 64.
     pub(super) fn tensor_cores(dtype: DType, dim: usize) -> Option<[Instance; 3]> {
         if !dim.is_multiple_of(16) || dim > MAX_DIM {
             return None;
         }
-        match dtype {
-            DType::F16 => Some([
-                ATTENTION_FWD_MMA_F16.of(dtype),
-                ATTENTION_BWD_DKDV_MMA_F16.of(dtype),
-                ATTENTION_BWD_DQ_MMA_F16.of(dtype),
-            ]),
-            DType::BF16 => Some([
-                ATTENTION_FWD_MMA_BF16.of(dtype),
-                ATTENTION_BWD_DKDV_MMA_BF16.of(dtype),
-                ATTENTION_BWD_DQ_MMA_BF16.of(dtype),
-            ]),
-            DType::F32 => None,
-        }
+        let narrow = dim <= MMA_NARROW;
+        let kernels = match (dtype, narrow) {
+            (DType::F16, true) => [
+                &ATTENTION_FWD_MMA_D64_F16,
+                &ATTENTION_BWD_DKDV_MMA_D64_F16,
+                &ATTENTION_BWD_DQ_MMA_D64_F16,
+            ],
+            (DType::F16, false) => {
+                [&ATTENTION_FWD_MMA_F16, &ATTENTION_BWD_DKDV_MMA_F16, &ATTENTION_BWD_DQ_MMA_F16]
+            }
+            (DType::BF16, true) => [
+                &ATTENTION_FWD_MMA_D64_BF16,
+                &ATTENTION_BWD_DKDV_MMA_D64_BF16,
+                &ATTENTION_BWD_DQ_MMA_D64_BF16,
+            ],
+            (DType::BF16, false) => {
+                [&ATTENTION_FWD_MMA_BF16, &ATTENTION_BWD_DKDV_MMA_BF16, &ATTENTION_BWD_DQ_MMA_BF16]
+            }
+            (DType::F32, _) => return None,
+        };
+        Some(kernels.map(|k| k.of(dtype)))
     }
 
     fn tiles(dims: &AttentionDims, op: &'static str) -> Result<LaunchConfig> {
@@ -485,7 +500,7 @@ mod tests {
     #[test]
     fn emulated_kernels_match_the_host_reference() {
         let Some(e) = Emulator::new(ATTENTION_FWD.of(DType::F32)) else { return };
-        for (seq, dim) in [(1, 64), (19, 64), (33, 128), (21, 24), (70, 32)] {
+        for (seq, dim) in [(1, 64), (19, 64), (33, 128), (21, 24), (70, 32), (9, 96)] {
             for causal in [false, true] {
                 for drop in [0.0, 0.25] {
                     let p = AttentionParams::new(causal).with_dropout(drop, 11, 1 << 33);
@@ -499,8 +514,25 @@ mod tests {
 
     #[test]
     fn sixteen_bit_heads_of_multiples_of_16_run_on_tensor_cores() {
-        assert!(launches::tensor_cores(DType::BF16, 64).is_some());
-        assert!(launches::tensor_cores(DType::F16, 128).is_some());
+        let names = |dtype, dim| launches::tensor_cores(dtype, dim).map(|k| k.map(|i| i.name));
+        assert_eq!(
+            names(DType::BF16, 64),
+            Some([
+                "attention_fwd_mma_d64_bf16",
+                "attention_bwd_dkdv_mma_d64_bf16",
+                "attention_bwd_dq_mma_d64_bf16"
+            ])
+        );
+        assert_eq!(names(DType::F16, 32).map(|n| n[0]), Some("attention_fwd_mma_d64_f16"));
+        assert_eq!(
+            names(DType::F16, 128),
+            Some([
+                "attention_fwd_mma_f16",
+                "attention_bwd_dkdv_mma_f16",
+                "attention_bwd_dq_mma_f16"
+            ])
+        );
+        assert_eq!(names(DType::BF16, 80).map(|n| n[2]), Some("attention_bwd_dq_mma_bf16"));
         assert!(launches::tensor_cores(DType::BF16, 24).is_none());
         assert!(launches::tensor_cores(DType::F32, 64).is_none());
     }

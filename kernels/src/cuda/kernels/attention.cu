@@ -292,13 +292,17 @@ __device__ void attention_bwd_dq_impl(const T* q, const T* k, const T* v, const 
 // reduced with shuffles), turns P into 16-bit A fragments in registers (the C layout of two
 // 16x8 tiles is the A layout of one 16x16) and accumulates O += P V with mma.sync again.
 // Q stays in registers as A fragments for the whole block. Head dims: multiples of 16 up to
-// ATT_DMAX; any sequence length (rows and keys past the end are zeros, masked).
+// the instance's DM (64 or 128); any sequence length (rows and keys past the end are zeros, masked).
 
 #define ATT_MQ 64
 #define ATT_MK 64
-// Row stride (in 16-bit elements) of the shared K and V tiles: even (pairs are read as one
-// u32), padded by 8.
-#define ATT_MLD (ATT_DMAX + 8)
+// Each tensor-core kernel is instantiated for heads of at most DM (64 or 128): its register
+// fragments and accumulators are sized for DM, so a 64-wide head does not pay 128's registers
+// (at 128, dK/dV's live state passes the 255 registers a thread has and ptxas spills it to
+// local memory; at 64 none of the three spills: nvrtc_check's test compiles them for sm_90).
+// Row stride (in 16-bit elements) of the shared K and V tiles of an instance for heads up to
+// DM: even (pairs are read as one u32), padded by 8.
+#define ATT_MLD(DM) ((DM) + 8)
 
 template <typename T> struct att_is_bf16 { static constexpr bool value = false; };
 template <> struct att_is_bf16<bf16_t> { static constexpr bool value = true; };
@@ -333,40 +337,42 @@ template <typename T> __device__ __forceinline__ u32 att_pack_f32(float lo, floa
 }
 
 // Rows [r0, r0 + ATT_MK) of a head's [seq, d] matrix into `tile` (16-bit bits, stride
-// ATT_MLD), zeros past the end; pairs of elements per thread.
-template <typename T>
+// ATT_MLD(DM)), zeros past the end; pairs of elements per thread.
+template <typename T, int DM>
 __device__ __forceinline__ void att_load16(u16* tile, const T* m, u64 r0, u64 seq, u32 d) {
     const u32 pairs = d / 2;
     for (u32 e = threadIdx.x; e < ATT_MK * pairs; e += ATT_THREADS) {
         const u32 r = e / pairs, c = 2 * (e - r * pairs);
         u32 w = 0;
         if (r0 + r < seq) w = att_pack(m[(r0 + r) * d + c].bits, m[(r0 + r) * d + c + 1].bits);
-        *reinterpret_cast<u32*>(tile + r * ATT_MLD + c) = w;
+        *reinterpret_cast<u32*>(tile + r * ATT_MLD(DM) + c) = w;
     }
 }
 
+template <int DM>
 __device__ __forceinline__ u32 att_pair(const u16* tile, u32 r, u32 c) {
-    return *reinterpret_cast<const u32*>(tile + r * ATT_MLD + c);
+    return *reinterpret_cast<const u32*>(tile + r * ATT_MLD(DM) + c);
 }
 
 // A warp's A fragments of rows [r, r + 16) of `tile` (r = warp * 16), nk chunks of 16
 // columns.
+template <int DM>
 __device__ __forceinline__ void att_frags(u32 (*a)[4], const u16* tile, u32 r, u32 nk) {
     const u32 lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
 #pragma unroll
-    for (u32 kc = 0; kc < ATT_DMAX / 16; ++kc) {
+    for (u32 kc = 0; kc < DM / 16; ++kc) {
         if (kc < nk) {
-            a[kc][0] = att_pair(tile, r + g, kc * 16 + 2 * tg);
-            a[kc][1] = att_pair(tile, r + g + 8, kc * 16 + 2 * tg);
-            a[kc][2] = att_pair(tile, r + g, kc * 16 + 2 * tg + 8);
-            a[kc][3] = att_pair(tile, r + g + 8, kc * 16 + 2 * tg + 8);
+            a[kc][0] = att_pair<DM>(tile, r + g, kc * 16 + 2 * tg);
+            a[kc][1] = att_pair<DM>(tile, r + g + 8, kc * 16 + 2 * tg);
+            a[kc][2] = att_pair<DM>(tile, r + g, kc * 16 + 2 * tg + 8);
+            a[kc][3] = att_pair<DM>(tile, r + g + 8, kc * 16 + 2 * tg + 8);
         }
     }
 }
 
 // s (16 x ATT_MK, C fragments) = A (16 x d, fragments a) times the transpose of the
 // ATT_MK rows of `tile` (ATT_MK x d): each output column is one row of the tile.
-template <typename T>
+template <typename T, int DM>
 __device__ __forceinline__ void att_mma_rows(float (*s)[4], const u32 (*a)[4], const u16* tile,
                                              u32 nk) {
     const u32 lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
@@ -374,10 +380,10 @@ __device__ __forceinline__ void att_mma_rows(float (*s)[4], const u32 (*a)[4], c
     for (u32 nt = 0; nt < ATT_MK / 8; ++nt) {
         s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
-        for (u32 kc = 0; kc < ATT_DMAX / 16; ++kc) {
+        for (u32 kc = 0; kc < DM / 16; ++kc) {
             if (kc < nk) {
-                const u32 b[2] = {att_pair(tile, nt * 8 + g, kc * 16 + 2 * tg),
-                                  att_pair(tile, nt * 8 + g, kc * 16 + 2 * tg + 8)};
+                const u32 b[2] = {att_pair<DM>(tile, nt * 8 + g, kc * 16 + 2 * tg),
+                                  att_pair<DM>(tile, nt * 8 + g, kc * 16 + 2 * tg + 8)};
                 mma_16816<T>(s[nt], a[kc], b);
             }
         }
@@ -386,7 +392,7 @@ __device__ __forceinline__ void att_mma_rows(float (*s)[4], const u32 (*a)[4], c
 
 // acc (16 x d, C fragments, nd tiles of 8 columns) += c (16 x ATT_MK, C fragments, rounded
 // to T as A fragments) times `tile` (ATT_MK x d).
-template <typename T>
+template <typename T, int DM>
 __device__ __forceinline__ void att_mma_acc(float (*acc)[4], const float (*c)[4], const u16* tile,
                                             u32 nd) {
     const u32 lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
@@ -398,12 +404,12 @@ __device__ __forceinline__ void att_mma_acc(float (*acc)[4], const float (*c)[4]
                            att_pack_f32<T>(c[2 * kc + 1][2], c[2 * kc + 1][3])};
         const u32 key = kc * 16 + 2 * tg;
 #pragma unroll
-        for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+        for (u32 dt = 0; dt < DM / 8; ++dt) {
             if (dt < nd) {
                 const u32 col = dt * 8 + g;
                 const u32 b[2] = {
-                    att_pack(tile[key * ATT_MLD + col], tile[(key + 1) * ATT_MLD + col]),
-                    att_pack(tile[(key + 8) * ATT_MLD + col], tile[(key + 9) * ATT_MLD + col])};
+                    att_pack(tile[key * ATT_MLD(DM) + col], tile[(key + 1) * ATT_MLD(DM) + col]),
+                    att_pack(tile[(key + 8) * ATT_MLD(DM) + col], tile[(key + 9) * ATT_MLD(DM) + col])};
                 mma_16816<T>(acc[dt], pa, b);
             }
         }
@@ -416,13 +422,13 @@ __device__ __forceinline__ void att_mma_acc(float (*acc)[4], const float (*c)[4]
 // register fragments; a block per 64 queries accumulates dQ = scale dS K, computing
 // S = Q K^T and dP = dO V^T with Q and dO as register fragments. P~ and dS are rounded to
 // T as mma operands, as FlashAttention does.
-template <typename T>
+template <typename T, int DM>
 __device__ void attention_bwd_dkdv_mma_impl(const T* q, const T* k, const T* v, const T* dout,
                                             const float* lse, const float* dsum, T* dk, T* dv,
                                             u64 seq, u64 d64, float scale, u32 causal,
                                             float pdrop, u64 seed, u64 offset) {
-    __shared__ u32 qs_words[ATT_MK * ATT_MLD / 2];
-    __shared__ u32 dos_words[ATT_MK * ATT_MLD / 2];
+    __shared__ u32 qs_words[ATT_MK * ATT_MLD(DM) / 2];
+    __shared__ u32 dos_words[ATT_MK * ATT_MLD(DM) / 2];
     __shared__ float lse_s[ATT_MK], dsum_s[ATT_MK];
     u16* qs = reinterpret_cast<u16*>(qs_words);
     u16* dos = reinterpret_cast<u16*>(dos_words);
@@ -433,15 +439,15 @@ __device__ void attention_bwd_dkdv_mma_impl(const T* q, const T* k, const T* v, 
     const u32 g = lane / 4, tg = lane % 4;
     const u32 nk = d / 16, nd = d / 8;
     const u64 head = h * seq * d;
-    u32 ka[ATT_DMAX / 16][4], va[ATT_DMAX / 16][4];
-    att_load16<T>(qs, k + head, j0, seq, d);
-    att_load16<T>(dos, v + head, j0, seq, d);
+    u32 ka[DM / 16][4], va[DM / 16][4];
+    att_load16<T, DM>(qs, k + head, j0, seq, d);
+    att_load16<T, DM>(dos, v + head, j0, seq, d);
     __syncthreads();
-    att_frags(ka, qs, w * 16, nk);
-    att_frags(va, dos, w * 16, nk);
-    float gk[ATT_DMAX / 8][4], gv[ATT_DMAX / 8][4];
+    att_frags<DM>(ka, qs, w * 16, nk);
+    att_frags<DM>(va, dos, w * 16, nk);
+    float gk[DM / 8][4], gv[DM / 8][4];
 #pragma unroll
-    for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+    for (u32 dt = 0; dt < DM / 8; ++dt) {
 #pragma unroll
         for (u32 i = 0; i < 4; ++i) gk[dt][i] = gv[dt][i] = 0.0f;
     }
@@ -449,8 +455,8 @@ __device__ void attention_bwd_dkdv_mma_impl(const T* q, const T* k, const T* v, 
     const u64 first = causal ? j0 : 0;
     for (u64 i0 = first; i0 < seq; i0 += ATT_MQ) {
         __syncthreads();
-        att_load16<T>(qs, q + head, i0, seq, d);
-        att_load16<T>(dos, dout + head, i0, seq, d);
+        att_load16<T, DM>(qs, q + head, i0, seq, d);
+        att_load16<T, DM>(dos, dout + head, i0, seq, d);
         if (threadIdx.x < ATT_MQ) {
             const u64 r = i0 + threadIdx.x;
             lse_s[threadIdx.x] = r < seq ? lse[h * seq + r] : 0.0f;
@@ -458,8 +464,8 @@ __device__ void attention_bwd_dkdv_mma_impl(const T* q, const T* k, const T* v, 
         }
         __syncthreads();
         float st[ATT_MK / 8][4], dpt[ATT_MK / 8][4];
-        att_mma_rows<T>(st, ka, qs, nk);
-        att_mma_rows<T>(dpt, va, dos, nk);
+        att_mma_rows<T, DM>(st, ka, qs, nk);
+        att_mma_rows<T, DM>(dpt, va, dos, nk);
 #pragma unroll
         for (u32 nt = 0; nt < ATT_MK / 8; ++nt) {
 #pragma unroll
@@ -477,11 +483,11 @@ __device__ void attention_bwd_dkdv_mma_impl(const T* q, const T* k, const T* v, 
                 dpt[nt][i] = ds;
             }
         }
-        att_mma_acc<T>(gv, st, dos, nd);
-        att_mma_acc<T>(gk, dpt, qs, nd);
+        att_mma_acc<T, DM>(gv, st, dos, nd);
+        att_mma_acc<T, DM>(gk, dpt, qs, nd);
     }
 #pragma unroll
-    for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+    for (u32 dt = 0; dt < DM / 8; ++dt) {
         if (dt < nd) {
 #pragma unroll
             for (u32 i = 0; i < 4; ++i) {
@@ -496,13 +502,13 @@ __device__ void attention_bwd_dkdv_mma_impl(const T* q, const T* k, const T* v, 
     }
 }
 
-template <typename T>
+template <typename T, int DM>
 __device__ void attention_bwd_dq_mma_impl(const T* q, const T* k, const T* v, const T* dout,
                                           const float* lse, const float* dsum, T* dq, u64 seq,
                                           u64 d64, float scale, u32 causal, float pdrop, u64 seed,
                                           u64 offset) {
-    __shared__ u32 ks_words[ATT_MK * ATT_MLD / 2];
-    __shared__ u32 vs_words[ATT_MK * ATT_MLD / 2];
+    __shared__ u32 ks_words[ATT_MK * ATT_MLD(DM) / 2];
+    __shared__ u32 vs_words[ATT_MK * ATT_MLD(DM) / 2];
     u16* ks = reinterpret_cast<u16*>(ks_words);
     u16* vs = reinterpret_cast<u16*>(vs_words);
     const u32 d = (u32)d64;
@@ -512,12 +518,12 @@ __device__ void attention_bwd_dq_mma_impl(const T* q, const T* k, const T* v, co
     const u32 g = lane / 4, tg = lane % 4;
     const u32 nk = d / 16, nd = d / 8;
     const u64 head = h * seq * d;
-    u32 qa[ATT_DMAX / 16][4], da[ATT_DMAX / 16][4];
-    att_load16<T>(ks, q + head, i0, seq, d);
-    att_load16<T>(vs, dout + head, i0, seq, d);
+    u32 qa[DM / 16][4], da[DM / 16][4];
+    att_load16<T, DM>(ks, q + head, i0, seq, d);
+    att_load16<T, DM>(vs, dout + head, i0, seq, d);
     __syncthreads();
-    att_frags(qa, ks, w * 16, nk);
-    att_frags(da, vs, w * 16, nk);
+    att_frags<DM>(qa, ks, w * 16, nk);
+    att_frags<DM>(da, vs, w * 16, nk);
     const u64 row[2] = {i0 + w * 16 + g, i0 + w * 16 + g + 8};
     float lse_r[2], dsum_r[2];
 #pragma unroll
@@ -525,19 +531,19 @@ __device__ void attention_bwd_dq_mma_impl(const T* q, const T* k, const T* v, co
         lse_r[x] = row[x] < seq ? lse[h * seq + row[x]] : 0.0f;
         dsum_r[x] = row[x] < seq ? dsum[h * seq + row[x]] : 0.0f;
     }
-    float gq[ATT_DMAX / 8][4];
+    float gq[DM / 8][4];
 #pragma unroll
-    for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) gq[dt][0] = gq[dt][1] = gq[dt][2] = gq[dt][3] = 0.0f;
+    for (u32 dt = 0; dt < DM / 8; ++dt) gq[dt][0] = gq[dt][1] = gq[dt][2] = gq[dt][3] = 0.0f;
     const u64 last = i0 + ATT_MQ < seq ? i0 + ATT_MQ : seq;
     const u64 kend = causal ? last : seq;
     for (u64 j0 = 0; j0 < kend; j0 += ATT_MK) {
         __syncthreads();
-        att_load16<T>(ks, k + head, j0, seq, d);
-        att_load16<T>(vs, v + head, j0, seq, d);
+        att_load16<T, DM>(ks, k + head, j0, seq, d);
+        att_load16<T, DM>(vs, v + head, j0, seq, d);
         __syncthreads();
         float s[ATT_MK / 8][4], dp[ATT_MK / 8][4];
-        att_mma_rows<T>(s, qa, ks, nk);
-        att_mma_rows<T>(dp, da, vs, nk);
+        att_mma_rows<T, DM>(s, qa, ks, nk);
+        att_mma_rows<T, DM>(dp, da, vs, nk);
 #pragma unroll
         for (u32 nt = 0; nt < ATT_MK / 8; ++nt) {
 #pragma unroll
@@ -553,10 +559,10 @@ __device__ void attention_bwd_dq_mma_impl(const T* q, const T* k, const T* v, co
                 s[nt][i] = ds;
             }
         }
-        att_mma_acc<T>(gq, s, ks, nd);
+        att_mma_acc<T, DM>(gq, s, ks, nd);
     }
 #pragma unroll
-    for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+    for (u32 dt = 0; dt < DM / 8; ++dt) {
         if (dt < nd) {
 #pragma unroll
             for (u32 i = 0; i < 4; ++i) {
@@ -567,12 +573,12 @@ __device__ void attention_bwd_dq_mma_impl(const T* q, const T* k, const T* v, co
     }
 }
 
-template <typename T>
+template <typename T, int DM>
 __device__ void attention_fwd_mma_impl(const T* q, const T* k, const T* v, T* o, float* lse,
                                        u64 seq, u64 d64, float scale, u32 causal, float pdrop,
                                        u64 seed, u64 offset) {
-    __shared__ u32 ks_words[ATT_MK * ATT_MLD / 2];
-    __shared__ u32 vs_words[ATT_MK * ATT_MLD / 2];
+    __shared__ u32 ks_words[ATT_MK * ATT_MLD(DM) / 2];
+    __shared__ u32 vs_words[ATT_MK * ATT_MLD(DM) / 2];
     u16* ks = reinterpret_cast<u16*>(ks_words);
     u16* vs = reinterpret_cast<u16*>(vs_words);
     const u32 d = (u32)d64;
@@ -587,22 +593,22 @@ __device__ void attention_fwd_mma_impl(const T* q, const T* k, const T* v, T* o,
     v += h * seq * d;
     o += h * seq * d;
     // Q's A fragments, through the K buffer.
-    att_load16<T>(ks, q, i0, seq, d);
+    att_load16<T, DM>(ks, q, i0, seq, d);
     __syncthreads();
-    u32 qa[ATT_DMAX / 16][4];
+    u32 qa[DM / 16][4];
     const u32 qr = w * 16 + g;
 #pragma unroll
-    for (u32 kc = 0; kc < ATT_DMAX / 16; ++kc) {
+    for (u32 kc = 0; kc < DM / 16; ++kc) {
         if (kc < nk) {
-            qa[kc][0] = att_pair(ks, qr, kc * 16 + 2 * tg);
-            qa[kc][1] = att_pair(ks, qr + 8, kc * 16 + 2 * tg);
-            qa[kc][2] = att_pair(ks, qr, kc * 16 + 2 * tg + 8);
-            qa[kc][3] = att_pair(ks, qr + 8, kc * 16 + 2 * tg + 8);
+            qa[kc][0] = att_pair<DM>(ks, qr, kc * 16 + 2 * tg);
+            qa[kc][1] = att_pair<DM>(ks, qr + 8, kc * 16 + 2 * tg);
+            qa[kc][2] = att_pair<DM>(ks, qr, kc * 16 + 2 * tg + 8);
+            qa[kc][3] = att_pair<DM>(ks, qr + 8, kc * 16 + 2 * tg + 8);
         }
     }
-    float oacc[ATT_DMAX / 8][4];
+    float oacc[DM / 8][4];
 #pragma unroll
-    for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) oacc[dt][0] = oacc[dt][1] = oacc[dt][2] = oacc[dt][3] = 0.0f;
+    for (u32 dt = 0; dt < DM / 8; ++dt) oacc[dt][0] = oacc[dt][1] = oacc[dt][2] = oacc[dt][3] = 0.0f;
     // This lane's two rows (g and g + 8 of the warp's 16): running max and partial sum.
     const u64 row[2] = {i0 + qr, i0 + qr + 8};
     float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.0f, 0.0f};
@@ -610,18 +616,18 @@ __device__ void attention_fwd_mma_impl(const T* q, const T* k, const T* v, T* o,
     const u64 kend = causal ? last : seq;
     for (u64 j0 = 0; j0 < kend; j0 += ATT_MK) {
         __syncthreads();
-        att_load16<T>(ks, k, j0, seq, d);
-        att_load16<T>(vs, v, j0, seq, d);
+        att_load16<T, DM>(ks, k, j0, seq, d);
+        att_load16<T, DM>(vs, v, j0, seq, d);
         __syncthreads();
         float s[ATT_MK / 8][4];
 #pragma unroll
         for (u32 nt = 0; nt < ATT_MK / 8; ++nt) {
             s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
-            for (u32 kc = 0; kc < ATT_DMAX / 16; ++kc) {
+            for (u32 kc = 0; kc < DM / 16; ++kc) {
                 if (kc < nk) {
-                    const u32 b[2] = {att_pair(ks, nt * 8 + g, kc * 16 + 2 * tg),
-                                      att_pair(ks, nt * 8 + g, kc * 16 + 2 * tg + 8)};
+                    const u32 b[2] = {att_pair<DM>(ks, nt * 8 + g, kc * 16 + 2 * tg),
+                                      att_pair<DM>(ks, nt * 8 + g, kc * 16 + 2 * tg + 8)};
                     mma_16816<T>(s[nt], qa[kc], b);
                 }
             }
@@ -662,7 +668,7 @@ __device__ void attention_fwd_mma_impl(const T* q, const T* k, const T* v, T* o,
             }
         }
 #pragma unroll
-        for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+        for (u32 dt = 0; dt < DM / 8; ++dt) {
             oacc[dt][0] *= alpha[0];
             oacc[dt][1] *= alpha[0];
             oacc[dt][2] *= alpha[1];
@@ -676,12 +682,12 @@ __device__ void attention_fwd_mma_impl(const T* q, const T* k, const T* v, T* o,
                                att_pack_f32<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
             const u32 key = kc * 16 + 2 * tg;
 #pragma unroll
-            for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+            for (u32 dt = 0; dt < DM / 8; ++dt) {
                 if (dt < nd) {
                     const u32 col = dt * 8 + g;
                     const u32 b[2] = {
-                        att_pack(vs[key * ATT_MLD + col], vs[(key + 1) * ATT_MLD + col]),
-                        att_pack(vs[(key + 8) * ATT_MLD + col], vs[(key + 9) * ATT_MLD + col])};
+                        att_pack(vs[key * ATT_MLD(DM) + col], vs[(key + 1) * ATT_MLD(DM) + col]),
+                        att_pack(vs[(key + 8) * ATT_MLD(DM) + col], vs[(key + 9) * ATT_MLD(DM) + col])};
                     mma_16816<T>(oacc[dt], pa, b);
                 }
             }
@@ -693,7 +699,7 @@ __device__ void attention_fwd_mma_impl(const T* q, const T* k, const T* v, T* o,
         l[x] += __shfl_xor_sync(0xffffffffu, l[x], 2);
     }
 #pragma unroll
-    for (u32 dt = 0; dt < ATT_DMAX / 8; ++dt) {
+    for (u32 dt = 0; dt < DM / 8; ++dt) {
         if (dt < nd) {
 #pragma unroll
             for (u32 i = 0; i < 4; ++i) {
@@ -710,14 +716,16 @@ __device__ void attention_fwd_mma_impl(const T* q, const T* k, const T* v, T* o,
     }
 }
 
-extern "C" __global__ void attention_fwd_mma_f16(const half_t* q, const half_t* k, const half_t* v, half_t* o, float* lse, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_mma_impl<half_t>(q, k, v, o, lse, seq, d, scale, causal, p, seed, offset); }
-extern "C" __global__ void attention_fwd_mma_bf16(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_mma_impl<bf16_t>(q, k, v, o, lse, seq, d, scale, causal, p, seed, offset); }
-
-#define ATTENTION_BWD_MMA(T, S) \
-    extern "C" __global__ void attention_bwd_dkdv_mma_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dk, T* dv, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dkdv_mma_impl<T>(q, k, v, dout, lse, dsum, dk, dv, seq, d, scale, causal, p, seed, offset); } \
-    extern "C" __global__ void attention_bwd_dq_mma_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dq, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dq_mma_impl<T>(q, k, v, dout, lse, dsum, dq, seq, d, scale, causal, p, seed, offset); }
-ATTENTION_BWD_MMA(half_t, f16)
-ATTENTION_BWD_MMA(bf16_t, bf16)
+// The tensor-core kernels of dtype T (suffix S) for heads up to DM, named with suffix N:
+// `_d64` for heads of at most 64, none for at most 128.
+#define ATTENTION_MMA(T, S, DM, N) \
+    extern "C" __global__ void attention_fwd_mma##N##_##S(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_mma_impl<T, DM>(q, k, v, o, lse, seq, d, scale, causal, p, seed, offset); } \
+    extern "C" __global__ void attention_bwd_dkdv_mma##N##_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dk, T* dv, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dkdv_mma_impl<T, DM>(q, k, v, dout, lse, dsum, dk, dv, seq, d, scale, causal, p, seed, offset); } \
+    extern "C" __global__ void attention_bwd_dq_mma##N##_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dq, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dq_mma_impl<T, DM>(q, k, v, dout, lse, dsum, dq, seq, d, scale, causal, p, seed, offset); }
+ATTENTION_MMA(half_t, f16, 128, )
+ATTENTION_MMA(bf16_t, bf16, 128, )
+ATTENTION_MMA(half_t, f16, 64, _d64)
+ATTENTION_MMA(bf16_t, bf16, 64, _d64)
 
 #define ATTENTION(T, S) \
     extern "C" __global__ void attention_fwd_##S(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_impl<T>(q, k, v, o, lse, seq, d, scale, causal, p, seed, offset); } \

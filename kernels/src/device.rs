@@ -847,8 +847,9 @@ impl Device {
     /// gives convolution `p` in `pass` (none, counted as a miss, when it has no such call),
     /// as the GPU's call takes it from the caching allocator and returns it after. With
     /// [`cudnn_benchmark`](Self::cudnn_benchmark) on, a shape's first call first allocates
-    /// and frees the workspace its timed search ran in (a miss when the recorded choice came
-    /// from the heuristics).
+    /// the workspace its timed search ran in, empties the cache (as PyTorch does after the
+    /// search) and frees the search's workspace (a miss when the recorded choice came from
+    /// the heuristics).
     ///
     /// # Errors
     ///
@@ -874,8 +875,14 @@ impl Device {
         let first = !seen().contains(&(pass, key));
         if first && self.cudnn_benchmark() {
             match choice.search_workspace {
-                Some(0) => {}
-                Some(bytes) => drop(self.allocate(bytes)?),
+                // PyTorch's `findAlgorithms` empties the cache after the search, while the
+                // search's workspace is still held.
+                Some(0) => self.empty_cache(),
+                Some(bytes) => {
+                    let search = self.allocate(bytes)?;
+                    self.empty_cache();
+                    drop(search);
+                }
                 None => {
                     miss();
                 }

@@ -179,7 +179,7 @@ fn backward_matches_central_differences_of_the_reference() {
         );
         let out = ops::batch_norm(&tx, &tg, &tb, None, EPS).unwrap();
         let dy = tensor(&dev, shape, &w, DType::F32);
-        let grads = ops::batch_norm_backward(&tx, &tg, &out.mean, &out.invstd, &dy).unwrap();
+        let grads = ops::batch_norm_backward(&tx, &tg, &out.mean, &out.invstd, &dy, EPS).unwrap();
         assert_close("dx", &f64s(&grads.dx), &want_dx, 1e-4);
         assert_close("dgamma", &f64s(&grads.dgamma), &want_dg, 1e-4);
         assert_close("dbeta", &f64s(&grads.dbeta), &want_db, 1e-4);
@@ -259,7 +259,7 @@ fn host_and_virtual_device_allocate_alike() {
             EPS,
         )
         .unwrap();
-        let grads = ops::batch_norm_backward(&x, &g, &out.mean, &out.invstd, &out.y).unwrap();
+        let grads = ops::batch_norm_backward(&x, &g, &out.mean, &out.invstd, &out.y, EPS).unwrap();
         assert_eq!(grads.dgamma.dtype(), DType::F32);
         (dev.memory_allocated(), dev.max_memory_allocated())
     };

@@ -90,8 +90,8 @@ fn check_against_nchw(shape: [usize; 4], dtype: DType, pdtype: DType, with_runni
     let we = ops::batch_norm_eval(&xc, &g, &b, &m2, &v2, EPS).unwrap();
     same(&format!("{what} eval y"), &ye, &ops::permute(&we, &TO_NHWC).unwrap());
 
-    let gg = ops::batch_norm_backward_nhwc(&x, &g, &got.mean, &got.invstd, &dy).unwrap();
-    let wg = ops::batch_norm_backward(&xc, &g, &want.mean, &want.invstd, &dyc).unwrap();
+    let gg = ops::batch_norm_backward_nhwc(&x, &g, &got.mean, &got.invstd, &dy, EPS).unwrap();
+    let wg = ops::batch_norm_backward(&xc, &g, &want.mean, &want.invstd, &dyc, EPS).unwrap();
     same(&format!("{what} dx"), &gg.dx, &ops::permute(&wg.dx, &TO_NHWC).unwrap());
     same(&format!("{what} dgamma"), &gg.dgamma, &wg.dgamma);
     same(&format!("{what} dbeta"), &gg.dbeta, &wg.dbeta);
@@ -146,7 +146,7 @@ fn bad_input_is_refused_and_changes_nothing() {
         assert!(e.contains("[batch, h, w, channels]") && e.contains("batch_norm_nhwc"), "{e}");
         let e = msg(ops::batch_norm_eval_nhwc(&bad, &g, &b, &rm, &rv, EPS).unwrap_err());
         assert!(e.contains("[batch, h, w, channels]"), "{e}");
-        let e = msg(ops::batch_norm_backward_nhwc(&bad, &g, &rm, &rv, &bad).unwrap_err());
+        let e = msg(ops::batch_norm_backward_nhwc(&bad, &g, &rm, &rv, &bad, EPS).unwrap_err());
         assert!(e.contains("[batch, h, w, channels]"), "{e}");
     }
     // The channels are the last dimension: parameters of x's dim 1 are refused.
@@ -189,13 +189,24 @@ fn bad_input_is_refused_and_changes_nothing() {
     // The backward: dy of another shape or dtype, saved statistics not f32 [c].
     let out = ops::batch_norm_nhwc(&x, &g, &b, None, EPS).unwrap();
     let dy_t = Tensor::zeros(&d, &[2, 3, 4, 3], DType::F32).unwrap();
-    assert!(ops::batch_norm_backward_nhwc(&x, &g, &out.mean, &out.invstd, &dy_t).is_err());
+    assert!(ops::batch_norm_backward_nhwc(&x, &g, &out.mean, &out.invstd, &dy_t, EPS).is_err());
     let dy_b = Tensor::zeros(&d, &[2, 3, 3, 4], DType::BF16).unwrap();
-    assert!(ops::batch_norm_backward_nhwc(&x, &g, &out.mean, &out.invstd, &dy_b).is_err());
+    assert!(ops::batch_norm_backward_nhwc(&x, &g, &out.mean, &out.invstd, &dy_b, EPS).is_err());
     let m16 = out.mean.to_dtype(DType::F16).unwrap();
-    assert!(ops::batch_norm_backward_nhwc(&x, &g, &m16, &out.invstd, &out.y).is_err());
-    let e = msg(ops::batch_norm_backward_nhwc(&x, &g, &p(0.0, 3, DType::F32), &out.invstd, &out.y)
+    assert!(ops::batch_norm_backward_nhwc(&x, &g, &m16, &out.invstd, &out.y, EPS).is_err());
+    // The forward's eps, which cuDNN's backward takes: checked as the forward checks it.
+    let e = msg(ops::batch_norm_backward_nhwc(&x, &g, &out.mean, &out.invstd, &out.y, f32::NAN)
         .unwrap_err());
+    assert!(e.contains("eps"), "{e}");
+    let e = msg(ops::batch_norm_backward_nhwc(
+        &x,
+        &g,
+        &p(0.0, 3, DType::F32),
+        &out.invstd,
+        &out.y,
+        EPS,
+    )
+    .unwrap_err());
     assert!(!e.is_empty());
 }
 
@@ -257,7 +268,7 @@ fn out_of_memory_anywhere_leaves_running_statistics_and_inputs_intact() {
     };
     for k in 0..64 {
         cap(&d, k * STEP);
-        match ops::batch_norm_backward_nhwc(&x, &g, &out.mean, &out.invstd, &dy) {
+        match ops::batch_norm_backward_nhwc(&x, &g, &out.mean, &out.invstd, &dy, EPS) {
             Ok(_) => break,
             Err(e) => {
                 assert!(e.is_out_of_memory(), "backward at +{k} steps: {e}");
@@ -308,7 +319,7 @@ fn nhwc_traces(d: &Device, shape: [usize; 4], dtype: DType, pdtype: DType) -> Ve
             ops::batch_norm_nhwc(&x, &g, &b, Some(run), EPS)
         }),
         traced(d, || ops::batch_norm_eval_nhwc(&x, &g, &b, &rm, &rv, EPS)),
-        traced(d, || ops::batch_norm_backward_nhwc(&x, &g, &mean, &invstd, &x)),
+        traced(d, || ops::batch_norm_backward_nhwc(&x, &g, &mean, &invstd, &x, EPS)),
     ]
 }
 
@@ -368,8 +379,8 @@ fn nhwc_ops_allocate_what_the_nchw_ops_do_at_resnet50s_first_batch_norm() {
         ),
         (
             "batch_norm_backward",
-            footprint(&d, || ops::batch_norm_backward_nhwc(&x, &g, &stats.0, &stats.1, &x)),
-            footprint(&d, || ops::batch_norm_backward(&xc, &g, &stats.0, &stats.1, &xc)),
+            footprint(&d, || ops::batch_norm_backward_nhwc(&x, &g, &stats.0, &stats.1, &x, EPS)),
+            footprint(&d, || ops::batch_norm_backward(&xc, &g, &stats.0, &stats.1, &xc, EPS)),
         ),
     ];
     for (op, got, nchw) in rows {
@@ -446,8 +457,10 @@ fn gpu_against_host(gpu: &Device, cases: &[(DType, DType)]) {
             let he = ops::batch_norm_eval_nhwc(&hx, &hg, &hb, &hm, &hv, EPS).unwrap();
             let ge = ops::batch_norm_eval_nhwc(&gx, &gg, &gb, &gm, &gv, EPS).unwrap();
             close(&format!("{what} eval"), &ge, &he, tol);
-            let hgr = ops::batch_norm_backward_nhwc(&hx, &hg, &hn.mean, &hn.invstd, &hdy).unwrap();
-            let ggr = ops::batch_norm_backward_nhwc(&gx, &gg, &gn.mean, &gn.invstd, &gdy).unwrap();
+            let hgr =
+                ops::batch_norm_backward_nhwc(&hx, &hg, &hn.mean, &hn.invstd, &hdy, EPS).unwrap();
+            let ggr =
+                ops::batch_norm_backward_nhwc(&gx, &gg, &gn.mean, &gn.invstd, &gdy, EPS).unwrap();
             close(&format!("{what} dx"), &ggr.dx, &hgr.dx, tol.max(1e-3));
             close(&format!("{what} dgamma"), &ggr.dgamma, &hgr.dgamma, pt.max(1e-3));
             close(&format!("{what} dbeta"), &ggr.dbeta, &hgr.dbeta, pt.max(1e-3));

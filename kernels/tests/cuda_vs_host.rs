@@ -403,8 +403,10 @@ fn batch_norm_matches_host() {
                 let ge = ops::batch_norm_eval(&gx, &gg, &gb, &gm, &gv, 1e-5).unwrap();
                 close("batch_norm_eval", &ge, &he, t);
                 let (hdy, gdy) = pair(&gpu, shape, dtype, 24);
-                let hgr = ops::batch_norm_backward(&hx, &hg, &hn.mean, &hn.invstd, &hdy).unwrap();
-                let ggr = ops::batch_norm_backward(&gx, &gg, &gn.mean, &gn.invstd, &gdy).unwrap();
+                let hgr =
+                    ops::batch_norm_backward(&hx, &hg, &hn.mean, &hn.invstd, &hdy, 1e-5).unwrap();
+                let ggr =
+                    ops::batch_norm_backward(&gx, &gg, &gn.mean, &gn.invstd, &gdy, 1e-5).unwrap();
                 close("batch_norm dx", &ggr.dx, &hgr.dx, t);
                 close_sum("batch_norm dgamma", &ggr.dgamma, &hgr.dgamma, pt.max(1e-4));
                 close_sum("batch_norm dbeta", &ggr.dbeta, &hgr.dbeta, pt.max(1e-4));

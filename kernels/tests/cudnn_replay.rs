@@ -202,6 +202,36 @@ fn a_benchmark_run_replays_each_shapes_recorded_search_once() {
     assert_eq!(conv_trace(&small, dtype, false), first);
 }
 
+/// PyTorch's `findAlgorithms` empties the cache right after a timed search, while the
+/// search's workspace is still held: blocks cached before go back to the device, and the
+/// search's block stays cached (the call's own workspace then comes out of it). Without
+/// `cudnn_benchmark` nothing is emptied.
+#[test]
+fn a_timed_search_empties_the_cache_and_keeps_its_own_block() {
+    const MIB: u64 = 1 << 20;
+    let reserved_after_forward = |benchmark: bool| {
+        let d = Device::virtual_device(1 << 30);
+        d.set_cudnn_benchmark(benchmark);
+        let mut r = record(DType::F32, ConvLayout::Nchw);
+        r.convolutions[0].search_workspace = Some(64 << 20);
+        d.set_cudnn_choices(Some(r)).unwrap();
+        let x = Tensor::zeros(&d, &X, DType::F32).unwrap();
+        let w = Tensor::zeros(&d, &W, DType::F32).unwrap();
+        // 32 MiB cached, too small for the search's 64 MiB.
+        drop(Tensor::zeros(&d, &[8 << 20], DType::F32).unwrap());
+        assert!(d.memory_reserved() >= 32 * MIB, "32 MiB cached before the call");
+        let y = ops::conv2d(&x, &w, None, &opts()).unwrap();
+        let reserved = d.memory_reserved();
+        drop((x, w, y));
+        reserved
+    };
+    // The search's 64 MiB segment and the small pool's; the 32 MiB segment was released.
+    let searched = reserved_after_forward(true);
+    assert!((64 * MIB..96 * MIB).contains(&searched), "{searched} B reserved");
+    let plain = reserved_after_forward(false);
+    assert!((32 * MIB..64 * MIB).contains(&plain), "{plain} B reserved: nothing emptied");
+}
+
 #[test]
 fn only_a_virtual_device_replays_and_the_host_records_nothing() {
     let host = Device::host(1 << 20);
@@ -270,7 +300,7 @@ fn batch_norm_calls_replay_their_recorded_workspace_and_reserve() {
         let b = Tensor::zeros(&d, &[64], DType::F32).unwrap();
         let from = start(&d);
         let out = ops::batch_norm(&x, &g, &b, None, 1e-5).unwrap();
-        let grads = ops::batch_norm_backward(&x, &g, &out.mean, &out.invstd, &x).unwrap();
+        let grads = ops::batch_norm_backward(&x, &g, &out.mean, &out.invstd, &x, 1e-5).unwrap();
         let e = entries(&d, from);
         assert_eq!(d.cudnn_choice_misses(), 0);
         drop((out, grads));
@@ -330,11 +360,11 @@ fn a_gpus_record_replayed_on_a_virtual_device_gives_the_gpus_trace() {
             let from = start(d);
             let (out, grads) = if nhwc {
                 let out = ops::batch_norm_nhwc(&x, &g, &b, None, 1e-5).unwrap();
-                let gr = ops::batch_norm_backward_nhwc(&x, &g, &out.mean, &out.invstd, &x);
+                let gr = ops::batch_norm_backward_nhwc(&x, &g, &out.mean, &out.invstd, &x, 1e-5);
                 (out, gr.unwrap())
             } else {
                 let out = ops::batch_norm(&x, &g, &b, None, 1e-5).unwrap();
-                let gr = ops::batch_norm_backward(&x, &g, &out.mean, &out.invstd, &x);
+                let gr = ops::batch_norm_backward(&x, &g, &out.mean, &out.invstd, &x, 1e-5);
                 (out, gr.unwrap())
             };
             all.extend(entries(d, from));

@@ -406,7 +406,7 @@ fn bn_step(d: &Device, shape: &[usize], (t, pt): (DType, DType), eps: f32) -> Ve
     let running = ops::RunningStats { mean: &mut rm, var: &mut rv, momentum: 0.1 };
     let out = ops::batch_norm(&x, &g, &b, Some(running), eps).unwrap();
     let eval = ops::batch_norm_eval(&x, &g, &b, &rm, &rv, eps).unwrap();
-    let grads = ops::batch_norm_backward(&x, &g, &out.mean, &out.invstd, &dy).unwrap();
+    let grads = ops::batch_norm_backward(&x, &g, &out.mean, &out.invstd, &dy, eps).unwrap();
     vec![out.y, out.mean, out.invstd, rm, rv, eval, grads.dx, grads.dgamma, grads.dbeta]
 }
 
@@ -460,7 +460,7 @@ fn cudnn_batch_norm_saves_what_the_own_kernels_save() {
         tensor(&host(), &shape, DType::F32, 53),
     );
     let want = ops::batch_norm(&hx, &hg, &hb, None, 1e-3).unwrap();
-    let want_g = ops::batch_norm_backward(&hx, &hg, &want.mean, &want.invstd, &hdy).unwrap();
+    let want_g = ops::batch_norm_backward(&hx, &hg, &want.mean, &want.invstd, &hdy, 1e-3).unwrap();
     let (x, g, b, dy) = (on(&hx), on(&hg), on(&hb), on(&hdy));
     for (forward, backward) in
         [(ConvBackend::Cudnn, ConvBackend::Own), (ConvBackend::Own, ConvBackend::Cudnn)]
@@ -470,7 +470,7 @@ fn cudnn_batch_norm_saves_what_the_own_kernels_save() {
         close(&format!("mean ({forward:?})"), &out.mean, &want.mean, 1e-4);
         close(&format!("invstd ({forward:?})"), &out.invstd, &want.invstd, 1e-4);
         gpu.set_conv_backend(backward).unwrap();
-        let grads = ops::batch_norm_backward(&x, &g, &out.mean, &out.invstd, &dy).unwrap();
+        let grads = ops::batch_norm_backward(&x, &g, &out.mean, &out.invstd, &dy, 1e-3).unwrap();
         close(&format!("dx ({forward:?} then {backward:?})"), &grads.dx, &want_g.dx, 1e-4);
         close(&format!("dgamma ({backward:?})"), &grads.dgamma, &want_g.dgamma, 1e-4);
         close(&format!("dbeta ({backward:?})"), &grads.dbeta, &want_g.dbeta, 1e-4);
@@ -499,7 +499,8 @@ fn cudnn_batch_norm_workspaces_are_returned() {
             let running = ops::RunningStats { mean: &mut rm, var: &mut rv, momentum: 0.1 };
             let out = ops::batch_norm(&x, &g, &b, Some(running), 1e-5).unwrap();
             let eval = ops::batch_norm_eval(&x, &g, &b, &rm, &rv, 1e-5).unwrap();
-            let grads = ops::batch_norm_backward(&x, &g, &out.mean, &out.invstd, &dy).unwrap();
+            let grads =
+                ops::batch_norm_backward(&x, &g, &out.mean, &out.invstd, &dy, 1e-5).unwrap();
             gpu.synchronize().unwrap();
             let outputs = gpu.memory_allocated() - before;
             let peak = gpu.max_memory_allocated() - before;

@@ -358,9 +358,16 @@ impl Layer for Conv2d {
         if let (Some(norm), Some(ns)) = (&mut self.norm, norm_saved) {
             let (gamma, cl) = (&norm.gamma.value, self.channels_last);
             let g = if cl {
-                ops::batch_norm_backward_nhwc(&ns.z, gamma, &ns.mean, &ns.invstd, &dz)?
+                ops::batch_norm_backward_nhwc(
+                    &ns.z,
+                    gamma,
+                    &ns.mean,
+                    &ns.invstd,
+                    &dz,
+                    BATCH_NORM_EPS,
+                )?
             } else {
-                ops::batch_norm_backward(&ns.z, gamma, &ns.mean, &ns.invstd, &dz)?
+                ops::batch_norm_backward(&ns.z, gamma, &ns.mean, &ns.invstd, &dz, BATCH_NORM_EPS)?
             };
             drop(ns);
             dz = g.dx;

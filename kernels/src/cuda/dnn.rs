@@ -14,9 +14,12 @@
 //! - otherwise cuDNN's heuristics rank the algorithms (`cudnnGet...Algorithm_v7`), or, with
 //!   `cudnn_benchmark` on, a timed search runs them all (`cudnnFind...AlgorithmEx`) in one
 //!   workspace from the caching allocator, sized as PyTorch's `getMaxWorkspaceSize` does:
-//!   the largest algorithm workspace no larger than the allocator's `cacheInfo` (the
-//!   device's free memory, or its largest cached free block when larger); as in PyTorch,
-//!   that allocation failing is the convolution's error;
+//!   the largest workspace `cudnnGet...WorkspaceSize` gives any of the direction's
+//!   algorithms, asked one by one, no larger than the allocator's `cacheInfo` (the device's
+//!   free memory, or its largest cached free block when larger); as in PyTorch, that
+//!   allocation failing is the convolution's error, and the cache is emptied right after
+//!   the search, while its workspace is still held (`emptyCache` in PyTorch's
+//!   `findAlgorithms`: the search's block then goes back to a cache holding little else);
 //! - the candidates are tried in order: each one's workspace comes from the device's caching
 //!   allocator (so it is counted in the statistics) and goes back to it after the call; one
 //!   whose workspace does not fit (out of memory) or that cuDNN refuses is skipped for the
@@ -211,6 +214,10 @@ pub(crate) trait WorkspaceSource {
 
     /// The caching allocator's `cacheInfo` (see [`vram_alloc::CachingAllocator::cache_info`]).
     fn cache_info(&self) -> u64;
+
+    /// The caching allocator's `empty_cache` (PyTorch's `emptyCache`, which its timed search
+    /// calls after each `cudnnFind*AlgorithmEx`).
+    fn empty_cache(&self);
 }
 
 /// cuDNN on one device: its handle, version and algorithm caches.
@@ -483,11 +490,23 @@ pub(crate) struct Pointers {
 
 /// One direction of a convolution: its algorithm type, search and run calls.
 trait Direction {
-    type Algo: Copy + std::fmt::Debug;
+    type Algo: Copy + std::fmt::Debug + 'static;
     type Perf: Copy;
     const NAME: &'static str;
     fn cache(dnn: &Dnn) -> &AlgoCache<Self::Algo>;
     fn unpack(p: &Self::Perf) -> (Self::Algo, sys::cudnnStatus_t, usize, sys::cudnnMathType_t);
+    /// The algorithms PyTorch's `findAlgorithms` lists for this direction, whose workspaces
+    /// `getMaxWorkspaceSize` asks for one by one.
+    const ALGOS: &'static [Self::Algo];
+    /// `cudnnGet*WorkspaceSize` of `algo` for these descriptors; `None` when cuDNN refuses.
+    ///
+    /// # Safety
+    /// Live handle and descriptors.
+    unsafe fn workspace_size(
+        h: sys::cudnnHandle_t,
+        d: &Descriptors,
+        algo: Self::Algo,
+    ) -> Option<usize>;
     /// Ranks the algorithms into `out`, returning how many it wrote.
     ///
     /// # Safety
@@ -538,6 +557,28 @@ impl Direction for Fwd {
     }
     fn unpack(p: &Self::Perf) -> (Self::Algo, sys::cudnnStatus_t, usize, sys::cudnnMathType_t) {
         (p.algo, p.status, p.memory, p.mathType)
+    }
+    const ALGOS: &'static [Self::Algo] = &[
+        sys::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_GEMM,
+        sys::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_FFT,
+        sys::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_FFT_TILING,
+        sys::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM,
+        sys::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM,
+        sys::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_DIRECT,
+        sys::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD,
+        sys::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED,
+    ];
+    unsafe fn workspace_size(
+        h: sys::cudnnHandle_t,
+        d: &Descriptors,
+        algo: Self::Algo,
+    ) -> Option<usize> {
+        let mut bytes = 0usize;
+        // SAFETY: the caller's contract; `bytes` is a valid out-pointer.
+        let status = unsafe {
+            sys::cudnnGetConvolutionForwardWorkspaceSize(h, d.x, d.w, d.conv, d.y, algo, &mut bytes)
+        };
+        (status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS).then_some(bytes)
     }
     unsafe fn search(
         h: sys::cudnnHandle_t,
@@ -620,6 +661,28 @@ impl Direction for BwdData {
     fn unpack(p: &Self::Perf) -> (Self::Algo, sys::cudnnStatus_t, usize, sys::cudnnMathType_t) {
         (p.algo, p.status, p.memory, p.mathType)
     }
+    const ALGOS: &'static [Self::Algo] = &[
+        sys::cudnnConvolutionBwdDataAlgo_t::CUDNN_CONVOLUTION_BWD_DATA_ALGO_0,
+        sys::cudnnConvolutionBwdDataAlgo_t::CUDNN_CONVOLUTION_BWD_DATA_ALGO_1,
+        sys::cudnnConvolutionBwdDataAlgo_t::CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT,
+        sys::cudnnConvolutionBwdDataAlgo_t::CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT_TILING,
+        sys::cudnnConvolutionBwdDataAlgo_t::CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD,
+        sys::cudnnConvolutionBwdDataAlgo_t::CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD_NONFUSED,
+    ];
+    unsafe fn workspace_size(
+        h: sys::cudnnHandle_t,
+        d: &Descriptors,
+        algo: Self::Algo,
+    ) -> Option<usize> {
+        let mut bytes = 0usize;
+        // SAFETY: the caller's contract; `bytes` is a valid out-pointer.
+        let status = unsafe {
+            sys::cudnnGetConvolutionBackwardDataWorkspaceSize(
+                h, d.w, d.y, d.conv, d.x, algo, &mut bytes,
+            )
+        };
+        (status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS).then_some(bytes)
+    }
     unsafe fn search(
         h: sys::cudnnHandle_t,
         d: &Descriptors,
@@ -700,6 +763,29 @@ impl Direction for BwdFilter {
     }
     fn unpack(p: &Self::Perf) -> (Self::Algo, sys::cudnnStatus_t, usize, sys::cudnnMathType_t) {
         (p.algo, p.status, p.memory, p.mathType)
+    }
+    const ALGOS: &'static [Self::Algo] = &[
+        // PyTorch leaves out ALGO_WINOGRAD, which cuDNN does not implement here.
+        sys::cudnnConvolutionBwdFilterAlgo_t::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0,
+        sys::cudnnConvolutionBwdFilterAlgo_t::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,
+        sys::cudnnConvolutionBwdFilterAlgo_t::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT,
+        sys::cudnnConvolutionBwdFilterAlgo_t::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3,
+        sys::cudnnConvolutionBwdFilterAlgo_t::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD_NONFUSED,
+        sys::cudnnConvolutionBwdFilterAlgo_t::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT_TILING,
+    ];
+    unsafe fn workspace_size(
+        h: sys::cudnnHandle_t,
+        d: &Descriptors,
+        algo: Self::Algo,
+    ) -> Option<usize> {
+        let mut bytes = 0usize;
+        // SAFETY: the caller's contract; `bytes` is a valid out-pointer.
+        let status = unsafe {
+            sys::cudnnGetConvolutionBackwardFilterWorkspaceSize(
+                h, d.x, d.y, d.conv, d.w, algo, &mut bytes,
+            )
+        };
+        (status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS).then_some(bytes)
     }
     unsafe fn search(
         h: sys::cudnnHandle_t,
@@ -850,6 +936,9 @@ impl Dnn {
             // SAFETY: the caller's contract; `block` holds `bytes` bytes and lives until the
             // search returns (which synchronizes).
             let n = unsafe { D::search(self.handle, &d, Some((ptrs, addr, bytes)), &mut perfs)? };
+            // PyTorch empties the cache right after the search, while the search's workspace
+            // is still held (it goes back to the cache after).
+            ws.empty_cache();
             drop(block);
             (n, Some(bytes))
         } else {
@@ -888,18 +977,14 @@ impl Dnn {
         })
     }
 
-    /// The workspace sizes of every algorithm of direction `D` that cuDNN can run (for the
-    /// timed search).
+    /// The workspace size of each algorithm of direction `D` that cuDNN can size for these
+    /// descriptors (for the timed search), asked one by one as PyTorch's
+    /// `getMaxWorkspaceSize` does (not the heuristics' list, which may leave some out).
     fn workspace_sizes<D: Direction>(&self, d: &Descriptors) -> Vec<usize> {
-        let mut perfs = zeroed_perfs::<D::Perf>(MAX_ALGOS);
-        // SAFETY: live handle and descriptors; the heuristics list every algorithm with its
-        // workspace.
-        let n = unsafe { D::search(self.handle, d, None, &mut perfs) }.unwrap_or(0);
-        perfs[..n]
+        D::ALGOS
             .iter()
-            .map(D::unpack)
-            .filter(|p| p.1 == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS)
-            .map(|p| p.2)
+            // SAFETY: live handle and descriptors.
+            .filter_map(|&algo| unsafe { D::workspace_size(self.handle, d, algo) })
             .collect()
     }
 

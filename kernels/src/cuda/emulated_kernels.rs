@@ -301,9 +301,15 @@ fn batch_norm_parts_merge_into_the_hosts_statistics_and_gradients() {
 
         // Backward from the host's saved statistics.
         let dyv = values(total, seed + 3, -1.0, 1.0);
-        let grads =
-            ops::batch_norm_backward(&x_t, &g_t, &want.mean, &want.invstd, &tensor(shape, &dyv))
-                .unwrap();
+        let grads = ops::batch_norm_backward(
+            &x_t,
+            &g_t,
+            &want.mean,
+            &want.invstd,
+            &tensor(shape, &dyv),
+            1e-5,
+        )
+        .unwrap();
         let (mut dy, mut mean, mut inv) = (dyv, f32s(&want.mean), f32s(&want.invstd));
         let mut part = vec![f32::NAN; 2 * c * parts];
         let args = [
@@ -1182,7 +1188,8 @@ fn batch_norm_nhwc_of<T: Element, P: Element>() -> bool {
         let dyv = values(total, seed + 3, -1.0, 1.0);
         let dy_t = tensor_of::<T>(shape, &dyv);
         let grads =
-            ops::batch_norm_backward_nhwc(&x_t, &g_t, &want.mean, &want.invstd, &dy_t).unwrap();
+            ops::batch_norm_backward_nhwc(&x_t, &g_t, &want.mean, &want.invstd, &dy_t, 1e-5)
+                .unwrap();
         let (mut dy, mut mean, mut inv) = (typed::<T>(&dyv), f32s(&want.mean), f32s(&want.invstd));
         let mut part = vec![f32::NAN; 2 * c * parts];
         let args = [

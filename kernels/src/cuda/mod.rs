@@ -402,6 +402,10 @@ impl dnn::WorkspaceSource for CudaBackend {
     fn cache_info(&self) -> u64 {
         self.alloc.cache_info()
     }
+
+    fn empty_cache(&self) {
+        self.alloc.empty_cache();
+    }
 }
 
 /// What an op's CUDA code runs with: the device, the cuBLAS workspace the op layer

@@ -753,20 +753,35 @@ impl<const NHWC: bool> Op for BatchNormEval<'_, NHWC> {
 }
 
 /// Gradients of a training [`batch_norm`] from its input `x`, `gamma`, the saved `mean` and
-/// `invstd`, and the upstream `dy`. Through cuDNN on a CUDA device where PyTorch would (see
-/// the module's docs; not yet run on a GPU), whichever path saved `mean` and `invstd`.
+/// `invstd`, the upstream `dy`, and the forward's `eps` (PyTorch's
+/// `native_batch_norm_backward` takes it too). Through cuDNN on a CUDA device where PyTorch
+/// would (see the module's docs; not yet run on a GPU), whichever path saved `mean` and
+/// `invstd`; cuDNN's backward must be given the forward's `eps` ("same epsilon as forward
+/// pass", `cudnn_ops.h`), the own kernels and the host read it from `invstd`.
 ///
 /// # Errors
 ///
-/// Shape, dtype and device mismatches; out of memory.
+/// Shape, dtype and device mismatches; an `eps` that is negative or not finite; out of
+/// memory.
 pub fn batch_norm_backward(
     x: &Tensor,
     gamma: &Tensor,
     mean: &Tensor,
     invstd: &Tensor,
     dy: &Tensor,
+    eps: f32,
 ) -> Result<BatchNormGrads> {
-    run(BatchNormBackward::<false> { x, gamma, mean, invstd, dy, s: 0, sums: None, cudnn: false })
+    run(BatchNormBackward::<false> {
+        x,
+        gamma,
+        mean,
+        invstd,
+        dy,
+        eps,
+        s: 0,
+        sums: None,
+        cudnn: false,
+    })
 }
 
 /// [`batch_norm`] on a channels_last image batch `x: [n, h, w, c]` (PyTorch's
@@ -838,8 +853,19 @@ pub fn batch_norm_backward_nhwc(
     mean: &Tensor,
     invstd: &Tensor,
     dy: &Tensor,
+    eps: f32,
 ) -> Result<BatchNormGrads> {
-    run(BatchNormBackward::<true> { x, gamma, mean, invstd, dy, s: 0, sums: None, cudnn: false })
+    run(BatchNormBackward::<true> {
+        x,
+        gamma,
+        mean,
+        invstd,
+        dy,
+        eps,
+        s: 0,
+        sums: None,
+        cudnn: false,
+    })
 }
 
 /// The backward of a training batch norm over `x: [n, c, ..]`, or a channels_last
@@ -850,6 +876,8 @@ struct BatchNormBackward<'a, const NHWC: bool> {
     mean: &'a Tensor,
     invstd: &'a Tensor,
     dy: &'a Tensor,
+    /// The forward's `eps`, for cuDNN.
+    eps: f32,
     s: usize,
     /// The f32 per-channel sums of `dy * xhat` and `dy` on the GPU, `2 * c` floats, then
     /// their per-part terms, `2 * c * parts(n, c, s)`.
@@ -870,7 +898,7 @@ impl<const NHWC: bool> Op for BatchNormBackward<'_, NHWC> {
     }
 
     fn plan(&mut self) -> Result<Plan<Self::Outs>> {
-        let (n, c, s) = dims(Self::NAME, self.x, &[self.gamma], 0.0, NHWC)?;
+        let (n, c, s) = dims(Self::NAME, self.x, &[self.gamma], self.eps, NHWC)?;
         same_layout(Self::NAME, self.x, self.dy)?;
         for saved in [self.mean, self.invstd] {
             same_device(Self::NAME, self.x, saved)?;
@@ -964,7 +992,7 @@ impl<const NHWC: bool> Op for BatchNormBackward<'_, NHWC> {
             // SAFETY: the op's tensors of the shapes and dtypes the plan checked (f32
             // parameters: PyTorch's rule; the saved statistics f32 [c]); the gradients are
             // fresh outputs.
-            return unsafe { dnn.bn_backward(shape, self.x.dtype(), layout, &a, cu) };
+            return unsafe { dnn.bn_backward(shape, self.x.dtype(), layout, &a, self.eps, cu) };
         }
         let c = self.gamma.numel();
         let n = self.x.numel() / (c * self.s).max(1);

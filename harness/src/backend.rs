@@ -65,8 +65,9 @@ pub(crate) fn kernel_paths(device: &vram_kernels::Device) -> String {
     } else {
         ""
     };
+    let why_not_lt = device.cublaslt_missing().map(|why| format!(": {why}")).unwrap_or_default();
     format!(
-        "convolutions: {}; batch norm: {bn}{where_}; linear layers: {}",
+        "convolutions: {}; batch norm: {bn}{where_}; linear layers: {}{why_not_lt}",
         device.conv_path(),
         device.linear_path()
     )

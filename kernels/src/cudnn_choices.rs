@@ -40,6 +40,68 @@ pub(crate) fn supports(p: &Conv2dParams) -> bool {
         && fits(p.weight_len())
 }
 
+/// Whether PyTorch runs convolution `p` of `dtype` in `layout` through cuDNN (given cuDNN is
+/// loaded and enabled) on a GPU of compute capability `major`.x: `select_conv_backend`'s
+/// `use_cudnn_depthwise` for a depthwise convolution and `use_cudnn` for the others
+/// (`aten/src/ATen/native/Convolution.cpp`), as far as vram's 2-d convolutions meet them:
+///
+/// - a depthwise convolution (`groups == c_in > 1`, `c_out` a multiple of `c_in`) runs cuDNN
+///   channels_last always; NCHW only in f16 with at least 32 channels, no dilation, equal
+///   strides (or a height of 1) and a workload `check_cudnn_depthwise_workload_with_filter`
+///   accepts; elsewhere PyTorch's own depthwise kernel (`conv_depthwise2d`), as vram's own
+///   kernels here;
+/// - bf16 runs cuDNN only from compute capability 8 (`supportsBFloat16ConvolutionWithCuDNNv8`);
+/// - and [`supports`]: vram runs its own kernels where PyTorch would split the batch.
+pub(crate) fn pytorch_uses_cudnn(
+    p: &Conv2dParams,
+    dtype: DType,
+    layout: ConvLayout,
+    major: u32,
+) -> bool {
+    if !supports(p) {
+        return false;
+    }
+    let depthwise = p.groups() > 1 && p.c_in() == p.groups() && p.c_out() % p.c_in() == 0;
+    if depthwise {
+        if layout == ConvLayout::Nhwc {
+            return true;
+        }
+        let (sh, sw) = p.stride();
+        return dtype == DType::F16
+            && p.c_in() >= 32
+            && p.dilation() == (1, 1)
+            && (sh == sw || p.h() == 1)
+            && depthwise_workload(p);
+    }
+    !(dtype == DType::BF16 && major < 8)
+}
+
+/// PyTorch's `check_cudnn_depthwise_workload_with_filter` (cuDNN 8.2 and later): the NCHW
+/// f16 depthwise convolutions cuDNN runs faster than PyTorch's own kernel.
+fn depthwise_workload(p: &Conv2dParams) -> bool {
+    let stride = p.stride().1;
+    if p.h() == 1 && stride == 1 {
+        return true;
+    }
+    let (kh, kw) = p.kernel();
+    if kh != kw || !matches!(kw, 1 | 3 | 5) {
+        return false;
+    }
+    let (filter, w, ch, bs) = (kw, p.w(), p.c_in(), p.batch());
+    if w < 7 {
+        return false;
+    }
+    match stride {
+        1 => true,
+        2 if bs == 1 => (filter == 1 && w <= 28) || filter == 3 || filter == 5,
+        2 => {
+            (filter == 1 && bs <= 16 && ch >= 128 && w <= 7)
+                || ((filter == 3 || filter == 5) && (ch >= 512 || (ch >= 256 && w >= 28)))
+        }
+        _ => false,
+    }
+}
+
 /// A convolution's direction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -226,6 +288,47 @@ impl CudnnChoices {
 mod tests {
     use super::*;
     use crate::Conv2dOptions;
+
+    /// PyTorch's backend choice (`use_cudnn_depthwise`, `use_cudnn`), case by case.
+    #[test]
+    fn convolutions_go_to_cudnn_where_pytorch_sends_them() {
+        let conv = |x: [usize; 4], w: [usize; 4], stride: usize, groups: usize| {
+            let o =
+                Conv2dOptions::default().stride((stride, stride)).padding((1, 1)).groups(groups);
+            Conv2dParams::new(&x, &w, &o).unwrap()
+        };
+        let (f32_, f16, bf16) = (DType::F32, DType::F16, DType::BF16);
+        let (nchw, nhwc) = (ConvLayout::Nchw, ConvLayout::Nhwc);
+        // MobileNetV3's depthwise 3x3 at 112 px, batch 64: channels_last always cuDNN; NCHW
+        // only in f16 (PyTorch's own depthwise kernel in f32 and bf16).
+        let dw = conv([64, 64, 112, 112], [64, 1, 3, 3], 1, 64);
+        assert!(pytorch_uses_cudnn(&dw, f32_, nhwc, 9));
+        assert!(pytorch_uses_cudnn(&dw, bf16, nhwc, 9));
+        assert!(!pytorch_uses_cudnn(&dw, f32_, nchw, 9));
+        assert!(!pytorch_uses_cudnn(&dw, bf16, nchw, 9));
+        assert!(pytorch_uses_cudnn(&dw, f16, nchw, 9));
+        // f16 NCHW: fewer than 32 channels, or a stride-2 workload the table refuses.
+        let narrow = conv([64, 16, 112, 112], [16, 1, 3, 3], 1, 16);
+        assert!(!pytorch_uses_cudnn(&narrow, f16, nchw, 9));
+        let s2 = conv([64, 64, 112, 112], [64, 1, 3, 3], 2, 64);
+        assert!(!pytorch_uses_cudnn(&s2, f16, nchw, 9), "stride 2 needs 256+ channels");
+        let s2_wide = conv([64, 512, 14, 14], [512, 1, 3, 3], 2, 512);
+        assert!(pytorch_uses_cudnn(&s2_wide, f16, nchw, 9));
+        let one = conv([1, 64, 28, 28], [64, 1, 5, 5], 2, 64);
+        assert!(pytorch_uses_cudnn(&one, f16, nchw, 9), "batch 1, 5x5 filter");
+        let small = conv([8, 64, 6, 6], [64, 1, 3, 3], 1, 64);
+        assert!(!pytorch_uses_cudnn(&small, f16, nchw, 9), "width under 7");
+        // Grouped but not depthwise: an ordinary convolution.
+        let grouped = conv([8, 64, 28, 28], [64, 32, 3, 3], 1, 2);
+        assert!(pytorch_uses_cudnn(&grouped, f32_, nchw, 9));
+        // bf16 needs compute capability 8; f16 and f32 do not.
+        let dense = conv([8, 64, 28, 28], [64, 64, 3, 3], 1, 1);
+        assert!(pytorch_uses_cudnn(&dense, bf16, nchw, 8));
+        assert!(!pytorch_uses_cudnn(&dense, bf16, nchw, 7));
+        assert!(!pytorch_uses_cudnn(&dense, bf16, nhwc, 7));
+        assert!(pytorch_uses_cudnn(&dense, f16, nchw, 7));
+        assert!(pytorch_uses_cudnn(&dense, f32_, nchw, 7));
+    }
 
     fn choice(pass: ConvPass, workspace: usize) -> ConvChoice {
         ConvChoice {

@@ -86,7 +86,8 @@ pub enum LinearPath {
     /// the [`LinearPath::Cublas`] path instead (counted by [`Device::cublaslt_fallbacks`]).
     CublasLt,
     /// cuBLAS (`cublasGemmEx`, the bias broadcast into C first) and the crate's own GELU
-    /// and column-sum kernels: libcublasLt could not be loaded.
+    /// and column-sum kernels: libcublasLt could not be loaded or its handle not created
+    /// ([`Device::cublaslt_missing`] says which).
     Cublas,
 }
 
@@ -544,8 +545,19 @@ impl Device {
         }
     }
 
-    /// How many products cuBLASLt had no algorithm for on this device, each run unfused
-    /// (cuBLAS and the crate's kernels) instead; 0 off a GPU.
+    /// Why linear layers run [`LinearPath::Cublas`] on this CUDA device (libcublasLt not
+    /// loaded, or its handle not created); `None` elsewhere and where cuBLASLt runs them.
+    pub fn cublaslt_missing(&self) -> Option<String> {
+        match &self.inner.backend {
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(cuda) => cuda.blas_lt_missing().map(str::to_string),
+            _ => None,
+        }
+    }
+
+    /// How many products cuBLASLt did not run on this device (no algorithm, a dimension of
+    /// 1, or the call failed), each run unfused (cuBLAS and the crate's kernels) instead; 0
+    /// off a GPU.
     pub fn cublaslt_fallbacks(&self) -> u64 {
         match &self.inner.backend {
             #[cfg(feature = "cuda")]
@@ -677,23 +689,31 @@ impl Device {
         }
     }
 
-    /// The settings a convolution of `p` runs cuDNN with, or `None` when it runs on the own
-    /// kernels (not a CUDA device, no cuDNN, [`ConvBackend::Own`], or a convolution cuDNN
-    /// cannot take).
-    pub(crate) fn cudnn_conv(&self, p: &crate::params::Conv2dParams) -> Option<ConvSettings> {
+    /// The settings a convolution of `p` in `dtype` and `layout` runs cuDNN with, or `None`
+    /// when it runs on the own kernels: not a CUDA device, no cuDNN, [`ConvBackend::Own`], or
+    /// a convolution PyTorch would not send to cuDNN (its depthwise and bf16 rules, see
+    /// `cudnn_choices::pytorch_uses_cudnn`; a virtual device replaying a record assumes a GPU
+    /// of compute capability 8 or more, as the records this project makes are).
+    pub(crate) fn cudnn_conv(
+        &self,
+        p: &crate::params::Conv2dParams,
+        dtype: crate::DType,
+        layout: crate::ConvLayout,
+    ) -> Option<ConvSettings> {
+        use crate::cudnn_choices::pytorch_uses_cudnn;
         #[cfg(feature = "cuda")]
         if let Backend::Cuda(cuda) = &self.inner.backend {
             let settings = *self.conv();
             let on = settings.backend != ConvBackend::Own
                 && cuda.cudnn_version().is_ok()
-                && crate::cuda::dnn::supports(p);
+                && pytorch_uses_cudnn(p, dtype, layout, cuda.compute_capability().0);
             return on.then_some(settings);
         }
         if self.replaying_cudnn().is_some() {
-            let on = crate::cudnn_choices::supports(p);
+            let on = pytorch_uses_cudnn(p, dtype, layout, 8);
             return on.then_some(*self.conv());
         }
-        let _ = p;
+        let _ = (p, dtype, layout);
         None
     }
 
@@ -1204,7 +1224,7 @@ mod tests {
                 &crate::params::Conv2dOptions::default(),
             )
             .unwrap();
-            assert_eq!(d.cudnn_conv(&p), None);
+            assert_eq!(d.cudnn_conv(&p, crate::DType::F32, crate::ConvLayout::Nchw), None);
         }
         assert_eq!(Device::host(1 << 20).conv_path(), ConvPath::Host);
         assert_eq!(Device::virtual_device(1 << 20).conv_path(), ConvPath::Virtual);

@@ -1,6 +1,8 @@
 //! Convolutions through cuDNN against the host reference: forward (with bias), backward data,
 //! backward filter and the bias gradient; dense, strided, dilated, pointwise, grouped and
-//! depthwise; NCHW and NHWC (channels_last); f32, f16 and bf16; cuDNN's heuristics and its
+//! depthwise (which PyTorch's rule sends to cuDNN channels_last, and NCHW in f16 only: the
+//! others run the own kernels, as PyTorch runs its own); NCHW and NHWC (channels_last); f32,
+//! f16 and bf16; cuDNN's heuristics and its
 //! timed search (`cudnn_benchmark`); TF32 off (f32 within 1e-4 of the largest value) and on
 //! (1e-2). The GPU tests print `skipped: no CUDA device (...)` or `skipped: no cuDNN (...)`
 //! and pass where they cannot run. The channels_last ops on the host, which run through
@@ -15,6 +17,7 @@
 //! test whose name holds `cudnn` (these, the algorithm cache's and the device's fallback).
 
 use std::io::Write as _;
+use vram_kernels::cudnn_choices::BnPass;
 use vram_kernels::ops;
 use vram_kernels::{Conv2dOptions, ConvBackend, ConvPath, DType, Device, Tensor};
 
@@ -415,8 +418,10 @@ const BN_NAMES: [&str; 9] =
 
 /// Batch norm on the GPU (cuDNN where PyTorch uses it, the own kernels elsewhere) against the
 /// host: training with the running statistics, evaluation, backward; every dtype pair,
-/// 3- to 5-d and 2-d inputs, PyTorch's eps and a larger one (which also checks that cuDNN's
-/// backward reads the forward's eps from the saved statistics, not from its own argument).
+/// 3- to 5-d and 2-d inputs, PyTorch's eps and a larger one (cuDNN's backward is given the
+/// forward's, as it requires). f32 batch norms of 3 to 5 dimensions must have run through
+/// cuDNN (PyTorch's rule), training and backward: the record of the calls says so, so that a
+/// silent fall back to the own kernels fails here.
 #[test]
 fn cudnn_batch_norm_matches_the_host() {
     let Some(gpu) = cudnn_gpu() else { return };
@@ -441,6 +446,14 @@ fn cudnn_batch_norm_matches_the_host() {
                     close(&format!("{name} {shape:?} {t:?}/{pt:?} eps {eps}"), g, w, tol);
                 }
             }
+        }
+    }
+    let calls = gpu.cudnn_choices().expect("cuDNN loaded").batch_norms;
+    for shape in BN_SHAPES.iter().filter(|s| (3..=5).contains(&s.len())) {
+        for pass in [BnPass::Training, BnPass::Backward] {
+            let ran =
+                calls.iter().any(|c| c.pass == pass && c.shape == *shape && c.dtype == DType::F32);
+            assert!(ran, "f32 {shape:?}: no {pass:?} call through cuDNN in {calls:?}");
         }
     }
 }

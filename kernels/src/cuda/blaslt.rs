@@ -176,33 +176,47 @@ pub(crate) struct BlasLt {
 unsafe impl Send for BlasLt {}
 
 impl BlasLt {
-    /// A handle, or `None` when libcublasLt cannot be loaded (the caller then runs cuBLAS
-    /// and its own kernels). The caller has bound the device's context.
-    pub(crate) fn new() -> Result<Option<BlasLt>> {
+    /// A handle, or why there is none: libcublasLt cannot be loaded, or `cublasLtCreate`
+    /// failed (the caller then runs cuBLAS and its own kernels, and says why). The caller
+    /// has bound the device's context.
+    pub(crate) fn new() -> std::result::Result<BlasLt, String> {
         // SAFETY: only tries to open the library by its candidate names.
         if !unsafe { sys::is_culib_present() } {
-            return Ok(None);
+            return Err("libcublasLt could not be loaded".to_string());
         }
-        let handle = result::create_handle().map_err(lt_error("cublasLtCreate"))?;
-        Ok(Some(BlasLt { handle }))
+        let handle = result::create_handle().map_err(|e| format!("cublasLtCreate: {e:?}"))?;
+        Ok(BlasLt { handle })
     }
 
-    /// Runs `g` on the legacy default stream (every op's) with `workspace` (`(address, bytes)`, from the device's caching
-    /// allocator); `tf32` lets f32 products use TF32 tensor cores. Returns `Ok(false)`,
-    /// having queued nothing, when cuBLASLt has no algorithm for this product and epilogue.
+    /// Runs `g` on the legacy default stream (every op's) with `workspace` (`(address,
+    /// bytes)`, from the device's caching allocator); `tf32` lets f32 products use TF32
+    /// tensor cores. Returns `Ok(false)` when the caller must run the unfused path instead,
+    /// as PyTorch's `gemm_and_bias` returning `false` makes it: a dimension of 1 (which
+    /// PyTorch's `addmm` never sends to cuBLASLt: its heuristic fails on them), no algorithm
+    /// for this product and epilogue, or `cublasLtMatmul` failing (PyTorch warns and falls
+    /// back; so does this, once per process).
     ///
     /// # Safety
     ///
     /// The context is bound; every pointer of `g` is a live device allocation holding what
     /// its dimensions and leading dimensions address (the epilogue's bias `m` elements, its
-    /// aux `m * n`, its bias gradient `n`), D aliases no input, and the workspace is not
-    /// used by anything else queued concurrently.
+    /// aux `m * n`, its bias gradient `n` for `BGRADB` and `m` for `DGELU_BGRAD`), D aliases
+    /// no input, and the workspace is not used by anything else queued concurrently.
+    ///
+    /// # Errors
+    ///
+    /// A descriptor cuBLASLt refuses, or a heuristic error other than finding no algorithm
+    /// (PyTorch checks the heuristic's status too): a mistake in the call, not a product
+    /// cuBLASLt cannot run.
     pub(crate) unsafe fn matmul(
         &self,
         g: &LtGemm,
         workspace: Option<(u64, usize)>,
         tf32: bool,
     ) -> Result<bool> {
+        if g.m <= 1 || g.n <= 1 || g.k <= 1 {
+            return Ok(false);
+        }
         let compute = if g.dtype == DType::F32 && tf32 {
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
         } else {
@@ -218,7 +232,8 @@ impl BlasLt {
         desc.set(A::CUBLASLT_MATMUL_DESC_TRANSA, &op(g.trans_a))?;
         desc.set(A::CUBLASLT_MATMUL_DESC_TRANSB, &op(g.trans_b))?;
         use sys::cublasLtEpilogue_t as E;
-        let dt = data_type(g.dtype);
+        // The aux and bias vectors are D's type: cuBLASLt's default when their data-type
+        // attributes are left unset (as PyTorch leaves them), so they are not set.
         let (epilogue, vector) = match g.epilogue {
             Epilogue::Bias { bias } => (E::CUBLASLT_EPILOGUE_BIAS, bias),
             Epilogue::Gelu { bias, aux } => {
@@ -226,7 +241,6 @@ impl BlasLt {
                     let ld = g.m as i64;
                     desc.set(A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &(aux as *mut c_void))?;
                     desc.set(A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld)?;
-                    desc.set(A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, &dt)?;
                 }
                 let e = match (bias != 0, aux != 0) {
                     (true, true) => E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
@@ -241,14 +255,12 @@ impl BlasLt {
                 let ld = g.m as i64;
                 desc.set(A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &(aux as *mut c_void))?;
                 desc.set(A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld)?;
-                desc.set(A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, &dt)?;
                 (E::CUBLASLT_EPILOGUE_DGELU_BGRAD, bias_grad)
             }
         };
         desc.set(A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
         if vector != 0 {
             desc.set(A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &(vector as *mut c_void))?;
-            desc.set(A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &dt)?;
         }
         // Stored shapes: op(A) is m x k, so A is k x m when transposed.
         let (ar, ac) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
@@ -281,7 +293,13 @@ impl BlasLt {
                 pref.0,
             )
         };
-        let Ok(heuristic) = heuristic else { return Ok(false) };
+        // cudarc reports no algorithm found as NOT_SUPPORTED (PyTorch's `returnedResult ==
+        // 0`); any other status is an error, as PyTorch's check of the call makes it.
+        let heuristic = match heuristic {
+            Ok(h) => h,
+            Err(CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => return Ok(false),
+            Err(e) => return Err(lt_error("cublasLtMatmulAlgoGetHeuristic")(e)),
+        };
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: the caller's contract: the pointers hold what the layouts address; alpha
         // and beta are f32 host values (scale type 32F); C is D with beta = 0 (not read);
@@ -309,10 +327,27 @@ impl BlasLt {
         };
         match status {
             Ok(()) => Ok(true),
-            Err(CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => Ok(false),
-            Err(e) => Err(lt_error("cublasLtMatmul")(e)),
+            Err(CublasError(status)) => {
+                warn_fallback_once(g, status);
+                Ok(false)
+            }
         }
     }
+}
+
+/// PyTorch's warning when `cublasLtMatmul` fails ("Will attempt to recover by calling
+/// unfused cublas path"), printed for the first failure of the process; every fallback is
+/// counted ([`crate::Device::cublaslt_fallbacks`]).
+fn warn_fallback_once(g: &LtGemm, status: sys::cublasStatus_t) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        eprintln!(
+            "vram: cublasLtMatmul failed ({status:?}) for a {:?} product m {} n {} k {} \
+             (transposes {} {}, epilogue {:?}); running the unfused cuBLAS path instead \
+             (Device::cublaslt_fallbacks counts every such product)",
+            g.dtype, g.m, g.n, g.k, g.trans_a, g.trans_b, g.epilogue
+        );
+    });
 }
 
 impl Drop for BlasLt {

@@ -1,6 +1,10 @@
-//! Convolutions (and batch norm, see `bn`) through cuDNN's legacy (v7-style) descriptor API: `cudnnConvolutionForward`,
-//! `cudnnConvolutionBackwardData` and `cudnnConvolutionBackwardFilter`, grouped and depthwise
-//! ones included, NCHW or NHWC (channels_last), f32, f16 and bf16.
+//! Convolutions (and batch norm, see `bn`) through cuDNN's legacy (v7-style) descriptor API:
+//! `cudnnConvolutionForward`, `cudnnConvolutionBackwardData` and
+//! `cudnnConvolutionBackwardFilter`, grouped and depthwise ones included, NCHW or NHWC
+//! (channels_last), f32, f16 and bf16. Which convolutions come here is PyTorch's choice
+//! (`cudnn_choices::pytorch_uses_cudnn`): a depthwise one channels_last, or NCHW in f16 where
+//! PyTorch's workload table says so (the others run the own depthwise kernels, as PyTorch
+//! runs its own), and bf16 from compute capability 8.
 //!
 //! The library is loaded at run time (`libcudnn.so.9` by its usual names, through cudarc's
 //! `dynamic-loading`), once per device: when it cannot be loaded the device records why and

@@ -56,7 +56,8 @@ pub(crate) struct CudaBackend {
     /// cuDNN's handle and algorithm caches, or why cuDNN is not usable here.
     dnn: std::result::Result<Mutex<dnn::Dnn>, String>,
     /// `None` where libcublasLt could not be loaded: linears then run cuBLAS and own kernels.
-    blas_lt: Option<Mutex<BlasLt>>,
+    /// cuBLASLt, or why it is not usable (the linears then run cuBLAS and own kernels).
+    blas_lt: std::result::Result<Mutex<BlasLt>, String>,
     /// Products cuBLASLt found no algorithm for, which ran the unfused path instead.
     lt_fallbacks: AtomicU64,
     kernels: Loader,
@@ -115,7 +116,8 @@ impl CudaBackend {
         let blas = Blas::new()?;
         // cuDNN is optional: without it convolutions run on the own kernels.
         let dnn = dnn::Dnn::load().map(Mutex::new);
-        let blas_lt = BlasLt::new()?.map(Mutex::new);
+        // cuBLASLt is optional too: without it linears run cuBLAS and the own kernels.
+        let blas_lt = BlasLt::new().map(Mutex::new);
         let backend = CudaBackend {
             blas: Mutex::new(blas),
             dnn,
@@ -137,10 +139,16 @@ impl CudaBackend {
     /// Whether cuBLASLt was loaded (fused linear epilogues), or linears run cuBLAS and
     /// the crate's own kernels.
     pub(crate) fn has_blas_lt(&self) -> bool {
-        self.blas_lt.is_some()
+        self.blas_lt.is_ok()
     }
 
-    /// How many products cuBLASLt had no algorithm for (each ran the unfused path).
+    /// Why cuBLASLt is not usable on this device, if it is not.
+    pub(crate) fn blas_lt_missing(&self) -> Option<&str> {
+        self.blas_lt.as_ref().err().map(String::as_str)
+    }
+
+    /// How many products cuBLASLt did not run (no algorithm, a dimension of 1, or the call
+    /// failed; each ran the unfused path).
     pub(crate) fn lt_fallbacks(&self) -> u64 {
         self.lt_fallbacks.load(Ordering::Relaxed)
     }
@@ -437,7 +445,7 @@ impl<'a> Gpu<'a> {
     ///
     /// As [`BlasLt::matmul`]: the pointers of `g` hold what its dimensions address.
     pub(crate) unsafe fn lt_matmul(&self, g: &LtGemm) -> Result<bool> {
-        let Some(lt) = &self.cu.blas_lt else { return Ok(false) };
+        let Ok(lt) = &self.cu.blas_lt else { return Ok(false) };
         if g.m == 0 || g.n == 0 || g.k == 0 {
             return Ok(false);
         }

@@ -109,7 +109,7 @@ pub fn conv2d(
     opts: &Conv2dOptions,
 ) -> Result<Tensor> {
     let p = conv2d_params(x.shape(), weight.shape(), opts)?;
-    let cudnn = x.device().cudnn_conv(&p);
+    let cudnn = x.device().cudnn_conv(&p, x.dtype(), ConvLayout::Nchw);
     run(Conv2d { p, x, weight, bias, col: None, chunk: 1, layout: ConvLayout::Nchw, cudnn })
 }
 
@@ -160,7 +160,7 @@ pub fn conv2d_nhwc(
     opts: &Conv2dOptions,
 ) -> Result<Tensor> {
     let p = conv2d_params_nhwc(x.shape(), weight.shape(), opts)?;
-    if let Some(cudnn) = x.device().cudnn_conv(&p) {
+    if let Some(cudnn) = x.device().cudnn_conv(&p, x.dtype(), ConvLayout::Nhwc) {
         let layout = ConvLayout::Nhwc;
         return run(Conv2d { p, x, weight, bias, col: None, chunk: 1, layout, cudnn: Some(cudnn) });
     }
@@ -185,7 +185,7 @@ pub fn conv2d_backward_nhwc(
     with_bias: bool,
 ) -> Result<Conv2dGrads> {
     let p = conv2d_params_nhwc(x.shape(), weight.shape(), opts)?;
-    if let Some(cudnn) = x.device().cudnn_conv(&p) {
+    if let Some(cudnn) = x.device().cudnn_conv(&p, x.dtype(), ConvLayout::Nhwc) {
         return backward(p, x, weight, dy, with_bias, ConvLayout::Nhwc, Some(cudnn));
     }
     let (xc, wc, dyc) = nchw_operands(&p, x, weight, dy)?;
@@ -319,7 +319,7 @@ pub fn conv2d_backward(
     with_bias: bool,
 ) -> Result<Conv2dGrads> {
     let p = conv2d_params(x.shape(), weight.shape(), opts)?;
-    let cudnn = x.device().cudnn_conv(&p);
+    let cudnn = x.device().cudnn_conv(&p, x.dtype(), ConvLayout::Nchw);
     backward(p, x, weight, dy, with_bias, ConvLayout::Nchw, cudnn)
 }
 
@@ -378,7 +378,7 @@ pub fn conv2d_backward_weight(
     with_bias: bool,
 ) -> Result<Conv2dWeightGrads> {
     let p = conv2d_params(x.shape(), weight.shape(), opts)?;
-    let cudnn = x.device().cudnn_conv(&p);
+    let cudnn = x.device().cudnn_conv(&p, x.dtype(), ConvLayout::Nchw);
     weight_backward(p, x, weight, dy, with_bias, ConvLayout::Nchw, cudnn)
 }
 
@@ -425,7 +425,7 @@ pub fn conv2d_backward_weight_nhwc(
     with_bias: bool,
 ) -> Result<Conv2dWeightGrads> {
     let p = conv2d_params_nhwc(x.shape(), weight.shape(), opts)?;
-    if let Some(cudnn) = x.device().cudnn_conv(&p) {
+    if let Some(cudnn) = x.device().cudnn_conv(&p, x.dtype(), ConvLayout::Nhwc) {
         return weight_backward(p, x, weight, dy, with_bias, ConvLayout::Nhwc, Some(cudnn));
     }
     let (xc, wc, dyc) = nchw_operands(&p, x, weight, dy)?;

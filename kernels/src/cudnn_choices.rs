@@ -61,7 +61,7 @@ pub(crate) fn pytorch_uses_cudnn(
     if !supports(p) {
         return false;
     }
-    let depthwise = p.groups() > 1 && p.c_in() == p.groups() && p.c_out() % p.c_in() == 0;
+    let depthwise = p.groups() > 1 && p.c_in() == p.groups() && p.c_out().is_multiple_of(p.c_in());
     if depthwise {
         if layout == ConvLayout::Nhwc {
             return true;

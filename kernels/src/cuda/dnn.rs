@@ -144,7 +144,6 @@ pub(crate) fn tensor_dims(dims: [usize; 4], layout: ConvLayout) -> Result<Tensor
 }
 
 pub(crate) use crate::cudnn_choices::ConvKey;
-pub(crate) use crate::cudnn_choices::supports;
 use crate::cudnn_choices::{BnChoice, BnPass, ConvChoice, ConvPass};
 
 /// A batch norm call through cuDNN: its pass, dtype, layout and input shape, zero-padded to
@@ -1061,6 +1060,7 @@ struct Run<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cudnn_choices::supports;
     use crate::params::{Conv2dOptions, Conv2dParams};
     use std::io::Write as _;
 

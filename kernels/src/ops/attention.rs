@@ -22,8 +22,11 @@
 //! and backward on tensor cores (`mma.sync`, f32 accumulate; the probabilities and their
 //! gradients rounded to 16 bits as operands, as FlashAttention does), f32 and other widths
 //! on f32 FMAs. The backward splits the work as FlashAttention-2 does, one block per key
-//! tile for dK and dV and one per query tile for dQ, without its atomics. The host takes
-//! any head dim.
+//! tile for dK and dV and one per query tile for dQ, without its atomics. The tensor-core
+//! kernels come in two instances, for heads up to 64 (GPT-2, ViT-B, Llama 3.2 1B) and up to
+//! 128, their register fragments sized for each: on sm_90 the 64-wide ones take 153-227
+//! registers a thread and spill nothing, where the 128-wide dK/dV kernel spills
+//! (`nvrtc_check` compiles them and checks). The host takes any head dim.
 
 use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
 use super::{expect_shape, invalid, same_layout};

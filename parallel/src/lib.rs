@@ -58,7 +58,7 @@ pub use error::DistError;
 pub use in_process::{InProcessComm, InProcessGroup};
 pub use metered::{Metered, ring_bytes_per_param};
 #[cfg(feature = "cuda")]
-pub use nccl::NcclCollective;
+pub use nccl::{NCCL_MISSING, NcclCollective};
 pub use process_group::{DEFAULT_TIMEOUT, ProcessGroupConfig, TIMEOUT_VAR};
 pub use replica::{GroupHooks, NoHooks, Pass, Replica};
 pub use tcp::TcpComm;

@@ -11,6 +11,16 @@ libdirs=$(find /usr /opt /lib /lib64 -xdev \( -name 'libcuda.so*' -o -name 'libn
   -o -name 'libcudnn.so*' \) \
   2>/dev/null | xargs -r -n1 dirname | sort -u | paste -sd: -)
 export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# cudarc loads NCCL as libnccl.so (or .so.13, .12, ...), but NCCL installs libnccl.so.2 (the
+# unversioned name comes only with its development package): link it under .gpu and require
+# NCCL in the tests, so that its test fails rather than skips if it still does not load.
+nccl2=$(find /usr /opt /lib /lib64 -xdev -name 'libnccl.so.2' 2>/dev/null | sort | head -n1)
+if [ -n "$nccl2" ]; then
+  mkdir -p "$PWD/.gpu/nccl-link"
+  ln -sf "$nccl2" "$PWD/.gpu/nccl-link/libnccl.so"
+  export LD_LIBRARY_PATH="$PWD/.gpu/nccl-link:$LD_LIBRARY_PATH"
+  export VRAM_REQUIRE_NCCL=1
+fi
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 if [ -f .gpu/bundle.tar.xz ] && [ ! -d .gpu/bin ]; then

@@ -8,8 +8,8 @@ OUT= timeout "$(( ${TESTS_LIMIT:-3000} - 15 ))" bash .gpu/run "$@" 2>&1 | tee "$
 status=${PIPESTATUS[0]}
 [ "$status" = 124 ] && echo "tests: stopped at TESTS_LIMIT (${TESTS_LIMIT} s); the logs hold what ran"
 cp .gpu/*.log "$logs/" 2>/dev/null
-grep -h "skipped: no CUDA" .gpu/*.log | sort | uniq -c > "$logs/skipped.txt" || true
-echo "distinct \"skipped: no CUDA\" lines (none on a working GPU): $(wc -l < "$logs/skipped.txt")"
+grep -h "skipped: no CUDA\|skipped: no NCCL" .gpu/*.log | sort | uniq -c > "$logs/skipped.txt" || true
+echo "distinct \"skipped: no CUDA/NCCL\" lines (none on a working GPU): $(wc -l < "$logs/skipped.txt")"
 grep -h "skipped: no cuDNN\|convolutions through cuDNN\|batch norm through cuDNN" .gpu/*.log | sort | uniq -c > "$logs/cudnn.txt" || true
 echo "cuDNN: $(head -n 3 "$logs/cudnn.txt" | tr -s ' ' | paste -sd ';' -)"
 tar czf "$OUT/tests.tar.gz" -C "$logs" .

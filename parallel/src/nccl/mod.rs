@@ -84,13 +84,29 @@ pub struct NcclCollective {
     rank: usize,
     world_size: usize,
     aborted: Arc<Mutex<Option<CommError>>>,
+    /// One process's ranks ([`NcclCollective::connect`]): every rank's communicator, so that
+    /// a rank that fails aborts them all (a peer already waiting on the GPU for this rank's
+    /// part of a collective never reaches its next abort check); empty in a multi-process
+    /// job, where the watchdog tells the other processes.
+    group: Arc<Vec<Arc<CommHandle>>>,
     /// Multi-process jobs: the rendezvous connections, watched.
     watchdog: Option<Watchdog>,
 }
 
+/// NCCL's error as vram's, with the result code (cudarc's `NcclError` prints only its name).
 fn nccl_error(op: &'static str) -> impl Fn(result::NcclError) -> DistError {
-    move |e| DistError::Kernel(vram_kernels::Error::Device { op, reason: format!("{e:?}") })
+    move |e| {
+        DistError::Kernel(vram_kernels::Error::Device { op, reason: format!("NCCL: {:?}", e.0) })
+    }
 }
+
+/// Why NCCL could not be loaded: cudarc looks for `libnccl.so` (and `libnccl.so.13`, `.12`,
+/// ... `.9`, `.1`), while NCCL installs `libnccl.so.2` (PyTorch's `nvidia-nccl` wheel, the
+/// `libnccl2` package) and only its development package adds `libnccl.so`.
+pub const NCCL_MISSING: &str = "the NCCL library could not be loaded: cudarc loads it as \
+     libnccl.so (or libnccl.so.13, .12, .11, .10, .9, .1), and NCCL installs libnccl.so.2; \
+     put a libnccl.so symlink to libnccl.so.2 in a directory on LD_LIBRARY_PATH \
+     (xtask/gpu/env.sh does on the GPU machine)";
 
 fn dtype(t: &Tensor) -> sys::ncclDataType_t {
     match t.dtype() {
@@ -108,7 +124,8 @@ fn red(op: ReduceOp) -> sys::ncclRedOp_t {
 }
 
 impl NcclCollective {
-    /// Whether the NCCL library can be loaded on this machine.
+    /// Whether the NCCL library can be loaded on this machine (see [`NCCL_MISSING`] for the
+    /// file name it must have).
     pub fn is_available() -> bool {
         // SAFETY: only tries to open the library.
         unsafe { sys::is_culib_present() }
@@ -134,9 +151,7 @@ impl NcclCollective {
             })
             .collect::<Result<Vec<_>, _>>()?;
         if !Self::is_available() {
-            return Err(DistError::Invalid(
-                "the NCCL library (libnccl.so.2) was not found; install NCCL".into(),
-            ));
+            return Err(DistError::Invalid(NCCL_MISSING.into()));
         }
         let ordinals: Vec<i32> = streams.iter().map(|s| s.context().ordinal() as i32).collect();
         let n = i32::try_from(devices.len())
@@ -146,16 +161,22 @@ impl NcclCollective {
         unsafe { result::comm_init_all(comms.as_mut_ptr(), n, ordinals.as_ptr()) }
             .map_err(nccl_error("ncclCommInitAll"))?;
         let aborted = Arc::new(Mutex::new(None));
-        Ok(comms
+        let handles: Vec<Arc<CommHandle>> = comms
+            .into_iter()
+            .map(|comm| Arc::new(CommHandle { comm, live: Mutex::new(true) }))
+            .collect();
+        let group = Arc::new(handles.clone());
+        Ok(handles
             .into_iter()
             .zip(streams)
             .enumerate()
-            .map(|(rank, (comm, stream))| NcclCollective {
-                handle: Arc::new(CommHandle { comm, live: Mutex::new(true) }),
+            .map(|(rank, (handle, stream))| NcclCollective {
+                handle,
                 stream,
                 rank,
                 world_size: devices.len(),
                 aborted: Arc::clone(&aborted),
+                group: Arc::clone(&group),
                 watchdog: None,
             })
             .collect())
@@ -180,9 +201,7 @@ impl NcclCollective {
             DistError::Invalid(format!("NCCL needs a CUDA device, got {}", device.name()))
         })?;
         if !Self::is_available() {
-            return Err(DistError::Invalid(
-                "the NCCL library (libnccl.so.2) was not found; install NCCL".into(),
-            ));
+            return Err(DistError::Invalid(NCCL_MISSING.into()));
         }
         let mine = if config.rank == 0 {
             let id = result::get_uniqueid().map_err(nccl_error("ncclGetUniqueId"))?;
@@ -231,6 +250,7 @@ impl NcclCollective {
             rank: config.rank,
             world_size: config.world_size,
             aborted,
+            group: Arc::new(Vec::new()),
             watchdog: Some(watchdog),
         })
     }
@@ -384,14 +404,21 @@ impl Collective for NcclCollective {
         let (_live, stream) = self.ready()?;
         let src = Self::ptr(input)?;
         let bytes = n * input.dtype().size_in_bytes();
+        // Everything that can fail before ncclGroupStart: a return between it and
+        // ncclGroupEnd would leave this thread's NCCL group open (its calls never run).
+        let base = match output {
+            Some(out) => {
+                out.make_unique()?;
+                Some(Self::ptr(out)? as usize)
+            }
+            None => None,
+        };
         result::group_start().map_err(nccl_error("ncclGroupStart"))?;
         // SAFETY: every buffer is a live tensor of the counts given; sends and receives
         // pair up in one group (ncclGroupEnd below), as NCCL's gather recipe does.
         let r = unsafe {
             let mut r = result::send(src, n, dtype(input), root as i32, self.handle.comm, stream);
-            if let Some(out) = output {
-                out.make_unique()?;
-                let base = Self::ptr(out)? as usize;
+            if let Some(base) = base {
                 for peer in 0..self.world_size {
                     let dst = (base + peer * bytes) as *mut c_void;
                     r = r.and(result::recv(
@@ -424,12 +451,13 @@ impl Collective for NcclCollective {
         output.make_unique()?;
         let dst = Self::ptr(output)?;
         let bytes = n * output.dtype().size_in_bytes();
+        // As in `gather`: nothing fails between the group's start and end.
+        let base = input.map(|inp| Self::ptr(inp).map(|p| p as usize)).transpose()?;
         result::group_start().map_err(nccl_error("ncclGroupStart"))?;
         // SAFETY: as in `gather`.
         let r = unsafe {
             let mut r = result::recv(dst, n, dtype(output), root as i32, self.handle.comm, stream);
-            if let Some(inp) = input {
-                let base = Self::ptr(inp)? as usize;
+            if let Some(base) = base {
                 for peer in 0..self.world_size {
                     let src = (base + peer * bytes) as *mut c_void;
                     r = r.and(result::send(
@@ -482,6 +510,11 @@ impl Collective for NcclCollective {
         }
         drop(st);
         self.handle.abort();
+        // In one process, the peers' communicators too (NCCL allows `ncclCommAbort` from
+        // any thread; PyTorch aborts every communicator of the group).
+        for peer in self.group.iter() {
+            peer.abort();
+        }
         if let (true, Some(w)) = (first, &self.watchdog) {
             w.tell(self.rank, reason);
         }

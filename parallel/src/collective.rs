@@ -66,6 +66,14 @@ pub trait Collective: Send {
     /// Aborts the group: every pending and later collective of every rank fails with
     /// [`CommError::Aborted`]. A rank calls it when it fails (out of memory).
     fn abort(&self, reason: &str);
+    /// Fails with the group's abort, if it was aborted. Where collectives run asynchronously
+    /// (NCCL on a GPU) an abort can end a collective's kernel early while this rank waits for
+    /// the device: the wait then returns as if it had finished, so a rank checks this after
+    /// each synchronization before it trusts the values. Backends whose collectives fail
+    /// when aborted need nothing more (the default).
+    fn check(&self) -> Result<(), DistError> {
+        Ok(())
+    }
     /// What this rank's collectives moved so far, where the backend counts it (the TCP
     /// transport on the wire, [`Metered`](crate::Metered) as a ring would); `None` elsewhere.
     fn traffic(&self) -> Option<Traffic> {

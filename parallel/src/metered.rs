@@ -129,6 +129,10 @@ impl<C: Collective> Collective for Metered<C> {
         self.inner.abort(reason);
     }
 
+    fn check(&self) -> Result<(), DistError> {
+        self.inner.check()
+    }
+
     fn traffic(&self) -> Option<Traffic> {
         let n = self.n();
         let sent = u64::try_from(self.scaled.get() / (n * n)).unwrap_or(u64::MAX);

@@ -639,6 +639,9 @@ pub fn train_rank<R: Replica, T>(
         let t0 = Instant::now();
         trainer.step(batch).map_err(|e| fail(&*trainer.comm, e))?;
         device.synchronize().map_err(|e| fail(&*trainer.comm, e.into()))?;
+        // An abort may have ended a collective's kernel early: the wait then returned as if
+        // it had finished.
+        trainer.comm.check()?;
         times.push(t0.elapsed());
         state_bytes = device.memory_allocated();
         state_requested_bytes =
@@ -654,5 +657,7 @@ pub fn train_rank<R: Replica, T>(
         step_traffic: trainer.comm.traffic().map(|t| t.since(traffic_before.unwrap_or_default())),
     };
     let extra = finish(&mut trainer).map_err(|e| fail(&*trainer.comm, e))?;
+    device.synchronize().map_err(|e| fail(&*trainer.comm, e.into()))?;
+    trainer.comm.check()?;
     Ok((report, extra))
 }

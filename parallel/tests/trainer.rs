@@ -272,3 +272,103 @@ fn metered_collectives_move_the_ring_bytes_per_parameter_per_step_of_each_strate
     // ZeRO-3 moves 1.5 times DDP's bytes; ZeRO-1 and 2 the same as DDP.
     assert_eq!(ring_bytes_per_param(Strategy::Zero3, 8, 2), Some(1.5 * 2.0 * 2.0 * 7.0 / 8.0));
 }
+
+/// A group whose collectives return as if they had run but which reports an abort when
+/// checked: NCCL's case, where an abort ends a collective's kernel early and the device's
+/// synchronization returns as if it had finished.
+struct AbortedUnseen(Box<dyn Collective>);
+
+impl Collective for AbortedUnseen {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn all_reduce(
+        &self,
+        t: &mut vram_kernels::Tensor,
+        op: vram_parallel::ReduceOp,
+    ) -> Result<(), DistError> {
+        self.0.all_reduce(t, op)
+    }
+    fn reduce_scatter(
+        &self,
+        input: &vram_kernels::Tensor,
+        output: &mut vram_kernels::Tensor,
+        op: vram_parallel::ReduceOp,
+    ) -> Result<(), DistError> {
+        self.0.reduce_scatter(input, output, op)
+    }
+    fn all_gather(
+        &self,
+        input: &vram_kernels::Tensor,
+        output: &mut vram_kernels::Tensor,
+    ) -> Result<(), DistError> {
+        self.0.all_gather(input, output)
+    }
+    fn broadcast(&self, t: &mut vram_kernels::Tensor, root: usize) -> Result<(), DistError> {
+        self.0.broadcast(t, root)
+    }
+    fn reduce(&self, t: &mut vram_kernels::Tensor, root: usize) -> Result<(), DistError> {
+        self.0.reduce(t, root)
+    }
+    fn gather(
+        &self,
+        input: &vram_kernels::Tensor,
+        output: Option<&mut vram_kernels::Tensor>,
+        root: usize,
+    ) -> Result<(), DistError> {
+        self.0.gather(input, output, root)
+    }
+    fn scatter(
+        &self,
+        input: Option<&vram_kernels::Tensor>,
+        output: &mut vram_kernels::Tensor,
+        root: usize,
+    ) -> Result<(), DistError> {
+        self.0.scatter(input, output, root)
+    }
+    fn copy_elements(
+        &self,
+        src: &vram_kernels::Tensor,
+        src_offset: usize,
+        dst: &mut vram_kernels::Tensor,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), DistError> {
+        self.0.copy_elements(src, src_offset, dst, dst_offset, len)
+    }
+    fn abort(&self, reason: &str) {
+        self.0.abort(reason);
+    }
+    fn check(&self) -> Result<(), DistError> {
+        Err(DistError::Comm(CommError::Aborted {
+            by: 1,
+            reason: "a peer ran out of memory".into(),
+        }))
+    }
+}
+
+/// A rank whose collectives seemed to finish checks the group after each step's
+/// synchronization: an abort it finds there is its error, not values it trusts.
+#[test]
+fn an_abort_seen_only_after_the_device_waited_is_an_error() {
+    let d = Device::host(1 << 30);
+    let dims = [6, 10, 3];
+    let batches: Vec<Rows> = (0..2).map(|s| rows(s, 8, 6, 3)).collect();
+    let comm = host_comms(1).pop().unwrap();
+    let results = train(
+        vec![Mlp::new(&d, &dims, DType::F32)],
+        vec![Box::new(AbortedUnseen(comm)) as Box<dyn Collective>],
+        DpConfig { adamw: adamw(), ..DpConfig::new(Strategy::Ddp) },
+        &batches,
+        |_| Ok(()),
+    );
+    match &results[0] {
+        Err(DistError::Comm(CommError::Aborted { by: 1, reason })) => {
+            assert!(reason.contains("out of memory"), "{reason}");
+        }
+        other => panic!("expected the abort, got {other:?}"),
+    }
+}

@@ -502,6 +502,13 @@ impl Collective for NcclCollective {
         )
     }
 
+    fn check(&self) -> Result<(), DistError> {
+        match self.aborted.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            Some(e) => Err(DistError::Comm(e)),
+            None => Ok(()),
+        }
+    }
+
     fn abort(&self, reason: &str) {
         let mut st = self.aborted.lock().unwrap_or_else(|e| e.into_inner());
         let first = st.is_none();

@@ -771,17 +771,7 @@ pub fn batch_norm_backward(
     dy: &Tensor,
     eps: f32,
 ) -> Result<BatchNormGrads> {
-    run(BatchNormBackward::<false> {
-        x,
-        gamma,
-        mean,
-        invstd,
-        dy,
-        eps,
-        s: 0,
-        sums: None,
-        cudnn: false,
-    })
+    run(BatchNormBackward::<false>::new(x, gamma, (mean, invstd), dy, eps))
 }
 
 /// [`batch_norm`] on a channels_last image batch `x: [n, h, w, c]` (PyTorch's
@@ -855,17 +845,7 @@ pub fn batch_norm_backward_nhwc(
     dy: &Tensor,
     eps: f32,
 ) -> Result<BatchNormGrads> {
-    run(BatchNormBackward::<true> {
-        x,
-        gamma,
-        mean,
-        invstd,
-        dy,
-        eps,
-        s: 0,
-        sums: None,
-        cudnn: false,
-    })
+    run(BatchNormBackward::<true>::new(x, gamma, (mean, invstd), dy, eps))
 }
 
 /// The backward of a training batch norm over `x: [n, c, ..]`, or a channels_last
@@ -884,6 +864,20 @@ struct BatchNormBackward<'a, const NHWC: bool> {
     sums: Option<usize>,
     /// Runs through cuDNN ([`Device::cudnn_batch_norm`]): no workspace planned.
     cudnn: bool,
+}
+
+impl<'a, const NHWC: bool> BatchNormBackward<'a, NHWC> {
+    /// The backward of `x`, with the forward's saved `(mean, invstd)` and `eps`, before the
+    /// plan.
+    fn new(
+        x: &'a Tensor,
+        gamma: &'a Tensor,
+        (mean, invstd): (&'a Tensor, &'a Tensor),
+        dy: &'a Tensor,
+        eps: f32,
+    ) -> Self {
+        BatchNormBackward { x, gamma, mean, invstd, dy, eps, s: 0, sums: None, cudnn: false }
+    }
 }
 
 impl<const NHWC: bool> Op for BatchNormBackward<'_, NHWC> {

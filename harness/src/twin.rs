@@ -585,8 +585,13 @@ pub fn run_vram_arch(
     let run = VramRun {
         backend: if device.is_cuda() { "cuda" } else { "cpu" }.into(),
         // Which path the convolutions and linear layers took (cuDNN and its version or the
-        // own kernels; cuBLASLt or cuBLAS).
-        device: format!("{}, {}", device.name(), crate::backend::kernel_paths(device)),
+        // own kernels; cuBLASLt or cuBLAS), and how many products cuBLASLt did not run.
+        device: format!(
+            "{}, {}{}",
+            device.name(),
+            crate::backend::kernel_paths(device),
+            lt_fallbacks(device.cublaslt_fallbacks())
+        ),
         param_count: measured.param_count,
         losses: measured.losses,
         step_ms: measured.step_ms,
@@ -622,6 +627,16 @@ pub fn run_vram_arch(
     let text = serde_json::to_string_pretty(&twin).expect("a JSON value serializes");
     std::fs::write(&path, text + "\n").map_err(io(&path))?;
     Ok(run)
+}
+
+/// The device line's note of the products cuBLASLt did not run (each ran the unfused
+/// cuBLAS path instead): nothing when there were none.
+fn lt_fallbacks(n: u64) -> String {
+    match n {
+        0 => String::new(),
+        1 => "; 1 product ran unfused (no cuBLASLt algorithm, or its call failed)".into(),
+        n => format!("; {n} products ran unfused (no cuBLASLt algorithm, or its call failed)"),
+    }
 }
 
 /// What [`train`] measured.
@@ -1209,4 +1224,16 @@ pub fn report(rows: &[Comparison], settings: &TwinSettings) -> String {
         }
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lt_fallbacks;
+
+    #[test]
+    fn the_device_line_counts_cublaslt_fallbacks_only_when_there_are_some() {
+        assert_eq!(lt_fallbacks(0), "");
+        assert!(lt_fallbacks(1).starts_with("; 1 product ran unfused"));
+        assert!(lt_fallbacks(12).starts_with("; 12 products ran unfused"));
+    }
 }

@@ -119,7 +119,8 @@ fn nhwc(s: [usize; 4]) -> [usize; 4] {
 }
 
 /// Forward with bias, backward with bias and (NCHW) the weight's gradient alone, on `gpu`
-/// against the host, in every dtype and both layouts.
+/// against the host, in every dtype and both layouts; forward and backward twice, the second
+/// time from the algorithms the first cached.
 fn check_all(gpu: &Device, tf32: bool, what: &str) {
     for dtype in DTYPES {
         let t = tol(dtype, tf32);
@@ -174,6 +175,22 @@ fn check_all(gpu: &Device, tf32: bool, what: &str) {
                     hg.dbias.as_ref().unwrap(),
                     t,
                 );
+                // Again, now from the choices the first calls cached (PyTorch's algorithm
+                // cache, `try_all`'s first branch): the same results.
+                let gy2 = if layout_nhwc {
+                    ops::conv2d_nhwc(&gx, &gw, Some(&gb), &opts)
+                } else {
+                    ops::conv2d(&gx, &gw, Some(&gb), &opts)
+                };
+                close(&format!("{name} forward, cached choice"), &gy2.unwrap(), &hy, t);
+                let gg2 = if layout_nhwc {
+                    ops::conv2d_backward_nhwc(&gx, &gw, &gdy, &opts, true)
+                } else {
+                    ops::conv2d_backward(&gx, &gw, &gdy, &opts, true)
+                }
+                .unwrap();
+                close(&format!("{name} dx, cached choice"), &gg2.dx, &hg.dx, t);
+                close(&format!("{name} dweight, cached choice"), &gg2.dweight, &hg.dweight, t);
                 if !layout_nhwc {
                     let alone = ops::conv2d_backward_weight(&gx, &gw, &gdy, &opts, false).unwrap();
                     close(&format!("{name} dweight alone"), &alone.dweight, &hg.dweight, t);

@@ -713,7 +713,6 @@ impl Device {
             let on = pytorch_uses_cudnn(p, dtype, layout, 8);
             return on.then_some(*self.conv());
         }
-        let _ = (p, dtype, layout);
         None
     }
 

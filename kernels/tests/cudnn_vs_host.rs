@@ -142,31 +142,25 @@ fn check_all(gpu: &Device, tf32: bool, what: &str) {
                     hw.to_device(gpu).unwrap(),
                     hb.to_device(gpu).unwrap(),
                 );
-                let (hy, gy) = if layout_nhwc {
-                    (
-                        ops::conv2d_nhwc(&hx, &hw, Some(&hb), &opts).unwrap(),
-                        ops::conv2d_nhwc(&gx, &gw, Some(&gb), &opts).unwrap(),
-                    )
-                } else {
-                    (
-                        ops::conv2d(&hx, &hw, Some(&hb), &opts).unwrap(),
-                        ops::conv2d(&gx, &gw, Some(&gb), &opts).unwrap(),
-                    )
+                let forward = |x: &Tensor, w: &Tensor, b: &Tensor| {
+                    if layout_nhwc {
+                        ops::conv2d_nhwc(x, w, Some(b), &opts).unwrap()
+                    } else {
+                        ops::conv2d(x, w, Some(b), &opts).unwrap()
+                    }
                 };
+                let backward = |x: &Tensor, w: &Tensor, dy: &Tensor| {
+                    if layout_nhwc {
+                        ops::conv2d_backward_nhwc(x, w, dy, &opts, true).unwrap()
+                    } else {
+                        ops::conv2d_backward(x, w, dy, &opts, true).unwrap()
+                    }
+                };
+                let (hy, gy) = (forward(&hx, &hw, &hb), forward(&gx, &gw, &gb));
                 close(&format!("{name} forward"), &gy, &hy, t);
                 let hdy = tensor(&host(), hy.shape(), dtype, seed + 3);
                 let gdy = hdy.to_device(gpu).unwrap();
-                let (hg, gg) = if layout_nhwc {
-                    (
-                        ops::conv2d_backward_nhwc(&hx, &hw, &hdy, &opts, true).unwrap(),
-                        ops::conv2d_backward_nhwc(&gx, &gw, &gdy, &opts, true).unwrap(),
-                    )
-                } else {
-                    (
-                        ops::conv2d_backward(&hx, &hw, &hdy, &opts, true).unwrap(),
-                        ops::conv2d_backward(&gx, &gw, &gdy, &opts, true).unwrap(),
-                    )
-                };
+                let (hg, gg) = (backward(&hx, &hw, &hdy), backward(&gx, &gw, &gdy));
                 close(&format!("{name} dx"), &gg.dx, &hg.dx, t);
                 close(&format!("{name} dweight"), &gg.dweight, &hg.dweight, t);
                 close(
@@ -177,18 +171,8 @@ fn check_all(gpu: &Device, tf32: bool, what: &str) {
                 );
                 // Again, now from the choices the first calls cached (PyTorch's algorithm
                 // cache, `try_all`'s first branch): the same results.
-                let gy2 = if layout_nhwc {
-                    ops::conv2d_nhwc(&gx, &gw, Some(&gb), &opts)
-                } else {
-                    ops::conv2d(&gx, &gw, Some(&gb), &opts)
-                };
-                close(&format!("{name} forward, cached choice"), &gy2.unwrap(), &hy, t);
-                let gg2 = if layout_nhwc {
-                    ops::conv2d_backward_nhwc(&gx, &gw, &gdy, &opts, true)
-                } else {
-                    ops::conv2d_backward(&gx, &gw, &gdy, &opts, true)
-                }
-                .unwrap();
+                close(&format!("{name} forward, cached choice"), &forward(&gx, &gw, &gb), &hy, t);
+                let gg2 = backward(&gx, &gw, &gdy);
                 close(&format!("{name} dx, cached choice"), &gg2.dx, &hg.dx, t);
                 close(&format!("{name} dweight, cached choice"), &gg2.dweight, &hg.dweight, t);
                 if !layout_nhwc {

@@ -501,7 +501,7 @@ trait Direction {
     /// The algorithms PyTorch's `findAlgorithms` lists for this direction, whose workspaces
     /// `getMaxWorkspaceSize` asks for one by one.
     const ALGOS: &'static [Self::Algo];
-    /// `cudnnGet*WorkspaceSize` of `algo` for these descriptors; `None` when cuDNN refuses.
+    /// `cudnnGet*WorkspaceSize` of `algo` for these descriptors, into `bytes`.
     ///
     /// # Safety
     /// Live handle and descriptors.
@@ -509,7 +509,8 @@ trait Direction {
         h: sys::cudnnHandle_t,
         d: &Descriptors,
         algo: Self::Algo,
-    ) -> Option<usize>;
+        bytes: &mut usize,
+    ) -> sys::cudnnStatus_t;
     /// Ranks the algorithms into `out`, returning how many it wrote.
     ///
     /// # Safety
@@ -575,13 +576,12 @@ impl Direction for Fwd {
         h: sys::cudnnHandle_t,
         d: &Descriptors,
         algo: Self::Algo,
-    ) -> Option<usize> {
-        let mut bytes = 0usize;
+        bytes: &mut usize,
+    ) -> sys::cudnnStatus_t {
         // SAFETY: the caller's contract; `bytes` is a valid out-pointer.
-        let status = unsafe {
-            sys::cudnnGetConvolutionForwardWorkspaceSize(h, d.x, d.w, d.conv, d.y, algo, &mut bytes)
-        };
-        (status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS).then_some(bytes)
+        unsafe {
+            sys::cudnnGetConvolutionForwardWorkspaceSize(h, d.x, d.w, d.conv, d.y, algo, bytes)
+        }
     }
     unsafe fn search(
         h: sys::cudnnHandle_t,
@@ -676,15 +676,12 @@ impl Direction for BwdData {
         h: sys::cudnnHandle_t,
         d: &Descriptors,
         algo: Self::Algo,
-    ) -> Option<usize> {
-        let mut bytes = 0usize;
+        bytes: &mut usize,
+    ) -> sys::cudnnStatus_t {
         // SAFETY: the caller's contract; `bytes` is a valid out-pointer.
-        let status = unsafe {
-            sys::cudnnGetConvolutionBackwardDataWorkspaceSize(
-                h, d.w, d.y, d.conv, d.x, algo, &mut bytes,
-            )
-        };
-        (status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS).then_some(bytes)
+        unsafe {
+            sys::cudnnGetConvolutionBackwardDataWorkspaceSize(h, d.w, d.y, d.conv, d.x, algo, bytes)
+        }
     }
     unsafe fn search(
         h: sys::cudnnHandle_t,
@@ -780,15 +777,14 @@ impl Direction for BwdFilter {
         h: sys::cudnnHandle_t,
         d: &Descriptors,
         algo: Self::Algo,
-    ) -> Option<usize> {
-        let mut bytes = 0usize;
+        bytes: &mut usize,
+    ) -> sys::cudnnStatus_t {
         // SAFETY: the caller's contract; `bytes` is a valid out-pointer.
-        let status = unsafe {
+        unsafe {
             sys::cudnnGetConvolutionBackwardFilterWorkspaceSize(
-                h, d.x, d.y, d.conv, d.w, algo, &mut bytes,
+                h, d.x, d.y, d.conv, d.w, algo, bytes,
             )
-        };
-        (status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS).then_some(bytes)
+        }
     }
     unsafe fn search(
         h: sys::cudnnHandle_t,
@@ -986,8 +982,12 @@ impl Dnn {
     fn workspace_sizes<D: Direction>(&self, d: &Descriptors) -> Vec<usize> {
         D::ALGOS
             .iter()
-            // SAFETY: live handle and descriptors.
-            .filter_map(|&algo| unsafe { D::workspace_size(self.handle, d, algo) })
+            .filter_map(|&algo| {
+                let mut bytes = 0;
+                // SAFETY: live handle and descriptors; `bytes` is a valid out-pointer.
+                let status = unsafe { D::workspace_size(self.handle, d, algo, &mut bytes) };
+                (status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS).then_some(bytes)
+            })
             .collect()
     }
 

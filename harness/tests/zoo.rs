@@ -98,12 +98,12 @@ fn saved_activations(arch: &Arch, b: u64) -> u64 {
         Arch::Gpt { d, layers, heads, seq, .. } => {
             let (d, l, h, s) = (d as u64, layers as u64, heads as u64, seq as u64);
             let n = b * s;
-            // Per block: input, ln_1 output, q, k, v per head, the fused attention's
-            // per-head output and its row logsumexps (f32; the blocks attend with
-            // `ops::attention`, which keeps no [b * h, s, s] probabilities), the attention
-            // output as the projection's input, x2, ln_2 output, MLP pre-activation and
-            // activation (4d each), the norms' statistics.
-            let block = n * d * (1 + 1 + 3 + 1 + 1 + 1 + 1 + 4 + 4) + b * h * s + 4 * n;
+            // Per block: input, ln_1 output, q, k, v (the projections' outputs, read
+            // tokens-major), the fused attention's output (also the projection's input: the
+            // heads merge by a reshape) and its row logsumexps (f32; the blocks attend with
+            // `ops::attention`, which keeps no [b * h, s, s] probabilities), x2, ln_2 output,
+            // MLP pre-activation and activation (4d each), the norms' statistics.
+            let block = n * d * (1 + 1 + 3 + 1 + 1 + 1 + 4 + 4) + b * h * s + 4 * n;
             // ln_f's input and output (the head's input), its statistics.
             l * block + 2 * n * d + 2 * n
         }

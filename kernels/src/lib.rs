@@ -66,8 +66,8 @@ pub use device::{
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use params::{
-    AdamWConfig, AttentionDims, AttentionParams, Conv2dOptions, Conv2dParams, ConvLayout,
-    MatmulSpec, Pool2dOptions, Pool2dParams, SgdConfig,
+    AdamWConfig, AttentionDims, AttentionLayout, AttentionParams, Conv2dOptions, Conv2dParams,
+    ConvLayout, MatmulSpec, Pool2dOptions, Pool2dParams, SgdConfig,
 };
 pub use profile::OpTime;
 pub use tensor::{Indices, Tensor};

@@ -148,6 +148,49 @@ fn rank_four_inputs_are_heads_of_a_batch() {
     assert_eq!(four.out.to_f32_vec().unwrap(), three.out.to_f32_vec().unwrap());
 }
 
+// Tokens-major operands ([batch, seq, heads, dim], a projection's output as it is) give
+// what the heads-major op gives on the permuted operands, bit for bit, forward and every
+// gradient, with dropout: the head index (b * heads + h) and so the mask are the same.
+#[test]
+fn tokens_major_operands_are_the_permuted_heads_major_ones() {
+    let d = host();
+    let (b, s, h, dim) = (2, 37, 3, 16);
+    for dtype in [DType::F32, DType::BF16] {
+        for causal in [false, true] {
+            let p = AttentionParams::new(causal).with_dropout(0.2, 9, 1 << 20);
+            let [q, k, v, dout] = [1, 2, 3, 4].map(|i| tensor(&d, &[b, s, h, dim], i, dtype));
+            // [b, s, h, dim] -> [b, h, s, dim] and back.
+            let heads = |t: &Tensor| ops::permute(t, &[0, 2, 1, 3]).unwrap();
+            let tm = p.tokens_major();
+            let fwd = ops::attention(&q, &k, &v, &tm).unwrap();
+            assert_eq!(fwd.out.shape(), &[b, s, h, dim]);
+            assert_eq!(fwd.lse.shape(), &[b, h, s]);
+            let g = ops::attention_backward(&q, &k, &v, &fwd, &dout, &tm).unwrap();
+            let (hq, hk, hv, hd) = (heads(&q), heads(&k), heads(&v), heads(&dout));
+            let want = ops::attention(&hq, &hk, &hv, &p).unwrap();
+            let wg = ops::attention_backward(&hq, &hk, &hv, &want, &hd, &p).unwrap();
+            let bits = |t: &Tensor| t.to_f32_vec().unwrap();
+            let what = format!("{dtype:?} causal {causal}");
+            assert_eq!(bits(&heads(&fwd.out)), bits(&want.out), "out {what}");
+            assert_eq!(bits(&fwd.lse), bits(&want.lse), "lse {what}");
+            for (name, (got, want)) in
+                ["dq", "dk", "dv"].iter().zip([(&g.dq, &wg.dq), (&g.dk, &wg.dk), (&g.dv, &wg.dv)])
+            {
+                assert_eq!(bits(&heads(got)), bits(want), "{name} {what}");
+            }
+        }
+    }
+    // Tokens-major operands are rank 4; the backward checks the logsumexp's shape.
+    let tm = AttentionParams::new(true).tokens_major();
+    let three = tensor(&d, &[2, 5, 8], 1, DType::F32);
+    let err = ops::attention(&three, &three, &three, &tm).unwrap_err().to_string();
+    assert!(err.contains("[batch, seq, heads, head_dim]"), "{err}");
+    let q = tensor(&d, &[2, 5, 3, 8], 1, DType::F32);
+    let heads_major = ops::attention(&q, &q, &q, &AttentionParams::new(true)).unwrap();
+    assert_eq!(heads_major.lse.shape(), &[2, 5, 3]);
+    assert!(ops::attention_backward(&q, &q, &q, &heads_major, &q, &tm).is_err());
+}
+
 #[test]
 fn mismatched_or_invalid_inputs_are_errors() {
     let d = host();

@@ -927,12 +927,20 @@ fn fused_attention_matches_host() {
     let Some(gpu) = gpu() else { return };
     for dtype in DTYPES {
         // Head dims on tensor cores (64, 128 in 16 bits) and on the FMA path (24; f32);
-        // sequences of one token, of partial tiles and of several tiles.
-        for (heads, seq, dim) in [(3, 1, 64), (2, 100, 64), (2, 300, 128), (3, 77, 24)] {
+        // sequences of one token, of partial tiles and of several tiles; heads-major
+        // [heads, seq, dim] and tokens-major [2, seq, heads, dim] (a projection's output).
+        let cases = [(3, 1, 64), (2, 100, 64), (2, 300, 128), (3, 77, 24)];
+        for ((heads, seq, dim), tokens_major) in
+            cases.into_iter().flat_map(|c| [(c, false), (c, true)])
+        {
             for causal in [false, true] {
                 for drop in [0.0, 0.2] {
                     let p = ops::AttentionParams::new(causal).with_dropout(drop, 5, 1 << 20);
-                    let shape = [heads, seq, dim];
+                    let (p, shape) = if tokens_major {
+                        (p.tokens_major(), vec![2, seq, heads, dim])
+                    } else {
+                        (p, vec![heads, seq, dim])
+                    };
                     let what = format!("attention {dtype:?} {shape:?} {p:?}");
                     let [(hq, gq), (hk, gk), (hv, gv), (hd, gd)] =
                         [1, 2, 3, 4].map(|s| pair(&gpu, &shape, dtype, s));

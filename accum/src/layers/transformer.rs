@@ -199,12 +199,18 @@ impl TransformerBlockConfig {
 /// scaled dot-product attention (heads of width `d / heads`, causal or not, dropout on the
 /// probabilities) and a GELU MLP. Built from a [`TransformerBlockConfig`].
 ///
-/// Per block, training keeps the normalized inputs, the per-head queries, keys and values
-/// (`[b * heads, seq, d / heads]`, copies made by the head permutation), what attention
-/// saves, the attention output, the MLP's pre-activation and activation. Attention saves,
-/// by default ([`Attention::Fused`], PyTorch's `scaled_dot_product_attention`), its
-/// per-head output and each row's logsumexp; with [`Attention::Explicit`] (PyTorch's eager
-/// attention) the probabilities and, with dropout, the dropped probabilities
+/// Per block, training keeps the normalized inputs, the queries, keys and values, what
+/// attention saves, the attention output, the MLP's pre-activation and activation.
+/// Attention saves, by default ([`Attention::Fused`], PyTorch's
+/// `scaled_dot_product_attention`), its output and each row's logsumexp. Fused attention
+/// reads the q, k and v projections' outputs as they are, tokens-major
+/// ([`ops::AttentionLayout::TokensMajor`], as PyTorch's flash and memory-efficient SDPA
+/// read the transposed views a GPT block gives them), and its output is the output
+/// projection's input as it is: no head permutation is copied, forward or backward, and the
+/// attention output is kept once (as PyTorch keeps it, its SDPA output's transpose being
+/// contiguous). With [`Attention::Explicit`] (PyTorch's eager attention) the per-head
+/// queries, keys and values are heads-major copies (`[b * heads, seq, d / heads]`), and
+/// attention keeps the probabilities and, with dropout, the dropped probabilities
 /// (`[b * heads, seq, seq]` each). Dropout masks are regenerated, not kept.
 ///
 /// By default each residual add runs fused with its branch's dropout, the first with `ln_2`
@@ -226,7 +232,7 @@ impl TransformerBlockConfig {
 /// input is still held; the k and v projections' 16-bit input gradients are added into the
 /// f32 sum as they are. Where the dtypes do not allow it (a norm run on an autocast copy) the
 /// unfused ops run. For a GPT-2 small block at 8 x 1024 tokens under bf16 autocast with
-/// dropout 0.1 a training step makes 94 allocations of 757.5 MiB instead of 97 of 853.5 MiB
+/// dropout 0.1 a training step makes 86 allocations of 661.5 MiB instead of 93 of 808.8 MiB
 /// (`cargo run -p vram-accum --example block_allocations`); the backward's peak is 1.5 MiB
 /// higher (the bias gradient's partial sums). The residual norm backward's CUDA kernel has
 /// not yet run on a GPU.
@@ -346,14 +352,24 @@ fn residual_add(a: &Tensor, b: &Tensor, ctx: &ForwardCtx) -> Result<Tensor> {
 
 impl TransformerBlock {
     /// `[b * s, d] -> [b * heads, s, dh]`.
-    fn split_heads(&self, t: Tensor, b: usize) -> Result<Tensor> {
+    /// Fused attention reads the projection as it is, tokens-major (`[b, s, heads, dh]`, a
+    /// reshape: no copy, as PyTorch's SDPA reads a transposed view); the explicit form's
+    /// products need the heads-major copy.
+    fn split_heads(&self, t: Tensor, b: usize, fused: bool) -> Result<Tensor> {
         let dh = t.shape()[1] / self.heads;
+        if fused {
+            return Ok(t.reshape(&[b, self.seq, self.heads, dh])?);
+        }
         split_heads(t, b, self.seq, self.heads, dh)
     }
 
-    /// `[b * heads, s, dh] -> [b * s, d]`, the inverse of [`Self::split_heads`].
-    fn merge_heads(&self, t: Tensor, b: usize) -> Result<Tensor> {
-        let dh = t.shape()[2];
+    /// `[b * heads, s, dh]` (or fused attention's `[b, s, heads, dh]`, by a reshape) `->
+    /// [b * s, d]`, the inverse of [`Self::split_heads`].
+    fn merge_heads(&self, t: Tensor, b: usize, fused: bool) -> Result<Tensor> {
+        let dh = t.shape()[t.rank() - 1];
+        if fused {
+            return Ok(t.reshape(&[b * self.seq, self.heads * dh])?);
+        }
         merge_heads(t, b, self.seq, self.heads, dh)
     }
 
@@ -498,11 +514,11 @@ impl TransformerBlock {
         }
     }
 
-    /// The settings of fused attention in this forward: the block's masking and, when
-    /// training with dropout, the next `b * heads * seq * seq` offsets of the stream (what
-    /// the explicit form's dropout on the probabilities takes).
+    /// The settings of fused attention in this forward: the block's masking, tokens-major
+    /// operands and, when training with dropout, the next `b * heads * seq * seq` offsets of
+    /// the stream (what the explicit form's dropout on the probabilities takes).
     fn attention_params(&self, heads: usize, ctx: &mut ForwardCtx) -> Result<ops::AttentionParams> {
-        let params = ops::AttentionParams::new(self.causal);
+        let params = ops::AttentionParams::new(self.causal).tokens_major();
         if !(ctx.training() && self.p > 0.0) {
             return Ok(params);
         }
@@ -510,9 +526,11 @@ impl TransformerBlock {
         Ok(params.with_dropout(self.p, ctx.seed, offset))
     }
 
-    /// Fused attention of the per-head `qh`, `kh`, `vh` (under autocast in the products'
-    /// low dtype, as PyTorch's autocast runs `scaled_dot_product_attention`): the per-head
-    /// output, the inputs as attended, and what the backward needs.
+    /// Fused attention of the tokens-major `qh`, `kh`, `vh` (`[b, s, heads, dh]`; under
+    /// autocast in the products' low dtype, as PyTorch's autocast runs
+    /// `scaled_dot_product_attention`): the output (tokens-major, so that merging the heads
+    /// is a reshape and the output projection's saved input is the output itself), the
+    /// inputs as attended, and what the backward needs.
     fn attend_fused(
         &self,
         qh: Tensor,
@@ -523,7 +541,7 @@ impl TransformerBlock {
         let dt = qh.dtype();
         let mm = ctx.op_dtype(OpKind::Matmul, &[dt]).unwrap_or(dt);
         let (qh, kh, vh) = (cast_into(qh, mm)?, cast_into(kh, mm)?, cast_into(vh, mm)?);
-        let params = self.attention_params(qh.shape()[0], ctx)?;
+        let params = self.attention_params(qh.shape()[0] * qh.shape()[2], ctx)?;
         let fwd = ops::attention(&qh, &kh, &vh, &params)?;
         let out = fwd.out.clone();
         Ok(Attended { out, qh, kh, vh, saved: AttentionSaved::Fused { fwd, params } })
@@ -632,13 +650,14 @@ impl Layer for TransformerBlock {
         let (v, sv) = self.v.forward(&h1, ctx)?;
         drop(h1);
         let qkv_dtype = q.dtype();
-        let (qh, kh, vh) =
-            (self.split_heads(q, b)?, self.split_heads(k, b)?, self.split_heads(v, b)?);
+        let fused = self.attention == Attention::Fused;
+        let split = |t| self.split_heads(t, b, fused);
+        let (qh, kh, vh) = (split(q)?, split(k)?, split(v)?);
         let Attended { out: ctx_h, qh, kh, vh, saved: attn_saved } = match self.attention {
             Attention::Fused => self.attend_fused(qh, kh, vh, ctx)?,
             Attention::Explicit => self.attend_explicit(qh, kh, vh, ctx)?,
         };
-        let attn = self.merge_heads(ctx_h, b)?;
+        let attn = self.merge_heads(ctx_h, b, fused)?;
         let (o, sproj) = self.proj.forward(&attn, ctx)?;
         drop(attn);
         let branch1 = o.dtype();
@@ -711,14 +730,15 @@ impl Layer for TransformerBlock {
         };
         // x2 = x + drop(proj(attn(ln_1(x))))
         let dattn = dx_of(self.proj.backward(s.sproj, dbranch, true)?, WHAT)?;
-        let dctx = self.split_heads(dattn, b)?;
+        let fused = matches!(s.attn, AttentionSaved::Fused { .. });
+        let dctx = self.split_heads(dattn, b, fused)?;
         let (dqh, dkh, dvh) = self.attend_backward(s.attn, s.qh, s.kh, s.vh, dctx)?;
         let qkv = s.qkv_dtype;
-        let dq = cast_into(self.merge_heads(dqh, b)?, qkv)?;
+        let dq = cast_into(self.merge_heads(dqh, b, fused)?, qkv)?;
         let mut dh1 = dx_of(self.q.backward(s.sq, dq, true)?, WHAT)?;
-        let dk = cast_into(self.merge_heads(dkh, b)?, qkv)?;
+        let dk = cast_into(self.merge_heads(dkh, b, fused)?, qkv)?;
         self.k.backward_into(s.sk, dk, &mut dh1)?;
-        let dv = cast_into(self.merge_heads(dvh, b)?, qkv)?;
+        let dv = cast_into(self.merge_heads(dvh, b, fused)?, qkv)?;
         self.v.backward_into(s.sv, dv, &mut dh1)?;
         // x's gradient: ln_1's plus x2's by the shortcut, in one op where the dtypes allow.
         if want

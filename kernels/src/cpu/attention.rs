@@ -15,6 +15,10 @@
 //! ones), drawing element `(h, i, j)` of a `[heads, seq, seq]` tensor from the stream
 //! `(seed, offset)` exactly as [`dropout`](super::random::dropout) would
 //! ([`AttentionParams`]).
+//!
+//! Tokens-major operands (`[batch, seq, heads, dim]`, [`AttentionDims::heads_per_token`]
+//! above 1) are gathered into heads-major f32 copies and the results scattered back: the
+//! arithmetic, and so every bit of the result, is the heads-major one.
 
 use super::{check_len, widen_f32};
 use crate::cpu::random::uniform_at;
@@ -22,6 +26,7 @@ use crate::dtype::Element;
 use crate::error::Result;
 use crate::params::{AttentionDims, AttentionParams};
 use rayon::prelude::*;
+use std::borrow::Cow;
 
 /// Keys per block of the forward's online softmax.
 pub const KEY_BLOCK: usize = 64;
@@ -111,7 +116,52 @@ pub fn attention<T: Element>(
     if dims.is_empty() {
         return Ok(());
     }
-    let (q, k, v) = (widen_f32(q), widen_f32(k), widen_f32(v));
+    let (q, k, v) = (heads_major(q, &dims), heads_major(k, &dims), heads_major(v, &dims));
+    if dims.heads_per_token <= 1 {
+        return forward(&q, &k, &v, out, lse, dims, params);
+    }
+    let mut o = vec![T::from_f32(0.0); out.len()];
+    forward(&q, &k, &v, &mut o, lse, dims, params)?;
+    scatter(&o, out, &dims);
+    Ok(())
+}
+
+/// `x` (of `dims`' layout) as heads-major f32.
+fn heads_major<'a, T: Element>(x: &'a [T], dims: &AttentionDims) -> Cow<'a, [f32]> {
+    let wide = widen_f32(x);
+    if dims.heads_per_token <= 1 {
+        return wide;
+    }
+    let dim = dims.dim;
+    let mut out = Vec::with_capacity(x.len());
+    for h in 0..dims.heads {
+        for i in 0..dims.seq {
+            let at = dims.row_start(h, i);
+            out.extend_from_slice(&wide[at..at + dim]);
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// Heads-major `x` into `out` of `dims`' (tokens-major) layout.
+fn scatter<T: Copy>(x: &[T], out: &mut [T], dims: &AttentionDims) {
+    let dim = dims.dim;
+    for (r, row) in x.chunks(dim.max(1)).enumerate() {
+        let at = dims.row_start(r / dims.seq, r % dims.seq);
+        out[at..at + dim].copy_from_slice(row);
+    }
+}
+
+/// The forward on heads-major f32 operands into heads-major `out`.
+fn forward<T: Element>(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [T],
+    lse: &mut [f32],
+    dims: AttentionDims,
+    params: &AttentionParams,
+) -> Result<()> {
     let AttentionDims { seq, dim, .. } = dims;
     let scale = params.scale_for(dim);
     let drop = Dropping::of(params);
@@ -205,9 +255,31 @@ pub fn attention_backward<T: Element>(
     if dims.is_empty() {
         return Ok(());
     }
-    let (q, k, v) = (widen_f32(saved.q), widen_f32(saved.k), widen_f32(saved.v));
-    let (o, d_o) = (widen_f32(saved.out), widen_f32(dout));
-    let lse = saved.lse;
+    let hm = |x| heads_major(x, &dims);
+    let ins = [hm(saved.q), hm(saved.k), hm(saved.v), hm(saved.out), hm(dout)];
+    let ins = [&*ins[0], &*ins[1], &*ins[2], &*ins[3], &*ins[4]];
+    if dims.heads_per_token <= 1 {
+        return backward(ins, saved.lse, [dq, dk, dv], dims, params);
+    }
+    let mut grads = [0, 1, 2].map(|_| vec![T::from_f32(0.0); dims.len()]);
+    {
+        let [a, b, c] = &mut grads;
+        backward(ins, saved.lse, [a, b, c], dims, params)?;
+    }
+    for (g, out) in grads.iter().zip([dq, dk, dv]) {
+        scatter(g, out, &dims);
+    }
+    Ok(())
+}
+
+/// The backward on heads-major f32 `[q, k, v, out, dout]` into heads-major gradients.
+fn backward<T: Element>(
+    [q, k, v, o, d_o]: [&[f32]; 5],
+    lse: &[f32],
+    [dq, dk, dv]: [&mut [T]; 3],
+    dims: AttentionDims,
+    params: &AttentionParams,
+) -> Result<()> {
     let AttentionDims { seq, dim, .. } = dims;
     let scale = params.scale_for(dim);
     let drop = Dropping::of(params);
@@ -217,13 +289,13 @@ pub fn attention_backward<T: Element>(
     }
     let row = |t, r| row_of(t, r, dim);
     // D_i = dO_i . O_i.
-    let dsum: Vec<f32> = (0..dims.rows()).map(|r| dot(row(&d_o, r), row(&o, r))).collect();
+    let dsum: Vec<f32> = (0..dims.rows()).map(|r| dot(row(d_o, r), row(o, r))).collect();
     // (P_ij, dS_ij / scale) for query row `qr`, key row `kr` of head `h`.
     let grad = |h: usize, i: usize, j: usize| -> (f32, f32) {
         let (qr, kr) = (h * seq + i, h * seq + j);
-        let p = (scale * dot(row(&q, qr), row(&k, kr)) - lse[qr]).exp();
+        let p = (scale * dot(row(q, qr), row(k, kr)) - lse[qr]).exp();
         let f = Dropping::factor(drop, &dims, h, i, j);
-        let dp = if f == 0.0 { 0.0 } else { f * dot(row(&d_o, qr), row(&v, kr)) };
+        let dp = if f == 0.0 { 0.0 } else { f * dot(row(d_o, qr), row(v, kr)) };
         (p * f, p * (dp - dsum[qr]))
     };
     // Key rows: dK_j = scale * sum_i dS_ij q_i, dV_j = sum_i P~_ij dO_i.
@@ -238,8 +310,8 @@ pub fn attention_backward<T: Element>(
             for i in first..seq {
                 let (pd, ds) = grad(h, i, j);
                 let qr = h * seq + i;
-                gv.iter_mut().zip(row(&d_o, qr)).for_each(|(g, &x)| *g += pd * x);
-                gk.iter_mut().zip(row(&q, qr)).for_each(|(g, &x)| *g += ds * x);
+                gv.iter_mut().zip(row(d_o, qr)).for_each(|(g, &x)| *g += pd * x);
+                gk.iter_mut().zip(row(q, qr)).for_each(|(g, &x)| *g += ds * x);
             }
             dk_j.iter_mut().zip(&gk).for_each(|(d, &g)| *d = T::from_f32(scale * g));
             dv_j.iter_mut().zip(&gv).for_each(|(d, &g)| *d = T::from_f32(g));
@@ -250,7 +322,7 @@ pub fn attention_backward<T: Element>(
         let mut g = vec![0.0f32; dim];
         for j in 0..key_end(causal, i, seq) {
             let (_, ds) = grad(h, i, j);
-            g.iter_mut().zip(row(&k, h * seq + j)).for_each(|(g, &x)| *g += ds * x);
+            g.iter_mut().zip(row(k, h * seq + j)).for_each(|(g, &x)| *g += ds * x);
         }
         dq_i.iter_mut().zip(&g).for_each(|(d, &g)| *d = T::from_f32(scale * g));
     });

@@ -11,10 +11,14 @@
 //! the output and the logsumexp forward, the three gradients and `D` backward, identically
 //! on the host, a virtual device and a GPU.
 //!
-//! q, k and v are `[.., seq, head_dim]` of one shape and dtype (`[batch * heads, seq,
-//! head_dim]` as a transformer's head split gives them, or `[batch, heads, seq, head_dim]`);
-//! every leading index is an independent head. Arithmetic is in f32 whatever the storage
-//! dtype. With dropout, the op drops exactly the elements `ops::dropout(probs, p, seed,
+//! q, k and v are of one shape and dtype, in one of two layouts ([`AttentionLayout`], from
+//! the params): heads-major `[.., seq, head_dim]` (`[batch * heads, seq, head_dim]` as a
+//! transformer's head split gives them, or `[batch, heads, seq, head_dim]`; every leading
+//! index an independent head), or tokens-major `[batch, seq, heads, head_dim]`, a linear
+//! projection's `[batch * seq, heads * head_dim]` output as it is (FlashAttention's layout,
+//! and the memory PyTorch's flash and memory-efficient SDPA backends use: the output is the
+//! next projection's input without a copy). The logsumexp is `[.., seq]` heads-major and
+//! `[batch, heads, seq]` tokens-major. Arithmetic is in f32 whatever the storage dtype. With dropout, the op drops exactly the elements `ops::dropout(probs, p, seed,
 //! offset)` drops on the explicit `[.., seq, seq]` probabilities (see [`AttentionParams`]).
 //!
 //! On a GPU the kernels (`cuda/kernels/attention.cu`) take head dims up to 128 and any
@@ -34,7 +38,7 @@ use crate::cpu::attention as cpu;
 use crate::device::Device;
 use crate::dtype::{DType, with_dtype};
 use crate::error::Result;
-use crate::params::{AttentionDims, AttentionParams};
+use crate::params::{AttentionDims, AttentionLayout, AttentionParams};
 use crate::tensor::Tensor;
 
 /// What [`attention`] returns and its backward reads: the output (q's shape and dtype) and
@@ -72,7 +76,7 @@ pub fn attention(
     v: &Tensor,
     params: &AttentionParams,
 ) -> Result<AttentionOutput> {
-    let dims = dims_of("attention", q, k, v)?;
+    let dims = dims_of("attention", q, k, v, params)?;
     run(Forward { q, k, v, params: *params, dims })
 }
 
@@ -91,27 +95,53 @@ pub fn attention_backward(
     dout: &Tensor,
     params: &AttentionParams,
 ) -> Result<AttentionGrads> {
-    let dims = dims_of("attention_backward", q, k, v)?;
+    let dims = dims_of("attention_backward", q, k, v, params)?;
     run(Backward { q, k, v, fwd, dout, params: *params, dims, dsum: None })
 }
 
-/// Checks q, k and v and returns the sizes of the call.
-fn dims_of(op: &'static str, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<AttentionDims> {
+/// Checks q, k and v against the params' layout and returns the sizes of the call.
+fn dims_of(
+    op: &'static str,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    params: &AttentionParams,
+) -> Result<AttentionDims> {
     same_layout(op, q, k)?;
     same_layout(op, q, v)?;
     let shape = q.shape();
-    let [lead @ .., seq, dim] = shape else {
-        return Err(invalid(op, format!("expected [.., seq, head_dim], got {shape:?}")));
+    let dims = match params.layout {
+        AttentionLayout::HeadsMajor => {
+            let [lead @ .., seq, dim] = shape else {
+                return Err(invalid(op, format!("expected [.., seq, head_dim], got {shape:?}")));
+            };
+            AttentionDims::heads_major(lead.iter().product(), *seq, *dim)
+        }
+        AttentionLayout::TokensMajor => {
+            let &[batch, seq, heads, dim] = shape else {
+                return Err(invalid(
+                    op,
+                    format!(
+                        "tokens-major operands are [batch, seq, heads, head_dim], got {shape:?}"
+                    ),
+                ));
+            };
+            AttentionDims { heads: batch * heads, seq, dim, heads_per_token: heads.max(1) }
+        }
     };
-    if *dim == 0 {
+    if dims.dim == 0 {
         return Err(invalid(op, format!("head dim 0 in {shape:?}")));
     }
-    Ok(AttentionDims { heads: lead.iter().product(), seq: *seq, dim: *dim })
+    Ok(dims)
 }
 
-/// The logsumexp's shape: q's without the head dim.
-fn lse_shape(q: &Tensor) -> Vec<usize> {
-    q.shape()[..q.rank() - 1].to_vec()
+/// The logsumexp's shape: q's without the head dim (heads-major), `[batch, heads, seq]`
+/// (tokens-major).
+fn lse_shape(q: &Tensor, layout: AttentionLayout) -> Vec<usize> {
+    match (layout, q.shape()) {
+        (AttentionLayout::TokensMajor, &[batch, seq, heads, _]) => vec![batch, heads, seq],
+        _ => q.shape()[..q.rank() - 1].to_vec(),
+    }
 }
 
 struct Forward<'a> {
@@ -136,7 +166,7 @@ impl Op for Forward<'_> {
         self.params.validate(Self::NAME)?;
         Ok(Plan::new([
             OutputSpec::new(self.q.shape(), self.q.dtype()),
-            OutputSpec::new(&lse_shape(self.q), DType::F32),
+            OutputSpec::new(&lse_shape(self.q, self.params.layout), DType::F32),
         ]))
     }
 
@@ -192,7 +222,7 @@ impl Op for Backward<'_> {
         self.params.validate(OP)?;
         same_layout(OP, self.q, &self.fwd.out)?;
         same_layout(OP, self.q, self.dout)?;
-        expect_shape(OP, &lse_shape(self.q), &self.fwd.lse)?;
+        expect_shape(OP, &lse_shape(self.q, self.params.layout), &self.fwd.lse)?;
         super::expect_dtype(OP, DType::F32, &self.fwd.lse)?;
         super::same_device(OP, self.q, &self.fwd.lse)?;
         let spec = || OutputSpec::new(self.q.shape(), self.q.dtype());
@@ -335,10 +365,11 @@ mod launches {
     }
 
     /// The arguments every tile kernel ends with.
-    fn tail(dims: &AttentionDims, p: &AttentionParams) -> [Arg; 7] {
+    fn tail(dims: &AttentionDims, p: &AttentionParams) -> [Arg; 8] {
         [
             Arg::count(dims.seq),
             Arg::count(dims.dim),
+            Arg::count(dims.heads_per_token),
             Arg::F32(p.scale_for(dims.dim)),
             Arg::U32(u32::from(p.causal)),
             Arg::F32(p.dropout),
@@ -364,10 +395,11 @@ mod launches {
         };
         let mut args = vec![Arg::Ptr(q), Arg::Ptr(k), Arg::Ptr(v), Arg::Ptr(o), Arg::Ptr(lse)];
         args.extend(tail(&dims, p));
-        // SAFETY: attention_fwd_T and attention_fwd_mma_T(q, k, v, o, lse, seq, d, ...): q,
-        // k, v and o hold heads * seq * d elements of `dtype`, lse heads * seq f32 (the op's
-        // plan); the grid covers the kernel's query tiles of every head; the tensor-core
-        // kernel gets only head dims it takes (a multiple of 16, at most 128).
+        // SAFETY: attention_fwd_T and attention_fwd_mma_T(q, k, v, o, lse, seq, d, nh, ...):
+        // q, k, v and o hold heads * seq * d elements of `dtype` (nh, which divides heads,
+        // of them side by side in a token row), lse heads * seq f32 (the op's plan); the grid
+        // covers the kernel's query tiles of every head; the tensor-core kernel gets only
+        // head dims it takes (a multiple of 16, at most 128).
         unsafe { exec.launch(kernel, cfg, &args) }
     }
 
@@ -390,8 +422,8 @@ mod launches {
             None => (ATTENTION_BWD_DKDV.of(dtype), ATTENTION_BWD_DQ.of(dtype), tiles(&dims, OP)?),
         };
         let rows = dims.rows();
-        // SAFETY: attention_bwd_dot_T(o, dout, dsum, rows, d): o and dout hold rows * d
-        // elements, dsum rows f32.
+        // SAFETY: attention_bwd_dot_T(o, dout, dsum, rows, seq, d, nh): o and dout hold
+        // rows * d elements (heads * seq rows of d, nh heads a token row), dsum rows f32.
         unsafe {
             exec.launch(
                 ATTENTION_BWD_DOT.of(dtype),
@@ -401,7 +433,9 @@ mod launches {
                     Arg::Ptr(dout),
                     Arg::Ptr(dsum),
                     Arg::count(rows),
+                    Arg::count(dims.seq),
                     Arg::count(dims.dim),
+                    Arg::count(dims.heads_per_token),
                 ],
             )?;
         }
@@ -457,9 +491,16 @@ mod tests {
     }
 
     /// The CUDA forward and backward (`launches`, every kernel emulated) against the host
-    /// reference on `[heads, seq, dim]` inputs of `T`.
-    fn case<T: Element>(e: &Emulator, heads: usize, seq: usize, dim: usize, p: AttentionParams) {
-        let dims = AttentionDims { heads, seq, dim };
+    /// reference on inputs of `T` of `heads` heads of `seq` tokens of `dim`, `nh` of them
+    /// side by side in a token row (1: heads-major).
+    fn case<T: Element>(
+        e: &Emulator,
+        (heads, nh): (usize, usize),
+        seq: usize,
+        dim: usize,
+        p: AttentionParams,
+    ) {
+        let dims = AttentionDims { heads, seq, dim, heads_per_token: nh };
         let n = dims.len();
         let input =
             |s: u64| -> Vec<T> { values(n, s, -2.0, 2.0).into_iter().map(T::from_f32).collect() };
@@ -475,7 +516,7 @@ mod tests {
         let (mut e_out, mut e_lse) = (vec![T::from_f32(9.0); n], vec![9.0f32; dims.rows()]);
         let io = [addr(&mut q), addr(&mut k), addr(&mut v), addr(&mut e_out), addr(&mut e_lse)];
         launches::forward(e, T::DTYPE, dims, &p, io).unwrap();
-        let what = format!("{:?} heads {heads} seq {seq} dim {dim} {p:?}", T::DTYPE);
+        let what = format!("{:?} heads {heads} ({nh} a row) seq {seq} dim {dim} {p:?}", T::DTYPE);
         close(&format!("out {what}"), &e_out, &out, 2.0);
         close(&format!("lse {what}"), &e_lse, &lse, 2.0);
         // The backward reads the host's output, so that both sides start from the same.
@@ -507,10 +548,26 @@ mod tests {
             for causal in [false, true] {
                 for drop in [0.0, 0.25] {
                     let p = AttentionParams::new(causal).with_dropout(drop, 11, 1 << 33);
-                    case::<f32>(&e, 2, seq, dim, p);
-                    case::<bf16>(&e, 1, seq, dim, p);
-                    case::<f16>(&e, 1, seq, dim, p);
+                    case::<f32>(&e, (2, 1), seq, dim, p);
+                    case::<bf16>(&e, (1, 1), seq, dim, p);
+                    case::<f16>(&e, (1, 1), seq, dim, p);
                 }
+            }
+        }
+    }
+
+    // Tokens-major operands ([batch, seq, heads, dim]): 2 batches of 3 heads, so that a
+    // head's rows are strided and its first element is neither 0 nor a multiple of seq * d,
+    // on the FMA path (f32, dim 24) and both tensor-core instances (32, 128).
+    #[test]
+    fn emulated_kernels_take_tokens_major_operands() {
+        let Some(e) = Emulator::new(ATTENTION_FWD.of(DType::F32)) else { return };
+        for (seq, dim) in [(19, 24), (70, 32), (33, 128)] {
+            for causal in [false, true] {
+                let p = AttentionParams::new(causal).with_dropout(0.25, 5, 7).tokens_major();
+                case::<f32>(&e, (6, 3), seq, dim, p);
+                case::<bf16>(&e, (6, 3), seq, dim, p);
+                case::<f16>(&e, (6, 3), seq, dim, p);
             }
         }
     }
@@ -543,7 +600,7 @@ mod tests {
     #[test]
     fn heads_wider_than_the_kernels_are_refused_on_cuda() {
         let Some(e) = Emulator::new(ATTENTION_FWD.of(DType::F32)) else { return };
-        let dims = AttentionDims { heads: 1, seq: 4, dim: launches::MAX_DIM + 1 };
+        let dims = AttentionDims::heads_major(1, 4, launches::MAX_DIM + 1);
         let err = launches::forward(&e, DType::F32, dims, &AttentionParams::new(true), [0; 5]);
         assert!(err.is_err());
     }

@@ -50,8 +50,8 @@ mod scale_channels;
 mod softmax;
 
 pub use crate::params::{
-    AdamWConfig, AttentionDims, AttentionParams, Conv2dOptions, Conv2dParams, DIRECT_MAX_MACS,
-    MatmulSpec, Pool2dOptions, Pool2dParams, SgdConfig,
+    AdamWConfig, AttentionDims, AttentionLayout, AttentionParams, Conv2dOptions, Conv2dParams,
+    DIRECT_MAX_MACS, MatmulSpec, Pool2dOptions, Pool2dParams, SgdConfig,
 };
 // Every op an `unary_op!` entry declares (with the tests' `UNARY_OPS`, crate-private).
 pub use activation::*;

@@ -14,6 +14,10 @@ use crate::error::{Error, Result};
 /// drops exactly what `ops::dropout(probs, p, seed, offset)` drops on the explicit
 /// probabilities, and a caller advances its offset by `heads * seq * seq` per call as it
 /// would for that dropout.
+///
+/// The layout ([`AttentionLayout`]) says how q, k, v and the output hold their heads:
+/// heads-major by default, or tokens-major ([`AttentionParams::tokens_major`]), which reads
+/// a projection's `[batch * seq, heads * head_dim]` output as it is, without a permutation.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionParams {
     /// Query `i` attends to keys `j <= i` only.
@@ -26,12 +30,47 @@ pub struct AttentionParams {
     pub seed: u64,
     /// The dropout stream's first index.
     pub offset: u64,
+    /// How the operands hold their heads.
+    pub layout: AttentionLayout,
+}
+
+/// How attention's q, k, v, output and gradients hold their heads.
+///
+/// The head index `h` of a batch element `b` and a head `hh` of `heads` is `b * heads + hh`
+/// in both layouts: the logsumexp is `[batch * heads, seq]` (`[batch, heads, seq]`), and
+/// dropout draws the same elements whichever layout the operands have.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionLayout {
+    /// `[.., seq, head_dim]`, every leading index a head: `[batch * heads, seq, head_dim]`
+    /// or `[batch, heads, seq, head_dim]`, the shape PyTorch's
+    /// `F.scaled_dot_product_attention` takes.
+    #[default]
+    HeadsMajor,
+    /// `[batch, seq, heads, head_dim]`: token by token, each token's heads side by side,
+    /// FlashAttention's own layout (`flash_attn_func`'s) and the memory PyTorch's flash and
+    /// memory-efficient SDPA backends read and write (their `[b, h, s, d]` operands are
+    /// transposed views of it). A linear projection's `[batch * seq, heads * head_dim]`
+    /// output is this layout as it is, and the output is the next projection's input as it
+    /// is: no head permutation is copied, forward or backward.
+    TokensMajor,
 }
 
 impl AttentionParams {
     /// Attention without dropout, causal or not, scaled by `1 / sqrt(head_dim)`.
     pub fn new(causal: bool) -> AttentionParams {
-        AttentionParams { causal, scale: None, dropout: 0.0, seed: 0, offset: 0 }
+        AttentionParams {
+            causal,
+            scale: None,
+            dropout: 0.0,
+            seed: 0,
+            offset: 0,
+            layout: AttentionLayout::HeadsMajor,
+        }
+    }
+
+    /// The same with operands in `[batch, seq, heads, head_dim]` ([`AttentionLayout::TokensMajor`]).
+    pub fn tokens_major(self) -> AttentionParams {
+        AttentionParams { layout: AttentionLayout::TokensMajor, ..self }
     }
 
     /// The same with dropout `p` drawn from `(seed, offset)`.
@@ -71,7 +110,9 @@ impl AttentionParams {
 }
 
 /// The sizes of one attention call: `heads` independent heads (batch times heads) of `seq`
-/// tokens of width `dim`; q, k, v and the output are `[heads, seq, dim]`, row-major.
+/// tokens of width `dim`; q, k, v and the output are `[heads, seq, dim]`, row-major, when
+/// `heads_per_token` is 1, and `[heads / heads_per_token, seq, heads_per_token, dim]`
+/// (tokens-major) otherwise.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionDims {
     /// Heads over the whole batch.
@@ -80,9 +121,33 @@ pub struct AttentionDims {
     pub seq: usize,
     /// Width of a head.
     pub dim: usize,
+    /// Heads side by side in each token's row: 1 for heads-major operands, the model's heads
+    /// for tokens-major ones. Divides `heads`.
+    pub heads_per_token: usize,
 }
 
 impl AttentionDims {
+    /// Heads-major sizes (`[heads, seq, dim]`).
+    pub fn heads_major(heads: usize, seq: usize, dim: usize) -> AttentionDims {
+        AttentionDims { heads, seq, dim, heads_per_token: 1 }
+    }
+
+    /// Elements between two consecutive rows of one head.
+    pub fn row_stride(&self) -> usize {
+        self.heads_per_token * self.dim
+    }
+
+    /// The element where row 0 of head `h` starts.
+    pub fn head_start(&self, h: usize) -> usize {
+        let n = self.heads_per_token.max(1);
+        (h / n) * self.seq * n * self.dim + (h % n) * self.dim
+    }
+
+    /// The element where row `i` of head `h` starts.
+    pub fn row_start(&self, h: usize, i: usize) -> usize {
+        self.head_start(h) + i * self.row_stride()
+    }
+
     /// Elements of q (or k, v, the output).
     pub fn len(&self) -> usize {
         self.heads * self.seq * self.dim

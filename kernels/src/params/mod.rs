@@ -12,7 +12,7 @@ mod attention;
 mod geometry;
 mod optim;
 
-pub use attention::{AttentionDims, AttentionParams};
+pub use attention::{AttentionDims, AttentionLayout, AttentionParams};
 #[cfg(feature = "cuda")]
 pub(crate) use geometry::Window2d;
 pub use geometry::{

@@ -17,6 +17,11 @@
 // keys past the end are masked). Dropout draws the probability (h, i, j) from element
 // offset + (h * seq + i) * seq + j of the stream `seed`, as ops::dropout on the explicit
 // probabilities [heads, seq, seq] would.
+//
+// Layouts: every kernel takes `nh`, the heads side by side in a token's row. nh = 1 is
+// heads-major ([heads, seq, d]); nh > 1 tokens-major ([heads / nh, seq, nh, d], head
+// h = b * nh + hh), where a head's rows are nh * d apart. lse and dsum are [heads, seq]
+// in both.
 
 #define ATT_BQ 16
 #define ATT_BK 16
@@ -25,6 +30,11 @@
 // Row stride of the shared tiles: one float of padding so that threads reading the same
 // column of different rows hit different banks.
 #define ATT_LD (ATT_DMAX + 1)
+
+// The first element of head h (see "Layouts" above).
+__device__ __forceinline__ u64 att_head(u64 h, u64 nh, u64 seq, u64 d) {
+    return (h / nh) * seq * nh * d + (h % nh) * d;
+}
 
 // The factor on probability (h, i, j): 1 / (1 - p) when dropout keeps it, else 0; 1
 // without dropout.
@@ -35,15 +45,16 @@ __device__ __forceinline__ float att_drop(float p, u64 seed, u64 offset, u64 seq
     return u >= p ? 1.0f / (1.0f - p) : 0.0f;
 }
 
-// Copies rows [r0, r0 + ATT_BQ) (or ATT_BK) of a head's [seq, d] matrix into `tile` as f32,
-// zeros past the end; thread c copies column c.
+// Copies rows [r0, r0 + ATT_BQ) (or ATT_BK) of a head's [seq, d] matrix (rows `ld` apart)
+// into `tile` as f32, zeros past the end; thread c copies column c.
 template <typename T, int ROWS>
-__device__ __forceinline__ void att_load(float* tile, const T* m, u64 r0, u64 seq, u64 d) {
+__device__ __forceinline__ void att_load(float* tile, const T* m, u64 r0, u64 seq, u64 d,
+                                         u64 ld) {
     const u32 c = threadIdx.x;
     if (c >= d) return;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-        tile[r * ATT_LD + c] = r0 + r < seq ? to_f32(m[(r0 + r) * d + c]) : 0.0f;
+        tile[r * ATT_LD + c] = r0 + r < seq ? to_f32(m[(r0 + r) * ld + c]) : 0.0f;
     }
 }
 
@@ -55,7 +66,7 @@ __device__ __forceinline__ float att_dot(const float* a, const float* b, u64 d) 
 
 template <typename T>
 __device__ void attention_fwd_impl(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq,
-                                   u64 d, float scale, u32 causal, float p, u64 seed,
+                                   u64 d, u64 nh, float scale, u32 causal, float p, u64 seed,
                                    u64 offset) {
     __shared__ float qs[ATT_BQ * ATT_LD];
     __shared__ float ks[ATT_BK * ATT_LD];
@@ -65,11 +76,12 @@ __device__ void attention_fwd_impl(const T* q, const T* k, const T* v, T* o, flo
     const u64 h = blockIdx.y;
     const u64 i0 = (u64)blockIdx.x * ATT_BQ;
     const u32 t = threadIdx.x;
-    q += h * seq * d;
-    k += h * seq * d;
-    v += h * seq * d;
-    o += h * seq * d;
-    att_load<T, ATT_BQ>(qs, q, i0, seq, d);
+    const u64 head = att_head(h, nh, seq, d), ld = nh * d;
+    q += head;
+    k += head;
+    v += head;
+    o += head;
+    att_load<T, ATT_BQ>(qs, q, i0, seq, d, ld);
     if (t < ATT_BQ) {
         row_m[t] = neg_inf();
         row_l[t] = 0.0f;
@@ -81,8 +93,8 @@ __device__ void attention_fwd_impl(const T* q, const T* k, const T* v, T* o, flo
     const u64 kend = causal ? last : seq;
     for (u64 j0 = 0; j0 < kend; j0 += ATT_BK) {
         __syncthreads();
-        att_load<T, ATT_BK>(ks, k, j0, seq, d);
-        att_load<T, ATT_BK>(vs, v, j0, seq, d);
+        att_load<T, ATT_BK>(ks, k, j0, seq, d, ld);
+        att_load<T, ATT_BK>(vs, v, j0, seq, d, ld);
         __syncthreads();
         for (u32 e = t; e < ATT_BQ * ATT_BK; e += ATT_THREADS) {
             const u32 r = e / ATT_BK, jj = e % ATT_BK;
@@ -126,18 +138,21 @@ __device__ void attention_fwd_impl(const T* q, const T* k, const T* v, T* o, flo
     if (t < d) {
 #pragma unroll
         for (int r = 0; r < ATT_BQ; ++r) {
-            if (i0 + r < seq) o[(i0 + r) * d + t] = from_f32<T>(acc[r] / row_l[r]);
+            if (i0 + r < seq) o[(i0 + r) * ld + t] = from_f32<T>(acc[r] / row_l[r]);
         }
     }
     if (t < ATT_BQ && i0 + t < seq) lse[h * seq + i0 + t] = row_m[t] + logf(row_l[t]);
 }
 
-// dsum[r] = dout[r] . o[r] for each of `rows` rows of d.
+// dsum[r] = dout[r] . o[r] for each of `rows` rows of d (row r = h * seq + i: row i of
+// head h, in the layout nh says).
 template <typename T>
-__device__ void attention_bwd_dot_impl(const T* o, const T* dout, float* dsum, u64 rows, u64 d) {
+__device__ void attention_bwd_dot_impl(const T* o, const T* dout, float* dsum, u64 rows, u64 seq,
+                                       u64 d, u64 nh) {
     FOR_EACH(r, rows) {
+        const u64 at = att_head(r / seq, nh, seq, d) + (r % seq) * nh * d;
         float s = 0.0f;
-        for (u64 c = 0; c < d; ++c) s += to_f32(dout[r * d + c]) * to_f32(o[r * d + c]);
+        for (u64 c = 0; c < d; ++c) s += to_f32(dout[at + c]) * to_f32(o[at + c]);
         dsum[r] = s;
     }
 }
@@ -182,8 +197,8 @@ __device__ __forceinline__ void att_load_rows(float* lse_s, float* dsum_s, const
 template <typename T>
 __device__ void attention_bwd_dkdv_impl(const T* q, const T* k, const T* v, const T* dout,
                                         const float* lse, const float* dsum, T* dk, T* dv,
-                                        u64 seq, u64 d, float scale, u32 causal, float p,
-                                        u64 seed, u64 offset) {
+                                        u64 seq, u64 d, u64 nh, float scale, u32 causal,
+                                        float p, u64 seed, u64 offset) {
     __shared__ float qs[ATT_BQ * ATT_LD];
     __shared__ float dos[ATT_BQ * ATT_LD];
     __shared__ float ks[ATT_BK * ATT_LD];
@@ -194,17 +209,17 @@ __device__ void attention_bwd_dkdv_impl(const T* q, const T* k, const T* v, cons
     const u64 h = blockIdx.y;
     const u64 j0 = (u64)blockIdx.x * ATT_BK;
     const u32 t = threadIdx.x;
-    const u64 head = h * seq * d;
-    att_load<T, ATT_BK>(ks, k + head, j0, seq, d);
-    att_load<T, ATT_BK>(vs, v + head, j0, seq, d);
+    const u64 head = att_head(h, nh, seq, d), ld = nh * d;
+    att_load<T, ATT_BK>(ks, k + head, j0, seq, d, ld);
+    att_load<T, ATT_BK>(vs, v + head, j0, seq, d, ld);
     float gk[ATT_BK], gv[ATT_BK];
 #pragma unroll
     for (int j = 0; j < ATT_BK; ++j) gk[j] = gv[j] = 0.0f;
     const u64 first = causal ? j0 / ATT_BQ * ATT_BQ : 0;
     for (u64 i0 = first; i0 < seq; i0 += ATT_BQ) {
         __syncthreads();
-        att_load<T, ATT_BQ>(qs, q + head, i0, seq, d);
-        att_load<T, ATT_BQ>(dos, dout + head, i0, seq, d);
+        att_load<T, ATT_BQ>(qs, q + head, i0, seq, d, ld);
+        att_load<T, ATT_BQ>(dos, dout + head, i0, seq, d, ld);
         att_load_rows(lse_s, dsum_s, lse + h * seq, dsum + h * seq, i0, seq);
         __syncthreads();
         att_grad_tile(qs, dos, ks, vs, lse_s, dsum_s, pt, dst, i0, j0, h, seq, d, scale, causal,
@@ -227,8 +242,8 @@ __device__ void attention_bwd_dkdv_impl(const T* q, const T* k, const T* v, cons
 #pragma unroll
         for (int j = 0; j < ATT_BK; ++j) {
             if (j0 + j < seq) {
-                dk[head + (j0 + j) * d + t] = from_f32<T>(scale * gk[j]);
-                dv[head + (j0 + j) * d + t] = from_f32<T>(gv[j]);
+                dk[head + (j0 + j) * ld + t] = from_f32<T>(scale * gk[j]);
+                dv[head + (j0 + j) * ld + t] = from_f32<T>(gv[j]);
             }
         }
     }
@@ -238,7 +253,8 @@ __device__ void attention_bwd_dkdv_impl(const T* q, const T* k, const T* v, cons
 template <typename T>
 __device__ void attention_bwd_dq_impl(const T* q, const T* k, const T* v, const T* dout,
                                       const float* lse, const float* dsum, T* dq, u64 seq, u64 d,
-                                      float scale, u32 causal, float p, u64 seed, u64 offset) {
+                                      u64 nh, float scale, u32 causal, float p, u64 seed,
+                                      u64 offset) {
     __shared__ float qs[ATT_BQ * ATT_LD];
     __shared__ float dos[ATT_BQ * ATT_LD];
     __shared__ float ks[ATT_BK * ATT_LD];
@@ -249,9 +265,9 @@ __device__ void attention_bwd_dq_impl(const T* q, const T* k, const T* v, const 
     const u64 h = blockIdx.y;
     const u64 i0 = (u64)blockIdx.x * ATT_BQ;
     const u32 t = threadIdx.x;
-    const u64 head = h * seq * d;
-    att_load<T, ATT_BQ>(qs, q + head, i0, seq, d);
-    att_load<T, ATT_BQ>(dos, dout + head, i0, seq, d);
+    const u64 head = att_head(h, nh, seq, d), ld = nh * d;
+    att_load<T, ATT_BQ>(qs, q + head, i0, seq, d, ld);
+    att_load<T, ATT_BQ>(dos, dout + head, i0, seq, d, ld);
     att_load_rows(lse_s, dsum_s, lse + h * seq, dsum + h * seq, i0, seq);
     float g[ATT_BQ];
 #pragma unroll
@@ -260,8 +276,8 @@ __device__ void attention_bwd_dq_impl(const T* q, const T* k, const T* v, const 
     const u64 kend = causal ? last : seq;
     for (u64 j0 = 0; j0 < kend; j0 += ATT_BK) {
         __syncthreads();
-        att_load<T, ATT_BK>(ks, k + head, j0, seq, d);
-        att_load<T, ATT_BK>(vs, v + head, j0, seq, d);
+        att_load<T, ATT_BK>(ks, k + head, j0, seq, d, ld);
+        att_load<T, ATT_BK>(vs, v + head, j0, seq, d, ld);
         __syncthreads();
         att_grad_tile(qs, dos, ks, vs, lse_s, dsum_s, pt, dst, i0, j0, h, seq, d, scale, causal,
                       p, seed, offset);
@@ -278,7 +294,7 @@ __device__ void attention_bwd_dq_impl(const T* q, const T* k, const T* v, const 
     if (t < d) {
 #pragma unroll
         for (int r = 0; r < ATT_BQ; ++r) {
-            if (i0 + r < seq) dq[head + (i0 + r) * d + t] = from_f32<T>(scale * g[r]);
+            if (i0 + r < seq) dq[head + (i0 + r) * ld + t] = from_f32<T>(scale * g[r]);
         }
     }
 }
@@ -336,15 +352,16 @@ template <typename T> __device__ __forceinline__ u32 att_pack_f32(float lo, floa
     return att_pack(from_f32<T>(lo).bits, from_f32<T>(hi).bits);
 }
 
-// Rows [r0, r0 + ATT_MK) of a head's [seq, d] matrix into `tile` (16-bit bits, stride
-// ATT_MLD(DM)), zeros past the end; pairs of elements per thread.
+// Rows [r0, r0 + ATT_MK) of a head's [seq, d] matrix (rows `ld` apart) into `tile` (16-bit
+// bits, stride ATT_MLD(DM)), zeros past the end; pairs of elements per thread.
 template <typename T, int DM>
-__device__ __forceinline__ void att_load16(u16* tile, const T* m, u64 r0, u64 seq, u32 d) {
+__device__ __forceinline__ void att_load16(u16* tile, const T* m, u64 r0, u64 seq, u32 d,
+                                           u64 ld) {
     const u32 pairs = d / 2;
     for (u32 e = threadIdx.x; e < ATT_MK * pairs; e += ATT_THREADS) {
         const u32 r = e / pairs, c = 2 * (e - r * pairs);
         u32 w = 0;
-        if (r0 + r < seq) w = att_pack(m[(r0 + r) * d + c].bits, m[(r0 + r) * d + c + 1].bits);
+        if (r0 + r < seq) w = att_pack(m[(r0 + r) * ld + c].bits, m[(r0 + r) * ld + c + 1].bits);
         *reinterpret_cast<u32*>(tile + r * ATT_MLD(DM) + c) = w;
     }
 }
@@ -425,7 +442,7 @@ __device__ __forceinline__ void att_mma_acc(float (*acc)[4], const float (*c)[4]
 template <typename T, int DM>
 __device__ void attention_bwd_dkdv_mma_impl(const T* q, const T* k, const T* v, const T* dout,
                                             const float* lse, const float* dsum, T* dk, T* dv,
-                                            u64 seq, u64 d64, float scale, u32 causal,
+                                            u64 seq, u64 d64, u64 nh, float scale, u32 causal,
                                             float pdrop, u64 seed, u64 offset) {
     __shared__ u32 qs_words[ATT_MK * ATT_MLD(DM) / 2];
     __shared__ u32 dos_words[ATT_MK * ATT_MLD(DM) / 2];
@@ -438,10 +455,10 @@ __device__ void attention_bwd_dkdv_mma_impl(const T* q, const T* k, const T* v, 
     const u32 lane = threadIdx.x % 32, w = threadIdx.x / 32;
     const u32 g = lane / 4, tg = lane % 4;
     const u32 nk = d / 16, nd = d / 8;
-    const u64 head = h * seq * d;
+    const u64 head = att_head(h, nh, seq, d), ld = nh * d;
     u32 ka[DM / 16][4], va[DM / 16][4];
-    att_load16<T, DM>(qs, k + head, j0, seq, d);
-    att_load16<T, DM>(dos, v + head, j0, seq, d);
+    att_load16<T, DM>(qs, k + head, j0, seq, d, ld);
+    att_load16<T, DM>(dos, v + head, j0, seq, d, ld);
     __syncthreads();
     att_frags<DM>(ka, qs, w * 16, nk);
     att_frags<DM>(va, dos, w * 16, nk);
@@ -455,8 +472,8 @@ __device__ void attention_bwd_dkdv_mma_impl(const T* q, const T* k, const T* v, 
     const u64 first = causal ? j0 : 0;
     for (u64 i0 = first; i0 < seq; i0 += ATT_MQ) {
         __syncthreads();
-        att_load16<T, DM>(qs, q + head, i0, seq, d);
-        att_load16<T, DM>(dos, dout + head, i0, seq, d);
+        att_load16<T, DM>(qs, q + head, i0, seq, d, ld);
+        att_load16<T, DM>(dos, dout + head, i0, seq, d, ld);
         if (threadIdx.x < ATT_MQ) {
             const u64 r = i0 + threadIdx.x;
             lse_s[threadIdx.x] = r < seq ? lse[h * seq + r] : 0.0f;
@@ -493,7 +510,7 @@ __device__ void attention_bwd_dkdv_mma_impl(const T* q, const T* k, const T* v, 
             for (u32 i = 0; i < 4; ++i) {
                 const u64 kj = key[i / 2];
                 if (kj < seq) {
-                    const u64 at = head + kj * d + dt * 8 + 2 * tg + i % 2;
+                    const u64 at = head + kj * ld + dt * 8 + 2 * tg + i % 2;
                     dk[at] = from_f32<T>(scale * gk[dt][i]);
                     dv[at] = from_f32<T>(gv[dt][i]);
                 }
@@ -505,8 +522,8 @@ __device__ void attention_bwd_dkdv_mma_impl(const T* q, const T* k, const T* v, 
 template <typename T, int DM>
 __device__ void attention_bwd_dq_mma_impl(const T* q, const T* k, const T* v, const T* dout,
                                           const float* lse, const float* dsum, T* dq, u64 seq,
-                                          u64 d64, float scale, u32 causal, float pdrop, u64 seed,
-                                          u64 offset) {
+                                          u64 d64, u64 nh, float scale, u32 causal, float pdrop,
+                                          u64 seed, u64 offset) {
     __shared__ u32 ks_words[ATT_MK * ATT_MLD(DM) / 2];
     __shared__ u32 vs_words[ATT_MK * ATT_MLD(DM) / 2];
     u16* ks = reinterpret_cast<u16*>(ks_words);
@@ -517,10 +534,10 @@ __device__ void attention_bwd_dq_mma_impl(const T* q, const T* k, const T* v, co
     const u32 lane = threadIdx.x % 32, w = threadIdx.x / 32;
     const u32 g = lane / 4, tg = lane % 4;
     const u32 nk = d / 16, nd = d / 8;
-    const u64 head = h * seq * d;
+    const u64 head = att_head(h, nh, seq, d), ld = nh * d;
     u32 qa[DM / 16][4], da[DM / 16][4];
-    att_load16<T, DM>(ks, q + head, i0, seq, d);
-    att_load16<T, DM>(vs, dout + head, i0, seq, d);
+    att_load16<T, DM>(ks, q + head, i0, seq, d, ld);
+    att_load16<T, DM>(vs, dout + head, i0, seq, d, ld);
     __syncthreads();
     att_frags<DM>(qa, ks, w * 16, nk);
     att_frags<DM>(da, vs, w * 16, nk);
@@ -538,8 +555,8 @@ __device__ void attention_bwd_dq_mma_impl(const T* q, const T* k, const T* v, co
     const u64 kend = causal ? last : seq;
     for (u64 j0 = 0; j0 < kend; j0 += ATT_MK) {
         __syncthreads();
-        att_load16<T, DM>(ks, k + head, j0, seq, d);
-        att_load16<T, DM>(vs, v + head, j0, seq, d);
+        att_load16<T, DM>(ks, k + head, j0, seq, d, ld);
+        att_load16<T, DM>(vs, v + head, j0, seq, d, ld);
         __syncthreads();
         float s[ATT_MK / 8][4], dp[ATT_MK / 8][4];
         att_mma_rows<T, DM>(s, qa, ks, nk);
@@ -567,7 +584,7 @@ __device__ void attention_bwd_dq_mma_impl(const T* q, const T* k, const T* v, co
 #pragma unroll
             for (u32 i = 0; i < 4; ++i) {
                 const u64 qi = row[i / 2];
-                if (qi < seq) dq[head + qi * d + dt * 8 + 2 * tg + i % 2] = from_f32<T>(scale * gq[dt][i]);
+                if (qi < seq) dq[head + qi * ld + dt * 8 + 2 * tg + i % 2] = from_f32<T>(scale * gq[dt][i]);
             }
         }
     }
@@ -575,8 +592,8 @@ __device__ void attention_bwd_dq_mma_impl(const T* q, const T* k, const T* v, co
 
 template <typename T, int DM>
 __device__ void attention_fwd_mma_impl(const T* q, const T* k, const T* v, T* o, float* lse,
-                                       u64 seq, u64 d64, float scale, u32 causal, float pdrop,
-                                       u64 seed, u64 offset) {
+                                       u64 seq, u64 d64, u64 nh, float scale, u32 causal,
+                                       float pdrop, u64 seed, u64 offset) {
     __shared__ u32 ks_words[ATT_MK * ATT_MLD(DM) / 2];
     __shared__ u32 vs_words[ATT_MK * ATT_MLD(DM) / 2];
     u16* ks = reinterpret_cast<u16*>(ks_words);
@@ -588,12 +605,13 @@ __device__ void attention_fwd_mma_impl(const T* q, const T* k, const T* v, T* o,
     const u32 g = lane / 4, tg = lane % 4;
     const u32 nk = d / 16;  // k chunks of the head dim
     const u32 nd = d / 8;   // n tiles of the output
-    q += h * seq * d;
-    k += h * seq * d;
-    v += h * seq * d;
-    o += h * seq * d;
+    const u64 head = att_head(h, nh, seq, d), ld = nh * d;
+    q += head;
+    k += head;
+    v += head;
+    o += head;
     // Q's A fragments, through the K buffer.
-    att_load16<T, DM>(ks, q, i0, seq, d);
+    att_load16<T, DM>(ks, q, i0, seq, d, ld);
     __syncthreads();
     u32 qa[DM / 16][4];
     const u32 qr = w * 16 + g;
@@ -616,8 +634,8 @@ __device__ void attention_fwd_mma_impl(const T* q, const T* k, const T* v, T* o,
     const u64 kend = causal ? last : seq;
     for (u64 j0 = 0; j0 < kend; j0 += ATT_MK) {
         __syncthreads();
-        att_load16<T, DM>(ks, k, j0, seq, d);
-        att_load16<T, DM>(vs, v, j0, seq, d);
+        att_load16<T, DM>(ks, k, j0, seq, d, ld);
+        att_load16<T, DM>(vs, v, j0, seq, d, ld);
         __syncthreads();
         float s[ATT_MK / 8][4];
 #pragma unroll
@@ -704,7 +722,7 @@ __device__ void attention_fwd_mma_impl(const T* q, const T* k, const T* v, T* o,
 #pragma unroll
             for (u32 i = 0; i < 4; ++i) {
                 const u32 x = i / 2;
-                if (row[x] < seq) o[row[x] * d + dt * 8 + 2 * tg + i % 2] = from_f32<T>(oacc[dt][i] / l[x]);
+                if (row[x] < seq) o[row[x] * ld + dt * 8 + 2 * tg + i % 2] = from_f32<T>(oacc[dt][i] / l[x]);
             }
         }
     }
@@ -719,17 +737,17 @@ __device__ void attention_fwd_mma_impl(const T* q, const T* k, const T* v, T* o,
 // The tensor-core kernels of dtype T (suffix S) for heads up to DM, named with suffix N:
 // `_d64` for heads of at most 64, none for at most 128.
 #define ATTENTION_MMA(T, S, DM, N) \
-    extern "C" __global__ void attention_fwd_mma##N##_##S(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_mma_impl<T, DM>(q, k, v, o, lse, seq, d, scale, causal, p, seed, offset); } \
-    extern "C" __global__ void attention_bwd_dkdv_mma##N##_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dk, T* dv, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dkdv_mma_impl<T, DM>(q, k, v, dout, lse, dsum, dk, dv, seq, d, scale, causal, p, seed, offset); } \
-    extern "C" __global__ void attention_bwd_dq_mma##N##_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dq, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dq_mma_impl<T, DM>(q, k, v, dout, lse, dsum, dq, seq, d, scale, causal, p, seed, offset); }
+    extern "C" __global__ void attention_fwd_mma##N##_##S(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq, u64 d, u64 nh, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_mma_impl<T, DM>(q, k, v, o, lse, seq, d, nh, scale, causal, p, seed, offset); } \
+    extern "C" __global__ void attention_bwd_dkdv_mma##N##_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dk, T* dv, u64 seq, u64 d, u64 nh, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dkdv_mma_impl<T, DM>(q, k, v, dout, lse, dsum, dk, dv, seq, d, nh, scale, causal, p, seed, offset); } \
+    extern "C" __global__ void attention_bwd_dq_mma##N##_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dq, u64 seq, u64 d, u64 nh, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dq_mma_impl<T, DM>(q, k, v, dout, lse, dsum, dq, seq, d, nh, scale, causal, p, seed, offset); }
 ATTENTION_MMA(half_t, f16, 128, )
 ATTENTION_MMA(bf16_t, bf16, 128, )
 ATTENTION_MMA(half_t, f16, 64, _d64)
 ATTENTION_MMA(bf16_t, bf16, 64, _d64)
 
 #define ATTENTION(T, S) \
-    extern "C" __global__ void attention_fwd_##S(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_impl<T>(q, k, v, o, lse, seq, d, scale, causal, p, seed, offset); } \
-    extern "C" __global__ void attention_bwd_dot_##S(const T* o, const T* dout, float* dsum, u64 rows, u64 d) { attention_bwd_dot_impl<T>(o, dout, dsum, rows, d); } \
-    extern "C" __global__ void attention_bwd_dkdv_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dk, T* dv, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dkdv_impl<T>(q, k, v, dout, lse, dsum, dk, dv, seq, d, scale, causal, p, seed, offset); } \
-    extern "C" __global__ void attention_bwd_dq_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dq, u64 seq, u64 d, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dq_impl<T>(q, k, v, dout, lse, dsum, dq, seq, d, scale, causal, p, seed, offset); }
+    extern "C" __global__ void attention_fwd_##S(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq, u64 d, u64 nh, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_impl<T>(q, k, v, o, lse, seq, d, nh, scale, causal, p, seed, offset); } \
+    extern "C" __global__ void attention_bwd_dot_##S(const T* o, const T* dout, float* dsum, u64 rows, u64 seq, u64 d, u64 nh) { attention_bwd_dot_impl<T>(o, dout, dsum, rows, seq, d, nh); } \
+    extern "C" __global__ void attention_bwd_dkdv_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dk, T* dv, u64 seq, u64 d, u64 nh, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dkdv_impl<T>(q, k, v, dout, lse, dsum, dk, dv, seq, d, nh, scale, causal, p, seed, offset); } \
+    extern "C" __global__ void attention_bwd_dq_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dq, u64 seq, u64 d, u64 nh, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dq_impl<T>(q, k, v, dout, lse, dsum, dq, seq, d, nh, scale, causal, p, seed, offset); }
 FOR_DTYPES(ATTENTION)

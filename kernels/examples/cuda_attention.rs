@@ -4,7 +4,9 @@
 //! PyTorch's `F.scaled_dot_product_attention` (flash backend) on the same shapes and prints
 //! the same lines (`measure.sh attention` runs both).
 //!
-//! Per shape: the forward alone and forward + backward, in milliseconds per call (three
+//! Per shape and operand layout (heads-major `[b, h, s, d]`, as the PyTorch script passes
+//! them, and tokens-major `[b, s, h, d]`, as a GPT block hands its projections over): the
+//! forward alone and forward + backward, in milliseconds per call (three
 //! warm-up calls, then twenty between two device synchronizations), and the memory the call
 //! adds above its inputs (`max_memory_allocated` after a reset, less the inputs): the output
 //! and logsumexp forward, plus the three gradients and the backward's workspace.
@@ -16,7 +18,7 @@
 mod common;
 
 use common::{cuda_or_skip, time, values};
-use vram_kernels::ops::{self, AttentionParams};
+use vram_kernels::ops::{self, AttentionLayout, AttentionParams};
 use vram_kernels::{DType, Result, Tensor};
 
 const BATCH: usize = 8;
@@ -30,9 +32,13 @@ fn main() -> Result<()> {
         seqs = vec![1024, 4096];
     }
     println!("# vram fused attention on {}: bf16, causal, no dropout", dev.name());
-    let params = AttentionParams::new(true);
-    for seq in seqs {
-        let shape = [BATCH, HEADS, seq, HEAD_DIM];
+    let layouts = [AttentionLayout::HeadsMajor, AttentionLayout::TokensMajor];
+    for (seq, layout) in seqs.into_iter().flat_map(|s| layouts.map(|l| (s, l))) {
+        let params = AttentionParams { layout, ..AttentionParams::new(true) };
+        let (shape, tag) = match layout {
+            AttentionLayout::HeadsMajor => ([BATCH, HEADS, seq, HEAD_DIM], ""),
+            AttentionLayout::TokensMajor => ([BATCH, seq, HEADS, HEAD_DIM], " tokens-major"),
+        };
         let n = shape.iter().product();
         let tensor = |seed| Tensor::from_f32_slice(&dev, &shape, &values(n, seed), DType::BF16);
         let (q, k, v, dout) = (tensor(1)?, tensor(2)?, tensor(3)?, tensor(4)?);
@@ -48,7 +54,7 @@ fn main() -> Result<()> {
         })?;
         let both_peak = dev.max_memory_allocated() - inputs;
         println!(
-            "attention b{BATCH} h{HEADS} s{seq} d{HEAD_DIM} bf16 causal: forward {:.3} ms, forward+backward {:.3} ms, memory above the inputs forward {} B, forward+backward {} B",
+            "attention b{BATCH} h{HEADS} s{seq} d{HEAD_DIM} bf16 causal{tag}: forward {:.3} ms, forward+backward {:.3} ms, memory above the inputs forward {} B, forward+backward {} B",
             fwd * 1e3,
             both * 1e3,
             fwd_peak,

@@ -37,8 +37,9 @@ pub(crate) struct Loader {
     /// `compute_XY` for the device's compute capability.
     arch: String,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
-    /// Keyed by the instance's static name: names are unique across modules.
-    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// Keyed by the instance's static name (names are unique across modules), with the
+    /// dynamic shared memory the function was opted in to.
+    functions: Mutex<HashMap<&'static str, (CudaFunction, u32)>>,
     /// Custom ops' functions, keyed by their source's address and the kernel's name (a
     /// custom kernel may share a name with one of this crate's, or of another source).
     custom: Mutex<HashMap<(usize, &'static str), CudaFunction>>,
@@ -60,22 +61,46 @@ impl Loader {
         }
     }
 
-    /// The function of `kernel`, compiling and loading its module on first use.
+    /// The function of `kernel`, compiling and loading its module on first use, and opted in
+    /// to `shared` bytes of dynamic shared memory a launch where it was not yet
+    /// (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`: without it a launch whose static and
+    /// dynamic shared memory pass 48 KiB fails). Only kernels that ask for dynamic shared
+    /// memory pay the attribute call, once.
     pub(crate) fn function(
         &self,
         ctx: &Arc<CudaContext>,
         kernel: Instance,
+        shared: u32,
     ) -> Result<CudaFunction> {
-        if let Some(f) = lock(&self.functions).get(kernel.name) {
-            return Ok(f.clone());
+        let known = lock(&self.functions).get(kernel.name).cloned();
+        let (f, opted) = match known {
+            Some((f, opted)) if shared <= opted => return Ok(f),
+            Some(known) => known,
+            None => {
+                let module = kernel.kernel.module;
+                let loaded = self.module(ctx, module)?;
+                let f = loaded.load_function(kernel.name).map_err(|e| Error::Device {
+                    op: "kernel lookup",
+                    reason: format!("no kernel `{}` in module `{}`: {e}", kernel.name, module.name),
+                })?;
+                (f, 0)
+            }
+        };
+        if shared > opted {
+            let bytes = i32::try_from(shared).unwrap_or(i32::MAX);
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes,
+            )
+            .map_err(|e| Error::Device {
+                op: "cuFuncSetAttribute",
+                reason: format!(
+                    "{}: {shared} B of dynamic shared memory (MAX_DYNAMIC_SHARED_SIZE_BYTES): {e}",
+                    kernel.name
+                ),
+            })?;
         }
-        let module = kernel.kernel.module;
-        let loaded = self.module(ctx, module)?;
-        let f = loaded.load_function(kernel.name).map_err(|e| Error::Device {
-            op: "kernel lookup",
-            reason: format!("no kernel `{}` in module `{}`: {e}", kernel.name, module.name),
-        })?;
-        lock(&self.functions).insert(kernel.name, f.clone());
+        lock(&self.functions).insert(kernel.name, (f.clone(), shared.max(opted)));
         Ok(f)
     }
 

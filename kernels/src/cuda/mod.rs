@@ -363,7 +363,7 @@ impl CudaBackend {
         if x == 0 || y == 0 || z == 0 {
             return Ok(());
         }
-        let func = self.kernels.function(&self.ctx, kernel)?;
+        let func = self.kernels.function(&self.ctx, kernel, cfg.shared_mem_bytes)?;
         // SAFETY: the arguments match the kernel's parameters (checked above against the
         // registry, which the NVRTC test checks against the compiled PTX); the pointers are
         // the caller's contract.

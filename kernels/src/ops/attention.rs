@@ -28,9 +28,10 @@
 //! on f32 FMAs. The backward splits the work as FlashAttention-2 does, one block per key
 //! tile for dK and dV and one per query tile for dQ, without its atomics. The tensor-core
 //! kernels come in two instances, for heads up to 64 (GPT-2, ViT-B, Llama 3.2 1B) and up to
-//! 128, their register fragments sized for each: on sm_90 the 64-wide ones take 153-227
-//! registers a thread and spill nothing, where the 128-wide dK/dV kernel spills
-//! (`nvrtc_check` compiles them and checks). The host takes any head dim.
+//! 128, their register fragments sized for each; the 128-wide dK/dV kernel reads its key
+//! tile's K and V from (dynamic) shared memory rather than holding them as fragments. On
+//! sm_90 none of them spills (158-254 registers a thread; `nvrtc_check` compiles them and
+//! checks). The host takes any head dim.
 
 use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
 use super::{expect_shape, invalid, same_layout};
@@ -309,6 +310,10 @@ mod launches {
     /// for 64; the others are sized for [`MAX_DIM`]).
     const MMA_NARROW: usize = 64;
 
+    /// The dynamic shared memory of the wide tensor-core dK/dV kernel: its key tile's K and
+    /// V, 64 rows of `MAX_DIM + 8` 16-bit elements each (`ATT_KV_DYN_BYTES`).
+    pub(super) const WIDE_DKDV_SHARED: u32 = (2 * MMA_TILE * (MAX_DIM + 8) * 2) as u32;
+
     /// The tensor-core kernels (forward, dK/dV, dQ) for `dtype` and heads of `dim`, where
     /// there are: 16-bit inputs, head dims a multiple of 16 (the f32 path and other widths
     /// run on f32 FMAs); heads of at most 64 get the instances sized for 64.
@@ -421,6 +426,10 @@ mod launches {
             Some([_, dkdv, dq]) => (dkdv, dq, tiles_of(&dims, OP, MMA_TILE)?),
             None => (ATTENTION_BWD_DKDV.of(dtype), ATTENTION_BWD_DQ.of(dtype), tiles(&dims, OP)?),
         };
+        // The wide tensor-core dK/dV kernel keeps K and V in dynamic shared memory.
+        let wide = tensor_cores(dtype, dims.dim).is_some() && dims.dim > MMA_NARROW;
+        let dkdv_cfg =
+            LaunchConfig { shared_mem_bytes: if wide { WIDE_DKDV_SHARED } else { 0 }, ..cfg };
         let rows = dims.rows();
         // SAFETY: attention_bwd_dot_T(o, dout, dsum, rows, seq, d, nh): o and dout hold
         // rows * d elements (heads * seq rows of d, nh heads a token row), dsum rows f32.
@@ -447,8 +456,9 @@ mod launches {
         // SAFETY: attention_bwd_dkdv[_mma]_T(q, k, v, dout, lse, dsum, dk, dv, seq, d, ...):
         // every [heads, seq, d] array holds heads * seq * d elements of `dtype`, lse and
         // dsum heads * seq f32; the grid covers the key tiles of every head (key tiles are
-        // as long as query tiles); the tensor-core kernels get only head dims they take.
-        unsafe { exec.launch(dkdv, cfg, &args)? };
+        // as long as query tiles); the tensor-core kernels get only head dims they take, the
+        // wide dK/dV kernel the dynamic shared memory its K and V tiles take.
+        unsafe { exec.launch(dkdv, dkdv_cfg, &args)? };
         let mut args = head.to_vec();
         args.push(Arg::Ptr(dq));
         args.extend(tail(&dims, p));

@@ -314,8 +314,8 @@ __device__ void attention_bwd_dq_impl(const T* q, const T* k, const T* v, const 
 #define ATT_MK 64
 // Each tensor-core kernel is instantiated for heads of at most DM (64 or 128): its register
 // fragments and accumulators are sized for DM, so a 64-wide head does not pay 128's registers
-// (at 128, dK/dV's live state passes the 255 registers a thread has and ptxas spills it to
-// local memory; at 64 none of the three spills: nvrtc_check's test compiles them for sm_90).
+// (at 128 dK/dV reads K and V from shared memory instead, see ATT_KV_DYN_BYTES; no instance
+// spills: nvrtc_check's test compiles them for sm_90).
 // Row stride (in 16-bit elements) of the shared K and V tiles of an instance for heads up to
 // DM: even (pairs are read as one u32), padded by 8.
 #define ATT_MLD(DM) ((DM) + 8)
@@ -407,6 +407,47 @@ __device__ __forceinline__ void att_mma_rows(float (*s)[4], const u32 (*a)[4], c
     }
 }
 
+// att_mma_rows with the A operand read from rows [r, r + 16) of `atile` (shared memory) as
+// it is used, each chunk of 16 columns once for all ATT_MK / 8 output tiles, instead of held
+// as register fragments; the same products, each output summed in the same order.
+template <typename T, int DM>
+__device__ __forceinline__ void att_mma_rows_shared(float (*s)[4], const u16* atile, u32 r,
+                                                    const u16* tile, u32 nk) {
+    const u32 lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
+#pragma unroll
+    for (u32 nt = 0; nt < ATT_MK / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+    for (u32 kc = 0; kc < DM / 16; ++kc) {
+        if (kc < nk) {
+            const u32 a[4] = {att_pair<DM>(atile, r + g, kc * 16 + 2 * tg),
+                              att_pair<DM>(atile, r + g + 8, kc * 16 + 2 * tg),
+                              att_pair<DM>(atile, r + g, kc * 16 + 2 * tg + 8),
+                              att_pair<DM>(atile, r + g + 8, kc * 16 + 2 * tg + 8)};
+#pragma unroll
+            for (u32 nt = 0; nt < ATT_MK / 8; ++nt) {
+                const u32 b[2] = {att_pair<DM>(tile, nt * 8 + g, kc * 16 + 2 * tg),
+                                  att_pair<DM>(tile, nt * 8 + g, kc * 16 + 2 * tg + 8)};
+                mma_16816<T>(s[nt], a, b);
+            }
+        }
+    }
+}
+
+// The dK/dV kernel for heads wider than 64 keeps its key tile's K and V in shared memory
+// rather than as register fragments: at 128 the fragments (64 registers a thread) on top of
+// the dK and dV accumulators (128) and the two score tiles (64) pass the 255 registers a
+// thread has, and ptxas spilled them to local memory. With the Q and dO tiles (static,
+// 34,816 B at 128) they pass the 48 KiB of static shared memory, so K and V take the launch's
+// dynamic shared memory: ATT_KV_DYN_BYTES, which the launch passes and opts in to
+// (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES). The emulation, one block at a time,
+// gives them a static array.
+#define ATT_KV_DYN_BYTES (2 * ATT_MK * ATT_MLD(ATT_DMAX) * 2)
+#ifdef VRAM_HOST_EMULATION
+#define ATT_DYNAMIC_SHARED(name) static u32 name[ATT_KV_DYN_BYTES / 4]
+#else
+#define ATT_DYNAMIC_SHARED(name) extern __shared__ u32 name[]
+#endif
+
 // acc (16 x d, C fragments, nd tiles of 8 columns) += c (16 x ATT_MK, C fragments, rounded
 // to T as A fragments) times `tile` (ATT_MK x d).
 template <typename T, int DM>
@@ -436,7 +477,8 @@ __device__ __forceinline__ void att_mma_acc(float (*acc)[4], const float (*c)[4]
 // The backward on tensor cores, FlashAttention-2's split without its atomics: a block of
 // 4 warps per 64 keys (16 a warp) accumulates dK = scale dS^T Q and dV = P~^T dO over the
 // query tiles in registers, computing S^T = K Q^T and dP^T = V dO^T with K and V as
-// register fragments; a block per 64 queries accumulates dQ = scale dS K, computing
+// register fragments (heads of at most 64) or read from shared memory (wider); a block per
+// 64 queries accumulates dQ = scale dS K, computing
 // S = Q K^T and dP = dO V^T with Q and dO as register fragments. P~ and dS are rounded to
 // T as mma operands, as FlashAttention does.
 template <typename T, int DM>
@@ -456,12 +498,22 @@ __device__ void attention_bwd_dkdv_mma_impl(const T* q, const T* k, const T* v, 
     const u32 g = lane / 4, tg = lane % 4;
     const u32 nk = d / 16, nd = d / 8;
     const u64 head = att_head(h, nh, seq, d), ld = nh * d;
-    u32 ka[DM / 16][4], va[DM / 16][4];
-    att_load16<T, DM>(qs, k + head, j0, seq, d, ld);
-    att_load16<T, DM>(dos, v + head, j0, seq, d, ld);
-    __syncthreads();
-    att_frags<DM>(ka, qs, w * 16, nk);
-    att_frags<DM>(va, dos, w * 16, nk);
+    constexpr bool kv_shared = DM > 64;
+    constexpr u32 frags = kv_shared ? 1 : DM / 16;
+    u32 ka[frags][4], va[frags][4];
+    ATT_DYNAMIC_SHARED(kv_words);
+    u16* ks = reinterpret_cast<u16*>(kv_words);
+    u16* vs = ks + ATT_MK * ATT_MLD(DM);
+    if constexpr (kv_shared) {
+        att_load16<T, DM>(ks, k + head, j0, seq, d, ld);
+        att_load16<T, DM>(vs, v + head, j0, seq, d, ld);
+    } else {
+        att_load16<T, DM>(qs, k + head, j0, seq, d, ld);
+        att_load16<T, DM>(dos, v + head, j0, seq, d, ld);
+        __syncthreads();
+        att_frags<DM>(ka, qs, w * 16, nk);
+        att_frags<DM>(va, dos, w * 16, nk);
+    }
     float gk[DM / 8][4], gv[DM / 8][4];
 #pragma unroll
     for (u32 dt = 0; dt < DM / 8; ++dt) {
@@ -481,8 +533,13 @@ __device__ void attention_bwd_dkdv_mma_impl(const T* q, const T* k, const T* v, 
         }
         __syncthreads();
         float st[ATT_MK / 8][4], dpt[ATT_MK / 8][4];
-        att_mma_rows<T, DM>(st, ka, qs, nk);
-        att_mma_rows<T, DM>(dpt, va, dos, nk);
+        if constexpr (kv_shared) {
+            att_mma_rows_shared<T, DM>(st, ks, w * 16, qs, nk);
+            att_mma_rows_shared<T, DM>(dpt, vs, w * 16, dos, nk);
+        } else {
+            att_mma_rows<T, DM>(st, ka, qs, nk);
+            att_mma_rows<T, DM>(dpt, va, dos, nk);
+        }
 #pragma unroll
         for (u32 nt = 0; nt < ATT_MK / 8; ++nt) {
 #pragma unroll

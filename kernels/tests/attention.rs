@@ -191,6 +191,84 @@ fn tokens_major_operands_are_the_permuted_heads_major_ones() {
     assert!(ops::attention_backward(&q, &q, &q, &heads_major, &q, &tm).is_err());
 }
 
+/// `[b, s, kv, d]` with each key/value head repeated `group` times in a row (Hugging Face's
+/// `repeat_kv`, tokens-major): `[b, s, kv * group, d]`.
+fn repeat_kv(t: &Tensor, group: usize) -> Tensor {
+    let &[b, s, kv, d] = t.shape() else { panic!("rank 4") };
+    let x = t.to_f32_vec().unwrap();
+    let mut out = Vec::with_capacity(x.len() * group);
+    for row in x.chunks(kv * d) {
+        for head in row.chunks(d) {
+            for _ in 0..group {
+                out.extend_from_slice(head);
+            }
+        }
+    }
+    Tensor::from_f32_slice(t.device(), &[b, s, kv * group, d], &out, t.dtype()).unwrap()
+}
+
+/// The gradient of [`repeat_kv`]: each key/value head's copies summed (in f64).
+fn sum_groups(g: &[f32], kv: usize, group: usize, d: usize) -> Vec<f32> {
+    g.chunks(kv * group * d)
+        .flat_map(|row| {
+            (0..kv * d).map(move |e| {
+                let (h, c) = (e / d, e % d);
+                (0..group).map(|r| f64::from(row[((h * group) + r) * d + c])).sum::<f64>() as f32
+            })
+        })
+        .collect()
+}
+
+// Grouped-query attention (Llama 3's 4 query heads a key/value head, here 6 over 2) equals
+// attention on the keys and values repeated to every query head: the output, logsumexp and
+// dq bit for bit (each query head reads the same rows), dk and dv within f32 rounding (the
+// group's sum in another order), with dropout, tokens-major; and grouping is refused unless
+// asked for or where the heads do not divide.
+#[test]
+fn grouped_query_attention_equals_attention_on_repeated_keys_and_values() {
+    let d = host();
+    let (b, s, h, kv, dim) = (2, 29, 6, 2, 16);
+    for causal in [false, true] {
+        let p = AttentionParams::new(causal).with_dropout(0.2, 3, 99).tokens_major();
+        let q = tensor(&d, &[b, s, h, dim], 1, DType::F32);
+        let [k, v] = [2, 3].map(|i| tensor(&d, &[b, s, kv, dim], i, DType::F32));
+        let dout = tensor(&d, &[b, s, h, dim], 4, DType::F32);
+        let gqa = p.grouped();
+        let fwd = ops::attention(&q, &k, &v, &gqa).unwrap();
+        let g = ops::attention_backward(&q, &k, &v, &fwd, &dout, &gqa).unwrap();
+        assert_eq!(g.dk.shape(), &[b, s, kv, dim]);
+        let (kr, vr) = (repeat_kv(&k, h / kv), repeat_kv(&v, h / kv));
+        let want = ops::attention(&q, &kr, &vr, &p).unwrap();
+        let wg = ops::attention_backward(&q, &kr, &vr, &want, &dout, &p).unwrap();
+        let bits = |t: &Tensor| t.to_f32_vec().unwrap();
+        assert_eq!(bits(&fwd.out), bits(&want.out), "out, causal {causal}");
+        assert_eq!(bits(&fwd.lse), bits(&want.lse), "lse, causal {causal}");
+        assert_eq!(bits(&g.dq), bits(&wg.dq), "dq, causal {causal}");
+        for (name, got, rep) in [("dk", &g.dk, &wg.dk), ("dv", &g.dv, &wg.dv)] {
+            let want = sum_groups(&bits(rep), kv, h / kv, dim);
+            close(&format!("{name}, causal {causal}"), &bits(got), &want, 1e-5).unwrap();
+        }
+    }
+    // Grouping must be asked for, and q's heads must be a multiple of k's.
+    let q = tensor(&d, &[b, s, h, dim], 1, DType::F32);
+    let k = tensor(&d, &[b, s, kv, dim], 2, DType::F32);
+    let p = AttentionParams::new(true).tokens_major();
+    assert!(ops::attention(&q, &k, &k, &p).is_err());
+    let k4 = tensor(&d, &[b, s, 4, dim], 2, DType::F32);
+    let err = ops::attention(&q, &k4, &k4, &p.grouped()).unwrap_err().to_string();
+    assert!(err.contains("grouped-query attention"), "{err}");
+    let k_seq = tensor(&d, &[b, s + 1, kv, dim], 2, DType::F32);
+    assert!(ops::attention(&q, &k_seq, &k_seq, &p.grouped()).is_err());
+    // Heads-major: [b, heads, s, d] against [b, kv, s, d].
+    let hq = ops::permute(&q, &[0, 2, 1, 3]).unwrap();
+    let hk = ops::permute(&k, &[0, 2, 1, 3]).unwrap();
+    let heads_major = AttentionParams::new(true).grouped();
+    let out = ops::attention(&hq, &hk, &hk, &heads_major).unwrap();
+    let tokens = ops::attention(&q, &k, &k, &p.grouped()).unwrap();
+    let back = ops::permute(&tokens.out, &[0, 2, 1, 3]).unwrap();
+    assert_eq!(out.out.to_f32_vec().unwrap(), back.to_f32_vec().unwrap());
+}
+
 #[test]
 fn mismatched_or_invalid_inputs_are_errors() {
     let d = host();

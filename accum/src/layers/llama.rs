@@ -8,8 +8,11 @@
 //! Attention is the fused op ([`ops::attention`], HF's `sdpa` implementation: the output
 //! and each row's logsumexp kept, nothing of size seq x seq) or, with
 //! [`Attention::Explicit`], the explicit form (scores, causal softmax, product with the
-//! values: HF's `eager`), the key and value heads repeated to the query heads as HF's
-//! `repeat_kv` does in both (a copy, whose gradient sums the copies back).
+//! values: HF's `eager`). The fused op attends grouped (PyTorch's `enable_gqa`): it reads
+//! the rotated projections as they are (tokens-major, no head permutation) and each key and
+//! value head where it is, where HF's `repeat_kv` copies them to every query head (the
+//! explicit form does, as HF's `eager` and `sdpa` both do, and sums the copies' gradients
+//! back).
 
 use super::{
     Attention, HEADS_FIRST, Init, Linear, LinearConfig, add_promoted, dx_of, invalid, merge_heads,
@@ -396,11 +399,14 @@ impl LlamaBlockConfig {
 /// `y = x2 + down(silu(gate(n2(x2))) * up(n2(x2)))`, causal grouped-query attention.
 /// Built from a [`LlamaBlockConfig`].
 ///
-/// Training keeps what HF's `sdpa` attention keeps: the norms' inputs, the projections'
-/// inputs, the rotated per-head queries and the repeated keys and values (`[b * heads, seq,
-/// dh]`), the fused attention's output and each row's logsumexp (with
-/// [`Attention::Explicit`], HF's `eager`: the probabilities, `[b * heads, seq, seq]`), the
-/// attention output, and the MLP's gate, up and SiLU outputs.
+/// Training keeps the norms' inputs, the projections' inputs, the rotated queries and keys
+/// and the values, the fused attention's output (also the output projection's input: the
+/// heads merge by a reshape) and each row's logsumexp, and the MLP's gate, up and SiLU
+/// outputs. HF's `sdpa` attention keeps the keys and values repeated to every query head
+/// (`repeat_kv`) instead: `heads / kv_heads` times theirs. With [`Attention::Explicit`]
+/// (HF's `eager`) the block keeps what `eager` keeps: the rotated per-head queries, the
+/// repeated keys and values (`[b * heads, seq, dh]`), the probabilities (`[b * heads, seq,
+/// seq]`) and the merged attention output.
 #[derive(Debug)]
 pub struct LlamaBlock {
     norm1: RmsNorm,
@@ -420,9 +426,9 @@ pub struct LlamaBlock {
     attention: Attention,
 }
 
-/// What the attention keeps for backward: the per-head queries and the repeated keys and
-/// values as attended, and the fused op's output and logsumexp or the explicit form's
-/// probabilities.
+/// What the attention keeps for backward: the queries, keys and values as attended (fused:
+/// tokens-major, the keys and values not repeated; explicit: per head, repeated), and the
+/// fused op's output and logsumexp or the explicit form's probabilities.
 #[derive(Debug)]
 pub struct AttnSaved {
     qh: Tensor,
@@ -531,9 +537,67 @@ impl LlamaBlock {
         Ok(g.reshape(&[b * self.kv_heads, s, dh])?)
     }
 
+    /// The fused op's settings: causal, tokens-major, grouped.
+    fn fused_params() -> ops::AttentionParams {
+        ops::AttentionParams::new(true).tokens_major().grouped()
+    }
+
+    /// Fused causal attention of the `[b * s, heads * dh]` query and `[b * s, kv_heads * dh]`
+    /// key and value projections, read tokens-major (`[b, s, heads, dh]`) and grouped: the
+    /// queries and keys rotated, nothing permuted or repeated. Returns the output as `[b * s,
+    /// heads * dh]` (a reshape of what the op keeps) and what the backward needs.
+    fn attend_fused(
+        &self,
+        [q, k, v]: [Tensor; 3],
+        b: usize,
+        ctx: &ForwardCtx,
+    ) -> Result<(Tensor, AttnSaved)> {
+        let (s, dh) = (self.seq, self.head_dim);
+        let (cos, sin) = (&self.tables.cos, &self.tables.sin);
+        let qh = ops::rope(&q.reshape(&[b, s, self.heads, dh])?, cos, sin)?;
+        let kh = ops::rope(&k.reshape(&[b, s, self.kv_heads, dh])?, cos, sin)?;
+        let vh = v.reshape(&[b, s, self.kv_heads, dh])?;
+        // As autocast runs scaled_dot_product_attention: every input in the low dtype.
+        let qkv = qh.dtype();
+        let mm = ctx.op_dtype(OpKind::Matmul, &[qkv]).unwrap_or(qkv);
+        let (qh, kh, vh) = (cast_into(qh, mm)?, cast_into(kh, mm)?, cast_into(vh, mm)?);
+        let fwd = ops::attention(&qh, &kh, &vh, &Self::fused_params())?;
+        let out = fwd.out.clone().reshape(&[b * s, self.heads * dh])?;
+        Ok((out, AttnSaved { qh, kh, vh, form: AttnForm::Fused(fwd) }))
+    }
+
+    /// A gradient of the attention's queries (`h` = heads, rotated), keys (`kv_heads`,
+    /// rotated) or values (`kv_heads`, not) as the projection's `[b * s, h * dh]` rows: fused,
+    /// tokens-major and not repeated, so only the rotation's backward (values: a reshape);
+    /// explicit, per head and repeated, so the copies summed, then un-permuted.
+    fn grad_rows(
+        &self,
+        g: Tensor,
+        b: usize,
+        h: usize,
+        rotated: bool,
+        fused: bool,
+    ) -> Result<Tensor> {
+        let (s, dh) = (self.seq, self.head_dim);
+        let g = match (fused, h == self.heads) {
+            (true, _) => {
+                let g = if rotated {
+                    ops::rope_backward(&g, &self.tables.cos, &self.tables.sin)?
+                } else {
+                    g
+                };
+                return Ok(g.reshape(&[b * s, h * dh])?);
+            }
+            (false, true) => g,
+            (false, false) => self.repeat_kv_backward(g, b)?,
+        };
+        if rotated { self.unrotate(g, b, h) } else { self.merge_heads(g, b, h) }
+    }
+
     /// Causal scaled dot-product attention of `[b * heads, s, dh]` queries, keys and values
-    /// (the keys and values already repeated to the query heads), in the block's form.
-    fn attention(
+    /// (the keys and values already repeated to the query heads), explicit: scores, causal
+    /// softmax, product with the values.
+    fn attend_explicit(
         &self,
         qh: Tensor,
         kh: Tensor,
@@ -542,13 +606,6 @@ impl LlamaBlock {
     ) -> Result<(Tensor, AttnSaved)> {
         let qkv = qh.dtype();
         let mm = ctx.op_dtype(OpKind::Matmul, &[qkv]).unwrap_or(qkv);
-        if self.attention == Attention::Fused {
-            // As autocast runs scaled_dot_product_attention: every input in the low dtype.
-            let (qh, kh, vh) = (cast_into(qh, mm)?, cast_into(kh, mm)?, cast_into(vh, mm)?);
-            let fwd = ops::attention(&qh, &kh, &vh, &ops::AttentionParams::new(true))?;
-            let out = fwd.out.clone();
-            return Ok((out, AttnSaved { qh, kh, vh, form: AttnForm::Fused(fwd) }));
-        }
         let (qh, kh) = (cast_into(qh, mm)?, cast_into(kh, mm)?);
         let scale = 1.0 / (self.head_dim as f32).sqrt();
         let scores = ops::scale(&ops::matmul(&qh, &kh, false, true)?, scale)?;
@@ -569,8 +626,7 @@ impl LlamaBlock {
         let (probs, pv_lhs) = match form {
             AttnForm::Fused(fwd) => {
                 let dout = cast_into(dout, qh.dtype())?;
-                let params = ops::AttentionParams::new(true);
-                let g = ops::attention_backward(&qh, &kh, &vh, &fwd, &dout, &params)?;
+                let g = ops::attention_backward(&qh, &kh, &vh, &fwd, &dout, &Self::fused_params())?;
                 return Ok([g.dq, g.dk, g.dv]);
             }
             AttnForm::Explicit { probs, pv_lhs } => (probs, pv_lhs),
@@ -610,11 +666,15 @@ impl Layer for LlamaBlock {
         let (v, sv) = self.v.forward(&h1, ctx)?;
         drop(h1);
         let qkv_dtype = q.dtype();
-        let qh = self.rotate_heads(q, b, self.heads)?;
-        let kh = self.repeat_kv(self.rotate_heads(k, b, self.kv_heads)?, b)?;
-        let vh = self.repeat_kv(self.split_heads(v, b, self.kv_heads)?, b)?;
-        let (out, attn) = self.attention(qh, kh, vh, ctx)?;
-        let merged = self.merge_heads(out, b, self.heads)?;
+        let (merged, attn) = if self.attention == Attention::Fused {
+            self.attend_fused([q, k, v], b, ctx)?
+        } else {
+            let qh = self.rotate_heads(q, b, self.heads)?;
+            let kh = self.repeat_kv(self.rotate_heads(k, b, self.kv_heads)?, b)?;
+            let vh = self.repeat_kv(self.split_heads(v, b, self.kv_heads)?, b)?;
+            let (out, attn) = self.attend_explicit(qh, kh, vh, ctx)?;
+            (self.merge_heads(out, b, self.heads)?, attn)
+        };
         let (o, so) = self.o.forward(&merged, ctx)?;
         drop(merged);
         let branch1 = o.dtype();
@@ -677,16 +737,19 @@ impl Layer for LlamaBlock {
         // x2 = x + o(attn(...))
         let dbranch = cast(&dx2, s.branch1)?;
         let dmerged = dx_of(self.o.backward(s.so, dbranch, true)?, WHAT)?;
-        let dout = self.split_heads(dmerged, b, self.heads)?;
+        let fused = matches!(s.attn.form, AttnForm::Fused(_));
+        let dout = if fused {
+            dmerged.reshape(&[b, self.seq, self.heads, self.head_dim])?
+        } else {
+            self.split_heads(dmerged, b, self.heads)?
+        };
         let [dqh, dkh, dvh] = self.attention_backward(s.attn, dout)?;
         let qkv = s.qkv_dtype;
-        let dq = cast_into(self.unrotate(dqh, b, self.heads)?, qkv)?;
+        let dq = cast_into(self.grad_rows(dqh, b, self.heads, true, fused)?, qkv)?;
         let mut dh1 = dx_of(self.q.backward(s.sq, dq, true)?, WHAT)?;
-        let dk = self.unrotate(self.repeat_kv_backward(dkh, b)?, b, self.kv_heads)?;
-        let dk = cast_into(dk, qkv)?;
+        let dk = cast_into(self.grad_rows(dkh, b, self.kv_heads, true, fused)?, qkv)?;
         self.k.backward_into(s.sk, dk, &mut dh1)?;
-        let dvk = self.repeat_kv_backward(dvh, b)?;
-        let dv = cast_into(self.merge_heads(dvk, b, self.kv_heads)?, qkv)?;
+        let dv = cast_into(self.grad_rows(dvh, b, self.kv_heads, false, fused)?, qkv)?;
         self.v.backward_into(s.sv, dv, &mut dh1)?;
         let mut dx = self.norm1.grads(s.n1, &dh1)?;
         drop(dh1);
@@ -945,10 +1008,14 @@ mod tests {
             kept
         };
         let (fused, explicit) = (kept(Attention::Fused), kept(Attention::Explicit));
-        // Explicit: the f32 probabilities [b * heads, s, s]. Fused: the per-head output
-        // [b * heads, s, dh] and the logsumexp [b * heads, s] instead.
-        let (probs, out, lse) = (2 * 8 * 256 * 256 * 4, 2 * 8 * 256 * 8 * 4, 2 * 8 * 256 * 4);
-        assert_eq!(explicit - fused, probs - out - lse, "fused {fused}, explicit {explicit}");
+        // Explicit: the f32 probabilities [b * heads, s, s] and the keys and values repeated
+        // to the 8 query heads (HF's repeat_kv, [b * heads, s, dh] each). Fused: the keys and
+        // values as projected ([b, s, 2, dh] each, read grouped) and the logsumexp
+        // [b * heads, s] instead. Both keep the rotated queries and the attention output once.
+        let probs = 2 * 8 * 256 * 256 * 4;
+        let repeated = 2 * (2 * 256 * 8 * 8 - 2 * 256 * 2 * 8) * 4;
+        let lse = 2 * 8 * 256 * 4;
+        assert_eq!(explicit - fused, probs + repeated - lse, "fused {fused}, explicit {explicit}");
         assert!(fused < probs, "fused keeps {fused} B, a probability matrix is {probs} B");
     }
 

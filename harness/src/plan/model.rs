@@ -320,9 +320,10 @@ fn model_from_arch(key: &str, mut arch: Arch, o: &ModelOverrides) -> Result<Plan
     };
     if let Arch::Llama(_) = arch {
         notes.push(
-            "Llama: grouped-query attention with keys and values repeated to the query heads \
-             (HF's repeat_kv), then attention in the form --attention names (fused by \
-             default: HF's sdpa)"
+            "Llama: grouped-query attention in the form --attention names: fused (the \
+             default; HF's sdpa, without its repeat_kv: each key and value head read where it \
+             is, not copied to every query head) or explicit (HF's eager, keys and values \
+             repeated by repeat_kv)"
                 .into(),
         );
     }

@@ -18,7 +18,10 @@
 //!
 //! Tokens-major operands (`[batch, seq, heads, dim]`, [`AttentionDims::heads_per_token`]
 //! above 1) are gathered into heads-major f32 copies and the results scattered back: the
-//! arithmetic, and so every bit of the result, is the heads-major one.
+//! arithmetic, and so every bit of the result, is the heads-major one. Grouped-query
+//! attention ([`AttentionDims::kv_group`] above 1) reads key/value head `h / group` for
+//! query head `h`, and sums each key/value head's gradients over its group's query heads in
+//! f32 before rounding them once.
 
 use super::{check_len, widen_f32};
 use crate::cpu::random::uniform_at;
@@ -87,7 +90,8 @@ fn check(
         });
     }
     for &(what, len) in tensors {
-        check_len(op, what, len, dims.len())?;
+        let kv = matches!(what, "k" | "v" | "dk" | "dv");
+        check_len(op, what, len, if kv { dims.kv().len() } else { dims.len() })?;
     }
     check_len(op, "the logsumexp", lse, dims.rows())
 }
@@ -116,7 +120,8 @@ pub fn attention<T: Element>(
     if dims.is_empty() {
         return Ok(());
     }
-    let (q, k, v) = (heads_major(q, &dims), heads_major(k, &dims), heads_major(v, &dims));
+    let kv = dims.kv();
+    let (q, k, v) = (heads_major(q, &dims), heads_major(k, &kv), heads_major(v, &kv));
     if dims.heads_per_token <= 1 {
         return forward(&q, &k, &v, out, lse, dims, params);
     }
@@ -171,7 +176,7 @@ fn forward<T: Element>(
         .with_min_len(MIN_ROWS_PER_TASK)
         .for_each(|(row, (o, lse))| {
             let (h, i) = (row / seq, row % seq);
-            let head = h * seq * dim;
+            let head = h / dims.kv_group.max(1) * seq * dim;
             let qi = &q[row * dim..(row + 1) * dim];
             let mut acc = vec![0.0f32; dim];
             let mut scores = [0.0f32; KEY_BLOCK];
@@ -255,20 +260,23 @@ pub fn attention_backward<T: Element>(
     if dims.is_empty() {
         return Ok(());
     }
-    let hm = |x| heads_major(x, &dims);
-    let ins = [hm(saved.q), hm(saved.k), hm(saved.v), hm(saved.out), hm(dout)];
+    let kv = dims.kv();
+    let (hm, hm_kv) = (|x| heads_major(x, &dims), |x| heads_major(x, &kv));
+    let ins = [hm(saved.q), hm_kv(saved.k), hm_kv(saved.v), hm(saved.out), hm(dout)];
     let ins = [&*ins[0], &*ins[1], &*ins[2], &*ins[3], &*ins[4]];
     if dims.heads_per_token <= 1 {
         return backward(ins, saved.lse, [dq, dk, dv], dims, params);
     }
-    let mut grads = [0, 1, 2].map(|_| vec![T::from_f32(0.0); dims.len()]);
+    let zeros = |n| vec![T::from_f32(0.0); n];
+    let mut grads = [zeros(dims.len()), zeros(kv.len()), zeros(kv.len())];
     {
         let [a, b, c] = &mut grads;
         backward(ins, saved.lse, [a, b, c], dims, params)?;
     }
-    for (g, out) in grads.iter().zip([dq, dk, dv]) {
-        scatter(g, out, &dims);
-    }
+    let [gq, gk, gv] = &grads;
+    scatter(gq, dq, &dims);
+    scatter(gk, dk, &kv);
+    scatter(gv, dv, &kv);
     Ok(())
 }
 
@@ -290,28 +298,33 @@ fn backward<T: Element>(
     let row = |t, r| row_of(t, r, dim);
     // D_i = dO_i . O_i.
     let dsum: Vec<f32> = (0..dims.rows()).map(|r| dot(row(d_o, r), row(o, r))).collect();
-    // (P_ij, dS_ij / scale) for query row `qr`, key row `kr` of head `h`.
+    let group = dims.kv_group.max(1);
+    // (P_ij, dS_ij / scale) for query row `qr` of head `h`, key row `kr` of its key/value
+    // head.
     let grad = |h: usize, i: usize, j: usize| -> (f32, f32) {
-        let (qr, kr) = (h * seq + i, h * seq + j);
+        let (qr, kr) = (h * seq + i, h / group * seq + j);
         let p = (scale * dot(row(q, qr), row(k, kr)) - lse[qr]).exp();
         let f = Dropping::factor(drop, &dims, h, i, j);
         let dp = if f == 0.0 { 0.0 } else { f * dot(row(d_o, qr), row(v, kr)) };
         (p * f, p * (dp - dsum[qr]))
     };
-    // Key rows: dK_j = scale * sum_i dS_ij q_i, dV_j = sum_i P~_ij dO_i.
+    // Key rows of each key/value head: dK_j = scale * sum_i dS_ij q_i, dV_j = sum_i P~_ij
+    // dO_i over the rows i of every query head of its group.
     dk.par_chunks_mut(dim)
         .zip(dv.par_chunks_mut(dim))
         .enumerate()
         .with_min_len(MIN_ROWS_PER_TASK)
         .for_each(|(kr, (dk_j, dv_j))| {
-            let (h, j) = (kr / seq, kr % seq);
+            let (kh, j) = (kr / seq, kr % seq);
             let (mut gk, mut gv) = (vec![0.0f32; dim], vec![0.0f32; dim]);
             let first = if causal { j } else { 0 };
-            for i in first..seq {
-                let (pd, ds) = grad(h, i, j);
-                let qr = h * seq + i;
-                gv.iter_mut().zip(row(d_o, qr)).for_each(|(g, &x)| *g += pd * x);
-                gk.iter_mut().zip(row(q, qr)).for_each(|(g, &x)| *g += ds * x);
+            for h in kh * group..(kh + 1) * group {
+                for i in first..seq {
+                    let (pd, ds) = grad(h, i, j);
+                    let qr = h * seq + i;
+                    gv.iter_mut().zip(row(d_o, qr)).for_each(|(g, &x)| *g += pd * x);
+                    gk.iter_mut().zip(row(q, qr)).for_each(|(g, &x)| *g += ds * x);
+                }
             }
             dk_j.iter_mut().zip(&gk).for_each(|(d, &g)| *d = T::from_f32(scale * g));
             dv_j.iter_mut().zip(&gv).for_each(|(d, &g)| *d = T::from_f32(g));
@@ -322,7 +335,7 @@ fn backward<T: Element>(
         let mut g = vec![0.0f32; dim];
         for j in 0..key_end(causal, i, seq) {
             let (_, ds) = grad(h, i, j);
-            g.iter_mut().zip(row(k, h * seq + j)).for_each(|(g, &x)| *g += ds * x);
+            g.iter_mut().zip(row(k, h / group * seq + j)).for_each(|(g, &x)| *g += ds * x);
         }
         dq_i.iter_mut().zip(&g).for_each(|(d, &g)| *d = T::from_f32(scale * g));
     });

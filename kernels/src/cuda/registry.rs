@@ -433,64 +433,64 @@ kernels! {
     ROPE = LLAMA "rope" dtypes (Ptr, Ptr, Ptr, Ptr, F32, U64, Div, Div, Div);
 
     /// `attention_fwd(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq, u64 d,
-    /// u64 nh, float scale, u32 causal, float p, u64 seed, u64 offset)`, grid (query tiles, heads).
+    /// u64 nh, u64 nkv, u64 group, float scale, u32 causal, float p, u64 seed, u64 offset)`, grid (query tiles, heads).
     ATTENTION_FWD = ATTENTION "attention_fwd" dtypes
-        (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, F32, U32, F32, U64, U64);
+        (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, U64, F32, U32, F32, U64, U64);
     /// `attention_fwd_mma_f16(...)`: `attention_fwd`'s parameters, on tensor cores, grid
     /// (64-row query tiles, heads); head dims a multiple of 16.
     ATTENTION_FWD_MMA_F16 = ATTENTION "attention_fwd_mma_f16" once
-        (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, F32, U32, F32, U64, U64);
+        (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, U64, F32, U32, F32, U64, U64);
     /// The same in bf16.
     ATTENTION_FWD_MMA_BF16 = ATTENTION "attention_fwd_mma_bf16" once
-        (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, F32, U32, F32, U64, U64);
+        (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, U64, F32, U32, F32, U64, U64);
     /// `attention_bwd_dkdv_mma_f16(...)`: `attention_bwd_dkdv`'s parameters, on tensor
     /// cores, grid (64-key tiles, heads); head dims a multiple of 16.
     ATTENTION_BWD_DKDV_MMA_F16 = ATTENTION "attention_bwd_dkdv_mma_f16" once
-        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, F32, U32, F32, U64, U64);
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, U64, F32, U32, F32, U64, U64);
     /// The same in bf16.
     ATTENTION_BWD_DKDV_MMA_BF16 = ATTENTION "attention_bwd_dkdv_mma_bf16" once
-        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, F32, U32, F32, U64, U64);
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, U64, F32, U32, F32, U64, U64);
     /// `attention_bwd_dq_mma_f16(...)`: `attention_bwd_dq`'s parameters, on tensor cores,
     /// grid (64-row query tiles, heads); head dims a multiple of 16.
     ATTENTION_BWD_DQ_MMA_F16 = ATTENTION "attention_bwd_dq_mma_f16" once
-        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, F32, U32, F32, U64, U64);
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, U64, F32, U32, F32, U64, U64);
     /// The same in bf16.
     ATTENTION_BWD_DQ_MMA_BF16 = ATTENTION "attention_bwd_dq_mma_bf16" once
-        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, F32, U32, F32, U64, U64);
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, U64, F32, U32, F32, U64, U64);
     /// `attention_fwd_mma_d64_f16(...)`: `attention_fwd_mma_f16` for head dims of at most 64
     /// (its registers sized for 64).
     ATTENTION_FWD_MMA_D64_F16 = ATTENTION "attention_fwd_mma_d64_f16" once
-        (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, F32, U32, F32, U64, U64);
+        (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, U64, F32, U32, F32, U64, U64);
     /// The same in bf16.
     ATTENTION_FWD_MMA_D64_BF16 = ATTENTION "attention_fwd_mma_d64_bf16" once
-        (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, F32, U32, F32, U64, U64);
+        (Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, U64, F32, U32, F32, U64, U64);
     /// `attention_bwd_dkdv_mma_d64_f16(...)`: `attention_bwd_dkdv_mma_f16` for head dims of
     /// at most 64.
     ATTENTION_BWD_DKDV_MMA_D64_F16 = ATTENTION "attention_bwd_dkdv_mma_d64_f16" once
-        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, F32, U32, F32, U64, U64);
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, U64, F32, U32, F32, U64, U64);
     /// The same in bf16.
     ATTENTION_BWD_DKDV_MMA_D64_BF16 = ATTENTION "attention_bwd_dkdv_mma_d64_bf16" once
-        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, F32, U32, F32, U64, U64);
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, U64, F32, U32, F32, U64, U64);
     /// `attention_bwd_dq_mma_d64_f16(...)`: `attention_bwd_dq_mma_f16` for head dims of at
     /// most 64.
     ATTENTION_BWD_DQ_MMA_D64_F16 = ATTENTION "attention_bwd_dq_mma_d64_f16" once
-        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, F32, U32, F32, U64, U64);
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, U64, F32, U32, F32, U64, U64);
     /// The same in bf16.
     ATTENTION_BWD_DQ_MMA_D64_BF16 = ATTENTION "attention_bwd_dq_mma_d64_bf16" once
-        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, F32, U32, F32, U64, U64);
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, U64, F32, U32, F32, U64, U64);
     /// `attention_bwd_dot(const T* o, const T* dout, float* dsum, u64 rows, u64 seq, u64 d,
     /// u64 nh)`.
     ATTENTION_BWD_DOT = ATTENTION "attention_bwd_dot" dtypes (Ptr, Ptr, Ptr, U64, U64, U64, U64);
     /// `attention_bwd_dkdv(const T* q, const T* k, const T* v, const T* dout, const float*
-    /// lse, const float* dsum, T* dk, T* dv, u64 seq, u64 d, u64 nh, float scale, u32 causal, float p,
+    /// lse, const float* dsum, T* dk, T* dv, u64 seq, u64 d, u64 nh, u64 nkv, u64 group, float scale, u32 causal, float p,
     /// u64 seed, u64 offset)`, grid (key tiles, heads).
     ATTENTION_BWD_DKDV = ATTENTION "attention_bwd_dkdv" dtypes
-        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, F32, U32, F32, U64, U64);
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, U64, F32, U32, F32, U64, U64);
     /// `attention_bwd_dq(const T* q, const T* k, const T* v, const T* dout, const float* lse,
-    /// const float* dsum, T* dq, u64 seq, u64 d, u64 nh, float scale, u32 causal, float p, u64 seed,
+    /// const float* dsum, T* dq, u64 seq, u64 d, u64 nh, u64 nkv, u64 group, float scale, u32 causal, float p, u64 seed,
     /// u64 offset)`, grid (query tiles, heads).
     ATTENTION_BWD_DQ = ATTENTION "attention_bwd_dq" dtypes
-        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, F32, U32, F32, U64, U64);
+        (Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U64, U64, U64, U64, U64, F32, U32, F32, U64, U64);
 
     /// `adamw_multi(const MultiEntry* table, const MultiTask* tasks, float b1, float b2,
     /// float eps, float decay, u64 chunk)`.

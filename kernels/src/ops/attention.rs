@@ -18,7 +18,11 @@
 //! projection's `[batch * seq, heads * head_dim]` output as it is (FlashAttention's layout,
 //! and the memory PyTorch's flash and memory-efficient SDPA backends use: the output is the
 //! next projection's input without a copy). The logsumexp is `[.., seq]` heads-major and
-//! `[batch, heads, seq]` tokens-major. Arithmetic is in f32 whatever the storage dtype. With dropout, the op drops exactly the elements `ops::dropout(probs, p, seed,
+//! `[batch, heads, seq]` tokens-major. With [`AttentionParams::grouped`] (PyTorch's
+//! `enable_gqa`), k and v may have fewer heads than q (grouped-query attention, as Llama 3,
+//! Mistral and Qwen2 attend): each key/value head serves consecutive query heads where they
+//! are, with no repeated copy, and the backward sums each key/value head's gradient over
+//! its group. Arithmetic is in f32 whatever the storage dtype. With dropout, the op drops exactly the elements `ops::dropout(probs, p, seed,
 //! offset)` drops on the explicit `[.., seq, seq]` probabilities (see [`AttentionParams`]).
 //!
 //! On a GPU the kernels (`cuda/kernels/attention.cu`) take head dims up to 128 and any
@@ -100,7 +104,8 @@ pub fn attention_backward(
     run(Backward { q, k, v, fwd, dout, params: *params, dims, dsum: None })
 }
 
-/// Checks q, k and v against the params' layout and returns the sizes of the call.
+/// Checks q, k and v against the params' layout and grouping and returns the sizes of the
+/// call.
 fn dims_of(
     op: &'static str,
     q: &Tensor,
@@ -108,8 +113,14 @@ fn dims_of(
     v: &Tensor,
     params: &AttentionParams,
 ) -> Result<AttentionDims> {
-    same_layout(op, q, k)?;
-    same_layout(op, q, v)?;
+    same_layout(op, k, v)?;
+    let group = if params.grouped {
+        super::same_kind(op, q, k)?;
+        kv_group(op, q.shape(), k.shape(), params.layout)?
+    } else {
+        same_layout(op, q, k)?;
+        1
+    };
     let shape = q.shape();
     let dims = match params.layout {
         AttentionLayout::HeadsMajor => {
@@ -127,13 +138,48 @@ fn dims_of(
                     ),
                 ));
             };
-            AttentionDims { heads: batch * heads, seq, dim, heads_per_token: heads.max(1) }
+            AttentionDims {
+                heads: batch * heads,
+                seq,
+                dim,
+                heads_per_token: heads.max(1),
+                kv_group: 1,
+            }
         }
     };
     if dims.dim == 0 {
         return Err(invalid(op, format!("head dim 0 in {shape:?}")));
     }
-    Ok(dims)
+    Ok(AttentionDims { kv_group: group, ..dims })
+}
+
+/// The query heads per key/value head of grouped operands: q and k alike but for the heads
+/// axis (heads-major `[.., heads, seq, dim]`: the axis before seq; tokens-major `[batch,
+/// seq, heads, dim]`: the third), whose q size is a multiple of k's.
+fn kv_group(op: &'static str, q: &[usize], k: &[usize], layout: AttentionLayout) -> Result<usize> {
+    let axis = match layout {
+        AttentionLayout::HeadsMajor => q.len().checked_sub(3),
+        AttentionLayout::TokensMajor => (q.len() == 4).then_some(2),
+    };
+    let mismatch = || {
+        invalid(
+            op,
+            format!(
+                "grouped-query attention: k {k:?} must be q {q:?} with fewer heads (a divisor of \
+                 q's) on the heads axis"
+            ),
+        )
+    };
+    let Some(axis) = axis else {
+        return if q == k { Ok(1) } else { Err(mismatch()) };
+    };
+    let others_agree =
+        q.len() == k.len() && q.iter().zip(k).enumerate().all(|(i, (a, b))| i == axis || a == b);
+    let (qh, kh) = (q[axis], k.get(axis).copied().unwrap_or(0));
+    if !others_agree || kh == 0 || !qh.is_multiple_of(kh) {
+        return Err(mismatch());
+    }
+    Ok(qh / kh)
 }
 
 /// The logsumexp's shape: q's without the head dim (heads-major), `[batch, heads, seq]`
@@ -226,8 +272,8 @@ impl Op for Backward<'_> {
         expect_shape(OP, &lse_shape(self.q, self.params.layout), &self.fwd.lse)?;
         super::expect_dtype(OP, DType::F32, &self.fwd.lse)?;
         super::same_device(OP, self.q, &self.fwd.lse)?;
-        let spec = || OutputSpec::new(self.q.shape(), self.q.dtype());
-        let mut plan = Plan::new([spec(), spec(), spec()]);
+        let spec = |t: &Tensor| OutputSpec::new(t.shape(), t.dtype());
+        let mut plan = Plan::new([spec(self.q), spec(self.k), spec(self.k)]);
         self.dsum = plan.workspace(self.dims.rows() * std::mem::size_of::<f32>());
         Ok(plan)
     }
@@ -314,6 +360,9 @@ mod launches {
     /// V, 64 rows of `MAX_DIM + 8` 16-bit elements each (`ATT_KV_DYN_BYTES`).
     pub(super) const WIDE_DKDV_SHARED: u32 = (2 * MMA_TILE * (MAX_DIM + 8) * 2) as u32;
 
+    /// The dynamic shared memory of the wide tensor-core dQ kernel: its dO tile.
+    pub(super) const WIDE_DQ_SHARED: u32 = WIDE_DKDV_SHARED / 2;
+
     /// The tensor-core kernels (forward, dK/dV, dQ) for `dtype` and heads of `dim`, where
     /// there are: 16-bit inputs, head dims a multiple of 16 (the f32 path and other widths
     /// run on f32 FMAs); heads of at most 64 get the instances sized for 64.
@@ -370,11 +419,13 @@ mod launches {
     }
 
     /// The arguments every tile kernel ends with.
-    fn tail(dims: &AttentionDims, p: &AttentionParams) -> [Arg; 8] {
+    fn tail(dims: &AttentionDims, p: &AttentionParams) -> [Arg; 10] {
         [
             Arg::count(dims.seq),
             Arg::count(dims.dim),
             Arg::count(dims.heads_per_token),
+            Arg::count(dims.kv().heads_per_token),
+            Arg::count(dims.kv_group.max(1)),
             Arg::F32(p.scale_for(dims.dim)),
             Arg::U32(u32::from(p.causal)),
             Arg::F32(p.dropout),
@@ -426,10 +477,16 @@ mod launches {
             Some([_, dkdv, dq]) => (dkdv, dq, tiles_of(&dims, OP, MMA_TILE)?),
             None => (ATTENTION_BWD_DKDV.of(dtype), ATTENTION_BWD_DQ.of(dtype), tiles(&dims, OP)?),
         };
-        // The wide tensor-core dK/dV kernel keeps K and V in dynamic shared memory.
+        // One dK/dV block per key tile of each key/value head; the wide tensor-core dK/dV
+        // kernel keeps K and V in dynamic shared memory, the wide dQ kernel dO.
         let wide = tensor_cores(dtype, dims.dim).is_some() && dims.dim > MMA_NARROW;
-        let dkdv_cfg =
-            LaunchConfig { shared_mem_bytes: if wide { WIDE_DKDV_SHARED } else { 0 }, ..cfg };
+        let dkdv_cfg = LaunchConfig {
+            grid_dim: (cfg.grid_dim.0, dims.kv().heads as u32, 1),
+            shared_mem_bytes: if wide { WIDE_DKDV_SHARED } else { 0 },
+            ..cfg
+        };
+        let dq_cfg =
+            LaunchConfig { shared_mem_bytes: if wide { WIDE_DQ_SHARED } else { 0 }, ..cfg };
         let rows = dims.rows();
         // SAFETY: attention_bwd_dot_T(o, dout, dsum, rows, seq, d, nh): o and dout hold
         // rows * d elements (heads * seq rows of d, nh heads a token row), dsum rows f32.
@@ -463,8 +520,8 @@ mod launches {
         args.push(Arg::Ptr(dq));
         args.extend(tail(&dims, p));
         // SAFETY: attention_bwd_dq[_mma]_T(q, k, v, dout, lse, dsum, dq, seq, d, ...): as
-        // above.
-        unsafe { exec.launch(dq_kernel, cfg, &args) }
+        // above, the grid over the query tiles of every query head.
+        unsafe { exec.launch(dq_kernel, dq_cfg, &args) }
     }
 }
 
@@ -501,23 +558,26 @@ mod tests {
     }
 
     /// The CUDA forward and backward (`launches`, every kernel emulated) against the host
-    /// reference on inputs of `T` of `heads` heads of `seq` tokens of `dim`, `nh` of them
-    /// side by side in a token row (1: heads-major).
+    /// reference on inputs of `T` of `heads` query heads of `seq` tokens of `dim`, `nh` of
+    /// them side by side in a token row (1: heads-major), `group` of them to a key/value
+    /// head.
     fn case<T: Element>(
         e: &Emulator,
-        (heads, nh): (usize, usize),
+        (heads, nh, group): (usize, usize, usize),
         seq: usize,
         dim: usize,
         p: AttentionParams,
     ) {
-        let dims = AttentionDims { heads, seq, dim, heads_per_token: nh };
-        let n = dims.len();
-        let input =
-            |s: u64| -> Vec<T> { values(n, s, -2.0, 2.0).into_iter().map(T::from_f32).collect() };
-        let (mut q, mut k, mut v, mut dout) = (input(1), input(2), input(3), input(4));
+        let dims = AttentionDims { heads, seq, dim, heads_per_token: nh, kv_group: group };
+        let (n, nkv) = (dims.len(), dims.kv().len());
+        let input = |n: usize, s: u64| -> Vec<T> {
+            values(n, s, -2.0, 2.0).into_iter().map(T::from_f32).collect()
+        };
+        let (mut q, mut k, mut v, mut dout) =
+            (input(n, 1), input(nkv, 2), input(nkv, 3), input(n, 4));
         let (mut out, mut lse) = (vec![T::from_f32(0.0); n], vec![0.0f32; dims.rows()]);
         cpu::attention(&q, &k, &v, &mut out, &mut lse, dims, &p).unwrap();
-        let mut want = [0, 1, 2].map(|_| vec![T::from_f32(0.0); n]);
+        let mut want = [n, nkv, nkv].map(|n| vec![T::from_f32(0.0); n]);
         {
             let saved = cpu::AttentionSaved { q: &q, k: &k, v: &v, out: &out, lse: &lse };
             let [a, b, c] = &mut want;
@@ -526,12 +586,15 @@ mod tests {
         let (mut e_out, mut e_lse) = (vec![T::from_f32(9.0); n], vec![9.0f32; dims.rows()]);
         let io = [addr(&mut q), addr(&mut k), addr(&mut v), addr(&mut e_out), addr(&mut e_lse)];
         launches::forward(e, T::DTYPE, dims, &p, io).unwrap();
-        let what = format!("{:?} heads {heads} ({nh} a row) seq {seq} dim {dim} {p:?}", T::DTYPE);
+        let what = format!(
+            "{:?} heads {heads} ({nh} a row, {group} a key) seq {seq} dim {dim} {p:?}",
+            T::DTYPE
+        );
         close(&format!("out {what}"), &e_out, &out, 2.0);
         close(&format!("lse {what}"), &e_lse, &lse, 2.0);
         // The backward reads the host's output, so that both sides start from the same.
         let mut dsum = vec![0.0f32; dims.rows()];
-        let mut got = [0, 1, 2].map(|_| vec![T::from_f32(9.0); n]);
+        let mut got = [n, nkv, nkv].map(|n| vec![T::from_f32(9.0); n]);
         let inputs = [
             addr(&mut q),
             addr(&mut k),
@@ -558,9 +621,9 @@ mod tests {
             for causal in [false, true] {
                 for drop in [0.0, 0.25] {
                     let p = AttentionParams::new(causal).with_dropout(drop, 11, 1 << 33);
-                    case::<f32>(&e, (2, 1), seq, dim, p);
-                    case::<bf16>(&e, (1, 1), seq, dim, p);
-                    case::<f16>(&e, (1, 1), seq, dim, p);
+                    case::<f32>(&e, (2, 1, 1), seq, dim, p);
+                    case::<bf16>(&e, (1, 1, 1), seq, dim, p);
+                    case::<f16>(&e, (1, 1, 1), seq, dim, p);
                 }
             }
         }
@@ -575,9 +638,26 @@ mod tests {
         for (seq, dim) in [(19, 24), (70, 32), (33, 128)] {
             for causal in [false, true] {
                 let p = AttentionParams::new(causal).with_dropout(0.25, 5, 7).tokens_major();
-                case::<f32>(&e, (6, 3), seq, dim, p);
-                case::<bf16>(&e, (6, 3), seq, dim, p);
-                case::<f16>(&e, (6, 3), seq, dim, p);
+                case::<f32>(&e, (6, 3, 1), seq, dim, p);
+                case::<bf16>(&e, (6, 3, 1), seq, dim, p);
+                case::<f16>(&e, (6, 3, 1), seq, dim, p);
+            }
+        }
+    }
+
+    // Grouped-query attention: 2 batches of 6 query heads over 2 key/value heads (3 query
+    // heads a key), tokens-major and heads-major, on the FMA path (f32, dim 24) and both
+    // tensor-core instances (32, 128): each key/value head read by its group, its gradient
+    // summed over the group.
+    #[test]
+    fn emulated_kernels_attend_grouped() {
+        let Some(e) = Emulator::new(ATTENTION_FWD.of(DType::F32)) else { return };
+        for (seq, dim) in [(19, 24), (70, 32), (33, 128)] {
+            let p = AttentionParams::new(true).with_dropout(0.25, 5, 7).grouped();
+            for (p, nh) in [(p, 1), (p.tokens_major(), 6)] {
+                case::<f32>(&e, (12, nh, 3), seq, dim, p);
+                case::<bf16>(&e, (12, nh, 3), seq, dim, p);
+                case::<f16>(&e, (12, nh, 3), seq, dim, p);
             }
         }
     }

@@ -32,6 +32,11 @@ pub struct AttentionParams {
     pub offset: u64,
     /// How the operands hold their heads.
     pub layout: AttentionLayout,
+    /// Grouped-query attention (PyTorch's `enable_gqa`): k and v may have fewer heads than
+    /// q, a divisor of q's, each shared by that many consecutive query heads (query head
+    /// `hh` of a batch element reads key/value head `hh / (heads / kv_heads)`, as
+    /// Hugging Face's `repeat_kv` would repeat them), without repeating them in memory.
+    pub grouped: bool,
 }
 
 /// How attention's q, k, v, output and gradients hold their heads.
@@ -65,7 +70,13 @@ impl AttentionParams {
             seed: 0,
             offset: 0,
             layout: AttentionLayout::HeadsMajor,
+            grouped: false,
         }
+    }
+
+    /// The same with grouped-query attention allowed ([`AttentionParams::grouped`]).
+    pub fn grouped(self) -> AttentionParams {
+        AttentionParams { grouped: true, ..self }
     }
 
     /// The same with operands in `[batch, seq, heads, head_dim]` ([`AttentionLayout::TokensMajor`]).
@@ -109,10 +120,11 @@ impl AttentionParams {
     }
 }
 
-/// The sizes of one attention call: `heads` independent heads (batch times heads) of `seq`
-/// tokens of width `dim`; q, k, v and the output are `[heads, seq, dim]`, row-major, when
+/// The sizes of one attention call: `heads` independent query heads (batch times heads) of
+/// `seq` tokens of width `dim`; q and the output are `[heads, seq, dim]`, row-major, when
 /// `heads_per_token` is 1, and `[heads / heads_per_token, seq, heads_per_token, dim]`
-/// (tokens-major) otherwise.
+/// (tokens-major) otherwise; k and v have `heads / kv_group` heads in the same layout
+/// ([`AttentionDims::kv`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionDims {
     /// Heads over the whole batch.
@@ -124,12 +136,27 @@ pub struct AttentionDims {
     /// Heads side by side in each token's row: 1 for heads-major operands, the model's heads
     /// for tokens-major ones. Divides `heads`.
     pub heads_per_token: usize,
+    /// Query heads per key/value head (grouped-query attention): 1 without grouping. Divides
+    /// `heads` and, tokens-major, `heads_per_token`.
+    pub kv_group: usize,
 }
 
 impl AttentionDims {
     /// Heads-major sizes (`[heads, seq, dim]`).
     pub fn heads_major(heads: usize, seq: usize, dim: usize) -> AttentionDims {
-        AttentionDims { heads, seq, dim, heads_per_token: 1 }
+        AttentionDims { heads, seq, dim, heads_per_token: 1, kv_group: 1 }
+    }
+
+    /// The sizes of k and v (and their gradients): `heads / kv_group` heads in the same
+    /// layout, ungrouped.
+    pub fn kv(&self) -> AttentionDims {
+        let group = self.kv_group.max(1);
+        AttentionDims {
+            heads: self.heads / group,
+            heads_per_token: (self.heads_per_token / group).max(1),
+            kv_group: 1,
+            ..*self
+        }
     }
 
     /// Elements between two consecutive rows of one head.

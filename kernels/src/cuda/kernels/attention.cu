@@ -21,7 +21,9 @@
 // Layouts: every kernel takes `nh`, the heads side by side in a token's row. nh = 1 is
 // heads-major ([heads, seq, d]); nh > 1 tokens-major ([heads / nh, seq, nh, d], head
 // h = b * nh + hh), where a head's rows are nh * d apart. lse and dsum are [heads, seq]
-// in both.
+// in both. Grouped-query attention: `group` query heads share one key/value head (query
+// head h reads key/value head h / group), and k, v, dk and dv hold heads / group heads,
+// `nkv` of them side by side in a token's row (1 heads-major, nh / group tokens-major).
 
 #define ATT_BQ 16
 #define ATT_BK 16
@@ -66,8 +68,8 @@ __device__ __forceinline__ float att_dot(const float* a, const float* b, u64 d) 
 
 template <typename T>
 __device__ void attention_fwd_impl(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq,
-                                   u64 d, u64 nh, float scale, u32 causal, float p, u64 seed,
-                                   u64 offset) {
+                                   u64 d, u64 nh, u64 nkv, u64 group, float scale, u32 causal,
+                                   float p, u64 seed, u64 offset) {
     __shared__ float qs[ATT_BQ * ATT_LD];
     __shared__ float ks[ATT_BK * ATT_LD];
     __shared__ float vs[ATT_BK * ATT_LD];
@@ -77,9 +79,10 @@ __device__ void attention_fwd_impl(const T* q, const T* k, const T* v, T* o, flo
     const u64 i0 = (u64)blockIdx.x * ATT_BQ;
     const u32 t = threadIdx.x;
     const u64 head = att_head(h, nh, seq, d), ld = nh * d;
+    const u64 kvhead = att_head(h / group, nkv, seq, d), kld = nkv * d;
     q += head;
-    k += head;
-    v += head;
+    k += kvhead;
+    v += kvhead;
     o += head;
     att_load<T, ATT_BQ>(qs, q, i0, seq, d, ld);
     if (t < ATT_BQ) {
@@ -93,8 +96,8 @@ __device__ void attention_fwd_impl(const T* q, const T* k, const T* v, T* o, flo
     const u64 kend = causal ? last : seq;
     for (u64 j0 = 0; j0 < kend; j0 += ATT_BK) {
         __syncthreads();
-        att_load<T, ATT_BK>(ks, k, j0, seq, d, ld);
-        att_load<T, ATT_BK>(vs, v, j0, seq, d, ld);
+        att_load<T, ATT_BK>(ks, k, j0, seq, d, kld);
+        att_load<T, ATT_BK>(vs, v, j0, seq, d, kld);
         __syncthreads();
         for (u32 e = t; e < ATT_BQ * ATT_BK; e += ATT_THREADS) {
             const u32 r = e / ATT_BK, jj = e % ATT_BK;
@@ -197,8 +200,8 @@ __device__ __forceinline__ void att_load_rows(float* lse_s, float* dsum_s, const
 template <typename T>
 __device__ void attention_bwd_dkdv_impl(const T* q, const T* k, const T* v, const T* dout,
                                         const float* lse, const float* dsum, T* dk, T* dv,
-                                        u64 seq, u64 d, u64 nh, float scale, u32 causal,
-                                        float p, u64 seed, u64 offset) {
+                                        u64 seq, u64 d, u64 nh, u64 nkv, u64 group, float scale,
+                                        u32 causal, float p, u64 seed, u64 offset) {
     __shared__ float qs[ATT_BQ * ATT_LD];
     __shared__ float dos[ATT_BQ * ATT_LD];
     __shared__ float ks[ATT_BK * ATT_LD];
@@ -206,17 +209,19 @@ __device__ void attention_bwd_dkdv_impl(const T* q, const T* k, const T* v, cons
     __shared__ float pt[ATT_BQ * ATT_BK];
     __shared__ float dst[ATT_BQ * ATT_BK];
     __shared__ float lse_s[ATT_BQ], dsum_s[ATT_BQ];
-    const u64 h = blockIdx.y;
+    const u64 kh = blockIdx.y;  // the key/value head
     const u64 j0 = (u64)blockIdx.x * ATT_BK;
     const u32 t = threadIdx.x;
-    const u64 head = att_head(h, nh, seq, d), ld = nh * d;
-    att_load<T, ATT_BK>(ks, k + head, j0, seq, d, ld);
-    att_load<T, ATT_BK>(vs, v + head, j0, seq, d, ld);
+    const u64 kvhead = att_head(kh, nkv, seq, d), kld = nkv * d, ld = nh * d;
+    att_load<T, ATT_BK>(ks, k + kvhead, j0, seq, d, kld);
+    att_load<T, ATT_BK>(vs, v + kvhead, j0, seq, d, kld);
     float gk[ATT_BK], gv[ATT_BK];
 #pragma unroll
     for (int j = 0; j < ATT_BK; ++j) gk[j] = gv[j] = 0.0f;
     const u64 first = causal ? j0 / ATT_BQ * ATT_BQ : 0;
-    for (u64 i0 = first; i0 < seq; i0 += ATT_BQ) {
+    // Every query head of the group, each over the query tiles that see the keys.
+    for (u64 h = kh * group; h < (kh + 1) * group; ++h)
+    for (u64 i0 = first, head = att_head(h, nh, seq, d); i0 < seq; i0 += ATT_BQ) {
         __syncthreads();
         att_load<T, ATT_BQ>(qs, q + head, i0, seq, d, ld);
         att_load<T, ATT_BQ>(dos, dout + head, i0, seq, d, ld);
@@ -242,8 +247,8 @@ __device__ void attention_bwd_dkdv_impl(const T* q, const T* k, const T* v, cons
 #pragma unroll
         for (int j = 0; j < ATT_BK; ++j) {
             if (j0 + j < seq) {
-                dk[head + (j0 + j) * ld + t] = from_f32<T>(scale * gk[j]);
-                dv[head + (j0 + j) * ld + t] = from_f32<T>(gv[j]);
+                dk[kvhead + (j0 + j) * kld + t] = from_f32<T>(scale * gk[j]);
+                dv[kvhead + (j0 + j) * kld + t] = from_f32<T>(gv[j]);
             }
         }
     }
@@ -253,8 +258,8 @@ __device__ void attention_bwd_dkdv_impl(const T* q, const T* k, const T* v, cons
 template <typename T>
 __device__ void attention_bwd_dq_impl(const T* q, const T* k, const T* v, const T* dout,
                                       const float* lse, const float* dsum, T* dq, u64 seq, u64 d,
-                                      u64 nh, float scale, u32 causal, float p, u64 seed,
-                                      u64 offset) {
+                                      u64 nh, u64 nkv, u64 group, float scale, u32 causal,
+                                      float p, u64 seed, u64 offset) {
     __shared__ float qs[ATT_BQ * ATT_LD];
     __shared__ float dos[ATT_BQ * ATT_LD];
     __shared__ float ks[ATT_BK * ATT_LD];
@@ -266,6 +271,7 @@ __device__ void attention_bwd_dq_impl(const T* q, const T* k, const T* v, const 
     const u64 i0 = (u64)blockIdx.x * ATT_BQ;
     const u32 t = threadIdx.x;
     const u64 head = att_head(h, nh, seq, d), ld = nh * d;
+    const u64 kvhead = att_head(h / group, nkv, seq, d), kld = nkv * d;
     att_load<T, ATT_BQ>(qs, q + head, i0, seq, d, ld);
     att_load<T, ATT_BQ>(dos, dout + head, i0, seq, d, ld);
     att_load_rows(lse_s, dsum_s, lse + h * seq, dsum + h * seq, i0, seq);
@@ -276,8 +282,8 @@ __device__ void attention_bwd_dq_impl(const T* q, const T* k, const T* v, const 
     const u64 kend = causal ? last : seq;
     for (u64 j0 = 0; j0 < kend; j0 += ATT_BK) {
         __syncthreads();
-        att_load<T, ATT_BK>(ks, k + head, j0, seq, d, ld);
-        att_load<T, ATT_BK>(vs, v + head, j0, seq, d, ld);
+        att_load<T, ATT_BK>(ks, k + kvhead, j0, seq, d, kld);
+        att_load<T, ATT_BK>(vs, v + kvhead, j0, seq, d, kld);
         __syncthreads();
         att_grad_tile(qs, dos, ks, vs, lse_s, dsum_s, pt, dst, i0, j0, h, seq, d, scale, causal,
                       p, seed, offset);
@@ -439,8 +445,8 @@ __device__ __forceinline__ void att_mma_rows_shared(float (*s)[4], const u16* at
 // thread has, and ptxas spilled them to local memory. With the Q and dO tiles (static,
 // 34,816 B at 128) they pass the 48 KiB of static shared memory, so K and V take the launch's
 // dynamic shared memory: ATT_KV_DYN_BYTES, which the launch passes and opts in to
-// (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES). The emulation, one block at a time,
-// gives them a static array.
+// (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES). The dQ kernel does the same with its
+// dO tile (half of it). The emulation, one block at a time, gives them a static array.
 #define ATT_KV_DYN_BYTES (2 * ATT_MK * ATT_MLD(ATT_DMAX) * 2)
 #ifdef VRAM_HOST_EMULATION
 #define ATT_DYNAMIC_SHARED(name) static u32 name[ATT_KV_DYN_BYTES / 4]
@@ -484,20 +490,21 @@ __device__ __forceinline__ void att_mma_acc(float (*acc)[4], const float (*c)[4]
 template <typename T, int DM>
 __device__ void attention_bwd_dkdv_mma_impl(const T* q, const T* k, const T* v, const T* dout,
                                             const float* lse, const float* dsum, T* dk, T* dv,
-                                            u64 seq, u64 d64, u64 nh, float scale, u32 causal,
-                                            float pdrop, u64 seed, u64 offset) {
+                                            u64 seq, u64 d64, u64 nh, u64 nkv, u64 group,
+                                            float scale, u32 causal, float pdrop, u64 seed,
+                                            u64 offset) {
     __shared__ u32 qs_words[ATT_MK * ATT_MLD(DM) / 2];
     __shared__ u32 dos_words[ATT_MK * ATT_MLD(DM) / 2];
     __shared__ float lse_s[ATT_MK], dsum_s[ATT_MK];
     u16* qs = reinterpret_cast<u16*>(qs_words);
     u16* dos = reinterpret_cast<u16*>(dos_words);
     const u32 d = (u32)d64;
-    const u64 h = blockIdx.y;
+    const u64 kh = blockIdx.y;  // the key/value head
     const u64 j0 = (u64)blockIdx.x * ATT_MK;
     const u32 lane = threadIdx.x % 32, w = threadIdx.x / 32;
     const u32 g = lane / 4, tg = lane % 4;
     const u32 nk = d / 16, nd = d / 8;
-    const u64 head = att_head(h, nh, seq, d), ld = nh * d;
+    const u64 kvhead = att_head(kh, nkv, seq, d), kld = nkv * d, ld = nh * d;
     constexpr bool kv_shared = DM > 64;
     constexpr u32 frags = kv_shared ? 1 : DM / 16;
     u32 ka[frags][4], va[frags][4];
@@ -505,11 +512,11 @@ __device__ void attention_bwd_dkdv_mma_impl(const T* q, const T* k, const T* v, 
     u16* ks = reinterpret_cast<u16*>(kv_words);
     u16* vs = ks + ATT_MK * ATT_MLD(DM);
     if constexpr (kv_shared) {
-        att_load16<T, DM>(ks, k + head, j0, seq, d, ld);
-        att_load16<T, DM>(vs, v + head, j0, seq, d, ld);
+        att_load16<T, DM>(ks, k + kvhead, j0, seq, d, kld);
+        att_load16<T, DM>(vs, v + kvhead, j0, seq, d, kld);
     } else {
-        att_load16<T, DM>(qs, k + head, j0, seq, d, ld);
-        att_load16<T, DM>(dos, v + head, j0, seq, d, ld);
+        att_load16<T, DM>(qs, k + kvhead, j0, seq, d, kld);
+        att_load16<T, DM>(dos, v + kvhead, j0, seq, d, kld);
         __syncthreads();
         att_frags<DM>(ka, qs, w * 16, nk);
         att_frags<DM>(va, dos, w * 16, nk);
@@ -522,7 +529,9 @@ __device__ void attention_bwd_dkdv_mma_impl(const T* q, const T* k, const T* v, 
     }
     const u64 key[2] = {j0 + w * 16 + g, j0 + w * 16 + g + 8};
     const u64 first = causal ? j0 : 0;
-    for (u64 i0 = first; i0 < seq; i0 += ATT_MQ) {
+    // Every query head of the group, each over the query tiles that see the keys.
+    for (u64 h = kh * group; h < (kh + 1) * group; ++h)
+    for (u64 i0 = first, head = att_head(h, nh, seq, d); i0 < seq; i0 += ATT_MQ) {
         __syncthreads();
         att_load16<T, DM>(qs, q + head, i0, seq, d, ld);
         att_load16<T, DM>(dos, dout + head, i0, seq, d, ld);
@@ -567,7 +576,7 @@ __device__ void attention_bwd_dkdv_mma_impl(const T* q, const T* k, const T* v, 
             for (u32 i = 0; i < 4; ++i) {
                 const u64 kj = key[i / 2];
                 if (kj < seq) {
-                    const u64 at = head + kj * ld + dt * 8 + 2 * tg + i % 2;
+                    const u64 at = kvhead + kj * kld + dt * 8 + 2 * tg + i % 2;
                     dk[at] = from_f32<T>(scale * gk[dt][i]);
                     dv[at] = from_f32<T>(gv[dt][i]);
                 }
@@ -579,8 +588,8 @@ __device__ void attention_bwd_dkdv_mma_impl(const T* q, const T* k, const T* v, 
 template <typename T, int DM>
 __device__ void attention_bwd_dq_mma_impl(const T* q, const T* k, const T* v, const T* dout,
                                           const float* lse, const float* dsum, T* dq, u64 seq,
-                                          u64 d64, u64 nh, float scale, u32 causal, float pdrop,
-                                          u64 seed, u64 offset) {
+                                          u64 d64, u64 nh, u64 nkv, u64 group, float scale,
+                                          u32 causal, float pdrop, u64 seed, u64 offset) {
     __shared__ u32 ks_words[ATT_MK * ATT_MLD(DM) / 2];
     __shared__ u32 vs_words[ATT_MK * ATT_MLD(DM) / 2];
     u16* ks = reinterpret_cast<u16*>(ks_words);
@@ -592,12 +601,25 @@ __device__ void attention_bwd_dq_mma_impl(const T* q, const T* k, const T* v, co
     const u32 g = lane / 4, tg = lane % 4;
     const u32 nk = d / 16, nd = d / 8;
     const u64 head = att_head(h, nh, seq, d), ld = nh * d;
-    u32 qa[DM / 16][4], da[DM / 16][4];
-    att_load16<T, DM>(ks, q + head, i0, seq, d, ld);
-    att_load16<T, DM>(vs, dout + head, i0, seq, d, ld);
+    const u64 kld = nkv * d;
+    // The heads' first elements, folded into the pointers (fewer live registers).
+    q += head;
+    dout += head;
+    dq += head;
+    k += att_head(h / group, nkv, seq, d);
+    v += att_head(h / group, nkv, seq, d);
+    // Heads wider than 64 read dO from (dynamic) shared memory rather than holding it as
+    // register fragments, as the dK/dV kernel does K and V: held, the fragments took the
+    // kernel to 255 registers and a spill.
+    constexpr bool do_shared = DM > 64;
+    u32 qa[DM / 16][4], da[do_shared ? 1 : DM / 16][4];
+    ATT_DYNAMIC_SHARED(do_words);
+    u16* dos = reinterpret_cast<u16*>(do_words);
+    att_load16<T, DM>(ks, q, i0, seq, d, ld);
+    att_load16<T, DM>(do_shared ? dos : vs, dout, i0, seq, d, ld);
     __syncthreads();
     att_frags<DM>(qa, ks, w * 16, nk);
-    att_frags<DM>(da, vs, w * 16, nk);
+    if constexpr (!do_shared) att_frags<DM>(da, vs, w * 16, nk);
     const u64 row[2] = {i0 + w * 16 + g, i0 + w * 16 + g + 8};
     float lse_r[2], dsum_r[2];
 #pragma unroll
@@ -612,12 +634,16 @@ __device__ void attention_bwd_dq_mma_impl(const T* q, const T* k, const T* v, co
     const u64 kend = causal ? last : seq;
     for (u64 j0 = 0; j0 < kend; j0 += ATT_MK) {
         __syncthreads();
-        att_load16<T, DM>(ks, k + head, j0, seq, d, ld);
-        att_load16<T, DM>(vs, v + head, j0, seq, d, ld);
+        att_load16<T, DM>(ks, k, j0, seq, d, kld);
+        att_load16<T, DM>(vs, v, j0, seq, d, kld);
         __syncthreads();
         float s[ATT_MK / 8][4], dp[ATT_MK / 8][4];
         att_mma_rows<T, DM>(s, qa, ks, nk);
-        att_mma_rows<T, DM>(dp, da, vs, nk);
+        if constexpr (do_shared) {
+            att_mma_rows_shared<T, DM>(dp, dos, w * 16, vs, nk);
+        } else {
+            att_mma_rows<T, DM>(dp, da, vs, nk);
+        }
 #pragma unroll
         for (u32 nt = 0; nt < ATT_MK / 8; ++nt) {
 #pragma unroll
@@ -641,7 +667,7 @@ __device__ void attention_bwd_dq_mma_impl(const T* q, const T* k, const T* v, co
 #pragma unroll
             for (u32 i = 0; i < 4; ++i) {
                 const u64 qi = row[i / 2];
-                if (qi < seq) dq[head + qi * ld + dt * 8 + 2 * tg + i % 2] = from_f32<T>(scale * gq[dt][i]);
+                if (qi < seq) dq[qi * ld + dt * 8 + 2 * tg + i % 2] = from_f32<T>(scale * gq[dt][i]);
             }
         }
     }
@@ -649,8 +675,8 @@ __device__ void attention_bwd_dq_mma_impl(const T* q, const T* k, const T* v, co
 
 template <typename T, int DM>
 __device__ void attention_fwd_mma_impl(const T* q, const T* k, const T* v, T* o, float* lse,
-                                       u64 seq, u64 d64, u64 nh, float scale, u32 causal,
-                                       float pdrop, u64 seed, u64 offset) {
+                                       u64 seq, u64 d64, u64 nh, u64 nkv, u64 group, float scale,
+                                       u32 causal, float pdrop, u64 seed, u64 offset) {
     __shared__ u32 ks_words[ATT_MK * ATT_MLD(DM) / 2];
     __shared__ u32 vs_words[ATT_MK * ATT_MLD(DM) / 2];
     u16* ks = reinterpret_cast<u16*>(ks_words);
@@ -663,9 +689,10 @@ __device__ void attention_fwd_mma_impl(const T* q, const T* k, const T* v, T* o,
     const u32 nk = d / 16;  // k chunks of the head dim
     const u32 nd = d / 8;   // n tiles of the output
     const u64 head = att_head(h, nh, seq, d), ld = nh * d;
+    const u64 kvhead = att_head(h / group, nkv, seq, d), kld = nkv * d;
     q += head;
-    k += head;
-    v += head;
+    k += kvhead;
+    v += kvhead;
     o += head;
     // Q's A fragments, through the K buffer.
     att_load16<T, DM>(ks, q, i0, seq, d, ld);
@@ -691,8 +718,8 @@ __device__ void attention_fwd_mma_impl(const T* q, const T* k, const T* v, T* o,
     const u64 kend = causal ? last : seq;
     for (u64 j0 = 0; j0 < kend; j0 += ATT_MK) {
         __syncthreads();
-        att_load16<T, DM>(ks, k, j0, seq, d, ld);
-        att_load16<T, DM>(vs, v, j0, seq, d, ld);
+        att_load16<T, DM>(ks, k, j0, seq, d, kld);
+        att_load16<T, DM>(vs, v, j0, seq, d, kld);
         __syncthreads();
         float s[ATT_MK / 8][4];
 #pragma unroll
@@ -794,17 +821,17 @@ __device__ void attention_fwd_mma_impl(const T* q, const T* k, const T* v, T* o,
 // The tensor-core kernels of dtype T (suffix S) for heads up to DM, named with suffix N:
 // `_d64` for heads of at most 64, none for at most 128.
 #define ATTENTION_MMA(T, S, DM, N) \
-    extern "C" __global__ void attention_fwd_mma##N##_##S(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq, u64 d, u64 nh, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_mma_impl<T, DM>(q, k, v, o, lse, seq, d, nh, scale, causal, p, seed, offset); } \
-    extern "C" __global__ void attention_bwd_dkdv_mma##N##_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dk, T* dv, u64 seq, u64 d, u64 nh, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dkdv_mma_impl<T, DM>(q, k, v, dout, lse, dsum, dk, dv, seq, d, nh, scale, causal, p, seed, offset); } \
-    extern "C" __global__ void attention_bwd_dq_mma##N##_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dq, u64 seq, u64 d, u64 nh, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dq_mma_impl<T, DM>(q, k, v, dout, lse, dsum, dq, seq, d, nh, scale, causal, p, seed, offset); }
+    extern "C" __global__ void attention_fwd_mma##N##_##S(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq, u64 d, u64 nh, u64 nkv, u64 group, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_mma_impl<T, DM>(q, k, v, o, lse, seq, d, nh, nkv, group, scale, causal, p, seed, offset); } \
+    extern "C" __global__ void attention_bwd_dkdv_mma##N##_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dk, T* dv, u64 seq, u64 d, u64 nh, u64 nkv, u64 group, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dkdv_mma_impl<T, DM>(q, k, v, dout, lse, dsum, dk, dv, seq, d, nh, nkv, group, scale, causal, p, seed, offset); } \
+    extern "C" __global__ void attention_bwd_dq_mma##N##_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dq, u64 seq, u64 d, u64 nh, u64 nkv, u64 group, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dq_mma_impl<T, DM>(q, k, v, dout, lse, dsum, dq, seq, d, nh, nkv, group, scale, causal, p, seed, offset); }
 ATTENTION_MMA(half_t, f16, 128, )
 ATTENTION_MMA(bf16_t, bf16, 128, )
 ATTENTION_MMA(half_t, f16, 64, _d64)
 ATTENTION_MMA(bf16_t, bf16, 64, _d64)
 
 #define ATTENTION(T, S) \
-    extern "C" __global__ void attention_fwd_##S(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq, u64 d, u64 nh, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_impl<T>(q, k, v, o, lse, seq, d, nh, scale, causal, p, seed, offset); } \
+    extern "C" __global__ void attention_fwd_##S(const T* q, const T* k, const T* v, T* o, float* lse, u64 seq, u64 d, u64 nh, u64 nkv, u64 group, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_fwd_impl<T>(q, k, v, o, lse, seq, d, nh, nkv, group, scale, causal, p, seed, offset); } \
     extern "C" __global__ void attention_bwd_dot_##S(const T* o, const T* dout, float* dsum, u64 rows, u64 seq, u64 d, u64 nh) { attention_bwd_dot_impl<T>(o, dout, dsum, rows, seq, d, nh); } \
-    extern "C" __global__ void attention_bwd_dkdv_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dk, T* dv, u64 seq, u64 d, u64 nh, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dkdv_impl<T>(q, k, v, dout, lse, dsum, dk, dv, seq, d, nh, scale, causal, p, seed, offset); } \
-    extern "C" __global__ void attention_bwd_dq_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dq, u64 seq, u64 d, u64 nh, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dq_impl<T>(q, k, v, dout, lse, dsum, dq, seq, d, nh, scale, causal, p, seed, offset); }
+    extern "C" __global__ void attention_bwd_dkdv_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dk, T* dv, u64 seq, u64 d, u64 nh, u64 nkv, u64 group, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dkdv_impl<T>(q, k, v, dout, lse, dsum, dk, dv, seq, d, nh, nkv, group, scale, causal, p, seed, offset); } \
+    extern "C" __global__ void attention_bwd_dq_##S(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dsum, T* dq, u64 seq, u64 d, u64 nh, u64 nkv, u64 group, float scale, u32 causal, float p, u64 seed, u64 offset) { attention_bwd_dq_impl<T>(q, k, v, dout, lse, dsum, dq, seq, d, nh, nkv, group, scale, causal, p, seed, offset); }
 FOR_DTYPES(ATTENTION)

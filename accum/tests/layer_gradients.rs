@@ -4,8 +4,8 @@
 
 use vram_accum::layers::{
     Act, Attention, BottleneckConfig, ClassifierHeadConfig, Conv2dConfig, InvertedResidualConfig,
-    LinearConfig, PatchEmbedConfig, ResidualBlockConfig, ResidualMlpConfig, TokenMeanPool,
-    TransformerBlockConfig,
+    LinearConfig, LlamaBlockConfig, PatchEmbedConfig, ResidualBlockConfig, ResidualMlpConfig,
+    TokenMeanPool, TransformerBlockConfig,
 };
 use vram_accum::{BoxedLayer, ForwardCtx, Mode};
 use vram_kernels::cpu::random::uniform_at;
@@ -427,5 +427,85 @@ fn the_fused_block_backward_runs_the_fused_ops() {
         // unfused (or where a norm falls back).
         assert_eq!(calls(&fused, "add_assign"), 4 - norms, "{what}: {fused:?}");
         assert_eq!(calls(&plain, "add_assign"), 4, "{what}: {plain:?}");
+    }
+}
+
+/// A training forward and backward of `block` on `x` under `autocast`: the bits of the
+/// output, the input's gradient and every parameter's gradient, and the bytes the forward
+/// left allocated besides its output (what it keeps for backward).
+fn kept_and_grads<L: vram_accum::Layer>(
+    dev: &Device,
+    block: &mut L,
+    x: &Tensor,
+    autocast: Option<DType>,
+) -> (Vec<Vec<u32>>, u64) {
+    let mut ctx = ForwardCtx::new(Mode::Train, 9);
+    if let Some(low) = autocast {
+        ctx = ctx.with_autocast(low).unwrap();
+    }
+    let requested = || dev.memory_stats().requested_bytes.all.current;
+    let before = requested();
+    let (y, saved) = block.forward(x, &mut ctx).unwrap();
+    let kept = (requested() - before) as u64 - y.size_in_bytes() as u64;
+    let r = Tensor::from_f32_slice(dev, y.shape(), &values(y.numel(), 2, 1.0), y.dtype()).unwrap();
+    let dx = block.backward(saved.unwrap(), r, true).unwrap().unwrap();
+    let bits = |t: &Tensor| t.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect();
+    let mut out = vec![bits(&y), bits(&dx)];
+    for p in block.params() {
+        out.push(bits(p.grad.as_ref().unwrap()));
+    }
+    (out, kept)
+}
+
+// The MLP's activation recomputed in backward (the default) instead of kept: a GPT block's
+// GELU output from fc1's pre-activation, a Llama block's SiLU output and gated product from
+// the gate and up outputs. The output, the input gradient and every parameter gradient are
+// the kept activation's bit for bit, in f32, bf16 and under bf16 autocast, with dropout and
+// either residual form; the forward keeps exactly the activation less: `[rows, 4 d]` (GPT),
+// `2 [rows, hidden]` (Llama), in the MLP's dtype.
+#[test]
+fn recomputed_mlp_activations_give_the_kept_ones_gradients_bit_for_bit() {
+    let (seq, d, hidden) = (7, 16, 24);
+    let rows = 3 * seq;
+    for (dtype, autocast) in
+        [(DType::F32, None), (DType::BF16, None), (DType::F32, Some(DType::BF16))]
+    {
+        let mlp = autocast.unwrap_or(dtype).size_in_bytes() as u64;
+        for fused in [true, false] {
+            let what = format!("GPT {dtype:?} autocast {autocast:?} fused residual {fused}");
+            let run = |recompute: bool| {
+                let dev = Device::host(1 << 30);
+                let mut block = TransformerBlockConfig::new(d, 2, seq)
+                    .with_dropout(0.1)
+                    .with_fused_residual(fused)
+                    .with_recompute_activation(recompute)
+                    .with_dtype(dtype)
+                    .with_init(0.3, 1)
+                    .with_seed(5)
+                    .init(&dev)
+                    .unwrap();
+                let x = Tensor::from_f32_slice(&dev, &[rows, d], &values(rows * d, 1, 1.0), dtype);
+                kept_and_grads(&dev, &mut block, &x.unwrap(), autocast)
+            };
+            let ((recomputed, lean), (kept, full)) = (run(true), run(false));
+            assert!(recomputed == kept, "{what}: the gradients differ");
+            assert_eq!(full - lean, rows as u64 * 4 * d as u64 * mlp, "{what}");
+        }
+        let what = format!("Llama {dtype:?} autocast {autocast:?}");
+        let run = |recompute: bool| {
+            let dev = Device::host(1 << 30);
+            let mut block = LlamaBlockConfig::new(d, 4, 2, hidden, seq)
+                .with_recompute_activation(recompute)
+                .with_dtype(dtype)
+                .with_init(0.3)
+                .with_seed(5)
+                .init(&dev)
+                .unwrap();
+            let x = Tensor::from_f32_slice(&dev, &[rows, d], &values(rows * d, 1, 1.0), dtype);
+            kept_and_grads(&dev, &mut block, &x.unwrap(), autocast)
+        };
+        let ((recomputed, lean), (kept, full)) = (run(true), run(false));
+        assert!(recomputed == kept, "{what}: the gradients differ");
+        assert_eq!(full - lean, 2 * (rows * hidden) as u64 * mlp, "{what}");
     }
 }

@@ -102,8 +102,9 @@ fn saved_activations(arch: &Arch, b: u64) -> u64 {
             // tokens-major), the fused attention's output (also the projection's input: the
             // heads merge by a reshape) and its row logsumexps (f32; the blocks attend with
             // `ops::attention`, which keeps no [b * h, s, s] probabilities), x2, ln_2 output,
-            // MLP pre-activation and activation (4d each), the norms' statistics.
-            let block = n * d * (1 + 1 + 3 + 1 + 1 + 1 + 4 + 4) + b * h * s + 4 * n;
+            // the MLP's pre-activation (4d; its GELU output is recomputed in backward), the
+            // norms' statistics.
+            let block = n * d * (1 + 1 + 3 + 1 + 1 + 1 + 4) + b * h * s + 4 * n;
             // ln_f's input and output (the head's input), its statistics.
             l * block + 2 * n * d + 2 * n
         }

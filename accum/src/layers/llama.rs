@@ -224,8 +224,16 @@ pub struct LlamaBlockConfig {
     /// Seed of the weight initialization (default 0).
     pub seed: u64,
     /// How attention is computed (default [`Attention::Fused`], as HF's `sdpa`
-    /// implementation: PyTorch's `scaled_dot_product_attention` after `repeat_kv`).
+    /// implementation, PyTorch's `scaled_dot_product_attention`, without its `repeat_kv`:
+    /// grouped).
     pub attention: Attention,
+    /// Whether the MLP's SiLU output and its product with `up` (the down projection's
+    /// input) are recomputed in backward from the gate and up outputs kept anyway, instead
+    /// of kept from forward (default true): `2 * [b * seq, hidden]` less per block between
+    /// forward and backward, for a SiLU and a product over them in backward, as
+    /// `torch.compile`'s partitioner trades pointwise ops. Bit for bit the kept tensors'
+    /// gradients (the same kernels recompute the same values).
+    pub recompute_activation: bool,
 }
 
 impl LlamaBlockConfig {
@@ -248,7 +256,14 @@ impl LlamaBlockConfig {
             dtype: DType::F32,
             seed: 0,
             attention: Attention::Fused,
+            recompute_activation: true,
         }
+    }
+
+    /// The same with the MLP's SiLU output and gated product recomputed in backward, or kept
+    /// ([`LlamaBlockConfig::recompute_activation`]).
+    pub fn with_recompute_activation(self, recompute_activation: bool) -> Self {
+        LlamaBlockConfig { recompute_activation, ..self }
     }
 
     /// The same attending with `attention` ([`Attention::Explicit`]: HF's `eager`
@@ -390,6 +405,7 @@ impl LlamaBlockConfig {
             seq: self.seq,
             tables: tables.clone(),
             attention: self.attention,
+            recompute_activation: self.recompute_activation,
         })
     }
 }
@@ -401,8 +417,10 @@ impl LlamaBlockConfig {
 ///
 /// Training keeps the norms' inputs, the projections' inputs, the rotated queries and keys
 /// and the values, the fused attention's output (also the output projection's input: the
-/// heads merge by a reshape) and each row's logsumexp, and the MLP's gate, up and SiLU
-/// outputs. HF's `sdpa` attention keeps the keys and values repeated to every query head
+/// heads merge by a reshape) and each row's logsumexp, and the MLP's gate and up outputs
+/// (its SiLU output and the gated product, the down projection's input, are recomputed from
+/// them in backward; [`LlamaBlockConfig::with_recompute_activation`]`(false)` keeps them, as
+/// PyTorch's eager mode does). HF's `sdpa` attention keeps the keys and values repeated to every query head
 /// (`repeat_kv`) instead: `heads / kv_heads` times theirs. With [`Attention::Explicit`]
 /// (HF's `eager`) the block keeps what `eager` keeps: the rotated per-head queries, the
 /// repeated keys and values (`[b * heads, seq, dh]`), the probabilities (`[b * heads, seq,
@@ -424,6 +442,7 @@ pub struct LlamaBlock {
     seq: usize,
     tables: RopeTables,
     attention: Attention,
+    recompute_activation: bool,
 }
 
 /// What the attention keeps for backward: the queries, keys and values as attended (fused:
@@ -464,7 +483,9 @@ pub struct LlamaSaved {
     su: super::AffineSaved,
     gate: Tensor,
     up: Tensor,
-    act: Tensor,
+    /// `silu(gate)`, unless recomputed in backward.
+    act: Option<Tensor>,
+    /// The down projection's state; its input, `act * up`, released when `act` is.
     sd: super::AffineSaved,
     branch2: DType,
 }
@@ -693,6 +714,15 @@ impl Layer for LlamaBlock {
         if !ctx.training() {
             return Ok((y, None));
         }
+        // The SiLU output and the product (the down projection's input) are recomputed in
+        // backward from gate and up, kept anyway, rather than kept.
+        let mut sd = saved(sd, WHAT)?;
+        let act = if self.recompute_activation && sd.release_input(&gate) {
+            drop(act);
+            None
+        } else {
+            Some(act)
+        };
         let s = LlamaSaved {
             n1: saved(n1, WHAT)?,
             sq: saved(sq, WHAT)?,
@@ -708,7 +738,7 @@ impl Layer for LlamaBlock {
             gate,
             up,
             act,
-            sd: saved(sd, WHAT)?,
+            sd,
             branch2,
         };
         Ok((y, Some(s)))
@@ -719,10 +749,19 @@ impl Layer for LlamaBlock {
         let b = dy.shape()[0] / self.seq;
         // y = x2 + down(silu(gate) * up)
         let dbranch = cast(&dy, s.branch2)?;
-        let dm = dx_of(self.down.backward(s.sd, dbranch, true)?, WHAT)?;
+        let mut sd = s.sd;
+        let act = match s.act {
+            Some(act) => act,
+            None => {
+                let act = ops::silu(&s.gate)?;
+                sd.restore_input(ops::mul(&act, &s.up)?);
+                act
+            }
+        };
+        let dm = dx_of(self.down.backward(sd, dbranch, true)?, WHAT)?;
         let dact = ops::mul(&dm, &s.up)?;
-        let dup = ops::mul(&dm, &s.act)?;
-        drop((dm, s.up, s.act));
+        let dup = ops::mul(&dm, &act)?;
+        drop((dm, s.up, act));
         let dgate = ops::silu_backward(&s.gate, &dact)?;
         drop((dact, s.gate));
         let mut dh2 = dx_of(self.up.backward(s.su, dup, true)?, WHAT)?;

@@ -289,6 +289,22 @@ impl AffineSaved {
     pub fn saved_input(&self) -> &Tensor {
         &self.x
     }
+
+    /// Gives up the saved input, to be recomputed before backward
+    /// ([`AffineSaved::restore_input`]), where `stand_in` (a tensor kept anyway, which holds
+    /// the place without new memory) has its dtype and shape. Returns whether it did.
+    fn release_input(&mut self, stand_in: &Tensor) -> bool {
+        let agree = stand_in.dtype() == self.x.dtype() && stand_in.shape() == self.x.shape();
+        if agree {
+            self.x = stand_in.clone();
+        }
+        agree
+    }
+
+    /// Puts back the input [`AffineSaved::release_input`] gave up, recomputed.
+    fn restore_input(&mut self, x: Tensor) {
+        self.x = x;
+    }
 }
 
 impl AffineSaved {

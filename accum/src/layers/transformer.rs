@@ -51,6 +51,14 @@ pub struct TransformerBlockConfig {
     /// 16-bit branch) and the layer norm one after the other, and backward each op alone,
     /// kept for comparison.
     pub fused_residual: bool,
+    /// Whether the MLP's GELU output (fc2's input) is recomputed in backward from the
+    /// pre-activation fc1 keeps for GELU's derivative, instead of kept from forward (default
+    /// true): `[b * seq, mlp_ratio * d]` less per block between forward and backward, for one
+    /// GELU over it in backward. `torch.compile`'s partitioner makes the same trade for
+    /// pointwise ops; PyTorch's eager mode keeps both. On the host the gradients are the
+    /// kept output's bit for bit; on a GPU, where cuBLASLt applies the GELU to the f32 sum
+    /// before rounding, fc2's weight gradient may differ by a rounding of the dtype.
+    pub recompute_activation: bool,
 }
 
 /// How a [`TransformerBlock`] computes its attention. Both give the same values and the
@@ -86,7 +94,14 @@ impl TransformerBlockConfig {
             seed: 0,
             attention: Attention::Fused,
             fused_residual: true,
+            recompute_activation: true,
         }
+    }
+
+    /// The same with the MLP's GELU output recomputed in backward, or kept
+    /// ([`TransformerBlockConfig::recompute_activation`]).
+    pub fn with_recompute_activation(self, recompute_activation: bool) -> Self {
+        TransformerBlockConfig { recompute_activation, ..self }
     }
 
     /// The same with the residual adds fused with their dropout (and the first with the
@@ -190,6 +205,7 @@ impl TransformerBlockConfig {
             p: self.dropout,
             attention: self.attention,
             fused_residual: self.fused_residual,
+            recompute_activation: self.recompute_activation,
         })
     }
 }
@@ -200,7 +216,10 @@ impl TransformerBlockConfig {
 /// probabilities) and a GELU MLP. Built from a [`TransformerBlockConfig`].
 ///
 /// Per block, training keeps the normalized inputs, the queries, keys and values, what
-/// attention saves, the attention output, the MLP's pre-activation and activation.
+/// attention saves, the attention output and the MLP's pre-activation; the MLP's activation
+/// (the GELU output) too with [`TransformerBlockConfig::with_recompute_activation`]`(false)`,
+/// as PyTorch's eager mode keeps it, where by default backward recomputes it from the
+/// pre-activation.
 /// Attention saves, by default ([`Attention::Fused`], PyTorch's
 /// `scaled_dot_product_attention`), its output and each row's logsumexp. Fused attention
 /// reads the q, k and v projections' outputs as they are, tokens-major
@@ -232,7 +251,7 @@ impl TransformerBlockConfig {
 /// input is still held; the k and v projections' 16-bit input gradients are added into the
 /// f32 sum as they are. Where the dtypes do not allow it (a norm run on an autocast copy) the
 /// unfused ops run. For a GPT-2 small block at 8 x 1024 tokens under bf16 autocast with
-/// dropout 0.1 a training step makes 86 allocations of 661.5 MiB instead of 93 of 808.8 MiB
+/// dropout 0.1 a training step makes 87 allocations of 709.5 MiB instead of 94 of 856.8 MiB
 /// (`cargo run -p vram-accum --example block_allocations`); the backward's peak is 1.5 MiB
 /// higher (the bias gradient's partial sums). The residual norm backward's CUDA kernel has
 /// not yet run on a GPU.
@@ -252,6 +271,7 @@ pub struct TransformerBlock {
     p: f32,
     attention: Attention,
     fused_residual: bool,
+    recompute_activation: bool,
 }
 
 /// What attention keeps for backward, besides the per-head queries, keys and values.
@@ -306,6 +326,9 @@ pub struct BlockSaved {
     drop2: Option<DropoutSaved>,
     /// The dtype of the MLP branch before the residual addition.
     branch2: DType,
+    /// Whether fc2's input (the GELU output) was released, to be recomputed from fc1's
+    /// pre-activation in backward.
+    gelu_released: bool,
 }
 
 impl BlockSaved {
@@ -671,6 +694,12 @@ impl Layer for TransformerBlock {
         if !ctx.training() {
             return Ok((y, None));
         }
+        // fc2's input, the GELU output, is recomputed in backward from the pre-activation fc1
+        // keeps, rather than kept (where fc1 kept one of its dtype).
+        let s1 = saved(s1, WHAT)?;
+        let mut s2 = saved(s2, WHAT)?;
+        let gelu_released =
+            self.recompute_activation && s1.z.as_ref().is_some_and(|pre| s2.release_input(pre));
         let s = BlockSaved {
             ln1: saved(ln1, WHAT)?,
             sq: saved(sq, WHAT)?,
@@ -685,10 +714,11 @@ impl Layer for TransformerBlock {
             drop1,
             branch1,
             ln2: saved(ln2, WHAT)?,
-            s1: saved(s1, WHAT)?,
-            s2: saved(s2, WHAT)?,
+            s1,
+            s2,
             drop2,
             branch2,
+            gelu_released,
         };
         Ok((y, Some(s)))
     }
@@ -699,11 +729,19 @@ impl Layer for TransformerBlock {
         // y = x2 + drop(fc2(fc1(ln_2(x2)))); the branch's gradient in the branch's dtype.
         // `dy` is also the shortcut's: kept until it is added to x2's.
         let dbranch = self.branch_grad(&dy, s.branch2, s.drop2.as_ref())?;
+        let mut s2 = s.s2;
+        if s.gelu_released {
+            let pre =
+                s.s1.z
+                    .as_ref()
+                    .ok_or_else(|| invalid(WHAT, "fc1 kept no pre-activation".into()))?;
+            s2.restore_input(ops::gelu(pre)?);
+        }
         let dh2 = if self.fused_residual {
             // fc2's input-gradient product through fc1's GELU, with fc1's bias gradient.
-            self.fc2.backward_through_gelu(&mut self.fc1, s.s2, s.s1, dbranch, WHAT)?
+            self.fc2.backward_through_gelu(&mut self.fc1, s2, s.s1, dbranch, WHAT)?
         } else {
-            let da = dx_of(self.fc2.backward(s.s2, dbranch, true)?, WHAT)?;
+            let da = dx_of(self.fc2.backward(s2, dbranch, true)?, WHAT)?;
             dx_of(self.fc1.backward(s.s1, da, true)?, WHAT)?
         };
         // x2's gradient: ln_2's plus the shortcut's `dy`; then the attention branch's.

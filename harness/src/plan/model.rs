@@ -327,6 +327,14 @@ fn model_from_arch(key: &str, mut arch: Arch, o: &ModelOverrides) -> Result<Plan
                 .into(),
         );
     }
+    if matches!(arch, Arch::Gpt { .. } | Arch::Vit { .. } | Arch::Llama(_)) {
+        notes.push(
+            "transformer MLPs keep their pre-activations (Llama: gate and up outputs) and \
+             recompute the activation (GELU; SiLU and its product with up) in backward, as \
+             torch.compile's partitioner does; PyTorch's eager mode keeps both"
+                .into(),
+        );
+    }
     let attention = Attention::Fused;
     Ok(PlanModel {
         name: format!("{key} ({size})"),

@@ -9,8 +9,10 @@
 //! ([`cpu`]), on a CUDA device ([`Device::cuda`], feature `cuda`, on by default) with NVRTC-
 //! compiled kernels and cuBLAS. Storage is in the tensor's dtype, arithmetic in f32, on both.
 //! Among the ops: fused scaled dot-product attention ([`ops::attention`], FlashAttention-2's
-//! algorithm: saves the output and each row's logsumexp, never a `seq x seq` buffer; its
-//! 16-bit forward and backward run on tensor cores), and a linear layer with its bias and
+//! algorithm: saves the output and each row's logsumexp, never a `seq x seq` buffer; reads
+//! heads-major or tokens-major operands, so a projection's output goes in without a copy,
+//! and grouped-query keys and values without repeating them; its 16-bit forward and
+//! backward run on tensor cores), and a linear layer with its bias and
 //! GELU in one cuBLASLt call ([`ops::linear_act`]; f32 products in FP32 unless
 //! [`Device::set_allow_tf32_matmul`]).
 //! The CUDA libraries are loaded at run time, so a CUDA build runs on a machine without a

@@ -463,6 +463,27 @@ fn kept_and_grads<L: vram_accum::Layer>(
 // the kept activation's bit for bit, in f32, bf16 and under bf16 autocast, with dropout and
 // either residual form; the forward keeps exactly the activation less: `[rows, 4 d]` (GPT),
 // `2 [rows, hidden]` (Llama), in the MLP's dtype.
+/// The block `build` makes (recomputing its MLP's activation or not) on a fresh host device,
+/// on `[rows, d]` inputs: recomputing gives the kept activation's bits and keeps `released`
+/// bytes less.
+fn recompute_matches<L: vram_accum::Layer>(
+    what: &str,
+    released: u64,
+    [rows, d]: [usize; 2],
+    (dtype, autocast): (DType, Option<DType>),
+    build: impl Fn(&Device, bool) -> L,
+) {
+    let run = |recompute: bool| {
+        let dev = Device::host(1 << 30);
+        let mut block = build(&dev, recompute);
+        let x = Tensor::from_f32_slice(&dev, &[rows, d], &values(rows * d, 1, 1.0), dtype);
+        kept_and_grads(&dev, &mut block, &x.unwrap(), autocast)
+    };
+    let ((recomputed, lean), (kept, full)) = (run(true), run(false));
+    assert!(recomputed == kept, "{what}: the gradients differ");
+    assert_eq!(full - lean, released, "{what}");
+}
+
 #[test]
 fn recomputed_mlp_activations_give_the_kept_ones_gradients_bit_for_bit() {
     let (seq, d, hidden) = (7, 16, 24);
@@ -473,39 +494,29 @@ fn recomputed_mlp_activations_give_the_kept_ones_gradients_bit_for_bit() {
         let mlp = autocast.unwrap_or(dtype).size_in_bytes() as u64;
         for fused in [true, false] {
             let what = format!("GPT {dtype:?} autocast {autocast:?} fused residual {fused}");
-            let run = |recompute: bool| {
-                let dev = Device::host(1 << 30);
-                let mut block = TransformerBlockConfig::new(d, 2, seq)
+            let released = (rows * 4 * d) as u64 * mlp;
+            recompute_matches(&what, released, [rows, d], (dtype, autocast), |dev, recompute| {
+                TransformerBlockConfig::new(d, 2, seq)
                     .with_dropout(0.1)
                     .with_fused_residual(fused)
                     .with_recompute_activation(recompute)
                     .with_dtype(dtype)
                     .with_init(0.3, 1)
                     .with_seed(5)
-                    .init(&dev)
-                    .unwrap();
-                let x = Tensor::from_f32_slice(&dev, &[rows, d], &values(rows * d, 1, 1.0), dtype);
-                kept_and_grads(&dev, &mut block, &x.unwrap(), autocast)
-            };
-            let ((recomputed, lean), (kept, full)) = (run(true), run(false));
-            assert!(recomputed == kept, "{what}: the gradients differ");
-            assert_eq!(full - lean, rows as u64 * 4 * d as u64 * mlp, "{what}");
+                    .init(dev)
+                    .unwrap()
+            });
         }
         let what = format!("Llama {dtype:?} autocast {autocast:?}");
-        let run = |recompute: bool| {
-            let dev = Device::host(1 << 30);
-            let mut block = LlamaBlockConfig::new(d, 4, 2, hidden, seq)
+        let released = 2 * (rows * hidden) as u64 * mlp;
+        recompute_matches(&what, released, [rows, d], (dtype, autocast), |dev, recompute| {
+            LlamaBlockConfig::new(d, 4, 2, hidden, seq)
                 .with_recompute_activation(recompute)
                 .with_dtype(dtype)
                 .with_init(0.3)
                 .with_seed(5)
-                .init(&dev)
-                .unwrap();
-            let x = Tensor::from_f32_slice(&dev, &[rows, d], &values(rows * d, 1, 1.0), dtype);
-            kept_and_grads(&dev, &mut block, &x.unwrap(), autocast)
-        };
-        let ((recomputed, lean), (kept, full)) = (run(true), run(false));
-        assert!(recomputed == kept, "{what}: the gradients differ");
-        assert_eq!(full - lean, 2 * (rows * hidden) as u64 * mlp, "{what}");
+                .init(dev)
+                .unwrap()
+        });
     }
 }

@@ -922,6 +922,29 @@ fn gradients_repeat_bit_for_bit() {
     }
 }
 
+/// Fused attention on q, dout of `q_shape` and k, v of `kv_shape` (`dtype`, params `p`),
+/// on the host and the GPU: the output and the three gradients compared; returns both
+/// forwards (host, GPU).
+fn attention_matches(
+    gpu: &Device,
+    what: &str,
+    [q_shape, kv_shape]: [&[usize]; 2],
+    dtype: DType,
+    p: &ops::AttentionParams,
+) -> [ops::AttentionOutput; 2] {
+    let [(hq, gq), (hd, gd)] = [1, 4].map(|s| pair(gpu, q_shape, dtype, s));
+    let [(hk, gk), (hv, gv)] = [2, 3].map(|s| pair(gpu, kv_shape, dtype, s));
+    let hf = ops::attention(&hq, &hk, &hv, p).unwrap();
+    let gf = ops::attention(&gq, &gk, &gv, p).unwrap();
+    close_sum(&format!("{what} out"), &gf.out, &hf.out, tol(dtype, true));
+    let hg = ops::attention_backward(&hq, &hk, &hv, &hf, &hd, p).unwrap();
+    let gg = ops::attention_backward(&gq, &gk, &gv, &gf, &gd, p).unwrap();
+    for (name, g, h) in [("dq", &gg.dq, &hg.dq), ("dk", &gg.dk, &hg.dk), ("dv", &gg.dv, &hg.dv)] {
+        close_sum(&format!("{what} {name}"), g, h, tol(dtype, true));
+    }
+    [hf, gf]
+}
+
 #[test]
 fn fused_attention_matches_host() {
     let Some(gpu) = gpu() else { return };
@@ -942,19 +965,8 @@ fn fused_attention_matches_host() {
                         (p, vec![heads, seq, dim])
                     };
                     let what = format!("attention {dtype:?} {shape:?} {p:?}");
-                    let [(hq, gq), (hk, gk), (hv, gv), (hd, gd)] =
-                        [1, 2, 3, 4].map(|s| pair(&gpu, &shape, dtype, s));
-                    let hf = ops::attention(&hq, &hk, &hv, &p).unwrap();
-                    let gf = ops::attention(&gq, &gk, &gv, &p).unwrap();
-                    close_sum(&format!("{what} out"), &gf.out, &hf.out, tol(dtype, true));
+                    let [hf, gf] = attention_matches(&gpu, &what, [&shape, &shape], dtype, &p);
                     close_sum(&format!("{what} lse"), &gf.lse, &hf.lse, tol(DType::F32, true));
-                    let hg = ops::attention_backward(&hq, &hk, &hv, &hf, &hd, &p).unwrap();
-                    let gg = ops::attention_backward(&gq, &gk, &gv, &gf, &gd, &p).unwrap();
-                    for (name, g, h) in
-                        [("dq", &gg.dq, &hg.dq), ("dk", &gg.dk, &hg.dk), ("dv", &gg.dv, &hg.dv)]
-                    {
-                        close_sum(&format!("{what} {name}"), g, h, tol(dtype, true));
-                    }
                 }
             }
         }
@@ -964,19 +976,8 @@ fn fused_attention_matches_host() {
             let p =
                 ops::AttentionParams::new(true).with_dropout(0.1, 5, 7).tokens_major().grouped();
             let what = format!("grouped attention {dtype:?} dim {dim}");
-            let (qs, kvs) = ([2, 100, 6, dim], [2, 100, 2, dim]);
-            let [(hq, gq), (hd, gd)] = [1, 4].map(|s| pair(&gpu, &qs, dtype, s));
-            let [(hk, gk), (hv, gv)] = [2, 3].map(|s| pair(&gpu, &kvs, dtype, s));
-            let hf = ops::attention(&hq, &hk, &hv, &p).unwrap();
-            let gf = ops::attention(&gq, &gk, &gv, &p).unwrap();
-            close_sum(&format!("{what} out"), &gf.out, &hf.out, tol(dtype, true));
-            let hg = ops::attention_backward(&hq, &hk, &hv, &hf, &hd, &p).unwrap();
-            let gg = ops::attention_backward(&gq, &gk, &gv, &gf, &gd, &p).unwrap();
-            for (name, g, h) in
-                [("dq", &gg.dq, &hg.dq), ("dk", &gg.dk, &hg.dk), ("dv", &gg.dv, &hg.dv)]
-            {
-                close_sum(&format!("{what} {name}"), g, h, tol(dtype, true));
-            }
+            let shapes: [&[usize]; 2] = [&[2, 100, 6, dim], &[2, 100, 2, dim]];
+            attention_matches(&gpu, &what, shapes, dtype, &p);
         }
     }
 }

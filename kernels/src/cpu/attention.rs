@@ -77,10 +77,13 @@ fn key_end(causal: bool, i: usize, seq: usize) -> usize {
     if causal { (i + 1).min(seq) } else { seq }
 }
 
+/// Checks the head dim and each slice's length: `queries` of q's size, `keys` of k's (fewer
+/// heads when grouped), `lse` of one per query row.
 fn check(
     op: &'static str,
     dims: &AttentionDims,
-    tensors: &[(&str, usize)],
+    queries: &[(&str, usize)],
+    keys: &[(&str, usize)],
     lse: usize,
 ) -> Result<()> {
     if dims.dim == 0 && dims.rows() > 0 {
@@ -89,9 +92,10 @@ fn check(
             reason: format!("head dim 0 with {} rows", dims.rows()),
         });
     }
-    for &(what, len) in tensors {
-        let kv = matches!(what, "k" | "v" | "dk" | "dv");
-        check_len(op, what, len, if kv { dims.kv().len() } else { dims.len() })?;
+    for (tensors, want) in [(queries, dims.len()), (keys, dims.kv().len())] {
+        for &(what, len) in tensors {
+            check_len(op, what, len, want)?;
+        }
     }
     check_len(op, "the logsumexp", lse, dims.rows())
 }
@@ -115,8 +119,9 @@ pub fn attention<T: Element>(
 ) -> Result<()> {
     const OP: &str = "cpu::attention";
     params.validate(OP)?;
-    let lens = [("q", q.len()), ("k", k.len()), ("v", v.len()), ("the output", out.len())];
-    check(OP, &dims, &lens, lse.len())?;
+    let (queries, keys) =
+        ([("q", q.len()), ("the output", out.len())], [("k", k.len()), ("v", v.len())]);
+    check(OP, &dims, &queries, &keys, lse.len())?;
     if dims.is_empty() {
         return Ok(());
     }
@@ -246,17 +251,14 @@ pub fn attention_backward<T: Element>(
 ) -> Result<()> {
     const OP: &str = "cpu::attention_backward";
     params.validate(OP)?;
-    let lens = [
+    let queries = [
         ("q", saved.q.len()),
-        ("k", saved.k.len()),
-        ("v", saved.v.len()),
         ("the output", saved.out.len()),
         ("the output's gradient", dout.len()),
         ("dq", dq.len()),
-        ("dk", dk.len()),
-        ("dv", dv.len()),
     ];
-    check(OP, &dims, &lens, saved.lse.len())?;
+    let keys = [("k", saved.k.len()), ("v", saved.v.len()), ("dk", dk.len()), ("dv", dv.len())];
+    check(OP, &dims, &queries, &keys, saved.lse.len())?;
     if dims.is_empty() {
         return Ok(());
     }

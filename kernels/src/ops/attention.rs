@@ -22,8 +22,9 @@
 //! `enable_gqa`), k and v may have fewer heads than q (grouped-query attention, as Llama 3,
 //! Mistral and Qwen2 attend): each key/value head serves consecutive query heads where they
 //! are, with no repeated copy, and the backward sums each key/value head's gradient over
-//! its group. Arithmetic is in f32 whatever the storage dtype. With dropout, the op drops exactly the elements `ops::dropout(probs, p, seed,
-//! offset)` drops on the explicit `[.., seq, seq]` probabilities (see [`AttentionParams`]).
+//! its group. Arithmetic is in f32 whatever the storage dtype. With dropout, the op drops
+//! exactly the elements `ops::dropout(probs, p, seed, offset)` drops on the explicit
+//! `[.., seq, seq]` probabilities (see [`AttentionParams`]).
 //!
 //! On a GPU the kernels (`cuda/kernels/attention.cu`) take head dims up to 128 and any
 //! sequence length; f16 and bf16 with head dims a multiple of 16 (64, 128, ...) run forward
@@ -473,13 +474,14 @@ mod launches {
             return Ok(());
         }
         const OP: &str = "attention_backward";
-        let (dkdv, dq_kernel, cfg) = match tensor_cores(dtype, dims.dim) {
+        let cores = tensor_cores(dtype, dims.dim);
+        // One dK/dV block per key tile of each key/value head; the wide tensor-core dK/dV
+        // kernel keeps K and V in dynamic shared memory, the wide dQ kernel dO.
+        let wide = cores.is_some() && dims.dim > MMA_NARROW;
+        let (dkdv, dq_kernel, cfg) = match cores {
             Some([_, dkdv, dq]) => (dkdv, dq, tiles_of(&dims, OP, MMA_TILE)?),
             None => (ATTENTION_BWD_DKDV.of(dtype), ATTENTION_BWD_DQ.of(dtype), tiles(&dims, OP)?),
         };
-        // One dK/dV block per key tile of each key/value head; the wide tensor-core dK/dV
-        // kernel keeps K and V in dynamic shared memory, the wide dQ kernel dO.
-        let wide = tensor_cores(dtype, dims.dim).is_some() && dims.dim > MMA_NARROW;
         let dkdv_cfg = LaunchConfig {
             grid_dim: (cfg.grid_dim.0, dims.kv().heads as u32, 1),
             shared_mem_bytes: if wide { WIDE_DKDV_SHARED } else { 0 },
@@ -611,6 +613,19 @@ mod tests {
         }
     }
 
+    /// [`case`] in every dtype.
+    fn every_dtype(
+        e: &Emulator,
+        heads: (usize, usize, usize),
+        seq: usize,
+        dim: usize,
+        p: AttentionParams,
+    ) {
+        case::<f32>(e, heads, seq, dim, p);
+        case::<bf16>(e, heads, seq, dim, p);
+        case::<f16>(e, heads, seq, dim, p);
+    }
+
     // The kernels compute what the host computes: every query and key tile (sequences of 1,
     // of a tile and a part, of two tiles and a part), head dims 64 and 128 and one below a
     // warp, causal or not, with dropout drawing the host's mask, in every dtype.
@@ -638,9 +653,7 @@ mod tests {
         for (seq, dim) in [(19, 24), (70, 32), (33, 128)] {
             for causal in [false, true] {
                 let p = AttentionParams::new(causal).with_dropout(0.25, 5, 7).tokens_major();
-                case::<f32>(&e, (6, 3, 1), seq, dim, p);
-                case::<bf16>(&e, (6, 3, 1), seq, dim, p);
-                case::<f16>(&e, (6, 3, 1), seq, dim, p);
+                every_dtype(&e, (6, 3, 1), seq, dim, p);
             }
         }
     }
@@ -655,9 +668,7 @@ mod tests {
         for (seq, dim) in [(19, 24), (70, 32), (33, 128)] {
             let p = AttentionParams::new(true).with_dropout(0.25, 5, 7).grouped();
             for (p, nh) in [(p, 1), (p.tokens_major(), 6)] {
-                case::<f32>(&e, (12, nh, 3), seq, dim, p);
-                case::<bf16>(&e, (12, nh, 3), seq, dim, p);
-                case::<f16>(&e, (12, nh, 3), seq, dim, p);
+                every_dtype(&e, (12, nh, 3), seq, dim, p);
             }
         }
     }

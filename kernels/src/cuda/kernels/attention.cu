@@ -601,13 +601,13 @@ __device__ void attention_bwd_dq_mma_impl(const T* q, const T* k, const T* v, co
     const u32 g = lane / 4, tg = lane % 4;
     const u32 nk = d / 16, nd = d / 8;
     const u64 head = att_head(h, nh, seq, d), ld = nh * d;
-    const u64 kld = nkv * d;
+    const u64 kvhead = att_head(h / group, nkv, seq, d), kld = nkv * d;
     // The heads' first elements, folded into the pointers (fewer live registers).
     q += head;
     dout += head;
     dq += head;
-    k += att_head(h / group, nkv, seq, d);
-    v += att_head(h / group, nkv, seq, d);
+    k += kvhead;
+    v += kvhead;
     // Heads wider than 64 read dO from (dynamic) shared memory rather than holding it as
     // register fragments, as the dK/dV kernel does K and V: held, the fragments took the
     // kernel to 255 registers and a spill.

@@ -207,6 +207,15 @@ pub(crate) fn matmul_f32(spec: &MatmulSpec, a: &[f32], b: &[f32], c: &mut [f32])
     }
 }
 
+/// One product (`spec.batch` 1) on the calling thread, for callers that are already one
+/// rayon task among many (attention's blocks); the caller has checked the spec.
+pub(crate) fn gemm_serial(spec: &MatmulSpec, a: &[f32], b: &[f32], c: &mut [f32]) {
+    debug_assert_eq!(spec.batch, 1);
+    if spec.m * spec.n != 0 {
+        gemm_one(spec, a, b, c, Parallelism::None);
+    }
+}
+
 /// One product of the batch; `a`, `b`, `c` start at this batch's matrices.
 fn gemm_one(s: &MatmulSpec, a: &[f32], b: &[f32], c: &mut [f32], par: Parallelism) {
     let (m, n, k) = (s.m, s.n, s.k);

@@ -63,7 +63,7 @@ pub fn uniform_at(seed: u64, index: u64) -> f32 {
 
 /// Calls `f(i, u)` for `i in 0..len` with `u` the uniform of element `offset + i`, computing
 /// one Philox block per four consecutive indices.
-fn for_each_uniform(seed: u64, offset: u64, len: usize, mut f: impl FnMut(usize, f32)) {
+pub(crate) fn for_each_uniform(seed: u64, offset: u64, len: usize, mut f: impl FnMut(usize, f32)) {
     let mut block = u64::MAX;
     let mut words = [0u32; 4];
     for i in 0..len {

@@ -32,6 +32,7 @@
 //! f32 before rounding them once.
 
 use super::{check_len, widen_f32};
+use crate::cpu::fastmath::exp;
 use crate::cpu::matmul::gemm_serial;
 use crate::cpu::random::for_each_uniform;
 use crate::dtype::Element;
@@ -227,11 +228,11 @@ fn forward<T: Element>(
                 row[seen..].fill(f32::NEG_INFINITY);
                 let block_max = row[..seen].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
                 let m_new = m[r].max(block_max);
-                let alpha = if m_new == f32::NEG_INFINITY { 1.0 } else { (m[r] - m_new).exp() };
+                let alpha = if m_new == f32::NEG_INFINITY { 1.0 } else { exp(m[r] - m_new) };
                 Dropping::fill_factors(drop, &dims, (h, i, j0), &mut factors[..keys]);
                 let mut sum = 0.0f32;
                 for (x, &f) in row.iter_mut().zip(&factors[..keys]) {
-                    let e = (*x - m_new).exp();
+                    let e = exp(*x - m_new);
                     sum += e;
                     *x = e * f;
                 }
@@ -365,7 +366,7 @@ fn backward<T: Element>(
                             p.iter_mut().zip(ds.iter_mut()).zip(&factors).take(seen)
                         {
                             // P_ij, then P~_ij = P_ij * f; dS_ij / scale = P_ij (f dP~_ij - D_i).
-                            let prob = (*p - lse[qr]).exp();
+                            let prob = exp(*p - lse[qr]);
                             let dp = if f == 0.0 { 0.0 } else { f * *ds };
                             *ds = prob * (dp - dsum[qr]);
                             *p = prob * f;

@@ -4,6 +4,7 @@
 //! log-sum-exp `lse` is `[n]` in f32. Rows whose target equals the ignore index contribute
 //! neither to the loss nor to the count it is averaged over, and get a zero gradient.
 
+use super::fastmath::exp;
 use super::matmul::matmul_f32;
 use super::{check_len, widen_f32};
 use crate::Element;
@@ -34,7 +35,7 @@ fn log_sum_exp<T: Element>(row: &[T]) -> f32 {
     if max == f32::NEG_INFINITY {
         return max;
     }
-    let sum: f32 = row.iter().map(|v| (v.to_f32() - max).exp()).sum();
+    let sum: f32 = row.iter().map(|v| exp(v.to_f32() - max)).sum();
     max + sum.ln()
 }
 
@@ -152,7 +153,7 @@ fn grad_rows<T: Element, D: Element>(
             return;
         }
         for (j, (o, &v)) in d.iter_mut().zip(x).enumerate() {
-            let p = (v.to_f32() - l).exp();
+            let p = exp(v.to_f32() - l);
             let onehot = if j == t as usize { 1.0 } else { 0.0 };
             *o = D::from_f32(g * (p - onehot));
         }

@@ -13,6 +13,7 @@ pub mod batch_norm;
 pub mod conv;
 pub mod elementwise;
 pub mod embedding;
+pub(crate) mod fastmath;
 pub mod llama;
 pub mod loss;
 pub mod matmul;

@@ -2,6 +2,7 @@
 //! forward and backward. Each row subtracts its maximum before `exp`, so large logits do
 //! not overflow; a row whose entries are all `-inf` has no defined softmax and gives NaN.
 
+use super::fastmath::exp;
 use super::{check_len, rows_of, widen_f32, with_f32_out};
 use crate::dtype::Element;
 use crate::error::Result;
@@ -113,7 +114,7 @@ fn softmax_row(x: &[f32], y: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0.0f32;
     for (y, &x) in y.iter_mut().zip(x) {
-        *y = (x - max).exp();
+        *y = exp(x - max);
         sum += *y;
     }
     let inv = 1.0 / sum;

@@ -12,8 +12,8 @@
 //! finds what NVRTC's type checks cannot: wrong indices, elements missed or written twice,
 //! packs that overrun, reductions that drop a thread's share, sums added in another order
 //! than the host's. It says nothing of speed, of the GPU's memory model beyond barriers, or
-//! of the device's math library (the host's `expf` and `tanhf` differ from CUDA's in the last
-//! bits: the comparisons allow for it). f16 converts through the compiler's `_Float16`
+//! of the device's math library (the host's `expf` differs from CUDA's in the last bits: the
+//! comparisons allow for it; GELU and SiLU use `vram_exp`, the host's own, on both). f16 converts through the compiler's `_Float16`
 //! instead of PTX (`VRAM_HOST_EMULATION` in `common.cuh`); every other line is the one NVRTC
 //! compiles.
 //!

@@ -742,7 +742,7 @@ fn typed<T: Element>(v: &[f32]) -> Vec<T> {
 /// its op), `scale`, `mul`, `fill`, and the mixed-type
 /// in-place updates (`add_assign`, `axpy` into an f32 accumulator and into `T`), as the
 /// ops launch them, bit for bit against the host (one f32 expression, one rounding, the same
-/// `tanhf`), on inputs that include each piecewise definition's edges.
+/// `exp` in GELU and SiLU), on inputs that include each piecewise definition's edges.
 fn maps_of_dtype<T: Element>() -> bool {
     let n = 1029;
     let mut xv = values(n, 80, -5.0, 5.0);

@@ -4,6 +4,7 @@
 
 use super::map::unary_op;
 use crate::cpu::activation as cpu;
+use crate::cpu::fastmath::sigmoid;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -47,6 +48,9 @@ unary_op! {
     /// Gradient of [`silu`] from the forward input `x` and the upstream `dy`:
     /// `dy * s * (1 + x * (1 - s))` with `s = sigmoid(x)`.
     silu_backward: Silu, SILU,
-    |x| x / (1.0 + (-x).exp()),
-    |x, dy| dy * (1.0 / (1.0 + (-x).exp()) * (1.0 + x * (1.0 - 1.0 / (1.0 + (-x).exp()))));
+    |x| x * sigmoid(x),
+    |x, dy| {
+        let s = sigmoid(x);
+        dy * (s * (1.0 + x * (1.0 - s)))
+    };
 }

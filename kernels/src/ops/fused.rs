@@ -27,7 +27,7 @@
 //! the dtype as `bias_add` stores it, the gradient rounded as `gelu_backward` stores it and
 //! summed in `bias_add_backward`'s order; the dropped branch rounded as `dropout` stores it
 //! before the add); the kernels follow the same steps (emulated in the tests; on a GPU within
-//! the device's `tanhf` and contraction). The dropout kernels and the layer norm backward
+//! FMA contraction, GELU's `exp` being the host's polynomial on both). The dropout kernels and the layer norm backward
 //! with a residual have not yet run on a GPU.
 
 use super::dispatch::{Buffers, Op, OutputSpec, Plan, run};
@@ -989,7 +989,7 @@ mod tests {
     }
 
     /// The kernels, emulated on the host through the op's own launch code, against the host
-    /// op: bit for bit (the emulation's `tanhf` is the host's; no contraction).
+    /// op: bit for bit (the kernels' `vram_exp` is the host's `exp`; no contraction).
     #[cfg(feature = "cuda")]
     #[test]
     fn bias_gelu_kernels_match_the_host_bit_for_bit() {

@@ -103,19 +103,44 @@ __device__ __forceinline__ float dropped_branch(B v, u64 index, float p, float s
     return philox_uniform(seed, index) >= p ? to_f32(from_f32<B>(to_f32(v) * scale)) : 0.0f;
 }
 
+// e^x as the host computes it (`cpu::fastmath::exp`: Cephes' expf, Cody and Waite's two-part
+// ln 2, a degree-7 polynomial, 2^n put into the exponent bits; within 2 ulp, 0 below
+// -87.33654, infinity above 88), so that GELU and SiLU emulated on the host are the host's bit
+// for bit; on a GPU, NVRTC contracting products and sums into FMAs moves the last bit.
+__device__ __forceinline__ float vram_exp(float x) {
+    const float xc = fminf(fmaxf(x, -87.33654f), 88.0f);
+    const float t = xc * 1.44269504088896341f + 12582912.0f;
+    const float n = t - 12582912.0f;
+    const float r = (xc - n * 0.6933594f) - n * -2.1219444e-4f;
+    float p = 1.9875691e-4f;
+    p = p * r + 1.3982e-3f;
+    p = p * r + 8.333452e-3f;
+    p = p * r + 4.1665796e-2f;
+    p = p * r + 0.16666665f;
+    p = p * r + 0.5f;
+    const float er = p * (r * r) + r + 1.0f;
+    const float two_n = __uint_as_float((__float_as_uint(t) - 0x4B400000u + 127u) << 23);
+    float y = er * two_n;
+    y = x > 88.0f ? __uint_as_float(0x7f800000u) : y;
+    y = x < -87.33654f ? 0.0f : y;
+    return x != x ? x : y;
+}
+__device__ __forceinline__ float vram_sigmoid(float x) { return 1.0f / (1.0f + vram_exp(-x)); }
+
 // GELU, tanh approximation (GPT-2's; PyTorch's `approximate='tanh'`), and its derivative:
-// elementwise.cu's gelu and fused.cu's bias + GELU.
+// elementwise.cu's gelu and fused.cu's bias + GELU. Written as the host writes it, with
+// `1 + tanh(u) = 2 sigmoid(2u)` and `1 - tanh(u)^2 = 4 s (1 - s)`.
 #define GELU_K 0.7978846f
 #define GELU_C 0.044715f
 __device__ __forceinline__ float gelu_f(float v) {
     const float inner = GELU_K * (v + GELU_C * v * v * v);
-    return 0.5f * v * (1.0f + tanhf(inner));
+    return v * vram_sigmoid(2.0f * inner);
 }
 __device__ __forceinline__ float gelu_grad(float v) {
     const float inner = GELU_K * (v + GELU_C * v * v * v);
-    const float t = tanhf(inner);
+    const float s = vram_sigmoid(2.0f * inner);
     const float d_inner = GELU_K * (1.0f + 3.0f * GELU_C * v * v);
-    return 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * d_inner;
+    return s + 2.0f * v * s * (1.0f - s) * d_inner;
 }
 
 // Division of element indices by a divisor fixed for the launch, with the magic number the

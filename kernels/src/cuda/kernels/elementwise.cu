@@ -153,8 +153,8 @@ UNARY_OP(hardsigmoid, fminf(fmaxf(v + 3.0f, 0.0f), 6.0f) / 6.0f,
          (v > -3.0f && v < 3.0f) ? g / 6.0f : 0.0f)
 // SiLU, x * sigmoid(x) (PyTorch's silu, Llama's MLP gate), and its derivative
 // s (1 + x (1 - s)) with s = sigmoid(x); the host writes the same expressions.
-UNARY_OP(silu, v / (1.0f + expf(-v)),
-         g * (1.0f / (1.0f + expf(-v)) * (1.0f + v * (1.0f - 1.0f / (1.0f + expf(-v))))))
+UNARY_OP(silu, v * vram_sigmoid(v),
+         g * (vram_sigmoid(v) * (1.0f + v * (1.0f - vram_sigmoid(v)))))
 BINARY_OP(add, a + b)
 BINARY_OP(mul, a * b)
 

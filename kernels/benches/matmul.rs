@@ -3,7 +3,7 @@
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
 use std::hint::black_box;
-use vram_kernels::cpu::conv::conv2d;
+use vram_kernels::cpu::conv::{conv2d, conv2d_backward};
 use vram_kernels::cpu::matmul::matmul;
 use vram_kernels::{Conv2dOptions, Conv2dParams, MatmulSpec};
 
@@ -41,16 +41,35 @@ fn square_matmul(c: &mut Criterion) {
 fn resnet_block_conv(c: &mut Criterion) {
     let mut group = c.benchmark_group("conv2d_f32");
     group.sample_size(20);
-    let opts = Conv2dOptions::default().padding((1, 1));
-    let p = Conv2dParams::new(&[8, 64, 32, 32], &[64, 64, 3, 3], &opts).unwrap();
-    let (oh, ow) = p.output_hw();
-    let flops = 2 * p.batch() * p.c_out() * oh * ow * p.c_in() * 9;
-    let (x, w, bias) = (values(p.input_len()), values(p.weight_len()), values(p.c_out()));
-    let mut y = vec![0.0f32; p.output_len()];
-    group.throughput(Throughput::Elements(flops as u64));
-    group.bench_function("resnet_block", |bench| {
-        bench.iter(|| conv2d(&p, black_box(&x), black_box(&w), Some(&bias), &mut y).unwrap());
-    });
+    // A ResNet block's 3x3 (batch 8, 64 channels, 32 px), and the twin's resnet-like 3x3 and
+    // 1x1 shapes (48 px).
+    let cases = [
+        ("resnet_block", [8, 64, 32, 32], [64, 64, 3, 3]),
+        ("3x3_32c_48px", [8, 32, 48, 48], [32, 32, 3, 3]),
+        ("1x1_16to32c_48px", [8, 16, 48, 48], [32, 16, 1, 1]),
+    ];
+    for (name, x_shape, w_shape) in cases {
+        let pad = w_shape[2] / 2;
+        let opts = Conv2dOptions::default().padding((pad, pad));
+        let p = Conv2dParams::new(&x_shape, &w_shape, &opts).unwrap();
+        let (oh, ow) = p.output_hw();
+        let flops = 2 * p.batch() * p.c_out() * oh * ow * p.c_in() * w_shape[2] * w_shape[3];
+        let (x, w, bias) = (values(p.input_len()), values(p.weight_len()), values(p.c_out()));
+        let (mut y, dy) = (vec![0.0f32; p.output_len()], values(p.output_len()));
+        let (mut dx, mut dw) = (vec![0.0f32; p.input_len()], vec![0.0f32; p.weight_len()]);
+        group.throughput(Throughput::Elements(flops as u64));
+        group.bench_function(BenchmarkId::new("forward", name), |bench| {
+            bench.iter(|| conv2d(&p, black_box(&x), black_box(&w), Some(&bias), &mut y).unwrap());
+        });
+        // The input's and the weight's gradients: twice the forward's products.
+        group.throughput(Throughput::Elements(2 * flops as u64));
+        group.bench_function(BenchmarkId::new("backward", name), |bench| {
+            bench.iter(|| {
+                let (dx, dw) = (Some(&mut dx[..]), Some(&mut dw[..]));
+                conv2d_backward(&p, black_box(&x), &w, &dy, dx, dw, None).unwrap()
+            });
+        });
+    }
     group.finish();
 }
 

@@ -58,7 +58,7 @@ enum Command {
 fn quick_help() -> String {
     format!(
         "Reduced sizes (CI): about 30 seconds for all {} experiments on a shared 2-core host, \
-         against about 5 minutes for the full run (plus about 3 minutes for the first release \
+         against about 2.5 minutes for the full run (plus about 3 minutes for the first release \
          build)",
         vram_harness::techniques().count()
     )

@@ -294,8 +294,8 @@ pub(crate) fn lines_with_marks(
 }
 
 /// Labelled points, each in its own colour, named in the legend (in the corner with the
-/// fewest points) and, where the name fits without touching an earlier one, beside the
-/// point in the point's colour: close points keep their names apart in the legend instead of
+/// fewest points) and, where the name fits without touching an earlier one or covering
+/// another point, beside the point in the point's colour: close points keep their names apart in the legend instead of
 /// having them pushed away from the points they name.
 /// With a horizontal error bar per point where `x_intervals` has one (the same order as
 /// `pts`; `None` for a point without an interval): an x that is a mean with its confidence
@@ -337,10 +337,17 @@ pub(crate) fn scatter(
             let label = name.split(" (").next().unwrap_or(name).to_string();
             chart.draw_series(std::iter::once(Circle::new((*px, *py), 5, c.filled()))).ok()?;
             legend.push((Sample::Dot(c), name.clone()));
-            // A name is about 12% of the width wide and 5% of the height tall.
+            // A name is about 12% of the width wide and 5% of the height tall, right of and
+            // just above its point: it must neither touch a name already written nor cover
+            // another point.
             let clear = named
                 .iter()
-                .all(|&(qx, qy)| (qx - px).abs() >= 0.13 * w || (qy - py).abs() >= 0.05 * h);
+                .all(|&(qx, qy)| (qx - px).abs() >= 0.13 * w || (qy - py).abs() >= 0.05 * h)
+                && pts.iter().enumerate().all(|(j, (_, qx, qy))| {
+                    let covered = (0.0..0.13 * w).contains(&(qx - px))
+                        && (-0.01 * h..0.06 * h).contains(&(qy - py));
+                    j == i || !covered
+                });
             if clear {
                 named.push((*px, *py));
                 let font = ("sans-serif", 13).into_font().color(&c);
@@ -509,5 +516,21 @@ mod tests {
         // Every word is drawn, the last on the third line.
         assert!(short.contains("short title"));
         assert!(long.contains("zebra"), "the title's last line");
+    }
+
+    #[test]
+    fn a_point_name_that_would_cover_another_point_is_left_to_the_legend() {
+        let pts = |names: [&str; 3]| {
+            let at = [(0.0, 10.0), (0.5, 10.0), (10.0, 1.0)];
+            names.iter().zip(at).map(|(n, (x, y))| (format!("{n} (more)"), x, y)).collect()
+        };
+        let names = ["alpha", "bravo", "charlie"];
+        let pts: Vec<(String, f64, f64)> = pts(names);
+        let svg = scatter("t", "x (%)", "y (MiB)", &pts, &[None, None, None]).unwrap();
+        // In the legend each full name once; beside its point the short name, unless bravo
+        // (0.5 to the right, at the same height) would lie under it.
+        let beside = |n: &str| svg.matches(&format!(">\n{n}\n<")).count();
+        assert_eq!(svg.matches("alpha (more)").count(), 1);
+        assert_eq!([beside("alpha"), beside("bravo"), beside("charlie")], [0, 1, 1]);
     }
 }

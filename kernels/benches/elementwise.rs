@@ -39,6 +39,26 @@ fn bench(c: &mut Criterion) {
         });
     }
     group.finish();
+
+    // Cross-entropy over a GPT-2-sized vocabulary: 20 rows of 50,257 logits (1M), forward
+    // (log-sum-exp per row) and backward (softmax minus the one-hot target).
+    let mut group = c.benchmark_group("cross_entropy_f32");
+    let (rows, vocab) = (20usize, 50_257usize);
+    let values: Vec<f32> = (0..rows * vocab).map(|i| (i % 1000) as f32 * 1e-2 - 5.0).collect();
+    let logits = Tensor::from_f32_slice(&dev, &[rows, vocab], &values, DType::F32).unwrap();
+    let targets: Vec<u32> = (0..rows as u32).map(|r| r * 997 % vocab as u32).collect();
+    group.throughput(Throughput::Bytes(4 * (rows * vocab) as u64));
+    group.bench_function("forward", |bch| {
+        bch.iter(|| ops::cross_entropy(black_box(&logits), &targets, None).unwrap())
+    });
+    let fwd = ops::cross_entropy(&logits, &targets, None).unwrap();
+    group.throughput(Throughput::Bytes(8 * (rows * vocab) as u64));
+    group.bench_function("backward", |bch| {
+        bch.iter(|| {
+            ops::cross_entropy_backward(black_box(&logits), &targets, None, &fwd.lse, 1.0).unwrap()
+        })
+    });
+    group.finish();
 }
 
 criterion_group!(benches, bench);

@@ -35,7 +35,15 @@ fn log_sum_exp<T: Element>(row: &[T]) -> f32 {
     if max == f32::NEG_INFINITY {
         return max;
     }
-    let sum: f32 = row.iter().map(|v| exp(v.to_f32() - max)).sum();
+    // The exponentials a block at a time, so that they vectorize (in the sum's loop they
+    // would not); the sum adds them in row order all the same.
+    let mut block = [0.0f32; 64];
+    let mut sum = 0.0f32;
+    for chunk in row.chunks(block.len()) {
+        let e = &mut block[..chunk.len()];
+        e.iter_mut().zip(chunk).for_each(|(e, v)| *e = exp(v.to_f32() - max));
+        sum = e.iter().fold(sum, |s, &e| s + e);
+    }
     max + sum.ln()
 }
 

@@ -112,11 +112,10 @@ fn rowwise<T: Element>(
 
 fn softmax_row(x: &[f32], y: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f32;
-    for (y, &x) in y.iter_mut().zip(x) {
-        *y = exp(x - max);
-        sum += *y;
-    }
+    // The exponentials in a pass of their own, so that they vectorize (a running sum in the
+    // same loop would keep them scalar); the sum then adds them in the same order.
+    y.iter_mut().zip(x).for_each(|(y, &x)| *y = exp(x - max));
+    let sum: f32 = y.iter().sum();
     let inv = 1.0 / sum;
     y.iter_mut().for_each(|y| *y *= inv);
 }

@@ -6,6 +6,13 @@
 //! takes ([`MatmulSpec`](crate::MatmulSpec), [`Conv2dParams`](crate::Conv2dParams),
 //! [`Pool2dParams`](crate::Pool2dParams)) and the optimizer configurations come from the
 //! parameter module below this one, checked where the op layer makes them.
+//!
+//! They are also the host backend users train on, so they are written for speed where it
+//! costs no accuracy: products through the `gemm` crate (convolutions as im2col + gemm,
+//! attention by blocks of 64 queries and keys), rayon over rows and images, and an `exp`
+//! that vectorizes (`fastmath`) for GELU, SiLU, softmax, cross-entropy and attention.
+//! `cargo bench -p vram-kernels` measures them (matmul and convolution, elementwise and
+//! row-wise ops, cross-entropy, attention).
 
 pub mod activation;
 pub mod attention;

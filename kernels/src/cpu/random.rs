@@ -100,6 +100,12 @@ fn apply_mask<T: Element>(
     check_len(op, "the output", out.len(), inp.len())?;
     let scale = 1.0 / (1.0 - p);
     let run = |inp: &[T], out: &mut [T], start: u64| {
+        if p == 0.0 {
+            // Every element is kept (a uniform is never below 0) and scaled by 1: no draw,
+            // as the CUDA kernels and PyTorch skip it.
+            out.iter_mut().zip(inp).for_each(|(o, x)| *o = T::from_f32(x.to_f32() * scale));
+            return;
+        }
         for_each_uniform(seed, start, out.len(), |i, u| {
             out[i] = if u >= p { T::from_f32(inp[i].to_f32() * scale) } else { T::from_f32(0.0) };
         });
@@ -125,6 +131,11 @@ fn masked_map<O: Element>(
     f: impl Fn(usize, bool) -> O + Sync,
 ) {
     let run = |out: &mut [O], start: usize| {
+        if p == 0.0 {
+            // Every element is kept (a uniform is never below 0): no draw.
+            out.iter_mut().enumerate().for_each(|(i, o)| *o = f(start + i, true));
+            return;
+        }
         for_each_uniform(seed, offset.wrapping_add(start as u64), out.len(), |i, u| {
             out[i] = f(start + i, u >= p);
         });

@@ -15,8 +15,22 @@ fn values(len: usize, salt: usize) -> Vec<f32> {
 fn bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("attention_f32");
     group.sample_size(10);
-    // GPT-2's head width; 8 heads (batch x heads) of 512 tokens.
-    let dims = AttentionDims::heads_major(8, 512, 64);
+    // GPT-2's head width; 8 heads (batch x heads) of 512 tokens, and one head of 2048 (the
+    // backward then splits by blocks instead of by heads).
+    for (label, dims) in [
+        ("", AttentionDims::heads_major(8, 512, 64)),
+        ("one_head_2048_", AttentionDims::heads_major(1, 2048, 64)),
+    ] {
+        passes(&mut group, label, dims);
+    }
+    group.finish();
+}
+
+fn passes(
+    group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    label: &str,
+    dims: AttentionDims,
+) {
     let (q, k, v, d_o) = (
         values(dims.len(), 1),
         values(dims.len(), 2),
@@ -32,14 +46,18 @@ fn bench(c: &mut Criterion) {
         ("causal", AttentionParams::new(true)),
         ("causal_dropout", AttentionParams::new(true).with_dropout(0.1, 7, 0)),
     ] {
+        let name = format!("{label}{name}");
+        if !label.is_empty() && params.dropout > 0.0 {
+            continue;
+        }
         group.throughput(Throughput::Elements(2 * pass));
-        group.bench_function(BenchmarkId::new("forward", name), |b| {
+        group.bench_function(BenchmarkId::new("forward", &name), |b| {
             b.iter(|| attention(black_box(&q), &k, &v, &mut out, &mut lse, dims, &params).unwrap())
         });
         attention(&q, &k, &v, &mut out, &mut lse, dims, &params).unwrap();
         // Backward: q k^T, dO v^T, P^T dO, dS^T q and dS k.
         group.throughput(Throughput::Elements(5 * pass));
-        group.bench_function(BenchmarkId::new("backward", name), |b| {
+        group.bench_function(BenchmarkId::new("backward", &name), |b| {
             b.iter(|| {
                 let saved = AttentionSaved { q: &q, k: &k, v: &v, out: &out, lse: &lse };
                 let [dq, dk, dv] = &mut g;
@@ -47,7 +65,6 @@ fn bench(c: &mut Criterion) {
             })
         });
     }
-    group.finish();
 }
 
 criterion_group!(benches, bench);

@@ -8,11 +8,14 @@
 //! k^T`, `acc += P v`, by the `gemm` crate on the calling thread). It keeps the output and
 //! each row's logsumexp `m + ln l`. The backward recomputes each probability from the
 //! logsumexp, `p = exp(s - lse)`, and uses `D_i = dO_i . O_i` (= `sum_j p_ij dP_ij`,
-//! dropout included) for the softmax's gradient `dS = P (dP - D)`. It runs one task per
-//! key/value head, over the blocks of its (group's) query heads: five products per block
-//! pair (`S`, `dP = dO v^T`, `dV += P^T dO`, `dK += dS^T q`, `dQ += dS k`) into f32
-//! accumulators of that head's rows only, so every gradient row has one writer and nothing
-//! is computed twice (the CUDA kernels split dK/dV and dQ instead, for parallelism).
+//! dropout included) for the softmax's gradient `dS = P (dP - D)`: per block pair the
+//! products `S`, `dP = dO v^T`, `dV += P^T dO`, `dK += dS^T q`, `dQ += dS k` into f32
+//! accumulators, every gradient row with one writer. With at least twice as many key/value
+//! heads as threads it runs one task per head (over its group's query heads), computing
+//! every score once; with fewer, one task per key block for dK/dV and one per query block
+//! for dQ (the CUDA kernels' split), computing S and dP twice but keeping every core busy
+//! (one head of 2048 tokens: 12.8 ms against 16.4). Both add the same products in the same
+//! order, so the bits do not depend on the machine's thread count (tested).
 //! Scratch memory is two blocks of scores per task and f32 copies of the inputs and
 //! gradients: linear in the sequence length. Measured (`cargo bench -p vram-kernels --bench
 //! attention`, 8 heads x 512 tokens x 64, f32, causal, 2-core host): forward 2.7 ms and
@@ -41,6 +44,7 @@ use crate::error::Result;
 use crate::params::{AttentionDims, AttentionParams, MatmulSpec};
 use rayon::prelude::*;
 use std::borrow::Cow;
+use std::ops::Range;
 
 /// Keys per block of the forward's online softmax.
 pub const KEY_BLOCK: usize = 64;
@@ -315,80 +319,287 @@ pub fn attention_backward<T: Element>(
     Ok(())
 }
 
-/// The backward on heads-major f32 `[q, k, v, out, dout]` into heads-major gradients: one
-/// task per key/value head (with its group's query heads), so that every gradient row has
-/// one writer; per block of [`QUERY_BLOCK`] queries and [`KEY_BLOCK`] keys, five products
-/// (`S = scale q k^T`, `dP = dO v^T`, `dV += P^T dO`, `dK += dS^T q`, `dQ += dS k`) in f32
-/// accumulators rounded once at the end.
+/// How the backward shares its work out ([`backward`]).
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Split {
+    /// One task per key/value head: every score computed once.
+    PerHead,
+    /// One task per key block for dK and dV, and one per query block for dQ (the CUDA
+    /// kernels' split): S and dP computed twice, but as many tasks as blocks.
+    PerBlock,
+}
+
+/// The backward on heads-major f32 `[q, k, v, out, dout]` into heads-major gradients. Per
+/// pair of a block of [`QUERY_BLOCK`] queries and one of [`KEY_BLOCK`] keys: `S = scale q
+/// k^T` and `dP = dO v^T`, then the products into f32 accumulators (`dV += P^T dO`, `dK +=
+/// dS^T q`, `dQ += dS k`) rounded once at the end; every gradient row has one writer. With
+/// as many key/value heads as twice the threads, one task per head ([`Split::PerHead`]);
+/// with fewer, one task per block ([`Split::PerBlock`]), so that a single head still uses
+/// every core. Both add the same products in the same order: the results are the same bit
+/// for bit, whatever the machine.
 fn backward<T: Element>(
+    ins: [&[f32]; 5],
+    lse: &[f32],
+    grads: [&mut [T]; 3],
+    dims: AttentionDims,
+    params: &AttentionParams,
+) -> Result<()> {
+    let kv_heads = dims.heads / dims.kv_group.max(1);
+    let split =
+        if kv_heads >= 2 * rayon::current_num_threads() { Split::PerHead } else { Split::PerBlock };
+    backward_split(ins, lse, grads, dims, params, split);
+    Ok(())
+}
+
+/// What every block pair of a backward reads.
+struct Pairs<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    d_o: &'a [f32],
+    lse: &'a [f32],
+    /// `D_i = dO_i . O_i` per query row.
+    dsum: Vec<f32>,
+    dims: AttentionDims,
+    params: &'a AttentionParams,
+    scale: f32,
+    drop: Option<Dropping>,
+    group: usize,
+}
+
+impl Pairs<'_> {
+    /// The rows of query block `i0` of head `h` (indices of heads-major rows).
+    fn query_rows(&self, h: usize, i0: usize) -> Range<usize> {
+        let seq = self.dims.seq;
+        h * seq + i0..h * seq + (i0 + QUERY_BLOCK).min(seq)
+    }
+
+    /// The keys of block `j0` that query block `i0` sees (empty when it sees none).
+    fn keys(&self, i0: usize, j0: usize) -> Range<usize> {
+        let seq = self.dims.seq;
+        let end = if self.params.causal { (i0 + QUERY_BLOCK).min(seq) } else { seq };
+        j0..(j0 + KEY_BLOCK).min(end).max(j0)
+    }
+
+    /// `rows` of `t` (`dim` wide).
+    fn rows<'t>(&self, t: &'t [f32], rows: Range<usize>) -> &'t [f32] {
+        &t[rows.start * self.dims.dim..rows.end * self.dims.dim]
+    }
+
+    /// P~ (dropout applied) and dS / scale of query block `i0` of head `h` against `keys`
+    /// of its key/value head, into `p` and `ds` (`[rows, keys]`; masked entries 0).
+    fn pair(&self, h: usize, i0: usize, keys: Range<usize>, p: &mut [f32], ds: &mut [f32]) {
+        let AttentionDims { seq, .. } = self.dims;
+        let qr = self.query_rows(h, i0);
+        let kh = h / self.group * seq;
+        let kr = kh + keys.start..kh + keys.end;
+        let (j0, j1, n) = (keys.start, keys.end, keys.len());
+        let scores = MatmulSpec::new(qr.len(), n, self.dims.dim).transpose(false, true);
+        let (qb, kb) = (self.rows(self.q, qr.clone()), self.rows(self.k, kr.clone()));
+        gemm_serial(&scores.scaled(self.scale, 0.0), qb, kb, p);
+        gemm_serial(&scores, self.rows(self.d_o, qr.clone()), self.rows(self.v, kr), ds);
+        let mut factors = [1.0f32; KEY_BLOCK];
+        for (r, (p, ds)) in p.chunks_mut(n).zip(ds.chunks_mut(n)).enumerate() {
+            let (i, row) = (i0 + r, qr.start + r);
+            let seen = key_end(self.params.causal, i, seq).clamp(j0, j1) - j0;
+            Dropping::fill_factors(self.drop, &self.dims, (h, i, j0), &mut factors[..n]);
+            let (lse_i, d_i) = (self.lse[row], self.dsum[row]);
+            let (f, (p, p_masked), (ds, ds_masked)) =
+                (&factors[..seen], p.split_at_mut(seen), ds.split_at_mut(seen));
+            for ((p, ds), &f) in p.iter_mut().zip(ds.iter_mut()).zip(f) {
+                // P_ij, then P~_ij = P_ij * f; dS_ij / scale = P_ij (f dP~_ij - D_i).
+                let prob = exp(*p - lse_i);
+                let dp = if f == 0.0 { 0.0 } else { f * *ds };
+                *ds = prob * (dp - d_i);
+                *p = prob * f;
+            }
+            p_masked.fill(0.0);
+            ds_masked.fill(0.0);
+        }
+    }
+
+    /// `dv += P~^T dO` and `dk += dS^T q` for a pair's `p` and `ds` (`[rows, keys]`), `dk`
+    /// and `dv` the `[keys, dim]` rows of those keys.
+    fn add_key_grads(
+        &self,
+        h: usize,
+        i0: usize,
+        (p, ds): (&[f32], &[f32]),
+        [dk, dv]: [&mut [f32]; 2],
+    ) {
+        let qr = self.query_rows(h, i0);
+        let keys = p.len() / qr.len();
+        let spec =
+            MatmulSpec::new(keys, self.dims.dim, qr.len()).transpose(true, false).scaled(1.0, 1.0);
+        gemm_serial(&spec, p, self.rows(self.d_o, qr.clone()), dv);
+        gemm_serial(&spec, ds, self.rows(self.q, qr), dk);
+    }
+
+    /// `dq += dS k` for a pair's `ds` (`[rows, keys]`) against `keys` of head `h`'s key/value
+    /// head, `dq` the `[rows, dim]` rows of the query block.
+    fn add_query_grads(&self, h: usize, keys: Range<usize>, ds: &[f32], dq: &mut [f32]) {
+        let kh = h / self.group * self.dims.seq;
+        let kb = self.rows(self.k, kh + keys.start..kh + keys.end);
+        let spec = MatmulSpec::new(ds.len() / keys.len(), self.dims.dim, keys.len());
+        gemm_serial(&spec.scaled(1.0, 1.0), ds, kb, dq);
+    }
+}
+
+/// `out = by * g`, rounded to `T`.
+fn round_into<T: Element>(out: &mut [T], g: &[f32], by: f32) {
+    out.iter_mut().zip(g).for_each(|(d, &g)| *d = T::from_f32(by * g));
+}
+
+/// [`backward`] with the split given.
+fn backward_split<T: Element>(
     [q, k, v, o, d_o]: [&[f32]; 5],
     lse: &[f32],
     [dq, dk, dv]: [&mut [T]; 3],
     dims: AttentionDims,
     params: &AttentionParams,
-) -> Result<()> {
+    split: Split,
+) {
     let AttentionDims { seq, dim, .. } = dims;
-    let scale = params.scale_for(dim);
-    let drop = Dropping::of(params);
-    let group = dims.kv_group.max(1);
+    let dsum = d_o.par_chunks(dim).zip(o.par_chunks(dim)).map(|(a, b)| dot(a, b)).collect();
+    let (scale, drop, group) = (params.scale_for(dim), Dropping::of(params), dims.kv_group.max(1));
+    let pairs = Pairs { q, k, v, d_o, lse, dsum, dims, params, scale, drop, group };
+    let pairs = &pairs;
     let head_len = seq * dim;
-    // D_i = dO_i . O_i.
-    let dsum: Vec<f32> =
-        d_o.par_chunks(dim).zip(o.par_chunks(dim)).map(|(a, b)| dot(a, b)).collect();
-    let blocks = dq.par_chunks_mut(group * head_len).zip(dk.par_chunks_mut(head_len));
-    blocks.zip(dv.par_chunks_mut(head_len)).enumerate().for_each(|(kh, ((dq, dk), dv))| {
-        let (kb, vb) = (&k[kh * head_len..][..head_len], &v[kh * head_len..][..head_len]);
-        let (mut gq, mut gk, mut gv) =
-            (vec![0.0f32; group * head_len], vec![0.0f32; head_len], vec![0.0f32; head_len]);
-        let mut probs = vec![0.0f32; QUERY_BLOCK * KEY_BLOCK];
-        let mut dprobs = vec![0.0f32; QUERY_BLOCK * KEY_BLOCK];
-        let mut factors = [1.0f32; KEY_BLOCK];
-        for h in kh * group..(kh + 1) * group {
-            for i0 in (0..seq).step_by(QUERY_BLOCK) {
-                let i1 = (i0 + QUERY_BLOCK).min(seq);
-                let rows = i1 - i0;
-                let at = (h * seq + i0) * dim..(h * seq + i1) * dim;
-                let (qb, dob) = (&q[at.clone()], &d_o[at]);
-                let gq = &mut gq[((h - kh * group) * seq + i0) * dim..][..rows * dim];
-                let end = if params.causal { i1 } else { seq };
-                for j0 in (0..end).step_by(KEY_BLOCK) {
-                    let j1 = (j0 + KEY_BLOCK).min(end);
-                    let keys = j1 - j0;
-                    let (p, ds) = (&mut probs[..rows * keys], &mut dprobs[..rows * keys]);
-                    let (kj, vj) = (&kb[j0 * dim..j1 * dim], &vb[j0 * dim..j1 * dim]);
-                    let scores = MatmulSpec::new(rows, keys, dim).transpose(false, true);
-                    gemm_serial(&scores.scaled(scale, 0.0), qb, kj, p);
-                    gemm_serial(&scores, dob, vj, ds);
-                    for (r, (p, ds)) in p.chunks_mut(keys).zip(ds.chunks_mut(keys)).enumerate() {
-                        let (i, qr) = (i0 + r, h * seq + i0 + r);
-                        let seen = key_end(params.causal, i, seq).clamp(j0, j1) - j0;
-                        Dropping::fill_factors(drop, &dims, (h, i, j0), &mut factors[..keys]);
-                        let (lse_i, d_i) = (lse[qr], dsum[qr]);
-                        let (f, (p, p_masked), (ds, ds_masked)) =
-                            (&factors[..seen], p.split_at_mut(seen), ds.split_at_mut(seen));
-                        for ((p, ds), &f) in p.iter_mut().zip(ds.iter_mut()).zip(f) {
-                            // P_ij, then P~_ij = P_ij * f; dS_ij / scale = P_ij (f dP~_ij - D_i).
-                            let prob = exp(*p - lse_i);
-                            let dp = if f == 0.0 { 0.0 } else { f * *ds };
-                            *ds = prob * (dp - d_i);
-                            *p = prob * f;
+    let scratch = || (vec![0.0f32; QUERY_BLOCK * KEY_BLOCK], vec![0.0f32; QUERY_BLOCK * KEY_BLOCK]);
+    if split == Split::PerHead {
+        let blocks = dq.par_chunks_mut(group * head_len).zip(dk.par_chunks_mut(head_len));
+        blocks.zip(dv.par_chunks_mut(head_len)).enumerate().for_each(|(kh, ((dq, dk), dv))| {
+            let (mut gq, mut gk, mut gv) =
+                (vec![0.0f32; group * head_len], vec![0.0f32; head_len], vec![0.0f32; head_len]);
+            let (mut probs, mut dprobs) = scratch();
+            for h in kh * group..(kh + 1) * group {
+                for i0 in (0..seq).step_by(QUERY_BLOCK) {
+                    let qr = pairs.query_rows(h, i0);
+                    let at = qr.start - kh * group * seq;
+                    let gq = &mut gq[at * dim..(at + qr.len()) * dim];
+                    for j0 in (0..seq).step_by(KEY_BLOCK) {
+                        let keys = pairs.keys(i0, j0);
+                        if keys.is_empty() {
+                            break;
                         }
-                        p_masked.fill(0.0);
-                        ds_masked.fill(0.0);
+                        let n = qr.len() * keys.len();
+                        let (p, ds) = (&mut probs[..n], &mut dprobs[..n]);
+                        pairs.pair(h, i0, keys.clone(), p, ds);
+                        let at = keys.start * dim..keys.end * dim;
+                        let grads = [&mut gk[at.clone()], &mut gv[at]];
+                        pairs.add_key_grads(h, i0, (p, ds), grads);
+                        pairs.add_query_grads(h, keys, ds, gq);
                     }
-                    let rows_k = MatmulSpec::new(keys, dim, rows).transpose(true, false);
-                    gemm_serial(&rows_k.scaled(1.0, 1.0), p, dob, &mut gv[j0 * dim..j1 * dim]);
-                    gemm_serial(&rows_k.scaled(1.0, 1.0), ds, qb, &mut gk[j0 * dim..j1 * dim]);
-                    gemm_serial(&MatmulSpec::new(rows, dim, keys).scaled(1.0, 1.0), ds, kj, gq);
                 }
             }
+            round_into(dq, &gq, scale);
+            round_into(dk, &gk, scale);
+            round_into(dv, &gv, 1.0);
+        });
+        return;
+    }
+    // dK and dV: one task per key block of a key/value head, over its group's query heads.
+    let mut tasks = Vec::new();
+    for (kh, (dk, dv)) in dk.chunks_mut(head_len).zip(dv.chunks_mut(head_len)).enumerate() {
+        let blocks = dk.chunks_mut(KEY_BLOCK * dim).zip(dv.chunks_mut(KEY_BLOCK * dim));
+        for (b, (dk, dv)) in blocks.enumerate() {
+            tasks.push((kh, b * KEY_BLOCK, dk, dv));
         }
-        let round = |out: &mut [T], g: &[f32], by: f32| {
-            out.iter_mut().zip(g).for_each(|(d, &g)| *d = T::from_f32(by * g));
-        };
-        round(dq, &gq, scale);
-        round(dk, &gk, scale);
-        round(dv, &gv, 1.0);
+    }
+    tasks.into_par_iter().for_each(|(kh, j0, dk, dv)| {
+        let (mut gk, mut gv) = (vec![0.0f32; dk.len()], vec![0.0f32; dv.len()]);
+        let (mut probs, mut dprobs) = scratch();
+        for h in kh * group..(kh + 1) * group {
+            for i0 in (0..seq).step_by(QUERY_BLOCK) {
+                let keys = pairs.keys(i0, j0);
+                if keys.is_empty() {
+                    continue;
+                }
+                let n = pairs.query_rows(h, i0).len() * keys.len();
+                let (p, ds) = (&mut probs[..n], &mut dprobs[..n]);
+                let at = 0..keys.len() * dim;
+                pairs.pair(h, i0, keys, p, ds);
+                pairs.add_key_grads(h, i0, (p, ds), [&mut gk[at.clone()], &mut gv[at]]);
+            }
+        }
+        round_into(dk, &gk, scale);
+        round_into(dv, &gv, 1.0);
     });
-    Ok(())
+    // dQ: one task per query block of a head.
+    let mut tasks = Vec::new();
+    for (h, dq) in dq.chunks_mut(head_len).enumerate() {
+        for (b, dq) in dq.chunks_mut(QUERY_BLOCK * dim).enumerate() {
+            tasks.push((h, b * QUERY_BLOCK, dq));
+        }
+    }
+    tasks.into_par_iter().for_each(|(h, i0, dq)| {
+        let mut gq = vec![0.0f32; dq.len()];
+        let (mut probs, mut dprobs) = scratch();
+        let rows = pairs.query_rows(h, i0).len();
+        for j0 in (0..seq).step_by(KEY_BLOCK) {
+            let keys = pairs.keys(i0, j0);
+            if keys.is_empty() {
+                break;
+            }
+            let n = rows * keys.len();
+            let (p, ds) = (&mut probs[..n], &mut dprobs[..n]);
+            pairs.pair(h, i0, keys.clone(), p, ds);
+            pairs.add_query_grads(h, keys, ds, &mut gq);
+        }
+        round_into(dq, &gq, scale);
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    fn values(n: usize, salt: u64) -> Vec<f32> {
+        let mut s = salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    /// Both splits of the backward, on `T`: every gradient bit for bit, whatever the
+    /// machine's thread count picks.
+    fn splits_agree<T: Element + PartialEq + std::fmt::Debug>() {
+        // 150 tokens: three blocks, the last partial; 6 query heads over 2 key/value heads.
+        let dims = AttentionDims { heads: 6, seq: 150, dim: 24, heads_per_token: 1, kv_group: 3 };
+        let kv = dims.kv();
+        let wide = |n, salt| values(n, salt).iter().map(|&x| T::from_f32(x).to_f32()).collect();
+        let (q, k, v, d_o): (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) =
+            (wide(dims.len(), 1), wide(kv.len(), 2), wide(kv.len(), 3), wide(dims.len(), 4));
+        for causal in [false, true] {
+            for params in [
+                AttentionParams::new(causal),
+                AttentionParams::new(causal).with_dropout(0.2, 5, 77),
+            ] {
+                let (mut o, mut lse) = (vec![0.0f32; dims.len()], vec![0.0f32; dims.rows()]);
+                forward(&q, &k, &v, &mut o, &mut lse, dims, &params).unwrap();
+                let run = |split| {
+                    let zeros = |n| vec![T::from_f32(0.0); n];
+                    let mut g = [zeros(dims.len()), zeros(kv.len()), zeros(kv.len())];
+                    let [a, b, c] = &mut g;
+                    backward_split([&q, &k, &v, &o, &d_o], &lse, [a, b, c], dims, &params, split);
+                    g
+                };
+                let (per_head, per_block) = (run(Split::PerHead), run(Split::PerBlock));
+                assert!(per_head[0].iter().any(|x| x.to_f32() != 0.0), "dq is not all zeros");
+                assert_eq!(per_head, per_block, "{params:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_backward_splits_give_the_same_bits() {
+        splits_agree::<f32>();
+        splits_agree::<bf16>();
+    }
 }

@@ -553,19 +553,8 @@ fn backward_split<T: Element>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::elementwise::testing::seeded as values;
     use half::bf16;
-
-    fn values(n: usize, salt: u64) -> Vec<f32> {
-        let mut s = salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect()
-    }
 
     /// Both splits of the backward, on `T`: every gradient bit for bit, whatever the
     /// machine's thread count picks.

@@ -264,6 +264,25 @@ pub(crate) mod testing {
         if T::DTYPE == DType::F32 { 1e-5 } else { 1e-2 }
     }
 
+    /// `n` values in `[lo, hi)` from `seed` (xorshift): the same inputs on every run,
+    /// without a proptest strategy.
+    pub(crate) fn seeded_in(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
+            })
+            .collect()
+    }
+
+    /// [`seeded_in`] over `[-1, 1)`.
+    pub(crate) fn seeded(n: usize, seed: u64) -> Vec<f32> {
+        seeded_in(n, seed, -1.0, 1.0)
+    }
+
     /// Rounds f32 values into `T`.
     pub(crate) fn round<T: Element>(v: &[f32]) -> Vec<T> {
         v.iter().map(|&x| T::from_f32(x)).collect()

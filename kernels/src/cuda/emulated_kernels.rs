@@ -25,17 +25,7 @@ fn host() -> &'static Device {
 }
 
 /// Deterministic pseudo-random values in `[lo, hi)` (xorshift).
-pub(crate) fn values(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
-        })
-        .collect()
-}
+pub(crate) use crate::cpu::elementwise::testing::seeded_in as values;
 
 /// A host tensor of `T` holding `v` rounded into `T`.
 fn tensor_of<T: Element>(shape: &[usize], v: &[f32]) -> Tensor {

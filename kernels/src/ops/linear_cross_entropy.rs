@@ -531,18 +531,7 @@ mod cuda {
             v.as_mut_ptr() as u64
         }
 
-        /// Values in about [-1, 1) from a seed.
-        fn values(n: usize, seed: u64) -> Vec<f32> {
-            let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-            (0..n)
-                .map(|_| {
-                    s ^= s << 13;
-                    s ^= s >> 7;
-                    s ^= s << 17;
-                    (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-                })
-                .collect()
-        }
+        use crate::cpu::elementwise::testing::seeded as values;
 
         fn close<T: Element>(what: &str, got: &[T], want: &[T], tol: f32) {
             let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.to_f32().abs()));

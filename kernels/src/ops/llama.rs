@@ -349,15 +349,7 @@ mod tests {
     }
 
     fn vals(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
-            })
-            .collect()
+        crate::cpu::elementwise::testing::seeded_in(n, seed, -2.0, 2.0)
     }
 
     fn t(d: &Device, shape: &[usize], v: &[f32], dt: DType) -> Tensor {

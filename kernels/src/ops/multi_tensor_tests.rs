@@ -2,17 +2,7 @@ use super::*;
 use crate::ops;
 use vram_alloc::TraceAction;
 
-fn values(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
-        })
-        .collect()
-}
+use crate::cpu::elementwise::testing::seeded_in as values;
 
 /// One parameter of the tests: its dtype, whether it has a master, its gradient's dtype and
 /// its size (0 included: an empty tensor is skipped by the table).

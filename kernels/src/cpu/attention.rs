@@ -75,23 +75,13 @@ impl Dropping {
         })
     }
 
-    /// The factors of probabilities `(h, i, j0 .. j0 + out.len())` into `out`, one Philox
-    /// block per four of them (all 1 without dropout).
-    fn fill_factors(
-        drop: Option<Dropping>,
-        dims: &AttentionDims,
-        (h, i, j0): (usize, usize, usize),
-        out: &mut [f32],
-    ) {
-        match drop {
-            None => out.fill(1.0),
-            Some(d) => {
-                let start = d.offset.wrapping_add(dims.prob_index(h, i, j0));
-                for_each_uniform(d.seed, start, out.len(), |j, u| {
-                    out[j] = if u >= d.p { d.keep_scale } else { 0.0 };
-                });
-            }
-        }
+    /// The factors of probabilities `(h, i, j0 .. j0 + out.len())` into `out`: `1 / (1 - p)`
+    /// where kept, else 0; one Philox block per four of them.
+    fn fill(self, dims: &AttentionDims, (h, i, j0): (usize, usize, usize), out: &mut [f32]) {
+        let start = self.offset.wrapping_add(dims.prob_index(h, i, j0));
+        for_each_uniform(self.seed, start, out.len(), |j, u| {
+            out[j] = if u >= self.p { self.keep_scale } else { 0.0 };
+        });
     }
 }
 
@@ -234,11 +224,12 @@ fn forward<T: Element>(
                 let block_max = row[..seen].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
                 let m_new = m[r].max(block_max);
                 let alpha = if m_new == f32::NEG_INFINITY { 1.0 } else { exp(m[r] - m_new) };
-                Dropping::fill_factors(drop, &dims, (h, i, j0), &mut factors[..keys]);
-                // Three passes, so that the exponentials vectorize (a running sum would not).
+                // Passes of their own, so that the exponentials vectorize (a running sum would
+                // not).
                 row.iter_mut().for_each(|x| *x = exp(*x - m_new));
                 let sum: f32 = row.iter().sum();
-                if drop.is_some() {
+                if let Some(d) = drop {
+                    d.fill(&dims, (h, i, j0), &mut factors[..keys]);
                     row.iter_mut().zip(&factors[..keys]).for_each(|(x, &f)| *x *= f);
                 }
                 l[r] = l[r] * alpha + sum;
@@ -398,11 +389,14 @@ impl Pairs<'_> {
         let (qb, kb) = (self.rows(self.q, qr.clone()), self.rows(self.k, kr.clone()));
         gemm_serial(&scores.scaled(self.scale, 0.0), qb, kb, p);
         gemm_serial(&scores, self.rows(self.d_o, qr.clone()), self.rows(self.v, kr), ds);
+        // All 1 without dropout.
         let mut factors = [1.0f32; KEY_BLOCK];
         for (r, (p, ds)) in p.chunks_mut(n).zip(ds.chunks_mut(n)).enumerate() {
             let (i, row) = (i0 + r, qr.start + r);
             let seen = key_end(self.params.causal, i, seq).clamp(j0, j1) - j0;
-            Dropping::fill_factors(self.drop, &self.dims, (h, i, j0), &mut factors[..n]);
+            if let Some(d) = self.drop {
+                d.fill(&self.dims, (h, i, j0), &mut factors[..n]);
+            }
             let (lse_i, d_i) = (self.lse[row], self.dsum[row]);
             let (f, (p, p_masked), (ds, ds_masked)) =
                 (&factors[..seen], p.split_at_mut(seen), ds.split_at_mut(seen));

@@ -99,30 +99,14 @@ fn apply_mask<T: Element>(
     check_probability(op, p)?;
     check_len(op, "the output", out.len(), inp.len())?;
     let scale = 1.0 / (1.0 - p);
-    let run = |inp: &[T], out: &mut [T], start: u64| {
-        if p == 0.0 {
-            // Every element is kept (a uniform is never below 0) and scaled by 1: no draw,
-            // as the CUDA kernels and PyTorch skip it.
-            out.iter_mut().zip(inp).for_each(|(o, x)| *o = T::from_f32(x.to_f32() * scale));
-            return;
-        }
-        for_each_uniform(seed, start, out.len(), |i, u| {
-            out[i] = if u >= p { T::from_f32(inp[i].to_f32() * scale) } else { T::from_f32(0.0) };
-        });
-    };
-    if out.len() >= PAR_THRESHOLD {
-        out.par_chunks_mut(PAR_CHUNK)
-            .zip(inp.par_chunks(PAR_CHUNK))
-            .enumerate()
-            .for_each(|(c, (o, x))| run(x, o, offset.wrapping_add((c * PAR_CHUNK) as u64)));
-    } else {
-        run(inp, out, offset);
-    }
+    masked_map(out, p, seed, offset, |i, keep| {
+        if keep { T::from_f32(inp[i].to_f32() * scale) } else { T::from_f32(0.0) }
+    });
     Ok(())
 }
 
 /// `out[i] = f(i, keep(offset + i))` for `i` in `0..out.len()`, in parallel chunks for
-/// large outputs, as [`apply_mask`] walks the stream.
+/// large outputs.
 fn masked_map<O: Element>(
     out: &mut [O],
     p: f32,
@@ -132,7 +116,8 @@ fn masked_map<O: Element>(
 ) {
     let run = |out: &mut [O], start: usize| {
         if p == 0.0 {
-            // Every element is kept (a uniform is never below 0): no draw.
+            // Every element is kept (a uniform is never below 0): no draw, as the CUDA kernels
+            // and PyTorch skip it.
             out.iter_mut().enumerate().for_each(|(i, o)| *o = f(start + i, true));
             return;
         }
